@@ -1,0 +1,12 @@
+# System dependencies (Debian 12 packages installed by setup.sh).
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(FFMPEG REQUIRED IMPORTED_TARGET libavformat libavcodec libavutil libswscale)
+find_package(OpenCV REQUIRED COMPONENTS core imgproc)
+find_package(yaml-cpp REQUIRED)
+find_package(nlohmann_json REQUIRED)
+find_package(Threads REQUIRED)
+find_path(GLOO_INCLUDE_DIR gloo/context.h REQUIRED)
+target_include_directories(lvx_torch SYSTEM INTERFACE ${GLOO_INCLUDE_DIR})
+if(LVX_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+endif()

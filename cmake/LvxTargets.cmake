@@ -1,0 +1,22 @@
+# lvx_library(<name> <folder> [DEPS ...]): one static library per folder of the architecture.
+# Sources are globbed (*.cpp, and *.cu when CUDA is on), so adding a file needs no CMake edit.
+# Includes are rooted at the project: #include "src/dist/process_group.h", "kernels/attention.h".
+function(lvx_library name folder)
+  cmake_parse_arguments(ARG "" "" "DEPS" ${ARGN})
+  file(GLOB _srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/${folder}/*.cpp)
+  if(LVX_WITH_CUDA)
+    file(GLOB _cu CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/${folder}/*.cu)
+    list(APPEND _srcs ${_cu})
+  endif()
+  list(FILTER _srcs EXCLUDE REGEX ".*/main\\.cpp$")
+  if(_srcs)
+    add_library(${name} STATIC ${_srcs})
+    target_include_directories(${name} PUBLIC ${PROJECT_SOURCE_DIR})
+    target_link_libraries(${name} PUBLIC lvx::torch ${ARG_DEPS} PRIVATE lvx_warnings)
+    set_target_properties(${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  else()
+    add_library(${name} INTERFACE)
+    target_include_directories(${name} INTERFACE ${PROJECT_SOURCE_DIR})
+    target_link_libraries(${name} INTERFACE lvx::torch ${ARG_DEPS})
+  endif()
+endfunction()

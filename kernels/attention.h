@@ -1,0 +1,100 @@
+// Local (single-rank) exact attention kernels used by every distributed strategy.
+//
+// Layouts (global token order is the caller's business; the kernel sees local blocks):
+//   q [B, Sq, Hq, D], k and v [B, Skv, Hkv, D] with Hq % Hkv == 0 (GQA/MQA: query head h uses
+//   K/V head h / (Hq / Hkv); K/V are never expanded in memory).
+//   o [B, Sq, Hq, D] in the accumulation dtype (float32 for bf16/fp16/fp32 inputs, float64 for
+//   float64), lse [B, Hq, Sq] in the same accumulation dtype.
+// Math (NOTES.md §0; FlashAttention-2; BurstAttention Alg. 1/2):
+//   S = scale·Q·Kᵀ, masked entries −inf; lse = log Σ_j exp(S_ij); O = Σ_j exp(S_ij − lse_i)·V_j.
+//   A row that sees no key gets lse = −inf and o = 0 (never NaN).
+// Backward takes the FINAL global lse and delta = rowsum(dO ∘ O) (NOTES.md §7.2):
+//   P = exp(S − lse), dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ∘ (dP − delta), dQ = scale·dS·K,
+//   dK = scale·dSᵀ·Q, with dK/dV summed over the query heads of each K/V head group.
+// The CPU path never materializes more than one tile of scores per thread, so 1k queries
+// against 1M keys run in a few GB; tiles whose every entry is masked are skipped.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace lvx::kernels {
+
+// Which keys each query sees. Every mask is given in terms of per-token metadata of this
+// rank's blocks, so the same kernel serves contiguous, striped and uneven shardings.
+enum class MaskKind {
+  kNone,    // every query sees every key
+  kCausal,  // query sees key iff k_pos[j] <= q_pos[i] (global positions; striped layouts and
+            // Sq != Skv alignment are expressed through the positions themselves)
+  kMedia,   // cross-attention media mask, see MediaRule
+};
+
+enum class MediaRule {
+  kImmediate,  // OpenFlamingo: visible iff kv_media[j] == q_media[i]
+  kUpTo,       // mPLUG-Owl3:  visible iff kv_media[j] <= q_media[i]
+};
+
+struct AttentionMask {
+  MaskKind kind = MaskKind::kNone;
+  at::Tensor q_pos;   // kCausal: int64 [Sq] global position of each local query
+  at::Tensor k_pos;   // kCausal: int64 [Skv] global position of each local key
+  MediaRule media_rule = MediaRule::kImmediate;
+  at::Tensor q_media;   // kMedia: int32 [B, Sq], most recent media index of each query (−1 none:
+                        // the query sees nothing and gets a zero output)
+  at::Tensor kv_media;  // kMedia: int32 [B, Skv], media index of each key (−1: seen by nobody)
+  at::Tensor kv_valid;  // optional padding mask, bool [B, Skv] (false = padding, never seen)
+};
+
+struct AttentionParams {
+  double scale = 0;  // softmax scale; 0 means 1/sqrt(D)
+  AttentionMask mask;
+};
+
+struct AttentionOutput {
+  at::Tensor o;    // [B, Sq, Hq, D], accumulation dtype
+  at::Tensor lse;  // [B, Hq, Sq], accumulation dtype; −inf for rows that see no key
+};
+
+struct AttentionGrads {
+  at::Tensor dq;  // [B, Sq, Hq, D], accumulation dtype
+  at::Tensor dk;  // [B, Skv, Hkv, D], accumulation dtype
+  at::Tensor dv;  // [B, Skv, Hkv, D], accumulation dtype
+};
+
+// Accumulation dtype for an input dtype: float64 → float64, anything else → float32.
+at::ScalarType accumulation_dtype(at::ScalarType input);
+
+// Blockwise forward (CPU or CUDA by q's device). Shapes and dtypes are checked with messages
+// naming the tensor, the expected and the actual value.
+AttentionOutput attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const AttentionParams& params);
+
+// Blockwise backward for one (Q block, K/V block) pair with the final global lse and delta
+// ([B, Hq, Sq], accumulation dtype). dout has q's shape (any float dtype).
+AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& dout, const at::Tensor& lse,
+                                  const at::Tensor& delta, const AttentionParams& params);
+
+// delta = rowsum(dO ∘ O) as [B, Hq, Sq] in the accumulation dtype.
+at::Tensor attention_delta(const at::Tensor& dout, const at::Tensor& o);
+
+// Merges a partial result into an accumulator in place (NOTES.md §0, pure-LSE form):
+//   lse = max + log(exp(lse_acc − max) + exp(lse_new − max)),
+//   o_acc = o_acc·exp(lse_acc − lse) + o_new·exp(lse_new − lse).
+// Stable for rows empty in either or both: −inf (and +inf, the flash-attn convention for empty
+// rows) carries zero weight; a row empty in both stays lse = −inf, o = 0. Both in fp32/fp64.
+void merge_attention_states(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Tensor& o_new,
+                            const at::Tensor& lse_new);
+
+// Dense reference: materializes S in `compute_dtype` (float64 for the exact reference, the input
+// dtype for the same-precision reference). Returns o [B,Sq,Hq,D] and lse [B,Hq,Sq] in
+// compute_dtype. For tests and benchmarks only.
+AttentionOutput attention_reference(const at::Tensor& q, const at::Tensor& k,
+                                    const at::Tensor& v, const AttentionParams& params,
+                                    at::ScalarType compute_dtype);
+
+// The boolean visibility matrix [B, Sq, Skv] the mask implies (true = query sees key).
+at::Tensor mask_matrix(const AttentionMask& mask, int64_t batch, int64_t sq, int64_t skv);
+
+}  // namespace lvx::kernels

@@ -1,0 +1,172 @@
+#include "src/cli/args.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+
+#include "src/common/error.h"
+
+namespace lvx::cli {
+namespace {
+
+std::string env_name(const std::string& name) {
+  std::string e = "LVX_";
+  for (char c : name) e += c == '-' ? '_' : static_cast<char>(std::toupper(c));
+  return e;
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, sep))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+}  // namespace
+
+ArgParser::ArgParser(std::string usage, std::string description)
+    : usage_(std::move(usage)), description_(std::move(description)) {}
+
+void ArgParser::add_option(const std::string& name, char short_name,
+                           const std::string& default_value, const std::string& help,
+                           bool required) {
+  specs_.push_back({name, short_name, default_value, help, required, false});
+}
+
+void ArgParser::add_flag(const std::string& name, char short_name, const std::string& help) {
+  specs_.push_back({name, short_name, "", help, false, true});
+}
+
+const ArgParser::Spec* ArgParser::find(const std::string& name) const {
+  for (const auto& s : specs_)
+    if (s.name == name) return &s;
+  return nullptr;
+}
+
+bool ArgParser::parse(int argc, char** argv, int first) {
+  for (int i = first; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--") {
+      for (int j = i + 1; j < argc; ++j) rest_.push_back(argv[j]);
+      break;
+    }
+    if (a == "-h" || a == "--help") {
+      std::cout << help();
+      return false;
+    }
+    const Spec* spec = nullptr;
+    std::string value;
+    bool has_value = false;
+    if (a.rfind("--", 0) == 0) {
+      std::string name = a.substr(2);
+      auto eq = name.find('=');
+      if (eq != std::string::npos) {
+        value = name.substr(eq + 1);
+        name = name.substr(0, eq);
+        has_value = true;
+      }
+      spec = find(name);
+      LVX_CHECK(spec != nullptr, "unknown option --", name, " (see --help)");
+    } else if (a.size() == 2 && a[0] == '-') {
+      for (const auto& s : specs_)
+        if (s.short_name == a[1]) spec = &s;
+      LVX_CHECK(spec != nullptr, "unknown option ", a, " (see --help)");
+    } else {
+      LVX_FAIL("unexpected argument '", a, "' (see --help)");
+    }
+    if (spec->is_flag) {
+      LVX_CHECK(!has_value, "--", spec->name, " takes no value");
+      values_[spec->name] = "1";
+      continue;
+    }
+    if (!has_value) {
+      LVX_CHECK(i + 1 < argc, "--", spec->name, " needs a value");
+      value = argv[++i];
+    }
+    values_[spec->name] = value;
+  }
+  for (const auto& s : specs_) {
+    if (values_.count(s.name)) continue;
+    if (const char* e = std::getenv(env_name(s.name).c_str())) {
+      values_[s.name] = s.is_flag ? (std::string(e) == "0" ? "" : "1") : e;
+      continue;
+    }
+    LVX_CHECK(!s.required, "missing required option --", s.name, " (see --help)");
+  }
+  return true;
+}
+
+bool ArgParser::has(const std::string& name) const {
+  LVX_CHECK(find(name) != nullptr, "internal: option --", name, " was never declared");
+  return values_.count(name) || !find(name)->default_value.empty();
+}
+
+std::string ArgParser::get(const std::string& name) const {
+  const Spec* s = find(name);
+  LVX_CHECK(s != nullptr, "internal: option --", name, " was never declared");
+  auto it = values_.find(name);
+  return it != values_.end() ? it->second : s->default_value;
+}
+
+int64_t ArgParser::get_int(const std::string& name) const {
+  const std::string v = get(name);
+  try {
+    size_t pos = 0;
+    int64_t x = std::stoll(v, &pos);
+    LVX_CHECK(pos == v.size(), "");
+    return x;
+  } catch (...) {
+    LVX_FAIL("--", name, " expects an integer, got '", v, "'");
+  }
+}
+
+double ArgParser::get_double(const std::string& name) const {
+  const std::string v = get(name);
+  try {
+    size_t pos = 0;
+    double x = std::stod(v, &pos);
+    LVX_CHECK(pos == v.size(), "");
+    return x;
+  } catch (...) {
+    LVX_FAIL("--", name, " expects a number, got '", v, "'");
+  }
+}
+
+bool ArgParser::flag(const std::string& name) const { return !get(name).empty(); }
+
+std::vector<std::string> ArgParser::get_list(const std::string& name) const {
+  return split(get(name), ',');
+}
+
+std::vector<int64_t> ArgParser::get_int_list(const std::string& name) const {
+  std::vector<int64_t> out;
+  for (const auto& s : get_list(name)) {
+    try {
+      out.push_back(std::stoll(s));
+    } catch (...) {
+      LVX_FAIL("--", name, " expects a comma list of integers, got '", get(name), "'");
+    }
+  }
+  return out;
+}
+
+std::string ArgParser::help() const {
+  std::ostringstream os;
+  os << "usage: " << usage_ << "\n\n" << description_ << "\n\noptions:\n";
+  for (const auto& s : specs_) {
+    std::string lhs = "  ";
+    lhs += s.short_name ? std::string("-") + s.short_name + ", " : "    ";
+    lhs += "--" + s.name + (s.is_flag ? "" : " <v>");
+    os << lhs << std::string(lhs.size() < 30 ? 30 - lhs.size() : 1, ' ') << s.help;
+    if (!s.default_value.empty()) os << " (default: " << s.default_value << ")";
+    if (s.required) os << " (required)";
+    os << " [env " << env_name(s.name) << "]\n";
+  }
+  os << "  -h, --help                  show this help\n";
+  return os.str();
+}
+
+}  // namespace lvx::cli

@@ -1,0 +1,54 @@
+// Command-line parsing for lvx subcommands: long and short flags, defaults shown in --help, and an
+// environment mirror for each option (LVX_<NAME>, e.g. --master-port ↔ LVX_MASTER_PORT) that
+// replaces the default but not an explicit flag. Arguments after "--" are kept verbatim.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace lvx::cli {
+
+class ArgParser {
+ public:
+  ArgParser(std::string usage, std::string description);
+
+  // A valued option. `default_value` is shown in --help; empty means "no default".
+  void add_option(const std::string& name, char short_name, const std::string& default_value,
+                  const std::string& help, bool required = false);
+  // A boolean switch (present = true).
+  void add_flag(const std::string& name, char short_name, const std::string& help);
+
+  // Parses argv[first..argc). Returns false when --help was printed (the caller exits 0).
+  // Throws lvx::Error naming the unknown flag, a missing value, or a missing required option.
+  bool parse(int argc, char** argv, int first = 1);
+
+  bool has(const std::string& name) const;  // given on the command line, env, or has a default
+  std::string get(const std::string& name) const;
+  int64_t get_int(const std::string& name) const;
+  double get_double(const std::string& name) const;
+  bool flag(const std::string& name) const;
+  std::vector<int64_t> get_int_list(const std::string& name) const;  // "1,2,4"
+  std::vector<std::string> get_list(const std::string& name) const;  // "a,b"
+  const std::vector<std::string>& rest() const { return rest_; }
+  std::string help() const;
+
+ private:
+  struct Spec {
+    std::string name;
+    char short_name;
+    std::string default_value;
+    std::string help;
+    bool required;
+    bool is_flag;
+  };
+  const Spec* find(const std::string& name) const;
+  std::string usage_, description_;
+  std::vector<Spec> specs_;
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> rest_;
+};
+
+}  // namespace lvx::cli

@@ -1,0 +1,142 @@
+// The one communication interface of lvx. Every distributed algorithm (attention strategies,
+// video sharding, benchmarks) talks through ProcessGroup; it runs on real engines only:
+//   - CPU tensors: Gloo through libtorch's c10d (ranks are separate processes, TCP between them);
+//   - CUDA tensors: NCCL through c10d (its own communication stream, ordered against the caller's
+//     compute stream with events), when lvx is built with CUDA.
+// Collectives are built from batched point-to-point messages, so that every byte is counted per
+// peer and the counters equal the analytic volume of each algorithm:
+//   ring exchange of S bytes        : sends S to next, receives S from previous
+//   all_gather of S bytes per rank  : ring, (n-1)·S sent and received per rank
+//   all_reduce of S bytes           : ring reduce-scatter + all-gather, 2·(n-1)/n·S each way
+//   all_to_all with splits s_j      : Σ_{j≠r} s_j sent to the owners (pairwise exchange)
+//   broadcast of S bytes            : root sends S to each of the n-1 others
+// Faults: every wait is bounded by Options::timeout; a peer that dies or stops answering turns
+// into an lvx::Error on every other rank naming the operation and the failed rank (found from
+// heartbeats kept in the rendezvous store), so no rank waits forever.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "src/dist/rendezvous.h"
+
+namespace lvx::dist {
+
+// Bytes moved by this rank, per peer, since construction or the last reset().
+struct ByteCounters {
+  std::vector<int64_t> sent;      // [world_size], bytes this rank sent to each peer
+  std::vector<int64_t> received;  // [world_size], bytes this rank received from each peer
+  int64_t total_sent() const;
+  int64_t total_received() const;
+  void reset();
+};
+
+struct Options {
+  // Upper bound on any single wait; a dead or silent peer fails the operation within this.
+  std::chrono::milliseconds timeout{60000};
+  // How often each rank bumps its heartbeat in the store (used only to name a failed rank).
+  std::chrono::milliseconds heartbeat{1000};
+};
+
+// Reads LVX_DIST_TIMEOUT_S (seconds) into Options::timeout when set.
+Options options_from_env();
+
+enum class ReduceOp { kSum, kMax, kMin };
+
+// One message of a batch: send `tensor` to `peer`, or receive into `tensor` from `peer`.
+// Tensors must be contiguous; a receive's size is known in advance (no size negotiation).
+struct P2POp {
+  enum Kind { kSend, kRecv };
+  Kind kind;
+  at::Tensor tensor;
+  int peer;
+  static P2POp send(const at::Tensor& t, int peer) { return {kSend, t, peer}; }
+  static P2POp recv(const at::Tensor& t, int peer) { return {kRecv, t, peer}; }
+};
+
+class ProcessGroup;
+
+// Handle for messages in flight. wait() blocks until all are done (or throws lvx::Error naming
+// the operation and the failed rank). Destroying an unwaited Work waits for it.
+class Work {
+ public:
+  Work() = default;
+  Work(Work&&) noexcept = default;
+  Work& operator=(Work&&) noexcept;
+  ~Work();
+  void wait();
+  bool valid() const { return impl_ != nullptr; }
+
+ private:
+  friend class ProcessGroup;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+class ProcessGroup {
+ public:
+  // Joins the run described by `info` (rank 0 hosts the TCP rendezvous store).
+  ProcessGroup(const RendezvousInfo& info, Options options = {});
+  // Reads the environment (torchrun, then OpenMPI variables) and joins.
+  static std::shared_ptr<ProcessGroup> from_env(Options options = options_from_env());
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  int next() const { return (rank_ + 1) % world_size_; }
+  int prev() const { return (rank_ + world_size_ - 1) % world_size_; }
+  const RendezvousInfo& info() const { return info_; }
+
+  // ---- point to point --------------------------------------------------------------------
+  // Posts every op of the batch at once and returns; wait() on the result. Sends and receives
+  // of one batch can never deadlock against each other, whatever their order. Zero-size
+  // tensors are skipped on both sides (their sizes are known to both). Messages between a pair
+  // of ranks are matched in the order they were posted.
+  Work batch_isend_irecv(std::vector<P2POp> ops, const char* what = "batch_isend_irecv");
+  // Ring step: send `send` to next(), receive into `recv` from prev(); async.
+  Work ring_exchange(const at::Tensor& send, const at::Tensor& recv,
+                     const char* what = "ring_exchange");
+
+  // ---- collectives (blocking, every rank must call them in the same order) ---------------
+  // Concatenates every rank's `input` along dim 0 (shapes may differ in dim 0 only; `sizes`
+  // gives each rank's dim-0 size, or empty when all equal the local one).
+  at::Tensor all_gather(const at::Tensor& input, const std::vector<int64_t>& sizes = {});
+  // Reduces `tensor` in place across ranks.
+  void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // Splits `input` along dim 0 into send_splits[j] rows for rank j, and returns the rows
+  // received from every rank concatenated in rank order (recv_splits[j] rows from rank j).
+  at::Tensor all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_splits,
+                        const std::vector<int64_t>& recv_splits);
+  // Copies root's `tensor` into every rank's `tensor` (same shape and dtype everywhere).
+  void broadcast(at::Tensor& tensor, int root);
+  void barrier();
+
+  // Fails on every rank, naming the ranks that differ, unless all ranks pass the same `value`
+  // for `what` (for example "world=4 strategy=lv_xattn q=[1,64,8,64]"). Call it before the first
+  // collective of a run so that a mismatched launch fails clearly instead of hanging.
+  void check_agreement(const std::string& what, const std::string& value);
+
+  ByteCounters& counters() { return counters_; }
+  const ByteCounters& counters() const { return counters_; }
+
+  // Internal: turns an engine failure into an error naming the operation and the failed rank.
+  [[noreturn]] void fail(const std::string& what, const std::string& cause);
+
+ private:
+  struct Engine;
+  RendezvousInfo info_;
+  Options options_;
+  int rank_ = 0;
+  int world_size_ = 1;
+  ByteCounters counters_;
+  std::unique_ptr<Engine> engine_;
+};
+
+}  // namespace lvx::dist
