@@ -1,7 +1,12 @@
 # System dependencies (Debian 12 packages installed by setup.sh).
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(FFMPEG REQUIRED IMPORTED_TARGET libavformat libavcodec libavutil libswscale)
-find_package(OpenCV REQUIRED COMPONENTS core imgproc)
+# OpenCV core+imgproc only (Debian's libopencv-{core,imgproc}-dev ship no CMake config; the full
+# libopencv-dev would pull hundreds of packages).
+find_path(OpenCV_INCLUDE_DIRS opencv2/core.hpp PATH_SUFFIXES opencv4 REQUIRED)
+find_library(OPENCV_CORE_LIB opencv_core REQUIRED)
+find_library(OPENCV_IMGPROC_LIB opencv_imgproc REQUIRED)
+set(OpenCV_LIBS ${OPENCV_IMGPROC_LIB} ${OPENCV_CORE_LIB})
 find_package(yaml-cpp REQUIRED)
 find_package(nlohmann_json REQUIRED)
 find_package(Threads REQUIRED)

@@ -19,8 +19,10 @@ struct RankResult {
 
 // Starts `world` ranks running `worker`; waits at most `timeout_s` (then kills them all and
 // marks the stragglers with exit_code 124). `env` adds variables to every rank.
+// Ranks run to their own end: a failing rank does not stop the others (fault tests need that).
 std::vector<RankResult> run_ranks(int world, const std::string& worker, double timeout_s = 120,
-                                  const std::map<std::string, std::string>& env = {});
+                                  const std::map<std::string, std::string>& env = {},
+                                  bool openmpi_style = false);
 
 // Asserts every rank exited 0, printing each failing rank's output otherwise.
 void expect_all_ok(const std::vector<RankResult>& results);

@@ -1,0 +1,33 @@
+// `lvx launch --nproc N -- <command ...>`: N local ranks with torchrun's variables.
+#include "src/cli/args.h"
+#include "src/cli/command.h"
+#include "src/dist/launcher.h"
+
+namespace {
+
+int cmd_launch(int argc, char** argv) {
+  lvx::cli::ArgParser p("lvx launch --nproc N [options] -- <command> [args...]",
+                        "Start N local ranks of a command with RANK, WORLD_SIZE, LOCAL_RANK,\n"
+                        "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (as torchrun does).\n"
+                        "Each output line is prefixed with its rank. If any rank fails, the\n"
+                        "others are stopped and lvx launch exits with that rank's code.");
+  p.add_option("nproc", 'n', "2", "number of local ranks");
+  p.add_option("master-addr", 0, "127.0.0.1", "address of the rendezvous store (rank 0)");
+  p.add_option("master-port", 0, "0", "port of the rendezvous store; 0 picks a free one");
+  p.add_option("timeout", 't', "0", "stop every rank after this many seconds (0: never)");
+  p.add_option("grace", 0, "5", "seconds between SIGTERM and SIGKILL when stopping ranks");
+  if (!p.parse(argc, argv)) return 0;
+  LVX_CHECK(!p.rest().empty(), "no command given after -- (usage: lvx launch --nproc N -- cmd)");
+  lvx::dist::LaunchOptions o;
+  o.nproc = static_cast<int>(p.get_int("nproc"));
+  o.master_addr = p.get("master-addr");
+  o.master_port = static_cast<int>(p.get_int("master-port"));
+  o.timeout_s = p.get_double("timeout");
+  o.grace_s = p.get_double("grace");
+  auto r = lvx::dist::launch_local(p.rest(), o);
+  return r.exit_code;
+}
+
+}  // namespace
+
+LVX_COMMAND("launch", "start N local ranks of a command (torchrun-style variables)", cmd_launch);

@@ -1,0 +1,197 @@
+#include "src/dist/launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <iostream>
+
+#include "src/common/error.h"
+
+namespace lvx::dist {
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  LVX_CHECK(fd >= 0, "free_port: socket() failed: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  LVX_CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0,
+            "free_port: bind failed: ", std::strerror(errno));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string describe_exit(int code) {
+  if (code == 124) return "was stopped by the launch timeout";
+  if (code > 128 && code < 128 + 65) {
+    int sig = code - 128;
+    return str("was killed by signal ", sig, " (", strsignal(sig), ")");
+  }
+  return str("exited with code ", code);
+}
+
+namespace {
+
+struct Child {
+  pid_t pid = -1;
+  int fd = -1;
+  std::string partial;
+  bool running = true;
+  std::chrono::steady_clock::time_point start;
+};
+
+void emit(RankExit& rank, const std::string& line, bool capture) {
+  if (capture) {
+    rank.output += line;
+  } else {
+    std::cout << "[rank " << rank.rank << "] " << line << std::flush;
+  }
+}
+
+}  // namespace
+
+LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts) {
+  LVX_CHECK(!argv.empty(), "launch: no command given (usage: lvx launch --nproc N -- cmd ...)");
+  LVX_CHECK(opts.nproc >= 1, "launch: --nproc must be at least 1, got ", opts.nproc);
+  const int port = opts.master_port > 0 ? opts.master_port : free_port();
+  LaunchResult result;
+  result.ranks.resize(opts.nproc);
+  std::vector<Child> kids(opts.nproc);
+  const auto t0 = std::chrono::steady_clock::now();
+  const pid_t parent = ::getpid();
+
+  for (int r = 0; r < opts.nproc; ++r) {
+    int fds[2];
+    LVX_CHECK(::pipe(fds) == 0, "launch: pipe failed: ", std::strerror(errno));
+    pid_t pid = ::fork();
+    LVX_CHECK(pid >= 0, "launch: fork failed: ", std::strerror(errno));
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
+      if (::getppid() != parent) _exit(127);
+      ::setpgid(0, 0);
+      ::dup2(fds[1], STDOUT_FILENO);
+      ::dup2(fds[1], STDERR_FILENO);
+      ::close(fds[0]);
+      ::close(fds[1]);
+      auto set = [](const std::string& k, const std::string& v) { ::setenv(k.c_str(), v.c_str(), 1); };
+      if (opts.openmpi_style) {
+        for (const char* k : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}) ::unsetenv(k);
+        set("OMPI_COMM_WORLD_RANK", std::to_string(r));
+        set("OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r));
+        set("OMPI_COMM_WORLD_SIZE", std::to_string(opts.nproc));
+        set("OMPI_COMM_WORLD_LOCAL_SIZE", std::to_string(opts.nproc));
+      } else {
+        set("RANK", std::to_string(r));
+        set("LOCAL_RANK", std::to_string(r));
+        set("WORLD_SIZE", std::to_string(opts.nproc));
+        set("LOCAL_WORLD_SIZE", std::to_string(opts.nproc));
+      }
+      set("MASTER_ADDR", opts.master_addr);
+      set("MASTER_PORT", std::to_string(port));
+      for (const auto& [k, v] : opts.env) set(k, v);
+      std::vector<char*> cargv;
+      for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+      cargv.push_back(nullptr);
+      ::execvp(cargv[0], cargv.data());
+      std::fprintf(stderr, "lvx launch: cannot run '%s': %s\n", cargv[0], std::strerror(errno));
+      _exit(127);
+    }
+    ::close(fds[1]);
+    ::fcntl(fds[0], F_SETFL, O_NONBLOCK);
+    kids[r] = {pid, fds[0], "", true, std::chrono::steady_clock::now()};
+    result.ranks[r].rank = r;
+  }
+
+  bool stopping = false;
+  std::chrono::steady_clock::time_point stop_at{};
+  auto stop_all = [&](int sig) {
+    for (auto& k : kids)
+      if (k.running) ::kill(-k.pid, sig), ::kill(k.pid, sig);
+  };
+  int running = opts.nproc;
+  while (running > 0) {
+    std::vector<pollfd> pfds;
+    std::vector<int> owners;
+    for (int r = 0; r < opts.nproc; ++r)
+      if (kids[r].fd >= 0) {
+        pfds.push_back({kids[r].fd, POLLIN, 0});
+        owners.push_back(r);
+      }
+    if (!pfds.empty()) ::poll(pfds.data(), pfds.size(), 50);
+    else ::usleep(20000);
+    for (size_t i = 0; i < pfds.size(); ++i) {
+      if (!(pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      Child& k = kids[owners[i]];
+      char buf[65536];
+      ssize_t n;
+      while ((n = ::read(k.fd, buf, sizeof(buf))) > 0) {
+        k.partial.append(buf, n);
+        size_t nl;
+        while ((nl = k.partial.find('\n')) != std::string::npos) {
+          emit(result.ranks[owners[i]], k.partial.substr(0, nl + 1), opts.capture);
+          k.partial.erase(0, nl + 1);
+        }
+      }
+      if (n == 0) {  // EOF: the rank closed its output (normally: it exited)
+        if (!k.partial.empty()) emit(result.ranks[owners[i]], k.partial + "\n", opts.capture);
+        k.partial.clear();
+        ::close(k.fd);
+        k.fd = -1;
+      }
+    }
+    for (int r = 0; r < opts.nproc; ++r) {
+      Child& k = kids[r];
+      if (!k.running) continue;
+      int status = 0;
+      if (::waitpid(k.pid, &status, WNOHANG) != k.pid) continue;
+      k.running = false;
+      --running;
+      RankExit& e = result.ranks[r];
+      e.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - k.start).count();
+      if (e.exit_code != 124)
+        e.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (e.exit_code != 0 && result.first_failed < 0 && !stopping) {
+        result.first_failed = r;
+        result.exit_code = e.exit_code;
+        if (!opts.stop_on_failure) continue;
+        if (!opts.capture)
+          std::cerr << "lvx launch: rank " << r << " " << describe_exit(e.exit_code)
+                    << "; stopping the other ranks" << std::endl;
+        stopping = true;
+        stop_at = std::chrono::steady_clock::now();
+        stop_all(SIGTERM);
+      }
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (opts.timeout_s > 0 && !stopping &&
+        std::chrono::duration<double>(now - t0).count() > opts.timeout_s) {
+      for (int r = 0; r < opts.nproc; ++r)
+        if (kids[r].running) result.ranks[r].exit_code = 124;
+      if (result.first_failed < 0) result.exit_code = 124;
+      if (!opts.capture)
+        std::cerr << "lvx launch: timeout after " << opts.timeout_s << " s; stopping all ranks\n";
+      stopping = true;
+      stop_at = now;
+      stop_all(SIGTERM);
+    }
+    if (stopping && std::chrono::duration<double>(now - stop_at).count() > opts.grace_s)
+      stop_all(SIGKILL);
+  }
+  for (auto& k : kids)
+    if (k.fd >= 0) ::close(k.fd);
+  return result;
+}
+
+}  // namespace lvx::dist

@@ -1,0 +1,481 @@
+// ProcessGroup on c10d engines: Gloo for CPU tensors, NCCL for CUDA tensors (nccl_backend.cpp).
+// Collectives are ring / pairwise algorithms over batched point-to-point messages (see the
+// header for their volumes), so byte counters are exact per peer on every engine.
+#include "src/dist/process_group.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "src/common/error.h"
+#include "src/dist/nccl_backend.h"
+
+namespace lvx::dist {
+
+using c10d::Backend;
+
+int64_t ByteCounters::total_sent() const {
+  return std::accumulate(sent.begin(), sent.end(), int64_t{0});
+}
+int64_t ByteCounters::total_received() const {
+  return std::accumulate(received.begin(), received.end(), int64_t{0});
+}
+void ByteCounters::reset() {
+  std::fill(sent.begin(), sent.end(), 0);
+  std::fill(received.begin(), received.end(), 0);
+}
+
+Options options_from_env() {
+  Options o;
+  if (const char* t = std::getenv("LVX_DIST_TIMEOUT_S")) {
+    double s = std::atof(t);
+    LVX_CHECK(s > 0, "LVX_DIST_TIMEOUT_S='", t, "' must be a positive number of seconds");
+    o.timeout = std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+    o.heartbeat = std::min(o.heartbeat, std::chrono::milliseconds(std::max<int64_t>(
+                                            100, static_cast<int64_t>(s * 1000) / 5)));
+  }
+  return o;
+}
+
+namespace {
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+const char* kStorePrefix = "lvx/";
+
+}  // namespace
+
+// ---- engine ------------------------------------------------------------------------------
+
+struct ProcessGroup::Engine {
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  c10::intrusive_ptr<Backend> gloo;
+  c10::intrusive_ptr<Backend> nccl;  // created on the first CUDA tensor (same point on all ranks)
+  std::vector<uint32_t> send_seq, recv_seq;  // per-peer message numbers: the Gloo tags
+  int64_t agreement_seq = 0;
+  // Heartbeat: a second store client bumps lvx/hb/<rank> so that a failure can name the rank
+  // that stopped.
+  std::thread heartbeat;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stopping = false;
+
+  Backend& backend_for(const at::Tensor& t) {
+    if (t.is_cuda()) {
+      LVX_CHECK(nccl, "CUDA tensor given but lvx was built without CUDA/NCCL");
+      return *nccl;
+    }
+    return *gloo;
+  }
+};
+
+namespace {
+
+c10::intrusive_ptr<c10d::TCPStore> connect_store(const RendezvousInfo& info, bool server,
+                                                 std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(info.master_port);
+  o.isServer = server;
+  o.numWorkers = server ? std::optional<std::size_t>(info.world_size) : std::nullopt;
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(info.master_addr, o);
+  } catch (const std::exception& e) {
+    LVX_FAIL("rank ", info.rank, ": cannot ", server ? "host" : "reach", " the rendezvous store at ",
+             info.master_addr, ":", info.master_port, " (MASTER_ADDR/MASTER_PORT",
+             server ? "; is the port already in use?" : "; is rank 0 running?", "): ", e.what());
+  }
+}
+
+}  // namespace
+
+ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options)
+    : info_(info), options_(options), rank_(info.rank), world_size_(info.world_size) {
+  LVX_CHECK(world_size_ >= 1 && rank_ >= 0 && rank_ < world_size_, "invalid rank ", rank_,
+            " for world size ", world_size_);
+  counters_.sent.assign(world_size_, 0);
+  counters_.received.assign(world_size_, 0);
+  if (world_size_ == 1) return;  // a single rank needs no engine: every op is a local copy
+
+  engine_ = std::make_unique<Engine>();
+  engine_->send_seq.assign(world_size_, 0);
+  engine_->recv_seq.assign(world_size_, 0);
+  engine_->store = connect_store(info_, rank_ == 0, options_.timeout);
+  // Every rank announces itself, then waits for all: a missing rank fails here, by name.
+  engine_->store->set(std::string(kStorePrefix) + "joined/" + std::to_string(rank_), {1});
+  for (int r = 0; r < world_size_; ++r) {
+    try {
+      engine_->store->wait({std::string(kStorePrefix) + "joined/" + std::to_string(r)},
+                           options_.timeout);
+    } catch (const std::exception&) {
+      LVX_FAIL("rank ", rank_, ": rank ", r, " did not join the run within ",
+               options_.timeout.count() / 1000.0, " s (WORLD_SIZE=", world_size_, ")");
+    }
+  }
+
+  auto gloo_opts = c10d::ProcessGroupGloo::Options::create(options_.timeout);
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else if (info_.master_addr == "127.0.0.1" || info_.master_addr == "localhost") {
+    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("lvx/gloo", engine_->store);
+  try {
+    engine_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, rank_, world_size_,
+                                                                gloo_opts);
+  } catch (const std::exception& e) {
+    LVX_FAIL("rank ", rank_, ": Gloo could not connect the ", world_size_, " ranks: ", e.what());
+  }
+  engine_->nccl = make_nccl_backend(engine_->store, info_, options_.timeout);
+
+  // Heartbeat on its own store connection so that it never waits behind a blocked operation.
+  auto hb_store = connect_store(info_, false, std::chrono::milliseconds(5000));
+  Engine* eng = engine_.get();
+  const auto period = options_.heartbeat;
+  const std::string key = std::string(kStorePrefix) + "hb/" + std::to_string(rank_);
+  eng->heartbeat = std::thread([eng, hb_store, period, key] {
+    std::unique_lock<std::mutex> lock(eng->mu);
+    while (!eng->stopping) {
+      lock.unlock();
+      try {
+        hb_store->add(key, 1);
+      } catch (...) {
+        return;  // the store is gone (rank 0 ended); failures are diagnosed elsewhere
+      }
+      lock.lock();
+      eng->cv.wait_for(lock, period, [eng] { return eng->stopping; });
+    }
+  });
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::from_env(Options options) {
+  return std::make_shared<ProcessGroup>(rendezvous_from_env(), options);
+}
+
+ProcessGroup::~ProcessGroup() {
+  if (!engine_) return;
+  {
+    std::lock_guard<std::mutex> lock(engine_->mu);
+    engine_->stopping = true;
+  }
+  engine_->cv.notify_all();
+  if (engine_->heartbeat.joinable()) engine_->heartbeat.join();
+  try {
+    engine_->store->set(std::string(kStorePrefix) + "exit/" + std::to_string(rank_), {1});
+  } catch (...) {
+  }
+}
+
+void ProcessGroup::fail(const std::string& what, const std::string& cause) {
+  std::string diagnosis;
+  if (engine_) {
+    const std::string p = kStorePrefix;
+    try {
+      // Mark ourselves as exiting on an error, so that other ranks do not blame us.
+      auto store = connect_store(info_, false, std::chrono::milliseconds(3000));
+      store->set(p + "exit/" + std::to_string(rank_), {1});
+      std::vector<int64_t> before(world_size_), after(world_size_);
+      for (int r = 0; r < world_size_; ++r) before[r] = store->add(p + "hb/" + std::to_string(r), 0);
+      std::this_thread::sleep_for(options_.heartbeat * 5 / 2);
+      std::vector<int> dead;
+      for (int r = 0; r < world_size_; ++r) {
+        if (r == rank_) continue;
+        after[r] = store->add(p + "hb/" + std::to_string(r), 0);
+        bool exited = store->check({p + "exit/" + std::to_string(r)});
+        if (after[r] == before[r] && !exited) dead.push_back(r);
+      }
+      for (int r : dead)
+        diagnosis += str(diagnosis.empty() ? "" : "; ", "rank ", r,
+                         " stopped responding (no heartbeat for ",
+                         options_.heartbeat.count() * 2.5 / 1000.0, " s)");
+      if (dead.empty()) diagnosis = "another rank ended after an error";
+    } catch (const lvx::Error&) {
+      diagnosis = str("rank 0 (which hosts the rendezvous store at ", info_.master_addr, ":",
+                      info_.master_port, ") stopped responding");
+    } catch (const std::exception&) {
+      diagnosis = "the rendezvous store became unreachable (rank 0 likely ended)";
+    }
+  }
+  LVX_FAIL("rank ", rank_, ": ", what, " failed: ", diagnosis,
+           diagnosis.empty() ? "" : " — ", "engine error: ", cause);
+}
+
+// ---- Work --------------------------------------------------------------------------------
+
+struct Work::Impl {
+  ProcessGroup* pg = nullptr;
+  std::string what;
+  std::chrono::milliseconds timeout{0};
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  bool done = false;
+};
+
+Work& Work::operator=(Work&& other) noexcept {
+  if (this != &other) {
+    if (impl_ && !impl_->done) {
+      try {
+        wait();
+      } catch (...) {
+      }
+    }
+    impl_ = std::move(other.impl_);
+  }
+  return *this;
+}
+
+Work::~Work() {
+  if (impl_ && !impl_->done) {
+    try {
+      wait();
+    } catch (...) {
+      // A destructor must not throw; the error was already reported by whoever waited.
+    }
+  }
+}
+
+void Work::wait() {
+  if (!impl_ || impl_->done) return;
+  impl_->done = true;
+  for (auto& w : impl_->works) {
+    try {
+      w->wait(impl_->timeout);
+    } catch (const c10::Error& e) {
+      impl_->pg->fail(impl_->what, e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      impl_->pg->fail(impl_->what, e.what());
+    }
+  }
+  impl_->works.clear();
+}
+
+// ---- point to point ----------------------------------------------------------------------
+
+Work ProcessGroup::batch_isend_irecv(std::vector<P2POp> ops, const char* what) {
+  Work work;
+  work.impl_ = std::make_unique<Work::Impl>();
+  work.impl_->pg = this;
+  work.impl_->timeout = options_.timeout;
+  std::vector<int> peers;
+  for (const auto& op : ops) {
+    LVX_CHECK(op.peer >= 0 && op.peer < world_size_, what, ": peer ", op.peer,
+              " is outside [0, ", world_size_, ")");
+    LVX_CHECK(op.peer != rank_, what, ": rank ", rank_, " cannot send to or receive from itself");
+    LVX_CHECK(op.tensor.is_contiguous(), what, ": tensors must be contiguous");
+    peers.push_back(op.peer);
+  }
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  std::string peer_list;
+  for (int p : peers) peer_list += str(peer_list.empty() ? "" : ",", p);
+  work.impl_->what = str(what, " with rank", peers.size() > 1 ? "s " : " ", peer_list);
+  if (ops.empty()) return work;
+
+  bool any_cuda = false, any_cpu = false;
+  for (const auto& op : ops) (op.tensor.is_cuda() ? any_cuda : any_cpu) = true;
+  LVX_CHECK(!(any_cuda && any_cpu), what, ": a batch mixes CPU and CUDA tensors");
+  Backend& backend = engine_->backend_for(ops.front().tensor);
+  const bool coalesce = any_cuda;  // NCCL: one group call; Gloo: unbound buffers never block
+  try {
+    if (coalesce) backend.startCoalescing();
+    for (auto& op : ops) {
+      const int64_t n = nbytes(op.tensor);
+      if (n == 0) continue;
+      std::vector<at::Tensor> ts{op.tensor};
+      if (op.kind == P2POp::kSend) {
+        counters_.sent[op.peer] += n;
+        auto w = backend.send(ts, op.peer, static_cast<int>(engine_->send_seq[op.peer]++ & 0x7fffffff));
+        if (!coalesce) work.impl_->works.push_back(w);
+      } else {
+        counters_.received[op.peer] += n;
+        auto w = backend.recv(ts, op.peer, static_cast<int>(engine_->recv_seq[op.peer]++ & 0x7fffffff));
+        if (!coalesce) work.impl_->works.push_back(w);
+      }
+    }
+    if (coalesce) {
+      auto w = backend.endCoalescing();
+      if (w) work.impl_->works.push_back(w);
+    }
+  } catch (const lvx::Error&) {
+    throw;
+  } catch (const c10::Error& e) {
+    fail(work.impl_->what, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    fail(work.impl_->what, e.what());
+  }
+  return work;
+}
+
+Work ProcessGroup::ring_exchange(const at::Tensor& send, const at::Tensor& recv,
+                                 const char* what) {
+  if (world_size_ == 1) {
+    if (recv.numel()) recv.copy_(send);
+    return Work();
+  }
+  return batch_isend_irecv({P2POp::send(send, next()), P2POp::recv(recv, prev())}, what);
+}
+
+// ---- collectives -------------------------------------------------------------------------
+
+at::Tensor ProcessGroup::all_gather(const at::Tensor& input, const std::vector<int64_t>& sizes_in) {
+  LVX_CHECK(input.dim() >= 1, "all_gather: input must have at least one dimension");
+  std::vector<int64_t> sizes = sizes_in;
+  if (sizes.empty()) sizes.assign(world_size_, input.size(0));
+  LVX_CHECK(static_cast<int>(sizes.size()) == world_size_, "all_gather: sizes has ",
+            sizes.size(), " entries for ", world_size_, " ranks");
+  LVX_CHECK(sizes[rank_] == input.size(0), "all_gather: rank ", rank_, " passes ",
+            input.size(0), " rows but sizes says ", sizes[rank_]);
+  std::vector<int64_t> offset(world_size_ + 1, 0);
+  for (int r = 0; r < world_size_; ++r) offset[r + 1] = offset[r] + sizes[r];
+  auto shape = input.sizes().vec();
+  shape[0] = offset[world_size_];
+  at::Tensor out = at::empty(shape, input.options());
+  out.narrow(0, offset[rank_], sizes[rank_]).copy_(input);
+  // Ring: at step s, forward the chunk that originated at rank (r - s) and receive (r - s - 1).
+  for (int s = 0; s + 1 < world_size_; ++s) {
+    int send_c = (rank_ - s + world_size_) % world_size_;
+    int recv_c = (rank_ - s - 1 + 2 * world_size_) % world_size_;
+    batch_isend_irecv({P2POp::send(out.narrow(0, offset[send_c], sizes[send_c]), next()),
+                       P2POp::recv(out.narrow(0, offset[recv_c], sizes[recv_c]), prev())},
+                      "all_gather")
+        .wait();
+  }
+  return out;
+}
+
+void ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op) {
+  if (world_size_ == 1) return;
+  LVX_CHECK(tensor.is_contiguous(), "all_reduce: tensor must be contiguous");
+  at::Tensor flat = tensor.view({-1});
+  const int64_t n = flat.numel();
+  const int w = world_size_;
+  std::vector<int64_t> off(w + 1);
+  for (int c = 0; c <= w; ++c) off[c] = n * c / w;
+  auto chunk = [&](int c) { return flat.narrow(0, off[c], off[c + 1] - off[c]); };
+  auto reduce_into = [&](at::Tensor dst, const at::Tensor& src) {
+    switch (op) {
+      case ReduceOp::kSum: dst.add_(src); break;
+      case ReduceOp::kMax: at::maximum_out(dst, dst, src); break;
+      case ReduceOp::kMin: at::minimum_out(dst, dst, src); break;
+    }
+  };
+  at::Tensor tmp = at::empty({off[1] - off[0] + 1}, flat.options());
+  // Reduce-scatter: after w-1 steps rank r owns the full reduction of chunk (r + 1) % w.
+  for (int s = 0; s + 1 < w; ++s) {
+    int send_c = (rank_ - s + w) % w;
+    int recv_c = (rank_ - s - 1 + 2 * w) % w;
+    at::Tensor buf = tmp.narrow(0, 0, off[recv_c + 1] - off[recv_c]);
+    batch_isend_irecv({P2POp::send(chunk(send_c), next()), P2POp::recv(buf, prev())},
+                      "all_reduce")
+        .wait();
+    reduce_into(chunk(recv_c), buf);
+  }
+  // All-gather of the reduced chunks.
+  for (int s = 0; s + 1 < w; ++s) {
+    int send_c = (rank_ + 1 - s + w) % w;
+    int recv_c = (rank_ - s + w) % w;
+    batch_isend_irecv({P2POp::send(chunk(send_c), next()), P2POp::recv(chunk(recv_c), prev())},
+                      "all_reduce")
+        .wait();
+  }
+}
+
+at::Tensor ProcessGroup::all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_splits,
+                                    const std::vector<int64_t>& recv_splits) {
+  const int w = world_size_;
+  LVX_CHECK(static_cast<int>(send_splits.size()) == w && static_cast<int>(recv_splits.size()) == w,
+            "all_to_all: send_splits and recv_splits need one entry per rank (", w, "), got ",
+            send_splits.size(), " and ", recv_splits.size());
+  LVX_CHECK(input.dim() >= 1, "all_to_all: input must have at least one dimension");
+  int64_t total_send = std::accumulate(send_splits.begin(), send_splits.end(), int64_t{0});
+  LVX_CHECK(total_send == input.size(0), "all_to_all: send_splits sum to ", total_send,
+            " but input has ", input.size(0), " rows");
+  at::Tensor in = input.contiguous();
+  auto shape = in.sizes().vec();
+  shape[0] = std::accumulate(recv_splits.begin(), recv_splits.end(), int64_t{0});
+  at::Tensor out = at::empty(shape, in.options());
+  std::vector<int64_t> soff(w + 1, 0), roff(w + 1, 0);
+  for (int r = 0; r < w; ++r) {
+    soff[r + 1] = soff[r] + send_splits[r];
+    roff[r + 1] = roff[r] + recv_splits[r];
+  }
+  LVX_CHECK(send_splits[rank_] == recv_splits[rank_], "all_to_all: rank ", rank_, " keeps ",
+            send_splits[rank_], " rows for itself but expects to receive ", recv_splits[rank_]);
+  out.narrow(0, roff[rank_], recv_splits[rank_]).copy_(in.narrow(0, soff[rank_], send_splits[rank_]));
+  std::vector<P2POp> ops;
+  for (int k = 1; k < w; ++k) {  // pairwise order spreads the load over peers
+    int to = (rank_ + k) % w, from = (rank_ - k + w) % w;
+    ops.push_back(P2POp::send(in.narrow(0, soff[to], send_splits[to]), to));
+    ops.push_back(P2POp::recv(out.narrow(0, roff[from], recv_splits[from]), from));
+  }
+  batch_isend_irecv(std::move(ops), "all_to_all").wait();
+  return out;
+}
+
+void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
+  LVX_CHECK(root >= 0 && root < world_size_, "broadcast: root ", root, " is outside [0, ",
+            world_size_, ")");
+  if (world_size_ == 1) return;
+  LVX_CHECK(tensor.is_contiguous(), "broadcast: tensor must be contiguous");
+  std::vector<P2POp> ops;
+  if (rank_ == root) {
+    for (int r = 0; r < world_size_; ++r)
+      if (r != root) ops.push_back(P2POp::send(tensor, r));
+  } else {
+    ops.push_back(P2POp::recv(tensor, root));
+  }
+  batch_isend_irecv(std::move(ops), "broadcast").wait();
+}
+
+void ProcessGroup::barrier() {
+  if (world_size_ == 1) return;
+  try {
+    c10d::BarrierOptions o;
+    o.timeout = options_.timeout;
+    engine_->gloo->barrier(o)->wait(options_.timeout);
+  } catch (const c10::Error& e) {
+    fail("barrier", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    fail("barrier", e.what());
+  }
+}
+
+void ProcessGroup::check_agreement(const std::string& what, const std::string& value) {
+  if (world_size_ == 1) return;
+  const std::string base =
+      str(kStorePrefix, "agree/", engine_->agreement_seq++, "/", what, "/");
+  std::vector<std::string> values(world_size_);
+  try {
+    engine_->store->set(base + std::to_string(rank_),
+                        std::vector<uint8_t>(value.begin(), value.end()));
+    for (int r = 0; r < world_size_; ++r) {
+      auto v = engine_->store->get(base + std::to_string(r));
+      values[r] = std::string(v.begin(), v.end());
+    }
+  } catch (const std::exception& e) {
+    fail(str("check_agreement(", what, ")"), e.what());
+  }
+  std::map<std::string, std::vector<int>> groups;
+  for (int r = 0; r < world_size_; ++r) groups[values[r]].push_back(r);
+  if (groups.size() == 1) return;
+  std::string msg;
+  for (const auto& [v, ranks] : groups) {
+    std::string rl;
+    for (int r : ranks) rl += str(rl.empty() ? "" : ",", r);
+    msg += str("\n  rank", ranks.size() > 1 ? "s " : " ", rl, ": ", v);
+  }
+  LVX_FAIL("rank ", rank_, ": ranks disagree on ", what, " before starting:", msg);
+}
+
+}  // namespace lvx::dist

@@ -1,0 +1,42 @@
+#include "tests/multirank.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include "src/dist/launcher.h"
+
+namespace lvx::testing {
+
+std::map<std::string, WorkerFn>& worker_table() {
+  static std::map<std::string, WorkerFn> table;
+  return table;
+}
+
+std::vector<RankResult> run_ranks(int world, const std::string& worker, double timeout_s,
+                                  const std::map<std::string, std::string>& env,
+                                  bool openmpi_style) {
+  char self[4096];
+  ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  self[n > 0 ? n : 0] = '\0';
+  dist::LaunchOptions o;
+  o.nproc = world;
+  o.capture = true;
+  o.timeout_s = timeout_s;
+  o.grace_s = 2;
+  o.stop_on_failure = false;
+  o.openmpi_style = openmpi_style;
+  o.env = env;
+  o.env["LVX_TEST_WORKER"] = worker;
+  if (!o.env.count("LVX_DIST_TIMEOUT_S")) o.env["LVX_DIST_TIMEOUT_S"] = "20";
+  auto r = dist::launch_local({self}, o);
+  std::vector<RankResult> out;
+  for (const auto& e : r.ranks) out.push_back({e.exit_code, e.output, e.seconds});
+  return out;
+}
+
+void expect_all_ok(const std::vector<RankResult>& results) {
+  for (size_t r = 0; r < results.size(); ++r)
+    EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << " output:\n" << results[r].output;
+}
+
+}  // namespace lvx::testing
