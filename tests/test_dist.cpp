@@ -1,0 +1,306 @@
+// Communication layer: every operation at world sizes 1-4 on real rank processes, with inputs
+// crafted so the exact result is known (nccl-tests style: each worker counts wrong elements),
+// byte counters against the analytic volumes, rendezvous parsing, faults and lvx launch.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <thread>
+
+#include "src/common/error.h"
+#include "src/dist/launcher.h"
+#include "src/dist/process_group.h"
+#include "src/dist/rendezvous.h"
+#include "tests/multirank.h"
+
+using lvx::dist::P2POp;
+using lvx::dist::ProcessGroup;
+using lvx::dist::ReduceOp;
+
+namespace {
+
+int g_wrong = 0;  // elements (or counters) that differ from the known answer, per worker
+
+void expect_equal(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  if (got.sizes() != want.sizes()) {
+    std::cerr << what << ": shape " << got.sizes() << " != " << want.sizes() << "\n";
+    ++g_wrong;
+    return;
+  }
+  int64_t bad = got.ne(want).sum().item<int64_t>();
+  if (bad) std::cerr << what << ": " << bad << " wrong elements\n";
+  g_wrong += static_cast<int>(bad);
+}
+
+void expect_bytes(int64_t got, int64_t want, const std::string& what) {
+  if (got != want) {
+    std::cerr << what << ": counted " << got << " bytes, analytic volume " << want << "\n";
+    ++g_wrong;
+  }
+}
+
+// Rows of a distinct, exactly representable value per (source rank, row, column).
+at::Tensor rows(int src, int64_t n, int64_t cols, int tag) {
+  auto r = at::arange(n, at::kDouble).unsqueeze(1) * 10 + at::arange(cols, at::kDouble);
+  return (r + src * 100000 + tag * 1000000).to(at::kFloat);
+}
+
+}  // namespace
+
+// ---- every operation, exact results and byte volumes -------------------------------------
+
+LVX_WORKER(all_ops) {
+  auto pg = ProcessGroup::from_env();
+  const int r = pg->rank(), w = pg->world_size();
+  const int64_t cols = 3, fb = 4;  // float32 bytes
+  pg->check_agreement("test", "all_ops");
+
+  // Ring exchange: receive exactly the previous rank's rows; zero-size messages are legal.
+  {
+    pg->counters().reset();
+    at::Tensor send = rows(r, 5, cols, 1), recv = at::empty({5, cols});
+    pg->ring_exchange(send, recv).wait();
+    expect_equal(recv, rows(pg->prev(), 5, cols, 1), "ring_exchange");
+    expect_bytes(pg->counters().total_sent(), w > 1 ? 5 * cols * fb : 0, "ring_exchange sent");
+    if (w > 1) expect_bytes(pg->counters().sent[pg->next()], 5 * cols * fb, "ring sent to next");
+    expect_bytes(pg->counters().total_received(), w > 1 ? 5 * cols * fb : 0, "ring received");
+    at::Tensor e0 = at::empty({0, cols}), e1 = at::empty({0, cols});
+    pg->ring_exchange(e0, e1).wait();
+    expect_bytes(pg->counters().total_sent(), w > 1 ? 5 * cols * fb : 0, "zero-size adds nothing");
+  }
+  // Batched send/recv in the "wrong" order (recv posted first) must not deadlock.
+  if (w > 1) {
+    at::Tensor recv = at::empty({2, cols});
+    pg->batch_isend_irecv({P2POp::recv(recv, pg->prev()), P2POp::send(rows(r, 2, cols, 2), pg->next())})
+        .wait();
+    expect_equal(recv, rows(pg->prev(), 2, cols, 2), "batch recv-first");
+  }
+  // All-gather, even and uneven (rank j contributes j+1 rows; rank 0 may contribute 0).
+  for (int uneven = 0; uneven < 2; ++uneven) {
+    pg->counters().reset();
+    std::vector<int64_t> sizes(w);
+    for (int j = 0; j < w; ++j) sizes[j] = uneven ? j : 4;
+    at::Tensor got = pg->all_gather(rows(r, sizes[r], cols, 3), uneven ? sizes : std::vector<int64_t>{});
+    std::vector<at::Tensor> parts;
+    for (int j = 0; j < w; ++j) parts.push_back(rows(j, sizes[j], cols, 3));
+    expect_equal(got, at::cat(parts), uneven ? "all_gather uneven" : "all_gather");
+    // Ring all-gather: every chunk but the next rank's own passes through this rank.
+    int64_t want = 0;
+    for (int j = 0; j < w; ++j)
+      if (j != pg->next() || w == 1) want += sizes[j] * cols * fb;
+    if (w == 1) want = 0;
+    expect_bytes(pg->counters().total_sent(), want, "all_gather sent");
+    expect_bytes(pg->counters().total_received(), want - (w > 1 ? sizes[r] * cols * fb : 0) +
+                                                       (w > 1 ? sizes[pg->next()] * cols * fb : 0),
+                 "all_gather received");
+  }
+  // All-reduce: x_r[i] = r * i + 1 → Σ = i·w(w−1)/2 + w, max = (w−1)·i + 1, min = 1.
+  {
+    const int64_t n = 12 * w;  // divisible by w: volume is exactly 2(w−1)/w · S each way
+    at::Tensor i = at::arange(n, at::kFloat);
+    pg->counters().reset();
+    at::Tensor s = i * r + 1;
+    pg->all_reduce(s, ReduceOp::kSum);
+    expect_equal(s, i * (w * (w - 1) / 2) + w, "all_reduce sum");
+    expect_bytes(pg->counters().total_sent(), 2 * (w - 1) * (n / w) * fb, "all_reduce sent");
+    expect_bytes(pg->counters().total_received(), 2 * (w - 1) * (n / w) * fb, "all_reduce recv");
+    at::Tensor m = i * r + 1;
+    pg->all_reduce(m, ReduceOp::kMax);
+    expect_equal(m, i * (w - 1) + 1, "all_reduce max");
+    at::Tensor mn = i * r + 1;
+    pg->all_reduce(mn, ReduceOp::kMin);
+    expect_equal(mn, at::ones_like(i), "all_reduce min");
+    at::Tensor odd = at::full({5}, static_cast<float>(r + 1));  // fewer elements than some w·chunks
+    pg->all_reduce(odd);
+    expect_equal(odd, at::full({5}, static_cast<float>(w * (w + 1) / 2)), "all_reduce small");
+  }
+  // All-to-all with uneven splits, zeros included: rank a sends (a + b) % 3 rows to rank b.
+  {
+    pg->counters().reset();
+    std::vector<int64_t> send(w), recv(w);
+    for (int j = 0; j < w; ++j) {
+      send[j] = (r + j) % 3;
+      recv[j] = (j + r) % 3;
+    }
+    std::vector<at::Tensor> in_parts, want_parts;
+    for (int j = 0; j < w; ++j) in_parts.push_back(rows(r, send[j], cols, 10 + j));
+    for (int j = 0; j < w; ++j) want_parts.push_back(rows(j, recv[j], cols, 10 + r));
+    at::Tensor got = pg->all_to_all(at::cat(in_parts), send, recv);
+    expect_equal(got, at::cat(want_parts), "all_to_all");
+    int64_t want_sent = 0, want_recv = 0;
+    for (int j = 0; j < w; ++j)
+      if (j != r) want_sent += send[j] * cols * fb, want_recv += recv[j] * cols * fb;
+    expect_bytes(pg->counters().total_sent(), want_sent, "all_to_all sent");
+    expect_bytes(pg->counters().total_received(), want_recv, "all_to_all received");
+  }
+  // Broadcast from the last rank.
+  {
+    pg->counters().reset();
+    at::Tensor t = r == w - 1 ? rows(r, 3, cols, 4) : at::zeros({3, cols});
+    pg->broadcast(t, w - 1);
+    expect_equal(t, rows(w - 1, 3, cols, 4), "broadcast");
+    expect_bytes(pg->counters().total_sent(), r == w - 1 ? (w - 1) * 3 * cols * fb : 0,
+                 "broadcast sent");
+  }
+  pg->barrier();
+  if (g_wrong) std::cerr << "rank " << r << ": " << g_wrong << " wrong\n";
+  return g_wrong ? 1 : 0;
+}
+
+class DistOps : public ::testing::TestWithParam<int> {};
+
+TEST_P(DistOps, EveryOperationExactWithAnalyticBytes) {
+  lvx::testing::expect_all_ok(lvx::testing::run_ranks(GetParam(), "all_ops", 120));
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, DistOps, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+// ---- rendezvous --------------------------------------------------------------------------
+
+TEST(Rendezvous, TorchrunVariablesFirst) {
+  auto i = lvx::dist::rendezvous_from_env({{"RANK", "2"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"},
+                                           {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"},
+                                           {"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "8"}});
+  EXPECT_EQ(i.source, "torchrun");
+  EXPECT_EQ(i.rank, 2);
+  EXPECT_EQ(i.world_size, 4);
+  EXPECT_EQ(i.local_rank, 0);
+  EXPECT_EQ(i.master_addr, "10.0.0.1");
+  EXPECT_EQ(i.master_port, 1234);
+}
+
+TEST(Rendezvous, OpenMpiVariables) {
+  auto i = lvx::dist::rendezvous_from_env({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+                                           {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
+  EXPECT_EQ(i.source, "openmpi");
+  EXPECT_EQ(i.rank, 3);
+  EXPECT_EQ(i.world_size, 8);
+  EXPECT_EQ(i.local_rank, 1);
+  EXPECT_EQ(i.master_port, 29500);
+}
+
+TEST(Rendezvous, NoVariablesIsOneRank) {
+  auto i = lvx::dist::rendezvous_from_env(std::map<std::string, std::string>{});
+  EXPECT_EQ(i.world_size, 1);
+  EXPECT_EQ(i.rank, 0);
+}
+
+TEST(Rendezvous, BadValuesNameTheVariable) {
+  auto msg = [](std::map<std::string, std::string> env) {
+    try {
+      lvx::dist::rendezvous_from_env(env);
+    } catch (const lvx::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(msg({{"RANK", "4"}, {"WORLD_SIZE", "4"}}).find("RANK=4"), std::string::npos);
+  EXPECT_NE(msg({{"RANK", "x"}, {"WORLD_SIZE", "4"}}).find("RANK='x'"), std::string::npos);
+  EXPECT_NE(msg({{"RANK", "0"}}).find("WORLD_SIZE"), std::string::npos);
+  EXPECT_NE(msg({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}).find("MASTER_PORT"),
+            std::string::npos);
+}
+
+LVX_WORKER(openmpi_join) {
+  auto info = lvx::dist::rendezvous_from_env();
+  if (info.source != "openmpi") return 3;
+  ProcessGroup pg(info);
+  at::Tensor t = at::full({1}, static_cast<float>(pg.rank()));
+  pg.all_reduce(t);
+  return t.item<float>() == pg.world_size() * (pg.world_size() - 1) / 2 ? 0 : 1;
+}
+
+TEST(Rendezvous, RanksJoinFromOpenMpiVariables) {
+  lvx::testing::expect_all_ok(lvx::testing::run_ranks(3, "openmpi_join", 60, {}, true));
+}
+
+// ---- agreement and faults ----------------------------------------------------------------
+
+LVX_WORKER(disagree) {
+  auto pg = ProcessGroup::from_env();
+  pg->check_agreement("strategy", pg->rank() == 1 ? "ring" : "lv_xattn");
+  return 0;
+}
+
+TEST(Faults, DisagreementFailsEveryRankNamingTheOddOne) {
+  auto res = lvx::testing::run_ranks(3, "disagree", 60);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(res[r].exit_code, 0) << res[r].output;
+    EXPECT_NE(res[r].output.find("ranks disagree on strategy"), std::string::npos) << res[r].output;
+    EXPECT_NE(res[r].output.find("rank 1: ring"), std::string::npos) << res[r].output;
+  }
+}
+
+// Rank 2 dies (SIGKILL, or freezes with SIGSTOP) in the middle of a stream of all-reduces.
+LVX_WORKER(die_midway) {
+  auto pg = ProcessGroup::from_env();
+  const bool freeze = std::getenv("LVX_TEST_FREEZE") != nullptr;
+  for (int it = 0; it < 1000000; ++it) {
+    if (pg->rank() == 2 && it == 5) ::raise(freeze ? SIGSTOP : SIGKILL);
+    at::Tensor t = at::ones({1000});
+    pg->all_reduce(t);
+  }
+  return 0;
+}
+
+void expect_named_failure(const std::vector<lvx::testing::RankResult>& res, double limit_s) {
+  std::cout << "rank 0 said: " << res[0].output;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(res[r].exit_code, 0) << res[r].output;
+    EXPECT_NE(res[r].exit_code, 124) << "rank " << r << " had to be killed: it waited forever";
+    EXPECT_LT(res[r].seconds, limit_s);
+    EXPECT_NE(res[r].output.find("all_reduce"), std::string::npos) << res[r].output;
+    EXPECT_NE(res[r].output.find("rank 2 stopped responding"), std::string::npos) << res[r].output;
+  }
+}
+
+TEST(Faults, KilledRankIsNamedByTheOthersWithinTheTimeout) {
+  auto res = lvx::testing::run_ranks(3, "die_midway", 40, {{"LVX_DIST_TIMEOUT_S", "4"}});
+  EXPECT_EQ(res[2].exit_code, 128 + SIGKILL);
+  expect_named_failure(res, 20);
+}
+
+TEST(Faults, FrozenRankIsNamedByTheOthersWithinTheTimeout) {
+  auto res = lvx::testing::run_ranks(3, "die_midway", 14,
+                                     {{"LVX_DIST_TIMEOUT_S", "4"}, {"LVX_TEST_FREEZE", "1"}});
+  expect_named_failure(res, 13);
+}
+
+// ---- lvx launch --------------------------------------------------------------------------
+
+TEST(Launch, PrefixesOutputAndSetsVariables) {
+  lvx::dist::LaunchOptions o;
+  o.nproc = 3;
+  o.capture = true;
+  auto r = lvx::dist::launch_local(
+      {"sh", "-c", "echo rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK addr=$MASTER_ADDR"}, o);
+  EXPECT_EQ(r.exit_code, 0);
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(r.ranks[i].output, "rank=" + std::to_string(i) + " world=3 local=" +
+                                     std::to_string(i) + " addr=127.0.0.1\n");
+}
+
+TEST(Launch, CliExitCodeAndStopsOthers) {
+  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  if (::access(lvx.c_str(), X_OK) != 0) GTEST_SKIP() << "lvx executable not built";
+  auto t0 = std::chrono::steady_clock::now();
+  int rc = std::system((lvx + " launch --nproc 3 -- sh -c 'if [ $RANK = 1 ]; then exit 3; fi; "
+                              "sleep 60' > /tmp/lvx_launch_test.txt 2>&1").c_str());
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(WEXITSTATUS(rc), 3);
+  EXPECT_LT(s, 30) << "the sleeping ranks were not stopped";
+  rc = std::system((lvx + " launch --nproc 2 -- sh -c 'echo hello' > /tmp/lvx_launch_ok.txt").c_str());
+  EXPECT_EQ(WEXITSTATUS(rc), 0);
+  std::FILE* f = std::fopen("/tmp/lvx_launch_ok.txt", "r");
+  ASSERT_NE(f, nullptr);
+  char buf[256] = {0};
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  std::string out(buf, n);
+  EXPECT_NE(out.find("[rank 0] hello"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 1] hello"), std::string::npos) << out;
+}
