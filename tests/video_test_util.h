@@ -1,0 +1,88 @@
+// Helpers for the video tests: make small videos with the ffmpeg CLI into a temp dir, and get
+// reference frames and timestamps from ffmpeg/ffprobe (tools nobody here wrote).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace lvx::video::testing {
+
+// Runs a shell command; returns its stdout. Fails the test (and returns "") on a non-zero exit.
+inline std::string run(const std::string& cmd, int* rc_out = nullptr) {
+  std::string out;
+  FILE* f = popen(cmd.c_str(), "r");
+  if (!f) return out;
+  char buf[1 << 16];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
+  const int status = pclose(f);
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  if (rc_out)
+    *rc_out = rc;
+  else
+    EXPECT_EQ(rc, 0) << "command failed: " << cmd;
+  return out;
+}
+
+// A per-process scratch directory, removed at exit.
+inline const std::filesystem::path& temp_dir() {
+  static const std::filesystem::path dir = [] {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "lvx_video_XXXXXX").string();
+    const char* made = mkdtemp(tmpl.data());
+    std::filesystem::path p = made ? made : tmpl;
+    std::atexit([] {
+      std::error_code ec;
+      std::filesystem::remove_all(temp_dir(), ec);
+    });
+    return p;
+  }();
+  return dir;
+}
+
+// Encodes `filters` (a lavfi source graph) with `args` into temp_dir()/name, once per process.
+inline std::string make_video(const std::string& name, const std::string& source,
+                              const std::string& args) {
+  const std::string path = (temp_dir() / name).string();
+  if (!std::filesystem::exists(path))
+    run("ffmpeg -nostdin -v error -y -f lavfi -i '" + source + "' " + args + " '" + path + "'");
+  return path;
+}
+
+// The sws flags lvx uses, so the CLI conversion is the same one and frames compare exactly.
+constexpr const char* kRefScale = "scale=flags=bicubic+accurate_rnd+full_chroma_int";
+
+// Every frame ffmpeg decodes, in output (presentation) order, as RGB24 H×W×3 each, after
+// ffmpeg's own autorotation. `vf_extra` is added before the conversion.
+inline std::vector<std::vector<uint8_t>> reference_frames(const std::string& path, int64_t w,
+                                                          int64_t h) {
+  const std::string raw = path + ".rgb";
+  run("ffmpeg -nostdin -v error -y -i '" + path + "' -vsync passthrough -vf '" + kRefScale +
+      ",format=rgb24' -f rawvideo '" + raw + "'");
+  std::ifstream in(raw, std::ios::binary);
+  std::vector<uint8_t> all((std::istreambuf_iterator<char>(in)), {});
+  const size_t frame = static_cast<size_t>(w * h * 3);
+  std::vector<std::vector<uint8_t>> frames;
+  for (size_t off = 0; frame > 0 && off + frame <= all.size(); off += frame)
+    frames.emplace_back(all.begin() + off, all.begin() + off + frame);
+  return frames;
+}
+
+// Presentation timestamps (seconds) of every decoded frame, as ffprobe reports them.
+inline std::vector<double> reference_pts(const std::string& path) {
+  std::istringstream ss(run("ffprobe -v error -select_streams v:0 -show_entries "
+                            "frame=best_effort_timestamp_time -of csv=p=0 '" + path + "'"));
+  std::vector<double> pts;
+  std::string line;
+  while (std::getline(ss, line))
+    if (!line.empty() && line != "N/A") pts.push_back(std::stod(line));
+  return pts;
+}
+
+}  // namespace lvx::video::testing

@@ -1,0 +1,241 @@
+// Exact seeking decoder (see decoder.h). Colour: swscale converts with the matrix and range the
+// frame carries; an unspecified matrix means BT.601, which is what FFmpeg (and so the ffmpeg CLI)
+// assumes, so CPU output matches `ffmpeg -pix_fmt rgb24` bit for bit with the same sws flags.
+#include "video/decoder.h"
+
+extern "C" {
+#include <libavutil/display.h>
+#include <libavutil/pixdesc.h>
+}
+
+#include <opencv2/core.hpp>
+
+#include <cmath>
+#include <filesystem>
+
+namespace lvx::video {
+namespace {
+
+// Chroma is interpolated (not replicated) and rounding is exact: the same flags go to the ffmpeg
+// CLI in the tests (-vf scale=flags=bicubic+accurate_rnd+full_chroma_int).
+constexpr int kSwsFlags = SWS_BICUBIC | SWS_ACCURATE_RND | SWS_FULL_CHR_H_INT;
+
+// Clockwise degrees to apply so the frame shows as a player shows it (what ffmpeg's autorotate
+// does with the display matrix), rounded to a multiple of 90.
+int rotation_from_display_matrix(const AVStream* st) {
+  size_t size = 0;
+  const uint8_t* data = av_stream_get_side_data(st, AV_PKT_DATA_DISPLAYMATRIX, &size);
+  if (!data || size < 9 * sizeof(int32_t)) return 0;
+  const double ccw = av_display_rotation_get(reinterpret_cast<const int32_t*>(data));
+  if (std::isnan(ccw)) return 0;
+  int cw = static_cast<int>(std::lround(-ccw / 90.0)) * 90;
+  cw %= 360;
+  return cw < 0 ? cw + 360 : cw;
+}
+
+bool is_full_range_format(AVPixelFormat f) {
+  return f == AV_PIX_FMT_YUVJ420P || f == AV_PIX_FMT_YUVJ422P || f == AV_PIX_FMT_YUVJ444P ||
+         f == AV_PIX_FMT_YUVJ440P || f == AV_PIX_FMT_YUVJ411P;
+}
+
+std::string or_unknown(const char* s) { return s ? s : "unknown"; }
+
+}  // namespace
+
+VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options)
+    : options_(options) {
+  LVX_CHECK(options.threads >= 0, "decoder threads must be >= 0 (0 = FFmpeg auto), got ",
+            options.threads);
+  // FFmpeg's own warnings ("partial file", alignment notes) would interleave with ours; every
+  // problem that matters reaches the caller as an lvx::Error or a DecodeReport entry instead.
+  av_log_set_level(AV_LOG_ERROR);
+  std::error_code ec;
+  LVX_CHECK(std::filesystem::exists(path, ec), "video '", path, "': no such file");
+  LVX_CHECK(!std::filesystem::is_directory(path, ec), "video '", path,
+            "': is a directory, not a video file");
+  fmt_ = open_input(path);
+  const AVCodec* codec = nullptr;
+  stream_ = av_find_best_stream(fmt_.get(), AVMEDIA_TYPE_VIDEO, -1, -1, &codec, 0);
+  if (stream_ >= 0 && (fmt_->streams[stream_]->disposition & AV_DISPOSITION_ATTACHED_PIC))
+    stream_ = AVERROR_STREAM_NOT_FOUND;  // cover art of an audio file is not a video
+  if (stream_ == AVERROR_STREAM_NOT_FOUND) {
+    int audio = 0;
+    for (unsigned s = 0; s < fmt_->nb_streams; ++s)
+      audio += fmt_->streams[s]->codecpar->codec_type == AVMEDIA_TYPE_AUDIO;
+    LVX_FAIL("video '", path, "': no video stream (", fmt_->nb_streams, " streams, ", audio,
+             " audio", audio > 0 ? ": an audio-only file" : "", ")");
+  }
+  if (stream_ == AVERROR_DECODER_NOT_FOUND)
+    LVX_FAIL("video '", path, "': FFmpeg has no decoder for its video codec");
+  LVX_AV_CHECK(stream_, "video '", path, "': cannot select a video stream");
+  AVStream* st = fmt_->streams[stream_];
+
+  codec_.reset(avcodec_alloc_context3(codec));
+  LVX_CHECK(codec_ != nullptr, "avcodec_alloc_context3: out of memory");
+  LVX_AV_CHECK(avcodec_parameters_to_context(codec_.get(), st->codecpar), "video '", path,
+               "': bad codec parameters");
+  codec_->thread_count = options.threads;
+  codec_->thread_type = FF_THREAD_FRAME | FF_THREAD_SLICE;
+  codec_->pkt_timebase = st->time_base;
+  LVX_AV_CHECK(avcodec_open2(codec_.get(), codec, nullptr), "video '", path,
+               "': cannot open the ", codec->name, " decoder");
+  packet_ = make_av_packet();
+  frame_ = make_av_frame();
+
+  info_.path = path;
+  info_.codec = codec->name;
+  info_.coded_width = st->codecpar->width;
+  info_.coded_height = st->codecpar->height;
+  LVX_CHECK(info_.coded_width > 0 && info_.coded_height > 0, "video '", path,
+            "': the video stream has no frame size (", info_.coded_width, "x",
+            info_.coded_height, ")");
+  info_.rotation = rotation_from_display_matrix(st);
+  const bool swap = info_.rotation == 90 || info_.rotation == 270;
+  info_.width = swap ? info_.coded_height : info_.coded_width;
+  info_.height = swap ? info_.coded_width : info_.coded_height;
+  info_.pixel_format = or_unknown(av_get_pix_fmt_name(static_cast<AVPixelFormat>(st->codecpar->format)));
+  info_.color_space = or_unknown(av_color_space_name(st->codecpar->color_space));
+  info_.color_range = or_unknown(av_color_range_name(st->codecpar->color_range));
+  info_.num_frames_from_header = st->nb_frames;
+  if (st->duration != AV_NOPTS_VALUE)
+    info_.duration_seconds_from_header = pts_to_seconds(st->duration, st->time_base);
+  else if (fmt_->duration != AV_NOPTS_VALUE)
+    info_.duration_seconds_from_header = fmt_->duration / static_cast<double>(AV_TIME_BASE);
+
+  index_ = scan_frame_index(fmt_.get(), stream_, path);
+  stats_.packets_scanned = index_.num_frames();
+  info_.num_frames = index_.num_frames();
+  info_.begin_seconds = index_.pts_seconds(0);
+  info_.end_seconds = index_.end_seconds();
+  info_.duration_seconds = info_.end_seconds - info_.begin_seconds;
+  info_.average_fps = info_.duration_seconds > 0 ? info_.num_frames / info_.duration_seconds : 0;
+}
+
+void VideoDecoder::seek_to(int64_t ts) {
+  LVX_AV_CHECK(av_seek_frame(fmt_.get(), stream_, ts, AVSEEK_FLAG_BACKWARD), "video '",
+               info_.path, "': cannot seek to pts ", ts);
+  avcodec_flush_buffers(codec_.get());
+  flushed_ = false;
+  has_pending_ = false;
+  cursor_ = -1;
+  ++stats_.seeks;
+}
+
+void VideoDecoder::seek_to_keyframe_for(int64_t i) {
+  // The keyframe's pts with AVSEEK_FLAG_BACKWARD: mov and matroska both index by presentation
+  // time, so this lands on that keyframe (or earlier); a dts target lands a whole GOP early in
+  // mp4 with B-frames. A landing after it is caught in decode_frame.
+  seek_to(index_.pts[index_.keyframe_before(i)]);
+}
+
+bool VideoDecoder::next_decoded_frame(AVFrame* frame) {
+  if (has_pending_) {
+    has_pending_ = false;
+    return true;  // frame_ still holds it
+  }
+  av_frame_unref(frame);
+  while (true) {
+    const int r = avcodec_receive_frame(codec_.get(), frame);
+    if (r >= 0) {
+      ++stats_.frames_decoded;
+      return true;
+    }
+    if (r == AVERROR_EOF) return false;
+    if (r != AVERROR(EAGAIN)) {
+      ++stats_.decode_errors;
+      continue;
+    }
+    if (flushed_) return false;
+    const int status = av_read_frame(fmt_.get(), packet_.get());
+    if (status < 0) {  // end of file, or a read error past which nothing more can come
+      LVX_AV_CHECK(avcodec_send_packet(codec_.get(), nullptr), "video '", info_.path,
+                   "': cannot flush the decoder");
+      flushed_ = true;
+      continue;
+    }
+    PacketUnref unref(packet_.get());
+    if (packet_->stream_index != stream_) continue;
+    ++stats_.packets_read;
+    const int s = avcodec_send_packet(codec_.get(), packet_.get());
+    if (s < 0 && s != AVERROR(EAGAIN)) ++stats_.decode_errors;
+  }
+}
+
+bool VideoDecoder::decode_frame(int64_t i, DecodedFrame* out, std::string* why) {
+  LVX_CHECK(i >= 0 && i < index_.num_frames(), "video '", info_.path, "': frame index ", i,
+            " out of range [0, ", index_.num_frames(), ")");
+  const bool can_continue = cursor_ >= 0 && cursor_ <= i && index_.keyframe_before(i) <= cursor_;
+  if (!can_continue) seek_to_keyframe_for(i);
+  bool first_after_seek = !can_continue;
+  bool retried = false;
+  const int64_t target = index_.pts[i];
+  while (true) {
+    if (!next_decoded_frame(frame_.get())) {
+      cursor_ = -1;
+      *why = "the decoder produced no frame with its pts before the stream ended";
+      return false;
+    }
+    const int64_t ts = frame_->best_effort_timestamp;
+    const int64_t idx = index_.find_pts(ts);
+    if (ts > target) {
+      if (first_after_seek && !retried) {
+        // The demuxer landed after the keyframe we asked for (seen with some HEVC/mkv files,
+        // torchcodec #179): start again from the first keyframe of the stream.
+        ++stats_.fallback_seeks;
+        seek_to(index_.pts[0]);
+        retried = true;
+        continue;
+      }
+      // Frame i never came out: its data is damaged. Keep this later frame for the next call.
+      has_pending_ = true;
+      cursor_ = idx >= 0 ? idx : -1;
+      *why = "the decoder did not produce it (damaged data)";
+      return false;
+    }
+    first_after_seek = false;
+    if (idx < 0) continue;  // a frame the index does not know (e.g. from a damaged packet)
+    cursor_ = idx + 1;
+    if (idx < i) continue;
+    if ((frame_->flags & AV_FRAME_FLAG_CORRUPT) || frame_->decode_error_flags) {
+      *why = "the decoder flagged it as corrupt";
+      return false;
+    }
+    out->index = i;
+    out->pts_seconds = index_.pts_seconds(i);
+    convert(frame_.get(), out);
+    return true;
+  }
+}
+
+void VideoDecoder::convert(const AVFrame* frame, DecodedFrame* out) {
+  const auto src = static_cast<AVPixelFormat>(frame->format);
+  const int w = static_cast<int>(info_.coded_width), h = static_cast<int>(info_.coded_height);
+  // Always to the stream's size, so a mid-stream size change still gives one frame shape.
+  SwsContext* ctx = sws_getCachedContext(sws_.release(), frame->width, frame->height, src, w, h,
+                                         AV_PIX_FMT_RGB24, kSwsFlags, nullptr, nullptr, nullptr);
+  sws_.reset(ctx);
+  LVX_CHECK(ctx != nullptr, "video '", info_.path, "': swscale cannot convert ",
+            or_unknown(av_get_pix_fmt_name(src)), " ", frame->width, "x", frame->height,
+            " to rgb24");
+  const AVPixFmtDescriptor* desc = av_pix_fmt_desc_get(src);
+  if (desc && !(desc->flags & AV_PIX_FMT_FLAG_RGB)) {
+    const int full = frame->color_range == AVCOL_RANGE_JPEG || is_full_range_format(src);
+    // sws_getCoefficients maps AVColorSpace values (they equal SWS_CS_*) and falls back to
+    // BT.601 for unspecified/unknown ones, like FFmpeg's scale filter.
+    sws_setColorspaceDetails(ctx, sws_getCoefficients(frame->colorspace), full,
+                             sws_getCoefficients(SWS_CS_DEFAULT), 1, 0, 1 << 16, 1 << 16);
+  }
+  cv::Mat rgb(h, w, CV_8UC3);
+  uint8_t* dst[4] = {rgb.data, nullptr, nullptr, nullptr};
+  int dst_stride[4] = {static_cast<int>(rgb.step[0]), 0, 0, 0};
+  const int rows = sws_scale(ctx, frame->data, frame->linesize, 0, frame->height, dst, dst_stride);
+  LVX_CHECK(rows == h, "video '", info_.path, "': swscale wrote ", rows, " rows, expected ", h);
+  switch (info_.rotation) {
+    case 90: cv::rotate(rgb, out->rgb, cv::ROTATE_90_CLOCKWISE); break;
+    case 180: cv::rotate(rgb, out->rgb, cv::ROTATE_180); break;
+    case 270: cv::rotate(rgb, out->rgb, cv::ROTATE_90_COUNTERCLOCKWISE); break;
+    default: out->rgb = rgb;
+  }
+}
+
+}  // namespace lvx::video
