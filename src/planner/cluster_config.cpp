@@ -1,0 +1,91 @@
+#include "src/planner/cluster_config.h"
+
+#include <sstream>
+
+#include "src/common/error.h"
+#include "src/planner/model_config.h"
+#include "src/planner/yaml_fields.h"
+
+namespace lvx::planner {
+
+const AttentionThroughput& ClusterConfig::attention_for(const std::string& dtype) const {
+  auto it = attention.find(dtype);
+  LVX_CHECK(it != attention.end(), "cluster '", name, "': attention_tflops.", dtype,
+            ": missing (the model's dtype; pass --dtype to plan with another)");
+  return it->second;
+}
+
+double ClusterConfig::gemm_for(const std::string& dtype) const {
+  auto it = gemm_flops.find(dtype);
+  LVX_CHECK(it != gemm_flops.end(), "cluster '", name, "': gemm_tflops.", dtype, ": missing");
+  return it->second;
+}
+
+namespace {
+
+Link read_link(const YamlMap& m) {
+  Link l;
+  l.bandwidth_bytes_per_s = m.get_double("bandwidth_gb_per_s") * 1e9;
+  l.latency_s = m.get_double("latency_us") * 1e-6;
+  m.finish();
+  return l;
+}
+
+}  // namespace
+
+ClusterConfig load_cluster_config(const std::string& path) {
+  YamlMap root = load_yaml_map(path);
+  ClusterConfig c;
+  c.name = root.get_string("name");
+  c.device = root.get_string("device");
+  c.gpus_per_node = root.get_int("gpus_per_node");
+  c.nodes = root.get_int("nodes");
+  c.device_memory_bytes = static_cast<int64_t>(root.get_double("device_memory_gib") * (1LL << 30));
+  YamlMap att = root.get_map("attention_tflops");
+  for (const char* dt : {"bf16", "fp16", "fp32"}) {
+    if (!att.has(dt)) continue;
+    YamlMap t = att.get_map(dt);
+    c.attention[dt] = {t.get_double("forward") * 1e12, t.get_double("backward") * 1e12};
+    t.finish();
+  }
+  att.finish();
+  LVX_CHECK(!c.attention.empty(), root.where("attention_tflops"),
+            ": needs at least one of bf16, fp16, fp32");
+  YamlMap gemm = root.get_map("gemm_tflops");
+  for (const char* dt : {"bf16", "fp16", "fp32"}) {
+    if (gemm.has(dt)) c.gemm_flops[dt] = gemm.get_double(dt) * 1e12;
+  }
+  gemm.finish();
+  c.intra_node = read_link(root.get_map("intra_node"));
+  c.inter_node = read_link(root.get_map("inter_node"));
+  root.finish();
+  return c;
+}
+
+std::string cluster_config_yaml(const ClusterConfig& c, const std::string& comment) {
+  std::ostringstream os;
+  os.precision(6);
+  std::istringstream lines(comment);
+  for (std::string line; std::getline(lines, line);) os << "# " << line << "\n";
+  os << "name: " << c.name << "\n";
+  os << "device: \"" << c.device << "\"\n";
+  os << "gpus_per_node: " << c.gpus_per_node << "\n";
+  os << "nodes: " << c.nodes << "\n";
+  os << "device_memory_gib: " << static_cast<double>(c.device_memory_bytes) / (1LL << 30) << "\n";
+  os << "attention_tflops:\n";
+  for (const auto& [dt, t] : c.attention) {
+    os << "  " << dt << ": {forward: " << t.forward_flops / 1e12
+       << ", backward: " << t.backward_flops / 1e12 << "}\n";
+  }
+  os << "gemm_tflops:\n";
+  for (const auto& [dt, f] : c.gemm_flops) os << "  " << dt << ": " << f / 1e12 << "\n";
+  auto link = [&](const char* name, const Link& l) {
+    os << name << ": {bandwidth_gb_per_s: " << l.bandwidth_bytes_per_s / 1e9
+       << ", latency_us: " << l.latency_s * 1e6 << "}\n";
+  };
+  link("intra_node", c.intra_node);
+  link("inter_node", c.inter_node);
+  return os.str();
+}
+
+}  // namespace lvx::planner

@@ -1,0 +1,46 @@
+// Cluster configs (configs/clusters/*.yaml): how many GPUs, how much memory, how fast attention
+// runs per dtype, and the two link classes (inside a node, between nodes). Strict loading as in
+// model_config.h; `lvx calibrate` writes one for the machine it runs on. Fields: docs/planner.md.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace lvx::planner {
+
+// Achieved attention throughput in FLOP/s with the FlashAttention FLOP convention (dense
+// counts; Dao 2024, LV-XAttn Table 1): forward 4·Sq·Skv·H·D, backward 10·Sq·Skv·H·D.
+struct AttentionThroughput {
+  double forward_flops = 0;
+  double backward_flops = 0;
+};
+
+struct Link {
+  double bandwidth_bytes_per_s = 0;  // one direction; for inter_node, per node (its GPUs share it)
+  double latency_s = 0;              // per message
+};
+
+struct ClusterConfig {
+  std::string name;
+  std::string device;  // free text, e.g. "A100-SXM4-80GB"
+  int64_t gpus_per_node = 0;
+  int64_t nodes = 0;
+  int64_t device_memory_bytes = 0;
+  std::map<std::string, AttentionThroughput> attention;  // by dtype (bf16, fp16, fp32)
+  std::map<std::string, double> gemm_flops;              // dense matmul FLOP/s by dtype
+  Link intra_node;
+  Link inter_node;
+
+  int64_t world_size() const { return gpus_per_node * nodes; }
+  // Errors name the config and the missing dtype.
+  const AttentionThroughput& attention_for(const std::string& dtype) const;
+  double gemm_for(const std::string& dtype) const;
+};
+
+ClusterConfig load_cluster_config(const std::string& path);
+
+// Writes `c` in the format load_cluster_config reads (used by `lvx calibrate`).
+std::string cluster_config_yaml(const ClusterConfig& c, const std::string& comment);
+
+}  // namespace lvx::planner

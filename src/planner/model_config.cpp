@@ -1,0 +1,92 @@
+#include "src/planner/model_config.h"
+
+#include "src/common/error.h"
+#include "src/planner/yaml_fields.h"
+
+namespace lvx::planner {
+
+const char* to_string(LayerKind kind) { return kind == LayerKind::kSelf ? "self" : "cross"; }
+
+const char* to_string(MaskRule rule) {
+  switch (rule) {
+    case MaskRule::kNone:
+      return "none";
+    case MaskRule::kCausal:
+      return "causal";
+    case MaskRule::kMediaImmediate:
+      return "media_immediate";
+    case MaskRule::kMediaUpTo:
+      return "media_upto";
+  }
+  return "?";
+}
+
+MaskRule mask_rule_from_string(const std::string& s, const std::string& where) {
+  if (s == "none") return MaskRule::kNone;
+  if (s == "causal") return MaskRule::kCausal;
+  if (s == "media_immediate") return MaskRule::kMediaImmediate;
+  if (s == "media_upto") return MaskRule::kMediaUpTo;
+  LVX_FAIL(where, ": expected none|causal|media_immediate|media_upto, got '", s, "'");
+}
+
+int64_t dtype_bytes(const std::string& dtype, const std::string& where) {
+  if (dtype == "bf16" || dtype == "fp16") return 2;
+  if (dtype == "fp32") return 4;
+  LVX_FAIL(where, ": expected bf16|fp16|fp32, got '", dtype, "'");
+}
+
+int64_t ModelConfig::count(LayerKind kind) const {
+  int64_t n = 0;
+  for (const auto& l : layers) n += l.kind == kind;
+  return n;
+}
+
+ModelConfig load_model_config(const std::string& path) {
+  YamlMap root = load_yaml_map(path);
+  ModelConfig m;
+  m.name = root.get_string("name");
+  m.family = root.get_string("family");
+  m.dtype = root.get_string("dtype");
+  dtype_bytes(m.dtype, root.where("dtype"));
+  m.visual_tokens_per_frame = root.get_int("visual_tokens_per_frame");
+  m.visual_feature_dim = root.get_int("visual_feature_dim");
+  YamlMap v = root.get_map("vision_encoder");
+  m.vision.hidden_size = v.get_int("hidden_size");
+  m.vision.layers = v.get_int("layers");
+  m.vision.heads = v.get_int("heads");
+  m.vision.mlp_size = v.get_int("mlp_size");
+  m.vision.image_size = v.get_int("image_size");
+  m.vision.patch_size = v.get_int("patch_size");
+  v.finish();
+  for (const YamlMap& e : root.get_map_list("layers")) {
+    AttentionLayerConfig l;
+    std::string kind = e.get_string("kind");
+    if (kind == "self") {
+      l.kind = LayerKind::kSelf;
+    } else if (kind == "cross") {
+      l.kind = LayerKind::kCross;
+    } else {
+      LVX_FAIL(e.where("kind"), ": expected self|cross, got '", kind, "'");
+    }
+    l.hidden_size = e.get_int("hidden_size");
+    l.heads = e.get_int("heads");
+    l.kv_heads = e.get_int("kv_heads");
+    l.head_dim = e.get_int("head_dim");
+    l.mlp_size = e.get_int("mlp_size");
+    l.mask = mask_rule_from_string(e.get_string("mask"), e.where("mask"));
+    int64_t repeat = e.get_int_or("repeat", 1);
+    e.finish();
+    LVX_CHECK(l.heads % l.kv_heads == 0, e.where("kv_heads"), ": heads (", l.heads,
+              ") must be a multiple of kv_heads (", l.kv_heads, ")");
+    bool cross_mask = l.mask == MaskRule::kMediaImmediate || l.mask == MaskRule::kMediaUpTo;
+    LVX_CHECK(l.kind == LayerKind::kCross || !cross_mask, e.where("mask"),
+              ": a self-attention layer cannot use a media mask");
+    LVX_CHECK(l.kind == LayerKind::kSelf || l.mask != MaskRule::kCausal, e.where("mask"),
+              ": a cross-attention layer cannot be causal");
+    for (int64_t i = 0; i < repeat; ++i) m.layers.push_back(l);
+  }
+  root.finish();
+  return m;
+}
+
+}  // namespace lvx::planner

@@ -1,0 +1,300 @@
+#include "src/planner/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+
+#include "src/common/error.h"
+
+namespace lvx::planner {
+
+namespace {
+
+bool same_saved_state(Strategy f, Strategy b) {
+  // lv_xattn and ring keep the same contiguous shards of q, k, v, o, lse; every other strategy
+  // keeps its own layout (striped permutes tokens, ulysses shards heads, all_gather holds full
+  // K/V, local holds everything).
+  auto contiguous = [](Strategy s) { return s == Strategy::kLvXattn || s == Strategy::kRing; };
+  return f == b || (contiguous(f) && contiguous(b));
+}
+
+std::string seconds(double s) {
+  std::ostringstream os;
+  os << std::setprecision(3);
+  if (s >= 1) {
+    os << s << "s";
+  } else if (s >= 1e-3) {
+    os << s * 1e3 << "ms";
+  } else {
+    os << s * 1e6 << "us";
+  }
+  return os.str();
+}
+
+std::string bytes(double b) {
+  std::ostringstream os;
+  os << std::setprecision(3);
+  if (b >= double(1LL << 30)) {
+    os << b / double(1LL << 30) << "G";
+  } else if (b >= double(1 << 20)) {
+    os << b / double(1 << 20) << "M";
+  } else {
+    os << b / 1024 << "K";
+  }
+  return os.str();
+}
+
+std::string describe(const StrategyCost& c, bool train) {
+  std::ostringstream os;
+  os << to_string(c.strategy) << " is " << c.bound << "-bound (compute "
+     << seconds(c.fwd_compute_s + c.bwd_compute_s) << ", communication "
+     << seconds(c.fwd_comm_s + c.bwd_comm_s) << " if not overlapped, sends "
+     << bytes(c.bytes_sent.forward + (train ? c.bytes_sent.backward : 0)) << " per rank)";
+  return os.str();
+}
+
+}  // namespace
+
+std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload& w) {
+  LVX_CHECK(w.frames > 0, "--frames: expected > 0, got ", w.frames);
+  LVX_CHECK(w.text_tokens >= w.frames, "--text: expected >= --frames (", w.frames,
+            ", one <image> token per frame), got ", w.text_tokens);
+  const int64_t tpf = w.tokens_per_frame > 0 ? w.tokens_per_frame : m.visual_tokens_per_frame;
+  const std::string dtype = w.dtype.empty() ? m.dtype : w.dtype;
+  const int64_t e = dtype_bytes(dtype, "--dtype");
+  std::vector<LayerWorkload> out;
+  for (const AttentionLayerConfig& l : m.layers) {
+    LayerWorkload lw;
+    lw.kind = l.kind;
+    lw.sq = w.text_tokens;
+    lw.skv = l.kind == LayerKind::kSelf ? w.text_tokens : w.frames * tpf;
+    lw.heads = l.heads;
+    lw.kv_heads = l.kv_heads;
+    lw.head_dim = l.head_dim;
+    lw.hidden_size = l.hidden_size;
+    lw.visual_feature_dim = l.kind == LayerKind::kCross ? m.visual_feature_dim : 0;
+    lw.mask = l.mask;
+    switch (l.mask) {
+      case MaskRule::kNone:
+        lw.density = 1;
+        break;
+      case MaskRule::kCausal:
+        lw.density = 0.5;
+        break;
+      case MaskRule::kMediaUpTo:
+        lw.density = 0.5;
+        break;
+      case MaskRule::kMediaImmediate:
+        lw.density = 1.0 / static_cast<double>(w.frames);
+        break;
+    }
+    lw.elem_bytes = e;
+    lw.dtype = dtype;
+    out.push_back(lw);
+  }
+  return out;
+}
+
+std::string LayerPlan::choice_name() const {
+  if (forward == backward) return to_string(forward);
+  return std::string(to_string(forward)) + "+" + to_string(backward);
+}
+
+Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
+          const CostOptions& opt_in) {
+  Plan p;
+  p.model = m.name;
+  p.cluster = c.name;
+  p.workload = w;
+  p.ranks = w.ranks > 0 ? w.ranks : c.world_size();
+  LVX_CHECK(p.ranks <= c.world_size(), "--nproc: cluster '", c.name, "' has ", c.world_size(),
+            " GPUs, got ", p.ranks);
+  p.options = opt_in;
+  p.options.train = w.train;
+  const std::vector<LayerWorkload> works = layer_workloads(m, w);
+  auto candidate = [&](Strategy s) {
+    return w.strategies.empty() ||
+           std::find(w.strategies.begin(), w.strategies.end(), s) != w.strategies.end();
+  };
+  double saved_total = 0, max_working = 0;
+  for (size_t i = 0; i < works.size(); ++i) {
+    LayerPlan lp;
+    lp.index = static_cast<int>(i);
+    lp.work = works[i];
+    for (Strategy s : kAllStrategies) lp.costs[s] = estimate(s, lp.work, c, p.ranks, p.options);
+    double best = std::numeric_limits<double>::infinity();
+    for (Strategy f : kAllStrategies) {
+      for (Strategy b : kAllStrategies) {
+        if (!p.options.train && f != b) continue;
+        if (!same_saved_state(f, b) || !candidate(f) || !candidate(b)) continue;
+        const StrategyCost &cf = lp.costs[f], &cb = lp.costs[b];
+        if (!cf.feasible || !cb.feasible) continue;
+        double t = cf.fwd_s + cb.bwd_s;
+        // A mixed pair must beat the pure choice by more than rounding to be worth the switch.
+        if (t < best * (f == b ? 1.0 : 0.999)) {
+          best = t;
+          lp.forward = f;
+          lp.backward = b;
+          lp.mem_bytes = std::max(cf.mem_bytes, cb.mem_bytes);
+        }
+      }
+    }
+    if (!std::isfinite(best)) {
+      std::string why;
+      for (const auto& [s, cost] : lp.costs) why += str("; ", to_string(s), ": ", cost.reason);
+      LVX_FAIL("layer ", i, " (", to_string(lp.work.kind), "): no feasible strategy", why);
+    }
+    lp.time_s = best;
+    double second = std::numeric_limits<double>::infinity();
+    for (Strategy s : kAllStrategies) {
+      const StrategyCost& cs = lp.costs[s];
+      if (s == lp.forward || !cs.feasible || !candidate(s)) continue;
+      if (cs.fwd_s + cs.bwd_s < second) {
+        second = cs.fwd_s + cs.bwd_s;
+        lp.runner_up = s;
+        lp.has_runner_up = true;
+      }
+    }
+    std::ostringstream ex;
+    ex << lp.choice_name() << " " << seconds(best);
+    if (lp.has_runner_up) {
+      ex << " vs " << to_string(lp.runner_up) << " " << seconds(second) << " ("
+         << std::setprecision(3) << second / best
+         << "x): " << describe(lp.costs[lp.forward], w.train) << "; "
+         << describe(lp.costs[lp.runner_up], w.train);
+    } else {
+      ex << ": the only feasible strategy";
+    }
+    for (Strategy s : kAllStrategies) {
+      if (!lp.costs[s].feasible)
+        ex << "; " << to_string(s) << " infeasible: " << lp.costs[s].reason;
+    }
+    lp.explanation = ex.str();
+    p.total_s += best;
+    const double saved =
+        std::max(lp.costs[lp.forward].saved_bytes, lp.costs[lp.backward].saved_bytes);
+    saved_total += saved;
+    max_working = std::max(max_working, lp.mem_bytes - saved);
+    if (lp.work.kind == LayerKind::kCross && w.train && p.options.recompute_cross_kv) {
+      p.shared_visual_bytes = shard_bytes(lp.work, p.ranks, p.options).y;
+    }
+    p.layers.push_back(std::move(lp));
+  }
+  p.peak_mem_bytes = saved_total + p.shared_visual_bytes + max_working;
+  p.fits = p.peak_mem_bytes <= static_cast<double>(c.device_memory_bytes);
+  return p;
+}
+
+double uniform_time(const Plan& p, Strategy s, LayerKind kind) {
+  double t = 0;
+  for (const LayerPlan& l : p.layers) {
+    if (l.work.kind != kind) continue;
+    const StrategyCost& c = l.costs.at(s);
+    if (!c.feasible) return std::numeric_limits<double>::infinity();
+    t += c.fwd_s + c.bwd_s;
+  }
+  return t;
+}
+
+nlohmann::json to_json(const Plan& p) {
+  using nlohmann::json;
+  json layers = json::array();
+  for (const LayerPlan& l : p.layers) {
+    json pred = json::object();
+    for (const auto& [s, c] : l.costs) {
+      pred[to_string(s)] = {{"fwd_s", c.fwd_s},
+                            {"bwd_s", c.bwd_s},
+                            {"mem_bytes", c.mem_bytes},
+                            {"feasible", c.feasible},
+                            {"reason", c.reason},
+                            {"bound", c.bound},
+                            {"bytes_sent_fwd", c.bytes_sent.forward},
+                            {"bytes_sent_bwd", c.bytes_sent.backward},
+                            {"compute_s", c.fwd_compute_s + c.bwd_compute_s},
+                            {"comm_s", c.fwd_comm_s + c.bwd_comm_s}};
+    }
+    layers.push_back({{"index", l.index},
+                      {"kind", to_string(l.work.kind)},
+                      {"sq", l.work.sq},
+                      {"skv", l.work.skv},
+                      {"heads", l.work.heads},
+                      {"kv_heads", l.work.kv_heads},
+                      {"head_dim", l.work.head_dim},
+                      {"mask", to_string(l.work.mask)},
+                      {"mask_density", l.work.density},
+                      {"choice", l.choice_name()},
+                      {"choice_forward", to_string(l.forward)},
+                      {"choice_backward", to_string(l.backward)},
+                      {"runner_up", l.has_runner_up ? to_string(l.runner_up) : ""},
+                      {"time_s", l.time_s},
+                      {"mem_bytes", l.mem_bytes},
+                      {"explanation", l.explanation},
+                      {"predicted", pred}});
+  }
+  json uniform = json::object();
+  for (Strategy s : kAllStrategies) {
+    double t = uniform_time(p, s, LayerKind::kSelf) + uniform_time(p, s, LayerKind::kCross);
+    uniform[to_string(s)] = std::isfinite(t) ? json(t) : json(nullptr);
+  }
+  double cross = 0, self = 0;
+  for (const LayerPlan& l : p.layers) (l.work.kind == LayerKind::kCross ? cross : self) += l.time_s;
+  json total = {{"time_s", p.total_s},
+                {"self_s", self},
+                {"cross_s", cross},
+                {"peak_mem_bytes", p.peak_mem_bytes},
+                {"shared_visual_bytes", p.shared_visual_bytes},
+                {"fits", p.fits},
+                {"uniform_strategy_time_s", uniform}};
+  return {{"model", p.model},
+          {"cluster", p.cluster},
+          {"ranks", p.ranks},
+          {"frames", p.workload.frames},
+          {"text", p.workload.text_tokens},
+          {"train", p.workload.train},
+          {"expand_kv_heads", p.options.expand_kv_heads},
+          {"skip_masked_tiles", p.options.skip_masked_tiles},
+          {"layers", layers},
+          {"total", total}};
+}
+
+std::string format_table(const Plan& p) {
+  std::ostringstream os;
+  os << "plan: model " << p.model << ", cluster " << p.cluster << ", " << p.ranks << " ranks, "
+     << p.workload.frames << " frames, text " << p.workload.text_tokens << ", "
+     << (p.workload.train ? "training (fwd+bwd)" : "inference (fwd)") << "\n";
+  os << std::left << std::setw(4) << "#" << std::setw(6) << "kind" << std::setw(22)
+     << "Sq/rank x Skv/rank";
+  for (Strategy s : kAllStrategies) os << std::setw(19) << to_string(s);
+  os << std::setw(16) << "choice"
+     << "runner-up\n";
+  for (const LayerPlan& l : p.layers) {
+    std::ostringstream shape;
+    shape << l.work.sq / p.ranks << "x" << l.work.skv / p.ranks << " h" << l.work.heads << "/"
+          << l.work.kv_heads;
+    os << std::setw(4) << l.index << std::setw(6) << to_string(l.work.kind) << std::setw(22)
+       << shape.str();
+    for (Strategy s : kAllStrategies) {
+      const StrategyCost& c = l.costs.at(s);
+      std::string cell = c.feasible ? seconds(c.fwd_s + c.bwd_s) + "/" + bytes(c.mem_bytes)
+                                    : std::string("infeasible");
+      os << std::setw(19) << cell;
+    }
+    os << std::setw(16) << l.choice_name() << (l.has_runner_up ? to_string(l.runner_up) : "-")
+       << "\n";
+  }
+  os << "\nwhy:\n";
+  for (const LayerPlan& l : p.layers) os << "  layer " << l.index << ": " << l.explanation << "\n";
+  os << "\ntotal " << seconds(p.total_s);
+  const double ring = uniform_time(p, Strategy::kRing, LayerKind::kSelf) +
+                      uniform_time(p, Strategy::kRing, LayerKind::kCross);
+  if (std::isfinite(ring))
+    os << " (ring everywhere: " << seconds(ring) << ", " << std::setprecision(3) << ring / p.total_s
+       << "x)";
+  os << "; peak memory per rank " << bytes(p.peak_mem_bytes)
+     << (p.fits ? "" : " (DOES NOT FIT the device memory)") << "\n";
+  return os.str();
+}
+
+}  // namespace lvx::planner
