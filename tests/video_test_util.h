@@ -31,20 +31,25 @@ inline std::string run(const std::string& cmd, int* rc_out = nullptr) {
   return out;
 }
 
-// A per-process scratch directory, removed at exit.
+// A per-process scratch directory, removed after the suite (TempDirCleanup below).
 inline const std::filesystem::path& temp_dir() {
   static const std::filesystem::path dir = [] {
     std::string tmpl = (std::filesystem::temp_directory_path() / "lvx_video_XXXXXX").string();
     const char* made = mkdtemp(tmpl.data());
-    std::filesystem::path p = made ? made : tmpl;
-    std::atexit([] {
-      std::error_code ec;
-      std::filesystem::remove_all(temp_dir(), ec);
-    });
-    return p;
+    return std::filesystem::path(made ? made : tmpl);
   }();
   return dir;
 }
+
+class TempDirCleanup : public ::testing::Environment {
+ public:
+  // Not std::filesystem::remove_all: the copy libtorch.so exports wins symbol resolution and
+  // crashes (null call) in this build.
+  void TearDown() override { std::system(("rm -rf '" + temp_dir().string() + "'").c_str()); }
+};
+// One registration per binary (inline variable: every test file shares it).
+inline ::testing::Environment* const kTempDirCleanup =
+    ::testing::AddGlobalTestEnvironment(new TempDirCleanup);
 
 // Encodes `filters` (a lavfi source graph) with `args` into temp_dir()/name, once per process.
 inline std::string make_video(const std::string& name, const std::string& source,
@@ -58,13 +63,16 @@ inline std::string make_video(const std::string& name, const std::string& source
 // The sws flags lvx uses, so the CLI conversion is the same one and frames compare exactly.
 constexpr const char* kRefScale = "scale=flags=bicubic+accurate_rnd+full_chroma_int";
 
-// Every frame ffmpeg decodes, in output (presentation) order, as RGB24 H×W×3 each, after
-// ffmpeg's own autorotation. `vf_extra` is added before the conversion.
+// Every frame ffmpeg decodes, in output (presentation) order, as RGB24 H×W×3 each. By default
+// after ffmpeg's own autorotation (which rotates the YUV planes, then converts); with
+// `after_rgb` non-empty, autorotation is off and that filter runs on the RGB frames instead.
 inline std::vector<std::vector<uint8_t>> reference_frames(const std::string& path, int64_t w,
-                                                          int64_t h) {
+                                                          int64_t h,
+                                                          const std::string& after_rgb = "") {
   const std::string raw = path + ".rgb";
-  run("ffmpeg -nostdin -v error -y -i '" + path + "' -vsync passthrough -vf '" + kRefScale +
-      ",format=rgb24' -f rawvideo '" + raw + "'");
+  run("ffmpeg -nostdin -v error -y " + std::string(after_rgb.empty() ? "" : "-noautorotate ") +
+      "-i '" + path + "' -vsync passthrough -vf '" + kRefScale + ",format=rgb24" +
+      (after_rgb.empty() ? "" : "," + after_rgb) + "' -f rawvideo '" + raw + "'");
   std::ifstream in(raw, std::ios::binary);
   std::vector<uint8_t> all((std::istreambuf_iterator<char>(in)), {});
   const size_t frame = static_cast<size_t>(w * h * 3);
@@ -72,6 +80,14 @@ inline std::vector<std::vector<uint8_t>> reference_frames(const std::string& pat
   for (size_t off = 0; frame > 0 && off + frame <= all.size(); off += frame)
     frames.emplace_back(all.begin() + off, all.begin() + off + frame);
   return frames;
+}
+
+// Rotation in av_display_rotation_get's convention (counter-clockwise degrees) as ffprobe reads
+// the display matrix; 0 when there is none.
+inline int reference_display_rotation(const std::string& path) {
+  const std::string out = run("ffprobe -v error -select_streams v:0 -show_entries "
+                              "stream_side_data=rotation -of csv=p=0 '" + path + "'");
+  return out.find_first_of("-0123456789") == std::string::npos ? 0 : std::stoi(out);
 }
 
 // Presentation timestamps (seconds) of every decoded frame, as ffprobe reports them.

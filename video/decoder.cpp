@@ -11,7 +11,7 @@ extern "C" {
 #include <opencv2/core.hpp>
 
 #include <cmath>
-#include <filesystem>
+#include <sys/stat.h>
 
 namespace lvx::video {
 namespace {
@@ -49,10 +49,11 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
   // FFmpeg's own warnings ("partial file", alignment notes) would interleave with ours; every
   // problem that matters reaches the caller as an lvx::Error or a DecodeReport entry instead.
   av_log_set_level(AV_LOG_ERROR);
-  std::error_code ec;
-  LVX_CHECK(std::filesystem::exists(path, ec), "video '", path, "': no such file");
-  LVX_CHECK(!std::filesystem::is_directory(path, ec), "video '", path,
-            "': is a directory, not a video file");
+  // stat(), not std::filesystem: libtorch.so exports its own, broken, std::filesystem symbols.
+  struct stat st_buf {};
+  LVX_CHECK(::stat(path.c_str(), &st_buf) == 0, "video '", path, "': no such file");
+  LVX_CHECK(!S_ISDIR(st_buf.st_mode), "video '", path, "': is a directory, not a video file");
+  LVX_CHECK(st_buf.st_size > 0, "video '", path, "': the file is empty");
   fmt_ = open_input(path);
   const AVCodec* codec = nullptr;
   stream_ = av_find_best_stream(fmt_.get(), AVMEDIA_TYPE_VIDEO, -1, -1, &codec, 0);
