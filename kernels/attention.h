@@ -37,8 +37,8 @@ enum class MediaRule {
 
 struct AttentionMask {
   MaskKind kind = MaskKind::kNone;
-  at::Tensor q_pos;   // kCausal: int64 [Sq] global position of each local query
-  at::Tensor k_pos;   // kCausal: int64 [Skv] global position of each local key
+  at::Tensor q_pos;  // kCausal: int64 [Sq] global position of each local query
+  at::Tensor k_pos;  // kCausal: int64 [Skv] global position of each local key
   MediaRule media_rule = MediaRule::kImmediate;
   at::Tensor q_media;   // kMedia: int32 [B, Sq], most recent media index of each query (−1 none:
                         // the query sees nothing and gets a zero output)
@@ -62,6 +62,15 @@ struct AttentionGrads {
   at::Tensor dv;  // [B, Skv, Hkv, D], accumulation dtype
 };
 
+// What the blockwise kernels did (for tests and benchmarks): tiles are (query tile x key tile)
+// pairs per (batch, query head); a skipped tile had no visible entry (decided from per-tile
+// min/max of the mask metadata, never by scanning entries), a full tile needed no mask.
+struct AttentionStats {
+  int64_t tiles_total = 0;    // all (query tile, key tile) pairs considered
+  int64_t tiles_skipped = 0;  // pairs with no visible entry: no matmul, no softmax
+  int64_t tiles_full = 0;     // pairs computed without building a mask (every entry visible)
+};
+
 // Accumulation dtype for an input dtype: float64 → float64, anything else → float32.
 at::ScalarType accumulation_dtype(at::ScalarType input);
 
@@ -69,12 +78,19 @@ at::ScalarType accumulation_dtype(at::ScalarType input);
 // naming the tensor, the expected and the actual value.
 AttentionOutput attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const AttentionParams& params);
+// Same, and adds what the kernel did to *stats (when not null).
+AttentionOutput attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const AttentionParams& params, AttentionStats* stats);
 
 // Blockwise backward for one (Q block, K/V block) pair with the final global lse and delta
 // ([B, Hq, Sq], accumulation dtype). dout has q's shape (any float dtype).
 AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& dout, const at::Tensor& lse,
                                   const at::Tensor& delta, const AttentionParams& params);
+AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& dout, const at::Tensor& lse,
+                                  const at::Tensor& delta, const AttentionParams& params,
+                                  AttentionStats* stats);
 
 // delta = rowsum(dO ∘ O) as [B, Hq, Sq] in the accumulation dtype.
 at::Tensor attention_delta(const at::Tensor& dout, const at::Tensor& o);
@@ -90,9 +106,8 @@ void merge_attention_states(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Te
 // Dense reference: materializes S in `compute_dtype` (float64 for the exact reference, the input
 // dtype for the same-precision reference). Returns o [B,Sq,Hq,D] and lse [B,Hq,Sq] in
 // compute_dtype. For tests and benchmarks only.
-AttentionOutput attention_reference(const at::Tensor& q, const at::Tensor& k,
-                                    const at::Tensor& v, const AttentionParams& params,
-                                    at::ScalarType compute_dtype);
+AttentionOutput attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const AttentionParams& params, at::ScalarType compute_dtype);
 
 // The boolean visibility matrix [B, Sq, Skv] the mask implies (true = query sees key).
 at::Tensor mask_matrix(const AttentionMask& mask, int64_t batch, int64_t sq, int64_t skv);

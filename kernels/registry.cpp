@@ -1,0 +1,19 @@
+// The device table of attention implementations. The only #ifdef on CUDA in kernels/: a
+// static library drops object files nobody references, so the table names the CUDA entry
+// here instead of relying on a static initializer in the .cu file.
+#include "kernels/registry.h"
+
+namespace lvx::kernels {
+
+const AttentionImpl* find_attention_impl(c10::DeviceType device) {
+  static const AttentionImpl cpu{"cpu", attention_forward_cpu, attention_backward_cpu,
+                                 merge_attention_states_cpu};
+  if (device == c10::DeviceType::CPU) return &cpu;
+#ifdef LVX_WITH_CUDA
+  static const AttentionImpl cuda = cuda_attention_impl();
+  if (device == c10::DeviceType::CUDA) return &cuda;
+#endif
+  return nullptr;
+}
+
+}  // namespace lvx::kernels

@@ -1,0 +1,54 @@
+// Per-device implementations of the attention ops. Each device's files fill one entry
+// (torchcodec-style registration); kernels/attention.cpp picks the entry by q.device(), so
+// callers never see #ifdef LVX_WITH_CUDA. Internal to kernels/.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "kernels/attention.h"
+
+namespace lvx::kernels {
+
+// CPU tile sizes (queries x keys): 128 x 512 fp32 scores = 256 KiB, one L2-sized tile per
+// thread. Tests use them to count the tiles a mask lets the kernels skip.
+constexpr int64_t kCpuQTile = 128;
+constexpr int64_t kCpuKTile = 512;
+
+// Arguments are already checked and in canonical form (see attention.cpp): q, k, v, dout in
+// [B, S, H, D] with the last dim contiguous; lse, delta contiguous [B, Hq, Sq] in the
+// accumulation dtype; scale resolved (> 0).
+using ForwardFn = AttentionOutput (*)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      double scale, const AttentionMask& mask,
+                                      AttentionStats* stats);
+using BackwardFn = AttentionGrads (*)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& dout, const at::Tensor& lse,
+                                      const at::Tensor& delta, double scale,
+                                      const AttentionMask& mask, AttentionStats* stats);
+// o_acc/lse_acc contiguous, accumulation dtype; o_new/lse_new the same dtype and shape.
+using MergeFn = void (*)(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Tensor& o_new,
+                         const at::Tensor& lse_new);
+
+struct AttentionImpl {
+  const char* name = nullptr;
+  ForwardFn forward = nullptr;
+  BackwardFn backward = nullptr;
+  MergeFn merge = nullptr;
+};
+
+// The implementation for a device type, or null when none was compiled in.
+const AttentionImpl* find_attention_impl(c10::DeviceType device);
+
+// Filled in by attention_{fwd,bwd}_cpu.cpp / merge_states_cpu.cpp and, with CUDA, by the .cu
+// twins (registered from registry.cpp so that static linking keeps them).
+AttentionOutput attention_forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      double scale, const AttentionMask& mask,
+                                      AttentionStats* stats);
+AttentionGrads attention_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& dout, const at::Tensor& lse,
+                                      const at::Tensor& delta, double scale,
+                                      const AttentionMask& mask, AttentionStats* stats);
+void merge_attention_states_cpu(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Tensor& o_new,
+                                const at::Tensor& lse_new);
+AttentionImpl cuda_attention_impl();  // defined in attention_fwd.cu when LVX_WITH_CUDA
+
+}  // namespace lvx::kernels

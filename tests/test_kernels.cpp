@@ -1,0 +1,425 @@
+// Local attention kernels against an fp64 dense reference (attention_reference + autograd), with
+// the tolerance taken from the precision itself (FlashAttention's dual-reference gate):
+//   error(kernel vs fp64) <= 2 * error(dense same-dtype reference vs fp64) + atol(dtype).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "kernels/attention.h"
+#include "kernels/registry.h"
+#include "src/common/error.h"
+
+namespace lvx::kernels {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// atol of the gate, per input dtype. The kernel accumulates in fp32 (fp64 for fp64), so its
+// error is the same-dtype reference's or far below; atol only absorbs the fp32 accumulation
+// noise that the fp32/bf16 references can undercut on tiny cases, and fp64 round-off.
+double gate_atol(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble:
+      return 1e-11;  // fp64 vs fp64: only summation-order round-off (~1e-15 relative)
+    case at::kFloat:
+      return 2e-5;  // a few fp32 ulps over sums of ~1e3 terms
+    default:
+      return 1e-3;  // bf16 inputs, fp32 accumulation: far below the bf16 reference's ~1e-2
+  }
+}
+
+enum class MaskCase { kNone, kCausal, kMediaImmediate, kMediaUpTo, kPadding };
+
+const char* mask_name(MaskCase m) {
+  switch (m) {
+    case MaskCase::kNone:
+      return "none";
+    case MaskCase::kCausal:
+      return "causal";
+    case MaskCase::kMediaImmediate:
+      return "mediaImm";
+    case MaskCase::kMediaUpTo:
+      return "mediaUpTo";
+    case MaskCase::kPadding:
+      return "padding";
+  }
+  return "?";
+}
+
+// Media indices per token: keys come in `n_media` equal runs, a few keys are -1 (seen by
+// nobody); queries hold a non-decreasing "most recent media", -1 before the first one.
+at::Tensor media_keys(int64_t batch, int64_t skv, int64_t n_media) {
+  auto idx = (at::arange(skv, at::kLong) * n_media / std::max<int64_t>(skv, 1)).to(at::kInt);
+  auto m = idx.unsqueeze(0).repeat({batch, 1});
+  if (skv > 3) m.select(1, skv / 3).fill_(-1);
+  return m.contiguous();
+}
+
+at::Tensor media_queries(int64_t batch, int64_t sq, int64_t n_media) {
+  auto r = at::randint(-1, n_media, {batch, sq}, at::kInt);
+  return std::get<0>(r.sort(1)).contiguous();
+}
+
+AttentionMask make_mask(MaskCase c, int64_t batch, int64_t sq, int64_t skv) {
+  AttentionMask m;
+  switch (c) {
+    case MaskCase::kNone:
+      break;
+    case MaskCase::kCausal:
+      // Aligned at the end: the last query sees the last key (queries before the first key's
+      // position, when Sq > Skv, see nothing).
+      m.kind = MaskKind::kCausal;
+      m.q_pos = at::arange(sq, at::kLong) + (skv - sq);
+      m.k_pos = at::arange(skv, at::kLong);
+      break;
+    case MaskCase::kMediaImmediate:
+    case MaskCase::kMediaUpTo:
+      m.kind = MaskKind::kMedia;
+      m.media_rule = c == MaskCase::kMediaImmediate ? MediaRule::kImmediate : MediaRule::kUpTo;
+      m.q_media = media_queries(batch, sq, 3);
+      m.kv_media = media_keys(batch, skv, 3);
+      break;
+    case MaskCase::kPadding:
+      m.kv_valid = at::rand({batch, skv}) > 0.2;
+      m.kv_valid.select(0, batch - 1).narrow(0, skv / 2, skv - skv / 2).fill_(false);
+      break;
+  }
+  return m;
+}
+
+struct Shape {
+  int64_t batch, sq, skv, hq, hkv, d;
+};
+
+std::string shape_name(const Shape& s);
+void PrintTo(const Shape& s, std::ostream* os) { *os << shape_name(s); }
+void PrintTo(MaskCase m, std::ostream* os) { *os << mask_name(m); }
+
+std::string shape_name(const Shape& s) {
+  return "B" + std::to_string(s.batch) + "_Sq" + std::to_string(s.sq) + "_Skv" +
+         std::to_string(s.skv) + "_Hq" + std::to_string(s.hq) + "_Hkv" + std::to_string(s.hkv) +
+         "_D" + std::to_string(s.d);
+}
+
+std::string dtype_name(at::ScalarType t) {
+  return t == at::kDouble ? "f64" : t == at::kFloat ? "f32" : t == at::kBFloat16 ? "bf16" : "f16";
+}
+
+double max_abs(const at::Tensor& t) { return t.numel() == 0 ? 0.0 : t.abs().max().item<double>(); }
+
+// max |x - ref| over finite entries, normalized by max(1, max |ref|); -inf must match -inf.
+double error(const at::Tensor& x, const at::Tensor& ref) {
+  auto a = x.to(at::kDouble), r = ref.to(at::kDouble);
+  EXPECT_EQ(a.isnan().sum().item<int64_t>(), 0) << "NaN in kernel output";
+  auto both_ninf = a.isneginf() & r.isneginf();
+  auto diff = at::where(both_ninf, at::zeros_like(a), a - r);
+  if (diff.isnan().any().item<bool>() || diff.isinf().any().item<bool>()) return kInf;
+  return max_abs(diff) / std::max(1.0, max_abs(at::where(both_ninf, at::zeros_like(r), r)));
+}
+
+struct Grads {
+  at::Tensor dq, dk, dv;
+};
+
+// Gradients of sum(o * dout) through the dense reference, by autograd, in `dtype`.
+Grads reference_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& dout, const AttentionParams& p, at::ScalarType dtype) {
+  auto qd = q.to(dtype).detach().requires_grad_(true);
+  auto kd = k.to(dtype).detach().requires_grad_(true);
+  auto vd = v.to(dtype).detach().requires_grad_(true);
+  auto ref = attention_reference(qd, kd, vd, p, dtype);
+  (ref.o * dout.to(dtype)).sum().backward();
+  return {qd.grad(), kd.grad(), vd.grad()};
+}
+
+using Case = std::tuple<at::ScalarType, MaskCase, Shape>;
+
+class AttentionKernel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionKernel, ForwardAndBackwardMatchFp64Reference) {
+  const auto [dtype, mask_case, s] = GetParam();
+  at::manual_seed(1234);
+  auto q = at::randn({s.batch, s.sq, s.hq, s.d}).to(dtype);
+  auto k = at::randn({s.batch, s.skv, s.hkv, s.d}).to(dtype);
+  auto v = at::randn({s.batch, s.skv, s.hkv, s.d}).to(dtype);
+  auto dout = at::randn({s.batch, s.sq, s.hq, s.d}).to(dtype);
+  AttentionParams p;
+  p.mask = make_mask(mask_case, s.batch, s.sq, s.skv);
+
+  auto out = attention_forward(q, k, v, p);
+  const auto acc = accumulation_dtype(dtype);
+  ASSERT_EQ(out.o.scalar_type(), acc);
+  ASSERT_EQ(out.lse.sizes(), at::IntArrayRef({s.batch, s.hq, s.sq}));
+  auto exact = attention_reference(q, k, v, p, at::kDouble);
+  auto same = attention_reference(q, k, v, p, dtype);
+  const double atol = gate_atol(dtype);
+  const double e_o = error(out.o, exact.o), e_o_ref = error(same.o, exact.o);
+  const double e_l = error(out.lse, exact.lse), e_l_ref = error(same.lse, exact.lse);
+  EXPECT_LE(e_o, 2 * e_o_ref + atol) << "o: kernel " << e_o << ", same-dtype reference " << e_o_ref;
+  EXPECT_LE(e_l, 2 * e_l_ref + atol) << "lse: kernel " << e_l << ", reference " << e_l_ref;
+
+  auto delta = attention_delta(dout, out.o);
+  auto g = attention_backward(q, k, v, dout, out.lse, delta, p);
+  auto gx = reference_grads(q, k, v, dout, p, at::kDouble);
+  auto gs = reference_grads(q, k, v, dout, p, dtype);
+  for (auto [name, got, want, same_ref] :
+       {std::tuple{"dq", g.dq, gx.dq, gs.dq}, std::tuple{"dk", g.dk, gx.dk, gs.dk},
+        std::tuple{"dv", g.dv, gx.dv, gs.dv}}) {
+    ASSERT_EQ(got.sizes(), want.sizes()) << name;
+    const double e = error(got, want), e_ref = error(same_ref, want);
+    EXPECT_LE(e, 2 * e_ref + atol)
+        << name << ": kernel " << e << ", same-dtype reference " << e_ref;
+  }
+}
+
+std::vector<Shape> shapes() {
+  return {
+      {2, 1, 77, 4, 4, 32},     // one query (decode), MHA
+      {2, 37, 1100, 4, 2, 32},  // Skv >> Sq, 3 key tiles (last partial), GQA
+      {1, 130, 130, 4, 1, 16},  // 2 query tiles (last partial), MQA
+      {2, 200, 70, 4, 2, 16},   // Sq > Skv: causal rows before the first key see nothing
+  };
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const auto& [dtype, mask, shape] = info.param;
+  return dtype_name(dtype) + "_" + mask_name(mask) + "_" + shape_name(shape);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sweep, AttentionKernel,
+    ::testing::Combine(::testing::Values(at::kFloat, at::kDouble, at::kBFloat16),
+                       ::testing::Values(MaskCase::kNone, MaskCase::kCausal,
+                                         MaskCase::kMediaImmediate, MaskCase::kMediaUpTo,
+                                         MaskCase::kPadding),
+                       ::testing::ValuesIn(shapes())),
+    case_name);
+
+// fp16 inputs take the same path as bf16 (converted per tile, fp32 accumulation).
+TEST(AttentionKernelHalf, ForwardMatchesGate) {
+  at::manual_seed(7);
+  auto q = at::randn({1, 40, 4, 32}).to(at::kHalf);
+  auto k = at::randn({1, 600, 2, 32}).to(at::kHalf);
+  auto v = at::randn({1, 600, 2, 32}).to(at::kHalf);
+  AttentionParams p;
+  p.mask = make_mask(MaskCase::kCausal, 1, 40, 600);
+  auto out = attention_forward(q, k, v, p);
+  auto exact = attention_reference(q, k, v, p, at::kDouble);
+  auto same = attention_reference(q, k, v, p, at::kFloat);  // CPU half matmul is emulated
+  EXPECT_LE(error(out.o, exact.o), 2 * error(same.o, exact.o) + 1e-3);
+}
+
+// Rows that see no key: o = 0 and lse = -inf exactly, gradients 0, nothing NaN.
+TEST(AttentionKernelEmptyRows, ZeroOutputMinusInfLseZeroGrads) {
+  at::manual_seed(3);
+  const int64_t b = 1, sq = 20, skv = 700, h = 2, d = 16;
+  auto q = at::randn({b, sq, h, d}), k = at::randn({b, skv, h, d}), v = at::randn({b, skv, h, d});
+  auto dout = at::randn({b, sq, h, d});
+  for (int variant = 0; variant < 2; ++variant) {
+    AttentionParams p;
+    at::Tensor empty_rows;  // [Sq] bool
+    if (variant == 0) {     // media: q_media = -1 rows
+      p.mask.kind = MaskKind::kMedia;
+      p.mask.q_media = at::zeros({b, sq}, at::kInt);
+      p.mask.q_media.narrow(1, 0, 5).fill_(-1);
+      p.mask.q_media.narrow(1, 12, 3).fill_(-1);
+      p.mask.kv_media = at::zeros({b, skv}, at::kInt);
+      empty_rows = p.mask.q_media[0] < 0;
+    } else {  // causal: queries positioned before every key
+      p.mask.kind = MaskKind::kCausal;
+      p.mask.q_pos = at::arange(sq, at::kLong) * 100 - 1000;
+      p.mask.k_pos = at::arange(skv, at::kLong);
+      empty_rows = p.mask.q_pos < 0;
+    }
+    ASSERT_GT(empty_rows.sum().item<int64_t>(), 0);
+    auto out = attention_forward(q, k, v, p);
+    auto delta = attention_delta(dout, out.o);
+    auto g = attention_backward(q, k, v, dout, out.lse, delta, p);
+    for (const auto& t : {out.o, out.lse, g.dq, g.dk, g.dv}) {
+      EXPECT_EQ(t.isnan().sum().item<int64_t>(), 0) << "variant " << variant;
+    }
+    auto o_empty = out.o.select(0, 0).index({empty_rows});
+    EXPECT_EQ(o_empty.abs().max().item<float>(), 0.0f) << "variant " << variant;
+    auto lse_empty = out.lse.select(0, 0).index({at::indexing::Slice(), empty_rows});
+    EXPECT_TRUE(lse_empty.isneginf().all().item<bool>()) << "variant " << variant;
+    EXPECT_TRUE(out.lse.select(0, 0)
+                    .index({at::indexing::Slice(), ~empty_rows})
+                    .isfinite()
+                    .all()
+                    .item<bool>());
+    EXPECT_EQ(g.dq.select(0, 0).index({empty_rows}).abs().max().item<float>(), 0.0f);
+    // The +inf lse convention (flash-attn) for empty rows gives the same zero gradients.
+    auto lse_pinf = at::where(out.lse.isneginf(), at::full({}, kInf), out.lse);
+    auto g2 = attention_backward(q, k, v, dout, lse_pinf, delta, p);
+    EXPECT_TRUE(at::allclose(g2.dq, g.dq) && at::allclose(g2.dk, g.dk));
+  }
+}
+
+// Splitting K/V into 2..4 blocks, running each block and merging equals the unsplit forward,
+// including blocks in which some rows see nothing (causal, keys past the query).
+class MergeSplit : public ::testing::TestWithParam<std::tuple<at::ScalarType, int>> {};
+
+TEST_P(MergeSplit, EqualsUnsplitForward) {
+  const auto [dtype, blocks] = GetParam();
+  at::manual_seed(11 + blocks);
+  const int64_t b = 2, sq = 50, skv = 900, hq = 4, hkv = 2, d = 32;
+  auto q = at::randn({b, sq, hq, d}, dtype), k = at::randn({b, skv, hkv, d}, dtype);
+  auto v = at::randn({b, skv, hkv, d}, dtype);
+  AttentionParams p;
+  p.mask.kind = MaskKind::kCausal;
+  p.mask.q_pos = at::arange(sq, at::kLong) * 15 + 20;  // spread so every block has empty rows
+  p.mask.k_pos = at::arange(skv, at::kLong);
+  auto whole = attention_forward(q, k, v, p);
+  // Start from the empty state, as a ring accumulator does.
+  auto acc = accumulation_dtype(dtype);
+  at::Tensor o = at::zeros({b, sq, hq, d}, acc);
+  at::Tensor lse = at::full({b, hq, sq}, -kInf, acc);
+  int64_t start = 0;
+  for (int i = 0; i < blocks; ++i) {
+    const int64_t end = i + 1 == blocks ? skv : start + (skv / blocks) + 37 * (i % 2);
+    AttentionParams pb = p;
+    pb.mask.k_pos = p.mask.k_pos.narrow(0, start, end - start);
+    auto part =
+        attention_forward(q, k.narrow(1, start, end - start), v.narrow(1, start, end - start), pb);
+    merge_attention_states(o, lse, part.o, part.lse);
+    start = end;
+  }
+  const double tol = dtype == at::kDouble ? 1e-12 : 2e-6;
+  EXPECT_EQ(o.isnan().sum().item<int64_t>(), 0);
+  EXPECT_LE(error(o, whole.o), tol);
+  EXPECT_LE(error(lse, whole.lse), tol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Blocks, MergeSplit,
+                         ::testing::Combine(::testing::Values(at::kFloat, at::kDouble),
+                                            ::testing::Values(2, 3, 4)),
+                         [](const auto& info) {
+                           return dtype_name(std::get<0>(info.param)) + "_" +
+                                  std::to_string(std::get<1>(info.param)) + "blocks";
+                         });
+
+// Empty rows on either or both sides, and the +inf convention, by hand-made states whose merge
+// is known exactly.
+TEST(MergeStates, EmptyRowsAndInfinityConventions) {
+  // Rows: 0 acc empty(-inf), 1 new empty(-inf), 2 both empty, 3 acc +inf, 4 new +inf,
+  //       5 both +inf, 6 both finite and equal, 7 far apart (exp underflows).
+  const int64_t rows = 8, d = 3;
+  auto o_acc = at::arange(rows * d, at::kFloat).reshape({1, rows, 1, d}) + 1;
+  auto o_new = -at::arange(rows * d, at::kFloat).reshape({1, rows, 1, d}) - 1;
+  auto la = at::tensor({-kInf, 1.0, -kInf, kInf, 2.0, kInf, 0.5, 0.0}).to(at::kFloat);
+  auto ln = at::tensor({3.0, -kInf, -kInf, 2.0, kInf, kInf, 0.5, 200.0}).to(at::kFloat);
+  auto o_a0 = o_acc.clone(), o_n0 = o_new.clone();
+  auto lse_acc = la.reshape({1, 1, rows}).clone();
+  merge_attention_states(o_acc, lse_acc, o_new, ln.reshape({1, 1, rows}));
+  auto l = lse_acc.flatten();
+  EXPECT_EQ(o_acc.isnan().sum().item<int64_t>(), 0);
+  EXPECT_FLOAT_EQ(l[0].item<float>(), 3.0f);
+  EXPECT_TRUE(at::equal(o_acc.select(1, 0), o_n0.select(1, 0)));
+  EXPECT_FLOAT_EQ(l[1].item<float>(), 1.0f);
+  EXPECT_TRUE(at::equal(o_acc.select(1, 1), o_a0.select(1, 1)));
+  for (int r : {2, 5}) {
+    EXPECT_TRUE(std::isinf(l[r].item<float>()) && l[r].item<float>() < 0) << "row " << r;
+    EXPECT_EQ(o_acc.select(1, r).abs().max().item<float>(), 0.0f) << "row " << r;
+  }
+  EXPECT_FLOAT_EQ(l[3].item<float>(), 2.0f);
+  EXPECT_TRUE(at::equal(o_acc.select(1, 3), o_n0.select(1, 3)));
+  EXPECT_FLOAT_EQ(l[4].item<float>(), 2.0f);
+  EXPECT_TRUE(at::equal(o_acc.select(1, 4), o_a0.select(1, 4)));
+  EXPECT_NEAR(l[6].item<float>(), 0.5f + std::log(2.0f), 1e-6);
+  EXPECT_TRUE(at::allclose(o_acc.select(1, 6), (o_a0.select(1, 6) + o_n0.select(1, 6)) / 2));
+  EXPECT_FLOAT_EQ(l[7].item<float>(), 200.0f);
+  EXPECT_TRUE(at::allclose(o_acc.select(1, 7), o_n0.select(1, 7)));
+}
+
+// Tile skipping actually skips: the forward skips exactly the (query tile, key tile) pairs of a
+// causal block that have no visible entry, and computes without a mask exactly those fully
+// visible (counted independently from mask_matrix).
+TEST(TileSkipping, CausalSkipsExactlyTheInvisibleTiles) {
+  const int64_t sq = 2048, skv = 2048, d = 8;
+  auto q = at::randn({1, sq, 1, d}), k = at::randn({1, skv, 1, d}), v = at::randn({1, skv, 1, d});
+  AttentionParams p;
+  p.mask.kind = MaskKind::kCausal;
+  p.mask.q_pos = at::arange(sq, at::kLong);
+  p.mask.k_pos = at::arange(skv, at::kLong);
+  AttentionStats st;
+  attention_forward(q, k, v, p, &st);
+  auto vis = mask_matrix(p.mask, 1, sq, skv)[0];
+  int64_t none = 0, full = 0, total = 0;
+  for (int64_t i = 0; i < sq; i += kCpuQTile) {
+    for (int64_t j = 0; j < skv; j += kCpuKTile) {
+      auto t =
+          vis.narrow(0, i, std::min(kCpuQTile, sq - i)).narrow(1, j, std::min(kCpuKTile, skv - j));
+      none += !t.any().item<bool>();
+      full += t.all().item<bool>();
+      ++total;
+    }
+  }
+  EXPECT_EQ(st.tiles_total, total);
+  EXPECT_EQ(st.tiles_skipped, none);
+  EXPECT_EQ(st.tiles_full, full);
+  EXPECT_GT(st.tiles_skipped, total / 3);  // 24 of 64 at 128 x 512 tiles
+  AttentionStats bs;
+  auto out = attention_forward(q, k, v, p);
+  attention_backward(q, k, v, q, out.lse, attention_delta(q, out.o), p, &bs);
+  EXPECT_EQ(bs.tiles_skipped, none);
+  EXPECT_EQ(bs.tiles_full, full);
+}
+
+TEST(TileSkipping, MediaImmediateSkipsOtherMediaTiles) {
+  // Two media of 1024 keys each; queries of media 1 never touch media 0's tiles.
+  const int64_t sq = 256, skv = 2048, d = 8;
+  auto q = at::randn({1, sq, 1, d}), k = at::randn({1, skv, 1, d}), v = at::randn({1, skv, 1, d});
+  AttentionParams p;
+  p.mask.kind = MaskKind::kMedia;
+  p.mask.q_media = at::ones({1, sq}, at::kInt);
+  p.mask.kv_media =
+      at::floor_divide(at::arange(skv, at::kLong), 1024).to(at::kInt).unsqueeze(0).contiguous();
+  AttentionStats st;
+  attention_forward(q, k, v, p, &st);
+  EXPECT_EQ(st.tiles_total, 2 * 4);
+  EXPECT_EQ(st.tiles_skipped, 2 * 2);
+  EXPECT_EQ(st.tiles_full, 2 * 2);
+}
+
+TEST(AttentionChecks, MessagesNameTensorExpectedAndActual) {
+  auto q = at::randn({1, 4, 8, 16}), k = at::randn({1, 6, 3, 16});
+  try {
+    attention_forward(q, k, k, {});
+    FAIL() << "expected an error";
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("k has 3 heads, which does not divide q's 8 heads"),
+              std::string::npos)
+        << e.what();
+  }
+  AttentionParams p;
+  p.mask.kind = MaskKind::kCausal;
+  p.mask.q_pos = at::arange(5, at::kLong);
+  p.mask.k_pos = at::arange(6, at::kLong);
+  try {
+    attention_forward(q, at::randn({1, 6, 2, 16}), at::randn({1, 6, 2, 16}), p);
+    FAIL() << "expected an error";
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q_pos must have shape [4], got [5]"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(attention_forward(q, at::randn({1, 6, 2, 8}), at::randn({1, 6, 2, 8}), {}),
+               lvx::Error);
+}
+
+TEST(MaskMatrix, RulesByHand) {
+  AttentionMask m;
+  m.kind = MaskKind::kMedia;
+  m.q_media = at::tensor({-1, 0, 1}, at::kInt).unsqueeze(0);
+  m.kv_media = at::tensor({0, 1, -1}, at::kInt).unsqueeze(0);
+  m.media_rule = MediaRule::kImmediate;
+  auto imm = mask_matrix(m, 1, 3, 3)[0].to(at::kInt);
+  EXPECT_TRUE(at::equal(imm, at::tensor({0, 0, 0, 1, 0, 0, 0, 1, 0}, at::kInt).reshape({3, 3})));
+  m.media_rule = MediaRule::kUpTo;
+  auto upto = mask_matrix(m, 1, 3, 3)[0].to(at::kInt);
+  EXPECT_TRUE(at::equal(upto, at::tensor({0, 0, 0, 1, 0, 0, 1, 1, 0}, at::kInt).reshape({3, 3})));
+}
+
+}  // namespace
+}  // namespace lvx::kernels
