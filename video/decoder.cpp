@@ -48,7 +48,7 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
             options.threads);
   // FFmpeg's own warnings ("partial file", alignment notes) would interleave with ours; every
   // problem that matters reaches the caller as an lvx::Error or a DecodeReport entry instead.
-  av_log_set_level(AV_LOG_ERROR);
+  av_log_set_level(AV_LOG_FATAL);
   // stat(), not std::filesystem: libtorch.so exports its own, broken, std::filesystem symbols.
   struct stat st_buf {};
   LVX_CHECK(::stat(path.c_str(), &st_buf) == 0, "video '", path, "': no such file");
@@ -104,6 +104,24 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
     info_.duration_seconds_from_header = fmt_->duration / static_cast<double>(AV_TIME_BASE);
 
   index_ = scan_frame_index(fmt_.get(), stream_, path);
+  // Some containers (matroska, avi) just report end of file when cut inside a cluster: the only
+  // trace is that the frames stop well before the duration the header promised. The stream's
+  // own duration is used, or the file's when the video is its only stream (audio can be longer).
+  double header_end = 0;
+  if (st->duration != AV_NOPTS_VALUE && st->duration > 0)
+    header_end = pts_to_seconds(st->duration + (st->start_time != AV_NOPTS_VALUE ? st->start_time : 0),
+                                st->time_base);
+  else if (fmt_->nb_streams == 1 && fmt_->duration != AV_NOPTS_VALUE && fmt_->duration > 0)
+    header_end = (fmt_->duration + (fmt_->start_time != AV_NOPTS_VALUE ? fmt_->start_time : 0)) /
+                 static_cast<double>(AV_TIME_BASE);
+  const double content_end = index_.end_seconds();
+  if (!index_.truncated && header_end > 0 &&
+      content_end < header_end - std::max(0.5, 0.02 * header_end)) {
+    index_.truncated = true;
+    index_.truncation_reason = lvx::str("the frames end at ", content_end,
+                                        " s but the container header says ", header_end,
+                                        " s (file cut short?)");
+  }
   stats_.packets_scanned = index_.num_frames();
   info_.num_frames = index_.num_frames();
   info_.begin_seconds = index_.pts_seconds(0);
@@ -219,7 +237,13 @@ void VideoDecoder::convert(const AVFrame* frame, DecodedFrame* out) {
             or_unknown(av_get_pix_fmt_name(src)), " ", frame->width, "x", frame->height,
             " to rgb24");
   const AVPixFmtDescriptor* desc = av_pix_fmt_desc_get(src);
-  if (desc && !(desc->flags & AV_PIX_FMT_FLAG_RGB)) {
+  const bool details_changed = ctx != sws_details_ctx_ ||
+                               frame->colorspace != sws_colorspace_ ||
+                               frame->color_range != sws_range_;
+  if (details_changed && desc && !(desc->flags & AV_PIX_FMT_FLAG_RGB)) {
+    sws_details_ctx_ = ctx;
+    sws_colorspace_ = frame->colorspace;
+    sws_range_ = frame->color_range;
     const int full = frame->color_range == AVCOL_RANGE_JPEG || is_full_range_format(src);
     // sws_getCoefficients maps AVColorSpace values (they equal SWS_CS_*) and falls back to
     // BT.601 for unspecified/unknown ones, like FFmpeg's scale filter.

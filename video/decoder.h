@@ -92,6 +92,10 @@ class VideoDecoder {
   UniqueAVFormatContext fmt_;
   UniqueAVCodecContext codec_;
   UniqueSwsContext sws_;
+  // The colour details last given to sws_ (they are set again only when they change).
+  const SwsContext* sws_details_ctx_ = nullptr;
+  AVColorSpace sws_colorspace_ = AVCOL_SPC_UNSPECIFIED;
+  AVColorRange sws_range_ = AVCOL_RANGE_UNSPECIFIED;
   UniqueAVPacket packet_;
   UniqueAVFrame frame_;
   int stream_ = -1;
