@@ -309,3 +309,23 @@ TEST(PlannerCost, BadWorkloadsAreNamed) {
 
 }  // namespace
 }  // namespace lvx::planner
+
+#include "src/planner/calibrate.h"
+
+namespace lvx::planner {
+namespace {
+
+TEST(PlannerCalibrate, FitLinkRecoversLatencyAndBandwidth) {
+  // comm(B) = 50 us + B / 2 GB/s, with one noisy small message.
+  std::vector<int64_t> sizes = {8, 64, 512, 4096, 1 << 20, 16 << 20};
+  std::vector<double> sec;
+  for (int64_t b : sizes) sec.push_back(50e-6 + double(b) / 2e9);
+  sec[1] += 3e-3;
+  Link l = fit_link(sizes, sec);
+  EXPECT_NEAR(l.latency_s, 50e-6, 1e-7);
+  EXPECT_NEAR(l.bandwidth_bytes_per_s / 2e9, 1.0, 1e-9);
+  EXPECT_THROW(fit_link({8, 64}, {1e-6, 2e-6}), Error);
+}
+
+}  // namespace
+}  // namespace lvx::planner

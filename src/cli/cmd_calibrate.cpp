@@ -1,0 +1,160 @@
+// `lvx calibrate`: measures this machine (attention and matmul throughput per dtype, ring-step
+// latency and bandwidth between N local ranks through the communication layer) and writes a
+// cluster config that `lvx plan` reads. The ranks are this executable re-launched through the
+// local launcher in a hidden worker mode (--comm-worker).
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "src/cli/args.h"
+#include "src/cli/command.h"
+#include "src/common/error.h"
+#include "src/dist/launcher.h"
+#include "src/planner/calibrate.h"
+
+#ifdef LVX_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+namespace {
+
+using lvx::planner::ClusterConfig;
+
+std::vector<int64_t> sweep(int64_t max_bytes) {
+  std::vector<int64_t> s;
+  for (int64_t b = 8; b <= max_bytes; b *= 8) s.push_back(b);
+  if (s.back() != max_bytes) s.push_back(max_bytes);
+  return s;
+}
+
+at::Device parse_device(const std::string& d) {
+  if (d == "cpu") return at::Device(at::kCPU);
+  LVX_CHECK(d == "cuda", "--device: expected cpu|cuda, got '", d, "'");
+  LVX_CHECK(at::hasCUDA(), "--device cuda: this lvx has no CUDA device available");
+  return at::Device(at::kCUDA, 0);
+}
+
+// One rank of the communication sweep; rank 0 writes {"sizes": [...], "seconds": [...]}.
+int comm_worker(const std::string& out, int64_t max_bytes, const std::string& device, int reps) {
+  auto pg = lvx::dist::ProcessGroup::from_env();
+  at::Device dev = parse_device(device);
+  if (dev.is_cuda()) dev = at::Device(at::kCUDA, static_cast<int8_t>(pg->info().local_rank));
+  std::vector<int64_t> sizes = sweep(max_bytes);
+  std::vector<double> sec = lvx::planner::measure_ring_steps(*pg, sizes, dev, reps);
+  if (pg->rank() == 0) {
+    std::ofstream f(out);
+    f << nlohmann::json{{"sizes", sizes}, {"seconds", sec}}.dump() << "\n";
+    LVX_CHECK(f.good(), "calibrate worker: cannot write '", out, "'");
+  }
+  pg->barrier();
+  return 0;
+}
+
+int cmd_calibrate(int argc, char** argv) {
+  lvx::cli::ArgParser p(
+      "lvx calibrate [--nproc N] [--device cpu|cuda] [--output C.yaml]",
+      "Measure this machine's attention throughput (forward, backward) and matmul throughput per\n"
+      "dtype, and the latency and bandwidth of a ring step between N local ranks, and write a\n"
+      "cluster config for `lvx plan`. One machine: intra_node is measured, inter_node repeats it.");
+  p.add_option("nproc", 'n', "2", "local ranks for the communication sweep");
+  p.add_option("device", 'd', "cpu", "cpu, or cuda (one GPU per rank)");
+  p.add_option("name", 0, "local", "name of the cluster config");
+  p.add_option("output", 'o', "", "write the cluster config here (default: stdout only)");
+  p.add_option("seq", 0, "512", "tokens of the attention problem timed (queries = keys)");
+  p.add_option("heads", 0, "8", "heads of the attention problem timed");
+  p.add_option("head-dim", 0, "64", "head dimension of the attention problem timed");
+  p.add_option("max-bytes", 0, "16777216", "largest ring message of the sweep");
+  p.add_option("reps", 'r', "5", "timed repetitions per measurement (median)");
+  p.add_option("comm-worker", 0, "", "internal: run one rank of the sweep, rank 0 writes here");
+  if (!p.parse(argc, argv)) return 0;
+  const int reps = static_cast<int>(p.get_int("reps"));
+  if (!p.get("comm-worker").empty()) {
+    return comm_worker(p.get("comm-worker"), p.get_int("max-bytes"), p.get("device"), reps);
+  }
+  const at::Device dev = parse_device(p.get("device"));
+  const int nproc = static_cast<int>(p.get_int("nproc"));
+  LVX_CHECK(nproc >= 2, "--nproc: the sweep needs at least 2 ranks, got ", nproc);
+
+  ClusterConfig c;
+  c.name = p.get("name");
+  c.gpus_per_node = nproc;
+  c.nodes = 1;
+  std::vector<at::ScalarType> dtypes = {at::kFloat};
+  if (dev.is_cuda()) dtypes = {at::kBFloat16, at::kHalf, at::kFloat};
+  std::ostringstream log;
+  for (at::ScalarType dt : dtypes) {
+    const char* name = dt == at::kBFloat16 ? "bf16" : dt == at::kHalf ? "fp16" : "fp32";
+    std::cerr << "calibrate: timing attention and matmul in " << name << " on " << dev << "\n";
+    auto s = lvx::planner::measure_throughput(dt, dev, p.get_int("seq"), p.get_int("heads"),
+                                              p.get_int("head-dim"), 1024, reps);
+    c.attention[name] = {s.forward_flops, s.backward_flops};
+    c.gemm_flops[name] = s.gemm_flops;
+    log << name << ": attention forward " << s.forward_s * 1e3 << " ms, backward "
+        << s.backward_s * 1e3 << " ms for seq " << p.get("seq") << " x heads " << p.get("heads")
+        << " x dim " << p.get("head-dim") << "\n";
+  }
+  if (dev.is_cuda()) {
+#ifdef LVX_WITH_CUDA
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(0);
+    c.device = prop->name;
+    c.device_memory_bytes = static_cast<int64_t>(prop->totalGlobalMem);
+#endif
+  } else {
+    c.device = "cpu";
+    const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+    c.device_memory_bytes = static_cast<int64_t>(ram / nproc);  // the ranks share the host
+  }
+
+  std::string tmp = (std::filesystem::temp_directory_path() /
+                     ("lvx_calibrate_" + std::to_string(getpid()) + ".json"))
+                        .string();
+  lvx::dist::LaunchOptions lo;
+  lo.nproc = nproc;
+  lo.capture = true;
+  lo.timeout_s = 300;
+  std::cerr << "calibrate: ring-step sweep on " << nproc << " local ranks\n";
+  auto r = lvx::dist::launch_local(
+      {lvx::cli::self_executable(), "calibrate", "--comm-worker", tmp, "--max-bytes",
+       p.get("max-bytes"), "--device", p.get("device"), "--reps", p.get("reps")},
+      lo);
+  if (r.exit_code != 0) {
+    for (const auto& rk : r.ranks) std::cerr << "[rank " << rk.rank << "] " << rk.output;
+    LVX_FAIL("calibrate: communication sweep failed (rank ", r.first_failed, " ",
+             lvx::dist::describe_exit(r.exit_code), ")");
+  }
+  nlohmann::json j;
+  {
+    std::ifstream f(tmp);
+    LVX_CHECK(f.good(), "calibrate: the sweep wrote no result to '", tmp, "'");
+    f >> j;
+  }
+  std::filesystem::remove(tmp);
+  std::vector<int64_t> sizes = j["sizes"].get<std::vector<int64_t>>();
+  std::vector<double> sec = j["seconds"].get<std::vector<double>>();
+  c.intra_node = lvx::planner::fit_link(sizes, sec);
+  c.inter_node = c.intra_node;
+  log << "ring step (send to next, receive from previous), " << nproc << " ranks:\n";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    log << "  " << sizes[i] << " B: " << sec[i] * 1e6 << " us (" << double(sizes[i]) / sec[i] / 1e9
+        << " GB/s)\n";
+  }
+  std::string yaml = lvx::planner::cluster_config_yaml(
+      c, "written by `lvx calibrate --nproc " + std::to_string(nproc) + " --device " +
+             p.get("device") + "`\n" + log.str() +
+             "one machine: inter_node repeats the measured intra_node link");
+  std::cout << yaml;
+  if (!p.get("output").empty()) {
+    std::ofstream f(p.get("output"));
+    f << yaml;
+    LVX_CHECK(f.good(), "--output: cannot write '", p.get("output"), "'");
+  }
+  return 0;
+}
+
+}  // namespace
+
+LVX_COMMAND("calibrate", "measure this machine and write a cluster config for lvx plan",
+            cmd_calibrate);
