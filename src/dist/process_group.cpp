@@ -222,6 +222,9 @@ struct Work::Impl {
   bool done = false;
 };
 
+Work::Work() = default;
+Work::Work(Work&&) noexcept = default;
+
 Work& Work::operator=(Work&& other) noexcept {
   if (this != &other) {
     if (impl_ && !impl_->done) {

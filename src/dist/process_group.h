@@ -65,8 +65,8 @@ class ProcessGroup;
 // the operation and the failed rank). Destroying an unwaited Work waits for it.
 class Work {
  public:
-  Work() = default;
-  Work(Work&&) noexcept = default;
+  Work();
+  Work(Work&&) noexcept;
   Work& operator=(Work&&) noexcept;
   ~Work();
   void wait();

@@ -1,0 +1,98 @@
+#include "src/attention/strategy.h"
+
+#include <cmath>
+
+#include "src/common/error.h"
+
+namespace lvx::attention {
+
+namespace {
+struct NameEntry {
+  StrategyKind kind;
+  const char* name;
+};
+constexpr NameEntry kNames[] = {{StrategyKind::kLvXAttn, "lv_xattn"},
+                                {StrategyKind::kRing, "ring"},
+                                {StrategyKind::kStriped, "striped"},
+                                {StrategyKind::kUlysses, "ulysses"},
+                                {StrategyKind::kAllGather, "all_gather"}};
+}  // namespace
+
+std::string strategy_name(StrategyKind k) {
+  for (const auto& e : kNames)
+    if (e.kind == k) return e.name;
+  return "unknown";
+}
+
+StrategyKind strategy_from_name(const std::string& name) {
+  std::string valid;
+  for (const auto& e : kNames) {
+    if (name == e.name) return e.kind;
+    valid += str(valid.empty() ? "" : ", ", e.name);
+  }
+  LVX_FAIL("unknown strategy '", name, "' (valid: ", valid, ")");
+}
+
+std::vector<StrategyKind> all_strategies() {
+  std::vector<StrategyKind> out;
+  for (const auto& e : kNames) out.push_back(e.kind);
+  return out;
+}
+
+std::string AttentionSpec::describe() const {
+  const char* m = mask == kernels::MaskKind::kNone     ? "none"
+                  : mask == kernels::MaskKind::kCausal ? "causal"
+                  : media_rule == kernels::MediaRule::kImmediate ? "media_immediate"
+                                                                 : "media_upto";
+  return str("B=", batch, " Sq=", sq, " Skv=", skv, " Hq=", hq, " Hkv=", hkv, " D=", head_dim,
+             " mask=", m, " scale=", scale);
+}
+
+Layout Strategy::q_layout(const AttentionSpec& s, int world) const {
+  return Layout{LayoutKind::kContiguous, s.sq, world};
+}
+
+Layout Strategy::kv_layout(const AttentionSpec& s, int world) const {
+  return Layout{LayoutKind::kContiguous, s.skv, world};
+}
+
+kernels::AttentionParams block_params(const AttentionSpec& s, const LocalInputs& in,
+                                      const at::Tensor& q_pos, const at::Tensor& k_pos) {
+  kernels::AttentionParams p;
+  p.scale = s.scale > 0 ? s.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  p.mask.kind = s.mask;
+  p.mask.media_rule = s.media_rule;
+  if (s.mask == kernels::MaskKind::kCausal) {
+    p.mask.q_pos = q_pos + s.causal_offset();
+    p.mask.k_pos = k_pos;
+  } else if (s.mask == kernels::MaskKind::kMedia) {
+    LVX_CHECK(in.q_media.defined() && in.kv_media.defined(),
+              "media mask needs q_media [B, Sq] and kv_media [B, Skv]");
+    p.mask.q_media = in.q_media.index_select(1, q_pos.to(in.q_media.device())).contiguous();
+    p.mask.kv_media = in.kv_media.index_select(1, k_pos.to(in.kv_media.device())).contiguous();
+  }
+  if (in.kv_valid.defined())
+    p.mask.kv_valid = in.kv_valid.index_select(1, k_pos.to(in.kv_valid.device())).contiguous();
+  return p;
+}
+
+int64_t element_bytes(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
+
+std::unique_ptr<Strategy> make_lv_xattn();
+std::unique_ptr<Strategy> make_ring();
+std::unique_ptr<Strategy> make_striped();
+std::unique_ptr<Strategy> make_ulysses();
+std::unique_ptr<Strategy> make_all_gather();
+
+std::unique_ptr<Strategy> make_strategy(StrategyKind k) {
+  switch (k) {
+    case StrategyKind::kLvXAttn: return make_lv_xattn();
+    case StrategyKind::kRing: return make_ring();
+    case StrategyKind::kStriped: return make_striped();
+    case StrategyKind::kUlysses: return make_ulysses();
+    case StrategyKind::kAllGather: return make_all_gather();
+  }
+  LVX_FAIL("unknown strategy kind");
+}
+
+}  // namespace lvx::attention

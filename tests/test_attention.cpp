@@ -1,0 +1,251 @@
+// Distributed attention against single-device attention (MagiAttention's dual-reference gate):
+// for every strategy × mask × {MHA, GQA} × {even, uneven shards} × world sizes 1–4, forward and
+// backward, the distributed error against an fp64 reference must be at most twice the error of a
+// same-dtype single-device reference plus a small atol (table below). The references here are a
+// dense closed form written independently of kernels/ (visibility matrix built from the mask
+// rules; backward from P, dP, dS). Each rank also checks its byte counters against the
+// strategy's analytic volume.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <iostream>
+
+#include "src/attention/strategy.h"
+#include "src/common/error.h"
+#include "tests/multirank.h"
+
+using namespace lvx;
+using attention::AttentionSpec;
+using attention::LocalInputs;
+using kernels::MaskKind;
+using kernels::MediaRule;
+
+namespace {
+
+struct Dense {
+  at::Tensor o, lse, dq, dk, dv;
+};
+
+// visible[b, i, j]: query i sees key j, straight from the mask rules of kernels/attention.h.
+at::Tensor visibility(const AttentionSpec& s, const at::Tensor& q_media, const at::Tensor& kv_media) {
+  if (s.mask == MaskKind::kNone) return at::ones({s.batch, s.sq, s.skv}, at::kBool);
+  if (s.mask == MaskKind::kCausal) {
+    auto qp = at::arange(s.sq, at::kLong).view({1, -1, 1}) + (s.skv - s.sq);
+    auto kp = at::arange(s.skv, at::kLong).view({1, 1, -1});
+    return kp.le(qp).expand({s.batch, s.sq, s.skv}).clone();
+  }
+  auto qm = q_media.to(at::kLong).unsqueeze(2), km = kv_media.to(at::kLong).unsqueeze(1);
+  auto seen = s.media_rule == MediaRule::kImmediate ? km.eq(qm) : km.le(qm);
+  return seen & qm.ge(0) & km.ge(0);
+}
+
+// Dense attention and its gradient in `dt` (float64 = exact reference).
+Dense dense(const AttentionSpec& s, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor dout,
+            const at::Tensor& vis, at::ScalarType dt) {
+  const int64_t g = s.hq / s.hkv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  q = q.to(dt).permute({0, 2, 1, 3});  // [B, H, S, D]
+  k = k.to(dt).repeat_interleave(g, 2).permute({0, 2, 1, 3});
+  v = v.to(dt).repeat_interleave(g, 2).permute({0, 2, 1, 3});
+  dout = dout.to(dt).permute({0, 2, 1, 3});
+  auto m = vis.unsqueeze(1);  // [B, 1, Sq, Skv]
+  auto S = at::matmul(q, k.transpose(-1, -2)) * scale;
+  S = S.masked_fill(m.logical_not(), -INFINITY);
+  auto lse = at::logsumexp(S, -1);  // −inf for empty rows
+  auto P = at::exp(S - lse.unsqueeze(-1)).nan_to_num(0.0).masked_fill(m.logical_not(), 0.0);
+  auto O = at::matmul(P, v);
+  auto dV = at::matmul(P.transpose(-1, -2), dout);
+  auto dP = at::matmul(dout, v.transpose(-1, -2));
+  auto D = (dout * O).sum(-1, true);
+  auto dS = P * (dP - D);
+  auto dQ = at::matmul(dS, k) * scale;
+  auto dK = at::matmul(dS.transpose(-1, -2), q) * scale;
+  auto fold = [&](const at::Tensor& x) {  // [B, Hq, S, D] → [B, S, Hkv, D], summed per group
+    return x.view({s.batch, s.hkv, g, x.size(2), s.head_dim}).sum(2).permute({0, 2, 1, 3});
+  };
+  return {O.permute({0, 2, 1, 3}), lse, dQ.permute({0, 2, 1, 3}), fold(dK), fold(dV)};
+}
+
+double max_err(const at::Tensor& a, const at::Tensor& ref) {
+  auto d = (a.to(at::kDouble) - ref.to(at::kDouble)).abs();
+  // −inf lse rows must match exactly; compare them as 0 error only if both are −inf.
+  auto both_inf = a.to(at::kDouble).isinf() & ref.isinf() & a.to(at::kDouble).eq(ref);
+  d = d.masked_fill(both_inf, 0.0);
+  if (d.numel() == 0) return 0;
+  return d.isnan().any().item<bool>() ? INFINITY : d.max().item<double>();
+}
+
+// atol per dtype: about one unit in the last place of outputs of magnitude ~1.
+double atol_for(at::ScalarType t) {
+  return t == at::kDouble ? 1e-12 : t == at::kFloat ? 1e-5 : 1e-2;
+}
+
+struct Case {
+  std::string strategy;
+  MaskKind mask;
+  MediaRule rule;
+  int64_t hq, hkv, sq, skv;
+  at::ScalarType dtype;
+  std::string name() const {
+    const char* m = mask == MaskKind::kNone ? "none" : mask == MaskKind::kCausal ? "causal"
+                    : rule == MediaRule::kImmediate ? "media_immediate" : "media_upto";
+    return lvx::str(strategy, "/", m, "/Hq", hq, "Hkv", hkv, "/Sq", sq, "Skv", skv, "/",
+                    c10::toString(dtype));
+  }
+};
+
+int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
+  const int n = pg.world_size(), r = pg.rank();
+  AttentionSpec s;
+  s.batch = 2;
+  s.sq = c.sq;
+  s.skv = c.skv;
+  s.hq = c.hq;
+  s.hkv = c.hkv;
+  s.head_dim = 8;
+  s.mask = c.mask;
+  s.media_rule = c.rule;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto q = at::randn({s.batch, s.sq, s.hq, s.head_dim}, gen, at::kDouble).to(c.dtype);
+  auto k = at::randn({s.batch, s.skv, s.hkv, s.head_dim}, gen, at::kDouble).to(c.dtype);
+  auto v = at::randn({s.batch, s.skv, s.hkv, s.head_dim}, gen, at::kDouble).to(c.dtype);
+  auto dout = at::randn({s.batch, s.sq, s.hq, s.head_dim}, gen, at::kDouble).to(c.dtype);
+  // Media: 3 media; keys grouped by media (some keys −1); queries' latest media, the first
+  // rows before any media (−1: they see nothing).
+  auto kv_media = at::div(at::arange(s.skv, at::kLong) * 3, s.skv, "floor").to(at::kInt).view({1, -1}).repeat({s.batch, 1});
+  kv_media.select(1, s.skv - 1).fill_(-1);
+  auto q_media = (at::div(at::arange(s.sq, at::kLong) * 4, s.sq, "floor") - 1).to(at::kInt).view({1, -1}).repeat({s.batch, 1});
+  auto strategy = attention::make_strategy(attention::strategy_from_name(c.strategy));
+  auto vis = visibility(s, q_media, kv_media);
+  Dense ref = dense(s, q, k, v, dout, vis, at::kDouble);
+  Dense same = dense(s, q, k, v, dout, vis, c.dtype);
+
+  const auto ql = strategy->q_layout(s, n), kl = strategy->kv_layout(s, n);
+  LocalInputs in{ql.shard(q, 1, r), kl.shard(k, 1, r), kl.shard(v, 1, r), q_media, kv_media, {}};
+  pg.counters().reset();
+  auto out = strategy->forward(pg, s, in);
+  auto fwd_sent = pg.counters().total_sent(), fwd_recv = pg.counters().total_received();
+  auto grads = strategy->backward(pg, s, in, out.o, out.lse, ql.shard(dout, 1, r));
+  auto bwd_sent = pg.counters().total_sent() - fwd_sent;
+  auto bwd_recv = pg.counters().total_received() - fwd_recv;
+
+  int bad = 0;
+  auto gate = [&](const char* what, const at::Tensor& got, const at::Tensor& want64,
+                  const at::Tensor& want_same) {
+    const double e = max_err(got, want64), e_same = max_err(want_same, want64);
+    const double bound = 2 * e_same + atol_for(c.dtype);
+    if (!(e <= bound)) {
+      std::cerr << "rank " << r << " " << c.name() << " " << what << ": error " << e
+                << " > bound " << bound << " (same-dtype reference error " << e_same << ")\n";
+      ++bad;
+    }
+  };
+  // What the user gets: outputs and grads in the input dtype; lse in fp32.
+  const auto dt = c.dtype;
+  gate("o", out.o.to(dt), ql.shard(ref.o, 1, r), ql.shard(same.o, 1, r));
+  gate("lse", out.lse, ql.shard(ref.lse, 2, r), ql.shard(same.lse.to(at::kFloat), 2, r));
+  gate("dq", grads.dq.to(dt), ql.shard(ref.dq, 1, r), ql.shard(same.dq, 1, r));
+  gate("dk", grads.dk.to(dt), kl.shard(ref.dk, 1, r), kl.shard(same.dk, 1, r));
+  gate("dv", grads.dv.to(dt), kl.shard(ref.dv, 1, r), kl.shard(same.dv, 1, r));
+  auto vf = strategy->analytic_bytes(s, n, r, c.dtype, false);
+  auto vb = strategy->analytic_bytes(s, n, r, c.dtype, true);
+  if (vf.sent != fwd_sent || vf.received != fwd_recv || vb.sent != bwd_sent ||
+      vb.received != bwd_recv) {
+    std::cerr << "rank " << r << " " << c.name() << ": bytes fwd " << fwd_sent << "/" << fwd_recv
+              << " (analytic " << vf.sent << "/" << vf.received << "), bwd " << bwd_sent << "/"
+              << bwd_recv << " (analytic " << vb.sent << "/" << vb.received << ")\n";
+    ++bad;
+  }
+  return bad;
+}
+
+std::vector<Case> all_cases(int world) {
+  std::vector<Case> cases;
+  const std::vector<std::tuple<MaskKind, MediaRule>> masks = {
+      {MaskKind::kNone, MediaRule::kImmediate}, {MaskKind::kCausal, MediaRule::kImmediate},
+      {MaskKind::kMedia, MediaRule::kImmediate}, {MaskKind::kMedia, MediaRule::kUpTo}};
+  // (sq, skv): even; uneven; causal Sq != Skv; decoding Sq = 1 (< world); Skv ≫ Sq.
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {int64_t{12} * world, int64_t{16} * world}, {13, 19}, {1, 11}, {5, 97}};
+  for (const auto& strat : {"ring", "lv_xattn", "striped", "ulysses", "all_gather"})
+    for (auto [mask, rule] : masks)
+      for (auto [hq, hkv] : std::vector<std::pair<int64_t, int64_t>>{{4, 4}, {4, 2}})
+        for (auto [sq, skv] : shapes) {
+          if (std::string(strat) == "ulysses" && (hq % world || hkv % world)) continue;
+          for (auto dt : {at::kFloat, at::kBFloat16})
+            cases.push_back({strat, mask, rule, hq, hkv, sq, skv, dt});
+        }
+  return cases;
+}
+
+}  // namespace
+
+LVX_WORKER(strategies) {
+  auto pg = dist::ProcessGroup::from_env();
+  const auto cases = all_cases(pg->world_size());
+  pg->check_agreement("cases", std::to_string(cases.size()));
+  int bad = 0;
+  uint64_t seed = 1;
+  for (const auto& c : cases) bad += run_case(*pg, c, seed++);
+  std::cout << "rank " << pg->rank() << ": " << cases.size() << " cases, " << bad
+            << " failures\n";
+  return bad ? 1 : 0;
+}
+
+class Strategies : public ::testing::TestWithParam<int> {};
+
+TEST_P(Strategies, AgreeWithSingleDeviceForwardBackwardAndBytes) {
+  lvx::testing::expect_all_ok(lvx::testing::run_ranks(GetParam(), "strategies", 500));
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Strategies, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+LVX_WORKER(ulysses_refuses) {
+  auto pg = dist::ProcessGroup::from_env();
+  AttentionSpec s;
+  s.sq = s.skv = 8;
+  s.hq = 4;
+  s.hkv = 1;
+  s.head_dim = 8;
+  try {
+    attention::make_strategy(attention::StrategyKind::kUlysses)->check_supported(s, pg->world_size());
+  } catch (const lvx::Error& e) {
+    std::cout << e.what() << "\n";
+    return std::string(e.what()).find("must both divide by the 2 ranks") != std::string::npos ? 0 : 1;
+  }
+  return 1;
+}
+
+TEST(Strategies, UlyssesRefusesHeadsThatDoNotDivide) {
+  lvx::testing::expect_all_ok(lvx::testing::run_ranks(2, "ulysses_refuses", 60));
+}
+
+TEST(Strategies, NamesRoundTripAndUnknownIsClear) {
+  for (auto k : attention::all_strategies())
+    EXPECT_EQ(attention::strategy_from_name(attention::strategy_name(k)), k);
+  try {
+    attention::strategy_from_name("rign");
+    FAIL();
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("valid: lv_xattn, ring"), std::string::npos);
+  }
+}
+
+TEST(Layouts, ShardUnshardRoundTripEvenUnevenStriped) {
+  for (auto kind : {attention::LayoutKind::kContiguous, attention::LayoutKind::kStriped})
+    for (int world : {1, 2, 3, 4})
+      for (int64_t total : {1, 5, 12, 13}) {
+        attention::Layout l{kind, total, world};
+        auto x = at::arange(total, at::kLong).view({1, -1});
+        std::vector<at::Tensor> shards;
+        int64_t sum = 0;
+        for (int r = 0; r < world; ++r) {
+          shards.push_back(l.shard(x, 1, r));
+          sum += l.local_size(r);
+          EXPECT_TRUE(shards.back().view({-1}).equal(l.positions(r)));
+        }
+        EXPECT_EQ(sum, total);
+        EXPECT_TRUE(l.unshard(shards, 1).equal(x));
+      }
+}
