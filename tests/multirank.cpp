@@ -28,6 +28,8 @@ std::vector<RankResult> run_ranks(int world, const std::string& worker, double t
   o.env = env;
   o.env["LVX_TEST_WORKER"] = worker;
   if (!o.env.count("LVX_DIST_TIMEOUT_S")) o.env["LVX_DIST_TIMEOUT_S"] = "20";
+  // Ranks of a test share 2 cores with the other tests ctest runs in parallel.
+  if (!o.env.count("OMP_NUM_THREADS")) o.env["OMP_NUM_THREADS"] = "1";
   auto r = dist::launch_local({self}, o);
   std::vector<RankResult> out;
   for (const auto& e : r.ranks) out.push_back({e.exit_code, e.output, e.seconds});

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <iostream>
@@ -100,6 +101,12 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
       }
       set("MASTER_ADDR", opts.master_addr);
       set("MASTER_PORT", std::to_string(port));
+      // As torchrun does: ranks sharing a machine split its cores instead of each spinning up
+      // one OpenMP thread per core (which oversubscribes and can be 30x slower).
+      if (!std::getenv("OMP_NUM_THREADS") && opts.nproc > 1) {
+        long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+        set("OMP_NUM_THREADS", std::to_string(std::max<long>(1, cores / opts.nproc)));
+      }
       for (const auto& [k, v] : opts.env) set(k, v);
       std::vector<char*> cargv;
       for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));

@@ -1,7 +1,8 @@
 // Starts N local ranks of a command the way torchrun does: each gets RANK, WORLD_SIZE,
 // LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Their output is prefixed with the
 // rank ("[rank 2] ..."), and if any rank fails the others are stopped (SIGTERM, then SIGKILL
-// after a grace period) and the launch fails with that rank's exit code. Used by `lvx launch`,
+// after a grace period) and the launch fails with that rank's exit code. Unless OMP_NUM_THREADS
+// is set, each of N ranks gets cores / N OpenMP threads (torchrun sets it too). Used by `lvx launch`,
 // by commands that run themselves on N ranks (`lvx attention --nproc N`), and by the tests.
 #pragma once
 
