@@ -75,7 +75,7 @@ TEST(PlannerCost, VolumesMatchTheStrategyFormulas) {
     EXPECT_DOUBLE_EQ(vol(Strategy::kRing).forward, m * (K + V));
     EXPECT_DOUBLE_EQ(vol(Strategy::kRing).backward, m * (K + V) + n * 2 * dK32);
     EXPECT_DOUBLE_EQ(vol(Strategy::kStriped).backward, vol(Strategy::kRing).backward);
-    EXPECT_DOUBLE_EQ(vol(Strategy::kUlysses).forward, m / n * (Q + K + V + O));
+    EXPECT_DOUBLE_EQ(vol(Strategy::kUlysses).forward, m / n * (Q + K + V + O + lse));
     EXPECT_DOUBLE_EQ(vol(Strategy::kUlysses).backward, m / n * (Q + Q + K + V));
     EXPECT_DOUBLE_EQ(vol(Strategy::kAllGather).forward, m * (K + V));
     EXPECT_DOUBLE_EQ(vol(Strategy::kAllGather).backward, m / n * (n * dK32 + n * dK32));

@@ -99,7 +99,7 @@ Volume comm_volume(Strategy s, const ShardBytes& b, int64_t n) {
       return {m * (b.k + b.v), m * (b.k + b.v) + nn * (b.dk32 + b.dv32)};
     case Strategy::kUlysses:
       // dQ/dK/dV return in the activation dtype (|dQ| = |Q|, |dK| = |K|).
-      return {m / nn * (b.q + b.k + b.v + b.o), m / nn * (b.q + b.q + b.k + b.v)};
+      return {m / nn * (b.q + b.k + b.v + b.o + b.lse), m / nn * (b.q + b.q + b.k + b.v)};
     case Strategy::kAllGather:
       return {m * (b.k + b.v), m * (b.dk32 + b.dv32)};
     case Strategy::kLocal:
@@ -217,7 +217,7 @@ StrategyCost estimate(Strategy s, const LayerWorkload& w, const ClusterConfig& c
       const double blocks_u = causal ? nn / 2 : nn;
       out.fwd_compute_s = blocks_u * blk_f;
       out.bwd_compute_s = blocks_u * blk_b;
-      out.fwd_comm_s = all_to_all_time(c, n, b.q + b.k + b.v) + all_to_all_time(c, n, b.o);
+      out.fwd_comm_s = all_to_all_time(c, n, b.q + b.k + b.v) + all_to_all_time(c, n, b.o + b.lse);
       out.bwd_comm_s = all_to_all_time(c, n, b.q) + all_to_all_time(c, n, b.q + b.k + b.v);
       out.fwd_s = out.fwd_compute_s + out.fwd_comm_s;
       out.bwd_s = out.bwd_compute_s + out.bwd_comm_s;

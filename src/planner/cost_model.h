@@ -29,8 +29,9 @@
 //   ring/striped fwd: a = |K| + |V|,               b = 0
 //   ring/striped bwd: a = |K| + |V|,               b = |dK32| + |dV32|
 // ulysses: all-to-all seq→head of q,k,v, attention of the whole sequence on Hq/n heads,
-//   head→seq of o: T_fwd = a2a(|Q|+|K|+|V|) + f_full/n + a2a(|O|); backward a2a(|dO|), then
-//   a2a(|dQ|+|dK|+|dV|); a2a(X) moves (n-1)/n·X per rank. Needs Hq % n == 0 and Hkv % n == 0.
+//   head→seq of o and lse: T_fwd = a2a(|Q|+|K|+|V|) + f_full/n + a2a(|O|+|lse|); backward
+//   a2a(|dO|), then a2a(|dQ|+|dK|+|dV|); a2a(X) moves (n-1)/n·X per rank. Needs Hq % n == 0 and Hkv
+//   % n == 0.
 // all_gather: ring all-gather of K/V, (n-1)·comm(|K|+|V|), then attention against the full K/V;
 //   backward reduce-scatters dK/dV in fp32, (n-1)·comm(|dK32|+|dV32|). Holds full K/V.
 // local: every rank runs the whole layer unsharded (feasible where it fits); with n > 1 it first

@@ -127,7 +127,7 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
     double best = std::numeric_limits<double>::infinity();
     for (Strategy f : kAllStrategies) {
       for (Strategy b : kAllStrategies) {
-        if (!p.options.train && f != b) continue;
+        if ((!p.options.train || !w.split_passes) && f != b) continue;
         if (!same_saved_state(f, b) || !candidate(f) || !candidate(b)) continue;
         const StrategyCost &cf = lp.costs[f], &cb = lp.costs[b];
         if (!cf.feasible || !cb.feasible) continue;

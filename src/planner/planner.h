@@ -22,6 +22,7 @@ struct Workload {
   std::string dtype;             // empty: the model's dtype
   bool train = false;
   std::vector<Strategy> strategies;  // candidates to choose from (empty: all); all are estimated
+  bool split_passes = true;          // may choose forward and backward strategies separately
 };
 
 // Builds each layer's workload (LV-XAttn §4 accounting: S_Q = text length for every layer;

@@ -1,0 +1,66 @@
+#include "src/planner/bench_plan.h"
+
+#include <algorithm>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "src/common/error.h"
+
+namespace lvx::planner {
+
+std::map<std::string, at::Tensor> layer_inputs(const LayerWorkload& w, int64_t frames,
+                                               at::ScalarType dtype, uint64_t seed) {
+  at::manual_seed(seed);
+  auto opt = at::TensorOptions().dtype(dtype);
+  std::map<std::string, at::Tensor> t;
+  t["q"] = at::randn({1, w.sq, w.heads, w.head_dim}, opt);
+  t["k"] = at::randn({1, w.skv, w.kv_heads, w.head_dim}, opt);
+  t["v"] = at::randn({1, w.skv, w.kv_heads, w.head_dim}, opt);
+  t["do"] = at::randn({1, w.sq, w.heads, w.head_dim}, opt);
+  if (w.kind == LayerKind::kCross) {
+    LVX_CHECK(frames > 0 && w.skv % frames == 0, "bench-plan: S_KV (", w.skv,
+              ") must be a whole number of frames (", frames, ")");
+    const int64_t tpf = w.skv / frames;
+    t["q_media"] =
+        at::div(at::arange(w.sq, at::kLong) * frames, w.sq, "floor").to(at::kInt).view({1, w.sq});
+    t["kv_media"] =
+        at::div(at::arange(w.skv, at::kLong), tpf, "floor").to(at::kInt).view({1, w.skv});
+  }
+  return t;
+}
+
+std::string attention_mask_flag(const LayerWorkload& w) { return to_string(w.mask); }
+
+AttentionRunStats read_attention_stats(const std::string& path) {
+  std::ifstream f(path);
+  LVX_CHECK(f.good(), path, ": cannot open (did lvx attention write --stats?)");
+  nlohmann::json j;
+  try {
+    f >> j;
+  } catch (const nlohmann::json::exception& e) {
+    LVX_FAIL(path, ": invalid JSON: ", e.what());
+  }
+  LVX_CHECK(j.contains("ranks") && j["ranks"].is_array() && !j["ranks"].empty(), path,
+            ": ranks: missing or empty");
+  AttentionRunStats s;
+  for (size_t i = 0; i < j["ranks"].size(); ++i) {
+    const auto& r = j["ranks"][i];
+    for (const char* k : {"seconds", "bytes_sent"}) {
+      LVX_CHECK(r.contains(k) && r[k].is_number(), path, ": ranks[", i, "].", k, ": missing");
+    }
+    s.seconds = std::max(s.seconds, r["seconds"].get<double>());
+    s.bytes_sent = std::max(s.bytes_sent, r["bytes_sent"].get<double>());
+  }
+  return s;
+}
+
+double regret(const std::map<Strategy, double>& measured, Strategy choice) {
+  auto it = measured.find(choice);
+  if (it == measured.end()) return std::numeric_limits<double>::quiet_NaN();
+  double best = std::numeric_limits<double>::infinity();
+  for (const auto& [s, t] : measured) best = std::min(best, t);
+  return it->second / best;
+}
+
+}  // namespace lvx::planner

@@ -1,0 +1,66 @@
+// Pieces of lvx bench-plan: layer inputs in lvx attention's format, its stats file, regret.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "src/common/error.h"
+#include "src/planner/bench_plan.h"
+
+namespace lvx::planner {
+namespace {
+
+TEST(PlannerBench, CrossLayerInputsCarryMediaIndices) {
+  LayerWorkload w;
+  w.kind = LayerKind::kCross;
+  w.sq = 10;
+  w.skv = 4 * 3;  // 4 frames of 3 tokens
+  w.heads = 4;
+  w.kv_heads = 2;
+  w.head_dim = 8;
+  w.mask = MaskRule::kMediaUpTo;
+  auto t = layer_inputs(w, 4, at::kFloat, 7);
+  EXPECT_EQ(t.at("q").sizes(), (at::IntArrayRef{1, 10, 4, 8}));
+  EXPECT_EQ(t.at("k").sizes(), (at::IntArrayRef{1, 12, 2, 8}));
+  EXPECT_EQ(t.at("do").sizes(), t.at("q").sizes());
+  // Text token t follows frame floor(t*4/10); key j belongs to frame floor(j/3).
+  std::vector<int> qm = {0, 0, 0, 1, 1, 2, 2, 2, 3, 3}, km = {0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3};
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(t.at("q_media")[0][i].item<int>(), qm[i]) << i;
+  for (int j = 0; j < 12; ++j) EXPECT_EQ(t.at("kv_media")[0][j].item<int>(), km[j]) << j;
+  EXPECT_EQ(t.at("q_media").scalar_type(), at::kInt);
+  EXPECT_EQ(attention_mask_flag(w), "media_upto");
+  // Deterministic for a seed.
+  EXPECT_TRUE(at::equal(t.at("q"), layer_inputs(w, 4, at::kFloat, 7).at("q")));
+  w.kind = LayerKind::kSelf;
+  w.mask = MaskRule::kCausal;
+  EXPECT_EQ(layer_inputs(w, 4, at::kFloat, 7).count("q_media"), 0u);
+}
+
+TEST(PlannerBench, StatsFileTakesTheSlowestRank) {
+  auto p = (std::filesystem::temp_directory_path() / "lvx_test_planner_stats.json").string();
+  std::ofstream(p) << R"({"strategy": "ring", "ranks": [
+      {"rank": 0, "bytes_sent": 100, "bytes_received": 100, "seconds": 0.5},
+      {"rank": 1, "bytes_sent": 120, "bytes_received": 80, "seconds": 0.7}]})";
+  AttentionRunStats s = read_attention_stats(p);
+  EXPECT_DOUBLE_EQ(s.seconds, 0.7);
+  EXPECT_DOUBLE_EQ(s.bytes_sent, 120);
+  std::ofstream(p) << R"({"strategy": "ring", "ranks": [{"rank": 0, "bytes_sent": 1}]})";
+  try {
+    read_attention_stats(p);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks[0].seconds: missing"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(PlannerBench, RegretIsChoiceOverFastest) {
+  std::map<Strategy, double> m = {{Strategy::kRing, 2.0}, {Strategy::kLvXattn, 1.0}};
+  EXPECT_DOUBLE_EQ(regret(m, Strategy::kLvXattn), 1.0);
+  EXPECT_DOUBLE_EQ(regret(m, Strategy::kRing), 2.0);
+  EXPECT_TRUE(std::isnan(regret(m, Strategy::kUlysses)));
+}
+
+}  // namespace
+}  // namespace lvx::planner
