@@ -240,7 +240,14 @@ nlohmann::json to_json(const Plan& p) {
   }
   double cross = 0, self = 0;
   for (const LayerPlan& l : p.layers) (l.work.kind == LayerKind::kCross ? cross : self) += l.time_s;
+  json uniform_kind = json::object();
+  for (Strategy s : kAllStrategies) {
+    double ts = uniform_time(p, s, LayerKind::kSelf), tc = uniform_time(p, s, LayerKind::kCross);
+    uniform_kind[to_string(s)] = {{"self_s", std::isfinite(ts) ? json(ts) : json(nullptr)},
+                                  {"cross_s", std::isfinite(tc) ? json(tc) : json(nullptr)}};
+  }
   json total = {{"time_s", p.total_s},
+                {"uniform_strategy_by_kind", uniform_kind},
                 {"self_s", self},
                 {"cross_s", cross},
                 {"peak_mem_bytes", p.peak_mem_bytes},
@@ -264,16 +271,36 @@ std::string format_table(const Plan& p) {
   os << "plan: model " << p.model << ", cluster " << p.cluster << ", " << p.ranks << " ranks, "
      << p.workload.frames << " frames, text " << p.workload.text_tokens << ", "
      << (p.workload.train ? "training (fwd+bwd)" : "inference (fwd)") << "\n";
-  os << std::left << std::setw(4) << "#" << std::setw(6) << "kind" << std::setw(22)
+  os << std::left << std::setw(7) << "layers" << std::setw(6) << "kind" << std::setw(22)
      << "Sq/rank x Skv/rank";
   for (Strategy s : kAllStrategies) os << std::setw(19) << to_string(s);
   os << std::setw(16) << "choice"
      << "runner-up\n";
-  for (const LayerPlan& l : p.layers) {
+  // Consecutive layers with the same work and choice share a row ("2-9").
+  auto same = [](const LayerPlan& a, const LayerPlan& b) {
+    return a.work.kind == b.work.kind && a.work.sq == b.work.sq && a.work.skv == b.work.skv &&
+           a.work.heads == b.work.heads && a.work.kv_heads == b.work.kv_heads &&
+           a.work.head_dim == b.work.head_dim && a.work.mask == b.work.mask &&
+           a.forward == b.forward && a.backward == b.backward;
+  };
+  std::vector<std::pair<size_t, size_t>> groups;
+  for (size_t i = 0; i < p.layers.size(); ++i) {
+    if (!groups.empty() && same(p.layers[groups.back().first], p.layers[i])) {
+      groups.back().second = i;
+    } else {
+      groups.push_back({i, i});
+    }
+  }
+  auto label = [](const std::pair<size_t, size_t>& g) {
+    return g.first == g.second ? std::to_string(g.first)
+                               : std::to_string(g.first) + "-" + std::to_string(g.second);
+  };
+  for (const auto& g : groups) {
+    const LayerPlan& l = p.layers[g.first];
     std::ostringstream shape;
     shape << l.work.sq / p.ranks << "x" << l.work.skv / p.ranks << " h" << l.work.heads << "/"
           << l.work.kv_heads;
-    os << std::setw(4) << l.index << std::setw(6) << to_string(l.work.kind) << std::setw(22)
+    os << std::setw(7) << label(g) << std::setw(6) << to_string(l.work.kind) << std::setw(22)
        << shape.str();
     for (Strategy s : kAllStrategies) {
       const StrategyCost& c = l.costs.at(s);
@@ -284,8 +311,11 @@ std::string format_table(const Plan& p) {
     os << std::setw(16) << l.choice_name() << (l.has_runner_up ? to_string(l.runner_up) : "-")
        << "\n";
   }
-  os << "\nwhy:\n";
-  for (const LayerPlan& l : p.layers) os << "  layer " << l.index << ": " << l.explanation << "\n";
+  os << "\nwhy (time per layer, forward" << (p.workload.train ? "+backward" : "")
+     << "; memory per rank):\n";
+  for (const auto& g : groups) {
+    os << "  layer " << label(g) << ": " << p.layers[g.first].explanation << "\n";
+  }
   os << "\ntotal " << seconds(p.total_s);
   const double ring = uniform_time(p, Strategy::kRing, LayerKind::kSelf) +
                       uniform_time(p, Strategy::kRing, LayerKind::kCross);
