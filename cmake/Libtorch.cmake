@@ -18,7 +18,9 @@ message(STATUS "lvx: libtorch ${LVX_TORCH_VERSION} from ${LVX_TORCH_DIR}")
 
 add_library(lvx_torch INTERFACE)
 add_library(lvx::torch ALIAS lvx_torch)
-target_include_directories(lvx_torch SYSTEM INTERFACE ${LVX_TORCH_DIR}/include)
+# csrc/api/include only because c10d headers reach torch/types.h; we never include torch/torch.h.
+target_include_directories(lvx_torch SYSTEM INTERFACE ${LVX_TORCH_DIR}/include
+                                                    ${LVX_TORCH_DIR}/include/torch/csrc/api/include)
 set(_libs ${LVX_TORCH_DIR}/lib/libtorch.so ${LVX_TORCH_DIR}/lib/libtorch_cpu.so
           ${LVX_TORCH_DIR}/lib/libc10.so)
 set(LVX_TORCH_HAS_CUDA OFF)
@@ -29,4 +31,7 @@ target_link_libraries(lvx_torch INTERFACE ${_libs})
 # c10d's Gloo process group is compiled into libtorch_cpu; its header needs this define and
 # the gloo headers (Debian's libgloo-dev; only declarations are used, the code is libtorch's).
 target_compile_definitions(lvx_torch INTERFACE USE_C10D_GLOO)
-target_link_options(lvx_torch INTERFACE "LINKER:-rpath,${LVX_TORCH_DIR}/lib")
+target_link_options(lvx_torch INTERFACE "LINKER:-rpath,${LVX_TORCH_DIR}/lib"
+  # libtorch.so exports its own copies of std::filesystem symbols (remove_all among them) that
+  # crash when called from our code; loading libstdc++ first makes symbol lookup find the real ones.
+  "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")

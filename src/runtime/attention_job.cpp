@@ -1,0 +1,186 @@
+#include "src/runtime/attention_job.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include "src/common/error.h"
+#include "src/common/safetensors.h"
+
+namespace lvx::runtime {
+
+namespace fs = std::filesystem;
+using attention::AttentionSpec;
+
+kernels::MaskKind mask_kind_from_name(const std::string& name, kernels::MediaRule* rule) {
+  *rule = kernels::MediaRule::kImmediate;
+  if (name == "none") return kernels::MaskKind::kNone;
+  if (name == "causal") return kernels::MaskKind::kCausal;
+  if (name == "media_immediate") return kernels::MaskKind::kMedia;
+  if (name == "media_upto") {
+    *rule = kernels::MediaRule::kUpTo;
+    return kernels::MaskKind::kMedia;
+  }
+  LVX_FAIL("unknown mask '", name, "' (valid: none, causal, media_immediate, media_upto)");
+}
+
+namespace {
+
+std::string shape_str(const at::Tensor& t) { return str(t.sizes()); }
+
+void check_dims(const std::string& file, const std::string& name, const at::Tensor& t, int64_t dims) {
+  LVX_CHECK(t.dim() == dims, file, ": tensor '", name, "' must have ", dims, " dimensions, got ",
+            shape_str(t));
+}
+
+attention::AttentionSpec spec_from(const AttentionJob& job, const TensorFile& f) {
+  for (const char* n : {"q", "k", "v"})
+    LVX_CHECK(f.tensors.count(n), job.input, ": has no tensor '", n, "' (needs q, k, v)");
+  const at::Tensor &q = f.tensors.at("q"), &k = f.tensors.at("k"), &v = f.tensors.at("v");
+  check_dims(job.input, "q", q, 4);
+  check_dims(job.input, "k", k, 4);
+  check_dims(job.input, "v", v, 4);
+  LVX_CHECK(k.sizes() == v.sizes(), job.input, ": k ", shape_str(k), " and v ", shape_str(v),
+            " must have the same shape");
+  LVX_CHECK(q.size(0) == k.size(0), job.input, ": batch of q (", q.size(0), ") and k (",
+            k.size(0), ") differ");
+  LVX_CHECK(q.size(3) == k.size(3), job.input, ": head dim of q (", q.size(3), ") and k (",
+            k.size(3), ") differ");
+  LVX_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, job.input, ": k has ", k.size(2),
+            " heads, which does not divide q's ", q.size(2), " heads");
+  LVX_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), job.input,
+            ": q, k, v must share a dtype (got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+            v.scalar_type(), ")");
+  LVX_CHECK(at::isFloatingType(q.scalar_type()), job.input, ": q must be floating point, got ",
+            q.scalar_type());
+  AttentionSpec s;
+  s.batch = q.size(0);
+  s.sq = q.size(1);
+  s.hq = q.size(2);
+  s.head_dim = q.size(3);
+  s.skv = k.size(1);
+  s.hkv = k.size(2);
+  s.scale = job.scale;
+  s.mask = mask_kind_from_name(job.mask, &s.media_rule);
+  if (s.mask == kernels::MaskKind::kMedia) {
+    for (const char* n : {"q_media", "kv_media"})
+      LVX_CHECK(f.tensors.count(n), job.input, ": mask ", job.mask, " needs an int32 tensor '", n,
+                "'");
+    const at::Tensor &qm = f.tensors.at("q_media"), &km = f.tensors.at("kv_media");
+    LVX_CHECK(qm.scalar_type() == at::kInt && km.scalar_type() == at::kInt, job.input,
+              ": q_media and kv_media must be int32");
+    LVX_CHECK(qm.sizes() == at::IntArrayRef({s.batch, s.sq}), job.input, ": q_media must be [",
+              s.batch, ", ", s.sq, "], got ", shape_str(qm));
+    LVX_CHECK(km.sizes() == at::IntArrayRef({s.batch, s.skv}), job.input, ": kv_media must be [",
+              s.batch, ", ", s.skv, "], got ", shape_str(km));
+  }
+  if (job.backward) {
+    LVX_CHECK(f.tensors.count("do"), job.input, ": --backward needs the output gradient 'do'");
+    LVX_CHECK(f.tensors.at("do").sizes() == q.sizes(), job.input, ": 'do' must have q's shape ",
+              shape_str(q), ", got ", shape_str(f.tensors.at("do")));
+  }
+  return s;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+AttentionSpec validate_attention_input(const AttentionJob& job) {
+  return spec_from(job, load_safetensors(job.input));
+}
+
+int run_attention_rank(const AttentionJob& job) {
+  auto pg = dist::ProcessGroup::from_env();
+  const int n = pg->world_size(), r = pg->rank();
+  TensorFile f = load_safetensors(job.input);
+  const AttentionSpec s = spec_from(job, f);
+  auto strategy = attention::make_strategy(attention::strategy_from_name(job.strategy));
+  strategy->check_supported(s, n);
+  pg->check_agreement("the attention call",
+                      str("strategy=", job.strategy, " ", s.describe(), " backward=", job.backward,
+                          " dtype=", f.tensors.at("q").scalar_type()));
+  const auto ql = strategy->q_layout(s, n), kl = strategy->kv_layout(s, n);
+  attention::LocalInputs in;
+  in.q = ql.shard(f.tensors.at("q"), 1, r);
+  in.k = kl.shard(f.tensors.at("k"), 1, r);
+  in.v = kl.shard(f.tensors.at("v"), 1, r);
+  if (f.tensors.count("q_media")) in.q_media = f.tensors.at("q_media");
+  if (f.tensors.count("kv_media")) in.kv_media = f.tensors.at("kv_media");
+  at::Tensor dout = job.backward ? ql.shard(f.tensors.at("do"), 1, r) : at::Tensor();
+
+  attention::LocalOutput out;
+  attention::LocalGrads grads;
+  std::vector<double> fwd_s, bwd_s;
+  int64_t sent = 0, received = 0;
+  for (int it = 0; it < std::max(1, job.repeat); ++it) {
+    pg->barrier();
+    pg->counters().reset();
+    auto t0 = std::chrono::steady_clock::now();
+    out = strategy->forward(*pg, s, in);
+    auto t1 = std::chrono::steady_clock::now();
+    if (job.backward) grads = strategy->backward(*pg, s, in, out.o, out.lse, dout);
+    auto t2 = std::chrono::steady_clock::now();
+    fwd_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+    bwd_s.push_back(std::chrono::duration<double>(t2 - t1).count());
+    sent = pg->counters().total_sent();
+    received = pg->counters().total_received();
+  }
+  const auto dt = in.q.scalar_type();
+  std::map<std::string, at::Tensor> part{{"o", out.o.to(dt)}, {"lse", out.lse.to(at::kFloat)}};
+  if (job.backward) {
+    part["dq"] = grads.dq.to(dt);
+    part["dk"] = grads.dk.to(dt);
+    part["dv"] = grads.dv.to(dt);
+  }
+  const fs::path parts = job.output + ".parts";
+  fs::create_directories(parts);
+  save_safetensors((parts / str("rank", r, ".safetensors")).string(), part,
+                   {{"bytes_sent", std::to_string(sent)},
+                    {"bytes_received", std::to_string(received)},
+                    {"forward_seconds", std::to_string(median(fwd_s))},
+                    {"backward_seconds", std::to_string(median(bwd_s))}});
+  pg->barrier();
+  if (r != 0) return 0;
+
+  std::map<std::string, std::vector<at::Tensor>> shards;
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int j = 0; j < n; ++j) {
+    TensorFile pf = load_safetensors((parts / str("rank", j, ".safetensors")).string());
+    for (auto& [name, t] : pf.tensors) shards[name].push_back(t);
+    const double fs_ = std::stod(pf.metadata.at("forward_seconds"));
+    const double bs_ = std::stod(pf.metadata.at("backward_seconds"));
+    ranks.push_back({{"rank", j},
+                     {"bytes_sent", std::stoll(pf.metadata.at("bytes_sent"))},
+                     {"bytes_received", std::stoll(pf.metadata.at("bytes_received"))},
+                     {"seconds", fs_ + bs_},
+                     {"forward_seconds", fs_},
+                     {"backward_seconds", bs_}});
+  }
+  std::map<std::string, at::Tensor> result{{"o", ql.unshard(shards["o"], 1)},
+                                           {"lse", ql.unshard(shards["lse"], 2)}};
+  if (job.backward) {
+    result["dq"] = ql.unshard(shards["dq"], 1);
+    result["dk"] = kl.unshard(shards["dk"], 1);
+    result["dv"] = kl.unshard(shards["dv"], 1);
+  }
+  save_safetensors(job.output, result, {{"strategy", job.strategy}, {"mask", job.mask}});
+  fs::remove_all(parts);
+  if (!job.stats.empty()) {
+    nlohmann::json j{{"strategy", job.strategy}, {"world_size", n}, {"mask", job.mask},
+                     {"backward", job.backward}, {"ranks", ranks}};
+    const std::string tmp = job.stats + ".tmp";
+    std::ofstream(tmp) << j.dump(2) << "\n";
+    fs::rename(tmp, job.stats);
+  }
+  return 0;
+}
+
+}  // namespace lvx::runtime
