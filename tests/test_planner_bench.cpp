@@ -64,3 +64,41 @@ TEST(PlannerBench, RegretIsChoiceOverFastest) {
 
 }  // namespace
 }  // namespace lvx::planner
+
+// ---- calibrate's ring sweep on real ranks ------------------------------------------------
+
+#include "src/planner/calibrate.h"
+#include "tests/multirank.h"
+
+namespace {
+
+// Every rank times ring steps of three sizes; the byte counters must show exactly the messages
+// the sweep claims (warm-up + reps per size, each `size` bytes to the next rank).
+LVX_WORKER(calibrate_sweep) {
+  auto pg = lvx::dist::ProcessGroup::from_env();
+  const std::vector<int64_t> sizes = {8, 4096, 65536};
+  const int reps = 3;
+  pg->counters().reset();
+  std::vector<double> t = lvx::planner::measure_ring_steps(*pg, sizes, at::Device(at::kCPU), reps);
+  int64_t expect = 0;
+  for (int64_t s : sizes) expect += s * (reps + 1);
+  const int64_t sent = pg->counters().sent[static_cast<size_t>(pg->next())];
+  if (sent != expect) {
+    std::fprintf(stderr, "rank %d sent %lld bytes to next, expected %lld\n", pg->rank(),
+                 static_cast<long long>(sent), static_cast<long long>(expect));
+    return 1;
+  }
+  for (double x : t) {
+    if (!(x > 0 && x < 10)) {
+      std::fprintf(stderr, "implausible step time %g s\n", x);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+TEST(PlannerCalibrate, RingSweepOnRealRanksMovesWhatItTimes) {
+  lvx::testing::expect_all_ok(lvx::testing::run_ranks(3, "calibrate_sweep", 120));
+}
+
+}  // namespace
