@@ -1,6 +1,7 @@
 // `lvx launch --nproc N -- <command ...>`: N local ranks with torchrun's variables.
 #include "src/cli/args.h"
 #include "src/cli/command.h"
+#include "src/common/error.h"
 #include "src/dist/launcher.h"
 
 namespace {
