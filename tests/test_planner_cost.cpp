@@ -329,3 +329,49 @@ TEST(PlannerCalibrate, FitLinkRecoversLatencyAndBandwidth) {
 
 }  // namespace
 }  // namespace lvx::planner
+
+namespace lvx::planner {
+namespace {
+
+TEST(PlannerCost, WholePlanMemoryTradesTimeForSavedActivations) {
+  // mPLUG-Owl3-7b, 4K text on 16 A100: the short self layers prefer all_gather, which keeps the
+  // gathered K/V until the backward. With less memory left for attention, the planner moves the
+  // cheapest layers to a ring-family strategy until the whole plan fits, and says so.
+  ModelConfig m = load_model_config(source("configs/models/mplug_owl3_7b.yaml"));
+  ClusterConfig c = load_cluster_config(source("configs/clusters/a100_80g_16.yaml"));
+  Workload w;
+  w.frames = 2048;
+  w.text_tokens = 4096;
+  w.train = true;
+  Plan free_plan = plan(m, c, w);
+  ASSERT_TRUE(free_plan.fits);
+  ASSERT_EQ(free_plan.layers[0].choice_name(), "all_gather") << free_plan.layers[0].explanation;
+  // What moving every self layer from all_gather to ring would free.
+  double freeable = 0;
+  for (const LayerPlan& l : free_plan.layers) {
+    if (l.work.kind == LayerKind::kSelf) {
+      freeable +=
+          l.costs.at(Strategy::kAllGather).saved_bytes - l.costs.at(Strategy::kRing).saved_bytes;
+    }
+  }
+  ASSERT_GT(freeable, 0);
+  CostOptions tight;
+  tight.reserved_bytes = double(c.device_memory_bytes) - (free_plan.peak_mem_bytes - freeable / 2);
+  Plan p = plan(m, c, w, tight);
+  EXPECT_TRUE(p.fits);
+  EXPECT_LE(p.peak_mem_bytes, double(c.device_memory_bytes) - tight.reserved_bytes);
+  EXPECT_GT(p.total_s, free_plan.total_s);  // memory was bought with time
+  int switched = 0;
+  for (const LayerPlan& l : p.layers) {
+    if (l.explanation.find("to fit the whole plan in memory") != std::string::npos) ++switched;
+  }
+  EXPECT_GT(switched, 0);
+  EXPECT_LT(switched, 28);  // only as many as needed
+  // Nothing can free enough: the plan says it does not fit.
+  tight.reserved_bytes =
+      double(c.device_memory_bytes) - (free_plan.peak_mem_bytes - freeable * 1.5);
+  EXPECT_FALSE(plan(m, c, w, tight).fits);
+}
+
+}  // namespace
+}  // namespace lvx::planner

@@ -30,6 +30,8 @@ int cmd_plan(int argc, char** argv) {
              "attention computed densely");
   p.add_option("strategies", 's', "",
                "comma list of candidate strategies (empty: all); every strategy is still shown");
+  p.add_option("reserve-gib", 0, "0",
+               "device memory taken by everything but attention (weights, other activations)");
   p.add_option("json", 'j', "", "also write the plan as JSON to this file");
   if (!p.parse(argc, argv)) return 0;
   lvx::planner::ModelConfig model = lvx::planner::load_model_config(p.get("model"));
@@ -46,6 +48,7 @@ int cmd_plan(int argc, char** argv) {
   }
   lvx::planner::CostOptions opt;
   opt.recompute_cross_kv = !p.flag("no-recompute");
+  opt.reserved_bytes = p.get_double("reserve-gib") * double(1LL << 30);
   if (p.flag("paper-accounting")) {
     opt.expand_kv_heads = true;
     opt.skip_masked_tiles = false;

@@ -269,10 +269,13 @@ StrategyCost estimate(Strategy s, const LayerWorkload& w, const ClusterConfig& c
   if (s != Strategy::kLocal) out.mem_bytes = in + outb;
   out.mem_bytes += std::max(work_f, work_b) + saved;
   out.saved_bytes = saved;
-  if (out.feasible && out.mem_bytes > static_cast<double>(c.device_memory_bytes)) {
+  const double budget = static_cast<double>(c.device_memory_bytes) - opt.reserved_bytes;
+  if (out.feasible && out.mem_bytes > budget) {
     out.feasible = false;
-    out.reason = str("needs ", out.mem_bytes / (1 << 30), " GiB per rank, device has ",
-                     static_cast<double>(c.device_memory_bytes) / (1 << 30), " GiB");
+    out.reason =
+        str("needs ", out.mem_bytes / (1 << 30), " GiB per rank, ", budget / (1 << 30),
+            " GiB available (device ", static_cast<double>(c.device_memory_bytes) / (1 << 30),
+            " GiB less ", opt.reserved_bytes / (1 << 30), " GiB reserved)");
   }
   if (n == 1 && s != Strategy::kLocal && out.feasible) {
     out.feasible = false;

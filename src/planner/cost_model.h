@@ -81,6 +81,9 @@ struct CostOptions {
   // K/V to the query heads before distributing them, and compute masked attention densely.
   bool expand_kv_heads = false;
   bool skip_masked_tiles = true;
+  // Device memory taken by everything but attention (weights, optimizer state, other layers'
+  // activations): a strategy fits in device memory minus this.
+  double reserved_bytes = 0;
 };
 
 // Per-rank tensor sizes in bytes for n ranks (see the notation above).

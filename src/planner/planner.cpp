@@ -55,6 +55,27 @@ std::string describe(const StrategyCost& c, bool train) {
   return os.str();
 }
 
+struct PassChoice {
+  Strategy forward, backward;
+  double time_s, mem_bytes, saved_bytes;
+};
+
+// Every feasible (forward, backward) pair of a layer among the candidates.
+template <typename Candidate>
+std::vector<PassChoice> pass_choices(const LayerPlan& lp, bool split, const Candidate& candidate) {
+  std::vector<PassChoice> out;
+  for (Strategy f : kAllStrategies) {
+    for (Strategy b : kAllStrategies) {
+      if ((!split && f != b) || !same_saved_state(f, b) || !candidate(f) || !candidate(b)) continue;
+      const StrategyCost &cf = lp.costs.at(f), &cb = lp.costs.at(b);
+      if (!cf.feasible || !cb.feasible) continue;
+      out.push_back({f, b, cf.fwd_s + cb.bwd_s, std::max(cf.mem_bytes, cb.mem_bytes),
+                     std::max(cf.saved_bytes, cb.saved_bytes)});
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload& w) {
@@ -118,27 +139,19 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
     return w.strategies.empty() ||
            std::find(w.strategies.begin(), w.strategies.end(), s) != w.strategies.end();
   };
-  double saved_total = 0, max_working = 0;
   for (size_t i = 0; i < works.size(); ++i) {
     LayerPlan lp;
     lp.index = static_cast<int>(i);
     lp.work = works[i];
     for (Strategy s : kAllStrategies) lp.costs[s] = estimate(s, lp.work, c, p.ranks, p.options);
     double best = std::numeric_limits<double>::infinity();
-    for (Strategy f : kAllStrategies) {
-      for (Strategy b : kAllStrategies) {
-        if ((!p.options.train || !w.split_passes) && f != b) continue;
-        if (!same_saved_state(f, b) || !candidate(f) || !candidate(b)) continue;
-        const StrategyCost &cf = lp.costs[f], &cb = lp.costs[b];
-        if (!cf.feasible || !cb.feasible) continue;
-        double t = cf.fwd_s + cb.bwd_s;
-        // A mixed pair must beat the pure choice by more than rounding to be worth the switch.
-        if (t < best * (f == b ? 1.0 : 0.999)) {
-          best = t;
-          lp.forward = f;
-          lp.backward = b;
-          lp.mem_bytes = std::max(cf.mem_bytes, cb.mem_bytes);
-        }
+    for (const PassChoice& pc : pass_choices(lp, p.options.train && w.split_passes, candidate)) {
+      // A mixed pair must beat the pure choice by more than rounding to be worth the switch.
+      if (pc.time_s < best * (pc.forward == pc.backward ? 1.0 : 0.999)) {
+        best = pc.time_s;
+        lp.forward = pc.forward;
+        lp.backward = pc.backward;
+        lp.mem_bytes = pc.mem_bytes;
       }
     }
     if (!std::isfinite(best)) {
@@ -172,18 +185,62 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
         ex << "; " << to_string(s) << " infeasible: " << lp.costs[s].reason;
     }
     lp.explanation = ex.str();
-    p.total_s += best;
-    const double saved =
-        std::max(lp.costs[lp.forward].saved_bytes, lp.costs[lp.backward].saved_bytes);
-    saved_total += saved;
-    max_working = std::max(max_working, lp.mem_bytes - saved);
     if (lp.work.kind == LayerKind::kCross && w.train && p.options.recompute_cross_kv) {
       p.shared_visual_bytes = shard_bytes(lp.work, p.ranks, p.options).y;
     }
     p.layers.push_back(std::move(lp));
   }
-  p.peak_mem_bytes = saved_total + p.shared_visual_bytes + max_working;
-  p.fits = p.peak_mem_bytes <= static_cast<double>(c.device_memory_bytes);
+
+  // Whole-plan memory: every layer's saved activations live until its backward, plus the shared
+  // visual features and the largest working set. While that exceeds the budget, trade the layer
+  // choice that frees saved memory at the least time per byte (a greedy knapsack step).
+  const double budget = static_cast<double>(c.device_memory_bytes) - p.options.reserved_bytes;
+  auto peak = [&]() {
+    double saved = 0, working = 0;
+    for (const LayerPlan& l : p.layers) {
+      const double sv =
+          std::max(l.costs.at(l.forward).saved_bytes, l.costs.at(l.backward).saved_bytes);
+      saved += sv;
+      working = std::max(working, l.mem_bytes - sv);
+    }
+    return saved + p.shared_visual_bytes + working;
+  };
+  p.peak_mem_bytes = peak();
+  while (p.peak_mem_bytes > budget) {
+    double best_ratio = std::numeric_limits<double>::infinity();
+    LayerPlan* best_layer = nullptr;
+    PassChoice best_choice{};
+    for (LayerPlan& l : p.layers) {
+      const double cur_saved =
+          std::max(l.costs.at(l.forward).saved_bytes, l.costs.at(l.backward).saved_bytes);
+      for (const PassChoice& pc : pass_choices(l, p.options.train && w.split_passes, candidate)) {
+        const double freed = cur_saved - pc.saved_bytes;
+        if (freed <= 0) continue;
+        const double ratio = std::max(pc.time_s - l.time_s, 0.0) / freed;
+        if (ratio < best_ratio) {
+          best_ratio = ratio;
+          best_layer = &l;
+          best_choice = pc;
+        }
+      }
+    }
+    if (best_layer == nullptr) break;
+    LayerPlan& l = *best_layer;
+    const std::string before = l.choice_name();
+    const double freed =
+        std::max(l.costs.at(l.forward).saved_bytes, l.costs.at(l.backward).saved_bytes) -
+        best_choice.saved_bytes;
+    l.forward = best_choice.forward;
+    l.backward = best_choice.backward;
+    l.time_s = best_choice.time_s;
+    l.mem_bytes = best_choice.mem_bytes;
+    l.explanation = l.choice_name() + " " + seconds(l.time_s) + " instead of " + before +
+                    ", to fit the whole plan in memory (frees " + bytes(freed) +
+                    " of saved activations per rank); " + l.explanation;
+    p.peak_mem_bytes = peak();
+  }
+  p.fits = p.peak_mem_bytes <= budget;
+  for (const LayerPlan& l : p.layers) p.total_s += l.time_s;
   return p;
 }
 
