@@ -21,14 +21,12 @@ using testing::reference_pts;
 struct CodecCase {
   std::string name;  // test name and file stem
   std::string ext;
-  std::string args;  // ffmpeg encoding arguments
-  std::string codec; // what VideoInfo::codec must say
+  std::string args;   // ffmpeg encoding arguments
+  std::string codec;  // what VideoInfo::codec must say
   std::string size = "64x48";
 };
 
-std::string print_case(const ::testing::TestParamInfo<CodecCase>& info) {
-  return info.param.name;
-}
+std::string print_case(const ::testing::TestParamInfo<CodecCase>& info) { return info.param.name; }
 
 // testsrc2 moves every frame, so a frame off by one never compares equal.
 std::string source(const std::string& size, int fps = 25, double seconds = 2.0) {
@@ -89,8 +87,7 @@ INSTANTIATE_TEST_SUITE_P(
         CodecCase{"vp9_webm", "webm", "-c:v libvpx-vp9 -deadline realtime -g 10", "vp9"},
         CodecCase{"mpeg4_avi", "avi", "-c:v mpeg4 -g 10 -q:v 5", "mpeg4"},
         CodecCase{"mjpeg_avi_fullrange", "avi", "-c:v mjpeg -pix_fmt yuvj420p -q:v 5", "mjpeg"},
-        CodecCase{"h264_mkv_odd_444", "mkv", "-c:v libx264 -g 8 -pix_fmt yuv444p", "h264",
-                  "75x45"},
+        CodecCase{"h264_mkv_odd_444", "mkv", "-c:v libx264 -g 8 -pix_fmt yuv444p", "h264", "75x45"},
         CodecCase{"vp9_webm_odd", "webm", "-c:v libvpx-vp9 -deadline realtime -g 8", "vp9",
                   "75x45"}),
     print_case);
@@ -109,10 +106,9 @@ TEST_P(VideoColourTest, FlatColourSurvivesMatrixAndRange) {
   const int rgb[3] = {0x30, 0xA0, 0xE0};
   const std::string path = make_video(
       "colour_" + c.name + ".mkv", "color=c=0x30A0E0:size=32x32:rate=5:duration=1",
-      "-vf scale=out_color_matrix=" + c.matrix + ":out_range=" + c.range + ",format=" +
-          c.pix_fmt + " -c:v libx264 -qp 0 -colorspace " +
-          (c.matrix == "bt601" ? std::string("smpte170m") : c.matrix) + " -color_range " +
-          c.range);
+      "-vf scale=out_color_matrix=" + c.matrix + ":out_range=" + c.range + ",format=" + c.pix_fmt +
+          " -c:v libx264 -qp 0 -colorspace " +
+          (c.matrix == "bt601" ? std::string("smpte170m") : c.matrix) + " -color_range " + c.range);
   VideoDecoder dec(path);
   DecodedFrame f;
   std::string why;
@@ -153,8 +149,8 @@ TEST_P(VideoRotationTest, FramesAreShownAsAPlayerShowsThem) {
   const std::string plain =
       make_video("unrotated.mp4", source("64x48", 25, 1.0), "-c:v libx264 -g 5 -pix_fmt yuv420p");
   const std::string path = (testing::temp_dir() / ("rot" + std::to_string(deg) + ".mp4")).string();
-  testing::run("ffmpeg -nostdin -v error -y -i '" + plain + "' -c copy -metadata:s:v:0 rotate=" +
-               std::to_string(deg) + " '" + path + "'");
+  testing::run("ffmpeg -nostdin -v error -y -i '" + plain +
+               "' -c copy -metadata:s:v:0 rotate=" + std::to_string(deg) + " '" + path + "'");
   VideoDecoder dec(path);
   const int ccw = testing::reference_display_rotation(path);
   ASSERT_NE(ccw, 0) << "the remux wrote no display matrix";

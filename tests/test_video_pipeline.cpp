@@ -3,12 +3,12 @@
 // bounded queue, and every kind of bad input: a clear error naming the file, exit code 1, and
 // no output file.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <chrono>
 #include <fstream>
 #include <random>
-#include <sys/stat.h>
 #include <thread>
 
 #include "src/common/error.h"
@@ -90,7 +90,9 @@ TEST(VideoPipeline, BatchMatchesTheDecoderAndIsChannelsFirst) {
 // torchvision call to resize uint8 images; lvx must match it exactly.
 TEST(VideoPreprocess, ResizeEqualsPillowBicubic) {
   std::mt19937 rng(3);
-  struct Case { int w, h, ow, oh; };
+  struct Case {
+    int w, h, ow, oh;
+  };
   for (const Case c : {Case{97, 61, 24, 24}, Case{20, 13, 64, 64}, Case{640, 360, 398, 224},
                        Case{33, 80, 33, 17}}) {
     cv::Mat img(c.h, c.w, CV_8UC3);
@@ -101,8 +103,8 @@ TEST(VideoPreprocess, ResizeEqualsPillowBicubic) {
         .write(reinterpret_cast<const char*>(img.data), img.total() * 3);
     run(std::string(LVX_PYTHON) + " -c \"from PIL import Image; im = Image.frombytes('RGB', (" +
         std::to_string(c.w) + "," + std::to_string(c.h) + "), open('" + in +
-        "','rb').read()); open('" + out + "','wb').write(im.resize((" + std::to_string(c.ow) +
-        "," + std::to_string(c.oh) + "), Image.BICUBIC).tobytes())\"");
+        "','rb').read()); open('" + out + "','wb').write(im.resize((" + std::to_string(c.ow) + "," +
+        std::to_string(c.oh) + "), Image.BICUBIC).tobytes())\"");
     std::ifstream f(out, std::ios::binary);
     const std::vector<uint8_t> ref((std::istreambuf_iterator<char>(f)), {});
     const cv::Mat got = resize_bicubic_pil(img, c.ow, c.oh);
@@ -213,9 +215,9 @@ TEST(VideoBadInput, CliExitsNonZeroAndWritesNothing) {
   for (const BadInput& b : bad_inputs()) {
     const std::string out = (temp_dir() / ("bad_" + b.name + ".safetensors")).string();
     int rc = 0;
-    const std::string err = run(lvx_bin() + " decode --video '" + b.path +
-                                    "' --num-frames 4 --output '" + out + "' 2>&1",
-                                &rc);
+    const std::string err = run(
+        lvx_bin() + " decode --video '" + b.path + "' --num-frames 4 --output '" + out + "' 2>&1",
+        &rc);
     EXPECT_EQ(rc, 1) << b.name << ": " << err;
     EXPECT_NE(err.find("error"), std::string::npos) << b.name << ": " << err;
     EXPECT_NE(err.find(b.path), std::string::npos) << b.name << ": " << err;
@@ -244,8 +246,10 @@ TEST(VideoBadInput, CorruptFramePolicyErrorSkipRepeat) {
                                       "-c:v libx264 -g 10 -bf 0 -pix_fmt yuv420p");
   const std::string bad = (temp_dir() / "corrupt.mkv").string();
   run("cp '" + good + "' '" + bad + "'");
-  const std::string line = run("ffprobe -v error -select_streams v:0 -show_entries "
-                               "packet=pos,size -of compact=p=0 '" + good + "' | sed -n 26p");
+  const std::string line =
+      run("ffprobe -v error -select_streams v:0 -show_entries "
+          "packet=pos,size -of compact=p=0 '" +
+          good + "' | sed -n 26p");
   long size = 0, pos = 0;
   ASSERT_EQ(std::sscanf(line.c_str(), "size=%ld|pos=%ld", &size, &pos), 2) << line;
   {
@@ -316,10 +320,10 @@ TEST(VideoCli, PresetSizeAndNormalize) {
   const std::string path = h264_video();
   const std::string out = (temp_dir() / "norm.safetensors").string();
   int rc = 0;
-  const std::string log = run(lvx_bin() + " decode --video '" + path +
-                                  "' --fps 2 --preset clip --size 32 --normalize -o '" + out +
-                                  "' 2>&1",
-                              &rc);
+  const std::string log =
+      run(lvx_bin() + " decode --video '" + path +
+              "' --fps 2 --preset clip --size 32 --normalize -o '" + out + "' 2>&1",
+          &rc);
   ASSERT_EQ(rc, 0) << log;
   const TensorFile f = load_safetensors(out);
   const at::Tensor frames = f.tensors.at("frames");

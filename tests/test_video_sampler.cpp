@@ -110,7 +110,7 @@ TEST(VideoSampler, UniformIncludesBothEndsAndRoundsHalfToEven) {
     if (*spec.num_frames > 1) {
       EXPECT_EQ(s.indices.back(), last);
     }
-    for (int64_t k = 0; k < *spec.num_frames && *spec.num_frames > 1; ++k) {
+    for (int64_t k = 0; k<*spec.num_frames&& * spec.num_frames> 1; ++k) {
       EXPECT_EQ(s.indices[k], first + nearest_even_tie(k, last - first, *spec.num_frames - 1))
           << "trial " << trial << " k " << k;
     }

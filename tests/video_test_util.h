@@ -85,15 +85,19 @@ inline std::vector<std::vector<uint8_t>> reference_frames(const std::string& pat
 // Rotation in av_display_rotation_get's convention (counter-clockwise degrees) as ffprobe reads
 // the display matrix; 0 when there is none.
 inline int reference_display_rotation(const std::string& path) {
-  const std::string out = run("ffprobe -v error -select_streams v:0 -show_entries "
-                              "stream_side_data=rotation -of csv=p=0 '" + path + "'");
+  const std::string out =
+      run("ffprobe -v error -select_streams v:0 -show_entries "
+          "stream_side_data=rotation -of csv=p=0 '" +
+          path + "'");
   return out.find_first_of("-0123456789") == std::string::npos ? 0 : std::stoi(out);
 }
 
 // Presentation timestamps (seconds) of every decoded frame, as ffprobe reports them.
 inline std::vector<double> reference_pts(const std::string& path) {
-  std::istringstream ss(run("ffprobe -v error -select_streams v:0 -show_entries "
-                            "frame=best_effort_timestamp_time -of csv=p=0 '" + path + "'"));
+  std::istringstream ss(
+      run("ffprobe -v error -select_streams v:0 -show_entries "
+          "frame=best_effort_timestamp_time -of csv=p=0 '" +
+          path + "'"));
   std::vector<double> pts;
   std::string line;
   while (std::getline(ss, line))

@@ -8,10 +8,10 @@ extern "C" {
 #include <libavutil/pixdesc.h>
 }
 
-#include <opencv2/core.hpp>
+#include <sys/stat.h>
 
 #include <cmath>
-#include <sys/stat.h>
+#include <opencv2/core.hpp>
 
 namespace lvx::video {
 namespace {
@@ -78,8 +78,8 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
   codec_->thread_count = options.threads;
   codec_->thread_type = FF_THREAD_FRAME | FF_THREAD_SLICE;
   codec_->pkt_timebase = st->time_base;
-  LVX_AV_CHECK(avcodec_open2(codec_.get(), codec, nullptr), "video '", path,
-               "': cannot open the ", codec->name, " decoder");
+  LVX_AV_CHECK(avcodec_open2(codec_.get(), codec, nullptr), "video '", path, "': cannot open the ",
+               codec->name, " decoder");
   packet_ = make_av_packet();
   frame_ = make_av_frame();
 
@@ -88,13 +88,14 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
   info_.coded_width = st->codecpar->width;
   info_.coded_height = st->codecpar->height;
   LVX_CHECK(info_.coded_width > 0 && info_.coded_height > 0, "video '", path,
-            "': the video stream has no frame size (", info_.coded_width, "x",
-            info_.coded_height, ")");
+            "': the video stream has no frame size (", info_.coded_width, "x", info_.coded_height,
+            ")");
   info_.rotation = rotation_from_display_matrix(st);
   const bool swap = info_.rotation == 90 || info_.rotation == 270;
   info_.width = swap ? info_.coded_height : info_.coded_width;
   info_.height = swap ? info_.coded_width : info_.coded_height;
-  info_.pixel_format = or_unknown(av_get_pix_fmt_name(static_cast<AVPixelFormat>(st->codecpar->format)));
+  info_.pixel_format =
+      or_unknown(av_get_pix_fmt_name(static_cast<AVPixelFormat>(st->codecpar->format)));
   info_.color_space = or_unknown(av_color_space_name(st->codecpar->color_space));
   info_.color_range = or_unknown(av_color_range_name(st->codecpar->color_range));
   info_.num_frames_from_header = st->nb_frames;
@@ -109,8 +110,8 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
   // own duration is used, or the file's when the video is its only stream (audio can be longer).
   double header_end = 0;
   if (st->duration != AV_NOPTS_VALUE && st->duration > 0)
-    header_end = pts_to_seconds(st->duration + (st->start_time != AV_NOPTS_VALUE ? st->start_time : 0),
-                                st->time_base);
+    header_end = pts_to_seconds(
+        st->duration + (st->start_time != AV_NOPTS_VALUE ? st->start_time : 0), st->time_base);
   else if (fmt_->nb_streams == 1 && fmt_->duration != AV_NOPTS_VALUE && fmt_->duration > 0)
     header_end = (fmt_->duration + (fmt_->start_time != AV_NOPTS_VALUE ? fmt_->start_time : 0)) /
                  static_cast<double>(AV_TIME_BASE);
@@ -118,9 +119,9 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
   if (!index_.truncated && header_end > 0 &&
       content_end < header_end - std::max(0.5, 0.02 * header_end)) {
     index_.truncated = true;
-    index_.truncation_reason = lvx::str("the frames end at ", content_end,
-                                        " s but the container header says ", header_end,
-                                        " s (file cut short?)");
+    index_.truncation_reason =
+        lvx::str("the frames end at ", content_end, " s but the container header says ", header_end,
+                 " s (file cut short?)");
   }
   stats_.packets_scanned = index_.num_frames();
   info_.num_frames = index_.num_frames();
@@ -131,8 +132,8 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
 }
 
 void VideoDecoder::seek_to(int64_t ts) {
-  LVX_AV_CHECK(av_seek_frame(fmt_.get(), stream_, ts, AVSEEK_FLAG_BACKWARD), "video '",
-               info_.path, "': cannot seek to pts ", ts);
+  LVX_AV_CHECK(av_seek_frame(fmt_.get(), stream_, ts, AVSEEK_FLAG_BACKWARD), "video '", info_.path,
+               "': cannot seek to pts ", ts);
   avcodec_flush_buffers(codec_.get());
   flushed_ = false;
   has_pending_ = false;
@@ -237,8 +238,7 @@ void VideoDecoder::convert(const AVFrame* frame, DecodedFrame* out) {
             or_unknown(av_get_pix_fmt_name(src)), " ", frame->width, "x", frame->height,
             " to rgb24");
   const AVPixFmtDescriptor* desc = av_pix_fmt_desc_get(src);
-  const bool details_changed = ctx != sws_details_ctx_ ||
-                               frame->colorspace != sws_colorspace_ ||
+  const bool details_changed = ctx != sws_details_ctx_ || frame->colorspace != sws_colorspace_ ||
                                frame->color_range != sws_range_;
   if (details_changed && desc && !(desc->flags & AV_PIX_FMT_FLAG_RGB)) {
     sws_details_ctx_ = ctx;
@@ -256,10 +256,17 @@ void VideoDecoder::convert(const AVFrame* frame, DecodedFrame* out) {
   const int rows = sws_scale(ctx, frame->data, frame->linesize, 0, frame->height, dst, dst_stride);
   LVX_CHECK(rows == h, "video '", info_.path, "': swscale wrote ", rows, " rows, expected ", h);
   switch (info_.rotation) {
-    case 90: cv::rotate(rgb, out->rgb, cv::ROTATE_90_CLOCKWISE); break;
-    case 180: cv::rotate(rgb, out->rgb, cv::ROTATE_180); break;
-    case 270: cv::rotate(rgb, out->rgb, cv::ROTATE_90_COUNTERCLOCKWISE); break;
-    default: out->rgb = rgb;
+    case 90:
+      cv::rotate(rgb, out->rgb, cv::ROTATE_90_CLOCKWISE);
+      break;
+    case 180:
+      cv::rotate(rgb, out->rgb, cv::ROTATE_180);
+      break;
+    case 270:
+      cv::rotate(rgb, out->rgb, cv::ROTATE_90_COUNTERCLOCKWISE);
+      break;
+    default:
+      out->rgb = rgb;
   }
 }
 

@@ -7,10 +7,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <opencv2/core.hpp>
 #include <string>
 #include <vector>
-
-#include <opencv2/core.hpp>
 
 #include "video/ffmpeg_common.h"
 #include "video/frame_index.h"
@@ -21,10 +20,10 @@ namespace lvx::video {
 // ======================== METADATA ========================
 struct VideoInfo {
   std::string path;
-  std::string codec;        // e.g. "h264", "hevc", "vp9"
-  std::string pixel_format; // decoder output, e.g. "yuv420p10le"
-  std::string color_space;  // e.g. "bt709", "unknown" (→ BT.601, as FFmpeg's own default)
-  std::string color_range;  // "tv" (limited), "pc" (full) or "unknown"
+  std::string codec;         // e.g. "h264", "hevc", "vp9"
+  std::string pixel_format;  // decoder output, e.g. "yuv420p10le"
+  std::string color_space;   // e.g. "bt709", "unknown" (→ BT.601, as FFmpeg's own default)
+  std::string color_range;   // "tv" (limited), "pc" (full) or "unknown"
   int64_t coded_width = 0, coded_height = 0;  // as stored, before rotation
   int64_t width = 0, height = 0;              // as displayed, after rotation
   int rotation = 0;  // clockwise degrees applied to show the frame: 0, 90, 180 or 270
@@ -47,12 +46,12 @@ struct DecodedFrame {
 
 // Counters for tests and benchmarks: proof that a few frames from an hour decode a few GOPs.
 struct DecodeStats {
-  int64_t packets_read = 0;    // after the index scan
-  int64_t packets_scanned = 0; // by the index scan (read, not decoded)
-  int64_t frames_decoded = 0;  // frames that came out of the decoder
-  int64_t seeks = 0;           // seeks to a keyframe
-  int64_t fallback_seeks = 0;  // a seek that landed after its target, retried from the start
-  int64_t decode_errors = 0;   // packets or frames the decoder rejected
+  int64_t packets_read = 0;     // after the index scan
+  int64_t packets_scanned = 0;  // by the index scan (read, not decoded)
+  int64_t frames_decoded = 0;   // frames that came out of the decoder
+  int64_t seeks = 0;            // seeks to a keyframe
+  int64_t fallback_seeks = 0;   // a seek that landed after its target, retried from the start
+  int64_t decode_errors = 0;    // packets or frames the decoder rejected
 };
 
 class VideoDecoder {
@@ -99,8 +98,8 @@ class VideoDecoder {
   UniqueAVPacket packet_;
   UniqueAVFrame frame_;
   int stream_ = -1;
-  int64_t cursor_ = -1;  // index of the next frame the decoder will output; -1: unknown
-  bool flushed_ = false; // end of stream sent to the decoder
+  int64_t cursor_ = -1;       // index of the next frame the decoder will output; -1: unknown
+  bool flushed_ = false;      // end of stream sent to the decoder
   bool has_pending_ = false;  // frame_ holds a decoded frame not yet consumed
   DecodeStats stats_;
 };

@@ -24,8 +24,8 @@ UniqueAVPacket make_av_packet() {
 UniqueAVFormatContext open_input(const std::string& path) {
   AVFormatContext* raw = nullptr;
   // FFmpeg frees *raw itself when avformat_open_input fails.
-  LVX_AV_CHECK(avformat_open_input(&raw, path.c_str(), nullptr, nullptr),
-               "video '", path, "': cannot open");
+  LVX_AV_CHECK(avformat_open_input(&raw, path.c_str(), nullptr, nullptr), "video '", path,
+               "': cannot open");
   UniqueAVFormatContext ctx(raw);
   LVX_AV_CHECK(avformat_find_stream_info(ctx.get(), nullptr), "video '", path,
                "': cannot read stream info");

@@ -68,11 +68,11 @@ inline double pts_to_seconds(int64_t pts, AVRational tb) { return pts * av_q2d(t
 
 // LVX_AV_CHECK(status_expr, "what was being done", ...): throws lvx::Error with the message, the
 // FFmpeg error string and the source location when the status is negative. Evaluates once.
-#define LVX_AV_CHECK(expr, ...)                                                              \
-  do {                                                                                       \
-    const int lvx_av_status_ = (expr);                                                       \
-    if (lvx_av_status_ < 0)                                                                  \
-      throw ::lvx::Error(::lvx::str(__VA_ARGS__, ": ",                                       \
-                                    ::lvx::video::av_error_string(lvx_av_status_), " (",     \
-                                    __FILE__, ":", __LINE__, ")"));                          \
+#define LVX_AV_CHECK(expr, ...)                                                                    \
+  do {                                                                                             \
+    const int lvx_av_status_ = (expr);                                                             \
+    if (lvx_av_status_ < 0)                                                                        \
+      throw ::lvx::Error(::lvx::str(__VA_ARGS__, ": ",                                             \
+                                    ::lvx::video::av_error_string(lvx_av_status_), " (", __FILE__, \
+                                    ":", __LINE__, ")"));                                          \
   } while (0)

@@ -17,8 +17,8 @@ namespace {
 struct QueueItem {
   DecodedFrame frame;
   bool ok = false;
-  std::string why;             // when !ok
-  std::exception_ptr error;    // the producer failed: rethrown by the consumer
+  std::string why;           // when !ok
+  std::exception_ptr error;  // the producer failed: rethrown by the consumer
 };
 
 std::string describe(const FrameIndex& index, int64_t i) {
@@ -55,8 +55,7 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
   targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
 
   const auto [out_h, out_w] = preprocessed_size(preprocess, batch.info.height, batch.info.width);
-  batch.frames = at::empty({n, 3, out_h, out_w},
-                           preprocess.normalize ? at::kFloat : at::kByte);
+  batch.frames = at::empty({n, 3, out_h, out_w}, preprocess.normalize ? at::kFloat : at::kByte);
   std::vector<int64_t> out_index(n, -1);
   std::vector<double> out_pts(n, 0);
   std::vector<uint8_t> keep(n, 1);
@@ -78,9 +77,9 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
     queue.close();
   });
 
-  int64_t pos = 0;             // next output position
-  int64_t last_good = -1;      // last output position holding a decoded frame
-  std::vector<int64_t> owed;   // positions waiting for a frame to repeat (kRepeat, none yet)
+  int64_t pos = 0;            // next output position
+  int64_t last_good = -1;     // last output position holding a decoded frame
+  std::vector<int64_t> owed;  // positions waiting for a frame to repeat (kRepeat, none yet)
   try {
     while (auto item = queue.pop()) {
       if (item->error) std::rethrow_exception(item->error);
@@ -136,8 +135,8 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
     std::vector<int64_t> kept;
     for (int64_t p = 0; p < n; ++p)
       if (keep[p]) kept.push_back(p);
-    const at::Tensor sel = at::from_blob(kept.data(), {static_cast<int64_t>(kept.size())},
-                                         at::kLong).clone();
+    const at::Tensor sel =
+        at::from_blob(kept.data(), {static_cast<int64_t>(kept.size())}, at::kLong).clone();
     batch.frames = batch.frames.index_select(0, sel);
     batch.indices = batch.indices.index_select(0, sel);
     batch.pts = batch.pts.index_select(0, sel);

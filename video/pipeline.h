@@ -17,11 +17,11 @@ namespace lvx::video {
 
 // What happened beyond the happy path; empty events means every sampled frame decoded.
 struct DecodeReport {
-  std::vector<std::string> events;  // one line each: "frame 12 (pts 0.400 s): skipped: ..."
-  int64_t skipped = 0;              // frames dropped under CorruptPolicy::kSkip
-  int64_t repeated = 0;             // frames replaced under CorruptPolicy::kRepeat
-  bool truncated = false;           // the container ended early (see FrameIndex::truncated)
-  int64_t sampled_total = 0;        // frames sampled over all ranks
+  std::vector<std::string> events;         // one line each: "frame 12 (pts 0.400 s): skipped: ..."
+  int64_t skipped = 0;                     // frames dropped under CorruptPolicy::kSkip
+  int64_t repeated = 0;                    // frames replaced under CorruptPolicy::kRepeat
+  bool truncated = false;                  // the container ended early (see FrameIndex::truncated)
+  int64_t sampled_total = 0;               // frames sampled over all ranks
   int64_t shard_begin = 0, shard_end = 0;  // this rank's positions in the sampled list
   DecodeStats stats;
 };

@@ -22,8 +22,8 @@ int64_t round_div_half_even(int64_t num, int64_t den) {
 
 SampledFrames sample_frames(const Timeline& tl, const SampleSpec& spec) {
   LVX_CHECK(spec.fps.has_value() != spec.num_frames.has_value(),
-            "sampling: give exactly one of fps and num_frames (got ",
-            spec.fps ? "both" : "neither", ")");
+            "sampling: give exactly one of fps and num_frames (got ", spec.fps ? "both" : "neither",
+            ")");
   LVX_CHECK(!tl.pts.empty(), "sampling: the video has no frames");
   const double first_pts = tl.pts.front();
   const double start = spec.start.value_or(first_pts);
@@ -50,7 +50,8 @@ SampledFrames sample_frames(const Timeline& tl, const SampleSpec& spec) {
   // Last frame whose pts < end: one before the first frame with pts >= end.
   const int64_t last =
       static_cast<int64_t>(std::lower_bound(tl.pts.begin(), tl.pts.end(), end - kTimeEpsilon) -
-                           tl.pts.begin()) - 1;
+                           tl.pts.begin()) -
+      1;
   LVX_CHECK(last >= first, "sampling: no frame starts in [", start, ", ", end, ") s");
   for (int64_t k = 0; k < n; ++k) {
     const int64_t idx = n == 1 ? first : first + round_div_half_even(k * (last - first), n - 1);
@@ -62,8 +63,8 @@ SampledFrames sample_frames(const Timeline& tl, const SampleSpec& spec) {
 
 std::pair<int64_t, int64_t> shard_range(int64_t count, const ShardSpec& shard) {
   LVX_CHECK(shard.world >= 1, "shard: world size must be >= 1, got ", shard.world);
-  LVX_CHECK(shard.rank >= 0 && shard.rank < shard.world, "shard: rank must be in [0, ",
-            shard.world, "), got ", shard.rank);
+  LVX_CHECK(shard.rank >= 0 && shard.rank < shard.world, "shard: rank must be in [0, ", shard.world,
+            "), got ", shard.rank);
   return {shard.rank * count / shard.world, (shard.rank + 1) * count / shard.world};
 }
 

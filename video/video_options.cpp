@@ -14,9 +14,12 @@ CorruptPolicy parse_corrupt_policy(const std::string& s) {
 
 const char* to_string(CorruptPolicy p) {
   switch (p) {
-    case CorruptPolicy::kError: return "error";
-    case CorruptPolicy::kSkip: return "skip";
-    case CorruptPolicy::kRepeat: return "repeat";
+    case CorruptPolicy::kError:
+      return "error";
+    case CorruptPolicy::kSkip:
+      return "skip";
+    case CorruptPolicy::kRepeat:
+      return "repeat";
   }
   return "?";
 }
@@ -30,9 +33,12 @@ ResizeMode parse_resize_mode(const std::string& s) {
 
 const char* to_string(ResizeMode m) {
   switch (m) {
-    case ResizeMode::kSquash: return "squash";
-    case ResizeMode::kShortestEdge: return "shortest-edge";
-    case ResizeMode::kPad: return "pad";
+    case ResizeMode::kSquash:
+      return "squash";
+    case ResizeMode::kShortestEdge:
+      return "shortest-edge";
+    case ResizeMode::kPad:
+      return "pad";
   }
   return "?";
 }
@@ -51,7 +57,7 @@ PreprocessConfig PreprocessConfig::clip() {
   c.image_size = 224;
   c.resize = ResizeMode::kShortestEdge;
   c.mean = {0.48145466f, 0.4578275f, 0.40821073f};  // OPENAI_DATASET_MEAN (open_clip)
-  c.std = {0.26862954f, 0.26130258f, 0.27577711f};   // OPENAI_DATASET_STD
+  c.std = {0.26862954f, 0.26130258f, 0.27577711f};  // OPENAI_DATASET_STD
   return c;
 }
 

@@ -59,8 +59,9 @@ int cmd_decode(int argc, char** argv) {
   p.add_option("num-frames", 'n', "", "sample N frames uniformly over [start, end], ends included");
   p.add_option("start", 's', "", "range start in seconds (default: first frame)");
   p.add_option("end", 'e', "", "range end in seconds, exclusive (default: end of the video)");
-  p.add_option("preset", 0, "", "preprocessing of a vision tower: siglip (384, squash, mean/std "
-                                 "0.5) or clip (224, shortest edge + centre crop, CLIP mean/std)");
+  p.add_option("preset", 0, "",
+               "preprocessing of a vision tower: siglip (384, squash, mean/std "
+               "0.5) or clip (224, shortest edge + centre crop, CLIP mean/std)");
   p.add_option("size", 0, "", "output side P (P×P); overrides the preset's");
   p.add_option("resize", 0, "", "squash | shortest-edge | pad (default: the preset's, or squash)");
   p.add_option("mean", 0, "", "normalization mean r,g,b (default: the preset's)");
