@@ -77,3 +77,37 @@ TEST(PlannerCli, PlanErrorsNameTheField) {
 }
 
 }  // namespace
+
+namespace {
+
+// bench-plan end to end on 2 real ranks: every feasible strategy of the tiny model runs through
+// `lvx attention`, and the bytes each rank sent equal the cost model's volumes exactly (the
+// timings are only reported, never asserted).
+TEST(PlannerCli, BenchPlanMeasuredBytesEqualPredicted) {
+  if (!fs::exists(lvx_binary())) GTEST_SKIP() << "build the lvx target first";
+  const std::string src = LVX_SOURCE_DIR;
+  const std::string json = (fs::temp_directory_path() / "lvx_test_planner_bench.json").string();
+  std::string out;
+  int rc = run(lvx_binary() + " bench-plan --model " + src + "/configs/models/tiny.yaml" +
+                   " --cluster " + src + "/configs/clusters/a100_80g_16.yaml" +
+                   " --frames 4 --text 32 --nproc 2 --reps 1 --json " + json,
+               &out);
+  ASSERT_EQ(rc, 0) << out;
+  nlohmann::json j;
+  std::ifstream(json) >> j;
+  ASSERT_EQ(j["layers"].size(), 3u);
+  int checked = 0;
+  for (const auto& l : j["layers"]) {
+    EXPECT_EQ(l["strategies"].size(), 5u) << l.dump();  // all five distributed strategies ran
+    for (const auto& [name, s] : l["strategies"].items()) {
+      EXPECT_EQ(s["measured_bytes_sent"].get<double>(), s["predicted_bytes_sent"].get<double>())
+          << "layer " << l["index"] << " " << name;
+      EXPECT_GT(s["measured_s"].get<double>(), 0);
+      ++checked;
+    }
+    EXPECT_GE(l["regret"].get<double>(), 1.0);
+  }
+  EXPECT_EQ(checked, 15);
+}
+
+}  // namespace

@@ -48,7 +48,7 @@ int run(const std::vector<std::string>& argv, std::string* output) {
 // Same layer shapes measure the same: key of a layer's workload.
 std::string layer_key(const LayerWorkload& w) {
   std::ostringstream os;
-  os << to_string(w.kind) << w.sq << "x" << w.skv << "h" << w.heads << "/" << w.kv_heads << "d"
+  os << to_string(w.kind) << w.sq << "x" << w.skv << "h" << w.heads << "-" << w.kv_heads << "d"
      << w.head_dim << to_string(w.mask);
   return os.str();
 }
@@ -66,7 +66,7 @@ int cmd_bench_plan(int argc, char** argv) {
   p.add_option("nproc", 'n', "2", "local ranks");
   p.add_option("cluster", 'c', "", "cluster config of this machine (empty: run lvx calibrate)");
   p.add_option("dtype", 0, "fp32", "dtype of the inputs (CPU kernels: fp32)");
-  p.add_option("reps", 'r', "3", "runs per strategy (median)");
+  p.add_option("reps", 'r', "3", "timed calls per strategy (lvx attention --repeat; median)");
   p.add_option("json", 'j', "", "write the results as JSON here");
   p.add_option("workdir", 0, "", "keep inputs and stats here (default: a temporary directory)");
   if (!p.parse(argc, argv)) return 0;
@@ -123,23 +123,18 @@ int cmd_bench_plan(int argc, char** argv) {
       lvx::save_safetensors(in, layer_inputs(lp.work, w.frames, dtype, 1234));
       for (Strategy s : w.strategies) {
         if (!lp.costs.at(s).feasible) continue;
-        std::vector<double> secs;
-        AttentionRunStats last;
-        for (int r = 0; r < reps; ++r) {
-          const std::string stats = (dir / (key + "." + to_string(s) + ".json")).string();
-          std::string out;
-          int rc =
-              run({self, "attention", "--strategy", to_string(s), "--nproc", std::to_string(nproc),
-                   "--input", in, "--output", (dir / (key + ".out.safetensors")).string(), "--mask",
-                   attention_mask_flag(lp.work), "--backward", "--stats", stats},
-                  &out);
-          LVX_CHECK(rc == 0, "bench-plan: lvx attention --strategy ", to_string(s),
-                    " failed (exit ", rc, "):\n", out);
-          last = read_attention_stats(stats);
-          secs.push_back(last.seconds);
-        }
-        std::sort(secs.begin(), secs.end());
-        last.seconds = secs[secs.size() / 2];
+        // `lvx attention --repeat R` times R calls after its own warm-up and reports the median.
+        const std::string stats = (dir / (key + "." + to_string(s) + ".json")).string();
+        std::string out;
+        int rc =
+            run({self, "attention", "--strategy", to_string(s), "--nproc", std::to_string(nproc),
+                 "--input", in, "--output", (dir / (key + ".out.safetensors")).string(), "--mask",
+                 attention_mask_flag(lp.work), "--backward", "--repeat", std::to_string(reps),
+                 "--stats", stats},
+                &out);
+        LVX_CHECK(rc == 0, "bench-plan: lvx attention --strategy ", to_string(s), " failed (exit ",
+                  rc, "):\n", out);
+        AttentionRunStats last = read_attention_stats(stats);
         measured[s] = last;
         std::cerr << "bench-plan: " << key << " " << to_string(s) << " " << last.seconds << " s\n";
       }
@@ -179,7 +174,7 @@ int cmd_bench_plan(int argc, char** argv) {
   }
   std::cout << "bench-plan: model " << model.name << ", " << nproc << " local ranks, cluster "
             << cluster.name << " (" << cluster_path << "), frames " << w.frames << ", text "
-            << w.text_tokens << ", forward+backward, median of " << reps << " runs\n"
+            << w.text_tokens << ", forward+backward, median of " << reps << " calls\n"
             << table.str()
             << "total regret (sum of chosen / sum of fastest): " << std::setprecision(3)
             << sum_choice / sum_best << "\n";
