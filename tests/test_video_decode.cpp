@@ -217,6 +217,33 @@ TEST(VideoVfr, IndexAndFpsSamplingFollowTheContent) {
   }
 }
 
+// Container metadata that lies: a stream copy cut at 1.3 s (not a keyframe) keeps all 100
+// samples in the mp4 header (nb_frames = 100) plus an edit list hiding the first 33; only 67
+// frames are ever shown. The count and the frames come from the content (decord #373).
+TEST(VideoMetadata, FrameCountComesFromTheContentNotTheHeader) {
+  const std::string src = make_video("el_src.mp4", source("64x48", 25, 4.0),
+                                     "-c:v libx264 -g 50 -bf 2 -pix_fmt yuv420p");
+  const std::string path = (testing::temp_dir() / "edit_list.mp4").string();
+  testing::run("ffmpeg -nostdin -v error -y -ss 1.3 -i '" + src + "' -c copy '" + path + "'");
+  VideoDecoder dec(path);
+  const auto ref_pts = reference_pts(path);
+  const int64_t header = std::stoll(testing::run(
+      "ffprobe -v error -select_streams v:0 -show_entries stream=nb_frames -of csv=p=0 '" + path +
+      "'"));
+  EXPECT_EQ(dec.info().num_frames_from_header, header);
+  ASSERT_EQ(dec.info().num_frames, static_cast<int64_t>(ref_pts.size()));
+  EXPECT_LT(dec.info().num_frames, header) << "the cut did not make the header lie";
+  const auto ref = reference_frames(path, 64, 48);
+  ASSERT_EQ(ref.size(), ref_pts.size());
+  for (int64_t i : std::vector<int64_t>{0, 1, 40, static_cast<int64_t>(ref.size()) - 1, 5}) {
+    DecodedFrame f;
+    std::string why;
+    ASSERT_TRUE(dec.decode_frame(i, &f, &why)) << why;
+    EXPECT_NEAR(f.pts_seconds, ref_pts[i], 1e-6);
+    EXPECT_TRUE(pixels(f) == ref[i]) << "frame " << i;
+  }
+}
+
 // A few frames from a long GOP-structured video decode a few GOPs, not the whole file.
 TEST(VideoSeek, SampledFramesDecodeOnlyTheirGops) {
   const std::string path = make_video("long.mp4", source("32x32", 25, 40.0),
