@@ -1,0 +1,152 @@
+// Distributed attention benchmark: for a sweep of (Sq, Skv, heads, K/V heads, head dim) on N
+// local ranks, every strategy's forward+backward time and bytes per rank side by side, after a
+// correctness check of each strategy's output against single-device attention of the same
+// rank's queries (fp32, max abs error printed). Ratios are against ring (the baseline LV-XAttn
+// is compared with in its paper).
+//   bench_attention [--nproc 4] [--sq 256,1024] [--skv 16384] [--heads 8] [--kv-heads 8]
+//                   [--head-dim 64] [--mask none] [--iters 3] [-o md|json]
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+
+#include "src/attention/strategy.h"
+#include "src/cli/args.h"
+#include "src/common/error.h"
+#include "src/dist/launcher.h"
+#include "src/runtime/attention_job.h"
+
+using namespace lvx;
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int run_rank(const cli::ArgParser& p) {
+  auto pg = dist::ProcessGroup::from_env();
+  const int n = pg->world_size(), r = pg->rank();
+  const bool json = p.get("output-format") == "json";
+  const int iters = static_cast<int>(p.get_int("iters"));
+  if (r == 0 && !json)
+    std::printf("%6s %7s %3s %3s %4s  %-10s %9s %9s %9s %10s %8s\n", "Sq", "Skv", "Hq", "Hkv", "D",
+                "strategy", "fwd ms", "bwd ms", "vs ring", "MB/rank", "max err");
+  for (int64_t sq : p.get_int_list("sq"))
+    for (int64_t skv : p.get_int_list("skv"))
+      for (int64_t hq : p.get_int_list("heads"))
+        for (int64_t hkv : p.get_int_list("kv-heads"))
+          for (int64_t d : p.get_int_list("head-dim")) {
+            attention::AttentionSpec s;
+            s.sq = sq;
+            s.skv = skv;
+            s.hq = hq;
+            s.hkv = hkv;
+            s.head_dim = d;
+            s.mask = runtime::mask_kind_from_name(p.get("mask"), &s.media_rule);
+            auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+            auto q = at::randn({1, sq, hq, d}, gen), k = at::randn({1, skv, hkv, d}, gen);
+            auto v = at::randn({1, skv, hkv, d}, gen), dout = at::randn({1, sq, hq, d}, gen);
+            double ring_total = 0;
+            // ring first: the baseline every ratio is against.
+            for (auto kind : {attention::StrategyKind::kRing, attention::StrategyKind::kLvXAttn,
+                              attention::StrategyKind::kStriped, attention::StrategyKind::kUlysses,
+                              attention::StrategyKind::kAllGather}) {
+              auto st = attention::make_strategy(kind);
+              try {
+                st->check_supported(s, n);
+              } catch (const lvx::Error&) {
+                continue;  // e.g. ulysses with heads not divisible by the ranks
+              }
+              const auto ql = st->q_layout(s, n), kl = st->kv_layout(s, n);
+              attention::LocalInputs in{ql.shard(q, 1, r), kl.shard(k, 1, r), kl.shard(v, 1, r),
+                                        {}, {}, {}};
+              // Correctness first: this rank's output against single-device attention of its
+              // queries over the whole K/V.
+              auto out = st->forward(*pg, s, in);
+              const auto qpos = ql.positions(r);
+              auto ref = kernels::attention_forward(
+                  in.q, k, v, attention::block_params(s, in, qpos, at::arange(skv)));
+              at::Tensor err = at::full({1}, in.q.size(1) ? (out.o - ref.o).abs().max().item<double>() : 0.0,
+                                        at::kDouble);
+              pg->all_reduce(err, dist::ReduceOp::kMax);
+              std::vector<double> tf, tb;
+              int64_t sent = 0;
+              for (int it = 0; it < iters; ++it) {
+                pg->barrier();
+                pg->counters().reset();
+                auto t0 = std::chrono::steady_clock::now();
+                out = st->forward(*pg, s, in);
+                auto t1 = std::chrono::steady_clock::now();
+                st->backward(*pg, s, in, out.o, out.lse, ql.shard(dout, 1, r));
+                auto t2 = std::chrono::steady_clock::now();
+                tf.push_back(std::chrono::duration<double>(t1 - t0).count());
+                tb.push_back(std::chrono::duration<double>(t2 - t1).count());
+                sent = pg->counters().total_sent();
+              }
+              at::Tensor t = at::tensor({median(tf), median(tb), static_cast<double>(sent)}, at::kDouble);
+              pg->all_reduce(t, dist::ReduceOp::kMax);  // the slowest rank sets the pace
+              const double f = t[0].item<double>(), b = t[1].item<double>(), mb = t[2].item<double>() / 1e6;
+              if (kind == attention::StrategyKind::kRing) ring_total = f + b;
+              if (r != 0) continue;
+              const double ratio = ring_total > 0 ? ring_total / (f + b) : 0;
+              if (json) {
+                std::cout << nlohmann::json{{"sq", sq}, {"skv", skv}, {"hq", hq}, {"hkv", hkv},
+                                            {"head_dim", d}, {"ranks", n},
+                                            {"strategy", st->name()}, {"fwd_s", f}, {"bwd_s", b},
+                                            {"speedup_vs_ring", ratio}, {"bytes_sent_max", t[2].item<double>()},
+                                            {"max_err", err.item<double>()}}.dump()
+                          << std::endl;
+              } else {
+                std::printf("%6lld %7lld %3lld %3lld %4lld  %-10s %9.2f %9.2f %9s %10.2f %8.1e\n",
+                            (long long)sq, (long long)skv, (long long)hq, (long long)hkv,
+                            (long long)d, st->name().c_str(), f * 1e3, b * 1e3,
+                            ratio > 0 ? (std::to_string(ratio).substr(0, 4) + "x").c_str() : "-",
+                            mb, err.item<double>());
+              }
+            }
+          }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  cli::ArgParser p("bench_attention [--nproc N] [--sq L] [--skv L] [--heads L] [--kv-heads L] "
+                   "[--head-dim L] [--mask M] [--iters I] [-o md|json]",
+                   "Every distributed attention strategy, side by side (L: comma lists).");
+  p.add_option("nproc", 'n', "4", "local ranks");
+  p.add_option("sq", 0, "256,1024", "query tokens");
+  p.add_option("skv", 0, "16384", "key/value tokens");
+  p.add_option("heads", 0, "8", "query heads");
+  p.add_option("kv-heads", 0, "8", "key/value heads");
+  p.add_option("head-dim", 0, "64", "head dimension");
+  p.add_option("mask", 'm', "none", "none | causal | media_immediate | media_upto");
+  p.add_option("iters", 0, "3", "timed repetitions (median)");
+  p.add_option("output-format", 'o', "md", "md | json");
+  try {
+    if (!p.parse(argc, argv)) return 0;
+    LVX_CHECK(p.get("mask") == "none" || p.get("mask") == "causal",
+              "bench_attention generates no media metadata: use --mask none or causal");
+    if (std::getenv("WORLD_SIZE")) return run_rank(p);
+    char self[4096];
+    ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+    self[len > 0 ? len : 0] = '\0';
+    std::vector<std::string> cmd{self};
+    for (int i = 1; i < argc; ++i) cmd.push_back(argv[i]);
+    dist::LaunchOptions o;
+    o.nproc = static_cast<int>(p.get_int("nproc"));
+    o.capture = true;
+    auto res = dist::launch_local(cmd, o);
+    for (const auto& rk : res.ranks)
+      if (rk.rank == 0 || rk.exit_code != 0) std::cout << rk.output;
+    return res.exit_code;
+  } catch (const std::exception& e) {
+    std::cerr << "bench_attention: error: " << e.what() << "\n";
+    return 1;
+  }
+}
