@@ -65,6 +65,21 @@ TEST(VideoPipeline, ShardsTogetherAreExactlyTheSingleRankResult) {
   }
 }
 
+TEST(VideoPipeline, DecoderThreadsDoNotChangeTheFrames) {
+  const std::string path = make_video("threads_hevc.mkv", "testsrc2=size=64x48:rate=25:duration=2",
+                                      "-c:v libx265 -x265-params log-level=error:keyint=12");
+  SampleSpec spec;
+  spec.num_frames = 11;
+  DecodeOptions one, many;
+  one.threads = 1;
+  many.threads = 0;  // FFmpeg's choice: frame threading across the cores
+  many.queue_capacity = 1;
+  const FrameBatch a = decode_video(path, spec, {}, keep_size(), one);
+  const FrameBatch b = decode_video(path, spec, {}, keep_size(), many);
+  EXPECT_TRUE(at::equal(a.frames, b.frames));
+  EXPECT_TRUE(at::equal(a.indices, b.indices));
+}
+
 TEST(VideoPipeline, BatchMatchesTheDecoderAndIsChannelsFirst) {
   const std::string path = h264_video();
   SampleSpec spec;

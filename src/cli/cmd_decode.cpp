@@ -46,8 +46,9 @@ std::array<float, 3> three_floats(const lvx::cli::ArgParser& p, const std::strin
 
 int cmd_decode(int argc, char** argv) {
   lvx::cli::ArgParser p(
-      "lvx decode --video V (--fps F | --num-frames N) [--start S] [--end E] [--size P]\n"
-      "           [--rank r --world n] [--threads T] --output frames.safetensors",
+      "lvx decode --video V (--fps F | --num-frames N) [--start S] [--end E]\n"
+      "           [--preset siglip|clip] [--size P] [--normalize] [--rank r --world n]\n"
+      "           [--threads T] [--on-corrupt error|skip|repeat] --output frames.safetensors",
       "Decode this rank's contiguous share of the frames sampled from a video and write\n"
       "frames [N,3,H,W] (uint8 RGB, or float32 with --normalize), int64 indices and float64\n"
       "pts (seconds). Frames are shown as a player shows them (rotation applied). Without\n"
