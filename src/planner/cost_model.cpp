@@ -217,8 +217,12 @@ StrategyCost estimate(Strategy s, const LayerWorkload& w, const ClusterConfig& c
       const double blocks_u = causal ? nn / 2 : nn;
       out.fwd_compute_s = blocks_u * blk_f;
       out.bwd_compute_s = blocks_u * blk_b;
-      out.fwd_comm_s = all_to_all_time(c, n, b.q + b.k + b.v) + all_to_all_time(c, n, b.o + b.lse);
-      out.bwd_comm_s = all_to_all_time(c, n, b.q) + all_to_all_time(c, n, b.q + b.k + b.v);
+      // One all-to-all per tensor (src/attention/ulysses.cpp), each paying its latency.
+      out.fwd_comm_s = all_to_all_time(c, n, b.q) + all_to_all_time(c, n, b.k) +
+                       all_to_all_time(c, n, b.v) + all_to_all_time(c, n, b.o) +
+                       all_to_all_time(c, n, b.lse);
+      out.bwd_comm_s = all_to_all_time(c, n, b.q) + all_to_all_time(c, n, b.q) +
+                       all_to_all_time(c, n, b.k) + all_to_all_time(c, n, b.v);
       out.fwd_s = out.fwd_compute_s + out.fwd_comm_s;
       out.bwd_s = out.bwd_compute_s + out.bwd_comm_s;
       work_f = 2 * (in + b.o) + b.o32;
@@ -227,15 +231,18 @@ StrategyCost estimate(Strategy s, const LayerWorkload& w, const ClusterConfig& c
       break;
     }
     case Strategy::kAllGather: {
-      const double a = b.k + b.v, g = b.dk32 + b.dv32;
-      out.fwd_comm_s = (nn - 1) * transfer_time(link, a);
-      out.bwd_comm_s = (nn - 1) * transfer_time(link, g);
+      // K and V are gathered one after the other, each a ring of n-1 steps; dK and dV are
+      // reduce-scattered one after the other as pairwise all-to-alls of the full fp32 gradient
+      // (src/attention/all_gather.cpp).
+      const double a = b.k + b.v;
+      out.fwd_comm_s = (nn - 1) * (transfer_time(link, b.k) + transfer_time(link, b.v));
+      out.bwd_comm_s = all_to_all_time(c, n, nn * b.dk32) + all_to_all_time(c, n, nn * b.dv32);
       out.fwd_compute_s = total_blocks * blk_f;
       out.bwd_compute_s = total_blocks * blk_b;
       out.fwd_s = out.fwd_comm_s + out.fwd_compute_s;
       out.bwd_s = out.bwd_comm_s + out.bwd_compute_s;
       work_f = nn * a + b.o32 + b.lse;
-      work_b = nn * a + nn * g + b.dq32;
+      work_b = nn * a + nn * (b.dk32 + b.dv32) + b.dq32;
       saved = b.q + nn * a + b.o + b.lse;
       break;
     }
@@ -246,7 +253,8 @@ StrategyCost estimate(Strategy s, const LayerWorkload& w, const ClusterConfig& c
       const double blocks_l = causal ? nn * nn / 2 : nn * nn;
       out.fwd_compute_s = blocks_l * blk_f;
       out.bwd_compute_s = blocks_l * blk_b;
-      out.fwd_comm_s = (nn - 1) * transfer_time(link, in);
+      out.fwd_comm_s = (nn - 1) * (transfer_time(link, b.q) + transfer_time(link, b.k) +
+                                   transfer_time(link, b.v));
       out.bwd_comm_s = (nn - 1) * transfer_time(link, b.o);
       out.fwd_s = out.fwd_compute_s + out.fwd_comm_s;
       out.bwd_s = out.bwd_compute_s + out.bwd_comm_s;

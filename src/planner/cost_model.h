@@ -28,14 +28,15 @@
 //   lv_xattn bwd: a = |Q| + |dO| + |lse| + |delta|, b = |dQ32|
 //   ring/striped fwd: a = |K| + |V|,               b = 0
 //   ring/striped bwd: a = |K| + |V|,               b = |dK32| + |dV32|
-// ulysses: all-to-all seq→head of q,k,v, attention of the whole sequence on Hq/n heads,
-//   head→seq of o and lse: T_fwd = a2a(|Q|+|K|+|V|) + f_full/n + a2a(|O|+|lse|); backward
-//   a2a(|dO|), then a2a(|dQ|+|dK|+|dV|); a2a(X) moves (n-1)/n·X per rank. Needs Hq % n == 0 and Hkv
-//   % n == 0.
-// all_gather: ring all-gather of K/V, (n-1)·comm(|K|+|V|), then attention against the full K/V;
-//   backward reduce-scatters dK/dV in fp32, (n-1)·comm(|dK32|+|dV32|). Holds full K/V.
+// ulysses: all-to-all seq→head of q, k, v, attention of the whole sequence on Hq/n heads,
+//   head→seq of o and lse, one all-to-all per tensor as src/attention does:
+//   T_fwd = a2a(|Q|) + a2a(|K|) + a2a(|V|) + f_full/n + a2a(|O|) + a2a(|lse|); backward a2a(|dO|),
+//   then a2a of dQ, dK, dV; a2a(X) moves (n-1)/n·X per rank. Needs Hq % n == 0 and Hkv % n == 0.
+// all_gather: ring all-gathers of K then V, (n-1)·(comm(|K|) + comm(|V|)), then attention against
+//   the full K/V; backward reduce-scatters dK then dV in fp32 (pairwise all-to-all of the full
+//   gradient, (n-1)·|dK32| per rank each). Holds full K/V.
 // local: every rank runs the whole layer unsharded (feasible where it fits); with n > 1 it first
-//   all-gathers q, k, v, (n-1)·comm(|Q|+|K|+|V|), and dO in the backward, (n-1)·comm(|dO|).
+//   all-gathers q, k, v, (n-1)·Σ comm(|X|), and dO in the backward, (n-1)·comm(|dO|).
 //
 // Memory per rank (bytes): input shards + output + communication buffers of the larger of the
 // two passes + (training) what the forward saves for the backward. Training with
