@@ -200,9 +200,15 @@ std::vector<BadInput> bad_inputs() {
   run("ffmpeg -nostdin -v error -y -i '" + whole + "' -c copy '" + whole_mkv + "'");
   const std::string moov_last = (dir / "moov_last.mp4").string();
   run("ffmpeg -nostdin -v error -y -i '" + whole + "' -c copy '" + moov_last + "'");
+  const std::string whole_webm = make_video("whole.webm", "testsrc2=size=64x48:rate=25:duration=4",
+                                            "-c:v libvpx-vp9 -deadline realtime -g 10");
+  const std::string whole_avi =
+      make_video("whole.avi", "testsrc2=size=64x48:rate=25:duration=4", "-c:v mpeg4 -g 10");
   for (const auto& [src, name, expect] :
        {std::tuple<std::string, std::string, std::string>{whole, "cut.mp4", "truncated"},
         {whole_mkv, "cut.mkv", "truncated"},
+        {whole_webm, "cut.webm", "truncated"},
+        {whole_avi, "cut.avi", "truncated"},
         {moov_last, "cut_moov_last.mp4", "cannot open"}}) {
     const std::string cut = (dir / name).string();
     run("head -c $(( $(stat -c %s '" + src + "') * 6 / 10 )) '" + src + "' > '" + cut + "'");
