@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
 
@@ -324,6 +325,14 @@ TEST(VideoCli, DecodeWritesFramesIndicesPtsAndShardsUnion) {
   EXPECT_TRUE(at::equal(f.tensors.at("indices"), lib.indices));
   EXPECT_TRUE(at::equal(f.tensors.at("pts"), lib.pts));
   EXPECT_EQ(f.metadata.at("num_frames"), "50");
+  // stdout: one JSON line describing the run.
+  const std::string json_line =
+      run(lvx_bin() + " decode --video '" + path + "' --num-frames 9 --start 0.2 --end 1.8 -o '" +
+          one + "' 2>/dev/null");
+  const nlohmann::json j = nlohmann::json::parse(json_line);
+  EXPECT_EQ(j.at("frames").get<int64_t>(), 9);
+  EXPECT_EQ(j.at("num_frames").get<int64_t>(), 50);
+  EXPECT_EQ(j.at("shard"), nlohmann::json({0, 9}));
   std::vector<at::Tensor> parts, idx;
   for (int r = 0; r < 4; ++r) {
     const std::string out = (temp_dir() / ("r" + std::to_string(r) + ".safetensors")).string();

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <iomanip>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "src/cli/args.h"
@@ -146,6 +147,27 @@ int cmd_decode(int argc, char** argv) {
             << b.frames.sizes() << " to " << p.get("output") << " (decoded "
             << b.report.stats.frames_decoded << " of " << i.num_frames << " frames, "
             << b.report.stats.seeks << " seeks)\n";
+  // One machine-readable line on stdout (progress and problems went to stderr).
+  nlohmann::json line = {{"video", video},
+                         {"output", p.get("output")},
+                         {"rank", shard.rank},
+                         {"world", shard.world},
+                         {"frames", b.frames.size(0)},
+                         {"sampled_total", b.report.sampled_total},
+                         {"shard", {b.report.shard_begin, b.report.shard_end}},
+                         {"num_frames", i.num_frames},
+                         {"average_fps", i.average_fps},
+                         {"duration_seconds", i.duration_seconds},
+                         {"width", i.width},
+                         {"height", i.height},
+                         {"rotation", i.rotation},
+                         {"frames_decoded", b.report.stats.frames_decoded},
+                         {"seeks", b.report.stats.seeks},
+                         {"skipped", b.report.skipped},
+                         {"repeated", b.report.repeated},
+                         {"truncated", b.report.truncated},
+                         {"events", b.report.events}};
+  std::cout << line.dump() << std::endl;
   return 0;
 }
 
