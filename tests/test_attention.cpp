@@ -94,6 +94,11 @@ struct Case {
   }
 };
 
+// Per rank: largest error against fp64 seen per dtype (printed per world size), and each case's
+// output and grads keyed by everything but the strategy, for the cross-strategy comparison.
+std::map<std::string, double> g_max_err;
+std::map<std::string, std::vector<at::Tensor>> g_first_result;
+
 int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
   const int n = pg.world_size(), r = pg.rank();
   AttentionSpec s;
@@ -105,7 +110,9 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
   s.head_dim = 8;
   s.mask = c.mask;
   s.media_rule = c.rule;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  // Same inputs for every strategy of a case (the cross-strategy comparison needs them).
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(
+      seed + std::hash<std::string>{}(c.name().substr(c.name().find('/'))) % 100000);
   auto q = at::randn({s.batch, s.sq, s.hq, s.head_dim}, gen, at::kDouble).to(c.dtype);
   auto k = at::randn({s.batch, s.skv, s.hkv, s.head_dim}, gen, at::kDouble).to(c.dtype);
   auto v = at::randn({s.batch, s.skv, s.hkv, s.head_dim}, gen, at::kDouble).to(c.dtype);
@@ -134,6 +141,8 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
                   const at::Tensor& want_same) {
     const double e = max_err(got, want64), e_same = max_err(want_same, want64);
     const double bound = 2 * e_same + atol_for(c.dtype);
+    auto& m = g_max_err[lvx::str(c10::toString(c.dtype), " ", what)];
+    m = std::max(m, e);
     if (!(e <= bound)) {
       std::cerr << "rank " << r << " " << c.name() << " " << what << ": error " << e
                 << " > bound " << bound << " (same-dtype reference error " << e_same << ")\n";
@@ -147,6 +156,43 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
   gate("dq", grads.dq.to(dt), ql.shard(ref.dq, 1, r), ql.shard(same.dq, 1, r));
   gate("dk", grads.dk.to(dt), kl.shard(ref.dk, 1, r), kl.shard(same.dk, 1, r));
   gate("dv", grads.dv.to(dt), kl.shard(ref.dv, 1, r), kl.shard(same.dv, 1, r));
+  // Cross-strategy equivalence: every strategy's result (gathered to global order through its own
+  // layout) is within twice the gate of the first strategy's on the same inputs.
+  {
+    std::vector<at::Tensor> mine;
+    for (const auto& [t, layout, dim] : std::vector<std::tuple<at::Tensor, attention::Layout, int>>{
+             {out.o.to(dt), ql, 1}, {grads.dq.to(dt), ql, 1}, {grads.dk.to(dt), kl, 1},
+             {grads.dv.to(dt), kl, 1}}) {
+      std::vector<int64_t> sizes = layout.sizes();
+      at::Tensor rows = t.transpose(0, 1).contiguous();
+      at::Tensor all = pg.all_gather(rows, sizes).transpose(0, 1);
+      std::vector<at::Tensor> shards;
+      int64_t off = 0;
+      for (int j = 0; j < n; ++j) {
+        shards.push_back(all.narrow(1, off, sizes[j]));
+        off += sizes[j];
+      }
+      mine.push_back(layout.unshard(shards, 1));
+    }
+    const std::string key = c.name().substr(c.name().find('/'));
+    auto it = g_first_result.find(key);
+    if (it == g_first_result.end()) {
+      g_first_result[key] = mine;
+    } else {
+      const double limit = 2 * (2 * max_err(same.o, ref.o) + atol_for(c.dtype)) +
+                           2 * (2 * std::max({max_err(same.dq, ref.dq), max_err(same.dk, ref.dk),
+                                              max_err(same.dv, ref.dv)}) + atol_for(c.dtype));
+      for (size_t i = 0; i < mine.size(); ++i) {
+        const double e = max_err(mine[i], it->second[i]);
+        if (!(e <= limit)) {
+          std::cerr << "rank " << r << " " << c.name() << ": differs from the first strategy by "
+                    << e << " (limit " << limit << ") in output " << i << "\n";
+          ++bad;
+        }
+      }
+    }
+  }
+  pg.counters().reset();
   auto vf = strategy->analytic_bytes(s, n, r, c.dtype, false);
   auto vb = strategy->analytic_bytes(s, n, r, c.dtype, true);
   if (vf.sent != fwd_sent || vf.received != fwd_recv || vb.sent != bwd_sent ||
@@ -185,10 +231,11 @@ LVX_WORKER(strategies) {
   const auto cases = all_cases(pg->world_size());
   pg->check_agreement("cases", std::to_string(cases.size()));
   int bad = 0;
-  uint64_t seed = 1;
-  for (const auto& c : cases) bad += run_case(*pg, c, seed++);
-  std::cout << "rank " << pg->rank() << ": " << cases.size() << " cases, " << bad
-            << " failures\n";
+  for (const auto& c : cases) bad += run_case(*pg, c, 1);
+  std::cout << "rank " << pg->rank() << " of " << pg->world_size() << ": " << cases.size()
+            << " cases, " << bad << " failures; largest error vs fp64:";
+  for (const auto& [k, e] : g_max_err) std::cout << " " << k << "=" << e;
+  std::cout << "\n";
   return bad ? 1 : 0;
 }
 
