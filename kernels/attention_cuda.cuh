@@ -1,0 +1,64 @@
+// Shared pieces of the CUDA attention kernels (attention_fwd.cu, attention_bwd.cu,
+// merge_states.cu): tile summaries as raw device pointers, the CUDA status check, and the
+// entry points the device table registers.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_runtime.h>
+
+#include "kernels/mask.h"
+#include "kernels/registry.h"
+#include "src/common/error.h"
+
+// Checks a CUDA runtime status, adding file:line and CUDA's own error string.
+#define LVX_CUDA_CHECK(expr)                                                          \
+  do {                                                                                \
+    const cudaError_t lvx_status_ = (expr);                                           \
+    LVX_CHECK(lvx_status_ == cudaSuccess, __FILE__, ":", __LINE__, ": ", #expr, ": ", \
+              cudaGetErrorString(lvx_status_));                                       \
+  } while (0)
+
+namespace lvx::kernels {
+
+// +infinity in device code (std::numeric_limits is host-only without relaxed constexpr).
+template <typename A>
+__device__ __forceinline__ A device_inf() {
+  return static_cast<A>(__int_as_float(0x7f800000));
+}
+
+// PreparedMask's per-tile summaries ([B, n_tiles] each) as device pointers.
+struct DeviceTileSummaries {
+  int n_q_tiles = 0, n_k_tiles = 0;
+  const int64_t *q_lo, *q_hi, *k_lo, *k_hi;
+  const bool *q_has_none, *q_all_none, *k_has_none, *k_all_none;
+
+  LVX_HOST_DEVICE TileSummary q(int64_t b, int64_t t) const {
+    const int64_t i = b * n_q_tiles + t;
+    return {q_lo[i], q_hi[i], q_has_none[i], q_all_none[i]};
+  }
+  LVX_HOST_DEVICE TileSummary k(int64_t b, int64_t t) const {
+    const int64_t i = b * n_k_tiles + t;
+    return {k_lo[i], k_hi[i], k_has_none[i], k_all_none[i]};
+  }
+};
+
+DeviceTileSummaries device_tile_summaries(const PreparedMask& pm);
+
+// Can a contiguous [B, S, H, D] tensor be read in 16-byte vectors (aligned base, rows of a
+// multiple of 16 bytes)?
+inline bool rows_aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+         (t.size(3) * t.element_size()) % 16 == 0;
+}
+
+AttentionOutput attention_forward_cuda(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, double scale, const AttentionMask& mask,
+                                       AttentionStats* stats);
+AttentionGrads attention_backward_cuda(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& dout,
+                                       const at::Tensor& lse, const at::Tensor& delta, double scale,
+                                       const AttentionMask& mask, AttentionStats* stats);
+void merge_attention_states_cuda(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Tensor& o_new,
+                                 const at::Tensor& lse_new);
+
+}  // namespace lvx::kernels
