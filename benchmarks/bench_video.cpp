@@ -8,7 +8,7 @@
 //      2 s GOP): wall time, peak RSS of a process doing only that, frames decoded — against
 //      the ffmpeg CLI's `fps` filter, which must decode the whole file.
 // Videos are generated into /tmp/lvx_bench_video (kept between runs). Usage:
-//   bench_video [--repeat 3] [--threads 1] [-o md|jsonl]
+//   bench_video [--repeat 3] [--threads 1] [--preprocess-threads 1] [-o md|jsonl]
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -147,7 +147,7 @@ void print(const std::vector<Row>& rows, const std::string& fmt) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int repeat = 3, threads = 1;
+  int repeat = 3, threads = 1, pre_threads = 1;
   std::string fmt = "md";
   if (argc >= 2 && !std::strcmp(argv[1], "--child-sample60"))
     return sample60_child(argc >= 3 ? argv[2] : "", argc >= 4 ? std::atoi(argv[3]) : 1);
@@ -156,10 +156,13 @@ int main(int argc, char** argv) {
       repeat = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc)
       threads = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--preprocess-threads") && i + 1 < argc)
+      pre_threads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "-o") && i + 1 < argc)
       fmt = argv[++i];
     else {
-      std::cerr << "usage: bench_video [--repeat 3] [--threads 1] [-o md|jsonl]\n";
+      std::cerr << "usage: bench_video [--repeat 3] [--threads 1] [--preprocess-threads 1] "
+                   "[-o md|jsonl]\n";
       return 2;
     }
   }
@@ -174,6 +177,7 @@ int main(int argc, char** argv) {
                                   "-c:v libx264 -preset ultrafast -g 50 -pix_fmt yuv420p");
     DecodeOptions opt;
     opt.threads = threads;
+    opt.preprocess_threads = pre_threads;
     const std::string ff_threads = " -threads " + std::to_string(threads) + " ";
     PreprocessConfig native;
     native.image_size = 0;

@@ -66,19 +66,24 @@ TEST(VideoPipeline, ShardsTogetherAreExactlyTheSingleRankResult) {
   }
 }
 
-TEST(VideoPipeline, DecoderThreadsDoNotChangeTheFrames) {
+TEST(VideoPipeline, ThreadCountsDoNotChangeTheFrames) {
   const std::string path = make_video("threads_hevc.mkv", "testsrc2=size=64x48:rate=25:duration=2",
                                       "-c:v libx265 -x265-params log-level=error:keyint=12");
   SampleSpec spec;
   spec.num_frames = 11;
+  PreprocessConfig cfg = PreprocessConfig::siglip();
+  cfg.image_size = 40;
+  cfg.normalize = true;
   DecodeOptions one, many;
-  one.threads = 1;
   many.threads = 0;  // FFmpeg's choice: frame threading across the cores
   many.queue_capacity = 1;
-  const FrameBatch a = decode_video(path, spec, {}, keep_size(), one);
-  const FrameBatch b = decode_video(path, spec, {}, keep_size(), many);
-  EXPECT_TRUE(at::equal(a.frames, b.frames));
-  EXPECT_TRUE(at::equal(a.indices, b.indices));
+  many.preprocess_threads = 3;
+  for (const PreprocessConfig& c : {keep_size(), cfg}) {
+    const FrameBatch a = decode_video(path, spec, {}, c, one);
+    const FrameBatch b = decode_video(path, spec, {}, c, many);
+    EXPECT_TRUE(at::equal(a.frames, b.frames)) << "image_size " << c.image_size;
+    EXPECT_TRUE(at::equal(a.indices, b.indices));
+  }
 }
 
 TEST(VideoPipeline, BatchMatchesTheDecoderAndIsChannelsFirst) {
@@ -296,6 +301,7 @@ TEST(VideoBadInput, CorruptFramePolicyErrorSkipRepeat) {
   EXPECT_EQ(skipped.frames.size(0), 49);
   EXPECT_EQ(skipped.indices[25].item<int64_t>(), 26);
   opt.on_corrupt = CorruptPolicy::kRepeat;
+  opt.preprocess_threads = 2;  // the policy is applied in order whatever the consumers' order
   const FrameBatch repeated = decode_video(bad, spec, {}, keep_size(), opt);
   EXPECT_EQ(repeated.report.repeated, 1);
   ASSERT_EQ(repeated.frames.size(0), 50);

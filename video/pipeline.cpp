@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <exception>
 #include <iomanip>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -15,6 +16,7 @@ namespace lvx::video {
 namespace {
 
 struct QueueItem {
+  int64_t ordinal = 0;  // position in the list of distinct targets
   DecodedFrame frame;
   bool ok = false;
   std::string why;           // when !ok
@@ -56,18 +58,26 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
 
   const auto [out_h, out_w] = preprocessed_size(preprocess, batch.info.height, batch.info.width);
   batch.frames = at::empty({n, 3, out_h, out_w}, preprocess.normalize ? at::kFloat : at::kByte);
-  std::vector<int64_t> out_index(n, -1);
-  std::vector<double> out_pts(n, 0);
-  std::vector<uint8_t> keep(n, 1);
+  // wanted is sorted, so distinct target u fills output positions [span[u], span[u + 1]).
+  std::vector<int64_t> span(targets.size() + 1, n);
+  for (int64_t p = 0, u = 0; u < static_cast<int64_t>(targets.size()); ++u) {
+    span[u] = p;
+    while (p < n && wanted[p] == targets[u]) ++p;
+  }
+  std::vector<int64_t> out_index(wanted);
+  std::vector<double> out_pts(n);
+  for (int64_t p = 0; p < n; ++p) out_pts[p] = index.pts_seconds(wanted[p]);
+  std::vector<uint8_t> done(targets.size(), 0);     // target u preprocessed into its slots
+  std::vector<std::string> failed(targets.size());  // why target u could not be decoded
 
   BoundedQueue<QueueItem> queue(static_cast<size_t>(options.queue_capacity));
   std::thread producer([&] {
     try {
-      for (int64_t t : targets) {
+      for (size_t u = 0; u < targets.size(); ++u) {
         QueueItem item;
-        item.ok = decoder.decode_frame(t, &item.frame, &item.why);
-        item.frame.index = t;
-        if (!queue.push(std::move(item))) return;  // consumer gave up
+        item.ordinal = static_cast<int64_t>(u);
+        item.ok = decoder.decode_frame(targets[u], &item.frame, &item.why);
+        if (!queue.push(std::move(item))) return;  // the consumers gave up
       }
     } catch (...) {
       QueueItem item;
@@ -77,56 +87,73 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
     queue.close();
   });
 
-  int64_t pos = 0;            // next output position
-  int64_t last_good = -1;     // last output position holding a decoded frame
-  std::vector<int64_t> owed;  // positions waiting for a frame to repeat (kRepeat, none yet)
-  try {
-    while (auto item = queue.pop()) {
-      if (item->error) std::rethrow_exception(item->error);
-      const int64_t t = item->frame.index;
-      const int64_t first = pos;
-      while (pos < n && wanted[pos] == t) ++pos;
-      for (int64_t p = first; p < pos; ++p) {
-        out_index[p] = t;
-        out_pts[p] = index.pts_seconds(t);
-      }
-      if (item->ok) {
-        preprocess_frame(item->frame.rgb, preprocess, batch.frames[first]);
-        for (int64_t p = first + 1; p < pos; ++p) batch.frames[p].copy_(batch.frames[first]);
-        for (int64_t p : owed) batch.frames[p].copy_(batch.frames[first]);
-        owed.clear();
-        last_good = pos - 1;
-        continue;
-      }
-      const std::string what = describe(index, t) + ": " + item->why;
-      LVX_CHECK(options.on_corrupt != CorruptPolicy::kError, "video '", path, "': ", what,
-                " (use --on-corrupt skip|repeat to continue past damaged frames)");
-      for (int64_t p = first; p < pos; ++p) {
-        if (options.on_corrupt == CorruptPolicy::kSkip) {
-          keep[p] = 0;
-          ++report.skipped;
-        } else {
-          ++report.repeated;
-          if (last_good >= 0)
-            batch.frames[p].copy_(batch.frames[last_good]);
-          else
-            owed.push_back(p);
+  // Consumers preprocess frames in whatever order they take them: each target owns its slots,
+  // so they never write the same memory. Policies that look at neighbours run afterwards.
+  std::mutex error_mu;
+  std::exception_ptr error;
+  auto consume = [&] {
+    try {
+      while (auto item = queue.pop()) {
+        if (item->error) std::rethrow_exception(item->error);
+        const int64_t u = item->ordinal;
+        if (!item->ok) {
+          failed[u] = item->why;
+          LVX_CHECK(options.on_corrupt != CorruptPolicy::kError, "video '", path,
+                    "': ", describe(index, targets[u]), ": ", item->why,
+                    " (use --on-corrupt skip|repeat to continue past damaged frames)");
+          continue;
         }
+        preprocess_frame(item->frame.rgb, preprocess, batch.frames[span[u]]);
+        for (int64_t p = span[u] + 1; p < span[u + 1]; ++p)
+          batch.frames[p].copy_(batch.frames[span[u]]);
+        done[u] = 1;
       }
-      report.events.push_back(what + (options.on_corrupt == CorruptPolicy::kSkip
-                                          ? "; skipped"
-                                          : "; replaced by the nearest good sampled frame"));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mu);
+      if (!error) error = std::current_exception();
+      queue.cancel();
     }
-  } catch (...) {
-    queue.cancel();
-    producer.join();
-    throw;
-  }
+  };
+  std::vector<std::thread> helpers;
+  for (int k = 1; k < options.preprocess_threads; ++k) helpers.emplace_back(consume);
+  consume();
+  for (auto& t : helpers) t.join();
   producer.join();
-  LVX_CHECK(pos == n, "video '", path, "': internal error: ", pos, " of ", n,
-            " sampled frames were produced");
-  LVX_CHECK(owed.empty() || n == 0, "video '", path,
-            "': none of the sampled frames could be decoded");
+  if (error) std::rethrow_exception(error);
+
+  // Damaged frames, in order: skip drops them; repeat copies the previous good sampled frame
+  // (the next good one when none precedes).
+  std::vector<uint8_t> keep(n, 1);
+  int64_t last_good = -1;
+  std::vector<int64_t> owed;
+  for (int64_t u = 0; u < static_cast<int64_t>(targets.size()); ++u) {
+    if (done[u]) {
+      for (int64_t p : owed) batch.frames[p].copy_(batch.frames[span[u]]);
+      owed.clear();
+      last_good = span[u];
+      continue;
+    }
+    LVX_CHECK(!failed[u].empty(), "video '", path,
+              "': internal error: ", describe(index, targets[u]),
+              " was neither decoded nor reported");
+    for (int64_t p = span[u]; p < span[u + 1]; ++p) {
+      if (options.on_corrupt == CorruptPolicy::kSkip) {
+        keep[p] = 0;
+        ++report.skipped;
+      } else {
+        ++report.repeated;
+        if (last_good >= 0)
+          batch.frames[p].copy_(batch.frames[last_good]);
+        else
+          owed.push_back(p);
+      }
+    }
+    report.events.push_back(describe(index, targets[u]) + ": " + failed[u] +
+                            (options.on_corrupt == CorruptPolicy::kSkip
+                                 ? "; skipped"
+                                 : "; replaced by the nearest good sampled frame"));
+  }
+  LVX_CHECK(owed.empty(), "video '", path, "': none of the sampled frames could be decoded");
   // Repeated frames report the index and pts of the frame that was asked for; the pixels are
   // the neighbour's. Skipped frames are removed.
   batch.indices = at::from_blob(out_index.data(), {n}, at::kLong).clone();

@@ -26,6 +26,9 @@ struct DecodeOptions {
   // Decoded frames waiting for the consumer (preprocessing). Bounds memory: at most this many
   // RGB frames exist between the decoder thread and the consumer, whatever the video length.
   int queue_capacity = 4;
+  // Threads preprocessing decoded frames (resize, crop, normalize) in parallel with the decoder
+  // thread. 1 suits one rank per few cores; raise it when a rank has cores to spare.
+  int preprocess_threads = 1;
   CorruptPolicy on_corrupt = CorruptPolicy::kError;
 };
 

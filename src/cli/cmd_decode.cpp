@@ -73,6 +73,7 @@ int cmd_decode(int argc, char** argv) {
   p.add_option("world", 'w', "", "number of ranks (default: $WORLD_SIZE, else 1)");
   p.add_option("threads", 't', "1", "FFmpeg decoder threads (0: FFmpeg chooses, one per core)");
   p.add_option("queue", 0, "4", "decoded frames buffered between decoder and preprocessing");
+  p.add_option("preprocess-threads", 0, "1", "threads resizing/normalizing decoded frames");
   p.add_option("on-corrupt", 0, "error", "damaged frames or truncated file: error | skip | repeat");
   if (!p.parse(argc, argv)) return 0;
 
@@ -107,6 +108,9 @@ int cmd_decode(int argc, char** argv) {
   opt.threads = static_cast<int>(p.get_int("threads"));
   opt.queue_capacity = static_cast<int>(p.get_int("queue"));
   LVX_CHECK(opt.queue_capacity >= 1, "--queue must be >= 1, got ", opt.queue_capacity);
+  opt.preprocess_threads = static_cast<int>(p.get_int("preprocess-threads"));
+  LVX_CHECK(opt.preprocess_threads >= 1, "--preprocess-threads must be >= 1, got ",
+            opt.preprocess_threads);
   opt.on_corrupt = parse_corrupt_policy(p.get("on-corrupt"));
 
   const std::string video = p.get("video");
