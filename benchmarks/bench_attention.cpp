@@ -6,7 +6,6 @@
 //   bench_attention [--nproc 4] [--sq 256,1024] [--skv 16384] [--heads 8] [--kv-heads 8]
 //                   [--head-dim 64] [--mask none] [--iters 3] [-o md|json]
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -132,19 +131,8 @@ int main(int argc, char** argv) {
     if (!p.parse(argc, argv)) return 0;
     LVX_CHECK(p.get("mask") == "none" || p.get("mask") == "causal",
               "bench_attention generates no media metadata: use --mask none or causal");
-    if (std::getenv("WORLD_SIZE")) return run_rank(p);
-    char self[4096];
-    ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-    self[len > 0 ? len : 0] = '\0';
-    std::vector<std::string> cmd{self};
-    for (int i = 1; i < argc; ++i) cmd.push_back(argv[i]);
-    dist::LaunchOptions o;
-    o.nproc = static_cast<int>(p.get_int("nproc"));
-    o.capture = true;
-    auto res = dist::launch_local(cmd, o);
-    for (const auto& rk : res.ranks)
-      if (rk.rank == 0 || rk.exit_code != 0) std::cout << rk.output;
-    return res.exit_code;
+    const int rc = dist::relaunch_self_as_ranks(static_cast<int>(p.get_int("nproc")), argc, argv);
+    return rc >= 0 ? rc : run_rank(p);
   } catch (const std::exception& e) {
     std::cerr << "bench_attention: error: " << e.what() << "\n";
     return 1;

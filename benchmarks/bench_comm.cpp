@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
-#include <unistd.h>
 
 #include "src/cli/args.h"
 #include "src/common/error.h"
@@ -133,20 +132,8 @@ int main(int argc, char** argv) {
   p.add_flag("cuda", 0, "use CUDA tensors (NCCL) instead of CPU tensors (Gloo)");
   try {
     if (!p.parse(argc, argv)) return 0;
-    if (std::getenv("WORLD_SIZE")) return run_rank(p);
-    dist::LaunchOptions o;
-    o.nproc = static_cast<int>(p.get_int("nproc"));
-    std::vector<std::string> cmd;
-    for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
-    char self[4096];
-    ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-    self[len > 0 ? len : 0] = '\0';
-    cmd[0] = self;
-    o.capture = true;
-    auto res = dist::launch_local(cmd, o);
-    for (const auto& rk : res.ranks)
-      if (rk.rank == 0 || rk.exit_code != 0) std::cout << rk.output;
-    return res.exit_code;
+    const int rc = dist::relaunch_self_as_ranks(static_cast<int>(p.get_int("nproc")), argc, argv);
+    return rc >= 0 ? rc : run_rank(p);
   } catch (const std::exception& e) {
     std::cerr << "bench_comm: error: " << e.what() << "\n";
     return 1;

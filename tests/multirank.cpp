@@ -1,7 +1,6 @@
 #include "tests/multirank.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include "src/dist/launcher.h"
 
@@ -15,9 +14,6 @@ std::map<std::string, WorkerFn>& worker_table() {
 std::vector<RankResult> run_ranks(int world, const std::string& worker, double timeout_s,
                                   const std::map<std::string, std::string>& env,
                                   bool openmpi_style) {
-  char self[4096];
-  ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  self[n > 0 ? n : 0] = '\0';
   dist::LaunchOptions o;
   o.nproc = world;
   o.capture = true;
@@ -30,7 +26,7 @@ std::vector<RankResult> run_ranks(int world, const std::string& worker, double t
   if (!o.env.count("LVX_DIST_TIMEOUT_S")) o.env["LVX_DIST_TIMEOUT_S"] = "20";
   // Ranks of a test share 2 cores with the other tests ctest runs in parallel.
   if (!o.env.count("OMP_NUM_THREADS")) o.env["OMP_NUM_THREADS"] = "1";
-  auto r = dist::launch_local({self}, o);
+  auto r = dist::launch_local({dist::self_executable()}, o);
   std::vector<RankResult> out;
   for (const auto& e : r.ranks) out.push_back({e.exit_code, e.output, e.seconds});
   return out;

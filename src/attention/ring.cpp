@@ -16,6 +16,19 @@ namespace {
 
 using dist::P2POp;
 
+// Posts one ring step for a block pair (sends a and b to next; receives the block of `incoming_len`
+// tokens from prev into *a_next, *b_next) and returns without waiting.
+dist::Work rotate(dist::ProcessGroup& pg, const at::Tensor& a, const at::Tensor& b,
+                  int64_t incoming_len, at::Tensor* a_next, at::Tensor* b_next, const char* what) {
+  auto shape = a.sizes().vec();
+  shape[1] = incoming_len;
+  *a_next = at::empty(shape, a.options());
+  *b_next = at::empty(shape, b.options());
+  return pg.batch_isend_irecv({P2POp::send(a, pg.next()), P2POp::send(b, pg.next()),
+                               P2POp::recv(*a_next, pg.prev()), P2POp::recv(*b_next, pg.prev())},
+                              what);
+}
+
 class RingStrategy : public Strategy {
  public:
   StrategyKind kind() const override { return StrategyKind::kRing; }
@@ -36,14 +49,8 @@ class RingStrategy : public Strategy {
       const int next_owner = (owner - 1 + n) % n;
       dist::Work prefetch;
       at::Tensor k_next, v_next;
-      if (step + 1 < n) {
-        k_next = at::empty({s.batch, kl.local_size(next_owner), s.hkv, s.head_dim}, k.options());
-        v_next = at::empty_like(k_next);
-        prefetch = pg.batch_isend_irecv({P2POp::send(k, pg.next()), P2POp::send(v, pg.next()),
-                                         P2POp::recv(k_next, pg.prev()),
-                                         P2POp::recv(v_next, pg.prev())},
-                                        "ring forward K/V");
-      }
+      if (step + 1 < n)
+        prefetch = rotate(pg, k, v, kl.local_size(next_owner), &k_next, &v_next, "ring forward K/V");
       if (k.size(1) > 0 && in.q.size(1) > 0) {
         auto part = kernels::attention_forward(in.q, k, v,
                                                block_params(s, in, q_pos, kl.positions(owner)));
@@ -78,14 +85,8 @@ class RingStrategy : public Strategy {
       const int next_owner = (owner - 1 + n) % n;
       dist::Work prefetch;
       at::Tensor k_next, v_next;
-      if (step + 1 < n) {
-        k_next = at::empty({s.batch, kl.local_size(next_owner), s.hkv, s.head_dim}, k.options());
-        v_next = at::empty_like(k_next);
-        prefetch = pg.batch_isend_irecv({P2POp::send(k, pg.next()), P2POp::send(v, pg.next()),
-                                         P2POp::recv(k_next, pg.prev()),
-                                         P2POp::recv(v_next, pg.prev())},
-                                        "ring backward K/V");
-      }
+      if (step + 1 < n)
+        prefetch = rotate(pg, k, v, kl.local_size(next_owner), &k_next, &v_next, "ring backward K/V");
       at::Tensor dk_part = at::zeros(k.sizes(), k.options().dtype(acc));
       at::Tensor dv_part = at::zeros(k.sizes(), k.options().dtype(acc));
       if (k.size(1) > 0 && in.q.size(1) > 0) {
@@ -104,13 +105,8 @@ class RingStrategy : public Strategy {
       // Send this block's accumulators on (the last hop takes them home) and receive those of
       // the block held next (after the last step: this rank's own, complete).
       const int incoming = step + 1 < n ? next_owner : r;
-      dk_in = at::empty({s.batch, kl.local_size(incoming), s.hkv, s.head_dim},
-                        k.options().dtype(acc));
-      dv_in = at::empty_like(dk_in);
-      acc_exchange = pg.batch_isend_irecv(
-          {P2POp::send(dk_part, pg.next()), P2POp::send(dv_part, pg.next()),
-           P2POp::recv(dk_in, pg.prev()), P2POp::recv(dv_in, pg.prev())},
-          "ring backward dK/dV");
+      acc_exchange = rotate(pg, dk_part, dv_part, kl.local_size(incoming), &dk_in, &dv_in,
+                            "ring backward dK/dV");
       if (step + 1 < n) {
         prefetch.wait();
         k = k_next;

@@ -9,6 +9,7 @@
 
 #include "src/cli/command.h"
 #include "src/common/error.h"
+#include "src/dist/launcher.h"
 
 namespace lvx::cli {
 
@@ -17,13 +18,7 @@ std::vector<Command>& command_table() {
   return table;
 }
 
-std::string self_executable() {
-  char buf[4096];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  LVX_CHECK(n > 0, "cannot resolve /proc/self/exe");
-  buf[n] = '\0';
-  return buf;
-}
+std::string self_executable() { return dist::self_executable(); }
 
 }  // namespace lvx::cli
 

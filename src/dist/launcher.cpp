@@ -12,12 +12,33 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 
 #include "src/common/error.h"
 
 namespace lvx::dist {
+
+std::string self_executable() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  LVX_CHECK(n > 0, "cannot resolve /proc/self/exe: ", std::strerror(errno));
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+int relaunch_self_as_ranks(int nproc, int argc, char** argv) {
+  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) return -1;
+  std::vector<std::string> cmd{self_executable()};
+  for (int i = 1; i < argc; ++i) cmd.push_back(argv[i]);
+  LaunchOptions o;
+  o.nproc = nproc;
+  o.capture = true;
+  auto res = launch_local(cmd, o);
+  for (const auto& rk : res.ranks)
+    if (rk.rank == 0 || rk.exit_code != 0) std::cout << rk.output;
+  return res.exit_code;
+}
 
 int free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -40,6 +40,14 @@ struct LaunchResult {
 // Runs argv (argv[0] found on PATH or given as a path) on opts.nproc local ranks.
 LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts);
 
+// Path of the running executable (/proc/self/exe), so a program can start itself as ranks.
+std::string self_executable();
+
+// For programs that run themselves on N ranks (benchmarks): when RANK/WORLD_SIZE are not set,
+// starts `nproc` ranks of this executable with argv[1..], prints rank 0's output (and that of
+// any failing rank) and returns the launch's exit code; returns -1 when already a rank.
+int relaunch_self_as_ranks(int nproc, int argc, char** argv);
+
 // A TCP port on 127.0.0.1 that is free right now.
 int free_port();
 
