@@ -6,7 +6,7 @@
 //
 //   bench_kernels [--sq 256,1024] [--skv 4096,65536] [--heads 8] [--hkv 8] [--dim 128]
 //                 [--dtype f32,bf16] [--device cpu,cuda] [--reps 5] [--warmup 1] [-o md|json]
-//                 [--memory-demo] [--check-only]
+//                 [--memory-demo] [--check-only]      (--help: defaults and LVX_* env mirrors)
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/attention.h"
+#include "src/cli/args.h"
 #include "src/common/error.h"
 
 #ifdef LVX_WITH_CUDA
@@ -36,12 +37,6 @@ std::vector<std::string> split(const std::string& s) {
   for (std::string x; std::getline(ss, x, ',');) {
     if (!x.empty()) out.push_back(x);
   }
-  return out;
-}
-
-std::vector<int64_t> split_int(const std::string& s) {
-  std::vector<int64_t> out;
-  for (const auto& x : split(s)) out.push_back(std::stoll(x));
   return out;
 }
 
@@ -405,52 +400,33 @@ void memory_demo() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string sq_s = "256,1024", skv_s = "4096,65536", heads_s = "8", hkv_s = "", dim_s = "128";
-  std::string dtype_s = "f32,bf16", device_s = cuda_present() ? "cpu,cuda" : "cpu", format = "md";
-  int reps = 5, warmup = 1;
-  bool check_only = false, demo = false, verbose = false;
   try {
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      auto next = [&]() -> std::string {
-        LVX_CHECK(i + 1 < argc, "bench_kernels: ", a, " needs a value");
-        return argv[++i];
-      };
-      if (a == "--sq")
-        sq_s = next();
-      else if (a == "--skv")
-        skv_s = next();
-      else if (a == "--heads")
-        heads_s = next();
-      else if (a == "--hkv")
-        hkv_s = next();
-      else if (a == "--dim")
-        dim_s = next();
-      else if (a == "--dtype")
-        dtype_s = next();
-      else if (a == "--device")
-        device_s = next();
-      else if (a == "--reps")
-        reps = std::stoi(next());
-      else if (a == "--warmup")
-        warmup = std::stoi(next());
-      else if (a == "-o" || a == "--output")
-        format = next();
-      else if (a == "--check-only")
-        check_only = true;
-      else if (a == "--memory-demo")
-        demo = true;
-      else if (a == "-v" || a == "--verbose")
-        verbose = true;
-      else if (a == "-h" || a == "--help") {
-        std::cout << "bench_kernels [--sq 256,1024] [--skv 4096,65536] [--heads 8] [--hkv =heads]\n"
-                     "  [--dim 128] [--dtype f32,bf16] [--device cpu[,cuda]] [--reps 5]\n"
-                     "  [--warmup 1] [-o md|json] [--check-only] [--memory-demo] [-v]\n";
-        return 0;
-      } else {
-        LVX_FAIL("bench_kernels: unknown flag '", a, "' (see --help)");
-      }
-    }
+    lvx::cli::ArgParser args("bench_kernels [options]",
+                             "Local attention kernels: correctness vs fp64, then speed vs "
+                             "at::matmul (CPU) and SDPA flash/cuDNN (CUDA).");
+    args.add_option("sq", 'q', "256,1024", "query counts (comma list)");
+    args.add_option("skv", 'k', "4096,65536", "key counts (comma list)");
+    args.add_option("heads", 'H', "8", "query heads (comma list)");
+    args.add_option("hkv", 0, "", "K/V heads (default: = heads)");
+    args.add_option("dim", 'd', "128", "head dims (comma list)");
+    args.add_option("dtype", 't', "f32,bf16", "input dtypes: f32, f64, bf16, f16 (comma list)");
+    args.add_option("device", 0, cuda_present() ? "cpu,cuda" : "cpu", "devices: cpu, cuda");
+    args.add_option("reps", 'r', "5", "timed repeats (median reported)");
+    args.add_option("warmup", 'w', "1", "warm-up runs");
+    args.add_option("output", 'o', "md", "output format: md or json (JSON lines)");
+    args.add_flag("check-only", 0, "run the correctness phase only");
+    args.add_flag("memory-demo", 0, "CPU forward of 1024 queries x 1M keys, peak RSS");
+    args.add_flag("verbose", 'v', "print every correctness comparison");
+    if (!args.parse(argc, argv)) return 0;
+    const std::string format = args.get("output");
+    const int reps = static_cast<int>(args.get_int("reps"));
+    const int warmup = static_cast<int>(args.get_int("warmup"));
+    const bool check_only = args.flag("check-only"), demo = args.flag("memory-demo");
+    const bool verbose = args.flag("verbose");
+    const std::string device_s = args.get("device"), hkv_s = args.get("hkv");
+    const auto sq_list = args.get_int_list("sq"), skv_list = args.get_int_list("skv");
+    const auto heads_list = args.get_int_list("heads"), dim_list = args.get_int_list("dim");
+    const auto dtype_list = args.get_list("dtype");
     LVX_CHECK(format == "md" || format == "json", "-o: expected md or json, got '", format, "'");
     std::vector<at::Device> devices;
     for (const auto& d : split(device_s)) {
@@ -478,11 +454,11 @@ int main(int argc, char** argv) {
     if (demo) memory_demo();
     std::vector<Row> rows;
     for (const auto& dev : devices) {
-      for (const auto& dt : split(dtype_s)) {
-        for (int64_t sq : split_int(sq_s)) {
-          for (int64_t skv : split_int(skv_s)) {
-            for (int64_t h : split_int(heads_s)) {
-              for (int64_t d : split_int(dim_s)) {
+      for (const auto& dt : dtype_list) {
+        for (int64_t sq : sq_list) {
+          for (int64_t skv : skv_list) {
+            for (int64_t h : heads_list) {
+              for (int64_t d : dim_list) {
                 const int64_t hkv = hkv_s.empty() ? h : std::stoll(hkv_s);
                 std::cerr << "timing " << dev << " " << dt << " Sq=" << sq << " Skv=" << skv
                           << " H=" << h << " Hkv=" << hkv << " D=" << d << "\n";

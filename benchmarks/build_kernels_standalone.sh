@@ -33,7 +33,7 @@ compile_cu() {
     "${DEFS[@]}" "${INC[@]}" -c "$1" -o "$OUT/$(basename "$1").o"
 }
 pids=()
-for f in kernels/*.cpp benchmarks/bench_kernels.cpp; do compile_cpp "$f" & pids+=($!); done
+for f in kernels/*.cpp src/cli/args.cpp benchmarks/bench_kernels.cpp; do compile_cpp "$f" & pids+=($!); done
 if [[ "$CUDA" == 1 ]]; then
   for f in kernels/*.cu; do compile_cu "$f" & pids+=($!); done
 fi

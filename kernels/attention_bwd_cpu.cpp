@@ -18,6 +18,7 @@ namespace lvx::kernels {
 namespace {
 
 constexpr int64_t kQTile = kCpuQTile;
+constexpr int64_t kKTile = kCpuKTile;
 
 template <typename T>
 void backward_cpu_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -26,7 +27,7 @@ void backward_cpu_typed(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         AttentionStats* stats) {
   const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
   const int64_t skv = k.size(1), hkv = k.size(2), group = hq / hkv;
-  const int64_t n_qt = pm.n_q_tiles, n_kt = pm.n_k_tiles, kKTile = pm.k_tile;
+  const int64_t n_qt = pm.n_q_tiles, n_kt = pm.n_k_tiles;
   const auto acc = g.dk.scalar_type();
   const T inf = std::numeric_limits<T>::infinity();
   const int64_t threads = at::get_num_threads();
@@ -129,7 +130,7 @@ AttentionGrads attention_backward_cpu(const at::Tensor& q, const at::Tensor& k, 
                    at::zeros(v.sizes(), v.options().dtype(acc))};
   if (q.size(1) == 0 || k.size(1) == 0) return g;
   const PreparedMask pm =
-      prepare_mask(mask, q.size(0), q.size(1), k.size(1), kQTile, cpu_k_tile(q.size(1)), at::kCPU);
+      prepare_mask(mask, q.size(0), q.size(1), k.size(1), kQTile, kKTile, at::kCPU);
   if (acc == at::kDouble) {
     backward_cpu_typed<double>(q, k, v, dout, lse, delta, scale, pm, g, stats);
   } else {

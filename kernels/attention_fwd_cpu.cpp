@@ -15,6 +15,7 @@ namespace lvx::kernels {
 namespace {
 
 constexpr int64_t kQTile = kCpuQTile;
+constexpr int64_t kKTile = kCpuKTile;
 
 // Sets invisible entries of a [tq, tk] score tile (row stride ld) to -inf.
 template <typename T>
@@ -36,7 +37,7 @@ void forward_cpu_typed(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
   const int64_t skv = k.size(1), hkv = k.size(2), group = hq / hkv;
   const auto acc = o.scalar_type();
-  const int64_t n_qt = pm.n_q_tiles, n_kt = pm.n_k_tiles, kKTile = pm.k_tile;
+  const int64_t n_qt = pm.n_q_tiles, n_kt = pm.n_k_tiles;
   const T neg_inf = -std::numeric_limits<T>::infinity();
   T* o_ptr = o.data_ptr<T>();
   T* lse_ptr = lse.data_ptr<T>();
@@ -131,8 +132,7 @@ AttentionOutput attention_forward_cpu(const at::Tensor& q, const at::Tensor& k, 
     out.lse.fill_(-std::numeric_limits<double>::infinity());
   }
   if (sq == 0 || k.size(1) == 0) return out;
-  const PreparedMask pm =
-      prepare_mask(mask, batch, sq, k.size(1), kQTile, cpu_k_tile(sq), at::kCPU);
+  const PreparedMask pm = prepare_mask(mask, batch, sq, k.size(1), kQTile, kKTile, at::kCPU);
   if (acc == at::kDouble) {
     forward_cpu_typed<double>(q, k, v, scale, pm, out.o, out.lse, stats);
   } else {

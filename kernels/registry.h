@@ -14,14 +14,6 @@ namespace lvx::kernels {
 constexpr int64_t kCpuQTile = 128;
 constexpr int64_t kCpuKTile = 512;
 
-// Key tile for a call with `sq` queries: widened when there are few queries so a tile still
-// holds ~64K scores (per-tile overhead would dominate a 1 x 512 tile), at most 64K keys.
-inline int64_t cpu_k_tile(int64_t sq) {
-  const int64_t rows = sq < kCpuQTile ? (sq < 1 ? 1 : sq) : kCpuQTile;
-  const int64_t k = (kCpuQTile * kCpuKTile / rows) / kCpuKTile * kCpuKTile;
-  return k < kCpuKTile ? kCpuKTile : (k > 65536 ? 65536 : k);
-}
-
 // Arguments are already checked and in canonical form (see attention.cpp): q, k, v, dout in
 // [B, S, H, D] with the last dim contiguous; lse, delta contiguous [B, Hq, Sq] in the
 // accumulation dtype; scale resolved (> 0).

@@ -224,7 +224,7 @@ TEST(AttentionKernelCuda, MatchesFp64ReferenceOnEveryMask) {
 std::vector<Shape> shapes() {
   return {
       {2, 1, 77, 4, 4, 32},     // one query (decode), MHA
-      {2, 37, 3000, 4, 2, 32},  // Skv >> Sq: 2 CPU key tiles of 1536 (last partial), GQA
+      {2, 37, 3000, 4, 2, 32},  // Skv >> Sq: 6 CPU key tiles (last partial), GQA
       {1, 130, 130, 4, 1, 16},  // 2 query tiles (last partial), MQA
       {2, 200, 70, 4, 2, 16},   // Sq > Skv: causal rows before the first key see nothing
   };
@@ -419,9 +419,9 @@ TEST(TileSkipping, CausalSkipsExactlyTheInvisibleTiles) {
   auto vis = mask_matrix(p.mask, 1, sq, skv)[0];
   int64_t none = 0, full = 0, total = 0;
   for (int64_t i = 0; i < sq; i += kCpuQTile) {
-    for (int64_t j = 0; j < skv; j += cpu_k_tile(sq)) {
-      auto t = vis.narrow(0, i, std::min(kCpuQTile, sq - i))
-                   .narrow(1, j, std::min(cpu_k_tile(sq), skv - j));
+    for (int64_t j = 0; j < skv; j += kCpuKTile) {
+      auto t =
+          vis.narrow(0, i, std::min(kCpuQTile, sq - i)).narrow(1, j, std::min(kCpuKTile, skv - j));
       none += !t.any().item<bool>();
       full += t.all().item<bool>();
       ++total;
