@@ -64,7 +64,7 @@ if [ -z "$cuda" ]; then
 fi
 export CCACHE_BASEDIR="$root"          # fresh clones in other folders still hit the cache
 export CCACHE_NOHASHDIR=1
-export CCACHE_SLOPPINESS=time_macros,include_file_mtime,include_file_ctime
+export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DLVX_PYTHON="$venv/bin/python" -DLVX_CUDA="$cuda" -DLVX_WERROR="${LVX_WERROR:-OFF}" >/dev/null
 log "building in $build (CUDA: $cuda)"
