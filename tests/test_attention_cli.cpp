@@ -28,6 +28,10 @@ struct CliCase {
   at::ScalarType dtype;
 };
 
+void PrintTo(const CliCase& c, std::ostream* os) {
+  *os << c.strategy << " " << c.mask << " on " << c.nproc << " ranks";
+}
+
 class AttentionCli : public ::testing::TestWithParam<CliCase> {};
 
 TEST_P(AttentionCli, MatchesPyTorchSdpaInFloat64) {

@@ -27,6 +27,8 @@ struct CodecCase {
 };
 
 std::string print_case(const ::testing::TestParamInfo<CodecCase>& info) { return info.param.name; }
+// Readable parameters in test logs (instead of a byte dump).
+void PrintTo(const CodecCase& c, std::ostream* os) { *os << c.name; }
 
 // testsrc2 moves every frame, so a frame off by one never compares equal.
 std::string source(const std::string& size, int fps = 25, double seconds = 2.0) {
@@ -98,6 +100,7 @@ INSTANTIATE_TEST_SUITE_P(
 struct ColourCase {
   std::string name, matrix, range, pix_fmt;
 };
+void PrintTo(const ColourCase& c, std::ostream* os) { *os << c.name; }
 
 class VideoColourTest : public ::testing::TestWithParam<ColourCase> {};
 
