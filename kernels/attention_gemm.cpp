@@ -1,0 +1,171 @@
+#include "kernels/attention_gemm.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <limits>
+
+#include "src/common/error.h"
+
+namespace lvx::kernels {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr int64_t kScoreBytes = int64_t{256} << 20;  // fp32 scores of one key chunk
+
+// a @ b with fp32 output: on CUDA, bf16/fp16 operands on tensor cores with fp32 accumulation and
+// output (bmm.dtype); elsewhere the operands are widened to fp32 first.
+at::Tensor gemm32(const at::Tensor& a, const at::Tensor& b) {
+  if (a.is_cuda() && a.scalar_type() != at::kFloat) return at::bmm(a, b, at::kFloat);
+  return at::bmm(a.to(at::kFloat), b.to(at::kFloat));
+}
+
+struct Rows {
+  int64_t b, sq, hq, hkv, g, d, skv;
+};
+
+// [B, S, Hq, D] → [B·Hkv, g·S, D]: the g query heads of each K/V head stacked as rows.
+at::Tensor to_rows(const at::Tensor& x, const Rows& r) {
+  return x.reshape({r.b, x.size(1), r.hkv, r.g, r.d}).permute({0, 2, 3, 1, 4})
+      .reshape({r.b * r.hkv, r.g * x.size(1), r.d});
+}
+at::Tensor from_rows(const at::Tensor& x, const Rows& r) {
+  return x.reshape({r.b, r.hkv, r.g, r.sq, r.d}).permute({0, 3, 1, 2, 4}).reshape({r.b, r.sq, r.hq, r.d});
+}
+// [B, Hq, Sq] ↔ [B·Hkv, g·Sq]
+at::Tensor stat_rows(const at::Tensor& x, const Rows& r) { return x.reshape({r.b * r.hkv, r.g * r.sq}); }
+at::Tensor stat_from_rows(const at::Tensor& x, const Rows& r) { return x.reshape({r.b, r.hq, r.sq}); }
+// [B, S, Hkv, D] → [B·Hkv, S, D]
+at::Tensor kv_rows(const at::Tensor& x, const Rows& r) {
+  return x.permute({0, 2, 1, 3}).reshape({r.b * r.hkv, x.size(1), r.d});
+}
+at::Tensor kv_from_rows(const at::Tensor& x, const Rows& r) {
+  return x.reshape({r.b, r.hkv, r.skv, r.d}).permute({0, 2, 1, 3});
+}
+
+// The mask's metadata restricted to keys [k0, k1), on `dev`.
+AttentionMask chunk_mask(const AttentionMask& m, int64_t k0, int64_t k1, const at::Device& dev) {
+  AttentionMask c = m;
+  auto on = [&](const at::Tensor& t) { return t.defined() ? t.to(dev) : t; };
+  c.q_pos = on(m.q_pos);
+  c.q_media = on(m.q_media);
+  if (m.k_pos.defined()) c.k_pos = on(m.k_pos.narrow(0, k0, k1 - k0));
+  if (m.kv_media.defined()) c.kv_media = on(m.kv_media.narrow(1, k0, k1 - k0));
+  if (m.kv_valid.defined()) c.kv_valid = on(m.kv_valid.narrow(1, k0, k1 - k0));
+  return c;
+}
+
+enum class ChunkKind { kSkip, kFull, kMasked };
+
+// Visibility of one key chunk for every row: skip it, compute it whole, or with `vis`
+// ([B·Hkv, g·Sq, C] bool, broadcast over the g heads).
+ChunkKind classify(const AttentionMask& mask, const Rows& r, int64_t k0, int64_t k1,
+                   const at::Device& dev, at::Tensor* vis) {
+  if (mask.kind == MaskKind::kNone && !mask.kv_valid.defined()) return ChunkKind::kFull;
+  at::Tensor m = mask_matrix(chunk_mask(mask, k0, k1, dev), r.b, r.sq, k1 - k0);  // [B, Sq, C]
+  if (!m.any().item<bool>()) return ChunkKind::kSkip;
+  if (m.all().item<bool>()) return ChunkKind::kFull;
+  *vis = m.unsqueeze(1).unsqueeze(1).expand({r.b, r.hkv, r.g, r.sq, k1 - k0})
+             .reshape({r.b * r.hkv, r.g * r.sq, k1 - k0});
+  return ChunkKind::kMasked;
+}
+
+int64_t chunk_size(const Rows& r) {
+  const int64_t per_key = std::max<int64_t>(1, r.b * r.hq * r.sq * 4);
+  return std::clamp<int64_t>(kScoreBytes / per_key / 128 * 128, 128, std::max<int64_t>(128, r.skv));
+}
+
+Rows dims(const at::Tensor& q, const at::Tensor& k) {
+  return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(2) / k.size(2), q.size(3), k.size(1)};
+}
+
+}  // namespace
+
+bool cuda_uses_gemm_path(at::ScalarType dtype) {
+  static const bool kernel = [] {
+    const char* e = std::getenv("LVX_CUDA_ATTENTION");
+    return e != nullptr && std::string(e) == "kernel";
+  }();
+  return dtype != at::kDouble && !kernel;
+}
+
+AttentionOutput attention_forward_gemm(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, double scale,
+                                       const AttentionMask& mask, AttentionStats* stats) {
+  const Rows r = dims(q, k);
+  const auto f32 = q.options().dtype(at::kFloat);
+  const at::Tensor qh = to_rows(q, r), kh = kv_rows(k, r), vh = kv_rows(v, r);
+  at::Tensor acc = at::zeros({r.b * r.hkv, r.g * r.sq, r.d}, f32);
+  at::Tensor m = at::full({r.b * r.hkv, r.g * r.sq}, -kInf, f32);
+  at::Tensor l = at::zeros({r.b * r.hkv, r.g * r.sq}, f32);
+  const int64_t c = chunk_size(r);
+  for (int64_t k0 = 0; k0 < r.skv; k0 += c) {
+    const int64_t k1 = std::min(r.skv, k0 + c);
+    at::Tensor vis;
+    const ChunkKind kind = classify(mask, r, k0, k1, q.device(), &vis);
+    if (stats) {
+      ++stats->tiles_total;
+      stats->tiles_skipped += kind == ChunkKind::kSkip;
+      stats->tiles_full += kind == ChunkKind::kFull;
+    }
+    if (kind == ChunkKind::kSkip) continue;
+    at::Tensor s = gemm32(qh, kh.narrow(1, k0, k1 - k0).transpose(1, 2)).mul_(scale);
+    if (kind == ChunkKind::kMasked) s.masked_fill_(vis.logical_not(), -kInf);
+    at::Tensor m_new = at::maximum(m, std::get<0>(s.max(-1)));
+    // Rows with nothing visible yet keep m = −inf: shift by 0 there so exp() gives 0, not NaN.
+    at::Tensor shift = at::where(at::isinf(m_new), at::zeros_like(m_new), m_new);
+    at::Tensor p = at::exp(s.sub_(shift.unsqueeze(-1)));
+    at::Tensor alpha = at::exp(m - shift);
+    l.mul_(alpha).add_(p.sum(-1));
+    acc.mul_(alpha.unsqueeze(-1)).add_(gemm32(p.to(q.scalar_type()), vh.narrow(1, k0, k1 - k0)));
+    m = m_new;
+  }
+  at::Tensor empty = l.eq(0);
+  at::Tensor o = acc.div_(at::where(empty, at::ones_like(l), l).unsqueeze(-1));
+  at::Tensor lse = at::where(empty, at::full_like(l, -kInf), m + at::log(l));
+  return {from_rows(o, r).contiguous(), stat_from_rows(lse, r).contiguous()};
+}
+
+AttentionGrads attention_backward_gemm(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& dout,
+                                       const at::Tensor& lse, const at::Tensor& delta,
+                                       double scale, const AttentionMask& mask,
+                                       AttentionStats* stats) {
+  const Rows r = dims(q, k);
+  const auto f32 = q.options().dtype(at::kFloat);
+  const auto dt = q.scalar_type();
+  const at::Tensor qh = to_rows(q, r), kh = kv_rows(k, r), vh = kv_rows(v, r);
+  const at::Tensor doh = to_rows(dout.to(dt), r);
+  // Empty rows (lse = ±inf) contribute nothing: P = 0 there.
+  at::Tensor lse_r = stat_rows(lse.to(at::kFloat), r);
+  at::Tensor row_ok = at::isfinite(lse_r).unsqueeze(-1);
+  lse_r = at::where(at::isfinite(lse_r), lse_r, at::zeros_like(lse_r)).unsqueeze(-1);
+  const at::Tensor delta_r = stat_rows(delta.to(at::kFloat), r).unsqueeze(-1);
+  at::Tensor dq = at::zeros({r.b * r.hkv, r.g * r.sq, r.d}, f32);
+  at::Tensor dk = at::zeros({r.b * r.hkv, r.skv, r.d}, f32);
+  at::Tensor dv = at::zeros({r.b * r.hkv, r.skv, r.d}, f32);
+  const int64_t c = chunk_size(r);
+  for (int64_t k0 = 0; k0 < r.skv; k0 += c) {
+    const int64_t k1 = std::min(r.skv, k0 + c), n = k1 - k0;
+    at::Tensor vis;
+    const ChunkKind kind = classify(mask, r, k0, k1, q.device(), &vis);
+    if (stats) {
+      ++stats->tiles_total;
+      stats->tiles_skipped += kind == ChunkKind::kSkip;
+      stats->tiles_full += kind == ChunkKind::kFull;
+    }
+    if (kind == ChunkKind::kSkip) continue;
+    const at::Tensor kc = kh.narrow(1, k0, n), vc = vh.narrow(1, k0, n);
+    at::Tensor p = at::exp(gemm32(qh, kc.transpose(1, 2)).mul_(scale).sub_(lse_r));
+    at::Tensor keep = kind == ChunkKind::kMasked ? vis.logical_and(row_ok) : row_ok;
+    p = at::where(keep, p, at::zeros_like(p));
+    dv.narrow(1, k0, n).add_(gemm32(p.to(dt).transpose(1, 2), doh));
+    at::Tensor ds = p.mul_(gemm32(doh, vc.transpose(1, 2)).sub_(delta_r)).to(dt);  // P∘(dP − δ)
+    dq.add_(gemm32(ds, kc), scale);
+    dk.narrow(1, k0, n).add_(gemm32(ds.transpose(1, 2), qh), scale);
+  }
+  return {from_rows(dq, r).contiguous(), kv_from_rows(dk, r).contiguous(),
+          kv_from_rows(dv, r).contiguous()};
+}
+
+}  // namespace lvx::kernels
