@@ -109,6 +109,17 @@ AttentionOutput attention_forward_gemm(const at::Tensor& q, const at::Tensor& k,
       stats->tiles_full += kind == ChunkKind::kFull;
     }
     if (kind == ChunkKind::kSkip) continue;
+#ifdef LVX_WITH_CUDA
+    if (q.is_cuda()) {  // fused softmax passes (kernels/softmax_chunk.cu)
+      at::Tensor s = gemm32(qh, kh.narrow(1, k0, k1 - k0).transpose(1, 2));
+      if (kind == ChunkKind::kMasked) s.masked_fill_(vis.logical_not(), -kInf);
+      at::Tensor p = at::empty(s.sizes(), s.options().dtype(q.scalar_type()));
+      at::Tensor alpha = at::empty_like(m);
+      softmax_chunk_forward_cuda(s, scale, m, l, alpha, p);
+      acc.mul_(alpha.unsqueeze(-1)).add_(gemm32(p, vh.narrow(1, k0, k1 - k0)));
+      continue;
+    }
+#endif
     at::Tensor s = gemm32(qh, kh.narrow(1, k0, k1 - k0).transpose(1, 2)).mul_(scale);
     if (kind == ChunkKind::kMasked) s.masked_fill_(vis.logical_not(), -kInf);
     at::Tensor m_new = at::maximum(m, std::get<0>(s.max(-1)));
@@ -137,7 +148,9 @@ AttentionGrads attention_backward_gemm(const at::Tensor& q, const at::Tensor& k,
   const at::Tensor qh = to_rows(q, r), kh = kv_rows(k, r), vh = kv_rows(v, r);
   const at::Tensor doh = to_rows(dout.to(dt), r);
   // Empty rows (lse = ±inf) contribute nothing: P = 0 there.
-  at::Tensor lse_r = stat_rows(lse.to(at::kFloat), r);
+  const at::Tensor lse_raw = stat_rows(lse.to(at::kFloat), r).contiguous();
+  const at::Tensor delta_flat = stat_rows(delta.to(at::kFloat), r).contiguous();
+  at::Tensor lse_r = lse_raw;
   at::Tensor row_ok = at::isfinite(lse_r).unsqueeze(-1);
   lse_r = at::where(at::isfinite(lse_r), lse_r, at::zeros_like(lse_r)).unsqueeze(-1);
   const at::Tensor delta_r = stat_rows(delta.to(at::kFloat), r).unsqueeze(-1);
@@ -156,6 +169,19 @@ AttentionGrads attention_backward_gemm(const at::Tensor& q, const at::Tensor& k,
     }
     if (kind == ChunkKind::kSkip) continue;
     const at::Tensor kc = kh.narrow(1, k0, n), vc = vh.narrow(1, k0, n);
+#ifdef LVX_WITH_CUDA
+    if (q.is_cuda()) {  // fused: P and dS in one pass (kernels/softmax_chunk.cu)
+      at::Tensor s = gemm32(qh, kc.transpose(1, 2));
+      if (kind == ChunkKind::kMasked) s.masked_fill_(vis.logical_not(), -kInf);
+      at::Tensor dp = gemm32(doh, vc.transpose(1, 2));
+      at::Tensor p = at::empty(s.sizes(), s.options().dtype(dt)), ds = at::empty_like(p);
+      softmax_chunk_backward_cuda(s, dp, scale, lse_raw, delta_flat, p, ds);
+      dv.narrow(1, k0, n).add_(gemm32(p.transpose(1, 2), doh));
+      dq.add_(gemm32(ds, kc), scale);
+      dk.narrow(1, k0, n).add_(gemm32(ds.transpose(1, 2), qh), scale);
+      continue;
+    }
+#endif
     at::Tensor p = at::exp(gemm32(qh, kc.transpose(1, 2)).mul_(scale).sub_(lse_r));
     at::Tensor keep = kind == ChunkKind::kMasked ? vis.logical_and(row_ok) : row_ok;
     p = at::where(keep, p, at::zeros_like(p));

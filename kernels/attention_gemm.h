@@ -27,4 +27,13 @@ AttentionGrads attention_backward_gemm(const at::Tensor& q, const at::Tensor& k,
                                        double scale, const AttentionMask& mask,
                                        AttentionStats* stats);
 
+// CUDA only (kernels/softmax_chunk.cu): the fused softmax passes of one key chunk. s [R, C] fp32
+// unscaled scores (masked entries −inf), contiguous; m, l, alpha, lse, delta [R] fp32; p, ds
+// [R, C] in the GEMM dtype. Forward updates m and l in place and writes alpha = e^(m_old − m_new).
+void softmax_chunk_forward_cuda(const at::Tensor& s, double scale, at::Tensor& m, at::Tensor& l,
+                                at::Tensor& alpha, at::Tensor& p);
+void softmax_chunk_backward_cuda(const at::Tensor& s, const at::Tensor& dp, double scale,
+                                 const at::Tensor& lse, const at::Tensor& delta, at::Tensor& p,
+                                 at::Tensor& ds);
+
 }  // namespace lvx::kernels
