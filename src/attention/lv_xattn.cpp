@@ -102,13 +102,15 @@ class LvXAttnStrategy : public Strategy {
              P2POp::recv(delta_next, pg.prev())},
             "lv_xattn backward Q/dO/lse/delta");
       }
-      at::Tensor dq_part = at::zeros(q.sizes(), q.options().dtype(acc));
+      at::Tensor dq_part;  // this rank's contribution to the held query block's dQ
       if (q.size(1) > 0 && in.k.size(1) > 0) {
         auto g = kernels::attention_backward(q, in.k, in.v, dO, l, delta,
                                              block_params(s, in, ql.positions(owner), k_pos));
-        dq_part.add_(g.dq);
+        dq_part = g.dq;
         dk.add_(g.dk);
         dv.add_(g.dv);
+      } else {
+        dq_part = at::zeros(q.sizes(), q.options().dtype(acc));
       }
       if (step > 0) {
         acc_exchange.wait();

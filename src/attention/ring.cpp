@@ -87,14 +87,16 @@ class RingStrategy : public Strategy {
       at::Tensor k_next, v_next;
       if (step + 1 < n)
         prefetch = rotate(pg, k, v, kl.local_size(next_owner), &k_next, &v_next, "ring backward K/V");
-      at::Tensor dk_part = at::zeros(k.sizes(), k.options().dtype(acc));
-      at::Tensor dv_part = at::zeros(k.sizes(), k.options().dtype(acc));
+      at::Tensor dk_part, dv_part;  // this rank's contribution to the held block's dK/dV
       if (k.size(1) > 0 && in.q.size(1) > 0) {
         auto g = kernels::attention_backward(in.q, k, v, dout, lse, delta,
                                              block_params(s, in, q_pos, kl.positions(owner)));
         dq.add_(g.dq);
-        dk_part.add_(g.dk);
-        dv_part.add_(g.dv);
+        dk_part = g.dk;
+        dv_part = g.dv;
+      } else {
+        dk_part = at::zeros(k.sizes(), k.options().dtype(acc));
+        dv_part = at::zeros(k.sizes(), k.options().dtype(acc));
       }
       if (step > 0) {
         acc_exchange.wait();
