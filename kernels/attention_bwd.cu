@@ -249,12 +249,7 @@ void launch_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   dim3 grid(static_cast<unsigned>(pm.n_k_tiles), static_cast<unsigned>(batch * hkv));
   kernel<<<grid, kThreads, L.bytes, at::cuda::getCurrentCUDAStream(dev)>>>(args);
   LVX_CUDA_CHECK(cudaGetLastError());
-  if (stats != nullptr) {
-    auto c = counters.cpu();
-    stats->tiles_total += c[0].item<int64_t>();
-    stats->tiles_skipped += c[1].item<int64_t>();
-    stats->tiles_full += c[2].item<int64_t>();
-  }
+  add_tile_counters(counters, stats);
 }
 
 }  // namespace

@@ -61,4 +61,13 @@ AttentionGrads attention_backward_cuda(const at::Tensor& q, const at::Tensor& k,
 void merge_attention_states_cuda(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Tensor& o_new,
                                  const at::Tensor& lse_new);
 
+// Adds the device counters [total, skipped, full] (int64, on the GPU) to *stats (if any).
+inline void add_tile_counters(const at::Tensor& counters, AttentionStats* stats) {
+  if (stats == nullptr) return;
+  auto c = counters.cpu();
+  stats->tiles_total += c[0].item<int64_t>();
+  stats->tiles_skipped += c[1].item<int64_t>();
+  stats->tiles_full += c[2].item<int64_t>();
+}
+
 }  // namespace lvx::kernels

@@ -399,12 +399,7 @@ void launch_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         real_splits, batch, sq, hq, d);
     LVX_CUDA_CHECK(cudaGetLastError());
   }
-  if (stats != nullptr) {
-    auto c = counters.cpu();
-    stats->tiles_total += c[0].item<int64_t>();
-    stats->tiles_skipped += c[1].item<int64_t>();
-    stats->tiles_full += c[2].item<int64_t>();
-  }
+  add_tile_counters(counters, stats);
 }
 
 }  // namespace

@@ -45,9 +45,7 @@ class AllGatherStrategy : public Strategy {
       v_full_ = gather_seq(pg, in.v, ks);
     }
     const auto acc = kernels::accumulation_dtype(in.q.scalar_type());
-    at::Tensor dq = at::zeros(in.q.sizes(), in.q.options().dtype(acc));
-    at::Tensor dk_full = at::zeros(k_full_.sizes(), k_full_.options().dtype(acc));
-    at::Tensor dv_full = at::zeros_like(dk_full);
+    at::Tensor dq, dk_full, dv_full;
     if (in.q.size(1) > 0) {
       const at::Tensor q_pos = q_layout(s, n).positions(r);
       auto g = kernels::attention_backward(in.q, k_full_, v_full_, dout, lse,
@@ -56,6 +54,10 @@ class AllGatherStrategy : public Strategy {
       dq = g.dq;
       dk_full = g.dk;
       dv_full = g.dv;
+    } else {  // no queries here: this rank contributes zero partials to the reduce-scatter
+      dq = at::zeros(in.q.sizes(), in.q.options().dtype(acc));
+      dk_full = at::zeros(k_full_.sizes(), k_full_.options().dtype(acc));
+      dv_full = at::zeros_like(dk_full);
     }
     auto reduce_scatter = [&](const at::Tensor& full) {
       at::Tensor rows = full.transpose(0, 1).contiguous();  // [S, B, H, D]

@@ -51,7 +51,7 @@ int cmd_attention(int argc, char** argv) {
   const int nproc = static_cast<int>(p.get_int("nproc"));
   lvx::attention::make_strategy(lvx::attention::strategy_from_name(job.strategy))
       ->check_supported(spec, nproc);
-  std::vector<std::string> cmd{lvx::cli::self_executable()};
+  std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::dist::LaunchOptions o;
   o.nproc = nproc;

@@ -16,6 +16,7 @@
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
+#include "src/dist/launcher.h"
 #include "src/common/safetensors.h"
 #include "src/planner/bench_plan.h"
 #include "src/planner/planner.h"
@@ -70,7 +71,7 @@ int cmd_bench_plan(int argc, char** argv) {
   p.add_option("json", 'j', "", "write the results as JSON here");
   p.add_option("workdir", 0, "", "keep inputs and stats here (default: a temporary directory)");
   if (!p.parse(argc, argv)) return 0;
-  const std::string self = lvx::cli::self_executable();
+  const std::string self = lvx::dist::self_executable();
   const int64_t nproc = p.get_int("nproc");
   fs::path dir = p.get("workdir").empty()
                      ? fs::temp_directory_path() / ("lvx_bench_plan_" + std::to_string(getpid()))

@@ -117,7 +117,7 @@ int cmd_calibrate(int argc, char** argv) {
   lo.timeout_s = 300;
   std::cerr << "calibrate: ring-step sweep on " << nproc << " local ranks\n";
   auto r = lvx::dist::launch_local(
-      {lvx::cli::self_executable(), "calibrate", "--comm-worker", tmp, "--max-bytes",
+      {lvx::dist::self_executable(), "calibrate", "--comm-worker", tmp, "--max-bytes",
        p.get("max-bytes"), "--device", p.get("device"), "--reps", p.get("reps")},
       lo);
   if (r.exit_code != 0) {

@@ -119,7 +119,7 @@ int cmd_demo(int argc, char** argv) {
     dist::LaunchOptions o;
     o.nproc = nproc;
     o.capture = true;
-    auto res = dist::launch_local({cli::self_executable(), "attention", "--strategy", name,
+    auto res = dist::launch_local({dist::self_executable(), "attention", "--strategy", name,
                                    "--input", in, "--output", out, "--mask", p.get("mask"),
                                    "--backward", "--stats", stats},
                                   o);

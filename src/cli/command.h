@@ -23,9 +23,6 @@ struct CommandRegistration {
   }
 };
 
-// Path of the running lvx executable (so commands can re-launch it as ranks).
-std::string self_executable();
-
 }  // namespace lvx::cli
 
 #define LVX_COMMAND(name, summary, fn) \

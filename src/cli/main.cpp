@@ -9,7 +9,6 @@
 
 #include "src/cli/command.h"
 #include "src/common/error.h"
-#include "src/dist/launcher.h"
 
 namespace lvx::cli {
 
@@ -18,7 +17,6 @@ std::vector<Command>& command_table() {
   return table;
 }
 
-std::string self_executable() { return dist::self_executable(); }
 
 }  // namespace lvx::cli
 
