@@ -86,13 +86,26 @@ struct Case {
   MediaRule rule;
   int64_t hq, hkv, sq, skv;
   at::ScalarType dtype;
+  bool padded = false;  // some keys are padding (kv_valid false), differently per batch row
   std::string name() const {
     const char* m = mask == MaskKind::kNone ? "none" : mask == MaskKind::kCausal ? "causal"
                     : rule == MediaRule::kImmediate ? "media_immediate" : "media_upto";
     return lvx::str(strategy, "/", m, "/Hq", hq, "Hkv", hkv, "/Sq", sq, "Skv", skv, "/",
-                    c10::toString(dtype));
+                    c10::toString(dtype), padded ? "/padded" : "");
   }
 };
+
+// Padding: batch row b has its last 3·(b+1) keys invalid (capped below Skv), and in row 1 also
+// the first key, so that whole ranks' key shards can be padding.
+at::Tensor padding_mask(int64_t batch, int64_t skv) {
+  auto valid = at::ones({batch, skv}, at::kBool);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t pad = std::min<int64_t>(3 * (b + 1), skv - 1);
+    valid[b].narrow(0, skv - pad, pad).fill_(false);
+    if (b == 1) valid[b][0] = false;
+  }
+  return valid;
+}
 
 // Per rank: largest error against fp64 seen per dtype (printed per world size), and each case's
 // output and grads keyed by everything but the strategy, for the cross-strategy comparison.
@@ -123,16 +136,20 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
   kv_media.select(1, s.skv - 1).fill_(-1);
   auto q_media = (at::div(at::arange(s.sq, at::kLong) * 4, s.sq, "floor") - 1).to(at::kInt).view({1, -1}).repeat({s.batch, 1});
   auto strategy = attention::make_strategy(attention::strategy_from_name(c.strategy));
+  at::Tensor kv_valid = c.padded ? padding_mask(s.batch, s.skv) : at::Tensor();
   auto vis = visibility(s, q_media, kv_media);
+  if (c.padded) vis = vis & kv_valid.unsqueeze(1);
   Dense ref = dense(s, q, k, v, dout, vis, at::kDouble);
   Dense same = dense(s, q, k, v, dout, vis, c.dtype);
 
   const auto ql = strategy->q_layout(s, n), kl = strategy->kv_layout(s, n);
-  LocalInputs in{ql.shard(q, 1, r), kl.shard(k, 1, r), kl.shard(v, 1, r), q_media, kv_media, {}};
+  LocalInputs in{ql.shard(q, 1, r), kl.shard(k, 1, r), kl.shard(v, 1, r),
+                 {q_media, kv_media, kv_valid}};
   pg.counters().reset();
-  auto out = strategy->forward(pg, s, in);
+  attention::SavedState saved;
+  auto out = strategy->forward(pg, s, in, &saved);
   auto fwd_sent = pg.counters().total_sent(), fwd_recv = pg.counters().total_received();
-  auto grads = strategy->backward(pg, s, in, out.o, out.lse, ql.shard(dout, 1, r));
+  auto grads = strategy->backward(pg, s, in.mask, saved, ql.shard(dout, 1, r));
   auto bwd_sent = pg.counters().total_sent() - fwd_sent;
   auto bwd_recv = pg.counters().total_received() - fwd_recv;
 
@@ -149,8 +166,31 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
       ++bad;
     }
   };
-  // What the user gets: outputs and grads in the input dtype; lse in fp32.
+  // The dtype contract of strategy.h: o and grads in the input dtype, lse in the accumulation
+  // dtype.
   const auto dt = c.dtype;
+  for (const auto& [what, t] : std::vector<std::pair<const char*, at::Tensor>>{
+           {"o", out.o}, {"dq", grads.dq}, {"dk", grads.dk}, {"dv", grads.dv}})
+    if (t.scalar_type() != dt) {
+      std::cerr << "rank " << r << " " << c.name() << ": " << what << " is "
+                << c10::toString(t.scalar_type()) << ", the contract says the input dtype\n";
+      ++bad;
+    }
+  if (out.lse.scalar_type() != kernels::accumulation_dtype(dt)) {
+    std::cerr << "rank " << r << " " << c.name() << ": lse is not in the accumulation dtype\n";
+    ++bad;
+  }
+  // Rows that see no key: has_keys() says so, and o is exactly 0 there.
+  {
+    at::Tensor sees = ql.shard(vis.any(2), 1, r);                     // [B, Sq_r]
+    at::Tensor got = attention::has_keys(out.lse).all(1);             // [B, Sq_r]
+    at::Tensor zero_rows = out.o.to(at::kDouble).abs().amax({2, 3}).eq(0);
+    if (!got.equal(sees) || !(sees.logical_not() <= zero_rows).all().item<bool>()) {
+      std::cerr << "rank " << r << " " << c.name() << ": rows without keys are not marked by "
+                << "has_keys(lse) or their o is not 0\n";
+      ++bad;
+    }
+  }
   gate("o", out.o.to(dt), ql.shard(ref.o, 1, r), ql.shard(same.o, 1, r));
   gate("lse", out.lse, ql.shard(ref.lse, 2, r), ql.shard(same.lse.to(at::kFloat), 2, r));
   gate("dq", grads.dq.to(dt), ql.shard(ref.dq, 1, r), ql.shard(same.dq, 1, r));
@@ -220,6 +260,7 @@ std::vector<Case> all_cases(int world) {
           if (std::string(strat) == "ulysses" && (hq % world || hkv % world)) continue;
           for (auto dt : {at::kFloat, at::kBFloat16})
             cases.push_back({strat, mask, rule, hq, hkv, sq, skv, dt});
+          if (sq == 13) cases.push_back({strat, mask, rule, hq, hkv, sq, skv, at::kFloat, true});
         }
   return cases;
 }
@@ -324,12 +365,16 @@ LVX_WORKER(autograd) {
     auto k = at::randn({1, s.skv, s.hkv, s.head_dim}, gen, at::kDouble);
     auto v = at::randn({1, s.skv, s.hkv, s.head_dim}, gen, at::kDouble);
     auto dout = at::randn({1, s.sq, s.hq, s.head_dim}, gen, at::kDouble);
-    Dense ref = dense(s, q * 2, k, v, dout, visibility(s, {}, {}), at::kDouble);
+    // Padding reaches the kernels through dist_attention's mask inputs.
+    at::Tensor kv_valid = padding_mask(1, s.skv);
+    Dense ref = dense(s, q * 2, k, v, dout, visibility(s, {}, {}) & kv_valid.unsqueeze(1),
+                      at::kDouble);
     const auto ql = strategy->q_layout(s, n), kl = strategy->kv_layout(s, n);
     auto q_leaf = ql.shard(q, 1, r).requires_grad_();
     auto k_leaf = kl.shard(k, 1, r).requires_grad_();
     auto v_leaf = kl.shard(v, 1, r).requires_grad_();
-    auto res = attention::dist_attention(q_leaf * 2, k_leaf, v_leaf, pg, kind, s);
+    auto res = attention::dist_attention(q_leaf * 2, k_leaf, v_leaf, pg, kind, s,
+                                         {{}, {}, kv_valid});
     (res.o * ql.shard(dout, 1, r)).sum().backward();
     const double e_o = max_err(res.o.detach(), ql.shard(ref.o, 1, r));
     const double e_q = max_err(q_leaf.grad(), ql.shard(ref.dq, 1, r) * 2);
@@ -347,4 +392,99 @@ LVX_WORKER(autograd) {
 TEST(Autograd, EveryStrategyIsDifferentiableInAGraph) {
   for (int world : {1, 2, 3})
     lvx::testing::expect_all_ok(lvx::testing::run_ranks(world, "autograd", 120));
+}
+
+// Several calls on one strategy object, as a model's layers make them: three forwards (different
+// shapes and masks), then the backwards in reverse order, equal bit for bit to each call run
+// alone. A strategy that kept forward state on the object would mix the calls up. Also run for
+// the pairs a plan may choose (forward of one strategy, backward of another).
+LVX_WORKER(interleaved) {
+  auto pg = dist::ProcessGroup::from_env();
+  const int n = pg->world_size(), r = pg->rank();
+  struct Call {
+    AttentionSpec s;
+    LocalInputs in;
+    at::Tensor dout;
+  };
+  auto make_call = [&](const attention::Strategy& st, int64_t sq, int64_t skv, MaskKind mask,
+                       uint64_t seed) {
+    Call c;
+    c.s.batch = 2;
+    c.s.sq = sq;
+    c.s.skv = skv;
+    c.s.hq = 4;
+    c.s.hkv = 2;
+    c.s.head_dim = 8;
+    c.s.mask = mask;
+    c.s.media_rule = MediaRule::kUpTo;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    const auto ql = st.q_layout(c.s, n), kl = st.kv_layout(c.s, n);
+    c.in.q = ql.shard(at::randn({2, sq, 4, 8}, gen, at::kFloat), 1, r);
+    c.in.k = kl.shard(at::randn({2, skv, 2, 8}, gen, at::kFloat), 1, r);
+    c.in.v = kl.shard(at::randn({2, skv, 2, 8}, gen, at::kFloat), 1, r);
+    c.dout = ql.shard(at::randn({2, sq, 4, 8}, gen, at::kFloat), 1, r);
+    c.in.mask.q_media = (at::div(at::arange(sq, at::kLong) * 3, sq, "floor") - 1)
+                            .to(at::kInt).view({1, -1}).repeat({2, 1});
+    c.in.mask.kv_media =
+        at::div(at::arange(skv, at::kLong) * 2, skv, "floor").to(at::kInt).view({1, -1}).repeat({2, 1});
+    return c;
+  };
+  int bad = 0;
+  std::vector<attention::StrategyChoice> choices;
+  for (auto k : attention::all_strategies()) choices.emplace_back(k);
+  choices.push_back(attention::strategy_choice_from_name("lv_xattn+ring"));
+  choices.push_back(attention::strategy_choice_from_name("ring+lv_xattn"));
+  for (const auto& choice : choices) {
+    auto fwd = attention::make_strategy(choice.forward), bwd = attention::make_strategy(choice.backward);
+    if (choice.forward == attention::StrategyKind::kUlysses && 2 % n != 0) continue;  // Hkv = 2
+    std::vector<Call> calls = {make_call(*fwd, 12, 20, MaskKind::kMedia, 1),
+                               make_call(*fwd, 9, 9, MaskKind::kCausal, 2),
+                               make_call(*fwd, 5, 17, MaskKind::kNone, 3)};
+    // Alone: forward then backward, call by call.
+    std::vector<attention::LocalGrads> alone;
+    std::vector<at::Tensor> alone_o;
+    for (auto& c : calls) {
+      attention::SavedState st;
+      alone_o.push_back(fwd->forward(*pg, c.s, c.in, &st).o);
+      alone.push_back(bwd->backward(*pg, c.s, c.in.mask, st, c.dout));
+    }
+    // Interleaved on the same objects: all forwards, then backwards in reverse order.
+    std::vector<attention::SavedState> saved(calls.size());
+    std::vector<at::Tensor> outs;
+    for (size_t i = 0; i < calls.size(); ++i)
+      outs.push_back(fwd->forward(*pg, calls[i].s, calls[i].in, &saved[i]).o);
+    for (size_t i = calls.size(); i-- > 0;) {
+      attention::LocalGrads g = bwd->backward(*pg, calls[i].s, calls[i].in.mask, saved[i], calls[i].dout);
+      if (!outs[i].equal(alone_o[i]) || !g.dq.equal(alone[i].dq) || !g.dk.equal(alone[i].dk) ||
+          !g.dv.equal(alone[i].dv)) {
+        std::cerr << "rank " << r << " " << choice.name() << ": call " << i
+                  << " interleaved differs from the call alone\n";
+        ++bad;
+      }
+    }
+  }
+  return bad;
+}
+
+TEST(Strategies, InterleavedCallsEqualSeparateCalls) {
+  for (int world : {1, 2, 3})
+    lvx::testing::expect_all_ok(lvx::testing::run_ranks(world, "interleaved", 120));
+}
+
+TEST(Strategies, PairsOnlyWhenTheBackwardCanUseTheForwardsState) {
+  EXPECT_TRUE(attention::can_pair(attention::StrategyKind::kLvXAttn, attention::StrategyKind::kRing));
+  EXPECT_TRUE(attention::can_pair(attention::StrategyKind::kRing, attention::StrategyKind::kLvXAttn));
+  EXPECT_FALSE(attention::can_pair(attention::StrategyKind::kLvXAttn, attention::StrategyKind::kStriped));
+  EXPECT_FALSE(attention::can_pair(attention::StrategyKind::kUlysses, attention::StrategyKind::kRing));
+  EXPECT_FALSE(attention::can_pair(attention::StrategyKind::kAllGather, attention::StrategyKind::kRing));
+  EXPECT_EQ(attention::strategy_choice_from_name("lv_xattn+ring").name(), "lv_xattn+ring");
+  EXPECT_EQ(attention::strategy_choice_from_name("ring").name(), "ring");
+  try {
+    attention::strategy_choice_from_name("ring+ulysses");
+    FAIL();
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot start from what the forward of ring saves"),
+              std::string::npos)
+        << e.what();
+  }
 }

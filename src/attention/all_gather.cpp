@@ -1,7 +1,8 @@
 // all_gather: gather the full K and V on every rank (ring all-gather), attend the local queries
 // to them, and in backward reduce-scatter the fp32 dK/dV partials back to their owners
 // (pairwise all-to-all, then a local sum) — Llama-3-style context parallelism (anchors A9).
-// The gathered K/V are kept from forward for backward (memory for communication).
+// The forward saves the gathered K/V for the backward (SavedForm::kGatheredKV: memory traded
+// for communication).
 #include "src/attention/strategy.h"
 #include "src/common/error.h"
 
@@ -18,45 +19,44 @@ class AllGatherStrategy : public Strategy {
     return pg.all_gather(x.transpose(0, 1).contiguous(), sizes).transpose(0, 1).contiguous();
   }
 
-  LocalOutput forward(dist::ProcessGroup& pg, const AttentionSpec& s,
-                      const LocalInputs& in) override {
+  SavedForm saved_form() const override { return SavedForm::kGatheredKV; }
+
+  LocalOutput forward(dist::ProcessGroup& pg, const AttentionSpec& s, const LocalInputs& in,
+                      SavedState* saved) const override {
     const int n = pg.world_size();
     const auto ks = kv_layout(s, n).sizes();
-    k_full_ = gather_seq(pg, in.k, ks);
-    v_full_ = gather_seq(pg, in.v, ks);
-    const at::Tensor q_pos = q_layout(s, n).positions(pg.rank());
+    at::Tensor k_full = gather_seq(pg, in.k, ks), v_full = gather_seq(pg, in.v, ks);
+    const auto acc = kernels::accumulation_dtype(in.q.scalar_type());
+    LocalOutput out;
     if (in.q.size(1) == 0) {
-      const auto acc = kernels::accumulation_dtype(in.q.scalar_type());
-      return {at::zeros(in.q.sizes(), in.q.options().dtype(acc)),
-              at::empty({s.batch, s.hq, 0}, in.q.options().dtype(acc))};
+      out = {at::zeros(in.q.sizes(), in.q.options()),
+             at::empty({s.batch, s.hq, 0}, in.q.options().dtype(acc))};
+    } else {
+      auto res = kernels::attention_forward(in.q, k_full, v_full, params(s, in.mask, pg.rank(), n));
+      out = {res.o.to(in.q.scalar_type()), res.lse};
     }
-    auto res = kernels::attention_forward(in.q, k_full_, v_full_,
-                                          block_params(s, in, q_pos, at::arange(s.skv, at::kLong)));
-    return {res.o, res.lse};
+    if (saved) saved->tensors = {in.q, k_full, v_full, out.o, out.lse};
+    return out;
   }
 
-  LocalGrads backward(dist::ProcessGroup& pg, const AttentionSpec& s, const LocalInputs& in,
-                      const at::Tensor& o, const at::Tensor& lse,
-                      const at::Tensor& dout) override {
+  LocalGrads backward(dist::ProcessGroup& pg, const AttentionSpec& s, const MaskInputs& mask,
+                      const SavedState& saved, const at::Tensor& dout) const override {
     const int n = pg.world_size(), r = pg.rank();
+    LVX_CHECK(saved.tensors.size() == 5, "all_gather backward: needs the state its forward saved");
+    const at::Tensor &q = saved.tensors[0], &k_full = saved.tensors[1], &v_full = saved.tensors[2];
+    const at::Tensor &o = saved.tensors[3], &lse = saved.tensors[4];
     const auto ks = kv_layout(s, n).sizes();
-    if (!k_full_.defined()) {
-      k_full_ = gather_seq(pg, in.k, ks);
-      v_full_ = gather_seq(pg, in.v, ks);
-    }
-    const auto acc = kernels::accumulation_dtype(in.q.scalar_type());
+    const auto acc = kernels::accumulation_dtype(q.scalar_type());
     at::Tensor dq, dk_full, dv_full;
-    if (in.q.size(1) > 0) {
-      const at::Tensor q_pos = q_layout(s, n).positions(r);
-      auto g = kernels::attention_backward(in.q, k_full_, v_full_, dout, lse,
-                                           kernels::attention_delta(dout, o),
-                                           block_params(s, in, q_pos, at::arange(s.skv, at::kLong)));
+    if (q.size(1) > 0) {
+      auto g = kernels::attention_backward(q, k_full, v_full, dout, lse,
+                                           kernels::attention_delta(dout, o), params(s, mask, r, n));
       dq = g.dq;
       dk_full = g.dk;
       dv_full = g.dv;
     } else {  // no queries here: this rank contributes zero partials to the reduce-scatter
-      dq = at::zeros(in.q.sizes(), in.q.options().dtype(acc));
-      dk_full = at::zeros(k_full_.sizes(), k_full_.options().dtype(acc));
+      dq = at::zeros(q.sizes(), q.options().dtype(acc));
+      dk_full = at::zeros(k_full.sizes(), k_full.options().dtype(acc));
       dv_full = at::zeros_like(dk_full);
     }
     auto reduce_scatter = [&](const at::Tensor& full) {
@@ -68,32 +68,42 @@ class AllGatherStrategy : public Strategy {
       shape.insert(shape.begin(), n);
       return got.view(shape).sum(0).transpose(0, 1).contiguous();
     };
-    LocalGrads out{dq, reduce_scatter(dk_full), reduce_scatter(dv_full)};
-    k_full_ = v_full_ = at::Tensor();
-    return out;
+    const auto dt = q.scalar_type();
+    return {dq.to(dt), reduce_scatter(dk_full).to(dt), reduce_scatter(dv_full).to(dt)};
   }
 
-  Volume analytic_bytes(const AttentionSpec& s, int n, int r, at::ScalarType dtype,
+  PassSchedule schedule(const AttentionSpec& s, int n, int r, at::ScalarType dtype,
                         bool backward) const override {
     const auto ks = kv_layout(s, n).sizes();
     const int64_t e = element_bytes(dtype), a = element_bytes(kernels::accumulation_dtype(dtype));
-    auto kv = [&](int j, int64_t bytes) { return 2 * s.batch * ks[j] * s.hkv * s.head_dim * bytes; };
-    Volume v;
-    if (n == 1) return v;
-    for (int j = 0; j < n; ++j) {
-      if (!backward) {  // ring all-gather: every block but next's passes through; all but mine arrive
-        if (j != (r + 1) % n) v.sent += kv(j, e);
-        if (j != r) v.received += kv(j, e);
-      } else if (j != r) {  // reduce-scatter: my partial of j's block out, everyone's of mine in
-        v.sent += kv(j, a);
-        v.received += kv(r, a);
+    auto block = [&](int j, int64_t bytes) { return s.batch * ks[j] * s.hkv * s.head_dim * bytes; };
+    PassSchedule p;
+    p.rounds = {Block{r, -1}};
+    if (n == 1) return p;
+    for (const char* what : backward ? std::vector<const char*>{"dK", "dV"}
+                                     : std::vector<const char*>{"K", "V"}) {
+      Message m{what, backward ? Message::kAllToAll : Message::kAllGatherRing, -1, 0, 0};
+      for (int j = 0; j < n; ++j) {
+        if (!backward) {  // ring all-gather: every block but next's passes through me; all but
+                          // mine arrive
+          if (j != (r + 1) % n) m.sent += block(j, e);
+          if (j != r) m.received += block(j, e);
+        } else if (j != r) {  // reduce-scatter: my partial of j's block out, everyone's of mine in
+          m.sent += block(j, a);
+          m.received += block(r, a);
+        }
       }
+      p.messages.push_back(m);
     }
-    return v;
+    return p;
   }
 
  private:
-  at::Tensor k_full_, v_full_;
+  // This rank's queries against the whole key sequence.
+  kernels::AttentionParams params(const AttentionSpec& s, const MaskInputs& mask, int r,
+                                  int n) const {
+    return block_params(s, mask, q_layout(s, n).positions(r), at::arange(s.skv, at::kLong));
+  }
 };
 
 }  // namespace

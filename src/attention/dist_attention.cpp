@@ -10,9 +10,9 @@ namespace {
 // Non-tensor state of one call, carried from forward to backward in the autograd context.
 struct CallState : torch::CustomClassHolder {
   std::shared_ptr<dist::ProcessGroup> pg;
-  std::unique_ptr<Strategy> strategy;
+  std::unique_ptr<Strategy> forward, backward;
   AttentionSpec spec;
-  at::Tensor q_media, kv_media;
+  MaskInputs mask;
 };
 
 struct DistAttentionFunction : public torch::autograd::Function<DistAttentionFunction> {
@@ -20,41 +20,45 @@ struct DistAttentionFunction : public torch::autograd::Function<DistAttentionFun
                                                 const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, c10::IValue state_value) {
     auto state = c10::static_intrusive_pointer_cast<CallState>(state_value.toCapsule());
-    LocalInputs in{q.detach(), k.detach(), v.detach(), state->q_media, state->kv_media, {}};
-    LocalOutput out = state->strategy->forward(*state->pg, state->spec, in);
-    ctx->save_for_backward({q, k, v, out.o, out.lse});
+    SavedState saved;
+    LocalOutput out = state->forward->forward(*state->pg, state->spec,
+                                              {q.detach(), k.detach(), v.detach(), state->mask},
+                                              &saved);
+    ctx->save_for_backward(saved.tensors);  // the one copy of what the backward needs
     ctx->saved_data["state"] = state_value;
-    ctx->mark_non_differentiable({out.lse});
-    return {out.o.to(q.scalar_type()), out.lse.to(at::kFloat)};
+    at::Tensor lse = out.lse.to(at::kFloat);
+    ctx->mark_non_differentiable({lse});
+    return {out.o, lse};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto state = c10::static_intrusive_pointer_cast<CallState>(ctx->saved_data["state"].toCapsule());
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
-    at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(q);
-    LocalInputs in{q.detach(), k.detach(), v.detach(), state->q_media, state->kv_media, {}};
-    LocalGrads g = state->strategy->backward(*state->pg, state->spec, in, o, lse, dout);
-    return {g.dq.to(q.scalar_type()), g.dk.to(k.scalar_type()), g.dv.to(v.scalar_type()),
-            at::Tensor()};
+    SavedState saved{ctx->get_saved_variables()};
+    at::Tensor dout = grads[0];
+    if (!dout.defined()) dout = at::zeros_like(saved.tensors.at(3));
+    LocalGrads g = state->backward->backward(*state->pg, state->spec, state->mask, saved, dout);
+    return {g.dq, g.dk, g.dv, at::Tensor()};
   }
 };
 
 }  // namespace
 
 DistAttentionResult dist_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   std::shared_ptr<dist::ProcessGroup> pg, StrategyKind kind,
-                                   const AttentionSpec& spec, const at::Tensor& q_media,
-                                   const at::Tensor& kv_media) {
+                                   std::shared_ptr<dist::ProcessGroup> pg, StrategyChoice choice,
+                                   const AttentionSpec& spec, const MaskInputs& mask) {
   LVX_CHECK(pg != nullptr, "dist_attention: no process group");
+  LVX_CHECK(can_pair(choice.forward, choice.backward), "dist_attention: the backward of ",
+            strategy_name(choice.backward), " cannot start from the state the forward of ",
+            strategy_name(choice.forward), " saves");
   auto state = c10::make_intrusive<CallState>();
   state->pg = std::move(pg);
-  state->strategy = make_strategy(kind);
-  state->strategy->check_supported(spec, state->pg->world_size());
+  state->forward = make_strategy(choice.forward);
+  state->backward = make_strategy(choice.backward);
+  state->forward->check_supported(spec, state->pg->world_size());
+  state->backward->check_supported(spec, state->pg->world_size());
   state->spec = spec;
-  state->q_media = q_media;
-  state->kv_media = kv_media;
+  state->mask = mask;
   auto outs = DistAttentionFunction::apply(q, k, v, c10::IValue::make_capsule(state));
   return {outs[0], outs[1]};
 }

@@ -1,6 +1,7 @@
 #include "src/attention/strategy.h"
 
 #include <cmath>
+#include <limits>
 
 #include "src/common/error.h"
 
@@ -39,6 +40,45 @@ std::vector<StrategyKind> all_strategies() {
   return out;
 }
 
+std::string StrategyChoice::name() const {
+  return forward == backward ? strategy_name(forward)
+                             : strategy_name(forward) + "+" + strategy_name(backward);
+}
+
+bool can_pair(StrategyKind f, StrategyKind b) {
+  if (f == b) return true;
+  auto fs = make_strategy(f), bs = make_strategy(b);
+  // Same saved form and the same layouts (checked on a spec where layouts can differ).
+  AttentionSpec probe;
+  probe.sq = probe.skv = 5;
+  return fs->saved_form() == SavedForm::kShards && bs->saved_form() == SavedForm::kShards &&
+         fs->q_layout(probe, 2).kind == bs->q_layout(probe, 2).kind &&
+         fs->kv_layout(probe, 2).kind == bs->kv_layout(probe, 2).kind;
+}
+
+StrategyChoice strategy_choice_from_name(const std::string& name) {
+  const auto plus = name.find('+');
+  if (plus == std::string::npos) return StrategyChoice(strategy_from_name(name));
+  StrategyChoice c(strategy_from_name(name.substr(0, plus)), strategy_from_name(name.substr(plus + 1)));
+  LVX_CHECK(can_pair(c.forward, c.backward), "strategy '", name, "': the backward of ",
+            strategy_name(c.backward), " cannot start from what the forward of ",
+            strategy_name(c.forward),
+            " saves (different saved tensors or token layouts); pairs that can: lv_xattn+ring, "
+            "ring+lv_xattn");
+  return c;
+}
+
+at::Tensor has_keys(const at::Tensor& lse) { return lse > -std::numeric_limits<double>::infinity(); }
+
+Volume PassSchedule::volume() const {
+  Volume v;
+  for (const Message& m : messages) {
+    v.sent += m.sent;
+    v.received += m.received;
+  }
+  return v;
+}
+
 std::string AttentionSpec::describe() const {
   const char* m = mask == kernels::MaskKind::kNone     ? "none"
                   : mask == kernels::MaskKind::kCausal ? "causal"
@@ -56,7 +96,7 @@ Layout Strategy::kv_layout(const AttentionSpec& s, int world) const {
   return Layout{LayoutKind::kContiguous, s.skv, world};
 }
 
-kernels::AttentionParams block_params(const AttentionSpec& s, const LocalInputs& in,
+kernels::AttentionParams block_params(const AttentionSpec& s, const MaskInputs& in,
                                       const at::Tensor& q_pos, const at::Tensor& k_pos) {
   kernels::AttentionParams p;
   p.scale = s.scale > 0 ? s.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));

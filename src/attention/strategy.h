@@ -6,25 +6,38 @@
 //              Venkataraman ICML'25, §3.1 and eq. (1)); backward rotates Q, dO, lse, delta and
 //              the fp32 dQ accumulator while dK/dV accumulate locally (BurstAttention Alg. 2).
 //   ring       Q stationary; K/V rotate (BurstAttention Alg. 1 / Ring Attention); backward
-//              rotates K, V and the fp32 dK/dV accumulators, dQ local (NOTES.md §7.7).
-//   striped    ring over the striped token layout (Brandon et al. §3), balancing causal work.
+//              rotates K, V and the fp32 dK/dV accumulators, dQ local.
+//   striped    ring over the striped token layout (Striped Attention, Brandon et al. §3),
+//              balancing causal work.
 //   ulysses    all-to-all from sequence to head sharding and back (DeepSpeed-Ulysses).
 //   all_gather gather K/V, attend locally; backward reduce-scatters dK/dV (Llama-3 CP).
 //
-// Bytes sent per rank (n ranks, |X| = this rank's shard of X in its dtype, partial results in
-// fp32 as |X|₃₂; every strategy posts the next transfer before computing, so per-round time is
+// One description per strategy (Strategy::schedule) says, for one rank and one pass, which
+// (query shard, key shard) pair it computes in each round and every message it posts, with
+// exact byte counts for uneven shards. The runtime's ring loop (ring_pipeline.h) walks those
+// rounds, tests compare the measured byte counters with the schedule, and the planner's cost
+// model (src/planner/cost_model.h) prices the same rounds and messages, so predicted bytes
+// cannot drift from measured ones.
+//
+// Bytes sent per rank (n ranks, |X| = a block of X in its dtype, |X|₃₂ in the accumulation dtype;
+// ring strategies post the next transfer before computing, so per-round time is
 // max(compute, communication) as in LV-XAttn eq. (1)):
-//   lv_xattn  fwd  (n−1)·|Q| + n·(|O|₃₂ + |lse|)               [Q n−1 hops; O/lse n hops: home]
-//             bwd  (n−1)·(|Q| + |dO| + |lse| + |δ|) + n·|dQ|₃₂
-//   ring      fwd  (n−1)·(|K| + |V|)
-//   striped   bwd  (n−1)·(|K| + |V|) + n·(|dK|₃₂ + |dV|₃₂)      [dK/dV return home]
-//   ulysses   fwd  Σ_{j≠r} (|Q→j| + |K→j| + |V→j| + |O→j| + |lse→j|)  (each tensor's part for j)
+//   lv_xattn  fwd  (n−1)·|Q| + n·(|O|₃₂ + |lse|₃₂)                [Q ahead; O/lse behind, home]
+//             bwd  (n−1)·(|Q| + |dO| + |lse|₃₂ + |δ|₃₂) + n·|dQ|₃₂
+//   ring,     fwd  (n−1)·(|K| + |V|)
+//   striped   bwd  (n−1)·(|K| + |V|) + n·(|dK|₃₂ + |dV|₃₂)         [dK/dV behind, home]
+//   ulysses   fwd  Σ_{j≠r} (|Q→j| + |K→j| + |V→j| + |O→j| + |lse→j|₃₂)  (each tensor's part for j)
 //             bwd  Σ_{j≠r} (|dO→j| + |dQ→j| + |dK→j| + |dV→j|)   (grads in the input dtype)
-//   all_gather fwd (n−1)·… ring all-gather of K and V: Σ_{j≠r+1} (|K_j| + |V_j|)
-//             bwd  Σ_{j≠r} (|dK_j|₃₂ + |dV_j|₃₂)                (reduce-scatter, pairwise)
-// With uneven shards every |X| is that block's own size (ring strategies send the block they
-// hold at each hop); analytic_bytes() evaluates these exactly and tests compare them with the
-// measured counters.
+//   all_gather fwd ring all-gather of K, then of V: Σ_{j≠r+1} (|K_j| + |V_j|)
+//             bwd  Σ_{j≠r} (|dK_j|₃₂ + |dV_j|₃₂)                 (reduce-scatter, pairwise)
+//
+// Dtype contract (every strategy): o and the gradients come back in the input dtype, lse in the
+// accumulation dtype (fp32; fp64 for fp64 inputs). Partial results that are merged or summed
+// across ranks (partial O, dQ/dK/dV accumulators) travel and accumulate in the accumulation
+// dtype, and are rounded once, at the end.
+//
+// A query row that sees no key (masked out, or every key padding) gets o = 0 and lse = −inf:
+// callers tell "no key" from "a zero output" with has_keys(lse).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -45,6 +58,25 @@ std::string strategy_name(StrategyKind k);
 StrategyKind strategy_from_name(const std::string& name);  // error lists the valid names
 std::vector<StrategyKind> all_strategies();
 
+// The strategies of one attention call: the forward of one and the backward of another, when the
+// backward can start from what the forward saved (same saved form and layouts, see
+// Strategy::saved_form), e.g. "lv_xattn+ring". A single name uses it for both passes.
+struct StrategyChoice {
+  StrategyKind forward = StrategyKind::kLvXAttn;
+  StrategyKind backward = StrategyKind::kLvXAttn;
+  StrategyChoice() = default;
+  StrategyChoice(StrategyKind both) : forward(both), backward(both) {}  // NOLINT: implicit
+  StrategyChoice(StrategyKind f, StrategyKind b) : forward(f), backward(b) {}
+  std::string name() const;  // "ring", or "lv_xattn+ring"
+  bool operator==(const StrategyChoice& o) const {
+    return forward == o.forward && backward == o.backward;
+  }
+};
+// Parses "S" or "F+B"; refuses, saying why, a pair whose backward cannot use the forward's state.
+StrategyChoice strategy_choice_from_name(const std::string& name);
+// True when backward strategy `b` can run from the state forward strategy `f` saved.
+bool can_pair(StrategyKind f, StrategyKind b);
+
 // Global description of one attention call; identical on every rank.
 struct AttentionSpec {
   int64_t batch = 1, sq = 0, skv = 0, hq = 0, hkv = 0, head_dim = 0;
@@ -57,35 +89,77 @@ struct AttentionSpec {
   std::string describe() const;  // for agreement checks and logs
 };
 
-// This rank's inputs. q/k/v are this rank's shards in the strategy's layouts (q_layout /
-// kv_layout); the per-token mask metadata is small and given globally (every rank has the
-// prompt), so no strategy has to ship it.
+// Per-token mask metadata, given globally (every rank has the prompt), so no strategy ships it.
+struct MaskInputs {
+  at::Tensor q_media;   // int32 [B, Sq] (kMedia)
+  at::Tensor kv_media;  // int32 [B, Skv] (kMedia)
+  at::Tensor kv_valid;  // optional bool [B, Skv]: false = padding, seen by no query
+};
+
+// This rank's inputs: q/k/v are this rank's shards in the strategy's layouts (q_layout /
+// kv_layout).
 struct LocalInputs {
   at::Tensor q;  // [B, Sq_r, Hq, D]
   at::Tensor k;  // [B, Skv_r, Hkv, D]
   at::Tensor v;  // [B, Skv_r, Hkv, D]
-  at::Tensor q_media;   // int32 [B, Sq] global (kMedia)
-  at::Tensor kv_media;  // int32 [B, Skv] global (kMedia)
-  at::Tensor kv_valid;  // optional bool [B, Skv] global padding mask
+  MaskInputs mask;
 };
 
 struct LocalOutput {
-  at::Tensor o;    // [B, Sq_r, Hq, D], accumulation dtype (fp32 / fp64)
-  at::Tensor lse;  // [B, Hq, Sq_r], accumulation dtype
+  at::Tensor o;    // [B, Sq_r, Hq, D], input dtype
+  at::Tensor lse;  // [B, Hq, Sq_r], accumulation dtype; −inf where the row sees no key
 };
 
 struct LocalGrads {
-  at::Tensor dq, dk, dv;  // this rank's shards, accumulation dtype
+  at::Tensor dq, dk, dv;  // this rank's shards, input dtype
 };
 
-// What one call moved and how long it took on this rank.
-struct CallStats {
-  int64_t bytes_sent = 0, bytes_received = 0;
-  double seconds = 0;
+// What a forward keeps for its backward; opaque to callers (the autograd function saves these
+// tensors with save_for_backward, once). Its form is Strategy::saved_form().
+struct SavedState {
+  std::vector<at::Tensor> tensors;
 };
+
+// bool [B, Hq, Sq_r]: the rows that saw at least one key (lse > −inf).
+at::Tensor has_keys(const at::Tensor& lse);
+
+// ---- the description shared by the runtime and the cost model ---------------------------
 
 struct Volume {
   int64_t sent = 0, received = 0;
+};
+
+// One message (group) this rank posts in a pass.
+struct Message {
+  enum Op { kRingHop, kAllToAll, kAllGatherRing };
+  std::string what;  // "Q", "O/lse", "K/V", "dK", …
+  Op op = kRingHop;
+  // Ring strategies: the compute round it overlaps with (a block posted ahead for round t+1
+  // travels during round t; a partial result of round t travels during round t+1; round n is
+  // the trip home after the last compute). −1: a collective before or after the compute.
+  int round = -1;
+  int64_t sent = 0, received = 0;  // this rank's bytes
+};
+
+// The (query shard, key shard) pair of one compute round: ranks whose shards (in the strategy's
+// layouts) meet; −1 means the whole sequence.
+struct Block {
+  int q = -1, kv = -1;
+};
+
+struct PassSchedule {
+  std::vector<Block> rounds;
+  int64_t head_divisor = 1;  // ulysses computes Hq/n heads of the whole sequence
+  std::vector<Message> messages;
+  Volume volume() const;  // sum of the messages
+};
+
+// The form of the saved state: a backward can start from a forward's state iff the forms and
+// the layouts match.
+enum class SavedForm {
+  kShards,      // q, k, v, o, lse: this rank's shards in the strategy's layouts
+  kHeadShards,  // ulysses: head-sharded whole-sequence q, k, v, o, lse
+  kGatheredKV,  // all_gather: q, the gathered k and v, o, lse
 };
 
 class Strategy {
@@ -95,20 +169,28 @@ class Strategy {
   std::string name() const { return strategy_name(kind()); }
   virtual Layout q_layout(const AttentionSpec& s, int world) const;
   virtual Layout kv_layout(const AttentionSpec& s, int world) const;
+  virtual SavedForm saved_form() const { return SavedForm::kShards; }
   // Refuses, with a message saying why, specs this strategy cannot run (e.g. heads that do not
   // divide by the number of ranks for ulysses).
   virtual void check_supported(const AttentionSpec& s, int world) const {}
 
+  // Strategies hold no state: everything the backward needs is in `saved` (filled when not
+  // null), so one object serves any number of interleaved calls.
   virtual LocalOutput forward(dist::ProcessGroup& pg, const AttentionSpec& s,
-                              const LocalInputs& in) = 0;
-  // o and lse are this rank's forward results; dout has q's shard shape.
+                              const LocalInputs& in, SavedState* saved) const = 0;
+  // `saved` is what this strategy's forward (or a pairable one's, see can_pair) saved; `mask`
+  // the same metadata as in the forward; dout has the output shard's shape (any float dtype).
   virtual LocalGrads backward(dist::ProcessGroup& pg, const AttentionSpec& s,
-                              const LocalInputs& in, const at::Tensor& o, const at::Tensor& lse,
-                              const at::Tensor& dout) = 0;
+                              const MaskInputs& mask, const SavedState& saved,
+                              const at::Tensor& dout) const = 0;
 
-  // The formulas of the header, evaluated for `rank` (element size from `dtype`).
-  virtual Volume analytic_bytes(const AttentionSpec& s, int world, int rank, at::ScalarType dtype,
+  // This rank's rounds and messages in one pass (element size from `dtype`).
+  virtual PassSchedule schedule(const AttentionSpec& s, int world, int rank, at::ScalarType dtype,
                                 bool backward) const = 0;
+  Volume analytic_bytes(const AttentionSpec& s, int world, int rank, at::ScalarType dtype,
+                        bool backward) const {
+    return schedule(s, world, rank, dtype, backward).volume();
+  }
 };
 
 std::unique_ptr<Strategy> make_strategy(StrategyKind k);
@@ -116,8 +198,8 @@ std::unique_ptr<Strategy> make_strategy(StrategyKind k);
 // ---- helpers shared by the strategies ----------------------------------------------------
 
 // Kernel parameters for (queries at global positions q_pos) × (keys at k_pos): the mask metadata
-// is sliced from the global tensors in `in`.
-kernels::AttentionParams block_params(const AttentionSpec& s, const LocalInputs& in,
+// is sliced from the global tensors in `mask`.
+kernels::AttentionParams block_params(const AttentionSpec& s, const MaskInputs& mask,
                                       const at::Tensor& q_pos, const at::Tensor& k_pos);
 
 int64_t element_bytes(at::ScalarType t);

@@ -1,8 +1,9 @@
 // ulysses: all-to-all from sequence sharding to head sharding, full-sequence attention on
 // Hq/n query heads (and Hkv/n K/V heads), and all-to-all back (DeepSpeed-Ulysses; anchors A7).
 // Needs Hq and Hkv divisible by n (refused otherwise, saying so). Final values (O, dQ, dK, dV)
-// travel once, in the input dtype; lse travels in fp32. The head-sharded Q, K, V, O and lse are
-// kept from forward for backward, so backward moves only dO and the gradients.
+// travel once, in the input dtype (the dtype contract of strategy.h); lse travels in fp32. The
+// forward saves the head-sharded Q, K, V, O and lse (SavedForm::kHeadShards), so the backward
+// moves only dO and the gradients.
 #include "src/attention/strategy.h"
 #include "src/common/error.h"
 
@@ -61,71 +62,81 @@ class UlyssesStrategy : public Strategy {
     return at::cat(groups, head_dim_index);
   }
 
-  LocalOutput forward(dist::ProcessGroup& pg, const AttentionSpec& s,
-                      const LocalInputs& in) override {
-    const int n = pg.world_size();
-    check_supported(s, n);
-    const auto qs = q_layout(s, n).sizes(), ks = kv_layout(s, n).sizes();
-    qh_ = seq_to_heads(pg, in.q, qs);
-    kh_ = seq_to_heads(pg, in.k, ks);
-    vh_ = seq_to_heads(pg, in.v, ks);
-    auto res = kernels::attention_forward(
-        qh_, kh_, vh_, block_params(s, in, at::arange(s.sq, at::kLong), at::arange(s.skv, at::kLong)));
-    oh_ = res.o;
-    lseh_ = res.lse;
-    at::Tensor o = heads_to_seq(pg, res.o.to(in.q.scalar_type()), 1, 2, qs).to(res.o.scalar_type());
-    at::Tensor lse = heads_to_seq(pg, res.lse, 2, 1, qs);
-    return {o, lse};
-  }
+  SavedForm saved_form() const override { return SavedForm::kHeadShards; }
 
-  LocalGrads backward(dist::ProcessGroup& pg, const AttentionSpec& s, const LocalInputs& in,
-                      const at::Tensor& o, const at::Tensor& lse,
-                      const at::Tensor& dout) override {
+  LocalOutput forward(dist::ProcessGroup& pg, const AttentionSpec& s, const LocalInputs& in,
+                      SavedState* saved) const override {
     const int n = pg.world_size();
     check_supported(s, n);
     const auto qs = q_layout(s, n).sizes(), ks = kv_layout(s, n).sizes();
-    if (!qh_.defined()) forward(pg, s, in);  // backward without a saved forward: redo it
-    at::Tensor doh = seq_to_heads(pg, dout.to(in.q.scalar_type()).contiguous(), qs);
-    at::Tensor delta = kernels::attention_delta(doh, oh_);
-    auto g = kernels::attention_backward(
-        qh_, kh_, vh_, doh, lseh_, delta,
-        block_params(s, in, at::arange(s.sq, at::kLong), at::arange(s.skv, at::kLong)));
+    at::Tensor qh = seq_to_heads(pg, in.q, qs);
+    at::Tensor kh = seq_to_heads(pg, in.k, ks);
+    at::Tensor vh = seq_to_heads(pg, in.v, ks);
+    auto res = kernels::attention_forward(qh, kh, vh, whole_params(s, in.mask));
     const auto dt = in.q.scalar_type();
-    const auto acc = g.dq.scalar_type();
-    LocalGrads out{heads_to_seq(pg, g.dq.to(dt), 1, 2, qs).to(acc),
-                   heads_to_seq(pg, g.dk.to(dt), 1, 2, ks).to(acc),
-                   heads_to_seq(pg, g.dv.to(dt), 1, 2, ks).to(acc)};
-    qh_ = kh_ = vh_ = oh_ = lseh_ = at::Tensor();
+    // The final O travels once, in the input dtype (the contract's output dtype); lse in fp32.
+    at::Tensor oh = res.o.to(dt);
+    LocalOutput out{heads_to_seq(pg, oh, 1, 2, qs), heads_to_seq(pg, res.lse, 2, 1, qs)};
+    if (saved) saved->tensors = {qh, kh, vh, oh, res.lse};
     return out;
   }
 
-  Volume analytic_bytes(const AttentionSpec& s, int n, int r, at::ScalarType dtype,
+  LocalGrads backward(dist::ProcessGroup& pg, const AttentionSpec& s, const MaskInputs& mask,
+                      const SavedState& saved, const at::Tensor& dout) const override {
+    const int n = pg.world_size();
+    check_supported(s, n);
+    LVX_CHECK(saved.tensors.size() == 5, "ulysses backward: needs the state its forward saved");
+    const auto qs = q_layout(s, n).sizes(), ks = kv_layout(s, n).sizes();
+    const at::Tensor &qh = saved.tensors[0], &kh = saved.tensors[1], &vh = saved.tensors[2];
+    const at::Tensor &oh = saved.tensors[3], &lseh = saved.tensors[4];
+    const auto dt = qh.scalar_type();
+    at::Tensor doh = seq_to_heads(pg, dout.to(dt).contiguous(), qs);
+    auto g = kernels::attention_backward(qh, kh, vh, doh, lseh, kernels::attention_delta(doh, oh),
+                                         whole_params(s, mask));
+    return {heads_to_seq(pg, g.dq.to(dt), 1, 2, qs), heads_to_seq(pg, g.dk.to(dt), 1, 2, ks),
+            heads_to_seq(pg, g.dv.to(dt), 1, 2, ks)};
+  }
+
+  PassSchedule schedule(const AttentionSpec& s, int n, int r, at::ScalarType dtype,
                         bool backward) const override {
     const auto qs = q_layout(s, n).sizes(), ks = kv_layout(s, n).sizes();
     const int64_t e = element_bytes(dtype), a = element_bytes(kernels::accumulation_dtype(dtype));
     const int64_t hq = s.hq / n, hk = s.hkv / n, D = s.head_dim, B = s.batch;
-    Volume v;
-    for (int j = 0; j < n; ++j) {
-      if (j == r) continue;
-      // seq→head: my tokens' head group j goes to j; I get j's tokens of my head group.
-      // head→seq: my head group of j's tokens goes to j; I get j's head group of my tokens.
-      const int64_t q_out = B * qs[r] * hq * D, q_in = B * qs[j] * hq * D;
-      const int64_t k_out = B * ks[r] * hk * D, k_in = B * ks[j] * hk * D;
-      const int64_t o_out = B * qs[j] * hq * D, o_in = B * qs[r] * hq * D;
-      const int64_t dk_out = B * ks[j] * hk * D, dk_in = B * ks[r] * hk * D;
-      if (!backward) {
-        v.sent += (q_out + 2 * k_out + o_out) * e + B * hq * qs[j] * a;
-        v.received += (q_in + 2 * k_in + o_in) * e + B * hq * qs[r] * a;
-      } else {  // dO seq→head, then dQ, dK, dV head→seq
-        v.sent += (q_out + o_out + 2 * dk_out) * e;
-        v.received += (q_in + o_in + 2 * dk_in) * e;
+    PassSchedule p;
+    p.rounds = {Block{-1, -1}};
+    p.head_divisor = n;
+    // seq→head of a tensor with h heads per group: my tokens' group j go to j; j's tokens of my
+    // group come back. head→seq: the reverse.
+    auto a2a = [&](const char* what, const std::vector<int64_t>& sizes, int64_t per_token,
+                   bool to_heads) {
+      Message m{what, Message::kAllToAll, -1, 0, 0};
+      for (int j = 0; j < n; ++j) {
+        if (j == r) continue;
+        m.sent += (to_heads ? sizes[r] : sizes[j]) * per_token;
+        m.received += (to_heads ? sizes[j] : sizes[r]) * per_token;
       }
+      p.messages.push_back(m);
+    };
+    if (!backward) {
+      a2a("Q", qs, B * hq * D * e, true);
+      a2a("K", ks, B * hk * D * e, true);
+      a2a("V", ks, B * hk * D * e, true);
+      a2a("O", qs, B * hq * D * e, false);
+      a2a("lse", qs, B * hq * a, false);
+    } else {
+      a2a("dO", qs, B * hq * D * e, true);
+      a2a("dQ", qs, B * hq * D * e, false);
+      a2a("dK", ks, B * hk * D * e, false);
+      a2a("dV", ks, B * hk * D * e, false);
     }
-    return v;
+    return p;
   }
 
  private:
-  at::Tensor qh_, kh_, vh_, oh_, lseh_;  // saved for backward (head-sharded)
+  // The whole sequence on this rank's head group.
+  static kernels::AttentionParams whole_params(const AttentionSpec& s, const MaskInputs& mask) {
+    return block_params(s, mask, at::arange(s.sq, at::kLong), at::arange(s.skv, at::kLong));
+  }
 };
 
 }  // namespace

@@ -19,10 +19,14 @@ int cmd_attention(int argc, char** argv) {
       "torchrun / mpirun / lvx launch, when RANK and WORLD_SIZE are set).\n"
       "Input, in global token order: q [B,Sq,Hq,D], k and v [B,Skv,Hkv,D] (Hq % Hkv == 0), with\n"
       "--backward also do (q's shape); media masks need int32 q_media [B,Sq] and kv_media\n"
-      "[B,Skv] (-1 = none). Output: o [B,Sq,Hq,D], lse [B,Hq,Sq] fp32 (-inf for rows that see no\n"
+      "[B,Skv] (-1 = none); an optional bool kv_valid [B,Skv] marks padding keys (false).\n"
+      "Output: o [B,Sq,Hq,D], lse [B,Hq,Sq] fp32 (-inf for rows that see no\n"
       "key), and with --backward dq, dk, dv. Causal masks with Sq != Skv align the last query\n"
-      "with the last key. Strategies: lv_xattn, ring, striped, ulysses, all_gather.");
-  p.add_option("strategy", 's', "lv_xattn", "lv_xattn | ring | striped | ulysses | all_gather");
+      "with the last key. Strategies: lv_xattn, ring, striped, ulysses, all_gather, or a\n"
+      "forward+backward pair whose backward can start from the forward's saved state\n"
+      "(lv_xattn+ring, ring+lv_xattn).");
+  p.add_option("strategy", 's', "lv_xattn",
+               "lv_xattn | ring | striped | ulysses | all_gather | F+B (a pair)");
   p.add_option("nproc", 'n', "1", "number of local ranks to start");
   p.add_option("input", 'i', "", "input safetensors file", true);
   p.add_option("output", 'o', "", "output safetensors file (written atomically)", true);
@@ -46,11 +50,11 @@ int cmd_attention(int argc, char** argv) {
     return lvx::runtime::run_attention_rank(job);
 
   // Launcher: check everything cheap up front so that bad input fails once, clearly.
-  lvx::attention::strategy_from_name(job.strategy);
+  const auto choice = lvx::attention::strategy_choice_from_name(job.strategy);
   const auto spec = lvx::runtime::validate_attention_input(job);
   const int nproc = static_cast<int>(p.get_int("nproc"));
-  lvx::attention::make_strategy(lvx::attention::strategy_from_name(job.strategy))
-      ->check_supported(spec, nproc);
+  lvx::attention::make_strategy(choice.forward)->check_supported(spec, nproc);
+  if (job.backward) lvx::attention::make_strategy(choice.backward)->check_supported(spec, nproc);
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::dist::LaunchOptions o;

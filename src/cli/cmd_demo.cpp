@@ -89,8 +89,8 @@ int cmd_demo(int argc, char** argv) {
   spec.head_dim = d;
   spec.mask = runtime::mask_kind_from_name(p.get("mask"), &spec.media_rule);
   attention::LocalInputs full{t["q"].to(at::kDouble), t["k"].to(at::kDouble), t["v"].to(at::kDouble),
-                              t["q_media"], t["kv_media"], {}};
-  auto params = attention::block_params(spec, full, at::arange(sq), at::arange(skv));
+                              {t["q_media"], t["kv_media"], {}}};
+  auto params = attention::block_params(spec, full.mask, at::arange(sq), at::arange(skv));
   auto ref = kernels::attention_forward(full.q, full.k, full.v, params);
   auto ref_g = kernels::attention_backward(full.q, full.k, full.v, t["do"].to(at::kDouble), ref.lse,
                                            kernels::attention_delta(t["do"].to(at::kDouble), ref.o),

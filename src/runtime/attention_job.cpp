@@ -78,6 +78,12 @@ attention::AttentionSpec spec_from(const AttentionJob& job, const TensorFile& f)
     LVX_CHECK(km.sizes() == at::IntArrayRef({s.batch, s.skv}), job.input, ": kv_media must be [",
               s.batch, ", ", s.skv, "], got ", shape_str(km));
   }
+  if (f.tensors.count("kv_valid")) {
+    const at::Tensor& kv = f.tensors.at("kv_valid");
+    LVX_CHECK(kv.scalar_type() == at::kBool && kv.sizes() == at::IntArrayRef({s.batch, s.skv}),
+              job.input, ": kv_valid (padding mask) must be bool [", s.batch, ", ", s.skv,
+              "], got ", kv.scalar_type(), " ", shape_str(kv));
+  }
   if (job.backward) {
     LVX_CHECK(f.tensors.count("do"), job.input, ": --backward needs the output gradient 'do'");
     LVX_CHECK(f.tensors.at("do").sizes() == q.sizes(), job.input, ": 'do' must have q's shape ",
@@ -102,18 +108,22 @@ int run_attention_rank(const AttentionJob& job) {
   const int n = pg->world_size(), r = pg->rank();
   TensorFile f = load_safetensors(job.input);
   const AttentionSpec s = spec_from(job, f);
-  auto strategy = attention::make_strategy(attention::strategy_from_name(job.strategy));
-  strategy->check_supported(s, n);
+  const attention::StrategyChoice choice = attention::strategy_choice_from_name(job.strategy);
+  auto fwd = attention::make_strategy(choice.forward), bwd = attention::make_strategy(choice.backward);
+  fwd->check_supported(s, n);
+  if (job.backward) bwd->check_supported(s, n);
   pg->check_agreement("the attention call",
-                      str("strategy=", job.strategy, " ", s.describe(), " backward=", job.backward,
+                      str("strategy=", choice.name(), " ", s.describe(), " backward=", job.backward,
                           " dtype=", f.tensors.at("q").scalar_type()));
-  const auto ql = strategy->q_layout(s, n), kl = strategy->kv_layout(s, n);
+  const auto ql = fwd->q_layout(s, n), kl = fwd->kv_layout(s, n);
   attention::LocalInputs in;
   in.q = ql.shard(f.tensors.at("q"), 1, r);
   in.k = kl.shard(f.tensors.at("k"), 1, r);
   in.v = kl.shard(f.tensors.at("v"), 1, r);
-  if (f.tensors.count("q_media")) in.q_media = f.tensors.at("q_media");
-  if (f.tensors.count("kv_media")) in.kv_media = f.tensors.at("kv_media");
+  for (auto [name, dst] : {std::pair{"q_media", &in.mask.q_media},
+                           std::pair{"kv_media", &in.mask.kv_media},
+                           std::pair{"kv_valid", &in.mask.kv_valid}})
+    if (f.tensors.count(name)) *dst = f.tensors.at(name);
   at::Tensor dout = job.backward ? ql.shard(f.tensors.at("do"), 1, r) : at::Tensor();
 
   attention::LocalOutput out;
@@ -123,10 +133,11 @@ int run_attention_rank(const AttentionJob& job) {
   for (int it = 0; it < std::max(1, job.repeat); ++it) {
     pg->barrier();
     pg->counters().reset();
+    attention::SavedState saved;
     auto t0 = std::chrono::steady_clock::now();
-    out = strategy->forward(*pg, s, in);
+    out = fwd->forward(*pg, s, in, job.backward ? &saved : nullptr);
     auto t1 = std::chrono::steady_clock::now();
-    if (job.backward) grads = strategy->backward(*pg, s, in, out.o, out.lse, dout);
+    if (job.backward) grads = bwd->backward(*pg, s, in.mask, saved, dout);
     auto t2 = std::chrono::steady_clock::now();
     fwd_s.push_back(std::chrono::duration<double>(t1 - t0).count());
     bwd_s.push_back(std::chrono::duration<double>(t2 - t1).count());
@@ -134,11 +145,11 @@ int run_attention_rank(const AttentionJob& job) {
     received = pg->counters().total_received();
   }
   const auto dt = in.q.scalar_type();
-  std::map<std::string, at::Tensor> part{{"o", out.o.to(dt)}, {"lse", out.lse.to(at::kFloat)}};
+  std::map<std::string, at::Tensor> part{{"o", out.o}, {"lse", out.lse.to(at::kFloat)}};
   if (job.backward) {
-    part["dq"] = grads.dq.to(dt);
-    part["dk"] = grads.dk.to(dt);
-    part["dv"] = grads.dv.to(dt);
+    part["dq"] = grads.dq;
+    part["dk"] = grads.dk;
+    part["dv"] = grads.dv;
   }
   const fs::path parts = job.output + ".parts";
   fs::create_directories(parts);
@@ -171,7 +182,7 @@ int run_attention_rank(const AttentionJob& job) {
     result["dk"] = kl.unshard(shards["dk"], 1);
     result["dv"] = kl.unshard(shards["dv"], 1);
   }
-  save_safetensors(job.output, result, {{"strategy", job.strategy}, {"mask", job.mask}});
+  save_safetensors(job.output, result, {{"strategy", choice.name()}, {"mask", job.mask}});
   fs::remove_all(parts);
   if (!job.stats.empty()) {
     nlohmann::json j{{"strategy", job.strategy}, {"world_size", n}, {"mask", job.mask},
