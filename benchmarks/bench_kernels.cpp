@@ -143,7 +143,7 @@ Grads reference_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   auto qd = q.to(dtype).detach().requires_grad_(true);
   auto kd = k.to(dtype).detach().requires_grad_(true);
   auto vd = v.to(dtype).detach().requires_grad_(true);
-  (attention_reference(qd, kd, vd, p, dtype).o * dout.to(dtype)).sum().backward();
+  (attention_reference(qd, kd, vd, mask_matrix(p.mask, qd.size(0), qd.size(1), kd.size(1)), p.scale, dtype).o * dout.to(dtype)).sum().backward();
   return {qd.grad(), kd.grad(), vd.grad()};
 }
 
@@ -162,8 +162,9 @@ int check_case(const at::Device& dev, at::ScalarType dtype, MaskCase mc, int64_t
   auto g = attention_backward(q.to(dev), k.to(dev), v.to(dev), dout.to(dev), out.lse, delta, pd);
   // The same-dtype reference runs on CPU in fp32 for fp16 (CPU half matmul is emulated).
   const auto ref_dtype = dtype == at::kHalf ? at::kFloat : dtype;
-  auto exact = attention_reference(q, k, v, p, at::kDouble);
-  auto same = attention_reference(q, k, v, p, ref_dtype);
+  const at::Tensor visible = mask_matrix(p.mask, q.size(0), q.size(1), k.size(1));
+  auto exact = attention_reference(q, k, v, visible, p.scale, at::kDouble);
+  auto same = attention_reference(q, k, v, visible, p.scale, ref_dtype);
   auto gx = reference_grads(q, k, v, dout, p, at::kDouble);
   auto gs = reference_grads(q, k, v, dout, p, ref_dtype);
   const double atol = gate_atol(dtype);

@@ -104,12 +104,18 @@ void merge_attention_states(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Te
                             const at::Tensor& lse_new);
 
 // Dense reference: materializes S in `compute_dtype` (float64 for the exact reference, the input
-// dtype for the same-precision reference). Returns o [B,Sq,Hq,D] and lse [B,Hq,Sq] in
-// compute_dtype. For tests and benchmarks only.
+// dtype for the same-precision reference) with the visibility matrix `visible` (bool
+// [B, Sq, Skv], true = query sees key; given by the caller, so tests can build it independently
+// of the kernels' mask code) and softmax scale `scale` (0: 1/sqrt(D)). Returns o [B,Sq,Hq,D] and
+// lse [B,Hq,Sq] in compute_dtype. For tests and benchmarks only.
 AttentionOutput attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const AttentionParams& params, at::ScalarType compute_dtype);
+                                    const at::Tensor& visible, double scale,
+                                    at::ScalarType compute_dtype);
 
 // The boolean visibility matrix [B, Sq, Skv] the mask implies (true = query sees key).
 at::Tensor mask_matrix(const AttentionMask& mask, int64_t batch, int64_t sq, int64_t skv);
+// The number of visible (query, key) pairs, summed over the batch, without building the matrix
+// (sorting and binary search: O((Sq + Skv) log Skv)); the cost model's compute count.
+int64_t visible_pairs(const AttentionMask& mask, int64_t batch, int64_t sq, int64_t skv);
 
 }  // namespace lvx::kernels

@@ -9,20 +9,24 @@
 namespace lvx::kernels {
 
 AttentionOutput attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const AttentionParams& params, at::ScalarType compute_dtype) {
+                                    const at::Tensor& visible, double scale_arg,
+                                    at::ScalarType compute_dtype) {
   LVX_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
             "attention_reference: q, k, v must be 4-D [B, S, H, D]");
   const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
   const int64_t skv = k.size(1), hkv = k.size(2);
   LVX_CHECK(hkv > 0 && hq % hkv == 0, "attention_reference: k has ", hkv,
             " heads, which does not divide q's ", hq, " heads");
-  const double scale = params.scale == 0 ? 1.0 / std::sqrt(static_cast<double>(d)) : params.scale;
+  LVX_CHECK(visible.scalar_type() == at::kBool && visible.sizes() == at::IntArrayRef({batch, sq, skv}),
+            "attention_reference: visible must be bool [", batch, ", ", sq, ", ", skv, "], got ",
+            visible.scalar_type(), " ", visible.sizes());
+  const double scale = scale_arg == 0 ? 1.0 / std::sqrt(static_cast<double>(d)) : scale_arg;
   // [B, H, S, D], K/V expanded over the query-head groups (fine for a reference).
   auto qh = q.to(compute_dtype).transpose(1, 2);
   auto kh = k.to(compute_dtype).repeat_interleave(hq / hkv, 2).transpose(1, 2);
   auto vh = v.to(compute_dtype).repeat_interleave(hq / hkv, 2).transpose(1, 2);
   auto s = at::matmul(qh, kh.transpose(2, 3)) * scale;  // [B, H, Sq, Skv]
-  auto vis = mask_matrix(params.mask, batch, sq, skv).to(q.device()).unsqueeze(1);
+  auto vis = visible.to(q.device()).unsqueeze(1);
   auto any = vis.any(-1, /*keepdim=*/true);  // [B, 1, Sq, 1]
   // Empty rows get finite scores (0) so nothing is NaN, then are zeroed by `any`.
   auto s_m = s.masked_fill(vis.logical_not(), -std::numeric_limits<double>::infinity())

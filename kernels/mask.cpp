@@ -159,27 +159,27 @@ at::Tensor mask_matrix(const AttentionMask& mask, int64_t batch, int64_t sq, int
   for (const at::Tensor* t : {&mask.q_pos, &mask.q_media, &mask.kv_valid}) {
     if (t->defined()) dev = t->device();
   }
-  at::Tensor vis;
-  switch (mask.kind) {
-    case MaskKind::kNone:
-      vis = at::ones({batch, sq, skv}, at::TensorOptions().dtype(at::kBool).device(dev));
-      break;
-    case MaskKind::kCausal:
-      vis = (mask.k_pos.unsqueeze(0) <= mask.q_pos.unsqueeze(1))
-                .unsqueeze(0)
-                .expand({batch, sq, skv})
-                .clone();
-      break;
-    case MaskKind::kMedia: {
-      auto qm = mask.q_media.unsqueeze(2);   // [B, Sq, 1]
-      auto km = mask.kv_media.unsqueeze(1);  // [B, 1, Skv]
-      auto rule = mask.media_rule == MediaRule::kImmediate ? km == qm : km <= qm;
-      vis = rule & (qm >= 0) & (km >= 0);
-      break;
-    }
+  const TokenMeta q = query_meta(mask, batch, sq, dev), k = key_meta(mask, batch, skv, dev);
+  const bool exact = rule_is_exact(static_cast<int>(mask.kind), static_cast<int>(mask.media_rule));
+  at::Tensor vis = rule_visible(exact, q.value.unsqueeze(2), k.value.unsqueeze(1));
+  return vis & q.none.logical_not().unsqueeze(2) & k.none.logical_not().unsqueeze(1);
+}
+
+int64_t visible_pairs(const AttentionMask& mask, int64_t batch, int64_t sq, int64_t skv) {
+  validate(mask, batch, sq, skv);
+  const at::Device dev = at::kCPU;
+  const TokenMeta q = query_meta(mask, batch, sq, dev), k = key_meta(mask, batch, skv, dev);
+  const bool exact = rule_is_exact(static_cast<int>(mask.kind), static_cast<int>(mask.media_rule));
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    // rule_visible's interval form: #keys with k <= q, less those with k < q when exact.
+    at::Tensor keys = std::get<0>(k.value[b].masked_select(k.none[b].logical_not()).sort());
+    at::Tensor qs = q.value[b].masked_select(q.none[b].logical_not()).contiguous();
+    at::Tensor n = at::searchsorted(keys, qs, /*out_int32=*/false, /*right=*/true);
+    if (exact) n = n - at::searchsorted(keys, qs, false, /*right=*/false);
+    total += n.sum().item<int64_t>();
   }
-  if (mask.kv_valid.defined()) vis = vis & mask.kv_valid.unsqueeze(1);
-  return vis;
+  return total;
 }
 
 }  // namespace lvx::kernels

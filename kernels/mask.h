@@ -17,8 +17,22 @@
 
 namespace lvx::kernels {
 
+// ---- the one statement of the mask rules -------------------------------------------------
+// Every mask compares one integer value per query with one per key (causal: global positions;
+// media: media indices; none: 0 for all), after dropping tokens that take no part (media index
+// −1; keys with kv_valid false). A key is visible to a query iff
+//     k ≤ q,   and also k ≥ q when the rule is exact (media kImmediate: k == q).
+// visible() below, mask_matrix() and visible_pairs() (kernels/mask.cpp) and classify_tile()
+// all apply this one rule; `rule_visible` works on scalars and, elementwise, on at::Tensor.
+LVX_HOST_DEVICE bool rule_is_exact(int kind, int rule) { return kind == 2 && rule == 0; }
+
+template <typename T>
+LVX_HOST_DEVICE auto rule_visible(bool exact, const T& q, const T& k) {
+  return exact ? (k <= q) & (k >= q) : (k <= q);
+}
+
 // Raw view of an AttentionMask for the inner loops (all tensors contiguous, on the kernel's
-// device). Entry (b, i, j) is visible iff the rule of `kind` holds and key j is not padding.
+// device). Entry (b, i, j) is visible iff both tokens take part and rule_visible holds.
 struct MaskView {
   int kind = 0;                       // MaskKind as int: 0 none, 1 causal, 2 media
   int rule = 0;                       // MediaRule as int: 0 immediate (==), 1 up-to (<=)
@@ -32,22 +46,23 @@ struct MaskView {
 
   LVX_HOST_DEVICE bool visible(int64_t b, int64_t i, int64_t j) const {
     if (kv_valid != nullptr && !kv_valid[b * skv + j]) return false;
-    if (kind == 1) return k_pos[j] <= q_pos[i];
-    if (kind == 2) {
-      const int32_t qm = q_media[b * sq + i];
-      const int32_t km = kv_media[b * skv + j];
-      if (qm < 0 || km < 0) return false;
-      return rule == 0 ? km == qm : km <= qm;
+    int64_t q = 0, k = 0;
+    if (kind == 1) {
+      q = q_pos[i];
+      k = k_pos[j];
+    } else if (kind == 2) {
+      q = q_media[b * sq + i];
+      k = kv_media[b * skv + j];
+      if (q < 0 || k < 0) return false;
     }
-    return true;
+    return rule_visible(rule_is_exact(kind, rule), q, k);
   }
 };
 
 enum class TileVisibility : int { kNone = 0, kPartial = 1, kFull = 2 };
 
-// Summary of one tile of tokens: min/max of the metadata over its tokens that can take part
-// (causal positions; media indices >= 0), and whether some / all of its tokens take no part
-// (media -1, or padding for keys).
+// Summary of one tile of tokens: min/max of the rule values over its tokens that take part, and
+// whether some / all of its tokens take no part (media −1, or padding for keys).
 struct TileSummary {
   int64_t lo;
   int64_t hi;
@@ -55,26 +70,18 @@ struct TileSummary {
   bool all_none;
 };
 
-// The decision for one (query tile, key tile) pair; exact for kNone (no entry visible) and
-// kFull (every entry visible), conservative otherwise (kPartial: build the mask).
+// The decision for one (query tile, key tile) pair, from rule_visible's interval form: query q
+// sees keys in [q, q] (exact) or (−∞, q]; so some entry is visible iff k_lo ≤ q_hi (and, exact,
+// k_hi ≥ q_lo), and every entry iff k_hi ≤ q_lo (and, exact, k_lo ≥ q_hi) with no token left
+// out. Exact for kNone and kFull, conservative otherwise (kPartial: build the mask).
 LVX_HOST_DEVICE TileVisibility classify_tile(int kind, int rule, const TileSummary& qs,
                                              const TileSummary& ks) {
   if (qs.all_none || ks.all_none) return TileVisibility::kNone;
-  const bool any_none = qs.has_none || ks.has_none;
-  if (kind == 1) {
-    if (qs.hi < ks.lo) return TileVisibility::kNone;
-    return (!any_none && qs.lo >= ks.hi) ? TileVisibility::kFull : TileVisibility::kPartial;
-  }
-  if (kind == 2) {
-    if (rule == 0) {
-      if (qs.hi < ks.lo || ks.hi < qs.lo) return TileVisibility::kNone;
-      const bool one = qs.lo == qs.hi && ks.lo == ks.hi && qs.lo == ks.lo;
-      return (!any_none && one) ? TileVisibility::kFull : TileVisibility::kPartial;
-    }
-    if (ks.lo > qs.hi) return TileVisibility::kNone;
-    return (!any_none && ks.hi <= qs.lo) ? TileVisibility::kFull : TileVisibility::kPartial;
-  }
-  return any_none ? TileVisibility::kPartial : TileVisibility::kFull;
+  const bool exact = rule_is_exact(kind, rule);
+  const bool some = ks.lo <= qs.hi && (!exact || ks.hi >= qs.lo);
+  if (!some) return TileVisibility::kNone;
+  const bool all = !qs.has_none && !ks.has_none && ks.hi <= qs.lo && (!exact || ks.lo >= qs.hi);
+  return all ? TileVisibility::kFull : TileVisibility::kPartial;
 }
 
 // Mask metadata on one device, contiguous, plus per-tile summaries for the given tile sizes.

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kernels/attention.h"
+#include "tests/reference_mask.h"
 #include "kernels/registry.h"
 #include "src/common/error.h"
 
@@ -139,13 +140,18 @@ struct Grads {
   at::Tensor dq, dk, dv;
 };
 
+// The independent visibility matrix of p's mask for q [B, Sq, …] and k [B, Skv, …].
+at::Tensor vis(const AttentionParams& p, const at::Tensor& q, const at::Tensor& k) {
+  return lvx::testing::reference_visibility(p.mask, q.size(0), q.size(1), k.size(1));
+}
+
 // Gradients of sum(o * dout) through the dense reference, by autograd, in `dtype`.
 Grads reference_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& dout, const AttentionParams& p, at::ScalarType dtype) {
   auto qd = q.to(dtype).detach().requires_grad_(true);
   auto kd = k.to(dtype).detach().requires_grad_(true);
   auto vd = v.to(dtype).detach().requires_grad_(true);
-  auto ref = attention_reference(qd, kd, vd, p, dtype);
+  auto ref = attention_reference(qd, kd, vd, vis(p, q, k), p.scale, dtype);
   (ref.o * dout.to(dtype)).sum().backward();
   return {qd.grad(), kd.grad(), vd.grad()};
 }
@@ -179,8 +185,8 @@ void check_against_reference(const at::Device& dev, at::ScalarType dtype, MaskCa
   const auto acc = accumulation_dtype(dtype);
   ASSERT_EQ(out.o.scalar_type(), acc);
   ASSERT_EQ(out.lse.sizes(), at::IntArrayRef({s.batch, s.hq, s.sq}));
-  auto exact = attention_reference(q, k, v, p, at::kDouble);
-  auto same = attention_reference(q, k, v, p, dtype);
+  auto exact = attention_reference(q, k, v, vis(p, q, k), p.scale, at::kDouble);
+  auto same = attention_reference(q, k, v, vis(p, q, k), p.scale, dtype);
   const double atol = gate_atol(dtype);
   const double e_o = error(out.o, exact.o), e_o_ref = error(same.o, exact.o);
   const double e_l = error(out.lse, exact.lse), e_l_ref = error(same.lse, exact.lse);
@@ -253,8 +259,8 @@ TEST(AttentionKernelHalf, ForwardMatchesGate) {
   AttentionParams p;
   p.mask = make_mask(MaskCase::kCausal, 1, 40, 600);
   auto out = attention_forward(q, k, v, p);
-  auto exact = attention_reference(q, k, v, p, at::kDouble);
-  auto same = attention_reference(q, k, v, p, at::kFloat);  // CPU half matmul is emulated
+  auto exact = attention_reference(q, k, v, vis(p, q, k), p.scale, at::kDouble);
+  auto same = attention_reference(q, k, v, vis(p, q, k), p.scale, at::kFloat);  // CPU half matmul is emulated
   EXPECT_LE(error(out.o, exact.o), 2 * error(same.o, exact.o) + 1e-3);
 }
 
@@ -406,7 +412,7 @@ TEST(MergeStates, EmptyRowsAndInfinityConventions) {
 
 // Tile skipping actually skips: the forward skips exactly the (query tile, key tile) pairs of a
 // causal block that have no visible entry, and computes without a mask exactly those fully
-// visible (counted independently from mask_matrix).
+// visible (counted from the independent reference mask).
 TEST(TileSkipping, CausalSkipsExactlyTheInvisibleTiles) {
   const int64_t sq = 2048, skv = 2048, d = 8;
   auto q = at::randn({1, sq, 1, d}), k = at::randn({1, skv, 1, d}), v = at::randn({1, skv, 1, d});
@@ -416,12 +422,12 @@ TEST(TileSkipping, CausalSkipsExactlyTheInvisibleTiles) {
   p.mask.k_pos = at::arange(skv, at::kLong);
   AttentionStats st;
   attention_forward(q, k, v, p, &st);
-  auto vis = mask_matrix(p.mask, 1, sq, skv)[0];
+  auto visible = lvx::testing::reference_visibility(p.mask, 1, sq, skv)[0];
   int64_t none = 0, full = 0, total = 0;
   for (int64_t i = 0; i < sq; i += kCpuQTile) {
     for (int64_t j = 0; j < skv; j += kCpuKTile) {
       auto t =
-          vis.narrow(0, i, std::min(kCpuQTile, sq - i)).narrow(1, j, std::min(kCpuKTile, skv - j));
+          visible.narrow(0, i, std::min(kCpuQTile, sq - i)).narrow(1, j, std::min(kCpuKTile, skv - j));
       none += !t.any().item<bool>();
       full += t.all().item<bool>();
       ++total;
@@ -477,6 +483,28 @@ TEST(AttentionChecks, MessagesNameTensorExpectedAndActual) {
   }
   EXPECT_THROW(attention_forward(q, at::randn({1, 6, 2, 8}), at::randn({1, 6, 2, 8}), {}),
                lvx::Error);
+}
+
+// mask_matrix and visible_pairs (the kernels' vectorized forms of the rule) against the
+// independent loops, for every mask kind with padding, on random metadata.
+TEST(MaskMatrix, MatrixAndPairCountEqualTheIndependentRules) {
+  at::manual_seed(7);
+  const int64_t b = 2, sq = 23, skv = 41;
+  for (int kind = 0; kind < 4; ++kind) {
+    AttentionMask m;
+    m.kind = kind == 0 ? MaskKind::kNone : kind == 1 ? MaskKind::kCausal : MaskKind::kMedia;
+    m.media_rule = kind == 2 ? MediaRule::kImmediate : MediaRule::kUpTo;
+    m.q_pos = at::randperm(sq, at::kLong);
+    m.k_pos = at::randint(0, sq, {skv}, at::kLong);
+    m.q_media = at::randint(-1, 4, {b, sq}, at::kInt);
+    m.kv_media = at::randint(-1, 4, {b, skv}, at::kInt);
+    if (m.kind != MaskKind::kCausal) m.q_pos = m.k_pos = at::Tensor();
+    if (m.kind != MaskKind::kMedia) m.q_media = m.kv_media = at::Tensor();
+    m.kv_valid = at::rand({b, skv}) > 0.2;
+    at::Tensor want = lvx::testing::reference_visibility(m, b, sq, skv);
+    EXPECT_TRUE(mask_matrix(m, b, sq, skv).equal(want)) << "kind " << kind;
+    EXPECT_EQ(visible_pairs(m, b, sq, skv), want.sum().item<int64_t>()) << "kind " << kind;
+  }
 }
 
 TEST(MaskMatrix, RulesByHand) {
