@@ -40,6 +40,8 @@ else
 fi
 
 # ---- 2. Python packages, pinned in requirements.txt (torch 2.11.0 carries libtorch) --------
+# requirements-nodeps.txt: reference packages installed without their dependencies (their own
+# pins are older than ours); the hash covers both files.
 venv=${LVX_VENV:-$HOME/.cache/lvx/venv}
 if [ ! -x "$venv/bin/python" ]; then
   base_python=/usr/bin/python3
@@ -47,10 +49,12 @@ if [ ! -x "$venv/bin/python" ]; then
   log "creating virtual environment $venv"
   "$base_python" -m venv "$venv"
 fi
-req_hash=$(sha256sum requirements.txt | cut -d' ' -f1)
+req_hash=$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$venv/.lvx-requirements" 2>/dev/null || true)" != "$req_hash" ]; then
-  log "installing pinned Python packages (requirements.txt)"
+  log "installing pinned Python packages (requirements.txt, requirements-nodeps.txt)"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r requirements.txt
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+    -r requirements-nodeps.txt
   echo "$req_hash" > "$venv/.lvx-requirements"
 else
   log "Python packages present"
