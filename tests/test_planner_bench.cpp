@@ -7,34 +7,36 @@
 
 #include "src/common/error.h"
 #include "src/planner/bench_plan.h"
+#include "src/planner/planner.h"
 
 namespace lvx::planner {
 namespace {
 
-TEST(PlannerBench, CrossLayerInputsCarryMediaIndices) {
-  LayerWorkload w;
-  w.kind = LayerKind::kCross;
-  w.sq = 10;
-  w.skv = 4 * 3;  // 4 frames of 3 tokens
-  w.heads = 4;
-  w.kv_heads = 2;
-  w.head_dim = 8;
-  w.mask = MaskRule::kMediaUpTo;
-  auto t = layer_inputs(w, 4, at::kFloat, 7);
-  EXPECT_EQ(t.at("q").sizes(), (at::IntArrayRef{1, 10, 4, 8}));
-  EXPECT_EQ(t.at("k").sizes(), (at::IntArrayRef{1, 12, 2, 8}));
+TEST(PlannerBench, CrossLayerInputsCarryThePlannedMediaIndices) {
+  // tiny.yaml's cross layer (media_upto, mPLUG-Owl3's "images strictly before the token"), 4
+  // frames of 3 tokens, 10 text tokens, frames interleaved: image tokens at 0, 2, 5, 7.
+  ModelConfig m = load_model_config(LVX_SOURCE_DIR "/configs/models/tiny.yaml");
+  Workload wl;
+  wl.frames = 4;
+  wl.text_tokens = 10;
+  wl.tokens_per_frame = 3;
+  wl.layout = PromptLayout::kInterleaved;
+  const LayerWorkload w = layer_workloads(m, wl).back();
+  ASSERT_EQ(w.kind, LayerKind::kCross);
+  auto t = layer_inputs(w, at::kFloat, 7);
+  EXPECT_EQ(t.at("q").sizes(), (at::IntArrayRef{1, 10, 4, 16}));
+  EXPECT_EQ(t.at("k").sizes(), (at::IntArrayRef{1, 12, 2, 16}));
   EXPECT_EQ(t.at("do").sizes(), t.at("q").sizes());
-  // Text token t follows frame floor(t*4/10); key j belongs to frame floor(j/3).
-  std::vector<int> qm = {0, 0, 0, 1, 1, 2, 2, 2, 3, 3}, km = {0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3};
+  // Token t sees the images whose token is before t: q_media = (#image tokens < t) − 1.
+  std::vector<int> qm = {-1, 0, 0, 1, 1, 1, 2, 2, 3, 3}, km = {0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3};
   for (int i = 0; i < 10; ++i) EXPECT_EQ(t.at("q_media")[0][i].item<int>(), qm[i]) << i;
   for (int j = 0; j < 12; ++j) EXPECT_EQ(t.at("kv_media")[0][j].item<int>(), km[j]) << j;
   EXPECT_EQ(t.at("q_media").scalar_type(), at::kInt);
   EXPECT_EQ(attention_mask_flag(w), "media_upto");
   // Deterministic for a seed.
-  EXPECT_TRUE(at::equal(t.at("q"), layer_inputs(w, 4, at::kFloat, 7).at("q")));
-  w.kind = LayerKind::kSelf;
-  w.mask = MaskRule::kCausal;
-  EXPECT_EQ(layer_inputs(w, 4, at::kFloat, 7).count("q_media"), 0u);
+  EXPECT_TRUE(at::equal(t.at("q"), layer_inputs(w, at::kFloat, 7).at("q")));
+  const LayerWorkload self = layer_workloads(m, wl).front();
+  EXPECT_EQ(layer_inputs(self, at::kFloat, 7).count("q_media"), 0u);
 }
 
 TEST(PlannerBench, StatsFileTakesTheSlowestRank) {
@@ -56,10 +58,11 @@ TEST(PlannerBench, StatsFileTakesTheSlowestRank) {
 }
 
 TEST(PlannerBench, RegretIsChoiceOverFastest) {
-  std::map<Strategy, double> m = {{Strategy::kRing, 2.0}, {Strategy::kLvXattn, 1.0}};
-  EXPECT_DOUBLE_EQ(regret(m, Strategy::kLvXattn), 1.0);
-  EXPECT_DOUBLE_EQ(regret(m, Strategy::kRing), 2.0);
-  EXPECT_TRUE(std::isnan(regret(m, Strategy::kUlysses)));
+  std::map<std::string, double> m = {{"ring", 2.0}, {"lv_xattn", 1.0}, {"lv_xattn+ring", 1.5}};
+  EXPECT_DOUBLE_EQ(regret(m, "lv_xattn"), 1.0);
+  EXPECT_DOUBLE_EQ(regret(m, "ring"), 2.0);
+  EXPECT_DOUBLE_EQ(regret(m, "lv_xattn+ring"), 1.5);
+  EXPECT_TRUE(std::isnan(regret(m, "ulysses")));
 }
 
 }  // namespace

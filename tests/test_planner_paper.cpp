@@ -75,7 +75,7 @@ CostOptions paper_accounting() {
 }
 
 // `strategies`: the candidates (empty: all six).
-Plan plan_row(const PaperRow& r, const ClusterConfig& c, std::vector<Strategy> strategies = {}) {
+Plan plan_row(const PaperRow& r, const ClusterConfig& c, std::vector<StrategyKind> strategies = {}) {
   ModelConfig m = load_model_config(source(std::string("configs/models/") + r.model + ".yaml"));
   Workload w;
   w.frames = r.frames;
@@ -89,8 +89,8 @@ struct CrossTimes {
   double ring = 0, lv = 0;
 };
 CrossTimes cross_times(const Plan& p) {
-  return {uniform_time(p, Strategy::kRing, LayerKind::kCross),
-          uniform_time(p, Strategy::kLvXattn, LayerKind::kCross)};
+  return {uniform_time(p, StrategyKind::kRing, LayerKind::kCross),
+          uniform_time(p, StrategyKind::kLvXAttn, LayerKind::kCross)};
 }
 
 double bisect(double lo, double hi, const std::function<double(double)>& decreasing,
@@ -144,12 +144,12 @@ void check_table(const std::vector<PaperRow>& rows, const std::string& yaml) {
     // Among the strategies the paper ran (LV-XAttn, Ring Attention and its striped variant), the
     // planner reproduces the paper's configuration: LV-XAttn for every cross layer, ring or
     // striped in the forward of every self layer (the backward may rotate the query side).
-    Plan paper = plan_row(r, c, {Strategy::kLvXattn, Strategy::kRing, Strategy::kStriped});
+    Plan paper = plan_row(r, c, {StrategyKind::kLvXAttn, StrategyKind::kRing, StrategyKind::kStriped});
     for (const LayerPlan& l : paper.layers) {
       if (l.work.kind == LayerKind::kCross) {
         EXPECT_EQ(l.choice_name(), "lv_xattn") << "layer " << l.index << ": " << l.explanation;
       } else {
-        EXPECT_TRUE(l.forward == Strategy::kRing || l.forward == Strategy::kStriped)
+        EXPECT_TRUE(l.forward == StrategyKind::kRing || l.forward == StrategyKind::kStriped)
             << "layer " << l.index << ": " << l.explanation;
       }
     }

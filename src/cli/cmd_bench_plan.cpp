@@ -1,7 +1,8 @@
 // `lvx bench-plan`: runs every feasible strategy of each attention layer of a (small) model on
-// real local ranks through `lvx attention`, forward and backward, and reports predicted against
-// measured time and bytes, and the regret of the planner's choice (its measured time over the
-// fastest measured). Without --cluster it first runs `lvx calibrate` for this machine.
+// real local ranks through `lvx attention`, forward and backward, and the planner's choice too
+// when it is a forward+backward pair, and reports predicted against measured time and bytes, and
+// the regret of the planner's choice (its measured time over the fastest measured). Inputs carry
+// the very mask metadata the planner counted. Without --cluster it first runs `lvx calibrate`.
 #include <unistd.h>
 
 #include <cmath>
@@ -50,7 +51,7 @@ int run(const std::vector<std::string>& argv, std::string* output) {
 std::string layer_key(const LayerWorkload& w) {
   std::ostringstream os;
   os << to_string(w.kind) << w.sq << "x" << w.skv << "h" << w.heads << "-" << w.kv_heads << "d"
-     << w.head_dim << to_string(w.mask);
+     << w.head_dim << to_string(w.mask);  // one prompt layout per run: same shape, same metadata
   return os.str();
 }
 
@@ -65,6 +66,7 @@ int cmd_bench_plan(int argc, char** argv) {
   p.add_option("text", 't', "", "text tokens S_Q", true);
   p.add_option("tokens-per-frame", 'k', "0", "visual tokens per frame (0: the model's)");
   p.add_option("nproc", 'n', "2", "local ranks");
+  p.add_option("layout", 'l', "video_qa", "prompt layout: video_qa | interleaved");
   p.add_option("cluster", 'c', "", "cluster config of this machine (empty: run lvx calibrate)");
   p.add_option("dtype", 0, "fp32", "dtype of the inputs (CPU kernels: fp32)");
   p.add_option("reps", 'r', "3", "timed calls per strategy (lvx attention --repeat; median)");
@@ -98,78 +100,79 @@ int cmd_bench_plan(int argc, char** argv) {
   w.ranks = nproc;
   w.dtype = p.get("dtype");
   w.train = true;
-  w.split_passes = false;  // `lvx attention` runs one strategy for both passes
-  // `lvx attention` runs the distributed strategies; local is estimated, not run.
-  w.strategies = {Strategy::kLvXattn, Strategy::kRing, Strategy::kStriped, Strategy::kUlysses,
-                  Strategy::kAllGather};
+  w.layout = prompt_layout_from_string(p.get("layout"));
   Plan plan = lvx::planner::plan(model, cluster, w);
   const at::ScalarType dtype = w.dtype == "fp32"   ? at::kFloat
                                : w.dtype == "bf16" ? at::kBFloat16
                                                    : at::kHalf;
   const int reps = static_cast<int>(p.get_int("reps"));
 
-  std::map<std::string, std::map<Strategy, AttentionRunStats>> measured_by_key;
+  std::map<std::string, std::map<std::string, AttentionRunStats>> measured_by_key;
   nlohmann::json layers = nlohmann::json::array();
   double sum_choice = 0, sum_best = 0;
   std::ostringstream table;
-  table << std::left << std::setw(4) << "#" << std::setw(6) << "kind" << std::setw(12) << "strategy"
+  table << std::left << std::setw(4) << "#" << std::setw(6) << "kind" << std::setw(15) << "strategy"
         << std::setw(13) << "predicted" << std::setw(13) << "measured" << std::setw(10)
         << "meas/pred" << std::setw(14) << "bytes pred"
         << "bytes meas\n";
   for (const LayerPlan& lp : plan.layers) {
     const std::string key = layer_key(lp.work);
     auto& measured = measured_by_key[key];
-    if (measured.empty()) {
-      const std::string in = (dir / (key + ".safetensors")).string();
-      lvx::save_safetensors(in, layer_inputs(lp.work, w.frames, dtype, 1234));
-      for (Strategy s : w.strategies) {
-        if (!lp.costs.at(s).feasible) continue;
-        // `lvx attention --repeat R` times R calls after its own warm-up and reports the median.
-        const std::string stats = (dir / (key + "." + to_string(s) + ".json")).string();
-        std::string out;
-        int rc =
-            run({self, "attention", "--strategy", to_string(s), "--nproc", std::to_string(nproc),
-                 "--input", in, "--output", (dir / (key + ".out.safetensors")).string(), "--mask",
-                 attention_mask_flag(lp.work), "--backward", "--repeat", std::to_string(reps),
-                 "--stats", stats},
-                &out);
-        LVX_CHECK(rc == 0, "bench-plan: lvx attention --strategy ", to_string(s), " failed (exit ",
-                  rc, "):\n", out);
-        AttentionRunStats last = read_attention_stats(stats);
-        measured[s] = last;
-        std::cerr << "bench-plan: " << key << " " << to_string(s) << " " << last.seconds << " s\n";
-      }
+    // Every feasible single strategy, and the planned choice when it is a pair.
+    std::vector<lvx::attention::StrategyChoice> runs;
+    for (StrategyKind s : lvx::attention::all_strategies())
+      if (lp.costs.at(s).feasible) runs.emplace_back(s);
+    if (lp.forward != lp.backward) runs.push_back(lp.choice());
+    const std::string in = (dir / (key + ".safetensors")).string();
+    if (measured.empty()) lvx::save_safetensors(in, layer_inputs(lp.work, dtype, 1234));
+    for (const auto& choice : runs) {
+      const std::string name = choice.name();
+      if (measured.count(name)) continue;
+      // `lvx attention --repeat R` times R calls after its own warm-up and reports the median.
+      const std::string stats = (dir / (key + "." + name + ".json")).string();
+      std::string out;
+      int rc = run({self, "attention", "--strategy", name, "--nproc", std::to_string(nproc),
+                    "--input", in, "--output", (dir / (key + ".out.safetensors")).string(),
+                    "--mask", attention_mask_flag(lp.work), "--backward", "--repeat",
+                    std::to_string(reps), "--stats", stats},
+                   &out);
+      LVX_CHECK(rc == 0, "bench-plan: lvx attention --strategy ", name, " failed (exit ", rc,
+                "):\n", out);
+      measured[name] = read_attention_stats(stats);
+      std::cerr << "bench-plan: " << key << " " << name << " " << measured[name].seconds << " s\n";
     }
-    std::map<Strategy, double> times;
+    std::map<std::string, double> times;
     nlohmann::json per = nlohmann::json::object();
-    for (const auto& [s, m] : measured) {
-      const StrategyCost& c = lp.costs.at(s);
-      const double pred = c.fwd_s + c.bwd_s;
-      const double pred_bytes = c.bytes_sent.forward + c.bytes_sent.backward;
-      times[s] = m.seconds;
-      per[to_string(s)] = {{"predicted_s", pred},
+    for (const auto& [name, m] : measured) {
+      const auto choice = lvx::attention::strategy_choice_from_name(name);
+      const StrategyCost &cf = lp.costs.at(choice.forward), &cb = lp.costs.at(choice.backward);
+      const double pred = cf.fwd_s + cb.bwd_s;
+      const double pred_bytes = cf.bytes_sent.forward + cb.bytes_sent.backward;
+      times[name] = m.seconds;
+      per[name] = {{"predicted_s", pred},
                            {"measured_s", m.seconds},
                            {"predicted_bytes_sent", pred_bytes},
                            {"measured_bytes_sent", m.bytes_sent}};
-      table << std::setw(4) << lp.index << std::setw(6) << to_string(lp.work.kind) << std::setw(12)
-            << to_string(s) << std::setw(13) << pred << std::setw(13) << m.seconds << std::setw(10)
+      table << std::setw(4) << lp.index << std::setw(6) << to_string(lp.work.kind) << std::setw(15)
+            << name << std::setw(13) << pred << std::setw(13) << m.seconds << std::setw(10)
             << std::setprecision(3) << m.seconds / pred << std::setw(14) << pred_bytes
-            << m.bytes_sent << (s == lp.forward ? "   <- choice" : "") << "\n";
+            << m.bytes_sent << (name == lp.choice_name() ? "   <- choice" : "") << "\n";
     }
-    const double rg = regret(times, lp.forward);
+    const std::string planned = lp.choice_name();
+    const double rg = regret(times, planned);
     double best = 1e300;
-    Strategy best_s = lp.forward;
-    for (const auto& [s, t] : times) {
-      if (t < best) best = t, best_s = s;
+    std::string best_s = planned;
+    for (const auto& [name, t] : times) {
+      if (t < best) best = t, best_s = name;
     }
-    sum_choice += times.count(lp.forward) ? times[lp.forward] : best;
+    sum_choice += times.at(planned);
     sum_best += best;
-    table << "    choice " << to_string(lp.forward) << ", fastest measured " << to_string(best_s)
-          << ", regret " << std::setprecision(3) << rg << "\n";
+    table << "    choice " << planned << ", fastest measured " << best_s << ", regret "
+          << std::setprecision(3) << rg << "\n";
     layers.push_back({{"index", lp.index},
                       {"kind", to_string(lp.work.kind)},
-                      {"choice", to_string(lp.forward)},
-                      {"fastest_measured", to_string(best_s)},
+                      {"choice", planned},
+                      {"fastest_measured", best_s},
                       {"regret", rg},
                       {"strategies", per}});
   }

@@ -14,8 +14,10 @@ int cmd_plan(int argc, char** argv) {
   lvx::cli::ArgParser p(
       "lvx plan --model M.yaml --cluster C.yaml --frames F --text T [options]",
       "Predict forward/backward time and memory per rank of every attention layer under each\n"
-      "strategy (lv_xattn, ring, striped, ulysses, all_gather, local), choose the fastest that\n"
-      "fits per layer, and explain the choice. Formulas: docs/planner.md.");
+      "strategy (lv_xattn, ring, striped, ulysses, all_gather), choose the fastest that fits per\n"
+      "layer (in training possibly a forward+backward pair the runtime can run, e.g.\n"
+      "lv_xattn+ring), and explain the choice. Mask work is counted from the prompt layout.\n"
+      "Formulas: docs/planner.md.");
   p.add_option("model", 'm', "", "model config (configs/models/*.yaml)", true);
   p.add_option("cluster", 'c', "", "cluster config (configs/clusters/*.yaml)", true);
   p.add_option("frames", 'f', "", "video frames", true);
@@ -23,6 +25,9 @@ int cmd_plan(int argc, char** argv) {
   p.add_option("tokens-per-frame", 'k', "0", "visual tokens per frame (0: the model's)");
   p.add_option("nproc", 'n', "0", "ranks to use (0: every GPU of the cluster)");
   p.add_option("dtype", 0, "", "activation dtype bf16|fp16|fp32 (empty: the model's)");
+  p.add_option("layout", 'l', "video_qa",
+               "where the frames' tokens sit: video_qa (all frames, then the question) |\n"
+               "interleaved (frames spread evenly over the text)");
   p.add_flag("train", 0, "plan forward and backward (training) instead of forward only");
   p.add_flag("no-recompute", 0, "training without LV-XAttn's K/V recomputation for cross layers");
   p.add_flag("paper-accounting", 0,
@@ -43,8 +48,9 @@ int cmd_plan(int argc, char** argv) {
   w.ranks = p.get_int("nproc");
   w.dtype = p.get("dtype");
   w.train = p.flag("train");
+  w.layout = lvx::planner::prompt_layout_from_string(p.get("layout"));
   for (const std::string& s : p.get_list("strategies")) {
-    w.strategies.push_back(lvx::planner::strategy_from_string(s));
+    w.strategies.push_back(lvx::attention::strategy_from_name(s));
   }
   lvx::planner::CostOptions opt;
   opt.recompute_cross_kv = !p.flag("no-recompute");

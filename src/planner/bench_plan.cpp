@@ -9,8 +9,8 @@
 
 namespace lvx::planner {
 
-std::map<std::string, at::Tensor> layer_inputs(const LayerWorkload& w, int64_t frames,
-                                               at::ScalarType dtype, uint64_t seed) {
+std::map<std::string, at::Tensor> layer_inputs(const LayerWorkload& w, at::ScalarType dtype,
+                                               uint64_t seed) {
   at::manual_seed(seed);
   auto opt = at::TensorOptions().dtype(dtype);
   std::map<std::string, at::Tensor> t;
@@ -18,14 +18,9 @@ std::map<std::string, at::Tensor> layer_inputs(const LayerWorkload& w, int64_t f
   t["k"] = at::randn({1, w.skv, w.kv_heads, w.head_dim}, opt);
   t["v"] = at::randn({1, w.skv, w.kv_heads, w.head_dim}, opt);
   t["do"] = at::randn({1, w.sq, w.heads, w.head_dim}, opt);
-  if (w.kind == LayerKind::kCross) {
-    LVX_CHECK(frames > 0 && w.skv % frames == 0, "bench-plan: S_KV (", w.skv,
-              ") must be a whole number of frames (", frames, ")");
-    const int64_t tpf = w.skv / frames;
-    t["q_media"] =
-        at::div(at::arange(w.sq, at::kLong) * frames, w.sq, "floor").to(at::kInt).view({1, w.sq});
-    t["kv_media"] =
-        at::div(at::arange(w.skv, at::kLong), tpf, "floor").to(at::kInt).view({1, w.skv});
+  if (w.mask == MaskRule::kMediaUpTo || w.mask == MaskRule::kMediaImmediate) {
+    t["q_media"] = w.counter().q_media().contiguous();
+    t["kv_media"] = w.counter().kv_media().contiguous();
   }
   return t;
 }
@@ -55,7 +50,7 @@ AttentionRunStats read_attention_stats(const std::string& path) {
   return s;
 }
 
-double regret(const std::map<Strategy, double>& measured, Strategy choice) {
+double regret(const std::map<std::string, double>& measured, const std::string& choice) {
   auto it = measured.find(choice);
   if (it == measured.end()) return std::numeric_limits<double>::quiet_NaN();
   double best = std::numeric_limits<double>::infinity();

@@ -12,12 +12,12 @@
 
 namespace lvx::planner {
 
-// Random q [1,Sq,Hq,D], k/v [1,Skv,Hkv,D], do [1,Sq,Hq,D] in `dtype`, and for cross layers the
-// media metadata of `lvx attention`: q_media int32 [1,Sq] (frames spread evenly over the text:
-// token t follows frame floor(t·F/Sq)) and kv_media int32 [1,Skv] (key j belongs to frame
-// floor(j / tokens_per_frame)).
-std::map<std::string, at::Tensor> layer_inputs(const LayerWorkload& w, int64_t frames,
-                                               at::ScalarType dtype, uint64_t seed);
+// Random q [1,Sq,Hq,D], k/v [1,Skv,Hkv,D], do [1,Sq,Hq,D] in `dtype`, and for media layers the
+// very metadata the planner counted (q_media int32 [1,Sq], kv_media int32 [1,Skv], from the
+// workload's PairCounter, i.e. the prompt layout under the model's rule), so bench-plan measures
+// the work that was planned.
+std::map<std::string, at::Tensor> layer_inputs(const LayerWorkload& w, at::ScalarType dtype,
+                                               uint64_t seed);
 
 // The --mask value of `lvx attention` for a layer.
 std::string attention_mask_flag(const LayerWorkload& w);
@@ -31,7 +31,8 @@ struct AttentionRunStats {
 };
 AttentionRunStats read_attention_stats(const std::string& path);
 
-// measured[choice] / min over measured; measured holds only the strategies that ran.
-double regret(const std::map<Strategy, double>& measured, Strategy choice);
+// measured[choice] / min over measured, by choice name ("ring", "lv_xattn+ring"); measured holds
+// only what ran. NaN when the choice was not measured.
+double regret(const std::map<std::string, double>& measured, const std::string& choice);
 
 }  // namespace lvx::planner

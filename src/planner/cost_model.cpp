@@ -7,30 +7,73 @@
 
 namespace lvx::planner {
 
-const char* to_string(Strategy s) {
-  switch (s) {
-    case Strategy::kLvXattn:
-      return "lv_xattn";
-    case Strategy::kRing:
-      return "ring";
-    case Strategy::kStriped:
-      return "striped";
-    case Strategy::kUlysses:
-      return "ulysses";
-    case Strategy::kAllGather:
-      return "all_gather";
-    case Strategy::kLocal:
-      return "local";
+// ---- visible pairs ------------------------------------------------------------------------
+
+PairCounter::PairCounter(MaskRule rule, int64_t sq, int64_t skv, at::Tensor q_media,
+                         at::Tensor kv_media)
+    : rule_(rule), sq_(sq), skv_(skv), q_media_(std::move(q_media)), kv_media_(std::move(kv_media)) {
+  if (rule == MaskRule::kMediaImmediate || rule == MaskRule::kMediaUpTo) {
+    LVX_CHECK(q_media_.defined() && kv_media_.defined() &&
+                  q_media_.sizes() == at::IntArrayRef({1, sq}) &&
+                  kv_media_.sizes() == at::IntArrayRef({1, skv}),
+              "pair counter: a media layer needs q_media [1, ", sq, "] and kv_media [1, ", skv,
+              "]");
   }
-  return "?";
 }
 
-Strategy strategy_from_string(const std::string& s) {
-  for (Strategy k : kAllStrategies) {
-    if (s == to_string(k)) return k;
+int64_t PairCounter::count(const at::Tensor& q_pos, const at::Tensor& k_pos) {
+  kernels::AttentionMask m;
+  switch (rule_) {
+    case MaskRule::kNone:
+      break;
+    case MaskRule::kCausal:
+      m.kind = kernels::MaskKind::kCausal;
+      m.q_pos = q_pos + (skv_ - sq_);
+      m.k_pos = k_pos;
+      break;
+    case MaskRule::kMediaImmediate:
+    case MaskRule::kMediaUpTo:
+      m.kind = kernels::MaskKind::kMedia;
+      m.media_rule = rule_ == MaskRule::kMediaUpTo ? kernels::MediaRule::kUpTo
+                                                   : kernels::MediaRule::kImmediate;
+      m.q_media = q_media_.index_select(1, q_pos);
+      m.kv_media = kv_media_.index_select(1, k_pos);
+      break;
   }
-  LVX_FAIL("strategy: expected lv_xattn|ring|striped|ulysses|all_gather|local, got '", s, "'");
+  return kernels::visible_pairs(m, 1, q_pos.numel(), k_pos.numel());
 }
+
+int64_t PairCounter::count(const attention::Layout& ql, int q_block, const attention::Layout& kl,
+                           int kv_block) {
+  const auto key = std::make_tuple(static_cast<int>(ql.kind) * 1000 + ql.world, q_block,
+                                   static_cast<int>(kl.kind) * 1000 + kl.world, kv_block, 0);
+  auto it = memo_.find(key);
+  if (it != memo_.end()) return it->second;
+  const at::Tensor qp = q_block < 0 ? at::arange(sq_, at::kLong) : ql.positions(q_block);
+  const at::Tensor kp = kv_block < 0 ? at::arange(skv_, at::kLong) : kl.positions(kv_block);
+  return memo_[key] = count(qp, kp);
+}
+
+int64_t PairCounter::total() {
+  const attention::Layout whole_q{attention::LayoutKind::kContiguous, sq_, 1};
+  const attention::Layout whole_k{attention::LayoutKind::kContiguous, skv_, 1};
+  return count(whole_q, -1, whole_k, -1);
+}
+
+PairCounter& LayerWorkload::counter() const {
+  LVX_CHECK(pairs != nullptr || mask == MaskRule::kNone || mask == MaskRule::kCausal,
+            "layer workload: a media layer needs its mask metadata (PairCounter)");
+  if (!pairs)
+    const_cast<LayerWorkload*>(this)->pairs = std::make_shared<PairCounter>(mask, sq, skv);
+  return *pairs;
+}
+
+double LayerWorkload::density() const {
+  if (sq == 0 || skv == 0) return 0;
+  return static_cast<double>(counter().total()) / (static_cast<double>(sq) * static_cast<double>(skv));
+}
+
+// ---- sizes --------------------------------------------------------------------------------
 
 namespace {
 
@@ -38,38 +81,30 @@ int64_t kv_heads_moved(const LayerWorkload& w, const CostOptions& opt) {
   return opt.expand_kv_heads ? w.heads : w.kv_heads;
 }
 
-double density(const LayerWorkload& w, const CostOptions& opt) {
-  // Causal structure is handled per strategy (critical path); media masks thin every block.
-  if (w.mask == MaskRule::kCausal || !opt.skip_masked_tiles) return 1.0;
-  return w.density;
+}  // namespace
+
+at::ScalarType scalar_type(const std::string& dtype) {
+  if (dtype == "bf16") return at::kBFloat16;
+  if (dtype == "fp16") return at::kHalf;
+  if (dtype == "fp32") return at::kFloat;
+  LVX_FAIL("dtype: expected bf16|fp16|fp32, got '", dtype, "'");
 }
 
-// Sum over rounds of max(f_r, comm(a·[r<n-1] + b·[r≥1])) + comm(b): eq. (1)/(2) per round.
-double overlapped_rounds(const std::vector<double>& f, const Link& link, double a, double b) {
-  const size_t n = f.size();
-  double t = 0;
-  for (size_t r = 0; r < n; ++r) {
-    double bytes = (r + 1 < n ? a : 0) + (r >= 1 ? b : 0);
-    t += std::max(f[r], transfer_time(link, bytes));
-  }
-  return t + (n > 1 ? transfer_time(link, b) : 0);
-}
-
-double comm_only_rounds(size_t n, const Link& link, double a, double b) {
-  double t = 0;
-  for (size_t r = 0; r < n; ++r) {
-    t += transfer_time(link, (r + 1 < n ? a : 0) + (r >= 1 ? b : 0));
-  }
-  return t + (n > 1 ? transfer_time(link, b) : 0);
-}
-
-double sum(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x;
+attention::AttentionSpec layer_spec(const LayerWorkload& w, const CostOptions& opt) {
+  attention::AttentionSpec s;
+  s.batch = 1;
+  s.sq = w.sq;
+  s.skv = w.skv;
+  s.hq = w.heads;
+  s.hkv = kv_heads_moved(w, opt);
+  s.head_dim = w.head_dim;
+  s.mask = w.mask == MaskRule::kNone     ? kernels::MaskKind::kNone
+           : w.mask == MaskRule::kCausal ? kernels::MaskKind::kCausal
+                                         : kernels::MaskKind::kMedia;
+  s.media_rule = w.mask == MaskRule::kMediaUpTo ? kernels::MediaRule::kUpTo
+                                                : kernels::MediaRule::kImmediate;
   return s;
 }
-
-}  // namespace
 
 ShardBytes shard_bytes(const LayerWorkload& w, int64_t n, const CostOptions& opt) {
   const double sq = static_cast<double>(w.sq) / n, skv = static_cast<double>(w.skv) / n;
@@ -89,24 +124,7 @@ ShardBytes shard_bytes(const LayerWorkload& w, int64_t n, const CostOptions& opt
   return b;
 }
 
-Volume comm_volume(Strategy s, const ShardBytes& b, int64_t n) {
-  const double m = static_cast<double>(n - 1), nn = static_cast<double>(n);
-  switch (s) {
-    case Strategy::kLvXattn:
-      return {m * b.q + nn * (b.o32 + b.lse), m * (b.q + b.q + b.lse + b.lse) + nn * b.dq32};
-    case Strategy::kRing:
-    case Strategy::kStriped:
-      return {m * (b.k + b.v), m * (b.k + b.v) + nn * (b.dk32 + b.dv32)};
-    case Strategy::kUlysses:
-      // dQ/dK/dV return in the activation dtype (|dQ| = |Q|, |dK| = |K|).
-      return {m / nn * (b.q + b.k + b.v + b.o + b.lse), m / nn * (b.q + b.q + b.k + b.v)};
-    case Strategy::kAllGather:
-      return {m * (b.k + b.v), m * (b.dk32 + b.dv32)};
-    case Strategy::kLocal:
-      return {m * (b.q + b.k + b.v), m * b.o};
-  }
-  return {0, 0};
-}
+// ---- links --------------------------------------------------------------------------------
 
 Link ring_link(const ClusterConfig& c, int64_t n) {
   return n > c.gpus_per_node ? c.inter_node : c.intra_node;
@@ -116,166 +134,181 @@ double transfer_time(const Link& l, double bytes) {
   return bytes > 0 ? l.latency_s + bytes / l.bandwidth_bytes_per_s : 0.0;
 }
 
-double all_to_all_time(const ClusterConfig& c, int64_t n, double bytes) {
-  if (n <= 1 || bytes <= 0) return 0;
+double all_to_all_time(const ClusterConfig& c, int64_t n, double bytes_sent) {
+  if (n <= 1 || bytes_sent <= 0) return 0;
   const int64_t local = std::min(n, c.gpus_per_node);
-  const double chunk = bytes / static_cast<double>(n);
+  const double chunk = bytes_sent / static_cast<double>(n - 1);
   double intra = transfer_time(c.intra_node, chunk * static_cast<double>(local - 1));
   // Every GPU of a node sends (n - local) chunks off the node through the node's shared link.
   double inter = transfer_time(c.inter_node, chunk * static_cast<double>((n - local) * local));
   return std::max(intra, inter);
 }
 
-StrategyCost estimate(Strategy s, const LayerWorkload& w, const ClusterConfig& c, int64_t n,
+// ---- one pass from the strategy's schedules -----------------------------------------------
+
+namespace {
+
+struct PassCost {
+  double time_s = 0, compute_s = 0, comm_s = 0, bytes_sent = 0;
+};
+
+double message_time(const attention::Message& m, const ClusterConfig& c, int64_t n,
+                    const Link& link) {
+  switch (m.op) {
+    case attention::Message::kRingHop:
+      return transfer_time(link, static_cast<double>(m.sent));
+    case attention::Message::kAllToAll:
+      return all_to_all_time(c, n, static_cast<double>(m.sent));
+    case attention::Message::kAllGatherRing:
+      return n > 1 ? static_cast<double>(n - 1) *
+                         transfer_time(link, static_cast<double>(m.sent) / static_cast<double>(n - 1))
+                   : 0;
+  }
+  return 0;
+}
+
+PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec& spec,
+                   const LayerWorkload& w, const ClusterConfig& c, int n, bool backward,
+                   const CostOptions& opt) {
+  const AttentionThroughput& thr = c.attention_for(w.dtype);
+  const double flops_per_pair = (backward ? 10.0 : 4.0) * static_cast<double>(spec.head_dim);
+  const double rate = backward ? thr.backward_flops : thr.forward_flops;
+  const attention::Layout ql = st.q_layout(spec, n), kl = st.kv_layout(spec, n);
+  const Link link = ring_link(c, n);
+  const at::ScalarType dtype = scalar_type(w.dtype);
+
+  std::vector<attention::PassSchedule> sched;
+  for (int r = 0; r < n; ++r) sched.push_back(st.schedule(spec, n, r, dtype, backward));
+  const size_t rounds = sched[0].rounds.size();
+  // per round: the slowest rank's max(compute, overlapped communication); compute per rank.
+  std::vector<double> round_time(rounds + 1, 0), round_comm(rounds + 1, 0);
+  std::vector<double> rank_compute(n, 0);
+  PassCost out;
+  for (int r = 0; r < n; ++r) {
+    const attention::PassSchedule& p = sched[r];
+    std::vector<double> f(rounds + 1, 0), comm_bytes(rounds + 1, 0);
+    for (size_t t = 0; t < rounds; ++t) {
+      const attention::Block& b = p.rounds[t];
+      const int64_t q_len = b.q < 0 ? spec.sq : ql.local_size(b.q);
+      const int64_t k_len = b.kv < 0 ? spec.skv : kl.local_size(b.kv);
+      const double pairs = opt.skip_masked_tiles
+                               ? static_cast<double>(w.counter().count(ql, b.q, kl, b.kv))
+                               : static_cast<double>(q_len) * static_cast<double>(k_len);
+      f[t] = pairs * static_cast<double>(spec.hq / p.head_divisor) * flops_per_pair / rate;
+      rank_compute[r] += f[t];
+    }
+    double sequential = 0;
+    for (const attention::Message& m : p.messages) {
+      if (m.round >= 0)
+        comm_bytes[static_cast<size_t>(m.round)] += static_cast<double>(m.sent);
+      else
+        sequential += message_time(m, c, n, link);
+    }
+    for (size_t t = 0; t <= rounds; ++t) {
+      const double comm = transfer_time(link, comm_bytes[t]);
+      round_time[t] = std::max(round_time[t], std::max(f[t], comm));
+      round_comm[t] = std::max(round_comm[t], comm);
+    }
+    out.comm_s = std::max(out.comm_s, sequential);  // collectives: every rank's are alike
+    out.bytes_sent = std::max(out.bytes_sent, static_cast<double>(p.volume().sent));
+  }
+  const bool overlapped = std::any_of(sched[0].messages.begin(), sched[0].messages.end(),
+                                      [](const attention::Message& m) { return m.round >= 0; }) ||
+                          sched[0].messages.empty();
+  out.compute_s = *std::max_element(rank_compute.begin(), rank_compute.end());
+  if (overlapped) {
+    for (size_t t = 0; t <= rounds; ++t) {
+      out.time_s += round_time[t];
+      out.comm_s += round_comm[t];
+    }
+  } else {
+    out.time_s = out.comm_s + out.compute_s;
+  }
+  return out;
+}
+
+}  // namespace
+
+StrategyCost estimate(StrategyKind s, const LayerWorkload& w, const ClusterConfig& c, int64_t n,
                       const CostOptions& opt) {
   LVX_CHECK(n >= 1 && n <= c.world_size(), "ranks: expected 1..", c.world_size(), " for cluster '",
             c.name, "', got ", n);
   StrategyCost out;
   out.strategy = s;
-  const AttentionThroughput& thr = c.attention_for(w.dtype);
-  const ShardBytes b = shard_bytes(w, n, opt);
-  out.bytes_sent = comm_volume(s, b, n);
-  const bool causal = w.mask == MaskRule::kCausal;
+  const auto strategy = attention::make_strategy(s);
+  const attention::AttentionSpec spec = layer_spec(w, opt);
+  const int world = static_cast<int>(n);
+  try {
+    strategy->check_supported(spec, world);
+  } catch (const lvx::Error& e) {
+    out.feasible = false;
+    out.reason = e.what();
+  }
   const bool cross = w.kind == LayerKind::kCross;
-  const double rho = density(w, opt);
-  const double nn = static_cast<double>(n);
-  // One full (sq x skv) block.
-  const double pair = static_cast<double>(w.sq) / nn * (static_cast<double>(w.skv) / nn) *
-                      static_cast<double>(w.heads) * static_cast<double>(w.head_dim);
-  const double blk_f = 4 * pair * rho / thr.forward_flops;
-  const double blk_b = 10 * pair * rho / thr.backward_flops;
-  const Link link = ring_link(c, n);
-
-  // Per-round compute on the critical path, in blocks.
-  std::vector<double> blocks(static_cast<size_t>(n), 1.0);
-  if (causal) {
-    if (s == Strategy::kStriped) {
-      std::fill(blocks.begin(), blocks.end(), 0.5);
-    } else {
-      blocks[0] = 0.5;  // contiguous: the diagonal block, then full blocks on the last rank
-    }
-  }
-  const double total_blocks = sum(blocks);  // blocks of the busiest rank
-  auto scaled = [&](double per_block) {
-    std::vector<double> f(blocks.size());
-    for (size_t i = 0; i < f.size(); ++i) f[i] = blocks[i] * per_block;
-    return f;
-  };
-
-  // Recomputing K/V (and Q) of a cross layer from y and x in the backward (LV-XAttn §3.2).
-  double recompute_s = 0;
-  if (opt.train && cross && opt.recompute_cross_kv) {
-    const double kvh = static_cast<double>(w.kv_heads), d = static_cast<double>(w.head_dim);
-    double flops = 2 * (static_cast<double>(w.skv) / nn) *
-                       static_cast<double>(w.visual_feature_dim) * 2 * kvh * d +
-                   2 * (static_cast<double>(w.sq) / nn) * static_cast<double>(w.hidden_size) *
-                       static_cast<double>(w.heads) * d;
-    if (s == Strategy::kLocal) flops *= nn;
-    recompute_s = flops / c.gemm_for(w.dtype);
-  }
-
-  double work_f = 0, work_b = 0, saved = 0;
-  const double in = b.q + b.k + b.v, outb = b.o + b.lse;
   const bool recompute = opt.train && cross && opt.recompute_cross_kv;
-  const double saved_seq = recompute ? b.x + b.o + b.lse : b.q + b.k + b.v + b.o + b.lse;
-  switch (s) {
-    case Strategy::kLvXattn: {
-      const double a_f = b.q, b_f = b.o32 + b.lse;
-      const double a_b = b.q + b.q + b.lse + b.lse, b_b = b.dq32;
-      out.fwd_s = overlapped_rounds(scaled(blk_f), link, a_f, b_f);
-      out.bwd_s = overlapped_rounds(scaled(blk_b), link, a_b, b_b);
-      out.fwd_comm_s = comm_only_rounds(blocks.size(), link, a_f, b_f);
-      out.bwd_comm_s = comm_only_rounds(blocks.size(), link, a_b, b_b);
-      out.fwd_compute_s = total_blocks * blk_f;
-      out.bwd_compute_s = total_blocks * blk_b;
-      work_f = b.q + 3 * (b.o32 + b.lse);
-      work_b = a_b + 3 * b.dq32 + b.dk32 + b.dv32;
-      saved = saved_seq;
-      break;
-    }
-    case Strategy::kRing:
-    case Strategy::kStriped: {
-      const double a = b.k + b.v, b_b = b.dk32 + b.dv32;
-      out.fwd_s = overlapped_rounds(scaled(blk_f), link, a, 0);
-      out.bwd_s = overlapped_rounds(scaled(blk_b), link, a, b_b);
-      out.fwd_comm_s = comm_only_rounds(blocks.size(), link, a, 0);
-      out.bwd_comm_s = comm_only_rounds(blocks.size(), link, a, b_b);
-      out.fwd_compute_s = total_blocks * blk_f;
-      out.bwd_compute_s = total_blocks * blk_b;
-      work_f = a + b.o32 + b.lse;
-      work_b = a + 3 * b_b + b.dq32;
-      saved = saved_seq;
-      break;
-    }
-    case Strategy::kUlysses: {
-      if (w.heads % n != 0 || kv_heads_moved(w, opt) % n != 0) {
-        out.feasible = false;
-        out.reason = str("heads cannot be split: Hq=", w.heads, ", Hkv=", kv_heads_moved(w, opt),
-                         " not both divisible by ", n, " ranks");
+  const double nn = static_cast<double>(n);
+  const ShardBytes b = shard_bytes(w, n, opt);
+  if (out.feasible) {
+    const PassCost f = pass_cost(*strategy, spec, w, c, world, false, opt);
+    out.fwd_s = f.time_s;
+    out.fwd_compute_s = f.compute_s;
+    out.fwd_comm_s = f.comm_s;
+    out.bytes_sent.forward = f.bytes_sent;
+    if (opt.train) {
+      const PassCost g = pass_cost(*strategy, spec, w, c, world, true, opt);
+      // Recomputing K/V (and Q) of a cross layer from y and x in the backward (LV-XAttn §3.2).
+      double recompute_s = 0;
+      if (recompute) {
+        const double kvh = static_cast<double>(w.kv_heads), d = static_cast<double>(w.head_dim);
+        const double flops = 2 * (static_cast<double>(w.skv) / nn) *
+                                 static_cast<double>(w.visual_feature_dim) * 2 * kvh * d +
+                             2 * (static_cast<double>(w.sq) / nn) *
+                                 static_cast<double>(w.hidden_size) * static_cast<double>(w.heads) * d;
+        recompute_s = flops / c.gemm_for(w.dtype);
       }
-      // The whole sequence on Hq/n heads: n blocks' worth of pairs, half of them when causal.
-      const double blocks_u = causal ? nn / 2 : nn;
-      out.fwd_compute_s = blocks_u * blk_f;
-      out.bwd_compute_s = blocks_u * blk_b;
-      // One all-to-all per tensor (src/attention/ulysses.cpp), each paying its latency.
-      out.fwd_comm_s = all_to_all_time(c, n, b.q) + all_to_all_time(c, n, b.k) +
-                       all_to_all_time(c, n, b.v) + all_to_all_time(c, n, b.o) +
-                       all_to_all_time(c, n, b.lse);
-      out.bwd_comm_s = all_to_all_time(c, n, b.q) + all_to_all_time(c, n, b.q) +
-                       all_to_all_time(c, n, b.k) + all_to_all_time(c, n, b.v);
-      out.fwd_s = out.fwd_compute_s + out.fwd_comm_s;
-      out.bwd_s = out.bwd_compute_s + out.bwd_comm_s;
+      out.bwd_s = g.time_s + recompute_s;
+      out.bwd_compute_s = g.compute_s + recompute_s;
+      out.bwd_comm_s = g.comm_s;
+      out.bytes_sent.backward = g.bytes_sent;
+    }
+  }
+
+  // Memory: inputs, output, working buffers of the larger pass, and what the forward saves (by
+  // the strategy's saved form).
+  const double in = b.q + b.k + b.v, outb = b.o + b.lse;
+  double work_f = 0, work_b = 0, saved = 0;
+  switch (s) {
+    case StrategyKind::kLvXAttn:
+      work_f = b.q + 3 * (b.o32 + b.lse);
+      work_b = 2 * (b.q + b.lse) + 3 * b.dq32 + b.dk32 + b.dv32;
+      break;
+    case StrategyKind::kRing:
+    case StrategyKind::kStriped:
+      work_f = b.k + b.v + b.o32 + b.lse;
+      work_b = b.k + b.v + 3 * (b.dk32 + b.dv32) + b.dq32;
+      break;
+    case StrategyKind::kUlysses:
       work_f = 2 * (in + b.o) + b.o32;
       work_b = 2 * (in + b.o) + b.dq32 + b.dk32 + b.dv32;
-      saved = b.q + b.k + b.v + b.o + b.lse + (recompute ? b.x : 0);
       break;
-    }
-    case Strategy::kAllGather: {
-      // K and V are gathered one after the other, each a ring of n-1 steps; dK and dV are
-      // reduce-scattered one after the other as pairwise all-to-alls of the full fp32 gradient
-      // (src/attention/all_gather.cpp).
-      const double a = b.k + b.v;
-      out.fwd_comm_s = (nn - 1) * (transfer_time(link, b.k) + transfer_time(link, b.v));
-      out.bwd_comm_s = all_to_all_time(c, n, nn * b.dk32) + all_to_all_time(c, n, nn * b.dv32);
-      out.fwd_compute_s = total_blocks * blk_f;
-      out.bwd_compute_s = total_blocks * blk_b;
-      out.fwd_s = out.fwd_comm_s + out.fwd_compute_s;
-      out.bwd_s = out.bwd_comm_s + out.bwd_compute_s;
-      work_f = nn * a + b.o32 + b.lse;
-      work_b = nn * a + nn * (b.dk32 + b.dv32) + b.dq32;
-      saved = b.q + nn * a + b.o + b.lse;
+    case StrategyKind::kAllGather:
+      work_f = nn * (b.k + b.v) + b.o32 + b.lse;
+      work_b = nn * (b.k + b.v) + nn * (b.dk32 + b.dv32) + b.dq32;
       break;
-    }
-    case Strategy::kLocal: {
-      // Every rank runs the whole layer. Inside a sequence-sharded model that first needs the
-      // other ranks' q, k, v (and dO in the backward): ring all-gathers, not overlapped. Each
-      // rank then keeps its own rows of o and of the gradients (no reduction).
-      const double blocks_l = causal ? nn * nn / 2 : nn * nn;
-      out.fwd_compute_s = blocks_l * blk_f;
-      out.bwd_compute_s = blocks_l * blk_b;
-      out.fwd_comm_s = (nn - 1) * (transfer_time(link, b.q) + transfer_time(link, b.k) +
-                                   transfer_time(link, b.v));
-      out.bwd_comm_s = (nn - 1) * transfer_time(link, b.o);
-      out.fwd_s = out.fwd_compute_s + out.fwd_comm_s;
-      out.bwd_s = out.bwd_compute_s + out.bwd_comm_s;
-      // Everything is whole: n times the shard sizes.
-      work_f = nn * (b.o32 + b.lse);
-      work_b = nn * (b.dq32 + b.dk32 + b.dv32);
-      saved = nn * saved_seq;
-      out.mem_bytes = nn * (in + outb);
-      break;
-    }
   }
-  out.bwd_s += recompute_s;
-  out.bwd_compute_s += recompute_s;
-  if (!opt.train) {
-    out.bwd_s = out.bwd_compute_s = out.bwd_comm_s = 0;
-    out.bytes_sent.backward = 0;
-    work_b = 0;
-    saved = 0;
+  switch (strategy->saved_form()) {
+    case attention::SavedForm::kShards:
+      saved = recompute ? b.x + b.o + b.lse : in + outb;
+      break;
+    case attention::SavedForm::kHeadShards:  // the same amount, sharded by heads
+      saved = in + outb + (recompute ? b.x : 0);
+      break;
+    case attention::SavedForm::kGatheredKV:
+      saved = b.q + nn * (b.k + b.v) + outb;
+      break;
   }
-  if (s != Strategy::kLocal) out.mem_bytes = in + outb;
-  out.mem_bytes += std::max(work_f, work_b) + saved;
+  if (!opt.train) work_b = saved = 0;
+  out.mem_bytes = in + outb + std::max(work_f, work_b) + saved;
   out.saved_bytes = saved;
   const double budget = static_cast<double>(c.device_memory_bytes) - opt.reserved_bytes;
   if (out.feasible && out.mem_bytes > budget) {
@@ -284,10 +317,6 @@ StrategyCost estimate(Strategy s, const LayerWorkload& w, const ClusterConfig& c
         str("needs ", out.mem_bytes / (1 << 30), " GiB per rank, ", budget / (1 << 30),
             " GiB available (device ", static_cast<double>(c.device_memory_bytes) / (1 << 30),
             " GiB less ", opt.reserved_bytes / (1 << 30), " GiB reserved)");
-  }
-  if (n == 1 && s != Strategy::kLocal && out.feasible) {
-    out.feasible = false;
-    out.reason = "one rank: nothing to distribute (use local)";
   }
   const double comm = out.fwd_comm_s + out.bwd_comm_s;
   const double comp = out.fwd_compute_s + out.bwd_compute_s;

@@ -2,64 +2,79 @@
 // backward time (compute, communication per round with overlap, per-message latency) and memory
 // per rank. Pure functions of (layer workload, cluster, rank count, options); no I/O.
 //
-// Notation (per rank, n ranks, contiguous shards): sq = Sq/n, skv = Skv/n, e = element bytes,
-// |Q| = sq·Hq·D·e, |K| = |V| = skv·Hkv·D·e (GQA: K/V travel with their own Hkv heads),
-// |O32| = sq·Hq·D·4, |lse| = |delta| = sq·Hq·4, |dQ32| = sq·Hq·D·4, |dK32| = |dV32| = skv·Hkv·D·4.
-// Partial outputs, softmax statistics and gradient accumulators travel in fp32.
+// One description per strategy (attention::Strategy::schedule, src/attention/strategy.h): for
+// every rank and pass, the (query shard, key shard) pair computed in each round and every message
+// posted, in exact bytes. The cost model prices exactly those, so its bytes are the runtime's.
 //
-// Compute (FlashAttention FLOP convention, Dao 2024; LV-XAttn Table 1): one block of sq queries
-// against skv keys costs f = 4·sq·skv·Hq·D·ρ / F_fwd forward and 10·sq·skv·Hq·D·ρ / F_bwd
-// backward, ρ = fraction of (query, key) pairs the mask leaves visible (tiles with no visible
-// pair are skipped by kernels/attention.h). For causal self-attention the critical path differs
-// per strategy (Striped Attention §3, NOTES.md §5.3): contiguous ring pays a full block every
-// round but the diagonal one, striped pays about half a block every round.
+// Compute (FlashAttention FLOP convention, Dao 2024; LV-XAttn Table 1): a round costs
+// 4·P·H·D / F_fwd forward and 10·P·H·D / F_bwd backward, P = the visible (query, key) pairs of
+// its block pair, counted from the layer's actual mask metadata (kernels::visible_pairs; causal
+// positions through the strategy's layouts; media indices from the prompt layout), H = the heads
+// the round computes (Hq, or Hq/n for ulysses). Tiles with no visible pair are skipped by the
+// kernels (CostOptions::skip_masked_tiles = false counts every pair, the papers' accounting).
 //
 // Communication: comm(B) = α + B/β for B > 0 bytes, with (α, β) of the slowest link used. A ring
 // whose ranks span more than one node crosses the inter-node link on some hop, and every round
 // waits for its slowest hop, so it runs at the inter-node (α, β). All-to-all: a rank's chunks to
-// other nodes share the node's inter-node link with the node's other GPUs.
+// other nodes share the node's inter-node link with the node's other GPUs. A ring all-gather of
+// B bytes is n−1 hops of B/(n−1).
 //
-// Ring-structured strategies overlap each round's compute with the messages of that round
-// (LV-XAttn eq. (1) for LV-XAttn, eq. (2) for Ring Attention):
-//   T = Σ_{r=0}^{n-1} max(f_r, comm(a·[r < n-1] + b·[r ≥ 1])) + comm(b)
-// where a is what travels ahead of round r+1 and b the partial result of round r that travels
-// on (and finally home). Per rank this sends (n-1)·a + n·b bytes:
-//   lv_xattn fwd: a = |Q|,                         b = |O32| + |lse|
-//   lv_xattn bwd: a = |Q| + |dO| + |lse| + |delta|, b = |dQ32|
-//   ring/striped fwd: a = |K| + |V|,               b = 0
-//   ring/striped bwd: a = |K| + |V|,               b = |dK32| + |dV32|
-// ulysses: all-to-all seq→head of q, k, v, attention of the whole sequence on Hq/n heads,
-//   head→seq of o and lse, one all-to-all per tensor as src/attention does:
-//   T_fwd = a2a(|Q|) + a2a(|K|) + a2a(|V|) + f_full/n + a2a(|O|) + a2a(|lse|); backward a2a(|dO|),
-//   then a2a of dQ, dK, dV; a2a(X) moves (n-1)/n·X per rank. Needs Hq % n == 0 and Hkv % n == 0.
-// all_gather: ring all-gathers of K then V, (n-1)·(comm(|K|) + comm(|V|)), then attention against
-//   the full K/V; backward reduce-scatters dK then dV in fp32 (pairwise all-to-all of the full
-//   gradient, (n-1)·|dK32| per rank each). Holds full K/V.
-// local: every rank runs the whole layer unsharded (feasible where it fits); with n > 1 it first
-//   all-gathers q, k, v, (n-1)·Σ comm(|X|), and dO in the backward, (n-1)·comm(|dO|).
+// Time. Ring rounds overlap each round's compute with the messages of that round and are
+// synchronous across ranks (a round ends when its slowest rank is done) — LV-XAttn eq. (1) for
+// LV-XAttn, eq. (2) for Ring Attention, with per-rank load:
+//   T = Σ_{t=0}^{n} max_r max(f_{r,t}, comm(bytes posted by r in round t))     (f_{r,n} = 0)
+// so load imbalance (contiguous causal ring; media masks with unevenly spread frames) is in the
+// prediction. Collectives (ulysses' all-to-alls, all_gather's gathers and reduce-scatters) are not
+// overlapped: T = Σ_messages max_r comm(m) + max_r Σ_t f_{r,t}.
 //
 // Memory per rank (bytes): input shards + output + communication buffers of the larger of the
-// two passes + (training) what the forward saves for the backward. Training with
-// recompute_cross_kv (LV-XAttn §3.2) saves only x, O and lse for a cross-attention layer; K/V
-// are recomputed in the backward from the visual features y, one copy of which is shared by all
-// cross layers (counted once per model by the planner, see shared_visual_bytes).
+// two passes + (training) what the forward saves for the backward, by the strategy's saved form
+// (attention::SavedForm). Training with recompute_cross_kv (LV-XAttn §3.2) saves only x, O and
+// lse for a cross-attention layer; K/V are recomputed in the backward from the visual features y,
+// one copy of which is shared by all cross layers (counted once per model by the planner, see
+// shared_visual_bytes).
 #pragma once
 
-#include <array>
-#include <cstdint>
-#include <string>
+#include <ATen/ATen.h>
 
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+#include "src/attention/strategy.h"
 #include "src/planner/cluster_config.h"
 #include "src/planner/model_config.h"
 
 namespace lvx::planner {
 
-enum class Strategy { kLvXattn, kRing, kStriped, kUlysses, kAllGather, kLocal };
-inline constexpr std::array<Strategy, 6> kAllStrategies = {Strategy::kLvXattn,   Strategy::kRing,
-                                                           Strategy::kStriped,   Strategy::kUlysses,
-                                                           Strategy::kAllGather, Strategy::kLocal};
-const char* to_string(Strategy s);
-Strategy strategy_from_string(const std::string& s);  // throws naming the accepted names
+using attention::StrategyKind;
+
+// Counts visible (query, key) pairs of one layer's mask for any pair of shards, memoized (every
+// strategy and every layer of the same shape asks for the same pairs).
+class PairCounter {
+ public:
+  // Causal (positions, last query aligned with the last key), none, or media with the layer's
+  // global metadata q_media int32 [1, Sq] and kv_media int32 [1, Skv].
+  PairCounter(MaskRule rule, int64_t sq, int64_t skv, at::Tensor q_media = {},
+              at::Tensor kv_media = {});
+  // Pairs between the tokens at global positions q_pos and k_pos (int64 [n]).
+  int64_t count(const at::Tensor& q_pos, const at::Tensor& k_pos);
+  // Pairs of a schedule block: shards of `q_layout` / `kv_layout` (−1: the whole sequence).
+  int64_t count(const attention::Layout& q_layout, int q_block, const attention::Layout& kv_layout,
+                int kv_block);
+  int64_t total();  // every visible pair of the layer
+  MaskRule rule() const { return rule_; }
+  const at::Tensor& q_media() const { return q_media_; }    // media layers: int32 [1, Sq]
+  const at::Tensor& kv_media() const { return kv_media_; }  // media layers: int32 [1, Skv]
+
+ private:
+  MaskRule rule_;
+  int64_t sq_, skv_;
+  at::Tensor q_media_, kv_media_;
+  std::map<std::tuple<int, int, int, int, int>, int64_t> memo_;
+};
 
 // One attention layer's work, global sizes (batch 1).
 struct LayerWorkload {
@@ -70,9 +85,13 @@ struct LayerWorkload {
   int64_t hidden_size = 0;         // width of x (queries' input), for saved activations
   int64_t visual_feature_dim = 0;  // width of y (cross layers), for recomputation
   MaskRule mask = MaskRule::kNone;
-  double density = 1.0;  // fraction of visible (query, key) pairs, in (0, 1]
+  // Visible pairs of this layer's mask (shared by layers of the same shape); null: dense, or
+  // causal positions.
+  std::shared_ptr<PairCounter> pairs;
   int64_t elem_bytes = 2;
   std::string dtype = "bf16";
+  double density() const;  // fraction of (query, key) pairs that are visible
+  PairCounter& counter() const;
 };
 
 struct CostOptions {
@@ -87,7 +106,7 @@ struct CostOptions {
   double reserved_bytes = 0;
 };
 
-// Per-rank tensor sizes in bytes for n ranks (see the notation above).
+// Per-rank tensor sizes in bytes for n ranks (averages over ranks; memory estimates).
 struct ShardBytes {
   double q = 0, k = 0, v = 0, o = 0, o32 = 0, lse = 0, dq32 = 0, dk32 = 0, dv32 = 0;
   double x = 0;  // saved input of a cross layer under recomputation: sq·hidden·e
@@ -95,22 +114,26 @@ struct ShardBytes {
 };
 ShardBytes shard_bytes(const LayerWorkload& w, int64_t n, const CostOptions& opt);
 
-// Bytes one rank sends in the forward and backward pass (the volumes listed above).
+// The attention call a layer makes (batch 1; K/V heads expanded under the paper accounting).
+attention::AttentionSpec layer_spec(const LayerWorkload& w, const CostOptions& opt);
+at::ScalarType scalar_type(const std::string& dtype);
+
+// Bytes the busiest rank sends in the forward and backward pass (the schedules' messages).
 struct Volume {
   double forward = 0;
   double backward = 0;
 };
-Volume comm_volume(Strategy s, const ShardBytes& b, int64_t n);
 
 // The link a ring over ranks 0..n-1 (filling nodes in order) waits on every round.
 Link ring_link(const ClusterConfig& c, int64_t n);
 // comm(B) on a link: α + B/β, 0 for B = 0.
 double transfer_time(const Link& l, double bytes);
-// Time of an all-to-all in which every rank holds `bytes` split evenly over the n ranks.
-double all_to_all_time(const ClusterConfig& c, int64_t n, double bytes);
+// Time of an all-to-all in which a rank sends `bytes_sent` in total, split evenly over the
+// other n−1 ranks.
+double all_to_all_time(const ClusterConfig& c, int64_t n, double bytes_sent);
 
 struct StrategyCost {
-  Strategy strategy = Strategy::kLocal;
+  StrategyKind strategy = StrategyKind::kLvXAttn;
   bool feasible = true;
   std::string reason;  // why infeasible, empty otherwise
   double fwd_s = 0, bwd_s = 0;
@@ -123,7 +146,7 @@ struct StrategyCost {
 };
 
 // Cost of running layer `w` with strategy `s` on the first n ranks of cluster `c`.
-StrategyCost estimate(Strategy s, const LayerWorkload& w, const ClusterConfig& c, int64_t n,
+StrategyCost estimate(StrategyKind s, const LayerWorkload& w, const ClusterConfig& c, int64_t n,
                       const CostOptions& opt);
 
 }  // namespace lvx::planner

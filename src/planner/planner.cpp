@@ -6,19 +6,14 @@
 #include <limits>
 #include <sstream>
 
+#include "src/attention/media_mask.h"
 #include "src/common/error.h"
 
 namespace lvx::planner {
 
 namespace {
 
-bool same_saved_state(Strategy f, Strategy b) {
-  // lv_xattn and ring keep the same contiguous shards of q, k, v, o, lse; every other strategy
-  // keeps its own layout (striped permutes tokens, ulysses shards heads, all_gather holds full
-  // K/V, local holds everything).
-  auto contiguous = [](Strategy s) { return s == Strategy::kLvXattn || s == Strategy::kRing; };
-  return f == b || (contiguous(f) && contiguous(b));
-}
+using attention::strategy_name;
 
 std::string seconds(double s) {
   std::ostringstream os;
@@ -48,7 +43,7 @@ std::string bytes(double b) {
 
 std::string describe(const StrategyCost& c, bool train) {
   std::ostringstream os;
-  os << to_string(c.strategy) << " is " << c.bound << "-bound (compute "
+  os << strategy_name(c.strategy) << " is " << c.bound << "-bound (compute "
      << seconds(c.fwd_compute_s + c.bwd_compute_s) << ", communication "
      << seconds(c.fwd_comm_s + c.bwd_comm_s) << " if not overlapped, sends "
      << bytes(c.bytes_sent.forward + (train ? c.bytes_sent.backward : 0)) << " per rank)";
@@ -56,7 +51,7 @@ std::string describe(const StrategyCost& c, bool train) {
 }
 
 struct PassChoice {
-  Strategy forward, backward;
+  StrategyKind forward, backward;
   double time_s, mem_bytes, saved_bytes;
 };
 
@@ -64,9 +59,10 @@ struct PassChoice {
 template <typename Candidate>
 std::vector<PassChoice> pass_choices(const LayerPlan& lp, bool split, const Candidate& candidate) {
   std::vector<PassChoice> out;
-  for (Strategy f : kAllStrategies) {
-    for (Strategy b : kAllStrategies) {
-      if ((!split && f != b) || !same_saved_state(f, b) || !candidate(f) || !candidate(b)) continue;
+  for (StrategyKind f : attention::all_strategies()) {
+    for (StrategyKind b : attention::all_strategies()) {
+      if ((!split && f != b) || !attention::can_pair(f, b) || !candidate(f) || !candidate(b))
+        continue;
       const StrategyCost &cf = lp.costs.at(f), &cb = lp.costs.at(b);
       if (!cf.feasible || !cb.feasible) continue;
       out.push_back({f, b, cf.fwd_s + cb.bwd_s, std::max(cf.mem_bytes, cb.mem_bytes),
@@ -78,6 +74,25 @@ std::vector<PassChoice> pass_choices(const LayerPlan& lp, bool split, const Cand
 
 }  // namespace
 
+const char* to_string(PromptLayout l) {
+  return l == PromptLayout::kVideoQA ? "video_qa" : "interleaved";
+}
+
+PromptLayout prompt_layout_from_string(const std::string& s) {
+  if (s == "video_qa") return PromptLayout::kVideoQA;
+  if (s == "interleaved") return PromptLayout::kInterleaved;
+  LVX_FAIL("--layout: expected video_qa|interleaved, got '", s, "'");
+}
+
+at::Tensor prompt_ids(const Workload& w) {
+  at::Tensor ids = at::zeros({1, w.text_tokens}, at::kLong);
+  for (int64_t f = 0; f < w.frames; ++f) {
+    const int64_t pos = w.layout == PromptLayout::kVideoQA ? f : f * w.text_tokens / w.frames;
+    ids[0][pos] = 1;
+  }
+  return ids;
+}
+
 std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload& w) {
   LVX_CHECK(w.frames > 0, "--frames: expected > 0, got ", w.frames);
   LVX_CHECK(w.text_tokens >= w.frames, "--text: expected >= --frames (", w.frames,
@@ -85,6 +100,8 @@ std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload&
   const int64_t tpf = w.tokens_per_frame > 0 ? w.tokens_per_frame : m.visual_tokens_per_frame;
   const std::string dtype = w.dtype.empty() ? m.dtype : w.dtype;
   const int64_t e = dtype_bytes(dtype, "--dtype");
+  const at::Tensor ids = prompt_ids(w);
+  std::map<std::string, std::shared_ptr<PairCounter>> counters;  // one per mask and shape
   std::vector<LayerWorkload> out;
   for (const AttentionLayerConfig& l : m.layers) {
     LayerWorkload lw;
@@ -97,30 +114,24 @@ std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload&
     lw.hidden_size = l.hidden_size;
     lw.visual_feature_dim = l.kind == LayerKind::kCross ? m.visual_feature_dim : 0;
     lw.mask = l.mask;
-    switch (l.mask) {
-      case MaskRule::kNone:
-        lw.density = 1;
-        break;
-      case MaskRule::kCausal:
-        lw.density = 0.5;
-        break;
-      case MaskRule::kMediaUpTo:
-        lw.density = 0.5;
-        break;
-      case MaskRule::kMediaImmediate:
-        lw.density = 1.0 / static_cast<double>(w.frames);
-        break;
+    auto& counter = counters[str(to_string(l.mask), lw.sq, "x", lw.skv)];
+    if (!counter) {
+      if (l.mask == MaskRule::kMediaUpTo || l.mask == MaskRule::kMediaImmediate) {
+        const auto rule = l.mask == MaskRule::kMediaUpTo
+                              ? attention::MediaMaskModel::kMplugOwl3_240728
+                              : attention::MediaMaskModel::kOpenFlamingo;
+        const attention::MediaMask mm = attention::media_mask(rule, ids, 1, tpf, w.frames);
+        counter = std::make_shared<PairCounter>(l.mask, lw.sq, lw.skv, mm.q_media, mm.kv_media);
+      } else {
+        counter = std::make_shared<PairCounter>(l.mask, lw.sq, lw.skv);
+      }
     }
+    lw.pairs = counter;
     lw.elem_bytes = e;
     lw.dtype = dtype;
     out.push_back(lw);
   }
   return out;
-}
-
-std::string LayerPlan::choice_name() const {
-  if (forward == backward) return to_string(forward);
-  return std::string(to_string(forward)) + "+" + to_string(backward);
 }
 
 Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
@@ -135,7 +146,7 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
   p.options = opt_in;
   p.options.train = w.train;
   const std::vector<LayerWorkload> works = layer_workloads(m, w);
-  auto candidate = [&](Strategy s) {
+  auto candidate = [&](StrategyKind s) {
     return w.strategies.empty() ||
            std::find(w.strategies.begin(), w.strategies.end(), s) != w.strategies.end();
   };
@@ -143,7 +154,8 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
     LayerPlan lp;
     lp.index = static_cast<int>(i);
     lp.work = works[i];
-    for (Strategy s : kAllStrategies) lp.costs[s] = estimate(s, lp.work, c, p.ranks, p.options);
+    for (StrategyKind s : attention::all_strategies())
+      lp.costs[s] = estimate(s, lp.work, c, p.ranks, p.options);
     double best = std::numeric_limits<double>::infinity();
     for (const PassChoice& pc : pass_choices(lp, p.options.train && w.split_passes, candidate)) {
       // A mixed pair must beat the pure choice by more than rounding to be worth the switch.
@@ -156,12 +168,12 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
     }
     if (!std::isfinite(best)) {
       std::string why;
-      for (const auto& [s, cost] : lp.costs) why += str("; ", to_string(s), ": ", cost.reason);
+      for (const auto& [s, cost] : lp.costs) why += str("; ", strategy_name(s), ": ", cost.reason);
       LVX_FAIL("layer ", i, " (", to_string(lp.work.kind), "): no feasible strategy", why);
     }
     lp.time_s = best;
     double second = std::numeric_limits<double>::infinity();
-    for (Strategy s : kAllStrategies) {
+    for (StrategyKind s : attention::all_strategies()) {
       const StrategyCost& cs = lp.costs[s];
       if (s == lp.forward || !cs.feasible || !candidate(s)) continue;
       if (cs.fwd_s + cs.bwd_s < second) {
@@ -173,16 +185,16 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
     std::ostringstream ex;
     ex << lp.choice_name() << " " << seconds(best);
     if (lp.has_runner_up) {
-      ex << " vs " << to_string(lp.runner_up) << " " << seconds(second) << " ("
+      ex << " vs " << strategy_name(lp.runner_up) << " " << seconds(second) << " ("
          << std::setprecision(3) << second / best
          << "x): " << describe(lp.costs[lp.forward], w.train) << "; "
          << describe(lp.costs[lp.runner_up], w.train);
     } else {
       ex << ": the only feasible strategy";
     }
-    for (Strategy s : kAllStrategies) {
+    for (StrategyKind s : attention::all_strategies()) {
       if (!lp.costs[s].feasible)
-        ex << "; " << to_string(s) << " infeasible: " << lp.costs[s].reason;
+        ex << "; " << strategy_name(s) << " infeasible: " << lp.costs[s].reason;
     }
     lp.explanation = ex.str();
     if (lp.work.kind == LayerKind::kCross && w.train && p.options.recompute_cross_kv) {
@@ -244,7 +256,7 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
   return p;
 }
 
-double uniform_time(const Plan& p, Strategy s, LayerKind kind) {
+double uniform_time(const Plan& p, StrategyKind s, LayerKind kind) {
   double t = 0;
   for (const LayerPlan& l : p.layers) {
     if (l.work.kind != kind) continue;
@@ -261,7 +273,7 @@ nlohmann::json to_json(const Plan& p) {
   for (const LayerPlan& l : p.layers) {
     json pred = json::object();
     for (const auto& [s, c] : l.costs) {
-      pred[to_string(s)] = {{"fwd_s", c.fwd_s},
+      pred[strategy_name(s)] = {{"fwd_s", c.fwd_s},
                             {"bwd_s", c.bwd_s},
                             {"mem_bytes", c.mem_bytes},
                             {"feasible", c.feasible},
@@ -280,27 +292,27 @@ nlohmann::json to_json(const Plan& p) {
                       {"kv_heads", l.work.kv_heads},
                       {"head_dim", l.work.head_dim},
                       {"mask", to_string(l.work.mask)},
-                      {"mask_density", l.work.density},
+                      {"mask_density", l.work.density()},
                       {"choice", l.choice_name()},
-                      {"choice_forward", to_string(l.forward)},
-                      {"choice_backward", to_string(l.backward)},
-                      {"runner_up", l.has_runner_up ? to_string(l.runner_up) : ""},
+                      {"choice_forward", strategy_name(l.forward)},
+                      {"choice_backward", strategy_name(l.backward)},
+                      {"runner_up", l.has_runner_up ? strategy_name(l.runner_up) : ""},
                       {"time_s", l.time_s},
                       {"mem_bytes", l.mem_bytes},
                       {"explanation", l.explanation},
                       {"predicted", pred}});
   }
   json uniform = json::object();
-  for (Strategy s : kAllStrategies) {
+  for (StrategyKind s : attention::all_strategies()) {
     double t = uniform_time(p, s, LayerKind::kSelf) + uniform_time(p, s, LayerKind::kCross);
-    uniform[to_string(s)] = std::isfinite(t) ? json(t) : json(nullptr);
+    uniform[strategy_name(s)] = std::isfinite(t) ? json(t) : json(nullptr);
   }
   double cross = 0, self = 0;
   for (const LayerPlan& l : p.layers) (l.work.kind == LayerKind::kCross ? cross : self) += l.time_s;
   json uniform_kind = json::object();
-  for (Strategy s : kAllStrategies) {
+  for (StrategyKind s : attention::all_strategies()) {
     double ts = uniform_time(p, s, LayerKind::kSelf), tc = uniform_time(p, s, LayerKind::kCross);
-    uniform_kind[to_string(s)] = {{"self_s", std::isfinite(ts) ? json(ts) : json(nullptr)},
+    uniform_kind[strategy_name(s)] = {{"self_s", std::isfinite(ts) ? json(ts) : json(nullptr)},
                                   {"cross_s", std::isfinite(tc) ? json(tc) : json(nullptr)}};
   }
   json total = {{"time_s", p.total_s},
@@ -317,6 +329,7 @@ nlohmann::json to_json(const Plan& p) {
           {"frames", p.workload.frames},
           {"text", p.workload.text_tokens},
           {"train", p.workload.train},
+          {"layout", to_string(p.workload.layout)},
           {"expand_kv_heads", p.options.expand_kv_heads},
           {"skip_masked_tiles", p.options.skip_masked_tiles},
           {"layers", layers},
@@ -326,11 +339,12 @@ nlohmann::json to_json(const Plan& p) {
 std::string format_table(const Plan& p) {
   std::ostringstream os;
   os << "plan: model " << p.model << ", cluster " << p.cluster << ", " << p.ranks << " ranks, "
-     << p.workload.frames << " frames, text " << p.workload.text_tokens << ", "
+     << p.workload.frames << " frames, text " << p.workload.text_tokens << " ("
+     << to_string(p.workload.layout) << " prompt), "
      << (p.workload.train ? "training (fwd+bwd)" : "inference (fwd)") << "\n";
   os << std::left << std::setw(7) << "layers" << std::setw(6) << "kind" << std::setw(22)
      << "Sq/rank x Skv/rank";
-  for (Strategy s : kAllStrategies) os << std::setw(19) << to_string(s);
+  for (StrategyKind s : attention::all_strategies()) os << std::setw(19) << strategy_name(s);
   os << std::setw(16) << "choice"
      << "runner-up\n";
   // Consecutive layers with the same work and choice share a row ("2-9").
@@ -359,13 +373,13 @@ std::string format_table(const Plan& p) {
           << l.work.kv_heads;
     os << std::setw(7) << label(g) << std::setw(6) << to_string(l.work.kind) << std::setw(22)
        << shape.str();
-    for (Strategy s : kAllStrategies) {
+    for (StrategyKind s : attention::all_strategies()) {
       const StrategyCost& c = l.costs.at(s);
       std::string cell = c.feasible ? seconds(c.fwd_s + c.bwd_s) + "/" + bytes(c.mem_bytes)
                                     : std::string("infeasible");
       os << std::setw(19) << cell;
     }
-    os << std::setw(16) << l.choice_name() << (l.has_runner_up ? to_string(l.runner_up) : "-")
+    os << std::setw(16) << l.choice_name() << (l.has_runner_up ? strategy_name(l.runner_up) : "-")
        << "\n";
   }
   os << "\nwhy (time per layer, forward" << (p.workload.train ? "+backward" : "")
@@ -374,8 +388,8 @@ std::string format_table(const Plan& p) {
     os << "  layer " << label(g) << ": " << p.layers[g.first].explanation << "\n";
   }
   os << "\ntotal " << seconds(p.total_s);
-  const double ring = uniform_time(p, Strategy::kRing, LayerKind::kSelf) +
-                      uniform_time(p, Strategy::kRing, LayerKind::kCross);
+  const double ring = uniform_time(p, StrategyKind::kRing, LayerKind::kSelf) +
+                      uniform_time(p, StrategyKind::kRing, LayerKind::kCross);
   if (std::isfinite(ring))
     os << " (ring everywhere: " << seconds(ring) << ", " << std::setprecision(3) << ring / p.total_s
        << "x)";

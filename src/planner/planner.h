@@ -14,6 +14,14 @@
 
 namespace lvx::planner {
 
+// Where the frames' image tokens sit in the prompt.
+enum class PromptLayout {
+  kVideoQA,      // "video_qa": every frame's token first, then the question (video QA prompts)
+  kInterleaved,  // "interleaved": frame f's token at position floor(f·S_Q/F) (interleaved text)
+};
+const char* to_string(PromptLayout l);
+PromptLayout prompt_layout_from_string(const std::string& s);  // error lists the valid names
+
 struct Workload {
   int64_t frames = 0;
   int64_t text_tokens = 0;       // S_Q: text length including one <image> token per frame
@@ -21,28 +29,36 @@ struct Workload {
   int64_t ranks = 0;             // 0: every GPU of the cluster
   std::string dtype;             // empty: the model's dtype
   bool train = false;
-  std::vector<Strategy> strategies;  // candidates to choose from (empty: all); all are estimated
-  bool split_passes = true;          // may choose forward and backward strategies separately
+  PromptLayout layout = PromptLayout::kVideoQA;
+  std::vector<StrategyKind> strategies;  // candidates to choose from (empty: all); all estimated
+  bool split_passes = true;  // may choose forward and backward strategies separately (pairs the
+                             // runtime can run: attention::can_pair)
 };
 
+// The prompt's token ids for the layout: 1 for each frame's image token, 0 elsewhere ([1, S_Q]).
+at::Tensor prompt_ids(const Workload& w);
+
 // Builds each layer's workload (LV-XAttn §4 accounting: S_Q = text length for every layer;
-// S_KV = text for self layers, frames × tokens per frame for cross layers) and its mask density:
-// causal 1/2; media_upto (every earlier frame) 1/2 for frames spread evenly over the text;
-// media_immediate (one frame) 1/frames.
+// S_KV = text for self layers, frames × tokens per frame for cross layers) and its mask
+// metadata: causal positions, or the media indices of the prompt layout under the model's rule
+// (media_upto: mPLUG-Owl3's "every image before the token", media_immediate: OpenFlamingo's
+// "the most recent image"; attention/media_mask.h). Layers of the same shape share one
+// PairCounter.
 std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload& w);
 
 struct LayerPlan {
   int index = 0;
   LayerWorkload work;
-  std::map<Strategy, StrategyCost> costs;  // every strategy, feasible or not
-  Strategy forward = Strategy::kLocal;     // chosen for the forward pass
-  Strategy backward = Strategy::kLocal;    // chosen for the backward (training)
+  std::map<StrategyKind, StrategyCost> costs;  // every strategy, feasible or not
+  StrategyKind forward = StrategyKind::kLvXAttn;   // chosen for the forward pass
+  StrategyKind backward = StrategyKind::kLvXAttn;  // chosen for the backward (training)
   bool has_runner_up = false;
-  Strategy runner_up = Strategy::kLocal;  // fastest strategy other than the choice
+  StrategyKind runner_up = StrategyKind::kLvXAttn;  // fastest strategy other than the choice
   double time_s = 0;                      // chosen fwd (+ bwd)
   double mem_bytes = 0;
   std::string explanation;
-  std::string choice_name() const;  // "lv_xattn", or "lv_xattn+ring" (forward+backward)
+  attention::StrategyChoice choice() const { return {forward, backward}; }
+  std::string choice_name() const { return choice().name(); }  // "lv_xattn", "lv_xattn+ring"
 };
 
 struct Plan {
@@ -64,7 +80,7 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
 
 // Time of a layer if every layer used `s` (the uniform-strategy baselines in the summary);
 // infeasible layers count +inf.
-double uniform_time(const Plan& p, Strategy s, LayerKind kind);
+double uniform_time(const Plan& p, StrategyKind s, LayerKind kind);
 
 nlohmann::json to_json(const Plan& p);
 // The human-readable table: one row per layer, each strategy's time and memory, the choice and
