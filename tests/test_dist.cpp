@@ -372,3 +372,65 @@ TEST(Launch, CliExitCodeAndStopsOthers) {
   EXPECT_NE(out.find("[rank 0] hello"), std::string::npos) << out;
   EXPECT_NE(out.find("[rank 1] hello"), std::string::npos) << out;
 }
+
+// Rank 0 ends; the others never do (stuck outside any communication). The launch stops them
+// 2 × LVX_DIST_TIMEOUT_S later by default, names them and fails with 124.
+TEST(Launch, StuckRanksAreStoppedAfterAnotherExits) {
+  lvx::dist::LaunchOptions o;
+  o.nproc = 3;
+  o.capture = true;
+  o.grace_s = 1;
+  o.env["LVX_DIST_TIMEOUT_S"] = "0.5";
+  EXPECT_EQ(lvx::dist::default_exit_wait_s(o.env), 1.0);
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = lvx::dist::launch_local({"sh", "-c", "[ $RANK = 0 ] && exit 0; exec sleep 60"}, o);
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 10) << "the stuck ranks were not stopped";
+  EXPECT_EQ(r.exit_code, 124);
+  EXPECT_EQ(r.first_failed, 1);
+  EXPECT_EQ(r.ranks[0].exit_code, 0);
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_EQ(r.ranks[i].exit_code, 124);
+    EXPECT_NE(r.ranks[i].output.find("after rank 0 exited with code 0"), std::string::npos)
+        << r.ranks[i].output;
+    EXPECT_NE(r.ranks[i].output.find("stopping ranks 1,2"), std::string::npos) << r.ranks[i].output;
+  }
+}
+
+// A rank that ends within the wait is not stopped; exit_wait_s = 0 waits forever.
+TEST(Launch, ExitWaitSparesRanksThatEndInTime) {
+  lvx::dist::LaunchOptions o;
+  o.nproc = 2;
+  o.capture = true;
+  o.env["LVX_DIST_TIMEOUT_S"] = "2";  // 4 s
+  auto r = lvx::dist::launch_local({"sh", "-c", "[ $RANK = 0 ] && exit 0; sleep 1"}, o);
+  EXPECT_EQ(r.exit_code, 0) << r.ranks[1].output;
+  o.env["LVX_DIST_TIMEOUT_S"] = "0.2";  // 0.4 s by default, but disabled:
+  o.exit_wait_s = 0;
+  r = lvx::dist::launch_local({"sh", "-c", "[ $RANK = 0 ] && exit 0; sleep 1"}, o);
+  EXPECT_EQ(r.exit_code, 0) << r.ranks[1].output;
+}
+
+// The same through the CLI, with the default taken from the launcher's own environment.
+TEST(Launch, CliStopsStuckRanksWithExitCode124) {
+  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  if (::access(lvx.c_str(), X_OK) != 0) GTEST_SKIP() << "lvx executable not built";
+  const std::string log = "/tmp/lvx_launch_stuck_" + std::to_string(::getpid()) + ".txt";
+  auto t0 = std::chrono::steady_clock::now();
+  const std::string cmd = "LVX_DIST_TIMEOUT_S=0.5 " + lvx +
+                          " launch --nproc 2 --grace 1 -- sh -c "
+                          "'[ $RANK = 0 ] && exit 0; exec sleep 60' > " +
+                          log + " 2>&1";
+  int rc = std::system(cmd.c_str());
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(WEXITSTATUS(rc), 124);
+  EXPECT_LT(s, 10) << "the stuck rank was not stopped";
+  std::FILE* f = std::fopen(log.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  char buf[4096] = {0};
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  std::remove(log.c_str());
+  std::string out(buf, n);
+  EXPECT_NE(out.find("so these are stuck; stopping rank 1 (exit 124)"), std::string::npos) << out;
+}
