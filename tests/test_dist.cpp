@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <thread>
@@ -270,6 +271,73 @@ TEST(Faults, FrozenRankIsNamedByTheOthersWithinTheTimeout) {
   expect_named_failure(res, 13);
 }
 
+// Two requests in flight when a peer freezes or dies, posted as lv_xattn posts them: the
+// prefetch of the next step and the exchange of the accumulators. Ranks 0 and 1 must fail once,
+// within about one timeout: no second full-timeout wait for the other request while unwinding.
+// Rank 2 completes its exchanges of iterations 0-4 and stops before posting iteration 5, so
+// rank 0 receives exactly 10 messages from it; its counters must not count the two posted
+// receives that never completed.
+LVX_WORKER(two_in_flight) {
+  auto pg = ProcessGroup::from_env();
+  const bool freeze = std::getenv("LVX_TEST_FREEZE") != nullptr;
+  at::Tensor q = at::ones({1000}), q_next = at::empty({1000});
+  at::Tensor o = at::ones({1000}), o_next = at::empty({1000});
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    lvx::dist::Work acc;
+    for (int it = 0; it < 1000000; ++it) {
+      if (pg->rank() == 2 && it == 5) {
+        acc.wait();
+        ::raise(freeze ? SIGSTOP : SIGKILL);
+      }
+      lvx::dist::Work prefetch = pg->ring_exchange(q, q_next, "prefetch");
+      if (acc.valid()) acc.wait();
+      acc = pg->ring_exchange(o, o_next, "acc_exchange");
+      prefetch.wait();
+    }
+  } catch (const lvx::Error& e) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::cerr << e.what() << "\nfailed after " << s
+              << " s; received from rank 2: " << pg->counters().received[2] << " bytes\n";
+    return 1;
+  }
+  return 0;
+}
+
+// The "failed after X s" a two_in_flight rank printed, or a large number.
+double failed_after(const std::string& out) {
+  const auto at = out.find("failed after ");
+  return at == std::string::npos ? 1e9 : std::atof(out.c_str() + at + 13);
+}
+
+// With LVX_DIST_TIMEOUT_S=4 a failure costs one timeout when the peer is frozen (none when it
+// died: its connections close) plus one diagnosis of 2.5 heartbeats = 2 s. The old unwinding
+// waited for the second request and diagnosed again (frozen 8.0 s, killed 4.0 s); on engines
+// that do not fail a whole context on a timeout (NCCL) it waited a second full timeout.
+void expect_fast_failure(const std::vector<lvx::testing::RankResult>& res, double limit_s) {
+  std::cout << "rank 0 said: " << res[0].output;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(res[r].exit_code, 1) << res[r].output;
+    EXPECT_LT(failed_after(res[r].output), limit_s) << res[r].output;
+    EXPECT_NE(res[r].output.find("rank 2 stopped responding"), std::string::npos) << res[r].output;
+  }
+}
+
+TEST(Faults, FrozenPeerWithTwoRequestsInFlightFailsWithinOneTimeout) {
+  auto res = lvx::testing::run_ranks(3, "two_in_flight", 12,
+                                     {{"LVX_DIST_TIMEOUT_S", "4"}, {"LVX_TEST_FREEZE", "1"}});
+  expect_fast_failure(res, 4 + 2 + 1);
+  // Byte counters count completed messages only: 10 of 4000 bytes, not the 2 posted after.
+  EXPECT_NE(res[0].output.find("received from rank 2: 40000 bytes"), std::string::npos)
+      << res[0].output;
+}
+
+TEST(Faults, KilledPeerWithTwoRequestsInFlightFailsWithinOneDiagnosis) {
+  auto res = lvx::testing::run_ranks(3, "two_in_flight", 30, {{"LVX_DIST_TIMEOUT_S", "4"}});
+  EXPECT_EQ(res[2].exit_code, 128 + SIGKILL);
+  expect_fast_failure(res, 2 + 1.2);
+}
+
 // ---- lvx launch --------------------------------------------------------------------------
 
 TEST(Launch, PrefixesOutputAndSetsVariables) {
@@ -303,4 +371,66 @@ TEST(Launch, CliExitCodeAndStopsOthers) {
   std::string out(buf, n);
   EXPECT_NE(out.find("[rank 0] hello"), std::string::npos) << out;
   EXPECT_NE(out.find("[rank 1] hello"), std::string::npos) << out;
+}
+
+// Rank 0 ends; the others never do (stuck outside any communication). The launch stops them
+// 2 × LVX_DIST_TIMEOUT_S later by default, names them and fails with 124.
+TEST(Launch, StuckRanksAreStoppedAfterAnotherExits) {
+  lvx::dist::LaunchOptions o;
+  o.nproc = 3;
+  o.capture = true;
+  o.grace_s = 1;
+  o.env["LVX_DIST_TIMEOUT_S"] = "0.5";
+  EXPECT_EQ(lvx::dist::default_exit_wait_s(o.env), 1.0);
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = lvx::dist::launch_local({"sh", "-c", "[ $RANK = 0 ] && exit 0; exec sleep 60"}, o);
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 10) << "the stuck ranks were not stopped";
+  EXPECT_EQ(r.exit_code, 124);
+  EXPECT_EQ(r.first_failed, 1);
+  EXPECT_EQ(r.ranks[0].exit_code, 0);
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_EQ(r.ranks[i].exit_code, 124);
+    EXPECT_NE(r.ranks[i].output.find("after rank 0 exited with code 0"), std::string::npos)
+        << r.ranks[i].output;
+    EXPECT_NE(r.ranks[i].output.find("stopping ranks 1,2"), std::string::npos) << r.ranks[i].output;
+  }
+}
+
+// A rank that ends within the wait is not stopped; exit_wait_s = 0 waits forever.
+TEST(Launch, ExitWaitSparesRanksThatEndInTime) {
+  lvx::dist::LaunchOptions o;
+  o.nproc = 2;
+  o.capture = true;
+  o.env["LVX_DIST_TIMEOUT_S"] = "2";  // 4 s
+  auto r = lvx::dist::launch_local({"sh", "-c", "[ $RANK = 0 ] && exit 0; sleep 1"}, o);
+  EXPECT_EQ(r.exit_code, 0) << r.ranks[1].output;
+  o.env["LVX_DIST_TIMEOUT_S"] = "0.2";  // 0.4 s by default, but disabled:
+  o.exit_wait_s = 0;
+  r = lvx::dist::launch_local({"sh", "-c", "[ $RANK = 0 ] && exit 0; sleep 1"}, o);
+  EXPECT_EQ(r.exit_code, 0) << r.ranks[1].output;
+}
+
+// The same through the CLI, with the default taken from the launcher's own environment.
+TEST(Launch, CliStopsStuckRanksWithExitCode124) {
+  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  if (::access(lvx.c_str(), X_OK) != 0) GTEST_SKIP() << "lvx executable not built";
+  const std::string log = "/tmp/lvx_launch_stuck_" + std::to_string(::getpid()) + ".txt";
+  auto t0 = std::chrono::steady_clock::now();
+  const std::string cmd = "LVX_DIST_TIMEOUT_S=0.5 " + lvx +
+                          " launch --nproc 2 --grace 1 -- sh -c "
+                          "'[ $RANK = 0 ] && exit 0; exec sleep 60' > " +
+                          log + " 2>&1";
+  int rc = std::system(cmd.c_str());
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(WEXITSTATUS(rc), 124);
+  EXPECT_LT(s, 10) << "the stuck rank was not stopped";
+  std::FILE* f = std::fopen(log.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  char buf[4096] = {0};
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  std::remove(log.c_str());
+  std::string out(buf, n);
+  EXPECT_NE(out.find("so these are stuck; stopping rank 1 (exit 124)"), std::string::npos) << out;
 }

@@ -55,8 +55,15 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
+double default_exit_wait_s(const std::map<std::string, std::string>& env) {
+  auto it = env.find("LVX_DIST_TIMEOUT_S");
+  const char* v = it != env.end() ? it->second.c_str() : std::getenv("LVX_DIST_TIMEOUT_S");
+  const double t = v ? std::atof(v) : 0;
+  return 2 * (t > 0 ? t : 60);  // the ranks reject a bad value themselves
+}
+
 std::string describe_exit(int code) {
-  if (code == 124) return "was stopped by the launch timeout";
+  if (code == 124) return "was stopped by a launch time limit";
   if (code > 128 && code < 128 + 65) {
     int sig = code - 128;
     return str("was killed by signal ", sig, " (", strsignal(sig), ")");
@@ -142,11 +149,42 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
     result.ranks[r].rank = r;
   }
 
-  bool stopping = false;
-  std::chrono::steady_clock::time_point stop_at{};
   auto stop_all = [&](int sig) {
     for (auto& k : kids)
       if (k.running) ::kill(-k.pid, sig), ::kill(k.pid, sig);
+  };
+  const double exit_wait_s = opts.exit_wait_s >= 0  ? opts.exit_wait_s
+                             : opts.stop_on_failure ? default_exit_wait_s(opts.env)
+                                                    : 0;
+  int first_exit = -1;  // the first rank that exited, and when
+  std::chrono::steady_clock::time_point first_exit_at{};
+  bool stopping = false;
+  std::chrono::steady_clock::time_point stop_at{};
+  // Stops every running rank, marking them 124 (they count as failed, the first one named).
+  auto stop_for_time = [&](const std::string& why) {
+    std::string names;
+    int n = 0;
+    for (int r = 0; r < opts.nproc; ++r) {
+      if (!kids[r].running) continue;
+      result.ranks[r].exit_code = 124;
+      names += str(names.empty() ? "" : ",", r);
+      ++n;
+      if (result.first_failed < 0) {
+        result.first_failed = r;
+        result.exit_code = 124;
+      }
+    }
+    const std::string msg =
+        str("lvx launch: ", why, "; stopping rank", n > 1 ? "s " : " ", names, " (exit 124)\n");
+    if (opts.capture) {
+      for (int r = 0; r < opts.nproc; ++r)
+        if (kids[r].running) result.ranks[r].output += msg;
+    } else {
+      std::cerr << msg << std::flush;
+    }
+    stopping = true;
+    stop_at = std::chrono::steady_clock::now();
+    stop_all(SIGTERM);
   };
   int running = opts.nproc;
   while (running > 0) {
@@ -190,6 +228,10 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
       e.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - k.start).count();
       if (e.exit_code != 124)
         e.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (first_exit < 0) {
+        first_exit = r;
+        first_exit_at = std::chrono::steady_clock::now();
+      }
       if (e.exit_code != 0 && result.first_failed < 0 && !stopping) {
         result.first_failed = r;
         result.exit_code = e.exit_code;
@@ -203,17 +245,15 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
       }
     }
     const auto now = std::chrono::steady_clock::now();
-    if (opts.timeout_s > 0 && !stopping &&
-        std::chrono::duration<double>(now - t0).count() > opts.timeout_s) {
-      for (int r = 0; r < opts.nproc; ++r)
-        if (kids[r].running) result.ranks[r].exit_code = 124;
-      if (result.first_failed < 0) result.exit_code = 124;
-      if (!opts.capture)
-        std::cerr << "lvx launch: timeout after " << opts.timeout_s << " s; stopping all ranks\n";
-      stopping = true;
-      stop_at = now;
-      stop_all(SIGTERM);
-    }
+    if (opts.timeout_s > 0 && !stopping && running > 0 &&
+        std::chrono::duration<double>(now - t0).count() > opts.timeout_s)
+      stop_for_time(str("time limit of ", opts.timeout_s, " s (--timeout) reached"));
+    if (exit_wait_s > 0 && !stopping && running > 0 && first_exit >= 0 &&
+        std::chrono::duration<double>(now - first_exit_at).count() > exit_wait_s)
+      stop_for_time(str("still running ", exit_wait_s, " s after rank ", first_exit, " ",
+                        describe_exit(result.ranks[first_exit].exit_code),
+                        " (--exit-wait, default 2 × LVX_DIST_TIMEOUT_S): lvx ranks fail any ",
+                        "communication wait within LVX_DIST_TIMEOUT_S, so these are stuck"));
     if (stopping && std::chrono::duration<double>(now - stop_at).count() > opts.grace_s)
       stop_all(SIGKILL);
   }

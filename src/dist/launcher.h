@@ -2,8 +2,17 @@
 // LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Their output is prefixed with the
 // rank ("[rank 2] ..."), and if any rank fails the others are stopped (SIGTERM, then SIGKILL
 // after a grace period) and the launch fails with that rank's exit code. Unless OMP_NUM_THREADS
-// is set, each of N ranks gets cores / N OpenMP threads (torchrun sets it too). Used by `lvx launch`,
-// by commands that run themselves on N ranks (`lvx attention --nproc N`), and by the tests.
+// is set, each of N ranks gets cores / N OpenMP threads (torchrun sets it too). Used by `lvx
+// launch`, by commands that run themselves on N ranks (`lvx attention --nproc N`), and by tests.
+//
+// Time limits. No job hangs forever once one of its ranks has ended: every lvx collective involves
+// every rank, and a rank fails any communication wait within LVX_DIST_TIMEOUT_S (default 60 s),
+// then exits. A rank still running 2 × LVX_DIST_TIMEOUT_S after another rank exited (successfully:
+// a failure stops the others at once) is therefore no longer communicating: it is stuck. The
+// launch then stops the remaining ranks and fails with exit code 124, naming them
+// (LaunchOptions::exit_wait_s, `lvx launch --exit-wait`). A job whose ranks legitimately work
+// alone for longer after a peer ended raises it, or sets 0. As with torchrun and mpirun, the total
+// run time is not limited unless asked for (timeout_s, `lvx launch --timeout`).
 #pragma once
 
 #include <map>
@@ -19,14 +28,24 @@ struct LaunchOptions {
   std::map<std::string, std::string> env;    // extra variables for every rank
   bool capture = false;                      // keep each rank's output instead of printing it
   double timeout_s = 0;                      // > 0: stop every rank after this long (exit 124)
+  // > 0: once a rank has exited, stop the ranks still running after this long (exit 124);
+  // 0: wait for them forever; < 0 (default): default_exit_wait_s(env), or 0 when
+  // stop_on_failure is false.
+  double exit_wait_s = -1;
   double grace_s = 5;                        // SIGTERM → SIGKILL delay when stopping ranks
-  bool stop_on_failure = true;               // stop the others when one rank fails
+  // Stop the others when one rank fails. false: every rank runs to its own end (fault tests),
+  // stopped only by timeout_s or an explicit exit_wait_s.
+  bool stop_on_failure = true;
   bool openmpi_style = false;                // set OMPI_COMM_WORLD_* instead of RANK/WORLD_SIZE
 };
 
+// 2 × LVX_DIST_TIMEOUT_S, read from `env` (the ranks' extra variables) or else this process's
+// environment; 120 s when unset.
+double default_exit_wait_s(const std::map<std::string, std::string>& env = {});
+
 struct RankExit {
   int rank = 0;
-  int exit_code = -1;  // exit status, or 128 + signal number; 124 when stopped by timeout
+  int exit_code = -1;  // exit status, or 128 + signal number; 124 when stopped by a time limit
   std::string output;  // with capture: stdout and stderr interleaved
   double seconds = 0;
 };
@@ -34,7 +53,7 @@ struct RankExit {
 struct LaunchResult {
   std::vector<RankExit> ranks;
   int exit_code = 0;       // 0 when every rank exited 0, else the first failing rank's code
-  int first_failed = -1;   // rank that failed first, or -1
+  int first_failed = -1;   // rank that failed first (or the first one stopped), or -1
 };
 
 // Runs argv (argv[0] found on PATH or given as a path) on opts.nproc local ranks.

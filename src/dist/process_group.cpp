@@ -1,6 +1,8 @@
 // ProcessGroup on c10d engines: Gloo for CPU tensors, NCCL for CUDA tensors (nccl_backend.cpp).
 // Collectives are ring / pairwise algorithms over batched point-to-point messages (see the
-// header for their volumes), so byte counters are exact per peer on every engine.
+// header for their volumes), so byte counters are exact per peer on every engine. Faults fail the
+// whole group: the first failed request aborts every other pending one (c10d Work::abort), so a
+// rank never waits a second timeout while unwinding past requests it still had in flight.
 #include "src/dist/process_group.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -68,6 +70,13 @@ struct ProcessGroup::Engine {
   std::mutex mu;
   std::condition_variable cv;
   bool stopping = false;
+  // Fault state, guarded by fault_mu. `pending` holds every posted engine request not yet waited;
+  // after the first failure they move to `aborted`, which keeps them (and the tensors they
+  // reference) alive until the group is destroyed, since the engine may still touch them.
+  mutable std::mutex fault_mu;
+  std::string failure;  // the first failure; empty while the group is healthy
+  std::map<c10d::Work*, c10::intrusive_ptr<c10d::Work>> pending;
+  std::vector<c10::intrusive_ptr<c10d::Work>> aborted;
 
   Backend& backend_for(const at::Tensor& t) {
     if (t.is_cuda()) {
@@ -178,9 +187,49 @@ ProcessGroup::~ProcessGroup() {
   }
 }
 
+std::string ProcessGroup::failure() const {
+  if (!engine_) return {};
+  std::lock_guard<std::mutex> lock(engine_->fault_mu);
+  return engine_->failure;
+}
+
+void ProcessGroup::check_not_failed(const std::string& what) const {
+  const std::string first = failure();
+  if (!first.empty())
+    LVX_FAIL("rank ", rank_, ": ", what,
+             " aborted: an earlier operation of this process group failed (", first, ")");
+}
+
+void ProcessGroup::abort_pending() {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  {
+    std::lock_guard<std::mutex> lock(engine_->fault_mu);
+    for (auto& [ptr, w] : engine_->pending) works.push_back(w);
+    engine_->pending.clear();
+    engine_->aborted.insert(engine_->aborted.end(), works.begin(), works.end());
+  }
+  // Gloo: wakes any waiter, whose wait() then returns false; NCCL: aborts the communicator.
+  for (auto& w : works) {
+    try {
+      w->abort();
+    } catch (...) {
+    }
+  }
+}
+
 void ProcessGroup::fail(const std::string& what, const std::string& cause) {
+  if (!engine_) LVX_FAIL("rank ", rank_, ": ", what, " failed: ", cause);
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(engine_->fault_mu);
+    first = engine_->failure.empty();
+    if (first) engine_->failure = str(what, " failed: ", cause);  // refined after the diagnosis
+  }
+  if (!first) check_not_failed(what);  // another thread's request failed first: report that one
+  // Fail fast: nothing else of this group may wait a timeout for a peer that is gone.
+  abort_pending();
   std::string diagnosis;
-  if (engine_) {
+  {
     const std::string p = kStorePrefix;
     try {
       // Mark ourselves as exiting on an error, so that other ranks do not blame us.
@@ -208,8 +257,13 @@ void ProcessGroup::fail(const std::string& what, const std::string& cause) {
       diagnosis = "the rendezvous store became unreachable (rank 0 likely ended)";
     }
   }
-  LVX_FAIL("rank ", rank_, ": ", what, " failed: ", diagnosis,
-           diagnosis.empty() ? "" : " — ", "engine error: ", cause);
+  const std::string msg = str("rank ", rank_, ": ", what, " failed: ", diagnosis,
+                              diagnosis.empty() ? "" : " — ", "engine error: ", cause);
+  {
+    std::lock_guard<std::mutex> lock(engine_->fault_mu);
+    engine_->failure = msg;
+  }
+  LVX_FAIL(msg);
 }
 
 // ---- Work --------------------------------------------------------------------------------
@@ -218,7 +272,17 @@ struct Work::Impl {
   ProcessGroup* pg = nullptr;
   std::string what;
   std::chrono::milliseconds timeout{0};
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  // One engine request and the messages it carries (counted once it completes).
+  struct Msg {
+    P2POp::Kind kind;
+    int peer;
+    int64_t bytes;
+  };
+  struct Posted {
+    c10::intrusive_ptr<c10d::Work> work;
+    std::vector<Msg> msgs;
+  };
+  std::vector<Posted> posted;
   bool done = false;
 };
 
@@ -241,9 +305,10 @@ Work& Work::operator=(Work&& other) noexcept {
 Work::~Work() {
   if (impl_ && !impl_->done) {
     try {
-      wait();
+      wait();  // returns at once when the group has failed
     } catch (...) {
-      // A destructor must not throw; the error was already reported by whoever waited.
+      // A destructor must not throw. A failure found here still fails the group, so the next
+      // operation reports it.
     }
   }
 }
@@ -251,16 +316,32 @@ Work::~Work() {
 void Work::wait() {
   if (!impl_ || impl_->done) return;
   impl_->done = true;
-  for (auto& w : impl_->works) {
+  impl_->pg->wait_work(*impl_);
+}
+
+void ProcessGroup::wait_work(Work::Impl& w) {
+  for (auto& p : w.posted) {
+    check_not_failed(w.what);  // its requests were aborted: do not wait for them
+    bool completed = false;
     try {
-      w->wait(impl_->timeout);
+      completed = p.work->wait(w.timeout);
     } catch (const c10::Error& e) {
-      impl_->pg->fail(impl_->what, e.what_without_backtrace());
+      fail(w.what, e.what_without_backtrace());
     } catch (const std::exception& e) {
-      impl_->pg->fail(impl_->what, e.what());
+      fail(w.what, e.what());
     }
+    if (!completed) {  // aborted while waiting: another request (thread) failed the group
+      check_not_failed(w.what);
+      fail(w.what, "the request was aborted");
+    }
+    {
+      std::lock_guard<std::mutex> lock(engine_->fault_mu);
+      engine_->pending.erase(p.work.get());
+    }
+    for (const auto& m : p.msgs)
+      (m.kind == P2POp::kSend ? counters_.sent : counters_.received)[m.peer] += m.bytes;
   }
-  impl_->works.clear();
+  w.posted.clear();
 }
 
 // ---- point to point ----------------------------------------------------------------------
@@ -284,31 +365,39 @@ Work ProcessGroup::batch_isend_irecv(std::vector<P2POp> ops, const char* what) {
   for (int p : peers) peer_list += str(peer_list.empty() ? "" : ",", p);
   work.impl_->what = str(what, " with rank", peers.size() > 1 ? "s " : " ", peer_list);
   if (ops.empty()) return work;
+  check_not_failed(work.impl_->what);
 
   bool any_cuda = false, any_cpu = false;
   for (const auto& op : ops) (op.tensor.is_cuda() ? any_cuda : any_cpu) = true;
   LVX_CHECK(!(any_cuda && any_cpu), what, ": a batch mixes CPU and CUDA tensors");
   Backend& backend = engine_->backend_for(ops.front().tensor);
   const bool coalesce = any_cuda;  // NCCL: one group call; Gloo: unbound buffers never block
+  auto& posted = work.impl_->posted;
+  auto track = [&](c10::intrusive_ptr<c10d::Work> w, std::vector<Work::Impl::Msg> msgs) {
+    std::lock_guard<std::mutex> lock(engine_->fault_mu);
+    engine_->pending[w.get()] = w;
+    posted.push_back({std::move(w), std::move(msgs)});
+  };
   try {
     if (coalesce) backend.startCoalescing();
+    std::vector<Work::Impl::Msg> coalesced;
     for (auto& op : ops) {
       const int64_t n = nbytes(op.tensor);
       if (n == 0) continue;
       std::vector<at::Tensor> ts{op.tensor};
-      if (op.kind == P2POp::kSend) {
-        counters_.sent[op.peer] += n;
-        auto w = backend.send(ts, op.peer, static_cast<int>(engine_->send_seq[op.peer]++ & 0x7fffffff));
-        if (!coalesce) work.impl_->works.push_back(w);
+      auto& seq = op.kind == P2POp::kSend ? engine_->send_seq : engine_->recv_seq;
+      const int tag = static_cast<int>(seq[op.peer]++ & 0x7fffffff);
+      auto w =
+          op.kind == P2POp::kSend ? backend.send(ts, op.peer, tag) : backend.recv(ts, op.peer, tag);
+      if (coalesce) {
+        coalesced.push_back({op.kind, op.peer, n});
       } else {
-        counters_.received[op.peer] += n;
-        auto w = backend.recv(ts, op.peer, static_cast<int>(engine_->recv_seq[op.peer]++ & 0x7fffffff));
-        if (!coalesce) work.impl_->works.push_back(w);
+        track(w, {{op.kind, op.peer, n}});
       }
     }
     if (coalesce) {
       auto w = backend.endCoalescing();
-      if (w) work.impl_->works.push_back(w);
+      if (w) track(w, std::move(coalesced));
     }
   } catch (const lvx::Error&) {
     throw;
@@ -443,6 +532,7 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
 
 void ProcessGroup::barrier() {
   if (world_size_ == 1) return;
+  check_not_failed("barrier");
   try {
     c10d::BarrierOptions o;
     o.timeout = options_.timeout;
@@ -456,6 +546,7 @@ void ProcessGroup::barrier() {
 
 void ProcessGroup::check_agreement(const std::string& what, const std::string& value) {
   if (world_size_ == 1) return;
+  check_not_failed(str("check_agreement(", what, ")"));
   const std::string base =
       str(kStorePrefix, "agree/", engine_->agreement_seq++, "/", what, "/");
   std::vector<std::string> values(world_size_);

@@ -10,9 +10,17 @@
 //   all_reduce of S bytes           : ring reduce-scatter + all-gather, 2·(n-1)/n·S each way
 //   all_to_all with splits s_j      : Σ_{j≠r} s_j sent to the owners (pairwise exchange)
 //   broadcast of S bytes            : root sends S to each of the n-1 others
+// Byte counters count the payload of messages that completed: a send once the engine reports it
+// done, a receive once its data is in the tensor (both seen by Work::wait). Messages of a request
+// that failed or was aborted are not counted; neither are headers or transport overhead.
 // Faults: every wait is bounded by Options::timeout; a peer that dies or stops answering turns
 // into an lvx::Error on every other rank naming the operation and the failed rank (found from
-// heartbeats kept in the rendezvous store), so no rank waits forever.
+// heartbeats kept in the rendezvous store), so no rank waits forever. The first failure (timeout
+// or engine error) fails the whole group at once: every other pending request is aborted, so
+// waiting for it or destroying it unwaited returns at once instead of waiting another timeout,
+// and every later operation throws at once, naming the first failure. A rank thus reports a
+// fault within one timeout (plus the diagnosis, 2.5 heartbeats) however many requests it had in
+// flight.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -27,7 +35,9 @@
 
 namespace lvx::dist {
 
-// Bytes moved by this rank, per peer, since construction or the last reset().
+// Payload bytes of this rank's completed messages, per peer, since construction or the last
+// reset(). A message is counted when the wait() of its Work sees it complete (or the destructor
+// of an unwaited Work does), so a request still in flight, or one that failed, adds nothing.
 struct ByteCounters {
   std::vector<int64_t> sent;      // [world_size], bytes this rank sent to each peer
   std::vector<int64_t> received;  // [world_size], bytes this rank received from each peer
@@ -62,7 +72,9 @@ struct P2POp {
 class ProcessGroup;
 
 // Handle for messages in flight. wait() blocks until all are done (or throws lvx::Error naming
-// the operation and the failed rank). Destroying an unwaited Work waits for it.
+// the operation and the failed rank). Destroying an unwaited Work waits for it, except after its
+// group failed: then its messages were aborted and the destructor returns at once (the engine
+// keeps their tensors alive until the group is destroyed).
 class Work {
  public:
   Work();
@@ -126,11 +138,21 @@ class ProcessGroup {
   ByteCounters& counters() { return counters_; }
   const ByteCounters& counters() const { return counters_; }
 
-  // Internal: turns an engine failure into an error naming the operation and the failed rank.
+  // Internal: turns an engine failure into an error naming the operation and the failed rank,
+  // and fails the group (aborts every pending request; later operations throw at once).
   [[noreturn]] void fail(const std::string& what, const std::string& cause);
+  // The first failure of this group, or empty while it is healthy.
+  std::string failure() const;
 
  private:
+  friend class Work;
   struct Engine;
+  // Throws at once when the group has failed: `what` is not started.
+  void check_not_failed(const std::string& what) const;
+  // Waits for the messages of `w`, counting those that complete (Work::wait and ~Work).
+  void wait_work(Work::Impl& w);
+  // Aborts every pending request after a failure; returns at once.
+  void abort_pending();
   RendezvousInfo info_;
   Options options_;
   int rank_ = 0;
