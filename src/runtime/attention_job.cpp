@@ -144,7 +144,6 @@ int run_attention_rank(const AttentionJob& job) {
     sent = pg->counters().total_sent();
     received = pg->counters().total_received();
   }
-  const auto dt = in.q.scalar_type();
   std::map<std::string, at::Tensor> part{{"o", out.o}, {"lse", out.lse.to(at::kFloat)}};
   if (job.backward) {
     part["dq"] = grads.dq;
