@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include "src/dist/launcher.h"
 
 namespace lvx::testing {
@@ -35,6 +37,16 @@ std::vector<RankResult> run_ranks(int world, const std::string& worker, double t
 void expect_all_ok(const std::vector<RankResult>& results) {
   for (size_t r = 0; r < results.size(); ++r)
     EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << " output:\n" << results[r].output;
+}
+
+std::string run_command(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  char buf[4096];
+  while (p && std::fgets(buf, sizeof(buf), p)) out += buf;
+  int rc = p ? ::pclose(p) : -1;
+  if (rc != 0) out += "\n[exit status " + std::to_string(rc) + "]";
+  return out;
 }
 
 }  // namespace lvx::testing

@@ -24,6 +24,10 @@ std::vector<RankResult> run_ranks(int world, const std::string& worker, double t
                                   const std::map<std::string, std::string>& env = {},
                                   bool openmpi_style = false);
 
+// Runs a shell command; returns its stdout and stderr, with "[exit status N]" appended when it
+// did not exit 0.
+std::string run_command(const std::string& cmd);
+
 // Asserts every rank exited 0, printing each failing rank's output otherwise.
 void expect_all_ok(const std::vector<RankResult>& results);
 

@@ -3,6 +3,8 @@
 // safetensors files a Python user would exchange with lvx. Gate: error <= 2 × the error of
 // PyTorch's own same-dtype computation + atol.
 #include <gtest/gtest.h>
+
+#include "tests/multirank.h"
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
@@ -12,15 +14,7 @@
 
 namespace {
 
-std::string run(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  while (p && std::fgets(buf, sizeof(buf), p)) out += buf;
-  int rc = p ? ::pclose(p) : -1;
-  if (rc != 0) out += "\n[exit status " + std::to_string(rc) + "]";
-  return out;
-}
+std::string run(const std::string& cmd) { return lvx::testing::run_command(cmd); }
 
 struct CliCase {
   std::string strategy, mask;

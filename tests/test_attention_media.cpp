@@ -7,6 +7,8 @@
 // off-by-one between the rules on the media token's own row, and the input errors.
 #include <gtest/gtest.h>
 
+#include "tests/multirank.h"
+
 #include <cstdio>
 #include <functional>
 #include <iostream>
@@ -30,15 +32,7 @@ const std::vector<MediaMaskModel> kModels = {
     MediaMaskModel::kOpenFlamingo, MediaMaskModel::kOpenFlamingoAllPrevious,
     MediaMaskModel::kMplugOwl3_240728, MediaMaskModel::kMplugOwl3_241101};
 
-std::string run(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  while (p && std::fgets(buf, sizeof(buf), p)) out += buf;
-  int rc = p ? ::pclose(p) : -1;
-  if (rc != 0) out += "\n[exit status " + std::to_string(rc) + "]";
-  return out;
-}
+std::string run(const std::string& cmd) { return lvx::testing::run_command(cmd); }
 
 // int64 [rows, n / rows] from a list (at::tensor cannot pick an overload for mixed literals).
 at::Tensor longs(std::vector<int64_t> v, int64_t rows) {
