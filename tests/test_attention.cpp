@@ -87,11 +87,12 @@ struct Case {
   int64_t hq, hkv, sq, skv;
   at::ScalarType dtype;
   bool padded = false;  // some keys are padding (kv_valid false), differently per batch row
+  bool layouts = false;  // queries striped, keys split in whole blocks of 4 (a model's layouts)
   std::string name() const {
     const char* m = mask == MaskKind::kNone ? "none" : mask == MaskKind::kCausal ? "causal"
                     : rule == MediaRule::kImmediate ? "media_immediate" : "media_upto";
     return lvx::str(strategy, "/", m, "/Hq", hq, "Hkv", hkv, "/Sq", sq, "Skv", skv, "/",
-                    c10::toString(dtype), padded ? "/padded" : "");
+                    c10::toString(dtype), padded ? "/padded" : "", layouts ? "/layouts" : "");
   }
 };
 
@@ -123,6 +124,10 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
   s.head_dim = 8;
   s.mask = c.mask;
   s.media_rule = c.rule;
+  if (c.layouts) {
+    s.q_layout = attention::LayoutKind::kStriped;
+    s.kv_unit = 4;
+  }
   // Same inputs for every strategy of a case (the cross-strategy comparison needs them).
   auto gen = at::make_generator<at::CPUGeneratorImpl>(
       seed + std::hash<std::string>{}(c.name().substr(c.name().find('/'))) % 100000);
@@ -261,6 +266,8 @@ std::vector<Case> all_cases(int world) {
           for (auto dt : {at::kFloat, at::kBFloat16})
             cases.push_back({strat, mask, rule, hq, hkv, sq, skv, dt});
           if (sq == 13) cases.push_back({strat, mask, rule, hq, hkv, sq, skv, at::kFloat, true});
+          if (sq == 13 && std::string(strat) != "striped")  // 20 keys: 5 blocks of 4
+            cases.push_back({strat, mask, rule, hq, hkv, sq, 20, at::kFloat, false, true});
         }
   return cases;
 }
@@ -323,8 +330,8 @@ TEST(Strategies, NamesRoundTripAndUnknownIsClear) {
 TEST(Layouts, ShardUnshardRoundTripEvenUnevenStriped) {
   for (auto kind : {attention::LayoutKind::kContiguous, attention::LayoutKind::kStriped})
     for (int world : {1, 2, 3, 4})
-      for (int64_t total : {1, 5, 12, 13}) {
-        attention::Layout l{kind, total, world};
+      for (int64_t total : {1, 5, 12, 13, 20}) {
+        attention::Layout l{kind, total, world, total % 4 == 0 ? 4 : 1};
         auto x = at::arange(total, at::kLong).view({1, -1});
         std::vector<at::Tensor> shards;
         int64_t sum = 0;

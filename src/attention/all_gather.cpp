@@ -102,7 +102,8 @@ class AllGatherStrategy : public Strategy {
   // This rank's queries against the whole key sequence.
   kernels::AttentionParams params(const AttentionSpec& s, const MaskInputs& mask, int r,
                                   int n) const {
-    return block_params(s, mask, q_layout(s, n).positions(r), at::arange(s.skv, at::kLong));
+    // Keys in the order the all-gather concatenates them: shard by shard, in rank order.
+    return block_params(s, mask, q_layout(s, n).positions(r), kv_layout(s, n).gathered_positions());
   }
 };
 

@@ -6,8 +6,12 @@ namespace lvx::attention {
 
 int64_t Layout::local_size(int rank) const {
   LVX_CHECK(rank >= 0 && rank < world, "layout: rank ", rank, " outside [0, ", world, ")");
-  if (kind == LayoutKind::kStriped) return total > rank ? (total - rank + world - 1) / world : 0;
-  return total / world + (rank < total % world ? 1 : 0);
+  LVX_CHECK(unit >= 1 && total % unit == 0, "layout: ", total, " tokens are not whole blocks of ",
+            unit);
+  const int64_t blocks = total / unit;
+  if (kind == LayoutKind::kStriped)
+    return (blocks > rank ? (blocks - rank + world - 1) / world : 0) * unit;
+  return (blocks / world + (rank < blocks % world ? 1 : 0)) * unit;
 }
 
 std::vector<int64_t> Layout::sizes() const {
@@ -18,10 +22,22 @@ std::vector<int64_t> Layout::sizes() const {
 
 at::Tensor Layout::positions(int rank) const {
   const int64_t n = local_size(rank);
-  if (kind == LayoutKind::kStriped) return at::arange(n, at::kLong) * world + rank;
-  int64_t off = 0;
-  for (int r = 0; r < rank; ++r) off += local_size(r);
-  return at::arange(off, off + n, at::kLong);
+  at::Tensor blocks;  // this rank's block indices
+  if (kind == LayoutKind::kStriped) {
+    blocks = at::arange(n / unit, at::kLong) * world + rank;
+  } else {
+    int64_t off = 0;
+    for (int r = 0; r < rank; ++r) off += local_size(r);
+    blocks = at::arange(off / unit, (off + n) / unit, at::kLong);
+  }
+  if (unit == 1) return blocks;
+  return (blocks.unsqueeze(1) * unit + at::arange(unit, at::kLong).unsqueeze(0)).reshape({-1});
+}
+
+at::Tensor Layout::gathered_positions() const {
+  std::vector<at::Tensor> pos;
+  for (int r = 0; r < world; ++r) pos.push_back(positions(r));
+  return at::cat(pos);
 }
 
 at::Tensor Layout::shard(const at::Tensor& global, int64_t dim, int rank) const {
@@ -35,9 +51,7 @@ at::Tensor Layout::unshard(const std::vector<at::Tensor>& shards, int64_t dim) c
             " shards for ", world, " ranks");
   at::Tensor cat = at::cat(shards, dim);
   if (kind == LayoutKind::kContiguous) return cat;
-  std::vector<at::Tensor> pos;
-  for (int r = 0; r < world; ++r) pos.push_back(positions(r));
-  at::Tensor inverse = at::argsort(at::cat(pos));
+  at::Tensor inverse = at::argsort(gathered_positions());
   return cat.index_select(dim, inverse.to(cat.device()));
 }
 

@@ -85,15 +85,16 @@ std::string AttentionSpec::describe() const {
                   : media_rule == kernels::MediaRule::kImmediate ? "media_immediate"
                                                                  : "media_upto";
   return str("B=", batch, " Sq=", sq, " Skv=", skv, " Hq=", hq, " Hkv=", hkv, " D=", head_dim,
-             " mask=", m, " scale=", scale);
+             " mask=", m, " scale=", scale, " layouts=", static_cast<int>(q_layout), "/",
+             static_cast<int>(kv_layout), "x", kv_unit);
 }
 
 Layout Strategy::q_layout(const AttentionSpec& s, int world) const {
-  return Layout{LayoutKind::kContiguous, s.sq, world};
+  return Layout{s.q_layout, s.sq, world, 1};
 }
 
 Layout Strategy::kv_layout(const AttentionSpec& s, int world) const {
-  return Layout{LayoutKind::kContiguous, s.skv, world};
+  return Layout{s.kv_layout, s.skv, world, s.kv_unit};
 }
 
 kernels::AttentionParams block_params(const AttentionSpec& s, const MaskInputs& in,

@@ -83,6 +83,11 @@ struct AttentionSpec {
   kernels::MaskKind mask = kernels::MaskKind::kNone;
   kernels::MediaRule media_rule = kernels::MediaRule::kImmediate;
   double scale = 0;  // 0: 1/sqrt(head_dim)
+  // How the shards split the tokens (striped forces striped on both sides): a model keeps its
+  // text in one layout for every layer, and splits visual keys in whole images (kv_unit tokens).
+  LayoutKind q_layout = LayoutKind::kContiguous;
+  LayoutKind kv_layout = LayoutKind::kContiguous;
+  int64_t kv_unit = 1;
   // kCausal with sq != skv aligns the last query with the last key: query i sits at key
   // position i + (skv − sq).
   int64_t causal_offset() const { return skv - sq; }

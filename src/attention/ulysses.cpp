@@ -72,7 +72,7 @@ class UlyssesStrategy : public Strategy {
     at::Tensor qh = seq_to_heads(pg, in.q, qs);
     at::Tensor kh = seq_to_heads(pg, in.k, ks);
     at::Tensor vh = seq_to_heads(pg, in.v, ks);
-    auto res = kernels::attention_forward(qh, kh, vh, whole_params(s, in.mask));
+    auto res = kernels::attention_forward(qh, kh, vh, whole_params(s, in.mask, n));
     const auto dt = in.q.scalar_type();
     // The final O travels once, in the input dtype (the contract's output dtype); lse in fp32.
     at::Tensor oh = res.o.to(dt);
@@ -92,7 +92,7 @@ class UlyssesStrategy : public Strategy {
     const auto dt = qh.scalar_type();
     at::Tensor doh = seq_to_heads(pg, dout.to(dt).contiguous(), qs);
     auto g = kernels::attention_backward(qh, kh, vh, doh, lseh, kernels::attention_delta(doh, oh),
-                                         whole_params(s, mask));
+                                         whole_params(s, mask, n));
     return {heads_to_seq(pg, g.dq.to(dt), 1, 2, qs), heads_to_seq(pg, g.dk.to(dt), 1, 2, ks),
             heads_to_seq(pg, g.dv.to(dt), 1, 2, ks)};
   }
@@ -134,8 +134,12 @@ class UlyssesStrategy : public Strategy {
 
  private:
   // The whole sequence on this rank's head group.
-  static kernels::AttentionParams whole_params(const AttentionSpec& s, const MaskInputs& mask) {
-    return block_params(s, mask, at::arange(s.sq, at::kLong), at::arange(s.skv, at::kLong));
+  static kernels::AttentionParams whole_params(const AttentionSpec& s, const MaskInputs& mask,
+                                               int64_t world) {
+    // The whole sequence in the order the all-to-alls gather it: shard by shard, in rank order.
+    const int n = static_cast<int>(world);
+    return block_params(s, mask, Layout{s.q_layout, s.sq, n, 1}.gathered_positions(),
+                        Layout{s.kv_layout, s.skv, n, s.kv_unit}.gathered_positions());
   }
 };
 
