@@ -349,8 +349,9 @@ TEST(Layouts, ShardUnshardRoundTripEvenUnevenStriped) {
 
 #include "src/attention/dist_attention.h"
 
-// The strategy as an autograd function inside a graph (an upstream op scales q by 2): the leaf
-// gradients equal the fp64 dense reference's, shard by shard.
+// The strategy as an autograd function inside a graph (an upstream op scales q by 2, the loss
+// uses o and lse, keys are padded): the leaf gradients equal those of an fp64 dense attention
+// differentiated by autograd, shard by shard.
 LVX_WORKER(autograd) {
   auto pg = std::shared_ptr<dist::ProcessGroup>(dist::ProcessGroup::from_env());
   const int n = pg->world_size(), r = pg->rank();
@@ -374,22 +375,37 @@ LVX_WORKER(autograd) {
     auto dout = at::randn({1, s.sq, s.hq, s.head_dim}, gen, at::kDouble);
     // Padding reaches the kernels through dist_attention's mask inputs.
     at::Tensor kv_valid = padding_mask(1, s.skv);
-    Dense ref = dense(s, q * 2, k, v, dout, visibility(s, {}, {}) & kv_valid.unsqueeze(1),
-                      at::kDouble);
+    at::Tensor vis = visibility(s, {}, {}) & kv_valid.unsqueeze(1);
+    // The loss also uses lse (as a merge of partial results by lse does): its gradient must flow.
+    auto dl = at::randn({1, s.hq, s.sq}, gen, at::kDouble);
+    // Reference: dense attention in fp64, differentiated by autograd.
+    auto qr = (q * 2).detach().requires_grad_(), kr = k.detach().requires_grad_(),
+         vr = v.detach().requires_grad_();
+    {
+      const int64_t g = s.hq / s.hkv;
+      auto S = at::matmul(qr.permute({0, 2, 1, 3}),
+                          kr.repeat_interleave(g, 2).permute({0, 2, 3, 1})) /
+               std::sqrt(double(s.head_dim));
+      S = S.masked_fill(vis.unsqueeze(1).logical_not(), -INFINITY);
+      auto lse = at::logsumexp(S, -1);  // [B, H, Sq]
+      auto P = at::softmax(S, -1);
+      auto O = at::matmul(P, vr.repeat_interleave(g, 2).permute({0, 2, 1, 3})).permute({0, 2, 1, 3});
+      ((O * dout).sum() + (lse * dl).sum()).backward();
+    }
     const auto ql = strategy->q_layout(s, n), kl = strategy->kv_layout(s, n);
     auto q_leaf = ql.shard(q, 1, r).requires_grad_();
     auto k_leaf = kl.shard(k, 1, r).requires_grad_();
     auto v_leaf = kl.shard(v, 1, r).requires_grad_();
     auto res = attention::dist_attention(q_leaf * 2, k_leaf, v_leaf, pg, kind, s,
                                          {{}, {}, kv_valid});
-    (res.o * ql.shard(dout, 1, r)).sum().backward();
-    const double e_o = max_err(res.o.detach(), ql.shard(ref.o, 1, r));
-    const double e_q = max_err(q_leaf.grad(), ql.shard(ref.dq, 1, r) * 2);
-    const double e_k = max_err(k_leaf.grad(), kl.shard(ref.dk, 1, r));
-    const double e_v = max_err(v_leaf.grad(), kl.shard(ref.dv, 1, r));
-    if (!(std::max({e_o, e_q, e_k, e_v}) < 1e-10)) {
-      std::cerr << "rank " << r << " " << name << ": autograd errors o " << e_o << " dq " << e_q
-                << " dk " << e_k << " dv " << e_v << "\n";
+    ((res.o * ql.shard(dout, 1, r)).sum() + (res.lse.to(at::kDouble) * ql.shard(dl, 2, r)).sum())
+        .backward();
+    const double e_q = max_err(q_leaf.grad(), ql.shard(qr.grad(), 1, r) * 2);
+    const double e_k = max_err(k_leaf.grad(), kl.shard(kr.grad(), 1, r));
+    const double e_v = max_err(v_leaf.grad(), kl.shard(vr.grad(), 1, r));
+    if (!(std::max({e_q, e_k, e_v}) < 1e-10)) {
+      std::cerr << "rank " << r << " " << name << ": autograd errors dq " << e_q << " dk " << e_k
+                << " dv " << e_v << "\n";
       ++bad;
     }
   }

@@ -40,7 +40,8 @@ class AllGatherStrategy : public Strategy {
   }
 
   LocalGrads backward(dist::ProcessGroup& pg, const AttentionSpec& s, const MaskInputs& mask,
-                      const SavedState& saved, const at::Tensor& dout) const override {
+                      const SavedState& saved, const at::Tensor& dout,
+                      const at::Tensor& dlse) const override {
     const int n = pg.world_size(), r = pg.rank();
     LVX_CHECK(saved.tensors.size() == 5, "all_gather backward: needs the state its forward saved");
     const at::Tensor &q = saved.tensors[0], &k_full = saved.tensors[1], &v_full = saved.tensors[2];
@@ -50,7 +51,7 @@ class AllGatherStrategy : public Strategy {
     at::Tensor dq, dk_full, dv_full;
     if (q.size(1) > 0) {
       auto g = kernels::attention_backward(q, k_full, v_full, dout, lse,
-                                           kernels::attention_delta(dout, o), params(s, mask, r, n));
+                                           backward_delta(dout, o, dlse), params(s, mask, r, n));
       dq = g.dq;
       dk_full = g.dk;
       dv_full = g.dv;

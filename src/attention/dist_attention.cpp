@@ -26,9 +26,7 @@ struct DistAttentionFunction : public torch::autograd::Function<DistAttentionFun
                                               &saved);
     ctx->save_for_backward(saved.tensors);  // the one copy of what the backward needs
     ctx->saved_data["state"] = state_value;
-    at::Tensor lse = out.lse.to(at::kFloat);
-    ctx->mark_non_differentiable({lse});
-    return {out.o, lse};
+    return {out.o, out.lse};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -37,7 +35,9 @@ struct DistAttentionFunction : public torch::autograd::Function<DistAttentionFun
     SavedState saved{ctx->get_saved_variables()};
     at::Tensor dout = grads[0];
     if (!dout.defined()) dout = at::zeros_like(saved.tensors.at(3));
-    LocalGrads g = state->backward->backward(*state->pg, state->spec, state->mask, saved, dout);
+    // A gradient on lse (callers merging partial results by lse) folds into delta.
+    LocalGrads g =
+        state->backward->backward(*state->pg, state->spec, state->mask, saved, dout, grads[1]);
     return {g.dq, g.dk, g.dv, at::Tensor()};
   }
 };

@@ -18,7 +18,9 @@ namespace lvx::attention {
 
 struct DistAttentionResult {
   at::Tensor o;    // [B, Sq_r, Hq, D] in q's dtype, part of the autograd graph (0 where no key)
-  at::Tensor lse;  // [B, Hq, Sq_r] fp32, no gradient; −inf where the row sees no key (has_keys)
+  at::Tensor lse;  // [B, Hq, Sq_r] accumulation dtype (fp32; fp64 for fp64), differentiable (for
+                   // merging partial results by lse);
+                   // −inf where the row sees no key (has_keys)
 };
 
 // q [B, Sq_r, Hq, D], k/v [B, Skv_r, Hkv, D]: this rank's shards in the strategies' layouts.

@@ -51,14 +51,15 @@ class LvXAttnStrategy : public Strategy {
   }
 
   LocalGrads backward(dist::ProcessGroup& pg, const AttentionSpec& s, const MaskInputs& mask,
-                      const SavedState& saved, const at::Tensor& dout) const override {
+                      const SavedState& saved, const at::Tensor& dout,
+                      const at::Tensor& dlse) const override {
     const int n = pg.world_size(), r = pg.rank();
     const Layout ql = q_layout(s, n), kl = kv_layout(s, n);
     const at::Tensor &q0 = saved.tensors.at(0), &k = saved.tensors.at(1), &v = saved.tensors.at(2);
     const at::Tensor &o = saved.tensors.at(3), &lse = saved.tensors.at(4);
     const at::Tensor k_pos = kl.positions(r);
     const auto acc = kernels::accumulation_dtype(q0.scalar_type());
-    const at::Tensor delta = kernels::attention_delta(dout, o);  // at home, from the final O
+    const at::Tensor delta = backward_delta(dout, o, dlse);  // at home, from the final O
     at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(acc));
     at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(acc));
     RingPass pass;

@@ -44,14 +44,15 @@ class RingStrategy : public Strategy {
   }
 
   LocalGrads backward(dist::ProcessGroup& pg, const AttentionSpec& s, const MaskInputs& mask,
-                      const SavedState& saved, const at::Tensor& dout) const override {
+                      const SavedState& saved, const at::Tensor& dout,
+                      const at::Tensor& dlse) const override {
     const int n = pg.world_size(), r = pg.rank();
     const Layout ql = q_layout(s, n), kl = kv_layout(s, n);
     const at::Tensor &q = saved.tensors.at(0), &k0 = saved.tensors.at(1), &v0 = saved.tensors.at(2);
     const at::Tensor &o = saved.tensors.at(3), &lse = saved.tensors.at(4);
     const at::Tensor q_pos = ql.positions(r);
     const auto acc = kernels::accumulation_dtype(q.scalar_type());
-    const at::Tensor delta = kernels::attention_delta(dout, o);
+    const at::Tensor delta = backward_delta(dout, o, dlse);
     at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(acc));
     RingPass pass;
     pass.ahead_what = "ring backward K/V";

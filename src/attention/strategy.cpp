@@ -117,6 +117,13 @@ kernels::AttentionParams block_params(const AttentionSpec& s, const MaskInputs& 
   return p;
 }
 
+at::Tensor backward_delta(const at::Tensor& dout, const at::Tensor& o, const at::Tensor& dlse) {
+  at::Tensor delta = kernels::attention_delta(dout, o);
+  if (!dlse.defined()) return delta;
+  // Rows without keys have lse = −inf and no gradient path; keep their delta finite.
+  return delta - at::nan_to_num(dlse.to(delta.scalar_type()), 0.0, 0.0, 0.0);
+}
+
 int64_t element_bytes(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
 
 std::unique_ptr<Strategy> make_lv_xattn();

@@ -185,9 +185,13 @@ class Strategy {
                               const LocalInputs& in, SavedState* saved) const = 0;
   // `saved` is what this strategy's forward (or a pairable one's, see can_pair) saved; `mask`
   // the same metadata as in the forward; dout has the output shard's shape (any float dtype).
+  // dlse (optional, [B, Hq, Sq_r]) is a gradient with respect to lse, for callers that merge
+  // partial results by their lse (BurstAttention's blockwise merge across strategies): it enters
+  // as a shift of delta, dS = P ∘ (dP − (delta − dlse)) (see backward_delta). With dlse, ulysses
+  // sends one more all-to-all (of |lse|) than its schedule lists.
   virtual LocalGrads backward(dist::ProcessGroup& pg, const AttentionSpec& s,
                               const MaskInputs& mask, const SavedState& saved,
-                              const at::Tensor& dout) const = 0;
+                              const at::Tensor& dout, const at::Tensor& dlse = {}) const = 0;
 
   // This rank's rounds and messages in one pass (element size from `dtype`).
   virtual PassSchedule schedule(const AttentionSpec& s, int world, int rank, at::ScalarType dtype,
@@ -208,5 +212,9 @@ kernels::AttentionParams block_params(const AttentionSpec& s, const MaskInputs& 
                                       const at::Tensor& q_pos, const at::Tensor& k_pos);
 
 int64_t element_bytes(at::ScalarType t);
+
+// delta = rowsum(dO ∘ O) − dlse ([B, Hq, Sq], accumulation dtype): the backward's row term, with
+// the lse gradient folded in (d lse_i / d S_ij = P_ij).
+at::Tensor backward_delta(const at::Tensor& dout, const at::Tensor& o, const at::Tensor& dlse);
 
 }  // namespace lvx::attention

@@ -82,7 +82,8 @@ class UlyssesStrategy : public Strategy {
   }
 
   LocalGrads backward(dist::ProcessGroup& pg, const AttentionSpec& s, const MaskInputs& mask,
-                      const SavedState& saved, const at::Tensor& dout) const override {
+                      const SavedState& saved, const at::Tensor& dout,
+                      const at::Tensor& dlse) const override {
     const int n = pg.world_size();
     check_supported(s, n);
     LVX_CHECK(saved.tensors.size() == 5, "ulysses backward: needs the state its forward saved");
@@ -91,7 +92,12 @@ class UlyssesStrategy : public Strategy {
     const at::Tensor &oh = saved.tensors[3], &lseh = saved.tensors[4];
     const auto dt = qh.scalar_type();
     at::Tensor doh = seq_to_heads(pg, dout.to(dt).contiguous(), qs);
-    auto g = kernels::attention_backward(qh, kh, vh, doh, lseh, kernels::attention_delta(doh, oh),
+    at::Tensor dlse_h;  // [B, Hq/n, Sq]: the lse gradient of this rank's heads, if any
+    if (dlse.defined())
+      dlse_h = seq_to_heads(pg, dlse.permute({0, 2, 1}).unsqueeze(-1).contiguous(), qs)
+                   .squeeze(-1)
+                   .permute({0, 2, 1});
+    auto g = kernels::attention_backward(qh, kh, vh, doh, lseh, backward_delta(doh, oh, dlse_h),
                                          whole_params(s, mask, n));
     return {heads_to_seq(pg, g.dq.to(dt), 1, 2, qs), heads_to_seq(pg, g.dk.to(dt), 1, 2, ks),
             heads_to_seq(pg, g.dv.to(dt), 1, 2, ks)};
