@@ -85,6 +85,13 @@ PromptLayout prompt_layout_from_string(const std::string& s) {
 }
 
 at::Tensor prompt_ids(const Workload& w) {
+  if (w.prompt_marks.defined()) {
+    LVX_CHECK(w.prompt_marks.sizes() == at::IntArrayRef({1, w.text_tokens}) &&
+                  w.prompt_marks.sum().item<int64_t>() == w.frames,
+              "workload: prompt_marks must be [1, ", w.text_tokens, "] with ", w.frames,
+              " frame tokens");
+    return w.prompt_marks.to(at::kLong);
+  }
   at::Tensor ids = at::zeros({1, w.text_tokens}, at::kLong);
   for (int64_t f = 0; f < w.frames; ++f) {
     const int64_t pos = w.layout == PromptLayout::kVideoQA ? f : f * w.text_tokens / w.frames;

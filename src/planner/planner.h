@@ -30,12 +30,16 @@ struct Workload {
   std::string dtype;             // empty: the model's dtype
   bool train = false;
   PromptLayout layout = PromptLayout::kVideoQA;
+  // Optional: the actual prompt, int64 [1, S_Q] with 1 where a frame's token sits (overrides
+  // `layout`; the runtime plans a batch from its own input_ids this way).
+  at::Tensor prompt_marks;
   std::vector<StrategyKind> strategies;  // candidates to choose from (empty: all); all estimated
   bool split_passes = true;  // may choose forward and backward strategies separately (pairs the
                              // runtime can run: attention::can_pair)
 };
 
-// The prompt's token ids for the layout: 1 for each frame's image token, 0 elsewhere ([1, S_Q]).
+// The prompt's token ids for the layout (or prompt_marks): 1 for each frame's image token, 0
+// elsewhere ([1, S_Q]).
 at::Tensor prompt_ids(const Workload& w);
 
 // Builds each layer's workload (LV-XAttn §4 accounting: S_Q = text length for every layer;

@@ -1,0 +1,56 @@
+// Checkpoints in the Hugging Face layout: config.json beside model.safetensors, or beside a
+// sharded model.safetensors.index.json and its shards; tensors in bf16, fp16 or fp32. Parameters
+// keep the checkpoint's own names (the released models' state-dict keys), so a user's real
+// directory loads as downloaded and a missing tensor is named exactly.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace lvx::models {
+
+// Parameters by checkpoint name.
+using StateDict = std::map<std::string, at::Tensor>;
+// What a model expects: checkpoint name → shape.
+using ShapeSpec = std::map<std::string, std::vector<int64_t>>;
+
+struct Checkpoint {
+  std::string dir;
+  nlohmann::json config;  // config.json
+  StateDict tensors;      // every tensor of the checkpoint, CPU, in its stored dtype
+};
+
+// Reads config.json and every tensor. Errors name the directory and the file.
+Checkpoint load_checkpoint(const std::string& dir);
+
+// The parameters a model needs, converted to `dtype`: every tensor of `expected` must be present
+// with its shape, and every other tensor must start with one of `unused_prefixes` (tensors of the
+// release that the model does not use, e.g. SigLIP's pooling head). One lvx::Error lists every
+// missing, unexpected and mis-shaped tensor, naming `dir`.
+StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
+                            const std::vector<std::string>& unused_prefixes, at::ScalarType dtype,
+                            const std::string& dir);
+
+// Writes `tensors` in the layout above (config.json, model.safetensors; or `shards` > 1 files
+// model-0000i-of-0000N.safetensors and model.safetensors.index.json). For tests and converters.
+void save_checkpoint(const std::string& dir, const nlohmann::json& config, const StateDict& tensors,
+                     int shards = 1);
+
+// The id of an added token (e.g. "<|image|>") from `dir`/tokenizer.json's added_tokens; −1 when
+// the file has no such token. Errors name the file.
+int64_t added_token_id(const std::string& dir, const std::string& content);
+
+// A parameter by name; an error naming it when absent.
+const at::Tensor& param(const StateDict& w, const std::string& name);
+
+// config.json fields with errors naming the file and the field.
+int64_t config_int(const nlohmann::json& c, const std::string& field, const std::string& where);
+double config_double(const nlohmann::json& c, const std::string& field, const std::string& where);
+int64_t config_int_or(const nlohmann::json& c, const std::string& field, int64_t fallback);
+double config_double_or(const nlohmann::json& c, const std::string& field, double fallback);
+
+}  // namespace lvx::models

@@ -1,0 +1,273 @@
+#include "models/mplug_owl3.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "models/layers.h"
+#include "src/attention/dist_attention.h"
+#include "src/common/error.h"
+
+namespace lvx::models {
+
+namespace {
+
+const std::string kLm = "language_model.model.";
+const std::string kVision = "vision_model.";
+
+std::string layer_prefix(int64_t i) { return kLm + "layers." + std::to_string(i) + "."; }
+
+}  // namespace
+
+attention::MediaMaskModel MplugOwl3Config::media_rule() const {
+  return variant == "241101" ? attention::MediaMaskModel::kMplugOwl3_241101
+                             : attention::MediaMaskModel::kMplugOwl3_240728;
+}
+
+bool MplugOwl3Config::is_hyper(int64_t layer) const {
+  return std::find(hyper_layers.begin(), hyper_layers.end(), layer) != hyper_layers.end();
+}
+
+MplugOwl3Config mplug_owl3_config(const Checkpoint& ck, int64_t image_token_id) {
+  const nlohmann::json& j = ck.config;
+  const std::string where = ck.dir + "/config.json";
+  const std::string type = j.value("model_type", std::string());
+  LVX_CHECK(type == "mplugowl3", where, ": model_type: expected \"mplugowl3\", got \"", type, "\"");
+  MplugOwl3Config c;
+  c.hidden = config_int(j, "hidden_size", where);
+  c.layers = config_int(j, "num_hidden_layers", where);
+  c.heads = config_int(j, "num_attention_heads", where);
+  c.kv_heads = config_int_or(j, "num_key_value_heads", c.heads);
+  c.head_dim = config_int_or(j, "head_dim", c.heads > 0 ? c.hidden / c.heads : 0);
+  c.intermediate = config_int(j, "intermediate_size", where);
+  c.vocab = config_int(j, "vocab_size", where);
+  c.rope_theta = config_double_or(j, "rope_theta", 1e6);
+  c.rms_eps = config_double_or(j, "rms_norm_eps", 1e-6);
+  c.tie_embeddings = j.value("tie_word_embeddings", false);
+  LVX_CHECK(c.heads > 0 && c.kv_heads > 0 && c.heads % c.kv_heads == 0, where,
+            ": num_attention_heads (", c.heads, ") must be a multiple of num_key_value_heads (",
+            c.kv_heads, ")");
+  LVX_CHECK(j.contains("hyper_layers") && j["hyper_layers"].is_array(), where,
+            ": hyper_layers: missing (the 1-based indices of the hyper attention layers)");
+  for (const auto& v : j["hyper_layers"]) {
+    LVX_CHECK(v.is_number_integer() && v.get<int64_t>() >= 1 && v.get<int64_t>() <= c.layers,
+              where, ": hyper_layers: expected 1-based layer indices in [1, ", c.layers, "], got ",
+              v.dump());
+    c.hyper_layers.push_back(v.get<int64_t>() - 1);
+  }
+  LVX_CHECK(j.contains("vision_config") && j["vision_config"].is_object(), where,
+            ": vision_config: missing");
+  c.vision = siglip_config(j["vision_config"], where);
+  LVX_CHECK(image_token_id >= 0, where, ": no <|image|> token id (tokenizer.json added_tokens)");
+  c.image_token_id = image_token_id;
+  // The release variant, from the checkpoint itself: 240728/241014 hyper layers own a gate.
+  c.variant = "241101";
+  if (!c.hyper_layers.empty() &&
+      ck.tensors.count(layer_prefix(c.hyper_layers.front()) + "self_attn.gate"))
+    c.variant = "240728";
+  return c;
+}
+
+MplugOwl3::MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarType dtype)
+    : cfg_(mplug_owl3_config(ck, image_token_id)) {
+  const MplugOwl3Config& c = cfg_;
+  const int64_t h = c.hidden, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim;
+  ShapeSpec s = siglip_shapes(c.vision, kVision, c.vision.layers - 1);
+  s["vision2text_model.0.weight"] = {h, c.vision.hidden};
+  s["vision2text_model.0.bias"] = {h};
+  s["vision2text_model.2.weight"] = {h, h};
+  s["vision2text_model.2.bias"] = {h};
+  s[kLm + "embed_tokens.weight"] = {c.vocab, h};
+  s[kLm + "norm.weight"] = {h};
+  if (!c.tie_embeddings) s["language_model.lm_head.weight"] = {c.vocab, h};
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    s[l + "self_attn.q_proj.weight"] = {q, h};
+    s[l + "self_attn.q_proj.bias"] = {q};
+    for (const char* n : {"k_proj", "v_proj"}) {
+      s[l + "self_attn." + n + ".weight"] = {kv, h};
+      s[l + "self_attn." + n + ".bias"] = {kv};
+    }
+    s[l + "self_attn.o_proj.weight"] = {h, q};
+    s[l + "mlp.gate_proj.weight"] = {c.intermediate, h};
+    s[l + "mlp.up_proj.weight"] = {c.intermediate, h};
+    s[l + "mlp.down_proj.weight"] = {h, c.intermediate};
+    s[l + "input_layernorm.weight"] = {h};
+    s[l + "post_attention_layernorm.weight"] = {h};
+    if (c.is_hyper(i)) {
+      s[l + "self_attn.v_kv_proj.weight"] = {2 * kv, h};
+      s[l + "self_attn.v_kv_proj.bias"] = {2 * kv};
+      if (c.variant == "240728") s[l + "self_attn.gate"] = {h};
+    }
+  }
+  // Released tensors the model does not use: SigLIP's last layer (hidden_states[-2] is used),
+  // post_layernorm and pooling head; a tied lm_head copy.
+  std::vector<std::string> unused = {
+      kVision + "post_layernorm.", kVision + "head.",
+      kVision + "encoder.layers." + std::to_string(c.vision.layers - 1) + "."};
+  if (c.tie_embeddings) unused.push_back("language_model.lm_head.");
+  w_ = select_parameters(ck.tensors, s, unused, dtype, ck.dir);
+}
+
+bool MplugOwl3::trainable(const std::string& name) { return name.rfind(kVision, 0) != 0; }
+
+planner::ModelConfig MplugOwl3::planner_model() const {
+  const MplugOwl3Config& c = cfg_;
+  planner::ModelConfig m;
+  m.name = "mplug_owl3_" + c.variant;
+  m.family = "mplug_owl3";
+  m.dtype = "bf16";
+  m.visual_tokens_per_frame = c.vision.tokens();
+  m.visual_feature_dim = c.hidden;  // image_embeds have the LM width
+  m.vision = {c.vision.hidden, c.vision.layers, c.vision.heads, c.vision.mlp,
+              c.vision.image_size, c.vision.patch_size};
+  for (int64_t i = 0; i < c.layers; ++i) {
+    planner::AttentionLayerConfig l;
+    l.hidden_size = c.hidden;
+    l.heads = c.heads;
+    l.kv_heads = c.kv_heads;
+    l.head_dim = c.head_dim;
+    l.mlp_size = c.intermediate;
+    l.kind = planner::LayerKind::kSelf;
+    l.mask = planner::MaskRule::kCausal;
+    m.layers.push_back(l);
+    if (c.is_hyper(i)) {  // the same queries against the visual keys, beside the self layer
+      l.kind = planner::LayerKind::kCross;
+      l.mask = planner::MaskRule::kMediaUpTo;
+      m.layers.push_back(l);
+    }
+  }
+  return m;
+}
+
+namespace {
+
+// The visual features of this rank's whole images ([B, slots_r·T, H], zero for slots a sample
+// does not fill) and MI-RoPE positions of their keys ([B, slots_r·T]).
+struct LocalVisual {
+  at::Tensor features, key_positions;
+  attention::Layout layout;  // the key layout: whole images, contiguous
+};
+
+}  // namespace
+
+ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) const {
+  const MplugOwl3Config& c = cfg_;
+  const at::Tensor& ids = in.input_ids;
+  LVX_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong,
+            "mPLUG-Owl3: input_ids must be int64 [B, L], got ", ids.scalar_type(), " ",
+            ids.sizes());
+  const int n = par.world(), r = par.rank();
+  const int64_t B = ids.size(0), L = ids.size(1), T = c.vision.tokens();
+  const at::ScalarType dt = param(w_, kLm + "embed_tokens.weight").scalar_type();
+  const attention::Layout text{par.text_layout, L, n};
+  const at::Tensor pos = text.positions(r);
+  at::Tensor h = at::embedding(param(w_, kLm + "embed_tokens.weight"), ids.index_select(1, pos));
+
+  // Media: per-token indices under this release's rule; this rank's whole images.
+  const attention::MediaMask mm = attention::media_mask(c.media_rule(), ids, c.image_token_id, T);
+  const int64_t slots = mm.slots;
+  LocalVisual vis;
+  if (slots > 0) {
+    vis.layout = attention::Layout{attention::LayoutKind::kContiguous, slots * T, n, T};
+    const at::Tensor key_pos = vis.layout.positions(r);
+    const int64_t s0 = key_pos.numel() ? key_pos[0].item<int64_t>() / T : 0;
+    const int64_t ns = key_pos.numel() / T;
+    const at::Tensor present = mm.media_starts >= 0;  // [B, slots]
+    const at::Tensor counts = present.sum(1);         // images per sample
+    const int64_t total = counts.sum().item<int64_t>();
+    LVX_CHECK(in.pixel_values.defined() && in.pixel_values.dim() == 4 &&
+                  in.pixel_values.size(0) == total,
+              "mPLUG-Owl3: input_ids hold ", total, " <|image|> tokens (id ", c.image_token_id,
+              ") but pixel_values has ",
+              in.pixel_values.defined() ? str(in.pixel_values.sizes()) : std::string("none"));
+    const at::Tensor first = at::cumsum(counts, 0) - counts;  // index of each sample's image 0
+    std::vector<int64_t> images, rows;  // global image index, row (b·ns + slot) it fills
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = s0; s < s0 + ns; ++s)
+        if (present[b][s].item<bool>()) {
+          images.push_back(first[b].item<int64_t>() + s);
+          rows.push_back(b * ns + (s - s0));
+        }
+    at::Tensor feats = at::zeros({B * ns, T, c.hidden}, h.options());
+    if (!images.empty()) {
+      const at::Tensor px = in.pixel_values.index_select(0, at::tensor(images, at::kLong));
+      at::Tensor v = siglip_forward(w_, kVision, c.vision, px.to(dt), c.vision.layers - 1);
+      v = linear(at::gelu(linear(v, w_, "vision2text_model.0", true)), w_, "vision2text_model.2",
+                 true);
+      feats = feats.index_copy(0, at::tensor(rows, at::kLong), v);
+    }
+    vis.features = feats.view({B, ns * T, c.hidden});
+    // MI-RoPE: every key of image j at its token's index (+1 for 240728/241014).
+    const int64_t shift = c.variant == "241101" ? 0 : 1;
+    at::Tensor starts = mm.media_starts.narrow(1, s0, ns).clamp_min(0) + shift;  // [B, ns]
+    vis.key_positions = starts.unsqueeze(2).expand({B, ns, T}).reshape({B, ns * T});
+  }
+
+  const RotaryTables rope = rotary_tables(pos, c.head_dim, c.rope_theta);
+  const attention::MaskInputs cross_mask{mm.q_media, mm.kv_media, {}};
+  const at::Tensor sees_image = mm.q_media.index_select(1, pos).ge(0).unsqueeze(-1);  // [B,L_r,1]
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const LayerStrategies& st = par.at(static_cast<size_t>(i));
+    const at::Tensor& norm_w = param(w_, l + "input_layernorm.weight");
+    const at::Tensor x = rms_norm(h, norm_w, c.rms_eps);
+    const int64_t lr = x.size(1);
+    at::Tensor q = linear(x, w_, l + "self_attn.q_proj", true).view({B, lr, c.heads, c.head_dim});
+    at::Tensor k =
+        linear(x, w_, l + "self_attn.k_proj", true).view({B, lr, c.kv_heads, c.head_dim});
+    at::Tensor v =
+        linear(x, w_, l + "self_attn.v_proj", true).view({B, lr, c.kv_heads, c.head_dim});
+    q = apply_rotary(q, rope);
+    k = apply_rotary(k, rope);
+    attention::AttentionSpec self_spec;
+    self_spec.batch = B;
+    self_spec.sq = self_spec.skv = L;
+    self_spec.hq = c.heads;
+    self_spec.hkv = c.kv_heads;
+    self_spec.head_dim = c.head_dim;
+    self_spec.mask = kernels::MaskKind::kCausal;
+    self_spec.q_layout = self_spec.kv_layout = par.text_layout;
+    const auto self = attention::dist_attention(q, k, v, par.pg, st.self, self_spec);
+    at::Tensor ctx = self.o.reshape({B, lr, c.heads * c.head_dim});
+    if (c.is_hyper(i) && slots > 0) {
+      // The visual K/V of this layer from the shared features: the text's RMSNorm weights,
+      // then v_kv_proj with head-major channels (per K/V head: its K block, then its V block).
+      const at::Tensor kvp =
+          linear(rms_norm(vis.features, norm_w, c.rms_eps), w_, l + "self_attn.v_kv_proj", true)
+              .view({B, vis.features.size(1), c.kv_heads, 2, c.head_dim});
+      const at::Tensor kv_k = apply_rotary(
+          kvp.select(3, 0), rotary_tables(vis.key_positions, c.head_dim, c.rope_theta));
+      const at::Tensor kv_v = kvp.select(3, 1);
+      attention::AttentionSpec cross_spec = self_spec;
+      cross_spec.skv = slots * T;
+      cross_spec.mask = kernels::MaskKind::kMedia;
+      cross_spec.media_rule = mm.rule;
+      cross_spec.kv_layout = attention::LayoutKind::kContiguous;
+      cross_spec.kv_unit = T;
+      const auto cross =
+          attention::dist_attention(q, kv_k, kv_v, par.pg, st.cross, cross_spec, cross_mask);
+      if (c.variant == "240728") {
+        const at::Tensor g = at::sigmoid(param(w_, l + "self_attn.gate"));
+        const at::Tensor xo = cross.o.reshape({B, lr, c.heads * c.head_dim});
+        ctx = at::where(sees_image, ctx * (1 - g) + xo * g, ctx);
+      } else {
+        // One softmax over [visual | text] keys = the two partial results merged by their lse.
+        const at::Tensor lse = at::logaddexp(self.lse, cross.lse);  // [B, Hq, L_r]
+        auto weight = [&](const at::Tensor& part) {
+          return at::exp(part - lse).transpose(1, 2).unsqueeze(-1).to(dt);  // [B, L_r, Hq, 1]
+        };
+        ctx = (self.o * weight(self.lse) + cross.o * weight(cross.lse))
+                  .reshape({B, lr, c.heads * c.head_dim});
+      }
+    }
+    h = h + linear(ctx, w_, l + "self_attn.o_proj", false);
+    h = h + swiglu_mlp(rms_norm(h, param(w_, l + "post_attention_layernorm.weight"), c.rms_eps),
+                       w_, l + "mlp");
+  }
+  h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
+  const at::Tensor& head = c.tie_embeddings ? param(w_, kLm + "embed_tokens.weight")
+                                            : param(w_, "language_model.lm_head.weight");
+  return {at::linear(h, head), pos};
+}
+
+}  // namespace lvx::models

@@ -1,0 +1,82 @@
+// mPLUG-Owl3 (Ye et al., "mPLUG-Owl3: Towards Long Image-Sequence Understanding in Multi-Modal
+// Large Language Models"), as released on Hugging Face (model_type "mplugowl3"):
+//   SigLIP ViT → hidden_states[-2] [N_img, T, Dv] → projector Linear–GELU–Linear → image_embeds
+//   [N_img, T, H]; Qwen2 decoder (GQA, RoPE θ from the config, q/k/v bias) whose `hyper_layers`
+//   (1-based in config.json) are Hyper Attention Transformer Blocks:
+//   - 240728 / 241014 (a `self_attn.gate` tensor in the hyper layers): the block's causal
+//     self-attention and, in parallel, a cross-attention of the SAME RoPE-rotated queries to the
+//     visual K/V = v_kv_proj(input_layernorm(image_embeds)) (the text's RMSNorm weights, shared;
+//     channels head-major: h·2D + {K,V}·D + d), keys rotated by MI-RoPE at their image token's
+//     index + 1; text token t sees every image whose token is strictly before t; fused per
+//     hidden channel by g = sigmoid(gate): ctx = ctx_self·(1−g) + ctx_cross·g, only for tokens
+//     that see an image (the others keep ctx_self);
+//   - 241101 (no gate): one softmax over [visual | text] keys (t sees image j from its token
+//     on; MI-RoPE at the token's index): computed as two distributed attentions, one per key
+//     side with its own strategy, merged by their lse (BurstAttention's blockwise merge, exact,
+//     differentiable through lse).
+// Distributed as models/parallel.h describes. Parameter names are the release's.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "models/checkpoint.h"
+#include "models/parallel.h"
+#include "models/vision.h"
+#include "src/attention/media_mask.h"
+#include "src/planner/model_config.h"
+
+namespace lvx::models {
+
+struct MplugOwl3Config {
+  std::string variant;  // "240728" (gated; also 241014) or "241101" (fused), from the checkpoint
+  int64_t hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0,
+          vocab = 0;
+  double rope_theta = 1e6, rms_eps = 1e-6;
+  bool tie_embeddings = false;
+  std::vector<int64_t> hyper_layers;  // 0-based decoder layer indices
+  SiglipConfig vision;
+  int64_t image_token_id = -1;  // `<|image|>` from tokenizer.json's added tokens
+  attention::MediaMaskModel media_rule() const;
+  bool is_hyper(int64_t layer) const;
+};
+
+// Reads config.json (model_type "mplugowl3") and recognises the release variant from the
+// checkpoint's tensors (hyper layers with `self_attn.gate`: 240728/241014; without: 241101).
+// Errors name the file and the field.
+MplugOwl3Config mplug_owl3_config(const Checkpoint& ck, int64_t image_token_id);
+
+// Inputs of one step, global (every rank has the whole prompt).
+struct ModelInputs {
+  at::Tensor input_ids;     // int64 [B, L], the image token where each image sits
+  at::Tensor pixel_values;  // float [N_img, 3, H, W], preprocessed, images in prompt order
+};
+
+struct ModelOutputs {
+  at::Tensor logits;     // [B, L_r, V]: this rank's text shard (positions below)
+  at::Tensor positions;  // int64 [L_r]: global token index of each local row
+};
+
+class MplugOwl3 {
+ public:
+  // Loads and checks the parameters (missing, unexpected or mis-shaped tensors are one error
+  // naming them; SigLIP's post_layernorm, last layer and pooling head may be present).
+  MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarType dtype);
+
+  const MplugOwl3Config& config() const { return cfg_; }
+  StateDict& parameters() { return w_; }
+  // Everything but the (frozen) vision encoder.
+  static bool trainable(const std::string& name);
+  // The attention layers as they run, for the planner (one description: derived, not copied).
+  planner::ModelConfig planner_model() const;
+
+  ModelOutputs forward(const ModelInputs& in, const Parallel& par) const;
+
+ private:
+  MplugOwl3Config cfg_;
+  StateDict w_;
+};
+
+}  // namespace lvx::models

@@ -1,0 +1,58 @@
+// `lvx forward`: one model step (logits; with --backward also loss and gradients) from files on
+// N real ranks: the conformance interface of the model families.
+#include <cstdlib>
+#include <filesystem>
+
+#include "src/cli/args.h"
+#include "src/cli/command.h"
+#include "src/dist/launcher.h"
+#include "src/runtime/forward_job.h"
+
+namespace {
+
+int cmd_forward(int argc, char** argv) {
+  lvx::cli::ArgParser p(
+      "lvx forward --model DIR --input batch.safetensors --output out.safetensors [--nproc N]\n"
+      "            [--strategies auto|S|S_cross,S_self] [--backward] [--dtype fp32|bf16]",
+      "One step of a model from a Hugging Face checkpoint directory on N local ranks (or on the\n"
+      "ranks of torchrun / mpirun / lvx launch). Input: input_ids int64 [B,L] (the image token\n"
+      "where each image sits), pixel_values float32 [N_img,3,H,W] preprocessed, in prompt order,\n"
+      "optional labels int64 [B,L] (-100 = ignore; position t's logits predict labels[t]).\n"
+      "Output: logits float32 [B,L,V]; with --backward also loss (mean cross-entropy) and\n"
+      "grad.<name> for every trainable parameter (all but the vision encoder). Each rank holds its\n"
+      "text shard and encodes only its own frames. Strategies: auto (the planner, on --cluster;\n"
+      "without one lv_xattn for cross and ring for self layers), one strategy S for every layer,\n"
+      "or S_cross,S_self; S may be a forward+backward pair such as lv_xattn+ring.");
+  p.add_option("model", 'm', "", "checkpoint directory (config.json, model.safetensors)", true);
+  p.add_option("input", 'i', "", "input safetensors file", true);
+  p.add_option("output", 'o', "", "output safetensors file (written atomically)", true);
+  p.add_option("nproc", 'n', "1", "local ranks to start");
+  p.add_option("strategies", 's', "auto", "auto | S | S_cross,S_self");
+  p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
+  p.add_option("dtype", 0, "fp32", "fp32 | bf16");
+  p.add_flag("backward", 'b', "also compute the loss and the gradients");
+  p.add_flag("print-plan", 0, "print the per-layer strategies (rank 0)");
+  if (!p.parse(argc, argv)) return 0;
+  lvx::runtime::ForwardJob job;
+  job.model = p.get("model");
+  job.input = p.get("input");
+  job.output = p.get("output");
+  job.strategies = p.get("strategies");
+  job.cluster = p.get("cluster");
+  job.dtype = p.get("dtype");
+  job.backward = p.flag("backward");
+  job.print_plan = p.flag("print-plan");
+  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
+    return lvx::runtime::run_forward_rank(job);
+  lvx::runtime::validate_forward_job(job);  // bad input fails once, clearly, before ranks start
+  std::vector<std::string> cmd{lvx::dist::self_executable()};
+  for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
+  lvx::dist::LaunchOptions o;
+  o.nproc = static_cast<int>(p.get_int("nproc"));
+  return lvx::dist::launch_local(cmd, o).exit_code;
+}
+
+}  // namespace
+
+LVX_COMMAND("forward", "one model step (logits, loss, gradients) from a checkpoint on N ranks",
+            cmd_forward);

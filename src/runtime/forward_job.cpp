@@ -1,0 +1,235 @@
+#include "src/runtime/forward_job.h"
+
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+
+#include "models/checkpoint.h"
+#include "models/mplug_owl3.h"
+#include "src/common/error.h"
+#include "src/common/safetensors.h"
+#include "src/dist/process_group.h"
+#include "src/planner/cluster_config.h"
+#include "src/planner/planner.h"
+
+namespace lvx::runtime {
+
+namespace fs = std::filesystem;
+using attention::StrategyChoice;
+using attention::StrategyKind;
+
+namespace {
+
+at::ScalarType dtype_of(const std::string& name) {
+  if (name == "fp32") return at::kFloat;
+  if (name == "bf16") return at::kBFloat16;
+  LVX_FAIL("--dtype: expected fp32 or bf16, got '", name, "'");
+}
+
+struct Batch {
+  at::Tensor input_ids, pixel_values, labels;
+};
+
+Batch read_batch(const std::string& path) {
+  TensorFile f = load_safetensors(path);
+  LVX_CHECK(f.tensors.count("input_ids"), path, ": has no tensor 'input_ids' (int64 [B, L])");
+  Batch b;
+  b.input_ids = f.tensors.at("input_ids");
+  LVX_CHECK(b.input_ids.dim() == 2 && b.input_ids.scalar_type() == at::kLong, path,
+            ": input_ids must be int64 [B, L], got ", b.input_ids.scalar_type(), " ",
+            b.input_ids.sizes());
+  if (f.tensors.count("pixel_values")) {
+    b.pixel_values = f.tensors.at("pixel_values");
+    LVX_CHECK(b.pixel_values.dim() == 4, path, ": pixel_values must be [N_img, 3, H, W], got ",
+              b.pixel_values.sizes());
+  }
+  if (f.tensors.count("labels")) {
+    b.labels = f.tensors.at("labels");
+    LVX_CHECK(b.labels.sizes() == b.input_ids.sizes() && b.labels.scalar_type() == at::kLong,
+              path, ": labels must be int64 with input_ids' shape ", b.input_ids.sizes(), ", got ",
+              b.labels.scalar_type(), " ", b.labels.sizes());
+  }
+  return b;
+}
+
+// The model family of a checkpoint (config.json's model_type).
+struct LoadedModel {
+  std::unique_ptr<models::MplugOwl3> mplug;
+};
+
+LoadedModel load_model(const ForwardJob& job) {
+  models::Checkpoint ck = models::load_checkpoint(job.model);
+  const std::string type = ck.config.value("model_type", std::string());
+  LoadedModel m;
+  if (type == "mplugowl3") {
+    m.mplug = std::make_unique<models::MplugOwl3>(
+        ck, models::added_token_id(job.model, "<|image|>"), dtype_of(job.dtype));
+    return m;
+  }
+  LVX_FAIL(job.model, "/config.json: model_type '", type,
+           "' is not supported (supported: mplugowl3)");
+}
+
+// --strategies: "S" for every attention layer, "S_cross,S_self" per kind; S may be a pair F+B.
+models::Parallel explicit_strategies(const std::string& spec, int64_t layers) {
+  std::vector<std::string> parts;
+  std::stringstream ss(spec);
+  for (std::string p; std::getline(ss, p, ',');) parts.push_back(p);
+  LVX_CHECK(parts.size() == 1 || parts.size() == 2, "--strategies: expected auto, S or ",
+            "S_cross,S_self, got '", spec, "'");
+  models::LayerStrategies ls;
+  ls.cross = attention::strategy_choice_from_name(parts[0]);
+  ls.self = attention::strategy_choice_from_name(parts.size() == 2 ? parts[1] : parts[0]);
+  models::Parallel p;
+  p.layers.assign(static_cast<size_t>(layers), ls);
+  return p;
+}
+
+// auto: the planner's per-layer choice for this batch (its own prompt, frames and text length)
+// on the cluster config; without one, lv_xattn for cross layers and ring for self layers.
+models::Parallel planned_strategies(const ForwardJob& job, const models::MplugOwl3& model,
+                                    const Batch& b, int world, std::string* plan_text) {
+  const auto& c = model.config();
+  models::Parallel p;
+  p.layers.assign(static_cast<size_t>(c.layers), models::LayerStrategies{});
+  if (job.cluster.empty()) {
+    *plan_text = "plan: no --cluster given; lv_xattn for cross-attention, ring for self-attention";
+    return p;
+  }
+  planner::ModelConfig m = model.planner_model();
+  m.dtype = job.dtype;
+  planner::Workload w;
+  at::Tensor marks = (b.input_ids.narrow(0, 0, 1) == c.image_token_id).to(at::kLong);
+  w.frames = std::max<int64_t>(1, marks.sum().item<int64_t>());
+  w.text_tokens = b.input_ids.size(1);
+  if (marks.sum().item<int64_t>() > 0) w.prompt_marks = marks;
+  w.tokens_per_frame = c.vision.tokens();
+  w.ranks = world;
+  w.dtype = job.dtype;
+  w.train = job.backward;
+  const planner::Plan plan = planner::plan(m, planner::load_cluster_config(job.cluster), w);
+  size_t decoder_layer = 0;
+  for (const planner::LayerPlan& l : plan.layers) {  // self layer of each block, then its cross
+    if (l.work.kind == planner::LayerKind::kSelf) {
+      p.layers[decoder_layer++].self = l.choice();
+    } else {
+      p.layers[decoder_layer - 1].cross = l.choice();
+    }
+  }
+  *plan_text = planner::format_table(plan);
+  return p;
+}
+
+// The logits of every rank in global token order (complete on rank 0 only).
+at::Tensor gather_logits(dist::ProcessGroup& pg, attention::LayoutKind layout,
+                         const at::Tensor& local) {
+  const int n = pg.world_size();
+  int64_t total = local.size(1);
+  {
+    at::Tensor t = at::full({1}, total, at::kLong);
+    pg.all_reduce(t);
+    total = t.item<int64_t>();
+  }
+  const attention::Layout text{layout, total, n};
+  at::Tensor rows = local.detach().to(at::kFloat).transpose(0, 1).contiguous();  // [L_r, B, V]
+  at::Tensor all = pg.all_gather(rows, text.sizes()).transpose(0, 1);
+  std::vector<at::Tensor> shards;
+  int64_t off = 0;
+  for (int j = 0; j < n; ++j) {
+    shards.push_back(all.narrow(1, off, text.local_size(j)));
+    off += text.local_size(j);
+  }
+  return text.unshard(shards, 1).contiguous();
+}
+
+// Mean cross-entropy over every rank's labels != −100, its backward, and the gradients of the
+// trainable (replicated) parameters summed across ranks in one flat all-reduce. Returns loss and
+// grad.<name>, identical on every rank.
+std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::MplugOwl3& model,
+                                                const at::Tensor& all_labels,
+                                                const models::ModelOutputs& out) {
+  const at::Tensor labels = all_labels.index_select(1, out.positions);  // this rank's rows
+  at::Tensor count = labels.ne(-100).sum().to(at::kDouble).reshape({1});
+  pg.all_reduce(count);
+  LVX_CHECK(count.item<double>() > 0, "labels: every label is -100 (nothing to learn)");
+  const at::Tensor logits = out.logits.to(at::kFloat).reshape({-1, out.logits.size(-1)});
+  const at::Tensor local_sum = at::cross_entropy_loss(logits, labels.reshape({-1}), /*weight=*/{},
+                                                      at::Reduction::Sum, /*ignore_index=*/-100);
+  (local_sum / count.item<double>()).backward();
+  std::vector<std::string> names;
+  std::vector<at::Tensor> parts;
+  for (auto& [name, t] : model.parameters()) {
+    if (!models::MplugOwl3::trainable(name)) continue;
+    names.push_back(name);
+    parts.push_back(t.grad().defined() ? t.grad().to(at::kFloat).reshape({-1})
+                                       : at::zeros({t.numel()}, at::kFloat));
+  }
+  at::Tensor flat = at::cat(parts);
+  pg.all_reduce(flat);
+  at::Tensor total = local_sum.detach().to(at::kDouble).reshape({1});
+  pg.all_reduce(total);
+  std::map<std::string, at::Tensor> result{{"loss", (total / count).to(at::kFloat).reshape({})}};
+  int64_t off = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const at::Tensor& t = model.parameters().at(names[i]);
+    result["grad." + names[i]] = flat.narrow(0, off, t.numel()).view(t.sizes()).clone();
+    off += t.numel();
+  }
+  return result;
+}
+
+std::string describe(const models::Parallel& p) {
+  std::string s = str("text ", p.text_layout == attention::LayoutKind::kStriped ? "striped"
+                                                                               : "contiguous");
+  for (size_t i = 0; i < p.layers.size(); ++i)
+    s += str("; layer ", i, " self ", p.layers[i].self.name(), " cross ", p.layers[i].cross.name());
+  return s;
+}
+
+}  // namespace
+
+void validate_forward_job(const ForwardJob& job) {
+  dtype_of(job.dtype);
+  LVX_CHECK(fs::exists(job.input), job.input, ": no such file");
+  read_batch(job.input);
+  models::Checkpoint ck = models::load_checkpoint(job.model);
+  const std::string type = ck.config.value("model_type", std::string());
+  LVX_CHECK(type == "mplugowl3", job.model, "/config.json: model_type '", type,
+            "' is not supported (supported: mplugowl3)");
+  if (job.strategies != "auto") explicit_strategies(job.strategies, 1);
+}
+
+int run_forward_rank(const ForwardJob& job) {
+  auto pg = dist::ProcessGroup::from_env();
+  const int n = pg->world_size(), r = pg->rank();
+  const Batch b = read_batch(job.input);
+  LoadedModel lm = load_model(job);
+  models::MplugOwl3& model = *lm.mplug;
+  std::string plan_text;
+  models::Parallel par = job.strategies == "auto"
+                             ? planned_strategies(job, model, b, n, &plan_text)
+                             : explicit_strategies(job.strategies, model.config().layers);
+  par.pg = pg;
+  par.recompute_cross_kv = job.recompute_cross_kv;
+  par = models::resolve_layouts(par);
+  // Every rank must run the same plan on the same inputs.
+  pg->check_agreement("the model step",
+                      str(describe(par), " input_ids=", b.input_ids.sizes(), " backward=",
+                          job.backward, " dtype=", job.dtype));
+  if (job.print_plan && r == 0) std::cout << plan_text << "\n" << describe(par) << "\n";
+
+  if (job.backward) {
+    LVX_CHECK(b.labels.defined(), job.input, ": --backward needs 'labels' (int64 [B, L])");
+    for (auto& [name, t] : model.parameters())
+      if (models::MplugOwl3::trainable(name)) t.requires_grad_(true);
+  }
+  models::ModelOutputs out = model.forward({b.input_ids, b.pixel_values}, par);
+  std::map<std::string, at::Tensor> result;
+  if (job.backward) result = backward_step(*pg, model, b.labels, out);
+  result["logits"] = gather_logits(*pg, par.text_layout, out.logits);
+  if (r == 0) save_safetensors(job.output, result, {{"model", job.model}, {"plan", describe(par)}});
+  pg->barrier();
+  return 0;
+}
+
+}  // namespace lvx::runtime

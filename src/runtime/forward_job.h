@@ -1,0 +1,35 @@
+// One model step driven from files: what `lvx forward` runs on every rank (the conformance
+// interface of the models; keep it stable).
+//   input:  input_ids int64 [B, L] (the family's image token where each image sits, as the
+//           released processors write it), pixel_values float32 [N_img, 3, H, W] preprocessed,
+//           images in prompt order; optional labels int64 [B, L] (−100 = ignore; not shifted:
+//           position t's logits predict labels[t]).
+//   output: logits float32 [B, L, V]; with backward also loss (float32 scalar, mean cross-entropy
+//           over labels != −100) and grad.<parameter name> float32 for every trainable parameter.
+// Each rank holds its text shard and its own frames (models/parallel.h); rank 0 assembles the
+// logits in global order and writes the file atomically. The result is the same at every rank
+// count and strategy choice, within the dtype's tolerance.
+#pragma once
+
+#include <string>
+
+namespace lvx::runtime {
+
+struct ForwardJob {
+  std::string model;                  // checkpoint directory (Hugging Face layout)
+  std::string input, output;          // safetensors files
+  std::string strategies = "auto";    // auto | S | S_cross,S_self (S may be a pair F+B)
+  std::string cluster;                // cluster config for auto (empty: the built-in rule)
+  std::string dtype = "fp32";         // fp32 | bf16
+  bool backward = false;
+  bool print_plan = false;
+  bool recompute_cross_kv = false;
+};
+
+// Runs on this rank (rendezvous from the environment). Returns 0 on success.
+int run_forward_rank(const ForwardJob& job);
+
+// Checks the files cheaply before ranks start (errors name the file and the tensor).
+void validate_forward_job(const ForwardJob& job);
+
+}  // namespace lvx::runtime
