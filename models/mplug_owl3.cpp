@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "models/layers.h"
+#include "models/recompute.h"
 #include "src/attention/dist_attention.h"
 #include "src/common/error.h"
 
@@ -231,21 +232,34 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
     at::Tensor ctx = self.o.reshape({B, lr, c.heads * c.head_dim});
     if (c.is_hyper(i) && slots > 0) {
       // The visual K/V of this layer from the shared features: the text's RMSNorm weights,
-      // then v_kv_proj with head-major channels (per K/V head: its K block, then its V block).
-      const at::Tensor kvp =
-          linear(rms_norm(vis.features, norm_w, c.rms_eps), w_, l + "self_attn.v_kv_proj", true)
-              .view({B, vis.features.size(1), c.kv_heads, 2, c.head_dim});
-      const at::Tensor kv_k = apply_rotary(
-          kvp.select(3, 0), rotary_tables(vis.key_positions, c.head_dim, c.rope_theta));
-      const at::Tensor kv_v = kvp.select(3, 1);
+      // then v_kv_proj with head-major channels (per K/V head: its K block, then its V block),
+      // keys rotated by MI-RoPE. Captures by value: with recomputation it runs again in the
+      // backward.
+      const RotaryTables mi_rope = rotary_tables(vis.key_positions, c.head_dim, c.rope_theta);
+      const int64_t hkv = c.kv_heads, d = c.head_dim;
+      const double eps = c.rms_eps;
+      KVFunction kv_fn = [mi_rope, hkv, d, eps](const at::Tensor& y,
+                                               const std::vector<at::Tensor>& p) {
+        const at::Tensor kv =
+            at::linear(rms_norm(y, p[0], eps), p[1], p[2]).view({y.size(0), y.size(1), hkv, 2, d});
+        return std::make_pair(apply_rotary(kv.select(3, 0), mi_rope), kv.select(3, 1));
+      };
+      const std::vector<at::Tensor> kv_params{norm_w, param(w_, l + "self_attn.v_kv_proj.weight"),
+                                              param(w_, l + "self_attn.v_kv_proj.bias")};
       attention::AttentionSpec cross_spec = self_spec;
       cross_spec.skv = slots * T;
       cross_spec.mask = kernels::MaskKind::kMedia;
       cross_spec.media_rule = mm.rule;
       cross_spec.kv_layout = attention::LayoutKind::kContiguous;
       cross_spec.kv_unit = T;
-      const auto cross =
-          attention::dist_attention(q, kv_k, kv_v, par.pg, st.cross, cross_spec, cross_mask);
+      attention::DistAttentionResult cross;
+      if (par.recompute_cross_kv) {
+        cross = cross_attention_recompute(q, vis.features, kv_params, kv_fn, par.pg, st.cross,
+                                          cross_spec, cross_mask);
+      } else {
+        const auto [kv_k, kv_v] = kv_fn(vis.features, kv_params);
+        cross = attention::dist_attention(q, kv_k, kv_v, par.pg, st.cross, cross_spec, cross_mask);
+      }
       if (c.variant == "240728") {
         const at::Tensor g = at::sigmoid(param(w_, l + "self_attn.gate"));
         const at::Tensor xo = cross.o.reshape({B, lr, c.heads * c.head_dim});

@@ -32,6 +32,9 @@ int cmd_forward(int argc, char** argv) {
   p.add_option("dtype", 0, "fp32", "fp32 | bf16");
   p.add_flag("backward", 'b', "also compute the loss and the gradients");
   p.add_flag("print-plan", 0, "print the per-layer strategies (rank 0)");
+  p.add_flag("recompute", 0,
+             "recompute each cross layer's K/V from the shared visual features in the backward\n"
+             "(LV-XAttn §3.2): saves x, O and lse per cross layer instead of its K/V");
   if (!p.parse(argc, argv)) return 0;
   lvx::runtime::ForwardJob job;
   job.model = p.get("model");
@@ -42,6 +45,7 @@ int cmd_forward(int argc, char** argv) {
   job.dtype = p.get("dtype");
   job.backward = p.flag("backward");
   job.print_plan = p.flag("print-plan");
+  job.recompute_cross_kv = p.flag("recompute");
   if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
     return lvx::runtime::run_forward_rank(job);
   lvx::runtime::validate_forward_job(job);  // bad input fails once, clearly, before ranks start

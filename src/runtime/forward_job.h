@@ -23,7 +23,7 @@ struct ForwardJob {
   std::string dtype = "fp32";         // fp32 | bf16
   bool backward = false;
   bool print_plan = false;
-  bool recompute_cross_kv = false;
+  bool recompute_cross_kv = false;    // LV-XAttn §3.2 (models/recompute.h)
 };
 
 // Runs on this rank (rendezvous from the environment). Returns 0 on success.
