@@ -1,0 +1,191 @@
+// mPLUG-Owl3 conformance: tiny random checkpoints in the released layout (config.json,
+// model.safetensors or a sharded index, tokenizer.json) and their expected logits, loss and
+// gradients come from an independent PyTorch reference (tests/reference/mplug_owl3_ref.py:
+// transformers' Qwen2 and SigLIP, the hyper layer written from the model's description, in
+// float64). `lvx forward` must match it at world sizes 1–4, for every strategy choice, with and
+// without K/V recomputation. Tolerance (fp32): logits and loss within 1e-4 absolute (outputs are
+// O(1–10); measured ≈3e-6), every gradient within 1e-4 of its largest element (measured ≈3e-6).
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+
+#include "models/checkpoint.h"
+#include "src/common/safetensors.h"
+#include "tests/multirank.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using lvx::testing::run_command;
+
+std::string lvx_binary() { return std::string(LVX_BINARY_DIR) + "/lvx"; }
+std::string ref_script() { return std::string(LVX_SOURCE_DIR) + "/tests/reference/mplug_owl3_ref.py"; }
+std::string python() { return LVX_PYTHON; }
+
+fs::path workdir() {
+  static const fs::path dir = [] {
+    fs::path d = fs::temp_directory_path() / ("lvx_test_mplug_" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+// A reference checkpoint, batch and expected outputs per variant, made once.
+struct Reference {
+  std::string model, batch, expected;
+};
+
+const Reference& reference(const std::string& variant) {
+  static std::map<std::string, Reference> made;
+  auto it = made.find(variant);
+  if (it != made.end()) return it->second;
+  const fs::path d = workdir() / variant;
+  Reference r{(d / "model").string(), (d / "batch.safetensors").string(),
+              (d / "expected.safetensors").string()};
+  // 241101 is stored in 3 shards with an index and its images are interleaved with the text.
+  const bool fused = variant == "241101";
+  const std::string py = python() + " " + ref_script() + " ";
+  std::string out = run_command(py + "make-model " + r.model + " --variant " + variant +
+                                (fused ? " --shards 3" : ""));
+  out += run_command(py + "make-batch " + r.model + " " + r.batch +
+                     (fused ? " --layout interleaved" : " --layout video_qa"));
+  out += run_command(py + "run " + r.model + " " + r.batch + " " + r.expected + " --backward");
+  EXPECT_TRUE(fs::exists(r.expected)) << out;
+  return made[variant] = r;
+}
+
+struct Diff {
+  double logits = 0, loss = 0, grad = 0;
+  std::string worst_grad;
+  size_t grads = 0;
+};
+
+Diff compare(const std::string& got_path, const std::string& want_path) {
+  auto got = lvx::load_safetensors(got_path).tensors, want = lvx::load_safetensors(want_path).tensors;
+  Diff d;
+  d.logits = (got.at("logits") - want.at("logits")).abs().max().item<double>();
+  if (got.count("loss")) d.loss = std::abs(got.at("loss").item<double>() - want.at("loss").item<double>());
+  for (const auto& [name, g] : got) {
+    if (name.rfind("grad.", 0) != 0) continue;
+    EXPECT_TRUE(want.count(name)) << name << " has no reference gradient";
+    if (!want.count(name)) continue;
+    const at::Tensor& w = want.at(name);
+    const double e = (g - w).abs().max().item<double>() / std::max(1e-6, w.abs().max().item<double>());
+    if (e > d.grad) d.grad = e, d.worst_grad = name;
+    ++d.grads;
+  }
+  return d;
+}
+
+struct Case {
+  std::string variant;
+  int nproc;
+  std::string strategies;
+  bool recompute;
+};
+
+class MplugConformance : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MplugConformance, MatchesTheReference) {
+  const Case& c = GetParam();
+  const Reference& ref = reference(c.variant);
+  const std::string out = (workdir() / (c.variant + "_out.safetensors")).string();
+  fs::remove(out);
+  const std::string log = run_command(
+      lvx_binary() + " forward --model " + ref.model + " --input " + ref.batch + " --output " + out +
+      " --nproc " + std::to_string(c.nproc) + " --strategies " + c.strategies + " --backward" +
+      (c.recompute ? " --recompute" : ""));
+  ASSERT_TRUE(fs::exists(out)) << log;
+  const Diff d = compare(out, ref.expected);
+  std::cout << c.variant << " n=" << c.nproc << " " << c.strategies
+            << (c.recompute ? " recompute" : "") << ": logits " << d.logits << ", loss " << d.loss
+            << ", grads " << d.grad << " (" << d.worst_grad << ", " << d.grads << " tensors)\n";
+  EXPECT_LE(d.logits, 1e-4);
+  EXPECT_LE(d.loss, 1e-4);
+  EXPECT_LE(d.grad, 1e-4) << d.worst_grad;
+  EXPECT_GT(d.grads, 50u);  // every trainable tensor of the tiny model has a gradient
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  for (const std::string variant : {"240728", "241101"}) {
+    v.push_back({variant, 1, "lv_xattn,ring", false});
+    v.push_back({variant, 2, "lv_xattn,ring", true});
+    v.push_back({variant, 2, "ulysses,all_gather", false});
+    v.push_back({variant, 3, "lv_xattn,striped", false});
+    v.push_back({variant, 3, "lv_xattn+ring,ring+lv_xattn", true});
+    v.push_back({variant, 4, "all_gather,ring", false});
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, MplugConformance, ::testing::ValuesIn(cases()), [](const auto& info) {
+      std::string s = info.param.strategies;
+      for (char& ch : s)
+        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      return "v" + info.param.variant + "_n" + std::to_string(info.param.nproc) + "_" + s +
+             (info.param.recompute ? "_recompute" : "");
+    });
+
+// Bad checkpoints and inputs give one clear error naming what is wrong.
+class MplugBadInput : public ::testing::Test {
+ protected:
+  // A copy of the 240728 reference model with `edit` applied to its tensors and config.
+  std::string edited(const std::string& name,
+                     const std::function<void(lvx::models::StateDict&, nlohmann::json&)>& edit) {
+    const Reference& ref = reference("240728");
+    lvx::models::Checkpoint ck = lvx::models::load_checkpoint(ref.model);
+    edit(ck.tensors, ck.config);
+    const std::string dir = (workdir() / name).string();
+    lvx::models::save_checkpoint(dir, ck.config, ck.tensors);
+    fs::copy_file(fs::path(ref.model) / "tokenizer.json", fs::path(dir) / "tokenizer.json",
+                  fs::copy_options::overwrite_existing);
+    return dir;
+  }
+  std::string forward(const std::string& model) {
+    return run_command(lvx_binary() + " forward --model " + model + " --input " +
+                       reference("240728").batch + " --output " +
+                       (workdir() / "bad_out.safetensors").string());
+  }
+};
+
+TEST_F(MplugBadInput, MissingExtraAndMisshapedTensorsAreNamed) {
+  const std::string q = "language_model.model.layers.1.self_attn.q_proj.weight";
+  std::string out = forward(edited("missing", [&](auto& t, auto&) { t.erase(q); }));
+  EXPECT_NE(out.find("missing 1: " + q), std::string::npos) << out;
+  out = forward(edited("extra", [&](auto& t, auto&) { t["language_model.model.extra"] = at::zeros({2}); }));
+  EXPECT_NE(out.find("unexpected 1: language_model.model.extra"), std::string::npos) << out;
+  out = forward(edited("shape", [&](auto& t, auto&) { t[q] = at::zeros({3, 3}); }));
+  EXPECT_NE(out.find("wrong shape 1: " + q + " [3, 3]"), std::string::npos) << out;
+}
+
+TEST_F(MplugBadInput, UnknownModelTypeAndBadTokenizerAreNamed) {
+  std::string dir = edited("type", [](auto&, auto& c) { c["model_type"] = "llava"; });
+  std::string out = forward(dir);
+  EXPECT_NE(out.find("model_type 'llava' is not supported"), std::string::npos) << out;
+  dir = edited("tokenizer", [](auto&, auto&) {});
+  std::ofstream(fs::path(dir) / "tokenizer.json") << "{ not json";
+  out = forward(dir);
+  EXPECT_NE(out.find("tokenizer.json: not valid JSON"), std::string::npos) << out;
+}
+
+TEST_F(MplugBadInput, ImagesThatDoNotMatchTheImageTokensAreNamed) {
+  const Reference& ref = reference("240728");
+  auto batch = lvx::load_safetensors(ref.batch).tensors;
+  batch["pixel_values"] = batch["pixel_values"].narrow(0, 0, 1);
+  const std::string path = (workdir() / "one_image.safetensors").string();
+  lvx::save_safetensors(path, batch);
+  const std::string out = run_command(lvx_binary() + " forward --model " + ref.model + " --input " +
+                                      path + " --output " + (workdir() / "x.safetensors").string());
+  EXPECT_NE(out.find("<|image|> tokens"), std::string::npos) << out;
+  EXPECT_NE(out.find("pixel_values has [1, 3"), std::string::npos) << out;
+}
+
+}  // namespace
