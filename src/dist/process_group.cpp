@@ -34,6 +34,7 @@ int64_t ByteCounters::total_received() const {
 void ByteCounters::reset() {
   std::fill(sent.begin(), sent.end(), 0);
   std::fill(received.begin(), received.end(), 0);
+  wait_seconds = 0;
 }
 
 Options options_from_env() {
@@ -320,6 +321,14 @@ void Work::wait() {
 }
 
 void ProcessGroup::wait_work(Work::Impl& w) {
+  const auto t0 = std::chrono::steady_clock::now();
+  struct AddWait {  // counted on every path out, errors included
+    double& total;
+    std::chrono::steady_clock::time_point t0;
+    ~AddWait() {
+      total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  } add_wait{counters_.wait_seconds, t0};
   for (auto& p : w.posted) {
     check_not_failed(w.what);  // its requests were aborted: do not wait for them
     bool completed = false;

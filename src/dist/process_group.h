@@ -41,6 +41,9 @@ namespace lvx::dist {
 struct ByteCounters {
   std::vector<int64_t> sent;      // [world_size], bytes this rank sent to each peer
   std::vector<int64_t> received;  // [world_size], bytes this rank received from each peer
+  // Seconds this rank spent blocked waiting for messages (Work::wait and the collectives built
+  // on it): communication that compute did not hide.
+  double wait_seconds = 0;
   int64_t total_sent() const;
   int64_t total_received() const;
   void reset();

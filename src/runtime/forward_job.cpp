@@ -1,5 +1,9 @@
 #include "src/runtime/forward_job.h"
 
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
@@ -223,11 +227,48 @@ int run_forward_rank(const ForwardJob& job) {
     for (auto& [name, t] : model.parameters())
       if (models::MplugOwl3::trainable(name)) t.requires_grad_(true);
   }
-  models::ModelOutputs out = model.forward({b.input_ids, b.pixel_values}, par);
+  // Timed steps: the first is a warm-up when --repeat > 1; the medians are reported.
+  std::vector<double> fwd_s, bwd_s, wait_s;
+  models::ModelOutputs out;
   std::map<std::string, at::Tensor> result;
-  if (job.backward) result = backward_step(*pg, model, b.labels, out);
+  for (int step = 0; step < std::max(1, job.repeat) + (job.repeat > 1 ? 1 : 0); ++step) {
+    for (auto& [name, t] : model.parameters())
+      if (t.grad().defined()) t.mutable_grad() = at::Tensor();
+    pg->barrier();
+    pg->counters().reset();
+    const auto t0 = std::chrono::steady_clock::now();
+    out = model.forward({b.input_ids, b.pixel_values}, par);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (job.backward) result = backward_step(*pg, model, b.labels, out);
+    const auto t2 = std::chrono::steady_clock::now();
+    if (job.repeat > 1 && step == 0) continue;
+    fwd_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+    bwd_s.push_back(std::chrono::duration<double>(t2 - t1).count());
+    wait_s.push_back(pg->counters().wait_seconds);
+  }
+  // The slowest rank's medians and the largest peak memory (resident set) and bytes sent.
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  at::Tensor stats = at::tensor({median(fwd_s), median(bwd_s), median(wait_s),
+                                 static_cast<double>(ru.ru_maxrss) * 1024.0,
+                                 static_cast<double>(pg->counters().total_sent())},
+                                at::kDouble);
+  pg->all_reduce(stats, dist::ReduceOp::kMax);
   result["logits"] = gather_logits(*pg, par.text_layout, out.logits);
-  if (r == 0) save_safetensors(job.output, result, {{"model", job.model}, {"plan", describe(par)}});
+  if (r == 0)
+    save_safetensors(job.output, result,
+                     {{"model", job.model},
+                      {"plan", describe(par)},
+                      {"ranks", std::to_string(n)},
+                      {"forward_seconds", std::to_string(stats[0].item<double>())},
+                      {"backward_seconds", std::to_string(stats[1].item<double>())},
+                      {"comm_wait_seconds", std::to_string(stats[2].item<double>())},
+                      {"peak_rss_bytes", std::to_string(stats[3].item<double>())},
+                      {"bytes_sent", std::to_string(stats[4].item<double>())}});
   pg->barrier();
   return 0;
 }

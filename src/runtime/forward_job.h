@@ -8,7 +8,9 @@
 //           over labels != −100) and grad.<parameter name> float32 for every trainable parameter.
 // Each rank holds its text shard and its own frames (models/parallel.h); rank 0 assembles the
 // logits in global order and writes the file atomically. The result is the same at every rank
-// count and strategy choice, within the dtype's tolerance.
+// count and strategy choice, within the dtype's tolerance. The output's metadata holds the slowest
+// rank's median forward_seconds, backward_seconds and comm_wait_seconds (time blocked on
+// messages), the largest peak_rss_bytes and bytes_sent of any rank.
 #pragma once
 
 #include <string>
@@ -24,6 +26,7 @@ struct ForwardJob {
   bool backward = false;
   bool print_plan = false;
   bool recompute_cross_kv = false;    // LV-XAttn §3.2 (models/recompute.h)
+  int repeat = 1;                     // timed steps (> 1: one more warm-up step first)
 };
 
 // Runs on this rank (rendezvous from the environment). Returns 0 on success.
