@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -48,11 +49,13 @@ const Reference& reference(const std::string& variant) {
   const fs::path d = workdir() / variant;
   Reference r{(d / "model").string(), (d / "batch.safetensors").string(),
               (d / "expected.safetensors").string()};
-  // 241101 is stored in 3 shards with an index and its images are interleaved with the text.
-  const bool fused = variant == "241101";
+  // 241101 is stored in 3 shards with an index and its images are interleaved with the text;
+  // "240728-bf16" is stored in bf16 (the releases' dtype; the reference upcasts the same values).
+  const bool fused = variant == "241101", bf16 = variant == "240728-bf16";
   const std::string py = python() + " " + ref_script() + " ";
-  std::string out = run_command(py + "make-model " + r.model + " --variant " + variant +
-                                (fused ? " --shards 3" : ""));
+  std::string out = run_command(py + "make-model " + r.model + " --variant " +
+                                variant.substr(0, 6) + (fused ? " --shards 3" : "") +
+                                (bf16 ? " --dtype bf16" : ""));
   out += run_command(py + "make-batch " + r.model + " " + r.batch +
                      (fused ? " --layout interleaved" : " --layout video_qa"));
   out += run_command(py + "run " + r.model + " " + r.batch + " " + r.expected + " --backward");
@@ -122,6 +125,7 @@ std::vector<Case> cases() {
     v.push_back({variant, 3, "lv_xattn+ring,ring+lv_xattn", true});
     v.push_back({variant, 4, "all_gather,ring", false});
   }
+  v.push_back({"240728-bf16", 2, "lv_xattn,ring", false});
   return v;
 }
 
@@ -130,7 +134,9 @@ INSTANTIATE_TEST_SUITE_P(
       std::string s = info.param.strategies;
       for (char& ch : s)
         if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      return "v" + info.param.variant + "_n" + std::to_string(info.param.nproc) + "_" + s +
+      std::string variant = info.param.variant;
+      std::replace(variant.begin(), variant.end(), '-', '_');
+      return "v" + variant + "_n" + std::to_string(info.param.nproc) + "_" + s +
              (info.param.recompute ? "_recompute" : "");
     });
 
