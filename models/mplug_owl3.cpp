@@ -29,8 +29,16 @@ bool MplugOwl3Config::is_hyper(int64_t layer) const {
 }
 
 MplugOwl3Config mplug_owl3_config(const Checkpoint& ck, int64_t image_token_id) {
-  const nlohmann::json& j = ck.config;
-  const std::string where = ck.dir + "/config.json";
+  // The release variant, from the checkpoint itself: 240728/241014 hyper layers own a gate.
+  bool gated = false;
+  for (const auto& [name, t] : ck.tensors)
+    gated = gated || (name.rfind(kLm + "layers.", 0) == 0 &&
+                      name.size() > 15 && name.compare(name.size() - 15, 15, ".self_attn.gate") == 0);
+  return mplug_owl3_config(ck.config, ck.dir + "/config.json", gated, image_token_id);
+}
+
+MplugOwl3Config mplug_owl3_config(const nlohmann::json& j, const std::string& where, bool gated,
+                                  int64_t image_token_id) {
   const std::string type = j.value("model_type", std::string());
   LVX_CHECK(type == "mplugowl3", where, ": model_type: expected \"mplugowl3\", got \"", type, "\"");
   MplugOwl3Config c;
@@ -60,17 +68,11 @@ MplugOwl3Config mplug_owl3_config(const Checkpoint& ck, int64_t image_token_id) 
   c.vision = siglip_config(j["vision_config"], where);
   LVX_CHECK(image_token_id >= 0, where, ": no <|image|> token id (tokenizer.json added_tokens)");
   c.image_token_id = image_token_id;
-  // The release variant, from the checkpoint itself: 240728/241014 hyper layers own a gate.
-  c.variant = "241101";
-  if (!c.hyper_layers.empty() &&
-      ck.tensors.count(layer_prefix(c.hyper_layers.front()) + "self_attn.gate"))
-    c.variant = "240728";
+  c.variant = gated ? "240728" : "241101";
   return c;
 }
 
-MplugOwl3::MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarType dtype)
-    : cfg_(mplug_owl3_config(ck, image_token_id)) {
-  const MplugOwl3Config& c = cfg_;
+ShapeSpec mplug_owl3_shapes(const MplugOwl3Config& c) {
   const int64_t h = c.hidden, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim;
   ShapeSpec s = siglip_shapes(c.vision, kVision, c.vision.layers - 1);
   s["vision2text_model.0.weight"] = {h, c.vision.hidden};
@@ -100,13 +102,19 @@ MplugOwl3::MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarTyp
       if (c.variant == "240728") s[l + "self_attn.gate"] = {h};
     }
   }
+  return s;
+}
+
+MplugOwl3::MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarType dtype)
+    : cfg_(mplug_owl3_config(ck, image_token_id)) {
+  const MplugOwl3Config& c = cfg_;
   // Released tensors the model does not use: SigLIP's last layer (hidden_states[-2] is used),
   // post_layernorm and pooling head; a tied lm_head copy.
   std::vector<std::string> unused = {
       kVision + "post_layernorm.", kVision + "head.",
       kVision + "encoder.layers." + std::to_string(c.vision.layers - 1) + "."};
   if (c.tie_embeddings) unused.push_back("language_model.lm_head.");
-  w_ = select_parameters(ck.tensors, s, unused, dtype, ck.dir);
+  w_ = select_parameters(ck.tensors, mplug_owl3_shapes(c), unused, dtype, ck.dir);
 }
 
 bool MplugOwl3::trainable(const std::string& name) { return name.rfind(kVision, 0) != 0; }

@@ -47,6 +47,11 @@ struct MplugOwl3Config {
 // checkpoint's tensors (hyper layers with `self_attn.gate`: 240728/241014; without: 241101).
 // Errors name the file and the field.
 MplugOwl3Config mplug_owl3_config(const Checkpoint& ck, int64_t image_token_id);
+// The same from config.json alone; `gated` says which release (240728/241014: true).
+MplugOwl3Config mplug_owl3_config(const nlohmann::json& config, const std::string& where,
+                                  bool gated, int64_t image_token_id);
+// Every tensor the model reads, by checkpoint name, with its shape.
+ShapeSpec mplug_owl3_shapes(const MplugOwl3Config& c);
 
 // Inputs of one step, global (every rank has the whole prompt).
 struct ModelInputs {

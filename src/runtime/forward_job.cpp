@@ -1,5 +1,6 @@
 #include "src/runtime/forward_job.h"
 
+#include <malloc.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -229,6 +230,7 @@ int run_forward_rank(const ForwardJob& job) {
   }
   // Timed steps: the first is a warm-up when --repeat > 1; the medians are reported.
   std::vector<double> fwd_s, bwd_s, wait_s;
+  double live_after_forward = 0;  // heap bytes in use between forward and backward
   models::ModelOutputs out;
   std::map<std::string, at::Tensor> result;
   for (int step = 0; step < std::max(1, job.repeat) + (job.repeat > 1 ? 1 : 0); ++step) {
@@ -239,6 +241,10 @@ int run_forward_rank(const ForwardJob& job) {
     const auto t0 = std::chrono::steady_clock::now();
     out = model.forward({b.input_ids, b.pixel_values}, par);
     const auto t1 = std::chrono::steady_clock::now();
+    // What the step holds at its peak: weights plus everything the forward saved for the
+    // backward (glibc's in-use heap, small and mmapped chunks).
+    const struct mallinfo2 mi = mallinfo2();
+    live_after_forward = std::max(live_after_forward, static_cast<double>(mi.uordblks + mi.hblkhd));
     if (job.backward) result = backward_step(*pg, model, b.labels, out);
     const auto t2 = std::chrono::steady_clock::now();
     if (job.repeat > 1 && step == 0) continue;
@@ -255,7 +261,8 @@ int run_forward_rank(const ForwardJob& job) {
   getrusage(RUSAGE_SELF, &ru);
   at::Tensor stats = at::tensor({median(fwd_s), median(bwd_s), median(wait_s),
                                  static_cast<double>(ru.ru_maxrss) * 1024.0,
-                                 static_cast<double>(pg->counters().total_sent())},
+                                 static_cast<double>(pg->counters().total_sent()),
+                                 live_after_forward},
                                 at::kDouble);
   pg->all_reduce(stats, dist::ReduceOp::kMax);
   result["logits"] = gather_logits(*pg, par.text_layout, out.logits);
@@ -268,7 +275,8 @@ int run_forward_rank(const ForwardJob& job) {
                       {"backward_seconds", std::to_string(stats[1].item<double>())},
                       {"comm_wait_seconds", std::to_string(stats[2].item<double>())},
                       {"peak_rss_bytes", std::to_string(stats[3].item<double>())},
-                      {"bytes_sent", std::to_string(stats[4].item<double>())}});
+                      {"bytes_sent", std::to_string(stats[4].item<double>())},
+                      {"live_bytes_after_forward", std::to_string(stats[5].item<double>())}});
   pg->barrier();
   return 0;
 }

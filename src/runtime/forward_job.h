@@ -10,7 +10,8 @@
 // logits in global order and writes the file atomically. The result is the same at every rank
 // count and strategy choice, within the dtype's tolerance. The output's metadata holds the slowest
 // rank's median forward_seconds, backward_seconds and comm_wait_seconds (time blocked on
-// messages), the largest peak_rss_bytes and bytes_sent of any rank.
+// messages), the largest peak_rss_bytes, bytes_sent and live_bytes_after_forward (heap in use
+// between forward and backward: weights and everything saved for the backward) of any rank.
 #pragma once
 
 #include <string>
