@@ -119,15 +119,16 @@ MplugOwl3::MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarTyp
 
 bool MplugOwl3::trainable(const std::string& name) { return name.rfind(kVision, 0) != 0; }
 
-planner::ModelConfig MplugOwl3::planner_model() const {
-  const MplugOwl3Config& c = cfg_;
+planner::ModelConfig MplugOwl3::planner_model() const { return planner_model(cfg_); }
+
+planner::ModelConfig MplugOwl3::planner_model(const MplugOwl3Config& c) {
   planner::ModelConfig m;
   m.name = "mplug_owl3_" + c.variant;
   m.family = "mplug_owl3";
   m.dtype = "bf16";
   m.visual_tokens_per_frame = c.vision.tokens();
   m.visual_feature_dim = c.hidden;  // image_embeds have the LM width
-  m.vision = {c.vision.hidden, c.vision.layers, c.vision.heads, c.vision.mlp,
+  m.vision = {c.vision.hidden, c.vision.layers - 1, c.vision.heads, c.vision.mlp,  // layers run
               c.vision.image_size, c.vision.patch_size};
   for (int64_t i = 0; i < c.layers; ++i) {
     planner::AttentionLayerConfig l;

@@ -76,6 +76,8 @@ class MplugOwl3 {
   static bool trainable(const std::string& name);
   // The attention layers as they run, for the planner (one description: derived, not copied).
   planner::ModelConfig planner_model() const;
+  // The same from a configuration alone (lvx plan --model DIR reads config.json, no weights).
+  static planner::ModelConfig planner_model(const MplugOwl3Config& c);
 
   ModelOutputs forward(const ModelInputs& in, const Parallel& par) const;
 

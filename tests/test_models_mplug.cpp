@@ -195,3 +195,48 @@ TEST_F(MplugBadInput, ImagesThatDoNotMatchTheImageTokensAreNamed) {
 }
 
 }  // namespace
+
+// One model description: the planner's shipped YAMLs equal what the runtime derives from the
+// releases' config.json (fields as published for mPLUG-Owl3-7B-240728 and 1B-241014).
+#include "models/mplug_owl3.h"
+#include "src/planner/model_config.h"
+
+namespace {
+
+nlohmann::json release_config(int64_t hidden, int64_t layers, int64_t heads, int64_t kv,
+                              int64_t mlp, std::vector<int64_t> hyper) {
+  return {{"model_type", "mplugowl3"}, {"hidden_size", hidden}, {"num_hidden_layers", layers},
+          {"num_attention_heads", heads}, {"num_key_value_heads", kv},
+          {"intermediate_size", mlp}, {"vocab_size", 151851}, {"rope_theta", 1e6},
+          {"rms_norm_eps", 1e-6}, {"hyper_layers", hyper},
+          {"vision_config", {{"hidden_size", 1152}, {"image_size", 384},
+                             {"intermediate_size", 4304}, {"model_type", "siglip_vision_model"},
+                             {"num_attention_heads", 16}, {"num_hidden_layers", 27},
+                             {"patch_size", 14}}}};
+}
+
+TEST(MplugDescription, PlannerYamlsEqualTheReleasesConfigs) {
+  for (const auto& [yaml, cfg] : std::vector<std::pair<std::string, nlohmann::json>>{
+           {"mplug_owl3_7b", release_config(3584, 28, 28, 4, 18944, {1, 9, 17, 25})},
+           {"mplug_owl3_1b", release_config(896, 24, 14, 2, 4864, {6, 13, 20, 22})}}) {
+    SCOPED_TRACE(yaml);
+    const auto want = lvx::planner::load_model_config(std::string(LVX_SOURCE_DIR) +
+                                                      "/configs/models/" + yaml + ".yaml");
+    const auto got = lvx::models::MplugOwl3::planner_model(
+        lvx::models::mplug_owl3_config(cfg, yaml, true, 0));
+    EXPECT_EQ(got.visual_tokens_per_frame, want.visual_tokens_per_frame);
+    EXPECT_EQ(got.visual_feature_dim, want.visual_feature_dim);
+    EXPECT_EQ(got.vision.layers, want.vision.layers);
+    EXPECT_EQ(got.vision.hidden_size, want.vision.hidden_size);
+    ASSERT_EQ(got.layers.size(), want.layers.size());
+    for (size_t i = 0; i < got.layers.size(); ++i) {
+      const auto &g = got.layers[i], &w = want.layers[i];
+      EXPECT_TRUE(g.kind == w.kind && g.heads == w.heads && g.kv_heads == w.kv_heads &&
+                  g.head_dim == w.head_dim && g.hidden_size == w.hidden_size && g.mask == w.mask &&
+                  g.mlp_size == w.mlp_size)
+          << "attention layer " << i;
+    }
+  }
+}
+
+}  // namespace

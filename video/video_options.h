@@ -48,7 +48,7 @@ struct ShardSpec {
 };
 
 // Image preprocessing as a vision tower's processor does it. Presets follow the model configs
-// (docs/video.md; ../shared/reference/models.md).
+// (docs/video.md; the releases' preprocessing).
 enum class ResizeMode {
   kSquash,        // resize to size×size, aspect ratio not kept (mPLUG-Owl3 / SigLIP)
   kShortestEdge,  // shortest edge → size, then centre crop size×size (CLIP / open_clip)

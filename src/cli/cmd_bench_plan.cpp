@@ -21,6 +21,7 @@
 #include "src/common/safetensors.h"
 #include "src/planner/bench_plan.h"
 #include "src/planner/planner.h"
+#include "src/runtime/model_description.h"
 
 namespace {
 
@@ -89,7 +90,7 @@ int cmd_bench_plan(int argc, char** argv) {
         run({self, "calibrate", "--nproc", std::to_string(nproc), "--output", cluster_path}, &out);
     LVX_CHECK(rc == 0, "bench-plan: lvx calibrate failed (exit ", rc, "):\n", out);
   }
-  ModelConfig model = load_model_config(p.get("model"));
+  ModelConfig model = lvx::runtime::planner_model(p.get("model"));
   ClusterConfig cluster = load_cluster_config(cluster_path);
   LVX_CHECK(nproc <= cluster.world_size(), "--nproc: cluster '", cluster.name, "' has ",
             cluster.world_size(), " ranks, got ", nproc);

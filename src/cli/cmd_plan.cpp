@@ -7,6 +7,7 @@
 #include "src/cli/command.h"
 #include "src/common/error.h"
 #include "src/planner/planner.h"
+#include "src/runtime/model_description.h"
 
 namespace {
 
@@ -18,7 +19,7 @@ int cmd_plan(int argc, char** argv) {
       "layer (in training possibly a forward+backward pair the runtime can run, e.g.\n"
       "lv_xattn+ring), and explain the choice. Mask work is counted from the prompt layout.\n"
       "Formulas: docs/planner.md.");
-  p.add_option("model", 'm', "", "model config (configs/models/*.yaml)", true);
+  p.add_option("model", 'm', "", "model config (configs/models/*.yaml) or a checkpoint directory", true);
   p.add_option("cluster", 'c', "", "cluster config (configs/clusters/*.yaml)", true);
   p.add_option("frames", 'f', "", "video frames", true);
   p.add_option("text", 't', "", "text tokens S_Q, including one <image> token per frame", true);
@@ -39,7 +40,7 @@ int cmd_plan(int argc, char** argv) {
                "device memory taken by everything but attention (weights, other activations)");
   p.add_option("json", 'j', "", "also write the plan as JSON to this file");
   if (!p.parse(argc, argv)) return 0;
-  lvx::planner::ModelConfig model = lvx::planner::load_model_config(p.get("model"));
+  lvx::planner::ModelConfig model = lvx::runtime::planner_model(p.get("model"));
   lvx::planner::ClusterConfig cluster = lvx::planner::load_cluster_config(p.get("cluster"));
   lvx::planner::Workload w;
   w.frames = p.get_int("frames");

@@ -1,0 +1,16 @@
+// One model description for the runtime and the planner: `lvx plan` and `lvx bench-plan` take
+// either a planner YAML (configs/models/*.yaml, for models without a checkpoint at hand) or a
+// checkpoint directory, whose config.json is turned into the attention layers exactly as the
+// runtime runs them (models/*: planner_model), so the two cannot drift apart.
+#pragma once
+
+#include <string>
+
+#include "src/planner/model_config.h"
+
+namespace lvx::runtime {
+
+// `path`: a directory with config.json (model_type mplugowl3), or a planner YAML file.
+planner::ModelConfig planner_model(const std::string& path);
+
+}  // namespace lvx::runtime
