@@ -62,7 +62,8 @@ class Tokenizer {
   // (naming the byte offset). Thread-safe.
   std::vector<int64_t> encode(const std::string& utf8, bool add_special_tokens = false) const;
 
-  // Ids → text through the decoder. skip_special_tokens drops added tokens marked special. Byte
+  // Ids → text through the decoder. skip_special_tokens drops added tokens marked special (false
+  // by default as in transformers' decode; tokenizers' Python binding defaults to true). Byte
   // sequences that are not valid UTF-8 (e.g. a character cut between ids) become U+FFFD, one per
   // maximal invalid subsequence, as tokenizers does. Throws lvx::Error on an unknown id.
   std::string decode(const std::vector<int64_t>& ids, bool skip_special_tokens = false) const;

@@ -280,15 +280,19 @@ TEST_F(TokenizerGolden, LongRunsAndThreads) {
 
 // ---- tokenizer files that do not load -----------------------------------------------------------
 
-class TokenizerErrors : public TokenizerGolden {
+class TokenizerFiles : public TokenizerGolden {
  protected:
-  // The qwen2 file, edited, written to a new file; returns the load error ("" if it loaded).
-  std::string error_after(const std::string& tag, const std::function<void(json&)>& edit) {
+  // The qwen2 file, edited, written to a new file; returns its path.
+  std::string edited(const std::string& tag, const std::function<void(json&)>& edit) {
     json j = json::parse(read_file(*dir_ + "/qwen2/tokenizer.json"));
     edit(j);
     const std::string path = *scratch_ + "/bad_" + tag + ".json";
     write_file(path, j.dump());
-    return error_of(path);
+    return path;
+  }
+  // The load error of the edited file ("" if it loaded).
+  std::string error_after(const std::string& tag, const std::function<void(json&)>& edit) {
+    return error_of(edited(tag, edit));
   }
   static std::string error_of(const std::string& path) {
     try {
@@ -307,7 +311,7 @@ void expect_message(const std::string& msg, std::initializer_list<std::string> p
     EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
 }
 
-TEST_F(TokenizerErrors, FileThatIsNotJson) {
+TEST_F(TokenizerFiles, FileThatIsNotJson) {
   const std::string path = *scratch_ + "/corrupt.json";
   write_file(path, "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\", ");
   expect_message(error_of(path), {path + ": not valid JSON: ", "parse error"});
@@ -321,7 +325,7 @@ TEST_F(TokenizerErrors, FileThatIsNotJson) {
                  {*scratch_ + "/no_such_file.json: cannot open"});
 }
 
-TEST_F(TokenizerErrors, MissingOrMalformedFields) {
+TEST_F(TokenizerFiles, MissingOrMalformedFields) {
   expect_message(error_after("no_vocab", [](json& j) { j["model"].erase("vocab"); }),
                  {"bad_no_vocab.json: model.vocab: missing required field"});
   expect_message(error_after("no_model", [](json& j) { j.erase("model"); }),
@@ -346,7 +350,7 @@ TEST_F(TokenizerErrors, MissingOrMalformedFields) {
       {"pre_tokenizer.pretokenizers[0].pattern.Regex: regex does not compile", "\"(a\""});
 }
 
-TEST_F(TokenizerErrors, UnsupportedContentIsNamed) {
+TEST_F(TokenizerFiles, UnsupportedContentIsNamed) {
   expect_message(error_after("wordpiece", [](json& j) { j["model"]["type"] = "WordPiece"; }),
                  {"bad_wordpiece.json: model.type: unsupported model type \"WordPiece\""});
   expect_message(error_after("metaspace",
@@ -388,6 +392,22 @@ TEST_F(TokenizerErrors, UnsupportedContentIsNamed) {
                   [](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Sideways"; }),
       {"pre_tokenizer.pretokenizers[0].behavior: unsupported split behavior "
        "\"Sideways\""});
+}
+
+// Without a decoder, tokenizers joins the token strings with spaces; the ids do not change.
+TEST_F(TokenizerFiles, NoDecoderJoinsTokensWithSpaces) {
+  const Tokenizer plain = Tokenizer::from_file(edited("no_decoder", [](json& j) {
+    j["decoder"] = nullptr;
+    j["post_processor"] = nullptr;
+  }));
+  const Tokenizer qwen = load("qwen2");
+  const std::string text = "Hello world<|im_end|>";
+  const auto ids = qwen.encode(text);
+  EXPECT_EQ(plain.encode(text), ids);
+  std::string joined;
+  for (int64_t id : ids) joined += (joined.empty() ? "" : " ") + qwen.id_to_token(id);
+  EXPECT_EQ(plain.decode(ids), joined);
+  EXPECT_NE(joined.find("\xc4\xa0"), std::string::npos) << "byte-level space 'Ġ' kept: " << joined;
 }
 
 TEST_F(TokenizerGolden, Cli) {
