@@ -15,3 +15,7 @@ target_include_directories(lvx_torch SYSTEM INTERFACE ${GLOO_INCLUDE_DIR})
 if(LVX_BUILD_TESTS)
   find_package(GTest REQUIRED)
 endif()
+# Tokenizers (models/tokenizer.cpp): PCRE2 runs the pre-tokenizer regexes (\p{L}, lookahead), ICU
+# gives Unicode normalization (NFC...) and character properties.
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+pkg_check_modules(ICU REQUIRED IMPORTED_TARGET icu-uc)

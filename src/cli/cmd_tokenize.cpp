@@ -1,0 +1,76 @@
+// `lvx tokenize`: text → ids (or ids → text with --decode) with a tokenizer.json
+// (models/tokenizer.h), for checking prompts and for scripts.
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "models/tokenizer.h"
+#include "src/cli/args.h"
+#include "src/cli/command.h"
+#include "src/common/error.h"
+
+namespace {
+
+int cmd_tokenize(int argc, char** argv) {
+  lvx::cli::ArgParser p(
+      "lvx tokenize --tokenizer tokenizer.json (--text T | --file F) [--decode] [options]",
+      "Encode UTF-8 text into token ids, printed on one line separated by spaces, or with "
+      "--decode\n"
+      "read ids (separated by spaces, commas or newlines) and print the text. Byte-level BPE\n"
+      "tokenizer.json files of the Qwen2 and GPT-NeoX families (models/tokenizer.h).");
+  p.add_option("tokenizer", 't', "", "tokenizer.json", true);
+  p.add_option("text", 0, "", "the input on the command line");
+  p.add_option("file", 'f', "", "read the input from this file (\"-\": standard input)");
+  p.add_flag("decode", 'd', "the input is ids: print their text");
+  p.add_flag("special", 's',
+             "encode: add the post-processor's special tokens; decode: skip special tokens");
+  p.add_flag("tokens", 0, "encode: print one line per token, id and token string");
+  if (!p.parse(argc, argv)) return 0;
+  const bool has_text = !p.get("text").empty(), has_file = !p.get("file").empty();
+  LVX_CHECK(has_text != has_file, "give exactly one of --text and --file");
+  std::string input = p.get("text");
+  if (has_file) {
+    std::ostringstream s;
+    if (p.get("file") == "-") {
+      s << std::cin.rdbuf();
+    } else {
+      std::ifstream f(p.get("file"), std::ios::binary);
+      LVX_CHECK(f.good(), "--file: cannot open '", p.get("file"), "'");
+      s << f.rdbuf();
+    }
+    input = s.str();
+  }
+  const auto tok = lvx::models::Tokenizer::from_file(p.get("tokenizer"));
+  if (p.flag("decode")) {
+    for (char& c : input)
+      if (c == ',') c = ' ';
+    std::istringstream in(input);
+    std::vector<int64_t> ids;
+    std::string word;
+    while (in >> word) {
+      size_t used = 0;
+      int64_t id = -1;
+      try {
+        id = std::stoll(word, &used);
+      } catch (const std::exception&) {
+      }
+      LVX_CHECK(used == word.size() && id >= 0, "--decode: '", word, "' is not a token id");
+      ids.push_back(id);
+    }
+    std::cout << tok.decode(ids, p.flag("special")) << "\n";
+    return 0;
+  }
+  const auto ids = tok.encode(input, p.flag("special"));
+  if (p.flag("tokens")) {
+    for (int64_t id : ids) std::cout << id << "\t" << tok.id_to_token(id) << "\n";
+    return 0;
+  }
+  for (size_t i = 0; i < ids.size(); ++i) std::cout << (i ? " " : "") << ids[i];
+  std::cout << "\n";
+  return 0;
+}
+
+}  // namespace
+
+LVX_COMMAND("tokenize", "encode text to token ids, or decode ids, with a tokenizer.json",
+            cmd_tokenize);

@@ -1,0 +1,436 @@
+// models/tokenizer.h against the `tokenizers` package (and transformers' Qwen2TokenizerFast /
+// GPTNeoXTokenizerFast, which the generator checks agree with it): tests/reference/
+// make_tokenizers.py trains small byte-level BPE tokenizers configured like Qwen2's and
+// GPT-NeoX's (plus a variant covering the other supported options) and writes golden ids and
+// decoded texts for multilingual, emoji, whitespace-heavy, NFD, contraction and special-token
+// strings. Here: exact ids with and without special tokens, decoded text, decode of byte tokens
+// that are not valid UTF-8, the round trip, ~100 KB of text (ids and speed), and the errors for
+// invalid UTF-8 and for tokenizer files that do not parse or use what is not supported.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "models/tokenizer.h"
+#include "src/common/error.h"
+#include "tests/multirank.h"
+
+using lvx::models::Tokenizer;
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* const kNames[] = {"qwen2", "neox", "variant"};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+// Printable form of a string for failure messages (JSON escapes).
+std::string shown(const std::string& s) { return json(s).dump(); }
+
+std::string shown(const std::vector<int64_t>& ids) { return json(ids).dump(); }
+
+// The generated files live in the build tree, made again only when the generator or the pinned
+// packages change: ctest runs every test in its own process, and the generator takes seconds.
+// Concurrent processes each generate into their own folder and rename it into place.
+std::string generate_golden(std::string* log) {
+  const std::string dir = std::string(LVX_BINARY_DIR) + "/tests/tokenizers";
+  const std::string script = std::string(LVX_SOURCE_DIR) + "/tests/reference/make_tokenizers.py";
+  const std::string stamp =
+      read_file(script) + read_file(std::string(LVX_SOURCE_DIR) + "/requirements.txt");
+  auto fresh = [&] {
+    return fs::exists(dir + "/golden.json") && read_file(dir + "/stamp") == stamp;
+  };
+  if (fresh()) return dir;
+  const std::string tmp = dir + ".tmp." + std::to_string(::getpid());
+  fs::remove_all(tmp);
+  *log = lvx::testing::run_command(std::string(LVX_PYTHON) + " " + script + " " + tmp);
+  std::cout << *log;
+  if (log->find("exit status") != std::string::npos) return "";
+  write_file(tmp + "/stamp", stamp);
+  if (!fresh()) {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    fs::rename(tmp, dir, ec);
+  }
+  fs::remove_all(tmp);
+  return fresh() ? dir : "";
+}
+
+class TokenizerGolden : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (dir_) return;  // once per process, shared by the suites below
+    log_ = new std::string;
+    dir_ = new std::string(generate_golden(log_));
+    if (!dir_->empty()) golden_ = new json(json::parse(read_file(*dir_ + "/golden.json")));
+    // Files the tests write (edited tokenizers, CLI input) go to a folder of this process.
+    scratch_ =
+        new std::string(::testing::TempDir() + "/lvx_tokenizer_" + std::to_string(::getpid()));
+    fs::create_directories(*scratch_);
+    static const struct RemoveScratch {
+      ~RemoveScratch() {
+        std::error_code ec;
+        fs::remove_all(*scratch_, ec);
+      }
+    } remove_scratch;
+  }
+  void SetUp() override {
+    ASSERT_NE(golden_, nullptr) << *log_ << "\n(the generator needs tokenizers and transformers "
+                                << "from requirements.txt: run setup.sh)";
+  }
+  static const json& golden(const std::string& name) { return (*golden_)[name]; }
+  static Tokenizer load(const std::string& name) {
+    return Tokenizer::from_file(*dir_ + "/" + golden(name)["file"].get<std::string>());
+  }
+  // Token strings of ids, for failure messages.
+  static std::string tokens(const Tokenizer& t, const std::vector<int64_t>& ids) {
+    std::string s;
+    for (int64_t id : ids) s += (s.empty() ? "" : " ") + shown(t.id_to_token(id));
+    return s;
+  }
+
+  static std::string* dir_;
+  static std::string* scratch_;
+  static std::string* log_;
+  static json* golden_;
+};
+
+std::string* TokenizerGolden::dir_ = nullptr;
+std::string* TokenizerGolden::scratch_ = nullptr;
+std::string* TokenizerGolden::log_ = nullptr;
+json* TokenizerGolden::golden_ = nullptr;
+
+TEST_F(TokenizerGolden, EncodeGivesTheSameIds) {
+  for (const char* name : kNames) {
+    const Tokenizer t = load(name);
+    EXPECT_EQ(t.vocab_size(), golden(name)["vocab_size"].get<int64_t>()) << name;
+    int compared = 0;
+    for (const json& c : golden(name)["cases"]) {
+      const std::string text = c["text"];
+      const auto want = c["ids"].get<std::vector<int64_t>>();
+      const auto got = t.encode(text);
+      EXPECT_EQ(got, want) << name << " " << shown(text) << "\n  lvx:        " << tokens(t, got)
+                           << "\n  tokenizers: " << tokens(t, want);
+      EXPECT_EQ(t.encode(text, true), c["ids_special"].get<std::vector<int64_t>>())
+          << name << " with special tokens: " << shown(text);
+      ++compared;
+    }
+    EXPECT_GT(compared, 50) << name;
+  }
+}
+
+TEST_F(TokenizerGolden, DecodeGivesTheSameText) {
+  for (const char* name : kNames) {
+    const Tokenizer t = load(name);
+    for (const json& c : golden(name)["cases"]) {
+      EXPECT_EQ(t.decode(c["ids"].get<std::vector<int64_t>>()), c["decoded"].get<std::string>())
+          << name << " " << c["text"].dump();
+      EXPECT_EQ(t.decode(c["ids_special"].get<std::vector<int64_t>>(), true),
+                c["decoded_skip"].get<std::string>())
+          << name << " skipping special tokens: " << c["text"].dump();
+    }
+    // Byte tokens that do not form valid UTF-8: one U+FFFD per maximal invalid subpart.
+    for (const json& c : golden(name)["decode"]) {
+      const auto ids = c["ids"].get<std::vector<int64_t>>();
+      EXPECT_EQ(t.decode(ids, c["skip"].get<bool>()), c["text"].get<std::string>())
+          << name << " " << c["name"] << " " << shown(ids) << " skip " << c["skip"];
+    }
+  }
+}
+
+TEST_F(TokenizerGolden, DecodeOfEncodeIsTheNormalizedText) {
+  for (const char* name : {"qwen2", "neox"}) {
+    ASSERT_TRUE(golden(name)["roundtrip"].get<bool>());
+    const Tokenizer t = load(name);
+    for (const json& c : golden(name)["cases"]) {
+      const std::string text = c["text"];
+      EXPECT_EQ(t.decode(t.encode(text)), c["normalized"].get<std::string>())
+          << name << " " << shown(text);
+    }
+    // NFD input comes back composed (the NFC normalizer), identical to the NFC input's ids.
+    EXPECT_EQ(t.encode("Ame\xcc\x81lie"), t.encode("Am\xc3\xa9lie")) << name;
+    EXPECT_EQ(t.decode(t.encode("Ame\xcc\x81lie")), "Am\xc3\xa9lie") << name;
+  }
+}
+
+TEST_F(TokenizerGolden, SpecialTokensAndLookups) {
+  const Tokenizer qwen = load("qwen2");
+  const auto im_start = qwen.token_to_id("<|im_start|>");
+  const auto image = qwen.token_to_id("<|image|>");
+  ASSERT_TRUE(im_start && image);
+  EXPECT_TRUE(qwen.is_special(*image));
+  EXPECT_FALSE(qwen.is_special(*qwen.token_to_id("<tool_call>")));
+  EXPECT_EQ(qwen.id_to_token(*image), "<|image|>");
+  const auto ids = qwen.encode("<|im_start|>user\n<|image|><|image|>What?<|im_end|>");
+  ASSERT_GE(ids.size(), 5u);
+  EXPECT_EQ(ids[0], *im_start);
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), *image), 2);
+  EXPECT_EQ(qwen.decode(ids, true), "user\nWhat?");
+  EXPECT_FALSE(qwen.token_to_id("<|not a token|>"));
+  EXPECT_EQ(qwen.id_limit(), qwen.vocab_size());
+  // Byte-level tokens are stored in the GPT-2 alphabet: a space is "Ġ".
+  EXPECT_TRUE(qwen.token_to_id("\xc4\xa0"));
+
+  const Tokenizer neox = load("neox");
+  EXPECT_EQ(neox.token_to_id("<|endoftext|>"), 0);
+  const auto eot = neox.encode("hi", true);
+  EXPECT_EQ(eot.back(), 0) << "TemplateProcessing \"$A <|endoftext|>\"";
+  EXPECT_EQ(neox.encode("hi", false).size() + 1, eot.size());
+
+  try {
+    qwen.id_to_token(qwen.id_limit());
+    ADD_FAILURE() << "no error for an unknown id";
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not in the vocabulary"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(qwen.decode({1, -1}), lvx::Error);
+  EXPECT_THROW(qwen.decode({qwen.id_limit()}), lvx::Error);
+}
+
+TEST_F(TokenizerGolden, InvalidUtf8IsAnError) {
+  const Tokenizer t = load("qwen2");
+  const std::pair<std::string, size_t> cases[] = {
+      {"\xff", 0},                // never valid
+      {"abc\xe4\xb8", 3},         // truncated character at the end
+      {"ok \xc0\x80", 3},         // overlong NUL
+      {"x\xed\xa0\x80y", 1},      // UTF-16 surrogate
+      {"\xf4\x90\x80\x80", 0},    // above U+10FFFF
+      {"a<|im_start|>\x80", 13},  // after a special token
+  };
+  for (const auto& [text, offset] : cases) {
+    try {
+      t.encode(text);
+      ADD_FAILURE() << "no error for " << shown(std::vector<int64_t>(text.begin(), text.end()));
+    } catch (const lvx::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("not valid UTF-8 (byte offset " + std::to_string(offset) + " "),
+                std::string::npos)
+          << msg;
+    }
+  }
+}
+
+// ~100 KB of mixed text: the same ids as tokenizers, and the speed (a fresh tokenizer, so the
+// word cache starts empty, then again warm).
+TEST_F(TokenizerGolden, HundredKilobytesEncodeQuicklyAndExactly) {
+  const std::string big = read_file(*dir_ + "/big.txt");
+  ASSERT_GT(big.size(), 100000u);
+  for (const char* name : kNames) {
+    const Tokenizer t = load(name);
+    auto t0 = std::chrono::steady_clock::now();
+    const auto ids = t.encode(big);
+    const double cold =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    t0 = std::chrono::steady_clock::now();
+    const auto again = t.encode(big);
+    const double warm =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto want = golden(name)["big_ids"].get<std::vector<int64_t>>();
+    EXPECT_EQ(ids == want, true) << name << ": " << ids.size() << " ids vs " << want.size();
+    EXPECT_EQ(again, ids);
+    EXPECT_EQ(t.decode(ids),
+              golden(name)["roundtrip"].get<bool>() ? t.decode(want) : t.decode(ids));
+    std::cout << name << ": " << big.size() << " bytes -> " << ids.size() << " ids: encode "
+              << cold * 1e3 << " ms (cold cache), " << warm * 1e3 << " ms (warm)\n";
+    EXPECT_LT(cold, 1.0) << name << " encodes 100 KB too slowly";
+  }
+}
+
+TEST_F(TokenizerGolden, LongRunsAndThreads) {
+  const Tokenizer t = load("qwen2");
+  // One 1 MB whitespace run, a 200 KB word and 100 KB of one emoji: nothing fails, text returns.
+  for (const std::string& s : {std::string(1 << 20, ' '), std::string(200000, 'a'), [] {
+                                 std::string e;
+                                 for (int i = 0; i < 25000; ++i) e += "\xf0\x9f\x98\x80";
+                                 return e;
+                               }()}) {
+    EXPECT_EQ(t.decode(t.encode(s)), s);
+  }
+  // Encode from several threads at once (the word cache is shared).
+  const std::string big = read_file(*dir_ + "/big.txt");
+  const auto want = t.encode(big);
+  std::vector<std::vector<int64_t>> got(4);
+  std::vector<std::thread> threads;
+  const Tokenizer fresh = load("qwen2");
+  for (size_t i = 0; i < got.size(); ++i)
+    threads.emplace_back([&, i] { got[i] = fresh.encode(big); });
+  for (auto& th : threads) th.join();
+  for (const auto& g : got) EXPECT_EQ(g == want, true);
+}
+
+// ---- tokenizer files that do not load -----------------------------------------------------------
+
+class TokenizerFiles : public TokenizerGolden {
+ protected:
+  // The qwen2 file, edited, written to a new file; returns its path.
+  std::string edited(const std::string& tag, const std::function<void(json&)>& edit) {
+    json j = json::parse(read_file(*dir_ + "/qwen2/tokenizer.json"));
+    edit(j);
+    const std::string path = *scratch_ + "/bad_" + tag + ".json";
+    write_file(path, j.dump());
+    return path;
+  }
+  // The load error of the edited file ("" if it loaded).
+  std::string error_after(const std::string& tag, const std::function<void(json&)>& edit) {
+    return error_of(edited(tag, edit));
+  }
+  static std::string error_of(const std::string& path) {
+    try {
+      Tokenizer::from_file(path);
+    } catch (const lvx::Error& e) {
+      return e.what();
+    }
+    return "";
+  }
+};
+
+// Every part must appear in the message.
+void expect_message(const std::string& msg, std::initializer_list<std::string> parts) {
+  ASSERT_FALSE(msg.empty()) << "no error";
+  for (const std::string& p : parts)
+    EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+}
+
+TEST_F(TokenizerFiles, FileThatIsNotJson) {
+  const std::string path = *scratch_ + "/corrupt.json";
+  write_file(path, "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\", ");
+  expect_message(error_of(path), {path + ": not valid JSON: ", "parse error"});
+  write_file(path, "");
+  expect_message(error_of(path), {path + ": not valid JSON: "});
+  // A truncated copy of a real file.
+  const std::string real = read_file(*dir_ + "/qwen2/tokenizer.json");
+  write_file(path, real.substr(0, real.size() / 2));
+  expect_message(error_of(path), {path + ": not valid JSON: "});
+  expect_message(error_of(*scratch_ + "/no_such_file.json"),
+                 {*scratch_ + "/no_such_file.json: cannot open"});
+}
+
+TEST_F(TokenizerFiles, MissingOrMalformedFields) {
+  expect_message(error_after("no_vocab", [](json& j) { j["model"].erase("vocab"); }),
+                 {"bad_no_vocab.json: model.vocab: missing required field"});
+  expect_message(error_after("no_model", [](json& j) { j.erase("model"); }),
+                 {"bad_no_model.json: model: missing required field"});
+  expect_message(error_after("no_type", [](json& j) { j["model"].erase("type"); }),
+                 {"model.type: missing required field"});
+  expect_message(error_after("vocab_array", [](json& j) { j["model"]["vocab"] = json::array(); }),
+                 {"model.vocab: expected an object, got []"});
+  expect_message(
+      error_after("merge", [](json& j) { j["model"]["merges"][3] = "zzz_not_a_token q"; }),
+      {"model.merges[3]: token \"zzz_not_a_token\" is not in model.vocab"});
+  expect_message(error_after("merge3", [](json& j) { j["model"]["merges"][0] = "a b c"; }),
+                 {"model.merges[0]: expected \"<left> <right>\""});
+  expect_message(error_after("flag", [](json& j) { j["added_tokens"][0]["lstrip"] = "yes"; }),
+                 {"added_tokens[0].lstrip: expected true or false, got \"yes\""});
+  expect_message(error_after("added_id", [](json& j) { j["added_tokens"][1]["id"] = 5000; }),
+                 {"added_tokens[1].id: id 5000 for \"<|im_start|>\", but tokenizers assigns"});
+  expect_message(
+      error_after(
+          "regex",
+          [](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(a"; }),
+      {"pre_tokenizer.pretokenizers[0].pattern.Regex: regex does not compile", "\"(a\""});
+}
+
+TEST_F(TokenizerFiles, UnsupportedContentIsNamed) {
+  expect_message(error_after("wordpiece", [](json& j) { j["model"]["type"] = "WordPiece"; }),
+                 {"bad_wordpiece.json: model.type: unsupported model type \"WordPiece\""});
+  expect_message(error_after("metaspace",
+                             [](json& j) {
+                               j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "_"}};
+                             }),
+                 {"pre_tokenizer.type: unsupported pre-tokenizer \"Metaspace\""});
+  expect_message(error_after("lowercase",
+                             [](json& j) {
+                               j["normalizer"] = {{"type", "Lowercase"}};
+                             }),
+                 {"normalizer.type: unsupported normalizer \"Lowercase\""});
+  expect_message(error_after("bert",
+                             [](json& j) {
+                               j["post_processor"] = {{"type", "BertProcessing"}};
+                             }),
+                 {"post_processor.type: unsupported post-processor \"BertProcessing\""});
+  expect_message(error_after("wp_decoder",
+                             [](json& j) {
+                               j["decoder"] = {{"type", "WordPiece"}};
+                             }),
+                 {"decoder.type: unsupported decoder \"WordPiece\""});
+  expect_message(error_after("fallback", [](json& j) { j["model"]["byte_fallback"] = true; }),
+                 {"model.byte_fallback: byte_fallback true is not supported"});
+  expect_message(error_after("dropout", [](json& j) { j["model"]["dropout"] = 0.1; }),
+                 {"model.dropout: BPE dropout 0.1 is not supported"});
+  expect_message(
+      error_after("prefix", [](json& j) { j["model"]["continuing_subword_prefix"] = "##"; }),
+      {"model.continuing_subword_prefix: continuing_subword_prefix \"##\""});
+  expect_message(error_after("truncation",
+                             [](json& j) {
+                               j["truncation"] = {{"max_length", 512}};
+                             }),
+                 {"truncation: not supported (must be null)", "512"});
+  expect_message(error_after("field", [](json& j) { j["model"]["surprise"] = 7; }),
+                 {"model.surprise: unsupported field (value 7)"});
+  expect_message(
+      error_after("behavior",
+                  [](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Sideways"; }),
+      {"pre_tokenizer.pretokenizers[0].behavior: unsupported split behavior "
+       "\"Sideways\""});
+}
+
+// Without a decoder, tokenizers joins the token strings with spaces; the ids do not change.
+TEST_F(TokenizerFiles, NoDecoderJoinsTokensWithSpaces) {
+  const Tokenizer plain = Tokenizer::from_file(edited("no_decoder", [](json& j) {
+    j["decoder"] = nullptr;
+    j["post_processor"] = nullptr;
+  }));
+  const Tokenizer qwen = load("qwen2");
+  const std::string text = "Hello world<|im_end|>";
+  const auto ids = qwen.encode(text);
+  EXPECT_EQ(plain.encode(text), ids);
+  std::string joined;
+  for (int64_t id : ids) joined += (joined.empty() ? "" : " ") + qwen.id_to_token(id);
+  EXPECT_EQ(plain.decode(ids), joined);
+  EXPECT_NE(joined.find("\xc4\xa0"), std::string::npos) << "byte-level space 'Ġ' kept: " << joined;
+}
+
+TEST_F(TokenizerGolden, Cli) {
+  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  if (!fs::exists(lvx)) GTEST_SKIP() << "build the lvx target first";
+  const std::string file = *dir_ + "/qwen2/tokenizer.json";
+  const Tokenizer t = Tokenizer::from_file(file);
+  const std::string text = "Hello 世界 <|image|>!";
+  write_file(*scratch_ + "/cli.txt", text);
+  std::string out = lvx::testing::run_command(lvx + " tokenize --tokenizer " + file + " --file " +
+                                              *scratch_ + "/cli.txt");
+  std::string want;
+  for (int64_t id : t.encode(text)) want += (want.empty() ? "" : " ") + std::to_string(id);
+  EXPECT_EQ(out, want + "\n");
+  write_file(*scratch_ + "/cli_ids.txt", want + "\n");
+  out = lvx::testing::run_command(lvx + " tokenize --decode --tokenizer " + file + " --file " +
+                                  *scratch_ + "/cli_ids.txt");
+  EXPECT_EQ(out, text + "\n");
+  write_file(*scratch_ + "/cli_corrupt.json", "{\"model\": ");
+  out = lvx::testing::run_command(lvx + " tokenize --tokenizer " + *scratch_ + "/cli_corrupt.json" +
+                                  " --text x");
+  EXPECT_NE(out.find("not valid JSON"), std::string::npos) << out;
+  EXPECT_NE(out.find("exit status"), std::string::npos) << out;
+}
+
+}  // namespace
