@@ -55,8 +55,20 @@ void make_model(const fs::path& dir, int64_t hidden, int64_t layers) {
     w[name] = t;
   }
   models::save_checkpoint(dir.string(), cfg, w);
-  std::ofstream(dir / "tokenizer.json")
-      << nlohmann::json{{"added_tokens", {{{"id", kImageToken}, {"content", "<|image|>"}}}}}.dump();
+  // A placeholder vocabulary (the benchmark feeds token ids, never text) and <|image|> after it.
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int64_t i = 0; i < kImageToken; ++i) vocab["tok" + std::to_string(i)] = i;
+  std::ofstream(dir / "tokenizer.json") << nlohmann::json{
+      {"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr},
+      {"added_tokens", {{{"id", kImageToken}, {"content", "<|image|>"}, {"single_word", false},
+                         {"lstrip", false}, {"rstrip", false}, {"normalized", false},
+                         {"special", true}}}},
+      {"normalizer", nullptr}, {"pre_tokenizer", nullptr}, {"post_processor", nullptr},
+      {"decoder", nullptr},
+      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
+                 {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
+                 {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
+                 {"vocab", vocab}, {"merges", nlohmann::json::array()}}}}.dump();
 }
 
 // Video QA: a short prefix, one <|image|> per frame, then the question and answer (labels on the

@@ -95,23 +95,6 @@ void save_checkpoint(const std::string& dir, const nlohmann::json& config, const
   f << index.dump(2) << "\n";
 }
 
-int64_t added_token_id(const std::string& dir, const std::string& content) {
-  const fs::path path = fs::path(dir) / "tokenizer.json";
-  LVX_CHECK(fs::exists(path), dir, ": no tokenizer.json (its added_tokens give the image token)");
-  std::ifstream in(path);
-  nlohmann::json j;
-  try {
-    in >> j;
-  } catch (const nlohmann::json::exception& e) {
-    LVX_FAIL(path.string(), ": not valid JSON: ", e.what());
-  }
-  LVX_CHECK(j.contains("added_tokens") && j["added_tokens"].is_array(), path.string(),
-            ": added_tokens: missing");
-  for (const auto& t : j["added_tokens"])
-    if (t.value("content", std::string()) == content) return t.at("id").get<int64_t>();
-  return -1;
-}
-
 const at::Tensor& param(const StateDict& w, const std::string& name) {
   auto it = w.find(name);
   LVX_CHECK(it != w.end(), "model parameter '", name, "' is missing");

@@ -40,10 +40,6 @@ StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
 void save_checkpoint(const std::string& dir, const nlohmann::json& config, const StateDict& tensors,
                      int shards = 1);
 
-// The id of an added token (e.g. "<|image|>") from `dir`/tokenizer.json's added_tokens; −1 when
-// the file has no such token. Errors name the file.
-int64_t added_token_id(const std::string& dir, const std::string& content);
-
 // A parameter by name; an error naming it when absent.
 const at::Tensor& param(const StateDict& w, const std::string& name);
 

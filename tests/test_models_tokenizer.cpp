@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -230,29 +229,20 @@ TEST_F(TokenizerGolden, InvalidUtf8IsAnError) {
   }
 }
 
-// ~100 KB of mixed text: the same ids as tokenizers, and the speed (a fresh tokenizer, so the
-// word cache starts empty, then again warm).
-TEST_F(TokenizerGolden, HundredKilobytesEncodeQuicklyAndExactly) {
+// ~100 KB of mixed text: the same ids as tokenizers, from a fresh tokenizer (empty word cache)
+// and again warm. (Its speed is measured in benchmarks, never asserted here.)
+TEST_F(TokenizerGolden, HundredKilobytesEncodeExactly) {
   const std::string big = read_file(*dir_ + "/big.txt");
   ASSERT_GT(big.size(), 100000u);
   for (const char* name : kNames) {
     const Tokenizer t = load(name);
-    auto t0 = std::chrono::steady_clock::now();
     const auto ids = t.encode(big);
-    const double cold =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    t0 = std::chrono::steady_clock::now();
     const auto again = t.encode(big);
-    const double warm =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const auto want = golden(name)["big_ids"].get<std::vector<int64_t>>();
     EXPECT_EQ(ids == want, true) << name << ": " << ids.size() << " ids vs " << want.size();
     EXPECT_EQ(again, ids);
     EXPECT_EQ(t.decode(ids),
               golden(name)["roundtrip"].get<bool>() ? t.decode(want) : t.decode(ids));
-    std::cout << name << ": " << big.size() << " bytes -> " << ids.size() << " ids: encode "
-              << cold * 1e3 << " ms (cold cache), " << warm * 1e3 << " ms (warm)\n";
-    EXPECT_LT(cold, 1.0) << name << " encodes 100 KB too slowly";
   }
 }
 

@@ -257,8 +257,9 @@ TEST(PlannerCost, RecomputationSavesOnlyXOutputAndLse) {
   const ShardBytes b = shard_bytes(w, n, opt);
   EXPECT_DOUBLE_EQ(estimate(StrategyKind::kLvXAttn, w, c, n, opt).saved_bytes, b.x + b.o + b.lse);
   opt.recompute_cross_kv = false;
+  // Without it: q, K, V, O, lse and the K/V projection's input (normalized visual features).
   EXPECT_DOUBLE_EQ(estimate(StrategyKind::kLvXAttn, w, c, n, opt).saved_bytes,
-                   b.q + b.k + b.v + b.o + b.lse);
+                   b.q + b.k + b.v + b.o + b.lse + b.y);
   // Inference saves nothing and has no backward.
   StrategyCost inf = estimate(StrategyKind::kLvXAttn, w, c, n, CostOptions{});
   EXPECT_EQ(inf.saved_bytes, 0);

@@ -298,7 +298,9 @@ StrategyCost estimate(StrategyKind s, const LayerWorkload& w, const ClusterConfi
   }
   switch (strategy->saved_form()) {
     case attention::SavedForm::kShards:
-      saved = recompute ? b.x + b.o + b.lse : in + outb;
+      // Without recomputation a cross layer also keeps its K/V projection's input (the
+      // normalized visual features, skv × visual_feature_dim).
+      saved = recompute ? b.x + b.o + b.lse : in + outb + (cross && opt.train ? b.y : 0);
       break;
     case attention::SavedForm::kHeadShards:  // the same amount, sharded by heads
       saved = in + outb + (recompute ? b.x : 0);

@@ -11,6 +11,7 @@
 
 #include "models/checkpoint.h"
 #include "models/mplug_owl3.h"
+#include "models/tokenizer.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
@@ -67,8 +68,10 @@ LoadedModel load_model(const ForwardJob& job) {
   const std::string type = ck.config.value("model_type", std::string());
   LoadedModel m;
   if (type == "mplugowl3") {
-    m.mplug = std::make_unique<models::MplugOwl3>(
-        ck, models::added_token_id(job.model, "<|image|>"), dtype_of(job.dtype));
+    const models::Tokenizer tok = models::Tokenizer::from_file(job.model + "/tokenizer.json");
+    const auto image = tok.token_to_id("<|image|>");
+    LVX_CHECK(image.has_value(), job.model, "/tokenizer.json: has no <|image|> token");
+    m.mplug = std::make_unique<models::MplugOwl3>(ck, *image, dtype_of(job.dtype));
     return m;
   }
   LVX_FAIL(job.model, "/config.json: model_type '", type,
