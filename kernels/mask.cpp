@@ -167,6 +167,7 @@ at::Tensor mask_matrix(const AttentionMask& mask, int64_t batch, int64_t sq, int
 
 int64_t visible_pairs(const AttentionMask& mask, int64_t batch, int64_t sq, int64_t skv) {
   validate(mask, batch, sq, skv);
+  if (mask.kind == MaskKind::kNone && !mask.kv_valid.defined()) return batch * sq * skv;
   const at::Device dev = at::kCPU;
   const TokenMeta q = query_meta(mask, batch, sq, dev), k = key_meta(mask, batch, skv, dev);
   const bool exact = rule_is_exact(static_cast<int>(mask.kind), static_cast<int>(mask.media_rule));
