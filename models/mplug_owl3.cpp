@@ -155,7 +155,6 @@ namespace {
 // does not fill) and MI-RoPE positions of their keys ([B, slots_r·T]).
 struct LocalVisual {
   at::Tensor features, key_positions;
-  attention::Layout layout;  // the key layout: whole images, contiguous
 };
 
 }  // namespace
@@ -178,39 +177,20 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
   const int64_t slots = mm.slots;
   LocalVisual vis;
   if (slots > 0) {
-    vis.layout = attention::Layout{attention::LayoutKind::kContiguous, slots * T, n, T};
-    const at::Tensor key_pos = vis.layout.positions(r);
-    const int64_t s0 = key_pos.numel() ? key_pos[0].item<int64_t>() / T : 0;
-    const int64_t ns = key_pos.numel() / T;
-    const at::Tensor present = mm.media_starts >= 0;  // [B, slots]
-    const at::Tensor counts = present.sum(1);         // images per sample
-    const int64_t total = counts.sum().item<int64_t>();
-    LVX_CHECK(in.pixel_values.defined() && in.pixel_values.dim() == 4 &&
-                  in.pixel_values.size(0) == total,
-              "mPLUG-Owl3: input_ids hold ", total, " <|image|> tokens (id ", c.image_token_id,
-              ") but pixel_values has ",
-              in.pixel_values.defined() ? str(in.pixel_values.sizes()) : std::string("none"));
-    const at::Tensor first = at::cumsum(counts, 0) - counts;  // index of each sample's image 0
-    std::vector<int64_t> images, rows;  // global image index, row (b·ns + slot) it fills
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t s = s0; s < s0 + ns; ++s)
-        if (present[b][s].item<bool>()) {
-          images.push_back(first[b].item<int64_t>() + s);
-          rows.push_back(b * ns + (s - s0));
-        }
-    at::Tensor feats = at::zeros({B * ns, T, c.hidden}, h.options());
-    if (!images.empty()) {
-      const at::Tensor px = in.pixel_values.index_select(0, at::tensor(images, at::kLong));
-      at::Tensor v = siglip_forward(w_, kVision, c.vision, px.to(dt), c.vision.layers - 1);
-      v = linear(at::gelu(linear(v, w_, "vision2text_model.0", true)), w_, "vision2text_model.2",
-                 true);
-      feats = feats.index_copy(0, at::tensor(rows, at::kLong), v);
-    }
-    vis.features = feats.view({B, ns * T, c.hidden});
+    const LocalMedia media = encode_local_media(
+        mm, in.pixel_values, par, c.hidden,
+        [&](const at::Tensor& px) {  // SigLIP hidden_states[-2], then the projector
+          const at::Tensor v = siglip_forward(w_, kVision, c.vision, px.to(dt), c.vision.layers - 1);
+          return linear(at::gelu(linear(v, w_, "vision2text_model.0", true)), w_,
+                        "vision2text_model.2", true);
+        },
+        h.options(), "mPLUG-Owl3");
+    vis.features = media.features;
     // MI-RoPE: every key of image j at its token's index (+1 for 240728/241014).
     const int64_t shift = c.variant == "241101" ? 0 : 1;
-    at::Tensor starts = mm.media_starts.narrow(1, s0, ns).clamp_min(0) + shift;  // [B, ns]
-    vis.key_positions = starts.unsqueeze(2).expand({B, ns, T}).reshape({B, ns * T});
+    const at::Tensor starts =
+        mm.media_starts.narrow(1, media.first_slot, media.slots).clamp_min(0) + shift;
+    vis.key_positions = starts.unsqueeze(2).expand({B, media.slots, T}).reshape({B, -1});
   }
 
   const RotaryTables rope = rotary_tables(pos, c.head_dim, c.rope_theta);

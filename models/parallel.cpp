@@ -1,5 +1,7 @@
 #include "models/parallel.h"
 
+#include "src/common/error.h"
+
 namespace lvx::models {
 
 Parallel resolve_layouts(Parallel p) {
@@ -19,6 +21,38 @@ Parallel resolve_layouts(Parallel p) {
     l.cross = as_ring(l.cross);
   }
   return p;
+}
+
+LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& pixel_values,
+                              const Parallel& par, int64_t width,
+                              const std::function<at::Tensor(const at::Tensor&)>& encode,
+                              const at::TensorOptions& options, const std::string& model) {
+  const int64_t B = mm.q_media.size(0), T = mm.tokens_per_media;
+  const attention::Layout keys{attention::LayoutKind::kContiguous, mm.slots * T, par.world(), T};
+  const at::Tensor pos = keys.positions(par.rank());
+  LocalMedia out;
+  out.first_slot = pos.numel() ? pos[0].item<int64_t>() / T : 0;
+  out.slots = pos.numel() / T;
+  const at::Tensor present = mm.media_starts >= 0;  // [B, slots]
+  const at::Tensor counts = present.sum(1);         // images per sample
+  const int64_t total = counts.sum().item<int64_t>();
+  LVX_CHECK(pixel_values.defined() && pixel_values.dim() == 4 && pixel_values.size(0) == total,
+            model, ": input_ids hold ", total, " media tokens but pixel_values has ",
+            pixel_values.defined() ? str(pixel_values.sizes()) : std::string("none"));
+  const at::Tensor first = at::cumsum(counts, 0) - counts;  // each sample's first image
+  std::vector<int64_t> images, rows;  // global image index, row (b·slots + local slot) it fills
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = out.first_slot; s < out.first_slot + out.slots; ++s)
+      if (present[b][s].item<bool>()) {
+        images.push_back(first[b].item<int64_t>() + s);
+        rows.push_back(b * out.slots + (s - out.first_slot));
+      }
+  at::Tensor feats = at::zeros({B * out.slots, T, width}, options);
+  if (!images.empty())
+    feats = feats.index_copy(0, at::tensor(rows, at::kLong),
+                             encode(pixel_values.index_select(0, at::tensor(images, at::kLong))));
+  out.features = feats.view({B, out.slots * T, width});
+  return out;
 }
 
 }  // namespace lvx::models

@@ -10,11 +10,15 @@
 //   - gradients of the (replicated) parameters are summed across ranks after the backward.
 #pragma once
 
+#include <ATen/ATen.h>
+
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "src/attention/layout.h"
+#include "src/attention/media_mask.h"
 #include "src/attention/strategy.h"
 #include "src/dist/process_group.h"
 
@@ -41,6 +45,23 @@ struct Parallel {
     return layer < layers.size() ? layers[layer] : defaults;
   }
 };
+
+// This rank's share of the media: whole image slots [first_slot, first_slot + slots) of every
+// sample's key sequence (the key layout is contiguous in units of tokens_per_media), encoded
+// here and nowhere else.
+struct LocalMedia {
+  at::Tensor features;  // [B, slots · tokens_per_media, width]; zero for slots a sample lacks
+  int64_t first_slot = 0, slots = 0;
+};
+
+// Picks this rank's images out of pixel_values (every image of the batch, in prompt order:
+// sample 0's, then sample 1's, …; their number must equal the media tokens of input_ids, as `mm`
+// counts them), runs `encode` ([n, C, H, W] → [n, tokens_per_media, width]) on them only, and
+// places them in their slots. Errors name the counts that disagree.
+LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& pixel_values,
+                              const Parallel& par, int64_t width,
+                              const std::function<at::Tensor(const at::Tensor&)>& encode,
+                              const at::TensorOptions& options, const std::string& model);
 
 // The text layout a set of per-layer choices runs on, and the choices as they run on it: a
 // striped self-attention choice makes the whole text striped, and is then ring attention over

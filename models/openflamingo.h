@@ -1,0 +1,76 @@
+// OpenFlamingo (Awadalla et al., "OpenFlamingo: An Open-Source Framework for Training Large
+// Autoregressive Vision-Language Models"; open-flamingo 2.0.1), from the one directory that
+// models/convert_openflamingo.py writes out of a release (checkpoint.pt + the base LM + the
+// open_clip tower; names are the Flamingo module's own, see docs/openflamingo.md):
+//   open_clip ViT (class token, ln_pre, pre-LN blocks, QuickGELU or GELU, ln_post on tokens as
+//   recorded by the converter) → token outputs without the class token [N_img, v, W] →
+//   Perceiver resampler (latents attend to [media | latents], residual, LayerNorm-GELU FF, final
+//   norm) → media [N_img, n_latents, W];
+//   decoder (GPT-NeoX: rotary with rotary_pct, optional parallel residual; MPT: ALiBi, no
+//   biases, tied embeddings) with a gated cross-attention block BEFORE each decoder layer listed
+//   in cross_attn_layers: x += tanh(attn_gate)·to_out(attn(LN(x), media)), x += tanh(ff_gate)·
+//   FF(x); text token t sees only the most recent image (the `<image>` token its own), tokens
+//   before the first image get 0 from the cross-attention.
+// Distributed as models/parallel.h describes: each rank runs the ViT and the resampler on its own
+// images only. ALiBi runs through every distributed strategy as one extra head dimension
+// (q' = [q, 1], k' = [k, slope_h·j/scale]: scale·q'·k' = scale·q·k + slope_h·j, which differs
+// from MPT's bias slope_h·(j − i) by a per-row constant, so the softmax is the same).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "models/checkpoint.h"
+#include "models/mplug_owl3.h"
+#include "models/parallel.h"
+
+namespace lvx::models {
+
+struct OpenFlamingoConfig {
+  // Vision (open_clip)
+  int64_t v_width = 0, v_layers = 0, v_heads = 0, v_mlp = 0, image_size = 0, patch_size = 0;
+  bool v_ln_pre = true, v_tokens_ln_post = true;
+  std::string v_act = "gelu";
+  double v_eps = 1e-5;
+  // Perceiver
+  int64_t p_depth = 0, p_heads = 0, p_dim_head = 0, p_latents = 0, p_ff = 0;
+  double p_eps = 1e-5;
+  // Gated cross-attention
+  int64_t x_heads = 0, x_dim_head = 0, x_ff = 0;
+  double x_eps = 1e-5;
+  std::vector<int64_t> cross_layers;
+  // Decoder
+  std::string lm;          // gpt_neox | mpt
+  std::string layers_attr;  // "gpt_neox.layers" | "transformer.blocks"
+  int64_t hidden = 0, layers = 0, heads = 0, mlp = 0, vocab = 0, rotary_dim = 0;
+  double rotary_base = 10000, eps = 1e-5, alibi_bias_max = 8;
+  bool parallel_residual = false, lm_biases = true, tied = false;
+  std::string act = "gelu";
+  int64_t media_token_id = -1;
+  bool is_cross(int64_t layer) const;
+  int64_t vision_tokens() const { return (image_size / patch_size) * (image_size / patch_size); }
+};
+
+// From the converted directory's config.json; unsupported options (MPT qk_ln, clip_qkv, …) are
+// errors naming the field.
+OpenFlamingoConfig openflamingo_config(const nlohmann::json& config, const std::string& where);
+ShapeSpec openflamingo_shapes(const OpenFlamingoConfig& c);
+
+class OpenFlamingo {
+ public:
+  OpenFlamingo(const Checkpoint& ck, at::ScalarType dtype);
+  const OpenFlamingoConfig& config() const { return cfg_; }
+  StateDict& parameters() { return w_; }
+  static bool trainable(const std::string& name);  // all but the vision encoder
+  static planner::ModelConfig planner_model(const OpenFlamingoConfig& c);
+  ModelOutputs forward(const ModelInputs& in, const Parallel& par) const;
+
+ private:
+  OpenFlamingoConfig cfg_;
+  StateDict w_;
+};
+
+}  // namespace lvx::models
