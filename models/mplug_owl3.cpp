@@ -117,9 +117,7 @@ MplugOwl3::MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarTyp
   w_ = select_parameters(ck.tensors, mplug_owl3_shapes(c), unused, dtype, ck.dir);
 }
 
-bool MplugOwl3::trainable(const std::string& name) { return name.rfind(kVision, 0) != 0; }
-
-planner::ModelConfig MplugOwl3::planner_model() const { return planner_model(cfg_); }
+bool MplugOwl3::trainable(const std::string& name) const { return name.rfind(kVision, 0) != 0; }
 
 planner::ModelConfig MplugOwl3::planner_model(const MplugOwl3Config& c) {
   planner::ModelConfig m;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "models/checkpoint.h"
+#include "models/model.h"
 #include "models/parallel.h"
 #include "models/vision.h"
 #include "src/attention/media_mask.h"
@@ -53,33 +54,26 @@ MplugOwl3Config mplug_owl3_config(const nlohmann::json& config, const std::strin
 // Every tensor the model reads, by checkpoint name, with its shape.
 ShapeSpec mplug_owl3_shapes(const MplugOwl3Config& c);
 
-// Inputs of one step, global (every rank has the whole prompt).
-struct ModelInputs {
-  at::Tensor input_ids;     // int64 [B, L], the image token where each image sits
-  at::Tensor pixel_values;  // float [N_img, 3, H, W], preprocessed, images in prompt order
-};
-
-struct ModelOutputs {
-  at::Tensor logits;     // [B, L_r, V]: this rank's text shard (positions below)
-  at::Tensor positions;  // int64 [L_r]: global token index of each local row
-};
-
-class MplugOwl3 {
+class MplugOwl3 : public Model {
  public:
   // Loads and checks the parameters (missing, unexpected or mis-shaped tensors are one error
   // naming them; SigLIP's post_layernorm, last layer and pooling head may be present).
   MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarType dtype);
 
   const MplugOwl3Config& config() const { return cfg_; }
-  StateDict& parameters() { return w_; }
+  std::string family() const override { return "mplugowl3"; }
+  StateDict& parameters() override { return w_; }
   // Everything but the (frozen) vision encoder.
-  static bool trainable(const std::string& name);
+  bool trainable(const std::string& name) const override;
+  int64_t decoder_layers() const override { return cfg_.layers; }
+  int64_t media_token_id() const override { return cfg_.image_token_id; }
+  int64_t tokens_per_media() const override { return cfg_.vision.tokens(); }
   // The attention layers as they run, for the planner (one description: derived, not copied).
-  planner::ModelConfig planner_model() const;
+  planner::ModelConfig planner_model() const override { return planner_model(cfg_); }
   // The same from a configuration alone (lvx plan --model DIR reads config.json, no weights).
   static planner::ModelConfig planner_model(const MplugOwl3Config& c);
 
-  ModelOutputs forward(const ModelInputs& in, const Parallel& par) const;
+  ModelOutputs forward(const ModelInputs& in, const Parallel& par) const override;
 
  private:
   MplugOwl3Config cfg_;

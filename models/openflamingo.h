@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "models/checkpoint.h"
-#include "models/mplug_owl3.h"
+#include "models/model.h"
 #include "models/parallel.h"
 
 namespace lvx::models {
@@ -59,14 +59,19 @@ struct OpenFlamingoConfig {
 OpenFlamingoConfig openflamingo_config(const nlohmann::json& config, const std::string& where);
 ShapeSpec openflamingo_shapes(const OpenFlamingoConfig& c);
 
-class OpenFlamingo {
+class OpenFlamingo : public Model {
  public:
   OpenFlamingo(const Checkpoint& ck, at::ScalarType dtype);
   const OpenFlamingoConfig& config() const { return cfg_; }
-  StateDict& parameters() { return w_; }
-  static bool trainable(const std::string& name);  // all but the vision encoder
+  std::string family() const override { return "openflamingo"; }
+  StateDict& parameters() override { return w_; }
+  bool trainable(const std::string& name) const override;  // all but the vision encoder
+  int64_t decoder_layers() const override { return cfg_.layers; }
+  int64_t media_token_id() const override { return cfg_.media_token_id; }
+  int64_t tokens_per_media() const override { return cfg_.p_latents; }
+  planner::ModelConfig planner_model() const override { return planner_model(cfg_); }
   static planner::ModelConfig planner_model(const OpenFlamingoConfig& c);
-  ModelOutputs forward(const ModelInputs& in, const Parallel& par) const;
+  ModelOutputs forward(const ModelInputs& in, const Parallel& par) const override;
 
  private:
   OpenFlamingoConfig cfg_;

@@ -10,8 +10,7 @@
 #include <sstream>
 
 #include "models/checkpoint.h"
-#include "models/mplug_owl3.h"
-#include "models/tokenizer.h"
+#include "models/model.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
@@ -58,26 +57,6 @@ Batch read_batch(const std::string& path) {
   return b;
 }
 
-// The model family of a checkpoint (config.json's model_type).
-struct LoadedModel {
-  std::unique_ptr<models::MplugOwl3> mplug;
-};
-
-LoadedModel load_model(const ForwardJob& job) {
-  models::Checkpoint ck = models::load_checkpoint(job.model);
-  const std::string type = ck.config.value("model_type", std::string());
-  LoadedModel m;
-  if (type == "mplugowl3") {
-    const models::Tokenizer tok = models::Tokenizer::from_file(job.model + "/tokenizer.json");
-    const auto image = tok.token_to_id("<|image|>");
-    LVX_CHECK(image.has_value(), job.model, "/tokenizer.json: has no <|image|> token");
-    m.mplug = std::make_unique<models::MplugOwl3>(ck, *image, dtype_of(job.dtype));
-    return m;
-  }
-  LVX_FAIL(job.model, "/config.json: model_type '", type,
-           "' is not supported (supported: mplugowl3)");
-}
-
 // --strategies: "S" for every attention layer, "S_cross,S_self" per kind; S may be a pair F+B.
 models::Parallel explicit_strategies(const std::string& spec, int64_t layers) {
   std::vector<std::string> parts;
@@ -95,11 +74,10 @@ models::Parallel explicit_strategies(const std::string& spec, int64_t layers) {
 
 // auto: the planner's per-layer choice for this batch (its own prompt, frames and text length)
 // on the cluster config; without one, lv_xattn for cross layers and ring for self layers.
-models::Parallel planned_strategies(const ForwardJob& job, const models::MplugOwl3& model,
+models::Parallel planned_strategies(const ForwardJob& job, const models::Model& model,
                                     const Batch& b, int world, std::string* plan_text) {
-  const auto& c = model.config();
   models::Parallel p;
-  p.layers.assign(static_cast<size_t>(c.layers), models::LayerStrategies{});
+  p.layers.assign(static_cast<size_t>(model.decoder_layers()), models::LayerStrategies{});
   if (job.cluster.empty()) {
     *plan_text = "plan: no --cluster given; lv_xattn for cross-attention, ring for self-attention";
     return p;
@@ -107,21 +85,24 @@ models::Parallel planned_strategies(const ForwardJob& job, const models::MplugOw
   planner::ModelConfig m = model.planner_model();
   m.dtype = job.dtype;
   planner::Workload w;
-  at::Tensor marks = (b.input_ids.narrow(0, 0, 1) == c.image_token_id).to(at::kLong);
+  at::Tensor marks = (b.input_ids.narrow(0, 0, 1) == model.media_token_id()).to(at::kLong);
   w.frames = std::max<int64_t>(1, marks.sum().item<int64_t>());
   w.text_tokens = b.input_ids.size(1);
   if (marks.sum().item<int64_t>() > 0) w.prompt_marks = marks;
-  w.tokens_per_frame = c.vision.tokens();
+  w.tokens_per_frame = model.tokens_per_media();
   w.ranks = world;
   w.dtype = job.dtype;
   w.train = job.backward;
   const planner::Plan plan = planner::plan(m, planner::load_cluster_config(job.cluster), w);
+  // Each decoder layer has one self layer; a cross layer belongs to the decoder layer of the
+  // self layer next to it (mPLUG-Owl3: after it, OpenFlamingo: before it).
+  const bool cross_first = model.family() == "openflamingo";
   size_t decoder_layer = 0;
-  for (const planner::LayerPlan& l : plan.layers) {  // self layer of each block, then its cross
+  for (const planner::LayerPlan& l : plan.layers) {
     if (l.work.kind == planner::LayerKind::kSelf) {
       p.layers[decoder_layer++].self = l.choice();
     } else {
-      p.layers[decoder_layer - 1].cross = l.choice();
+      p.layers[cross_first ? decoder_layer : decoder_layer - 1].cross = l.choice();
     }
   }
   *plan_text = planner::format_table(plan);
@@ -153,7 +134,7 @@ at::Tensor gather_logits(dist::ProcessGroup& pg, attention::LayoutKind layout,
 // Mean cross-entropy over every rank's labels != −100, its backward, and the gradients of the
 // trainable (replicated) parameters summed across ranks in one flat all-reduce. Returns loss and
 // grad.<name>, identical on every rank.
-std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::MplugOwl3& model,
+std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::Model& model,
                                                 const at::Tensor& all_labels,
                                                 const models::ModelOutputs& out) {
   const at::Tensor labels = all_labels.index_select(1, out.positions);  // this rank's rows
@@ -167,7 +148,7 @@ std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::
   std::vector<std::string> names;
   std::vector<at::Tensor> parts;
   for (auto& [name, t] : model.parameters()) {
-    if (!models::MplugOwl3::trainable(name)) continue;
+    if (!model.trainable(name)) continue;
     names.push_back(name);
     parts.push_back(t.grad().defined() ? t.grad().to(at::kFloat).reshape({-1})
                                        : at::zeros({t.numel()}, at::kFloat));
@@ -201,9 +182,7 @@ void validate_forward_job(const ForwardJob& job) {
   LVX_CHECK(fs::exists(job.input), job.input, ": no such file");
   read_batch(job.input);
   models::Checkpoint ck = models::load_checkpoint(job.model);
-  const std::string type = ck.config.value("model_type", std::string());
-  LVX_CHECK(type == "mplugowl3", job.model, "/config.json: model_type '", type,
-            "' is not supported (supported: mplugowl3)");
+  models::planner_model_from_config(ck.config, job.model + "/config.json");  // a known family
   if (job.strategies != "auto") explicit_strategies(job.strategies, 1);
 }
 
@@ -211,12 +190,12 @@ int run_forward_rank(const ForwardJob& job) {
   auto pg = dist::ProcessGroup::from_env();
   const int n = pg->world_size(), r = pg->rank();
   const Batch b = read_batch(job.input);
-  LoadedModel lm = load_model(job);
-  models::MplugOwl3& model = *lm.mplug;
+  std::unique_ptr<models::Model> loaded = models::load_model(job.model, dtype_of(job.dtype));
+  models::Model& model = *loaded;
   std::string plan_text;
   models::Parallel par = job.strategies == "auto"
                              ? planned_strategies(job, model, b, n, &plan_text)
-                             : explicit_strategies(job.strategies, model.config().layers);
+                             : explicit_strategies(job.strategies, model.decoder_layers());
   par.pg = pg;
   par.recompute_cross_kv = job.recompute_cross_kv;
   par = models::resolve_layouts(par);
@@ -229,7 +208,7 @@ int run_forward_rank(const ForwardJob& job) {
   if (job.backward) {
     LVX_CHECK(b.labels.defined(), job.input, ": --backward needs 'labels' (int64 [B, L])");
     for (auto& [name, t] : model.parameters())
-      if (models::MplugOwl3::trainable(name)) t.requires_grad_(true);
+      if (model.trainable(name)) t.requires_grad_(true);
   }
   // Timed steps: the first is a warm-up when --repeat > 1; the medians are reported.
   std::vector<double> fwd_s, bwd_s, wait_s;

@@ -4,7 +4,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "models/mplug_owl3.h"
+#include "models/model.h"
 #include "src/common/error.h"
 
 namespace lvx::runtime {
@@ -20,16 +20,9 @@ planner::ModelConfig planner_model(const std::string& path) {
   } catch (const nlohmann::json::exception& e) {
     LVX_FAIL(cfg.string(), ": not valid JSON: ", e.what());
   }
-  const std::string type = j.value("model_type", std::string());
-  if (type == "mplugowl3") {
-    // The planner needs shapes only: both releases run a cross layer beside each hyper layer.
-    planner::ModelConfig m = models::MplugOwl3::planner_model(
-        models::mplug_owl3_config(j, cfg.string(), /*gated=*/true, /*image_token_id=*/0));
-    m.name = fs::path(path).filename().string();
-    m.dtype = j.value("torch_dtype", std::string("bfloat16")) == "float32" ? "fp32" : "bf16";
-    return m;
-  }
-  LVX_FAIL(cfg.string(), ": model_type '", type, "' is not supported (supported: mplugowl3)");
+  planner::ModelConfig m = models::planner_model_from_config(j, cfg.string());
+  m.name = fs::path(path).filename().string();
+  return m;
 }
 
 }  // namespace lvx::runtime

@@ -1,0 +1,41 @@
+#include "models/model.h"
+
+#include "models/mplug_owl3.h"
+#include "models/openflamingo.h"
+#include "models/tokenizer.h"
+#include "src/common/error.h"
+
+namespace lvx::models {
+
+std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype) {
+  Checkpoint ck = load_checkpoint(dir);
+  const std::string type = ck.config.value("model_type", std::string());
+  if (type == "mplugowl3") {
+    const Tokenizer tok = Tokenizer::from_file(dir + "/tokenizer.json");
+    const auto image = tok.token_to_id("<|image|>");
+    LVX_CHECK(image.has_value(), dir, "/tokenizer.json: has no <|image|> token");
+    return std::make_unique<MplugOwl3>(ck, *image, dtype);
+  }
+  if (type == "openflamingo") return std::make_unique<OpenFlamingo>(ck, dtype);
+  LVX_FAIL(dir, "/config.json: model_type '", type,
+           "' is not supported (supported: mplugowl3, openflamingo)");
+}
+
+planner::ModelConfig planner_model_from_config(const nlohmann::json& j, const std::string& where) {
+  const std::string type = j.value("model_type", std::string());
+  planner::ModelConfig m;
+  if (type == "mplugowl3") {
+    // Shapes only: both releases run a cross layer beside each hyper layer.
+    m = MplugOwl3::planner_model(mplug_owl3_config(j, where, /*gated=*/true, 0));
+  } else if (type == "openflamingo") {
+    m = OpenFlamingo::planner_model(openflamingo_config(j, where));
+  } else {
+    LVX_FAIL(where, ": model_type '", type, "' is not supported (supported: mplugowl3, ",
+             "openflamingo)");
+  }
+  const std::string dt = j.value("torch_dtype", std::string("bfloat16"));
+  m.dtype = dt == "float32" ? "fp32" : dt == "float16" ? "fp16" : "bf16";
+  return m;
+}
+
+}  // namespace lvx::models

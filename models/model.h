@@ -1,0 +1,53 @@
+// The model families behind one interface (vLLM's per-family files over shared layers): a
+// checkpoint directory's config.json model_type picks the family — "mplugowl3"
+// (models/mplug_owl3.h) or "openflamingo" (models/openflamingo.h, a directory written by
+// models/convert_openflamingo.py).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "models/checkpoint.h"
+#include "models/parallel.h"
+#include "src/planner/model_config.h"
+
+namespace lvx::models {
+
+// Inputs of one step, global (every rank has the whole prompt).
+struct ModelInputs {
+  at::Tensor input_ids;     // int64 [B, L], the family's media token where each image sits
+  at::Tensor pixel_values;  // float [N_img, 3, H, W], preprocessed, images in prompt order
+};
+
+struct ModelOutputs {
+  at::Tensor logits;     // [B, L_r, V]: this rank's text shard (positions below)
+  at::Tensor positions;  // int64 [L_r]: global token index of each local row
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual std::string family() const = 0;
+  virtual StateDict& parameters() = 0;
+  // What fine-tuning updates (every family: all but the frozen vision encoder).
+  virtual bool trainable(const std::string& name) const = 0;
+  virtual int64_t decoder_layers() const = 0;
+  virtual int64_t media_token_id() const = 0;
+  virtual int64_t tokens_per_media() const = 0;  // keys per image in the cross-attention
+  // The attention layers as they run, for the planner.
+  virtual planner::ModelConfig planner_model() const = 0;
+  virtual ModelOutputs forward(const ModelInputs& in, const Parallel& par) const = 0;
+};
+
+// Loads the family of `dir` (config.json's model_type) with its tokenizer.json; errors name the
+// file and the field, or list the supported model types.
+std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype);
+
+// The planner's description of a checkpoint from its config.json alone (no weights read).
+planner::ModelConfig planner_model_from_config(const nlohmann::json& config,
+                                               const std::string& where);
+
+}  // namespace lvx::models

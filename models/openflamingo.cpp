@@ -1,0 +1,420 @@
+#include "models/openflamingo.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "models/layers.h"
+#include "src/attention/dist_attention.h"
+#include "src/common/error.h"
+
+namespace lvx::models {
+
+namespace {
+
+const std::string kVis = "vision_encoder.";
+
+std::string json_str(const nlohmann::json& j, const std::string& field, const std::string& fallback) {
+  return j.contains(field) && j[field].is_string() ? j[field].get<std::string>() : fallback;
+}
+
+bool json_bool(const nlohmann::json& j, const std::string& field, bool fallback) {
+  return j.contains(field) && j[field].is_boolean() ? j[field].get<bool>() : fallback;
+}
+
+}  // namespace
+
+bool OpenFlamingoConfig::is_cross(int64_t layer) const {
+  return std::find(cross_layers.begin(), cross_layers.end(), layer) != cross_layers.end();
+}
+
+OpenFlamingoConfig openflamingo_config(const nlohmann::json& j, const std::string& where) {
+  const std::string type = json_str(j, "model_type", "");
+  LVX_CHECK(type == "openflamingo", where, ": model_type: expected \"openflamingo\", got \"", type,
+            "\"");
+  for (const char* f : {"vision_config", "perceiver_config", "cross_attn_config", "text_config"})
+    LVX_CHECK(j.contains(f) && j[f].is_object(), where, ": ", f, ": missing (write the directory ",
+              "with models/convert_openflamingo.py)");
+  OpenFlamingoConfig c;
+  const auto &v = j["vision_config"], &p = j["perceiver_config"], &x = j["cross_attn_config"],
+             &t = j["text_config"];
+  const std::string wv = where + ": vision_config", wp = where + ": perceiver_config",
+                    wx = where + ": cross_attn_config", wt = where + ": text_config";
+  c.v_width = config_int(v, "width", wv);
+  c.v_layers = config_int(v, "layers", wv);
+  c.v_heads = config_int(v, "heads", wv);
+  c.v_mlp = config_int(v, "mlp_width", wv);
+  c.image_size = config_int(v, "image_size", wv);
+  c.patch_size = config_int(v, "patch_size", wv);
+  c.v_ln_pre = json_bool(v, "ln_pre", true);
+  c.v_tokens_ln_post = json_bool(v, "tokens_ln_post", true);
+  c.v_act = json_str(v, "act", "gelu");
+  c.v_eps = config_double_or(v, "norm_eps", 1e-5);
+  LVX_CHECK(json_bool(v, "class_token", true) && !json_bool(v, "layer_scale", false) &&
+                !json_bool(v, "patch_embed_bias", false),
+            wv, ": only class-token ViTs without layer scale or patch bias are supported");
+  c.p_depth = config_int(p, "depth", wp);
+  c.p_heads = config_int(p, "heads", wp);
+  c.p_dim_head = config_int(p, "dim_head", wp);
+  c.p_latents = config_int(p, "num_latents", wp);
+  c.p_ff = config_int(p, "ff_mult", wp) * c.v_width;
+  c.p_eps = config_double_or(p, "norm_eps", 1e-5);
+  LVX_CHECK(p.value("max_num_media", nlohmann::json()).is_null() &&
+                p.value("max_num_frames", nlohmann::json()).is_null(),
+            wp, ": media/frame time embeddings are not supported");
+  c.x_heads = config_int(x, "heads", wx);
+  c.x_dim_head = config_int(x, "dim_head", wx);
+  c.x_eps = config_double_or(x, "norm_eps", 1e-5);
+  LVX_CHECK(json_bool(x, "only_attend_immediate_media", true), wx,
+            ": only_attend_immediate_media false is not supported (the released models use true)");
+  for (const auto& l : j.at("cross_attn_layers")) c.cross_layers.push_back(l.get<int64_t>());
+  c.layers_attr = json_str(j, "decoder_layers_attr", "");
+  c.media_token_id = config_int(j, "media_token_id", where);
+  c.vocab = config_int(j, "vocab_size", where);
+  c.tied = json_bool(j, "tie_word_embeddings", false);
+  c.lm = json_str(t, "model_type", "");
+  if (c.lm == "gpt_neox") {
+    LVX_CHECK(c.layers_attr == "gpt_neox.layers", where, ": decoder_layers_attr: expected ",
+              "\"gpt_neox.layers\" for gpt_neox, got \"", c.layers_attr, "\"");
+    c.hidden = config_int(t, "hidden_size", wt);
+    c.layers = config_int(t, "num_hidden_layers", wt);
+    c.heads = config_int(t, "num_attention_heads", wt);
+    c.mlp = config_int(t, "intermediate_size", wt);
+    const double pct = config_double_or(t, "rotary_pct", config_double_or(t, "partial_rotary_factor", 1.0));
+    c.rotary_dim = static_cast<int64_t>(static_cast<double>(c.hidden / c.heads) * pct);
+    c.rotary_base = config_double_or(t, "rotary_emb_base", config_double_or(t, "rope_theta", 10000));
+    c.eps = config_double_or(t, "layer_norm_eps", 1e-5);
+    c.parallel_residual = json_bool(t, "use_parallel_residual", true);
+    c.act = json_str(t, "hidden_act", "gelu");
+    c.lm_biases = true;
+  } else if (c.lm == "mpt") {
+    LVX_CHECK(c.layers_attr == "transformer.blocks", where, ": decoder_layers_attr: expected ",
+              "\"transformer.blocks\" for mpt, got \"", c.layers_attr, "\"");
+    c.hidden = config_int(t, "d_model", wt);
+    c.layers = config_int(t, "n_layers", wt);
+    c.heads = config_int(t, "n_heads", wt);
+    c.mlp = 4 * c.hidden;  // transformers' MPT: a 4·d MLP whatever expansion_ratio says
+    c.eps = config_double_or(t, "layer_norm_epsilon", 1e-5);
+    const nlohmann::json a = t.value("attn_config", nlohmann::json::object());
+    LVX_CHECK(json_bool(a, "alibi", true), wt, ": attn_config.alibi false is not supported");
+    LVX_CHECK(!json_bool(a, "qk_ln", false), wt, ": attn_config.qk_ln (QK LayerNorm, MosaicGPT ",
+              "mpt-1b) is not supported yet");
+    LVX_CHECK(a.value("clip_qkv", nlohmann::json()).is_null(), wt,
+              ": attn_config.clip_qkv is not supported");
+    LVX_CHECK(a.value("softmax_scale", nlohmann::json()).is_null(), wt,
+              ": attn_config.softmax_scale is not supported");
+    c.alibi_bias_max = config_double_or(a, "alibi_bias_max", 8);
+    c.lm_biases = false;
+    c.tied = true;
+  } else {
+    LVX_FAIL(wt, ": model_type '", c.lm, "' is not supported (gpt_neox, mpt)");
+  }
+  c.x_ff = 4 * c.hidden;
+  LVX_CHECK(c.heads > 0 && c.hidden % c.heads == 0, wt, ": hidden size ", c.hidden,
+            " is not a multiple of the heads ", c.heads);
+  return c;
+}
+
+ShapeSpec openflamingo_shapes(const OpenFlamingoConfig& c) {
+  ShapeSpec s;
+  const int64_t w = c.v_width, g = c.image_size / c.patch_size;
+  s[kVis + "conv1.weight"] = {w, 3, c.patch_size, c.patch_size};
+  s[kVis + "class_embedding"] = {w};
+  s[kVis + "positional_embedding"] = {1 + g * g, w};
+  auto ln = [&](const std::string& p, int64_t d, bool bias) {
+    s[p + ".weight"] = {d};
+    if (bias) s[p + ".bias"] = {d};
+  };
+  if (c.v_ln_pre) ln(kVis + "ln_pre", w, true);
+  if (c.v_tokens_ln_post) ln(kVis + "ln_post", w, true);
+  for (int64_t i = 0; i < c.v_layers; ++i) {
+    const std::string b = kVis + "transformer.resblocks." + std::to_string(i) + ".";
+    ln(b + "ln_1", w, true);
+    ln(b + "ln_2", w, true);
+    s[b + "attn.in_proj_weight"] = {3 * w, w};
+    s[b + "attn.in_proj_bias"] = {3 * w};
+    s[b + "attn.out_proj.weight"] = {w, w};
+    s[b + "attn.out_proj.bias"] = {w};
+    s[b + "mlp.c_fc.weight"] = {c.v_mlp, w};
+    s[b + "mlp.c_fc.bias"] = {c.v_mlp};
+    s[b + "mlp.c_proj.weight"] = {w, c.v_mlp};
+    s[b + "mlp.c_proj.bias"] = {w};
+  }
+  const int64_t inner = c.p_heads * c.p_dim_head;
+  s["perceiver.latents"] = {c.p_latents, w};
+  for (int64_t l = 0; l < c.p_depth; ++l) {
+    const std::string b = "perceiver.layers." + std::to_string(l) + ".";
+    ln(b + "0.norm_media", w, true);
+    ln(b + "0.norm_latents", w, true);
+    s[b + "0.to_q.weight"] = {inner, w};
+    s[b + "0.to_kv.weight"] = {2 * inner, w};
+    s[b + "0.to_out.weight"] = {w, inner};
+    ln(b + "1.0", w, true);
+    s[b + "1.1.weight"] = {c.p_ff, w};
+    s[b + "1.3.weight"] = {w, c.p_ff};
+  }
+  ln("perceiver.norm", w, true);
+  const int64_t d = c.hidden, xi = c.x_heads * c.x_dim_head;
+  const std::string lm = "lang_encoder.";
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string b = lm + c.layers_attr + "." + std::to_string(i) + ".";
+    if (c.is_cross(i)) {
+      const std::string x = b + "gated_cross_attn_layer.";
+      s[x + "attn_gate"] = {1};
+      s[x + "ff_gate"] = {1};
+      ln(x + "attn.norm", d, true);
+      s[x + "attn.to_q.weight"] = {xi, d};
+      s[x + "attn.to_kv.weight"] = {2 * xi, w};
+      s[x + "attn.to_out.weight"] = {d, xi};
+      ln(x + "ff.0", d, true);
+      s[x + "ff.1.weight"] = {c.x_ff, d};
+      s[x + "ff.3.weight"] = {d, c.x_ff};
+    }
+    const std::string l = b + "decoder_layer.";
+    if (c.lm == "gpt_neox") {
+      ln(l + "input_layernorm", d, true);
+      ln(l + "post_attention_layernorm", d, true);
+      s[l + "attention.query_key_value.weight"] = {3 * d, d};
+      s[l + "attention.query_key_value.bias"] = {3 * d};
+      s[l + "attention.dense.weight"] = {d, d};
+      s[l + "attention.dense.bias"] = {d};
+      s[l + "mlp.dense_h_to_4h.weight"] = {c.mlp, d};
+      s[l + "mlp.dense_h_to_4h.bias"] = {c.mlp};
+      s[l + "mlp.dense_4h_to_h.weight"] = {d, c.mlp};
+      s[l + "mlp.dense_4h_to_h.bias"] = {d};
+    } else {
+      ln(l + "norm_1", d, false);
+      ln(l + "norm_2", d, false);
+      s[l + "attn.Wqkv.weight"] = {3 * d, d};
+      s[l + "attn.out_proj.weight"] = {d, d};
+      s[l + "ffn.up_proj.weight"] = {c.mlp, d};
+      s[l + "ffn.down_proj.weight"] = {d, c.mlp};
+    }
+  }
+  if (c.lm == "gpt_neox") {
+    s[lm + "gpt_neox.embed_in.weight"] = {c.vocab, d};
+    ln(lm + "gpt_neox.final_layer_norm", d, true);
+    s[lm + "embed_out.weight"] = {c.vocab, d};
+  } else {
+    s[lm + "transformer.wte.weight"] = {c.vocab, d};
+    ln(lm + "transformer.norm_f", d, false);
+  }
+  return s;
+}
+
+OpenFlamingo::OpenFlamingo(const Checkpoint& ck, at::ScalarType dtype)
+    : cfg_(openflamingo_config(ck.config, ck.dir + "/config.json")) {
+  // open_clip's projection to the contrastive space is not used by OpenFlamingo.
+  w_ = select_parameters(ck.tensors, openflamingo_shapes(cfg_), {kVis + "proj"}, dtype, ck.dir);
+}
+
+bool OpenFlamingo::trainable(const std::string& name) const { return name.rfind(kVis, 0) != 0; }
+
+planner::ModelConfig OpenFlamingo::planner_model(const OpenFlamingoConfig& c) {
+  planner::ModelConfig m;
+  m.name = "openflamingo_" + c.lm;
+  m.family = "openflamingo";
+  m.dtype = "bf16";
+  m.visual_tokens_per_frame = c.p_latents;
+  m.visual_feature_dim = c.v_width;
+  m.vision = {c.v_width, c.v_layers, c.v_heads, c.v_mlp, c.image_size, c.patch_size};
+  for (int64_t i = 0; i < c.layers; ++i) {
+    planner::AttentionLayerConfig l;
+    l.hidden_size = c.hidden;
+    if (c.is_cross(i)) {  // the gated block runs before the decoder layer
+      l.kind = planner::LayerKind::kCross;
+      l.heads = l.kv_heads = c.x_heads;
+      l.head_dim = c.x_dim_head;
+      l.mlp_size = c.x_ff;
+      l.mask = planner::MaskRule::kMediaImmediate;
+      m.layers.push_back(l);
+    }
+    l.kind = planner::LayerKind::kSelf;
+    l.heads = l.kv_heads = c.heads;
+    l.head_dim = c.hidden / c.heads;
+    l.mlp_size = c.mlp;
+    l.mask = planner::MaskRule::kCausal;
+    m.layers.push_back(l);
+  }
+  return m;
+}
+
+namespace {
+
+// open_clip ViT token outputs without the class token: [N, g², W].
+at::Tensor clip_tokens(const StateDict& w, const OpenFlamingoConfig& c, const at::Tensor& px) {
+  const at::Tensor& conv = param(w, kVis + "conv1.weight");
+  const std::vector<int64_t> stride{c.patch_size, c.patch_size};
+  at::Tensor x = at::conv2d(px.to(conv.scalar_type()), conv, {}, stride).flatten(2).transpose(1, 2);
+  const int64_t n = x.size(0), width = c.v_width, hd = width / c.v_heads;
+  x = at::cat({param(w, kVis + "class_embedding").expand({n, 1, width}), x}, 1) +
+      param(w, kVis + "positional_embedding");
+  if (c.v_ln_pre) x = layer_norm(x, w, kVis + "ln_pre", c.v_eps);
+  const std::string act = c.v_act == "gelu_tanh" ? "gelu_pytorch_tanh" : c.v_act;
+  for (int64_t i = 0; i < c.v_layers; ++i) {
+    const std::string b = kVis + "transformer.resblocks." + std::to_string(i) + ".";
+    const at::Tensor h = layer_norm(x, w, b + "ln_1", c.v_eps);
+    const auto qkv = at::linear(h, param(w, b + "attn.in_proj_weight"),
+                                param(w, b + "attn.in_proj_bias"))
+                         .chunk(3, -1);  // rows q | k | v
+    auto heads = [&](const at::Tensor& t) { return t.reshape({n, -1, c.v_heads, hd}); };
+    const at::Tensor o = local_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), false,
+                                         1.0 / std::sqrt(static_cast<double>(hd)));
+    x = x + linear(o.reshape({n, -1, width}), w, b + "attn.out_proj", true);
+    x = x + linear(activation(linear(layer_norm(x, w, b + "ln_2", c.v_eps), w, b + "mlp.c_fc", true),
+                              act),
+                   w, b + "mlp.c_proj", true);
+  }
+  if (c.v_tokens_ln_post) x = layer_norm(x, w, kVis + "ln_post", c.v_eps);
+  return x.narrow(1, 1, x.size(1) - 1);
+}
+
+// Perceiver resampler, each image independently: [N, v, W] → [N, latents, W].
+at::Tensor perceiver(const StateDict& w, const OpenFlamingoConfig& c, const at::Tensor& x) {
+  const int64_t n = x.size(0), width = c.v_width, inner = c.p_heads * c.p_dim_head;
+  at::Tensor lat = param(w, "perceiver.latents").unsqueeze(0).expand({n, c.p_latents, width});
+  auto heads = [&](const at::Tensor& t) { return t.reshape({n, t.size(1), c.p_heads, c.p_dim_head}); };
+  for (int64_t l = 0; l < c.p_depth; ++l) {
+    const std::string b = "perceiver.layers." + std::to_string(l) + ".";
+    const at::Tensor xn = layer_norm(x, w, b + "0.norm_media", c.p_eps);
+    const at::Tensor ln = layer_norm(lat, w, b + "0.norm_latents", c.p_eps);
+    const at::Tensor q = linear(ln, w, b + "0.to_q", false);
+    const auto kv = linear(at::cat({xn, ln}, 1), w, b + "0.to_kv", false).chunk(2, -1);
+    const at::Tensor o = local_attention(heads(q), heads(kv[0]), heads(kv[1]), false,
+                                         1.0 / std::sqrt(static_cast<double>(c.p_dim_head)));
+    lat = linear(o.reshape({n, c.p_latents, inner}), w, b + "0.to_out", false) + lat;
+    lat = linear(at::gelu(linear(layer_norm(lat, w, b + "1.0", c.p_eps), w, b + "1.1", false)), w,
+                 b + "1.3", false) +
+          lat;
+  }
+  return layer_norm(lat, w, "perceiver.norm", c.p_eps);
+}
+
+// MPT's ALiBi slopes (transformers' build_mpt_alibi_tensor).
+at::Tensor alibi_slopes(int64_t heads, double bias_max) {
+  const int64_t n2 = int64_t{1} << static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(heads))));
+  at::Tensor s = 1.0 / at::pow(2.0, at::arange(1, n2 + 1, at::kDouble) * (bias_max / static_cast<double>(n2)));
+  if (n2 != heads)
+    s = at::cat({s.slice(0, 1, n2, 2), s.slice(0, 0, n2, 2)}).narrow(0, 0, heads);
+  return s;
+}
+
+}  // namespace
+
+ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) const {
+  const OpenFlamingoConfig& c = cfg_;
+  const at::Tensor& ids = in.input_ids;
+  LVX_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong,
+            "OpenFlamingo: input_ids must be int64 [B, L], got ", ids.scalar_type(), " ",
+            ids.sizes());
+  const int n = par.world(), r = par.rank();
+  const int64_t B = ids.size(0), L = ids.size(1), d = c.hidden, hd = d / c.heads;
+  const std::string lm = "lang_encoder.";
+  const at::Tensor& emb =
+      param(w_, lm + (c.lm == "gpt_neox" ? "gpt_neox.embed_in.weight" : "transformer.wte.weight"));
+  const at::ScalarType dt = emb.scalar_type();
+  const attention::Layout text{par.text_layout, L, n};
+  const at::Tensor pos = text.positions(r);
+  at::Tensor x = at::embedding(emb, ids.index_select(1, pos));
+
+  // Media: OpenFlamingo's rule (most recent image; the <image> token its own); this rank's
+  // images through the ViT and the resampler.
+  const attention::MediaMask mm = attention::openflamingo_media_mask(ids, c.media_token_id, c.p_latents);
+  LocalMedia media;
+  if (mm.slots > 0)
+    media = encode_local_media(
+        mm, in.pixel_values, par, c.v_width,
+        [&](const at::Tensor& px) { return perceiver(w_, c, clip_tokens(w_, c, px.to(dt))); },
+        x.options(), "OpenFlamingo");
+  const attention::MaskInputs cross_mask{mm.q_media, mm.kv_media, {}};
+
+  attention::AttentionSpec self_spec;
+  self_spec.batch = B;
+  self_spec.sq = self_spec.skv = L;
+  self_spec.hq = self_spec.hkv = c.heads;
+  self_spec.head_dim = hd;
+  self_spec.mask = kernels::MaskKind::kCausal;
+  self_spec.q_layout = self_spec.kv_layout = par.text_layout;
+  RotaryTables rope;
+  if (c.lm == "gpt_neox") rope = rotary_tables(pos, c.rotary_dim, c.rotary_base);
+  // ALiBi as one more head dimension: q' = [q, 1], k' = [k, slope_h·j/scale], v' = [v, 0].
+  at::Tensor alibi_k;  // [1, L_r, H, 1]: slope_h·j/scale for this rank's keys
+  if (c.lm == "mpt") {
+    self_spec.head_dim = hd + 1;
+    self_spec.scale = 1.0 / std::sqrt(static_cast<double>(hd));
+    alibi_k = (pos.to(at::kDouble).view({1, -1, 1, 1}) *
+               alibi_slopes(c.heads, c.alibi_bias_max).view({1, 1, -1, 1}) / self_spec.scale)
+                  .to(dt);
+  }
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string b = lm + c.layers_attr + "." + std::to_string(i) + ".";
+    const LayerStrategies& st = par.at(static_cast<size_t>(i));
+    const int64_t lr = x.size(1);
+    if (c.is_cross(i) && mm.slots > 0) {
+      const std::string g = b + "gated_cross_attn_layer.";
+      const at::Tensor q = linear(layer_norm(x, w_, g + "attn.norm", c.x_eps), w_, g + "attn.to_q", false)
+                               .view({B, lr, c.x_heads, c.x_dim_head});
+      const auto kv = linear(media.features, w_, g + "attn.to_kv", false).chunk(2, -1);
+      const int64_t sk = media.features.size(1);
+      attention::AttentionSpec cross_spec = self_spec;
+      cross_spec.skv = mm.slots * c.p_latents;
+      cross_spec.hq = cross_spec.hkv = c.x_heads;
+      cross_spec.head_dim = c.x_dim_head;
+      cross_spec.scale = 0;
+      cross_spec.mask = kernels::MaskKind::kMedia;
+      cross_spec.media_rule = mm.rule;
+      cross_spec.kv_layout = attention::LayoutKind::kContiguous;
+      cross_spec.kv_unit = c.p_latents;
+      const auto o = attention::dist_attention(
+          q, kv[0].reshape({B, sk, c.x_heads, c.x_dim_head}),
+          kv[1].reshape({B, sk, c.x_heads, c.x_dim_head}), par.pg, st.cross, cross_spec, cross_mask);
+      x = x + linear(o.o.reshape({B, lr, c.x_heads * c.x_dim_head}), w_, g + "attn.to_out", false) *
+                  at::tanh(param(w_, g + "attn_gate"));
+      x = x + linear(at::gelu(linear(layer_norm(x, w_, g + "ff.0", c.x_eps), w_, g + "ff.1", false)),
+                     w_, g + "ff.3", false) *
+                  at::tanh(param(w_, g + "ff_gate"));
+    }
+    const std::string l = b + "decoder_layer.";
+    if (c.lm == "gpt_neox") {
+      // query_key_value: per head its own [q | k | v].
+      const at::Tensor qkv =
+          linear(layer_norm(x, w_, l + "input_layernorm", c.eps), w_, l + "attention.query_key_value", true)
+              .view({B, lr, c.heads, 3 * hd});
+      const auto parts = qkv.split(hd, -1);
+      const auto o = attention::dist_attention(apply_rotary(parts[0], rope),
+                                               apply_rotary(parts[1], rope), parts[2], par.pg,
+                                               st.self, self_spec);
+      const at::Tensor attn = linear(o.o.reshape({B, lr, d}), w_, l + "attention.dense", true);
+      auto mlp = [&](const at::Tensor& t) {
+        return linear(activation(linear(t, w_, l + "mlp.dense_h_to_4h", true), c.act), w_,
+                      l + "mlp.dense_4h_to_h", true);
+      };
+      if (c.parallel_residual) {
+        x = x + attn + mlp(layer_norm(x, w_, l + "post_attention_layernorm", c.eps));
+      } else {
+        x = x + attn;
+        x = x + mlp(layer_norm(x, w_, l + "post_attention_layernorm", c.eps));
+      }
+    } else {
+      const auto qkv =
+          linear(layer_norm(x, w_, l + "norm_1", c.eps), w_, l + "attn.Wqkv", false).chunk(3, -1);
+      auto heads = [&](const at::Tensor& t) { return t.reshape({B, lr, c.heads, hd}); };
+      const at::Tensor one = at::ones({B, lr, c.heads, 1}, x.options());
+      const auto o = attention::dist_attention(
+          at::cat({heads(qkv[0]), one}, -1), at::cat({heads(qkv[1]), alibi_k.expand({B, lr, c.heads, 1})}, -1),
+          at::cat({heads(qkv[2]), at::zeros_like(one)}, -1), par.pg, st.self, self_spec);
+      x = x + linear(o.o.narrow(-1, 0, hd).reshape({B, lr, d}), w_, l + "attn.out_proj", false);
+      x = x + linear(at::gelu(linear(layer_norm(x, w_, l + "norm_2", c.eps), w_, l + "ffn.up_proj", false)),
+                     w_, l + "ffn.down_proj", false);
+    }
+  }
+  at::Tensor logits;
+  if (c.lm == "gpt_neox") {
+    logits = at::linear(layer_norm(x, w_, lm + "gpt_neox.final_layer_norm", c.eps),
+                        param(w_, lm + "embed_out.weight"));
+  } else {
+    logits = at::linear(layer_norm(x, w_, lm + "transformer.norm_f", c.eps), emb);
+  }
+  return {logits, pos};
+}
+
+}  // namespace lvx::models
