@@ -91,9 +91,20 @@ std::map<std::string, std::string> metadata(const std::string& path) {
   return load_safetensors(path, {"logits"}).metadata;
 }
 
+struct Mode {
+  const char* name;
+  const char* flags;
+};
+// Without saving memory; LV-XAttn's K/V recomputation; DistFlashAttn's rematerialization-aware
+// checkpointing; both.
+constexpr Mode kModes[] = {{"none", ""},
+                           {"recompute", " --recompute"},
+                           {"remat", " --remat"},
+                           {"both", " --recompute --remat"}};
+
 struct Run {
   int64_t frames, nproc;
-  bool recompute;
+  std::string mode;
   double fwd, bwd, wait, rss, live, err, predicted;
 };
 
@@ -130,13 +141,14 @@ int bench(int argc, char** argv) {
     make_batch(batch, frames, p.get_int("text"));
     std::string reference;
     for (int64_t nproc : p.get_int_list("nproc"))
-      for (bool recompute : {false, true}) {
+      for (const Mode& mode : kModes) {
+        const bool recompute = std::string(mode.flags).find("recompute") != std::string::npos;
         const std::string out = (dir / "out.safetensors").string();
         const std::string log = (dir / "log.txt").string();
         const std::string cmd = lvx + " forward --model " + (dir / "model").string() + " --input " +
                                 batch + " --output " + out + " --nproc " + std::to_string(nproc) +
                                 " --strategies lv_xattn,ring --backward --repeat " + p.get("reps") +
-                                (recompute ? " --recompute" : "") + " > " + log + " 2>&1";
+                                mode.flags + " > " + log + " 2>&1";
         if (std::system(cmd.c_str()) != 0) {
           std::ifstream f(log);
           LVX_FAIL("bench_model: ", cmd, " failed:\n", std::string(std::istreambuf_iterator<char>(f), {}));
@@ -151,8 +163,8 @@ int bench(int argc, char** argv) {
           auto ref = load_safetensors(reference).tensors;
           err = std::max((t.at("logits") - ref.at("logits")).abs().max().item<double>(),
                          std::abs(t.at("loss").item<double>() - ref.at("loss").item<double>()));
-          LVX_CHECK(err < 1e-3, "bench_model: ", nproc, " ranks",
-                    recompute ? " with recomputation" : "", " differ from 1 rank by ", err);
+          LVX_CHECK(err < 1e-3, "bench_model: ", nproc, " ranks (", mode.name,
+                    ") differ from 1 rank by ", err);
         }
         planner::Workload w;
         w.frames = frames;
@@ -166,7 +178,7 @@ int bench(int argc, char** argv) {
         planner::CostOptions opt;
         opt.recompute_cross_kv = recompute;
         const planner::Plan plan = planner::plan(pm, cluster, w, opt);
-        runs.push_back({frames, nproc, recompute, std::stod(m.at("forward_seconds")),
+        runs.push_back({frames, nproc, mode.name, std::stod(m.at("forward_seconds")),
                         std::stod(m.at("backward_seconds")), std::stod(m.at("comm_wait_seconds")),
                         std::stod(m.at("peak_rss_bytes")), std::stod(m.at("live_bytes_after_forward")),
                         err, plan.peak_mem_bytes});
@@ -176,48 +188,53 @@ int bench(int argc, char** argv) {
   if (p.get("output-format") == "json") {
     nlohmann::json j = nlohmann::json::array();
     for (const Run& r : runs)
-      j.push_back({{"frames", r.frames}, {"nproc", r.nproc}, {"recompute", r.recompute},
+      j.push_back({{"frames", r.frames}, {"nproc", r.nproc}, {"saving", r.mode},
                    {"forward_s", r.fwd}, {"step_s", r.fwd + r.bwd}, {"comm_wait_s", r.wait},
                    {"peak_rss_bytes", r.rss}, {"live_bytes_after_forward", r.live},
                    {"predicted_attention_bytes", r.predicted},
                    {"max_err_vs_1_rank", r.err}});
     std::cout << j.dump(2) << "\n";
   } else {
-    std::printf("| frames | ranks | recompute | fwd s | fwd+bwd s | text tok/s fwd | tok/s fwd+bwd "
+    std::printf("| frames | ranks | saving | fwd s | fwd+bwd s | text tok/s fwd | tok/s fwd+bwd "
                 "| frames/s fwd+bwd | comm wait | peak RSS MiB | held after fwd MiB | planner MiB "
                 "| err vs 1 rank |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (const Run& r : runs)
       std::printf("| %lld | %lld | %s | %.3f | %.3f | %.0f | %.0f | %.1f | %.0f%% | %.1f | %.1f | "
                   "%.2f | %.1e |\n",
                   static_cast<long long>(r.frames), static_cast<long long>(r.nproc),
-                  r.recompute ? "yes" : "no", r.fwd, r.fwd + r.bwd, text / r.fwd,
+                  r.mode.c_str(), r.fwd, r.fwd + r.bwd, text / r.fwd,
                   text / (r.fwd + r.bwd), r.frames / (r.fwd + r.bwd),
                   100 * r.wait / (r.fwd + r.bwd), r.rss / (1 << 20), r.live / (1 << 20),
                   r.predicted / (1 << 20), r.err);
   }
-  // Memory per frame (slope of peak RSS between the smallest and largest frame count) and step
-  // time, with and without recomputation, per rank count.
+  // Memory held per frame (slope between the smallest and largest frame count) and step time
+  // at the largest, for each saving against none, per rank count: how many more frames fit in
+  // the same memory, at what time overhead.
+  const auto fl = p.get_int_list("frames");
+  const int64_t f0 = fl.front(), f1 = fl.back();
   for (int64_t nproc : p.get_int_list("nproc")) {
-    auto find = [&](int64_t f, bool rc) {
+    auto find = [&](int64_t f, const std::string& mode) {
       for (const Run& r : runs)
-        if (r.frames == f && r.nproc == nproc && r.recompute == rc) return r;
+        if (r.frames == f && r.nproc == nproc && r.mode == mode) return r;
       return runs.front();
     };
-    const auto fl = p.get_int_list("frames");
-    const int64_t f0 = fl.front(), f1 = fl.back();
     if (f1 == f0) break;
-    const Run a0 = find(f0, false), a1 = find(f1, false), b0 = find(f0, true), b1 = find(f1, true);
-    const double slope_plain = (a1.live - a0.live) / (f1 - f0),
-                 slope_rc = (b1.live - b0.live) / (f1 - f0);
-    const double pred_plain = (a1.predicted - a0.predicted) / (f1 - f0),
-                 pred_rc = (b1.predicted - b0.predicted) / (f1 - f0);
-    std::printf("\n%lld rank(s): memory held after the forward per frame %.1f KiB without recomputation, %.1f KiB with "
-                "(planner: %.1f / %.1f KiB of attention activations): %.2fx the frames in the same "
-                "memory; step time at %lld frames %.3f s vs %.3f s (%+.1f%%)\n",
-                static_cast<long long>(nproc), slope_plain / 1024, slope_rc / 1024, pred_plain / 1024,
-                pred_rc / 1024, slope_rc > 0 ? slope_plain / slope_rc : 0.0,
-                static_cast<long long>(f1), a1.fwd + a1.bwd, b1.fwd + b1.bwd,
-                100 * ((b1.fwd + b1.bwd) / (a1.fwd + a1.bwd) - 1));
+    const Run a0 = find(f0, "none"), a1 = find(f1, "none");
+    const double base = (a1.live - a0.live) / static_cast<double>(f1 - f0);
+    const double pred_base = (a1.predicted - a0.predicted) / static_cast<double>(f1 - f0);
+    std::printf("\n%lld rank(s): memory held after the forward, per frame: none %.1f KiB (planner "
+                "%.1f KiB of attention activations), step %.3f s at %lld frames\n",
+                static_cast<long long>(nproc), base / 1024, pred_base / 1024, a1.fwd + a1.bwd,
+                static_cast<long long>(f1));
+    for (const char* mode : {"recompute", "remat", "both"}) {
+      const Run b0 = find(f0, mode), b1 = find(f1, mode);
+      const double slope = (b1.live - b0.live) / static_cast<double>(f1 - f0);
+      std::printf("  %-9s %.1f KiB per frame (planner %.1f KiB): %.2fx the frames in the same "
+                  "memory; step %.3f s (%+.1f%%)\n",
+                  mode, slope / 1024, (b1.predicted - b0.predicted) / (f1 - f0) / 1024,
+                  slope > 0 ? base / slope : 0.0, b1.fwd + b1.bwd,
+                  100 * ((b1.fwd + b1.bwd) / (a1.fwd + a1.bwd) - 1));
+    }
   }
   fs::remove_all(dir);
   return 0;

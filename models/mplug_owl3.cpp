@@ -261,9 +261,20 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
                   .reshape({B, lr, c.heads * c.head_dim});
       }
     }
-    h = h + linear(ctx, w_, l + "self_attn.o_proj", false);
-    h = h + swiglu_mlp(rms_norm(h, param(w_, l + "post_attention_layernorm.weight"), c.rms_eps),
-                       w_, l + "mlp");
+    // The block after its attention: o_proj, residual, norm, MLP, residual.
+    const std::vector<at::Tensor> block_params{
+        param(w_, l + "self_attn.o_proj.weight"),
+        param(w_, l + "post_attention_layernorm.weight"), param(w_, l + "mlp.gate_proj.weight"),
+        param(w_, l + "mlp.up_proj.weight"), param(w_, l + "mlp.down_proj.weight")};
+    const double eps = c.rms_eps;
+    auto post_attention = [eps](const std::vector<at::Tensor>& in,
+                                const std::vector<at::Tensor>& p) -> std::vector<at::Tensor> {
+      const at::Tensor a = in[0] + at::linear(in[1], p[0]);
+      const at::Tensor x2 = rms_norm(a, p[1], eps);
+      return {a + at::linear(at::silu(at::linear(x2, p[2])) * at::linear(x2, p[3]), p[4])};
+    };
+    h = par.remat ? checkpoint_segment(post_attention, {h, ctx}, block_params)[0]
+                  : post_attention({h, ctx}, block_params)[0];
   }
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
   const at::Tensor& head = c.tie_embeddings ? param(w_, kLm + "embed_tokens.weight")

@@ -37,6 +37,10 @@ struct Parallel {
   // Runs the backward of K/V projections of cross layers by recomputing them from the shared
   // visual features (LV-XAttn §3.2) instead of keeping each layer's K/V.
   bool recompute_cross_kv = false;
+  // Rematerialization-aware checkpointing of the decoder blocks (DistFlashAttn §3.3): each
+  // block's output projection, residual, norm and MLP are recomputed in the backward from the
+  // block input and the attention output, which the attention keeps anyway.
+  bool remat = false;
 
   int world() const { return pg->world_size(); }
   int rank() const { return pg->rank(); }

@@ -63,7 +63,66 @@ struct CrossRecompute : public torch::autograd::Function<CrossRecompute> {
   }
 };
 
+struct SegmentState : torch::CustomClassHolder {
+  SegmentFunction fn;
+  size_t n_inputs = 0, n_params = 0;
+};
+
+struct Segment : public torch::autograd::Function<Segment> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs, at::TensorList params,
+                                                c10::IValue state_value) {
+    auto st = c10::static_intrusive_pointer_cast<SegmentState>(state_value.toCapsule());
+    std::vector<at::Tensor> in(inputs.begin(), inputs.end()), p(params.begin(), params.end());
+    std::vector<at::Tensor> keep = in;  // inputs and parameters only, never intermediates
+    keep.insert(keep.end(), p.begin(), p.end());
+    ctx->save_for_backward(keep);
+    ctx->saved_data["state"] = state_value;
+    return st->fn(in, p);  // grad mode is off: nothing inside is kept
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto st = c10::static_intrusive_pointer_cast<SegmentState>(ctx->saved_data["state"].toCapsule());
+    const auto saved = ctx->get_saved_variables();
+    at::AutoGradMode grad_on(true);
+    std::vector<at::Tensor> leaves;
+    for (const auto& t : saved) leaves.push_back(t.detach().requires_grad_(t.is_floating_point()));
+    const std::vector<at::Tensor> in(leaves.begin(), leaves.begin() + st->n_inputs);
+    const std::vector<at::Tensor> p(leaves.begin() + st->n_inputs, leaves.end());
+    const std::vector<at::Tensor> outs = st->fn(in, p);
+    std::vector<at::Tensor> used_outs, used_grads;
+    for (size_t i = 0; i < outs.size(); ++i)
+      if (grads[i].defined() && outs[i].requires_grad()) {
+        used_outs.push_back(outs[i]);
+        used_grads.push_back(grads[i]);
+      }
+    std::vector<at::Tensor> wrt;
+    for (const auto& l : leaves)
+      if (l.requires_grad()) wrt.push_back(l);
+    torch::autograd::variable_list d(leaves.size());
+    if (!used_outs.empty()) {
+      auto g = torch::autograd::grad(used_outs, wrt, used_grads, false, false, true);
+      size_t k = 0;
+      for (size_t i = 0; i < leaves.size(); ++i)
+        if (leaves[i].requires_grad()) d[i] = g[k++];
+    }
+    d.push_back(at::Tensor());  // the state
+    return d;
+  }
+};
+
 }  // namespace
+
+std::vector<at::Tensor> checkpoint_segment(SegmentFunction fn, const std::vector<at::Tensor>& inputs,
+                                           const std::vector<at::Tensor>& params) {
+  auto st = c10::make_intrusive<SegmentState>();
+  st->fn = std::move(fn);
+  st->n_inputs = inputs.size();
+  st->n_params = params.size();
+  return Segment::apply(at::TensorList(inputs), at::TensorList(params),
+                        c10::IValue::make_capsule(st));
+}
 
 attention::DistAttentionResult cross_attention_recompute(
     const at::Tensor& q, const at::Tensor& y, const std::vector<at::Tensor>& params, KVFunction kv,

@@ -31,4 +31,15 @@ attention::DistAttentionResult cross_attention_recompute(
     std::shared_ptr<dist::ProcessGroup> pg, attention::StrategyChoice choice,
     const attention::AttentionSpec& spec, const attention::MaskInputs& mask);
 
+// Rematerialization-aware checkpointing (DistFlashAttn, Li et al., §3.3): a segment of local
+// work (here: a block's output projection, residual, norm and MLP) runs without keeping its
+// intermediates and is recomputed in the backward. The checkpoint boundary sits at the attention
+// output, so the backward never reruns a distributed attention (whose forward costs
+// communication): the attention's own saved state (q, k, v, o, lse) is its boundary.
+// `fn` maps (inputs, params) to outputs; gradients flow to inputs and params.
+using SegmentFunction = std::function<std::vector<at::Tensor>(
+    const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& params)>;
+std::vector<at::Tensor> checkpoint_segment(SegmentFunction fn, const std::vector<at::Tensor>& inputs,
+                                           const std::vector<at::Tensor>& params);
+
 }  // namespace lvx::models

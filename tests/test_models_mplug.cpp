@@ -56,7 +56,7 @@ struct Case {
   std::string variant;
   int nproc;
   std::string strategies;
-  bool recompute;
+  std::string flags;  // --recompute (LV-XAttn §3.2), --remat (DistFlashAttn §3.3)
 };
 
 class MplugConformance : public ::testing::TestWithParam<Case> {};
@@ -68,12 +68,12 @@ TEST_P(MplugConformance, MatchesTheReference) {
   fs::remove(out);
   const std::string log = run_command(
       lvx_binary() + " forward --model " + ref.model + " --input " + ref.batch + " --output " + out +
-      " --nproc " + std::to_string(c.nproc) + " --strategies " + c.strategies + " --backward" +
-      (c.recompute ? " --recompute" : ""));
+      " --nproc " + std::to_string(c.nproc) + " --strategies " + c.strategies + " --backward " +
+      c.flags);
   ASSERT_TRUE(fs::exists(out)) << log;
   const Diff d = compare(out, ref.expected);
-  std::cout << c.variant << " n=" << c.nproc << " " << c.strategies
-            << (c.recompute ? " recompute" : "") << ": logits " << d.logits << ", loss " << d.loss
+  std::cout << c.variant << " n=" << c.nproc << " " << c.strategies << " " << c.flags
+            << ": logits " << d.logits << ", loss " << d.loss
             << ", grads " << d.grad << " (" << d.worst_grad << ", " << d.grads << " tensors)\n";
   expect_conforms(d, 1e-4, 1e-4, 59);  // every trainable tensor of the tiny model (59 or 61)
 }
@@ -81,14 +81,14 @@ TEST_P(MplugConformance, MatchesTheReference) {
 std::vector<Case> cases() {
   std::vector<Case> v;
   for (const std::string variant : {"240728", "241101"}) {
-    v.push_back({variant, 1, "lv_xattn,ring", false});
-    v.push_back({variant, 2, "lv_xattn,ring", true});
-    v.push_back({variant, 2, "ulysses,all_gather", false});
-    v.push_back({variant, 3, "lv_xattn,striped", false});
-    v.push_back({variant, 3, "lv_xattn+ring,ring+lv_xattn", true});
-    v.push_back({variant, 4, "all_gather,ring", false});
+    v.push_back({variant, 1, "lv_xattn,ring", ""});
+    v.push_back({variant, 2, "lv_xattn,ring", "--recompute"});
+    v.push_back({variant, 2, "ulysses,all_gather", "--remat"});
+    v.push_back({variant, 3, "lv_xattn,striped", ""});
+    v.push_back({variant, 3, "lv_xattn+ring,ring+lv_xattn", "--recompute --remat"});
+    v.push_back({variant, 4, "all_gather,ring", ""});
   }
-  v.push_back({"240728-bf16", 2, "lv_xattn,ring", false});
+  v.push_back({"240728-bf16", 2, "lv_xattn,ring", ""});
   return v;
 }
 
@@ -99,8 +99,10 @@ INSTANTIATE_TEST_SUITE_P(
         if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
       std::string variant = info.param.variant;
       std::replace(variant.begin(), variant.end(), '-', '_');
-      return "v" + variant + "_n" + std::to_string(info.param.nproc) + "_" + s +
-             (info.param.recompute ? "_recompute" : "");
+      std::string flags = info.param.flags;
+      for (char& ch : flags)
+        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      return "v" + variant + "_n" + std::to_string(info.param.nproc) + "_" + s + flags;
     });
 
 // Bad checkpoints and inputs give one clear error naming what is wrong.

@@ -31,6 +31,9 @@ int cmd_forward(int argc, char** argv) {
   p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
   p.add_option("dtype", 0, "fp32", "fp32 | bf16");
   p.add_flag("backward", 'b', "also compute the loss and the gradients");
+  p.add_flag("remat", 0,
+             "rematerialization-aware checkpointing (DistFlashAttn §3.3; mPLUG-Owl3): recompute\n"
+             "each block's o_proj, norm and MLP in the backward, never the distributed attention");
   p.add_option("repeat", 0, "1", "timed steps (> 1: after one warm-up step; medians in metadata)");
   p.add_flag("print-plan", 0, "print the per-layer strategies (rank 0)");
   p.add_flag("recompute", 0,
@@ -48,6 +51,7 @@ int cmd_forward(int argc, char** argv) {
   job.print_plan = p.flag("print-plan");
   job.recompute_cross_kv = p.flag("recompute");
   job.repeat = static_cast<int>(p.get_int("repeat"));
+  job.remat = p.flag("remat");
   if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
     return lvx::runtime::run_forward_rank(job);
   lvx::runtime::validate_forward_job(job);  // bad input fails once, clearly, before ranks start

@@ -198,6 +198,7 @@ int run_forward_rank(const ForwardJob& job) {
                              : explicit_strategies(job.strategies, model.decoder_layers());
   par.pg = pg;
   par.recompute_cross_kv = job.recompute_cross_kv;
+  par.remat = job.remat;
   par = models::resolve_layouts(par);
   // Every rank must run the same plan on the same inputs.
   pg->check_agreement("the model step",

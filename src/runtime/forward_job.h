@@ -27,6 +27,7 @@ struct ForwardJob {
   bool backward = false;
   bool print_plan = false;
   bool recompute_cross_kv = false;    // LV-XAttn §3.2 (models/recompute.h)
+  bool remat = false;                 // DistFlashAttn §3.3 checkpointing (models/recompute.h)
   int repeat = 1;                     // timed steps (> 1: one more warm-up step first)
 };
 
