@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <iostream>
 #include <string>
 
@@ -51,6 +53,43 @@ inline Diff compare(const std::string& got_path, const std::string& want_path) {
     ++d.grads;
   }
   return d;
+}
+
+inline std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+// Reference files made by a Python generator live in the build tree (build/tests/<name>), made
+// again only when `stamp` (the generator's source and the pinned packages) changes: ctest runs
+// every test in its own process, and generators take seconds. `make(dir)` fills a fresh folder
+// and returns its log; concurrent processes each make their own folder and rename it into place.
+// Returns the folder, or "" (with the log in *log) when the generator failed.
+inline std::string generated(const std::string& name, const std::string& stamp,
+                             const std::function<std::string(const std::string&)>& make,
+                             std::string* log) {
+  const std::string dir = std::string(LVX_BINARY_DIR) + "/tests/" + name;
+  auto fresh = [&] { return read_text(dir + "/stamp") == stamp; };
+  if (fs::exists(dir + "/stamp") && fresh()) return dir;
+  const std::string tmp = dir + ".tmp." + std::to_string(::getpid());
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  *log = make(tmp);
+  if (log->find("exit status") != std::string::npos) return "";
+  std::ofstream(tmp + "/stamp", std::ios::binary) << stamp;
+  if (!(fs::exists(dir + "/stamp") && fresh())) {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    fs::rename(tmp, dir, ec);
+  }
+  fs::remove_all(tmp);
+  return fs::exists(dir + "/stamp") && fresh() ? dir : "";
+}
+
+// The stamp of a reference script: its source and the pinned Python packages.
+inline std::string script_stamp(const std::string& script) {
+  return read_text(script) + read_text(std::string(LVX_SOURCE_DIR) + "/requirements.txt") +
+         read_text(std::string(LVX_SOURCE_DIR) + "/requirements-nodeps.txt");
 }
 
 // Asserts a conformance run: logits and loss within `atol`, every gradient within `rtol` of its

@@ -24,16 +24,24 @@ const Reference& reference(const std::string& lm) {
   static std::map<std::string, Reference> made;
   auto it = made.find(lm);
   if (it != made.end()) return it->second;
-  const fs::path d = workdir() / ("openflamingo_" + lm);
-  Reference r{(d / "model").string(), (d / "batch.safetensors").string(),
-              (d / "expected.safetensors").string()};
-  const std::string py =
-      python() + " " + std::string(LVX_SOURCE_DIR) + "/tests/reference/openflamingo_ref.py ";
-  std::string out = run_command(py + "make-model " + r.model + " --lm " + lm);
-  out += run_command(py + "make-batch " + r.model + " " + r.batch);
-  out += run_command(py + "run " + r.model + " " + r.batch + " " + r.expected + " --backward");
-  EXPECT_TRUE(fs::exists(r.expected)) << out;
-  return made[lm] = r;
+  const std::string script = std::string(LVX_SOURCE_DIR) + "/tests/reference/openflamingo_ref.py";
+  const std::string converter = std::string(LVX_SOURCE_DIR) + "/models/convert_openflamingo.py";
+  const std::string py = python() + " " + script + " ";
+  std::string log;
+  const std::string d = generated(
+      "openflamingo_" + lm, script_stamp(script) + read_text(converter),
+      [&](const std::string& dir) {
+        const std::string model = dir + "/model", batch = dir + "/batch.safetensors";
+        // One after the other (the operands of + have no evaluation order).
+        std::string out = run_command(py + "make-model " + model + " --lm " + lm);
+        out += run_command(py + "make-batch " + model + " " + batch);
+        out += run_command(py + "run " + model + " " + batch + " " + dir +
+                           "/expected.safetensors --backward");
+        return out;
+      },
+      &log);
+  EXPECT_FALSE(d.empty()) << log;
+  return made[lm] = {d + "/model", d + "/batch.safetensors", d + "/expected.safetensors"};
 }
 
 struct Case {
@@ -41,6 +49,9 @@ struct Case {
   int nproc;
   std::string strategies;
 };
+
+// Readable parameters in test logs (not a byte dump).
+void PrintTo(const Case& c, std::ostream* os) { *os << c.lm << " on " << c.nproc << " ranks, " << c.strategies; }
 
 class OpenFlamingoConformance : public ::testing::TestWithParam<Case> {};
 

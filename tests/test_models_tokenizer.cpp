@@ -22,7 +22,7 @@
 
 #include "models/tokenizer.h"
 #include "src/common/error.h"
-#include "tests/multirank.h"
+#include "tests/model_conformance.h"
 
 using lvx::models::Tokenizer;
 using json = nlohmann::json;
@@ -48,31 +48,16 @@ std::string shown(const std::string& s) { return json(s).dump(); }
 
 std::string shown(const std::vector<int64_t>& ids) { return json(ids).dump(); }
 
-// The generated files live in the build tree, made again only when the generator or the pinned
-// packages change: ctest runs every test in its own process, and the generator takes seconds.
-// Concurrent processes each generate into their own folder and rename it into place.
+// The generated tokenizers and goldens (tests/model_conformance.h: made once per generator and
+// package version, in the build tree).
 std::string generate_golden(std::string* log) {
-  const std::string dir = std::string(LVX_BINARY_DIR) + "/tests/tokenizers";
   const std::string script = std::string(LVX_SOURCE_DIR) + "/tests/reference/make_tokenizers.py";
-  const std::string stamp =
-      read_file(script) + read_file(std::string(LVX_SOURCE_DIR) + "/requirements.txt");
-  auto fresh = [&] {
-    return fs::exists(dir + "/golden.json") && read_file(dir + "/stamp") == stamp;
-  };
-  if (fresh()) return dir;
-  const std::string tmp = dir + ".tmp." + std::to_string(::getpid());
-  fs::remove_all(tmp);
-  *log = lvx::testing::run_command(std::string(LVX_PYTHON) + " " + script + " " + tmp);
-  std::cout << *log;
-  if (log->find("exit status") != std::string::npos) return "";
-  write_file(tmp + "/stamp", stamp);
-  if (!fresh()) {
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-    fs::rename(tmp, dir, ec);
-  }
-  fs::remove_all(tmp);
-  return fresh() ? dir : "";
+  return lvx::testing::generated(
+      "tokenizers", lvx::testing::script_stamp(script),
+      [&](const std::string& dir) {
+        return lvx::testing::run_command(std::string(LVX_PYTHON) + " " + script + " " + dir);
+      },
+      log);
 }
 
 class TokenizerGolden : public ::testing::Test {
