@@ -64,7 +64,15 @@ Tensor names (the Flamingo module's own state-dict names; D = LM width, i = deco
   lang_encoder.<the base LM's other keys>  (embeddings resized to the new vocabulary, final norm,
       untied LM head; a tied head is not stored, as save_pretrained does)
   <layers_attr> = gpt_neox.layers (GPT-NeoX), transformer.blocks (MPT, MosaicGPT), model.layers
-  (LLaMA), model.decoder.layers (OPT), transformer.h (GPT-J) (factory.py's table). The package's
+  (LLaMA), model.decoder.layers (OPT), transformer.h (GPT-J) (factory.py's table).
+  LLaMA (model_type "llama"): lang_encoder.model.embed_tokens.weight [V, D] (from checkpoint.pt,
+  the one embedding OpenFlamingo trains), lang_encoder.model.norm.weight [D] and the untied
+  lang_encoder.lm_head.weight [V, D] (from the LM directory, resized: checkpoint.pt never holds it
+  because filter_state_dict_to_trainable drops frozen keys without "embed"); per layer
+  decoder_layer.{input_layernorm, post_attention_layernorm}.weight [D],
+  self_attn.{q_proj [H*hd, D], k_proj [Hkv*hd, D], v_proj [Hkv*hd, D], o_proj [D, H*hd]}.weight,
+  mlp.{gate_proj, up_proj [I, D], down_proj [D, I]}.weight (biases only with attention_bias /
+  mlp_bias). The package's
   aliases lang_encoder.old_decoder_blocks.* and lang_encoder.gated_cross_attn_layers.* (the same
   tensors again) are not written.
   Which file a tensor comes from: checkpoint.pt wins (perceiver, gated blocks, embeddings and

@@ -3,18 +3,20 @@
 converted by models/convert_openflamingo.py, and the package's own forward/backward on them.
 
 usage:
-  openflamingo_ref.py make-model OUT_DIR --lm gpt_neox|mpt [--seed S] [--rotary-pct P]
-        [--parallel-residual] [--tokens-ln-post true|false] [--perceiver tiny|default]
+  openflamingo_ref.py make-model OUT_DIR --lm gpt_neox|mpt|llama [--seed S] [--rotary-pct P]
+        [--parallel-residual] [--kv-heads K] [--tokens-ln-post true|false] [--perceiver tiny|default]
   openflamingo_ref.py make-batch OUT_DIR BATCH.safetensors [--seed S] [--batch B] [--length L]
         [--images T]
   openflamingo_ref.py run OUT_DIR BATCH.safetensors EXPECTED.safetensors [--backward] [--float32]
-  openflamingo_ref.py selfcheck OUT_DIR [--lm gpt_neox|mpt|all]
+  openflamingo_ref.py selfcheck OUT_DIR [--lm gpt_neox|mpt|llama|all]
 
 make-model  builds the tiny model with open_flamingo.create_model_and_transforms (a tiny open_clip
-            ViT registered with open_clip.add_model_config, a tiny GPTNeoXForCausalLM or
-            MptForCausalLM saved with save_pretrained beside a byte-level BPE tokenizer), shrinks the
-            perceiver (same PerceiverResampler class), randomizes what init leaves at 0/1 (gates,
-            LayerNorm affine, biases), saves it the way a release is saved under OUT_DIR/release/
+            ViT registered with open_clip.add_model_config, a tiny GPTNeoXForCausalLM,
+            MptForCausalLM or LlamaForCausalLM (hidden 64, 4 layers, 4 heads, --kv-heads 2 KV heads,
+            SwiGLU 96, rope_theta 1e4, rms_norm_eps 1e-6, no biases, untied lm_head) saved with
+            save_pretrained beside a byte-level BPE tokenizer), shrinks the perceiver (same
+            PerceiverResampler class), randomizes what init leaves at 0/1 (gates, LayerNorm and
+            RMSNorm affine, biases), saves it the way a release is saved under OUT_DIR/release/
             (checkpoint.pt = open_flamingo train_utils.filter_state_dict_to_trainable of the state
             dict; lm/; tiny-vit.json + open_clip_model.safetensors) and converts that into OUT_DIR.
 make-batch  random prompts in OpenFlamingo's format. BATCH holds input_ids int64 [B, L] (text, then
@@ -39,8 +41,10 @@ run         rebuilds the package model from OUT_DIR alone (config.json, model.sa
             OpenFlamingo itself trains perceiver.*, *.gated_cross_attn_layer.* and the input
             embedding; lvx's trainable set is perceiver.*, *.gated_cross_attn_layer.* and the LM
             decoder layers (*.decoder_layer.*); compare whichever subset the C++ side writes.
-            Precision notes: transformers computes GPT-NeoX's rotary cos/sin and MPT's attention
-            softmax in float32 even in a float64 model, so those parts are fp32-accurate.
+            Precision notes: transformers computes GPT-NeoX's and LLaMA's rotary cos/sin, MPT's
+            attention softmax and LLaMA's RMSNorm statistics (x * rsqrt(mean(x^2) + eps), then
+            cast back before the weight) in float32 even in a float64 model, so those parts are
+            fp32-accurate (LLaMA's attention itself runs through sdpa in float64).
 selfcheck   for each LM: make-model into OUT_DIR/<lm>, then reloads the converted files into a
             fresh package model and checks: the converted key set is the package state dict minus
             its aliases (no duplicates) and every tensor equals the original's, logits are
@@ -50,9 +54,12 @@ selfcheck   for each LM: make-model into OUT_DIR/<lm>, then reloads the converte
             converted LM tensors, perturbing one attn_gate or the pixels changes logits at every
             position from the first <image> on and none before it. Then a variant of each
             (GPT-NeoX: rotary_pct 0.25, parallel residual, tokens before ln_post, the package's
-            default perceiver; MPT: tokens before ln_post) for the conversion and spec checks.
-            spec_forward agrees with the package to ~1e-7; emulating the package's float32
-            rotary inv_freq and MPT float32 softmax in it gives ~4e-15 (checked by hand).
+            default perceiver; MPT: tokens before ln_post; LLaMA: one KV head (MQA), tokens before
+            ln_post) for the conversion and spec checks.
+            spec_forward agrees with the package to ~1e-7 (LLaMA ~1e-6); emulating the package's
+            float32 rotary inv_freq and MPT float32 softmax in it gives ~4e-15, and LLaMA's float32
+            cos/sin gives exactly 0 (checked by hand; spec_forward already does LLaMA's inv_freq and
+            RMSNorm statistics in float32 as transformers does).
 """
 import argparse
 import contextlib
@@ -110,6 +117,16 @@ def tiny_lm(kind, args):
                             use_parallel_residual=args.parallel_residual, tie_word_embeddings=False,
                             bos_token_id=0, eos_token_id=0)
         return GPTNeoXForCausalLM(cfg)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        # LLaMA-7B's structure (RMSNorm, SwiGLU, full-head RoPE, no biases, untied head) shrunk,
+        # with grouped-query attention (LLaMA-2-70B / LLaMA-3 style) so the head mapping is tested.
+        cfg = LlamaConfig(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=args.kv_heads, intermediate_size=96, hidden_act="silu",
+                          max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+                          attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+                          bos_token_id=0, eos_token_id=0)
+        return LlamaForCausalLM(cfg)
     if kind == "mpt":
         from transformers import MptConfig, MptForCausalLM
         # mpt-7b's settings; transformers' Mpt hardcodes no biases and has no qk LayerNorm.
@@ -119,11 +136,11 @@ def tiny_lm(kind, args):
                                      "softmax_scale": None, "attn_pdrop": 0.0},
                         bos_token_id=0, eos_token_id=0)
         return MptForCausalLM(cfg)
-    raise SystemExit(f"--lm {kind}: expected gpt_neox or mpt")
+    raise SystemExit(f"--lm {kind}: expected gpt_neox, mpt or llama")
 
 
 def randomize(module, g, linear=True):
-    """Weights init would leave at 0 or 1 (biases, LayerNorm affine) and a usable scale for the LM
+    """Weights init would leave at 0 or 1 (biases, LayerNorm/RMSNorm affine) and a usable scale for the LM
     (transformers' std 0.02 would make the tiny model nearly constant)."""
     def normal(shape, std, mean=0.0):
         return torch.randn(shape, generator=g) * std + mean
@@ -134,6 +151,8 @@ def randomize(module, g, linear=True):
                     m.weight.copy_(normal(m.weight.shape, 0.2, 1.0))
                 if m.bias is not None:
                     m.bias.copy_(normal(m.bias.shape, 0.1))
+            elif type(m).__name__.endswith("RMSNorm"):  # transformers' LlamaRMSNorm (weight only)
+                m.weight.copy_(normal(m.weight.shape, 0.2, 1.0))
             elif isinstance(m, torch.nn.Linear):
                 if linear:
                     m.weight.copy_(normal(m.weight.shape, m.in_features ** -0.5))
@@ -214,7 +233,10 @@ def make_release(rel, args):
             b.attn_gate.fill_(0.5 + 0.25 * k)
             b.ff_gate.fill_(-0.7 + 0.2 * k)
     with torch.no_grad():  # "trained" embeddings differ from the LM directory's
-        for e in {model.lang_encoder.get_input_embeddings().weight, model.lang_encoder.get_output_embeddings().weight}:
+        embeds = {model.lang_encoder.get_input_embeddings().weight, model.lang_encoder.get_output_embeddings().weight}
+        if args.lm == "llama":  # lm_head has no "embed" in its name: filter_state_dict_to_trainable
+            embeds = {model.lang_encoder.get_input_embeddings().weight}  # drops it, the LM dir's copy is used
+        for e in embeds:
             e.add_(torch.randn(e.shape, generator=g) * 0.05)
     model.eval()
     ckpt = filter_state_dict_to_trainable(model, model.state_dict())
@@ -449,7 +471,8 @@ def spec_forward(cfg, sd, batch):
     ids = batch["input_ids"]
     attr = cfg["decoder_layers_attr"]
     kind = tc["model_type"]
-    emb = w["lang_encoder." + ("gpt_neox.embed_in.weight" if kind == "gpt_neox" else "transformer.wte.weight")]
+    emb = w["lang_encoder." + {"gpt_neox": "gpt_neox.embed_in.weight", "mpt": "transformer.wte.weight",
+                               "llama": "model.embed_tokens.weight"}[kind]]
     x = emb[ids]
     D = x.shape[-1]
     text_time = (ids == cfg["media_token_id"]).cumsum(-1)  # [B, L]: 1-based image index, 0 before any
@@ -467,6 +490,22 @@ def spec_forward(cfg, sd, batch):
         inv = 1.0 / (tc["rotary_emb_base"] ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
         ang = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)  # [L, rot]
         cos, sin = ang.cos(), ang.sin()
+    elif kind == "llama":
+        if tc.get("rope_scaling") or tc.get("partial_rotary_factor", 1.0) != 1.0:
+            raise SystemExit("spec_forward: llama rope_scaling / partial_rotary_factor not written here")
+        H = tc["num_attention_heads"]
+        Hkv = tc.get("num_key_value_heads") or H
+        hd = tc.get("head_dim") or D // H
+        rot = hd  # rotary over the whole head
+        # inv_freq as transformers computes it (_compute_default_rope_parameters): float32
+        inv = (1.0 / (tc["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))).double()
+        ang = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)  # [L, hd]
+        cos, sin = ang.cos(), ang.sin()
+        acts = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+                "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
+        if tc["hidden_act"] not in acts:
+            raise SystemExit(f"spec_forward: llama hidden_act {tc['hidden_act']} not written here")
+        lact = acts[tc["hidden_act"]]
     else:
         H = tc["n_heads"]
         hd = D // H
@@ -476,6 +515,11 @@ def spec_forward(cfg, sd, batch):
             slopes = torch.cat([slopes[1::2], slopes[::2]])[:H]
         alibi = slopes[:, None, None] * (torch.arange(L, dtype=torch.float64) - (L - 1))[None, None, :]  # [H, 1, L]
     mask_bias = torch.zeros(L, L, dtype=torch.float64).masked_fill(~causal, float("-inf"))
+
+    def rms(t, p, eps):  # LlamaRMSNorm: statistics in float32 whatever the model dtype, then weight
+        h = t.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w[p + ".weight"] * h.to(t.dtype)
 
     def rope(t):  # [B, H, L, hd]: rotate the first rot dims, halves (x1, x2) -> (-x2, x1)
         r, rest = t[..., :rot], t[..., rot:]
@@ -507,6 +551,17 @@ def spec_forward(cfg, sd, batch):
             else:
                 x = x + attn
                 x = x + mlp(ln(x, p + "post_attention_layernorm", eps))
+        elif kind == "llama":
+            eps = tc["rms_norm_eps"]
+            h = rms(x, p + "input_layernorm", eps)
+            q = heads(lin(h, p + "self_attn.q_proj"), H)  # [B, H, L, hd], heads contiguous
+            k, v = (heads(lin(h, p + "self_attn." + n), Hkv) for n in ("k_proj", "v_proj"))
+            # GQA (repeat_kv): query head j uses kv head j // (H / Hkv)
+            k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+            o = attend(rope(q) * hd ** -0.5, rope(k), v, mask_bias).transpose(1, 2).reshape(B, L, H * hd)
+            x = x + lin(o, p + "self_attn.o_proj")
+            h = rms(x, p + "post_attention_layernorm", eps)
+            x = x + lin(lact(lin(h, p + "mlp.gate_proj")) * lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")
         else:
             eps = tc["layer_norm_epsilon"]
             q, k, v = (heads(t, H) for t in lin(ln(x, p + "norm_1", eps), p + "attn.Wqkv").chunk(3, -1))
@@ -516,6 +571,9 @@ def spec_forward(cfg, sd, batch):
     if kind == "gpt_neox":
         x = ln(x, "lang_encoder.gpt_neox.final_layer_norm", tc["layer_norm_eps"])
         logits = lin(x, "lang_encoder.embed_out")
+    elif kind == "llama":
+        x = rms(x, "lang_encoder.model.norm", tc["rms_norm_eps"])
+        logits = F.linear(x, emb) if cfg["tie_word_embeddings"] else lin(x, "lang_encoder.lm_head")
     else:
         x = ln(x, "lang_encoder.transformer.norm_f", tc["layer_norm_epsilon"])
         logits = F.linear(x, emb)
@@ -568,7 +626,7 @@ def first_image_pos(ids, media):
 
 def selfcheck_one(out, kind, seed, full=True, **variant):
     args = argparse.Namespace(lm=kind, seed=seed, rotary_pct=1.0, parallel_residual=False,
-                              tokens_ln_post="auto", perceiver="tiny")
+                              tokens_ln_post="auto", perceiver="tiny", kv_heads=2)
     vars(args).update(variant)
     original = make_model(out, args)
     with open(os.path.join(out, "config.json")) as f:
@@ -647,10 +705,11 @@ def main():
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make-model")
     m.add_argument("out")
-    m.add_argument("--lm", required=True, choices=("gpt_neox", "mpt"))
+    m.add_argument("--lm", required=True, choices=("gpt_neox", "mpt", "llama"))
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--rotary-pct", type=float, default=1.0, help="GPT-NeoX rotary_pct (RedPajama-3B: 1.0)")
     m.add_argument("--parallel-residual", action="store_true", help="GPT-NeoX use_parallel_residual")
+    m.add_argument("--kv-heads", type=int, default=2, help="LLaMA num_key_value_heads (4 heads; 4 = MHA, 1 = MQA)")
     m.add_argument("--tokens-ln-post", choices=("auto", "false"), default="auto",
                    help="false: open_clip final_ln_after_pool=True, the tokens before ln_post")
     m.add_argument("--perceiver", choices=("tiny", "default"), default="tiny")
@@ -669,7 +728,7 @@ def main():
     r.add_argument("--float32", action="store_true")
     s = sub.add_parser("selfcheck")
     s.add_argument("out")
-    s.add_argument("--lm", choices=("gpt_neox", "mpt", "all"), default="all")
+    s.add_argument("--lm", choices=("gpt_neox", "mpt", "llama", "all"), default="all")
     s.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -691,6 +750,10 @@ def main():
             selfcheck_one(os.path.join(a.out, "mpt"), "mpt", a.seed)
             selfcheck_one(os.path.join(a.out, "mpt-variant"), "mpt", a.seed + 7, full=False,
                           tokens_ln_post="false")
+        if a.lm in ("llama", "all"):  # GQA 4 -> 2 heads, then multi-query attention
+            selfcheck_one(os.path.join(a.out, "llama"), "llama", a.seed)
+            selfcheck_one(os.path.join(a.out, "llama-variant"), "llama", a.seed + 7, full=False,
+                          kv_heads=1, tokens_ln_post="false")
 
 
 if __name__ == "__main__":
