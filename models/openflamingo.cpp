@@ -105,9 +105,28 @@ OpenFlamingoConfig openflamingo_config(const nlohmann::json& j, const std::strin
     c.alibi_bias_max = config_double_or(a, "alibi_bias_max", 8);
     c.lm_biases = false;
     c.tied = true;
+  } else if (c.lm == "llama") {
+    LVX_CHECK(c.layers_attr == "model.layers", where, ": decoder_layers_attr: expected ",
+              "\"model.layers\" for llama, got \"", c.layers_attr, "\"");
+    c.hidden = config_int(t, "hidden_size", wt);
+    c.layers = config_int(t, "num_hidden_layers", wt);
+    c.heads = config_int(t, "num_attention_heads", wt);
+    c.mlp = config_int(t, "intermediate_size", wt);
+    c.rotary_base = config_double_or(t, "rope_theta", 10000);
+    c.eps = config_double_or(t, "rms_norm_eps", 1e-6);
+    c.act = json_str(t, "hidden_act", "silu");
+    LVX_CHECK(t.value("rope_scaling", nlohmann::json()).is_null(), wt,
+              ": rope_scaling is not supported");
+    LVX_CHECK(!json_bool(t, "attention_bias", false) && !json_bool(t, "mlp_bias", false), wt,
+              ": attention_bias / mlp_bias are not supported");
+    c.lm_biases = false;
   } else {
-    LVX_FAIL(wt, ": model_type '", c.lm, "' is not supported (gpt_neox, mpt)");
+    LVX_FAIL(wt, ": model_type '", c.lm, "' is not supported (gpt_neox, mpt, llama)");
   }
+  // transformers' defaults for what a text_config leaves out.
+  c.kv_heads = c.lm == "llama" ? config_int_or(t, "num_key_value_heads", c.heads) : c.heads;
+  c.head_dim = c.lm == "llama" ? config_int_or(t, "head_dim", c.hidden / c.heads) : c.hidden / c.heads;
+  if (c.lm == "llama") c.rotary_dim = c.head_dim;
   c.x_ff = 4 * c.hidden;
   LVX_CHECK(c.heads > 0 && c.hidden % c.heads == 0, wt, ": hidden size ", c.hidden,
             " is not a multiple of the heads ", c.heads);
@@ -181,6 +200,17 @@ ShapeSpec openflamingo_shapes(const OpenFlamingoConfig& c) {
       s[l + "mlp.dense_h_to_4h.bias"] = {c.mlp};
       s[l + "mlp.dense_4h_to_h.weight"] = {d, c.mlp};
       s[l + "mlp.dense_4h_to_h.bias"] = {d};
+    } else if (c.lm == "llama") {
+      const int64_t q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim;
+      s[l + "input_layernorm.weight"] = {d};
+      s[l + "post_attention_layernorm.weight"] = {d};
+      s[l + "self_attn.q_proj.weight"] = {q, d};
+      s[l + "self_attn.k_proj.weight"] = {kv, d};
+      s[l + "self_attn.v_proj.weight"] = {kv, d};
+      s[l + "self_attn.o_proj.weight"] = {d, q};
+      s[l + "mlp.gate_proj.weight"] = {c.mlp, d};
+      s[l + "mlp.up_proj.weight"] = {c.mlp, d};
+      s[l + "mlp.down_proj.weight"] = {d, c.mlp};
     } else {
       ln(l + "norm_1", d, false);
       ln(l + "norm_2", d, false);
@@ -194,6 +224,10 @@ ShapeSpec openflamingo_shapes(const OpenFlamingoConfig& c) {
     s[lm + "gpt_neox.embed_in.weight"] = {c.vocab, d};
     ln(lm + "gpt_neox.final_layer_norm", d, true);
     s[lm + "embed_out.weight"] = {c.vocab, d};
+  } else if (c.lm == "llama") {
+    s[lm + "model.embed_tokens.weight"] = {c.vocab, d};
+    s[lm + "model.norm.weight"] = {d};
+    if (!c.tied) s[lm + "lm_head.weight"] = {c.vocab, d};
   } else {
     s[lm + "transformer.wte.weight"] = {c.vocab, d};
     ln(lm + "transformer.norm_f", d, false);
@@ -229,8 +263,9 @@ planner::ModelConfig OpenFlamingo::planner_model(const OpenFlamingoConfig& c) {
       m.layers.push_back(l);
     }
     l.kind = planner::LayerKind::kSelf;
-    l.heads = l.kv_heads = c.heads;
-    l.head_dim = c.hidden / c.heads;
+    l.heads = c.heads;
+    l.kv_heads = c.kv_heads;
+    l.head_dim = c.head_dim;
     l.mlp_size = c.mlp;
     l.mask = planner::MaskRule::kCausal;
     m.layers.push_back(l);
@@ -310,7 +345,9 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
   const int64_t B = ids.size(0), L = ids.size(1), d = c.hidden, hd = d / c.heads;
   const std::string lm = "lang_encoder.";
   const at::Tensor& emb =
-      param(w_, lm + (c.lm == "gpt_neox" ? "gpt_neox.embed_in.weight" : "transformer.wte.weight"));
+      param(w_, lm + (c.lm == "gpt_neox" ? "gpt_neox.embed_in.weight"
+                      : c.lm == "llama"  ? "model.embed_tokens.weight"
+                                         : "transformer.wte.weight"));
   const at::ScalarType dt = emb.scalar_type();
   const attention::Layout text{par.text_layout, L, n};
   const at::Tensor pos = text.positions(r);
@@ -330,12 +367,13 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
   attention::AttentionSpec self_spec;
   self_spec.batch = B;
   self_spec.sq = self_spec.skv = L;
-  self_spec.hq = self_spec.hkv = c.heads;
-  self_spec.head_dim = hd;
+  self_spec.hq = c.heads;
+  self_spec.hkv = c.kv_heads;
+  self_spec.head_dim = c.head_dim;
   self_spec.mask = kernels::MaskKind::kCausal;
   self_spec.q_layout = self_spec.kv_layout = par.text_layout;
   RotaryTables rope;
-  if (c.lm == "gpt_neox") rope = rotary_tables(pos, c.rotary_dim, c.rotary_base);
+  if (c.lm != "mpt") rope = rotary_tables(pos, c.rotary_dim, c.rotary_base);
   // ALiBi as one more head dimension: q' = [q, 1], k' = [k, slope_h·j/scale], v' = [v, 0].
   at::Tensor alibi_k;  // [1, L_r, H, 1]: slope_h·j/scale for this rank's keys
   if (c.lm == "mpt") {
@@ -394,6 +432,19 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
         x = x + attn;
         x = x + mlp(layer_norm(x, w_, l + "post_attention_layernorm", c.eps));
       }
+    } else if (c.lm == "llama") {
+      const at::Tensor h = rms_norm(x, param(w_, l + "input_layernorm.weight"), c.eps);
+      auto proj = [&](const char* name, int64_t heads) {
+        return linear(h, w_, l + "self_attn." + name, false).view({B, lr, heads, c.head_dim});
+      };
+      const auto o = attention::dist_attention(
+          apply_rotary(proj("q_proj", c.heads), rope), apply_rotary(proj("k_proj", c.kv_heads), rope),
+          proj("v_proj", c.kv_heads), par.pg, st.self, self_spec);
+      x = x + linear(o.o.reshape({B, lr, c.heads * c.head_dim}), w_, l + "self_attn.o_proj", false);
+      const at::Tensor h2 = rms_norm(x, param(w_, l + "post_attention_layernorm.weight"), c.eps);
+      x = x + linear(activation(linear(h2, w_, l + "mlp.gate_proj", false), c.act) *
+                         linear(h2, w_, l + "mlp.up_proj", false),
+                     w_, l + "mlp.down_proj", false);
     } else {
       const auto qkv =
           linear(layer_norm(x, w_, l + "norm_1", c.eps), w_, l + "attn.Wqkv", false).chunk(3, -1);
@@ -411,6 +462,9 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
   if (c.lm == "gpt_neox") {
     logits = at::linear(layer_norm(x, w_, lm + "gpt_neox.final_layer_norm", c.eps),
                         param(w_, lm + "embed_out.weight"));
+  } else if (c.lm == "llama") {
+    logits = at::linear(rms_norm(x, param(w_, lm + "model.norm.weight"), c.eps),
+                        c.tied ? emb : param(w_, lm + "lm_head.weight"));
   } else {
     logits = at::linear(layer_norm(x, w_, lm + "transformer.norm_f", c.eps), emb);
   }

@@ -1,6 +1,6 @@
 // OpenFlamingo conformance: tiny random OpenFlamingo models built with the real open-flamingo
 // 2.0.1 package (a tiny open_clip ViT, the package's Perceiver resampler and gated
-// cross-attention, and transformers' GPT-NeoX or MPT), saved as a release is saved and converted
+// cross-attention, and transformers' GPT-NeoX, MPT or Llama (GQA)), saved as a release is saved and converted
 // by models/convert_openflamingo.py; expected logits, loss and gradients from the package's own
 // forward in float64 (tests/reference/openflamingo_ref.py). `lvx forward` must match at world
 // sizes 1–4 for every strategy kind. Tolerance (fp32): logits and loss within 1e-4 absolute
@@ -77,7 +77,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"gpt_neox", 1, "lv_xattn,ring"}, Case{"gpt_neox", 2, "ring,ulysses"},
                       Case{"gpt_neox", 3, "lv_xattn,striped"}, Case{"mpt", 1, "lv_xattn,ring"},
                       Case{"mpt", 2, "all_gather,lv_xattn+ring"},
-                      Case{"mpt", 4, "lv_xattn,striped"}),
+                      Case{"mpt", 4, "lv_xattn,striped"}, Case{"llama", 1, "lv_xattn,ring"},
+                      Case{"llama", 2, "ulysses,striped"}, Case{"llama", 3, "lv_xattn,ring"}),
     [](const auto& info) {
       std::string s = info.param.strategies;
       for (char& ch : s)
