@@ -160,15 +160,12 @@ struct LocalVisual {
 ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) const {
   const MplugOwl3Config& c = cfg_;
   const at::Tensor& ids = in.input_ids;
-  LVX_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong,
-            "mPLUG-Owl3: input_ids must be int64 [B, L], got ", ids.scalar_type(), " ",
-            ids.sizes());
-  const int n = par.world(), r = par.rank();
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  const TextShard shard = embed_text_shard(ids, emb, par, "mPLUG-Owl3");
+  const at::Tensor& pos = shard.positions;
+  at::Tensor h = shard.hidden;
   const int64_t B = ids.size(0), L = ids.size(1), T = c.vision.tokens();
-  const at::ScalarType dt = param(w_, kLm + "embed_tokens.weight").scalar_type();
-  const attention::Layout text{par.text_layout, L, n};
-  const at::Tensor pos = text.positions(r);
-  at::Tensor h = at::embedding(param(w_, kLm + "embed_tokens.weight"), ids.index_select(1, pos));
+  const at::ScalarType dt = emb.scalar_type();
 
   // Media: per-token indices under this release's rule; this rank's whole images.
   const attention::MediaMask mm = attention::media_mask(c.media_rule(), ids, c.image_token_id, T);
@@ -207,14 +204,8 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
         linear(x, w_, l + "self_attn.v_proj", true).view({B, lr, c.kv_heads, c.head_dim});
     q = apply_rotary(q, rope);
     k = apply_rotary(k, rope);
-    attention::AttentionSpec self_spec;
-    self_spec.batch = B;
-    self_spec.sq = self_spec.skv = L;
-    self_spec.hq = c.heads;
-    self_spec.hkv = c.kv_heads;
-    self_spec.head_dim = c.head_dim;
-    self_spec.mask = kernels::MaskKind::kCausal;
-    self_spec.q_layout = self_spec.kv_layout = par.text_layout;
+    const attention::AttentionSpec self_spec =
+        self_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, par);
     const auto self = attention::dist_attention(q, k, v, par.pg, st.self, self_spec);
     at::Tensor ctx = self.o.reshape({B, lr, c.heads * c.head_dim});
     if (c.is_hyper(i) && slots > 0) {
@@ -233,12 +224,8 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
       };
       const std::vector<at::Tensor> kv_params{norm_w, param(w_, l + "self_attn.v_kv_proj.weight"),
                                               param(w_, l + "self_attn.v_kv_proj.bias")};
-      attention::AttentionSpec cross_spec = self_spec;
-      cross_spec.skv = slots * T;
-      cross_spec.mask = kernels::MaskKind::kMedia;
-      cross_spec.media_rule = mm.rule;
-      cross_spec.kv_layout = attention::LayoutKind::kContiguous;
-      cross_spec.kv_unit = T;
+      const attention::AttentionSpec cross_spec =
+          cross_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, mm, par);
       attention::DistAttentionResult cross;
       if (par.recompute_cross_kv) {
         cross = cross_attention_recompute(q, vis.features, kv_params, kv_fn, par.pg, st.cross,

@@ -338,10 +338,6 @@ at::Tensor alibi_slopes(int64_t heads, double bias_max) {
 ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) const {
   const OpenFlamingoConfig& c = cfg_;
   const at::Tensor& ids = in.input_ids;
-  LVX_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong,
-            "OpenFlamingo: input_ids must be int64 [B, L], got ", ids.scalar_type(), " ",
-            ids.sizes());
-  const int n = par.world(), r = par.rank();
   const int64_t B = ids.size(0), L = ids.size(1), d = c.hidden, hd = d / c.heads;
   const std::string lm = "lang_encoder.";
   const at::Tensor& emb =
@@ -349,9 +345,9 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
                       : c.lm == "llama"  ? "model.embed_tokens.weight"
                                          : "transformer.wte.weight"));
   const at::ScalarType dt = emb.scalar_type();
-  const attention::Layout text{par.text_layout, L, n};
-  const at::Tensor pos = text.positions(r);
-  at::Tensor x = at::embedding(emb, ids.index_select(1, pos));
+  const TextShard shard = embed_text_shard(ids, emb, par, "OpenFlamingo");
+  const at::Tensor& pos = shard.positions;
+  at::Tensor x = shard.hidden;
 
   // Media: OpenFlamingo's rule (most recent image; the <image> token its own); this rank's
   // images through the ViT and the resampler.
@@ -364,14 +360,7 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
         x.options(), "OpenFlamingo");
   const attention::MaskInputs cross_mask{mm.q_media, mm.kv_media, {}};
 
-  attention::AttentionSpec self_spec;
-  self_spec.batch = B;
-  self_spec.sq = self_spec.skv = L;
-  self_spec.hq = c.heads;
-  self_spec.hkv = c.kv_heads;
-  self_spec.head_dim = c.head_dim;
-  self_spec.mask = kernels::MaskKind::kCausal;
-  self_spec.q_layout = self_spec.kv_layout = par.text_layout;
+  attention::AttentionSpec self_spec = self_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, par);
   RotaryTables rope;
   if (c.lm != "mpt") rope = rotary_tables(pos, c.rotary_dim, c.rotary_base);
   // ALiBi as one more head dimension: q' = [q, 1], k' = [k, slope_h·j/scale], v' = [v, 0].
@@ -393,15 +382,8 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
                                .view({B, lr, c.x_heads, c.x_dim_head});
       const auto kv = linear(media.features, w_, g + "attn.to_kv", false).chunk(2, -1);
       const int64_t sk = media.features.size(1);
-      attention::AttentionSpec cross_spec = self_spec;
-      cross_spec.skv = mm.slots * c.p_latents;
-      cross_spec.hq = cross_spec.hkv = c.x_heads;
-      cross_spec.head_dim = c.x_dim_head;
-      cross_spec.scale = 0;
-      cross_spec.mask = kernels::MaskKind::kMedia;
-      cross_spec.media_rule = mm.rule;
-      cross_spec.kv_layout = attention::LayoutKind::kContiguous;
-      cross_spec.kv_unit = c.p_latents;
+      const attention::AttentionSpec cross_spec =
+          cross_attention_spec(B, L, c.x_heads, c.x_heads, c.x_dim_head, mm, par);
       const auto o = attention::dist_attention(
           q, kv[0].reshape({B, sk, c.x_heads, c.x_dim_head}),
           kv[1].reshape({B, sk, c.x_heads, c.x_dim_head}), par.pg, st.cross, cross_spec, cross_mask);

@@ -23,6 +23,44 @@ Parallel resolve_layouts(Parallel p) {
   return p;
 }
 
+TextShard embed_text_shard(const at::Tensor& input_ids, const at::Tensor& embedding,
+                           const Parallel& par, const std::string& model) {
+  LVX_CHECK(input_ids.dim() == 2 && input_ids.scalar_type() == at::kLong, model,
+            ": input_ids must be int64 [B, L], got ", input_ids.scalar_type(), " ",
+            input_ids.sizes());
+  const attention::Layout text{par.text_layout, input_ids.size(1), par.world()};
+  TextShard t;
+  t.positions = text.positions(par.rank());
+  t.hidden = at::embedding(embedding, input_ids.index_select(1, t.positions));
+  return t;
+}
+
+attention::AttentionSpec self_attention_spec(int64_t batch, int64_t length, int64_t heads,
+                                             int64_t kv_heads, int64_t head_dim,
+                                             const Parallel& par) {
+  attention::AttentionSpec s;
+  s.batch = batch;
+  s.sq = s.skv = length;
+  s.hq = heads;
+  s.hkv = kv_heads;
+  s.head_dim = head_dim;
+  s.mask = kernels::MaskKind::kCausal;
+  s.q_layout = s.kv_layout = par.text_layout;
+  return s;
+}
+
+attention::AttentionSpec cross_attention_spec(int64_t batch, int64_t length, int64_t heads,
+                                              int64_t kv_heads, int64_t head_dim,
+                                              const attention::MediaMask& mm, const Parallel& par) {
+  attention::AttentionSpec s = self_attention_spec(batch, length, heads, kv_heads, head_dim, par);
+  s.skv = mm.slots * mm.tokens_per_media;
+  s.mask = kernels::MaskKind::kMedia;
+  s.media_rule = mm.rule;
+  s.kv_layout = attention::LayoutKind::kContiguous;
+  s.kv_unit = mm.tokens_per_media;
+  return s;
+}
+
 LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& pixel_values,
                               const Parallel& par, int64_t width,
                               const std::function<at::Tensor(const at::Tensor&)>& encode,

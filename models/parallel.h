@@ -67,6 +67,24 @@ LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& 
                               const std::function<at::Tensor(const at::Tensor&)>& encode,
                               const at::TensorOptions& options, const std::string& model);
 
+// This rank's text: the global index of each of its tokens ([L_r]) and their embeddings
+// ([B, L_r, width]). Checks input_ids (int64 [B, L]), naming `model`.
+struct TextShard {
+  at::Tensor positions, hidden;
+};
+TextShard embed_text_shard(const at::Tensor& input_ids, const at::Tensor& embedding,
+                           const Parallel& par, const std::string& model);
+
+// The causal self-attention over the text, in the text layout.
+attention::AttentionSpec self_attention_spec(int64_t batch, int64_t length, int64_t heads,
+                                             int64_t kv_heads, int64_t head_dim,
+                                             const Parallel& par);
+// A cross-attention of the text to the media keys of `mm` (whole images of tokens_per_media
+// keys, contiguous), under mm's rule.
+attention::AttentionSpec cross_attention_spec(int64_t batch, int64_t length, int64_t heads,
+                                              int64_t kv_heads, int64_t head_dim,
+                                              const attention::MediaMask& mm, const Parallel& par);
+
 // The text layout a set of per-layer choices runs on, and the choices as they run on it: a
 // striped self-attention choice makes the whole text striped, and is then ring attention over
 // that layout (Striped Attention is ring attention over striped tokens). Every other strategy
