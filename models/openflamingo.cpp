@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "models/layers.h"
+#include "models/recompute.h"
 #include "src/attention/dist_attention.h"
 #include "src/common/error.h"
 
@@ -237,8 +238,11 @@ ShapeSpec openflamingo_shapes(const OpenFlamingoConfig& c) {
 
 OpenFlamingo::OpenFlamingo(const Checkpoint& ck, at::ScalarType dtype)
     : cfg_(openflamingo_config(ck.config, ck.dir + "/config.json")) {
-  // open_clip's projection to the contrastive space is not used by OpenFlamingo.
-  w_ = select_parameters(ck.tensors, openflamingo_shapes(cfg_), {kVis + "proj"}, dtype, ck.dir);
+  // open_clip's projection to the contrastive space is not used by OpenFlamingo, nor ln_post
+  // when the tokens are taken before it (open_clip <= 2.22, which the releases used).
+  std::vector<std::string> unused{kVis + "proj"};
+  if (!cfg_.v_tokens_ln_post) unused.push_back(kVis + "ln_post.");
+  w_ = select_parameters(ck.tensors, openflamingo_shapes(cfg_), unused, dtype, ck.dir);
 }
 
 bool OpenFlamingo::trainable(const std::string& name) const { return name.rfind(kVis, 0) != 0; }
@@ -394,51 +398,80 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
                   at::tanh(param(w_, g + "ff_gate"));
     }
     const std::string l = b + "decoder_layer.";
+    // The attention (its output before the output projection, [B, L_r, H·hd]), then the block
+    // after it as one segment (output projection, residuals, norm, MLP), which --remat
+    // recomputes in the backward instead of keeping (never the distributed attention).
+    at::Tensor a;
+    std::vector<at::Tensor> p;
+    SegmentFunction post;
+    const double eps = c.eps;
     if (c.lm == "gpt_neox") {
       // query_key_value: per head its own [q | k | v].
-      const at::Tensor qkv =
-          linear(layer_norm(x, w_, l + "input_layernorm", c.eps), w_, l + "attention.query_key_value", true)
-              .view({B, lr, c.heads, 3 * hd});
+      const at::Tensor qkv = linear(layer_norm(x, w_, l + "input_layernorm", c.eps), w_,
+                                    l + "attention.query_key_value", true)
+                                 .view({B, lr, c.heads, 3 * hd});
       const auto parts = qkv.split(hd, -1);
-      const auto o = attention::dist_attention(apply_rotary(parts[0], rope),
-                                               apply_rotary(parts[1], rope), parts[2], par.pg,
-                                               st.self, self_spec);
-      const at::Tensor attn = linear(o.o.reshape({B, lr, d}), w_, l + "attention.dense", true);
-      auto mlp = [&](const at::Tensor& t) {
-        return linear(activation(linear(t, w_, l + "mlp.dense_h_to_4h", true), c.act), w_,
-                      l + "mlp.dense_4h_to_h", true);
+      a = attention::dist_attention(apply_rotary(parts[0], rope), apply_rotary(parts[1], rope),
+                                    parts[2], par.pg, st.self, self_spec)
+              .o.reshape({B, lr, d});
+      for (const char* n : {"attention.dense.weight", "attention.dense.bias",
+                            "post_attention_layernorm.weight", "post_attention_layernorm.bias",
+                            "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias",
+                            "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias"})
+        p.push_back(param(w_, l + n));
+      post = [eps, act = c.act, parallel = c.parallel_residual](const std::vector<at::Tensor>& in,
+                                                                const std::vector<at::Tensor>& w) {
+        const at::Tensor attn = at::linear(in[1], w[0], w[1]);
+        auto mlp = [&](const at::Tensor& t) {
+          return at::linear(activation(at::linear(at::layer_norm(t, {t.size(-1)}, w[2], w[3], eps),
+                                                  w[4], w[5]),
+                                       act),
+                            w[6], w[7]);
+        };
+        if (parallel) return std::vector<at::Tensor>{in[0] + attn + mlp(in[0])};
+        const at::Tensor r = in[0] + attn;
+        return std::vector<at::Tensor>{r + mlp(r)};
       };
-      if (c.parallel_residual) {
-        x = x + attn + mlp(layer_norm(x, w_, l + "post_attention_layernorm", c.eps));
-      } else {
-        x = x + attn;
-        x = x + mlp(layer_norm(x, w_, l + "post_attention_layernorm", c.eps));
-      }
     } else if (c.lm == "llama") {
       const at::Tensor h = rms_norm(x, param(w_, l + "input_layernorm.weight"), c.eps);
       auto proj = [&](const char* name, int64_t heads) {
         return linear(h, w_, l + "self_attn." + name, false).view({B, lr, heads, c.head_dim});
       };
-      const auto o = attention::dist_attention(
-          apply_rotary(proj("q_proj", c.heads), rope), apply_rotary(proj("k_proj", c.kv_heads), rope),
-          proj("v_proj", c.kv_heads), par.pg, st.self, self_spec);
-      x = x + linear(o.o.reshape({B, lr, c.heads * c.head_dim}), w_, l + "self_attn.o_proj", false);
-      const at::Tensor h2 = rms_norm(x, param(w_, l + "post_attention_layernorm.weight"), c.eps);
-      x = x + linear(activation(linear(h2, w_, l + "mlp.gate_proj", false), c.act) *
-                         linear(h2, w_, l + "mlp.up_proj", false),
-                     w_, l + "mlp.down_proj", false);
+      a = attention::dist_attention(apply_rotary(proj("q_proj", c.heads), rope),
+                                    apply_rotary(proj("k_proj", c.kv_heads), rope),
+                                    proj("v_proj", c.kv_heads), par.pg, st.self, self_spec)
+              .o.reshape({B, lr, c.heads * c.head_dim});
+      for (const char* n : {"self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"})
+        p.push_back(param(w_, l + n));
+      post = [eps, act = c.act](const std::vector<at::Tensor>& in,
+                                const std::vector<at::Tensor>& w) {
+        const at::Tensor r = in[0] + at::linear(in[1], w[0]);
+        const at::Tensor h2 = rms_norm(r, w[1], eps);
+        return std::vector<at::Tensor>{
+            r + at::linear(activation(at::linear(h2, w[2]), act) * at::linear(h2, w[3]), w[4])};
+      };
     } else {
       const auto qkv =
           linear(layer_norm(x, w_, l + "norm_1", c.eps), w_, l + "attn.Wqkv", false).chunk(3, -1);
       auto heads = [&](const at::Tensor& t) { return t.reshape({B, lr, c.heads, hd}); };
       const at::Tensor one = at::ones({B, lr, c.heads, 1}, x.options());
-      const auto o = attention::dist_attention(
-          at::cat({heads(qkv[0]), one}, -1), at::cat({heads(qkv[1]), alibi_k.expand({B, lr, c.heads, 1})}, -1),
-          at::cat({heads(qkv[2]), at::zeros_like(one)}, -1), par.pg, st.self, self_spec);
-      x = x + linear(o.o.narrow(-1, 0, hd).reshape({B, lr, d}), w_, l + "attn.out_proj", false);
-      x = x + linear(at::gelu(linear(layer_norm(x, w_, l + "norm_2", c.eps), w_, l + "ffn.up_proj", false)),
-                     w_, l + "ffn.down_proj", false);
+      a = attention::dist_attention(at::cat({heads(qkv[0]), one}, -1),
+                                    at::cat({heads(qkv[1]), alibi_k.expand({B, lr, c.heads, 1})}, -1),
+                                    at::cat({heads(qkv[2]), at::zeros_like(one)}, -1), par.pg,
+                                    st.self, self_spec)
+              .o.narrow(-1, 0, hd)
+              .reshape({B, lr, d});
+      for (const char* n : {"attn.out_proj.weight", "norm_2.weight", "ffn.up_proj.weight",
+                            "ffn.down_proj.weight"})
+        p.push_back(param(w_, l + n));
+      post = [eps](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& w) {
+        const at::Tensor r = in[0] + at::linear(in[1], w[0]);
+        const at::Tensor h2 = at::layer_norm(r, {r.size(-1)}, w[1], {}, eps);
+        return std::vector<at::Tensor>{r + at::linear(at::gelu(at::linear(h2, w[2])), w[3])};
+      };
     }
+    x = par.remat ? checkpoint_segment(post, {x, a}, p)[0] : post({x, a}, p)[0];
   }
   at::Tensor logits;
   if (c.lm == "gpt_neox") {

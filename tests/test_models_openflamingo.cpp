@@ -33,7 +33,12 @@ const Reference& reference(const std::string& lm) {
       [&](const std::string& dir) {
         const std::string model = dir + "/model", batch = dir + "/batch.safetensors";
         // One after the other (the operands of + have no evaluation order).
-        std::string out = run_command(py + "make-model " + model + " --lm " + lm);
+        // "gpt_neox-variant": partial rotary, parallel residual, ViT tokens before ln_post.
+        const bool variant = lm == "gpt_neox-variant";
+        std::string out = run_command(py + "make-model " + model + " --lm " +
+                                      (variant ? "gpt_neox --rotary-pct 0.25 --parallel-residual "
+                                                 "--tokens-ln-post false"
+                                               : lm));
         out += run_command(py + "make-batch " + model + " " + batch);
         out += run_command(py + "run " + model + " " + batch + " " + dir +
                            "/expected.safetensors --backward");
@@ -48,10 +53,13 @@ struct Case {
   std::string lm;
   int nproc;
   std::string strategies;
+  std::string flags;  // --remat (DistFlashAttn §3.3)
 };
 
 // Readable parameters in test logs (not a byte dump).
-void PrintTo(const Case& c, std::ostream* os) { *os << c.lm << " on " << c.nproc << " ranks, " << c.strategies; }
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.lm << " on " << c.nproc << " ranks, " << c.strategies << " " << c.flags;
+}
 
 class OpenFlamingoConformance : public ::testing::TestWithParam<Case> {};
 
@@ -63,7 +71,7 @@ TEST_P(OpenFlamingoConformance, MatchesThePackage) {
   const std::string log =
       run_command(lvx_binary() + " forward --model " + ref.model + " --input " + ref.batch +
                   " --output " + out + " --nproc " + std::to_string(c.nproc) + " --strategies " +
-                  c.strategies + " --backward");
+                  c.strategies + " --backward " + c.flags);
   ASSERT_TRUE(fs::exists(out)) << log;
   const Diff d = compare(out, ref.expected);
   std::cout << c.lm << " n=" << c.nproc << " " << c.strategies << ": logits " << d.logits
@@ -74,16 +82,24 @@ TEST_P(OpenFlamingoConformance, MatchesThePackage) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, OpenFlamingoConformance,
-    ::testing::Values(Case{"gpt_neox", 1, "lv_xattn,ring"}, Case{"gpt_neox", 2, "ring,ulysses"},
-                      Case{"gpt_neox", 3, "lv_xattn,striped"}, Case{"mpt", 1, "lv_xattn,ring"},
-                      Case{"mpt", 2, "all_gather,lv_xattn+ring"},
-                      Case{"mpt", 4, "lv_xattn,striped"}, Case{"llama", 1, "lv_xattn,ring"},
-                      Case{"llama", 2, "ulysses,striped"}, Case{"llama", 3, "lv_xattn,ring"}),
+    ::testing::Values(Case{"gpt_neox", 1, "lv_xattn,ring", ""},
+                      Case{"gpt_neox", 2, "ring,ulysses", "--remat"},
+                      Case{"gpt_neox", 3, "lv_xattn,striped", ""},
+                      Case{"gpt_neox-variant", 2, "lv_xattn,ring", "--remat"},
+                      Case{"mpt", 1, "lv_xattn,ring", ""},
+                      Case{"mpt", 2, "all_gather,lv_xattn+ring", "--remat"},
+                      Case{"mpt", 4, "lv_xattn,striped", ""}, Case{"llama", 1, "lv_xattn,ring", ""},
+                      Case{"llama", 2, "ulysses,striped", "--remat"},
+                      Case{"llama", 3, "lv_xattn,ring", ""}),
     [](const auto& info) {
       std::string s = info.param.strategies;
       for (char& ch : s)
         if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      return info.param.lm + "_n" + std::to_string(info.param.nproc) + "_" + s;
+      std::string name = info.param.lm + "_n" + std::to_string(info.param.nproc) + "_" + s +
+                         (info.param.flags.empty() ? "" : "_remat");
+      for (char& ch : name)
+        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      return name;
     });
 
 }  // namespace

@@ -32,7 +32,7 @@ int cmd_forward(int argc, char** argv) {
   p.add_option("dtype", 0, "fp32", "fp32 | bf16");
   p.add_flag("backward", 'b', "also compute the loss and the gradients");
   p.add_flag("remat", 0,
-             "rematerialization-aware checkpointing (DistFlashAttn §3.3; mPLUG-Owl3): recompute\n"
+             "rematerialization-aware checkpointing (DistFlashAttn §3.3): recompute\n"
              "each block's o_proj, norm and MLP in the backward, never the distributed attention");
   p.add_option("repeat", 0, "1", "timed steps (> 1: after one warm-up step; medians in metadata)");
   p.add_flag("print-plan", 0, "print the per-layer strategies (rank 0)");
