@@ -99,6 +99,9 @@ std::vector<Case> cases() {
     v.push_back({variant, 4, "all_gather,ring", ""});
   }
   v.push_back({"240728-bf16", 2, "lv_xattn,ring", ""});
+  // The planner's per-layer choice for this batch on a cluster config (printed with the plan).
+  v.push_back({"241101", 3, "auto", "--cluster " + std::string(LVX_SOURCE_DIR) +
+                                         "/configs/clusters/h100_80g_16.yaml --print-plan"});
   return v;
 }
 
@@ -109,7 +112,7 @@ INSTANTIATE_TEST_SUITE_P(
         if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
       std::string variant = info.param.variant;
       std::replace(variant.begin(), variant.end(), '-', '_');
-      std::string flags = info.param.flags;
+      std::string flags = info.param.flags.substr(0, info.param.flags.find(' ', 3));
       for (char& ch : flags)
         if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
       return "v" + variant + "_n" + std::to_string(info.param.nproc) + "_" + s + flags;
