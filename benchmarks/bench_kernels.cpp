@@ -143,7 +143,12 @@ Grads reference_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   auto qd = q.to(dtype).detach().requires_grad_(true);
   auto kd = k.to(dtype).detach().requires_grad_(true);
   auto vd = v.to(dtype).detach().requires_grad_(true);
-  (attention_reference(qd, kd, vd, mask_matrix(p.mask, qd.size(0), qd.size(1), kd.size(1)), p.scale, dtype).o * dout.to(dtype)).sum().backward();
+  (attention_reference(qd, kd, vd, mask_matrix(p.mask, qd.size(0), qd.size(1), kd.size(1)), p.scale,
+                       dtype)
+       .o *
+   dout.to(dtype))
+      .sum()
+      .backward();
   return {qd.grad(), kd.grad(), vd.grad()};
 }
 

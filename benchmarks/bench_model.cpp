@@ -9,17 +9,16 @@
 // fit in the same memory, at what step-time overhead (the paper: 1.6x the frames at under 8%).
 //   bench_model [--frames 32,64,128] [--text 256] [--nproc 1,2] [--hidden 128] [--layers 4]
 //               [--reps 2] [-o md|json]
-#include <nlohmann/json.hpp>
-
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 
 #include "models/mplug_owl3.h"
 #include "src/cli/args.h"
@@ -37,14 +36,24 @@ constexpr int64_t kImageToken = 511, kVocab = 512;
 
 // A random checkpoint with the released names and a tokenizer.json that names <|image|>.
 void make_model(const fs::path& dir, int64_t hidden, int64_t layers) {
-  nlohmann::json cfg = {
-      {"model_type", "mplugowl3"}, {"hidden_size", hidden}, {"num_hidden_layers", layers},
-      {"num_attention_heads", hidden / 32}, {"num_key_value_heads", hidden / 64},
-      {"intermediate_size", 2 * hidden}, {"vocab_size", kVocab}, {"rope_theta", 1e6},
-      {"rms_norm_eps", 1e-6}, {"tie_word_embeddings", false},
-      {"hyper_layers", {1, layers / 2 + 1}},
-      {"vision_config", {{"hidden_size", 64}, {"num_hidden_layers", 2}, {"num_attention_heads", 2},
-                         {"intermediate_size", 128}, {"image_size", 32}, {"patch_size", 8}}}};
+  nlohmann::json cfg = {{"model_type", "mplugowl3"},
+                        {"hidden_size", hidden},
+                        {"num_hidden_layers", layers},
+                        {"num_attention_heads", hidden / 32},
+                        {"num_key_value_heads", hidden / 64},
+                        {"intermediate_size", 2 * hidden},
+                        {"vocab_size", kVocab},
+                        {"rope_theta", 1e6},
+                        {"rms_norm_eps", 1e-6},
+                        {"tie_word_embeddings", false},
+                        {"hyper_layers", {1, layers / 2 + 1}},
+                        {"vision_config",
+                         {{"hidden_size", 64},
+                          {"num_hidden_layers", 2},
+                          {"num_attention_heads", 2},
+                          {"intermediate_size", 128},
+                          {"image_size", 32},
+                          {"patch_size", 8}}}};
   const auto c = models::mplug_owl3_config(cfg, dir.string(), /*gated=*/true, kImageToken);
   at::manual_seed(0);
   models::StateDict w;
@@ -59,16 +68,32 @@ void make_model(const fs::path& dir, int64_t hidden, int64_t layers) {
   nlohmann::json vocab = nlohmann::json::object();
   for (int64_t i = 0; i < kImageToken; ++i) vocab["tok" + std::to_string(i)] = i;
   std::ofstream(dir / "tokenizer.json") << nlohmann::json{
-      {"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr},
-      {"added_tokens", {{{"id", kImageToken}, {"content", "<|image|>"}, {"single_word", false},
-                         {"lstrip", false}, {"rstrip", false}, {"normalized", false},
-                         {"special", true}}}},
-      {"normalizer", nullptr}, {"pre_tokenizer", nullptr}, {"post_processor", nullptr},
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens",
+       {{{"id", kImageToken},
+         {"content", "<|image|>"},
+         {"single_word", false},
+         {"lstrip", false},
+         {"rstrip", false},
+         {"normalized", false},
+         {"special", true}}}},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", nullptr},
+      {"post_processor", nullptr},
       {"decoder", nullptr},
-      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
-                 {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
-                 {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
-                 {"vocab", vocab}, {"merges", nlohmann::json::array()}}}}.dump();
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"continuing_subword_prefix", nullptr},
+        {"end_of_word_suffix", nullptr},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"ignore_merges", false},
+        {"vocab", vocab},
+        {"merges", nlohmann::json::array()}}}}.dump();
 }
 
 // Video QA: a short prefix, one <|image|> per frame, then the question and answer (labels on the
@@ -81,10 +106,11 @@ void make_batch(const fs::path& path, int64_t frames, int64_t text) {
   ids.narrow(1, 4, frames).fill_(kImageToken);
   at::Tensor labels = at::full({1, text}, -100, at::kLong);
   const int64_t answer = text / 4;
-  labels.narrow(1, text - answer, answer).copy_(at::randint(0, kImageToken, {1, answer}, at::kLong));
-  save_safetensors(path.string(), {{"input_ids", ids},
-                                   {"pixel_values", at::randn({frames, 3, 32, 32})},
-                                   {"labels", labels}});
+  labels.narrow(1, text - answer, answer)
+      .copy_(at::randint(0, kImageToken, {1, answer}, at::kLong));
+  save_safetensors(
+      path.string(),
+      {{"input_ids", ids}, {"pixel_values", at::randn({frames, 3, 32, 32})}, {"labels", labels}});
 }
 
 std::map<std::string, std::string> metadata(const std::string& path) {
@@ -109,9 +135,10 @@ struct Run {
 };
 
 int bench(int argc, char** argv) {
-  cli::ArgParser p("bench_model [options]",
-                   "One mPLUG-Owl3 training step per configuration through `lvx forward`, with and\n"
-                   "without K/V recomputation; correctness against the 1-rank run first.");
+  cli::ArgParser p(
+      "bench_model [options]",
+      "One mPLUG-Owl3 training step per configuration through `lvx forward`, with and\n"
+      "without K/V recomputation; correctness against the 1-rank run first.");
   p.add_option("frames", 'f', "32,64,128", "frame counts (16 visual tokens each)");
   p.add_option("text", 't', "512", "text tokens, including one <|image|> per frame");
   p.add_option("nproc", 'n', "1,2", "rank counts");
@@ -134,7 +161,8 @@ int bench(int argc, char** argv) {
   cluster.gemm_flops["fp32"] = 1e10;
   cluster.intra_node = cluster.inter_node = {1e9, 1e-5};
   // `lvx forward` beside this benchmark's folder (build/lvx, build/benchmarks/bench_model).
-  const std::string lvx = (fs::path(dist::self_executable()).parent_path().parent_path() / "lvx").string();
+  const std::string lvx =
+      (fs::path(dist::self_executable()).parent_path().parent_path() / "lvx").string();
   std::vector<Run> runs;
   for (int64_t frames : p.get_int_list("frames")) {
     const std::string batch = (dir / ("batch" + std::to_string(frames) + ".safetensors")).string();
@@ -151,7 +179,8 @@ int bench(int argc, char** argv) {
                                 mode.flags + " > " + log + " 2>&1";
         if (std::system(cmd.c_str()) != 0) {
           std::ifstream f(log);
-          LVX_FAIL("bench_model: ", cmd, " failed:\n", std::string(std::istreambuf_iterator<char>(f), {}));
+          LVX_FAIL("bench_model: ", cmd, " failed:\n",
+                   std::string(std::istreambuf_iterator<char>(f), {}));
         }
         auto m = metadata(out);
         auto t = load_safetensors(out).tensors;
@@ -180,32 +209,38 @@ int bench(int argc, char** argv) {
         const planner::Plan plan = planner::plan(pm, cluster, w, opt);
         runs.push_back({frames, nproc, mode.name, std::stod(m.at("forward_seconds")),
                         std::stod(m.at("backward_seconds")), std::stod(m.at("comm_wait_seconds")),
-                        std::stod(m.at("peak_rss_bytes")), std::stod(m.at("live_bytes_after_forward")),
-                        err, plan.peak_mem_bytes});
+                        std::stod(m.at("peak_rss_bytes")),
+                        std::stod(m.at("live_bytes_after_forward")), err, plan.peak_mem_bytes});
       }
   }
   const int64_t text = p.get_int("text");
   if (p.get("output-format") == "json") {
     nlohmann::json j = nlohmann::json::array();
     for (const Run& r : runs)
-      j.push_back({{"frames", r.frames}, {"nproc", r.nproc}, {"saving", r.mode},
-                   {"forward_s", r.fwd}, {"step_s", r.fwd + r.bwd}, {"comm_wait_s", r.wait},
-                   {"peak_rss_bytes", r.rss}, {"live_bytes_after_forward", r.live},
+      j.push_back({{"frames", r.frames},
+                   {"nproc", r.nproc},
+                   {"saving", r.mode},
+                   {"forward_s", r.fwd},
+                   {"step_s", r.fwd + r.bwd},
+                   {"comm_wait_s", r.wait},
+                   {"peak_rss_bytes", r.rss},
+                   {"live_bytes_after_forward", r.live},
                    {"predicted_attention_bytes", r.predicted},
                    {"max_err_vs_1_rank", r.err}});
     std::cout << j.dump(2) << "\n";
   } else {
-    std::printf("| frames | ranks | saving | fwd s | fwd+bwd s | text tok/s fwd | tok/s fwd+bwd "
-                "| frames/s fwd+bwd | comm wait | peak RSS MiB | held after fwd MiB | planner MiB "
-                "| err vs 1 rank |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    std::printf(
+        "| frames | ranks | saving | fwd s | fwd+bwd s | text tok/s fwd | tok/s fwd+bwd "
+        "| frames/s fwd+bwd | comm wait | peak RSS MiB | held after fwd MiB | planner MiB "
+        "| err vs 1 rank |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (const Run& r : runs)
-      std::printf("| %lld | %lld | %s | %.3f | %.3f | %.0f | %.0f | %.1f | %.0f%% | %.1f | %.1f | "
-                  "%.2f | %.1e |\n",
-                  static_cast<long long>(r.frames), static_cast<long long>(r.nproc),
-                  r.mode.c_str(), r.fwd, r.fwd + r.bwd, text / r.fwd,
-                  text / (r.fwd + r.bwd), r.frames / (r.fwd + r.bwd),
-                  100 * r.wait / (r.fwd + r.bwd), r.rss / (1 << 20), r.live / (1 << 20),
-                  r.predicted / (1 << 20), r.err);
+      std::printf(
+          "| %lld | %lld | %s | %.3f | %.3f | %.0f | %.0f | %.1f | %.0f%% | %.1f | %.1f | "
+          "%.2f | %.1e |\n",
+          static_cast<long long>(r.frames), static_cast<long long>(r.nproc), r.mode.c_str(), r.fwd,
+          r.fwd + r.bwd, text / r.fwd, text / (r.fwd + r.bwd), r.frames / (r.fwd + r.bwd),
+          100 * r.wait / (r.fwd + r.bwd), r.rss / (1 << 20), r.live / (1 << 20),
+          r.predicted / (1 << 20), r.err);
   }
   // Memory held per frame (slope between the smallest and largest frame count) and step time
   // at the largest, for each saving against none, per rank count: how many more frames fit in
@@ -222,18 +257,20 @@ int bench(int argc, char** argv) {
     const Run a0 = find(f0, "none"), a1 = find(f1, "none");
     const double base = (a1.live - a0.live) / static_cast<double>(f1 - f0);
     const double pred_base = (a1.predicted - a0.predicted) / static_cast<double>(f1 - f0);
-    std::printf("\n%lld rank(s): memory held after the forward, per frame: none %.1f KiB (planner "
-                "%.1f KiB of attention activations), step %.3f s at %lld frames\n",
-                static_cast<long long>(nproc), base / 1024, pred_base / 1024, a1.fwd + a1.bwd,
-                static_cast<long long>(f1));
+    std::printf(
+        "\n%lld rank(s): memory held after the forward, per frame: none %.1f KiB (planner "
+        "%.1f KiB of attention activations), step %.3f s at %lld frames\n",
+        static_cast<long long>(nproc), base / 1024, pred_base / 1024, a1.fwd + a1.bwd,
+        static_cast<long long>(f1));
     for (const char* mode : {"recompute", "remat", "both"}) {
       const Run b0 = find(f0, mode), b1 = find(f1, mode);
       const double slope = (b1.live - b0.live) / static_cast<double>(f1 - f0);
-      std::printf("  %-9s %.1f KiB per frame (planner %.1f KiB): %.2fx the frames in the same "
-                  "memory; step %.3f s (%+.1f%%)\n",
-                  mode, slope / 1024, (b1.predicted - b0.predicted) / (f1 - f0) / 1024,
-                  slope > 0 ? base / slope : 0.0, b1.fwd + b1.bwd,
-                  100 * ((b1.fwd + b1.bwd) / (a1.fwd + a1.bwd) - 1));
+      std::printf(
+          "  %-9s %.1f KiB per frame (planner %.1f KiB): %.2fx the frames in the same "
+          "memory; step %.3f s (%+.1f%%)\n",
+          mode, slope / 1024, (b1.predicted - b0.predicted) / (f1 - f0) / 1024,
+          slope > 0 ? base / slope : 0.0, b1.fwd + b1.bwd,
+          100 * ((b1.fwd + b1.bwd) / (a1.fwd + a1.bwd) - 1));
     }
   }
   fs::remove_all(dir);

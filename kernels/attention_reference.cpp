@@ -17,9 +17,10 @@ AttentionOutput attention_reference(const at::Tensor& q, const at::Tensor& k, co
   const int64_t skv = k.size(1), hkv = k.size(2);
   LVX_CHECK(hkv > 0 && hq % hkv == 0, "attention_reference: k has ", hkv,
             " heads, which does not divide q's ", hq, " heads");
-  LVX_CHECK(visible.scalar_type() == at::kBool && visible.sizes() == at::IntArrayRef({batch, sq, skv}),
-            "attention_reference: visible must be bool [", batch, ", ", sq, ", ", skv, "], got ",
-            visible.scalar_type(), " ", visible.sizes());
+  LVX_CHECK(
+      visible.scalar_type() == at::kBool && visible.sizes() == at::IntArrayRef({batch, sq, skv}),
+      "attention_reference: visible must be bool [", batch, ", ", sq, ", ", skv, "], got ",
+      visible.scalar_type(), " ", visible.sizes());
   const double scale = scale_arg == 0 ? 1.0 / std::sqrt(static_cast<double>(d)) : scale_arg;
   // [B, H, S, D], K/V expanded over the query-head groups (fine for a reference).
   auto qh = q.to(compute_dtype).transpose(1, 2);

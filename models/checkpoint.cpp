@@ -37,8 +37,8 @@ StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
     if (it == all.end()) {
       missing.push_back(name);
     } else if (it->second.sizes() != at::IntArrayRef(shape)) {
-      misshaped.push_back(str(name, " ", it->second.sizes(), " (expected ", at::IntArrayRef(shape),
-                              ")"));
+      misshaped.push_back(
+          str(name, " ", it->second.sizes(), " (expected ", at::IntArrayRef(shape), ")"));
     } else {
       out[name] = it->second.to(dtype).contiguous();
     }

@@ -72,9 +72,9 @@ at::Tensor local_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t g = q.size(2) / k.size(2);
   at::Tensor kk = g == 1 ? k : k.repeat_interleave(g, 2);
   at::Tensor vv = g == 1 ? v : v.repeat_interleave(g, 2);
-  at::Tensor o = at::scaled_dot_product_attention(
-      q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), /*attn_mask=*/{},
-      /*dropout_p=*/0.0, causal, scale);
+  at::Tensor o = at::scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2),
+                                                  vv.transpose(1, 2), /*attn_mask=*/{},
+                                                  /*dropout_p=*/0.0, causal, scale);
   return o.transpose(1, 2);  // [B, S, H, D]
 }
 

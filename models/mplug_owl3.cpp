@@ -32,8 +32,8 @@ MplugOwl3Config mplug_owl3_config(const Checkpoint& ck, int64_t image_token_id) 
   // The release variant, from the checkpoint itself: 240728/241014 hyper layers own a gate.
   bool gated = false;
   for (const auto& [name, t] : ck.tensors)
-    gated = gated || (name.rfind(kLm + "layers.", 0) == 0 &&
-                      name.size() > 15 && name.compare(name.size() - 15, 15, ".self_attn.gate") == 0);
+    gated = gated || (name.rfind(kLm + "layers.", 0) == 0 && name.size() > 15 &&
+                      name.compare(name.size() - 15, 15, ".self_attn.gate") == 0);
   return mplug_owl3_config(ck.config, ck.dir + "/config.json", gated, image_token_id);
 }
 
@@ -58,8 +58,8 @@ MplugOwl3Config mplug_owl3_config(const nlohmann::json& j, const std::string& wh
   LVX_CHECK(j.contains("hyper_layers") && j["hyper_layers"].is_array(), where,
             ": hyper_layers: missing (the 1-based indices of the hyper attention layers)");
   for (const auto& v : j["hyper_layers"]) {
-    LVX_CHECK(v.is_number_integer() && v.get<int64_t>() >= 1 && v.get<int64_t>() <= c.layers,
-              where, ": hyper_layers: expected 1-based layer indices in [1, ", c.layers, "], got ",
+    LVX_CHECK(v.is_number_integer() && v.get<int64_t>() >= 1 && v.get<int64_t>() <= c.layers, where,
+              ": hyper_layers: expected 1-based layer indices in [1, ", c.layers, "], got ",
               v.dump());
     c.hyper_layers.push_back(v.get<int64_t>() - 1);
   }
@@ -126,7 +126,7 @@ planner::ModelConfig MplugOwl3::planner_model(const MplugOwl3Config& c) {
   m.dtype = "bf16";
   m.visual_tokens_per_frame = c.vision.tokens();
   m.visual_feature_dim = c.hidden;  // image_embeds have the LM width
-  m.vision = {c.vision.hidden, c.vision.layers - 1, c.vision.heads, c.vision.mlp,  // layers run
+  m.vision = {c.vision.hidden,     c.vision.layers - 1, c.vision.heads, c.vision.mlp,  // layers run
               c.vision.image_size, c.vision.patch_size};
   for (int64_t i = 0; i < c.layers; ++i) {
     planner::AttentionLayerConfig l;
@@ -175,7 +175,8 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
     const LocalMedia media = encode_local_media(
         mm, in.pixel_values, par, c.hidden,
         [&](const at::Tensor& px) {  // SigLIP hidden_states[-2], then the projector
-          const at::Tensor v = siglip_forward(w_, kVision, c.vision, px.to(dt), c.vision.layers - 1);
+          const at::Tensor v =
+              siglip_forward(w_, kVision, c.vision, px.to(dt), c.vision.layers - 1);
           return linear(at::gelu(linear(v, w_, "vision2text_model.0", true)), w_,
                         "vision2text_model.2", true);
         },
@@ -217,7 +218,7 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
       const int64_t hkv = c.kv_heads, d = c.head_dim;
       const double eps = c.rms_eps;
       KVFunction kv_fn = [mi_rope, hkv, d, eps](const at::Tensor& y,
-                                               const std::vector<at::Tensor>& p) {
+                                                const std::vector<at::Tensor>& p) {
         const at::Tensor kv =
             at::linear(rms_norm(y, p[0], eps), p[1], p[2]).view({y.size(0), y.size(1), hkv, 2, d});
         return std::make_pair(apply_rotary(kv.select(3, 0), mi_rope), kv.select(3, 1));
@@ -250,9 +251,9 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
     }
     // The block after its attention: o_proj, residual, norm, MLP, residual.
     const std::vector<at::Tensor> block_params{
-        param(w_, l + "self_attn.o_proj.weight"),
-        param(w_, l + "post_attention_layernorm.weight"), param(w_, l + "mlp.gate_proj.weight"),
-        param(w_, l + "mlp.up_proj.weight"), param(w_, l + "mlp.down_proj.weight")};
+        param(w_, l + "self_attn.o_proj.weight"), param(w_, l + "post_attention_layernorm.weight"),
+        param(w_, l + "mlp.gate_proj.weight"), param(w_, l + "mlp.up_proj.weight"),
+        param(w_, l + "mlp.down_proj.weight")};
     const double eps = c.rms_eps;
     auto post_attention = [eps](const std::vector<at::Tensor>& in,
                                 const std::vector<at::Tensor>& p) -> std::vector<at::Tensor> {

@@ -14,7 +14,8 @@ namespace {
 
 const std::string kVis = "vision_encoder.";
 
-std::string json_str(const nlohmann::json& j, const std::string& field, const std::string& fallback) {
+std::string json_str(const nlohmann::json& j, const std::string& field,
+                     const std::string& fallback) {
   return j.contains(field) && j[field].is_string() ? j[field].get<std::string>() : fallback;
 }
 
@@ -80,9 +81,11 @@ OpenFlamingoConfig openflamingo_config(const nlohmann::json& j, const std::strin
     c.layers = config_int(t, "num_hidden_layers", wt);
     c.heads = config_int(t, "num_attention_heads", wt);
     c.mlp = config_int(t, "intermediate_size", wt);
-    const double pct = config_double_or(t, "rotary_pct", config_double_or(t, "partial_rotary_factor", 1.0));
+    const double pct =
+        config_double_or(t, "rotary_pct", config_double_or(t, "partial_rotary_factor", 1.0));
     c.rotary_dim = static_cast<int64_t>(static_cast<double>(c.hidden / c.heads) * pct);
-    c.rotary_base = config_double_or(t, "rotary_emb_base", config_double_or(t, "rope_theta", 10000));
+    c.rotary_base =
+        config_double_or(t, "rotary_emb_base", config_double_or(t, "rope_theta", 10000));
     c.eps = config_double_or(t, "layer_norm_eps", 1e-5);
     c.parallel_residual = json_bool(t, "use_parallel_residual", true);
     c.act = json_str(t, "hidden_act", "gelu");
@@ -126,7 +129,8 @@ OpenFlamingoConfig openflamingo_config(const nlohmann::json& j, const std::strin
   }
   // transformers' defaults for what a text_config leaves out.
   c.kv_heads = c.lm == "llama" ? config_int_or(t, "num_key_value_heads", c.heads) : c.heads;
-  c.head_dim = c.lm == "llama" ? config_int_or(t, "head_dim", c.hidden / c.heads) : c.hidden / c.heads;
+  c.head_dim =
+      c.lm == "llama" ? config_int_or(t, "head_dim", c.hidden / c.heads) : c.hidden / c.heads;
   if (c.lm == "llama") c.rotary_dim = c.head_dim;
   c.x_ff = 4 * c.hidden;
   LVX_CHECK(c.heads > 0 && c.hidden % c.heads == 0, wt, ": hidden size ", c.hidden,
@@ -292,15 +296,15 @@ at::Tensor clip_tokens(const StateDict& w, const OpenFlamingoConfig& c, const at
   for (int64_t i = 0; i < c.v_layers; ++i) {
     const std::string b = kVis + "transformer.resblocks." + std::to_string(i) + ".";
     const at::Tensor h = layer_norm(x, w, b + "ln_1", c.v_eps);
-    const auto qkv = at::linear(h, param(w, b + "attn.in_proj_weight"),
-                                param(w, b + "attn.in_proj_bias"))
-                         .chunk(3, -1);  // rows q | k | v
+    const auto qkv =
+        at::linear(h, param(w, b + "attn.in_proj_weight"), param(w, b + "attn.in_proj_bias"))
+            .chunk(3, -1);  // rows q | k | v
     auto heads = [&](const at::Tensor& t) { return t.reshape({n, -1, c.v_heads, hd}); };
     const at::Tensor o = local_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), false,
                                          1.0 / std::sqrt(static_cast<double>(hd)));
     x = x + linear(o.reshape({n, -1, width}), w, b + "attn.out_proj", true);
-    x = x + linear(activation(linear(layer_norm(x, w, b + "ln_2", c.v_eps), w, b + "mlp.c_fc", true),
-                              act),
+    x = x + linear(activation(
+                       linear(layer_norm(x, w, b + "ln_2", c.v_eps), w, b + "mlp.c_fc", true), act),
                    w, b + "mlp.c_proj", true);
   }
   if (c.v_tokens_ln_post) x = layer_norm(x, w, kVis + "ln_post", c.v_eps);
@@ -311,7 +315,9 @@ at::Tensor clip_tokens(const StateDict& w, const OpenFlamingoConfig& c, const at
 at::Tensor perceiver(const StateDict& w, const OpenFlamingoConfig& c, const at::Tensor& x) {
   const int64_t n = x.size(0), width = c.v_width, inner = c.p_heads * c.p_dim_head;
   at::Tensor lat = param(w, "perceiver.latents").unsqueeze(0).expand({n, c.p_latents, width});
-  auto heads = [&](const at::Tensor& t) { return t.reshape({n, t.size(1), c.p_heads, c.p_dim_head}); };
+  auto heads = [&](const at::Tensor& t) {
+    return t.reshape({n, t.size(1), c.p_heads, c.p_dim_head});
+  };
   for (int64_t l = 0; l < c.p_depth; ++l) {
     const std::string b = "perceiver.layers." + std::to_string(l) + ".";
     const at::Tensor xn = layer_norm(x, w, b + "0.norm_media", c.p_eps);
@@ -330,10 +336,11 @@ at::Tensor perceiver(const StateDict& w, const OpenFlamingoConfig& c, const at::
 
 // MPT's ALiBi slopes (transformers' build_mpt_alibi_tensor).
 at::Tensor alibi_slopes(int64_t heads, double bias_max) {
-  const int64_t n2 = int64_t{1} << static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(heads))));
-  at::Tensor s = 1.0 / at::pow(2.0, at::arange(1, n2 + 1, at::kDouble) * (bias_max / static_cast<double>(n2)));
-  if (n2 != heads)
-    s = at::cat({s.slice(0, 1, n2, 2), s.slice(0, 0, n2, 2)}).narrow(0, 0, heads);
+  const int64_t n2 =
+      int64_t{1} << static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(heads))));
+  at::Tensor s =
+      1.0 / at::pow(2.0, at::arange(1, n2 + 1, at::kDouble) * (bias_max / static_cast<double>(n2)));
+  if (n2 != heads) s = at::cat({s.slice(0, 1, n2, 2), s.slice(0, 0, n2, 2)}).narrow(0, 0, heads);
   return s;
 }
 
@@ -344,10 +351,9 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
   const at::Tensor& ids = in.input_ids;
   const int64_t B = ids.size(0), L = ids.size(1), d = c.hidden, hd = d / c.heads;
   const std::string lm = "lang_encoder.";
-  const at::Tensor& emb =
-      param(w_, lm + (c.lm == "gpt_neox" ? "gpt_neox.embed_in.weight"
-                      : c.lm == "llama"  ? "model.embed_tokens.weight"
-                                         : "transformer.wte.weight"));
+  const at::Tensor& emb = param(w_, lm + (c.lm == "gpt_neox" ? "gpt_neox.embed_in.weight"
+                                          : c.lm == "llama"  ? "model.embed_tokens.weight"
+                                                             : "transformer.wte.weight"));
   const at::ScalarType dt = emb.scalar_type();
   const TextShard shard = embed_text_shard(ids, emb, par, "OpenFlamingo");
   const at::Tensor& pos = shard.positions;
@@ -355,7 +361,8 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
 
   // Media: OpenFlamingo's rule (most recent image; the <image> token its own); this rank's
   // images through the ViT and the resampler.
-  const attention::MediaMask mm = attention::openflamingo_media_mask(ids, c.media_token_id, c.p_latents);
+  const attention::MediaMask mm =
+      attention::openflamingo_media_mask(ids, c.media_token_id, c.p_latents);
   LocalMedia media;
   if (mm.slots > 0)
     media = encode_local_media(
@@ -364,7 +371,8 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
         x.options(), "OpenFlamingo");
   const attention::MaskInputs cross_mask{mm.q_media, mm.kv_media, {}};
 
-  attention::AttentionSpec self_spec = self_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, par);
+  attention::AttentionSpec self_spec =
+      self_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, par);
   RotaryTables rope;
   if (c.lm != "mpt") rope = rotary_tables(pos, c.rotary_dim, c.rotary_base);
   // ALiBi as one more head dimension: q' = [q, 1], k' = [k, slope_h·j/scale], v' = [v, 0].
@@ -382,20 +390,22 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
     const int64_t lr = x.size(1);
     if (c.is_cross(i) && mm.slots > 0) {
       const std::string g = b + "gated_cross_attn_layer.";
-      const at::Tensor q = linear(layer_norm(x, w_, g + "attn.norm", c.x_eps), w_, g + "attn.to_q", false)
-                               .view({B, lr, c.x_heads, c.x_dim_head});
+      const at::Tensor q =
+          linear(layer_norm(x, w_, g + "attn.norm", c.x_eps), w_, g + "attn.to_q", false)
+              .view({B, lr, c.x_heads, c.x_dim_head});
       const auto kv = linear(media.features, w_, g + "attn.to_kv", false).chunk(2, -1);
       const int64_t sk = media.features.size(1);
       const attention::AttentionSpec cross_spec =
           cross_attention_spec(B, L, c.x_heads, c.x_heads, c.x_dim_head, mm, par);
-      const auto o = attention::dist_attention(
-          q, kv[0].reshape({B, sk, c.x_heads, c.x_dim_head}),
-          kv[1].reshape({B, sk, c.x_heads, c.x_dim_head}), par.pg, st.cross, cross_spec, cross_mask);
+      const auto o = attention::dist_attention(q, kv[0].reshape({B, sk, c.x_heads, c.x_dim_head}),
+                                               kv[1].reshape({B, sk, c.x_heads, c.x_dim_head}),
+                                               par.pg, st.cross, cross_spec, cross_mask);
       x = x + linear(o.o.reshape({B, lr, c.x_heads * c.x_dim_head}), w_, g + "attn.to_out", false) *
                   at::tanh(param(w_, g + "attn_gate"));
-      x = x + linear(at::gelu(linear(layer_norm(x, w_, g + "ff.0", c.x_eps), w_, g + "ff.1", false)),
-                     w_, g + "ff.3", false) *
-                  at::tanh(param(w_, g + "ff_gate"));
+      x = x +
+          linear(at::gelu(linear(layer_norm(x, w_, g + "ff.0", c.x_eps), w_, g + "ff.1", false)),
+                 w_, g + "ff.3", false) *
+              at::tanh(param(w_, g + "ff_gate"));
     }
     const std::string l = b + "decoder_layer.";
     // The attention (its output before the output projection, [B, L_r, H·hd]), then the block
@@ -414,19 +424,19 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
       a = attention::dist_attention(apply_rotary(parts[0], rope), apply_rotary(parts[1], rope),
                                     parts[2], par.pg, st.self, self_spec)
               .o.reshape({B, lr, d});
-      for (const char* n : {"attention.dense.weight", "attention.dense.bias",
-                            "post_attention_layernorm.weight", "post_attention_layernorm.bias",
-                            "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias",
-                            "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias"})
+      for (const char* n :
+           {"attention.dense.weight", "attention.dense.bias", "post_attention_layernorm.weight",
+            "post_attention_layernorm.bias", "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias",
+            "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias"})
         p.push_back(param(w_, l + n));
       post = [eps, act = c.act, parallel = c.parallel_residual](const std::vector<at::Tensor>& in,
                                                                 const std::vector<at::Tensor>& w) {
         const at::Tensor attn = at::linear(in[1], w[0], w[1]);
         auto mlp = [&](const at::Tensor& t) {
-          return at::linear(activation(at::linear(at::layer_norm(t, {t.size(-1)}, w[2], w[3], eps),
-                                                  w[4], w[5]),
-                                       act),
-                            w[6], w[7]);
+          return at::linear(
+              activation(at::linear(at::layer_norm(t, {t.size(-1)}, w[2], w[3], eps), w[4], w[5]),
+                         act),
+              w[6], w[7]);
         };
         if (parallel) return std::vector<at::Tensor>{in[0] + attn + mlp(in[0])};
         const at::Tensor r = in[0] + attn;
@@ -456,14 +466,14 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
           linear(layer_norm(x, w_, l + "norm_1", c.eps), w_, l + "attn.Wqkv", false).chunk(3, -1);
       auto heads = [&](const at::Tensor& t) { return t.reshape({B, lr, c.heads, hd}); };
       const at::Tensor one = at::ones({B, lr, c.heads, 1}, x.options());
-      a = attention::dist_attention(at::cat({heads(qkv[0]), one}, -1),
-                                    at::cat({heads(qkv[1]), alibi_k.expand({B, lr, c.heads, 1})}, -1),
-                                    at::cat({heads(qkv[2]), at::zeros_like(one)}, -1), par.pg,
-                                    st.self, self_spec)
+      a = attention::dist_attention(
+              at::cat({heads(qkv[0]), one}, -1),
+              at::cat({heads(qkv[1]), alibi_k.expand({B, lr, c.heads, 1})}, -1),
+              at::cat({heads(qkv[2]), at::zeros_like(one)}, -1), par.pg, st.self, self_spec)
               .o.narrow(-1, 0, hd)
               .reshape({B, lr, d});
-      for (const char* n : {"attn.out_proj.weight", "norm_2.weight", "ffn.up_proj.weight",
-                            "ffn.down_proj.weight"})
+      for (const char* n :
+           {"attn.out_proj.weight", "norm_2.weight", "ffn.up_proj.weight", "ffn.down_proj.weight"})
         p.push_back(param(w_, l + n));
       post = [eps](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& w) {
         const at::Tensor r = in[0] + at::linear(in[1], w[0]);

@@ -7,10 +7,11 @@
 //   Perceiver resampler (latents attend to [media | latents], residual, LayerNorm-GELU FF, final
 //   norm) → media [N_img, n_latents, W];
 //   decoder (GPT-NeoX: rotary with rotary_pct, optional parallel residual; MPT: ALiBi, no
-//   biases, tied embeddings; Llama: RMSNorm, GQA, RoPE, SwiGLU, no biases) with a gated cross-attention block BEFORE each decoder layer listed
-//   in cross_attn_layers: x += tanh(attn_gate)·to_out(attn(LN(x), media)), x += tanh(ff_gate)·
-//   FF(x); text token t sees only the most recent image (the `<image>` token its own), tokens
-//   before the first image get 0 from the cross-attention.
+//   biases, tied embeddings; Llama: RMSNorm, GQA, RoPE, SwiGLU, no biases) with a gated
+//   cross-attention block BEFORE each decoder layer listed in cross_attn_layers: x +=
+//   tanh(attn_gate)·to_out(attn(LN(x), media)), x += tanh(ff_gate)· FF(x); text token t sees only
+//   the most recent image (the `<image>` token its own), tokens before the first image get 0 from
+//   the cross-attention.
 // Distributed as models/parallel.h describes: each rank runs the ViT and the resampler on its own
 // images only. ALiBi runs through every distributed strategy as one extra head dimension
 // (q' = [q, 1], k' = [k, slope_h·j/scale]: scale·q'·k' = scale·q·k + slope_h·j, which differs
@@ -43,7 +44,7 @@ struct OpenFlamingoConfig {
   double x_eps = 1e-5;
   std::vector<int64_t> cross_layers;
   // Decoder
-  std::string lm;          // gpt_neox | mpt | llama
+  std::string lm;           // gpt_neox | mpt | llama
   std::string layers_attr;  // "gpt_neox.layers" | "transformer.blocks" | "model.layers"
   int64_t hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, mlp = 0, vocab = 0,
           rotary_dim = 0;

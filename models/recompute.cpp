@@ -39,8 +39,8 @@ struct CrossRecompute : public torch::autograd::Function<CrossRecompute> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto st = c10::static_intrusive_pointer_cast<RecomputeState>(
-        ctx->saved_data["state"].toCapsule());
+    auto st =
+        c10::static_intrusive_pointer_cast<RecomputeState>(ctx->saved_data["state"].toCapsule());
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& q = saved[0];
     const at::Tensor &o = saved[2 + st->n_params], &lse = saved[3 + st->n_params];
@@ -83,7 +83,8 @@ struct Segment : public torch::autograd::Function<Segment> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto st = c10::static_intrusive_pointer_cast<SegmentState>(ctx->saved_data["state"].toCapsule());
+    auto st =
+        c10::static_intrusive_pointer_cast<SegmentState>(ctx->saved_data["state"].toCapsule());
     const auto saved = ctx->get_saved_variables();
     at::AutoGradMode grad_on(true);
     std::vector<at::Tensor> leaves;
@@ -114,7 +115,8 @@ struct Segment : public torch::autograd::Function<Segment> {
 
 }  // namespace
 
-std::vector<at::Tensor> checkpoint_segment(SegmentFunction fn, const std::vector<at::Tensor>& inputs,
+std::vector<at::Tensor> checkpoint_segment(SegmentFunction fn,
+                                           const std::vector<at::Tensor>& inputs,
                                            const std::vector<at::Tensor>& params) {
   auto st = c10::make_intrusive<SegmentState>();
   st->fn = std::move(fn);

@@ -39,7 +39,8 @@ attention::DistAttentionResult cross_attention_recompute(
 // `fn` maps (inputs, params) to outputs; gradients flow to inputs and params.
 using SegmentFunction = std::function<std::vector<at::Tensor>(
     const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& params)>;
-std::vector<at::Tensor> checkpoint_segment(SegmentFunction fn, const std::vector<at::Tensor>& inputs,
+std::vector<at::Tensor> checkpoint_segment(SegmentFunction fn,
+                                           const std::vector<at::Tensor>& inputs,
                                            const std::vector<at::Tensor>& params);
 
 }  // namespace lvx::models

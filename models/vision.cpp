@@ -30,9 +30,10 @@ SiglipConfig siglip_config(const nlohmann::json& v, const std::string& where) {
 
 ShapeSpec siglip_shapes(const SiglipConfig& c, const std::string& p, int64_t run_layers) {
   const int64_t h = c.hidden;
-  ShapeSpec s{{p + "embeddings.patch_embedding.weight", {h, c.channels, c.patch_size, c.patch_size}},
-              {p + "embeddings.patch_embedding.bias", {h}},
-              {p + "embeddings.position_embedding.weight", {c.tokens(), h}}};
+  ShapeSpec s{
+      {p + "embeddings.patch_embedding.weight", {h, c.channels, c.patch_size, c.patch_size}},
+      {p + "embeddings.patch_embedding.bias", {h}},
+      {p + "embeddings.position_embedding.weight", {c.tokens(), h}}};
   for (int64_t i = 0; i < run_layers; ++i) {
     const std::string l = p + "encoder.layers." + std::to_string(i) + ".";
     for (const char* n : {"layer_norm1", "layer_norm2"}) {
@@ -65,7 +66,7 @@ at::Tensor siglip_forward(const StateDict& w, const std::string& p, const Siglip
   at::Tensor x = at::conv2d(pixel_values.to(pw.scalar_type()), pw,
                             param(w, p + "embeddings.patch_embedding.bias"), stride,
                             at::IntArrayRef(pad));  // [N, h, g, g]
-  x = x.flatten(2).transpose(1, 2);            // [N, tokens, h]
+  x = x.flatten(2).transpose(1, 2);                 // [N, tokens, h]
   x = x + param(w, p + "embeddings.position_embedding.weight");
   const int64_t n = x.size(0), t = x.size(1), hd = c.hidden / c.heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));

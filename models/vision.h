@@ -14,8 +14,7 @@
 namespace lvx::models {
 
 struct SiglipConfig {
-  int64_t hidden = 0, layers = 0, heads = 0, mlp = 0, image_size = 0, patch_size = 0,
-          channels = 3;
+  int64_t hidden = 0, layers = 0, heads = 0, mlp = 0, image_size = 0, patch_size = 0, channels = 3;
   double eps = 1e-6;
   std::string act = "gelu_pytorch_tanh";
   int64_t tokens() const { return (image_size / patch_size) * (image_size / patch_size); }

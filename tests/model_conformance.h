@@ -2,6 +2,7 @@
 // and Python paths, and the comparison of `lvx forward` outputs with a reference's.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,8 +11,6 @@
 #include <functional>
 #include <iostream>
 #include <string>
-
-#include <gtest/gtest.h>
 
 #include "src/common/safetensors.h"
 #include "tests/multirank.h"
@@ -39,16 +38,19 @@ struct Diff {
 };
 
 inline Diff compare(const std::string& got_path, const std::string& want_path) {
-  auto got = lvx::load_safetensors(got_path).tensors, want = lvx::load_safetensors(want_path).tensors;
+  auto got = lvx::load_safetensors(got_path).tensors,
+       want = lvx::load_safetensors(want_path).tensors;
   Diff d;
   d.logits = (got.at("logits") - want.at("logits")).abs().max().item<double>();
-  if (got.count("loss")) d.loss = std::abs(got.at("loss").item<double>() - want.at("loss").item<double>());
+  if (got.count("loss"))
+    d.loss = std::abs(got.at("loss").item<double>() - want.at("loss").item<double>());
   for (const auto& [name, g] : got) {
     if (name.rfind("grad.", 0) != 0) continue;
     EXPECT_TRUE(want.count(name)) << name << " has no reference gradient";
     if (!want.count(name)) continue;
     const at::Tensor& w = want.at(name);
-    const double e = (g - w).abs().max().item<double>() / std::max(1e-6, w.abs().max().item<double>());
+    const double e =
+        (g - w).abs().max().item<double>() / std::max(1e-6, w.abs().max().item<double>());
     if (e > d.grad) d.grad = e, d.worst_grad = name;
     ++d.grads;
   }

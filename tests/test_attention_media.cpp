@@ -7,8 +7,6 @@
 // off-by-one between the rules on the media token's own row, and the input errors.
 #include <gtest/gtest.h>
 
-#include "tests/multirank.h"
-
 #include <cstdio>
 #include <functional>
 #include <iostream>
@@ -20,6 +18,7 @@
 #include "src/attention/media_mask.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
+#include "tests/multirank.h"
 
 using namespace lvx;
 using attention::MediaMask;

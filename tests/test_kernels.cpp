@@ -10,9 +10,9 @@
 #include <string>
 
 #include "kernels/attention.h"
-#include "tests/reference_mask.h"
 #include "kernels/registry.h"
 #include "src/common/error.h"
+#include "tests/reference_mask.h"
 
 namespace lvx::kernels {
 namespace {
@@ -260,7 +260,8 @@ TEST(AttentionKernelHalf, ForwardMatchesGate) {
   p.mask = make_mask(MaskCase::kCausal, 1, 40, 600);
   auto out = attention_forward(q, k, v, p);
   auto exact = attention_reference(q, k, v, vis(p, q, k), p.scale, at::kDouble);
-  auto same = attention_reference(q, k, v, vis(p, q, k), p.scale, at::kFloat);  // CPU half matmul is emulated
+  auto same = attention_reference(q, k, v, vis(p, q, k), p.scale,
+                                  at::kFloat);  // CPU half matmul is emulated
   EXPECT_LE(error(out.o, exact.o), 2 * error(same.o, exact.o) + 1e-3);
 }
 
@@ -426,8 +427,8 @@ TEST(TileSkipping, CausalSkipsExactlyTheInvisibleTiles) {
   int64_t none = 0, full = 0, total = 0;
   for (int64_t i = 0; i < sq; i += kCpuQTile) {
     for (int64_t j = 0; j < skv; j += kCpuKTile) {
-      auto t =
-          visible.narrow(0, i, std::min(kCpuQTile, sq - i)).narrow(1, j, std::min(kCpuKTile, skv - j));
+      auto t = visible.narrow(0, i, std::min(kCpuQTile, sq - i))
+                   .narrow(1, j, std::min(kCpuKTile, skv - j));
       none += !t.any().item<bool>();
       full += t.all().item<bool>();
       ++total;

@@ -6,7 +6,6 @@
 // without K/V recomputation. Tolerance (fp32): logits and loss within 1e-4 absolute (outputs are
 // O(1–10); measured ≈3e-6), every gradient within 1e-4 of its largest element (measured ≈3e-6).
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,7 +23,9 @@ namespace {
 using namespace lvx::testing;
 namespace fs = std::filesystem;
 
-std::string ref_script() { return std::string(LVX_SOURCE_DIR) + "/tests/reference/mplug_owl3_ref.py"; }
+std::string ref_script() {
+  return std::string(LVX_SOURCE_DIR) + "/tests/reference/mplug_owl3_ref.py";
+}
 
 // A reference checkpoint, batch and expected outputs per variant, made once.
 struct Reference {
@@ -45,9 +46,9 @@ const Reference& reference(const std::string& variant) {
       [&](const std::string& dir) {
         const std::string model = dir + "/model", batch = dir + "/batch.safetensors";
         // One after the other (the operands of + have no evaluation order).
-        std::string out = run_command(py + "make-model " + model + " --variant " +
-                                      variant.substr(0, 6) + (fused ? " --shards 3" : "") +
-                                      (bf16 ? " --dtype bf16" : ""));
+        std::string out =
+            run_command(py + "make-model " + model + " --variant " + variant.substr(0, 6) +
+                        (fused ? " --shards 3" : "") + (bf16 ? " --dtype bf16" : ""));
         out += run_command(py + "make-batch " + model + " " + batch +
                            (fused ? " --layout interleaved" : " --layout video_qa"));
         out += run_command(py + "run " + model + " " + batch + " " + dir +
@@ -67,7 +68,9 @@ struct Case {
 };
 
 // Readable parameters in test logs (not a byte dump).
-void PrintTo(const Case& c, std::ostream* os) { *os << c.variant << " on " << c.nproc << " ranks, " << c.strategies << " " << c.flags; }
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.variant << " on " << c.nproc << " ranks, " << c.strategies << " " << c.flags;
+}
 
 class MplugConformance : public ::testing::TestWithParam<Case> {};
 
@@ -76,15 +79,15 @@ TEST_P(MplugConformance, MatchesTheReference) {
   const Reference& ref = reference(c.variant);
   const std::string out = (workdir() / (c.variant + "_out.safetensors")).string();
   fs::remove(out);
-  const std::string log = run_command(
-      lvx_binary() + " forward --model " + ref.model + " --input " + ref.batch + " --output " + out +
-      " --nproc " + std::to_string(c.nproc) + " --strategies " + c.strategies + " --backward " +
-      c.flags);
+  const std::string log =
+      run_command(lvx_binary() + " forward --model " + ref.model + " --input " + ref.batch +
+                  " --output " + out + " --nproc " + std::to_string(c.nproc) + " --strategies " +
+                  c.strategies + " --backward " + c.flags);
   ASSERT_TRUE(fs::exists(out)) << log;
   const Diff d = compare(out, ref.expected);
-  std::cout << c.variant << " n=" << c.nproc << " " << c.strategies << " " << c.flags
-            << ": logits " << d.logits << ", loss " << d.loss
-            << ", grads " << d.grad << " (" << d.worst_grad << ", " << d.grads << " tensors)\n";
+  std::cout << c.variant << " n=" << c.nproc << " " << c.strategies << " " << c.flags << ": logits "
+            << d.logits << ", loss " << d.loss << ", grads " << d.grad << " (" << d.worst_grad
+            << ", " << d.grads << " tensors)\n";
   expect_conforms(d, 1e-4, 1e-4, 59);  // every trainable tensor of the tiny model (59 or 61)
 }
 
@@ -100,23 +103,26 @@ std::vector<Case> cases() {
   }
   v.push_back({"240728-bf16", 2, "lv_xattn,ring", ""});
   // The planner's per-layer choice for this batch on a cluster config (printed with the plan).
-  v.push_back({"241101", 3, "auto", "--cluster " + std::string(LVX_SOURCE_DIR) +
-                                         "/configs/clusters/h100_80g_16.yaml --print-plan"});
+  v.push_back({"241101", 3, "auto",
+               "--cluster " + std::string(LVX_SOURCE_DIR) +
+                   "/configs/clusters/h100_80g_16.yaml --print-plan"});
   return v;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, MplugConformance, ::testing::ValuesIn(cases()), [](const auto& info) {
-      std::string s = info.param.strategies;
-      for (char& ch : s)
-        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      std::string variant = info.param.variant;
-      std::replace(variant.begin(), variant.end(), '-', '_');
-      std::string flags = info.param.flags.substr(0, info.param.flags.find(' ', 3));
-      for (char& ch : flags)
-        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      return "v" + variant + "_n" + std::to_string(info.param.nproc) + "_" + s + flags;
-    });
+INSTANTIATE_TEST_SUITE_P(Cases, MplugConformance, ::testing::ValuesIn(cases()),
+                         [](const auto& info) {
+                           std::string s = info.param.strategies;
+                           for (char& ch : s)
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           std::string variant = info.param.variant;
+                           std::replace(variant.begin(), variant.end(), '-', '_');
+                           std::string flags =
+                               info.param.flags.substr(0, info.param.flags.find(' ', 3));
+                           for (char& ch : flags)
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return "v" + variant + "_n" + std::to_string(info.param.nproc) + "_" +
+                                  s + flags;
+                         });
 
 // Bad checkpoints and inputs give one clear error naming what is wrong.
 class MplugBadInput : public ::testing::Test {
@@ -144,7 +150,8 @@ TEST_F(MplugBadInput, MissingExtraAndMisshapedTensorsAreNamed) {
   const std::string q = "language_model.model.layers.1.self_attn.q_proj.weight";
   std::string out = forward(edited("missing", [&](auto& t, auto&) { t.erase(q); }));
   EXPECT_NE(out.find("missing 1: " + q), std::string::npos) << out;
-  out = forward(edited("extra", [&](auto& t, auto&) { t["language_model.model.extra"] = at::zeros({2}); }));
+  out = forward(
+      edited("extra", [&](auto& t, auto&) { t["language_model.model.extra"] = at::zeros({2}); }));
   EXPECT_NE(out.find("unexpected 1: language_model.model.extra"), std::string::npos) << out;
   out = forward(edited("shape", [&](auto& t, auto&) { t[q] = at::zeros({3, 3}); }));
   EXPECT_NE(out.find("wrong shape 1: " + q + " [3, 3]"), std::string::npos) << out;
@@ -183,14 +190,24 @@ namespace {
 
 nlohmann::json release_config(int64_t hidden, int64_t layers, int64_t heads, int64_t kv,
                               int64_t mlp, std::vector<int64_t> hyper) {
-  return {{"model_type", "mplugowl3"}, {"hidden_size", hidden}, {"num_hidden_layers", layers},
-          {"num_attention_heads", heads}, {"num_key_value_heads", kv},
-          {"intermediate_size", mlp}, {"vocab_size", 151851}, {"rope_theta", 1e6},
-          {"rms_norm_eps", 1e-6}, {"hyper_layers", hyper},
-          {"vision_config", {{"hidden_size", 1152}, {"image_size", 384},
-                             {"intermediate_size", 4304}, {"model_type", "siglip_vision_model"},
-                             {"num_attention_heads", 16}, {"num_hidden_layers", 27},
-                             {"patch_size", 14}}}};
+  return {{"model_type", "mplugowl3"},
+          {"hidden_size", hidden},
+          {"num_hidden_layers", layers},
+          {"num_attention_heads", heads},
+          {"num_key_value_heads", kv},
+          {"intermediate_size", mlp},
+          {"vocab_size", 151851},
+          {"rope_theta", 1e6},
+          {"rms_norm_eps", 1e-6},
+          {"hyper_layers", hyper},
+          {"vision_config",
+           {{"hidden_size", 1152},
+            {"image_size", 384},
+            {"intermediate_size", 4304},
+            {"model_type", "siglip_vision_model"},
+            {"num_attention_heads", 16},
+            {"num_hidden_layers", 27},
+            {"patch_size", 14}}}};
 }
 
 TEST(MplugDescription, PlannerYamlsEqualTheReleasesConfigs) {
@@ -200,8 +217,8 @@ TEST(MplugDescription, PlannerYamlsEqualTheReleasesConfigs) {
     SCOPED_TRACE(yaml);
     const auto want = lvx::planner::load_model_config(std::string(LVX_SOURCE_DIR) +
                                                       "/configs/models/" + yaml + ".yaml");
-    const auto got = lvx::models::MplugOwl3::planner_model(
-        lvx::models::mplug_owl3_config(cfg, yaml, true, 0));
+    const auto got =
+        lvx::models::MplugOwl3::planner_model(lvx::models::mplug_owl3_config(cfg, yaml, true, 0));
     EXPECT_EQ(got.visual_tokens_per_frame, want.visual_tokens_per_frame);
     EXPECT_EQ(got.visual_feature_dim, want.visual_feature_dim);
     EXPECT_EQ(got.vision.layers, want.vision.layers);

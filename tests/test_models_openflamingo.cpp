@@ -1,10 +1,10 @@
 // OpenFlamingo conformance: tiny random OpenFlamingo models built with the real open-flamingo
 // 2.0.1 package (a tiny open_clip ViT, the package's Perceiver resampler and gated
-// cross-attention, and transformers' GPT-NeoX, MPT or Llama (GQA)), saved as a release is saved and converted
-// by models/convert_openflamingo.py; expected logits, loss and gradients from the package's own
-// forward in float64 (tests/reference/openflamingo_ref.py). `lvx forward` must match at world
-// sizes 1–4 for every strategy kind. Tolerance (fp32): logits and loss within 1e-4 absolute
-// (measured ≈3e-6), gradients within 1e-4 of their largest element (measured ≈3e-6).
+// cross-attention, and transformers' GPT-NeoX, MPT or Llama (GQA)), saved as a release is saved and
+// converted by models/convert_openflamingo.py; expected logits, loss and gradients from the
+// package's own forward in float64 (tests/reference/openflamingo_ref.py). `lvx forward` must match
+// at world sizes 1–4 for every strategy kind. Tolerance (fp32): logits and loss within 1e-4
+// absolute (measured ≈3e-6), gradients within 1e-4 of their largest element (measured ≈3e-6).
 #include <gtest/gtest.h>
 
 #include <map>
@@ -80,26 +80,27 @@ TEST_P(OpenFlamingoConformance, MatchesThePackage) {
   expect_conforms(d, 1e-4, 1e-4, 60);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, OpenFlamingoConformance,
-    ::testing::Values(Case{"gpt_neox", 1, "lv_xattn,ring", ""},
-                      Case{"gpt_neox", 2, "ring,ulysses", "--remat"},
-                      Case{"gpt_neox", 3, "lv_xattn,striped", ""},
-                      Case{"gpt_neox-variant", 2, "lv_xattn,ring", "--remat"},
-                      Case{"mpt", 1, "lv_xattn,ring", ""},
-                      Case{"mpt", 2, "all_gather,lv_xattn+ring", "--remat"},
-                      Case{"mpt", 4, "lv_xattn,striped", ""}, Case{"llama", 1, "lv_xattn,ring", ""},
-                      Case{"llama", 2, "ulysses,striped", "--remat"},
-                      Case{"llama", 3, "lv_xattn,ring", ""}),
-    [](const auto& info) {
-      std::string s = info.param.strategies;
-      for (char& ch : s)
-        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      std::string name = info.param.lm + "_n" + std::to_string(info.param.nproc) + "_" + s +
-                         (info.param.flags.empty() ? "" : "_remat");
-      for (char& ch : name)
-        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      return name;
-    });
+INSTANTIATE_TEST_SUITE_P(Cases, OpenFlamingoConformance,
+                         ::testing::Values(Case{"gpt_neox", 1, "lv_xattn,ring", ""},
+                                           Case{"gpt_neox", 2, "ring,ulysses", "--remat"},
+                                           Case{"gpt_neox", 3, "lv_xattn,striped", ""},
+                                           Case{"gpt_neox-variant", 2, "lv_xattn,ring", "--remat"},
+                                           Case{"mpt", 1, "lv_xattn,ring", ""},
+                                           Case{"mpt", 2, "all_gather,lv_xattn+ring", "--remat"},
+                                           Case{"mpt", 4, "lv_xattn,striped", ""},
+                                           Case{"llama", 1, "lv_xattn,ring", ""},
+                                           Case{"llama", 2, "ulysses,striped", "--remat"},
+                                           Case{"llama", 3, "lv_xattn,ring", ""}),
+                         [](const auto& info) {
+                           std::string s = info.param.strategies;
+                           for (char& ch : s)
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           std::string name = info.param.lm + "_n" +
+                                              std::to_string(info.param.nproc) + "_" + s +
+                                              (info.param.flags.empty() ? "" : "_remat");
+                           for (char& ch : name)
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return name;
+                         });
 
 }  // namespace

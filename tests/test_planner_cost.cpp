@@ -323,9 +323,10 @@ TEST(PlannerCost, ForwardAndBackwardMayDiffer) {
   Plan p = plan(m, c, w, opt);
   const LayerPlan& self = p.layers[0];
   EXPECT_EQ(self.choice_name(), "ring+lv_xattn") << self.explanation;
-  EXPECT_NEAR(self.time_s,
-              self.costs.at(StrategyKind::kRing).fwd_s + self.costs.at(StrategyKind::kLvXAttn).bwd_s,
-              1e-15);
+  EXPECT_NEAR(
+      self.time_s,
+      self.costs.at(StrategyKind::kRing).fwd_s + self.costs.at(StrategyKind::kLvXAttn).bwd_s,
+      1e-15);
 }
 
 TEST(PlannerCost, BadWorkloadsAreNamed) {
@@ -396,8 +397,8 @@ TEST(PlannerCost, WholePlanMemoryTradesTimeForSavedActivations) {
   double freeable = 0;
   for (const LayerPlan& l : free_plan.layers) {
     if (l.work.kind == LayerKind::kSelf) {
-      freeable +=
-          l.costs.at(StrategyKind::kAllGather).saved_bytes - l.costs.at(StrategyKind::kRing).saved_bytes;
+      freeable += l.costs.at(StrategyKind::kAllGather).saved_bytes -
+                  l.costs.at(StrategyKind::kRing).saved_bytes;
     }
   }
   ASSERT_GT(freeable, 0);

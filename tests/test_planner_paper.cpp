@@ -75,7 +75,8 @@ CostOptions paper_accounting() {
 }
 
 // `strategies`: the candidates (empty: all six).
-Plan plan_row(const PaperRow& r, const ClusterConfig& c, std::vector<StrategyKind> strategies = {}) {
+Plan plan_row(const PaperRow& r, const ClusterConfig& c,
+              std::vector<StrategyKind> strategies = {}) {
   ModelConfig m = load_model_config(source(std::string("configs/models/") + r.model + ".yaml"));
   Workload w;
   w.frames = r.frames;
@@ -144,7 +145,8 @@ void check_table(const std::vector<PaperRow>& rows, const std::string& yaml) {
     // Among the strategies the paper ran (LV-XAttn, Ring Attention and its striped variant), the
     // planner reproduces the paper's configuration: LV-XAttn for every cross layer, ring or
     // striped in the forward of every self layer (the backward may rotate the query side).
-    Plan paper = plan_row(r, c, {StrategyKind::kLvXAttn, StrategyKind::kRing, StrategyKind::kStriped});
+    Plan paper =
+        plan_row(r, c, {StrategyKind::kLvXAttn, StrategyKind::kRing, StrategyKind::kStriped});
     for (const LayerPlan& l : paper.layers) {
       if (l.work.kind == LayerKind::kCross) {
         EXPECT_EQ(l.choice_name(), "lv_xattn") << "layer " << l.index << ": " << l.explanation;

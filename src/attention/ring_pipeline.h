@@ -35,7 +35,7 @@ struct BlockTensors {
 };
 
 struct RingPass {
-  const char* ahead_what = "";   // names for errors and logs, e.g. "ring forward K/V"
+  const char* ahead_what = "";  // names for errors and logs, e.g. "ring forward K/V"
   const char* behind_what = "";
   // compute(owner, block): this rank's work on the travelling block of `owner`; returns its
   // contribution to that block's accumulators (empty: the pass has none).

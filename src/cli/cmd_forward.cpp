@@ -19,7 +19,8 @@ int cmd_forward(int argc, char** argv) {
       "where each image sits), pixel_values float32 [N_img,3,H,W] preprocessed, in prompt order,\n"
       "optional labels int64 [B,L] (-100 = ignore; position t's logits predict labels[t]).\n"
       "Output: logits float32 [B,L,V]; with --backward also loss (mean cross-entropy) and\n"
-      "grad.<name> for every trainable parameter (all but the vision encoder). Each rank holds its\n"
+      "grad.<name> for every trainable parameter (all but the vision encoder). Each rank holds "
+      "its\n"
       "text shard and encodes only its own frames. Strategies: auto (the planner, on --cluster;\n"
       "without one lv_xattn for cross and ring for self layers), one strategy S for every layer,\n"
       "or S_cross,S_self; S may be a forward+backward pair such as lv_xattn+ring.");

@@ -19,7 +19,8 @@ int cmd_plan(int argc, char** argv) {
       "layer (in training possibly a forward+backward pair the runtime can run, e.g.\n"
       "lv_xattn+ring), and explain the choice. Mask work is counted from the prompt layout.\n"
       "Formulas: docs/planner.md.");
-  p.add_option("model", 'm', "", "model config (configs/models/*.yaml) or a checkpoint directory", true);
+  p.add_option("model", 'm', "", "model config (configs/models/*.yaml) or a checkpoint directory",
+               true);
   p.add_option("cluster", 'c', "", "cluster config (configs/clusters/*.yaml)", true);
   p.add_option("frames", 'f', "", "video frames", true);
   p.add_option("text", 't', "", "text tokens S_Q, including one <image> token per frame", true);

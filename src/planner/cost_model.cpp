@@ -11,13 +11,16 @@ namespace lvx::planner {
 
 PairCounter::PairCounter(MaskRule rule, int64_t sq, int64_t skv, at::Tensor q_media,
                          at::Tensor kv_media)
-    : rule_(rule), sq_(sq), skv_(skv), q_media_(std::move(q_media)), kv_media_(std::move(kv_media)) {
+    : rule_(rule),
+      sq_(sq),
+      skv_(skv),
+      q_media_(std::move(q_media)),
+      kv_media_(std::move(kv_media)) {
   if (rule == MaskRule::kMediaImmediate || rule == MaskRule::kMediaUpTo) {
-    LVX_CHECK(q_media_.defined() && kv_media_.defined() &&
-                  q_media_.sizes() == at::IntArrayRef({1, sq}) &&
-                  kv_media_.sizes() == at::IntArrayRef({1, skv}),
-              "pair counter: a media layer needs q_media [1, ", sq, "] and kv_media [1, ", skv,
-              "]");
+    LVX_CHECK(
+        q_media_.defined() && kv_media_.defined() && q_media_.sizes() == at::IntArrayRef({1, sq}) &&
+            kv_media_.sizes() == at::IntArrayRef({1, skv}),
+        "pair counter: a media layer needs q_media [1, ", sq, "] and kv_media [1, ", skv, "]");
   }
 }
 
@@ -70,7 +73,8 @@ PairCounter& LayerWorkload::counter() const {
 
 double LayerWorkload::density() const {
   if (sq == 0 || skv == 0) return 0;
-  return static_cast<double>(counter().total()) / (static_cast<double>(sq) * static_cast<double>(skv));
+  return static_cast<double>(counter().total()) /
+         (static_cast<double>(sq) * static_cast<double>(skv));
 }
 
 // ---- sizes --------------------------------------------------------------------------------
@@ -101,8 +105,8 @@ attention::AttentionSpec layer_spec(const LayerWorkload& w, const CostOptions& o
   s.mask = w.mask == MaskRule::kNone     ? kernels::MaskKind::kNone
            : w.mask == MaskRule::kCausal ? kernels::MaskKind::kCausal
                                          : kernels::MaskKind::kMedia;
-  s.media_rule = w.mask == MaskRule::kMediaUpTo ? kernels::MediaRule::kUpTo
-                                                : kernels::MediaRule::kImmediate;
+  s.media_rule =
+      w.mask == MaskRule::kMediaUpTo ? kernels::MediaRule::kUpTo : kernels::MediaRule::kImmediate;
   return s;
 }
 
@@ -160,9 +164,10 @@ double message_time(const attention::Message& m, const ClusterConfig& c, int64_t
     case attention::Message::kAllToAll:
       return all_to_all_time(c, n, static_cast<double>(m.sent));
     case attention::Message::kAllGatherRing:
-      return n > 1 ? static_cast<double>(n - 1) *
-                         transfer_time(link, static_cast<double>(m.sent) / static_cast<double>(n - 1))
-                   : 0;
+      return n > 1
+                 ? static_cast<double>(n - 1) *
+                       transfer_time(link, static_cast<double>(m.sent) / static_cast<double>(n - 1))
+                 : 0;
   }
   return 0;
 }
@@ -263,7 +268,8 @@ StrategyCost estimate(StrategyKind s, const LayerWorkload& w, const ClusterConfi
         const double flops = 2 * (static_cast<double>(w.skv) / nn) *
                                  static_cast<double>(w.visual_feature_dim) * 2 * kvh * d +
                              2 * (static_cast<double>(w.sq) / nn) *
-                                 static_cast<double>(w.hidden_size) * static_cast<double>(w.heads) * d;
+                                 static_cast<double>(w.hidden_size) * static_cast<double>(w.heads) *
+                                 d;
         recompute_s = flops / c.gemm_for(w.dtype);
       }
       out.bwd_s = g.time_s + recompute_s;

@@ -281,15 +281,15 @@ nlohmann::json to_json(const Plan& p) {
     json pred = json::object();
     for (const auto& [s, c] : l.costs) {
       pred[strategy_name(s)] = {{"fwd_s", c.fwd_s},
-                            {"bwd_s", c.bwd_s},
-                            {"mem_bytes", c.mem_bytes},
-                            {"feasible", c.feasible},
-                            {"reason", c.reason},
-                            {"bound", c.bound},
-                            {"bytes_sent_fwd", c.bytes_sent.forward},
-                            {"bytes_sent_bwd", c.bytes_sent.backward},
-                            {"compute_s", c.fwd_compute_s + c.bwd_compute_s},
-                            {"comm_s", c.fwd_comm_s + c.bwd_comm_s}};
+                                {"bwd_s", c.bwd_s},
+                                {"mem_bytes", c.mem_bytes},
+                                {"feasible", c.feasible},
+                                {"reason", c.reason},
+                                {"bound", c.bound},
+                                {"bytes_sent_fwd", c.bytes_sent.forward},
+                                {"bytes_sent_bwd", c.bytes_sent.backward},
+                                {"compute_s", c.fwd_compute_s + c.bwd_compute_s},
+                                {"comm_s", c.fwd_comm_s + c.bwd_comm_s}};
     }
     layers.push_back({{"index", l.index},
                       {"kind", to_string(l.work.kind)},
@@ -320,7 +320,7 @@ nlohmann::json to_json(const Plan& p) {
   for (StrategyKind s : attention::all_strategies()) {
     double ts = uniform_time(p, s, LayerKind::kSelf), tc = uniform_time(p, s, LayerKind::kCross);
     uniform_kind[strategy_name(s)] = {{"self_s", std::isfinite(ts) ? json(ts) : json(nullptr)},
-                                  {"cross_s", std::isfinite(tc) ? json(tc) : json(nullptr)}};
+                                      {"cross_s", std::isfinite(tc) ? json(tc) : json(nullptr)}};
   }
   json total = {{"time_s", p.total_s},
                 {"uniform_strategy_by_kind", uniform_kind},

@@ -53,12 +53,12 @@ std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload&
 struct LayerPlan {
   int index = 0;
   LayerWorkload work;
-  std::map<StrategyKind, StrategyCost> costs;  // every strategy, feasible or not
+  std::map<StrategyKind, StrategyCost> costs;      // every strategy, feasible or not
   StrategyKind forward = StrategyKind::kLvXAttn;   // chosen for the forward pass
   StrategyKind backward = StrategyKind::kLvXAttn;  // chosen for the backward (training)
   bool has_runner_up = false;
   StrategyKind runner_up = StrategyKind::kLvXAttn;  // fastest strategy other than the choice
-  double time_s = 0;                      // chosen fwd (+ bwd)
+  double time_s = 0;                                // chosen fwd (+ bwd)
   double mem_bytes = 0;
   std::string explanation;
   attention::StrategyChoice choice() const { return {forward, backward}; }

@@ -50,8 +50,8 @@ Batch read_batch(const std::string& path) {
   }
   if (f.tensors.count("labels")) {
     b.labels = f.tensors.at("labels");
-    LVX_CHECK(b.labels.sizes() == b.input_ids.sizes() && b.labels.scalar_type() == at::kLong,
-              path, ": labels must be int64 with input_ids' shape ", b.input_ids.sizes(), ", got ",
+    LVX_CHECK(b.labels.sizes() == b.input_ids.sizes() && b.labels.scalar_type() == at::kLong, path,
+              ": labels must be int64 with input_ids' shape ", b.input_ids.sizes(), ", got ",
               b.labels.scalar_type(), " ", b.labels.sizes());
   }
   return b;
@@ -168,8 +168,8 @@ std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::
 }
 
 std::string describe(const models::Parallel& p) {
-  std::string s = str("text ", p.text_layout == attention::LayoutKind::kStriped ? "striped"
-                                                                               : "contiguous");
+  std::string s =
+      str("text ", p.text_layout == attention::LayoutKind::kStriped ? "striped" : "contiguous");
   for (size_t i = 0; i < p.layers.size(); ++i)
     s += str("; layer ", i, " self ", p.layers[i].self.name(), " cross ", p.layers[i].cross.name());
   return s;
@@ -201,9 +201,8 @@ int run_forward_rank(const ForwardJob& job) {
   par.remat = job.remat;
   par = models::resolve_layouts(par);
   // Every rank must run the same plan on the same inputs.
-  pg->check_agreement("the model step",
-                      str(describe(par), " input_ids=", b.input_ids.sizes(), " backward=",
-                          job.backward, " dtype=", job.dtype));
+  pg->check_agreement("the model step", str(describe(par), " input_ids=", b.input_ids.sizes(),
+                                            " backward=", job.backward, " dtype=", job.dtype));
   if (job.print_plan && r == 0) std::cout << plan_text << "\n" << describe(par) << "\n";
 
   if (job.backward) {
@@ -242,11 +241,10 @@ int run_forward_rank(const ForwardJob& job) {
   };
   struct rusage ru {};
   getrusage(RUSAGE_SELF, &ru);
-  at::Tensor stats = at::tensor({median(fwd_s), median(bwd_s), median(wait_s),
-                                 static_cast<double>(ru.ru_maxrss) * 1024.0,
-                                 static_cast<double>(pg->counters().total_sent()),
-                                 live_after_forward},
-                                at::kDouble);
+  at::Tensor stats = at::tensor(
+      {median(fwd_s), median(bwd_s), median(wait_s), static_cast<double>(ru.ru_maxrss) * 1024.0,
+       static_cast<double>(pg->counters().total_sent()), live_after_forward},
+      at::kDouble);
   pg->all_reduce(stats, dist::ReduceOp::kMax);
   result["logits"] = gather_logits(*pg, par.text_layout, out.logits);
   if (r == 0)

@@ -19,16 +19,16 @@
 namespace lvx::runtime {
 
 struct ForwardJob {
-  std::string model;                  // checkpoint directory (Hugging Face layout)
-  std::string input, output;          // safetensors files
-  std::string strategies = "auto";    // auto | S | S_cross,S_self (S may be a pair F+B)
-  std::string cluster;                // cluster config for auto (empty: the built-in rule)
-  std::string dtype = "fp32";         // fp32 | bf16
+  std::string model;                // checkpoint directory (Hugging Face layout)
+  std::string input, output;        // safetensors files
+  std::string strategies = "auto";  // auto | S | S_cross,S_self (S may be a pair F+B)
+  std::string cluster;              // cluster config for auto (empty: the built-in rule)
+  std::string dtype = "fp32";       // fp32 | bf16
   bool backward = false;
   bool print_plan = false;
-  bool recompute_cross_kv = false;    // LV-XAttn §3.2 (models/recompute.h)
-  bool remat = false;                 // DistFlashAttn §3.3 checkpointing (models/recompute.h)
-  int repeat = 1;                     // timed steps (> 1: one more warm-up step first)
+  bool recompute_cross_kv = false;  // LV-XAttn §3.2 (models/recompute.h)
+  bool remat = false;               // DistFlashAttn §3.3 checkpointing (models/recompute.h)
+  int repeat = 1;                   // timed steps (> 1: one more warm-up step first)
 };
 
 // Runs on this rank (rendezvous from the environment). Returns 0 on success.
