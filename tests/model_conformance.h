@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -92,6 +93,60 @@ inline std::string generated(const std::string& name, const std::string& stamp,
 inline std::string script_stamp(const std::string& script) {
   return read_text(script) + read_text(std::string(LVX_SOURCE_DIR) + "/requirements.txt") +
          read_text(std::string(LVX_SOURCE_DIR) + "/requirements-nodeps.txt");
+}
+
+// A tiny reference model (its checkpoint directory), a batch and the reference's expected
+// outputs (logits, loss, grad.<name>), made by a reference `script` with its make-model,
+// make-batch and run --backward subcommands, once per generator version (generated()).
+struct Reference {
+  std::string model, batch, expected;
+};
+
+inline Reference reference_model(const std::string& name, const std::string& script,
+                                 const std::string& stamp, const std::string& model_args,
+                                 const std::string& batch_args) {
+  const std::string py = python() + " " + script + " ";
+  std::string log;
+  const std::string d = generated(
+      name, stamp,
+      [&](const std::string& dir) {
+        const std::string model = dir + "/model", batch = dir + "/batch.safetensors";
+        // One after the other (the operands of + have no evaluation order).
+        std::string out = run_command(py + "make-model " + model + " " + model_args);
+        out += run_command(py + "make-batch " + model + " " + batch + " " + batch_args);
+        out += run_command(py + "run " + model + " " + batch + " " + dir +
+                           "/expected.safetensors --backward");
+        return out;
+      },
+      &log);
+  EXPECT_FALSE(d.empty()) << log;
+  return {d + "/model", d + "/batch.safetensors", d + "/expected.safetensors"};
+}
+
+// `lvx forward --backward` on the reference's batch (output named after `tag`), compared with
+// the expected outputs; prints the differences.
+inline Diff forward_against(const Reference& ref, const std::string& tag, int nproc,
+                            const std::string& strategies, const std::string& flags) {
+  const std::string out = (workdir() / (tag + "_out.safetensors")).string();
+  fs::remove(out);
+  const std::string log =
+      run_command(lvx_binary() + " forward --model " + ref.model + " --input " + ref.batch +
+                  " --output " + out + " --nproc " + std::to_string(nproc) + " --strategies " +
+                  strategies + " --backward " + flags);
+  EXPECT_TRUE(fs::exists(out)) << log;
+  if (!fs::exists(out)) return Diff{1e30, 1e30, 1e30, "no output", 0};
+  const Diff d = compare(out, ref.expected);
+  std::cout << tag << " n=" << nproc << " " << strategies << " " << flags << ": logits " << d.logits
+            << ", loss " << d.loss << ", grads " << d.grad << " (" << d.worst_grad << ", "
+            << d.grads << " tensors)\n";
+  return d;
+}
+
+// A gtest parameter name: letters and digits kept, everything else '_'.
+inline std::string test_name(std::string s) {
+  for (char& ch : s)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return s;
 }
 
 // Asserts a conformance run: logits and loss within `atol`, every gradient within `rtol` of its

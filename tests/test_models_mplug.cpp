@@ -27,37 +27,19 @@ std::string ref_script() {
   return std::string(LVX_SOURCE_DIR) + "/tests/reference/mplug_owl3_ref.py";
 }
 
-// A reference checkpoint, batch and expected outputs per variant, made once.
-struct Reference {
-  std::string model, batch, expected;
-};
-
+// A reference checkpoint, batch and expected outputs per variant, made once. 241101 is stored in
+// 3 shards with an index and its images are interleaved with the text; "240728-bf16" is stored in
+// bf16 (the releases' dtype; the reference upcasts the same values).
 const Reference& reference(const std::string& variant) {
   static std::map<std::string, Reference> made;
   auto it = made.find(variant);
   if (it != made.end()) return it->second;
-  // 241101 is stored in 3 shards with an index and its images are interleaved with the text;
-  // "240728-bf16" is stored in bf16 (the releases' dtype; the reference upcasts the same values).
   const bool fused = variant == "241101", bf16 = variant == "240728-bf16";
-  const std::string py = python() + " " + ref_script() + " ";
-  std::string log;
-  const std::string d = generated(
-      "mplug_" + variant, script_stamp(ref_script()),
-      [&](const std::string& dir) {
-        const std::string model = dir + "/model", batch = dir + "/batch.safetensors";
-        // One after the other (the operands of + have no evaluation order).
-        std::string out =
-            run_command(py + "make-model " + model + " --variant " + variant.substr(0, 6) +
-                        (fused ? " --shards 3" : "") + (bf16 ? " --dtype bf16" : ""));
-        out += run_command(py + "make-batch " + model + " " + batch +
-                           (fused ? " --layout interleaved" : " --layout video_qa"));
-        out += run_command(py + "run " + model + " " + batch + " " + dir +
-                           "/expected.safetensors --backward");
-        return out;
-      },
-      &log);
-  EXPECT_FALSE(d.empty()) << log;
-  return made[variant] = {d + "/model", d + "/batch.safetensors", d + "/expected.safetensors"};
+  return made[variant] =
+             reference_model("mplug_" + variant, ref_script(), script_stamp(ref_script()),
+                             "--variant " + variant.substr(0, 6) + (fused ? " --shards 3" : "") +
+                                 (bf16 ? " --dtype bf16" : ""),
+                             fused ? "--layout interleaved" : "--layout video_qa");
 }
 
 struct Case {
@@ -76,18 +58,7 @@ class MplugConformance : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MplugConformance, MatchesTheReference) {
   const Case& c = GetParam();
-  const Reference& ref = reference(c.variant);
-  const std::string out = (workdir() / (c.variant + "_out.safetensors")).string();
-  fs::remove(out);
-  const std::string log =
-      run_command(lvx_binary() + " forward --model " + ref.model + " --input " + ref.batch +
-                  " --output " + out + " --nproc " + std::to_string(c.nproc) + " --strategies " +
-                  c.strategies + " --backward " + c.flags);
-  ASSERT_TRUE(fs::exists(out)) << log;
-  const Diff d = compare(out, ref.expected);
-  std::cout << c.variant << " n=" << c.nproc << " " << c.strategies << " " << c.flags << ": logits "
-            << d.logits << ", loss " << d.loss << ", grads " << d.grad << " (" << d.worst_grad
-            << ", " << d.grads << " tensors)\n";
+  const Diff d = forward_against(reference(c.variant), c.variant, c.nproc, c.strategies, c.flags);
   expect_conforms(d, 1e-4, 1e-4, 59);  // every trainable tensor of the tiny model (59 or 61)
 }
 

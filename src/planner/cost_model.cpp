@@ -49,7 +49,7 @@ int64_t PairCounter::count(const at::Tensor& q_pos, const at::Tensor& k_pos) {
 int64_t PairCounter::count(const attention::Layout& ql, int q_block, const attention::Layout& kl,
                            int kv_block) {
   const auto key = std::make_tuple(static_cast<int>(ql.kind) * 1000 + ql.world, q_block,
-                                   static_cast<int>(kl.kind) * 1000 + kl.world, kv_block, 0);
+                                   static_cast<int>(kl.kind) * 1000 + kl.world, kv_block);
   auto it = memo_.find(key);
   if (it != memo_.end()) return it->second;
   const at::Tensor qp = q_block < 0 ? at::arange(sq_, at::kLong) : ql.positions(q_block);
@@ -67,7 +67,7 @@ PairCounter& LayerWorkload::counter() const {
   LVX_CHECK(pairs != nullptr || mask == MaskRule::kNone || mask == MaskRule::kCausal,
             "layer workload: a media layer needs its mask metadata (PairCounter)");
   if (!pairs)
-    const_cast<LayerWorkload*>(this)->pairs = std::make_shared<PairCounter>(mask, sq, skv);
+    pairs = std::make_shared<PairCounter>(mask, sq, skv);
   return *pairs;
 }
 

@@ -73,7 +73,7 @@ class PairCounter {
   MaskRule rule_;
   int64_t sq_, skv_;
   at::Tensor q_media_, kv_media_;
-  std::map<std::tuple<int, int, int, int, int>, int64_t> memo_;
+  std::map<std::tuple<int, int, int, int>, int64_t> memo_;  // (q layout, q block, kv layout, kv block)
 };
 
 // One attention layer's work, global sizes (batch 1).
@@ -87,7 +87,8 @@ struct LayerWorkload {
   MaskRule mask = MaskRule::kNone;
   // Visible pairs of this layer's mask (shared by layers of the same shape); null: dense, or
   // causal positions.
-  std::shared_ptr<PairCounter> pairs;
+  // Made on first use for dense and causal layers (mutable: a cache of the workload's shape).
+  mutable std::shared_ptr<PairCounter> pairs;
   int64_t elem_bytes = 2;
   std::string dtype = "bf16";
   double density() const;  // fraction of (query, key) pairs that are visible

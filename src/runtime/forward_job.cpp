@@ -16,6 +16,7 @@
 #include "src/dist/process_group.h"
 #include "src/planner/cluster_config.h"
 #include "src/planner/planner.h"
+#include "src/runtime/model_description.h"
 
 namespace lvx::runtime {
 
@@ -181,8 +182,10 @@ void validate_forward_job(const ForwardJob& job) {
   dtype_of(job.dtype);
   LVX_CHECK(fs::exists(job.input), job.input, ": no such file");
   read_batch(job.input);
-  models::Checkpoint ck = models::load_checkpoint(job.model);
-  models::planner_model_from_config(ck.config, job.model + "/config.json");  // a known family
+  // A known family, from config.json alone: the ranks read the weights, once.
+  LVX_CHECK(fs::is_directory(job.model), job.model, ": not a directory (expected a checkpoint ",
+            "directory with config.json and model.safetensors)");
+  planner_model(job.model);
   if (job.strategies != "auto") explicit_strategies(job.strategies, 1);
 }
 
