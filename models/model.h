@@ -20,6 +20,9 @@ namespace lvx::models {
 struct ModelInputs {
   at::Tensor input_ids;     // int64 [B, L], the family's media token where each image sits
   at::Tensor pixel_values;  // float [N_img, 3, H, W], preprocessed, images in prompt order
+  // pixel_values holds only this rank's images (its whole slots of the key layout, in prompt
+  // order): each rank decoded its own share of the frames (video::ShardSpec is the same split).
+  bool pixels_local = false;
 };
 
 struct ModelOutputs {

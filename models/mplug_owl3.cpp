@@ -173,7 +173,7 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
   LocalVisual vis;
   if (slots > 0) {
     const LocalMedia media = encode_local_media(
-        mm, in.pixel_values, par, c.hidden,
+        mm, in.pixel_values, in.pixels_local, par, c.hidden,
         [&](const at::Tensor& px) {  // SigLIP hidden_states[-2], then the projector
           const at::Tensor v =
               siglip_forward(w_, kVision, c.vision, px.to(dt), c.vision.layers - 1);

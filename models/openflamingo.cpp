@@ -366,7 +366,7 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
   LocalMedia media;
   if (mm.slots > 0)
     media = encode_local_media(
-        mm, in.pixel_values, par, c.v_width,
+        mm, in.pixel_values, in.pixels_local, par, c.v_width,
         [&](const at::Tensor& px) { return perceiver(w_, c, clip_tokens(w_, c, px.to(dt))); },
         x.options(), "OpenFlamingo");
   const attention::MaskInputs cross_mask{mm.q_media, mm.kv_media, {}};

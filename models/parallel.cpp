@@ -62,7 +62,7 @@ attention::AttentionSpec cross_attention_spec(int64_t batch, int64_t length, int
 }
 
 LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& pixel_values,
-                              const Parallel& par, int64_t width,
+                              bool local, const Parallel& par, int64_t width,
                               const std::function<at::Tensor(const at::Tensor&)>& encode,
                               const at::TensorOptions& options, const std::string& model) {
   const int64_t B = mm.q_media.size(0), T = mm.tokens_per_media;
@@ -73,18 +73,21 @@ LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& 
   out.slots = pos.numel() / T;
   const at::Tensor present = mm.media_starts >= 0;  // [B, slots]
   const at::Tensor counts = present.sum(1);         // images per sample
-  const int64_t total = counts.sum().item<int64_t>();
-  LVX_CHECK(pixel_values.defined() && pixel_values.dim() == 4 && pixel_values.size(0) == total,
-            model, ": input_ids hold ", total, " media tokens but pixel_values has ",
-            pixel_values.defined() ? str(pixel_values.sizes()) : std::string("none"));
   const at::Tensor first = at::cumsum(counts, 0) - counts;  // each sample's first image
-  std::vector<int64_t> images, rows;  // global image index, row (b·slots + local slot) it fills
+  std::vector<int64_t> images, rows;  // image index in pixel_values, row (b·slots + slot) it fills
   for (int64_t b = 0; b < B; ++b)
     for (int64_t s = out.first_slot; s < out.first_slot + out.slots; ++s)
       if (present[b][s].item<bool>()) {
-        images.push_back(first[b].item<int64_t>() + s);
+        images.push_back(local ? static_cast<int64_t>(images.size())
+                               : first[b].item<int64_t>() + s);
         rows.push_back(b * out.slots + (s - out.first_slot));
       }
+  const int64_t expected = local ? static_cast<int64_t>(images.size()) : counts.sum().item<int64_t>();
+  LVX_CHECK(pixel_values.defined() && pixel_values.dim() == 4 && pixel_values.size(0) == expected,
+            model, ": input_ids hold ", expected, " media tokens",
+            local ? str(" in rank ", par.rank(), "'s share") : std::string(),
+            " but pixel_values has ",
+            pixel_values.defined() ? str(pixel_values.sizes()) : std::string("none"));
   at::Tensor feats = at::zeros({B * out.slots, T, width}, options);
   if (!images.empty())
     feats = feats.index_copy(0, at::tensor(rows, at::kLong),

@@ -60,10 +60,10 @@ struct LocalMedia {
 
 // Picks this rank's images out of pixel_values (every image of the batch, in prompt order:
 // sample 0's, then sample 1's, …; their number must equal the media tokens of input_ids, as `mm`
-// counts them), runs `encode` ([n, C, H, W] → [n, tokens_per_media, width]) on them only, and
+// counts them; with `local`, only this rank's images, in the same order), runs `encode` ([n, C, H, W] → [n, tokens_per_media, width]) on them only, and
 // places them in their slots. Errors name the counts that disagree.
 LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& pixel_values,
-                              const Parallel& par, int64_t width,
+                              bool local, const Parallel& par, int64_t width,
                               const std::function<at::Tensor(const at::Tensor&)>& encode,
                               const at::TensorOptions& options, const std::string& model);
 

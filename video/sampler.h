@@ -12,8 +12,11 @@
 //                   index_k = first + round(k * (last - first) / (N - 1)), k = 0..N-1, computed in
 //                   exact integer arithmetic and rounded half to even (as torch.linspace(...)
 //                   .round() in qwen-vl-utils); N = 1 gives first. Both ends are always included.
-//   Shard         = rank r of n takes positions [floor(r*M/n), floor((r+1)*M/n)) of the M sampled
-//                   indices: contiguous, sizes differ by at most one, the union is exactly all M.
+//   Shard         = rank r of n takes a contiguous run of the M sampled positions, the first
+//                   M mod n ranks one more than the others (M div n): sizes differ by at most one,
+//                   the union is exactly all M, and the split is the model's key layout
+//                   (attention::Layout, contiguous in whole images), so rank r decodes exactly the
+//                   frames whose visual tokens it holds.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,236 @@
+#include "src/runtime/video_qa.h"
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+
+#include "src/common/error.h"
+
+namespace lvx::runtime {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string string_field(const nlohmann::json& row, const std::string& key,
+                         const std::string& where) {
+  LVX_CHECK(row[key].is_string(), where, ": field '", key, "' must be a string, got ",
+            row[key].type_name());
+  return row[key].get<std::string>();
+}
+
+std::optional<double> time_field(const nlohmann::json& row, const std::string& key,
+                                 const std::string& where) {
+  if (!row.contains(key) || row[key].is_null()) return std::nullopt;
+  LVX_CHECK(row[key].is_number(), where, ": field '", key, "' must be a number of seconds, got ",
+            row[key].dump());
+  const double t = row[key].get<double>();
+  LVX_CHECK(t >= 0, where, ": field '", key, "' must be >= 0 seconds, got ", t);
+  return t;
+}
+
+bool has_letter_prefix(const std::string& option, size_t i) {
+  return option.size() >= 2 && option[0] == static_cast<char>('A' + i) &&
+         (option[1] == '.' || option[1] == ')' || option[1] == ':');
+}
+
+std::string trim(const std::string& s) {
+  const size_t b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+}
+
+std::vector<int64_t> encode_special(const models::Tokenizer& tok, const std::string& token) {
+  const auto id = tok.token_to_id(token);
+  LVX_CHECK(id.has_value(), "the tokenizer has no ", token, " token (needed by the prompt)");
+  return {*id};
+}
+
+}  // namespace
+
+QaItem parse_qa_item(const nlohmann::json& row, const std::string& where,
+                     const std::string& base_dir, bool need_answer) {
+  LVX_CHECK(row.is_object(), where, ": expected a JSON object, got ", row.type_name());
+  QaItem it;
+  for (const char* key : {"video", "question"})
+    LVX_CHECK(row.contains(key), where, ": missing field '", key, "'");
+  if (row.contains("id")) {
+    it.id = row["id"].is_string() ? row["id"].get<std::string>() : row["id"].dump();
+  } else if (row.contains("question_id")) {
+    const auto& q = row["question_id"];
+    it.id = q.is_string() ? q.get<std::string>() : q.dump();
+  }
+  it.video = string_field(row, "video", where);
+  LVX_CHECK(!it.video.empty(), where, ": field 'video' is empty");
+  if (fs::path(it.video).is_relative() && !base_dir.empty())
+    it.video = (fs::path(base_dir) / it.video).string();
+  it.question = trim(string_field(row, "question", where));
+  LVX_CHECK(!it.question.empty(), where, ": field 'question' is empty");
+  if (row.contains("options") && !row["options"].is_null()) {
+    LVX_CHECK(row["options"].is_array(), where, ": field 'options' must be a list of strings");
+    for (const auto& o : row["options"]) {
+      LVX_CHECK(o.is_string(), where, ": field 'options' must be a list of strings, got ", o.dump());
+      it.options.push_back(o.get<std::string>());
+    }
+    LVX_CHECK(it.options.size() >= 2 && it.options.size() <= 26, where,
+              ": field 'options' needs 2 to 26 options, got ", it.options.size());
+  }
+  if (row.contains("answer") && !row["answer"].is_null())
+    it.answer = row["answer"].is_string() ? row["answer"].get<std::string>() : row["answer"].dump();
+  LVX_CHECK(!need_answer || !trim(it.answer).empty(), where,
+            ": missing field 'answer' (fine-tuning learns it)");
+  it.start = time_field(row, "start", where);
+  it.end = time_field(row, "end", where);
+  LVX_CHECK(!(it.start && it.end) || *it.start < *it.end, where, ": 'start' (", it.start.value_or(0),
+            " s) must be before 'end' (", it.end.value_or(0), " s)");
+  return it;
+}
+
+std::vector<QaLine> read_qa_jsonl(const std::string& path, bool need_answer) {
+  std::ifstream in(path);
+  LVX_CHECK(in.good(), path, ": cannot open (expected a JSONL file of questions)");
+  const std::string base = fs::absolute(path).parent_path().string();
+  std::vector<QaLine> lines;
+  std::string text;
+  for (int64_t n = 1; std::getline(in, text); ++n) {
+    if (trim(text).empty()) continue;
+    QaLine l;
+    l.line = n;
+    const std::string where = str(path, ":", n);
+    try {
+      nlohmann::json row;
+      try {
+        row = nlohmann::json::parse(text);
+      } catch (const nlohmann::json::exception& e) {
+        LVX_FAIL(where, ": not valid JSON: ", e.what());
+      }
+      l.item = parse_qa_item(row, where, base, need_answer);
+    } catch (const Error& e) {
+      l.error = e.what();
+    }
+    if (l.item.id.empty()) l.item.id = str("line ", n);
+    lines.push_back(std::move(l));
+  }
+  return lines;
+}
+
+std::string question_text(const QaItem& item) {
+  if (item.options.empty()) return item.question;
+  std::string letters;
+  for (size_t i = 0; i < item.options.size(); ++i) {
+    if (i) letters += i + 1 == item.options.size() ? ", or " : ", ";
+    letters += static_cast<char>('A' + i);
+  }
+  std::string s = str(
+      "Select the best answer to the following multiple-choice question based on the video. "
+      "Respond with only the letter (",
+      letters, ") of the correct option.\n", item.question, "\n");
+  for (size_t i = 0; i < item.options.size(); ++i) {
+    const std::string& o = item.options[i];
+    s += has_letter_prefix(o, i) ? o : str(static_cast<char>('A' + i), ". ", o);
+    s += "\n";
+  }
+  return s + "The best answer is:";
+}
+
+PromptTokens build_prompt(const std::string& family, const models::Tokenizer& tok,
+                          const std::string& question, int64_t frames, const std::string* answer) {
+  LVX_CHECK(!trim(question).empty(), "the question is empty");
+  LVX_CHECK(frames >= 1, "a prompt needs at least one frame, got ", frames);
+  PromptTokens p;
+  auto add = [&](const std::vector<int64_t>& ids, bool learn) {
+    p.ids.insert(p.ids.end(), ids.begin(), ids.end());
+    for (int64_t id : ids) p.labels.push_back(learn ? id : -100);
+  };
+  auto text = [&](const std::string& s, bool learn = false) { add(tok.encode(s), learn); };
+  auto special = [&](const std::string& s, bool learn = false) {
+    add(encode_special(tok, s), learn);
+  };
+  if (family == "mplugowl3") {
+    special("<|im_start|>");
+    text("system\n");
+    special("<|im_end|>");
+    text("\n");
+    special("<|im_start|>");
+    text("user\n");
+    const bool bracket = tok.token_to_id("<|start_video_frame|>").has_value() &&
+                         tok.token_to_id("<|end_video_frame|>").has_value();
+    if (bracket) special("<|start_video_frame|>");
+    for (int64_t f = 0; f < frames; ++f) special("<|image|>");
+    if (bracket) special("<|end_video_frame|>");
+    text("\n" + question);
+    special("<|im_end|>");
+    text("\n");
+    special("<|im_start|>");
+    text("assistant\n");
+    if (answer) {
+      text(*answer, true);
+      special("<|im_end|>", true);
+    }
+  } else if (family == "openflamingo") {
+    for (int64_t f = 0; f < frames; ++f) {
+      special("<image>");
+      if (f + 1 < frames) special("<|endofchunk|>");
+    }
+    text("Question:" + question + " Short answer:");
+    if (answer) {
+      text(*answer, true);
+      special("<|endofchunk|>", true);
+    }
+  } else {
+    LVX_FAIL("no prompt template for model family '", family,
+             "' (supported: mplugowl3, openflamingo)");
+  }
+  return p;
+}
+
+std::vector<int64_t> stop_tokens(const std::string& family, const models::Tokenizer& tok) {
+  std::vector<int64_t> stop =
+      encode_special(tok, family == "openflamingo" ? "<|endofchunk|>" : "<|im_end|>");
+  if (auto eos = tok.token_to_id("<|endoftext|>")) stop.push_back(*eos);
+  return stop;
+}
+
+video::PreprocessConfig family_preprocess(const std::string& family, int64_t image_size) {
+  video::PreprocessConfig p =
+      video::PreprocessConfig::preset(family == "openflamingo" ? "clip" : "siglip");
+  p.image_size = image_size;
+  p.normalize = true;
+  return p;
+}
+
+std::string parse_answer(const QaItem& item, const std::string& response) {
+  std::string s = trim(response);
+  if (item.options.empty()) {
+    std::string out;
+    for (char c : s) out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    const size_t b = out.find_first_not_of(" .,;:!?\"'()");
+    if (b == std::string::npos) return "";
+    return out.substr(b, out.find_last_not_of(" .,;:!?\"'()") - b + 1);
+  }
+  for (const char* prefix : {"The best answer is", "The correct answer is", "The answer is",
+                             "The answer", "Best option:", "Answer:", "Option", "("}) {
+    const std::string p = prefix;
+    if (s.rfind(p, 0) == 0) s = trim(s.substr(p.size()));
+  }
+  for (char c : s) {
+    const int i = c - 'A';
+    if (i >= 0 && i < static_cast<int>(item.options.size())) return std::string(1, c);
+  }
+  return "";
+}
+
+std::string expected_answer(const QaItem& item) {
+  if (item.options.empty()) return parse_answer(item, item.answer);
+  const std::string a = trim(item.answer);
+  if (a.size() == 1 && a[0] >= 'A' && a[0] < 'A' + static_cast<int>(item.options.size())) return a;
+  for (size_t i = 0; i < item.options.size(); ++i) {
+    const std::string& o = item.options[i];
+    if (trim(o) == a || (has_letter_prefix(o, i) && trim(o.substr(2)) == a))
+      return std::string(1, static_cast<char>('A' + i));
+  }
+  return parse_answer(item, a);
+}
+
+}  // namespace lvx::runtime
