@@ -7,6 +7,26 @@
 
 namespace lvx::models {
 
+at::Tensor Model::prefill(const ModelInputs&, const Parallel&, DecodeCache&) const {
+  LVX_FAIL("generation is not implemented for the ", family(), " family yet (lvx qa needs it)");
+}
+
+at::Tensor Model::decode_step(const at::Tensor&, const Parallel&, DecodeCache&) const {
+  LVX_FAIL("generation is not implemented for the ", family(), " family yet (lvx qa needs it)");
+}
+
+at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positions, int64_t length,
+                             const at::Tensor& head, dist::ProcessGroup& pg) {
+  const int64_t B = hidden.size(0);
+  at::Tensor logits = at::zeros({B, head.size(0)}, hidden.options().dtype(at::kFloat));
+  const at::Tensor row = (positions == length - 1).nonzero().flatten();
+  if (row.numel() == 1)
+    logits = at::linear(hidden.index_select(1, row).squeeze(1), head).to(at::kFloat);
+  // One rank holds the row; the others add zeros (exact).
+  pg.all_reduce(logits);
+  return logits;
+}
+
 std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype) {
   Checkpoint ck = load_checkpoint(dir);
   const std::string type = ck.config.value("model_type", std::string());

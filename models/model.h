@@ -11,6 +11,7 @@
 #include <string>
 
 #include "models/checkpoint.h"
+#include "models/decode.h"
 #include "models/parallel.h"
 #include "src/planner/model_config.h"
 
@@ -43,7 +44,21 @@ class Model {
   // The attention layers as they run, for the planner.
   virtual planner::ModelConfig planner_model() const = 0;
   virtual ModelOutputs forward(const ModelInputs& in, const Parallel& par) const = 0;
+
+  // Generation (models/decode.h). prefill: the distributed forward of the prompt, leaving this
+  // rank's K/V in `cache`; returns the last prompt token's logits [B, V] (fp32, identical on
+  // every rank). decode_step: the next token of every sample (int64 [B], identical on every
+  // rank) through the cache by pass-Q decoding; returns its logits [B, V]. No autograd. The
+  // default throws: a family without generation says so.
+  virtual at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const;
+  virtual at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,
+                                 DecodeCache& cache) const;
 };
+
+// The logits of the last token (global position length − 1) from the rank that holds it, on
+// every rank: hidden [B, L_r, W] after the final norm, positions [L_r].
+at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positions, int64_t length,
+                             const at::Tensor& head, dist::ProcessGroup& pg);
 
 // Loads the family of `dir` (config.json's model_type) with its tokenizer.json; errors name the
 // file and the field, or list the supported model types.

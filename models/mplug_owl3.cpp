@@ -1,5 +1,7 @@
 #include "models/mplug_owl3.h"
 
+#include <c10/core/GradMode.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -153,11 +155,34 @@ namespace {
 // does not fill) and MI-RoPE positions of their keys ([B, slots_r·T]).
 struct LocalVisual {
   at::Tensor features, key_positions;
+  at::Tensor kv_media;  // int32 [B, slots_r·T]: the image of each local key, −1 for padding
 };
 
 }  // namespace
 
 ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) const {
+  return run(in, par, nullptr);
+}
+
+at::Tensor MplugOwl3::post_attention(int64_t layer, const at::Tensor& h, const at::Tensor& ctx,
+                                     bool remat) const {
+  const std::string l = layer_prefix(layer);
+  const std::vector<at::Tensor> block_params{
+      param(w_, l + "self_attn.o_proj.weight"), param(w_, l + "post_attention_layernorm.weight"),
+      param(w_, l + "mlp.gate_proj.weight"), param(w_, l + "mlp.up_proj.weight"),
+      param(w_, l + "mlp.down_proj.weight")};
+  const double eps = cfg_.rms_eps;
+  auto block = [eps](const std::vector<at::Tensor>& in,
+                     const std::vector<at::Tensor>& p) -> std::vector<at::Tensor> {
+    const at::Tensor a = in[0] + at::linear(in[1], p[0]);
+    const at::Tensor x2 = rms_norm(a, p[1], eps);
+    return {a + at::linear(at::silu(at::linear(x2, p[2])) * at::linear(x2, p[3]), p[4])};
+  };
+  return remat ? checkpoint_segment(block, {h, ctx}, block_params)[0]
+               : block({h, ctx}, block_params)[0];
+}
+
+ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCache* cache) const {
   const MplugOwl3Config& c = cfg_;
   const at::Tensor& ids = in.input_ids;
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
@@ -187,6 +212,18 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
     const at::Tensor starts =
         mm.media_starts.narrow(1, media.first_slot, media.slots).clamp_min(0) + shift;
     vis.key_positions = starts.unsqueeze(2).expand({B, media.slots, T}).reshape({B, -1});
+    vis.kv_media = mm.kv_media.narrow(1, media.first_slot * T, media.slots * T);
+  }
+  if (cache) {
+    *cache = DecodeCache{};
+    cache->prompt.resize(static_cast<size_t>(c.layers));
+    cache->visual.resize(static_cast<size_t>(c.layers));
+    cache->new_k.resize(static_cast<size_t>(c.layers));
+    cache->new_v.resize(static_cast<size_t>(c.layers));
+    cache->length = L;
+    cache->batch = B;
+    // A generated token comes after every image: it sees all of its sample's images.
+    cache->sees_media = slots > 0 ? (mm.media_starts >= 0).any(1) : at::zeros({B}, at::kBool);
   }
 
   const RotaryTables rope = rotary_tables(pos, c.head_dim, c.rope_theta);
@@ -205,6 +242,7 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
         linear(x, w_, l + "self_attn.v_proj", true).view({B, lr, c.kv_heads, c.head_dim});
     q = apply_rotary(q, rope);
     k = apply_rotary(k, rope);
+    if (cache) cache->prompt[static_cast<size_t>(i)] = {k, v, {}};
     const attention::AttentionSpec self_spec =
         self_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, par);
     const auto self = attention::dist_attention(q, k, v, par.pg, st.self, self_spec);
@@ -228,12 +266,13 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
       const attention::AttentionSpec cross_spec =
           cross_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, mm, par);
       attention::DistAttentionResult cross;
-      if (par.recompute_cross_kv) {
+      if (par.recompute_cross_kv && !cache) {
         cross = cross_attention_recompute(q, vis.features, kv_params, kv_fn, par.pg, st.cross,
                                           cross_spec, cross_mask);
       } else {
         const auto [kv_k, kv_v] = kv_fn(vis.features, kv_params);
         cross = attention::dist_attention(q, kv_k, kv_v, par.pg, st.cross, cross_spec, cross_mask);
+        if (cache) cache->visual[static_cast<size_t>(i)] = {kv_k, kv_v, vis.kv_media.ge(0)};
       }
       if (c.variant == "240728") {
         const at::Tensor g = at::sigmoid(param(w_, l + "self_attn.gate"));
@@ -250,24 +289,77 @@ ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) cons
       }
     }
     // The block after its attention: o_proj, residual, norm, MLP, residual.
-    const std::vector<at::Tensor> block_params{
-        param(w_, l + "self_attn.o_proj.weight"), param(w_, l + "post_attention_layernorm.weight"),
-        param(w_, l + "mlp.gate_proj.weight"), param(w_, l + "mlp.up_proj.weight"),
-        param(w_, l + "mlp.down_proj.weight")};
-    const double eps = c.rms_eps;
-    auto post_attention = [eps](const std::vector<at::Tensor>& in,
-                                const std::vector<at::Tensor>& p) -> std::vector<at::Tensor> {
-      const at::Tensor a = in[0] + at::linear(in[1], p[0]);
-      const at::Tensor x2 = rms_norm(a, p[1], eps);
-      return {a + at::linear(at::silu(at::linear(x2, p[2])) * at::linear(x2, p[3]), p[4])};
-    };
-    h = par.remat ? checkpoint_segment(post_attention, {h, ctx}, block_params)[0]
-                  : post_attention({h, ctx}, block_params)[0];
+    h = post_attention(i, h, ctx, par.remat);
   }
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
-  const at::Tensor& head = c.tie_embeddings ? param(w_, kLm + "embed_tokens.weight")
-                                            : param(w_, "language_model.lm_head.weight");
-  return {at::linear(h, head), pos};
+  if (cache) return {h, pos};
+  return {at::linear(h, lm_head()), pos};
+}
+
+const at::Tensor& MplugOwl3::lm_head() const {
+  return cfg_.tie_embeddings ? param(w_, kLm + "embed_tokens.weight")
+                             : param(w_, "language_model.lm_head.weight");
+}
+
+at::Tensor MplugOwl3::prefill(const ModelInputs& in, const Parallel& par,
+                              DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const ModelOutputs out = run(in, par, &cache);
+  return last_token_logits(out.logits, out.positions, in.input_ids.size(1), lm_head(), *par.pg);
+}
+
+at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
+                                  DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const MplugOwl3Config& c = cfg_;
+  const int64_t B = cache.batch, hq = c.heads, hkv = c.kv_heads, d = c.head_dim;
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == B, "decode: expected one token per sample (",
+            B, "), got ", tokens.sizes());
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  at::Tensor h = at::embedding(emb, tokens.to(at::kLong).unsqueeze(1));  // [B, 1, H]
+  const RotaryTables rope =
+      rotary_tables(at::full({1}, cache.length, at::kLong), c.head_dim, c.rope_theta);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const size_t li = static_cast<size_t>(i);
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
+    at::Tensor q = linear(x, w_, l + "self_attn.q_proj", true).view({B, 1, hq, d});
+    at::Tensor k = linear(x, w_, l + "self_attn.k_proj", true).view({B, 1, hkv, d});
+    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({B, 1, hkv, d});
+    q = apply_rotary(q, rope);
+    k = apply_rotary(k, rope);
+    cache.new_k[li].push_back(k);
+    cache.new_v[li].push_back(v);
+    const at::Tensor q1 = q.squeeze(1);  // [B, Hq, D]
+    // This rank's prompt keys (and visual keys), merged over the ranks in one message; the
+    // generated tokens' keys are on every rank and join after.
+    std::vector<Partial> local{partial_attention(q1, cache.prompt[li].k, cache.prompt[li].v,
+                                                 cache.prompt[li].visible, scale)};
+    const KVShard& vis = cache.visual[li];
+    const bool cross = c.is_hyper(i) && vis.k.defined();
+    if (cross) local.push_back(partial_attention(q1, vis.k, vis.v, vis.visible, scale));
+    const std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
+    const Partial generated =
+        partial_attention(q1, at::cat(cache.new_k[li], 1), at::cat(cache.new_v[li], 1), {}, scale);
+    Partial self = merge_partials({merged[0], generated});
+    at::Tensor ctx;
+    if (!cross) {
+      ctx = self.o;
+    } else if (c.variant == "240728") {
+      const at::Tensor g = at::sigmoid(param(w_, l + "self_attn.gate")).to(at::kFloat);
+      const at::Tensor xo = merged[1].o.reshape({B, hq * d});
+      const at::Tensor so = self.o.reshape({B, hq * d});
+      ctx = at::where(cache.sees_media.unsqueeze(1), so * (1 - g) + xo * g, so);
+    } else {  // one softmax over [visual | text] keys
+      ctx = merge_partials({merged[1], self}).o;
+    }
+    ctx = ctx.reshape({B, 1, hq * d}).to(h.scalar_type());
+    h = post_attention(i, h, ctx, /*remat=*/false);
+  }
+  ++cache.length;
+  h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
+  return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
 }
 
 }  // namespace lvx::models

@@ -74,8 +74,19 @@ class MplugOwl3 : public Model {
   static planner::ModelConfig planner_model(const MplugOwl3Config& c);
 
   ModelOutputs forward(const ModelInputs& in, const Parallel& par) const override;
+  at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const override;
+  at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,
+                         DecodeCache& cache) const override;
 
  private:
+  // The forward; with a cache (prefill) it also keeps this rank's K/V there and returns the
+  // final hidden states (after the norm) instead of logits.
+  ModelOutputs run(const ModelInputs& in, const Parallel& par, DecodeCache* cache) const;
+  // o_proj, residual, norm, MLP, residual after layer i's attention (ctx [B, S, Hq·D]).
+  at::Tensor post_attention(int64_t layer, const at::Tensor& h, const at::Tensor& ctx,
+                            bool remat) const;
+  const at::Tensor& lm_head() const;
+
   MplugOwl3Config cfg_;
   StateDict w_;
 };

@@ -37,6 +37,9 @@ int cmd_forward(int argc, char** argv) {
              "each block's o_proj, norm and MLP in the backward, never the distributed attention");
   p.add_option("repeat", 0, "1", "timed steps (> 1: after one warm-up step; medians in metadata)");
   p.add_flag("print-plan", 0, "print the per-layer strategies (rank 0)");
+  p.add_option("generate", 'g', "0",
+               "> 0: prefill, then this many greedy tokens through the KV cache with pass-Q\n"
+               "decoding; output tokens int64 [B,T] and step_logits float32 [B,T,V] instead");
   p.add_flag("recompute", 0,
              "recompute each cross layer's K/V from the shared visual features in the backward\n"
              "(LV-XAttn §3.2): saves x, O and lse per cross layer instead of its K/V");
@@ -53,6 +56,7 @@ int cmd_forward(int argc, char** argv) {
   job.recompute_cross_kv = p.flag("recompute");
   job.repeat = static_cast<int>(p.get_int("repeat"));
   job.remat = p.flag("remat");
+  job.generate = p.get_int("generate");
   if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
     return lvx::runtime::run_forward_rank(job);
   lvx::runtime::validate_forward_job(job);  // bad input fails once, clearly, before ranks start

@@ -16,6 +16,7 @@
 #include "src/dist/process_group.h"
 #include "src/planner/cluster_config.h"
 #include "src/planner/planner.h"
+#include "src/runtime/generate.h"
 #include "src/runtime/model_description.h"
 
 namespace lvx::runtime {
@@ -208,6 +209,27 @@ int run_forward_rank(const ForwardJob& job) {
                                             " backward=", job.backward, " dtype=", job.dtype));
   if (job.print_plan && r == 0) std::cout << plan_text << "\n" << describe(par) << "\n";
 
+  if (job.generate > 0) {
+    GenerateOptions g;
+    g.max_new_tokens = job.generate;
+    g.keep_logits = true;
+    const GenerateResult out = generate(model, {b.input_ids, b.pixel_values}, par, g);
+    double per_token = 0;
+    for (double t : out.token_seconds) per_token += t / static_cast<double>(out.token_seconds.size());
+    const int64_t steps = std::max<int64_t>(1, out.tokens.size(1) - 1);
+    if (r == 0)
+      save_safetensors(job.output, {{"tokens", out.tokens}, {"step_logits", out.step_logits}},
+                       {{"model", job.model},
+                        {"plan", describe(par)},
+                        {"ranks", std::to_string(n)},
+                        {"prefill_seconds", std::to_string(out.prefill_seconds)},
+                        {"decode_seconds_per_token", std::to_string(per_token)},
+                        {"prefill_bytes_sent", std::to_string(out.prefill_bytes_sent)},
+                        {"decode_bytes_sent_per_token",
+                         std::to_string(out.decode_bytes_sent / steps)}});
+    pg->barrier();
+    return 0;
+  }
   if (job.backward) {
     LVX_CHECK(b.labels.defined(), job.input, ": --backward needs 'labels' (int64 [B, L])");
     for (auto& [name, t] : model.parameters())

@@ -29,6 +29,11 @@ struct ForwardJob {
   bool recompute_cross_kv = false;  // LV-XAttn §3.2 (models/recompute.h)
   bool remat = false;               // DistFlashAttn §3.3 checkpointing (models/recompute.h)
   int repeat = 1;                   // timed steps (> 1: one more warm-up step first)
+  // > 0: generation instead of one step: prefill, then this many greedy tokens through the KV
+  // cache (src/runtime/generate.h). Output tokens int64 [B, T], step_logits float32 [B, T, V]
+  // (step t's logits, from which token t was chosen); metadata prefill_seconds,
+  // decode_seconds_per_token, prefill_bytes_sent and decode_bytes_sent (rank 0's, per token).
+  int64_t generate = 0;
 };
 
 // Runs on this rank (rendezvous from the environment). Returns 0 on success.

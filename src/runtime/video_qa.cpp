@@ -70,7 +70,8 @@ QaItem parse_qa_item(const nlohmann::json& row, const std::string& where,
   if (row.contains("options") && !row["options"].is_null()) {
     LVX_CHECK(row["options"].is_array(), where, ": field 'options' must be a list of strings");
     for (const auto& o : row["options"]) {
-      LVX_CHECK(o.is_string(), where, ": field 'options' must be a list of strings, got ", o.dump());
+      LVX_CHECK(o.is_string(), where, ": field 'options' must be a list of strings, got ",
+                o.dump());
       it.options.push_back(o.get<std::string>());
     }
     LVX_CHECK(it.options.size() >= 2 && it.options.size() <= 26, where,
@@ -82,8 +83,8 @@ QaItem parse_qa_item(const nlohmann::json& row, const std::string& where,
             ": missing field 'answer' (fine-tuning learns it)");
   it.start = time_field(row, "start", where);
   it.end = time_field(row, "end", where);
-  LVX_CHECK(!(it.start && it.end) || *it.start < *it.end, where, ": 'start' (", it.start.value_or(0),
-            " s) must be before 'end' (", it.end.value_or(0), " s)");
+  LVX_CHECK(!(it.start && it.end) || *it.start < *it.end, where, ": 'start' (",
+            it.start.value_or(0), " s) must be before 'end' (", it.end.value_or(0), " s)");
   return it;
 }
 
@@ -122,10 +123,10 @@ std::string question_text(const QaItem& item) {
     if (i) letters += i + 1 == item.options.size() ? ", or " : ", ";
     letters += static_cast<char>('A' + i);
   }
-  std::string s = str(
-      "Select the best answer to the following multiple-choice question based on the video. "
-      "Respond with only the letter (",
-      letters, ") of the correct option.\n", item.question, "\n");
+  std::string s =
+      str("Select the best answer to the following multiple-choice question based on the video. "
+          "Respond with only the letter (",
+          letters, ") of the correct option.\n", item.question, "\n");
   for (size_t i = 0; i < item.options.size(); ++i) {
     const std::string& o = item.options[i];
     s += has_letter_prefix(o, i) ? o : str(static_cast<char>('A' + i), ". ", o);

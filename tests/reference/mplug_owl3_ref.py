@@ -6,6 +6,7 @@ usage:
                                [--images-per-sample 2,3] [--layout video_qa|interleaved]
   mplug_owl3_ref.py run OUT_DIR BATCH.safetensors EXPECTED.safetensors [--backward]
                         [--variant auto|240728|241101] [--intermediates]
+  mplug_owl3_ref.py generate OUT_DIR BATCH.safetensors EXPECTED.safetensors --tokens N
   mplug_owl3_ref.py selfcheck [--workdir DIR]
 
 make-model writes a TINY random checkpoint directory in the released Hugging Face layout:
@@ -30,6 +31,11 @@ and per decoder layer i: attn_input.<i> [B, L, H] (input_layernorm output), ctx.
 gate / fused softmax) and hidden.<i> [B, L, H] (layer output, before the final norm).
 The variant is read off the checkpoint (self_attn.gate present -> 240728, else 241101) unless
 --variant says otherwise.
+
+generate writes EXPECTED.safetensors: tokens int64 [B, N] and step_logits float32 [B, N, V], greedy
+decoding WITHOUT a cache: step t runs the whole forward on the prompt plus the t tokens chosen so
+far and takes the argmax (lowest id on ties) of the last position's logits (fp64). A new token sees
+every image of its sample (it comes after every <|image|>), under both variants' rules as written.
 
 selfcheck builds both variants with --shards 1 and 3 (B=2, both layouts) in a temporary directory
 and checks: shards 1 == 3; a bf16 checkpoint loads; text-only logits == transformers'
@@ -679,6 +685,27 @@ def cmd_run(args):
           f"{time.time() - t0:.1f} s")
 
 
+def cmd_generate(args):
+    m = Model(args.out_dir, "auto")
+    batch = load_file(args.batch_file)
+    ids = batch["input_ids"].long()
+    pv = batch.get("pixel_values")
+    pv = pv.float().double() if pv is not None else torch.zeros(0, 3, 1, 1, dtype=torch.float64)
+    tokens, logits = [], []
+    with torch.no_grad():
+        for _ in range(args.tokens):
+            last = forward(m, ids, pv)[:, -1]  # [B, V] fp64
+            nxt = last.argmax(-1)
+            tokens.append(nxt)
+            logits.append(last)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+    save_file({"tokens": torch.stack(tokens, 1).contiguous(),
+               "step_logits": torch.stack(logits, 1).float().contiguous()}, args.expected_file)
+    top2 = torch.stack(logits, 1).topk(2, dim=-1).values
+    print(f"wrote {args.expected_file}: variant {m.variant}, tokens {torch.stack(tokens, 1).tolist()}, "
+          f"smallest top-2 margin {float((top2[..., 0] - top2[..., 1]).min()):.3g}")
+
+
 # ---------------------------------------------------------------------------------------------
 # selfcheck
 # ---------------------------------------------------------------------------------------------
@@ -1055,11 +1082,17 @@ def main():
     p.add_argument("--backward", action="store_true")
     p.add_argument("--intermediates", action="store_true")
     p.add_argument("--variant", choices=["auto", "240728", "241101"], default="auto")
+    p = sub.add_parser("generate")
+    p.add_argument("out_dir")
+    p.add_argument("batch_file")
+    p.add_argument("expected_file")
+    p.add_argument("--tokens", type=int, required=True)
     p = sub.add_parser("selfcheck")
     p.add_argument("--workdir", default=None, help="keep the generated files here")
     args = ap.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    {"make-model": cmd_make_model, "make-batch": cmd_make_batch, "run": cmd_run, "selfcheck": cmd_selfcheck}[args.cmd](args)
+    {"make-model": cmd_make_model, "make-batch": cmd_make_batch, "run": cmd_run, "generate": cmd_generate,
+     "selfcheck": cmd_selfcheck}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+// Generation across ranks: the KV cache a prefill leaves on each rank, and pass-Q decoding.
+//
+// After a distributed prefill every rank keeps the keys and values it computed: its shard of
+// the prompt's text K/V (self-attention, in the text layout) and its own images' visual K/V
+// (cross-attention, whole images). Nothing is gathered. A decode step runs the new token
+// replicated on every rank (one token: projections and MLPs are cheap) and, per attention, sends
+// the QUERY to the keys instead of the keys to the query (the idea of LV-XAttn, "LV-XAttn:
+// Distributed Cross-Attention for Long Visual Inputs in Multimodal Large Language Models", §3.1,
+// at Sq = 1):
+//   each rank r:  s_r = q·K_rᵀ·scale,  lse_r = logsumexp(s_r),  o_r = softmax(s_r)·V_r
+//   all-gather (o_r, lse_r) of every attention of the layer in ONE message,
+//   merge:        lse = log Σ_r exp(lse_r),  o = Σ_r exp(lse_r − lse)·o_r   (blockwise softmax,
+//                 BurstAttention, "BurstAttention: An Efficient Distributed Attention Framework
+//                 for Extremely Long Sequences", Eq. 3)
+// The generated tokens' own K/V are replicated (every rank computed them) and every rank adds
+// their partial locally after the merge, so each holds identical logits.
+//
+// Bytes per decoded token, per rank, per layer: (n−1)·A·B·Hq·(D+1)·4 with A attentions in the
+// layer (1, or 2 in a layer with cross-attention), n ranks (ring all-gather: each rank forwards
+// n−1 pieces). Gathering K/V instead would move (n−1)/n of the layer's visual K/V to every rank
+// once (2·B·S_vis·Hkv·D·dtype bytes) and then hold it all on every rank, which lvx never does.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "src/dist/process_group.h"
+
+namespace lvx::models {
+
+// One attention's result over some keys: o [B, Hq, D] fp32 (0 where no key is visible) and lse
+// [B, Hq] fp32 (−inf where no key is visible).
+struct Partial {
+  at::Tensor o, lse;
+};
+
+// q [B, Hq, D] against k/v [B, S, Hkv, D] (GQA: query head h reads key head h / (Hq/Hkv)),
+// keys with visible[b, s] false skipped (undefined: all visible). In fp32.
+Partial partial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& visible, double scale);
+
+// Merges partial results over disjoint key sets (exact; rows without keys stay o = 0, −inf).
+Partial merge_partials(const std::vector<Partial>& parts);
+
+// Pass-Q: all-gathers this rank's partials (every attention of one layer, one message) and
+// merges each over the ranks, in rank order (identical on every rank).
+std::vector<Partial> merge_across_ranks(dist::ProcessGroup& pg, const std::vector<Partial>& local);
+
+// Bytes one rank sends for merge_across_ranks of `attentions` partials of [B, Hq, D].
+int64_t pass_q_bytes(int world, int64_t attentions, int64_t batch, int64_t heads, int64_t head_dim);
+
+// What one attention of one layer keeps on this rank.
+struct KVShard {
+  at::Tensor k, v;     // [B, S_r, Hkv, D]
+  at::Tensor visible;  // bool [B, S_r] for every later token, or undefined (all)
+};
+
+// The per-rank cache of one prompt being generated from.
+struct DecodeCache {
+  std::vector<KVShard> prompt;  // per decoder layer: this rank's shard of the prompt's K/V
+  std::vector<KVShard> visual;  // per decoder layer: this rank's visual K/V (empty k: none)
+  std::vector<std::vector<at::Tensor>> new_k, new_v;  // per layer: generated tokens' K/V, [B,1,..]
+  at::Tensor sees_media;  // bool [B]: later tokens see an image (gated cross-attention)
+  int64_t length = 0;     // tokens so far (prompt + generated): the next position
+  int64_t batch = 0;
+};
+
+}  // namespace lvx::models

@@ -1,0 +1,65 @@
+#include "src/runtime/generate.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "src/common/error.h"
+
+namespace lvx::runtime {
+
+at::Tensor pick_tokens(const at::Tensor& logits, const SamplingOptions& s, at::Generator& gen) {
+  if (s.temperature <= 0) return logits.argmax(-1);
+  LVX_CHECK(s.top_p > 0 && s.top_p <= 1, "--top-p must be in (0, 1], got ", s.top_p);
+  const at::Tensor probs = at::softmax(logits.to(at::kDouble) / s.temperature, -1);
+  auto [sorted, order] = probs.sort(-1, /*descending=*/true);
+  // Keep a token while the probability before it is below top_p (the first always stays).
+  const at::Tensor before = sorted.cumsum(-1) - sorted;
+  const at::Tensor kept = sorted.masked_fill(before >= s.top_p, 0.0);
+  const at::Tensor choice = at::multinomial(kept, 1, /*replacement=*/false, gen);  // [B, 1]
+  return order.gather(-1, choice).squeeze(-1);
+}
+
+GenerateResult generate(const models::Model& model, const models::ModelInputs& in,
+                        const models::Parallel& par, const GenerateOptions& o,
+                        const std::function<void(const at::Tensor&)>& on_token) {
+  LVX_CHECK(o.max_new_tokens >= 1, "--max-new-tokens must be >= 1, got ", o.max_new_tokens);
+  dist::ProcessGroup& pg = *par.pg;
+  using clock = std::chrono::steady_clock;
+  GenerateResult r;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(o.sampling.seed);
+  const int64_t B = in.input_ids.size(0);
+  const at::Tensor stop = at::tensor(o.stop.empty() ? std::vector<int64_t>{-1} : o.stop, at::kLong);
+  at::Tensor done = at::zeros({B}, at::kBool), last_stop = at::zeros({B}, at::kLong);
+  std::vector<at::Tensor> tokens, logits_kept;
+  models::DecodeCache cache;
+
+  int64_t sent0 = pg.counters().total_sent();
+  auto t0 = clock::now();
+  at::Tensor logits = model.prefill(in, par, cache);
+  r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
+  r.prefill_bytes_sent = pg.counters().total_sent() - sent0;
+  for (int64_t step = 0;; ++step) {
+    if (o.keep_logits) logits_kept.push_back(logits);
+    at::Tensor next = pick_tokens(logits, o.sampling, gen).to(at::kLong).contiguous();
+    pg.broadcast(next, 0);  // rank 0's choice (sampling draws on rank 0 only matter)
+    next = at::where(done, last_stop, next);
+    const at::Tensor is_stop = at::isin(next, stop);
+    last_stop = at::where(is_stop & done.logical_not(), next, last_stop);
+    done = done | is_stop;
+    tokens.push_back(next);
+    if (on_token) on_token(next);
+    if (done.all().item<bool>() || step + 1 == o.max_new_tokens) break;
+    t0 = clock::now();
+    sent0 = pg.counters().total_sent();
+    logits = model.decode_step(next, par, cache);
+    r.decode_bytes_sent += pg.counters().total_sent() - sent0;
+    r.token_seconds.push_back(std::chrono::duration<double>(clock::now() - t0).count());
+  }
+  r.tokens = at::stack(tokens, 1);
+  if (o.keep_logits) r.step_logits = at::stack(logits_kept, 1);
+  return r;
+}
+
+}  // namespace lvx::runtime

@@ -1,0 +1,49 @@
+// Text generation from a prompt (with its frames) on the ranks of a process group: one
+// distributed prefill (the plan's strategies), then one pass-Q decode step per new token through
+// the KV cache each rank kept (models/decode.h). Rank 0 picks every token (greedy, or seeded
+// temperature / top-p sampling) and broadcasts it, so all ranks decode the same sequence.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "models/model.h"
+
+namespace lvx::runtime {
+
+struct SamplingOptions {
+  double temperature = 0;  // 0: greedy (argmax, the lowest id on ties)
+  double top_p = 1;        // nucleus: the smallest set of tokens whose probability reaches top_p
+  uint64_t seed = 0;       // the same seed gives the same tokens
+};
+
+struct GenerateOptions {
+  int64_t max_new_tokens = 64;
+  SamplingOptions sampling;
+  std::vector<int64_t> stop;  // a sample is done after emitting one of these
+  bool keep_logits = false;   // return every step's logits (tests)
+};
+
+struct GenerateResult {
+  at::Tensor tokens;       // int64 [B, T]: after a sample's stop token, that stop token again
+  at::Tensor step_logits;  // float32 [B, T, V] with keep_logits
+  double prefill_seconds = 0;
+  std::vector<double> token_seconds;  // each decode step (the first token comes from prefill)
+  // This rank's bytes sent by the prefill and by the decode steps (not the token broadcasts).
+  int64_t prefill_bytes_sent = 0, decode_bytes_sent = 0;
+};
+
+// `on_token` gets each new token row (int64 [B]) as soon as it is chosen (rank 0 streams text).
+GenerateResult generate(const models::Model& model, const models::ModelInputs& in,
+                        const models::Parallel& par, const GenerateOptions& options,
+                        const std::function<void(const at::Tensor&)>& on_token = {});
+
+// The next token of every sample from logits [B, V] (fp32) under `sampling`; `gen` carries the
+// seeded state between steps.
+at::Tensor pick_tokens(const at::Tensor& logits, const SamplingOptions& sampling,
+                       at::Generator& gen);
+
+}  // namespace lvx::runtime
