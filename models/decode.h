@@ -64,6 +64,7 @@ struct DecodeCache {
   at::Tensor sees_media;  // bool [B]: later tokens see an image (gated cross-attention)
   int64_t length = 0;     // tokens so far (prompt + generated): the next position
   int64_t batch = 0;
+  double encode_seconds = 0;  // the prefill's vision encoding of this rank's frames
 };
 
 }  // namespace lvx::models

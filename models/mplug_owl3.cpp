@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "models/layers.h"
@@ -196,6 +197,7 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
   const attention::MediaMask mm = attention::media_mask(c.media_rule(), ids, c.image_token_id, T);
   const int64_t slots = mm.slots;
   LocalVisual vis;
+  const auto encode_start = std::chrono::steady_clock::now();
   if (slots > 0) {
     const LocalMedia media = encode_local_media(
         mm, in.pixel_values, in.pixels_local, par, c.hidden,
@@ -216,6 +218,8 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
   }
   if (cache) {
     *cache = DecodeCache{};
+    cache->encode_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
     cache->prompt.resize(static_cast<size_t>(c.layers));
     cache->visual.resize(static_cast<size_t>(c.layers));
     cache->new_k.resize(static_cast<size_t>(c.layers));

@@ -110,8 +110,10 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
       if (::getppid() != parent) _exit(127);
       ::setpgid(0, 0);
-      ::dup2(fds[1], STDOUT_FILENO);
-      ::dup2(fds[1], STDERR_FILENO);
+      if (!(r == 0 && opts.rank0_direct && !opts.capture)) {
+        ::dup2(fds[1], STDOUT_FILENO);
+        ::dup2(fds[1], STDERR_FILENO);
+      }
       ::close(fds[0]);
       ::close(fds[1]);
       auto set = [](const std::string& k, const std::string& v) { ::setenv(k.c_str(), v.c_str(), 1); };
@@ -146,6 +148,10 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
     ::close(fds[1]);
     ::fcntl(fds[0], F_SETFL, O_NONBLOCK);
     kids[r] = {pid, fds[0], "", true, std::chrono::steady_clock::now()};
+    if (r == 0 && opts.rank0_direct && !opts.capture) {
+      ::close(fds[0]);
+      kids[r].fd = -1;
+    }
     result.ranks[r].rank = r;
   }
 

@@ -37,6 +37,10 @@ struct LaunchOptions {
   // stopped only by timeout_s or an explicit exit_wait_s.
   bool stop_on_failure = true;
   bool openmpi_style = false;                // set OMPI_COMM_WORLD_* instead of RANK/WORLD_SIZE
+  // Rank 0 writes to the launcher's own stdout and stderr, unprefixed (its stdout is the
+  // command's result: lvx qa's streamed answer or JSON); the other ranks stay prefixed.
+  // Ignored with capture.
+  bool rank0_direct = false;
 };
 
 // 2 × LVX_DIST_TIMEOUT_S, read from `env` (the ranks' extra variables) or else this process's

@@ -7,16 +7,14 @@
 #include <chrono>
 #include <filesystem>
 #include <iostream>
-#include <sstream>
 
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
-#include "src/planner/cluster_config.h"
-#include "src/planner/planner.h"
 #include "src/runtime/generate.h"
+#include "src/runtime/layer_plan.h"
 #include "src/runtime/model_description.h"
 
 namespace lvx::runtime {
@@ -57,58 +55,6 @@ Batch read_batch(const std::string& path) {
               b.labels.scalar_type(), " ", b.labels.sizes());
   }
   return b;
-}
-
-// --strategies: "S" for every attention layer, "S_cross,S_self" per kind; S may be a pair F+B.
-models::Parallel explicit_strategies(const std::string& spec, int64_t layers) {
-  std::vector<std::string> parts;
-  std::stringstream ss(spec);
-  for (std::string p; std::getline(ss, p, ',');) parts.push_back(p);
-  LVX_CHECK(parts.size() == 1 || parts.size() == 2, "--strategies: expected auto, S or ",
-            "S_cross,S_self, got '", spec, "'");
-  models::LayerStrategies ls;
-  ls.cross = attention::strategy_choice_from_name(parts[0]);
-  ls.self = attention::strategy_choice_from_name(parts.size() == 2 ? parts[1] : parts[0]);
-  models::Parallel p;
-  p.layers.assign(static_cast<size_t>(layers), ls);
-  return p;
-}
-
-// auto: the planner's per-layer choice for this batch (its own prompt, frames and text length)
-// on the cluster config; without one, lv_xattn for cross layers and ring for self layers.
-models::Parallel planned_strategies(const ForwardJob& job, const models::Model& model,
-                                    const Batch& b, int world, std::string* plan_text) {
-  models::Parallel p;
-  p.layers.assign(static_cast<size_t>(model.decoder_layers()), models::LayerStrategies{});
-  if (job.cluster.empty()) {
-    *plan_text = "plan: no --cluster given; lv_xattn for cross-attention, ring for self-attention";
-    return p;
-  }
-  planner::ModelConfig m = model.planner_model();
-  m.dtype = job.dtype;
-  planner::Workload w;
-  at::Tensor marks = (b.input_ids.narrow(0, 0, 1) == model.media_token_id()).to(at::kLong);
-  w.frames = std::max<int64_t>(1, marks.sum().item<int64_t>());
-  w.text_tokens = b.input_ids.size(1);
-  if (marks.sum().item<int64_t>() > 0) w.prompt_marks = marks;
-  w.tokens_per_frame = model.tokens_per_media();
-  w.ranks = world;
-  w.dtype = job.dtype;
-  w.train = job.backward;
-  const planner::Plan plan = planner::plan(m, planner::load_cluster_config(job.cluster), w);
-  // Each decoder layer has one self layer; a cross layer belongs to the decoder layer of the
-  // self layer next to it (mPLUG-Owl3: after it, OpenFlamingo: before it).
-  const bool cross_first = model.family() == "openflamingo";
-  size_t decoder_layer = 0;
-  for (const planner::LayerPlan& l : plan.layers) {
-    if (l.work.kind == planner::LayerKind::kSelf) {
-      p.layers[decoder_layer++].self = l.choice();
-    } else {
-      p.layers[cross_first ? decoder_layer : decoder_layer - 1].cross = l.choice();
-    }
-  }
-  *plan_text = planner::format_table(plan);
-  return p;
 }
 
 // The logits of every rank in global token order (complete on rank 0 only).
@@ -169,14 +115,6 @@ std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::
   return result;
 }
 
-std::string describe(const models::Parallel& p) {
-  std::string s =
-      str("text ", p.text_layout == attention::LayoutKind::kStriped ? "striped" : "contiguous");
-  for (size_t i = 0; i < p.layers.size(); ++i)
-    s += str("; layer ", i, " self ", p.layers[i].self.name(), " cross ", p.layers[i].cross.name());
-  return s;
-}
-
 }  // namespace
 
 void validate_forward_job(const ForwardJob& job) {
@@ -197,13 +135,11 @@ int run_forward_rank(const ForwardJob& job) {
   std::unique_ptr<models::Model> loaded = models::load_model(job.model, dtype_of(job.dtype));
   models::Model& model = *loaded;
   std::string plan_text;
-  models::Parallel par = job.strategies == "auto"
-                             ? planned_strategies(job, model, b, n, &plan_text)
-                             : explicit_strategies(job.strategies, model.decoder_layers());
+  models::Parallel par = plan_layers(
+      model, b.input_ids, n, {job.strategies, job.cluster, job.dtype, job.backward}, &plan_text);
   par.pg = pg;
   par.recompute_cross_kv = job.recompute_cross_kv;
   par.remat = job.remat;
-  par = models::resolve_layouts(par);
   // Every rank must run the same plan on the same inputs.
   pg->check_agreement("the model step", str(describe(par), " input_ids=", b.input_ids.sizes(),
                                             " backward=", job.backward, " dtype=", job.dtype));

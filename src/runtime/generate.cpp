@@ -40,6 +40,7 @@ GenerateResult generate(const models::Model& model, const models::ModelInputs& i
   at::Tensor logits = model.prefill(in, par, cache);
   r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   r.prefill_bytes_sent = pg.counters().total_sent() - sent0;
+  r.encode_seconds = cache.encode_seconds;
   for (int64_t step = 0;; ++step) {
     if (o.keep_logits) logits_kept.push_back(logits);
     at::Tensor next = pick_tokens(logits, o.sampling, gen).to(at::kLong).contiguous();

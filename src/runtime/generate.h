@@ -31,6 +31,7 @@ struct GenerateResult {
   at::Tensor tokens;       // int64 [B, T]: after a sample's stop token, that stop token again
   at::Tensor step_logits;  // float32 [B, T, V] with keep_logits
   double prefill_seconds = 0;
+  double encode_seconds = 0;  // the part of prefill_seconds spent encoding this rank's frames
   std::vector<double> token_seconds;  // each decode step (the first token comes from prefill)
   // This rank's bytes sent by the prefill and by the decode steps (not the token broadcasts).
   int64_t prefill_bytes_sent = 0, decode_bytes_sent = 0;

@@ -1,0 +1,84 @@
+// `lvx qa`: answers questions about videos with a checkpoint on N ranks (src/runtime/qa_job.h).
+#include <cstdlib>
+
+#include "src/cli/args.h"
+#include "src/cli/command.h"
+#include "src/dist/launcher.h"
+#include "src/runtime/qa_job.h"
+
+namespace {
+
+int cmd_qa(int argc, char** argv) {
+  lvx::cli::ArgParser p(
+      "lvx qa --model DIR --video V --question Q [--fps F | --num-frames N] [--start S --end E]\n"
+      "       [--nproc N] [--max-new-tokens T] [--temperature X --top-p P --seed S] [--json]\n"
+      "lvx qa --model DIR --questions q.jsonl --output answers.jsonl [...]",
+      "Answers a question about a video. Each rank decodes and encodes only its share of the\n"
+      "frames; the prompt is the model family's template; the prefill runs the plan's per-layer\n"
+      "strategies and generation decodes by pass-Q through each rank's KV cache (no rank holds\n"
+      "all visual K/V). The answer streams to stdout (--json: one JSON object instead).\n"
+      "Batch: each JSONL line {\"id\", \"video\", \"question\", \"options\": [...], \"answer\",\n"
+      "\"start\", \"end\"} (options, answer, start, end optional) gets one output row, appended "
+      "as\n"
+      "it is answered; failed lines get a row with \"error\"; ids already answered in the\n"
+      "output are skipped (a killed run continues).");
+  p.add_option("model", 'm', "", "checkpoint directory (config.json, weights, tokenizer.json)",
+               true);
+  p.add_option("video", 'v', "", "video file (one question)");
+  p.add_option("question", 'q', "", "the question (one question)");
+  p.add_option("options", 0, "", "multiple-choice options, '|'-separated (one question)");
+  p.add_option("questions", 0, "", "JSONL file of questions (batch mode)");
+  p.add_option("output", 'o', "", "JSONL file of answers (batch mode)");
+  p.add_option("fps", 0, "", "sample this many frames per second");
+  p.add_option("num-frames", 'f', "", "sample N frames spread over the range (default 16)");
+  p.add_option("start", 0, "", "range start, seconds");
+  p.add_option("end", 0, "", "range end, seconds (exclusive)");
+  p.add_option("nproc", 'n', "1", "local ranks to start");
+  p.add_option("max-new-tokens", 't', "64", "most tokens to generate");
+  p.add_option("temperature", 0, "0", "0: greedy (deterministic); > 0: sampling");
+  p.add_option("top-p", 0, "1", "nucleus sampling threshold (with --temperature > 0)");
+  p.add_option("seed", 0, "0", "sampling seed (the same seed gives the same answer)");
+  p.add_option("strategies", 's', "auto", "auto | S | S_cross,S_self (prefill)");
+  p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
+  p.add_option("dtype", 0, "fp32", "fp32 | bf16");
+  p.add_flag("json", 'j', "print one JSON object (answer, timings, bytes) per question");
+  p.add_flag("print-plan", 0, "print each question's per-layer strategies (stderr)");
+  if (!p.parse(argc, argv)) return 0;
+  lvx::runtime::QaJob job;
+  job.model = p.get("model");
+  job.video = p.get("video");
+  job.question = p.get("question");
+  for (size_t b = 0, e; !p.get("options").empty() && b <= p.get("options").size(); b = e + 1) {
+    e = p.get("options").find('|', b);
+    if (e == std::string::npos) e = p.get("options").size();
+    job.options.push_back(p.get("options").substr(b, e - b));
+  }
+  job.questions = p.get("questions");
+  job.output = p.get("output");
+  if (!p.get("fps").empty()) job.fps = p.get_double("fps");
+  if (!p.get("num-frames").empty()) job.num_frames = p.get_int("num-frames");
+  if (!p.get("start").empty()) job.start = p.get_double("start");
+  if (!p.get("end").empty()) job.end = p.get_double("end");
+  job.generation.max_new_tokens = p.get_int("max-new-tokens");
+  job.generation.sampling.temperature = p.get_double("temperature");
+  job.generation.sampling.top_p = p.get_double("top-p");
+  job.generation.sampling.seed = static_cast<uint64_t>(p.get_int("seed"));
+  job.plan.strategies = p.get("strategies");
+  job.plan.cluster = p.get("cluster");
+  job.plan.dtype = p.get("dtype");
+  job.json = p.flag("json");
+  job.print_plan = p.flag("print-plan");
+  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
+    return lvx::runtime::run_qa_rank(job);
+  lvx::runtime::validate_qa_job(job);  // bad input fails once, clearly, before ranks start
+  std::vector<std::string> cmd{lvx::dist::self_executable()};
+  for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
+  lvx::dist::LaunchOptions o;
+  o.nproc = static_cast<int>(p.get_int("nproc"));
+  o.rank0_direct = true;  // the answer (or JSON) on stdout as rank 0 writes it
+  return lvx::dist::launch_local(cmd, o).exit_code;
+}
+
+}  // namespace
+
+LVX_COMMAND("qa", "answer questions about videos (one, or a JSONL batch) on N ranks", cmd_qa);
