@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -136,6 +137,22 @@ TEST(VideoEncode, KeyframeIntervalAndBitrateAreHonoured) {
   for (int i = 0; std::getline(ss, line); ++i)
     if (!line.empty() && line[0] == 'K') keys.push_back(i);
   EXPECT_EQ(keys, (std::vector<int>{0, 5, 10, 15}));
+
+  // A forced keyframe at 7 (the regular ones follow the encoder's GOP counter from there).
+  const std::string forced = (temp_dir() / "forced.mp4").string();
+  {
+    VideoWriter w(forced, kW, kH, 10, opt);
+    for (int i = 0; i < 20; ++i) w.write(test_frame(i), /*keyframe=*/i == 7);
+    w.close();
+  }
+  std::istringstream fs(
+      run("ffprobe -v error -select_streams v:0 -show_entries packet=flags -of csv=p=0 '" + forced +
+          "'"));
+  std::vector<int> forced_keys;
+  for (int i = 0; std::getline(fs, line); ++i)
+    if (!line.empty() && line[0] == 'K') forced_keys.push_back(i);
+  EXPECT_NE(std::find(forced_keys.begin(), forced_keys.end(), 7), forced_keys.end())
+      << "no keyframe at the forced frame 7";
 
   WriterOptions low;
   low.bit_rate = 20000;

@@ -114,25 +114,25 @@ void VideoWriter::release() {
   fmt_.reset();  // closes the file
 }
 
-void VideoWriter::write(const at::Tensor& rgb) {
+void VideoWriter::write(const at::Tensor& rgb, bool keyframe) {
   LVX_CHECK(!closed_, "video '", path_, "': write after close()");
   LVX_CHECK(rgb.device().is_cpu() && rgb.scalar_type() == at::kByte && rgb.dim() == 3 &&
                 rgb.size(0) == height_ && rgb.size(1) == width_ && rgb.size(2) == 3,
             "video '", path_, "': a frame must be a CPU uint8 tensor [", height_, ", ", width_,
             ", 3] (RGB), got ", rgb.scalar_type(), " ", rgb.sizes(), " on ", rgb.device());
   const at::Tensor c = rgb.contiguous();
-  write_rgb(c.data_ptr<uint8_t>(), 3 * static_cast<int64_t>(width_));
+  write_rgb(c.data_ptr<uint8_t>(), 3 * static_cast<int64_t>(width_), keyframe);
 }
 
-void VideoWriter::write(const cv::Mat& rgb) {
+void VideoWriter::write(const cv::Mat& rgb, bool keyframe) {
   LVX_CHECK(!closed_, "video '", path_, "': write after close()");
   LVX_CHECK(rgb.type() == CV_8UC3 && rgb.rows == height_ && rgb.cols == width_, "video '", path_,
             "': a frame must be a CV_8UC3 Mat of ", height_, "x", width_,
             " (rows x cols), got type ", rgb.type(), " ", rgb.rows, "x", rgb.cols);
-  write_rgb(rgb.data, static_cast<int64_t>(rgb.step[0]));
+  write_rgb(rgb.data, static_cast<int64_t>(rgb.step[0]), keyframe);
 }
 
-void VideoWriter::write_rgb(const uint8_t* data, int64_t row_stride) {
+void VideoWriter::write_rgb(const uint8_t* data, int64_t row_stride, bool keyframe) {
   // The encoder may still hold a reference to the previous frame's buffers.
   LVX_AV_CHECK(av_frame_make_writable(frame_.get()), "video '", path_,
                "': cannot get a writable frame");
@@ -140,6 +140,8 @@ void VideoWriter::write_rgb(const uint8_t* data, int64_t row_stride) {
   const int stride[1] = {static_cast<int>(row_stride)};
   sws_scale(sws_.get(), src, stride, 0, height_, frame_->data, frame_->linesize);
   frame_->pts = frames_;
+  frame_->pict_type =
+      keyframe ? AV_PICTURE_TYPE_I : AV_PICTURE_TYPE_NONE;  // NONE: encoder's choice
   encode(frame_.get());
   ++frames_;
 }

@@ -50,10 +50,12 @@ class VideoWriter {
   VideoWriter& operator=(const VideoWriter&) = delete;
 
   // Appends one frame: uint8 RGB [height, width, 3] on the CPU (any strides), or a CV_8UC3 Mat
-  // in RGB channel order (not OpenCV's usual BGR). Throws lvx::Error naming the path on a wrong
-  // shape/type, after close(), or on an encoder error.
-  void write(const at::Tensor& rgb);
-  void write(const cv::Mat& rgb);
+  // in RGB channel order (not OpenCV's usual BGR). `keyframe` forces this frame to be coded on
+  // its own (intra) besides the regular keyframe_interval: after a scene cut, a predicted frame
+  // would carry faint traces of the previous scene in its quantized residual. Throws lvx::Error
+  // naming the path on a wrong shape/type, after close(), or on an encoder error.
+  void write(const at::Tensor& rgb, bool keyframe = false);
+  void write(const cv::Mat& rgb, bool keyframe = false);
 
   // Flushes the encoder, writes the container trailer and renames the partial file to path().
   // Idempotent; errors name the path.
@@ -66,7 +68,7 @@ class VideoWriter {
   struct OutputDeleter {
     void operator()(AVFormatContext* ctx) const;
   };
-  void write_rgb(const uint8_t* data, int64_t row_stride);
+  void write_rgb(const uint8_t* data, int64_t row_stride, bool keyframe);
   // Sends `frame` (nullptr: flush) and muxes every packet the encoder has ready.
   void encode(AVFrame* frame);
   void release();  // frees FFmpeg state (closing the file) without renaming
