@@ -43,6 +43,7 @@ int cmd_qa(int argc, char** argv) {
   p.add_option("dtype", 0, "fp32", "fp32 | bf16");
   p.add_flag("json", 'j', "print one JSON object (answer, timings, bytes) per question");
   p.add_flag("print-plan", 0, "print each question's per-layer strategies (stderr)");
+  p.add_flag("ignore-stop", 0, "generate exactly --max-new-tokens tokens (benchmarks)");
   if (!p.parse(argc, argv)) return 0;
   lvx::runtime::QaJob job;
   job.model = p.get("model");
@@ -68,6 +69,7 @@ int cmd_qa(int argc, char** argv) {
   job.plan.dtype = p.get("dtype");
   job.json = p.flag("json");
   job.print_plan = p.flag("print-plan");
+  job.ignore_stop = p.flag("ignore-stop");
   if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
     return lvx::runtime::run_qa_rank(job);
   lvx::runtime::validate_qa_job(job);  // bad input fails once, clearly, before ranks start

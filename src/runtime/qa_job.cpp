@@ -121,7 +121,7 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
 
   TextStream text(cx.tok, cx.stop);
   GenerateOptions g = cx.job.generation;
-  g.stop = cx.stop;
+  if (!cx.job.ignore_stop) g.stop = cx.stop;
   const GenerateResult out = generate(cx.model, {ids, frames.frames, /*pixels_local=*/true}, par, g,
                                       [&](const at::Tensor& next) {
                                         if (stream && r == 0) text.add(next[0].item<int64_t>());

@@ -41,6 +41,7 @@ struct QaJob {
   PlanRequest plan;
   bool json = false;        // print one JSON object per question instead of streaming text
   bool print_plan = false;  // the per-layer plan of each question (rank 0, stderr)
+  bool ignore_stop = false; // generate exactly max_new_tokens (benchmarks)
 };
 
 // Runs on this rank (rendezvous from the environment). 0 when every question was answered (a
