@@ -83,9 +83,13 @@ TEST(QaPrompt, MplugChatTemplateEqualsTheTokenizersPackage) {
   // Loss on the answer and the end of the turn only.
   const size_t n = p.ids.size();
   ASSERT_EQ(p.labels.size(), n);
-  for (size_t i = 0; i + 2 < n; ++i) EXPECT_EQ(p.labels[i], -100) << i;
-  EXPECT_EQ(p.labels[n - 2], *tok.token_to_id("red"));
-  EXPECT_EQ(p.labels[n - 1], *tok.token_to_id("<|im_end|>"));
+  // (not shifted: the logits at t predict labels[t], the token at t + 1).
+  for (size_t i = 0; i < n; ++i) {
+    if (i != n - 3 && i != n - 2) EXPECT_EQ(p.labels[i], -100) << i;
+  }
+  EXPECT_EQ(p.ids[n - 2], *tok.token_to_id("red"));
+  EXPECT_EQ(p.labels[n - 3], *tok.token_to_id("red"));
+  EXPECT_EQ(p.labels[n - 2], *tok.token_to_id("<|im_end|>"));
   // Inference: the same prompt up to "assistant\n".
   const PromptTokens q = build_prompt("mplugowl3", tok, "What colour was the shape?", 3);
   EXPECT_EQ(std::vector<int64_t>(p.ids.begin(), p.ids.end() - 2), q.ids);

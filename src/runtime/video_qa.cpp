@@ -183,6 +183,9 @@ PromptTokens build_prompt(const std::string& family, const models::Tokenizer& to
     LVX_FAIL("no prompt template for model family '", family,
              "' (supported: mplugowl3, openflamingo)");
   }
+  // Position t predicts token t + 1.
+  p.labels.erase(p.labels.begin());
+  p.labels.push_back(-100);
   return p;
 }
 

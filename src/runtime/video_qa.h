@@ -59,7 +59,9 @@ std::vector<QaLine> read_qa_jsonl(const std::string& path, bool need_answer);
 std::string question_text(const QaItem& item);
 
 // The family's prompt token ids for `frames` frames and the question (and the answer, for
-// fine-tuning: labels are −100 except the answer's tokens and the end-of-turn token).
+// fine-tuning). Labels follow lvx forward's convention (not shifted: position t's logits predict
+// labels[t]): labels[t] = ids[t + 1] where ids[t + 1] is a token of the answer or the end of the
+// turn, −100 everywhere else — the loss is on the answer only.
 struct PromptTokens {
   std::vector<int64_t> ids;
   std::vector<int64_t> labels;  // same length as ids
