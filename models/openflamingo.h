@@ -21,7 +21,8 @@
 // the ALiBi channel) and its images' visual K/V; a decode step attends by pass-Q, as the
 // package's cached generation does: a generated token sees its sample's LAST image only
 // (use_cached_media), a sample without images gets 0 from the cross-attention (its gated block
-// adds only the FF branch). The cross block runs before the decoder layer and feeds it, so a
+// adds only the FF branch; a batch without any image skips the gated blocks, as the forward
+// does). The cross block runs before the decoder layer and feeds it, so a
 // layer with one merges twice, one after the other: per rank and token (n−1)·B·x_heads·
 // (x_dim_head+1)·4 bytes for the cross-attention and (n−1)·B·heads·(D+1)·4 for the self-
 // attention, D = head_dim (MPT: head_dim + 1). forward, prefill and decode_step share one
