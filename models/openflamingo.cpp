@@ -1,6 +1,9 @@
 #include "models/openflamingo.h"
 
+#include <c10/core/GradMode.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "models/layers.h"
@@ -346,14 +349,157 @@ at::Tensor alibi_slopes(int64_t heads, double bias_max) {
 
 }  // namespace
 
+std::string OpenFlamingo::layer_prefix(int64_t layer) const {
+  return "lang_encoder." + cfg_.layers_attr + "." + std::to_string(layer) + ".";
+}
+
+const at::Tensor& OpenFlamingo::embedding() const {
+  const std::string lm = "lang_encoder.";
+  return param(w_, lm + (cfg_.lm == "gpt_neox" ? "gpt_neox.embed_in.weight"
+                         : cfg_.lm == "llama"  ? "model.embed_tokens.weight"
+                                               : "transformer.wte.weight"));
+}
+
+const at::Tensor& OpenFlamingo::lm_head() const {
+  if (cfg_.lm == "gpt_neox") return param(w_, "lang_encoder.embed_out.weight");
+  if (cfg_.lm == "llama" && !cfg_.tied) return param(w_, "lang_encoder.lm_head.weight");
+  return embedding();  // MPT and a tied Llama
+}
+
+at::Tensor OpenFlamingo::final_norm(const at::Tensor& x) const {
+  if (cfg_.lm == "gpt_neox")
+    return layer_norm(x, w_, "lang_encoder.gpt_neox.final_layer_norm", cfg_.eps);
+  if (cfg_.lm == "llama") return rms_norm(x, param(w_, "lang_encoder.model.norm.weight"), cfg_.eps);
+  return layer_norm(x, w_, "lang_encoder.transformer.norm_f", cfg_.eps);
+}
+
+double OpenFlamingo::self_scale() const {
+  return 1.0 / std::sqrt(static_cast<double>(cfg_.head_dim));
+}
+
+OpenFlamingo::SelfQKV OpenFlamingo::self_qkv(int64_t layer, const at::Tensor& x,
+                                             const at::Tensor& positions) const {
+  const OpenFlamingoConfig& c = cfg_;
+  const std::string l = layer_prefix(layer) + "decoder_layer.";
+  const int64_t B = x.size(0), S = x.size(1), hd = c.head_dim;
+  if (c.lm == "gpt_neox") {
+    // query_key_value: per head its own [q | k | v].
+    const RotaryTables rope = rotary_tables(positions, c.rotary_dim, c.rotary_base);
+    const auto parts = linear(layer_norm(x, w_, l + "input_layernorm", c.eps), w_,
+                              l + "attention.query_key_value", true)
+                           .view({B, S, c.heads, 3 * hd})
+                           .split(hd, -1);
+    return {apply_rotary(parts[0], rope), apply_rotary(parts[1], rope), parts[2]};
+  }
+  if (c.lm == "llama") {
+    const RotaryTables rope = rotary_tables(positions, c.rotary_dim, c.rotary_base);
+    const at::Tensor h = rms_norm(x, param(w_, l + "input_layernorm.weight"), c.eps);
+    auto proj = [&](const char* name, int64_t heads) {
+      return linear(h, w_, l + "self_attn." + name, false).view({B, S, heads, hd});
+    };
+    return {apply_rotary(proj("q_proj", c.heads), rope),
+            apply_rotary(proj("k_proj", c.kv_heads), rope), proj("v_proj", c.kv_heads)};
+  }
+  // MPT: ALiBi as one more head dimension, q' = [q, 1], k' = [k, slope_h·j/scale], v' = [v, 0].
+  const auto qkv =
+      linear(layer_norm(x, w_, l + "norm_1", c.eps), w_, l + "attn.Wqkv", false).chunk(3, -1);
+  auto heads = [&](const at::Tensor& t) { return t.reshape({B, S, c.heads, hd}); };
+  const at::Tensor alibi_k =
+      (positions.to(at::kDouble).cpu().view({1, -1, 1, 1}) *
+       alibi_slopes(c.heads, c.alibi_bias_max).view({1, 1, -1, 1}) / self_scale())
+          .to(x.options())
+          .expand({B, S, c.heads, 1});
+  const at::Tensor one = at::ones({B, S, c.heads, 1}, x.options());
+  return {at::cat({heads(qkv[0]), one}, -1), at::cat({heads(qkv[1]), alibi_k}, -1),
+          at::cat({heads(qkv[2]), at::zeros_like(one)}, -1)};
+}
+
+at::Tensor OpenFlamingo::post_attention(int64_t layer, const at::Tensor& x, const at::Tensor& a,
+                                        bool remat) const {
+  const OpenFlamingoConfig& c = cfg_;
+  const std::string l = layer_prefix(layer) + "decoder_layer.";
+  // One segment (output projection, residuals, norm, MLP), which --remat recomputes in the
+  // backward instead of keeping (never the distributed attention).
+  std::vector<at::Tensor> p;
+  SegmentFunction post;
+  const double eps = c.eps;
+  if (c.lm == "gpt_neox") {
+    for (const char* n :
+         {"attention.dense.weight", "attention.dense.bias", "post_attention_layernorm.weight",
+          "post_attention_layernorm.bias", "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias",
+          "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias"})
+      p.push_back(param(w_, l + n));
+    post = [eps, act = c.act, parallel = c.parallel_residual](const std::vector<at::Tensor>& in,
+                                                              const std::vector<at::Tensor>& w) {
+      const at::Tensor attn = at::linear(in[1], w[0], w[1]);
+      auto mlp = [&](const at::Tensor& t) {
+        return at::linear(
+            activation(at::linear(at::layer_norm(t, {t.size(-1)}, w[2], w[3], eps), w[4], w[5]),
+                       act),
+            w[6], w[7]);
+      };
+      if (parallel) return std::vector<at::Tensor>{in[0] + attn + mlp(in[0])};
+      const at::Tensor r = in[0] + attn;
+      return std::vector<at::Tensor>{r + mlp(r)};
+    };
+  } else if (c.lm == "llama") {
+    for (const char* n : {"self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"})
+      p.push_back(param(w_, l + n));
+    post = [eps, act = c.act](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& w) {
+      const at::Tensor r = in[0] + at::linear(in[1], w[0]);
+      const at::Tensor h2 = rms_norm(r, w[1], eps);
+      return std::vector<at::Tensor>{
+          r + at::linear(activation(at::linear(h2, w[2]), act) * at::linear(h2, w[3]), w[4])};
+    };
+  } else {
+    for (const char* n :
+         {"attn.out_proj.weight", "norm_2.weight", "ffn.up_proj.weight", "ffn.down_proj.weight"})
+      p.push_back(param(w_, l + n));
+    post = [eps](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& w) {
+      const at::Tensor r = in[0] + at::linear(in[1], w[0]);
+      const at::Tensor h2 = at::layer_norm(r, {r.size(-1)}, w[1], {}, eps);
+      return std::vector<at::Tensor>{r + at::linear(at::gelu(at::linear(h2, w[2])), w[3])};
+    };
+  }
+  return remat ? checkpoint_segment(post, {x, a}, p)[0] : post({x, a}, p)[0];
+}
+
+at::Tensor OpenFlamingo::cross_query(int64_t layer, const at::Tensor& x) const {
+  const std::string g = layer_prefix(layer) + "gated_cross_attn_layer.";
+  return linear(layer_norm(x, w_, g + "attn.norm", cfg_.x_eps), w_, g + "attn.to_q", false)
+      .view({x.size(0), x.size(1), cfg_.x_heads, cfg_.x_dim_head});
+}
+
+std::pair<at::Tensor, at::Tensor> OpenFlamingo::cross_kv(int64_t layer,
+                                                         const at::Tensor& media) const {
+  const std::string g = layer_prefix(layer) + "gated_cross_attn_layer.";
+  const auto kv = linear(media, w_, g + "attn.to_kv", false).chunk(2, -1);
+  const std::vector<int64_t> shape{media.size(0), media.size(1), cfg_.x_heads, cfg_.x_dim_head};
+  return {kv[0].reshape(shape), kv[1].reshape(shape)};
+}
+
+at::Tensor OpenFlamingo::cross_output(int64_t layer, const at::Tensor& x,
+                                      const at::Tensor& o) const {
+  const std::string g = layer_prefix(layer) + "gated_cross_attn_layer.";
+  const at::Tensor y =
+      x + linear(o, w_, g + "attn.to_out", false) * at::tanh(param(w_, g + "attn_gate"));
+  return y +
+         linear(at::gelu(linear(layer_norm(y, w_, g + "ff.0", cfg_.x_eps), w_, g + "ff.1", false)),
+                w_, g + "ff.3", false) *
+             at::tanh(param(w_, g + "ff_gate"));
+}
+
 ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) const {
+  return run(in, par, nullptr);
+}
+
+ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
+                               DecodeCache* cache) const {
   const OpenFlamingoConfig& c = cfg_;
   const at::Tensor& ids = in.input_ids;
-  const int64_t B = ids.size(0), L = ids.size(1), d = c.hidden, hd = d / c.heads;
-  const std::string lm = "lang_encoder.";
-  const at::Tensor& emb = param(w_, lm + (c.lm == "gpt_neox" ? "gpt_neox.embed_in.weight"
-                                          : c.lm == "llama"  ? "model.embed_tokens.weight"
-                                                             : "transformer.wte.weight"));
+  const int64_t B = ids.size(0), L = ids.size(1), hd = c.head_dim, T = c.p_latents;
+  const at::Tensor& emb = embedding();
   const at::ScalarType dt = emb.scalar_type();
   const TextShard shard = embed_text_shard(ids, emb, par, "OpenFlamingo");
   const at::Tensor& pos = shard.positions;
@@ -361,139 +507,113 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
 
   // Media: OpenFlamingo's rule (most recent image; the <image> token its own); this rank's
   // images through the ViT and the resampler.
-  const attention::MediaMask mm =
-      attention::openflamingo_media_mask(ids, c.media_token_id, c.p_latents);
+  const attention::MediaMask mm = attention::openflamingo_media_mask(ids, c.media_token_id, T);
   LocalMedia media;
+  const auto encode_start = std::chrono::steady_clock::now();
   if (mm.slots > 0)
     media = encode_local_media(
         mm, in.pixel_values, in.pixels_local, par, c.v_width,
         [&](const at::Tensor& px) { return perceiver(w_, c, clip_tokens(w_, c, px.to(dt))); },
         x.options(), "OpenFlamingo");
   const attention::MaskInputs cross_mask{mm.q_media, mm.kv_media, {}};
+  at::Tensor last_image;  // bool [B, slots_r·T]: this rank's keys of each sample's last image
+  if (cache) {
+    *cache = DecodeCache{};
+    cache->encode_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
+    for (auto* v : {&cache->prompt, &cache->visual}) v->resize(static_cast<size_t>(c.layers));
+    cache->new_k.resize(static_cast<size_t>(c.layers));
+    cache->new_v.resize(static_cast<size_t>(c.layers));
+    cache->length = L;
+    cache->batch = B;
+    // A generated token sees its sample's last image only (the package's use_cached_media).
+    const at::Tensor images = ids.eq(c.media_token_id).sum(1);  // [B]
+    cache->sees_media = images.gt(0);
+    if (mm.slots > 0) {
+      const at::Tensor local = mm.kv_media.narrow(1, media.first_slot * T, media.slots * T);
+      last_image = local.ge(0) & local.eq((images - 1).unsqueeze(1).to(local.scalar_type()));
+    }
+  }
 
   attention::AttentionSpec self_spec =
       self_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, par);
-  RotaryTables rope;
-  if (c.lm != "mpt") rope = rotary_tables(pos, c.rotary_dim, c.rotary_base);
-  // ALiBi as one more head dimension: q' = [q, 1], k' = [k, slope_h·j/scale], v' = [v, 0].
-  at::Tensor alibi_k;  // [1, L_r, H, 1]: slope_h·j/scale for this rank's keys
-  if (c.lm == "mpt") {
-    self_spec.head_dim = hd + 1;
-    self_spec.scale = 1.0 / std::sqrt(static_cast<double>(hd));
-    alibi_k = (pos.to(at::kDouble).view({1, -1, 1, 1}) *
-               alibi_slopes(c.heads, c.alibi_bias_max).view({1, 1, -1, 1}) / self_spec.scale)
-                  .to(dt);
-  }
+  if (c.lm == "mpt") self_spec.head_dim = hd + 1;  // the ALiBi channel
+  self_spec.scale = self_scale();
   for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string b = lm + c.layers_attr + "." + std::to_string(i) + ".";
-    const LayerStrategies& st = par.at(static_cast<size_t>(i));
+    const size_t li = static_cast<size_t>(i);
+    const LayerStrategies& st = par.at(li);
     const int64_t lr = x.size(1);
     if (c.is_cross(i) && mm.slots > 0) {
-      const std::string g = b + "gated_cross_attn_layer.";
-      const at::Tensor q =
-          linear(layer_norm(x, w_, g + "attn.norm", c.x_eps), w_, g + "attn.to_q", false)
-              .view({B, lr, c.x_heads, c.x_dim_head});
-      const auto kv = linear(media.features, w_, g + "attn.to_kv", false).chunk(2, -1);
-      const int64_t sk = media.features.size(1);
+      const auto [k, v] = cross_kv(i, media.features);
       const attention::AttentionSpec cross_spec =
           cross_attention_spec(B, L, c.x_heads, c.x_heads, c.x_dim_head, mm, par);
-      const auto o = attention::dist_attention(q, kv[0].reshape({B, sk, c.x_heads, c.x_dim_head}),
-                                               kv[1].reshape({B, sk, c.x_heads, c.x_dim_head}),
-                                               par.pg, st.cross, cross_spec, cross_mask);
-      x = x + linear(o.o.reshape({B, lr, c.x_heads * c.x_dim_head}), w_, g + "attn.to_out", false) *
-                  at::tanh(param(w_, g + "attn_gate"));
-      x = x +
-          linear(at::gelu(linear(layer_norm(x, w_, g + "ff.0", c.x_eps), w_, g + "ff.1", false)),
-                 w_, g + "ff.3", false) *
-              at::tanh(param(w_, g + "ff_gate"));
+      const auto o = attention::dist_attention(cross_query(i, x), k, v, par.pg, st.cross,
+                                               cross_spec, cross_mask);
+      if (cache) cache->visual[li] = {k, v, last_image};
+      x = cross_output(i, x, o.o.reshape({B, lr, c.x_heads * c.x_dim_head}));
     }
-    const std::string l = b + "decoder_layer.";
-    // The attention (its output before the output projection, [B, L_r, H·hd]), then the block
-    // after it as one segment (output projection, residuals, norm, MLP), which --remat
-    // recomputes in the backward instead of keeping (never the distributed attention).
-    at::Tensor a;
-    std::vector<at::Tensor> p;
-    SegmentFunction post;
-    const double eps = c.eps;
-    if (c.lm == "gpt_neox") {
-      // query_key_value: per head its own [q | k | v].
-      const at::Tensor qkv = linear(layer_norm(x, w_, l + "input_layernorm", c.eps), w_,
-                                    l + "attention.query_key_value", true)
-                                 .view({B, lr, c.heads, 3 * hd});
-      const auto parts = qkv.split(hd, -1);
-      a = attention::dist_attention(apply_rotary(parts[0], rope), apply_rotary(parts[1], rope),
-                                    parts[2], par.pg, st.self, self_spec)
-              .o.reshape({B, lr, d});
-      for (const char* n :
-           {"attention.dense.weight", "attention.dense.bias", "post_attention_layernorm.weight",
-            "post_attention_layernorm.bias", "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias",
-            "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias"})
-        p.push_back(param(w_, l + n));
-      post = [eps, act = c.act, parallel = c.parallel_residual](const std::vector<at::Tensor>& in,
-                                                                const std::vector<at::Tensor>& w) {
-        const at::Tensor attn = at::linear(in[1], w[0], w[1]);
-        auto mlp = [&](const at::Tensor& t) {
-          return at::linear(
-              activation(at::linear(at::layer_norm(t, {t.size(-1)}, w[2], w[3], eps), w[4], w[5]),
-                         act),
-              w[6], w[7]);
-        };
-        if (parallel) return std::vector<at::Tensor>{in[0] + attn + mlp(in[0])};
-        const at::Tensor r = in[0] + attn;
-        return std::vector<at::Tensor>{r + mlp(r)};
-      };
-    } else if (c.lm == "llama") {
-      const at::Tensor h = rms_norm(x, param(w_, l + "input_layernorm.weight"), c.eps);
-      auto proj = [&](const char* name, int64_t heads) {
-        return linear(h, w_, l + "self_attn." + name, false).view({B, lr, heads, c.head_dim});
-      };
-      a = attention::dist_attention(apply_rotary(proj("q_proj", c.heads), rope),
-                                    apply_rotary(proj("k_proj", c.kv_heads), rope),
-                                    proj("v_proj", c.kv_heads), par.pg, st.self, self_spec)
-              .o.reshape({B, lr, c.heads * c.head_dim});
-      for (const char* n : {"self_attn.o_proj.weight", "post_attention_layernorm.weight",
-                            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"})
-        p.push_back(param(w_, l + n));
-      post = [eps, act = c.act](const std::vector<at::Tensor>& in,
-                                const std::vector<at::Tensor>& w) {
-        const at::Tensor r = in[0] + at::linear(in[1], w[0]);
-        const at::Tensor h2 = rms_norm(r, w[1], eps);
-        return std::vector<at::Tensor>{
-            r + at::linear(activation(at::linear(h2, w[2]), act) * at::linear(h2, w[3]), w[4])};
-      };
-    } else {
-      const auto qkv =
-          linear(layer_norm(x, w_, l + "norm_1", c.eps), w_, l + "attn.Wqkv", false).chunk(3, -1);
-      auto heads = [&](const at::Tensor& t) { return t.reshape({B, lr, c.heads, hd}); };
-      const at::Tensor one = at::ones({B, lr, c.heads, 1}, x.options());
-      a = attention::dist_attention(
-              at::cat({heads(qkv[0]), one}, -1),
-              at::cat({heads(qkv[1]), alibi_k.expand({B, lr, c.heads, 1})}, -1),
-              at::cat({heads(qkv[2]), at::zeros_like(one)}, -1), par.pg, st.self, self_spec)
-              .o.narrow(-1, 0, hd)
-              .reshape({B, lr, d});
-      for (const char* n :
-           {"attn.out_proj.weight", "norm_2.weight", "ffn.up_proj.weight", "ffn.down_proj.weight"})
-        p.push_back(param(w_, l + n));
-      post = [eps](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& w) {
-        const at::Tensor r = in[0] + at::linear(in[1], w[0]);
-        const at::Tensor h2 = at::layer_norm(r, {r.size(-1)}, w[1], {}, eps);
-        return std::vector<at::Tensor>{r + at::linear(at::gelu(at::linear(h2, w[2])), w[3])};
-      };
+    const SelfQKV qkv = self_qkv(i, x, pos);
+    if (cache) cache->prompt[li] = {qkv.k, qkv.v, {}};
+    // The attention's output before the output projection, [B, L_r, H·hd] (MPT: without the
+    // ALiBi channel).
+    const at::Tensor a = attention::dist_attention(qkv.q, qkv.k, qkv.v, par.pg, st.self, self_spec)
+                             .o.narrow(-1, 0, hd)
+                             .reshape({B, lr, c.heads * hd});
+    x = post_attention(i, x, a, par.remat);
+  }
+  x = final_norm(x);
+  if (cache) return {x, pos};
+  return {at::linear(x, lm_head()), pos};
+}
+
+at::Tensor OpenFlamingo::prefill(const ModelInputs& in, const Parallel& par,
+                                 DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const ModelOutputs out = run(in, par, &cache);
+  return last_token_logits(out.logits, out.positions, in.input_ids.size(1), lm_head(), *par.pg);
+}
+
+at::Tensor OpenFlamingo::decode_step(const at::Tensor& tokens, const Parallel& par,
+                                     DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const OpenFlamingoConfig& c = cfg_;
+  const int64_t B = cache.batch, hd = c.head_dim;
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == B, "decode: expected one token per sample (", B,
+            "), got ", tokens.sizes());
+  at::Tensor x = at::embedding(embedding(), tokens.to(at::kLong).unsqueeze(1));  // [B, 1, W]
+  const at::ScalarType dt = x.scalar_type();
+  const at::Tensor position = at::full({1}, cache.length, x.options().dtype(at::kLong));
+  const double x_scale = 1.0 / std::sqrt(static_cast<double>(c.x_dim_head));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const size_t li = static_cast<size_t>(i);
+    const KVShard& vis = cache.visual[li];
+    if (c.is_cross(i) && vis.k.defined()) {
+      // The sample's last image, wherever its keys are: pass-Q over the ranks (a sample without
+      // images has no visible key anywhere: o = 0).
+      const at::Tensor q = cross_query(i, x).squeeze(1);  // [B, x_heads, x_dim_head]
+      const Partial o = merge_across_ranks(
+          *par.pg, {partial_attention(q, vis.k, vis.v, vis.visible, x_scale)})[0];
+      x = cross_output(i, x, o.o.reshape({B, 1, c.x_heads * c.x_dim_head}).to(dt));
     }
-    x = par.remat ? checkpoint_segment(post, {x, a}, p)[0] : post({x, a}, p)[0];
+    const SelfQKV qkv = self_qkv(i, x, position);
+    cache.new_k[li].push_back(qkv.k);
+    cache.new_v[li].push_back(qkv.v);
+    const at::Tensor q = qkv.q.squeeze(1);  // [B, H, D']
+    // This rank's prompt keys merged over the ranks; the generated tokens' keys are on every
+    // rank and join after.
+    const KVShard& prompt = cache.prompt[li];
+    const Partial merged = merge_across_ranks(
+        *par.pg, {partial_attention(q, prompt.k, prompt.v, prompt.visible, self_scale())})[0];
+    const Partial generated = partial_attention(q, at::cat(cache.new_k[li], 1),
+                                                at::cat(cache.new_v[li], 1), {}, self_scale());
+    const at::Tensor a = merge_partials({merged, generated})
+                             .o.narrow(-1, 0, hd)
+                             .reshape({B, 1, c.heads * hd})
+                             .to(dt);
+    x = post_attention(i, x, a, /*remat=*/false);
   }
-  at::Tensor logits;
-  if (c.lm == "gpt_neox") {
-    logits = at::linear(layer_norm(x, w_, lm + "gpt_neox.final_layer_norm", c.eps),
-                        param(w_, lm + "embed_out.weight"));
-  } else if (c.lm == "llama") {
-    logits = at::linear(rms_norm(x, param(w_, lm + "model.norm.weight"), c.eps),
-                        c.tied ? emb : param(w_, lm + "lm_head.weight"));
-  } else {
-    logits = at::linear(layer_norm(x, w_, lm + "transformer.norm_f", c.eps), emb);
-  }
-  return {logits, pos};
+  ++cache.length;
+  return at::linear(final_norm(x).squeeze(1), lm_head()).to(at::kFloat);
 }
 
 }  // namespace lvx::models

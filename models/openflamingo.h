@@ -14,14 +14,27 @@
 //   the cross-attention.
 // Distributed as models/parallel.h describes: each rank runs the ViT and the resampler on its own
 // images only. ALiBi runs through every distributed strategy as one extra head dimension
-// (q' = [q, 1], k' = [k, slope_h·j/scale]: scale·q'·k' = scale·q·k + slope_h·j, which differs
-// from MPT's bias slope_h·(j − i) by a per-row constant, so the softmax is the same).
+// (q' = [q, 1], k' = [k, slope_h·j/scale], v' = [v, 0]: scale·q'·k' = scale·q·k + slope_h·j,
+// which differs from MPT's bias slope_h·(j − i) by a per-row constant, so the softmax is the
+// same).
+// Generation (models/decode.h): prefill is the forward keeping each rank's self K/V (MPT's with
+// the ALiBi channel) and its images' visual K/V; a decode step attends by pass-Q, as the
+// package's cached generation does: a generated token sees its sample's LAST image only
+// (use_cached_media), a sample without images gets 0 from the cross-attention (its gated block
+// adds only the FF branch; a batch without any image skips the gated blocks, as the forward
+// does). The cross block runs before the decoder layer and feeds it, so a
+// layer with one merges twice, one after the other: per rank and token (n−1)·B·x_heads·
+// (x_dim_head+1)·4 bytes for the cross-attention and (n−1)·B·heads·(D+1)·4 for the self-
+// attention, D = head_dim (MPT: head_dim + 1). forward, prefill and decode_step share one
+// implementation of each layer piece (self q/k/v, the block after the self-attention, the gated
+// block's query / visual K/V / output, the final norm and head).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "models/checkpoint.h"
@@ -74,8 +87,41 @@ class OpenFlamingo : public Model {
   planner::ModelConfig planner_model() const override { return planner_model(cfg_); }
   static planner::ModelConfig planner_model(const OpenFlamingoConfig& c);
   ModelOutputs forward(const ModelInputs& in, const Parallel& par) const override;
+  at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const override;
+  at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,
+                         DecodeCache& cache) const override;
 
  private:
+  // The self-attention's inputs of one decoder layer.
+  struct SelfQKV {
+    at::Tensor q, k, v;  // [B, S, H, D'] (Llama: k, v with kv_heads); MPT: D' = head_dim + 1
+  };
+  // The forward; with a cache (prefill) it also keeps this rank's K/V there and returns the
+  // final hidden states (after the norm) instead of logits.
+  ModelOutputs run(const ModelInputs& in, const Parallel& par, DecodeCache* cache) const;
+  const at::Tensor& embedding() const;
+  const at::Tensor& lm_head() const;
+  // q/k/v of decoder layer i from the residual stream x [B, S, W] at global positions [S]:
+  // rotary (GPT-NeoX, Llama) or the ALiBi channel (MPT: q' = [q, 1], k' = [k, slope·j/scale],
+  // v' = [v, 0]).
+  SelfQKV self_qkv(int64_t layer, const at::Tensor& x, const at::Tensor& positions) const;
+  // The self-attention's softmax scale (MPT's ALiBi channel is not scaled separately).
+  double self_scale() const;
+  // Decoder layer i after its self-attention (a: [B, S, H·head_dim], before the output
+  // projection): output projection, residual(s), norm, MLP; --remat recomputes it.
+  at::Tensor post_attention(int64_t layer, const at::Tensor& x, const at::Tensor& a,
+                            bool remat) const;
+  // The gated cross-attention block of layer i: its query [B, S, x_heads, x_dim_head] from x,
+  // the visual K/V of media features [B, S_v, W_v], and x after the block given the
+  // attention's output o [B, S, x_heads·x_dim_head]: x + tanh(attn_gate)·to_out(o), then
+  // + tanh(ff_gate)·FF(x).
+  at::Tensor cross_query(int64_t layer, const at::Tensor& x) const;
+  std::pair<at::Tensor, at::Tensor> cross_kv(int64_t layer, const at::Tensor& media) const;
+  at::Tensor cross_output(int64_t layer, const at::Tensor& x, const at::Tensor& o) const;
+  // The final norm (before the head).
+  at::Tensor final_norm(const at::Tensor& x) const;
+  std::string layer_prefix(int64_t layer) const;
+
   OpenFlamingoConfig cfg_;
   StateDict w_;
 };

@@ -8,6 +8,7 @@ usage:
   openflamingo_ref.py make-batch OUT_DIR BATCH.safetensors [--seed S] [--batch B] [--length L]
         [--images T]
   openflamingo_ref.py run OUT_DIR BATCH.safetensors EXPECTED.safetensors [--backward] [--float32]
+  openflamingo_ref.py generate OUT_DIR BATCH.safetensors EXPECTED.safetensors --tokens N
   openflamingo_ref.py selfcheck OUT_DIR [--lm gpt_neox|mpt|llama|all]
 
 make-model  builds the tiny model with open_flamingo.create_model_and_transforms (a tiny open_clip
@@ -45,6 +46,14 @@ run         rebuilds the package model from OUT_DIR alone (config.json, model.sa
             attention softmax and LLaMA's RMSNorm statistics (x * rsqrt(mean(x^2) + eps), then
             cast back before the weight) in float32 even in a float64 model, so those parts are
             fp32-accurate (LLaMA's attention itself runs through sdpa in float64).
+generate    greedy decoding WITHOUT a cache with the package model rebuilt as run does (float64):
+            for each of N steps the whole Flamingo.forward on the prompt + the tokens chosen so far
+            (same vision_x), argmax of the last position's logits (the lowest id on ties). The
+            package gives an appended token the last image: text_time = cumsum(media_locations)
+            = the sample's image count, the rule of its cached generation (use_cached_media).
+            A chosen <image> token would be a new, imageless media position: an error. Writes
+            tokens int64 [B, N] and step_logits float32 [B, N, V]; prints the smallest top-2
+            margin (how far the greedy choices are from a tie).
 selfcheck   for each LM: make-model into OUT_DIR/<lm>, then reloads the converted files into a
             fresh package model and checks: the converted key set is the package state dict minus
             its aliases (no duplicates) and every tensor equals the original's, logits are
@@ -619,6 +628,32 @@ def run(out, batch_path, expected_path, backward, dtype):
     log(f"run: wrote {expected_path} ({len(result)} tensors)")
 
 
+# ---- generate --------------------------------------------------------------------------------------
+def generate(out, batch_path, expected_path, steps):
+    from safetensors.torch import load_file, save_file
+    model, cfg, _ = build_from_converted(out)
+    model.to(torch.float64)
+    batch = load_file(batch_path)
+    ids = batch["input_ids"]
+    tokens, logits = [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            last = forward(model, dict(batch, input_ids=ids), torch.float64)[:, -1]  # [B, V]
+            nxt = last.argmax(-1)  # the first (lowest) id on ties
+            if bool((nxt == cfg["media_token_id"]).any()):
+                raise SystemExit(f"generate: step {len(tokens)} chose <image> ({cfg['media_token_id']}); "
+                                 "pick another seed")
+            tokens.append(nxt)
+            logits.append(last)
+            ids = torch.cat([ids, nxt[:, None]], 1)
+    step_logits = torch.stack(logits, 1)
+    top2 = step_logits.topk(2, dim=-1).values
+    save_file({"tokens": torch.stack(tokens, 1).contiguous(),
+               "step_logits": step_logits.float().contiguous()}, expected_path)
+    log(f"generate: wrote {expected_path}: tokens {torch.stack(tokens, 1).tolist()}, "
+        f"smallest top-2 margin {float((top2[..., 0] - top2[..., 1]).min()):.3g}")
+
+
 # ---- selfcheck -------------------------------------------------------------------------------------
 def first_image_pos(ids, media):
     return [int((row == media).nonzero()[0]) for row in ids]
@@ -726,6 +761,11 @@ def main():
     r.add_argument("expected")
     r.add_argument("--backward", action="store_true")
     r.add_argument("--float32", action="store_true")
+    gp = sub.add_parser("generate")
+    gp.add_argument("out")
+    gp.add_argument("batch")
+    gp.add_argument("expected")
+    gp.add_argument("--tokens", type=int, required=True)
     s = sub.add_parser("selfcheck")
     s.add_argument("out")
     s.add_argument("--lm", choices=("gpt_neox", "mpt", "llama", "all"), default="all")
@@ -741,6 +781,8 @@ def main():
         save_file(make_batch(cfg, a.seed, a.batch, a.length, a.images), a.batch_file)
     elif a.cmd == "run":
         run(a.out, a.batch, a.expected, a.backward, torch.float32 if a.float32 else torch.float64)
+    elif a.cmd == "generate":
+        generate(a.out, a.batch, a.expected, a.tokens)
     else:
         if a.lm in ("gpt_neox", "all"):  # RedPajama-INCITE-3B's settings, then the other branches
             selfcheck_one(os.path.join(a.out, "gpt_neox"), "gpt_neox", a.seed)
