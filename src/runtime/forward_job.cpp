@@ -17,6 +17,7 @@
 #include "src/planner/cluster_config.h"
 #include "src/planner/planner.h"
 #include "src/runtime/model_description.h"
+#include "src/runtime/train_step.h"
 
 namespace lvx::runtime {
 
@@ -58,58 +59,6 @@ Batch read_batch(const std::string& path) {
   return b;
 }
 
-// --strategies: "S" for every attention layer, "S_cross,S_self" per kind; S may be a pair F+B.
-models::Parallel explicit_strategies(const std::string& spec, int64_t layers) {
-  std::vector<std::string> parts;
-  std::stringstream ss(spec);
-  for (std::string p; std::getline(ss, p, ',');) parts.push_back(p);
-  LVX_CHECK(parts.size() == 1 || parts.size() == 2, "--strategies: expected auto, S or ",
-            "S_cross,S_self, got '", spec, "'");
-  models::LayerStrategies ls;
-  ls.cross = attention::strategy_choice_from_name(parts[0]);
-  ls.self = attention::strategy_choice_from_name(parts.size() == 2 ? parts[1] : parts[0]);
-  models::Parallel p;
-  p.layers.assign(static_cast<size_t>(layers), ls);
-  return p;
-}
-
-// auto: the planner's per-layer choice for this batch (its own prompt, frames and text length)
-// on the cluster config; without one, lv_xattn for cross layers and ring for self layers.
-models::Parallel planned_strategies(const ForwardJob& job, const models::Model& model,
-                                    const Batch& b, int world, std::string* plan_text) {
-  models::Parallel p;
-  p.layers.assign(static_cast<size_t>(model.decoder_layers()), models::LayerStrategies{});
-  if (job.cluster.empty()) {
-    *plan_text = "plan: no --cluster given; lv_xattn for cross-attention, ring for self-attention";
-    return p;
-  }
-  planner::ModelConfig m = model.planner_model();
-  m.dtype = job.dtype;
-  planner::Workload w;
-  at::Tensor marks = (b.input_ids.narrow(0, 0, 1) == model.media_token_id()).to(at::kLong);
-  w.frames = std::max<int64_t>(1, marks.sum().item<int64_t>());
-  w.text_tokens = b.input_ids.size(1);
-  if (marks.sum().item<int64_t>() > 0) w.prompt_marks = marks;
-  w.tokens_per_frame = model.tokens_per_media();
-  w.ranks = world;
-  w.dtype = job.dtype;
-  w.train = job.backward;
-  const planner::Plan plan = planner::plan(m, planner::load_cluster_config(job.cluster), w);
-  // Each decoder layer has one self layer; a cross layer belongs to the decoder layer of the
-  // self layer next to it (mPLUG-Owl3: after it, OpenFlamingo: before it).
-  const bool cross_first = model.family() == "openflamingo";
-  size_t decoder_layer = 0;
-  for (const planner::LayerPlan& l : plan.layers) {
-    if (l.work.kind == planner::LayerKind::kSelf) {
-      p.layers[decoder_layer++].self = l.choice();
-    } else {
-      p.layers[cross_first ? decoder_layer : decoder_layer - 1].cross = l.choice();
-    }
-  }
-  *plan_text = planner::format_table(plan);
-  return p;
-}
-
 // The logits of every rank in global token order (complete on rank 0 only).
 at::Tensor gather_logits(dist::ProcessGroup& pg, attention::LayoutKind layout,
                          const at::Tensor& local) {
@@ -130,50 +79,6 @@ at::Tensor gather_logits(dist::ProcessGroup& pg, attention::LayoutKind layout,
     off += text.local_size(j);
   }
   return text.unshard(shards, 1).contiguous();
-}
-
-// Mean cross-entropy over every rank's labels != −100, its backward, and the gradients of the
-// trainable (replicated) parameters summed across ranks in one flat all-reduce. Returns loss and
-// grad.<name>, identical on every rank.
-std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::Model& model,
-                                                const at::Tensor& all_labels,
-                                                const models::ModelOutputs& out) {
-  const at::Tensor labels = all_labels.index_select(1, out.positions);  // this rank's rows
-  at::Tensor count = labels.ne(-100).sum().to(at::kDouble).reshape({1});
-  pg.all_reduce(count);
-  LVX_CHECK(count.item<double>() > 0, "labels: every label is -100 (nothing to learn)");
-  const at::Tensor logits = out.logits.to(at::kFloat).reshape({-1, out.logits.size(-1)});
-  const at::Tensor local_sum = at::cross_entropy_loss(logits, labels.reshape({-1}), /*weight=*/{},
-                                                      at::Reduction::Sum, /*ignore_index=*/-100);
-  (local_sum / count.item<double>()).backward();
-  std::vector<std::string> names;
-  std::vector<at::Tensor> parts;
-  for (auto& [name, t] : model.parameters()) {
-    if (!model.trainable(name)) continue;
-    names.push_back(name);
-    parts.push_back(t.grad().defined() ? t.grad().to(at::kFloat).reshape({-1})
-                                       : at::zeros({t.numel()}, at::kFloat));
-  }
-  at::Tensor flat = at::cat(parts);
-  pg.all_reduce(flat);
-  at::Tensor total = local_sum.detach().to(at::kDouble).reshape({1});
-  pg.all_reduce(total);
-  std::map<std::string, at::Tensor> result{{"loss", (total / count).to(at::kFloat).reshape({})}};
-  int64_t off = 0;
-  for (size_t i = 0; i < names.size(); ++i) {
-    const at::Tensor& t = model.parameters().at(names[i]);
-    result["grad." + names[i]] = flat.narrow(0, off, t.numel()).view(t.sizes()).clone();
-    off += t.numel();
-  }
-  return result;
-}
-
-std::string describe(const models::Parallel& p) {
-  std::string s =
-      str("text ", p.text_layout == attention::LayoutKind::kStriped ? "striped" : "contiguous");
-  for (size_t i = 0; i < p.layers.size(); ++i)
-    s += str("; layer ", i, " self ", p.layers[i].self.name(), " cross ", p.layers[i].cross.name());
-  return s;
 }
 
 }  // namespace
@@ -197,7 +102,8 @@ int run_forward_rank(const ForwardJob& job) {
   models::Model& model = *loaded;
   std::string plan_text;
   models::Parallel par = job.strategies == "auto"
-                             ? planned_strategies(job, model, b, n, &plan_text)
+                             ? planned_strategies(job.cluster, job.dtype, job.backward, model, b.input_ids, n,
+                                                 &plan_text)
                              : explicit_strategies(job.strategies, model.decoder_layers());
   par.pg = pg;
   par.recompute_cross_kv = job.recompute_cross_kv;
