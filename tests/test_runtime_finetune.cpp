@@ -109,7 +109,8 @@ double max_diff(const std::string& a, const std::string& b) {
     EXPECT_EQ(ta.size(), tb.size()) << f;
     for (const auto& [name, t] : ta) {
       if (!tb.count(name)) return 1e30;
-      worst = std::max(worst, (t.to(at::kDouble) - tb.at(name).to(at::kDouble)).abs().max().item<double>());
+      worst = std::max(
+          worst, (t.to(at::kDouble) - tb.at(name).to(at::kDouble)).abs().max().item<double>());
     }
   }
   return worst;
@@ -239,9 +240,8 @@ TEST(Finetune, BadInputIsNamedAndNothingIsLost) {
       {"fresh run into a used checkpoint dir", "", "", "already holds checkpoints"},
   };
   for (const Case& c : cases) {
-    const std::string log =
-        finetune(write_config("bad", ck, 8, c.extra_yaml),
-                 (c.what.rfind("fresh", 0) == 0 ? "" : "--resume ") + c.args);
+    const std::string log = finetune(write_config("bad", ck, 8, c.extra_yaml),
+                                     (c.what.rfind("fresh", 0) == 0 ? "" : "--resume ") + c.args);
     EXPECT_NE(log.find("exit status"), std::string::npos) << c.what << ": " << log;
     EXPECT_NE(log.find(c.expect), std::string::npos) << c.what << ": " << log;
     EXPECT_EQ(fs::path(latest(ck)).filename(), "step-000006") << c.what;
@@ -253,9 +253,8 @@ TEST(Finetune, BadInputIsNamedAndNothingIsLost) {
 
 TEST(FinetuneConfig, OverridesAndDefaults) {
   const std::string path = write_config("cfg", (dir() / "ck_cfg").string(), 5);
-  const TrainConfig c =
-      lvx::runtime::load_train_config(path, {"optimizer.lr=1e-3", "optimizer.betas=[0.8, 0.95]",
-                                             "freeze.policy=cross_only"});
+  const TrainConfig c = lvx::runtime::load_train_config(
+      path, {"optimizer.lr=1e-3", "optimizer.betas=[0.8, 0.95]", "freeze.policy=cross_only"});
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-3);
   EXPECT_DOUBLE_EQ(c.optimizer.betas[1], 0.95);
   EXPECT_EQ(c.freeze.policy, "cross_only");
@@ -286,9 +285,8 @@ TEST(FinetuneOptimizer, MatchesTorchAdamWAndClipGradNorm) {
   TrainConfig::Schedule s;
   s.steps = 6, s.warmup_steps = 2, s.min_lr = 1e-3;
   at::manual_seed(7);
-  std::map<std::string, at::Tensor> params{{"a", at::randn({5, 7})},
-                                           {"b", at::randn({11})},
-                                           {"c", at::randn({3, 2, 2})}};
+  std::map<std::string, at::Tensor> params{
+      {"a", at::randn({5, 7})}, {"b", at::randn({11})}, {"c", at::randn({3, 2, 2})}};
   std::map<std::string, at::Tensor> in;
   for (auto& [n, p] : params) in["param." + n] = p.clone();
   lvx::runtime::AdamW opt(o, s);
@@ -305,10 +303,14 @@ TEST(FinetuneOptimizer, MatchesTorchAdamWAndClipGradNorm) {
     norms.push_back(opt.step(g, params));
     lrs.push_back(opt.last_lr());
   }
-  const nlohmann::json cfg = {{"lr", o.lr},         {"betas", {o.betas[0], o.betas[1]}},
-                              {"eps", o.eps},       {"weight_decay", o.weight_decay},
-                              {"grad_clip", o.grad_clip}, {"steps", s.steps},
-                              {"warmup_steps", s.warmup_steps}, {"min_lr", s.min_lr}};
+  const nlohmann::json cfg = {{"lr", o.lr},
+                              {"betas", {o.betas[0], o.betas[1]}},
+                              {"eps", o.eps},
+                              {"weight_decay", o.weight_decay},
+                              {"grad_clip", o.grad_clip},
+                              {"steps", s.steps},
+                              {"warmup_steps", s.warmup_steps},
+                              {"min_lr", s.min_lr}};
   const std::string src = (dir() / "adamw_in.safetensors").string(),
                     dst = (dir() / "adamw_out.safetensors").string();
   lvx::save_safetensors(src, in, {{"config", cfg.dump()}});

@@ -36,7 +36,8 @@ void draw_bar(const std::string& metrics, std::streamoff* offset, std::string* l
       const int width = 24, full = static_cast<int>(width * step / std::max<int64_t>(1, total));
       const int64_t eta = static_cast<int64_t>(m.at("eta_seconds").get<double>());
       char buf[256];
-      std::snprintf(buf, sizeof(buf), "\r[%s%s] step %lld/%lld  loss %.4f  %.0f tok/s  ETA %lld:%02lld:%02lld ",
+      std::snprintf(buf, sizeof(buf),
+                    "\r[%s%s] step %lld/%lld  loss %.4f  %.0f tok/s  ETA %lld:%02lld:%02lld ",
                     std::string(static_cast<size_t>(full), '#').c_str(),
                     std::string(static_cast<size_t>(width - full), '.').c_str(),
                     static_cast<long long>(step), static_cast<long long>(total),

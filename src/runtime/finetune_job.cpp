@@ -69,8 +69,8 @@ int64_t sample_at(const TrainConfig::Data& d, int64_t n, int64_t k) {
   static std::map<int64_t, at::Tensor> orders;  // per epoch, made once
   auto it = orders.find(epoch);
   if (it == orders.end()) {
-    at::Generator g = at::make_generator<at::CPUGeneratorImpl>(
-        static_cast<uint64_t>(d.seed + epoch));
+    at::Generator g =
+        at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(d.seed + epoch));
     it = orders.emplace(epoch, at::randperm(n, g, at::kLong)).first;
   }
   return it->second[pos].item<int64_t>();
@@ -149,8 +149,9 @@ std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos
         auto sp = spans.find(it.video);
         if (sp == spans.end()) {
           const video::VideoDecoder dec(it.video);
-          sp = spans.emplace(it.video, std::make_pair(dec.info().begin_seconds,
-                                                      dec.info().end_seconds))
+          sp = spans
+                   .emplace(it.video,
+                            std::make_pair(dec.info().begin_seconds, dec.info().end_seconds))
                    .first;
         }
         const auto [begin, end] = sp->second;
@@ -201,8 +202,8 @@ int run_finetune_rank(const FinetuneJob& job) {
 
   const std::string ckpt = job.resume ? latest_checkpoint(cfg.checkpoint.dir) : "";
   if (!job.resume)
-    LVX_CHECK(latest_checkpoint(cfg.checkpoint.dir).empty(), "checkpoint.dir: ",
-              cfg.checkpoint.dir, " already holds checkpoints; pass --resume");
+    LVX_CHECK(latest_checkpoint(cfg.checkpoint.dir).empty(), "checkpoint.dir: ", cfg.checkpoint.dir,
+              " already holds checkpoints; pass --resume");
   if (!ckpt.empty()) verify_checkpoint(ckpt);
   const std::string model_dir = ckpt.empty() ? cfg.model.path : ckpt;
   check_model_dir(model_dir, ckpt.empty() ? "model.path" : "checkpoint");
@@ -250,7 +251,8 @@ int run_finetune_rank(const FinetuneJob& job) {
   if (r == 0) {
     std::cout << family << ": " << trainable_numel << " of " << total_numel
               << " parameters train (freeze.policy " << cfg.freeze.policy << "), " << samples
-              << " samples, " << n << " rank(s)\n" << std::flush;
+              << " samples, " << n << " rank(s)\n"
+              << std::flush;
     fs::create_directories(fs::path(cfg.logging.metrics).parent_path().empty()
                                ? fs::path(".")
                                : fs::path(cfg.logging.metrics).parent_path());
@@ -282,8 +284,8 @@ int run_finetune_rank(const FinetuneJob& job) {
       } catch (const Error& e) {
         LVX_FAIL("sample '", item.id, "' (", cfg.data.train, "): ", e.what());
       }
-      const PromptTokens p = build_prompt(family, tok, question_text(item),
-                                          fb.report.sampled_total, &item.answer);
+      const PromptTokens p =
+          build_prompt(family, tok, question_text(item), fb.report.sampled_total, &item.answer);
       const int64_t len = static_cast<int64_t>(p.ids.size());
       const at::Tensor ids = at::tensor(p.ids, at::kLong).reshape({1, len});
       const at::Tensor labels = at::tensor(p.labels, at::kLong).reshape({1, len});
@@ -327,21 +329,21 @@ int run_finetune_rank(const FinetuneJob& job) {
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
     const int64_t done = step + 1 - start;
-    const double eta = elapsed / static_cast<double>(done) *
-                       static_cast<double>(cfg.schedule.steps - step - 1);
+    const double eta =
+        elapsed / static_cast<double>(done) * static_cast<double>(cfg.schedule.steps - step - 1);
     if (r == 0) {
-      nlohmann::json m = {{"step", step + 1},
-                          {"loss", loss},
-                          {"lr", opt.last_lr()},
-                          {"grad_norm", norm},
-                          {"tokens", tokens},
-                          {"frames", frames},
-                          {"step_seconds", secs},
-                          {"tokens_per_second", tokens_run / elapsed},
-                          {"samples_per_second",
-                           static_cast<double>(done * cfg.optimizer.grad_accum) / elapsed},
-                          {"eta_seconds", eta},
-                          {"total_steps", cfg.schedule.steps}};
+      nlohmann::json m = {
+          {"step", step + 1},
+          {"loss", loss},
+          {"lr", opt.last_lr()},
+          {"grad_norm", norm},
+          {"tokens", tokens},
+          {"frames", frames},
+          {"step_seconds", secs},
+          {"tokens_per_second", tokens_run / elapsed},
+          {"samples_per_second", static_cast<double>(done * cfg.optimizer.grad_accum) / elapsed},
+          {"eta_seconds", eta},
+          {"total_steps", cfg.schedule.steps}};
       metrics << m.dump() << "\n" << std::flush;
       if (plain && (done % cfg.logging.every == 0 || step + 1 == cfg.schedule.steps)) {
         std::printf("step %lld/%lld  loss %.4f  lr %.3g  grad norm %.3g  %.0f tok/s  ETA %s\n",
@@ -355,19 +357,18 @@ int run_finetune_rank(const FinetuneJob& job) {
       // Parameters are replicated and updated identically, so rank 0 writes for everyone.
       if (r == 0) {
         const int64_t k = (step + 1) * cfg.optimizer.grad_accum;
-        nlohmann::json state = {
-            {"step", step + 1},
-            {"data",
-             {{"train", cfg.data.train},
-              {"samples", samples},
-              {"seed", cfg.data.seed},
-              {"shuffle", cfg.data.shuffle},
-              {"samples_seen", k},
-              {"epoch", k / samples},
-              {"position", k % samples}}},
-            {"world_size", n},
-            {"freeze_policy", cfg.freeze.policy},
-            {"config", to_yaml(cfg)}};
+        nlohmann::json state = {{"step", step + 1},
+                                {"data",
+                                 {{"train", cfg.data.train},
+                                  {"samples", samples},
+                                  {"seed", cfg.data.seed},
+                                  {"shuffle", cfg.data.shuffle},
+                                  {"samples_seen", k},
+                                  {"epoch", k / samples},
+                                  {"position", k % samples}}},
+                                {"world_size", n},
+                                {"freeze_policy", cfg.freeze.policy},
+                                {"config", to_yaml(cfg)}};
         const std::string dir =
             save_train_checkpoint(cfg.checkpoint.dir, step + 1, model_files, model->parameters(),
                                   opt.state_tensors(), state, cfg.checkpoint.keep);

@@ -83,7 +83,9 @@ std::map<std::string, at::Tensor> AdamW::state_tensors() const {
 void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, int64_t step,
                        const std::string& where) {
   for (auto* part : {&master_, &exp_avg_, &exp_avg_sq_}) {
-    const std::string prefix = part == &master_ ? "master." : part == &exp_avg_ ? "exp_avg." : "exp_avg_sq.";
+    const std::string prefix = part == &master_    ? "master."
+                               : part == &exp_avg_ ? "exp_avg."
+                                                   : "exp_avg_sq.";
     for (auto& [name, t] : *part) {
       auto it = tensors.find(prefix + name);
       LVX_CHECK(it != tensors.end(), where, ": has no tensor '", prefix, name,
@@ -94,8 +96,8 @@ void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, int64_t
     }
   }
   size_t expected = 3 * master_.size();
-  LVX_CHECK(tensors.size() == expected, where, ": holds ", tensors.size(),
-            " tensors, expected ", expected, " (3 per trainable parameter; another freeze policy?)");
+  LVX_CHECK(tensors.size() == expected, where, ": holds ", tensors.size(), " tensors, expected ",
+            expected, " (3 per trainable parameter; another freeze policy?)");
   step_ = step;
 }
 

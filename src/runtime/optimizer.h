@@ -18,8 +18,7 @@ namespace lvx::runtime {
 // The learning rate of optimizer step `step` (0-based): lr · (step + 1) / warmup_steps during the
 // warm-up, then min_lr + (lr − min_lr) · (1 + cos(π · t)) / 2 with
 // t = (step − warmup_steps) / max(1, steps − warmup_steps).
-double learning_rate(const TrainConfig::Optimizer& o, const TrainConfig::Schedule& s,
-                     int64_t step);
+double learning_rate(const TrainConfig::Optimizer& o, const TrainConfig::Schedule& s, int64_t step);
 
 // Scales `grads` in place so their global L2 norm is at most max_norm (as clip_grad_norm_: by
 // max_norm / (norm + 1e-6), clamped to 1). Returns the norm before clipping. max_norm <= 0:

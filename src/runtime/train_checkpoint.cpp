@@ -56,8 +56,8 @@ void fault_point(const char* point, int64_t step) {
 }
 
 bool is_weights_file(const std::string& name) {
-  return name.size() > 12 && (name.rfind(".safetensors") == name.size() - 12 ||
-                              name == "model.safetensors.index.json");
+  return name.size() > 12 &&
+         (name.rfind(".safetensors") == name.size() - 12 || name == "model.safetensors.index.json");
 }
 
 }  // namespace
@@ -118,7 +118,8 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
   nlohmann::json files = nlohmann::json::object();
   auto done = [&](const std::string& file) {
     fsync_path(tmp / file);
-    files[file] = {{"bytes", fs::file_size(tmp / file)}, {"fnv1a64", file_checksum((tmp / file).string())}};
+    files[file] = {{"bytes", fs::file_size(tmp / file)},
+                   {"fnv1a64", file_checksum((tmp / file).string())}};
     fault_point("after_first_file", step);
   };
   save_safetensors((tmp / "model.safetensors").string(), params, {{"format", "pt"}});
@@ -182,9 +183,9 @@ void verify_checkpoint(const std::string& dir) {
   for (const auto& [file, info] : j["files"].items()) {
     const fs::path p = fs::path(dir) / file;
     LVX_CHECK(fs::exists(p), dir, ": corrupt checkpoint: ", file, " is missing");
-    LVX_CHECK(fs::file_size(p) == info.value("bytes", uint64_t{0}), dir, ": corrupt checkpoint: ",
-              file, " has ", fs::file_size(p), " bytes, the manifest says ",
-              info.value("bytes", uint64_t{0}));
+    LVX_CHECK(fs::file_size(p) == info.value("bytes", uint64_t{0}), dir,
+              ": corrupt checkpoint: ", file, " has ", fs::file_size(p),
+              " bytes, the manifest says ", info.value("bytes", uint64_t{0}));
     const std::string sum = file_checksum(p.string());
     LVX_CHECK(sum == info.value("fnv1a64", std::string()), dir, ": corrupt checkpoint: ", file,
               " has checksum ", sum, ", the manifest says ", info.value("fnv1a64", std::string()));

@@ -97,8 +97,8 @@ class Section {
   std::set<std::string> used_;
 };
 
-const std::vector<std::string> kSections = {"model",      "data",     "optimizer", "schedule",
-                                            "freeze",     "checkpoint", "parallel", "logging"};
+const std::vector<std::string> kSections = {"model",  "data",       "optimizer", "schedule",
+                                            "freeze", "checkpoint", "parallel",  "logging"};
 
 // "a.b.c=value": sets root[a][b][c] to the value parsed as YAML (so numbers, booleans and lists
 // keep their types).
@@ -239,15 +239,14 @@ std::string to_yaml(const TrainConfig& c) {
     << c.data.train;
   if (c.data.num_frames) e << YAML::Key << "num_frames" << YAML::Value << *c.data.num_frames;
   if (c.data.fps) e << YAML::Key << "fps" << YAML::Value << *c.data.fps;
-  e << YAML::Key << "shuffle" << YAML::Value << c.data.shuffle << YAML::Key << "seed"
-    << YAML::Value << c.data.seed << YAML::EndMap;
+  e << YAML::Key << "shuffle" << YAML::Value << c.data.shuffle << YAML::Key << "seed" << YAML::Value
+    << c.data.seed << YAML::EndMap;
   const auto& o = c.optimizer;
-  e << YAML::Key << "optimizer" << YAML::Value << YAML::BeginMap << YAML::Key << "lr"
-    << YAML::Value << o.lr << YAML::Key << "betas" << YAML::Value << YAML::Flow << YAML::BeginSeq
-    << o.betas[0] << o.betas[1] << YAML::EndSeq << YAML::Key << "eps" << YAML::Value << o.eps
-    << YAML::Key << "weight_decay" << YAML::Value << o.weight_decay << YAML::Key << "grad_clip"
-    << YAML::Value << o.grad_clip << YAML::Key << "grad_accum" << YAML::Value << o.grad_accum
-    << YAML::EndMap;
+  e << YAML::Key << "optimizer" << YAML::Value << YAML::BeginMap << YAML::Key << "lr" << YAML::Value
+    << o.lr << YAML::Key << "betas" << YAML::Value << YAML::Flow << YAML::BeginSeq << o.betas[0]
+    << o.betas[1] << YAML::EndSeq << YAML::Key << "eps" << YAML::Value << o.eps << YAML::Key
+    << "weight_decay" << YAML::Value << o.weight_decay << YAML::Key << "grad_clip" << YAML::Value
+    << o.grad_clip << YAML::Key << "grad_accum" << YAML::Value << o.grad_accum << YAML::EndMap;
   e << YAML::Key << "schedule" << YAML::Value << YAML::BeginMap << YAML::Key << "steps"
     << YAML::Value << c.schedule.steps << YAML::Key << "warmup_steps" << YAML::Value
     << c.schedule.warmup_steps << YAML::Key << "min_lr" << YAML::Value << c.schedule.min_lr
@@ -260,9 +259,8 @@ std::string to_yaml(const TrainConfig& c) {
   const auto& p = c.parallel;
   e << YAML::Key << "parallel" << YAML::Value << YAML::BeginMap << YAML::Key << "nproc"
     << YAML::Value << p.nproc << YAML::Key << "strategies" << YAML::Value << p.strategies
-    << YAML::Key << "cluster" << YAML::Value << p.cluster << YAML::Key << "recompute"
-    << YAML::Value << p.recompute << YAML::Key << "remat" << YAML::Value << p.remat
-    << YAML::EndMap;
+    << YAML::Key << "cluster" << YAML::Value << p.cluster << YAML::Key << "recompute" << YAML::Value
+    << p.recompute << YAML::Key << "remat" << YAML::Value << p.remat << YAML::EndMap;
   e << YAML::Key << "logging" << YAML::Value << YAML::BeginMap << YAML::Key << "metrics"
     << YAML::Value << c.logging.metrics << YAML::Key << "every" << YAML::Value << c.logging.every
     << YAML::EndMap;

@@ -14,8 +14,8 @@ namespace lvx::runtime {
 
 struct TrainConfig {
   struct Model {
-    std::string path;             // checkpoint directory (config.json, weights, tokenizer.json)
-    std::string dtype = "fp32";   // fp32 | bf16 (compute dtype; master weights are always fp32)
+    std::string path;            // checkpoint directory (config.json, weights, tokenizer.json)
+    std::string dtype = "fp32";  // fp32 | bf16 (compute dtype; master weights are always fp32)
   } model;
   struct Data {
     std::string train;                  // JSONL of video questions with answers (video_qa.h)

@@ -31,8 +31,9 @@ models::Parallel planned_strategies(const std::string& cluster, const std::strin
   models::Parallel p;
   p.layers.assign(static_cast<size_t>(model.decoder_layers()), models::LayerStrategies{});
   if (cluster.empty()) {
-    *plan_text = "plan: no cluster config given; lv_xattn for cross-attention, ring for "
-                 "self-attention";
+    *plan_text =
+        "plan: no cluster config given; lv_xattn for cross-attention, ring for "
+        "self-attention";
     return p;
   }
   planner::ModelConfig m = model.planner_model();
