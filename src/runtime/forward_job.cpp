@@ -16,6 +16,7 @@
 #include "src/runtime/generate.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/model_description.h"
+#include "src/runtime/train_step.h"
 
 namespace lvx::runtime {
 
@@ -79,42 +80,6 @@ at::Tensor gather_logits(dist::ProcessGroup& pg, attention::LayoutKind layout,
   return text.unshard(shards, 1).contiguous();
 }
 
-// Mean cross-entropy over every rank's labels != −100, its backward, and the gradients of the
-// trainable (replicated) parameters summed across ranks in one flat all-reduce. Returns loss and
-// grad.<name>, identical on every rank.
-std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::Model& model,
-                                                const at::Tensor& all_labels,
-                                                const models::ModelOutputs& out) {
-  const at::Tensor labels = all_labels.index_select(1, out.positions);  // this rank's rows
-  at::Tensor count = labels.ne(-100).sum().to(at::kDouble).reshape({1});
-  pg.all_reduce(count);
-  LVX_CHECK(count.item<double>() > 0, "labels: every label is -100 (nothing to learn)");
-  const at::Tensor logits = out.logits.to(at::kFloat).reshape({-1, out.logits.size(-1)});
-  const at::Tensor local_sum = at::cross_entropy_loss(logits, labels.reshape({-1}), /*weight=*/{},
-                                                      at::Reduction::Sum, /*ignore_index=*/-100);
-  (local_sum / count.item<double>()).backward();
-  std::vector<std::string> names;
-  std::vector<at::Tensor> parts;
-  for (auto& [name, t] : model.parameters()) {
-    if (!model.trainable(name)) continue;
-    names.push_back(name);
-    parts.push_back(t.grad().defined() ? t.grad().to(at::kFloat).reshape({-1})
-                                       : at::zeros({t.numel()}, at::kFloat));
-  }
-  at::Tensor flat = at::cat(parts);
-  pg.all_reduce(flat);
-  at::Tensor total = local_sum.detach().to(at::kDouble).reshape({1});
-  pg.all_reduce(total);
-  std::map<std::string, at::Tensor> result{{"loss", (total / count).to(at::kFloat).reshape({})}};
-  int64_t off = 0;
-  for (size_t i = 0; i < names.size(); ++i) {
-    const at::Tensor& t = model.parameters().at(names[i]);
-    result["grad." + names[i]] = flat.narrow(0, off, t.numel()).view(t.sizes()).clone();
-    off += t.numel();
-  }
-  return result;
-}
-
 }  // namespace
 
 void validate_forward_job(const ForwardJob& job) {
@@ -151,18 +116,19 @@ int run_forward_rank(const ForwardJob& job) {
     g.keep_logits = true;
     const GenerateResult out = generate(model, {b.input_ids, b.pixel_values}, par, g);
     double per_token = 0;
-    for (double t : out.token_seconds) per_token += t / static_cast<double>(out.token_seconds.size());
+    for (double t : out.token_seconds)
+      per_token += t / static_cast<double>(out.token_seconds.size());
     const int64_t steps = std::max<int64_t>(1, out.tokens.size(1) - 1);
     if (r == 0)
-      save_safetensors(job.output, {{"tokens", out.tokens}, {"step_logits", out.step_logits}},
-                       {{"model", job.model},
-                        {"plan", describe(par)},
-                        {"ranks", std::to_string(n)},
-                        {"prefill_seconds", std::to_string(out.prefill_seconds)},
-                        {"decode_seconds_per_token", std::to_string(per_token)},
-                        {"prefill_bytes_sent", std::to_string(out.prefill_bytes_sent)},
-                        {"decode_bytes_sent_per_token",
-                         std::to_string(out.decode_bytes_sent / steps)}});
+      save_safetensors(
+          job.output, {{"tokens", out.tokens}, {"step_logits", out.step_logits}},
+          {{"model", job.model},
+           {"plan", describe(par)},
+           {"ranks", std::to_string(n)},
+           {"prefill_seconds", std::to_string(out.prefill_seconds)},
+           {"decode_seconds_per_token", std::to_string(per_token)},
+           {"prefill_bytes_sent", std::to_string(out.prefill_bytes_sent)},
+           {"decode_bytes_sent_per_token", std::to_string(out.decode_bytes_sent / steps)}});
     pg->barrier();
     return 0;
   }

@@ -1,0 +1,121 @@
+// `lvx finetune`: supervised fine-tuning of a video LLM on question-answer rows, sequence
+// parallel across N local ranks (or the ranks of torchrun / mpirun / lvx launch).
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <thread>
+
+#include "src/cli/args.h"
+#include "src/cli/command.h"
+#include "src/dist/launcher.h"
+#include "src/runtime/finetune_job.h"
+
+namespace {
+
+// The progress bar on a terminal: drawn by the launching process from rank 0's metrics file
+// (rank output goes through the launcher's line prefixer, which cannot carry a redrawn line).
+void draw_bar(const std::string& metrics, std::streamoff* offset, std::string* last) {
+  std::ifstream f(metrics);
+  if (!f.good()) return;
+  f.seekg(*offset);
+  std::string line;
+  while (std::getline(f, line)) {
+    if (f.eof()) break;  // a line still being written
+    *offset = f.tellg();
+    try {
+      const auto m = nlohmann::json::parse(line);
+      const int64_t step = m.at("step"), total = m.at("total_steps");
+      const int width = 24, full = static_cast<int>(width * step / std::max<int64_t>(1, total));
+      const int64_t eta = static_cast<int64_t>(m.at("eta_seconds").get<double>());
+      char buf[256];
+      std::snprintf(buf, sizeof(buf),
+                    "\r[%s%s] step %lld/%lld  loss %.4f  %.0f tok/s  ETA %lld:%02lld:%02lld ",
+                    std::string(static_cast<size_t>(full), '#').c_str(),
+                    std::string(static_cast<size_t>(width - full), '.').c_str(),
+                    static_cast<long long>(step), static_cast<long long>(total),
+                    m.at("loss").get<double>(), m.at("tokens_per_second").get<double>(),
+                    static_cast<long long>(eta / 3600), static_cast<long long>(eta / 60 % 60),
+                    static_cast<long long>(eta % 60));
+      *last = buf;
+      std::fputs(buf, stderr);
+      std::fflush(stderr);
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+int cmd_finetune(int argc, char** argv) {
+  // Dotted overrides ("optimizer.lr=1e-3") are the arguments that are not flags.
+  std::vector<std::string> overrides;
+  std::vector<char*> args;
+  static const std::regex kOverride("^[A-Za-z_]+\\.[A-Za-z_]+=.*");
+  for (int i = 0; i < argc; ++i) {
+    if (i > 0 && std::regex_match(argv[i], kOverride))
+      overrides.push_back(argv[i]);
+    else
+      args.push_back(argv[i]);
+  }
+  lvx::cli::ArgParser p(
+      "lvx finetune --config run.yaml [--resume] [--nproc N] [section.field=value ...]",
+      "Fine-tunes a video LLM (mPLUG-Owl3 or OpenFlamingo checkpoint directory) on JSONL rows of\n"
+      "video, optional start/end seconds, question and answer; the loss is on the answer tokens.\n"
+      "AdamW (fp32 masters), warm-up then cosine decay, gradient clipping and accumulation,\n"
+      "freeze policies (vision | cross_only | none), sequence parallel across ranks.\n"
+      "Checkpoints (checkpoint.dir/step-N, `latest`) load with lvx qa / lvx forward; --resume\n"
+      "continues from the latest. See docs/finetune.md for every config field.");
+  p.add_option("config", 'c', "", "run YAML (configs/runs/finetune_tiny.yaml)", true);
+  p.add_flag("resume", 'r', "continue from checkpoint.dir/latest (a fresh start when none)");
+  p.add_option("nproc", 'n', "", "local ranks to start (default: parallel.nproc)");
+  if (!p.parse(static_cast<int>(args.size()), args.data())) return 0;
+  lvx::runtime::FinetuneJob job;
+  job.config = p.get("config");
+  job.resume = p.flag("resume");
+  job.overrides = overrides;
+  if (p.has("nproc") && !p.get("nproc").empty())
+    job.overrides.push_back("parallel.nproc=" + p.get("nproc"));
+  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
+    return lvx::runtime::run_finetune_rank(job);
+  // Bad input fails once, clearly, before ranks start and before anything is written.
+  const lvx::runtime::TrainConfig cfg = lvx::runtime::validate_finetune_job(job);
+  std::vector<std::string> cmd{lvx::dist::self_executable()};
+  for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
+  lvx::dist::LaunchOptions o;
+  o.nproc = static_cast<int>(cfg.parallel.nproc);
+  const bool bar = ::isatty(STDERR_FILENO);
+  if (bar) o.env["LVX_FINETUNE_BAR"] = "1";
+  std::atomic<bool> running{true};
+  std::thread drawer;
+  if (bar) {
+    drawer = std::thread([&] {
+      std::streamoff offset = 0;
+      {
+        std::ifstream f(cfg.logging.metrics, std::ios::ate);
+        if (f.good()) offset = f.tellg();
+      }
+      std::string last;
+      while (running) {
+        draw_bar(cfg.logging.metrics, &offset, &last);
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      }
+      draw_bar(cfg.logging.metrics, &offset, &last);
+      if (!last.empty()) std::fputs("\n", stderr);
+    });
+  }
+  const int rc = lvx::dist::launch_local(cmd, o).exit_code;
+  running = false;
+  if (drawer.joinable()) drawer.join();
+  return rc;
+}
+
+}  // namespace
+
+LVX_COMMAND("finetune", "fine-tune a video LLM on question-answer rows (sequence parallel)",
+            cmd_finetune);

@@ -1,0 +1,46 @@
+// `lvx finetune`: supervised fine-tuning on video question answering, sequence parallel across
+// the ranks of one process group. Every rank decodes and encodes only its own share of each
+// sample's frames (the model's key layout) and holds its share of the text; the planner (or
+// parallel.strategies) picks each layer's attention strategy; gradients are summed across ranks,
+// so every rank applies the same AdamW update to its replica of the parameters. Data parallelism
+// is not implemented: all ranks work on the same sample (see docs/finetune.md).
+//
+// Determinism: the sample of optimizer step s, micro-batch a is sample k = s · grad_accum + a of
+// the concatenated per-epoch orders (a permutation seeded with data.seed + epoch, or file order
+// without shuffle), so the data order follows from the step alone; a resumed run repeats the
+// interrupted run's arithmetic and, on CPU with the same rank count, reaches bitwise the same
+// parameters (tests/test_runtime_finetune.cpp).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "src/runtime/train_config.h"
+#include "src/runtime/video_qa.h"
+
+namespace lvx::runtime {
+
+struct FinetuneJob {
+  std::string config;                  // run YAML
+  std::vector<std::string> overrides;  // "section.field=value"
+  bool resume = false;                 // continue from checkpoint.dir/latest (fresh if none)
+};
+
+// The training rows, every one checked: a bad row, a missing video or a time range outside its
+// video is an error naming the file:line (several at once when several rows are bad).
+std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos);
+
+// Which parameters train under `policy` (vision | cross_only | none) for a model family.
+bool trains_under(const std::string& policy, const std::string& family, const std::string& name,
+                  bool default_trainable);
+
+// Checks everything before ranks start and before anything is written: the config, the model
+// directory (config.json, tokenizer.json), the data, and the checkpoint directory (a fresh run
+// refuses a directory that already holds checkpoints; --resume verifies the latest one). Returns
+// the config.
+TrainConfig validate_finetune_job(const FinetuneJob& job);
+
+// Runs on this rank (rendezvous from the environment). Returns 0 on success.
+int run_finetune_rank(const FinetuneJob& job);
+
+}  // namespace lvx::runtime

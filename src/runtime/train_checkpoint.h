@@ -1,0 +1,56 @@
+// Fine-tuning checkpoints: each one is a Hugging Face checkpoint directory that `lvx qa`,
+// `lvx forward` and models::load_model read as they are (config.json, tokenizer.json,
+// model.safetensors), plus the training state that --resume needs (optimizer.safetensors: fp32
+// masters and AdamW moments; trainer_state.json: step, data order, effective config) and
+// manifest.json (size and FNV-1a 64 checksum of every other file).
+//
+// Layout under checkpoint.dir:
+//   step-000004/      a complete checkpoint
+//   step-000006.partial/   one being written (or left by a crash; never read, removed later)
+//   latest            one line: the name of the newest complete checkpoint
+// Writes are atomic: the files go into <name>.partial, each is fsynced, manifest.json last, then
+// the folder is renamed into place and the parent fsynced, and only then is `latest` replaced
+// (write latest.tmp, fsync, rename, fsync the parent). A crash at any moment leaves `latest`
+// naming a complete checkpoint (or absent before the first one). Old checkpoints beyond `keep`
+// are removed only after `latest` names the new one.
+//
+// Fault injection for tests: LVX_FAULT_CHECKPOINT=after_first_file[@STEP] makes the writer
+// _exit(137) right after the first file of the checkpoint of step STEP (any step when omitted)
+// is written, and before_latest[@STEP] right after the rename, before `latest` is updated.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace lvx::runtime {
+
+std::string checkpoint_name(int64_t step);  // "step-000042"
+
+// The non-weight files of a checkpoint directory (config.json, tokenizer.json, ...) by name, read
+// once at start: the directory they came from may be an old checkpoint that `keep` removes.
+std::map<std::string, std::string> read_model_files(const std::string& model_dir);
+
+// Writes checkpoint `step` under `root` as above. `model_files`: read_model_files() of the
+// directory the model came from (written as they are). `params`: every
+// parameter of the model (saved in its dtype under the checkpoint names); `optimizer`: the
+// optimizer's state tensors; `state`: trainer_state.json. Returns the checkpoint's path.
+std::string save_train_checkpoint(const std::string& root, int64_t step,
+                                  const std::map<std::string, std::string>& model_files,
+                                  const std::map<std::string, at::Tensor>& params,
+                                  const std::map<std::string, at::Tensor>& optimizer,
+                                  const nlohmann::json& state, int64_t keep);
+
+// The newest complete checkpoint under `root` (`latest`), or "" when there is none.
+std::string latest_checkpoint(const std::string& root);
+
+// Checks every file of the manifest (present, size, checksum). Throws lvx::Error naming the
+// checkpoint and the file that is missing or corrupt.
+void verify_checkpoint(const std::string& dir);
+
+// FNV-1a 64 of a file's bytes, as 16 hex digits.
+std::string file_checksum(const std::string& path);
+
+}  // namespace lvx::runtime

@@ -1,0 +1,271 @@
+#include "src/runtime/train_config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "src/common/error.h"
+
+namespace lvx::runtime {
+
+namespace {
+
+// The section's node, or an empty one when absent (yaml-cpp's lookup of a missing key yields an
+// invalid node that throws on any use).
+YAML::Node section_of(const YAML::Node& root, const std::string& name) {
+  for (const auto& kv : root)
+    if (kv.first.as<std::string>() == name) return kv.second;
+  return YAML::Node();
+}
+
+// One mapping of the config: typed reads naming "file: section.field", and a final check that
+// every field present was read (the rest are unknown).
+class Section {
+ public:
+  Section(const YAML::Node& root, const std::string& file, const std::string& name)
+      : node_(section_of(root, name)), file_(file), name_(name) {
+    if (node_.IsDefined() && !node_.IsNull())
+      LVX_CHECK(node_.IsMap(), file_, ": ", name_, ": expected a mapping of fields, got '",
+                YAML::Dump(node_), "'");
+  }
+  bool has(const std::string& key) {
+    used_.insert(key);
+    return node_.IsMap() && node_[key] && !node_[key].IsNull();
+  }
+  std::string where(const std::string& key) const { return str(file_, ": ", name_, ".", key); }
+
+  template <typename T>
+  T get(const std::string& key, const char* what) {
+    LVX_CHECK(has(key), where(key), ": missing (required)");
+    const YAML::Node n = node_[key];
+    LVX_CHECK(n.IsScalar(), where(key), ": expected ", what, ", got '", YAML::Dump(n), "'");
+    try {
+      return n.as<T>();
+    } catch (const YAML::Exception&) {
+      LVX_FAIL(where(key), ": expected ", what, ", got '", n.Scalar(), "'");
+    }
+  }
+  std::string str_or(const std::string& key, const std::string& d) {
+    return has(key) ? get<std::string>(key, "a string") : d;
+  }
+  int64_t int_or(const std::string& key, int64_t d, int64_t min) {
+    const int64_t v = has(key) ? get<int64_t>(key, "an integer") : d;
+    LVX_CHECK(v >= min, where(key), ": must be >= ", min, ", got ", v);
+    return v;
+  }
+  double num_or(const std::string& key, double d, double min) {
+    const double v = has(key) ? get<double>(key, "a number") : d;
+    LVX_CHECK(std::isfinite(v) && v >= min, where(key), ": must be a finite number >= ", min,
+              ", got ", v);
+    return v;
+  }
+  bool bool_or(const std::string& key, bool d) {
+    return has(key) ? get<bool>(key, "true or false") : d;
+  }
+  std::string choice_or(const std::string& key, const std::string& d,
+                        const std::vector<std::string>& allowed) {
+    const std::string v = str_or(key, d);
+    std::string list;
+    for (const auto& a : allowed) {
+      if (a == v) return v;
+      list += (list.empty() ? "" : ", ") + a;
+    }
+    LVX_FAIL(where(key), ": expected one of ", list, ", got '", v, "'");
+  }
+  YAML::Node raw(const std::string& key) {
+    used_.insert(key);
+    return node_.IsMap() ? node_[key] : YAML::Node();
+  }
+  void finish() const {
+    if (!node_.IsMap()) return;
+    for (const auto& kv : node_) {
+      const std::string k = kv.first.as<std::string>();
+      if (used_.count(k)) continue;
+      std::string known;
+      for (const auto& u : used_) known += (known.empty() ? "" : ", ") + u;
+      LVX_FAIL(where(k), ": unknown field (known in '", name_, "': ", known, ")");
+    }
+  }
+
+ private:
+  YAML::Node node_;
+  std::string file_, name_;
+  std::set<std::string> used_;
+};
+
+const std::vector<std::string> kSections = {"model",  "data",       "optimizer", "schedule",
+                                            "freeze", "checkpoint", "parallel",  "logging"};
+
+// "a.b.c=value": sets root[a][b][c] to the value parsed as YAML (so numbers, booleans and lists
+// keep their types).
+void apply_override(YAML::Node& root, const std::string& o) {
+  const size_t eq = o.find('=');
+  LVX_CHECK(eq != std::string::npos && eq > 0, "command line: override '", o,
+            "' must look like section.field=value");
+  const std::string key = o.substr(0, eq), value = o.substr(eq + 1);
+  std::vector<std::string> parts;
+  std::stringstream ss(key);
+  for (std::string p; std::getline(ss, p, '.');) parts.push_back(p);
+  LVX_CHECK(parts.size() == 2 && !parts[0].empty() && !parts[1].empty(), "command line: override '",
+            o, "': the key must be section.field (e.g. optimizer.lr=1e-3)");
+  bool known = false;
+  for (const auto& s : kSections) known = known || s == parts[0];
+  LVX_CHECK(known, "command line: override '", o, "': unknown section '", parts[0], "'");
+  YAML::Node v;
+  try {
+    v = YAML::Load(value);
+  } catch (const YAML::Exception& e) {
+    LVX_FAIL("command line: override '", o, "': the value is not valid YAML: ", e.what());
+  }
+  if (!root[parts[0]] || !root[parts[0]].IsMap()) root[parts[0]] = YAML::Node(YAML::NodeType::Map);
+  YAML::Node section = root[parts[0]];
+  section[parts[1]] = v;
+}
+
+}  // namespace
+
+TrainConfig load_train_config(const std::string& path, const std::vector<std::string>& overrides) {
+  LVX_CHECK(std::filesystem::exists(path), path, ": no such file (expected the run's YAML config)");
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    LVX_FAIL(path, ": not valid YAML: ", e.what());
+  }
+  if (!root || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  LVX_CHECK(root.IsMap(), path, ": the top level must be a mapping of sections");
+  for (const auto& o : overrides) apply_override(root, o);
+  const std::string file = overrides.empty() ? path : path + " (with command-line overrides)";
+  for (const auto& kv : root) {
+    const std::string k = kv.first.as<std::string>();
+    bool known = false;
+    for (const auto& s : kSections) known = known || s == k;
+    LVX_CHECK(known, file, ": ", k, ": unknown section (known: model, data, optimizer, schedule, ",
+              "freeze, checkpoint, parallel, logging)");
+  }
+  TrainConfig c;
+  {
+    Section s(root, file, "model");
+    c.model.path = s.get<std::string>("path", "a checkpoint directory");
+    c.model.dtype = s.choice_or("dtype", c.model.dtype, {"fp32", "bf16"});
+    s.finish();
+  }
+  {
+    Section s(root, file, "data");
+    c.data.train = s.get<std::string>("train", "a JSONL file");
+    if (s.has("num_frames")) c.data.num_frames = s.int_or("num_frames", 1, 1);
+    if (s.has("fps")) c.data.fps = s.num_or("fps", 1, 1e-9);
+    LVX_CHECK(c.data.num_frames.has_value() != c.data.fps.has_value(), s.where("num_frames"),
+              ": give exactly one of data.num_frames and data.fps");
+    c.data.shuffle = s.bool_or("shuffle", c.data.shuffle);
+    c.data.seed = s.int_or("seed", c.data.seed, 0);
+    s.finish();
+  }
+  {
+    Section s(root, file, "optimizer");
+    auto& o = c.optimizer;
+    o.lr = s.num_or("lr", o.lr, 0);
+    if (s.has("betas")) {
+      const YAML::Node b = s.raw("betas");
+      LVX_CHECK(b.IsSequence() && b.size() == 2, s.where("betas"),
+                ": expected a list of two numbers, got '", YAML::Dump(b), "'");
+      for (size_t i = 0; i < 2; ++i) {
+        try {
+          o.betas[i] = b[i].as<double>();
+        } catch (const YAML::Exception&) {
+          LVX_FAIL(s.where("betas"), ": expected a list of two numbers, got '", YAML::Dump(b), "'");
+        }
+        LVX_CHECK(o.betas[i] >= 0 && o.betas[i] < 1, s.where("betas"), ": each must be in [0, 1), ",
+                  "got ", o.betas[i]);
+      }
+    }
+    o.eps = s.num_or("eps", o.eps, 0);
+    o.weight_decay = s.num_or("weight_decay", o.weight_decay, 0);
+    o.grad_clip = s.num_or("grad_clip", o.grad_clip, 0);
+    o.grad_accum = s.int_or("grad_accum", o.grad_accum, 1);
+    s.finish();
+  }
+  {
+    Section s(root, file, "schedule");
+    c.schedule.steps = s.int_or("steps", 0, 1);
+    LVX_CHECK(s.has("steps"), s.where("steps"), ": missing (required)");
+    c.schedule.warmup_steps = s.int_or("warmup_steps", 0, 0);
+    c.schedule.min_lr = s.num_or("min_lr", 0, 0);
+    LVX_CHECK(c.schedule.min_lr <= c.optimizer.lr, s.where("min_lr"), ": ", c.schedule.min_lr,
+              " exceeds optimizer.lr ", c.optimizer.lr);
+    s.finish();
+  }
+  {
+    Section s(root, file, "freeze");
+    c.freeze.policy = s.choice_or("policy", c.freeze.policy, {"vision", "cross_only", "none"});
+    s.finish();
+  }
+  {
+    Section s(root, file, "checkpoint");
+    c.checkpoint.dir = s.get<std::string>("dir", "a directory");
+    c.checkpoint.every = s.int_or("every", 0, 0);
+    c.checkpoint.keep = s.int_or("keep", 2, 1);
+    s.finish();
+  }
+  {
+    Section s(root, file, "parallel");
+    auto& p = c.parallel;
+    p.nproc = s.int_or("nproc", 1, 1);
+    p.strategies = s.str_or("strategies", p.strategies);
+    p.cluster = s.str_or("cluster", "");
+    p.recompute = s.bool_or("recompute", false);
+    p.remat = s.bool_or("remat", false);
+    s.finish();
+  }
+  {
+    Section s(root, file, "logging");
+    c.logging.metrics = s.str_or("metrics", c.checkpoint.dir + "/metrics.jsonl");
+    c.logging.every = s.int_or("every", 1, 1);
+    s.finish();
+  }
+  return c;
+}
+
+std::string to_yaml(const TrainConfig& c) {
+  YAML::Emitter e;
+  e << YAML::BeginMap;
+  e << YAML::Key << "model" << YAML::Value << YAML::BeginMap << YAML::Key << "path" << YAML::Value
+    << c.model.path << YAML::Key << "dtype" << YAML::Value << c.model.dtype << YAML::EndMap;
+  e << YAML::Key << "data" << YAML::Value << YAML::BeginMap << YAML::Key << "train" << YAML::Value
+    << c.data.train;
+  if (c.data.num_frames) e << YAML::Key << "num_frames" << YAML::Value << *c.data.num_frames;
+  if (c.data.fps) e << YAML::Key << "fps" << YAML::Value << *c.data.fps;
+  e << YAML::Key << "shuffle" << YAML::Value << c.data.shuffle << YAML::Key << "seed" << YAML::Value
+    << c.data.seed << YAML::EndMap;
+  const auto& o = c.optimizer;
+  e << YAML::Key << "optimizer" << YAML::Value << YAML::BeginMap << YAML::Key << "lr" << YAML::Value
+    << o.lr << YAML::Key << "betas" << YAML::Value << YAML::Flow << YAML::BeginSeq << o.betas[0]
+    << o.betas[1] << YAML::EndSeq << YAML::Key << "eps" << YAML::Value << o.eps << YAML::Key
+    << "weight_decay" << YAML::Value << o.weight_decay << YAML::Key << "grad_clip" << YAML::Value
+    << o.grad_clip << YAML::Key << "grad_accum" << YAML::Value << o.grad_accum << YAML::EndMap;
+  e << YAML::Key << "schedule" << YAML::Value << YAML::BeginMap << YAML::Key << "steps"
+    << YAML::Value << c.schedule.steps << YAML::Key << "warmup_steps" << YAML::Value
+    << c.schedule.warmup_steps << YAML::Key << "min_lr" << YAML::Value << c.schedule.min_lr
+    << YAML::EndMap;
+  e << YAML::Key << "freeze" << YAML::Value << YAML::BeginMap << YAML::Key << "policy"
+    << YAML::Value << c.freeze.policy << YAML::EndMap;
+  e << YAML::Key << "checkpoint" << YAML::Value << YAML::BeginMap << YAML::Key << "dir"
+    << YAML::Value << c.checkpoint.dir << YAML::Key << "every" << YAML::Value << c.checkpoint.every
+    << YAML::Key << "keep" << YAML::Value << c.checkpoint.keep << YAML::EndMap;
+  const auto& p = c.parallel;
+  e << YAML::Key << "parallel" << YAML::Value << YAML::BeginMap << YAML::Key << "nproc"
+    << YAML::Value << p.nproc << YAML::Key << "strategies" << YAML::Value << p.strategies
+    << YAML::Key << "cluster" << YAML::Value << p.cluster << YAML::Key << "recompute" << YAML::Value
+    << p.recompute << YAML::Key << "remat" << YAML::Value << p.remat << YAML::EndMap;
+  e << YAML::Key << "logging" << YAML::Value << YAML::BeginMap << YAML::Key << "metrics"
+    << YAML::Value << c.logging.metrics << YAML::Key << "every" << YAML::Value << c.logging.every
+    << YAML::EndMap;
+  e << YAML::EndMap;
+  return std::string(e.c_str()) + "\n";
+}
+
+}  // namespace lvx::runtime

@@ -1,0 +1,69 @@
+// The run description of `lvx finetune`: a YAML file (configs/runs/finetune_tiny.yaml) with the
+// sections below, and dotted overrides from the command line ("optimizer.lr=1e-3"). Every field
+// is typed and checked; a field the loader does not know is an error naming its path, so a typo
+// never silently falls back to a default. docs/finetune.md lists every field and its default.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace lvx::runtime {
+
+struct TrainConfig {
+  struct Model {
+    std::string path;            // checkpoint directory (config.json, weights, tokenizer.json)
+    std::string dtype = "fp32";  // fp32 | bf16 (compute dtype; master weights are always fp32)
+  } model;
+  struct Data {
+    std::string train;                  // JSONL of video questions with answers (video_qa.h)
+    std::optional<int64_t> num_frames;  // exactly one of num_frames and fps
+    std::optional<double> fps;
+    bool shuffle = true;  // a seeded permutation per epoch (seed + epoch)
+    int64_t seed = 0;
+  } data;
+  struct Optimizer {
+    double lr = 1e-4;
+    std::array<double, 2> betas{0.9, 0.999};
+    double eps = 1e-8;
+    double weight_decay = 0.0;
+    double grad_clip = 1.0;  // max global L2 norm; 0 = no clipping
+    int64_t grad_accum = 1;  // samples per optimizer step (gradients averaged)
+  } optimizer;
+  struct Schedule {
+    int64_t steps = 0;         // optimizer steps in the whole run
+    int64_t warmup_steps = 0;  // linear warm-up from lr/warmup_steps to lr
+    double min_lr = 0.0;       // cosine decay from lr to min_lr over the remaining steps
+  } schedule;
+  struct Freeze {
+    std::string policy = "vision";  // vision | cross_only | none
+  } freeze;
+  struct Checkpoint {
+    std::string dir;    // holds step-NNNNNN/ checkpoints and the `latest` pointer
+    int64_t every = 0;  // steps between checkpoints (0: only at the end); the last step always
+    int64_t keep = 2;   // newest checkpoints kept (older ones are removed after a new one)
+  } checkpoint;
+  struct ParallelCfg {
+    int64_t nproc = 1;
+    std::string strategies = "auto";  // auto | S | S_cross,S_self
+    std::string cluster;              // cluster config for auto (empty: the built-in rule)
+    bool recompute = false;           // LV-XAttn K/V recomputation (models/recompute.h)
+    bool remat = false;               // DistFlashAttn rematerialization-aware checkpointing
+  } parallel;
+  struct Logging {
+    std::string metrics;  // JSONL file (default: <checkpoint.dir>/metrics.jsonl)
+    int64_t every = 1;    // steps between plain progress lines when not on a terminal
+  } logging;
+};
+
+// Reads `path` and applies `overrides` ("section.field=value", the value parsed as YAML) in
+// order. Errors name the file (or "command line") and the field path: unknown fields, wrong
+// types, out-of-range values, a missing required field.
+TrainConfig load_train_config(const std::string& path, const std::vector<std::string>& overrides);
+
+// The effective configuration as YAML (every field, defaults filled in).
+std::string to_yaml(const TrainConfig& c);
+
+}  // namespace lvx::runtime

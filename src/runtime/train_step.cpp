@@ -1,0 +1,47 @@
+#include "src/runtime/train_step.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "src/common/error.h"
+
+namespace lvx::runtime {
+
+std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::Model& model,
+                                                const at::Tensor& all_labels,
+                                                const models::ModelOutputs& out,
+                                                const ParamFilter& trains) {
+  const at::Tensor labels = all_labels.index_select(1, out.positions);  // this rank's rows
+  at::Tensor count = labels.ne(-100).sum().to(at::kDouble).reshape({1});
+  pg.all_reduce(count);
+  LVX_CHECK(count.item<double>() > 0, "labels: every label is -100 (nothing to learn)");
+  const at::Tensor logits = out.logits.to(at::kFloat).reshape({-1, out.logits.size(-1)});
+  const at::Tensor local_sum = at::cross_entropy_loss(logits, labels.reshape({-1}), /*weight=*/{},
+                                                      at::Reduction::Sum, /*ignore_index=*/-100);
+  (local_sum / count.item<double>()).backward();
+  std::vector<std::string> names;
+  std::vector<at::Tensor> parts;
+  for (auto& [name, t] : model.parameters()) {
+    if (trains ? !trains(name) : !model.trainable(name)) continue;
+    names.push_back(name);
+    parts.push_back(t.grad().defined() ? t.grad().to(at::kFloat).reshape({-1})
+                                       : at::zeros({t.numel()}, at::kFloat));
+  }
+  std::map<std::string, at::Tensor> result;
+  if (!parts.empty()) {
+    at::Tensor flat = at::cat(parts);
+    pg.all_reduce(flat);
+    int64_t off = 0;
+    for (size_t i = 0; i < names.size(); ++i) {
+      const at::Tensor& t = model.parameters().at(names[i]);
+      result["grad." + names[i]] = flat.narrow(0, off, t.numel()).view(t.sizes()).clone();
+      off += t.numel();
+    }
+  }
+  at::Tensor total = local_sum.detach().to(at::kDouble).reshape({1});
+  pg.all_reduce(total);
+  result["loss"] = (total / count).to(at::kFloat).reshape({});
+  return result;
+}
+
+}  // namespace lvx::runtime

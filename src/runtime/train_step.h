@@ -1,0 +1,30 @@
+// The training step shared by `lvx forward --backward` and `lvx finetune`: one implementation of
+// the loss, its backward and the cross-rank gradient sum (the per-layer strategies come from
+// src/runtime/layer_plan.h).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <map>
+#include <string>
+
+#include "models/model.h"
+#include "src/dist/process_group.h"
+
+namespace lvx::runtime {
+
+// Which parameters receive gradients (by checkpoint name).
+using ParamFilter = std::function<bool(const std::string&)>;
+
+// Mean cross-entropy over every rank's labels != −100 (labels int64 [B, L], global, not shifted:
+// position t's logits predict labels[t]), its backward, and the gradients of the parameters
+// `trains` selects (default: model.trainable) summed across ranks in one flat all-reduce. Returns
+// "loss" (float32 scalar) and "grad.<name>" (float32), identical on every rank. Every rank must
+// call it (collectives). Parameters that got no gradient here contribute zeros.
+std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::Model& model,
+                                                const at::Tensor& all_labels,
+                                                const models::ModelOutputs& out,
+                                                const ParamFilter& trains = nullptr);
+
+}  // namespace lvx::runtime
