@@ -115,12 +115,14 @@ TEST(QaAnswers, LettersAndFreeFormAreExtractedAsLmmsEvalDoes) {
   EXPECT_EQ(parse_answer(mc, "none"), "");
   mc.answer = "blue";
   EXPECT_EQ(expected_answer(mc), "C");
+  EXPECT_EQ(training_target(mc), "C");  // fine-tuning learns the letter the instruction asks for
   mc.answer = "A";
   EXPECT_EQ(expected_answer(mc), "A");
   QaItem free;
   free.answer = "Red";
   EXPECT_EQ(expected_answer(free), "red");
   EXPECT_EQ(parse_answer(free, " red."), "red");
+  EXPECT_EQ(training_target(free), "Red");
   EXPECT_NE(parse_answer(free, "green"), expected_answer(free));
 }
 

@@ -43,6 +43,7 @@ SyntheticTaskSpec small_spec() {
   s.event_seconds = 4;
   s.seed = 7;
   s.shape_questions = true;
+  s.multiple_choice = true;
   return s;
 }
 

@@ -159,12 +159,12 @@ int cmd_demo(int argc, char** argv) {
   if (!reuse) models::write_tiny_mplug_owl3(init, model_spec);
   std::printf(
       "[2/4] model: tiny mPLUG-Owl3 (240728), random init: LM hidden %lld, %lld layers (hyper "
-      "layer %lld), %lld heads / %lld K/V heads; SigLIP %lld px, patch %lld -> %lld visual "
+      "layer: %lld), %lld heads / %lld K/V heads; SigLIP %lld px, patch %lld -> %lld visual "
       "tokens per frame  (%.1f s%s)\n",
       static_cast<long long>(model_spec.hidden), static_cast<long long>(model_spec.layers),
-      static_cast<long long>(model_spec.hyper_layers[0]), static_cast<long long>(model_spec.heads),
-      static_cast<long long>(model_spec.kv_heads), static_cast<long long>(model_spec.image_size),
-      static_cast<long long>(model_spec.patch_size),
+      static_cast<long long>(model_spec.hyper_layers[0] - 1),
+      static_cast<long long>(model_spec.heads), static_cast<long long>(model_spec.kv_heads),
+      static_cast<long long>(model_spec.image_size), static_cast<long long>(model_spec.patch_size),
       static_cast<long long>((model_spec.image_size / model_spec.patch_size) *
                              (model_spec.image_size / model_spec.patch_size)),
       since(t), reuse ? ", reused" : "");
@@ -173,23 +173,56 @@ int cmd_demo(int argc, char** argv) {
   t = clock_type::now();
   const std::string run_dir = dir + "/run";
   const std::string config = dir + "/run.yaml";
-  const std::string trained = run_dir + "/final";
-  if (!reuse || !fs::exists(trained + "/config.json")) {
+  // The last checkpoint lvx finetune wrote (its `latest` names it).
+  auto latest = [&] {
+    std::ifstream f(run_dir + "/latest");
+    std::string name;
+    std::getline(f, name);
+    return name.empty() ? std::string() : run_dir + "/" + name;
+  };
+  if (!reuse || latest().empty()) {
     std::ofstream(config) << "# Written by lvx demo: fine-tunes the tiny model on the task.\n"
                           << "model:\n  path: " << init << "\n  dtype: fp32\n"
                           << "data:\n  train: " << task.train_jsonl << "\n  num_frames: " << frames
                           << "\n  seed: " << task_spec.seed << "\n"
                           << "optimizer:\n  lr: " << p.get("lr")
                           << "\n  weight_decay: 0.01\n  grad_clip: 1.0\n"
-                          << "schedule:\n  steps: " << p.get("steps") << "\n  warmup_steps: 30\n"
+                          << "schedule:\n  steps: " << p.get("steps")
+                          << "\n  warmup_steps: 30\n  min_lr: 1.0e-5\n"
                           << "freeze:\n  policy: vision\n"
                           << "checkpoint:\n  dir: " << run_dir << "\n  every: 250\n  keep: 2\n"
                           << "parallel:\n  nproc: " << nproc << "\n  strategies: auto\n"
-                          << "logging:\n  metrics: " << run_dir << "/metrics.jsonl\n  every: 50\n";
-    std::printf("[3/4] fine-tune: lvx finetune --config %s\n", config.c_str());
+                          << "logging:\n  metrics: " << run_dir << "/metrics.jsonl\n  every: 100\n";
+    std::printf("[3/4] fine-tune: lvx finetune --config %s (log: %s/finetune.log)\n",
+                config.c_str(), run_dir.c_str());
     std::fflush(stdout);
-    run_lvx("finetune --config '" + config + "'");
+    fs::create_directories(run_dir);
+    run_lvx("finetune --config '" + config + "'", run_dir + "/finetune.log");
   }
+  // The loss curve, mean over windows of 100 steps (metrics.jsonl: one row per step).
+  {
+    const std::vector<json> m = read_rows(run_dir + "/metrics.jsonl");
+    std::string curve;
+    double sum = 0, tps = 0;
+    int n = 0;
+    for (size_t i = 0; i < m.size(); ++i) {
+      sum += m[i]["loss"].get<double>();
+      tps += m[i].value("tokens_per_second", 0.0);
+      ++n;
+      if ((i + 1) % 200 == 0 || i + 1 == m.size()) {
+        char buf[64];
+        std::snprintf(buf, sizeof(buf), "%s%.3g", curve.empty() ? "" : " -> ", sum / n);
+        curve += buf;
+        sum = 0;
+        n = 0;
+      }
+    }
+    if (!m.empty())
+      std::printf("      loss per 200 steps: %s; %.0f text tokens/s\n", curve.c_str(),
+                  tps / static_cast<double>(m.size()));
+  }
+  const std::string trained = latest();
+  LVX_CHECK(!trained.empty(), "lvx demo: lvx finetune wrote no checkpoint in ", run_dir);
   std::printf("[3/4] fine-tuned checkpoint %s  (%.1f s%s)\n", trained.c_str(), since(t),
               reuse ? ", reused" : "");
 
@@ -239,24 +272,35 @@ int cmd_demo(int argc, char** argv) {
   if (acc.failed + base.failed > 0)
     std::printf("failed questions: %lld (see %s)\n",
                 static_cast<long long>(acc.failed + base.failed), answers.c_str());
-  if (!rows.empty() && rows[0].contains("response")) {
-    const json& r = rows[0];
-    std::printf("\nexample: %s\n  video %s, %lld frames on %lld ranks -> \"%s\" (truth: %s)\n",
-                r["question"].get<std::string>().c_str(), r["video"].get<std::string>().c_str(),
-                static_cast<long long>(r["frames"].get<int64_t>()),
-                static_cast<long long>(r["ranks"].get<int64_t>()),
-                r["response"].get<std::string>().c_str(), r["answer"].get<std::string>().c_str());
-    std::printf("  plan: %s\n", r["plan"].get<std::string>().c_str());
-    std::printf(
-        "  time to first token %.3f s (video decode %.3f s, prefill %.3f s), %.1f ms per "
-        "token\n",
-        r["timings"]["ttft_s"].get<double>(), r["timings"]["video_decode_s"].get<double>(),
-        r["timings"]["prefill_s"].get<double>(),
-        1e3 * r["timings"]["decode_per_token_s"].get<double>());
-  }
+  std::printf("goal (>= 90%% held out, baseline near chance): %s\n",
+              acc.pct() >= 90 && base.pct() < 2 * chance ? "met" : "NOT met");
+  // Examples: the first right answer, and the first wrong one if there is one.
+  const json* example = nullptr;
+  for (const bool want : {true, false})
+    for (const json& r : rows)
+      if (r.contains("response") && r.value("correct", false) == want) {
+        std::printf("\n%s: %s\n  video %s, %lld frames on %lld ranks -> \"%s\" (truth: %s)\n",
+                    want ? "example" : "a wrong answer", r["question"].get<std::string>().c_str(),
+                    r["video"].get<std::string>().c_str(),
+                    static_cast<long long>(r["frames"].get<int64_t>()),
+                    static_cast<long long>(r["ranks"].get<int64_t>()),
+                    r["response"].get<std::string>().c_str(),
+                    r["answer"].get<std::string>().c_str());
+        if (!example) {
+          example = &r;
+          std::printf("  plan: %s\n", r["plan"].get<std::string>().c_str());
+          std::printf(
+              "  time to first token %.3f s (video decode %.3f s, prefill %.3f s), %.1f ms per "
+              "token\n",
+              r["timings"]["ttft_s"].get<double>(), r["timings"]["video_decode_s"].get<double>(),
+              r["timings"]["prefill_s"].get<double>(),
+              1e3 * r["timings"]["decode_per_token_s"].get<double>());
+        }
+        break;
+      }
 
   // One question under each prefill strategy: the same answer, different bytes.
-  if (!rows.empty() && rows[0].contains("response") && nproc > 1) {
+  if (example && nproc > 1) {
     std::printf(
         "\nbytes moved by all ranks for that question, by strategy (prefill; decoding is "
         "pass-Q whatever the prefill ran):\n");
@@ -264,9 +308,9 @@ int cmd_demo(int argc, char** argv) {
     for (const char* s : {"lv_xattn,ring", "lv_xattn,striped", "ring,ring", "all_gather,all_gather",
                           "ulysses,ulysses"}) {
       const std::string out = dir + "/one_" + std::string(s) + ".json";
-      run_lvx("qa --video '" + rows[0]["video"].get<std::string>() + "' --question '" +
-                  rows[0]["question"].get<std::string>() + "' --json --strategies " + s + qa_args +
-                  " > '" + out + "' 2>/dev/null",
+      run_lvx("qa --video '" + (*example)["video"].get<std::string>() + "' --question '" +
+                  (*example)["question"].get<std::string>() + "' --json --strategies " + s +
+                  qa_args + " > '" + out + "' 2>/dev/null",
               "");
       std::ifstream in(out);
       const json r = json::parse(in);

@@ -285,8 +285,9 @@ int run_finetune_rank(const FinetuneJob& job) {
       } catch (const Error& e) {
         LVX_FAIL("sample '", item.id, "' (", cfg.data.train, "): ", e.what());
       }
+      const std::string target = training_target(item);
       const PromptTokens p =
-          build_prompt(family, tok, question_text(item), fb.report.sampled_total, &item.answer);
+          build_prompt(family, tok, question_text(item), fb.report.sampled_total, &target);
       const int64_t len = static_cast<int64_t>(p.ids.size());
       const at::Tensor ids = at::tensor(p.ids, at::kLong).reshape({1, len});
       const at::Tensor labels = at::tensor(p.labels, at::kLong).reshape({1, len});

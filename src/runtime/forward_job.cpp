@@ -108,7 +108,7 @@ int run_forward_rank(const ForwardJob& job) {
   // Every rank must run the same plan on the same inputs.
   pg->check_agreement("the model step", str(describe(par), " input_ids=", b.input_ids.sizes(),
                                             " backward=", job.backward, " dtype=", job.dtype));
-  if (job.print_plan && r == 0) std::cout << plan_text << "\n" << describe(par) << "\n";
+  if (job.print_plan && r == 0) std::cout << plan_text << "\n" << describe(par, &model) << "\n";
 
   if (job.generate > 0) {
     GenerateOptions g;

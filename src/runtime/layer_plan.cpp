@@ -26,6 +26,23 @@ models::Parallel explicit_strategies(const std::string& spec, int64_t layers) {
 
 namespace {
 
+// Which decoder layers have a cross-attention: the planner's layers in execution order, each
+// cross layer belonging to the decoder layer of the self layer next to it (mPLUG-Owl3: after it,
+// OpenFlamingo: before it).
+std::vector<bool> layers_with_cross(const models::Model& model) {
+  std::vector<bool> cross(static_cast<size_t>(model.decoder_layers()), false);
+  const bool cross_first = model.family() == "openflamingo";
+  size_t decoder_layer = 0;
+  for (const planner::AttentionLayerConfig& l : model.planner_model().layers) {
+    if (l.kind == planner::LayerKind::kSelf) {
+      ++decoder_layer;
+    } else {
+      cross[cross_first ? decoder_layer : decoder_layer - 1] = true;
+    }
+  }
+  return cross;
+}
+
 // auto: the planner's per-layer choice for this input on the cluster config; without one,
 // lv_xattn for cross layers and ring for self layers.
 models::Parallel planned_strategies(const models::Model& model, const at::Tensor& input_ids,
@@ -74,11 +91,14 @@ models::Parallel plan_layers(const models::Model& model, const at::Tensor& input
   return models::resolve_layouts(p);
 }
 
-std::string describe(const models::Parallel& p) {
+std::string describe(const models::Parallel& p, const models::Model* model) {
+  const std::vector<bool> cross = model ? layers_with_cross(*model) : std::vector<bool>{};
   std::string s =
       str("text ", p.text_layout == attention::LayoutKind::kStriped ? "striped" : "contiguous");
-  for (size_t i = 0; i < p.layers.size(); ++i)
-    s += str("; layer ", i, " self ", p.layers[i].self.name(), " cross ", p.layers[i].cross.name());
+  for (size_t i = 0; i < p.layers.size(); ++i) {
+    s += str("; layer ", i, " self ", p.layers[i].self.name());
+    if (!model || (i < cross.size() && cross[i])) s += str(" cross ", p.layers[i].cross.name());
+  }
   return s;
 }
 

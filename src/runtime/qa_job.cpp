@@ -117,7 +117,7 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
   std::string plan_text;
   models::Parallel par = plan_layers(cx.model, ids, n, cx.job.plan, &plan_text);
   par.pg = cx.pg;
-  if (cx.job.print_plan && r == 0) std::cerr << plan_text << "\n" << describe(par) << "\n";
+  if (cx.job.print_plan && r == 0) std::cerr << plan_text << "\n" << describe(par, &cx.model) << "\n";
 
   TextStream text(cx.tok, cx.stop);
   GenerateOptions g = cx.job.generation;
@@ -164,7 +164,7 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
   row["prompt_tokens"] = static_cast<int64_t>(prompt.ids.size());
   row["new_tokens"] = out.tokens.size(1);
   row["ranks"] = n;
-  row["plan"] = describe(par);
+  row["plan"] = describe(par, &cx.model);
   const double ttft = times[0].item<double>() + times[2].item<double>();
   row["timings"] = {
       {"video_decode_s", times[0].item<double>()},     {"encode_s", times[1].item<double>()},

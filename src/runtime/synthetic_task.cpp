@@ -232,13 +232,12 @@ std::string absolute(const std::string& path) {
 }
 
 nlohmann::ordered_json row_json(const TaskRow& r) {
-  return {{"id", r.id},
-          {"video", r.video},
-          {"question", r.question},
-          {"options", r.options},
-          {"answer", r.answer},
-          {"event_start", r.event_start},
-          {"event_end", r.event_end}};
+  nlohmann::ordered_json j = {{"id", r.id}, {"video", r.video}, {"question", r.question}};
+  if (!r.options.empty()) j["options"] = r.options;
+  j["answer"] = r.answer;
+  j["event_start"] = r.event_start;
+  j["event_end"] = r.event_end;
+  return j;
 }
 
 void write_jsonl(const std::string& path, const std::vector<TaskRow>& rows) {
@@ -327,7 +326,7 @@ SyntheticTask generate_synthetic_task(const std::string& dir_in, const Synthetic
     r.id = p.id;
     r.video = p.path;
     r.question = kColourQuestion;
-    r.options = synthetic_colours();
+    if (spec.multiple_choice) r.options = synthetic_colours();
     r.answer = synthetic_colours()[p.colour];
     r.event_start = static_cast<double>(p.event_first) / spec.fps;
     r.event_end = static_cast<double>(p.event_first + p.event_frames) / spec.fps;
@@ -337,7 +336,7 @@ SyntheticTask generate_synthetic_task(const std::string& dir_in, const Synthetic
     if (spec.shape_questions) {
       r.id = p.id + "_shape";
       r.question = kShapeQuestion;
-      r.options = synthetic_shapes();
+      if (spec.multiple_choice) r.options = synthetic_shapes();
       r.answer = synthetic_shapes()[p.shape];
       rows.push_back(r);
     }

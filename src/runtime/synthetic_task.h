@@ -37,6 +37,9 @@ struct SyntheticTaskSpec {
   double event_seconds = 12;     // how long the coloured shape is visible
   int64_t seed = 0;              // everything random derives from it
   bool shape_questions = false;  // also one "What shape appeared in the video?" row per video
+  // Rows list the answers as "options" (multiple choice, Video-MME style: lvx asks for and learns
+  // the option letter); false: free-form questions whose answer is the word itself.
+  bool multiple_choice = false;
   double test_fraction = 0.25;   // share of each colour's videos held out in test.jsonl
   int threads = 0;               // encoding threads; 0: one per core
 };

@@ -225,6 +225,10 @@ std::string parse_answer(const QaItem& item, const std::string& response) {
   return "";
 }
 
+std::string training_target(const QaItem& item) {
+  return item.options.empty() ? item.answer : expected_answer(item);
+}
+
 std::string expected_answer(const QaItem& item) {
   if (item.options.empty()) return parse_answer(item, item.answer);
   const std::string a = trim(item.answer);

@@ -82,6 +82,9 @@ video::PreprocessConfig family_preprocess(const std::string& family, int64_t ima
 // letter among the options'; otherwise the response normalised (lower case, no surrounding
 // punctuation or spaces).
 std::string parse_answer(const QaItem& item, const std::string& response);
+// What fine-tuning teaches the model to answer: the answer text, or for multiple choice the
+// option letter (what the instruction asks for).
+std::string training_target(const QaItem& item);
 // The ground truth in the same form ("A".."E" for multiple choice: the answer letter, or the
 // letter of the option whose text equals the answer).
 std::string expected_answer(const QaItem& item);
