@@ -43,6 +43,9 @@ inline const std::filesystem::path& temp_dir() {
 
 class TempDirCleanup : public ::testing::Environment {
  public:
+  // The frame index cache goes into the scratch directory: tests neither read a stale entry
+  // left by another build nor fill the user's cache.
+  void SetUp() override { ::setenv("LVX_INDEX_CACHE", (temp_dir() / "index_cache").c_str(), 1); }
   // Not std::filesystem::remove_all: the copy libtorch.so exports wins symbol resolution and
   // crashes (null call) in this build.
   void TearDown() override { std::system(("rm -rf '" + temp_dir().string() + "'").c_str()); }
