@@ -103,8 +103,11 @@ inline std::vector<double> reference_pts(const std::string& path) {
           path + "'"));
   std::vector<double> pts;
   std::string line;
-  while (std::getline(ss, line))
+  // Side data (MPEG-2 in PS) adds empty lines and a trailing comma after the value.
+  while (std::getline(ss, line)) {
+    line = line.substr(0, line.find(','));
     if (!line.empty() && line != "N/A") pts.push_back(std::stod(line));
+  }
   return pts;
 }
 

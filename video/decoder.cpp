@@ -154,6 +154,7 @@ void VideoDecoder::seek_to_keyframe_for(int64_t i) {
   // some only approximately. So try the cheapest target first, check where the seek landed
   // against the keyframe packet's file position, and step back until it is at or before it.
   const int64_t k = index_.keyframe_before(i);
+  origin_ = k;
   const int64_t pts = index_.pts[k];
   const int64_t dts = index_.dts[k] != AV_NOPTS_VALUE ? std::min(index_.dts[k], pts) : pts;
   // Once the pts target has landed late and the dts one has not, this demuxer seeks by dts:
@@ -220,11 +221,27 @@ bool VideoDecoder::decode_frame(int64_t i, DecodedFrame* out, std::string* why) 
             " out of range [0, ", index_.num_frames(), ")");
   const bool can_continue = cursor_ >= 0 && cursor_ <= i && index_.keyframe_before(i) <= cursor_;
   if (!can_continue) seek_to_keyframe_for(i);
-  bool first_after_seek = !can_continue;
   bool retried = false;
   const int64_t target = index_.pts[i];
+  // Frame i did not come out after a seek to its keyframe: some decoders need what precedes an
+  // open-GOP keyframe (a flushed H.264 decoder dropped the frame after the last non-IDR I that
+  // a continuous decode gives; torchcodec #179 saw seeks land late in HEVC/mkv). Try once more
+  // from the keyframe before that one, then from the start of the stream, as FFmpeg's own
+  // full decode produces it.
+  int retries = 0;
+  auto retry_from_earlier = [&] {
+    ++stats_.fallback_seeks;
+    const int64_t from = retries == 0 && origin_ > 0 ? origin_ - 1 : 0;
+    seek_to_keyframe_for(from);
+    retried = retries == 1 || origin_ == 0;
+    ++retries;
+  };
   while (true) {
     if (!next_decoded_frame(frame_.get())) {
+      if (!retried && origin_ > 0) {
+        retry_from_earlier();
+        continue;
+      }
       cursor_ = -1;
       *why = "the decoder produced no frame with its pts before the stream ended";
       return false;
@@ -232,12 +249,8 @@ bool VideoDecoder::decode_frame(int64_t i, DecodedFrame* out, std::string* why) 
     const int64_t ts = frame_->best_effort_timestamp;
     const int64_t idx = index_.find_pts(ts);
     if (ts > target) {
-      if (first_after_seek && !retried) {
-        // Frame i did not come out although the seek landed before its keyframe (seen with
-        // some HEVC/mkv files, torchcodec #179): start again from the first keyframe.
-        ++stats_.fallback_seeks;
-        seek_to_keyframe_for(0);
-        retried = true;
+      if (!retried && origin_ > 0) {
+        retry_from_earlier();
         continue;
       }
       // Frame i never came out: its data is damaged. Keep this later frame for the next call.
@@ -246,7 +259,6 @@ bool VideoDecoder::decode_frame(int64_t i, DecodedFrame* out, std::string* why) 
       *why = "the decoder did not produce it (damaged data)";
       return false;
     }
-    first_after_seek = false;
     if (idx < 0) continue;  // a frame the index does not know (e.g. from a damaged packet)
     cursor_ = idx + 1;
     if (idx < i) continue;

@@ -113,7 +113,9 @@ class VideoDecoder {
   bool flushed_ = false;      // end of stream sent to the decoder
   bool has_pending_ = false;  // frame_ holds a decoded frame not yet consumed
   bool has_held_ = false;     // packet_ holds a read packet not yet sent to the decoder
-  bool seek_by_dts_ = false;  // this demuxer's seeks land on keyframes by their dts
+  bool seek_by_dts_ = false;
+  int64_t origin_ = -1;  // the keyframe the decoder last started from  // this demuxer's seeks land
+                         // on keyframes by their dts
   DecodeStats stats_;
 };
 

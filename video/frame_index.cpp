@@ -9,15 +9,22 @@ namespace {
 
 // The end the container states for the stream (stream time base), or AV_NOPTS_VALUE. A duration
 // guessed from the bitrate is a guess, not a statement, and is ignored. The stream's own
-// duration is preferred; the file's is used otherwise (matroska states only that one).
-int64_t stated_end(const AVFormatContext* fmt, const AVStream* st, int64_t first_pts) {
+// duration is preferred; the file's is used otherwise (matroska states only that one). Some
+// muxers write the last timestamp as the "duration" of a stream that starts late (matroska with
+// an offset), so *as_end also gives the duration read as an end time.
+int64_t stated_end(const AVFormatContext* fmt, const AVStream* st, int64_t first_pts,
+                   int64_t* as_end) {
+  *as_end = AV_NOPTS_VALUE;
   if (fmt->duration_estimation_method == AVFMT_DURATION_FROM_BITRATE) return AV_NOPTS_VALUE;
-  if (st->duration != AV_NOPTS_VALUE && st->duration > 0)
+  if (st->duration != AV_NOPTS_VALUE && st->duration > 0) {
+    *as_end = st->duration;
     return (st->start_time != AV_NOPTS_VALUE ? st->start_time : first_pts) + st->duration;
+  }
   if (fmt->duration != AV_NOPTS_VALUE && fmt->duration > 0) {
     const int64_t start_us = fmt->start_time != AV_NOPTS_VALUE
                                  ? fmt->start_time
                                  : av_rescale_q(first_pts, st->time_base, AV_TIME_BASE_Q);
+    *as_end = av_rescale_q(fmt->duration, AV_TIME_BASE_Q, st->time_base);
     return av_rescale_q(start_us + fmt->duration, AV_TIME_BASE_Q, st->time_base);
   }
   return AV_NOPTS_VALUE;
@@ -115,11 +122,15 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
   // it falls inside the last frame's display (packets may claim a longer last frame than the
   // file plays: a frame past the stated end must not be sampled); an end before the last frame
   // or after its own duration is inconsistent and the frames decide.
-  const int64_t stated = stated_end(fmt, st, index.pts[0]);
+  int64_t stated_as_end = AV_NOPTS_VALUE;
+  const int64_t stated = stated_end(fmt, st, index.pts[0], &stated_as_end);
   index.end_pts = frames_end;
-  if (stated != AV_NOPTS_VALUE && stated > last_pts && stated <= frames_end) {
-    index.end_pts = stated;
-    index.end_from_container = true;
+  for (int64_t end : {stated, stated_as_end}) {
+    if (end != AV_NOPTS_VALUE && end > last_pts && end <= frames_end) {
+      index.end_pts = end;
+      index.end_from_container = true;
+      break;
+    }
   }
   // Some containers (matroska, avi) just report end of file when cut inside a cluster: the only
   // trace is that the frames stop well before the duration the header promised. Only the
@@ -127,7 +138,7 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
   // the video (audio can be longer).
   if (!index.truncated && stated != AV_NOPTS_VALUE &&
       (st->duration != AV_NOPTS_VALUE || fmt->nb_streams == 1)) {
-    const double header_end = pts_to_seconds(stated, st->time_base);
+    const double header_end = pts_to_seconds(std::min(stated, stated_as_end), st->time_base);
     const double content_end = pts_to_seconds(frames_end, st->time_base);
     if (content_end < header_end - std::max(0.5, 0.02 * (header_end - index.pts_seconds(0)))) {
       index.truncated = true;
