@@ -7,6 +7,8 @@
 //   2. Sampling 60 frames (SigLIP 384) from a 1-minute and a 1-hour video (64x64, 25 fps,
 //      2 s GOP): wall time, peak RSS of a process doing only that, frames decoded — against
 //      the ffmpeg CLI's `fps` filter, which must decode the whole file.
+//   3. One index per video: the same 60 frames on 1 and on 4 ranks (processes), frame index
+//      cache cold and warm, and the ratio of the 1-hour time to the 1-minute time.
 // Videos are generated into /tmp/lvx_bench_video (kept between runs). Usage:
 //   bench_video [--repeat 3] [--threads 1] [--preprocess-threads 1] [-o md|jsonl]
 #include <sys/resource.h>
@@ -94,7 +96,7 @@ double peak_rss_mib() {
 
 // Child mode: sample 60 frames (SigLIP 384) from `path`; prints "decoded total peak_mib
 // seconds" (the time of decode_video alone, without process start-up).
-int sample60_child(const std::string& path, int threads) {
+int sample60_child(const std::string& path, int threads, int rank = 0, int world = 1) {
   PreprocessConfig siglip = PreprocessConfig::siglip();
   double decoded = 0, total = 0, seconds = 0;
   const auto a = Clock::now();
@@ -103,7 +105,7 @@ int sample60_child(const std::string& path, int threads) {
     sixty.num_frames = 60;
     DecodeOptions opt;
     opt.threads = threads;
-    const FrameBatch b = decode_video(path, sixty, {}, siglip, opt);
+    const FrameBatch b = decode_video(path, sixty, {rank, world}, siglip, opt);
     decoded = static_cast<double>(b.report.stats.frames_decoded);
     total = static_cast<double>(b.info.num_frames);
   }
@@ -150,7 +152,8 @@ int main(int argc, char** argv) {
   int repeat = 3, threads = 1, pre_threads = 1;
   std::string fmt = "md";
   if (argc >= 2 && !std::strcmp(argv[1], "--child-sample60"))
-    return sample60_child(argc >= 3 ? argv[2] : "", argc >= 4 ? std::atoi(argv[3]) : 1);
+    return sample60_child(argc >= 3 ? argv[2] : "", argc >= 4 ? std::atoi(argv[3]) : 1,
+                          argc >= 5 ? std::atoi(argv[4]) : 0, argc >= 6 ? std::atoi(argv[5]) : 1);
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--repeat") && i + 1 < argc)
       repeat = std::atoi(argv[++i]);
@@ -337,6 +340,46 @@ int main(int argc, char** argv) {
       std::printf("| %s | ffmpeg CLI (fps filter: decodes all) | %.3f | %.1f | all |\n",
                   name.c_str(), fw, frss);
     }
+    // 3: one index per video. 60 frames (SigLIP 384) from the 1-minute and the 1-hour video on
+    // 1 and on 4 ranks (4 processes started together, each decoding its 15 frames; time = the
+    // slowest rank's decode_video), with the frame index cache cold (removed before each run:
+    // one rank scans, the others wait for it) and warm (every rank reads the index).
+    std::printf(
+        "\n| ranks | index cache | 1 minute s | 1 hour s | hour / minute "
+        "|\n|---|---|---|---|---|\n");
+    const std::string cache = kDir + "/index_cache";
+    ::setenv("LVX_INDEX_CACHE", cache.c_str(), 1);
+    auto ranks_run = [&](const std::string& path, int world, bool cold) {
+      std::vector<double> t;
+      for (int i = 0; i < repeat; ++i) {
+        if (cold) sh("rm -rf '" + cache + "'");
+        std::string cmd = "(";
+        for (int r = 0; r < world; ++r)
+          cmd += "'" + self_exe() + "' --child-sample60 '" + path + "' " + std::to_string(threads) +
+                 " " + std::to_string(r) + " " + std::to_string(world) + " & ";
+        cmd += "wait)";
+        const std::string out = sh(cmd);
+        double slowest = 0, d = 0, n = 0, m = 0, s = 0;
+        size_t at = 0;
+        for (int r = 0; r < world; ++r) {
+          const size_t nl = out.find('\n', at);
+          if (nl == std::string::npos) throw std::runtime_error("a rank failed on " + path);
+          std::sscanf(out.c_str() + at, "%lf %lf %lf %lf", &d, &n, &m, &s);
+          slowest = std::max(slowest, s);
+          at = nl + 1;
+        }
+        t.push_back(slowest);
+      }
+      std::sort(t.begin(), t.end());
+      return t[t.size() / 2];
+    };
+    for (int world : {1, 4})
+      for (bool cold : {true, false}) {
+        if (!cold) ranks_run(minute, world, true), ranks_run(hour, world, true);  // fill it
+        const double m = ranks_run(minute, world, cold), h = ranks_run(hour, world, cold);
+        std::printf("| %d | %s | %.3f | %.3f | %.2f |\n", world,
+                    cold ? "cold (built once per run)" : "warm", m, h, h / m);
+      }
   } catch (const std::exception& e) {
     std::cerr << "bench_video: error: " << e.what() << "\n";
     return 1;

@@ -10,8 +10,11 @@ extern "C" {
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <opencv2/core.hpp>
+
+#include "video/index_cache.h"
 
 namespace lvx::video {
 namespace {
@@ -104,48 +107,79 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
   else if (fmt_->duration != AV_NOPTS_VALUE)
     info_.duration_seconds_from_header = fmt_->duration / static_cast<double>(AV_TIME_BASE);
 
-  index_ = scan_frame_index(fmt_.get(), stream_, path);
-  // Some containers (matroska, avi) just report end of file when cut inside a cluster: the only
-  // trace is that the frames stop well before the duration the header promised. The stream's
-  // own duration is used, or the file's when the video is its only stream (audio can be longer).
-  double header_end = 0;
-  if (st->duration != AV_NOPTS_VALUE && st->duration > 0)
-    header_end = pts_to_seconds(
-        st->duration + (st->start_time != AV_NOPTS_VALUE ? st->start_time : 0), st->time_base);
-  else if (fmt_->nb_streams == 1 && fmt_->duration != AV_NOPTS_VALUE && fmt_->duration > 0)
-    header_end = (fmt_->duration + (fmt_->start_time != AV_NOPTS_VALUE ? fmt_->start_time : 0)) /
-                 static_cast<double>(AV_TIME_BASE);
-  const double content_end = index_.end_seconds();
-  if (!index_.truncated && header_end > 0 &&
-      content_end < header_end - std::max(0.5, 0.02 * header_end)) {
-    index_.truncated = true;
-    index_.truncation_reason =
-        lvx::str("the frames end at ", content_end, " s but the container header says ", header_end,
-                 " s (file cut short?)");
-  }
-  stats_.packets_scanned = index_.num_frames();
+  bool from_cache = false;
+  index_ = load_or_scan_frame_index(fmt_.get(), stream_, path, options.index_cache, &from_cache);
+  info_.index_from_cache = from_cache;
+  info_.end_from_container = index_.end_from_container;
+  stats_.packets_scanned = from_cache ? 0 : index_.num_frames();
   info_.num_frames = index_.num_frames();
   info_.begin_seconds = index_.pts_seconds(0);
   info_.end_seconds = index_.end_seconds();
-  info_.duration_seconds = info_.end_seconds - info_.begin_seconds;
+  info_.duration_seconds = index_.duration_seconds();
   info_.average_fps = info_.duration_seconds > 0 ? info_.num_frames / info_.duration_seconds : 0;
 }
 
-void VideoDecoder::seek_to(int64_t ts) {
-  LVX_AV_CHECK(av_seek_frame(fmt_.get(), stream_, ts, AVSEEK_FLAG_BACKWARD), "video '", info_.path,
-               "': cannot seek to pts ", ts);
+void VideoDecoder::reset_decoder() {
   avcodec_flush_buffers(codec_.get());
   flushed_ = false;
   has_pending_ = false;
+  if (has_held_) av_packet_unref(packet_.get());
+  has_held_ = false;
   cursor_ = -1;
+}
+
+bool VideoDecoder::seek_and_check(int64_t ts, int flags, int64_t k) {
+  reset_decoder();
   ++stats_.seeks;
+  if (av_seek_frame(fmt_.get(), (flags & AVSEEK_FLAG_BYTE) ? -1 : stream_, ts, flags) < 0)
+    return false;
+  while (true) {
+    if (av_read_frame(fmt_.get(), packet_.get()) < 0) return false;
+    if (packet_->stream_index == stream_) break;
+    av_packet_unref(packet_.get());
+  }
+  has_held_ = true;
+  // Compare file positions when both are known (every demuxer here sets them), else decode
+  // timestamps: a packet at or before the keyframe's means the keyframe is still to come.
+  if (index_.pos[k] >= 0 && packet_->pos >= 0) return packet_->pos <= index_.pos[k];
+  if (index_.dts[k] != AV_NOPTS_VALUE && packet_->dts != AV_NOPTS_VALUE)
+    return packet_->dts <= index_.dts[k];
+  return true;  // nothing to compare: decode_frame catches a frame that never comes out
 }
 
 void VideoDecoder::seek_to_keyframe_for(int64_t i) {
-  // The keyframe's pts with AVSEEK_FLAG_BACKWARD: mov and matroska both index by presentation
-  // time, so this lands on that keyframe (or earlier); a dts target lands a whole GOP early in
-  // mp4 with B-frames. A landing after it is caught in decode_frame.
-  seek_to(index_.pts[index_.keyframe_before(i)]);
+  // Demuxers seek by different clocks: mov and matroska by presentation time (the keyframe's
+  // pts lands on it; its dts would land a whole GOP early in mp4 with B-frames), MPEG-TS/PS by
+  // decode time with a binary search (the pts lands after the keyframe when B-frames delay it),
+  // some only approximately. So try the cheapest target first, check where the seek landed
+  // against the keyframe packet's file position, and step back until it is at or before it.
+  const int64_t k = index_.keyframe_before(i);
+  origin_ = k;
+  const int64_t pts = index_.pts[k];
+  const int64_t dts = index_.dts[k] != AV_NOPTS_VALUE ? std::min(index_.dts[k], pts) : pts;
+  // Once the pts target has landed late and the dts one has not, this demuxer seeks by dts:
+  // go there directly from then on (one seek per GOP instead of two).
+  if (!seek_by_dts_ && seek_and_check(pts, AVSEEK_FLAG_BACKWARD, k)) return;
+  if (!seek_by_dts_) ++stats_.reseeks;
+  if (dts < pts && seek_and_check(dts, AVSEEK_FLAG_BACKWARD, k)) {
+    seek_by_dts_ = true;
+    return;
+  }
+  if (seek_by_dts_) {  // the dts target landed late too: the steps back below
+    ++stats_.reseeks;
+    if (seek_and_check(pts, AVSEEK_FLAG_BACKWARD, k)) return;
+  }
+  const int64_t second = std::max<int64_t>(1, av_rescale_q(1, AVRational{1, 1}, index_.time_base));
+  const int64_t earliest =
+      index_.dts[0] != AV_NOPTS_VALUE ? std::min(index_.dts[0], index_.pts[0]) : index_.pts[0];
+  for (int64_t back = second; dts - back > earliest; back *= 4)
+    if (seek_and_check(dts - back, AVSEEK_FLAG_BACKWARD, k)) return;
+  if (seek_and_check(earliest, AVSEEK_FLAG_BACKWARD, k)) return;
+  // Last resort: the first byte of the file, for demuxers whose timestamp seek cannot get back
+  // to the start; those that cannot seek by bytes get a target before every timestamp.
+  if (!(fmt_->iformat->flags & AVFMT_NO_BYTE_SEEK) && seek_and_check(0, AVSEEK_FLAG_BYTE, k))
+    return;
+  seek_and_check(earliest - 1000 * second, AVSEEK_FLAG_BACKWARD, k);
 }
 
 bool VideoDecoder::next_decoded_frame(AVFrame* frame) {
@@ -166,7 +200,8 @@ bool VideoDecoder::next_decoded_frame(AVFrame* frame) {
       continue;
     }
     if (flushed_) return false;
-    const int status = av_read_frame(fmt_.get(), packet_.get());
+    const int status = has_held_ ? 0 : av_read_frame(fmt_.get(), packet_.get());
+    has_held_ = false;
     if (status < 0) {  // end of file, or a read error past which nothing more can come
       LVX_AV_CHECK(avcodec_send_packet(codec_.get(), nullptr), "video '", info_.path,
                    "': cannot flush the decoder");
@@ -186,11 +221,27 @@ bool VideoDecoder::decode_frame(int64_t i, DecodedFrame* out, std::string* why) 
             " out of range [0, ", index_.num_frames(), ")");
   const bool can_continue = cursor_ >= 0 && cursor_ <= i && index_.keyframe_before(i) <= cursor_;
   if (!can_continue) seek_to_keyframe_for(i);
-  bool first_after_seek = !can_continue;
   bool retried = false;
   const int64_t target = index_.pts[i];
+  // Frame i did not come out after a seek to its keyframe: some decoders need what precedes an
+  // open-GOP keyframe (a flushed H.264 decoder dropped the frame after the last non-IDR I that
+  // a continuous decode gives; torchcodec #179 saw seeks land late in HEVC/mkv). Try once more
+  // from the keyframe before that one, then from the start of the stream, as FFmpeg's own
+  // full decode produces it.
+  int retries = 0;
+  auto retry_from_earlier = [&] {
+    ++stats_.fallback_seeks;
+    const int64_t from = retries == 0 && origin_ > 0 ? origin_ - 1 : 0;
+    seek_to_keyframe_for(from);
+    retried = retries == 1 || origin_ == 0;
+    ++retries;
+  };
   while (true) {
     if (!next_decoded_frame(frame_.get())) {
+      if (!retried && origin_ > 0) {
+        retry_from_earlier();
+        continue;
+      }
       cursor_ = -1;
       *why = "the decoder produced no frame with its pts before the stream ended";
       return false;
@@ -198,12 +249,8 @@ bool VideoDecoder::decode_frame(int64_t i, DecodedFrame* out, std::string* why) 
     const int64_t ts = frame_->best_effort_timestamp;
     const int64_t idx = index_.find_pts(ts);
     if (ts > target) {
-      if (first_after_seek && !retried) {
-        // The demuxer landed after the keyframe we asked for (seen with some HEVC/mkv files,
-        // torchcodec #179): start again from the first keyframe of the stream.
-        ++stats_.fallback_seeks;
-        seek_to(index_.pts[0]);
-        retried = true;
+      if (!retried && origin_ > 0) {
+        retry_from_earlier();
         continue;
       }
       // Frame i never came out: its data is damaged. Keep this later frame for the next call.
@@ -212,7 +259,6 @@ bool VideoDecoder::decode_frame(int64_t i, DecodedFrame* out, std::string* why) 
       *why = "the decoder did not produce it (damaged data)";
       return false;
     }
-    first_after_seek = false;
     if (idx < 0) continue;  // a frame the index does not know (e.g. from a damaged packet)
     cursor_ = idx + 1;
     if (idx < i) continue;
@@ -222,6 +268,7 @@ bool VideoDecoder::decode_frame(int64_t i, DecodedFrame* out, std::string* why) 
     }
     out->index = i;
     out->pts_seconds = index_.pts_seconds(i);
+    out->time_seconds = index_.time_seconds(i);
     convert(frame_.get(), out);
     return true;
   }

@@ -5,6 +5,32 @@
 #include <numeric>
 
 namespace lvx::video {
+namespace {
+
+// The end the container states for the stream (stream time base), or AV_NOPTS_VALUE. A duration
+// guessed from the bitrate is a guess, not a statement, and is ignored. The stream's own
+// duration is preferred; the file's is used otherwise (matroska states only that one). Some
+// muxers write the last timestamp as the "duration" of a stream that starts late (matroska with
+// an offset), so *as_end also gives the duration read as an end time.
+int64_t stated_end(const AVFormatContext* fmt, const AVStream* st, int64_t first_pts,
+                   int64_t* as_end) {
+  *as_end = AV_NOPTS_VALUE;
+  if (fmt->duration_estimation_method == AVFMT_DURATION_FROM_BITRATE) return AV_NOPTS_VALUE;
+  if (st->duration != AV_NOPTS_VALUE && st->duration > 0) {
+    *as_end = st->duration;
+    return (st->start_time != AV_NOPTS_VALUE ? st->start_time : first_pts) + st->duration;
+  }
+  if (fmt->duration != AV_NOPTS_VALUE && fmt->duration > 0) {
+    const int64_t start_us = fmt->start_time != AV_NOPTS_VALUE
+                                 ? fmt->start_time
+                                 : av_rescale_q(first_pts, st->time_base, AV_TIME_BASE_Q);
+    *as_end = av_rescale_q(fmt->duration, AV_TIME_BASE_Q, st->time_base);
+    return av_rescale_q(start_us + fmt->duration, AV_TIME_BASE_Q, st->time_base);
+  }
+  return AV_NOPTS_VALUE;
+}
+
+}  // namespace
 
 int64_t FrameIndex::keyframe_before(int64_t i) const {
   for (int64_t k = i; k >= 0; --k)
@@ -21,19 +47,20 @@ int64_t FrameIndex::find_pts(int64_t p) const {
 Timeline FrameIndex::timeline() const {
   Timeline t;
   t.pts.resize(pts.size());
-  for (size_t i = 0; i < pts.size(); ++i) t.pts[i] = pts_seconds(static_cast<int64_t>(i));
-  t.end = end_seconds();
+  for (size_t i = 0; i < pts.size(); ++i) t.pts[i] = time_seconds(static_cast<int64_t>(i));
+  t.end = duration_seconds();
   return t;
 }
 
 FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::string& path) {
   struct Entry {
-    int64_t pts, duration;
+    int64_t pts, dts, pos, duration;
     bool key;
   };
   std::vector<Entry> entries;
   FrameIndex index;
-  index.time_base = fmt->streams[stream_index]->time_base;
+  const AVStream* st = fmt->streams[stream_index];
+  index.time_base = st->time_base;
   UniqueAVPacket pkt = make_av_packet();
   while (true) {
     const int status = av_read_frame(fmt, pkt.get());
@@ -55,7 +82,7 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
           lvx::str("packet of frame ", entries.size(), " is incomplete (file cut short)");
       continue;
     }
-    entries.push_back({ts, pkt->duration, (pkt->flags & AV_PKT_FLAG_KEY) != 0});
+    entries.push_back({ts, pkt->dts, pkt->pos, pkt->duration, (pkt->flags & AV_PKT_FLAG_KEY) != 0});
   }
   LVX_CHECK(!entries.empty(), "video '", path, "': the video stream holds no frames",
             index.truncated ? " (" + index.truncation_reason + ")" : std::string());
@@ -67,13 +94,17 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
                 entries.end());
   const size_t n = entries.size();
   index.pts.resize(n);
+  index.dts.resize(n);
+  index.pos.resize(n);
   index.keyframe.resize(n);
   for (size_t i = 0; i < n; ++i) {
     index.pts[i] = entries[i].pts;
+    index.dts[i] = entries[i].dts;
+    index.pos[i] = entries[i].pos;
     index.keyframe[i] = entries[i].key;
   }
-  // The end of the stream: last pts plus the last frame's duration; when the container does not
-  // say, the median gap between frames (robust to a few variable-rate gaps).
+  // The last frame's own duration; when the container does not say, the median gap between
+  // frames (robust to a few variable-rate gaps).
   int64_t last_duration = entries.back().duration;
   if (last_duration <= 0) {
     if (n >= 2) {
@@ -85,7 +116,37 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
       last_duration = 1;
     }
   }
-  index.end_pts = entries.back().pts + last_duration;
+  const int64_t last_pts = entries.back().pts;
+  const int64_t frames_end = last_pts + last_duration;
+  // The video ends where its last frame stops being shown. The container's stated end wins when
+  // it falls inside the last frame's display (packets may claim a longer last frame than the
+  // file plays: a frame past the stated end must not be sampled); an end before the last frame
+  // or after its own duration is inconsistent and the frames decide.
+  int64_t stated_as_end = AV_NOPTS_VALUE;
+  const int64_t stated = stated_end(fmt, st, index.pts[0], &stated_as_end);
+  index.end_pts = frames_end;
+  for (int64_t end : {stated, stated_as_end}) {
+    if (end != AV_NOPTS_VALUE && end > last_pts && end <= frames_end) {
+      index.end_pts = end;
+      index.end_from_container = true;
+      break;
+    }
+  }
+  // Some containers (matroska, avi) just report end of file when cut inside a cluster: the only
+  // trace is that the frames stop well before the duration the header promised. Only the
+  // stream's own duration, or the file's when the video is its only stream, is a promise about
+  // the video (audio can be longer).
+  if (!index.truncated && stated != AV_NOPTS_VALUE &&
+      (st->duration != AV_NOPTS_VALUE || fmt->nb_streams == 1)) {
+    const double header_end = pts_to_seconds(std::min(stated, stated_as_end), st->time_base);
+    const double content_end = pts_to_seconds(frames_end, st->time_base);
+    if (content_end < header_end - std::max(0.5, 0.02 * (header_end - index.pts_seconds(0)))) {
+      index.truncated = true;
+      index.truncation_reason =
+          lvx::str("the frames end at ", content_end, " s but the container header says ",
+                   header_end, " s (file cut short?)");
+    }
+  }
   return index;
 }
 

@@ -25,8 +25,8 @@ struct QueueItem {
 
 std::string describe(const FrameIndex& index, int64_t i) {
   std::ostringstream os;
-  os << "frame " << i << " (pts " << std::fixed << std::setprecision(3) << index.pts_seconds(i)
-     << " s)";
+  os << "frame " << i << " (time " << std::fixed << std::setprecision(3) << index.time_seconds(i)
+     << " s, pts " << index.pts_seconds(i) << " s)";
   return os.str();
 }
 
@@ -65,8 +65,11 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
     while (p < n && wanted[p] == targets[u]) ++p;
   }
   std::vector<int64_t> out_index(wanted);
-  std::vector<double> out_pts(n);
-  for (int64_t p = 0; p < n; ++p) out_pts[p] = index.pts_seconds(wanted[p]);
+  std::vector<double> out_pts(n), out_stream_pts(n);
+  for (int64_t p = 0; p < n; ++p) {
+    out_pts[p] = index.time_seconds(wanted[p]);
+    out_stream_pts[p] = index.pts_seconds(wanted[p]);
+  }
   std::vector<uint8_t> done(targets.size(), 0);     // target u preprocessed into its slots
   std::vector<std::string> failed(targets.size());  // why target u could not be decoded
 
@@ -158,6 +161,7 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
   // the neighbour's. Skipped frames are removed.
   batch.indices = at::from_blob(out_index.data(), {n}, at::kLong).clone();
   batch.pts = at::from_blob(out_pts.data(), {n}, at::kDouble).clone();
+  batch.stream_pts = at::from_blob(out_stream_pts.data(), {n}, at::kDouble).clone();
   if (report.skipped > 0) {
     std::vector<int64_t> kept;
     for (int64_t p = 0; p < n; ++p)
@@ -167,6 +171,7 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
     batch.frames = batch.frames.index_select(0, sel);
     batch.indices = batch.indices.index_select(0, sel);
     batch.pts = batch.pts.index_select(0, sel);
+    batch.stream_pts = batch.stream_pts.index_select(0, sel);
   }
   report.stats = decoder.stats();
   return batch;

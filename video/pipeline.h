@@ -29,7 +29,10 @@ struct DecodeReport {
 struct FrameBatch {
   at::Tensor frames;   // [N, 3, H, W]: uint8 RGB, or float32 normalized (cfg.normalize)
   at::Tensor indices;  // int64 [N]: frame index in the video (presentation order)
-  at::Tensor pts;      // float64 [N]: the frame's pts in seconds
+  // float64 [N]: the frame's player time in seconds: 0 is the first displayed frame, as players,
+  // subtitles and benchmark annotations count (SampleSpec start/end use the same clock).
+  at::Tensor pts;
+  at::Tensor stream_pts;  // float64 [N]: the frame's own pts in the stream, in seconds
   VideoInfo info;
   DecodeReport report;
 };

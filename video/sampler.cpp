@@ -37,7 +37,8 @@ SampledFrames sample_frames(const Timeline& tl, const SampleSpec& spec) {
     LVX_CHECK(fps > 0 && std::isfinite(fps), "sampling: fps must be > 0, got ", fps);
     for (int64_t k = 0;; ++k) {
       const double t = start + static_cast<double>(k) / fps;
-      if (t >= end) break;
+      // With slack: start + k / fps written in doubles must not reach a frame at the end.
+      if (t >= end - kTimeEpsilon) break;
       // Before the first frame nothing is shown yet; the first frame is the closest answer.
       out.indices.push_back(std::max<int64_t>(0, played_at(tl, t)));
       out.times.push_back(t);

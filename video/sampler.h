@@ -6,7 +6,8 @@
 //                   i.e. frame i is visible on [pts[i], pts[i+1]) and the last on [pts[n-1], end).
 //   Range         = [start, end), start defaulting to pts[0] and end to the stream end; an end
 //                   past the stream end is clamped to it (never a frame that does not exist).
-//   fps mode      = timestamps t_k = start + k / fps for k = 0, 1, ... while t_k < end;
+//   fps mode      = timestamps t_k = start + k / fps for k = 0, 1, ... while t_k < end (1 ns of
+//                   slack, so a 12 s video at 1 fps gives 12 timestamps, not 13);
 //                   index_k = played_at(t_k). Duplicates appear when fps exceeds the source rate.
 //   uniform N     = first = played_at(start), last = the last frame with pts < end;
 //                   index_k = first + round(k * (last - first) / (N - 1)), k = 0..N-1, computed in
@@ -28,6 +29,7 @@
 namespace lvx::video {
 
 // A video's frame times in seconds: pts ascending (presentation order), end = end of last frame.
+// The decoder gives player time (frame 0 at 0, FrameIndex::timeline); any origin works here.
 struct Timeline {
   std::vector<double> pts;
   double end = 0;

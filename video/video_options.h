@@ -30,14 +30,17 @@ struct DecodeOptions {
   // thread. 1 suits one rank per few cores; raise it when a rank has cores to spare.
   int preprocess_threads = 1;
   CorruptPolicy on_corrupt = CorruptPolicy::kError;
+  // Read and write the frame index through the index cache (index_cache.h), so that the packet
+  // scan runs once per video, not once per rank and run. LVX_INDEX_CACHE=off also disables it.
+  bool index_cache = true;
 };
 
-// Which frames to take. Exactly one of `fps` and `num_frames` is set. Times are presentation
-// timestamps in seconds, as ffprobe prints them (most files start at 0).
+// Which frames to take. Exactly one of `fps` and `num_frames` is set. Times are seconds of player
+// time: 0 is the first displayed frame, whatever the stream's own start pts (docs/video.md).
 struct SampleSpec {
   std::optional<double> fps;          // timestamps start, start + 1/fps, ... (< end)
   std::optional<int64_t> num_frames;  // N frames spread over [start, end], both ends included
-  std::optional<double> start;        // default: the first frame's pts
+  std::optional<double> start;        // default: 0, the first frame
   std::optional<double> end;          // exclusive; default: the end of the last frame
 };
 

@@ -51,15 +51,18 @@ int cmd_decode(int argc, char** argv) {
       "           [--preset siglip|clip] [--size P] [--normalize] [--rank r --world n]\n"
       "           [--threads T] [--on-corrupt error|skip|repeat] --output frames.safetensors",
       "Decode this rank's contiguous share of the frames sampled from a video and write\n"
-      "frames [N,3,H,W] (uint8 RGB, or float32 with --normalize), int64 indices and float64\n"
-      "pts (seconds). Frames are shown as a player shows them (rotation applied). Without\n"
+      "frames [N,3,H,W] (uint8 RGB, or float32 with --normalize), int64 indices, float64\n"
+      "pts (seconds since the first displayed frame, as players count) and stream_pts (the\n"
+      "stream's own pts, seconds). Frames are shown as a player shows them (rotation applied). "
+      "Without\n"
       "--size or --preset they keep their displayed size. Rank and world default to torchrun's\n"
       "RANK and WORLD_SIZE.");
   p.add_option("video", 'v', "", "input video file", true);
   p.add_option("output", 'o', "", "output .safetensors file (written atomically)", true);
   p.add_option("fps", 'f', "", "sample at this many frames per second (timestamps start + k/F)");
   p.add_option("num-frames", 'n', "", "sample N frames uniformly over [start, end], ends included");
-  p.add_option("start", 's', "", "range start in seconds (default: first frame)");
+  p.add_option("start", 's', "",
+               "range start in seconds of player time (0 = the first displayed frame)");
   p.add_option("end", 'e', "", "range end in seconds, exclusive (default: end of the video)");
   p.add_option("preset", 0, "",
                "preprocessing of a vision tower: siglip (384, squash, mean/std "
@@ -75,6 +78,9 @@ int cmd_decode(int argc, char** argv) {
   p.add_option("queue", 0, "4", "decoded frames buffered between decoder and preprocessing");
   p.add_option("preprocess-threads", 0, "1", "threads resizing/normalizing decoded frames");
   p.add_option("on-corrupt", 0, "error", "damaged frames or truncated file: error | skip | repeat");
+  p.add_flag("no-index-cache", 0,
+             "scan the packets instead of reading/writing the frame index cache "
+             "($LVX_INDEX_CACHE, else ~/.cache/lvx/index)");
   if (!p.parse(argc, argv)) return 0;
 
   SampleSpec spec;
@@ -112,6 +118,7 @@ int cmd_decode(int argc, char** argv) {
   LVX_CHECK(opt.preprocess_threads >= 1, "--preprocess-threads must be >= 1, got ",
             opt.preprocess_threads);
   opt.on_corrupt = parse_corrupt_policy(p.get("on-corrupt"));
+  opt.index_cache = !p.flag("no-index-cache");
 
   const std::string video = p.get("video");
   FrameBatch b = decode_video(video, spec, shard, pre, opt);
@@ -122,6 +129,8 @@ int cmd_decode(int argc, char** argv) {
   fps << std::setprecision(17) << i.average_fps;
   std::ostringstream dur;
   dur << std::setprecision(17) << i.duration_seconds;
+  std::ostringstream start;
+  start << std::setprecision(17) << i.begin_seconds;
   std::map<std::string, std::string> meta = {
       {"video", video},
       {"codec", i.codec},
@@ -131,6 +140,7 @@ int cmd_decode(int argc, char** argv) {
       {"num_frames", std::to_string(i.num_frames)},
       {"average_fps", fps.str()},
       {"duration_seconds", dur.str()},
+      {"start_pts_seconds", start.str()},
       {"rank", std::to_string(shard.rank)},
       {"world", std::to_string(shard.world)},
       {"sampled_total", std::to_string(b.report.sampled_total)},
@@ -144,8 +154,10 @@ int cmd_decode(int argc, char** argv) {
                                         : std::string("none")},
       {"normalized", pre.normalize ? "true" : "false"},
   };
-  lvx::save_safetensors(p.get("output"),
-                        {{"frames", b.frames}, {"indices", b.indices}, {"pts", b.pts}}, meta);
+  lvx::save_safetensors(
+      p.get("output"),
+      {{"frames", b.frames}, {"indices", b.indices}, {"pts", b.pts}, {"stream_pts", b.stream_pts}},
+      meta);
   std::cerr << "lvx decode: " << video << ": rank " << shard.rank << "/" << shard.world << " wrote "
             << b.frames.size(0) << " of " << b.report.sampled_total << " sampled frames "
             << b.frames.sizes() << " to " << p.get("output") << " (decoded "
@@ -162,6 +174,8 @@ int cmd_decode(int argc, char** argv) {
                          {"num_frames", i.num_frames},
                          {"average_fps", i.average_fps},
                          {"duration_seconds", i.duration_seconds},
+                         {"start_pts_seconds", i.begin_seconds},
+                         {"index_from_cache", i.index_from_cache},
                          {"width", i.width},
                          {"height", i.height},
                          {"rotation", i.rotation},
