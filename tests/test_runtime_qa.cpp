@@ -85,7 +85,9 @@ TEST(QaPrompt, MplugChatTemplateEqualsTheTokenizersPackage) {
   ASSERT_EQ(p.labels.size(), n);
   // (not shifted: the logits at t predict labels[t], the token at t + 1).
   for (size_t i = 0; i < n; ++i) {
-    if (i != n - 3 && i != n - 2) EXPECT_EQ(p.labels[i], -100) << i;
+    if (i != n - 3 && i != n - 2) {
+      EXPECT_EQ(p.labels[i], -100) << i;
+    }
   }
   EXPECT_EQ(p.ids[n - 2], *tok.token_to_id("red"));
   EXPECT_EQ(p.labels[n - 3], *tok.token_to_id("red"));
@@ -135,7 +137,9 @@ TEST(QaFrames, EachRankDecodesExactlyTheImagesItsKeysHold) {
         const attention::Layout keys{attention::LayoutKind::kContiguous, m * 4, n, 4};
         const at::Tensor pos = keys.positions(r);
         ASSERT_EQ(pos.numel(), (e - b) * 4) << m << " " << n << " " << r;
-        if (pos.numel()) EXPECT_EQ(pos[0].item<int64_t>(), b * 4);
+        if (pos.numel()) {
+          EXPECT_EQ(pos[0].item<int64_t>(), b * 4);
+        }
       }
 }
 
