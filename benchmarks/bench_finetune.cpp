@@ -16,7 +16,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "models/mplug_owl3.h"
+#include "models/init.h"
 #include "src/cli/args.h"
 #include "src/common/error.h"
 #include "src/dist/launcher.h"
@@ -26,96 +26,19 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int64_t kVocab = 512;
-
-// GPT-2's byte → printable character map (the ByteLevel alphabet), as UTF-8 strings.
-std::vector<std::string> byte_alphabet() {
-  std::vector<std::string> out(256);
-  int n = 0;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
-    const int cp = printable ? b : 256 + n++;
-    std::string s;
-    if (cp < 0x80) {
-      s += static_cast<char>(cp);
-    } else {
-      s += static_cast<char>(0xC0 | (cp >> 6));
-      s += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-    out[static_cast<size_t>(b)] = s;
-  }
-  return out;
-}
-
-// A random checkpoint with the released names and a byte-level tokenizer.json (one id per byte,
-// no merges, and the chat template's special tokens), so that prompts tokenize like a real one.
+// A random checkpoint of the chosen width and depth (models/init.h: released names, a byte-level
+// tokenizer with the chat template's special tokens, two hyper layers).
 void make_model(const fs::path& dir, int64_t hidden, int64_t layers) {
-  const std::vector<std::string> specials = {"<|endoftext|>", "<|im_start|>", "<|im_end|>",
-                                             "<|image|>"};
-  nlohmann::json cfg = {{"model_type", "mplugowl3"},
-                        {"hidden_size", hidden},
-                        {"num_hidden_layers", layers},
-                        {"num_attention_heads", hidden / 32},
-                        {"num_key_value_heads", std::max<int64_t>(1, hidden / 64)},
-                        {"intermediate_size", 2 * hidden},
-                        {"vocab_size", kVocab},
-                        {"rope_theta", 1e6},
-                        {"rms_norm_eps", 1e-6},
-                        {"tie_word_embeddings", false},
-                        {"hyper_layers", {1, layers / 2 + 1}},
-                        {"vision_config",
-                         {{"hidden_size", 64},
-                          {"num_hidden_layers", 2},
-                          {"num_attention_heads", 2},
-                          {"intermediate_size", 128},
-                          {"image_size", 32},
-                          {"patch_size", 8}}}};
-  const auto c = models::mplug_owl3_config(cfg, dir.string(), /*gated=*/true, 259);
-  at::manual_seed(0);
-  models::StateDict w;
-  for (const auto& [name, shape] : models::mplug_owl3_shapes(c)) {
-    at::Tensor t = at::randn(shape);
-    if (shape.size() == 2) t /= std::sqrt(static_cast<double>(shape[1]));
-    if (name.find("norm") != std::string::npos) t = at::ones(shape);
-    w[name] = t;
-  }
-  models::save_checkpoint(dir.string(), cfg, w);
-  nlohmann::json vocab = nlohmann::json::object();
-  const auto alphabet = byte_alphabet();
-  for (int b = 0; b < 256; ++b) vocab[alphabet[static_cast<size_t>(b)]] = b;
-  nlohmann::json added = nlohmann::json::array();
-  for (size_t i = 0; i < specials.size(); ++i)
-    added.push_back({{"id", 256 + i},
-                     {"content", specials[i]},
-                     {"single_word", false},
-                     {"lstrip", false},
-                     {"rstrip", false},
-                     {"normalized", false},
-                     {"special", true}});
-  const nlohmann::json byte_level = {{"type", "ByteLevel"},
-                                     {"add_prefix_space", false},
-                                     {"trim_offsets", false},
-                                     {"use_regex", true}};
-  std::ofstream(dir / "tokenizer.json") << nlohmann::json{
-      {"version", "1.0"},
-      {"truncation", nullptr},
-      {"padding", nullptr},
-      {"added_tokens", added},
-      {"normalizer", nullptr},
-      {"pre_tokenizer", byte_level},
-      {"post_processor", nullptr},
-      {"decoder", byte_level},
-      {"model",
-       {{"type", "BPE"},
-        {"dropout", nullptr},
-        {"unk_token", nullptr},
-        {"continuing_subword_prefix", nullptr},
-        {"end_of_word_suffix", nullptr},
-        {"fuse_unk", false},
-        {"byte_fallback", false},
-        {"ignore_merges", false},
-        {"vocab", vocab},
-        {"merges", nlohmann::json::array()}}}}.dump();
+  models::TinyModelSpec spec;
+  spec.hidden = hidden;
+  spec.layers = layers;
+  spec.heads = hidden / 32;
+  spec.kv_heads = std::max<int64_t>(1, hidden / 64);
+  spec.intermediate = 2 * hidden;
+  spec.hyper_layers = {1, layers / 2 + 1};  // 1-based, as in config.json
+  spec.vision_hidden = 64;
+  spec.vision_mlp = 128;
+  models::write_tiny_mplug_owl3(dir.string(), spec);
 }
 
 std::string run(const std::string& cmd) {

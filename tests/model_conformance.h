@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <string>
 
 #include "src/common/safetensors.h"
@@ -140,6 +141,45 @@ inline Diff forward_against(const Reference& ref, const std::string& tag, int np
             << ", loss " << d.loss << ", grads " << d.grad << " (" << d.worst_grad << ", "
             << d.grads << " tensors)\n";
   return d;
+}
+
+// Greedy generation against a reference script's `generate` subcommand (a cache-less greedy loop,
+// made once per generator version under build/tests/<name>): `lvx forward --generate` of
+// `tokens` tokens on the reference's batch must give the same tokens and every step's logits
+// within 1e-4. Returns the output's metadata (decode_bytes_sent_per_token, ...); empty on failure.
+inline std::map<std::string, std::string> generate_against(
+    const Reference& ref, const std::string& name, const std::string& script,
+    const std::string& stamp, int nproc, const std::string& strategies, int tokens) {
+  std::string log;
+  const std::string dir = generated(
+      name, stamp,
+      [&](const std::string& d) {
+        return run_command(python() + " " + script + " generate " + ref.model + " " + ref.batch +
+                           " " + d + "/expected.safetensors --tokens " + std::to_string(tokens));
+      },
+      &log);
+  EXPECT_FALSE(dir.empty()) << log;
+  if (dir.empty()) return {};
+  const std::string out =
+      (workdir() / (name + "_n" + std::to_string(nproc) + ".safetensors")).string();
+  fs::remove(out);
+  log = run_command(lvx_binary() + " forward --model " + ref.model + " --input " + ref.batch +
+                    " --output " + out + " --nproc " + std::to_string(nproc) + " --strategies " +
+                    strategies + " --generate " + std::to_string(tokens));
+  EXPECT_TRUE(fs::exists(out)) << log;
+  if (!fs::exists(out)) return {};
+  const lvx::TensorFile got = lvx::load_safetensors(out);
+  const auto want = lvx::load_safetensors(dir + "/expected.safetensors").tensors;
+  EXPECT_TRUE(at::equal(got.tensors.at("tokens"), want.at("tokens")))
+      << got.tensors.at("tokens") << "\nreference:\n"
+      << want.at("tokens");
+  const double err =
+      (got.tensors.at("step_logits") - want.at("step_logits")).abs().max().item<double>();
+  EXPECT_LT(err, 1e-4);
+  std::cout << name << " n=" << nproc << " " << strategies << ": step logits " << err
+            << ", decode bytes/token " << got.metadata.at("decode_bytes_sent_per_token")
+            << ", prefill bytes " << got.metadata.at("prefill_bytes_sent") << "\n";
+  return got.metadata;
 }
 
 // A gtest parameter name: letters and digits kept, everything else '_'.

@@ -115,38 +115,12 @@ class MplugGeneration : public ::testing::TestWithParam<GenCase> {};
 TEST_P(MplugGeneration, GreedyTokensEqualTheReferenceLoop) {
   const GenCase& c = GetParam();
   const Reference& ref = reference(c.variant);
-  constexpr int kTokens = 6;
-  std::string log;
-  const std::string dir = generated(
-      "mplug_generate_" + c.variant, script_stamp(ref_script()),
-      [&](const std::string& d) {
-        return run_command(python() + " " + ref_script() + " generate " + ref.model + " " +
-                           ref.batch + " " + d + "/expected.safetensors --tokens " +
-                           std::to_string(kTokens));
-      },
-      &log);
-  ASSERT_FALSE(dir.empty()) << log;
-  const std::string out =
-      (workdir() / ("generate_" + c.variant + "_" + std::to_string(c.nproc) + ".safetensors"))
-          .string();
-  fs::remove(out);
-  log = run_command(lvx_binary() + " forward --model " + ref.model + " --input " + ref.batch +
-                    " --output " + out + " --nproc " + std::to_string(c.nproc) +
-                    " --strategies " + c.strategies + " --generate " + std::to_string(kTokens));
-  ASSERT_TRUE(fs::exists(out)) << log;
-  const lvx::TensorFile got = lvx::load_safetensors(out);
-  const auto want = lvx::load_safetensors(dir + "/expected.safetensors").tensors;
-  EXPECT_TRUE(at::equal(got.tensors.at("tokens"), want.at("tokens")))
-      << got.tensors.at("tokens") << "\nreference:\n" << want.at("tokens");
-  const double err =
-      (got.tensors.at("step_logits") - want.at("step_logits")).abs().max().item<double>();
-  EXPECT_LT(err, 1e-4);
+  const auto meta = generate_against(ref, "mplug_generate_" + c.variant, ref_script(),
+                                     script_stamp(ref_script()), c.nproc, c.strategies, 6);
+  ASSERT_FALSE(meta.empty());
   // B = 2, Hq = 4, D = 16; 4 layers of which 2 have a cross-attention.
   const int64_t formula = int64_t{c.nproc - 1} * 6 * 2 * 4 * 17 * 4;
-  EXPECT_EQ(std::stoll(got.metadata.at("decode_bytes_sent_per_token")), formula);
-  std::cout << c.variant << " n=" << c.nproc << " " << c.strategies << ": step logits " << err
-            << ", decode bytes/token " << got.metadata.at("decode_bytes_sent_per_token")
-            << ", prefill bytes " << got.metadata.at("prefill_bytes_sent") << "\n";
+  EXPECT_EQ(std::stoll(meta.at("decode_bytes_sent_per_token")), formula);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MplugGeneration,

@@ -107,33 +107,9 @@ class OpenFlamingoGeneration : public ::testing::TestWithParam<GenCase> {};
 TEST_P(OpenFlamingoGeneration, GreedyTokensEqualThePackageLoop) {
   const GenCase& c = GetParam();
   const Reference& ref = reference(c.lm);
-  constexpr int kTokens = 6;
-  std::string log;
-  const std::string dir = generated(
-      "openflamingo_generate_" + c.lm, ref_stamp(),
-      [&](const std::string& d) {
-        return run_command(python() + " " + ref_script() + " generate " + ref.model + " " +
-                           ref.batch + " " + d + "/expected.safetensors --tokens " +
-                           std::to_string(kTokens));
-      },
-      &log);
-  ASSERT_FALSE(dir.empty()) << log;
-  const std::string out = (workdir() / ("of_generate_" + test_name(c.lm) + "_" +
-                                        std::to_string(c.nproc) + ".safetensors"))
-                              .string();
-  fs::remove(out);
-  log = run_command(lvx_binary() + " forward --model " + ref.model + " --input " + ref.batch +
-                    " --output " + out + " --nproc " + std::to_string(c.nproc) + " --strategies " +
-                    c.strategies + " --generate " + std::to_string(kTokens));
-  ASSERT_TRUE(fs::exists(out)) << log;
-  const lvx::TensorFile got = lvx::load_safetensors(out);
-  const auto want = lvx::load_safetensors(dir + "/expected.safetensors").tensors;
-  EXPECT_TRUE(at::equal(got.tensors.at("tokens"), want.at("tokens")))
-      << got.tensors.at("tokens") << "\nreference:\n"
-      << want.at("tokens");
-  const double err =
-      (got.tensors.at("step_logits") - want.at("step_logits")).abs().max().item<double>();
-  EXPECT_LT(err, 1e-4);
+  const auto meta = generate_against(ref, "openflamingo_generate_" + c.lm, ref_script(),
+                                     ref_stamp(), c.nproc, c.strategies, 6);
+  ASSERT_FALSE(meta.empty());
 
   const lvx::models::OpenFlamingoConfig cfg = lvx::models::openflamingo_config(
       lvx::models::load_checkpoint(ref.model).config, ref.model + "/config.json");
@@ -146,11 +122,7 @@ TEST_P(OpenFlamingoGeneration, GreedyTokensEqualThePackageLoop) {
     if (cfg.is_cross(i)) formula += merge_bytes(cfg.x_heads, cfg.x_dim_head);
     formula += merge_bytes(cfg.heads, cfg.head_dim + (cfg.lm == "mpt" ? 1 : 0));
   }
-  EXPECT_EQ(std::stoll(got.metadata.at("decode_bytes_sent_per_token")), formula);
-  std::cout << c.lm << " n=" << c.nproc << " " << c.strategies << ": step logits " << err
-            << ", decode bytes/token " << got.metadata.at("decode_bytes_sent_per_token")
-            << " (formula " << formula << "), prefill bytes "
-            << got.metadata.at("prefill_bytes_sent") << "\n";
+  EXPECT_EQ(std::stoll(meta.at("decode_bytes_sent_per_token")), formula) << "formula " << formula;
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, OpenFlamingoGeneration,
