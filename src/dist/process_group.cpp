@@ -28,6 +28,13 @@ using c10d::Backend;
 int64_t ByteCounters::total_sent() const {
   return std::accumulate(sent.begin(), sent.end(), int64_t{0});
 }
+int64_t ByteCounters::sent_inter_node(int rank, int node_size) const {
+  if (node_size <= 0) return 0;
+  int64_t b = 0;
+  for (size_t p = 0; p < sent.size(); ++p)
+    if (static_cast<int>(p) / node_size != rank / node_size) b += sent[p];
+  return b;
+}
 int64_t ByteCounters::total_received() const {
   return std::accumulate(received.begin(), received.end(), int64_t{0});
 }
@@ -78,6 +85,7 @@ struct ProcessGroup::Engine {
   std::string failure;  // the first failure; empty while the group is healthy
   std::map<c10d::Work*, c10::intrusive_ptr<c10d::Work>> pending;
   std::vector<c10::intrusive_ptr<c10d::Work>> aborted;
+  std::vector<int> found_dead;  // the ranks this rank's own diagnosis found unresponsive
 
   Backend& backend_for(const at::Tensor& t) {
     if (t.is_cuda()) {
@@ -182,8 +190,59 @@ ProcessGroup::~ProcessGroup() {
   }
   engine_->cv.notify_all();
   if (engine_->heartbeat.joinable()) engine_->heartbeat.join();
+  const std::string p = kStorePrefix;
   try {
-    engine_->store->set(std::string(kStorePrefix) + "exit/" + std::to_string(rank_), {1});
+    engine_->store->set(p + "exit/" + std::to_string(rank_), {1});
+    engine_->store->set(p + "done/" + std::to_string(rank_), {1});
+  } catch (...) {
+  }
+  // Rank 0 hosts the store, and its exit takes the store down. After a failure the other ranks
+  // still need it to diagnose theirs (whose heartbeat stopped?), and a rank that loses the store
+  // mid-diagnosis can only say "rank 0 likely ended", hiding the rank that really failed. So the
+  // host lingers until every peer it did not find dead has ended or finished its diagnosis
+  // (`done/<r>`), one that stops heartbeating meanwhile counts as dead; bounded by one timeout
+  // plus a diagnosis.
+  if (rank_ == 0 && !failure().empty()) linger_for_peers();
+}
+
+void ProcessGroup::linger_for_peers() {
+  const std::string p = kStorePrefix;
+  std::vector<int> found_dead;
+  {
+    std::lock_guard<std::mutex> lock(engine_->fault_mu);
+    found_dead = engine_->found_dead;
+  }
+  using clock = std::chrono::steady_clock;
+  struct Peer {
+    int rank;
+    int64_t hb;
+    clock::time_point hb_changed;
+  };
+  const auto start = clock::now();
+  const auto deadline = start + options_.timeout + options_.heartbeat * 3;
+  const auto silence = options_.heartbeat * 5 / 2;
+  try {
+    std::vector<Peer> waiting;
+    for (int r = 1; r < world_size_; ++r)
+      if (std::find(found_dead.begin(), found_dead.end(), r) == found_dead.end())
+        waiting.push_back({r, engine_->store->add(p + "hb/" + std::to_string(r), 0), start});
+    while (!waiting.empty() && clock::now() < deadline) {
+      const auto now = clock::now();
+      std::vector<Peer> still;
+      for (Peer w : waiting) {
+        if (engine_->store->check({p + "done/" + std::to_string(w.rank)})) continue;
+        const int64_t hb = engine_->store->add(p + "hb/" + std::to_string(w.rank), 0);
+        if (hb != w.hb) {
+          w.hb = hb;
+          w.hb_changed = now;
+        } else if (now - w.hb_changed > silence) {
+          continue;  // stopped heartbeating: dead or frozen, nothing to wait for
+        }
+        still.push_back(w);
+      }
+      waiting.swap(still);
+      if (!waiting.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
   } catch (...) {
   }
 }
@@ -251,6 +310,11 @@ void ProcessGroup::fail(const std::string& what, const std::string& cause) {
                          " stopped responding (no heartbeat for ",
                          options_.heartbeat.count() * 2.5 / 1000.0, " s)");
       if (dead.empty()) diagnosis = "another rank ended after an error";
+      {
+        std::lock_guard<std::mutex> lock(engine_->fault_mu);
+        engine_->found_dead = dead;
+      }
+      store->set(p + "done/" + std::to_string(rank_), {1});  // the store host may now go
     } catch (const lvx::Error&) {
       diagnosis = str("rank 0 (which hosts the rendezvous store at ", info_.master_addr, ":",
                       info_.master_port, ") stopped responding");

@@ -46,6 +46,9 @@ struct ByteCounters {
   double wait_seconds = 0;
   int64_t total_sent() const;
   int64_t total_received() const;
+  // Bytes sent to ranks on other nodes than `rank`'s (consecutive ranks share a node of
+  // node_size ranks, as launchers number them; LOCAL_WORLD_SIZE): the traffic on the slow link.
+  int64_t sent_inter_node(int rank, int node_size) const;
   void reset();
 };
 
@@ -156,6 +159,7 @@ class ProcessGroup {
   void wait_work(Work::Impl& w);
   // Aborts every pending request after a failure; returns at once.
   void abort_pending();
+  void linger_for_peers();  // store host only: see ~ProcessGroup
   RendezvousInfo info_;
   Options options_;
   int rank_ = 0;
