@@ -139,7 +139,7 @@ attention::DistAttentionResult cross_attention_recompute(
             "(lv_xattn, ring, striped), got ", choice.name());
   st->forward->check_supported(spec, pg->world_size());
   st->pg = std::move(pg);
-  st->spec = spec;
+  st->spec = attention::with_topology(spec, *st->pg);
   st->mask = mask;
   st->kv = std::move(kv);
   st->n_params = params.size();

@@ -88,11 +88,13 @@ struct Case {
   at::ScalarType dtype;
   bool padded = false;  // some keys are padding (kv_valid false), differently per batch row
   bool layouts = false;  // queries striped, keys split in whole blocks of 4 (a model's layouts)
+  int node_size = 0;     // > 0: ranks per node, so that the ring strategies run the double ring
   std::string name() const {
     const char* m = mask == MaskKind::kNone ? "none" : mask == MaskKind::kCausal ? "causal"
                     : rule == MediaRule::kImmediate ? "media_immediate" : "media_upto";
     return lvx::str(strategy, "/", m, "/Hq", hq, "Hkv", hkv, "/Sq", sq, "Skv", skv, "/",
-                    c10::toString(dtype), padded ? "/padded" : "", layouts ? "/layouts" : "");
+                    c10::toString(dtype), padded ? "/padded" : "", layouts ? "/layouts" : "",
+                    node_size ? lvx::str("/nodes_of_", node_size) : std::string());
   }
 };
 
@@ -124,6 +126,7 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
   s.head_dim = 8;
   s.mask = c.mask;
   s.media_rule = c.rule;
+  s.node_size = c.node_size;
   if (c.layouts) {
     s.q_layout = attention::LayoutKind::kStriped;
     s.kv_unit = 4;
@@ -154,7 +157,10 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
   attention::SavedState saved;
   auto out = strategy->forward(pg, s, in, &saved);
   auto fwd_sent = pg.counters().total_sent(), fwd_recv = pg.counters().total_received();
+  const std::vector<int64_t> fwd_to = pg.counters().sent;
   auto grads = strategy->backward(pg, s, in.mask, saved, ql.shard(dout, 1, r));
+  std::vector<int64_t> bwd_to = pg.counters().sent;
+  for (int j = 0; j < n; ++j) bwd_to[j] -= fwd_to[j];
   auto bwd_sent = pg.counters().total_sent() - fwd_sent;
   auto bwd_recv = pg.counters().total_received() - fwd_recv;
 
@@ -247,6 +253,22 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
               << bwd_recv << " (analytic " << vb.sent << "/" << vb.received << ")\n";
     ++bad;
   }
+  // Point-to-point schedules name each message's peer: the bytes sent to every peer must match
+  // (the double ring's inter-node hops, distflash's distance-t messages).
+  for (bool backward : {false, true}) {
+    const auto sched = strategy->schedule(s, n, r, c.dtype, backward);
+    std::vector<int64_t> want(n, 0);
+    bool p2p = true;
+    for (const auto& m : sched.messages) {
+      if (m.peer < 0) p2p = false;
+      else want[m.peer] += m.sent;
+    }
+    if (p2p && want != (backward ? bwd_to : fwd_to)) {
+      std::cerr << "rank " << r << " " << c.name() << ": bytes per peer differ from the "
+                << (backward ? "backward" : "forward") << " schedule's\n";
+      ++bad;
+    }
+  }
   return bad;
 }
 
@@ -268,7 +290,21 @@ std::vector<Case> all_cases(int world) {
           if (sq == 13) cases.push_back({strat, mask, rule, hq, hkv, sq, skv, at::kFloat, true});
           if (sq == 13 && std::string(strat) != "striped")  // 20 keys: 5 blocks of 4
             cases.push_back({strat, mask, rule, hq, hkv, sq, 20, at::kFloat, false, true});
+          // Two nodes of two ranks: the double ring (ring strategies; the others ignore it).
+          if (world == 4 && sq != 1)
+            cases.push_back({strat, mask, rule, hq, hkv, sq, skv, at::kFloat, sq == 13, false, 2});
         }
+  // Causal self-attention (Sq = Skv), where distflash balances the work: even, uneven, and fewer
+  // tokens than ranks, against ring and striped on the same inputs.
+  for (const auto& strat : {"ring", "striped", "distflash"})
+    for (auto [hq, hkv] : std::vector<std::pair<int64_t, int64_t>>{{4, 4}, {4, 2}})
+      for (int64_t len : {int64_t{12} * world, int64_t{13}, int64_t{3}}) {
+        for (auto dt : {at::kFloat, at::kBFloat16})
+          cases.push_back({strat, MaskKind::kCausal, MediaRule::kImmediate, hq, hkv, len, len, dt});
+        if (len == 13)
+          cases.push_back({strat, MaskKind::kCausal, MediaRule::kImmediate, hq, hkv, len, len,
+                           at::kFloat, true});
+      }
   return cases;
 }
 
@@ -356,11 +392,11 @@ LVX_WORKER(autograd) {
   auto pg = std::shared_ptr<dist::ProcessGroup>(dist::ProcessGroup::from_env());
   const int n = pg->world_size(), r = pg->rank();
   int bad = 0;
-  for (const char* name : {"lv_xattn", "ring", "striped", "ulysses", "all_gather"}) {
+  for (const char* name : {"lv_xattn", "ring", "striped", "ulysses", "all_gather", "distflash"}) {
     AttentionSpec s;
     s.batch = 1;
     s.sq = 7;
-    s.skv = 10;
+    s.skv = std::string(name) == "distflash" ? 7 : 10;  // distflash: causal self-attention
     s.hq = 4;
     s.hkv = 2;
     s.head_dim = 8;
@@ -463,6 +499,9 @@ LVX_WORKER(interleaved) {
     std::vector<Call> calls = {make_call(*fwd, 12, 20, MaskKind::kMedia, 1),
                                make_call(*fwd, 9, 9, MaskKind::kCausal, 2),
                                make_call(*fwd, 5, 17, MaskKind::kNone, 3)};
+    if (choice.forward == attention::StrategyKind::kDistFlash)  // causal self-attention only
+      calls = {make_call(*fwd, 12, 12, MaskKind::kCausal, 1), make_call(*fwd, 9, 9, MaskKind::kCausal, 2),
+               make_call(*fwd, 5, 5, MaskKind::kCausal, 3)};
     // Alone: forward then backward, call by call.
     std::vector<attention::LocalGrads> alone;
     std::vector<at::Tensor> alone_o;

@@ -57,7 +57,7 @@ DistAttentionResult dist_attention(const at::Tensor& q, const at::Tensor& k, con
   state->backward = make_strategy(choice.backward);
   state->forward->check_supported(spec, state->pg->world_size());
   state->backward->check_supported(spec, state->pg->world_size());
-  state->spec = spec;
+  state->spec = with_topology(spec, *state->pg);
   state->mask = mask;
   auto outs = DistAttentionFunction::apply(q, k, v, c10::IValue::make_capsule(state));
   return {outs[0], outs[1]};

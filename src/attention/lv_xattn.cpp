@@ -44,7 +44,7 @@ class LvXAttnStrategy : public Strategy {
       kernels::merge_attention_states(mine.tensors[0], mine.tensors[1], in.tensors[0],
                                       in.tensors[1]);
     };
-    BlockTensors ol = ring_pipeline(pg, ql, {{in.q}, {1}}, pass);
+    BlockTensors ol = ring_pipeline(pg, ql, {{in.q}, {1}}, pass, s.node_size);
     LocalOutput out{ol.tensors[0].to(in.q.scalar_type()), ol.tensors[1]};
     if (saved) saved->tensors = {in.q, in.k, in.v, out.o, out.lse};
     return out;
@@ -80,7 +80,8 @@ class LvXAttnStrategy : public Strategy {
       mine.tensors[0].add_(in.tensors[0]);
     };
     const at::Tensor dO = dout.to(q0.scalar_type()).contiguous();
-    BlockTensors dq = ring_pipeline(pg, ql, {{q0, dO, lse.contiguous(), delta}, {1, 1, 2, 2}}, pass);
+    BlockTensors dq = ring_pipeline(pg, ql, {{q0, dO, lse.contiguous(), delta}, {1, 1, 2, 2}}, pass,
+                                    s.node_size);
     const auto dt = q0.scalar_type();
     return {dq.tensors[0].to(dt), dk.to(dt), dv.to(dt)};
   }
@@ -93,10 +94,10 @@ class LvXAttnStrategy : public Strategy {
     const Layout ql = q_layout(s, n);
     if (!backward)  // Q ahead; partial O and lse (fp32) behind
       return ring_schedule(ql, r, /*q_travels=*/true, "Q", q_token * e, "O/lse",
-                           (q_token + stat_token) * a);
+                           (q_token + stat_token) * a, s.node_size);
     // Q and dO (input dtype), lse and delta (accumulation dtype) ahead; dQ (fp32) behind
     return ring_schedule(ql, r, true, "Q/dO/lse/delta", 2 * q_token * e + 2 * stat_token * a, "dQ",
-                         q_token * a);
+                         q_token * a, s.node_size);
   }
 };
 

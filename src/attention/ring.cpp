@@ -37,7 +37,7 @@ class RingStrategy : public Strategy {
       }
       return BlockTensors{};
     };
-    ring_pipeline(pg, kl, {{in.k, in.v}, {1, 1}}, pass);
+    ring_pipeline(pg, kl, {{in.k, in.v}, {1, 1}}, pass, s.node_size);
     LocalOutput out{o.to(in.q.scalar_type()), lse};
     if (saved) saved->tensors = {in.q, in.k, in.v, out.o, out.lse};
     return out;
@@ -72,7 +72,7 @@ class RingStrategy : public Strategy {
       mine.tensors[0].add_(in.tensors[0]);
       mine.tensors[1].add_(in.tensors[1]);
     };
-    BlockTensors dkv = ring_pipeline(pg, kl, {{k0, v0}, {1, 1}}, pass);
+    BlockTensors dkv = ring_pipeline(pg, kl, {{k0, v0}, {1, 1}}, pass, s.node_size);
     const auto dt = q.scalar_type();
     return {dq.to(dt), dkv.tensors[0].to(dt), dkv.tensors[1].to(dt)};
   }
@@ -84,7 +84,7 @@ class RingStrategy : public Strategy {
     const int64_t kv_token = 2 * s.batch * s.hkv * s.head_dim;  // K and V elements per token
     return ring_schedule(kv_layout(s, n), r, /*q_travels=*/false,
                          backward ? "K/V (backward)" : "K/V", kv_token * e, "dK/dV",
-                         backward ? kv_token * a : 0);
+                         backward ? kv_token * a : 0, s.node_size);
   }
 };
 

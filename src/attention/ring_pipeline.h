@@ -12,6 +12,18 @@
 //
 // ring forward has no "behind" accumulators (it merges into its stationary O); the others do.
 // ring_schedule() describes exactly these rounds and messages for the cost model and tests.
+//
+// Double ring (BurstAttention's topology-aware ring; node_size L with 1 < L < n, L | n): the same
+// loop, nested. The outer ring joins the ranks with the same local index on the I = n/L nodes;
+// each outer step's "compute" is a whole inner ring over the L ranks of this node. So a block
+// rotates L − 1 times over the fast intra-node link, then takes one inter-node hop, which is
+// posted before the node cycle and overlapped with all L of its rounds. Accumulators follow the
+// same path: around the node (then one intra-node hop home, the node's partial sum), then to the
+// next node during its cycle, and after the last cycle one inter-node hop home. In round
+// t = k·L + m, rank (i, j) (node i, local index j) holds the block of rank
+//   ((i − k) mod I)·L + ((j − m) mod L)
+// (BurstEngine's partition order). n − 1 hops per block as in the flat ring; I − 1 of them cross
+// nodes instead of I·(… every round waits for the slowest hop) in a flat ring spanning nodes.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -35,8 +47,8 @@ struct BlockTensors {
 };
 
 struct RingPass {
-  const char* ahead_what = "";  // names for errors and logs, e.g. "ring forward K/V"
-  const char* behind_what = "";
+  std::string ahead_what;  // names for errors and logs, e.g. "ring forward K/V"
+  std::string behind_what;
   // compute(owner, block): this rank's work on the travelling block of `owner`; returns its
   // contribution to that block's accumulators (empty: the pass has none).
   std::function<BlockTensors(int owner, const BlockTensors& block)> compute;
@@ -44,17 +56,25 @@ struct RingPass {
   std::function<void(BlockTensors& mine, const BlockTensors& arrived)> combine;
 };
 
-// Runs the pass with `travelling` (this rank's own block, token lengths per `layout`). Returns
-// this rank's own block's accumulators after their last hop (empty when the pass has none).
+// True when n ranks with node_size ranks per node run the double ring.
+bool double_ring(int n, int64_t node_size);
+
+// Runs the pass with `travelling` (this rank's own block, token lengths per `layout`), as a flat
+// ring or, across nodes, a double ring. Returns this rank's own block's accumulators after their
+// last hop (empty when the pass has none).
 BlockTensors ring_pipeline(dist::ProcessGroup& pg, const Layout& layout, BlockTensors travelling,
-                           const RingPass& pass);
+                           const RingPass& pass, int64_t node_size = 0);
 
 // The schedule of ring_pipeline on `rank`: round t computes (stationary, owner (rank − t) mod n);
 // the ahead block of the next owner goes out in round t < n−1, and the accumulators of round t's
 // block in round t+1. Bytes per token of a block: `ahead_bytes`, `behind_bytes` (0: none).
-// `q_travels`: lv_xattn (queries travel), else ring (keys travel).
+// `q_travels`: lv_xattn (queries travel), else ring (keys travel). Across nodes (double_ring),
+// the double ring's rounds: each node cycle of L rounds is followed, when there are
+// accumulators, by an idle round for their intra-node trip home; inter-node messages span the
+// cycle they overlap.
 PassSchedule ring_schedule(const Layout& layout, int rank, bool q_travels,
                            const std::string& ahead_what, int64_t ahead_bytes,
-                           const std::string& behind_what, int64_t behind_bytes);
+                           const std::string& behind_what, int64_t behind_bytes,
+                           int64_t node_size = 0);
 
 }  // namespace lvx::attention

@@ -16,7 +16,8 @@ constexpr NameEntry kNames[] = {{StrategyKind::kLvXAttn, "lv_xattn"},
                                 {StrategyKind::kRing, "ring"},
                                 {StrategyKind::kStriped, "striped"},
                                 {StrategyKind::kUlysses, "ulysses"},
-                                {StrategyKind::kAllGather, "all_gather"}};
+                                {StrategyKind::kAllGather, "all_gather"},
+                                {StrategyKind::kDistFlash, "distflash"}};
 }  // namespace
 
 std::string strategy_name(StrategyKind k) {
@@ -68,6 +69,11 @@ StrategyChoice strategy_choice_from_name(const std::string& name) {
   return c;
 }
 
+AttentionSpec with_topology(AttentionSpec s, const dist::ProcessGroup& pg) {
+  if (s.node_size == 0) s.node_size = pg.info().local_world_size;
+  return s;
+}
+
 at::Tensor has_keys(const at::Tensor& lse) { return lse > -std::numeric_limits<double>::infinity(); }
 
 Volume PassSchedule::volume() const {
@@ -86,7 +92,7 @@ std::string AttentionSpec::describe() const {
                                                                  : "media_upto";
   return str("B=", batch, " Sq=", sq, " Skv=", skv, " Hq=", hq, " Hkv=", hkv, " D=", head_dim,
              " mask=", m, " scale=", scale, " layouts=", static_cast<int>(q_layout), "/",
-             static_cast<int>(kv_layout), "x", kv_unit);
+             static_cast<int>(kv_layout), "x", kv_unit, " node_size=", node_size);
 }
 
 Layout Strategy::q_layout(const AttentionSpec& s, int world) const {
@@ -131,6 +137,7 @@ std::unique_ptr<Strategy> make_ring();
 std::unique_ptr<Strategy> make_striped();
 std::unique_ptr<Strategy> make_ulysses();
 std::unique_ptr<Strategy> make_all_gather();
+std::unique_ptr<Strategy> make_distflash();
 
 std::unique_ptr<Strategy> make_strategy(StrategyKind k) {
   switch (k) {
@@ -139,6 +146,7 @@ std::unique_ptr<Strategy> make_strategy(StrategyKind k) {
     case StrategyKind::kStriped: return make_striped();
     case StrategyKind::kUlysses: return make_ulysses();
     case StrategyKind::kAllGather: return make_all_gather();
+    case StrategyKind::kDistFlash: return make_distflash();
   }
   LVX_FAIL("unknown strategy kind");
 }

@@ -9,6 +9,12 @@
 //              rotates K, V and the fp32 dK/dV accumulators, dQ local.
 //   striped    ring over the striped token layout (Striped Attention, Brandon et al. §3),
 //              balancing causal work.
+//   distflash  DistFlashAttn's load-balanced causal schedule (Li et al., "DistFlashAttn:
+//              Distributed Memory-efficient Attention for Long-context LLMs Training", §3.1
+//              Alg. 2): contiguous shards; in round t ≤ ⌊n/2⌋ rank p ≥ t attends its queries to
+//              the keys of p − t, and a rank p < t, already done, helps rank p − t + n with the
+//              pair at distance n − t, returning (O, lse) point to point. Causal self-attention
+//              only (see distflash.cpp, also for odd n, where the printed algorithm drops pairs).
 //   ulysses    all-to-all from sequence to head sharding and back (DeepSpeed-Ulysses).
 //   all_gather gather K/V, attend locally; backward reduce-scatters dK/dV (Llama-3 CP).
 //
@@ -18,6 +24,12 @@
 // rounds, tests compare the measured byte counters with the schedule, and the planner's cost
 // model (src/planner/cost_model.h) prices the same rounds and messages, so predicted bytes
 // cannot drift from measured ones.
+//
+// Topology (BurstAttention, Sun et al., §3 and its double ring): with AttentionSpec::node_size L
+// (1 < L < n, L divides n) the ring strategies (ring, striped, lv_xattn) run a double ring: the
+// travelling blocks rotate L − 1 times inside a node, then take one hop to the same local rank of
+// the next node, posted at the start of a node cycle and overlapped with all L rounds of it.
+// The bytes are those below; only I − 1 of the n − 1 hops cross nodes (I = n / L nodes).
 //
 // Bytes sent per rank (n ranks, |X| = a block of X in its dtype, |X|₃₂ in the accumulation dtype;
 // ring strategies post the next transfer before computing, so per-round time is
@@ -30,6 +42,9 @@
 //             bwd  Σ_{j≠r} (|dO→j| + |dQ→j| + |dK→j| + |dV→j|)   (grads in the input dtype)
 //   all_gather fwd ring all-gather of K, then of V: Σ_{j≠r+1} (|K_j| + |V_j|)
 //             bwd  Σ_{j≠r} (|dK_j|₃₂ + |dV_j|₃₂)                 (reduce-scatter, pairwise)
+//   distflash fwd  Σ_{t=1}^{⌊n/2⌋} [r+t<n]·|KV_r| + Σ_{t∈H} [r≥n−t]·|Q_r| + Σ_{t∈H} [r<t]·|O_o, lse_o|₃₂
+//             bwd  Σ_t [r+t<n]·|KV_r| + [r≥t]·|dKV_{r−t}|₃₂ + Σ_{t∈H} [r≥n−t]·|Q, dO|_r + |lse, δ|₃₂_r
+//                  + [r<t]·|dQ_o|₃₂      (H: helper rounds, t < n/2; o = r − t + n, the owner helped)
 //
 // Dtype contract (every strategy): o and the gradients come back in the input dtype, lse in the
 // accumulation dtype (fp32; fp64 for fp64 inputs). Partial results that are merged or summed
@@ -52,7 +67,7 @@
 
 namespace lvx::attention {
 
-enum class StrategyKind { kLvXAttn, kRing, kStriped, kUlysses, kAllGather };
+enum class StrategyKind { kLvXAttn, kRing, kStriped, kUlysses, kAllGather, kDistFlash };
 
 std::string strategy_name(StrategyKind k);
 StrategyKind strategy_from_name(const std::string& name);  // error lists the valid names
@@ -88,6 +103,10 @@ struct AttentionSpec {
   LayoutKind q_layout = LayoutKind::kContiguous;
   LayoutKind kv_layout = LayoutKind::kContiguous;
   int64_t kv_unit = 1;
+  // Ranks per node (consecutive ranks share a node, as launchers number them): the ring
+  // strategies run BurstAttention's double ring when 1 < node_size < n and node_size divides n.
+  // 0: one node (a flat ring). dist_attention fills it from the process group (LOCAL_WORLD_SIZE).
+  int64_t node_size = 0;
   // kCausal with sq != skv aligns the last query with the last key: query i sits at key
   // position i + (skv − sq).
   int64_t causal_offset() const { return skv - sq; }
@@ -125,6 +144,9 @@ struct SavedState {
   std::vector<at::Tensor> tensors;
 };
 
+// `s` with node_size taken from the launcher (LOCAL_WORLD_SIZE) when the caller left it 0.
+AttentionSpec with_topology(AttentionSpec s, const dist::ProcessGroup& pg);
+
 // bool [B, Hq, Sq_r]: the rows that saw at least one key (lse > −inf).
 at::Tensor has_keys(const at::Tensor& lse);
 
@@ -144,12 +166,20 @@ struct Message {
   // the trip home after the last compute). −1: a collective before or after the compute.
   int round = -1;
   int64_t sent = 0, received = 0;  // this rank's bytes
+  // The rank it goes to (point-to-point messages; −1: a collective over every rank), so that the
+  // cost model can price it on the link between the two ranks (intra- or inter-node).
+  int peer = -1;
+  // Rounds it overlaps, from `round` on: 1 for a ring hop; a double ring's inter-node hop is
+  // posted at the start of a node cycle and overlaps every round of it.
+  int span = 1;
 };
 
 // The (query shard, key shard) pair of one compute round: ranks whose shards (in the strategy's
 // layouts) meet; −1 means the whole sequence.
 struct Block {
   int q = -1, kv = -1;
+  static Block none() { return {-2, -2}; }  // an idle round (distflash ranks with no work left)
+  bool idle() const { return q == -2; }
 };
 
 struct PassSchedule {

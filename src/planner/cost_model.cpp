@@ -1,6 +1,8 @@
 #include "src/planner/cost_model.h"
 
 #include <algorithm>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "src/common/error.h"
@@ -179,7 +181,9 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
   const double flops_per_pair = (backward ? 10.0 : 4.0) * static_cast<double>(spec.head_dim);
   const double rate = backward ? thr.backward_flops : thr.forward_flops;
   const attention::Layout ql = st.q_layout(spec, n), kl = st.kv_layout(spec, n);
-  const Link link = ring_link(c, n);
+  const Link link = ring_link(c, n);  // collectives' ring hops
+  const int64_t per_node = std::max<int64_t>(1, c.gpus_per_node);
+  auto same_node = [&](int a, int b) { return a / per_node == b / per_node; };
   const at::ScalarType dtype = scalar_type(w.dtype);
 
   std::vector<attention::PassSchedule> sched;
@@ -188,12 +192,17 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
   // per round: the slowest rank's max(compute, overlapped communication); compute per rank.
   std::vector<double> round_time(rounds + 1, 0), round_comm(rounds + 1, 0);
   std::vector<double> rank_compute(n, 0);
+  // Messages that overlap several rounds (a double ring's inter-node hops): the slowest rank's
+  // time per (first round, span).
+  std::map<std::pair<int, int>, double> spanned;
   PassCost out;
   for (int r = 0; r < n; ++r) {
     const attention::PassSchedule& p = sched[r];
-    std::vector<double> f(rounds + 1, 0), comm_bytes(rounds + 1, 0);
+    // Bytes per round on each link class: a rank drives its intra- and inter-node links at once.
+    std::vector<double> f(rounds + 1, 0), intra_bytes(rounds + 1, 0), inter_bytes(rounds + 1, 0);
     for (size_t t = 0; t < rounds; ++t) {
       const attention::Block& b = p.rounds[t];
+      if (b.idle()) continue;
       const int64_t q_len = b.q < 0 ? spec.sq : ql.local_size(b.q);
       const int64_t k_len = b.kv < 0 ? spec.skv : kl.local_size(b.kv);
       const double pairs = opt.skip_masked_tiles
@@ -203,14 +212,31 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
       rank_compute[r] += f[t];
     }
     double sequential = 0;
+    std::map<std::pair<int, int>, std::pair<double, double>> long_bytes;  // (intra, inter)
     for (const attention::Message& m : p.messages) {
-      if (m.round >= 0)
-        comm_bytes[static_cast<size_t>(m.round)] += static_cast<double>(m.sent);
-      else
+      if (m.round < 0) {
         sequential += message_time(m, c, n, link);
+        continue;
+      }
+      // A point-to-point message is priced on the link between its two ranks; one without a
+      // peer on the ring's slowest link.
+      const bool intra = m.peer >= 0 ? same_node(r, m.peer) : n <= per_node;
+      const double bytes = static_cast<double>(m.sent);
+      if (m.span > 1) {
+        auto& lb = long_bytes[{m.round, m.span}];
+        (intra ? lb.first : lb.second) += bytes;
+      } else {
+        (intra ? intra_bytes : inter_bytes)[static_cast<size_t>(m.round)] += bytes;
+      }
+    }
+    for (const auto& [key, b] : long_bytes) {
+      const double tm = std::max(transfer_time(c.intra_node, b.first),
+                                 transfer_time(c.inter_node, b.second));
+      spanned[key] = std::max(spanned[key], tm);
     }
     for (size_t t = 0; t <= rounds; ++t) {
-      const double comm = transfer_time(link, comm_bytes[t]);
+      const double comm = std::max(transfer_time(c.intra_node, intra_bytes[t]),
+                                   transfer_time(c.inter_node, inter_bytes[t]));
       round_time[t] = std::max(round_time[t], std::max(f[t], comm));
       round_comm[t] = std::max(round_comm[t], comm);
     }
@@ -222,6 +248,16 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
                           sched[0].messages.empty();
   out.compute_s = *std::max_element(rank_compute.begin(), rank_compute.end());
   if (overlapped) {
+    // A message spanning rounds [t0, t0 + span) is hidden while those rounds take longer; the
+    // rest of it delays the last of them.
+    for (const auto& [key, tm] : spanned) {
+      const size_t t0 = static_cast<size_t>(key.first);
+      const size_t t1 = std::min(round_time.size(), t0 + static_cast<size_t>(key.second));
+      double covered = 0;
+      for (size_t t = t0; t < t1; ++t) covered += round_time[t];
+      if (tm > covered) round_time[t1 - 1] += tm - covered;
+      out.comm_s += tm;
+    }
     for (size_t t = 0; t <= rounds; ++t) {
       out.time_s += round_time[t];
       out.comm_s += round_comm[t];
@@ -241,7 +277,8 @@ StrategyCost estimate(StrategyKind s, const LayerWorkload& w, const ClusterConfi
   StrategyCost out;
   out.strategy = s;
   const auto strategy = attention::make_strategy(s);
-  const attention::AttentionSpec spec = layer_spec(w, opt);
+  attention::AttentionSpec spec = layer_spec(w, opt);
+  spec.node_size = c.gpus_per_node;  // ring strategies run the double ring across nodes
   const int world = static_cast<int>(n);
   try {
     strategy->check_supported(spec, world);
@@ -292,6 +329,12 @@ StrategyCost estimate(StrategyKind s, const LayerWorkload& w, const ClusterConfi
     case StrategyKind::kStriped:
       work_f = b.k + b.v + b.o32 + b.lse;
       work_b = b.k + b.v + 3 * (b.dk32 + b.dv32) + b.dq32;
+      break;
+    case StrategyKind::kDistFlash:
+      // A fetched K/V block and a helped rank's Q; returned (O, lse) of up to half the rounds.
+      work_f = 2 * (b.k + b.v) + b.q + b.o32 + b.lse + nn / 2 * (b.o32 + b.lse);
+      work_b = 2 * (b.k + b.v) + 2 * (b.q + b.lse) + b.dq32 + b.dk32 + b.dv32 +
+               nn / 2 * (b.dq32 + b.dk32 + b.dv32);
       break;
     case StrategyKind::kUlysses:
       work_f = 2 * (in + b.o) + b.o32;

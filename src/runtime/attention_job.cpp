@@ -107,7 +107,7 @@ int run_attention_rank(const AttentionJob& job) {
   auto pg = dist::ProcessGroup::from_env();
   const int n = pg->world_size(), r = pg->rank();
   TensorFile f = load_safetensors(job.input);
-  const AttentionSpec s = spec_from(job, f);
+  const AttentionSpec s = attention::with_topology(spec_from(job, f), *pg);
   const attention::StrategyChoice choice = attention::strategy_choice_from_name(job.strategy);
   auto fwd = attention::make_strategy(choice.forward), bwd = attention::make_strategy(choice.backward);
   fwd->check_supported(s, n);
@@ -129,7 +129,7 @@ int run_attention_rank(const AttentionJob& job) {
   attention::LocalOutput out;
   attention::LocalGrads grads;
   std::vector<double> fwd_s, bwd_s;
-  int64_t sent = 0, received = 0;
+  int64_t sent = 0, received = 0, sent_inter = 0;
   for (int it = 0; it < std::max(1, job.repeat); ++it) {
     pg->barrier();
     pg->counters().reset();
@@ -142,6 +142,7 @@ int run_attention_rank(const AttentionJob& job) {
     fwd_s.push_back(std::chrono::duration<double>(t1 - t0).count());
     bwd_s.push_back(std::chrono::duration<double>(t2 - t1).count());
     sent = pg->counters().total_sent();
+    sent_inter = pg->counters().sent_inter_node(r, static_cast<int>(s.node_size));
     received = pg->counters().total_received();
   }
   std::map<std::string, at::Tensor> part{{"o", out.o}, {"lse", out.lse.to(at::kFloat)}};
@@ -154,6 +155,7 @@ int run_attention_rank(const AttentionJob& job) {
   fs::create_directories(parts);
   save_safetensors((parts / str("rank", r, ".safetensors")).string(), part,
                    {{"bytes_sent", std::to_string(sent)},
+                    {"bytes_sent_inter_node", std::to_string(sent_inter)},
                     {"bytes_received", std::to_string(received)},
                     {"forward_seconds", std::to_string(median(fwd_s))},
                     {"backward_seconds", std::to_string(median(bwd_s))}});
@@ -170,6 +172,7 @@ int run_attention_rank(const AttentionJob& job) {
     ranks.push_back({{"rank", j},
                      {"bytes_sent", std::stoll(pf.metadata.at("bytes_sent"))},
                      {"bytes_received", std::stoll(pf.metadata.at("bytes_received"))},
+                     {"bytes_sent_inter_node", std::stoll(pf.metadata.at("bytes_sent_inter_node"))},
                      {"seconds", fs_ + bs_},
                      {"forward_seconds", fs_},
                      {"backward_seconds", bs_}});

@@ -1,0 +1,335 @@
+// distflash: DistFlashAttn's load-balanced causal schedule (Li et al., "DistFlashAttn: Distributed
+// Memory-efficient Attention for Long-context LLMs Training", §3.1, Alg. 2; backward as in its
+// code, §3.5 of our notes). Contiguous shards, causal self-attention (Sq = Skv): the query shard
+// of rank p needs the key shards 0..p, so under a plain ring rank 0 idles n − 1 of n rounds.
+//
+// Rounds (0-indexed ranks, n ranks, T = ⌊n/2⌋):
+//   round 0      every rank attends its own diagonal block (q_p, kv_p), causal inside.
+//   round t ≥ 1  owner  p ≥ t: attends q_p to kv_{p−t} (fetched from rank p − t);
+//                helper h < t (already done): attends q_o of the late rank o = h − t + n to its
+//                own kv_h, from fresh statistics, and returns (O, lse) in fp32 to o, which merges
+//                them (LSE merge, §0 of the notes).
+// Owners cover the pairs at distance 1..T, helpers those at distance n − t for the helper rounds
+// H = {t ≤ T : 2t ≠ n}. For even n the guard 2t ≠ n is the paper's "t ≠ ⌊P/2⌋" (distance n/2 is
+// an owner pair); for odd n there is no guard: the paper's printed guard would drop the pairs at
+// distance ⌈n/2⌉ (rank 4 of 5 would never see kv_1), which is the trap its notes record.
+// Idle rank-rounds: n even, ranks < T in round T; n odd, none — versus n(n−1)/2 of n² for the
+// plain contiguous ring.
+//
+// Overlap: the messages of round t + 1 (K/V to the owner, Q to the helper) are posted before
+// round t computes; helper results travel during the next round and are merged at the end, in a
+// fixed order (bitwise deterministic).
+//
+// Backward: the same rounds. An owner's round gives dq locally and (dk, dv) of kv_{p−t} in fp32,
+// sent back to p − t; a helper receives the late rank's (q, dO, lse, delta), keeps dk, dv and
+// returns dq in fp32. Per-rank bytes are in strategy.h; schedule() lists each message.
+#include <limits>
+
+#include "src/common/error.h"
+#include "src/attention/strategy.h"
+
+namespace lvx::attention {
+namespace {
+
+using dist::P2POp;
+
+// The owner rank h helps in round t, or −1.
+int helped_owner(int n, int t, int h) { return (2 * t != n && h < t) ? h - t + n : -1; }
+// The helper of owner o in round t, or −1.
+int helper_of(int n, int t, int o) { return (2 * t != n && o >= n - t) ? o + t - n : -1; }
+
+at::Tensor empty_like_len(const at::Tensor& like, int64_t dim, int64_t len,
+                          at::ScalarType dtype) {
+  auto shape = like.sizes().vec();
+  shape[dim] = len;
+  return at::empty(shape, like.options().dtype(dtype));
+}
+
+class DistFlashStrategy : public Strategy {
+ public:
+  StrategyKind kind() const override { return StrategyKind::kDistFlash; }
+  Layout q_layout(const AttentionSpec& s, int world) const override {
+    return Layout{LayoutKind::kContiguous, s.sq, world};
+  }
+  Layout kv_layout(const AttentionSpec& s, int world) const override {
+    return Layout{LayoutKind::kContiguous, s.skv, world};
+  }
+
+  void check_supported(const AttentionSpec& s, int world) const override {
+    LVX_CHECK(s.mask == kernels::MaskKind::kCausal && s.sq == s.skv,
+              "strategy distflash balances causal self-attention (mask causal, Sq = Skv); this "
+              "call has mask ",
+              s.mask == kernels::MaskKind::kNone ? "none" : s.mask == kernels::MaskKind::kCausal ? "causal" : "media",
+              ", Sq=", s.sq, ", Skv=", s.skv, " (use ring, striped or lv_xattn)");
+  }
+
+  LocalOutput forward(dist::ProcessGroup& pg, const AttentionSpec& s, const LocalInputs& in,
+                      SavedState* saved) const override {
+    check_supported(s, pg.world_size());
+    const int n = pg.world_size(), r = pg.rank();
+    const Layout l = q_layout(s, n);
+    const auto acc = kernels::accumulation_dtype(in.q.scalar_type());
+    const double inf = std::numeric_limits<double>::infinity();
+    at::Tensor o = at::zeros(in.q.sizes(), in.q.options().dtype(acc));
+    at::Tensor lse = at::full({s.batch, s.hq, in.q.size(1)}, -inf, in.q.options().dtype(acc));
+    // Attention of queries `q` (owner qo) to keys (owner ko): a fresh (O, lse) in fp32.
+    auto attend = [&](const at::Tensor& q, int qo, const at::Tensor& k, const at::Tensor& v,
+                      int ko) {
+      kernels::AttentionOutput part;
+      if (q.size(1) > 0 && k.size(1) > 0) {
+        part = kernels::attention_forward(q, k, v,
+                                          block_params(s, in.mask, l.positions(qo), l.positions(ko)));
+        part.o = part.o.to(acc).contiguous();
+        part.lse = part.lse.contiguous();
+      } else {
+        part.o = at::zeros(q.sizes(), q.options().dtype(acc));
+        part.lse = at::full({s.batch, s.hq, q.size(1)}, -inf, q.options().dtype(acc));
+      }
+      return part;
+    };
+    const at::Tensor q = in.q.contiguous(), k = in.k.contiguous(), v = in.v.contiguous();
+    struct Ahead {
+      at::Tensor k, v, q;
+      dist::Work work;
+    };
+    // Posts the messages of round t: this rank's K/V to r + t and Q to its helper; receives
+    // kv_{r−t} (owner) or the helped rank's Q (helper).
+    auto post = [&](int t) {
+      Ahead a;
+      std::vector<P2POp> ops;
+      if (r + t < n) {
+        ops.push_back(P2POp::send(k, r + t));
+        ops.push_back(P2POp::send(v, r + t));
+      }
+      if (r >= t) {
+        a.k = empty_like_len(k, 1, l.local_size(r - t), k.scalar_type());
+        a.v = empty_like_len(v, 1, l.local_size(r - t), v.scalar_type());
+        ops.push_back(P2POp::recv(a.k, r - t));
+        ops.push_back(P2POp::recv(a.v, r - t));
+      }
+      if (const int h = helper_of(n, t, r); h >= 0) ops.push_back(P2POp::send(q, h));
+      if (const int ow = helped_owner(n, t, r); ow >= 0) {
+        a.q = empty_like_len(q, 1, l.local_size(ow), q.scalar_type());
+        ops.push_back(P2POp::recv(a.q, ow));
+      }
+      if (!ops.empty()) a.work = pg.batch_isend_irecv(std::move(ops), "distflash forward K/V/Q");
+      return a;
+    };
+    struct Returned {
+      at::Tensor o, lse;
+      dist::Work work;
+    };
+    std::vector<Returned> returned;  // helpers' results for this rank, merged at the end
+    std::vector<dist::Work> results_out;
+    const int T = n / 2;
+    Ahead next = T >= 1 ? post(1) : Ahead{};
+    {
+      auto part = attend(q, r, k, v, r);  // round 0: the diagonal block
+      kernels::merge_attention_states(o, lse, part.o, part.lse);
+    }
+    for (int t = 1; t <= T; ++t) {
+      if (next.work.valid()) next.work.wait();
+      Ahead cur = std::move(next);
+      if (t < T) next = post(t + 1);
+      std::vector<P2POp> ops;
+      if (r >= t) {  // owner: my queries against kv_{r−t}
+        auto part = attend(q, r, cur.k, cur.v, r - t);
+        kernels::merge_attention_states(o, lse, part.o, part.lse);
+      } else if (const int ow = helped_owner(n, t, r); ow >= 0) {  // helper for rank ow
+        auto part = attend(cur.q, ow, k, v, r);
+        ops.push_back(P2POp::send(part.o, ow));
+        ops.push_back(P2POp::send(part.lse, ow));
+      }
+      if (const int h = helper_of(n, t, r); h >= 0) {
+        Returned ret{at::empty(o.sizes(), o.options()), at::empty(lse.sizes(), lse.options()), {}};
+        ops.push_back(P2POp::recv(ret.o, h));
+        ops.push_back(P2POp::recv(ret.lse, h));
+        returned.push_back(std::move(ret));
+      }
+      if (!ops.empty()) {
+        dist::Work w = pg.batch_isend_irecv(std::move(ops), "distflash forward O/lse");
+        if (helper_of(n, t, r) >= 0)
+          returned.back().work = std::move(w);
+        else
+          results_out.push_back(std::move(w));
+      }
+    }
+    for (auto& ret : returned) {
+      ret.work.wait();
+      kernels::merge_attention_states(o, lse, ret.o, ret.lse);
+    }
+    for (auto& w : results_out) w.wait();
+    LocalOutput out{o.to(in.q.scalar_type()), lse};
+    if (saved) saved->tensors = {in.q, in.k, in.v, out.o, out.lse};
+    return out;
+  }
+
+  LocalGrads backward(dist::ProcessGroup& pg, const AttentionSpec& s, const MaskInputs& mask,
+                      const SavedState& saved, const at::Tensor& dout,
+                      const at::Tensor& dlse) const override {
+    check_supported(s, pg.world_size());
+    const int n = pg.world_size(), r = pg.rank();
+    const Layout l = q_layout(s, n);
+    const at::Tensor q = saved.tensors.at(0).contiguous(), k = saved.tensors.at(1).contiguous(),
+                     v = saved.tensors.at(2).contiguous();
+    const at::Tensor &o = saved.tensors.at(3), lse = saved.tensors.at(4).contiguous();
+    const auto dt = q.scalar_type();
+    const auto acc = kernels::accumulation_dtype(dt);
+    const at::Tensor delta = backward_delta(dout, o, dlse).contiguous();
+    const at::Tensor dO = dout.to(dt).contiguous();
+    at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(acc));
+    at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(acc));
+    at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(acc));
+    struct Grads {
+      at::Tensor dq, dk, dv;
+    };
+    auto grads = [&](const at::Tensor& qq, const at::Tensor& d_o, const at::Tensor& l_,
+                     const at::Tensor& de, int qo, const at::Tensor& kk, const at::Tensor& vv,
+                     int ko) {
+      if (qq.size(1) == 0 || kk.size(1) == 0)
+        return Grads{at::zeros(qq.sizes(), qq.options().dtype(acc)),
+                     at::zeros(kk.sizes(), kk.options().dtype(acc)),
+                     at::zeros(vv.sizes(), vv.options().dtype(acc))};
+      auto g = kernels::attention_backward(qq, kk, vv, d_o, l_, de,
+                                           block_params(s, mask, l.positions(qo), l.positions(ko)));
+      return Grads{g.dq.to(acc).contiguous(), g.dk.to(acc).contiguous(), g.dv.to(acc).contiguous()};
+    };
+    struct Ahead {
+      at::Tensor k, v, q, dO, lse, delta;
+      dist::Work work;
+    };
+    auto post = [&](int t) {
+      Ahead a;
+      std::vector<P2POp> ops;
+      if (r + t < n) {
+        ops.push_back(P2POp::send(k, r + t));
+        ops.push_back(P2POp::send(v, r + t));
+      }
+      if (r >= t) {
+        a.k = empty_like_len(k, 1, l.local_size(r - t), k.scalar_type());
+        a.v = empty_like_len(v, 1, l.local_size(r - t), v.scalar_type());
+        ops.push_back(P2POp::recv(a.k, r - t));
+        ops.push_back(P2POp::recv(a.v, r - t));
+      }
+      if (const int h = helper_of(n, t, r); h >= 0)
+        for (const at::Tensor* x : {&q, &dO, &lse, &delta}) ops.push_back(P2POp::send(*x, h));
+      if (const int ow = helped_owner(n, t, r); ow >= 0) {
+        const int64_t len = l.local_size(ow);
+        a.q = empty_like_len(q, 1, len, dt);
+        a.dO = empty_like_len(dO, 1, len, dt);
+        a.lse = empty_like_len(lse, 2, len, lse.scalar_type());
+        a.delta = empty_like_len(delta, 2, len, delta.scalar_type());
+        for (const at::Tensor* x : {&a.q, &a.dO, &a.lse, &a.delta}) ops.push_back(P2POp::recv(*x, ow));
+      }
+      if (!ops.empty())
+        a.work = pg.batch_isend_irecv(std::move(ops), "distflash backward K/V/Q/dO/lse/delta");
+      return a;
+    };
+    // Partial gradients of this rank's shards computed elsewhere, added at the end in round order.
+    struct Returned {
+      std::vector<at::Tensor> parts;  // dk, dv from the owner r + t; or dq from the helper
+      bool is_dq = false;
+      dist::Work work;
+    };
+    std::vector<Returned> returned;
+    std::vector<dist::Work> results_out;
+    const int T = n / 2;
+    Ahead next = T >= 1 ? post(1) : Ahead{};
+    {
+      Grads g = grads(q, dO, lse, delta, r, k, v, r);
+      dq.add_(g.dq);
+      dk.add_(g.dk);
+      dv.add_(g.dv);
+    }
+    for (int t = 1; t <= T; ++t) {
+      if (next.work.valid()) next.work.wait();
+      Ahead cur = std::move(next);
+      if (t < T) next = post(t + 1);
+      std::vector<P2POp> ops;
+      if (r >= t) {  // owner: dq stays, dk/dv go back to r − t
+        Grads g = grads(q, dO, lse, delta, r, cur.k, cur.v, r - t);
+        dq.add_(g.dq);
+        ops.push_back(P2POp::send(g.dk, r - t));
+        ops.push_back(P2POp::send(g.dv, r - t));
+      } else if (const int ow = helped_owner(n, t, r); ow >= 0) {  // helper: dk/dv stay
+        Grads g = grads(cur.q, cur.dO, cur.lse, cur.delta, ow, k, v, r);
+        dk.add_(g.dk);
+        dv.add_(g.dv);
+        ops.push_back(P2POp::send(g.dq, ow));
+      }
+      std::vector<Returned> arriving;
+      if (r + t < n) {
+        Returned ret{{at::empty(dk.sizes(), dk.options()), at::empty(dv.sizes(), dv.options())}, false, {}};
+        ops.push_back(P2POp::recv(ret.parts[0], r + t));
+        ops.push_back(P2POp::recv(ret.parts[1], r + t));
+        arriving.push_back(std::move(ret));
+      }
+      if (const int h = helper_of(n, t, r); h >= 0) {
+        Returned ret{{at::empty(dq.sizes(), dq.options())}, true, {}};
+        ops.push_back(P2POp::recv(ret.parts[0], h));
+        arriving.push_back(std::move(ret));
+      }
+      if (!ops.empty()) {
+        dist::Work w = pg.batch_isend_irecv(std::move(ops), "distflash backward dQ/dK/dV");
+        if (arriving.empty()) {
+          results_out.push_back(std::move(w));
+        } else {
+          arriving.front().work = std::move(w);  // one request covers the round's messages
+          for (auto& a : arriving) returned.push_back(std::move(a));
+        }
+      }
+    }
+    for (auto& ret : returned) {
+      if (ret.work.valid()) ret.work.wait();
+      if (ret.is_dq) {
+        dq.add_(ret.parts[0]);
+      } else {
+        dk.add_(ret.parts[0]);
+        dv.add_(ret.parts[1]);
+      }
+    }
+    for (auto& w : results_out) w.wait();
+    return {dq.to(dt), dk.to(dt), dv.to(dt)};
+  }
+
+  PassSchedule schedule(const AttentionSpec& s, int n, int r, at::ScalarType dtype,
+                        bool backward) const override {
+    const Layout l = q_layout(s, n);
+    const int64_t e = element_bytes(dtype);
+    const int64_t a = element_bytes(kernels::accumulation_dtype(dtype));
+    const int64_t q_tok = s.batch * s.hq * s.head_dim, kv_tok = 2 * s.batch * s.hkv * s.head_dim;
+    const int64_t stat_tok = s.batch * s.hq;
+    // Per token: what goes ahead to an owner (K/V) and to a helper (Q side), and what comes back.
+    const int64_t kv_ahead = kv_tok * e;
+    const int64_t q_ahead = backward ? 2 * q_tok * e + 2 * stat_tok * a : q_tok * e;
+    const int64_t kv_back = backward ? kv_tok * a : 0;           // dK/dV to the key owner
+    const int64_t q_back = backward ? q_tok * a : (q_tok + stat_tok) * a;  // dQ, or O/lse
+    const int T = n / 2;
+    PassSchedule p;
+    p.rounds.push_back(Block{r, r});
+    auto add = [&](const char* what, int round, int peer, int64_t sent, int64_t received) {
+      if (sent > 0 || received > 0) p.messages.push_back({what, Message::kRingHop, round, sent, received, peer, 1});
+    };
+    for (int t = 1; t <= T; ++t) {
+      const int ow = helped_owner(n, t, r), h = helper_of(n, t, r);
+      p.rounds.push_back(r >= t ? Block{r, r - t} : ow >= 0 ? Block{ow, r} : Block::none());
+      // Ahead of round t, during round t − 1.
+      if (r + t < n) add("K/V", t - 1, r + t, l.local_size(r) * kv_ahead, 0);
+      if (r >= t) add("K/V", t - 1, r - t, 0, l.local_size(r - t) * kv_ahead);
+      if (h >= 0) add(backward ? "Q/dO/lse/delta" : "Q", t - 1, h, l.local_size(r) * q_ahead, 0);
+      if (ow >= 0) add(backward ? "Q/dO/lse/delta" : "Q", t - 1, ow, 0, l.local_size(ow) * q_ahead);
+      // Results of round t, during round t + 1 (t = T: after the last round).
+      if (r >= t) add("dK/dV", t + 1, r - t, l.local_size(r - t) * kv_back, 0);
+      if (r + t < n) add("dK/dV", t + 1, r + t, 0, l.local_size(r) * kv_back);
+      if (ow >= 0) add(backward ? "dQ" : "O/lse", t + 1, ow, l.local_size(ow) * q_back, 0);
+      if (h >= 0) add(backward ? "dQ" : "O/lse", t + 1, h, 0, l.local_size(r) * q_back);
+    }
+    return p;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Strategy> make_distflash() { return std::make_unique<DistFlashStrategy>(); }
+
+}  // namespace lvx::attention
