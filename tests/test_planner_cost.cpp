@@ -66,6 +66,7 @@ TEST(PlannerCost, BytesAreHandComputedAndTheStrategiesOwn) {
   const LayerWorkload w = cross_layer();
   CostOptions opt;
   opt.train = true;
+  opt.topology_aware_ring = false;  // the flat ring of the formulas above (double ring: below)
   const StrategyCost lv = estimate(StrategyKind::kLvXAttn, w, c, 8, opt);
   const StrategyCost ring = estimate(StrategyKind::kRing, w, c, 8, opt);
   EXPECT_EQ(lv.bytes_sent.forward, 48496640.0);
@@ -78,17 +79,100 @@ TEST(PlannerCost, BytesAreHandComputedAndTheStrategiesOwn) {
   u.sq = 4099;  // uneven shards
   u.skv = 1003;
   u.kv_heads = 8;
-  for (StrategyKind s : attention::all_strategies()) {
-    const auto st = attention::make_strategy(s);
-    int64_t fwd = 0, bwd = 0;
-    for (int r = 0; r < 8; ++r) {
-      fwd = std::max(fwd, st->analytic_bytes(layer_spec(u, opt), 8, r, at::kBFloat16, false).sent);
-      bwd = std::max(bwd, st->analytic_bytes(layer_spec(u, opt), 8, r, at::kBFloat16, true).sent);
+  for (bool topology : {false, true})
+    for (StrategyKind s : attention::all_strategies()) {
+      if (s == StrategyKind::kDistFlash) continue;  // causal self-attention only: below
+      opt.topology_aware_ring = topology;
+      attention::AttentionSpec spec = layer_spec(u, opt);
+      spec.node_size = topology ? c.gpus_per_node : 0;
+      const auto st = attention::make_strategy(s);
+      int64_t fwd = 0, bwd = 0;
+      for (int r = 0; r < 8; ++r) {
+        fwd = std::max(fwd, st->analytic_bytes(spec, 8, r, at::kBFloat16, false).sent);
+        bwd = std::max(bwd, st->analytic_bytes(spec, 8, r, at::kBFloat16, true).sent);
+      }
+      const StrategyCost e = estimate(s, u, c, 8, opt);
+      EXPECT_EQ(e.bytes_sent.forward, double(fwd)) << attention::strategy_name(s);
+      EXPECT_EQ(e.bytes_sent.backward, double(bwd)) << attention::strategy_name(s);
     }
-    const StrategyCost e = estimate(s, u, c, 8, opt);
-    EXPECT_EQ(e.bytes_sent.forward, double(fwd)) << attention::strategy_name(s);
-    EXPECT_EQ(e.bytes_sent.backward, double(bwd)) << attention::strategy_name(s);
+}
+
+// The double ring (2 nodes of 4): a block makes n − 1 = 7 hops as in the flat ring, but the
+// accumulators of each node cycle go round the whole node (4 hops, the last one home) and then
+// one inter-node hop per node: n + I = 10 accumulator hops instead of 8.
+//   lv_xattn fwd: 7·|Q| + 10·(|O|₃₂ + |lse|₃₂) = 7·2097152 + 10·4227072 = 56950784
+//   ring bwd:     7·(|K| + |V|) + 10·(|dK|₃₂ + |dV|₃₂) = 1879048192 + 5368709120 = 7247757312
+TEST(PlannerCost, DoubleRingBytesAndTheLinkItCrosses) {
+  const ClusterConfig c = toy_cluster();
+  const LayerWorkload w = cross_layer();
+  CostOptions opt;
+  opt.train = true;
+  EXPECT_EQ(estimate(StrategyKind::kLvXAttn, w, c, 8, opt).bytes_sent.forward, 56950784.0);
+  EXPECT_EQ(estimate(StrategyKind::kRing, w, c, 8, opt).bytes_sent.backward, 7247757312.0);
+  // Rank 0's forward K/V messages: 3 to rank 1 (intra) and 1 to rank 4 (the same local index
+  // on the next node), which spans the 4 rounds of the node cycle.
+  attention::AttentionSpec spec = layer_spec(w, opt);
+  spec.node_size = 4;
+  const auto sched = attention::make_strategy(StrategyKind::kRing)->schedule(spec, 8, 0, at::kBFloat16, false);
+  int to1 = 0, to4 = 0;
+  for (const auto& m : sched.messages) {
+    if (m.peer == 1) {
+      ++to1;
+      EXPECT_EQ(m.span, 1);
+    }
+    if (m.peer == 4) {
+      ++to4;
+      EXPECT_EQ(m.span, 4);
+      EXPECT_EQ(m.round, 0);
+    }
   }
+  EXPECT_EQ(to1, 6);  // 3 per node cycle, 2 cycles
+  EXPECT_EQ(to4, 1);
+}
+
+// Communication-bound ring forward (tiny query block) on 2 nodes of 4: the flat ring waits on
+// the inter-node link in each of its 7 rounds; the double ring does 3 intra-node rounds per
+// node cycle and hides its one inter-node hop behind the first cycle:
+//   T = max(3·max(f, intra) + f, inter) + 3·max(f, intra) + f.
+TEST(PlannerCost, DoubleRingPaysTheInterNodeLinkOncePerNodeCycle) {
+  const ClusterConfig c = toy_cluster();
+  LayerWorkload w = cross_layer();
+  w.sq = 8;
+  const int n = 8;
+  const double kv = 2.0 * (double(1 << 20) / n) * 4 * 128 * 2;
+  const double f = 4.0 * (8.0 / n) * (double(1 << 20) / n) * 16 * 128 / 100e12;
+  const double intra = c.intra_node.latency_s + kv / c.intra_node.bandwidth_bytes_per_s;
+  const double inter = c.inter_node.latency_s + kv / c.inter_node.bandwidth_bytes_per_s;
+  CostOptions opt;
+  const double expect =
+      std::max(3 * std::max(f, intra) + f, inter) + 3 * std::max(f, intra) + f;
+  const double got = estimate(StrategyKind::kRing, w, c, n, opt).fwd_s;
+  EXPECT_NEAR(got / expect, 1.0, 1e-9);
+  opt.topology_aware_ring = false;
+  const double flat = estimate(StrategyKind::kRing, w, c, n, opt).fwd_s;
+  EXPECT_NEAR(flat / ((n - 1) * inter + f), 1.0, 1e-9);
+  EXPECT_LT(got, flat / 3);  // 10 GB/s between nodes, 100 GB/s inside
+}
+
+// distflash on causal self-attention, compute-bound, n = 8: the diagonal round, then 4 rounds of
+// one full block pair each on the busiest rank; the contiguous ring's rank 7 computes its
+// diagonal and 7 full blocks, one per round (and the rounds wait for it).
+TEST(PlannerCost, DistFlashBalancesCausalWork) {
+  ClusterConfig c = toy_cluster();
+  c.intra_node.bandwidth_bytes_per_s = c.inter_node.bandwidth_bytes_per_s = 1e15;  // compute-bound
+  c.intra_node.latency_s = c.inter_node.latency_s = 0;
+  const LayerWorkload w = self_layer(1 << 16);
+  const int n = 8;
+  const double s = double(1 << 16) / n;
+  const double block = 4 * s * s * 16 * 128 / 100e12;  // a full block pair
+  const double diag = 4 * (s * (s + 1) / 2) * 16 * 128 / 100e12;
+  CostOptions opt;
+  EXPECT_NEAR(estimate(StrategyKind::kDistFlash, w, c, n, opt).fwd_s / (diag + 4 * block), 1.0, 1e-9);
+  EXPECT_NEAR(estimate(StrategyKind::kRing, w, c, n, opt).fwd_s / (diag + 7 * block), 1.0, 1e-9);
+  // Not a causal self-attention layer: infeasible, saying why.
+  const StrategyCost x = estimate(StrategyKind::kDistFlash, cross_layer(), c, n, opt);
+  EXPECT_FALSE(x.feasible);
+  EXPECT_NE(x.reason.find("causal self-attention"), std::string::npos) << x.reason;
 }
 
 TEST(PlannerCost, RingCrossingNodesPaysTheInterNodeLink) {
@@ -100,6 +184,7 @@ TEST(PlannerCost, RingCrossingNodesPaysTheInterNodeLink) {
   LayerWorkload w = cross_layer();
   w.sq = 8;
   CostOptions opt;
+  opt.topology_aware_ring = false;  // a flat ring (the double ring: below)
   for (int64_t n : {4, 8}) {
     const Link l = n > 4 ? c.inter_node : c.intra_node;
     const double kv = 2.0 * (double(1 << 20) / n) * 4 * 128 * 2;
@@ -130,10 +215,12 @@ TEST(PlannerCost, LvXattnOverlapsAsInEquationOne) {
   // then the last partial goes home.
   const double expect =
       std::max(f, comm(Q)) + (n - 2) * std::max(f, comm(Q + OL)) + std::max(f, comm(OL)) + comm(OL);
-  const StrategyCost cost = estimate(StrategyKind::kLvXAttn, w, c, n, CostOptions{});
+  CostOptions flat;
+  flat.topology_aware_ring = false;  // eq. (1) is for a flat ring
+  const StrategyCost cost = estimate(StrategyKind::kLvXAttn, w, c, n, flat);
   EXPECT_NEAR(cost.fwd_s / expect, 1.0, 1e-12);
   EXPECT_EQ(cost.bound, "compute");  // S_KV >> S_Q: the query side hides behind compute
-  EXPECT_EQ(estimate(StrategyKind::kRing, w, c, n, CostOptions{}).bound, "communication");
+  EXPECT_EQ(estimate(StrategyKind::kRing, w, c, n, flat).bound, "communication");
 }
 
 TEST(PlannerCost, StripedBalancesCausalWork) {

@@ -71,6 +71,7 @@ CostOptions paper_accounting() {
   CostOptions o;
   o.expand_kv_heads = true;     // the paper's Ring Attention moves K/V with all query heads
   o.skip_masked_tiles = false;  // its kernels compute masked attention densely
+  o.topology_aware_ring = false;  // and its Ring Attention is one flat ring over every GPU
   return o;
 }
 

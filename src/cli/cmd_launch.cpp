@@ -19,6 +19,9 @@ int cmd_launch(int argc, char** argv) {
                         "124. Like torchrun and mpirun, the total run time is not limited unless\n"
                         "--timeout is given.");
   p.add_option("nproc", 'n', "2", "number of local ranks");
+  p.add_option("nodes", 0, "1",
+               "simulate this many nodes: LOCAL_WORLD_SIZE = nproc / nodes (the double ring "
+               "and the inter-node byte counters follow it)");
   p.add_option("master-addr", 0, "127.0.0.1", "address of the rendezvous store (rank 0)");
   p.add_option("master-port", 0, "0", "port of the rendezvous store; 0 picks a free one");
   p.add_option("timeout", 't', "0",
@@ -31,6 +34,9 @@ int cmd_launch(int argc, char** argv) {
   LVX_CHECK(!p.rest().empty(), "no command given after -- (usage: lvx launch --nproc N -- cmd)");
   lvx::dist::LaunchOptions o;
   o.nproc = static_cast<int>(p.get_int("nproc"));
+  o.nodes = static_cast<int>(p.get_int("nodes"));
+  LVX_CHECK(o.nodes >= 1 && o.nproc % o.nodes == 0, "--nodes ", o.nodes,
+            " must be at least 1 and divide --nproc ", o.nproc);
   o.master_addr = p.get("master-addr");
   o.master_port = static_cast<int>(p.get_int("master-port"));
   o.timeout_s = p.get_double("timeout");

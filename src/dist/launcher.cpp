@@ -94,6 +94,8 @@ void emit(RankExit& rank, const std::string& line, bool capture) {
 LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts) {
   LVX_CHECK(!argv.empty(), "launch: no command given (usage: lvx launch --nproc N -- cmd ...)");
   LVX_CHECK(opts.nproc >= 1, "launch: --nproc must be at least 1, got ", opts.nproc);
+  LVX_CHECK(opts.nodes >= 1 && opts.nproc % opts.nodes == 0, "launch: --nodes ", opts.nodes,
+            " must be at least 1 and divide --nproc ", opts.nproc);
   const int port = opts.master_port > 0 ? opts.master_port : free_port();
   LaunchResult result;
   result.ranks.resize(opts.nproc);
@@ -117,17 +119,19 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
       ::close(fds[0]);
       ::close(fds[1]);
       auto set = [](const std::string& k, const std::string& v) { ::setenv(k.c_str(), v.c_str(), 1); };
+      const int local = opts.nproc / std::max(1, opts.nodes);
       if (opts.openmpi_style) {
         for (const char* k : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}) ::unsetenv(k);
         set("OMPI_COMM_WORLD_RANK", std::to_string(r));
-        set("OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r));
+        set("OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r % local));
         set("OMPI_COMM_WORLD_SIZE", std::to_string(opts.nproc));
-        set("OMPI_COMM_WORLD_LOCAL_SIZE", std::to_string(opts.nproc));
+        set("OMPI_COMM_WORLD_LOCAL_SIZE", std::to_string(local));
       } else {
         set("RANK", std::to_string(r));
-        set("LOCAL_RANK", std::to_string(r));
+        set("LOCAL_RANK", std::to_string(r % local));
         set("WORLD_SIZE", std::to_string(opts.nproc));
-        set("LOCAL_WORLD_SIZE", std::to_string(opts.nproc));
+        set("LOCAL_WORLD_SIZE", std::to_string(local));
+        set("GROUP_RANK", std::to_string(r / local));  // torchrun's node index
       }
       set("MASTER_ADDR", opts.master_addr);
       set("MASTER_PORT", std::to_string(port));

@@ -23,6 +23,10 @@ namespace lvx::dist {
 
 struct LaunchOptions {
   int nproc = 1;
+  // Simulated nodes (nproc must divide by it): LOCAL_WORLD_SIZE = nproc / nodes and LOCAL_RANK =
+  // rank mod that, as torchrun sets them on each of `nodes` machines, so that topology-aware
+  // code (the double ring, the inter-node byte counters) runs on one machine.
+  int nodes = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;                       // 0: pick a free port
   std::map<std::string, std::string> env;    // extra variables for every rank

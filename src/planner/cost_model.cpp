@@ -278,7 +278,7 @@ StrategyCost estimate(StrategyKind s, const LayerWorkload& w, const ClusterConfi
   out.strategy = s;
   const auto strategy = attention::make_strategy(s);
   attention::AttentionSpec spec = layer_spec(w, opt);
-  spec.node_size = c.gpus_per_node;  // ring strategies run the double ring across nodes
+  spec.node_size = opt.topology_aware_ring ? c.gpus_per_node : 0;  // double ring across nodes
   const int world = static_cast<int>(n);
   try {
     strategy->check_supported(spec, world);

@@ -13,11 +13,14 @@
 // the round computes (Hq, or Hq/n for ulysses). Tiles with no visible pair are skipped by the
 // kernels (CostOptions::skip_masked_tiles = false counts every pair, the papers' accounting).
 //
-// Communication: comm(B) = α + B/β for B > 0 bytes, with (α, β) of the slowest link used. A ring
-// whose ranks span more than one node crosses the inter-node link on some hop, and every round
-// waits for its slowest hop, so it runs at the inter-node (α, β). All-to-all: a rank's chunks to
-// other nodes share the node's inter-node link with the node's other GPUs. A ring all-gather of
-// B bytes is n−1 hops of B/(n−1).
+// Communication: comm(B) = α + B/β for B > 0 bytes. Point-to-point messages (ring hops,
+// distflash's messages) are priced on the link between the two ranks (nodes of gpus_per_node
+// consecutive ranks), a rank's intra- and inter-node bytes of one round moving at once. Rounds
+// are synchronous, so a flat ring spanning nodes waits on its inter-node hop every round; the
+// double ring (topology_aware_ring) crosses nodes once per node cycle, and a message that spans
+// several rounds (Message::span) only delays them by what they do not hide. All-to-all: a
+// rank's chunks to other nodes share the node's inter-node link with the node's other GPUs. A
+// ring all-gather of B bytes is n−1 hops of B/(n−1) on the slowest link.
 //
 // Time. Ring rounds overlap each round's compute with the messages of that round and are
 // synchronous across ranks (a round ends when its slowest rank is done) — LV-XAttn eq. (1) for
@@ -102,6 +105,10 @@ struct CostOptions {
   // K/V to the query heads before distributing them, and compute masked attention densely.
   bool expand_kv_heads = false;
   bool skip_masked_tiles = true;
+  // Ring strategies across nodes run BurstAttention's double ring (attention::AttentionSpec::
+  // node_size = gpus_per_node), as the runtime does under a multi-node launcher; false: a flat
+  // ring over all ranks, whose every round waits on the inter-node hop.
+  bool topology_aware_ring = true;
   // Device memory taken by everything but attention (weights, optimizer state, other layers'
   // activations): a strategy fits in device memory minus this.
   double reserved_bytes = 0;
