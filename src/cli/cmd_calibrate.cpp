@@ -88,13 +88,26 @@ int cmd_calibrate(int argc, char** argv) {
   for (at::ScalarType dt : dtypes) {
     const char* name = dt == at::kBFloat16 ? "bf16" : dt == at::kHalf ? "fp16" : "fp32";
     std::cerr << "calibrate: timing attention and matmul in " << name << " on " << dev << "\n";
+    // On CPU each rank gets cores / nproc intra-op threads (the launcher's OMP_NUM_THREADS), and
+    // with more ranks than cores they share the cores: measure what one rank gets.
+    const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+    const int threads = dev.is_cuda() ? 0 : static_cast<int>(std::max<long>(1, cores / nproc));
+    const double share = dev.is_cuda() ? 1.0 : std::min(1.0, double(cores) / nproc);
     auto s = lvx::planner::measure_throughput(dt, dev, p.get_int("seq"), p.get_int("heads"),
-                                              p.get_int("head-dim"), 1024, reps);
-    c.attention[name] = {s.forward_flops, s.backward_flops};
+                                              p.get_int("head-dim"), 1024, reps, threads, share);
+    auto& a = c.attention[name];
+    a.forward_flops = s.forward_flops;
+    a.backward_flops = s.backward_flops;
+    a.forward_call_s = s.forward_call_s;
+    a.backward_call_s = s.backward_call_s;
+    a.masked_forward_flops = s.masked_forward_flops;
+    a.masked_backward_flops = s.masked_backward_flops;
     c.gemm_flops[name] = s.gemm_flops;
     log << name << ": attention forward " << s.forward_s * 1e3 << " ms, backward "
         << s.backward_s * 1e3 << " ms for seq " << p.get("seq") << " x heads " << p.get("heads")
-        << " x dim " << p.get("head-dim") << "\n";
+        << " x dim " << p.get("head-dim") << " (" << threads << " threads, share " << share
+        << " of them); a 16-token call " << s.forward_call_s * 1e6 << " / "
+        << s.backward_call_s * 1e6 << " us\n";
   }
   if (dev.is_cuda()) {
 #ifdef LVX_WITH_CUDA

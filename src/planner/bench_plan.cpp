@@ -27,6 +27,19 @@ std::map<std::string, at::Tensor> layer_inputs(const LayerWorkload& w, at::Scala
 
 std::string attention_mask_flag(const LayerWorkload& w) { return to_string(w.mask); }
 
+double predicted_bytes_sent(const attention::StrategyChoice& choice, const LayerWorkload& w,
+                            const ClusterConfig& c, int n, const CostOptions& opt) {
+  attention::AttentionSpec spec = layer_spec(w, opt);
+  spec.node_size = opt.topology_aware_ring ? c.gpus_per_node : 0;
+  const auto f = attention::make_strategy(choice.forward), b = attention::make_strategy(choice.backward);
+  const at::ScalarType dt = scalar_type(w.dtype);
+  int64_t most = 0;
+  for (int r = 0; r < n; ++r)
+    most = std::max(most, f->analytic_bytes(spec, n, r, dt, false).sent +
+                              b->analytic_bytes(spec, n, r, dt, true).sent);
+  return static_cast<double>(most);
+}
+
 AttentionRunStats read_attention_stats(const std::string& path) {
   std::ifstream f(path);
   LVX_CHECK(f.good(), path, ": cannot open (did lvx attention write --stats?)");

@@ -31,6 +31,13 @@ struct AttentionRunStats {
 };
 AttentionRunStats read_attention_stats(const std::string& path);
 
+// The largest forward+backward bytes any one rank sends under `choice` (the forward strategy's
+// schedule plus the backward's, per rank, as the cost model sees the layer on n ranks of `c`):
+// what `lvx attention`'s largest bytes_sent measures. (The per-pass maxima of StrategyCost may
+// come from different ranks, e.g. distflash's.)
+double predicted_bytes_sent(const attention::StrategyChoice& choice, const LayerWorkload& w,
+                            const ClusterConfig& c, int n, const CostOptions& opt);
+
 // measured[choice] / min over measured, by choice name ("ring", "lv_xattn+ring"); measured holds
 // only what ran. NaN when the choice was not measured.
 double regret(const std::map<std::string, double>& measured, const std::string& choice);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include <ATen/Parallel.h>
+
 #include "kernels/attention.h"
 #include "src/common/error.h"
 
@@ -39,7 +41,10 @@ double median_time(const at::Device& device, int reps, F fn) {
 }  // namespace
 
 ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& device, int64_t s,
-                                    int64_t heads, int64_t d, int64_t gemm_n, int reps) {
+                                    int64_t heads, int64_t d, int64_t gemm_n, int reps,
+                                    int threads, double share) {
+  const int old_threads = at::get_num_threads();
+  if (threads > 0) at::set_num_threads(threads);
   at::manual_seed(0);
   auto opt = at::TensorOptions().dtype(dtype).device(device);
   at::Tensor q = at::randn({1, s, heads, d}, opt), k = at::randn({1, s, heads, d}, opt);
@@ -53,11 +58,38 @@ ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& devi
   r.backward_s = median_time(
       device, reps, [&] { kernels::attention_backward(q, k, v, dout, out.lse, delta, params); });
   const double pairs = double(s) * double(s) * double(heads) * double(d);
-  r.forward_flops = 4 * pairs / r.forward_s;
-  r.backward_flops = 10 * pairs / r.backward_s;
+  r.forward_flops = 4 * pairs / r.forward_s * share;
+  r.backward_flops = 10 * pairs / r.backward_s * share;
+  // Causal over striped positions (4 stripes): every tile is partly visible.
+  {
+    kernels::AttentionParams m;
+    m.mask.kind = kernels::MaskKind::kCausal;
+    const at::Tensor i = at::arange(s, at::kLong);
+    m.mask.q_pos = m.mask.k_pos = (i % 4) * ((s + 3) / 4) + at::div(i, 4, "floor");
+    kernels::AttentionOutput mo;
+    const double tf = median_time(device, reps, [&] { mo = kernels::attention_forward(q, k, v, m); });
+    at::Tensor md = kernels::attention_delta(dout, mo.o);
+    const double tb = median_time(
+        device, reps, [&] { kernels::attention_backward(q, k, v, dout, mo.lse, md, m); });
+    const double visible = double(s) * double(s + 1) / 2 * double(heads) * double(d);
+    r.masked_forward_flops = 4 * visible / tf * share;
+    r.masked_backward_flops = 10 * visible / tb * share;
+  }
+  // The fixed cost of a call: 16 tokens, where the arithmetic is negligible.
+  {
+    const int64_t t = 16;
+    at::Tensor qs = q.narrow(1, 0, t).contiguous(), ks = k.narrow(1, 0, t).contiguous();
+    at::Tensor vs = v.narrow(1, 0, t).contiguous(), ds = dout.narrow(1, 0, t).contiguous();
+    kernels::AttentionOutput so;
+    r.forward_call_s = median_time(device, reps * 4, [&] { so = kernels::attention_forward(qs, ks, vs, params); });
+    at::Tensor sd = kernels::attention_delta(ds, so.o);
+    r.backward_call_s = median_time(
+        device, reps * 4, [&] { kernels::attention_backward(qs, ks, vs, ds, so.lse, sd, params); });
+  }
   at::Tensor a = at::randn({gemm_n, gemm_n}, opt), b = at::randn({gemm_n, gemm_n}, opt);
   double tg = median_time(device, reps, [&] { at::matmul(a, b); });
-  r.gemm_flops = 2.0 * double(gemm_n) * double(gemm_n) * double(gemm_n) / tg;
+  r.gemm_flops = 2.0 * double(gemm_n) * double(gemm_n) * double(gemm_n) / tg * share;
+  at::set_num_threads(old_threads);
   return r;
 }
 

@@ -45,7 +45,13 @@ ClusterConfig load_cluster_config(const std::string& path) {
   for (const char* dt : {"bf16", "fp16", "fp32"}) {
     if (!att.has(dt)) continue;
     YamlMap t = att.get_map(dt);
-    c.attention[dt] = {t.get_double("forward") * 1e12, t.get_double("backward") * 1e12};
+    AttentionThroughput& a = c.attention[dt];
+    a.forward_flops = t.get_double("forward") * 1e12;
+    a.backward_flops = t.get_double("backward") * 1e12;
+    if (t.has("forward_call_us")) a.forward_call_s = t.get_double("forward_call_us") * 1e-6;
+    if (t.has("backward_call_us")) a.backward_call_s = t.get_double("backward_call_us") * 1e-6;
+    if (t.has("masked_forward")) a.masked_forward_flops = t.get_double("masked_forward") * 1e12;
+    if (t.has("masked_backward")) a.masked_backward_flops = t.get_double("masked_backward") * 1e12;
     t.finish();
   }
   att.finish();
@@ -75,7 +81,14 @@ std::string cluster_config_yaml(const ClusterConfig& c, const std::string& comme
   os << "attention_tflops:\n";
   for (const auto& [dt, t] : c.attention) {
     os << "  " << dt << ": {forward: " << t.forward_flops / 1e12
-       << ", backward: " << t.backward_flops / 1e12 << "}\n";
+       << ", backward: " << t.backward_flops / 1e12;
+    if (t.forward_call_s > 0)
+      os << ", forward_call_us: " << t.forward_call_s * 1e6
+         << ", backward_call_us: " << t.backward_call_s * 1e6;
+    if (t.masked_forward_flops > 0)
+      os << ", masked_forward: " << t.masked_forward_flops / 1e12
+         << ", masked_backward: " << t.masked_backward_flops / 1e12;
+    os << "}\n";
   }
   os << "gemm_tflops:\n";
   for (const auto& [dt, f] : c.gemm_flops) os << "  " << dt << ": " << f / 1e12 << "\n";

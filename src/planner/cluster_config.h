@@ -14,6 +14,12 @@ namespace lvx::planner {
 struct AttentionThroughput {
   double forward_flops = 0;
   double backward_flops = 0;
+  // Optional, measured by `lvx calibrate` (0: not known, the nominal configs):
+  // the fixed cost of one kernel call (a round's launch, allocation and merge), and the rate on
+  // blocks whose tiles are all partly masked (striped causal layouts: no tile is skipped whole,
+  // every tile takes the masked path).
+  double forward_call_s = 0, backward_call_s = 0;
+  double masked_forward_flops = 0, masked_backward_flops = 0;
 };
 
 struct Link {

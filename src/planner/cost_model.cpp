@@ -180,6 +180,8 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
   const AttentionThroughput& thr = c.attention_for(w.dtype);
   const double flops_per_pair = (backward ? 10.0 : 4.0) * static_cast<double>(spec.head_dim);
   const double rate = backward ? thr.backward_flops : thr.forward_flops;
+  const double masked_rate = backward ? thr.masked_backward_flops : thr.masked_forward_flops;
+  const double call_s = backward ? thr.backward_call_s : thr.forward_call_s;
   const attention::Layout ql = st.q_layout(spec, n), kl = st.kv_layout(spec, n);
   const Link link = ring_link(c, n);  // collectives' ring hops
   const int64_t per_node = std::max<int64_t>(1, c.gpus_per_node);
@@ -208,7 +210,14 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
       const double pairs = opt.skip_masked_tiles
                                ? static_cast<double>(w.counter().count(ql, b.q, kl, b.kv))
                                : static_cast<double>(q_len) * static_cast<double>(k_len);
-      f[t] = pairs * static_cast<double>(spec.hq / p.head_divisor) * flops_per_pair / rate;
+      // A striped layout under a mask leaves every tile of a partly visible block partly masked:
+      // the masked kernel path, at its own rate when calibrated.
+      const bool striped = ql.kind == attention::LayoutKind::kStriped ||
+                           kl.kind == attention::LayoutKind::kStriped;
+      const double full = static_cast<double>(q_len) * static_cast<double>(k_len);
+      const double r_t = striped && masked_rate > 0 && pairs > 0 && pairs < full ? masked_rate : rate;
+      f[t] = pairs * static_cast<double>(spec.hq / p.head_divisor) * flops_per_pair / r_t +
+             (q_len > 0 && k_len > 0 ? call_s : 0.0);
       rank_compute[r] += f[t];
     }
     double sequential = 0;

@@ -7,7 +7,9 @@
 // posted, in exact bytes. The cost model prices exactly those, so its bytes are the runtime's.
 //
 // Compute (FlashAttention FLOP convention, Dao 2024; LV-XAttn Table 1): a round costs
-// 4·P·H·D / F_fwd forward and 10·P·H·D / F_bwd backward, P = the visible (query, key) pairs of
+// c + 4·P·H·D / F_fwd forward and c + 10·P·H·D / F_bwd backward (c: the calibrated fixed cost of
+// a kernel call, 0 in nominal configs; F: the masked-path rate for blocks of a striped layout
+// that are partly visible, when calibrated), P = the visible (query, key) pairs of
 // its block pair, counted from the layer's actual mask metadata (kernels::visible_pairs; causal
 // positions through the strategy's layouts; media indices from the prompt layout), H = the heads
 // the round computes (Hq, or Hq/n for ulysses). Tiles with no visible pair are skipped by the

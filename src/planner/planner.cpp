@@ -141,6 +141,59 @@ std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload&
   return out;
 }
 
+LayerPlan plan_layer(int index, const LayerWorkload& work, const ClusterConfig& c, int64_t ranks,
+                     const CostOptions& opt, bool split_passes,
+                     const std::vector<StrategyKind>& strategies) {
+  auto candidate = [&](StrategyKind s) {
+    return strategies.empty() || std::find(strategies.begin(), strategies.end(), s) != strategies.end();
+  };
+  LayerPlan lp;
+  lp.index = index;
+  lp.work = work;
+  for (StrategyKind s : attention::all_strategies()) lp.costs[s] = estimate(s, lp.work, c, ranks, opt);
+  double best = std::numeric_limits<double>::infinity();
+  for (const PassChoice& pc : pass_choices(lp, split_passes, candidate)) {
+    // A mixed pair must beat the pure choice by more than rounding to be worth the switch.
+    if (pc.time_s < best * (pc.forward == pc.backward ? 1.0 : 0.999)) {
+      best = pc.time_s;
+      lp.forward = pc.forward;
+      lp.backward = pc.backward;
+      lp.mem_bytes = pc.mem_bytes;
+    }
+  }
+  if (!std::isfinite(best)) {
+    std::string why;
+    for (const auto& [s, cost] : lp.costs) why += str("; ", strategy_name(s), ": ", cost.reason);
+    LVX_FAIL("layer ", index, " (", to_string(lp.work.kind), "): no feasible strategy", why);
+  }
+  lp.time_s = best;
+  double second = std::numeric_limits<double>::infinity();
+  for (StrategyKind s : attention::all_strategies()) {
+    const StrategyCost& cs = lp.costs[s];
+    if (s == lp.forward || !cs.feasible || !candidate(s)) continue;
+    if (cs.fwd_s + cs.bwd_s < second) {
+      second = cs.fwd_s + cs.bwd_s;
+      lp.runner_up = s;
+      lp.has_runner_up = true;
+    }
+  }
+  std::ostringstream ex;
+  ex << lp.choice_name() << " " << seconds(best);
+  if (lp.has_runner_up) {
+    ex << " vs " << strategy_name(lp.runner_up) << " " << seconds(second) << " ("
+       << std::setprecision(3) << second / best
+       << "x): " << describe(lp.costs[lp.forward], opt.train) << "; "
+       << describe(lp.costs[lp.runner_up], opt.train);
+  } else {
+    ex << ": the only feasible strategy";
+  }
+  for (StrategyKind s : attention::all_strategies()) {
+    if (!lp.costs[s].feasible) ex << "; " << strategy_name(s) << " infeasible: " << lp.costs[s].reason;
+  }
+  lp.explanation = ex.str();
+  return lp;
+}
+
 Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
           const CostOptions& opt_in) {
   Plan p;
@@ -158,52 +211,8 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
            std::find(w.strategies.begin(), w.strategies.end(), s) != w.strategies.end();
   };
   for (size_t i = 0; i < works.size(); ++i) {
-    LayerPlan lp;
-    lp.index = static_cast<int>(i);
-    lp.work = works[i];
-    for (StrategyKind s : attention::all_strategies())
-      lp.costs[s] = estimate(s, lp.work, c, p.ranks, p.options);
-    double best = std::numeric_limits<double>::infinity();
-    for (const PassChoice& pc : pass_choices(lp, p.options.train && w.split_passes, candidate)) {
-      // A mixed pair must beat the pure choice by more than rounding to be worth the switch.
-      if (pc.time_s < best * (pc.forward == pc.backward ? 1.0 : 0.999)) {
-        best = pc.time_s;
-        lp.forward = pc.forward;
-        lp.backward = pc.backward;
-        lp.mem_bytes = pc.mem_bytes;
-      }
-    }
-    if (!std::isfinite(best)) {
-      std::string why;
-      for (const auto& [s, cost] : lp.costs) why += str("; ", strategy_name(s), ": ", cost.reason);
-      LVX_FAIL("layer ", i, " (", to_string(lp.work.kind), "): no feasible strategy", why);
-    }
-    lp.time_s = best;
-    double second = std::numeric_limits<double>::infinity();
-    for (StrategyKind s : attention::all_strategies()) {
-      const StrategyCost& cs = lp.costs[s];
-      if (s == lp.forward || !cs.feasible || !candidate(s)) continue;
-      if (cs.fwd_s + cs.bwd_s < second) {
-        second = cs.fwd_s + cs.bwd_s;
-        lp.runner_up = s;
-        lp.has_runner_up = true;
-      }
-    }
-    std::ostringstream ex;
-    ex << lp.choice_name() << " " << seconds(best);
-    if (lp.has_runner_up) {
-      ex << " vs " << strategy_name(lp.runner_up) << " " << seconds(second) << " ("
-         << std::setprecision(3) << second / best
-         << "x): " << describe(lp.costs[lp.forward], w.train) << "; "
-         << describe(lp.costs[lp.runner_up], w.train);
-    } else {
-      ex << ": the only feasible strategy";
-    }
-    for (StrategyKind s : attention::all_strategies()) {
-      if (!lp.costs[s].feasible)
-        ex << "; " << strategy_name(s) << " infeasible: " << lp.costs[s].reason;
-    }
-    lp.explanation = ex.str();
+    LayerPlan lp = plan_layer(static_cast<int>(i), works[i], c, p.ranks, p.options,
+                              p.options.train && w.split_passes, w.strategies);
     if (lp.work.kind == LayerKind::kCross && w.train && p.options.recompute_cross_kv) {
       p.shared_visual_bytes = shard_bytes(lp.work, p.ranks, p.options).y;
     }

@@ -77,6 +77,12 @@ struct Plan {
   bool fits = true;
 };
 
+// Estimates every strategy for one layer on `ranks` ranks and picks the fastest feasible one among
+// `strategies` (empty: all), forward and backward separately when split_passes; explains why.
+LayerPlan plan_layer(int index, const LayerWorkload& work, const ClusterConfig& c, int64_t ranks,
+                     const CostOptions& opt, bool split_passes,
+                     const std::vector<StrategyKind>& strategies = {});
+
 // Plans every layer. Errors (lvx::Error) name the bad argument; a layer with no feasible
 // strategy is an error naming the layer and every strategy's reason.
 Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
