@@ -23,7 +23,9 @@ std::map<std::string, at::Tensor> layer_inputs(const LayerWorkload& w, at::Scala
 std::string attention_mask_flag(const LayerWorkload& w);
 
 // stats.json of `lvx attention`: {"strategy": S, "ranks": [{"rank", "bytes_sent",
-// "bytes_received", "seconds"}, ...]}. Returns the slowest rank's seconds and the largest
+// "bytes_received", "seconds"}, ...], "step_seconds_min": …}. Returns the fastest timed call
+// (step_seconds_min: each call's time is its slowest rank's; else the slowest rank's median
+// seconds) and the largest
 // bytes_sent (errors name the file and the field).
 struct AttentionRunStats {
   double seconds = 0;

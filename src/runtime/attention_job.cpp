@@ -6,6 +6,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <iostream>
 
 #include "src/common/error.h"
@@ -158,14 +159,28 @@ int run_attention_rank(const AttentionJob& job) {
                     {"bytes_sent_inter_node", std::to_string(sent_inter)},
                     {"bytes_received", std::to_string(received)},
                     {"forward_seconds", std::to_string(median(fwd_s))},
-                    {"backward_seconds", std::to_string(median(bwd_s))}});
+                    {"backward_seconds", std::to_string(median(bwd_s))},
+                    {"iteration_seconds", [&] {
+                       std::string l;
+                       for (size_t i = 0; i < fwd_s.size(); ++i)
+                         l += str(i ? "," : "", fwd_s[i] + bwd_s[i]);
+                       return l;
+                     }()}});
   pg->barrier();
   if (r != 0) return 0;
 
   std::map<std::string, std::vector<at::Tensor>> shards;
   nlohmann::json ranks = nlohmann::json::array();
+  // Each iteration starts at a barrier: its step time is its slowest rank's.
+  std::vector<double> step(fwd_s.size(), 0.0);
   for (int j = 0; j < n; ++j) {
     TensorFile pf = load_safetensors((parts / str("rank", j, ".safetensors")).string());
+    {
+      std::stringstream it(pf.metadata.at("iteration_seconds"));
+      std::string x;
+      for (size_t i = 0; std::getline(it, x, ',') && i < step.size(); ++i)
+        step[i] = std::max(step[i], std::stod(x));
+    }
     for (auto& [name, t] : pf.tensors) shards[name].push_back(t);
     const double fs_ = std::stod(pf.metadata.at("forward_seconds"));
     const double bs_ = std::stod(pf.metadata.at("backward_seconds"));
@@ -188,7 +203,10 @@ int run_attention_rank(const AttentionJob& job) {
   fs::remove_all(parts);
   if (!job.stats.empty()) {
     nlohmann::json j{{"strategy", job.strategy}, {"world_size", n}, {"mask", job.mask},
-                     {"backward", job.backward}, {"ranks", ranks}};
+                     {"backward", job.backward}, {"ranks", ranks},
+                     {"step_seconds", step},  // per timed call, its slowest rank
+                     {"step_seconds_min", *std::min_element(step.begin(), step.end())},
+                     {"step_seconds_median", median(step)}};
     const std::string tmp = job.stats + ".tmp";
     std::ofstream(tmp) << j.dump(2) << "\n";
     fs::rename(tmp, job.stats);
