@@ -100,8 +100,10 @@ int cmd_calibrate(int argc, char** argv) {
     a.backward_flops = s.backward_flops;
     a.forward_call_s = s.forward_call_s;
     a.backward_call_s = s.backward_call_s;
-    a.masked_forward_flops = s.masked_forward_flops;
-    a.masked_backward_flops = s.masked_backward_flops;
+    a.forward_tile_s = s.forward_tile_s;
+    a.backward_tile_s = s.backward_tile_s;
+    a.forward_masked_tile_s = s.forward_masked_tile_s;
+    a.backward_masked_tile_s = s.backward_masked_tile_s;
     c.gemm_flops[name] = s.gemm_flops;
     log << name << ": attention forward " << s.forward_s * 1e3 << " ms, backward "
         << s.backward_s * 1e3 << " ms for seq " << p.get("seq") << " x heads " << p.get("heads")

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include <ATen/Parallel.h>
 
 #include "kernels/attention.h"
+#include "kernels/registry.h"
 #include "src/common/error.h"
 
 namespace lvx::planner {
@@ -57,40 +59,111 @@ ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& devi
   at::Tensor delta = kernels::attention_delta(dout, out.o);
   r.backward_s = median_time(
       device, reps, [&] { kernels::attention_backward(q, k, v, dout, out.lse, delta, params); });
-  const double pairs = double(s) * double(s) * double(heads) * double(d);
-  r.forward_flops = 4 * pairs / r.forward_s * share;
-  r.backward_flops = 10 * pairs / r.backward_s * share;
-  // Causal over striped positions (4 stripes): every tile is partly visible.
+  // Three unmasked calls fix the model time = c + T·H·t + F/rate (c per call, t per computed
+  // tile and head, F the FLOPs): 16 queries × 16 keys (1 tile per head), 16 × 16 tiles' worth of
+  // keys (16 tiles), and s × s (the throughput problem). Times are in a rank's units (share).
+  const int64_t few = 16, wide = 16 * kernels::kCpuKTile;
+  auto tiles_of = [](int64_t sq, int64_t sk) {
+    return double((sq + kernels::kCpuQTile - 1) / kernels::kCpuQTile) *
+           double((sk + kernels::kCpuKTile - 1) / kernels::kCpuKTile);
+  };
+  at::Tensor kw = at::randn({1, wide, heads, d}, opt), vw = at::randn({1, wide, heads, d}, opt);
+  at::Tensor qf = q.narrow(1, 0, few).contiguous(), df = dout.narrow(1, 0, few).contiguous();
+  at::Tensor kf = k.narrow(1, 0, few).contiguous(), vf = v.narrow(1, 0, few).contiguous();
+  struct Sample {
+    double sq, sk, t_fwd, t_bwd;
+  };
+  auto sample = [&](const at::Tensor& qq, const at::Tensor& kk, const at::Tensor& vv,
+                    const at::Tensor& dd, int r_) {
+    kernels::AttentionOutput o_;
+    const double tf = median_time(device, r_, [&] { o_ = kernels::attention_forward(qq, kk, vv, params); });
+    at::Tensor de = kernels::attention_delta(dd, o_.o);
+    const double tb = median_time(
+        device, r_, [&] { kernels::attention_backward(qq, kk, vv, dd, o_.lse, de, params); });
+    return Sample{double(qq.size(1)), double(kk.size(1)), tf / share, tb / share};
+  };
+  const Sample A = sample(qf, kf, vf, df, reps * 4), B = sample(qf, kw, vw, df, reps * 2);
+  const Sample C{double(s), double(s), r.forward_s / share, r.backward_s / share};
+  auto solve = [&](double k, bool bwd, double* call, double* tile, double* rate) {
+    std::vector<KernelSample> xs;
+    for (const Sample& x : {A, B, C})
+      xs.push_back({int64_t(x.sq), int64_t(x.sk), bwd ? x.t_bwd : x.t_fwd});
+    const KernelCostFit f = fit_kernel_cost(xs, heads, d, k);
+    *call = f.call_s;
+    *tile = f.tile_s;
+    *rate = f.flops;
+  };
+  solve(4, false, &r.forward_call_s, &r.forward_tile_s, &r.forward_flops);
+  solve(10, true, &r.backward_call_s, &r.backward_tile_s, &r.backward_flops);
+  // Causal over permuted positions (4 interleaved stripes, so no tile's positions are ordered):
+  // every tile is partly visible, computed whole and masked entry by entry: the extra per tile.
   {
     kernels::AttentionParams m;
     m.mask.kind = kernels::MaskKind::kCausal;
     const at::Tensor i = at::arange(s, at::kLong);
     m.mask.q_pos = m.mask.k_pos = (i % 4) * ((s + 3) / 4) + at::div(i, 4, "floor");
     kernels::AttentionOutput mo;
-    const double tf = median_time(device, reps, [&] { mo = kernels::attention_forward(q, k, v, m); });
+    const double tf = median_time(device, reps, [&] { mo = kernels::attention_forward(q, k, v, m); }) / share;
     at::Tensor md = kernels::attention_delta(dout, mo.o);
-    const double tb = median_time(
-        device, reps, [&] { kernels::attention_backward(q, k, v, dout, mo.lse, md, m); });
+    const double tb = median_time(device, reps, [&] {
+                        kernels::attention_backward(q, k, v, dout, mo.lse, md, m);
+                      }) / share;
     const double visible = double(s) * double(s + 1) / 2 * double(heads) * double(d);
-    r.masked_forward_flops = 4 * visible / tf * share;
-    r.masked_backward_flops = 10 * visible / tb * share;
-  }
-  // The fixed cost of a call: 16 tokens, where the arithmetic is negligible.
-  {
-    const int64_t t = 16;
-    at::Tensor qs = q.narrow(1, 0, t).contiguous(), ks = k.narrow(1, 0, t).contiguous();
-    at::Tensor vs = v.narrow(1, 0, t).contiguous(), ds = dout.narrow(1, 0, t).contiguous();
-    kernels::AttentionOutput so;
-    r.forward_call_s = median_time(device, reps * 4, [&] { so = kernels::attention_forward(qs, ks, vs, params); });
-    at::Tensor sd = kernels::attention_delta(ds, so.o);
-    r.backward_call_s = median_time(
-        device, reps * 4, [&] { kernels::attention_backward(qs, ks, vs, ds, so.lse, sd, params); });
+    const double tiles = tiles_of(s, s) * double(heads);
+    r.forward_masked_tile_s = std::max(
+        0.0, (tf - r.forward_call_s - tiles * r.forward_tile_s - 4 * visible / r.forward_flops) / tiles);
+    r.backward_masked_tile_s = std::max(
+        0.0, (tb - r.backward_call_s - tiles * r.backward_tile_s - 10 * visible / r.backward_flops) / tiles);
   }
   at::Tensor a = at::randn({gemm_n, gemm_n}, opt), b = at::randn({gemm_n, gemm_n}, opt);
   double tg = median_time(device, reps, [&] { at::matmul(a, b); });
   r.gemm_flops = 2.0 * double(gemm_n) * double(gemm_n) * double(gemm_n) / tg * share;
   at::set_num_threads(old_threads);
   return r;
+}
+
+KernelCostFit fit_kernel_cost(const std::vector<KernelSample>& xs, int64_t heads, int64_t d,
+                              double flops_per_pair) {
+  LVX_CHECK(xs.size() == 3, "fit_kernel_cost: expected 3 samples, got ", xs.size());
+  // [1, T·H, k·Sq·Sk·H·d] · [c, t, 1/rate] = seconds, by Gaussian elimination (partial pivoting).
+  double M[3][4];
+  for (int i = 0; i < 3; ++i) {
+    const KernelSample& x = xs[static_cast<size_t>(i)];
+    const double tiles = double((x.sq + kernels::kCpuQTile - 1) / kernels::kCpuQTile) *
+                         double((x.sk + kernels::kCpuKTile - 1) / kernels::kCpuKTile);
+    M[i][0] = 1;
+    M[i][1] = tiles * double(heads);
+    M[i][2] = flops_per_pair * double(x.sq) * double(x.sk) * double(heads) * double(d);
+    M[i][3] = x.seconds;
+  }
+  for (int c = 0; c < 3; ++c) {
+    int piv = c;
+    for (int r = c + 1; r < 3; ++r)
+      if (std::abs(M[r][c]) > std::abs(M[piv][c])) piv = r;
+    std::swap(M[c], M[piv]);
+    LVX_CHECK(M[c][c] != 0, "fit_kernel_cost: the samples do not separate the terms");
+    for (int r = 0; r < 3; ++r) {
+      if (r == c) continue;
+      const double f = M[r][c] / M[c][c];
+      for (int j = c; j < 4; ++j) M[r][j] -= f * M[c][j];
+    }
+  }
+  KernelCostFit out;
+  const double inv_rate = M[2][3] / M[2][2];
+  // The largest sample's plain throughput: what stands when noise makes the fit unphysical.
+  const KernelSample& big = *std::max_element(xs.begin(), xs.end(), [](const auto& a, const auto& b) {
+    return a.sq * a.sk < b.sq * b.sk;
+  });
+  const double plain =
+      flops_per_pair * double(big.sq) * double(big.sk) * double(heads) * double(d) / big.seconds;
+  if (!(inv_rate > 0)) {
+    out.flops = plain;
+    return out;
+  }
+  out.call_s = std::max(0.0, M[0][3] / M[0][0]);
+  out.tile_s = std::max(0.0, M[1][3] / M[1][1]);
+  out.flops = std::max(plain, 1.0 / inv_rate);
+  return out;
 }
 
 std::vector<double> measure_ring_steps(dist::ProcessGroup& pg, const std::vector<int64_t>& sizes,

@@ -21,18 +21,36 @@ struct ThroughputSample {
   double forward_s = 0, backward_s = 0;  // median time of one call
   // A call on 16 tokens: the fixed cost per call (cost model: per round).
   double forward_call_s = 0, backward_call_s = 0;
-  // Causal attention over a striped permutation of the tokens (every tile partly masked).
-  double masked_forward_flops = 0, masked_backward_flops = 0;
+  // Extra time of one partly masked CPU tile (per head), from causal attention over a permutation
+  // of the tokens that leaves every tile partly masked.
+  double forward_masked_tile_s = 0, backward_masked_tile_s = 0;
+  // Per computed tile and head: from 16 queries against 16 tiles' worth of keys, where the tiles
+  // are nearly empty of arithmetic.
+  double forward_tile_s = 0, backward_tile_s = 0;
 };
 
 // Times attention_forward / attention_backward on q [1, s, heads, d] against k, v of the same
-// length (no mask, then causal over striped positions, then 16 tokens) and a square matmul of
+// length (no mask, then causal over permuted positions, then 16 tokens) and a square matmul of
 // size `gemm_n`, median of `reps` after a warm-up, with `threads` intra-op threads (the share of
 // the cores each of the ranks gets), throughputs scaled by `share` (< 1 when more ranks than
 // cores compute at once).
 ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& device, int64_t s,
                                     int64_t heads, int64_t d, int64_t gemm_n, int reps,
                                     int threads = 0, double share = 1.0);
+
+// The per-call / per-tile / throughput model of a kernel call, time = c + T·H·t + k·Sq·Sk·H·d /
+// rate (T: tiles of the CPU kernels' grid, k: 4 forward, 10 backward), fitted exactly to three
+// samples (unmasked calls of Sq queries × Sk keys). Negative terms (noise) are clamped to 0; when
+// the fit is unphysical (rate ≤ 0) only the largest sample's plain throughput is kept.
+struct KernelSample {
+  int64_t sq = 0, sk = 0;
+  double seconds = 0;
+};
+struct KernelCostFit {
+  double call_s = 0, tile_s = 0, flops = 0;
+};
+KernelCostFit fit_kernel_cost(const std::vector<KernelSample>& samples, int64_t heads, int64_t d,
+                              double flops_per_pair);
 
 // Times one ring_exchange of each size (send to next, receive from prev, wait), median of `reps`
 // after a warm-up; every rank calls it, all get the same sizes. Returns seconds per exchange.

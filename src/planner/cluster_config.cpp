@@ -50,8 +50,12 @@ ClusterConfig load_cluster_config(const std::string& path) {
     a.backward_flops = t.get_double("backward") * 1e12;
     if (t.has("forward_call_us")) a.forward_call_s = t.get_double("forward_call_us") * 1e-6;
     if (t.has("backward_call_us")) a.backward_call_s = t.get_double("backward_call_us") * 1e-6;
-    if (t.has("masked_forward")) a.masked_forward_flops = t.get_double("masked_forward") * 1e12;
-    if (t.has("masked_backward")) a.masked_backward_flops = t.get_double("masked_backward") * 1e12;
+    if (t.has("forward_tile_us")) a.forward_tile_s = t.get_double("forward_tile_us") * 1e-6;
+    if (t.has("backward_tile_us")) a.backward_tile_s = t.get_double("backward_tile_us") * 1e-6;
+    if (t.has("forward_masked_tile_us"))
+      a.forward_masked_tile_s = t.get_double("forward_masked_tile_us") * 1e-6;
+    if (t.has("backward_masked_tile_us"))
+      a.backward_masked_tile_s = t.get_double("backward_masked_tile_us") * 1e-6;
     t.finish();
   }
   att.finish();
@@ -85,9 +89,12 @@ std::string cluster_config_yaml(const ClusterConfig& c, const std::string& comme
     if (t.forward_call_s > 0)
       os << ", forward_call_us: " << t.forward_call_s * 1e6
          << ", backward_call_us: " << t.backward_call_s * 1e6;
-    if (t.masked_forward_flops > 0)
-      os << ", masked_forward: " << t.masked_forward_flops / 1e12
-         << ", masked_backward: " << t.masked_backward_flops / 1e12;
+    if (t.forward_tile_s > 0)
+      os << ", forward_tile_us: " << t.forward_tile_s * 1e6
+         << ", backward_tile_us: " << t.backward_tile_s * 1e6;
+    if (t.forward_masked_tile_s > 0)
+      os << ", forward_masked_tile_us: " << t.forward_masked_tile_s * 1e6
+         << ", backward_masked_tile_us: " << t.backward_masked_tile_s * 1e6;
     os << "}\n";
   }
   os << "gemm_tflops:\n";

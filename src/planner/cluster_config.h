@@ -15,11 +15,13 @@ struct AttentionThroughput {
   double forward_flops = 0;
   double backward_flops = 0;
   // Optional, measured by `lvx calibrate` (0: not known, the nominal configs):
-  // the fixed cost of one kernel call (a round's launch, allocation and merge), and the rate on
-  // blocks whose tiles are all partly masked (striped causal layouts: no tile is skipped whole,
-  // every tile takes the masked path).
+  // the fixed cost of one kernel call (a round's launch, allocation and merge), and the extra
+  // cost of one partly masked tile of the CPU kernels' tile grid (kernels/registry.h; such a
+  // tile is computed whole and then masked entry by entry, where a full tile is not masked and
+  // an empty one is skipped).
   double forward_call_s = 0, backward_call_s = 0;
-  double masked_forward_flops = 0, masked_backward_flops = 0;
+  double forward_tile_s = 0, backward_tile_s = 0;  // per computed tile (dispatch, copies)
+  double forward_masked_tile_s = 0, backward_masked_tile_s = 0;
 };
 
 struct Link {

@@ -1,5 +1,8 @@
 #include "src/planner/cost_model.h"
 
+#include "kernels/mask.h"
+#include "kernels/registry.h"
+
 #include <algorithm>
 #include <map>
 #include <utility>
@@ -27,6 +30,39 @@ PairCounter::PairCounter(MaskRule rule, int64_t sq, int64_t skv, at::Tensor q_me
 }
 
 int64_t PairCounter::count(const at::Tensor& q_pos, const at::Tensor& k_pos) {
+  return kernels::visible_pairs(mask_for(q_pos, k_pos), 1, q_pos.numel(), k_pos.numel());
+}
+
+PairCounter::Tiles PairCounter::tiles(const attention::Layout& ql, int q_block,
+                                      const attention::Layout& kl, int kv_block) {
+  const auto key = std::make_tuple(static_cast<int>(ql.kind) * 1000 + ql.world, q_block,
+                                   static_cast<int>(kl.kind) * 1000 + kl.world, kv_block);
+  auto it = tiles_memo_.find(key);
+  if (it != tiles_memo_.end()) return it->second;
+  const at::Tensor qp = q_block < 0 ? at::arange(sq_, at::kLong) : ql.positions(q_block);
+  const at::Tensor kp = kv_block < 0 ? at::arange(skv_, at::kLong) : kl.positions(kv_block);
+  Tiles t;
+  const int64_t nq = qp.numel(), nk = kp.numel();
+  if (nq == 0 || nk == 0) return tiles_memo_[key] = t;
+  if (rule_ == MaskRule::kNone) {
+    t.full = ((nq + kernels::kCpuQTile - 1) / kernels::kCpuQTile) *
+             ((nk + kernels::kCpuKTile - 1) / kernels::kCpuKTile);
+    return tiles_memo_[key] = t;
+  }
+  const kernels::PreparedMask pm = kernels::prepare_mask(
+      mask_for(qp, kp), 1, nq, nk, kernels::kCpuQTile, kernels::kCpuKTile, at::Device(at::kCPU));
+  for (int64_t qt = 0; qt < pm.n_q_tiles; ++qt) {
+    const kernels::TileSummary qs = pm.q_summary(0, qt);
+    for (int64_t kt = 0; kt < pm.n_k_tiles; ++kt) {
+      const auto v = kernels::classify_tile(pm.view.kind, pm.view.rule, qs, pm.k_summary(0, kt));
+      t.partial += v == kernels::TileVisibility::kPartial;
+      t.full += v == kernels::TileVisibility::kFull;
+    }
+  }
+  return tiles_memo_[key] = t;
+}
+
+kernels::AttentionMask PairCounter::mask_for(const at::Tensor& q_pos, const at::Tensor& k_pos) const {
   kernels::AttentionMask m;
   switch (rule_) {
     case MaskRule::kNone:
@@ -45,7 +81,7 @@ int64_t PairCounter::count(const at::Tensor& q_pos, const at::Tensor& k_pos) {
       m.kv_media = kv_media_.index_select(1, k_pos);
       break;
   }
-  return kernels::visible_pairs(m, 1, q_pos.numel(), k_pos.numel());
+  return m;
 }
 
 int64_t PairCounter::count(const attention::Layout& ql, int q_block, const attention::Layout& kl,
@@ -180,7 +216,8 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
   const AttentionThroughput& thr = c.attention_for(w.dtype);
   const double flops_per_pair = (backward ? 10.0 : 4.0) * static_cast<double>(spec.head_dim);
   const double rate = backward ? thr.backward_flops : thr.forward_flops;
-  const double masked_rate = backward ? thr.masked_backward_flops : thr.masked_forward_flops;
+  const double tile_s = backward ? thr.backward_tile_s : thr.forward_tile_s;
+  const double mask_s = backward ? thr.backward_masked_tile_s : thr.forward_masked_tile_s;
   const double call_s = backward ? thr.backward_call_s : thr.forward_call_s;
   const attention::Layout ql = st.q_layout(spec, n), kl = st.kv_layout(spec, n);
   const Link link = ring_link(c, n);  // collectives' ring hops
@@ -210,13 +247,12 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
       const double pairs = opt.skip_masked_tiles
                                ? static_cast<double>(w.counter().count(ql, b.q, kl, b.kv))
                                : static_cast<double>(q_len) * static_cast<double>(k_len);
-      // A striped layout under a mask leaves every tile of a partly visible block partly masked:
-      // the masked kernel path, at its own rate when calibrated.
-      const bool striped = ql.kind == attention::LayoutKind::kStriped ||
-                           kl.kind == attention::LayoutKind::kStriped;
-      const double full = static_cast<double>(q_len) * static_cast<double>(k_len);
-      const double r_t = striped && masked_rate > 0 && pairs > 0 && pairs < full ? masked_rate : rate;
-      f[t] = pairs * static_cast<double>(spec.hq / p.head_divisor) * flops_per_pair / r_t +
+      const double heads = static_cast<double>(spec.hq / p.head_divisor);
+      PairCounter::Tiles tl;
+      if (tile_s > 0 || mask_s > 0) tl = w.counter().tiles(ql, b.q, kl, b.kv);
+      f[t] = pairs * heads * flops_per_pair / rate +
+             heads * (static_cast<double>(tl.full + tl.partial) * tile_s +
+                      static_cast<double>(tl.partial) * mask_s) +
              (q_len > 0 && k_len > 0 ? call_s : 0.0);
       rank_compute[r] += f[t];
     }

@@ -7,9 +7,9 @@
 // posted, in exact bytes. The cost model prices exactly those, so its bytes are the runtime's.
 //
 // Compute (FlashAttention FLOP convention, Dao 2024; LV-XAttn Table 1): a round costs
-// c + 4·P·H·D / F_fwd forward and c + 10·P·H·D / F_bwd backward (c: the calibrated fixed cost of
-// a kernel call, 0 in nominal configs; F: the masked-path rate for blocks of a striped layout
-// that are partly visible, when calibrated), P = the visible (query, key) pairs of
+// c + 4·P·H·D / F_fwd + M·H·m forward (10·P·H·D / F_bwd backward), with c the calibrated fixed
+// cost of a kernel call and m that of a partly masked tile (0 in nominal configs), M the partly
+// masked tiles of the block in the CPU kernels' tile grid, P = the visible (query, key) pairs of
 // its block pair, counted from the layer's actual mask metadata (kernels::visible_pairs; causal
 // positions through the strategy's layouts; media indices from the prompt layout), H = the heads
 // the round computes (Hq, or Hq/n for ulysses). Tiles with no visible pair are skipped by the
@@ -69,6 +69,14 @@ class PairCounter {
   // Pairs of a schedule block: shards of `q_layout` / `kv_layout` (−1: the whole sequence).
   int64_t count(const attention::Layout& q_layout, int q_block, const attention::Layout& kv_layout,
                 int kv_block);
+  // Tiles (per head) of the CPU kernels' tile grid that such a block computes: partly visible
+  // ones (computed whole, then masked entry by entry) and fully visible ones; empty tiles are
+  // skipped (kernels::classify_tile).
+  struct Tiles {
+    int64_t partial = 0, full = 0;
+  };
+  Tiles tiles(const attention::Layout& q_layout, int q_block, const attention::Layout& kv_layout,
+              int kv_block);
   int64_t total();  // every visible pair of the layer
   MaskRule rule() const { return rule_; }
   const at::Tensor& q_media() const { return q_media_; }    // media layers: int32 [1, Sq]
@@ -78,7 +86,9 @@ class PairCounter {
   MaskRule rule_;
   int64_t sq_, skv_;
   at::Tensor q_media_, kv_media_;
+  kernels::AttentionMask mask_for(const at::Tensor& q_pos, const at::Tensor& k_pos) const;
   std::map<std::tuple<int, int, int, int>, int64_t> memo_;  // (q layout, q block, kv layout, kv block)
+  std::map<std::tuple<int, int, int, int>, Tiles> tiles_memo_;
 };
 
 // One attention layer's work, global sizes (batch 1).
