@@ -448,6 +448,60 @@ LVX_WORKER(autograd) {
   return bad;
 }
 
+// Ranks told by the launcher that they share nodes (LOCAL_WORLD_SIZE=2 of 4) run the double
+// ring through dist_attention without being asked: each rank sends to the same local rank of
+// the other node exactly the schedule's inter-node bytes (one K/V block per pass, plus the
+// backward's node-partial dK/dV twice), and the gradients match the fp64 reference.
+LVX_WORKER(double_ring_from_launcher) {
+  auto pg = std::shared_ptr<dist::ProcessGroup>(dist::ProcessGroup::from_env());
+  const int n = pg->world_size(), r = pg->rank();
+  if (pg->info().local_world_size != 2 || n != 4) return 2;
+  AttentionSpec s;
+  s.batch = 1;
+  s.sq = s.skv = 16;
+  s.hq = s.hkv = 2;
+  s.head_dim = 8;
+  s.mask = MaskKind::kCausal;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto q = at::randn({1, 16, 2, 8}, gen, at::kDouble), k = at::randn({1, 16, 2, 8}, gen, at::kDouble);
+  auto v = at::randn({1, 16, 2, 8}, gen, at::kDouble), dout = at::randn({1, 16, 2, 8}, gen, at::kDouble);
+  const auto ring = attention::make_strategy(attention::StrategyKind::kRing);
+  const auto l = ring->q_layout(s, n);
+  auto q_leaf = l.shard(q, 1, r).requires_grad_(), k_leaf = l.shard(k, 1, r).requires_grad_();
+  auto v_leaf = l.shard(v, 1, r).requires_grad_();
+  pg->counters().reset();
+  auto res = attention::dist_attention(q_leaf, k_leaf, v_leaf, pg, attention::StrategyKind::kRing, s);
+  (res.o * l.shard(dout, 1, r)).sum().backward();
+  const int other_node = (r + 2) % 4;
+  AttentionSpec sn = s;
+  sn.node_size = 2;
+  int64_t want = 0;
+  for (bool bwd : {false, true})
+    for (const auto& m : ring->schedule(sn, n, r, at::kDouble, bwd).messages)
+      if (m.peer == other_node) want += m.sent;
+  int bad = 0;
+  if (pg->counters().sent[other_node] != want || want == 0 ||
+      pg->counters().sent_inter_node(r, 2) != want) {
+    std::cerr << "rank " << r << ": sent " << pg->counters().sent[other_node] << " B to rank "
+              << other_node << ", the double ring's schedule says " << want << "\n";
+    ++bad;
+  }
+  Dense ref = dense(s, q, k, v, dout, visibility(s, {}, {}), at::kDouble);
+  const double e = std::max({max_err(res.o, l.shard(ref.o, 1, r)), max_err(q_leaf.grad(), l.shard(ref.dq, 1, r)),
+                             max_err(k_leaf.grad(), l.shard(ref.dk, 1, r)),
+                             max_err(v_leaf.grad(), l.shard(ref.dv, 1, r))});
+  if (!(e < 1e-10)) {
+    std::cerr << "rank " << r << ": double ring error " << e << "\n";
+    ++bad;
+  }
+  return bad;
+}
+
+TEST(Strategies, DoubleRingFollowsTheLaunchersNodes) {
+  lvx::testing::expect_all_ok(lvx::testing::run_ranks(
+      4, "double_ring_from_launcher", 120, {{"LOCAL_WORLD_SIZE", "2"}}));
+}
+
 TEST(Autograd, EveryStrategyIsDifferentiableInAGraph) {
   for (int world : {1, 2, 3})
     lvx::testing::expect_all_ok(lvx::testing::run_ranks(world, "autograd", 120));

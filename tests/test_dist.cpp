@@ -352,6 +352,28 @@ TEST(Launch, PrefixesOutputAndSetsVariables) {
                                      std::to_string(i) + " addr=127.0.0.1\n");
 }
 
+TEST(Launch, SimulatedNodesSetTheLocalVariables) {
+  lvx::dist::LaunchOptions o;
+  o.nproc = 4;
+  o.nodes = 2;
+  o.capture = true;
+  auto r = lvx::dist::launch_local(
+      {"sh", "-c", "echo rank=$RANK local=$LOCAL_RANK of $LOCAL_WORLD_SIZE node=$GROUP_RANK"}, o);
+  EXPECT_EQ(r.exit_code, 0);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(r.ranks[i].output, "rank=" + std::to_string(i) + " local=" + std::to_string(i % 2) +
+                                     " of 2 node=" + std::to_string(i / 2) + "\n");
+  o.nodes = 3;
+  try {
+    lvx::dist::launch_local({"true"}, o);
+    FAIL() << "3 nodes of 4 ranks were accepted";
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--nodes 3 must be at least 1 and divide --nproc 4"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Launch, CliExitCodeAndStopsOthers) {
   const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
   if (::access(lvx.c_str(), X_OK) != 0) GTEST_SKIP() << "lvx executable not built";
