@@ -108,8 +108,10 @@ int cmd_calibrate(int argc, char** argv) {
     log << name << ": attention forward " << s.forward_s * 1e3 << " ms, backward "
         << s.backward_s * 1e3 << " ms for seq " << p.get("seq") << " x heads " << p.get("heads")
         << " x dim " << p.get("head-dim") << " (" << threads << " threads, share " << share
-        << " of them); a 16-token call " << s.forward_call_s * 1e6 << " / "
-        << s.backward_call_s * 1e6 << " us\n";
+        << " of them); fitted per call " << s.forward_call_s * 1e6 << " / "
+        << s.backward_call_s * 1e6 << " us, per tile and head " << s.forward_tile_s * 1e6 << " / "
+        << s.backward_tile_s * 1e6 << " us, per partly masked tile " << s.forward_masked_tile_s * 1e6
+        << " / " << s.backward_masked_tile_s * 1e6 << " us (forward / backward)\n";
   }
   if (dev.is_cuda()) {
 #ifdef LVX_WITH_CUDA
