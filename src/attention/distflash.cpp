@@ -45,6 +45,22 @@ at::Tensor empty_like_len(const at::Tensor& like, int64_t dim, int64_t len,
   return at::empty(shape, like.options().dtype(dtype));
 }
 
+// The K/V messages of round t: this rank's K/V to rank r + t, and (an owner, r ≥ t) the K/V of
+// rank r − t into new *k_in, *v_in.
+void add_kv_ops(int n, int r, int t, const Layout& l, const at::Tensor& k, const at::Tensor& v,
+                std::vector<P2POp>* ops, at::Tensor* k_in, at::Tensor* v_in) {
+  if (r + t < n) {
+    ops->push_back(P2POp::send(k, r + t));
+    ops->push_back(P2POp::send(v, r + t));
+  }
+  if (r >= t) {
+    *k_in = empty_like_len(k, 1, l.local_size(r - t), k.scalar_type());
+    *v_in = empty_like_len(v, 1, l.local_size(r - t), v.scalar_type());
+    ops->push_back(P2POp::recv(*k_in, r - t));
+    ops->push_back(P2POp::recv(*v_in, r - t));
+  }
+}
+
 class DistFlashStrategy : public Strategy {
  public:
   StrategyKind kind() const override { return StrategyKind::kDistFlash; }
@@ -97,16 +113,7 @@ class DistFlashStrategy : public Strategy {
     auto post = [&](int t) {
       Ahead a;
       std::vector<P2POp> ops;
-      if (r + t < n) {
-        ops.push_back(P2POp::send(k, r + t));
-        ops.push_back(P2POp::send(v, r + t));
-      }
-      if (r >= t) {
-        a.k = empty_like_len(k, 1, l.local_size(r - t), k.scalar_type());
-        a.v = empty_like_len(v, 1, l.local_size(r - t), v.scalar_type());
-        ops.push_back(P2POp::recv(a.k, r - t));
-        ops.push_back(P2POp::recv(a.v, r - t));
-      }
+      add_kv_ops(n, r, t, l, k, v, &ops, &a.k, &a.v);
       if (const int h = helper_of(n, t, r); h >= 0) ops.push_back(P2POp::send(q, h));
       if (const int ow = helped_owner(n, t, r); ow >= 0) {
         a.q = empty_like_len(q, 1, l.local_size(ow), q.scalar_type());
@@ -201,16 +208,7 @@ class DistFlashStrategy : public Strategy {
     auto post = [&](int t) {
       Ahead a;
       std::vector<P2POp> ops;
-      if (r + t < n) {
-        ops.push_back(P2POp::send(k, r + t));
-        ops.push_back(P2POp::send(v, r + t));
-      }
-      if (r >= t) {
-        a.k = empty_like_len(k, 1, l.local_size(r - t), k.scalar_type());
-        a.v = empty_like_len(v, 1, l.local_size(r - t), v.scalar_type());
-        ops.push_back(P2POp::recv(a.k, r - t));
-        ops.push_back(P2POp::recv(a.v, r - t));
-      }
+      add_kv_ops(n, r, t, l, k, v, &ops, &a.k, &a.v);
       if (const int h = helper_of(n, t, r); h >= 0)
         for (const at::Tensor* x : {&q, &dO, &lse, &delta}) ops.push_back(P2POp::send(*x, h));
       if (const int ow = helped_owner(n, t, r); ow >= 0) {

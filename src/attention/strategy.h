@@ -29,7 +29,9 @@
 // (1 < L < n, L divides n) the ring strategies (ring, striped, lv_xattn) run a double ring: the
 // travelling blocks rotate L − 1 times inside a node, then take one hop to the same local rank of
 // the next node, posted at the start of a node cycle and overlapped with all L rounds of it.
-// The bytes are those below; only I − 1 of the n − 1 hops cross nodes (I = n / L nodes).
+// A block's bytes are those below, and only I − 1 of its n − 1 hops cross nodes (I = n / L
+// nodes); accumulators travelling behind (O/lse, dQ, dK/dV) make n + I hops instead of n: round
+// the node and home once per node cycle, then one inter-node hop per node (ring_pipeline.h).
 //
 // Bytes sent per rank (n ranks, |X| = a block of X in its dtype, |X|₃₂ in the accumulation dtype;
 // ring strategies post the next transfer before computing, so per-round time is
@@ -44,7 +46,8 @@
 //             bwd  Σ_{j≠r} (|dK_j|₃₂ + |dV_j|₃₂)                 (reduce-scatter, pairwise)
 //   distflash fwd  Σ_{t=1}^{⌊n/2⌋} [r+t<n]·|KV_r| + Σ_{t∈H} [r≥n−t]·|Q_r| + Σ_{t∈H} [r<t]·|O_o, lse_o|₃₂
 //             bwd  Σ_t [r+t<n]·|KV_r| + [r≥t]·|dKV_{r−t}|₃₂ + Σ_{t∈H} [r≥n−t]·|Q, dO|_r + |lse, δ|₃₂_r
-//                  + [r<t]·|dQ_o|₃₂      (H: helper rounds, t < n/2; o = r − t + n, the owner helped)
+//                  + [r<t]·|dQ_o|₃₂      (H = {t ≤ ⌊n/2⌋ : 2t ≠ n}, the helper rounds;
+//                                         o = r − t + n, the owner helped)
 //
 // Dtype contract (every strategy): o and the gradients come back in the input dtype, lse in the
 // accumulation dtype (fp32; fp64 for fp64 inputs). Partial results that are merged or summed
