@@ -70,8 +70,9 @@ Timed run(dist::ProcessGroup& pg, const attention::Strategy& st, const attention
   auto out = st.forward(pg, s, in, nullptr);
   auto ref = kernels::attention_forward(
       in.q, k, v, attention::block_params(s, in.mask, ql.positions(r), at::arange(s.skv)));
-  at::Tensor err = at::full(
-      {1}, in.q.size(1) ? (out.o.to(at::kFloat) - ref.o).abs().max().item<double>() : 0.0, at::kDouble);
+  at::Tensor err =
+      at::full({1}, in.q.size(1) ? (out.o.to(at::kFloat) - ref.o).abs().max().item<double>() : 0.0,
+               at::kDouble);
   pg.all_reduce(err, dist::ReduceOp::kMax);
   std::vector<double> tf, tb;
   Timed res;
@@ -89,9 +90,9 @@ Timed run(dist::ProcessGroup& pg, const attention::Strategy& st, const attention
     res.sent = pg.counters().total_sent();
     res.sent_inter = pg.counters().sent_inter_node(r, static_cast<int>(s.node_size));
   }
-  at::Tensor t = at::tensor({median(tf), median(tb), static_cast<double>(res.sent),
-                             static_cast<double>(res.sent_inter)},
-                            at::kDouble);
+  at::Tensor t = at::tensor(
+      {median(tf), median(tb), static_cast<double>(res.sent), static_cast<double>(res.sent_inter)},
+      at::kDouble);
   pg.all_reduce(t, dist::ReduceOp::kMax);  // the slowest rank sets the pace
   res.fwd = t[0].item<double>();
   res.bwd = t[1].item<double>();
@@ -113,13 +114,16 @@ int run_rank(const cli::ArgParser& p) {
     s.head_dim = p.get_int("head-dim");
     s.mask = kernels::MaskKind::kCausal;
     auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
-    auto q = at::randn({1, seq, s.hq, s.head_dim}, gen), k = at::randn({1, seq, s.hkv, s.head_dim}, gen);
-    auto v = at::randn({1, seq, s.hkv, s.head_dim}, gen), dout = at::randn({1, seq, s.hq, s.head_dim}, gen);
+    auto q = at::randn({1, seq, s.hq, s.head_dim}, gen),
+         k = at::randn({1, seq, s.hkv, s.head_dim}, gen);
+    auto v = at::randn({1, seq, s.hkv, s.head_dim}, gen),
+         dout = at::randn({1, seq, s.hq, s.head_dim}, gen);
     if (r == 0)
-      std::printf("\ncausal self-attention, S=%lld, H=%lld, D=%lld, %d ranks, forward+backward\n"
-                  "%-10s %9s %9s %9s %9s  %-24s %8s\n",
-                  (long long)seq, (long long)s.hq, (long long)s.head_dim, n, "strategy", "fwd ms",
-                  "bwd ms", "vs ring", "MB/rank", "idle fraction per rank", "max err");
+      std::printf(
+          "\ncausal self-attention, S=%lld, H=%lld, D=%lld, %d ranks, forward+backward\n"
+          "%-10s %9s %9s %9s %9s  %-24s %8s\n",
+          (long long)seq, (long long)s.hq, (long long)s.head_dim, n, "strategy", "fwd ms", "bwd ms",
+          "vs ring", "MB/rank", "idle fraction per rank", "max err");
     double ring_total = 0;
     for (auto kind : {attention::StrategyKind::kRing, attention::StrategyKind::kStriped,
                       attention::StrategyKind::kDistFlash}) {
@@ -134,10 +138,11 @@ int run_rank(const cli::ArgParser& p) {
     }
     if (!attention::double_ring(n, node_size)) continue;
     if (r == 0)
-      std::printf("flat ring vs double ring, %lld nodes of %lld ranks (simulated on one machine)\n"
-                  "%-10s %-8s %9s %9s %9s %14s %8s\n",
-                  (long long)(n / node_size), (long long)node_size, "strategy", "ring", "fwd ms",
-                  "bwd ms", "MB/rank", "MB inter-node", "max err");
+      std::printf(
+          "flat ring vs double ring, %lld nodes of %lld ranks (simulated on one machine)\n"
+          "%-10s %-8s %9s %9s %9s %14s %8s\n",
+          (long long)(n / node_size), (long long)node_size, "strategy", "ring", "fwd ms", "bwd ms",
+          "MB/rank", "MB inter-node", "max err");
     for (auto kind : {attention::StrategyKind::kRing, attention::StrategyKind::kStriped,
                       attention::StrategyKind::kLvXAttn}) {
       auto st = attention::make_strategy(kind);
@@ -147,7 +152,10 @@ int run_rank(const cli::ArgParser& p) {
         Timed t = run(*pg, *st, sn, q, k, v, dout, iters);
         // Inter-node bytes of the flat ring over the same node boundaries.
         if (ns == 0) {
-          at::Tensor x = at::full({1}, static_cast<double>(pg->counters().sent_inter_node(r, static_cast<int>(node_size))), at::kDouble);
+          at::Tensor x = at::full(
+              {1},
+              static_cast<double>(pg->counters().sent_inter_node(r, static_cast<int>(node_size))),
+              at::kDouble);
           pg->all_reduce(x, dist::ReduceOp::kMax);
           t.sent_inter = static_cast<int64_t>(x.item<double>());
         }

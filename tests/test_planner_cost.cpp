@@ -3,10 +3,9 @@
 // counted from the prompt layout, memory, infeasibility, and the planner's choice and JSON.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
-
-#include <cmath>
 #include <string>
 
 #include "src/common/error.h"
@@ -116,7 +115,8 @@ TEST(PlannerCost, DoubleRingBytesAndTheLinkItCrosses) {
   // on the next node), which spans the 4 rounds of the node cycle.
   attention::AttentionSpec spec = layer_spec(w, opt);
   spec.node_size = 4;
-  const auto sched = attention::make_strategy(StrategyKind::kRing)->schedule(spec, 8, 0, at::kBFloat16, false);
+  const auto sched =
+      attention::make_strategy(StrategyKind::kRing)->schedule(spec, 8, 0, at::kBFloat16, false);
   int to1 = 0, to4 = 0;
   for (const auto& m : sched.messages) {
     if (m.peer == 1) {
@@ -147,8 +147,7 @@ TEST(PlannerCost, DoubleRingPaysTheInterNodeLinkOncePerNodeCycle) {
   const double intra = c.intra_node.latency_s + kv / c.intra_node.bandwidth_bytes_per_s;
   const double inter = c.inter_node.latency_s + kv / c.inter_node.bandwidth_bytes_per_s;
   CostOptions opt;
-  const double expect =
-      std::max(3 * std::max(f, intra) + f, inter) + 3 * std::max(f, intra) + f;
+  const double expect = std::max(3 * std::max(f, intra) + f, inter) + 3 * std::max(f, intra) + f;
   const double got = estimate(StrategyKind::kRing, w, c, n, opt).fwd_s;
   EXPECT_NEAR(got / expect, 1.0, 1e-9);
   opt.topology_aware_ring = false;
@@ -170,7 +169,8 @@ TEST(PlannerCost, DistFlashBalancesCausalWork) {
   const double block = 4 * s * s * 16 * 128 / 100e12;  // a full block pair
   const double diag = 4 * (s * (s + 1) / 2) * 16 * 128 / 100e12;
   CostOptions opt;
-  EXPECT_NEAR(estimate(StrategyKind::kDistFlash, w, c, n, opt).fwd_s / (diag + 4 * block), 1.0, 1e-9);
+  EXPECT_NEAR(estimate(StrategyKind::kDistFlash, w, c, n, opt).fwd_s / (diag + 4 * block), 1.0,
+              1e-9);
   EXPECT_NEAR(estimate(StrategyKind::kRing, w, c, n, opt).fwd_s / (diag + 7 * block), 1.0, 1e-9);
   // Not a causal self-attention layer: infeasible, saying why.
   const StrategyCost x = estimate(StrategyKind::kDistFlash, cross_layer(), c, n, opt);
@@ -469,13 +469,14 @@ TEST(PlannerCalibrate, KernelCostFitRecoversCallTileAndRate) {
     const double tiles = double((sq + 127) / 128) * double((sk + 511) / 512);
     return 300e-6 + tiles * 8 * 100e-6 + 4.0 * double(sq) * double(sk) * 8 * 64 / 30e9;
   };
-  const KernelCostFit f =
-      fit_kernel_cost({{16, 16, t(16, 16)}, {16, 8192, t(16, 8192)}, {512, 512, t(512, 512)}}, 8, 64, 4);
+  const KernelCostFit f = fit_kernel_cost(
+      {{16, 16, t(16, 16)}, {16, 8192, t(16, 8192)}, {512, 512, t(512, 512)}}, 8, 64, 4);
   EXPECT_NEAR(f.call_s / 300e-6, 1.0, 1e-6);
   EXPECT_NEAR(f.tile_s / 100e-6, 1.0, 1e-6);
   EXPECT_NEAR(f.flops / 30e9, 1.0, 1e-6);
   // Noise that makes the rate negative keeps the largest sample's plain throughput only.
-  const KernelCostFit bad = fit_kernel_cost({{16, 16, 1.0}, {16, 8192, 1e-3}, {512, 512, 1e-3}}, 8, 64, 4);
+  const KernelCostFit bad =
+      fit_kernel_cost({{16, 16, 1.0}, {16, 8192, 1e-3}, {512, 512, 1e-3}}, 8, 64, 4);
   EXPECT_EQ(bad.call_s, 0);
   EXPECT_NEAR(bad.flops, 4.0 * 512 * 512 * 8 * 64 / 1e-3, 1);
 }

@@ -25,8 +25,8 @@
 // returns dq in fp32. Per-rank bytes are in strategy.h; schedule() lists each message.
 #include <limits>
 
-#include "src/common/error.h"
 #include "src/attention/strategy.h"
+#include "src/common/error.h"
 
 namespace lvx::attention {
 namespace {
@@ -38,8 +38,7 @@ int helped_owner(int n, int t, int h) { return (2 * t != n && h < t) ? h - t + n
 // The helper of owner o in round t, or −1.
 int helper_of(int n, int t, int o) { return (2 * t != n && o >= n - t) ? o + t - n : -1; }
 
-at::Tensor empty_like_len(const at::Tensor& like, int64_t dim, int64_t len,
-                          at::ScalarType dtype) {
+at::Tensor empty_like_len(const at::Tensor& like, int64_t dim, int64_t len, at::ScalarType dtype) {
   auto shape = like.sizes().vec();
   shape[dim] = len;
   return at::empty(shape, like.options().dtype(dtype));
@@ -75,7 +74,9 @@ class DistFlashStrategy : public Strategy {
     LVX_CHECK(s.mask == kernels::MaskKind::kCausal && s.sq == s.skv,
               "strategy distflash balances causal self-attention (mask causal, Sq = Skv); this "
               "call has mask ",
-              s.mask == kernels::MaskKind::kNone ? "none" : s.mask == kernels::MaskKind::kCausal ? "causal" : "media",
+              s.mask == kernels::MaskKind::kNone     ? "none"
+              : s.mask == kernels::MaskKind::kCausal ? "causal"
+                                                     : "media",
               ", Sq=", s.sq, ", Skv=", s.skv, " (use ring, striped or lv_xattn)");
   }
 
@@ -93,8 +94,8 @@ class DistFlashStrategy : public Strategy {
                       int ko) {
       kernels::AttentionOutput part;
       if (q.size(1) > 0 && k.size(1) > 0) {
-        part = kernels::attention_forward(q, k, v,
-                                          block_params(s, in.mask, l.positions(qo), l.positions(ko)));
+        part = kernels::attention_forward(
+            q, k, v, block_params(s, in.mask, l.positions(qo), l.positions(ko)));
         part.o = part.o.to(acc).contiguous();
         part.lse = part.lse.contiguous();
       } else {
@@ -217,7 +218,8 @@ class DistFlashStrategy : public Strategy {
         a.dO = empty_like_len(dO, 1, len, dt);
         a.lse = empty_like_len(lse, 2, len, lse.scalar_type());
         a.delta = empty_like_len(delta, 2, len, delta.scalar_type());
-        for (const at::Tensor* x : {&a.q, &a.dO, &a.lse, &a.delta}) ops.push_back(P2POp::recv(*x, ow));
+        for (const at::Tensor* x : {&a.q, &a.dO, &a.lse, &a.delta})
+          ops.push_back(P2POp::recv(*x, ow));
       }
       if (!ops.empty())
         a.work = pg.batch_isend_irecv(std::move(ops), "distflash backward K/V/Q/dO/lse/delta");
@@ -257,7 +259,8 @@ class DistFlashStrategy : public Strategy {
       }
       std::vector<Returned> arriving;
       if (r + t < n) {
-        Returned ret{{at::empty(dk.sizes(), dk.options()), at::empty(dv.sizes(), dv.options())}, false, {}};
+        Returned ret{
+            {at::empty(dk.sizes(), dk.options()), at::empty(dv.sizes(), dv.options())}, false, {}};
         ops.push_back(P2POp::recv(ret.parts[0], r + t));
         ops.push_back(P2POp::recv(ret.parts[1], r + t));
         arriving.push_back(std::move(ret));
@@ -300,13 +303,14 @@ class DistFlashStrategy : public Strategy {
     // Per token: what goes ahead to an owner (K/V) and to a helper (Q side), and what comes back.
     const int64_t kv_ahead = kv_tok * e;
     const int64_t q_ahead = backward ? 2 * q_tok * e + 2 * stat_tok * a : q_tok * e;
-    const int64_t kv_back = backward ? kv_tok * a : 0;           // dK/dV to the key owner
+    const int64_t kv_back = backward ? kv_tok * a : 0;                     // dK/dV to the key owner
     const int64_t q_back = backward ? q_tok * a : (q_tok + stat_tok) * a;  // dQ, or O/lse
     const int T = n / 2;
     PassSchedule p;
     p.rounds.push_back(Block{r, r});
     auto add = [&](const char* what, int round, int peer, int64_t sent, int64_t received) {
-      if (sent > 0 || received > 0) p.messages.push_back({what, Message::kRingHop, round, sent, received, peer, 1});
+      if (sent > 0 || received > 0)
+        p.messages.push_back({what, Message::kRingHop, round, sent, received, peer, 1});
     };
     for (int t = 1; t <= T; ++t) {
       const int ow = helped_owner(n, t, r), h = helper_of(n, t, r);

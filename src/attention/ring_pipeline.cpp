@@ -63,8 +63,8 @@ BlockTensors ring_over(dist::ProcessGroup& pg, const RingPath& ring, const Layou
       // Send this block's accumulators on (the last hop takes them home) and receive those of
       // the block held next (after the last step: this rank's own, complete).
       const int incoming = step + 1 < n ? next_at : ring.pos;
-      behind = hop(pg, ring, mine, layout.local_size(ring.owners[incoming]), &arrived,
-                   pass.behind_what);
+      behind =
+          hop(pg, ring, mine, layout.local_size(ring.owners[incoming]), &arrived, pass.behind_what);
     }
     if (step + 1 < n) {
       ahead.wait();
@@ -148,9 +148,8 @@ PassSchedule ring_schedule(const Layout& layout, int rank, bool q_travels,
     for (int m = 0; m < L; ++m) p.rounds.push_back(block(owner(k, m)));
     if (behind) p.rounds.push_back(Block::none());
     for (int m = 0; m + 1 < L; ++m)
-      p.messages.push_back({ahead_what, Message::kRingHop, base + m,
-                            len(owner(k, m)) * ahead_bytes, len(owner(k, m + 1)) * ahead_bytes,
-                            inner_next});
+      p.messages.push_back({ahead_what, Message::kRingHop, base + m, len(owner(k, m)) * ahead_bytes,
+                            len(owner(k, m + 1)) * ahead_bytes, inner_next});
     if (behind)
       for (int m = 0; m < L; ++m)
         p.messages.push_back({behind_what, Message::kRingHop, base + m + 1,

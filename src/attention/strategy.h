@@ -44,8 +44,10 @@
 //             bwd  Σ_{j≠r} (|dO→j| + |dQ→j| + |dK→j| + |dV→j|)   (grads in the input dtype)
 //   all_gather fwd ring all-gather of K, then of V: Σ_{j≠r+1} (|K_j| + |V_j|)
 //             bwd  Σ_{j≠r} (|dK_j|₃₂ + |dV_j|₃₂)                 (reduce-scatter, pairwise)
-//   distflash fwd  Σ_{t=1}^{⌊n/2⌋} [r+t<n]·|KV_r| + Σ_{t∈H} [r≥n−t]·|Q_r| + Σ_{t∈H} [r<t]·|O_o, lse_o|₃₂
-//             bwd  Σ_t [r+t<n]·|KV_r| + [r≥t]·|dKV_{r−t}|₃₂ + Σ_{t∈H} [r≥n−t]·|Q, dO|_r + |lse, δ|₃₂_r
+//   distflash fwd  Σ_{t=1}^{⌊n/2⌋} [r+t<n]·|KV_r| + Σ_{t∈H} [r≥n−t]·|Q_r| + Σ_{t∈H} [r<t]·|O_o,
+//   lse_o|₃₂
+//             bwd  Σ_t [r+t<n]·|KV_r| + [r≥t]·|dKV_{r−t}|₃₂ + Σ_{t∈H} [r≥n−t]·|Q, dO|_r + |lse,
+//             δ|₃₂_r
 //                  + [r<t]·|dQ_o|₃₂      (H = {t ≤ ⌊n/2⌋ : 2t ≠ n}, the helper rounds;
 //                                         o = r − t + n, the owner helped)
 //
@@ -214,8 +216,8 @@ class Strategy {
 
   // Strategies hold no state: everything the backward needs is in `saved` (filled when not
   // null), so one object serves any number of interleaved calls.
-  virtual LocalOutput forward(dist::ProcessGroup& pg, const AttentionSpec& s,
-                              const LocalInputs& in, SavedState* saved) const = 0;
+  virtual LocalOutput forward(dist::ProcessGroup& pg, const AttentionSpec& s, const LocalInputs& in,
+                              SavedState* saved) const = 0;
   // `saved` is what this strategy's forward (or a pairable one's, see can_pair) saved; `mask`
   // the same metadata as in the forward; dout has the output shard's shape (any float dtype).
   // dlse (optional, [B, Hq, Sq_r]) is a gradient with respect to lse, for callers that merge

@@ -18,8 +18,8 @@
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
-#include "src/dist/launcher.h"
 #include "src/common/safetensors.h"
+#include "src/dist/launcher.h"
 #include "src/planner/bench_plan.h"
 #include "src/planner/planner.h"
 #include "src/runtime/model_description.h"
@@ -85,11 +85,11 @@ AttentionRunStats measure(Bench& b, const std::string& key, const std::string& i
   // `lvx attention --repeat R` times R calls after its own warm-up and reports the median.
   const std::string stats = (b.dir / (key + "." + name + tag + ".json")).string();
   std::string out;
-  int rc = run({b.self, "attention", "--strategy", name, "--nproc", std::to_string(nproc), "--input",
-                in, "--output", (b.dir / (key + ".out.safetensors")).string(), "--mask",
-                attention_mask_flag(w), "--backward", "--repeat", std::to_string(b.reps), "--stats",
-                stats},
-               &out);
+  int rc = run(
+      {b.self, "attention", "--strategy", name, "--nproc", std::to_string(nproc), "--input", in,
+       "--output", (b.dir / (key + ".out.safetensors")).string(), "--mask", attention_mask_flag(w),
+       "--backward", "--repeat", std::to_string(b.reps), "--stats", stats},
+      &out);
   LVX_CHECK(rc == 0, "bench-plan: lvx attention --strategy ", name, " failed (exit ", rc, "):\n",
             out);
   return read_attention_stats(stats);
@@ -119,8 +119,8 @@ void measure_plan(Bench& b, const std::vector<LayerPlan>& plan, const ClusterCon
       for (const auto& choice : order) {
         const std::string name = choice.name();
         AttentionRunStats m = measure(b, key, in, name, lp.work, nproc, "");
-        std::cerr << "bench-plan: " << key << " " << name << " round " << round << ": "
-                  << m.seconds << " s\n";
+        std::cerr << "bench-plan: " << key << " " << name << " round " << round << ": " << m.seconds
+                  << " s\n";
         if (name == planned) choice_rounds.push_back(m.seconds);
         auto it = measured.find(name);
         if (it == measured.end() || m.seconds < it->second.seconds) measured[name] = m;
@@ -218,10 +218,15 @@ void write_plot(const std::string& path, const std::vector<Point>& pts, const st
   lo = std::pow(10, std::floor(std::log10(lo)));
   hi = std::pow(10, std::ceil(std::log10(hi)));
   const double W = 720, H = 560, L = 80, R = 200, T = 40, B = 60;
-  auto x = [&](double v) { return L + (std::log10(v) - std::log10(lo)) / (std::log10(hi) - std::log10(lo)) * (W - L - R); };
-  auto y = [&](double v) { return H - B - (std::log10(v) - std::log10(lo)) / (std::log10(hi) - std::log10(lo)) * (H - T - B); };
+  auto x = [&](double v) {
+    return L + (std::log10(v) - std::log10(lo)) / (std::log10(hi) - std::log10(lo)) * (W - L - R);
+  };
+  auto y = [&](double v) {
+    return H - B -
+           (std::log10(v) - std::log10(lo)) / (std::log10(hi) - std::log10(lo)) * (H - T - B);
+  };
   const std::map<std::string, std::string> colours = {
-      {"lv_xattn", "#1f77b4"}, {"ring", "#ff7f0e"},      {"striped", "#2ca02c"},
+      {"lv_xattn", "#1f77b4"}, {"ring", "#ff7f0e"},       {"striped", "#2ca02c"},
       {"ulysses", "#d62728"},  {"all_gather", "#9467bd"}, {"distflash", "#8c564b"}};
   auto colour = [&](const std::string& s) {
     auto it = colours.find(s);
@@ -229,7 +234,8 @@ void write_plot(const std::string& path, const std::vector<Point>& pts, const st
   };
   std::ostringstream o;
   o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
-    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
+       "fill=\"white\"/>\n"
     << "<text x=\"" << L << "\" y=\"24\" font-size=\"14\">" << title << "</text>\n";
   for (double d = lo; d <= hi * 1.0001; d *= 10) {
     o << "<line x1=\"" << x(d) << "\" y1=\"" << T << "\" x2=\"" << x(d) << "\" y2=\"" << H - B
@@ -246,10 +252,11 @@ void write_plot(const std::string& path, const std::vector<Point>& pts, const st
   o << "<text transform=\"translate(20," << (T + H - B) / 2
     << ") rotate(-90)\" text-anchor=\"middle\">measured seconds</text>\n";
   for (const auto& p : pts) {
-    o << "<circle cx=\"" << x(p.predicted_s) << "\" cy=\"" << y(p.measured_s) << "\" r=\"5\" fill=\""
-      << (p.fastest ? "black" : colour(p.strategy)) << "\" stroke=\"" << colour(p.strategy)
-      << "\" stroke-width=\"2\"><title>" << p.layer << " " << p.strategy << ": predicted "
-      << p.predicted_s << " s, measured " << p.measured_s << " s</title></circle>\n";
+    o << "<circle cx=\"" << x(p.predicted_s) << "\" cy=\"" << y(p.measured_s)
+      << "\" r=\"5\" fill=\"" << (p.fastest ? "black" : colour(p.strategy)) << "\" stroke=\""
+      << colour(p.strategy) << "\" stroke-width=\"2\"><title>" << p.layer << " " << p.strategy
+      << ": predicted " << p.predicted_s << " s, measured " << p.measured_s
+      << " s</title></circle>\n";
     if (p.choice)
       o << "<circle cx=\"" << x(p.predicted_s) << "\" cy=\"" << y(p.measured_s)
         << "\" r=\"9\" fill=\"none\" stroke=\"black\"/>\n";
@@ -260,11 +267,13 @@ void write_plot(const std::string& path, const std::vector<Point>& pts, const st
       << "\"/><text x=\"" << W - R + 32 << "\" y=\"" << ly + 4 << "\">" << name << "</text>\n";
     ly += 18;
   }
-  o << "<circle cx=\"" << W - R + 20 << "\" cy=\"" << ly << "\" r=\"5\" fill=\"#7f7f7f\"/><text x=\""
-    << W - R + 32 << "\" y=\"" << ly + 4 << "\">forward+backward pair</text>\n";
+  o << "<circle cx=\"" << W - R + 20 << "\" cy=\"" << ly
+    << "\" r=\"5\" fill=\"#7f7f7f\"/><text x=\"" << W - R + 32 << "\" y=\"" << ly + 4
+    << "\">forward+backward pair</text>\n";
   ly += 18;
-  o << "<circle cx=\"" << W - R + 20 << "\" cy=\"" << ly << "\" r=\"9\" fill=\"none\" stroke=\"black\"/><text x=\""
-    << W - R + 32 << "\" y=\"" << ly + 4 << "\">planner's choice</text>\n";
+  o << "<circle cx=\"" << W - R + 20 << "\" cy=\"" << ly
+    << "\" r=\"9\" fill=\"none\" stroke=\"black\"/><text x=\"" << W - R + 32 << "\" y=\"" << ly + 4
+    << "\">planner's choice</text>\n";
   ly += 18;
   o << "<circle cx=\"" << W - R + 20 << "\" cy=\"" << ly << "\" r=\"5\" fill=\"black\"/><text x=\""
     << W - R + 32 << "\" y=\"" << ly + 4 << "\">fastest measured</text>\n";
@@ -284,7 +293,8 @@ int cmd_bench_plan(int argc, char** argv) {
       "attention --backward`), and compare the measured forward+backward time and bytes with the\n"
       "planner's prediction; report the regret of the planner's choice (its measured time over\n"
       "the fastest measured) per layer and in total, and the measurement noise (the spread of\n"
-      "the choice over --rounds rounds). --grid measures a built-in grid of single layers (causal self-attention\n"
+      "the choice over --rounds rounds). --grid measures a built-in grid of single layers (causal "
+      "self-attention\n"
       "of 1k and 4k tokens, cross-attention of 64 and 2k queries to 16k and 8k keys) for each of\n"
       "the --nproc values (a comma list), calibrating for each.");
   p.add_option("model", 'm', "", "model config (a small one: configs/models/tiny.yaml)");
@@ -296,7 +306,8 @@ int cmd_bench_plan(int argc, char** argv) {
   p.add_option("layout", 'l', "video_qa", "prompt layout: video_qa | interleaved");
   p.add_option("cluster", 'c', "", "cluster config of this machine (empty: run lvx calibrate)");
   p.add_option("dtype", 0, "fp32", "dtype of the inputs (CPU kernels: fp32)");
-  p.add_option("reps", 'r', "3", "timed calls per strategy (lvx attention --repeat; median)");
+  p.add_option("reps", 'r', "3",
+               "timed calls per strategy and round (lvx attention --repeat; the fastest counts)");
   p.add_option("rounds", 0, "2",
                "rounds over the strategies of a layer (each strategy's time: its fastest round)");
   p.add_option("json", 'j', "", "write the results as JSON here");
@@ -304,7 +315,8 @@ int cmd_bench_plan(int argc, char** argv) {
   p.add_option("workdir", 0, "", "keep inputs and stats here (default: a temporary directory)");
   if (!p.parse(argc, argv)) return 0;
   const bool grid = p.flag("grid");
-  LVX_CHECK(grid || !p.get("model").empty(), "bench-plan: give --model (with --frames, --text) or --grid");
+  LVX_CHECK(grid || !p.get("model").empty(),
+            "bench-plan: give --model (with --frames, --text) or --grid");
   Bench b;
   b.self = lvx::dist::self_executable();
   b.dir = p.get("workdir").empty()
@@ -343,7 +355,8 @@ int cmd_bench_plan(int argc, char** argv) {
       measure_plan(b, plan, cluster, opt, nproc, "n" + std::to_string(nproc) + "-");
     }
     header = lvx::str("bench-plan: grid of ", layers.size(), " layers on ", p.get("nproc"),
-                 " local ranks, forward+backward, median of ", b.reps, " calls");
+                      " local ranks, forward+backward, fastest of ", b.reps, " calls x ", b.rounds,
+                      " rounds");
   } else {
     const int64_t nproc = p.get_int("nproc");
     const std::string cluster_path =
@@ -363,9 +376,10 @@ int cmd_bench_plan(int argc, char** argv) {
     w.layout = prompt_layout_from_string(p.get("layout"));
     Plan plan = lvx::planner::plan(model, cluster, w);
     measure_plan(b, plan.layers, cluster, plan.options, nproc, "");
-    header = lvx::str("bench-plan: model ", model.name, ", ", nproc, " local ranks, cluster ",
+    header =
+        lvx::str("bench-plan: model ", model.name, ", ", nproc, " local ranks, cluster ",
                  cluster.name, " (", cluster_path, "), frames ", w.frames, ", text ", w.text_tokens,
-                 ", forward+backward, median of ", b.reps, " calls");
+                 ", forward+backward, fastest of ", b.reps, " calls x ", b.rounds, " rounds");
   }
   const double worst = *std::max_element(b.regrets.begin(), b.regrets.end());
   std::vector<double> noise = b.noise;

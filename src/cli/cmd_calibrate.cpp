@@ -110,8 +110,9 @@ int cmd_calibrate(int argc, char** argv) {
         << " x dim " << p.get("head-dim") << " (" << threads << " threads, share " << share
         << " of them); fitted per call " << s.forward_call_s * 1e6 << " / "
         << s.backward_call_s * 1e6 << " us, per tile and head " << s.forward_tile_s * 1e6 << " / "
-        << s.backward_tile_s * 1e6 << " us, per partly masked tile " << s.forward_masked_tile_s * 1e6
-        << " / " << s.backward_masked_tile_s * 1e6 << " us (forward / backward)\n";
+        << s.backward_tile_s * 1e6 << " us, per partly masked tile "
+        << s.forward_masked_tile_s * 1e6 << " / " << s.backward_masked_tile_s * 1e6
+        << " us (forward / backward)\n";
   }
   if (dev.is_cuda()) {
 #ifdef LVX_WITH_CUDA

@@ -31,7 +31,8 @@ double predicted_bytes_sent(const attention::StrategyChoice& choice, const Layer
                             const ClusterConfig& c, int n, const CostOptions& opt) {
   attention::AttentionSpec spec = layer_spec(w, opt);
   spec.node_size = opt.topology_aware_ring ? c.gpus_per_node : 0;
-  const auto f = attention::make_strategy(choice.forward), b = attention::make_strategy(choice.backward);
+  const auto f = attention::make_strategy(choice.forward),
+             b = attention::make_strategy(choice.backward);
   const at::ScalarType dt = scalar_type(w.dtype);
   int64_t most = 0;
   for (int r = 0; r < n; ++r)

@@ -1,10 +1,10 @@
 #include "src/planner/calibrate.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-
-#include <ATen/Parallel.h>
 
 #include "kernels/attention.h"
 #include "kernels/registry.h"
@@ -43,8 +43,8 @@ double median_time(const at::Device& device, int reps, F fn) {
 }  // namespace
 
 ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& device, int64_t s,
-                                    int64_t heads, int64_t d, int64_t gemm_n, int reps,
-                                    int threads, double share) {
+                                    int64_t heads, int64_t d, int64_t gemm_n, int reps, int threads,
+                                    double share) {
   const int old_threads = at::get_num_threads();
   if (threads > 0) at::set_num_threads(threads);
   at::manual_seed(0);
@@ -76,7 +76,8 @@ ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& devi
   auto sample = [&](const at::Tensor& qq, const at::Tensor& kk, const at::Tensor& vv,
                     const at::Tensor& dd, int r_) {
     kernels::AttentionOutput o_;
-    const double tf = median_time(device, r_, [&] { o_ = kernels::attention_forward(qq, kk, vv, params); });
+    const double tf =
+        median_time(device, r_, [&] { o_ = kernels::attention_forward(qq, kk, vv, params); });
     at::Tensor de = kernels::attention_delta(dd, o_.o);
     const double tb = median_time(
         device, r_, [&] { kernels::attention_backward(qq, kk, vv, dd, o_.lse, de, params); });
@@ -103,17 +104,21 @@ ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& devi
     const at::Tensor i = at::arange(s, at::kLong);
     m.mask.q_pos = m.mask.k_pos = (i % 4) * ((s + 3) / 4) + at::div(i, 4, "floor");
     kernels::AttentionOutput mo;
-    const double tf = median_time(device, reps, [&] { mo = kernels::attention_forward(q, k, v, m); }) / share;
+    const double tf =
+        median_time(device, reps, [&] { mo = kernels::attention_forward(q, k, v, m); }) / share;
     at::Tensor md = kernels::attention_delta(dout, mo.o);
-    const double tb = median_time(device, reps, [&] {
-                        kernels::attention_backward(q, k, v, dout, mo.lse, md, m);
-                      }) / share;
+    const double tb =
+        median_time(device, reps,
+                    [&] { kernels::attention_backward(q, k, v, dout, mo.lse, md, m); }) /
+        share;
     const double visible = double(s) * double(s + 1) / 2 * double(heads) * double(d);
     const double tiles = tiles_of(s, s) * double(heads);
     r.forward_masked_tile_s = std::max(
-        0.0, (tf - r.forward_call_s - tiles * r.forward_tile_s - 4 * visible / r.forward_flops) / tiles);
-    r.backward_masked_tile_s = std::max(
-        0.0, (tb - r.backward_call_s - tiles * r.backward_tile_s - 10 * visible / r.backward_flops) / tiles);
+        0.0,
+        (tf - r.forward_call_s - tiles * r.forward_tile_s - 4 * visible / r.forward_flops) / tiles);
+    r.backward_masked_tile_s = std::max(0.0, (tb - r.backward_call_s - tiles * r.backward_tile_s -
+                                              10 * visible / r.backward_flops) /
+                                                 tiles);
   }
   at::Tensor a = at::randn({gemm_n, gemm_n}, opt), b = at::randn({gemm_n, gemm_n}, opt);
   double tg = median_time(device, reps, [&] { at::matmul(a, b); });
@@ -151,9 +156,8 @@ KernelCostFit fit_kernel_cost(const std::vector<KernelSample>& xs, int64_t heads
   KernelCostFit out;
   const double inv_rate = M[2][3] / M[2][2];
   // The largest sample's plain throughput: what stands when noise makes the fit unphysical.
-  const KernelSample& big = *std::max_element(xs.begin(), xs.end(), [](const auto& a, const auto& b) {
-    return a.sq * a.sk < b.sq * b.sk;
-  });
+  const KernelSample& big = *std::max_element(
+      xs.begin(), xs.end(), [](const auto& a, const auto& b) { return a.sq * a.sk < b.sq * b.sk; });
   const double plain =
       flops_per_pair * double(big.sq) * double(big.sk) * double(heads) * double(d) / big.seconds;
   if (!(inv_rate > 0)) {

@@ -1,13 +1,12 @@
 #include "src/planner/cost_model.h"
 
-#include "kernels/mask.h"
-#include "kernels/registry.h"
-
 #include <algorithm>
 #include <map>
 #include <utility>
 #include <vector>
 
+#include "kernels/mask.h"
+#include "kernels/registry.h"
 #include "src/common/error.h"
 
 namespace lvx::planner {
@@ -62,7 +61,8 @@ PairCounter::Tiles PairCounter::tiles(const attention::Layout& ql, int q_block,
   return tiles_memo_[key] = t;
 }
 
-kernels::AttentionMask PairCounter::mask_for(const at::Tensor& q_pos, const at::Tensor& k_pos) const {
+kernels::AttentionMask PairCounter::mask_for(const at::Tensor& q_pos,
+                                             const at::Tensor& k_pos) const {
   kernels::AttentionMask m;
   switch (rule_) {
     case MaskRule::kNone:
@@ -104,8 +104,7 @@ int64_t PairCounter::total() {
 PairCounter& LayerWorkload::counter() const {
   LVX_CHECK(pairs != nullptr || mask == MaskRule::kNone || mask == MaskRule::kCausal,
             "layer workload: a media layer needs its mask metadata (PairCounter)");
-  if (!pairs)
-    pairs = std::make_shared<PairCounter>(mask, sq, skv);
+  if (!pairs) pairs = std::make_shared<PairCounter>(mask, sq, skv);
   return *pairs;
 }
 
@@ -275,8 +274,8 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
       }
     }
     for (const auto& [key, b] : long_bytes) {
-      const double tm = std::max(transfer_time(c.intra_node, b.first),
-                                 transfer_time(c.inter_node, b.second));
+      const double tm =
+          std::max(transfer_time(c.intra_node, b.first), transfer_time(c.inter_node, b.second));
       spanned[key] = std::max(spanned[key], tm);
     }
     for (size_t t = 0; t <= rounds; ++t) {

@@ -87,7 +87,8 @@ class PairCounter {
   int64_t sq_, skv_;
   at::Tensor q_media_, kv_media_;
   kernels::AttentionMask mask_for(const at::Tensor& q_pos, const at::Tensor& k_pos) const;
-  std::map<std::tuple<int, int, int, int>, int64_t> memo_;  // (q layout, q block, kv layout, kv block)
+  std::map<std::tuple<int, int, int, int>, int64_t>
+      memo_;  // (q layout, q block, kv layout, kv block)
   std::map<std::tuple<int, int, int, int>, Tiles> tiles_memo_;
 };
 

@@ -145,12 +145,14 @@ LayerPlan plan_layer(int index, const LayerWorkload& work, const ClusterConfig& 
                      const CostOptions& opt, bool split_passes,
                      const std::vector<StrategyKind>& strategies) {
   auto candidate = [&](StrategyKind s) {
-    return strategies.empty() || std::find(strategies.begin(), strategies.end(), s) != strategies.end();
+    return strategies.empty() ||
+           std::find(strategies.begin(), strategies.end(), s) != strategies.end();
   };
   LayerPlan lp;
   lp.index = index;
   lp.work = work;
-  for (StrategyKind s : attention::all_strategies()) lp.costs[s] = estimate(s, lp.work, c, ranks, opt);
+  for (StrategyKind s : attention::all_strategies())
+    lp.costs[s] = estimate(s, lp.work, c, ranks, opt);
   double best = std::numeric_limits<double>::infinity();
   for (const PassChoice& pc : pass_choices(lp, split_passes, candidate)) {
     // A mixed pair must beat the pure choice by more than rounding to be worth the switch.
@@ -188,7 +190,8 @@ LayerPlan plan_layer(int index, const LayerWorkload& work, const ClusterConfig& 
     ex << ": the only feasible strategy";
   }
   for (StrategyKind s : attention::all_strategies()) {
-    if (!lp.costs[s].feasible) ex << "; " << strategy_name(s) << " infeasible: " << lp.costs[s].reason;
+    if (!lp.costs[s].feasible)
+      ex << "; " << strategy_name(s) << " infeasible: " << lp.costs[s].reason;
   }
   lp.explanation = ex.str();
   return lp;
