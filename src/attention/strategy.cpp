@@ -61,11 +61,16 @@ StrategyChoice strategy_choice_from_name(const std::string& name) {
   const auto plus = name.find('+');
   if (plus == std::string::npos) return StrategyChoice(strategy_from_name(name));
   StrategyChoice c(strategy_from_name(name.substr(0, plus)), strategy_from_name(name.substr(plus + 1)));
-  LVX_CHECK(can_pair(c.forward, c.backward), "strategy '", name, "': the backward of ",
-            strategy_name(c.backward), " cannot start from what the forward of ",
-            strategy_name(c.forward),
-            " saves (different saved tensors or token layouts); pairs that can: lv_xattn+ring, "
-            "ring+lv_xattn");
+  if (!can_pair(c.forward, c.backward)) {
+    std::string pairs;
+    for (StrategyKind f : all_strategies())
+      for (StrategyKind b : all_strategies())
+        if (f != b && can_pair(f, b))
+          pairs += str(pairs.empty() ? "" : ", ", strategy_name(f), "+", strategy_name(b));
+    LVX_FAIL("strategy '", name, "': the backward of ", strategy_name(c.backward),
+             " cannot start from what the forward of ", strategy_name(c.forward),
+             " saves (different saved tensors or token layouts); pairs that can: ", pairs);
+  }
   return c;
 }
 

@@ -26,7 +26,8 @@ int cmd_attention(int argc, char** argv) {
       "forward+backward pair whose backward can start from the forward's saved state\n"
       "(lv_xattn+ring, ring+lv_xattn).");
   p.add_option("strategy", 's', "lv_xattn",
-               "lv_xattn | ring | striped | ulysses | all_gather | F+B (a pair)");
+               "lv_xattn | ring | striped | ulysses | all_gather | distflash (causal "
+               "self-attention) | F+B (a pair)");
   p.add_option("nproc", 'n', "1", "number of local ranks to start");
   p.add_option("input", 'i', "", "input safetensors file", true);
   p.add_option("output", 'o', "", "output safetensors file (written atomically)", true);
