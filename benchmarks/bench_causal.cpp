@@ -61,9 +61,11 @@ struct Timed {
   int64_t sent = 0, sent_inter = 0;
 };
 
+// `nodes_of`: ranks per node for counting the bytes that cross nodes (the node boundaries of the
+// comparison, whatever ring s.node_size asks for).
 Timed run(dist::ProcessGroup& pg, const attention::Strategy& st, const attention::AttentionSpec& s,
           const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
-          int iters) {
+          int iters, int nodes_of) {
   const int n = pg.world_size(), r = pg.rank();
   const auto ql = st.q_layout(s, n), kl = st.kv_layout(s, n);
   attention::LocalInputs in{ql.shard(q, 1, r), kl.shard(k, 1, r), kl.shard(v, 1, r), {}};
@@ -88,7 +90,7 @@ Timed run(dist::ProcessGroup& pg, const attention::Strategy& st, const attention
     tf.push_back(std::chrono::duration<double>(t1 - t0).count());
     tb.push_back(std::chrono::duration<double>(t2 - t1).count());
     res.sent = pg.counters().total_sent();
-    res.sent_inter = pg.counters().sent_inter_node(r, static_cast<int>(s.node_size));
+    res.sent_inter = pg.counters().sent_inter_node(r, nodes_of);
   }
   at::Tensor t = at::tensor(
       {median(tf), median(tb), static_cast<double>(res.sent), static_cast<double>(res.sent_inter)},
@@ -128,7 +130,7 @@ int run_rank(const cli::ArgParser& p) {
     for (auto kind : {attention::StrategyKind::kRing, attention::StrategyKind::kStriped,
                       attention::StrategyKind::kDistFlash}) {
       auto st = attention::make_strategy(kind);
-      Timed t = run(*pg, *st, s, q, k, v, dout, iters);
+      Timed t = run(*pg, *st, s, q, k, v, dout, iters, 0);
       if (kind == attention::StrategyKind::kRing) ring_total = t.fwd + t.bwd;
       if (r != 0) continue;
       std::string idle;
@@ -149,16 +151,7 @@ int run_rank(const cli::ArgParser& p) {
       for (int64_t ns : {int64_t{0}, node_size}) {
         attention::AttentionSpec sn = s;
         sn.node_size = ns;
-        Timed t = run(*pg, *st, sn, q, k, v, dout, iters);
-        // Inter-node bytes of the flat ring over the same node boundaries.
-        if (ns == 0) {
-          at::Tensor x = at::full(
-              {1},
-              static_cast<double>(pg->counters().sent_inter_node(r, static_cast<int>(node_size))),
-              at::kDouble);
-          pg->all_reduce(x, dist::ReduceOp::kMax);
-          t.sent_inter = static_cast<int64_t>(x.item<double>());
-        }
+        Timed t = run(*pg, *st, sn, q, k, v, dout, iters, static_cast<int>(node_size));
         if (r == 0)
           std::printf("%-10s %-8s %9.1f %9.1f %9.2f %14.2f %8.1e\n", st->name().c_str(),
                       ns ? "double" : "flat", t.fwd * 1e3, t.bwd * 1e3, t.sent / 1e6,

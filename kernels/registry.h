@@ -13,6 +13,10 @@ namespace lvx::kernels {
 // thread. Tests use them to count the tiles a mask lets the kernels skip.
 constexpr int64_t kCpuQTile = 128;
 constexpr int64_t kCpuKTile = 512;
+// Tiles of the CPU grid that an sq x sk problem spans (per batch row and head).
+constexpr int64_t cpu_tiles(int64_t sq, int64_t sk) {
+  return ((sq + kCpuQTile - 1) / kCpuQTile) * ((sk + kCpuKTile - 1) / kCpuKTile);
+}
 
 // Arguments are already checked and in canonical form (see attention.cpp): q, k, v, dout in
 // [B, S, H, D] with the last dim contiguous; lse, delta contiguous [B, Hq, Sq] in the

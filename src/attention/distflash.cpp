@@ -24,6 +24,8 @@
 // sent back to p − t; a helper receives the late rank's (q, dO, lse, delta), keeps dk, dv and
 // returns dq in fp32. Per-rank bytes are in strategy.h; schedule() lists each message.
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "src/attention/strategy.h"
 #include "src/common/error.h"
@@ -123,12 +125,10 @@ class DistFlashStrategy : public Strategy {
       if (!ops.empty()) a.work = pg.batch_isend_irecv(std::move(ops), "distflash forward K/V/Q");
       return a;
     };
-    struct Returned {
-      at::Tensor o, lse;
-      dist::Work work;
-    };
-    std::vector<Returned> returned;  // helpers' results for this rank, merged at the end
-    std::vector<dist::Work> results_out;
+    // Helpers' (O, lse) for this rank, merged at the end in round order, once every result
+    // request (sent or received) is done.
+    std::vector<std::pair<at::Tensor, at::Tensor>> returned;
+    std::vector<dist::Work> results;
     const int T = n / 2;
     Ahead next = T >= 1 ? post(1) : Ahead{};
     {
@@ -149,24 +149,16 @@ class DistFlashStrategy : public Strategy {
         ops.push_back(P2POp::send(part.lse, ow));
       }
       if (const int h = helper_of(n, t, r); h >= 0) {
-        Returned ret{at::empty(o.sizes(), o.options()), at::empty(lse.sizes(), lse.options()), {}};
-        ops.push_back(P2POp::recv(ret.o, h));
-        ops.push_back(P2POp::recv(ret.lse, h));
-        returned.push_back(std::move(ret));
+        returned.emplace_back(at::empty(o.sizes(), o.options()),
+                              at::empty(lse.sizes(), lse.options()));
+        ops.push_back(P2POp::recv(returned.back().first, h));
+        ops.push_back(P2POp::recv(returned.back().second, h));
       }
-      if (!ops.empty()) {
-        dist::Work w = pg.batch_isend_irecv(std::move(ops), "distflash forward O/lse");
-        if (helper_of(n, t, r) >= 0)
-          returned.back().work = std::move(w);
-        else
-          results_out.push_back(std::move(w));
-      }
+      if (!ops.empty())
+        results.push_back(pg.batch_isend_irecv(std::move(ops), "distflash forward O/lse"));
     }
-    for (auto& ret : returned) {
-      ret.work.wait();
-      kernels::merge_attention_states(o, lse, ret.o, ret.lse);
-    }
-    for (auto& w : results_out) w.wait();
+    for (auto& w : results) w.wait();
+    for (auto& [ro, rl] : returned) kernels::merge_attention_states(o, lse, ro, rl);
     LocalOutput out{o.to(in.q.scalar_type()), lse};
     if (saved) saved->tensors = {in.q, in.k, in.v, out.o, out.lse};
     return out;
@@ -225,14 +217,11 @@ class DistFlashStrategy : public Strategy {
         a.work = pg.batch_isend_irecv(std::move(ops), "distflash backward K/V/Q/dO/lse/delta");
       return a;
     };
-    // Partial gradients of this rank's shards computed elsewhere, added at the end in round order.
-    struct Returned {
-      std::vector<at::Tensor> parts;  // dk, dv from the owner r + t; or dq from the helper
-      bool is_dq = false;
-      dist::Work work;
-    };
-    std::vector<Returned> returned;
-    std::vector<dist::Work> results_out;
+    // Partial gradients of this rank's shards computed elsewhere (dk and dv from the owner r + t,
+    // dq from the helper), added at the end in round order, once every result request is done.
+    std::vector<std::pair<at::Tensor, at::Tensor>> returned_kv;
+    std::vector<at::Tensor> returned_q;
+    std::vector<dist::Work> results;
     const int T = n / 2;
     Ahead next = T >= 1 ? post(1) : Ahead{};
     {
@@ -257,39 +246,25 @@ class DistFlashStrategy : public Strategy {
         dv.add_(g.dv);
         ops.push_back(P2POp::send(g.dq, ow));
       }
-      std::vector<Returned> arriving;
       if (r + t < n) {
-        Returned ret{
-            {at::empty(dk.sizes(), dk.options()), at::empty(dv.sizes(), dv.options())}, false, {}};
-        ops.push_back(P2POp::recv(ret.parts[0], r + t));
-        ops.push_back(P2POp::recv(ret.parts[1], r + t));
-        arriving.push_back(std::move(ret));
+        returned_kv.emplace_back(at::empty(dk.sizes(), dk.options()),
+                                 at::empty(dv.sizes(), dv.options()));
+        ops.push_back(P2POp::recv(returned_kv.back().first, r + t));
+        ops.push_back(P2POp::recv(returned_kv.back().second, r + t));
       }
       if (const int h = helper_of(n, t, r); h >= 0) {
-        Returned ret{{at::empty(dq.sizes(), dq.options())}, true, {}};
-        ops.push_back(P2POp::recv(ret.parts[0], h));
-        arriving.push_back(std::move(ret));
+        returned_q.push_back(at::empty(dq.sizes(), dq.options()));
+        ops.push_back(P2POp::recv(returned_q.back(), h));
       }
-      if (!ops.empty()) {
-        dist::Work w = pg.batch_isend_irecv(std::move(ops), "distflash backward dQ/dK/dV");
-        if (arriving.empty()) {
-          results_out.push_back(std::move(w));
-        } else {
-          arriving.front().work = std::move(w);  // one request covers the round's messages
-          for (auto& a : arriving) returned.push_back(std::move(a));
-        }
-      }
+      if (!ops.empty())
+        results.push_back(pg.batch_isend_irecv(std::move(ops), "distflash backward dQ/dK/dV"));
     }
-    for (auto& ret : returned) {
-      if (ret.work.valid()) ret.work.wait();
-      if (ret.is_dq) {
-        dq.add_(ret.parts[0]);
-      } else {
-        dk.add_(ret.parts[0]);
-        dv.add_(ret.parts[1]);
-      }
+    for (auto& w : results) w.wait();
+    for (auto& [rk, rv] : returned_kv) {
+      dk.add_(rk);
+      dv.add_(rv);
     }
-    for (auto& w : results_out) w.wait();
+    for (auto& rq : returned_q) dq.add_(rq);
     return {dq.to(dt), dk.to(dt), dv.to(dt)};
   }
 

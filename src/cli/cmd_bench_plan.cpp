@@ -71,19 +71,20 @@ struct Bench {
   int rounds = 2;
   at::ScalarType dtype = at::kFloat;
   std::map<std::string, std::map<std::string, AttentionRunStats>> measured_by_key;
+  std::map<std::string, double> noise_by_key;  // layers of one shape are measured once
   nlohmann::json layers = nlohmann::json::array();
   std::vector<Point> points;
   std::vector<double> regrets;
   double sum_choice = 0, sum_best = 0;
-  std::vector<double> noise;  // |t1 − t2| / min(t1, t2) of the choice measured twice
+  std::vector<double> noise;  // per layer: the choice's slowest round / its fastest − 1
   std::ostringstream table;
 };
 
 AttentionRunStats measure(Bench& b, const std::string& key, const std::string& in,
-                          const std::string& name, const LayerWorkload& w, int64_t nproc,
-                          const std::string& tag) {
-  // `lvx attention --repeat R` times R calls after its own warm-up and reports the median.
-  const std::string stats = (b.dir / (key + "." + name + tag + ".json")).string();
+                          const std::string& name, const LayerWorkload& w, int64_t nproc) {
+  // `lvx attention --repeat R` times R calls after its own warm-up (read_attention_stats takes
+  // the fastest).
+  const std::string stats = (b.dir / (key + "." + name + ".json")).string();
   std::string out;
   int rc = run(
       {b.self, "attention", "--strategy", name, "--nproc", std::to_string(nproc), "--input", in,
@@ -95,8 +96,8 @@ AttentionRunStats measure(Bench& b, const std::string& key, const std::string& i
   return read_attention_stats(stats);
 }
 
-// Measures every feasible strategy of each planned layer (and the planned pair), the choice a
-// second time for the noise, and adds rows to the table, JSON and points.
+// Measures every feasible strategy of each planned layer (and the planned pair) in rounds, once
+// per distinct layer shape, and adds rows to the table, JSON and points.
 void measure_plan(Bench& b, const std::vector<LayerPlan>& plan, const ClusterConfig& cluster,
                   const CostOptions& opt, int64_t nproc, const std::string& prefix) {
   for (const LayerPlan& lp : plan) {
@@ -108,17 +109,21 @@ void measure_plan(Bench& b, const std::vector<LayerPlan>& plan, const ClusterCon
     if (lp.forward != lp.backward) runs.push_back(lp.choice());
     const std::string in = (b.dir / (key + ".safetensors")).string();
     if (measured.empty()) lvx::save_safetensors(in, layer_inputs(lp.work, b.dtype, 1234));
+    // A layer of a shape measured before only runs what that one did not.
+    runs.erase(std::remove_if(runs.begin(), runs.end(),
+                              [&](const auto& c) { return measured.count(c.name()) > 0; }),
+               runs.end());
     // Rounds: every strategy once per round, back to back, the order reversed every other round
     // (so that a slow drift of the host does not favour the first); a strategy's time is its
     // fastest round, and the spread of the choice over the rounds is the noise.
     const std::string planned = lp.choice_name();
     std::vector<double> choice_rounds;
-    for (int round = 0; round < b.rounds; ++round) {
+    for (int round = 0; round < b.rounds && !runs.empty(); ++round) {
       std::vector<lvx::attention::StrategyChoice> order = runs;
       if (round % 2) std::reverse(order.begin(), order.end());
       for (const auto& choice : order) {
         const std::string name = choice.name();
-        AttentionRunStats m = measure(b, key, in, name, lp.work, nproc, "");
+        AttentionRunStats m = measure(b, key, in, name, lp.work, nproc);
         std::cerr << "bench-plan: " << key << " " << name << " round " << round << ": " << m.seconds
                   << " s\n";
         if (name == planned) choice_rounds.push_back(m.seconds);
@@ -126,9 +131,11 @@ void measure_plan(Bench& b, const std::vector<LayerPlan>& plan, const ClusterCon
         if (it == measured.end() || m.seconds < it->second.seconds) measured[name] = m;
       }
     }
-    const double fastest_round = *std::min_element(choice_rounds.begin(), choice_rounds.end());
-    const double slowest_round = *std::max_element(choice_rounds.begin(), choice_rounds.end());
-    b.noise.push_back(slowest_round / fastest_round - 1);
+    if (!choice_rounds.empty())
+      b.noise_by_key[key] = *std::max_element(choice_rounds.begin(), choice_rounds.end()) /
+                                *std::min_element(choice_rounds.begin(), choice_rounds.end()) -
+                            1;
+    b.noise.push_back(b.noise_by_key[key]);
     std::map<std::string, double> times;
     nlohmann::json per = nlohmann::json::object();
     double best = 1e300;

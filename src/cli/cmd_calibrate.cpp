@@ -95,23 +95,15 @@ int cmd_calibrate(int argc, char** argv) {
     const double share = dev.is_cuda() ? 1.0 : std::min(1.0, double(cores) / nproc);
     auto s = lvx::planner::measure_throughput(dt, dev, p.get_int("seq"), p.get_int("heads"),
                                               p.get_int("head-dim"), 1024, reps, threads, share);
-    auto& a = c.attention[name];
-    a.forward_flops = s.forward_flops;
-    a.backward_flops = s.backward_flops;
-    a.forward_call_s = s.forward_call_s;
-    a.backward_call_s = s.backward_call_s;
-    a.forward_tile_s = s.forward_tile_s;
-    a.backward_tile_s = s.backward_tile_s;
-    a.forward_masked_tile_s = s.forward_masked_tile_s;
-    a.backward_masked_tile_s = s.backward_masked_tile_s;
+    const lvx::planner::AttentionThroughput& a = c.attention[name] = s.attention;
     c.gemm_flops[name] = s.gemm_flops;
     log << name << ": attention forward " << s.forward_s * 1e3 << " ms, backward "
         << s.backward_s * 1e3 << " ms for seq " << p.get("seq") << " x heads " << p.get("heads")
         << " x dim " << p.get("head-dim") << " (" << threads << " threads, share " << share
-        << " of them); fitted per call " << s.forward_call_s * 1e6 << " / "
-        << s.backward_call_s * 1e6 << " us, per tile and head " << s.forward_tile_s * 1e6 << " / "
-        << s.backward_tile_s * 1e6 << " us, per partly masked tile "
-        << s.forward_masked_tile_s * 1e6 << " / " << s.backward_masked_tile_s * 1e6
+        << " of them); fitted per call " << a.forward_call_s * 1e6 << " / "
+        << a.backward_call_s * 1e6 << " us, per tile and head " << a.forward_tile_s * 1e6 << " / "
+        << a.backward_tile_s * 1e6 << " us, per partly masked tile "
+        << a.forward_masked_tile_s * 1e6 << " / " << a.backward_masked_tile_s * 1e6
         << " us (forward / backward)\n";
   }
   if (dev.is_cuda()) {

@@ -29,8 +29,7 @@ std::string attention_mask_flag(const LayerWorkload& w) { return to_string(w.mas
 
 double predicted_bytes_sent(const attention::StrategyChoice& choice, const LayerWorkload& w,
                             const ClusterConfig& c, int n, const CostOptions& opt) {
-  attention::AttentionSpec spec = layer_spec(w, opt);
-  spec.node_size = opt.topology_aware_ring ? c.gpus_per_node : 0;
+  const attention::AttentionSpec spec = layer_spec(w, c, opt);
   const auto f = attention::make_strategy(choice.forward),
              b = attention::make_strategy(choice.backward);
   const at::ScalarType dt = scalar_type(w.dtype);

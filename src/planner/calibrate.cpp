@@ -63,16 +63,10 @@ ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& devi
   // tile and head, F the FLOPs): 16 queries × 16 keys (1 tile per head), 16 × 16 tiles' worth of
   // keys (16 tiles), and s × s (the throughput problem). Times are in a rank's units (share).
   const int64_t few = 16, wide = 16 * kernels::kCpuKTile;
-  auto tiles_of = [](int64_t sq, int64_t sk) {
-    return double((sq + kernels::kCpuQTile - 1) / kernels::kCpuQTile) *
-           double((sk + kernels::kCpuKTile - 1) / kernels::kCpuKTile);
-  };
   at::Tensor kw = at::randn({1, wide, heads, d}, opt), vw = at::randn({1, wide, heads, d}, opt);
   at::Tensor qf = q.narrow(1, 0, few).contiguous(), df = dout.narrow(1, 0, few).contiguous();
   at::Tensor kf = k.narrow(1, 0, few).contiguous(), vf = v.narrow(1, 0, few).contiguous();
-  struct Sample {
-    double sq, sk, t_fwd, t_bwd;
-  };
+  std::vector<KernelSample> fwd, bwd;  // the same three calls, forward and backward
   auto sample = [&](const at::Tensor& qq, const at::Tensor& kk, const at::Tensor& vv,
                     const at::Tensor& dd, int r_) {
     kernels::AttentionOutput o_;
@@ -81,21 +75,22 @@ ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& devi
     at::Tensor de = kernels::attention_delta(dd, o_.o);
     const double tb = median_time(
         device, r_, [&] { kernels::attention_backward(qq, kk, vv, dd, o_.lse, de, params); });
-    return Sample{double(qq.size(1)), double(kk.size(1)), tf / share, tb / share};
+    fwd.push_back({qq.size(1), kk.size(1), tf / share});
+    bwd.push_back({qq.size(1), kk.size(1), tb / share});
   };
-  const Sample A = sample(qf, kf, vf, df, reps * 4), B = sample(qf, kw, vw, df, reps * 2);
-  const Sample C{double(s), double(s), r.forward_s / share, r.backward_s / share};
-  auto solve = [&](double k, bool bwd, double* call, double* tile, double* rate) {
-    std::vector<KernelSample> xs;
-    for (const Sample& x : {A, B, C})
-      xs.push_back({int64_t(x.sq), int64_t(x.sk), bwd ? x.t_bwd : x.t_fwd});
-    const KernelCostFit f = fit_kernel_cost(xs, heads, d, k);
-    *call = f.call_s;
-    *tile = f.tile_s;
-    *rate = f.flops;
-  };
-  solve(4, false, &r.forward_call_s, &r.forward_tile_s, &r.forward_flops);
-  solve(10, true, &r.backward_call_s, &r.backward_tile_s, &r.backward_flops);
+  sample(qf, kf, vf, df, reps * 4);
+  sample(qf, kw, vw, df, reps * 2);
+  fwd.push_back({s, s, r.forward_s / share});
+  bwd.push_back({s, s, r.backward_s / share});
+  const KernelCostFit ff = fit_kernel_cost(fwd, heads, d, 4),
+                      fb = fit_kernel_cost(bwd, heads, d, 10);
+  AttentionThroughput& a = r.attention;
+  a.forward_call_s = ff.call_s;
+  a.forward_tile_s = ff.tile_s;
+  a.forward_flops = ff.flops;
+  a.backward_call_s = fb.call_s;
+  a.backward_tile_s = fb.tile_s;
+  a.backward_flops = fb.flops;
   // Causal over permuted positions (4 interleaved stripes, so no tile's positions are ordered):
   // every tile is partly visible, computed whole and masked entry by entry: the extra per tile.
   {
@@ -112,16 +107,16 @@ ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& devi
                     [&] { kernels::attention_backward(q, k, v, dout, mo.lse, md, m); }) /
         share;
     const double visible = double(s) * double(s + 1) / 2 * double(heads) * double(d);
-    const double tiles = tiles_of(s, s) * double(heads);
-    r.forward_masked_tile_s = std::max(
+    const double tiles = double(kernels::cpu_tiles(s, s) * heads);
+    a.forward_masked_tile_s = std::max(
         0.0,
-        (tf - r.forward_call_s - tiles * r.forward_tile_s - 4 * visible / r.forward_flops) / tiles);
-    r.backward_masked_tile_s = std::max(0.0, (tb - r.backward_call_s - tiles * r.backward_tile_s -
-                                              10 * visible / r.backward_flops) /
+        (tf - a.forward_call_s - tiles * a.forward_tile_s - 4 * visible / a.forward_flops) / tiles);
+    a.backward_masked_tile_s = std::max(0.0, (tb - a.backward_call_s - tiles * a.backward_tile_s -
+                                              10 * visible / a.backward_flops) /
                                                  tiles);
   }
-  at::Tensor a = at::randn({gemm_n, gemm_n}, opt), b = at::randn({gemm_n, gemm_n}, opt);
-  double tg = median_time(device, reps, [&] { at::matmul(a, b); });
+  at::Tensor ga = at::randn({gemm_n, gemm_n}, opt), gb = at::randn({gemm_n, gemm_n}, opt);
+  double tg = median_time(device, reps, [&] { at::matmul(ga, gb); });
   r.gemm_flops = 2.0 * double(gemm_n) * double(gemm_n) * double(gemm_n) / tg * share;
   at::set_num_threads(old_threads);
   return r;
@@ -134,10 +129,8 @@ KernelCostFit fit_kernel_cost(const std::vector<KernelSample>& xs, int64_t heads
   double M[3][4];
   for (int i = 0; i < 3; ++i) {
     const KernelSample& x = xs[static_cast<size_t>(i)];
-    const double tiles = double((x.sq + kernels::kCpuQTile - 1) / kernels::kCpuQTile) *
-                         double((x.sk + kernels::kCpuKTile - 1) / kernels::kCpuKTile);
     M[i][0] = 1;
-    M[i][1] = tiles * double(heads);
+    M[i][1] = double(kernels::cpu_tiles(x.sq, x.sk) * heads);
     M[i][2] = flops_per_pair * double(x.sq) * double(x.sk) * double(heads) * double(d);
     M[i][3] = x.seconds;
   }

@@ -15,18 +15,11 @@
 namespace lvx::planner {
 
 struct ThroughputSample {
-  double forward_flops = 0;  // attention FLOP/s, FlashAttention convention (cost_model.h)
-  double backward_flops = 0;
+  // Attention FLOP/s (FlashAttention convention, cost_model.h), per call, per tile and per partly
+  // masked tile, as a cluster config holds them, in one rank's units.
+  AttentionThroughput attention;
   double gemm_flops = 0;                 // dense matmul FLOP/s
-  double forward_s = 0, backward_s = 0;  // median time of one call
-  // A call on 16 tokens: the fixed cost per call (cost model: per round).
-  double forward_call_s = 0, backward_call_s = 0;
-  // Extra time of one partly masked CPU tile (per head), from causal attention over a permutation
-  // of the tokens that leaves every tile partly masked.
-  double forward_masked_tile_s = 0, backward_masked_tile_s = 0;
-  // Per computed tile and head: from 16 queries against 16 tiles' worth of keys, where the tiles
-  // are nearly empty of arithmetic.
-  double forward_tile_s = 0, backward_tile_s = 0;
+  double forward_s = 0, backward_s = 0;  // median time of one s × s call
 };
 
 // Times attention_forward / attention_backward on q [1, s, heads, d] against k, v of the same

@@ -32,20 +32,31 @@ int64_t PairCounter::count(const at::Tensor& q_pos, const at::Tensor& k_pos) {
   return kernels::visible_pairs(mask_for(q_pos, k_pos), 1, q_pos.numel(), k_pos.numel());
 }
 
+PairCounter::BlockKey PairCounter::block_key(const attention::Layout& ql, int q_block,
+                                             const attention::Layout& kl, int kv_block) {
+  return std::make_tuple(static_cast<int>(ql.kind) * 1000 + ql.world, q_block,
+                         static_cast<int>(kl.kind) * 1000 + kl.world, kv_block);
+}
+
+std::pair<at::Tensor, at::Tensor> PairCounter::block_positions(const attention::Layout& ql,
+                                                               int q_block,
+                                                               const attention::Layout& kl,
+                                                               int kv_block) const {
+  return {q_block < 0 ? at::arange(sq_, at::kLong) : ql.positions(q_block),
+          kv_block < 0 ? at::arange(skv_, at::kLong) : kl.positions(kv_block)};
+}
+
 PairCounter::Tiles PairCounter::tiles(const attention::Layout& ql, int q_block,
                                       const attention::Layout& kl, int kv_block) {
-  const auto key = std::make_tuple(static_cast<int>(ql.kind) * 1000 + ql.world, q_block,
-                                   static_cast<int>(kl.kind) * 1000 + kl.world, kv_block);
+  const BlockKey key = block_key(ql, q_block, kl, kv_block);
   auto it = tiles_memo_.find(key);
   if (it != tiles_memo_.end()) return it->second;
-  const at::Tensor qp = q_block < 0 ? at::arange(sq_, at::kLong) : ql.positions(q_block);
-  const at::Tensor kp = kv_block < 0 ? at::arange(skv_, at::kLong) : kl.positions(kv_block);
+  const auto [qp, kp] = block_positions(ql, q_block, kl, kv_block);
   Tiles t;
   const int64_t nq = qp.numel(), nk = kp.numel();
   if (nq == 0 || nk == 0) return tiles_memo_[key] = t;
   if (rule_ == MaskRule::kNone) {
-    t.full = ((nq + kernels::kCpuQTile - 1) / kernels::kCpuQTile) *
-             ((nk + kernels::kCpuKTile - 1) / kernels::kCpuKTile);
+    t.full = kernels::cpu_tiles(nq, nk);
     return tiles_memo_[key] = t;
   }
   const kernels::PreparedMask pm = kernels::prepare_mask(
@@ -86,12 +97,10 @@ kernels::AttentionMask PairCounter::mask_for(const at::Tensor& q_pos,
 
 int64_t PairCounter::count(const attention::Layout& ql, int q_block, const attention::Layout& kl,
                            int kv_block) {
-  const auto key = std::make_tuple(static_cast<int>(ql.kind) * 1000 + ql.world, q_block,
-                                   static_cast<int>(kl.kind) * 1000 + kl.world, kv_block);
+  const BlockKey key = block_key(ql, q_block, kl, kv_block);
   auto it = memo_.find(key);
   if (it != memo_.end()) return it->second;
-  const at::Tensor qp = q_block < 0 ? at::arange(sq_, at::kLong) : ql.positions(q_block);
-  const at::Tensor kp = kv_block < 0 ? at::arange(skv_, at::kLong) : kl.positions(kv_block);
+  const auto [qp, kp] = block_positions(ql, q_block, kl, kv_block);
   return memo_[key] = count(qp, kp);
 }
 
@@ -144,6 +153,13 @@ attention::AttentionSpec layer_spec(const LayerWorkload& w, const CostOptions& o
                                          : kernels::MaskKind::kMedia;
   s.media_rule =
       w.mask == MaskRule::kMediaUpTo ? kernels::MediaRule::kUpTo : kernels::MediaRule::kImmediate;
+  return s;
+}
+
+attention::AttentionSpec layer_spec(const LayerWorkload& w, const ClusterConfig& c,
+                                    const CostOptions& opt) {
+  attention::AttentionSpec s = layer_spec(w, opt);
+  s.node_size = opt.topology_aware_ring ? c.gpus_per_node : 0;  // double ring across nodes
   return s;
 }
 
@@ -321,8 +337,7 @@ StrategyCost estimate(StrategyKind s, const LayerWorkload& w, const ClusterConfi
   StrategyCost out;
   out.strategy = s;
   const auto strategy = attention::make_strategy(s);
-  attention::AttentionSpec spec = layer_spec(w, opt);
-  spec.node_size = opt.topology_aware_ring ? c.gpus_per_node : 0;  // double ring across nodes
+  const attention::AttentionSpec spec = layer_spec(w, c, opt);
   const int world = static_cast<int>(n);
   try {
     strategy->check_supported(spec, world);

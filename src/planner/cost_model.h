@@ -7,9 +7,10 @@
 // posted, in exact bytes. The cost model prices exactly those, so its bytes are the runtime's.
 //
 // Compute (FlashAttention FLOP convention, Dao 2024; LV-XAttn Table 1): a round costs
-// c + 4·P·H·D / F_fwd + M·H·m forward (10·P·H·D / F_bwd backward), with c the calibrated fixed
-// cost of a kernel call and m that of a partly masked tile (0 in nominal configs), M the partly
-// masked tiles of the block in the CPU kernels' tile grid, P = the visible (query, key) pairs of
+// c + 4·P·H·D / F_fwd + T·H·t + M·H·m forward (10·P·H·D / F_bwd backward), with c, t and m the
+// calibrated costs of a kernel call, of a computed tile and the extra of a partly masked tile
+// (all 0 in nominal configs), T and M the computed and the partly masked tiles of the block in
+// the CPU kernels' tile grid (PairCounter::tiles), P = the visible (query, key) pairs of
 // its block pair, counted from the layer's actual mask metadata (kernels::visible_pairs; causal
 // positions through the strategy's layouts; media indices from the prompt layout), H = the heads
 // the round computes (Hq, or Hq/n for ulysses). Tiles with no visible pair are skipped by the
@@ -47,6 +48,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "src/attention/strategy.h"
 #include "src/planner/cluster_config.h"
@@ -86,10 +88,15 @@ class PairCounter {
   MaskRule rule_;
   int64_t sq_, skv_;
   at::Tensor q_media_, kv_media_;
+  using BlockKey = std::tuple<int, int, int, int>;  // (q layout, q block, kv layout, kv block)
+  static BlockKey block_key(const attention::Layout& q_layout, int q_block,
+                            const attention::Layout& kv_layout, int kv_block);
+  std::pair<at::Tensor, at::Tensor> block_positions(const attention::Layout& q_layout, int q_block,
+                                                    const attention::Layout& kv_layout,
+                                                    int kv_block) const;
   kernels::AttentionMask mask_for(const at::Tensor& q_pos, const at::Tensor& k_pos) const;
-  std::map<std::tuple<int, int, int, int>, int64_t>
-      memo_;  // (q layout, q block, kv layout, kv block)
-  std::map<std::tuple<int, int, int, int>, Tiles> tiles_memo_;
+  std::map<BlockKey, int64_t> memo_;
+  std::map<BlockKey, Tiles> tiles_memo_;
 };
 
 // One attention layer's work, global sizes (batch 1).
@@ -137,6 +144,10 @@ ShardBytes shard_bytes(const LayerWorkload& w, int64_t n, const CostOptions& opt
 
 // The attention call a layer makes (batch 1; K/V heads expanded under the paper accounting).
 attention::AttentionSpec layer_spec(const LayerWorkload& w, const CostOptions& opt);
+// The same on cluster `c`: with the node size the ring strategies see there (the double ring,
+// when opt.topology_aware_ring), as estimate() prices the layer.
+attention::AttentionSpec layer_spec(const LayerWorkload& w, const ClusterConfig& c,
+                                    const CostOptions& opt);
 at::ScalarType scalar_type(const std::string& dtype);
 
 // Bytes the busiest rank sends in the forward and backward pass (the schedules' messages).

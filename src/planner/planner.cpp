@@ -55,6 +55,12 @@ struct PassChoice {
   double time_s, mem_bytes, saved_bytes;
 };
 
+// Whether `s` is among the candidates (none listed: all are).
+bool is_candidate(const std::vector<StrategyKind>& strategies, StrategyKind s) {
+  return strategies.empty() ||
+         std::find(strategies.begin(), strategies.end(), s) != strategies.end();
+}
+
 // Every feasible (forward, backward) pair of a layer among the candidates.
 template <typename Candidate>
 std::vector<PassChoice> pass_choices(const LayerPlan& lp, bool split, const Candidate& candidate) {
@@ -144,10 +150,7 @@ std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload&
 LayerPlan plan_layer(int index, const LayerWorkload& work, const ClusterConfig& c, int64_t ranks,
                      const CostOptions& opt, bool split_passes,
                      const std::vector<StrategyKind>& strategies) {
-  auto candidate = [&](StrategyKind s) {
-    return strategies.empty() ||
-           std::find(strategies.begin(), strategies.end(), s) != strategies.end();
-  };
+  auto candidate = [&](StrategyKind s) { return is_candidate(strategies, s); };
   LayerPlan lp;
   lp.index = index;
   lp.work = work;
@@ -209,10 +212,7 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
   p.options = opt_in;
   p.options.train = w.train;
   const std::vector<LayerWorkload> works = layer_workloads(m, w);
-  auto candidate = [&](StrategyKind s) {
-    return w.strategies.empty() ||
-           std::find(w.strategies.begin(), w.strategies.end(), s) != w.strategies.end();
-  };
+  auto candidate = [&](StrategyKind s) { return is_candidate(w.strategies, s); };
   for (size_t i = 0; i < works.size(); ++i) {
     LayerPlan lp = plan_layer(static_cast<int>(i), works[i], c, p.ranks, p.options,
                               p.options.train && w.split_passes, w.strategies);
