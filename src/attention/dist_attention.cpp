@@ -57,6 +57,8 @@ DistAttentionResult dist_attention(const at::Tensor& q, const at::Tensor& k, con
   state->backward = make_strategy(choice.backward);
   state->forward->check_supported(spec, state->pg->world_size());
   state->backward->check_supported(spec, state->pg->world_size());
+  check_local_shards("dist_attention", spec, *state->forward, state->pg->world_size(),
+                     state->pg->rank(), q, k);
   state->spec = with_topology(spec, *state->pg);
   state->mask = mask;
   auto outs = DistAttentionFunction::apply(q, k, v, c10::IValue::make_capsule(state));

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "src/common/error.h"
 
@@ -72,6 +73,60 @@ StrategyChoice strategy_choice_from_name(const std::string& name) {
              " saves (different saved tensors or token layouts); pairs that can: ", pairs);
   }
   return c;
+}
+
+void check_qkv(const std::string& where, const at::Tensor& q, const at::Tensor& k,
+               const at::Tensor& v) {
+  for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}})
+    LVX_CHECK(t->defined() && t->dim() == 4, where, ": tensor '", name,
+              "' must have 4 dimensions [B, S, H, D], got ",
+              t->defined() ? str(t->sizes()) : std::string("none"));
+  LVX_CHECK(k.sizes() == v.sizes(), where, ": k ", k.sizes(), " and v ", v.sizes(),
+            " must have the same shape");
+  LVX_CHECK(q.size(0) == k.size(0), where, ": batch of q (", q.size(0), ") and k (", k.size(0),
+            ") differ");
+  LVX_CHECK(q.size(3) == k.size(3), where, ": head dim of q (", q.size(3), ") and k (", k.size(3),
+            ") differ");
+  LVX_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, where, ": k has ", k.size(2),
+            " heads, which does not divide q's ", q.size(2), " heads");
+  LVX_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), where,
+            ": q, k, v must share a dtype (got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+            v.scalar_type(), ")");
+  LVX_CHECK(at::isFloatingType(q.scalar_type()), where, ": q must be floating point, got ",
+            q.scalar_type());
+}
+
+void check_mask_inputs(const std::string& where, const AttentionSpec& s, const MaskInputs& m) {
+  if (s.mask == kernels::MaskKind::kMedia) {
+    LVX_CHECK(m.q_media.defined() && m.kv_media.defined(), where,
+              ": the media mask needs q_media and kv_media");
+    LVX_CHECK(m.q_media.scalar_type() == at::kInt && m.kv_media.scalar_type() == at::kInt, where,
+              ": q_media and kv_media must be int32");
+    LVX_CHECK(m.q_media.sizes() == at::IntArrayRef({s.batch, s.sq}), where, ": q_media must be [",
+              s.batch, ", ", s.sq, "], got ", m.q_media.sizes());
+    LVX_CHECK(m.kv_media.sizes() == at::IntArrayRef({s.batch, s.skv}), where,
+              ": kv_media must be [", s.batch, ", ", s.skv, "], got ", m.kv_media.sizes());
+  }
+  if (m.kv_valid.defined())
+    LVX_CHECK(m.kv_valid.scalar_type() == at::kBool &&
+                  m.kv_valid.sizes() == at::IntArrayRef({s.batch, s.skv}),
+              where, ": kv_valid (padding mask) must be bool [", s.batch, ", ", s.skv, "], got ",
+              m.kv_valid.scalar_type(), " ", m.kv_valid.sizes());
+}
+
+void check_local_shards(const std::string& where, const AttentionSpec& s, const Strategy& strategy,
+                        int world, int rank, const at::Tensor& q, const at::Tensor& k) {
+  for (auto [name, t, layout, total] :
+       {std::tuple{"q", &q, strategy.q_layout(s, world), s.sq},
+        std::tuple{"k", &k, strategy.kv_layout(s, world), s.skv}}) {
+    const int64_t want = layout.local_size(rank);
+    LVX_CHECK(t->size(1) == want, where, ": rank ", rank, "'s ", name, " shard holds ", t->size(1),
+              " tokens, but ", strategy.name(), "'s ",
+              layout.kind == LayoutKind::kStriped ? "striped" : "contiguous", " layout of ", total,
+              " tokens over ", world, " ranks gives it ", want,
+              " (shards cut for another number of ranks, or uneven shards: give the global "
+              "lengths)");
+  }
 }
 
 AttentionSpec with_topology(AttentionSpec s, const dist::ProcessGroup& pg) {

@@ -149,6 +149,15 @@ struct SavedState {
   std::vector<at::Tensor> tensors;
 };
 
+// Input checks shared by every entry point (CLI, C++ and Python APIs), so a mistake reads the
+// same everywhere; `where` starts each message (a file name, "lvx.attention"). check_qkv: q, k, v
+// are [B, S, H, D] (whole tensors or this rank's shards), k and v alike, batch, head dim and
+// dtype shared, Hkv dividing Hq. check_mask_inputs: the global mask metadata against the spec
+// (q_media/kv_media int32 [B, Sq]/[B, Skv], required for kMedia; kv_valid bool [B, Skv]).
+void check_qkv(const std::string& where, const at::Tensor& q, const at::Tensor& k,
+               const at::Tensor& v);
+void check_mask_inputs(const std::string& where, const AttentionSpec& s, const MaskInputs& m);
+
 // `s` with node_size taken from the launcher (LOCAL_WORLD_SIZE) when the caller left it 0.
 AttentionSpec with_topology(AttentionSpec s, const dist::ProcessGroup& pg);
 
@@ -238,6 +247,11 @@ class Strategy {
 };
 
 std::unique_ptr<Strategy> make_strategy(StrategyKind k);
+
+// This rank's q and k shards hold the tokens the strategy's layouts give it (a group of another
+// size than the one the shards were cut for, or uneven shards with the wrong global lengths).
+void check_local_shards(const std::string& where, const AttentionSpec& s, const Strategy& strategy,
+                        int world, int rank, const at::Tensor& q, const at::Tensor& k);
 
 // ---- helpers shared by the strategies ----------------------------------------------------
 

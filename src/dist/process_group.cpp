@@ -5,6 +5,7 @@
 // rank never waits a second timeout while unwinding past requests it still had in flight.
 #include "src/dist/process_group.h"
 
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -67,7 +68,13 @@ const char* kStorePrefix = "lvx/";
 // ---- engine ------------------------------------------------------------------------------
 
 struct ProcessGroup::Engine {
-  c10::intrusive_ptr<c10d::TCPStore> store;
+  // Owned groups: the TCP store rank 0 hosts. Adopted torch.distributed groups: that group's
+  // store (its own prefix), when it has one.
+  c10::intrusive_ptr<c10d::Store> store;
+  bool adopted = false;  // the engines belong to a torch.distributed group (ProcessGroup::adopt)
+  // Gloo tags of lvx's messages: per-peer sequence numbers, from 2^30 up in an adopted group so
+  // that they never match the tags of the user's own torch.distributed send/recv (small numbers).
+  uint32_t tag_base = 0, tag_mask = 0x7fffffff;
   c10::intrusive_ptr<Backend> gloo;
   c10::intrusive_ptr<Backend> nccl;  // created on the first CUDA tensor (same point on all ranks)
   std::vector<uint32_t> send_seq, recv_seq;  // per-peer message numbers: the Gloo tags
@@ -117,7 +124,7 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const RendezvousInfo& info, boo
 
 }  // namespace
 
-ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options)
+ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options, bool connect)
     : info_(info), options_(options), rank_(info.rank), world_size_(info.world_size) {
   LVX_CHECK(world_size_ >= 1 && rank_ >= 0 && rank_ < world_size_, "invalid rank ", rank_,
             " for world size ", world_size_);
@@ -128,9 +135,10 @@ ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options)
   engine_ = std::make_unique<Engine>();
   engine_->send_seq.assign(world_size_, 0);
   engine_->recv_seq.assign(world_size_, 0);
+  if (!connect) return;  // adopt() plugs in a torch.distributed group's engines
   engine_->store = connect_store(info_, rank_ == 0, options_.timeout);
   // Every rank announces itself, then waits for all: a missing rank fails here, by name.
-  engine_->store->set(std::string(kStorePrefix) + "joined/" + std::to_string(rank_), {1});
+  engine_->store->set(std::string(kStorePrefix) + "joined/" + std::to_string(rank_), std::vector<uint8_t>{1});
   for (int r = 0; r < world_size_; ++r) {
     try {
       engine_->store->wait({std::string(kStorePrefix) + "joined/" + std::to_string(r)},
@@ -158,8 +166,31 @@ ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options)
   }
   engine_->nccl = make_nccl_backend(engine_->store, info_, options_.timeout);
 
+  start_heartbeat();
+}
+
+c10::intrusive_ptr<c10d::Store> ProcessGroup::store_client(std::chrono::milliseconds timeout) {
+  if (!engine_->adopted) return connect_store(info_, false, timeout);
+  LVX_CHECK(engine_->store, "rank ", rank_, ": the torch.distributed group has no store");
+  c10::intrusive_ptr<c10d::Store> s;
+  try {
+    s = engine_->store->clone();  // its own connection: never waits behind a blocked operation
+  } catch (const std::exception&) {
+    s = engine_->store;  // stores that cannot be cloned (in-process ones) never block anyway
+  }
+  s->setTimeout(timeout);
+  return s;
+}
+
+void ProcessGroup::start_heartbeat() {
   // Heartbeat on its own store connection so that it never waits behind a blocked operation.
-  auto hb_store = connect_store(info_, false, std::chrono::milliseconds(5000));
+  c10::intrusive_ptr<c10d::Store> hb_store;
+  try {
+    hb_store = store_client(std::chrono::milliseconds(5000));
+  } catch (const std::exception&) {
+    if (!engine_->adopted) throw;
+    return;  // an adopted group without a usable store: failures are still bounded, not named
+  }
   Engine* eng = engine_.get();
   const auto period = options_.heartbeat;
   const std::string key = std::string(kStorePrefix) + "hb/" + std::to_string(rank_);
@@ -178,6 +209,44 @@ ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options)
   });
 }
 
+std::shared_ptr<ProcessGroup> ProcessGroup::adopt(const std::string& torch_group_name,
+                                                  Options options) {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  try {
+    group = c10d::resolve_process_group(torch_group_name);
+  } catch (const std::exception& e) {
+    LVX_FAIL("no torch.distributed process group named '", torch_group_name,
+             "' (call torch.distributed.init_process_group first): ", e.what());
+  }
+  RendezvousInfo info;
+  info.rank = group->getRank();
+  info.world_size = group->getSize();
+  info.source = "torch.distributed group " + torch_group_name;
+  // The launcher's node size describes the whole job; it applies to a group spanning it.
+  const RendezvousInfo job = rendezvous_from_env();
+  if (job.world_size == info.world_size) info.local_world_size = job.local_world_size;
+  std::shared_ptr<ProcessGroup> pg(new ProcessGroup(info, options, /*connect=*/false));
+  if (info.world_size == 1) return pg;
+  auto& e = *pg->engine_;
+  e.adopted = true;
+  e.tag_base = 1u << 30;
+  e.tag_mask = (1u << 30) - 1;
+  e.store = group->getStore();
+  auto backend_for = [&](c10::DeviceType d) -> c10::intrusive_ptr<Backend> {
+    try {
+      return group->getBackend(d);
+    } catch (const std::exception&) {
+      return {};
+    }
+  };
+  e.gloo = backend_for(c10::DeviceType::CPU);
+  e.nccl = backend_for(c10::DeviceType::CUDA);
+  LVX_CHECK(e.gloo || e.nccl, "torch.distributed group '", torch_group_name,
+            "' has no backend for CPU or CUDA tensors");
+  pg->start_heartbeat();
+  return pg;
+}
+
 std::shared_ptr<ProcessGroup> ProcessGroup::from_env(Options options) {
   return std::make_shared<ProcessGroup>(rendezvous_from_env(), options);
 }
@@ -192,8 +261,8 @@ ProcessGroup::~ProcessGroup() {
   if (engine_->heartbeat.joinable()) engine_->heartbeat.join();
   const std::string p = kStorePrefix;
   try {
-    engine_->store->set(p + "exit/" + std::to_string(rank_), {1});
-    engine_->store->set(p + "done/" + std::to_string(rank_), {1});
+    engine_->store->set(p + "exit/" + std::to_string(rank_), std::vector<uint8_t>{1});
+    engine_->store->set(p + "done/" + std::to_string(rank_), std::vector<uint8_t>{1});
   } catch (...) {
   }
   // Rank 0 hosts the store, and its exit takes the store down. After a failure the other ranks
@@ -202,7 +271,7 @@ ProcessGroup::~ProcessGroup() {
   // host lingers until every peer it did not find dead has ended or finished its diagnosis
   // (`done/<r>`), one that stops heartbeating meanwhile counts as dead; bounded by one timeout
   // plus a diagnosis.
-  if (rank_ == 0 && !failure().empty()) linger_for_peers();
+  if (rank_ == 0 && !engine_->adopted && !failure().empty()) linger_for_peers();
 }
 
 void ProcessGroup::linger_for_peers() {
@@ -293,8 +362,8 @@ void ProcessGroup::fail(const std::string& what, const std::string& cause) {
     const std::string p = kStorePrefix;
     try {
       // Mark ourselves as exiting on an error, so that other ranks do not blame us.
-      auto store = connect_store(info_, false, std::chrono::milliseconds(3000));
-      store->set(p + "exit/" + std::to_string(rank_), {1});
+      auto store = store_client(std::chrono::milliseconds(3000));
+      store->set(p + "exit/" + std::to_string(rank_), std::vector<uint8_t>{1});
       std::vector<int64_t> before(world_size_), after(world_size_);
       for (int r = 0; r < world_size_; ++r) before[r] = store->add(p + "hb/" + std::to_string(r), 0);
       std::this_thread::sleep_for(options_.heartbeat * 5 / 2);
@@ -314,12 +383,14 @@ void ProcessGroup::fail(const std::string& what, const std::string& cause) {
         std::lock_guard<std::mutex> lock(engine_->fault_mu);
         engine_->found_dead = dead;
       }
-      store->set(p + "done/" + std::to_string(rank_), {1});  // the store host may now go
+      store->set(p + "done/" + std::to_string(rank_), std::vector<uint8_t>{1});  // the store host may now go
     } catch (const lvx::Error&) {
       diagnosis = str("rank 0 (which hosts the rendezvous store at ", info_.master_addr, ":",
                       info_.master_port, ") stopped responding");
     } catch (const std::exception&) {
-      diagnosis = "the rendezvous store became unreachable (rank 0 likely ended)";
+      diagnosis = engine_->adopted
+                      ? "the torch.distributed group's store became unreachable"
+                      : "the rendezvous store became unreachable (rank 0 likely ended)";
     }
   }
   const std::string msg = str("rank ", rank_, ": ", what, " failed: ", diagnosis,
@@ -459,7 +530,8 @@ Work ProcessGroup::batch_isend_irecv(std::vector<P2POp> ops, const char* what) {
       if (n == 0) continue;
       std::vector<at::Tensor> ts{op.tensor};
       auto& seq = op.kind == P2POp::kSend ? engine_->send_seq : engine_->recv_seq;
-      const int tag = static_cast<int>(seq[op.peer]++ & 0x7fffffff);
+      const int tag =
+          static_cast<int>(engine_->tag_base | (seq[op.peer]++ & engine_->tag_mask));
       auto w =
           op.kind == P2POp::kSend ? backend.send(ts, op.peer, tag) : backend.recv(ts, op.peer, tag);
       if (coalesce) {

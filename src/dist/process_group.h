@@ -24,6 +24,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
 #include <cstdint>
@@ -32,6 +33,10 @@
 #include <vector>
 
 #include "src/dist/rendezvous.h"
+
+namespace c10d {
+class Store;
+}
 
 namespace lvx::dist {
 
@@ -99,7 +104,15 @@ class Work {
 class ProcessGroup {
  public:
   // Joins the run described by `info` (rank 0 hosts the TCP rendezvous store).
-  ProcessGroup(const RendezvousInfo& info, Options options = {});
+  explicit ProcessGroup(const RendezvousInfo& info, Options options = {})
+      : ProcessGroup(info, options, /*connect=*/true) {}
+  // Runs on a torch.distributed process group (found by its group_name in c10d's registry, as
+  // torch's functional collectives find theirs): its Gloo backend for CPU tensors, its NCCL
+  // backend for CUDA tensors, its store for heartbeats and agreement checks. Ranks are the
+  // group's ranks. lvx's Gloo messages use tags from 2^30 up, clear of the user's own
+  // send/recv tags. The counters count lvx's messages only.
+  static std::shared_ptr<ProcessGroup> adopt(const std::string& torch_group_name,
+                                             Options options = options_from_env());
   // Reads the environment (torchrun, then OpenMPI variables) and joins.
   static std::shared_ptr<ProcessGroup> from_env(Options options = options_from_env());
   ~ProcessGroup();
@@ -153,6 +166,10 @@ class ProcessGroup {
  private:
   friend class Work;
   struct Engine;
+  ProcessGroup(const RendezvousInfo& info, Options options, bool connect);
+  void start_heartbeat();
+  // A store connection of its own (heartbeats, failure diagnosis).
+  c10::intrusive_ptr<c10d::Store> store_client(std::chrono::milliseconds timeout);
   // Throws at once when the group has failed: `what` is not started.
   void check_not_failed(const std::string& what) const;
   // Waits for the messages of `w`, counting those that complete (Work::wait and ~Work).

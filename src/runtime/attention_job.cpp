@@ -33,31 +33,12 @@ namespace {
 
 std::string shape_str(const at::Tensor& t) { return str(t.sizes()); }
 
-void check_dims(const std::string& file, const std::string& name, const at::Tensor& t, int64_t dims) {
-  LVX_CHECK(t.dim() == dims, file, ": tensor '", name, "' must have ", dims, " dimensions, got ",
-            shape_str(t));
-}
 
 attention::AttentionSpec spec_from(const AttentionJob& job, const TensorFile& f) {
   for (const char* n : {"q", "k", "v"})
     LVX_CHECK(f.tensors.count(n), job.input, ": has no tensor '", n, "' (needs q, k, v)");
   const at::Tensor &q = f.tensors.at("q"), &k = f.tensors.at("k"), &v = f.tensors.at("v");
-  check_dims(job.input, "q", q, 4);
-  check_dims(job.input, "k", k, 4);
-  check_dims(job.input, "v", v, 4);
-  LVX_CHECK(k.sizes() == v.sizes(), job.input, ": k ", shape_str(k), " and v ", shape_str(v),
-            " must have the same shape");
-  LVX_CHECK(q.size(0) == k.size(0), job.input, ": batch of q (", q.size(0), ") and k (",
-            k.size(0), ") differ");
-  LVX_CHECK(q.size(3) == k.size(3), job.input, ": head dim of q (", q.size(3), ") and k (",
-            k.size(3), ") differ");
-  LVX_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, job.input, ": k has ", k.size(2),
-            " heads, which does not divide q's ", q.size(2), " heads");
-  LVX_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), job.input,
-            ": q, k, v must share a dtype (got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
-            v.scalar_type(), ")");
-  LVX_CHECK(at::isFloatingType(q.scalar_type()), job.input, ": q must be floating point, got ",
-            q.scalar_type());
+  attention::check_qkv(job.input, q, k, v);
   AttentionSpec s;
   s.batch = q.size(0);
   s.sq = q.size(1);
@@ -67,24 +48,15 @@ attention::AttentionSpec spec_from(const AttentionJob& job, const TensorFile& f)
   s.hkv = k.size(2);
   s.scale = job.scale;
   s.mask = mask_kind_from_name(job.mask, &s.media_rule);
-  if (s.mask == kernels::MaskKind::kMedia) {
+  if (s.mask == kernels::MaskKind::kMedia)
     for (const char* n : {"q_media", "kv_media"})
       LVX_CHECK(f.tensors.count(n), job.input, ": mask ", job.mask, " needs an int32 tensor '", n,
                 "'");
-    const at::Tensor &qm = f.tensors.at("q_media"), &km = f.tensors.at("kv_media");
-    LVX_CHECK(qm.scalar_type() == at::kInt && km.scalar_type() == at::kInt, job.input,
-              ": q_media and kv_media must be int32");
-    LVX_CHECK(qm.sizes() == at::IntArrayRef({s.batch, s.sq}), job.input, ": q_media must be [",
-              s.batch, ", ", s.sq, "], got ", shape_str(qm));
-    LVX_CHECK(km.sizes() == at::IntArrayRef({s.batch, s.skv}), job.input, ": kv_media must be [",
-              s.batch, ", ", s.skv, "], got ", shape_str(km));
-  }
-  if (f.tensors.count("kv_valid")) {
-    const at::Tensor& kv = f.tensors.at("kv_valid");
-    LVX_CHECK(kv.scalar_type() == at::kBool && kv.sizes() == at::IntArrayRef({s.batch, s.skv}),
-              job.input, ": kv_valid (padding mask) must be bool [", s.batch, ", ", s.skv,
-              "], got ", kv.scalar_type(), " ", shape_str(kv));
-  }
+  attention::MaskInputs m;
+  for (auto [name, dst] : {std::pair{"q_media", &m.q_media}, std::pair{"kv_media", &m.kv_media},
+                           std::pair{"kv_valid", &m.kv_valid}})
+    if (f.tensors.count(name)) *dst = f.tensors.at(name);
+  attention::check_mask_inputs(job.input, s, m);
   if (job.backward) {
     LVX_CHECK(f.tensors.count("do"), job.input, ": --backward needs the output gradient 'do'");
     LVX_CHECK(f.tensors.at("do").sizes() == q.sizes(), job.input, ": 'do' must have q's shape ",

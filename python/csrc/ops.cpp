@@ -1,0 +1,278 @@
+// lvx's operators for PyTorch (`import lvx`): the strategies of src/attention as torch custom ops
+// on torch.distributed process groups, plus the layout, counter and planner entry points the
+// Python package wraps. Registered with TORCH_LIBRARY, so the Python side needs no binding code
+// (torch.ops.load_library) and torch.compile sees opaque ops with the fake kernels and autograd
+// formulas registered in python/lvx/_ops.py.
+//
+//   lvx::attention_forward(q, k, v, q_media?, kv_media?, kv_valid?, group, strategy, spec, scale)
+//       -> (o, lse, extra[])
+//   lvx::attention_backward(dout, dlse?, q, k, v, o, lse, extra[], q_media?, kv_media?, kv_valid?,
+//       group, strategy, spec, scale) -> (dq, dk, dv)
+//
+// `group` is a torch.distributed group_name (c10d's registry, as functional collectives use);
+// lvx runs its own messages on that group's engines (dist::ProcessGroup::adopt), counted per
+// peer. `spec` = [B, Sq, Skv, Hq, Hkv, D, mask, media_rule, q_layout, kv_layout, kv_unit]
+// (global lengths; enums as in kernels/attention.h and src/attention/layout.h). `extra` is what
+// the forward strategy saves beyond the call's own q, k, v, o, lse (Strategy::saved_form):
+// nothing for the ring strategies, the gathered K and V for all_gather, the head-sharded Q, K,
+// V, O and lse for ulysses; the backward rebuilds the SavedState from them, so the Python API
+// sends exactly the bytes of the C++ API.
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/library.h>
+
+#include <map>
+#include <mutex>
+
+#include "src/attention/strategy.h"
+#include "src/common/error.h"
+#include "src/planner/planner.h"
+#include "src/runtime/model_description.h"
+
+namespace {
+
+using namespace lvx;
+using attention::AttentionSpec;
+using attention::SavedForm;
+
+// Every lvx::Error leaves as a c10::ValueError (a Python ValueError) with the message alone.
+template <class F>
+auto guarded(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const lvx::Error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+// One lvx group per torch.distributed group, made on first use and kept (its counters too).
+std::mutex groups_mu;
+std::map<std::string, std::shared_ptr<dist::ProcessGroup>>& groups() {
+  static auto* g = new std::map<std::string, std::shared_ptr<dist::ProcessGroup>>();
+  return *g;  // never destroyed at exit: release_groups() (Python's atexit) ends them in order
+}
+
+std::shared_ptr<dist::ProcessGroup> group_for(const std::string& name) {
+  std::lock_guard<std::mutex> lock(groups_mu);
+  auto& g = groups()[name];
+  // "": no torch.distributed run (a single process): one rank, every message a local copy.
+  if (!g) g = name.empty() ? std::make_shared<dist::ProcessGroup>(dist::RendezvousInfo{})
+                           : dist::ProcessGroup::adopt(name);
+  return g;
+}
+
+AttentionSpec spec_from(const std::vector<int64_t>& v, double scale) {
+  LVX_CHECK(v.size() == 11, "lvx.attention: spec has ", v.size(), " entries, expected 11");
+  AttentionSpec s;
+  s.batch = v[0];
+  s.sq = v[1];
+  s.skv = v[2];
+  s.hq = v[3];
+  s.hkv = v[4];
+  s.head_dim = v[5];
+  s.mask = static_cast<kernels::MaskKind>(v[6]);
+  s.media_rule = static_cast<kernels::MediaRule>(v[7]);
+  s.q_layout = static_cast<attention::LayoutKind>(v[8]);
+  s.kv_layout = static_cast<attention::LayoutKind>(v[9]);
+  s.kv_unit = v[10];
+  s.scale = scale;
+  return s;
+}
+
+attention::MaskInputs mask_from(const std::optional<at::Tensor>& q_media,
+                                const std::optional<at::Tensor>& kv_media,
+                                const std::optional<at::Tensor>& kv_valid) {
+  attention::MaskInputs m;
+  if (q_media) m.q_media = *q_media;
+  if (kv_media) m.kv_media = *kv_media;
+  if (kv_valid) m.kv_valid = *kv_valid;
+  return m;
+}
+
+// Custom ops may not return views of their inputs (or of each other): copy any that would.
+at::Tensor fresh(const at::Tensor& t, std::initializer_list<const at::Tensor*> inputs) {
+  for (const at::Tensor* in : inputs)
+    if (in->defined() && t.defined() && t.is_alias_of(*in)) return t.clone();
+  return t;
+}
+
+constexpr const char* kWhere = "lvx.attention";
+
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& q_media, const std::optional<at::Tensor>& kv_media,
+    const std::optional<at::Tensor>& kv_valid, const std::string& group,
+    const std::string& strategy, std::vector<int64_t> spec_values, double scale) {
+  return guarded([&] {
+    attention::check_qkv(kWhere, q, k, v);
+    const AttentionSpec s0 = spec_from(spec_values, scale);
+    const attention::MaskInputs mask = mask_from(q_media, kv_media, kv_valid);
+    attention::check_mask_inputs(kWhere, s0, mask);
+    auto pg = group_for(group);
+    const auto choice = attention::strategy_choice_from_name(strategy);
+    auto fwd = attention::make_strategy(choice.forward);
+    auto bwd = attention::make_strategy(choice.backward);
+    fwd->check_supported(s0, pg->world_size());
+    bwd->check_supported(s0, pg->world_size());
+    attention::check_local_shards(kWhere, s0, *fwd, pg->world_size(), pg->rank(), q, k);
+    const AttentionSpec s = attention::with_topology(s0, *pg);
+    attention::SavedState saved;
+    attention::LocalOutput out = fwd->forward(*pg, s, {q, k, v, mask}, &saved);
+    std::vector<at::Tensor> extra;
+    switch (fwd->saved_form()) {
+      case SavedForm::kShards:
+        break;
+      case SavedForm::kGatheredKV:
+        extra = {saved.tensors.at(1), saved.tensors.at(2)};
+        break;
+      case SavedForm::kHeadShards:
+        extra = saved.tensors;
+        break;
+    }
+    at::Tensor o = fresh(out.o, {&q, &k, &v});
+    for (auto& t : extra) t = fresh(t, {&q, &k, &v, &o, &out.lse});
+    return std::make_tuple(o, out.lse, extra);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& dout, const std::optional<at::Tensor>& dlse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
+    std::vector<at::Tensor> extra, const std::optional<at::Tensor>& q_media,
+    const std::optional<at::Tensor>& kv_media, const std::optional<at::Tensor>& kv_valid,
+    const std::string& group, const std::string& strategy, std::vector<int64_t> spec_values,
+    double scale) {
+  return guarded([&] {
+    auto pg = group_for(group);
+    const auto choice = attention::strategy_choice_from_name(strategy);
+    auto fwd = attention::make_strategy(choice.forward);
+    auto bwd = attention::make_strategy(choice.backward);
+    const AttentionSpec s = attention::with_topology(spec_from(spec_values, scale), *pg);
+    attention::SavedState saved;
+    switch (fwd->saved_form()) {
+      case SavedForm::kShards:
+        saved.tensors = {q, k, v, o, lse};
+        break;
+      case SavedForm::kGatheredKV:
+        LVX_CHECK(extra.size() == 2, kWhere, ": all_gather's backward needs the gathered K and V");
+        saved.tensors = {q, extra[0], extra[1], o, lse};
+        break;
+      case SavedForm::kHeadShards:
+        LVX_CHECK(extra.size() == 5, kWhere, ": ulysses' backward needs its head shards");
+        saved.tensors = extra;
+        break;
+    }
+    attention::LocalGrads g = bwd->backward(*pg, s, mask_from(q_media, kv_media, kv_valid), saved,
+                                            dout, dlse.value_or(at::Tensor()));
+    return std::make_tuple(g.dq, g.dk, g.dv);
+  });
+}
+
+// int64 [local_size]: the global token index of each of `rank`'s tokens under the layout the
+// (forward) strategy uses for `role` ("q" or "kv").
+at::Tensor shard_positions(const std::string& strategy, const std::string& role, int64_t total,
+                           int64_t world, int64_t rank, int64_t unit) {
+  return guarded([&] {
+    LVX_CHECK(role == "q" || role == "kv", "lvx.shard: role must be 'q' or 'kv', got '", role, "'");
+    LVX_CHECK(world >= 1 && rank >= 0 && rank < world, "lvx.shard: rank ", rank,
+              " outside a group of ", world);
+    LVX_CHECK(unit >= 1 && total % unit == 0, "lvx.shard: ", total,
+              " tokens do not split into blocks of ", unit);
+    auto st = attention::make_strategy(attention::strategy_choice_from_name(strategy).forward);
+    AttentionSpec s;
+    s.sq = s.skv = total;
+    s.kv_unit = role == "kv" ? unit : 1;
+    attention::Layout l = role == "q" ? st->q_layout(s, static_cast<int>(world))
+                                      : st->kv_layout(s, static_cast<int>(world));
+    l.unit = unit;
+    return l.positions(static_cast<int>(rank));
+  });
+}
+
+// int64 [2, world]: bytes this rank's lvx messages sent to / received from each peer of the
+// group since the last reset; and the seconds spent waiting.
+std::tuple<at::Tensor, double> counters(const std::string& group) {
+  return guarded([&] {
+    auto pg = group_for(group);
+    const auto& c = pg->counters();
+    at::Tensor t = at::empty({2, pg->world_size()}, at::kLong);
+    for (int p = 0; p < pg->world_size(); ++p) {
+      t[0][p] = c.sent[p];
+      t[1][p] = c.received[p];
+    }
+    return std::make_tuple(t, c.wait_seconds);
+  });
+}
+
+void reset_counters(const std::string& group) {
+  guarded([&] { group_for(group)->counters().reset(); });
+}
+
+void release_groups() {
+  std::lock_guard<std::mutex> lock(groups_mu);
+  groups().clear();
+}
+
+// `lvx plan` as a function: (the table the CLI prints, the plan as JSON).
+std::tuple<std::string, std::string> plan(const std::string& model, const std::string& cluster,
+                                          int64_t frames, int64_t text, int64_t tokens_per_frame,
+                                          int64_t nproc, const std::string& dtype, bool train,
+                                          const std::string& layout,
+                                          std::vector<std::string> strategies) {
+  return guarded([&] {
+    planner::ModelConfig m = runtime::planner_model(model);
+    planner::ClusterConfig c = planner::load_cluster_config(cluster);
+    planner::Workload w;
+    w.frames = frames;
+    w.text_tokens = text;
+    w.tokens_per_frame = tokens_per_frame;
+    w.ranks = static_cast<int>(nproc);
+    w.dtype = dtype;
+    w.train = train;
+    w.layout = planner::prompt_layout_from_string(layout);
+    for (const auto& s : strategies) w.strategies.push_back(attention::strategy_from_name(s));
+    planner::Plan p = planner::plan(m, c, w, planner::CostOptions{});
+    return std::make_tuple(planner::format_table(p), planner::to_json(p).dump());
+  });
+}
+
+std::string saved_form(const std::string& strategy) {
+  return guarded([&] {
+    switch (attention::make_strategy(attention::strategy_choice_from_name(strategy).forward)
+                ->saved_form()) {
+      case SavedForm::kGatheredKV:
+        return std::string("gathered_kv");
+      case SavedForm::kHeadShards:
+        return std::string("head_shards");
+      default:
+        return std::string("shards");
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(lvx, m) {
+  m.def(
+      "attention_forward(Tensor q, Tensor k, Tensor v, Tensor? q_media, Tensor? kv_media, "
+      "Tensor? kv_valid, str group, str strategy, int[] spec, float scale) "
+      "-> (Tensor, Tensor, Tensor[])");
+  m.def(
+      "attention_backward(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor o, "
+      "Tensor lse, Tensor[] extra, Tensor? q_media, Tensor? kv_media, Tensor? kv_valid, str group, "
+      "str strategy, int[] spec, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("shard_positions(str strategy, str role, int total, int world, int rank, int unit) -> Tensor",
+        &shard_positions);
+  m.def("counters(str group) -> (Tensor, float)", &counters);
+  m.def("reset_counters(str group) -> ()", &reset_counters);
+  m.def("release_groups() -> ()", &release_groups);
+  m.def(
+      "plan(str model, str cluster, int frames, int text, int tokens_per_frame, int nproc, "
+      "str dtype, bool train, str layout, str[] strategies) -> (str, str)",
+      &plan);
+  m.def("saved_form(str strategy) -> str", &saved_form);
+}
+
+TORCH_LIBRARY_IMPL(lvx, CompositeExplicitAutograd, m) {
+  m.impl("attention_forward", &attention_forward);
+  m.impl("attention_backward", &attention_backward);
+}
