@@ -181,9 +181,9 @@ at::Tensor shard_positions(const std::string& strategy, const std::string& role,
     AttentionSpec s;
     s.sq = s.skv = total;
     s.kv_unit = role == "kv" ? unit : 1;
+    // The strategy decides: striped and distflash split single tokens whatever the unit.
     attention::Layout l = role == "q" ? st->q_layout(s, static_cast<int>(world))
                                       : st->kv_layout(s, static_cast<int>(world));
-    l.unit = unit;
     return l.positions(static_cast<int>(rank));
   });
 }
@@ -235,6 +235,21 @@ std::tuple<std::string, std::string> plan(const std::string& model, const std::s
   });
 }
 
+// [sent, received]: the bytes this rank's schedule of one pass says it moves (Strategy::schedule,
+// what the C++ gate and the cost model use), for checking the counters from Python.
+std::vector<int64_t> schedule_bytes(const std::string& group, const std::string& strategy,
+                                    std::vector<int64_t> spec_values, at::ScalarType dtype,
+                                    bool backward) {
+  return guarded([&] {
+    auto pg = group_for(group);
+    const auto choice = attention::strategy_choice_from_name(strategy);
+    const AttentionSpec s = attention::with_topology(spec_from(spec_values, 0), *pg);
+    auto st = attention::make_strategy(backward ? choice.backward : choice.forward);
+    const auto v = st->analytic_bytes(s, pg->world_size(), pg->rank(), dtype, backward);
+    return std::vector<int64_t>{v.sent, v.received};
+  });
+}
+
 std::string saved_form(const std::string& strategy) {
   return guarded([&] {
     switch (attention::make_strategy(attention::strategy_choice_from_name(strategy).forward)
@@ -270,6 +285,10 @@ TORCH_LIBRARY(lvx, m) {
       "str dtype, bool train, str layout, str[] strategies) -> (str, str)",
       &plan);
   m.def("saved_form(str strategy) -> str", &saved_form);
+  m.def(
+      "schedule_bytes(str group, str strategy, int[] spec, ScalarType dtype, bool backward) "
+      "-> int[]",
+      &schedule_bytes);
 }
 
 TORCH_LIBRARY_IMPL(lvx, CompositeExplicitAutograd, m) {

@@ -20,13 +20,14 @@ import torch.distributed as _dist
 from . import _ops
 from ._ops import ops as _C
 
-__all__ = ["attention", "shard", "unshard", "positions", "counters", "reset_counters", "plan",
-           "Plan", "patch"]
+__all__ = ["attention", "shard", "unshard", "positions", "counters", "reset_counters",
+           "schedule_bytes", "plan", "Plan", "patch"]
 
 _MASKS = {"none": (0, 0), "causal": (1, 0), "media_immediate": (2, 0), "media_upto": (2, 1)}
 _LAYOUTS = {"contiguous": 0, "striped": 1}
 
 
+@torch.compiler.assume_constant_result
 def _group_name(group):
     """The c10d registry name of `group` (None: the default group; "" when there is none)."""
     if group is None:
@@ -40,6 +41,49 @@ def _world_rank(group):
     if _group_name(group) == "":
         return 1, 0
     return _dist.get_world_size(group), _dist.get_rank(group)
+
+
+def _spec(q, k, v, name, mask, q_media, kv_media, kv_valid, q_len, kv_len, kv_unit, q_layout,
+          kv_layout):
+    """The op's spec list (global lengths, mask, layouts; see python/csrc/ops.cpp)."""
+    mask = "none" if mask is None else mask
+    if mask not in _MASKS:
+        raise ValueError(f"lvx.attention: unknown mask '{mask}' (valid: {', '.join(_MASKS)})")
+    if (q_media is not None or kv_media is not None) and not mask.startswith("media"):
+        raise ValueError("lvx.attention: q_media/kv_media given, but mask is "
+                         f"'{mask}' (use media_immediate or media_upto)")
+    for tname, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"lvx.attention: tensor '{tname}' must have 4 dimensions "
+                             "[B, S, H, D], got "
+                             f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    world = _ops._world(name)
+    if q_len is None:
+        q_len = q_media.shape[1] if q_media is not None else q.shape[1] * world
+    if kv_len is None:
+        if kv_media is not None:
+            kv_len = kv_media.shape[1]
+        elif kv_valid is not None:
+            kv_len = kv_valid.shape[1]
+        else:
+            kv_len = k.shape[1] * world
+    kind, rule = _MASKS[mask]
+    spec = [q.shape[0], int(q_len), int(kv_len), q.shape[2], k.shape[2], q.shape[3], kind, rule,
+            _LAYOUTS[q_layout], _LAYOUTS[kv_layout], int(kv_unit)]
+    return spec
+
+
+def schedule_bytes(q, k, v, *, strategy="lv_xattn", group=None, backward=False, mask=None,
+                   q_media=None, kv_media=None, kv_valid=None, q_len=None, kv_len=None, kv_unit=1,
+                   q_layout="contiguous", kv_layout="contiguous"):
+    """(sent, received): the bytes this rank's messages carry in one pass of ``attention`` with
+    these arguments, from the strategy's schedule (what ``counters`` measures; the C++ tests and
+    the planner use the same schedule)."""
+    name = _group_name(group)
+    spec = _spec(q, k, v, name, mask, q_media, kv_media, kv_valid, q_len, kv_len, kv_unit,
+                 q_layout, kv_layout)
+    sent, received = _C.schedule_bytes(name, strategy, spec, q.dtype, backward)
+    return sent, received
 
 
 def attention(q, k, v, *, strategy="lv_xattn", group=None, mask=None, q_media=None,
@@ -60,31 +104,9 @@ def attention(q, k, v, *, strategy="lv_xattn", group=None, mask=None, q_media=No
     marks padding keys (False). q_len/kv_len: the global lengths, needed only for uneven shards
     when no global metadata gives them (default: the shard length times the group size).
     """
-    mask = "none" if mask is None else mask
-    if mask not in _MASKS:
-        raise ValueError(f"lvx.attention: unknown mask '{mask}' (valid: {', '.join(_MASKS)})")
-    if (q_media is not None or kv_media is not None) and not mask.startswith("media"):
-        raise ValueError("lvx.attention: q_media/kv_media given, but mask is "
-                         f"'{mask}' (use media_immediate or media_upto)")
-    for name in ("q", "k", "v"):
-        t = locals()[name]
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"lvx.attention: tensor '{name}' must have 4 dimensions [B, S, H, D], "
-                             f"got {list(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
     name = _group_name(group)
-    world, _ = _world_rank(group)
-    if q_len is None:
-        q_len = q_media.shape[1] if q_media is not None else q.shape[1] * world
-    if kv_len is None:
-        if kv_media is not None:
-            kv_len = kv_media.shape[1]
-        elif kv_valid is not None:
-            kv_len = kv_valid.shape[1]
-        else:
-            kv_len = k.shape[1] * world
-    kind, rule = _MASKS[mask]
-    spec = [q.shape[0], int(q_len), int(kv_len), q.shape[2], k.shape[2], q.shape[3], kind, rule,
-            _LAYOUTS[q_layout], _LAYOUTS[kv_layout], int(kv_unit)]
+    spec = _spec(q, k, v, name, mask, q_media, kv_media, kv_valid, q_len, kv_len, kv_unit,
+                 q_layout, kv_layout)
     o, lse, _ = _C.attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), q_media,
                                      kv_media, kv_valid, name, strategy, spec,
                                      0.0 if scale is None else float(scale))

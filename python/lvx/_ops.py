@@ -43,6 +43,9 @@ def saved_form(strategy):
     return ops.saved_form(strategy)
 
 
+# The group's size and name are fixed for the life of the group: traced as constants, so
+# torch.compile(fullgraph=True) does not break on the c10d lookups.
+@torch.compiler.assume_constant_result
 def _world(group):
     if not group:
         return 1

@@ -105,6 +105,14 @@ def _flamingo_forward(self, x, media, media_locations=None, use_cached_media=Fal
     return self.to_out(o.reshape(B, T_r, -1))
 
 
+def _is_flamingo_cross_attention(m):
+    # By shape, not by import: open_flamingo's package __init__ pulls in open_clip and
+    # transformers, and users vendor helpers.py; the forward replaced is the same.
+    return type(m).__name__ == "MaskedCrossAttention" and all(
+        hasattr(m, a) for a in ("to_q", "to_kv", "to_out", "norm", "heads",
+                                "only_attend_immediate_media"))
+
+
 def patch(model, *, group=None, self_strategy="striped", cross_strategy="lv_xattn"):
     """Routes `model`'s attention through ``lvx.attention`` on `group` (None: the default group).
 
@@ -114,13 +122,9 @@ def patch(model, *, group=None, self_strategy="striped", cross_strategy="lv_xatt
     """
     opts = {"group": group, "self_strategy": self_strategy, "cross_strategy": cross_strategy}
     count = 0
-    try:
-        from open_flamingo.src.helpers import MaskedCrossAttention
-    except ImportError:
-        MaskedCrossAttention = None
     uses_hf = hasattr(getattr(model, "config", None), "_attn_implementation")
     for m in model.modules():
-        if MaskedCrossAttention is not None and isinstance(m, MaskedCrossAttention):
+        if _is_flamingo_cross_attention(m):
             m.lvx_options = opts
             m.forward = _flamingo_forward.__get__(m)
             count += 1

@@ -1,0 +1,368 @@
+"""`import lvx` under torchrun (Gloo, 1-4 processes): run as
+    python -m torch.distributed.run --standalone --nproc_per_node N tests/python/test_lvx.py [case…]
+
+Cases (all by default):
+  exact     every strategy × mask (none, causal, causal with Sq < Skv, both media rules, padding)
+            × MHA/GQA, fp64, uneven shards: this rank's output and dq, dk, dv against
+            torch.nn.functional.scaled_dot_product_attention in fp64 on the gathered tensors
+            (|err| ≤ 1e-10; fp32 ≤ 2e-5), and the byte counters equal to the strategy's schedule
+  errors    wrong shapes, a group of the wrong size, heads ulysses cannot split: ValueError with
+            the message the CLI prints (the same C++ checks)
+  compile   torch.compile(fullgraph=True, backend="aot_eager") traces the op (no graph break):
+            output and gradients equal eager's
+  patch_hf  a tiny transformers Qwen2 patched with lvx.patch, two AdamW steps sequence-parallel
+            (striped), equals the unpatched single-process loop (fp64, ≤ 1e-9)
+  patch_of  an OpenFlamingo GatedCrossAttentionBlock (its own helpers.py) patched, two steps with
+            text and images sharded, equals the unpatched loop
+  plan      lvx.plan equals `lvx plan --json` (LVX_BIN)
+A failing check raises; the process exits non-zero and torchrun reports the rank.
+"""
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lvx
+
+SOURCE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STRATEGIES = ["lv_xattn", "ring", "striped", "distflash", "ulysses", "all_gather", "lv_xattn+ring"]
+
+
+def check(cond, msg):
+    if not cond:
+        raise AssertionError(f"rank {dist.get_rank()}: {msg}")
+
+
+def reference(q, k, v, mask, q_media, kv_media, kv_valid):
+    """fp64 SDPA on the global [B, S, H, D] tensors; rows that see no key give 0."""
+    B, Sq, Hq, D = q.shape
+    Skv, Hkv = k.shape[1], k.shape[2]
+    allowed = torch.ones(B, 1, Sq, Skv, dtype=torch.bool)
+    if mask == "causal":
+        i = torch.arange(Sq)[:, None] + (Skv - Sq)
+        allowed &= torch.arange(Skv)[None, :] <= i
+    elif mask in ("media_immediate", "media_upto"):
+        qm, km = q_media[:, :, None], kv_media[:, None, :]
+        vis = (qm == km) if mask == "media_immediate" else (km <= qm)
+        allowed &= (vis & (qm >= 0) & (km >= 0))[:, None]
+    if kv_valid is not None:
+        allowed &= kv_valid[:, None, None, :]
+    has_key = allowed.any(-1, keepdim=True)                            # [B, 1, Sq, 1]
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=allowed | ~has_key, enable_gqa=True)
+    return torch.where(has_key, o, torch.zeros_like(o)).transpose(1, 2)
+
+
+def run_case(strategy, mask, B, Sq, Skv, Hq, Hkv, D, dtype, unit=1, padding=False, seed=0):
+    n, r = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Sq, Hq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Skv, Hkv, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Skv, Hkv, D, generator=g, dtype=torch.float64)
+    w = torch.randn(B, Sq, Hq, D, generator=g, dtype=torch.float64)
+    q_media = kv_media = kv_valid = None
+    if mask.startswith("media"):
+        frames = Skv // unit
+        kv_media = torch.arange(frames, dtype=torch.int32).repeat_interleave(unit).expand(B, -1)
+        kv_media = kv_media.contiguous()
+        q_media = torch.randint(-1, frames, (B, Sq), generator=g, dtype=torch.int32)
+        q_media = q_media.sort(dim=1).values.contiguous()      # text time only grows
+    if padding:
+        kv_valid = torch.rand(B, Skv, generator=g) > 0.3
+    qd, kd, vd = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    ref = reference(qd.double() if dtype != torch.float64 else qd, kd.double(), vd.double(),
+                    mask, q_media, kv_media, kv_valid) if dtype == torch.float64 else None
+    if dtype != torch.float64:
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (qd, kd, vd))
+        ref = reference(q64, k64, v64, mask, q_media, kv_media, kv_valid)
+        ref_inputs = (q64, k64, v64)
+    else:
+        ref_inputs = (qd, kd, vd)
+    (ref * w).sum().backward()
+
+    sh = dict(strategy=strategy)
+    ql = lvx.shard(qd.detach(), **sh).requires_grad_()
+    kl = lvx.shard(kd.detach(), role="kv", unit=unit, **sh).requires_grad_()
+    vl = lvx.shard(vd.detach(), role="kv", unit=unit, **sh).requires_grad_()
+    kw = dict(strategy=strategy, mask=mask, q_media=q_media, kv_media=kv_media, kv_valid=kv_valid,
+              q_len=Sq, kv_len=Skv, kv_unit=unit)
+    lvx.reset_counters()
+    o = lvx.attention(ql, kl, vl, **kw)
+    (o * lvx.shard(w.to(dtype), **sh)).sum().backward()
+    c = lvx.counters()
+    fwd = lvx.schedule_bytes(ql, kl, vl, backward=False, **kw)
+    bwd = lvx.schedule_bytes(ql, kl, vl, backward=True, **kw)
+    name = f"{strategy} {mask} B={B} Sq={Sq} Skv={Skv} H={Hq}/{Hkv} {dtype} unit={unit} pad={padding}"
+    check(sum(c["sent"]) == fwd[0] + bwd[0] and sum(c["received"]) == fwd[1] + bwd[1],
+          f"{name}: counters sent/received {sum(c['sent'])}/{sum(c['received'])}, schedule "
+          f"{fwd[0] + bwd[0]}/{fwd[1] + bwd[1]}")
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    got = {"o": lvx.unshard(o.detach(), Sq, **sh),
+           "dq": lvx.unshard(ql.grad, Sq, **sh),
+           "dk": lvx.unshard(kl.grad, Skv, role="kv", unit=unit, **sh),
+           "dv": lvx.unshard(vl.grad, Skv, role="kv", unit=unit, **sh)}
+    want = {"o": ref.detach(), "dq": ref_inputs[0].grad, "dk": ref_inputs[1].grad,
+            "dv": ref_inputs[2].grad}
+    for key in got:
+        err = (got[key].double() - want[key]).abs().max().item()
+        check(err <= tol, f"{name}: {key} differs from SDPA by {err:.3g} (tolerance {tol})")
+    check(o.dtype == dtype and ql.grad.dtype == dtype, f"{name}: dtype contract broken")
+
+
+def case_exact():
+    n = dist.get_world_size()
+    shapes = [  # mask, B, Sq, Skv, Hq, Hkv, D, unit, padding
+        ("none", 2, 10, 12, 4, 2, 8, 1, False),
+        ("causal", 1, 11, 11, 4, 4, 8, 1, False),
+        ("causal", 2, 8, 12, 4, 2, 8, 1, False),
+        ("media_immediate", 2, 10, 12, 4, 2, 8, 3, False),
+        ("media_upto", 1, 9, 16, 4, 1, 8, 4, False),
+        ("none", 2, 7, 12, 4, 2, 8, 1, True),
+    ]
+    runs = 0
+    for strategy in STRATEGIES:
+        for mask, B, Sq, Skv, Hq, Hkv, D, unit, pad in shapes:
+            if strategy == "distflash" and not (mask == "causal" and Sq == Skv):
+                continue  # causal self-attention only (its own refusal is checked in errors)
+            if strategy == "ulysses" and (Hq % n or Hkv % n):
+                continue  # cannot split the heads (refusal checked in errors)
+            run_case(strategy, mask, B, Sq, Skv, Hq, Hkv, D, torch.float64, unit, pad)
+            runs += 1
+    run_case("lv_xattn", "media_immediate", 2, 10, 12, 4, 2, 8, torch.float32, 3)
+    run_case("ring", "causal", 1, 11, 11, 4, 2, 8, torch.float32)
+    return f"{runs + 2} calls"
+
+
+def expect_error(fn, text):
+    try:
+        fn()
+    except ValueError as e:
+        msg = str(e)
+        check(text in msg, f"error message {msg!r} lacks {text!r}")
+        return
+    raise AssertionError(f"rank {dist.get_rank()}: no ValueError (expected {text!r})")
+
+
+def case_errors():
+    n, r = dist.get_world_size(), dist.get_rank()
+    q = torch.randn(1, 4, 4, 8, dtype=torch.float64)
+    k = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    expect_error(lambda: lvx.attention(q[0], k, k),
+                 "lvx.attention: tensor 'q' must have 4 dimensions [B, S, H, D], got [4, 4, 8]")
+    expect_error(lambda: lvx.attention(q, k, k[:, :3]),
+                 "lvx.attention: k [1, 4, 2, 8] and v [1, 3, 2, 8] must have the same shape")
+    expect_error(lambda: lvx.attention(q, torch.randn(1, 4, 3, 8, dtype=torch.float64),
+                                       torch.randn(1, 4, 3, 8, dtype=torch.float64)),
+                 "lvx.attention: k has 3 heads, which does not divide q's 4 heads")
+    expect_error(lambda: lvx.attention(q, k, k, mask="bogus"), "unknown mask 'bogus'")
+    expect_error(lambda: lvx.attention(q, k, k, strategy="rign"), "unknown strategy 'rign'")
+    expect_error(lambda: lvx.attention(q, k, k, strategy="distflash"),
+                 "distflash")  # causal self-attention only
+    if n >= 2:
+        q5 = torch.randn(1, 4, 5, 8, dtype=torch.float64)
+        expect_error(lambda: lvx.attention(q5, q5, q5, strategy="ulysses"),
+                     f"ulysses shards heads across ranks: 5 query heads and 5 K/V heads must both "
+                     f"divide by the {n} ranks")
+        # Shards cut for the whole group, run on a group of another size.
+        sub = dist.new_group(list(range(n - 1)))
+        if r < n - 1:
+            S = 12
+            ql = lvx.shard(torch.randn(1, S, 4, 8, dtype=torch.float64))
+            expect_error(lambda: lvx.attention(ql, ql, ql, group=sub, q_len=S, kv_len=S),
+                         f"lvx.attention: rank {r}'s q shard holds {ql.shape[1]} tokens, but "
+                         f"lv_xattn's contiguous layout of {S} tokens over {n - 1} ranks gives "
+                         f"it {lvx.positions(S, group=sub).numel()}")
+        dist.barrier()
+    return "messages match"
+
+
+def case_compile():
+    torch._dynamo.reset()
+    results = []
+    for strategy in ("lv_xattn", "ulysses" if 4 % dist.get_world_size() == 0 else "ring",
+                     "all_gather"):
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(1, 6, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(1, 6, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(1, 6, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+
+        def f(q, k, v):
+            o, lse = lvx.attention(q, k, v, strategy=strategy, mask="causal", return_lse=True)
+            return (o.sin() * 2).sum() + lse.sum()
+
+        cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+        eager = f(q, k, v)
+        ge = torch.autograd.grad(eager, (q, k, v))
+        comp = cf(q, k, v)
+        gc = torch.autograd.grad(comp, (q, k, v))
+        err = max([(eager - comp).abs().item()] + [(a - b).abs().max().item() for a, b in zip(ge, gc)])
+        check(err <= 1e-12, f"compile {strategy}: differs from eager by {err}")
+        results.append(strategy)
+    return "fullgraph, " + ", ".join(results)
+
+
+def train_two_steps(model, batches, step_fn, parallel):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for batch in batches:
+        opt.zero_grad()
+        step_fn(model, batch).backward()
+        if parallel:
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+        opt.step()
+    return model
+
+
+def max_param_diff(a, b):
+    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+def case_patch_hf():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(cfg).double()
+    S = 24
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 64, (2, S), generator=g) for _ in range(2)]
+
+    def labels_of(ids):
+        lab = torch.full_like(ids, -100)
+        lab[:, :-1] = ids[:, 1:]          # next-token targets, shifted once, globally
+        return lab
+
+    def ref_step(model, ids):
+        logits = model(input_ids=ids).logits
+        lab = labels_of(ids)
+        return F.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="sum") / (lab >= 0).sum()
+
+    strategy = "striped"
+
+    def par_step(model, ids):
+        lab = labels_of(ids)
+        pos = lvx.positions(S, strategy=strategy)[None].expand(ids.shape[0], -1)
+        logits = model(input_ids=lvx.shard(ids, strategy=strategy), position_ids=pos).logits
+        lab_r = lvx.shard(lab, strategy=strategy)
+        return F.cross_entropy(logits.flatten(0, 1), lab_r.flatten(), reduction="sum") / (lab >= 0).sum()
+
+    ref = train_two_steps(copy.deepcopy(base), batches, ref_step, parallel=False)
+    model = copy.deepcopy(base)
+    count = lvx.patch(model, self_strategy=strategy)
+    check(count == 2, f"patch_hf: patched {count} modules, expected 2")
+    lvx.reset_counters()
+    par = train_two_steps(model, batches, par_step, parallel=True)
+    routed = sum(lvx.counters()["sent"])
+    check(routed > 0 or dist.get_world_size() == 1, "patch_hf: no attention went through lvx")
+    err = max_param_diff(ref, par)
+    moved = max_param_diff(ref, base)
+    check(moved > 1e-3, "patch_hf: the reference did not train")
+    check(err <= 1e-9, f"patch_hf: parameters differ from the single-process loop by {err}")
+    return f"Qwen2 2 layers, {strategy}, max param diff {err:.1e}"
+
+
+def load_flamingo_helpers():
+    import open_flamingo
+    path = os.path.join(os.path.dirname(open_flamingo.__file__), "src", "helpers.py")
+    spec = importlib.util.spec_from_file_location("of_helpers", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def case_patch_of():
+    # open_flamingo/__init__ imports the whole model factory; only helpers.py is needed.
+    spec = importlib.util.find_spec("open_flamingo")
+    check(spec is not None, "open_flamingo is not installed (requirements-nodeps.txt)")
+    helpers = load_flamingo_helpers()
+    torch.manual_seed(0)
+    base = helpers.GatedCrossAttentionBlock(dim=16, dim_visual=12, dim_head=4, heads=2,
+                                            ff_mult=2, only_attend_immediate_media=True).double()
+    with torch.no_grad():
+        base.attn_gate.fill_(0.7)   # zero-initialised gates would hide the attention's gradients
+        base.ff_gate.fill_(0.3)
+    B, T, T_img, n_lat = 2, 20, 4, 3
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(2):
+        x = torch.randn(B, T, 16, generator=g, dtype=torch.float64)
+        media = torch.randn(B, T_img, n_lat, 12, generator=g, dtype=torch.float64)
+        ml = torch.zeros(B, T, dtype=torch.bool)
+        ml[0, [2, 7, 11, 15]] = True
+        ml[1, [0, 5, 9, 18]] = True
+        w = torch.randn(B, T, 16, generator=g, dtype=torch.float64)
+        batches.append((x, media, ml, w))
+    strategy = "striped"
+
+    def ref_step(model, b):
+        x, media, ml, w = b
+        return (model(x, media, media_locations=ml) * w).sum()
+
+    def par_step(model, b):
+        x, media, ml, w = b
+        sh = dict(strategy=strategy)
+        out = model(lvx.shard(x, **sh), lvx.shard(media, dim=1, role="kv"),
+                    media_locations=lvx.shard(ml, **sh))
+        return (out * lvx.shard(w, **sh)).sum()
+
+    ref = train_two_steps(copy.deepcopy(base), batches, ref_step, parallel=False)
+    model = copy.deepcopy(base)
+    check(lvx.patch(model, self_strategy=strategy) == 1, "patch_of: MaskedCrossAttention not found")
+    lvx.reset_counters()
+    par = train_two_steps(model, batches, par_step, parallel=True)
+    check(sum(lvx.counters()["sent"]) > 0 or dist.get_world_size() == 1,
+          "patch_of: no attention went through lvx")
+    err = max_param_diff(ref, par)
+    check(max_param_diff(ref, base) > 1e-3, "patch_of: the reference did not train")
+    check(err <= 1e-9, f"patch_of: parameters differ from the single-process loop by {err}")
+    return f"GatedCrossAttentionBlock, text {strategy} + images lv_xattn, max param diff {err:.1e}"
+
+
+def case_plan():
+    if dist.get_rank() != 0:
+        return "rank 0 checks"
+    lvx_bin = os.environ.get("LVX_BIN", os.path.join(SOURCE, "build", "lvx"))
+    model = os.path.join(SOURCE, "configs/models/mplug_owl3_7b.yaml")
+    cluster = os.path.join(SOURCE, "configs/clusters/a100_80g_16.yaml")
+    p = lvx.plan(model, cluster, frames=256, text=2048, train=True)
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "plan.json")
+        cli = subprocess.run([lvx_bin, "plan", "--model", model, "--cluster", cluster, "--frames",
+                              "256", "--text", "2048", "--train", "--json", out],
+                             capture_output=True, text=True, check=True)
+        with open(out) as f:
+            want = json.load(f)
+    check(p.json == want, "plan: lvx.plan's JSON differs from `lvx plan --json`")
+    check(p.table == cli.stdout, "plan: lvx.plan's table differs from what `lvx plan` prints")
+    expect_error(lambda: lvx.plan(model + ".missing", cluster, 8, 64), ".missing")
+    return f"{len(p.layers)} layers, choices {sorted(set(p.choices))}"
+
+
+CASES = {"exact": case_exact, "errors": case_errors, "compile": case_compile,
+         "patch_hf": case_patch_hf, "patch_of": case_patch_of, "plan": case_plan}
+
+
+def main():
+    dist.init_process_group("gloo")
+    names = sys.argv[1:] or list(CASES)
+    for name in names:
+        summary = CASES[name]()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print(f"[{dist.get_world_size()} ranks] {name}: ok ({summary})", flush=True)
+    lvx.reset_counters()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
