@@ -73,6 +73,10 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DLVX_PYTHON="$venv/bin/python" -DLVX_CUDA="$cuda" -DLVX_WERROR="${LVX_WERROR:-OFF}" >/dev/null
 log "building in $build (CUDA: $cuda)"
 cmake --build "$build" -j "$(nproc)"
+# The Python package (`import lvx`), built from the same build folder: one target, then a copy.
+log "installing the Python package (python/) into $venv"
+LVX_BUILD_DIR="$(cd "$build" && pwd)" "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+  --no-build-isolation --no-deps "$root/python"
 log "set-up done in $(( $(date +%s) - t_start )) s"
 
 # ---- 4. the main job on a small built-in default -----------------------------------------
