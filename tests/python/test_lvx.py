@@ -7,7 +7,8 @@ Cases (all by default):
             torch.nn.functional.scaled_dot_product_attention in fp64 on the gathered tensors
             (|err| ≤ 1e-10; fp32 ≤ 2e-5), and the byte counters equal to the strategy's schedule
   errors    wrong shapes, a group of the wrong size, heads ulysses cannot split: ValueError with
-            the message the CLI prints (the same C++ checks)
+            the message the CLI prints (the same C++ checks; two compared with `lvx attention`'s
+            stderr on a file with the same mistake)
   compile   torch.compile(fullgraph=True, backend="aot_eager") traces the op (no graph break):
             output and gradients equal eager's
   patch_hf  a tiny transformers Qwen2 patched with lvx.patch, two AdamW steps sequence-parallel
@@ -15,6 +16,7 @@ Cases (all by default):
   patch_of  an OpenFlamingo GatedCrossAttentionBlock (its own helpers.py) patched, two steps with
             text and images sharded, equals the unpatched loop
   plan      lvx.plan equals `lvx plan --json` (LVX_BIN)
+  fault     (only when named) the last rank dies; the others raise a ValueError naming it
 A failing check raises; the process exits non-zero and torchrun reports the rank.
 """
 import copy
@@ -147,8 +149,33 @@ def expect_error(fn, text):
     except ValueError as e:
         msg = str(e)
         check(text in msg, f"error message {msg!r} lacks {text!r}")
-        return
+        return msg
     raise AssertionError(f"rank {dist.get_rank()}: no ValueError (expected {text!r})")
+
+
+def cli_error(tensors, *args):
+    """stderr of `lvx attention` on a file holding `tensors` (it must fail)."""
+    from safetensors.torch import save_file
+    lvx_bin = os.environ.get("LVX_BIN", os.path.join(SOURCE, "build", "lvx"))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "in.safetensors")
+        save_file({k: t.clone() for k, t in tensors.items()}, path)
+        # A run of its own: without torchrun's variables of this process.
+        launch_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                       "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        env = {k: v for k, v in os.environ.items()
+               if k not in launch_vars and not k.startswith("TORCHELASTIC")}
+        res = subprocess.run([lvx_bin, "attention", "--input", path, "--output",
+                              os.path.join(d, "out.safetensors"), *args],
+                             capture_output=True, text=True, env=env)
+    check(res.returncode != 0, f"lvx attention {args} did not fail")
+    return res.stderr.replace(path, "<file>")
+
+
+def same_as_cli(py_msg, cli_stderr):
+    """The Python message, its "lvx.attention: " prefix aside, is in what the CLI printed."""
+    body = py_msg.split("lvx.attention: ", 1)[-1]
+    check(body in cli_stderr, f"CLI printed {cli_stderr!r}, Python said {py_msg!r}")
 
 
 def case_errors():
@@ -157,8 +184,10 @@ def case_errors():
     k = torch.randn(1, 4, 2, 8, dtype=torch.float64)
     expect_error(lambda: lvx.attention(q[0], k, k),
                  "lvx.attention: tensor 'q' must have 4 dimensions [B, S, H, D], got [4, 4, 8]")
-    expect_error(lambda: lvx.attention(q, k, k[:, :3]),
-                 "lvx.attention: k [1, 4, 2, 8] and v [1, 3, 2, 8] must have the same shape")
+    msg = expect_error(lambda: lvx.attention(q, k, k[:, :3]),
+                       "lvx.attention: k [1, 4, 2, 8] and v [1, 3, 2, 8] must have the same shape")
+    if r == 0:
+        same_as_cli(msg, cli_error({"q": q, "k": k, "v": k[:, :3]}, "--nproc", "1"))
     expect_error(lambda: lvx.attention(q, torch.randn(1, 4, 3, 8, dtype=torch.float64),
                                        torch.randn(1, 4, 3, 8, dtype=torch.float64)),
                  "lvx.attention: k has 3 heads, which does not divide q's 4 heads")
@@ -168,9 +197,13 @@ def case_errors():
                  "distflash")  # causal self-attention only
     if n >= 2:
         q5 = torch.randn(1, 4, 5, 8, dtype=torch.float64)
-        expect_error(lambda: lvx.attention(q5, q5, q5, strategy="ulysses"),
-                     f"ulysses shards heads across ranks: 5 query heads and 5 K/V heads must both "
-                     f"divide by the {n} ranks")
+        msg = expect_error(lambda: lvx.attention(q5, q5, q5, strategy="ulysses"),
+                           f"ulysses shards heads across ranks: 5 query heads and 5 K/V heads "
+                           f"must both divide by the {n} ranks")
+        if r == 0:
+            q5g = torch.randn(1, 4 * n, 5, 8, dtype=torch.float64)
+            same_as_cli(msg, cli_error({"q": q5g, "k": q5g, "v": q5g}, "--strategy", "ulysses",
+                                       "--nproc", str(n)))
         # Shards cut for the whole group, run on a group of another size.
         sub = dist.new_group(list(range(n - 1)))
         if r < n - 1:
@@ -348,13 +381,35 @@ def case_plan():
     return f"{len(p.layers)} layers, choices {sorted(set(p.choices))}"
 
 
+def case_fault():
+    """The last rank dies before a call; the others get a ValueError naming it within the
+    timeout (LVX_DIST_TIMEOUT_S, heartbeats in the group's store), and exit without hanging."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    check(n >= 2, "fault needs 2 or more ranks")
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    lvx.attention(q, q, q)             # a healthy call first: the group works
+    dist.barrier()
+    if r == n - 1:
+        os._exit(0)                    # dies without a word
+    import time
+    t0 = time.monotonic()
+    msg = expect_error(lambda: lvx.attention(q, q, q), f"rank {n - 1} stopped responding")
+    took = time.monotonic() - t0
+    limit = float(os.environ.get("LVX_DIST_TIMEOUT_S", "60")) + 10
+    check(took < limit, f"fault: reported after {took:.1f} s (limit {limit} s)")
+    print(f"[rank {r}] fault: ok ({took:.1f} s): {msg}", flush=True)
+    os._exit(0)                        # the group is broken: no orderly teardown
+
+
 CASES = {"exact": case_exact, "errors": case_errors, "compile": case_compile,
-         "patch_hf": case_patch_hf, "patch_of": case_patch_of, "plan": case_plan}
+         "patch_hf": case_patch_hf, "patch_of": case_patch_of, "plan": case_plan,
+         "fault": case_fault}
+DEFAULT = ["exact", "errors", "compile", "patch_hf", "patch_of", "plan"]
 
 
 def main():
     dist.init_process_group("gloo")
-    names = sys.argv[1:] or list(CASES)
+    names = sys.argv[1:] or DEFAULT
     for name in names:
         summary = CASES[name]()
         dist.barrier()
