@@ -5,8 +5,8 @@
         [--dim 64] [--reps 5] [--dtype fp32]
 
 One cross-attention layer (text queries over the video's visual tokens, OpenFlamingo's media mask
-with the frames spread over the text), each rank holding 1/n of the text and 1/n of the frames,
-forward + backward:
+with the frames spread over the text, or --mask none), each rank holding 1/n of the text and 1/n
+of the frames, forward + backward:
   gather+sdpa  torch.distributed.nn.functional.all_gather of K and V (differentiable), then
                scaled_dot_product_attention with the media mask on this rank's queries
   lvx <s>      lvx.attention(strategy=s) for lv_xattn, ring and all_gather
@@ -47,6 +47,8 @@ def main():
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp64", "bf16"])
+    ap.add_argument("--mask", default="media", choices=["media", "none"],
+                    help="media: OpenFlamingo's media mask; none: every text token sees every frame")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     n, r = dist.get_world_size(), dist.get_rank()
@@ -67,16 +69,18 @@ def main():
         # What users write without lvx: gather the whole K/V on every rank, attend locally.
         kf = torch.cat(dnn.all_gather(k_.contiguous()), 1)
         vf = torch.cat(dnn.all_gather(v_.contiguous()), 1)
-        allowed = (qm_l[:, :, None] == kv_media[:, None, :])[:, None]
+        allowed = (qm_l[:, :, None] == kv_media[:, None, :])[:, None] if a.mask == "media" else None
         o = F.scaled_dot_product_attention(q_.transpose(1, 2), kf.transpose(1, 2),
                                            vf.transpose(1, 2), attn_mask=allowed,
                                            enable_gqa=True)
         return o.transpose(1, 2)
 
     def lvx_call(strategy):
-        return lambda q_, k_, v_: lvx.attention(q_, k_, v_, strategy=strategy,
-                                                mask="media_immediate", q_media=q_media,
-                                                kv_media=kv_media, kv_unit=unit)
+        media = a.mask == "media"
+        return lambda q_, k_, v_: lvx.attention(
+            q_, k_, v_, strategy=strategy, mask="media_immediate" if media else None,
+            q_media=q_media if media else None, kv_media=kv_media if media else None,
+            kv_len=Skv, kv_unit=unit)
 
     methods = [("gather+sdpa", gather_sdpa)] + [
         (f"lvx {s}", lvx_call(s)) for s in ("lv_xattn", "ring", "all_gather")]
@@ -120,6 +124,7 @@ def main():
     if r == 0:
         print(f"cross-attention fwd+bwd, {n} ranks, text {Sq} x visual {Skv} "
               f"({a.frames} frames x {a.tokens_per_frame}), H={H}/{Hkv} D={D} {a.dtype}, "
+              f"mask {a.mask}, "
               f"fastest of {a.reps}; outputs and gradients checked against gather+sdpa")
         print(f"{'method':<16}{'time':>10}{'vs gather+sdpa':>17}{'MB sent/rank':>15}")
         t_base = results[0][1]
