@@ -17,11 +17,11 @@
 // nothing for the ring strategies, the gathered K and V for all_gather, the head-sharded Q, K,
 // V, O and lse for ulysses; the backward rebuilds the SavedState from them, so the Python API
 // sends exactly the bytes of the C++ API.
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
 
 #include <map>
 #include <mutex>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include "src/attention/strategy.h"
 #include "src/common/error.h"
@@ -55,8 +55,9 @@ std::shared_ptr<dist::ProcessGroup> group_for(const std::string& name) {
   std::lock_guard<std::mutex> lock(groups_mu);
   auto& g = groups()[name];
   // "": no torch.distributed run (a single process): one rank, every message a local copy.
-  if (!g) g = name.empty() ? std::make_shared<dist::ProcessGroup>(dist::RendezvousInfo{})
-                           : dist::ProcessGroup::adopt(name);
+  if (!g)
+    g = name.empty() ? std::make_shared<dist::ProcessGroup>(dist::RendezvousInfo{})
+                     : dist::ProcessGroup::adopt(name);
   return g;
 }
 
@@ -275,8 +276,9 @@ TORCH_LIBRARY(lvx, m) {
       "attention_backward(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor o, "
       "Tensor lse, Tensor[] extra, Tensor? q_media, Tensor? kv_media, Tensor? kv_valid, str group, "
       "str strategy, int[] spec, float scale) -> (Tensor, Tensor, Tensor)");
-  m.def("shard_positions(str strategy, str role, int total, int world, int rank, int unit) -> Tensor",
-        &shard_positions);
+  m.def(
+      "shard_positions(str strategy, str role, int total, int world, int rank, int unit) -> Tensor",
+      &shard_positions);
   m.def("counters(str group) -> (Tensor, float)", &counters);
   m.def("reset_counters(str group) -> ()", &reset_counters);
   m.def("release_groups() -> ()", &release_groups);

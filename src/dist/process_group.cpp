@@ -62,6 +62,7 @@ namespace {
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
 const char* kStorePrefix = "lvx/";
+const std::vector<uint8_t> kOne{1};  // a store flag
 
 }  // namespace
 
@@ -138,7 +139,7 @@ ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options, bool con
   if (!connect) return;  // adopt() plugs in a torch.distributed group's engines
   engine_->store = connect_store(info_, rank_ == 0, options_.timeout);
   // Every rank announces itself, then waits for all: a missing rank fails here, by name.
-  engine_->store->set(std::string(kStorePrefix) + "joined/" + std::to_string(rank_), std::vector<uint8_t>{1});
+  engine_->store->set(std::string(kStorePrefix) + "joined/" + std::to_string(rank_), kOne);
   for (int r = 0; r < world_size_; ++r) {
     try {
       engine_->store->wait({std::string(kStorePrefix) + "joined/" + std::to_string(r)},
@@ -261,8 +262,8 @@ ProcessGroup::~ProcessGroup() {
   if (engine_->heartbeat.joinable()) engine_->heartbeat.join();
   const std::string p = kStorePrefix;
   try {
-    engine_->store->set(p + "exit/" + std::to_string(rank_), std::vector<uint8_t>{1});
-    engine_->store->set(p + "done/" + std::to_string(rank_), std::vector<uint8_t>{1});
+    engine_->store->set(p + "exit/" + std::to_string(rank_), kOne);
+    engine_->store->set(p + "done/" + std::to_string(rank_), kOne);
   } catch (...) {
   }
   // Rank 0 hosts the store, and its exit takes the store down. After a failure the other ranks
@@ -363,7 +364,7 @@ void ProcessGroup::fail(const std::string& what, const std::string& cause) {
     try {
       // Mark ourselves as exiting on an error, so that other ranks do not blame us.
       auto store = store_client(std::chrono::milliseconds(3000));
-      store->set(p + "exit/" + std::to_string(rank_), std::vector<uint8_t>{1});
+      store->set(p + "exit/" + std::to_string(rank_), kOne);
       std::vector<int64_t> before(world_size_), after(world_size_);
       for (int r = 0; r < world_size_; ++r) before[r] = store->add(p + "hb/" + std::to_string(r), 0);
       std::this_thread::sleep_for(options_.heartbeat * 5 / 2);
@@ -383,7 +384,7 @@ void ProcessGroup::fail(const std::string& what, const std::string& cause) {
         std::lock_guard<std::mutex> lock(engine_->fault_mu);
         engine_->found_dead = dead;
       }
-      store->set(p + "done/" + std::to_string(rank_), std::vector<uint8_t>{1});  // the store host may now go
+      store->set(p + "done/" + std::to_string(rank_), kOne);  // the store host may now go
     } catch (const lvx::Error&) {
       diagnosis = str("rank 0 (which hosts the rendezvous store at ", info_.master_addr, ":",
                       info_.master_port, ") stopped responding");
