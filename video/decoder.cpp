@@ -246,7 +246,13 @@ bool VideoDecoder::decode_frame(int64_t i, DecodedFrame* out, std::string* why) 
       *why = "the decoder produced no frame with its pts before the stream ended";
       return false;
     }
-    const int64_t ts = frame_->best_effort_timestamp;
+    int64_t ts = frame_->best_effort_timestamp;
+    // A frame with no timestamp at all (MPEG-2 in a program stream: the last reference frame,
+    // flushed at the end, comes with neither pts nor dts) is the frame after the one before it
+    // in display order, where the index placed it (fill_missing_pts; the ffmpeg CLI extrapolates
+    // it the same way). Unknown position: it cannot be placed, and is passed over.
+    if (ts == AV_NOPTS_VALUE && cursor_ >= 0 && cursor_ < static_cast<int64_t>(index_.pts.size()))
+      ts = index_.pts[cursor_];
     const int64_t idx = index_.find_pts(ts);
     if (ts > target) {
       if (!retried && origin_ > 0) {

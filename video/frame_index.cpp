@@ -52,11 +52,47 @@ Timeline FrameIndex::timeline() const {
   return t;
 }
 
+namespace {
+
+struct Entry {
+  int64_t pts, dts, pos, duration;
+  bool key;
+};
+
+// Packets that carry a dts but no pts (MPEG program streams write a pts on some packets only),
+// in decode order. Without reordering a frame shows when it is decoded: pts = dts. With B-frame
+// reordering (the stream says so, or a packet's pts differs from its dts) a reference frame shows
+// when the next reference frame is decoded (MPEG's one-frame reorder delay), so its pts is the
+// dts of the next packet that is a reference frame (a keyframe, a packet without pts, or one whose
+// pts differs from its dts); the last one shows one frame after the latest time before it.
+void fill_missing_pts(std::vector<Entry>& entries, bool stream_reorders) {
+  bool reorders = stream_reorders;
+  for (const Entry& e : entries)
+    if (e.pts != AV_NOPTS_VALUE && e.dts != AV_NOPTS_VALUE && e.pts != e.dts) reorders = true;
+  int64_t next_ref_dts = AV_NOPTS_VALUE, latest = AV_NOPTS_VALUE, gap = 0;
+  for (size_t i = 1; i < entries.size() && gap <= 0; ++i)
+    if (entries[i].dts != AV_NOPTS_VALUE && entries[i - 1].dts != AV_NOPTS_VALUE)
+      gap = entries[i].dts - entries[i - 1].dts;
+  for (const Entry& e : entries)
+    for (int64_t t : {e.pts, e.dts})
+      if (t != AV_NOPTS_VALUE && (latest == AV_NOPTS_VALUE || t > latest)) latest = t;
+  for (size_t j = entries.size(); j-- > 0;) {
+    Entry& e = entries[j];
+    const bool had_pts = e.pts != AV_NOPTS_VALUE;
+    if (!had_pts) {
+      if (!reorders)
+        e.pts = e.dts;
+      else
+        e.pts = next_ref_dts != AV_NOPTS_VALUE ? next_ref_dts
+                                               : latest + (e.duration > 0 ? e.duration : gap);
+    }
+    if (e.key || !had_pts || e.pts != e.dts) next_ref_dts = e.dts;
+  }
+}
+
+}  // namespace
+
 FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::string& path) {
-  struct Entry {
-    int64_t pts, dts, pos, duration;
-    bool key;
-  };
   std::vector<Entry> entries;
   FrameIndex index;
   const AVStream* st = fmt->streams[stream_index];
@@ -73,8 +109,9 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
     }
     PacketUnref unref(pkt.get());
     if (pkt->stream_index != stream_index || (pkt->flags & AV_PKT_FLAG_DISCARD)) continue;
-    const int64_t ts = pkt->pts != AV_NOPTS_VALUE ? pkt->pts : pkt->dts;
-    if (ts == AV_NOPTS_VALUE) continue;  // cannot be placed in time (e.g. an empty N-VOP)
+    // A packet with neither time cannot be placed (e.g. an empty N-VOP); one with a dts only
+    // gets its pts below, once the packets after it are known.
+    if (pkt->pts == AV_NOPTS_VALUE && pkt->dts == AV_NOPTS_VALUE) continue;
     if (pkt->flags & AV_PKT_FLAG_CORRUPT) {
       // A packet the demuxer knows is incomplete: the file was cut inside it.
       index.truncated = true;
@@ -82,8 +119,10 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
           lvx::str("packet of frame ", entries.size(), " is incomplete (file cut short)");
       continue;
     }
-    entries.push_back({ts, pkt->dts, pkt->pos, pkt->duration, (pkt->flags & AV_PKT_FLAG_KEY) != 0});
+    entries.push_back(
+        {pkt->pts, pkt->dts, pkt->pos, pkt->duration, (pkt->flags & AV_PKT_FLAG_KEY) != 0});
   }
+  fill_missing_pts(entries, st->codecpar->video_delay > 0);
   LVX_CHECK(!entries.empty(), "video '", path, "': the video stream holds no frames",
             index.truncated ? " (" + index.truncation_reason + ")" : std::string());
   std::stable_sort(entries.begin(), entries.end(),
