@@ -530,6 +530,28 @@ TEST(PlannerCalibrate, CallsAndTilesArePricedPerRoundAndTheConfigRoundTrips) {
   const double pairs = 1024.0 * 1025 / 2;
   const double expect = 1e-3 + 8 * (12 * 1e-4 + 8 * 5e-4) + 4 * pairs * 8 * 64 / 1e10;
   EXPECT_NEAR(estimate(StrategyKind::kRing, w, c, 1, opt).fwd_s / expect, 1.0, 1e-9);
+
+  // Ranks sharing cores: every blocking collective waits Link::sync_s once (calibrate's
+  // sync_us, which round-trips), overlapped ring hops do not. On 2 ranks ulysses' forward has 5
+  // all-to-alls (Q, K, V to head shards; O and lse back), its backward 4 (dO; dQ, dK, dV);
+  // all_gather's forward 2 ring all-gathers (K, V) and its backward one reduce-scatter
+  // (pairwise, priced as an all-to-all); ring pays nothing.
+  c.intra_node = c.inter_node = Link{1e15, 1e-12, 2e-3};
+  std::ofstream(path) << cluster_config_yaml(c, "test");
+  const ClusterConfig synced = load_cluster_config(path);
+  EXPECT_NEAR(synced.intra_node.sync_s, 2e-3, 1e-12);
+  ClusterConfig plain = synced;
+  plain.intra_node.sync_s = plain.inter_node.sync_s = 0;
+  opt.train = true;
+  auto extra = [&](StrategyKind k, bool bwd) {
+    const StrategyCost a = estimate(k, w, synced, 2, opt), b = estimate(k, w, plain, 2, opt);
+    return bwd ? a.bwd_s - b.bwd_s : a.fwd_s - b.fwd_s;
+  };
+  EXPECT_NEAR(extra(StrategyKind::kUlysses, false), 5 * 2e-3, 1e-9);
+  EXPECT_NEAR(extra(StrategyKind::kUlysses, true), 4 * 2e-3, 1e-9);
+  EXPECT_NEAR(extra(StrategyKind::kAllGather, false), 2 * 2e-3, 1e-9);
+  EXPECT_NEAR(extra(StrategyKind::kRing, false), 0, 1e-12);
+  EXPECT_NEAR(extra(StrategyKind::kRing, true), 0, 1e-12);
 }
 
 }  // namespace

@@ -44,9 +44,14 @@ int comm_worker(const std::string& out, int64_t max_bytes, const std::string& de
   if (dev.is_cuda()) dev = at::Device(at::kCUDA, static_cast<int8_t>(pg->info().local_rank));
   std::vector<int64_t> sizes = sweep(max_bytes);
   std::vector<double> sec = lvx::planner::measure_ring_steps(*pg, sizes, dev, reps);
+  // A blocking collective right after compute (ulysses' all-to-alls): 10 ms of matmuls first.
+  const double collective =
+      lvx::planner::measure_collective_after_compute(*pg, dev, std::max(reps, 9), 0.01);
   if (pg->rank() == 0) {
     std::ofstream f(out);
-    f << nlohmann::json{{"sizes", sizes}, {"seconds", sec}}.dump() << "\n";
+    f << nlohmann::json{{"sizes", sizes}, {"seconds", sec}, {"collective_after_compute", collective}}
+             .dump()
+      << "\n";
     LVX_CHECK(f.good(), "calibrate worker: cannot write '", out, "'");
   }
   pg->barrier();
@@ -145,7 +150,12 @@ int cmd_calibrate(int argc, char** argv) {
   std::vector<int64_t> sizes = j["sizes"].get<std::vector<int64_t>>();
   std::vector<double> sec = j["seconds"].get<std::vector<double>>();
   c.intra_node = lvx::planner::fit_link(sizes, sec);
+  const double collective = j["collective_after_compute"].get<double>();
+  // Where ranks share cores, a collective after compute waits for peers' time slices.
+  c.intra_node.sync_s = std::max(0.0, collective - c.intra_node.latency_s);
   c.inter_node = c.intra_node;
+  log << "all_to_all right after 10 ms of compute: " << collective * 1e6 << " us (sync_us: the "
+      << "part above the latency)\n";
   log << "ring step (send to next, receive from previous), " << nproc << " ranks:\n";
   for (size_t i = 0; i < sizes.size(); ++i) {
     log << "  " << sizes[i] << " B: " << sec[i] * 1e6 << " us (" << double(sizes[i]) / sec[i] / 1e9

@@ -176,6 +176,28 @@ std::vector<double> measure_ring_steps(dist::ProcessGroup& pg, const std::vector
   return out;
 }
 
+double measure_collective_after_compute(dist::ProcessGroup& pg, const at::Device& device,
+                                        int reps, double compute_s) {
+  const int n = pg.world_size();
+  auto opt = at::TensorOptions().dtype(at::kFloat).device(device);
+  at::Tensor a = at::randn({128, 128}, opt), x = at::zeros({n * 256}, opt);
+  const std::vector<int64_t> split(n, 256);
+  std::vector<double> times;
+  for (int r = 0; r < reps + 1; ++r) {
+    pg.barrier();
+    const auto start = std::chrono::steady_clock::now();
+    while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() <
+           compute_s)
+      a = at::matmul(a, a).mul_(1.0 / 128);
+    const auto t0 = std::chrono::steady_clock::now();
+    pg.all_to_all(x, split, split);
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0) times.push_back(t);  // the first is a warm-up
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
 Link fit_link(const std::vector<int64_t>& sizes, const std::vector<double>& seconds) {
   LVX_CHECK(sizes.size() == seconds.size() && sizes.size() >= 3,
             "fit_link: expected >= 3 (size, seconds) samples, got ", sizes.size(), " and ",

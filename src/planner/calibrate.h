@@ -50,6 +50,12 @@ KernelCostFit fit_kernel_cost(const std::vector<KernelSample>& samples, int64_t 
 std::vector<double> measure_ring_steps(dist::ProcessGroup& pg, const std::vector<int64_t>& sizes,
                                        const at::Device& device, int reps);
 
+// Time of a small all_to_all entered right after `compute_s` of matmuls on every rank (all
+// ranks start together after a barrier), median of `reps`: with more ranks than cores it
+// includes waiting for peers that still hold a core (Link::sync_s is this minus the latency).
+double measure_collective_after_compute(dist::ProcessGroup& pg, const at::Device& device,
+                                        int reps, double compute_s);
+
 // Latency and bandwidth of comm(B) = α + B/β from (bytes, seconds) samples: α is the least time
 // among the smaller half of the sizes, β the slope between the two largest (where α no longer
 // matters).

@@ -27,6 +27,7 @@ Link read_link(const YamlMap& m) {
   Link l;
   l.bandwidth_bytes_per_s = m.get_double("bandwidth_gb_per_s") * 1e9;
   l.latency_s = m.get_double("latency_us") * 1e-6;
+  if (m.has("sync_us")) l.sync_s = m.get_double("sync_us") * 1e-6;
   m.finish();
   return l;
 }
@@ -101,7 +102,9 @@ std::string cluster_config_yaml(const ClusterConfig& c, const std::string& comme
   for (const auto& [dt, f] : c.gemm_flops) os << "  " << dt << ": " << f / 1e12 << "\n";
   auto link = [&](const char* name, const Link& l) {
     os << name << ": {bandwidth_gb_per_s: " << l.bandwidth_bytes_per_s / 1e9
-       << ", latency_us: " << l.latency_s * 1e6 << "}\n";
+       << ", latency_us: " << l.latency_s * 1e6;
+    if (l.sync_s > 0) os << ", sync_us: " << l.sync_s * 1e6;
+    os << "}\n";
   };
   link("intra_node", c.intra_node);
   link("inter_node", c.inter_node);

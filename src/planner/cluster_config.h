@@ -27,6 +27,11 @@ struct AttentionThroughput {
 struct Link {
   double bandwidth_bytes_per_s = 0;  // one direction; for inter_node, per node (its GPUs share it)
   double latency_s = 0;              // per message
+  // Extra wait of a blocking collective (all-to-all, all-gather) entered right after compute:
+  // where ranks share cores (more local ranks than cores), a peer still computing holds its core
+  // until its time slice ends. Measured by `lvx calibrate` (yaml sync_us, omitted when 0); 0 for
+  // GPUs, where every rank owns its device. Overlapped ring hops do not pay it.
+  double sync_s = 0;
 };
 
 struct ClusterConfig {

@@ -214,13 +214,14 @@ double message_time(const attention::Message& m, const ClusterConfig& c, int64_t
   switch (m.op) {
     case attention::Message::kRingHop:
       return transfer_time(link, static_cast<double>(m.sent));
+    // Blocking collectives wait for every peer once (Link::sync_s), then move their bytes.
     case attention::Message::kAllToAll:
-      return all_to_all_time(c, n, static_cast<double>(m.sent));
+      return n > 1 ? link.sync_s + all_to_all_time(c, n, static_cast<double>(m.sent)) : 0;
     case attention::Message::kAllGatherRing:
-      return n > 1
-                 ? static_cast<double>(n - 1) *
-                       transfer_time(link, static_cast<double>(m.sent) / static_cast<double>(n - 1))
-                 : 0;
+      return n > 1 ? link.sync_s + static_cast<double>(n - 1) *
+                                       transfer_time(link, static_cast<double>(m.sent) /
+                                                               static_cast<double>(n - 1))
+                   : 0;
   }
   return 0;
 }
