@@ -17,6 +17,7 @@ Cases (all by default):
             text and images sharded, equals the unpatched loop
   plan      lvx.plan equals `lvx plan --json` (LVX_BIN)
   fault     (only when named) the last rank dies; the others raise a ValueError naming it
+  inductor  (only when named) torch.compile with the default backend around the op equals eager
 A failing check raises; the process exits non-zero and torchrun reports the rank.
 """
 import copy
@@ -242,6 +243,27 @@ def case_compile():
     return "fullgraph, " + ", ".join(results)
 
 
+def case_inductor():
+    """The default backend (inductor) compiles a graph around the op (sin before it, relu after,
+    fused by inductor) without a graph break; fp64 output and gradients equal eager's."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 16, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k):
+        return (lvx.attention(q.sin(), k, k, strategy="lv_xattn", mask="causal") * 2).relu().sum()
+
+    cf = torch.compile(f, fullgraph=True)
+    y = cf(q, k)
+    gc = torch.autograd.grad(y, (q, k))
+    y0 = f(q, k)
+    g0 = torch.autograd.grad(y0, (q, k))
+    err = max([(y - y0).abs().item()] + [(a - b).abs().max().item() for a, b in zip(gc, g0)])
+    check(err <= 1e-10, f"inductor: differs from eager by {err}")
+    return f"fullgraph, |err| {err:.1e}"
+
+
 def train_two_steps(model, batches, step_fn, parallel):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for batch in batches:
@@ -403,7 +425,7 @@ def case_fault():
 
 CASES = {"exact": case_exact, "errors": case_errors, "compile": case_compile,
          "patch_hf": case_patch_hf, "patch_of": case_patch_of, "plan": case_plan,
-         "fault": case_fault}
+         "fault": case_fault, "inductor": case_inductor}
 DEFAULT = ["exact", "errors", "compile", "patch_hf", "patch_of", "plan"]
 
 
