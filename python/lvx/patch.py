@@ -11,8 +11,9 @@ What it routes:
   language model of mPLUG-Owl3 —, Llama, Mistral, …): registered as attention implementation
   "lvx" and selected on the model; causal over global positions. The text is sharded once, in
   the self strategy's layout, for every layer; the model sees only its rows, so position ids
-  must be passed (``lvx.positions``), and sequences must be packed (no padding mask: the model's
-  attention_mask is not consulted).
+  must be passed (``lvx.positions``). A padding mask (``attention_mask``, this rank's shard of
+  it) marks padding keys for every rank (one all-gather of the boolean mask per forward). Several
+  sequences packed into one row are not told apart: the row is one causal sequence.
 - OpenFlamingo's MaskedCrossAttention (open_flamingo.src.helpers): text shards attend to the
   media shards of every rank with the OpenFlamingo media mask; media_locations is this rank's
   shard (same layout as the text), media this rank's whole images (``lvx.shard(media,
@@ -51,10 +52,39 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if kwargs.get("sliding_window") is not None:
         raise ValueError("lvx: sliding-window attention is not supported")
     causal = getattr(module, "is_causal", True)
+    kv_valid = _global_padding(opt, attention_mask)
     o = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                   strategy=opt["self_strategy"], group=opt["group"],
-                  mask="causal" if causal else None, scale=scaling)
+                  mask="causal" if causal else None, scale=scaling, kv_valid=kv_valid)
     return o, None
+
+
+def _hf_mask(batch_size=None, cache_position=None, kv_length=None, kv_offset=0,
+             mask_function=None, attention_mask=None, **kwargs):
+    """transformers' mask interface for "lvx": the 2D padding mask of this rank's tokens as
+    given (bool [B, S_r]) or None; the causal rule is lvx's, over global positions."""
+    return attention_mask
+
+
+def _global_padding(opt, mask):
+    """Every rank's padding mask in global token order (bool [B, S]; None without padding),
+    gathered once per forward (every layer gets the same mask object) through torch.distributed."""
+    if mask is None:
+        return None
+    if mask.dim() != 2:
+        raise ValueError(f"lvx: expected a 2D padding mask [B, S_r], got {list(mask.shape)}")
+    cached = opt.get("_padding")
+    if cached is not None and cached[0] is mask:
+        return cached[1]
+    group = opt["group"]
+    total = torch.tensor([mask.shape[1]], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    glob = unshard(mask.to(torch.uint8), int(total), group=group,
+                   strategy=opt["self_strategy"]).bool().contiguous()
+    glob = None if bool(glob.all()) else glob
+    opt["_padding"] = (mask, glob)
+    return glob
 
 
 def _register_hf():
@@ -63,9 +93,11 @@ def _register_hf():
         return True
     try:
         from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         return False
     AttentionInterface.register(_IMPL, _hf_attention)
+    AttentionMaskInterface.register(_IMPL, _hf_mask)
     _registered = True
     return True
 

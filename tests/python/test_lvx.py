@@ -12,7 +12,8 @@ Cases (all by default):
   compile   torch.compile(fullgraph=True, backend="aot_eager") traces the op (no graph break):
             output and gradients equal eager's
   patch_hf  a tiny transformers Qwen2 patched with lvx.patch, two AdamW steps sequence-parallel
-            (striped), equals the unpatched single-process loop (fp64, ≤ 1e-9)
+            (striped; the second with a padding mask), equals the unpatched single-process loop
+            (fp64, ≤ 1e-9)
   patch_of  an OpenFlamingo GatedCrossAttentionBlock (its own helpers.py) patched, two steps with
             text and images sharded, equals the unpatched loop
   plan      lvx.plan equals `lvx plan --json` (LVX_BIN)
@@ -290,24 +291,36 @@ def case_patch_hf():
     base = Qwen2ForCausalLM(cfg).double()
     S = 24
     g = torch.Generator().manual_seed(2)
-    batches = [torch.randint(0, 64, (2, S), generator=g) for _ in range(2)]
+    # Step 1 packed; step 2 with left padding (sample 1's first 7 tokens), as attention_mask:
+    # the causal rule alone would let its later queries see them.
+    batches = [(torch.randint(0, 64, (2, S), generator=g), None) for _ in range(2)]
+    pad = torch.ones(2, S, dtype=torch.long)
+    pad[1, :7] = 0
+    batches[1] = (batches[1][0], pad)
 
-    def labels_of(ids):
+    def labels_of(ids, am):
         lab = torch.full_like(ids, -100)
         lab[:, :-1] = ids[:, 1:]          # next-token targets, shifted once, globally
+        if am is not None:
+            lab[:, :-1][am[:, 1:] == 0] = -100
+            lab[am == 0] = -100
         return lab
 
-    def ref_step(model, ids):
-        logits = model(input_ids=ids).logits
-        lab = labels_of(ids)
+    def ref_step(model, b):
+        ids, am = b
+        logits = model(input_ids=ids, attention_mask=am).logits
+        lab = labels_of(ids, am)
         return F.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="sum") / (lab >= 0).sum()
 
     strategy = "striped"
 
-    def par_step(model, ids):
-        lab = labels_of(ids)
+    def par_step(model, b):
+        ids, am = b
+        lab = labels_of(ids, am)
         pos = lvx.positions(S, strategy=strategy)[None].expand(ids.shape[0], -1)
-        logits = model(input_ids=lvx.shard(ids, strategy=strategy), position_ids=pos).logits
+        am_r = None if am is None else lvx.shard(am, strategy=strategy)
+        logits = model(input_ids=lvx.shard(ids, strategy=strategy), position_ids=pos,
+                       attention_mask=am_r).logits
         lab_r = lvx.shard(lab, strategy=strategy)
         return F.cross_entropy(logits.flatten(0, 1), lab_r.flatten(), reduction="sum") / (lab >= 0).sum()
 
