@@ -64,7 +64,7 @@ struct Entry {
 // reordering (the stream says so, or a packet's pts differs from its dts) a reference frame shows
 // when the next reference frame is decoded (MPEG's one-frame reorder delay), so its pts is the
 // dts of the next packet that is a reference frame (a keyframe, a packet without pts, or one whose
-// pts differs from its dts); the last one shows one frame after the latest time before it.
+// pts differs from its dts); the last one shows one frame after the stream's latest time.
 void fill_missing_pts(std::vector<Entry>& entries, bool stream_reorders) {
   bool reorders = stream_reorders;
   for (const Entry& e : entries)
@@ -73,9 +73,8 @@ void fill_missing_pts(std::vector<Entry>& entries, bool stream_reorders) {
   for (size_t i = 1; i < entries.size() && gap <= 0; ++i)
     if (entries[i].dts != AV_NOPTS_VALUE && entries[i - 1].dts != AV_NOPTS_VALUE)
       gap = entries[i].dts - entries[i - 1].dts;
-  for (const Entry& e : entries)
-    for (int64_t t : {e.pts, e.dts})
-      if (t != AV_NOPTS_VALUE && (latest == AV_NOPTS_VALUE || t > latest)) latest = t;
+  for (const Entry& e : entries)  // AV_NOPTS_VALUE is INT64_MIN: any time is later
+    latest = std::max({latest, e.pts, e.dts});
   for (size_t j = entries.size(); j-- > 0;) {
     Entry& e = entries[j];
     const bool had_pts = e.pts != AV_NOPTS_VALUE;

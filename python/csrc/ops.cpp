@@ -23,7 +23,7 @@
 #include <mutex>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
-#include "src/attention/strategy.h"
+#include "src/attention/dist_attention.h"
 #include "src/common/error.h"
 #include "src/planner/planner.h"
 #include "src/runtime/model_description.h"
@@ -109,17 +109,12 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> attention_forward(
     const attention::MaskInputs mask = mask_from(q_media, kv_media, kv_valid);
     attention::check_mask_inputs(kWhere, s0, mask);
     auto pg = group_for(group);
-    const auto choice = attention::strategy_choice_from_name(strategy);
-    auto fwd = attention::make_strategy(choice.forward);
-    auto bwd = attention::make_strategy(choice.backward);
-    fwd->check_supported(s0, pg->world_size());
-    bwd->check_supported(s0, pg->world_size());
-    attention::check_local_shards(kWhere, s0, *fwd, pg->world_size(), pg->rank(), q, k);
-    const AttentionSpec s = attention::with_topology(s0, *pg);
+    const attention::PreparedCall call = attention::prepare_call(
+        kWhere, *pg, attention::strategy_choice_from_name(strategy), s0, q, k);
     attention::SavedState saved;
-    attention::LocalOutput out = fwd->forward(*pg, s, {q, k, v, mask}, &saved);
+    attention::LocalOutput out = call.forward->forward(*pg, call.spec, {q, k, v, mask}, &saved);
     std::vector<at::Tensor> extra;
-    switch (fwd->saved_form()) {
+    switch (call.forward->saved_form()) {
       case SavedForm::kShards:
         break;
       case SavedForm::kGatheredKV:
@@ -144,12 +139,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     double scale) {
   return guarded([&] {
     auto pg = group_for(group);
-    const auto choice = attention::strategy_choice_from_name(strategy);
-    auto fwd = attention::make_strategy(choice.forward);
-    auto bwd = attention::make_strategy(choice.backward);
-    const AttentionSpec s = attention::with_topology(spec_from(spec_values, scale), *pg);
+    const attention::PreparedCall call =
+        attention::prepare_call(kWhere, *pg, attention::strategy_choice_from_name(strategy),
+                                spec_from(spec_values, scale), q, k);
     attention::SavedState saved;
-    switch (fwd->saved_form()) {
+    switch (call.forward->saved_form()) {
       case SavedForm::kShards:
         saved.tensors = {q, k, v, o, lse};
         break;
@@ -162,8 +156,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
         saved.tensors = extra;
         break;
     }
-    attention::LocalGrads g = bwd->backward(*pg, s, mask_from(q_media, kv_media, kv_valid), saved,
-                                            dout, dlse.value_or(at::Tensor()));
+    attention::LocalGrads g =
+        call.backward->backward(*pg, call.spec, mask_from(q_media, kv_media, kv_valid), saved,
+                                dout, dlse.value_or(at::Tensor()));
     return std::make_tuple(g.dq, g.dk, g.dv);
   });
 }
@@ -195,12 +190,8 @@ std::tuple<at::Tensor, double> counters(const std::string& group) {
   return guarded([&] {
     auto pg = group_for(group);
     const auto& c = pg->counters();
-    at::Tensor t = at::empty({2, pg->world_size()}, at::kLong);
-    for (int p = 0; p < pg->world_size(); ++p) {
-      t[0][p] = c.sent[p];
-      t[1][p] = c.received[p];
-    }
-    return std::make_tuple(t, c.wait_seconds);
+    return std::make_tuple(at::stack({at::tensor(c.sent), at::tensor(c.received)}),
+                           c.wait_seconds);
   });
 }
 

@@ -134,17 +134,17 @@ def unshard(x, total, *, dim=1, group=None, strategy="lv_xattn", role="q", unit=
     world, _ = _world_rank(group)
     if world == 1:
         return x
-    sizes = [int(positions(total, group=group, strategy=strategy, role=role, unit=unit,
-                           rank=r).numel()) for r in range(world)]
+    idx = [positions(total, group=group, strategy=strategy, role=role, unit=unit, rank=r)
+           for r in range(world)]
     xt = x.movedim(dim, 0).contiguous()
-    pad = torch.zeros((max(sizes),) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+    pad = torch.zeros((max(i.numel() for i in idx),) + tuple(xt.shape[1:]), dtype=x.dtype,
+                      device=x.device)
     pad[: xt.shape[0]] = xt
     parts = [torch.empty_like(pad) for _ in range(world)]
     _dist.all_gather(parts, pad, group=group)
     out = torch.empty((total,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
     for r in range(world):
-        idx = positions(total, group=group, strategy=strategy, role=role, unit=unit, rank=r)
-        out[idx.to(x.device)] = parts[r][: sizes[r]]
+        out[idx[r].to(x.device)] = parts[r][: idx[r].numel()]
     return out.movedim(0, dim)
 
 

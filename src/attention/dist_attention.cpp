@@ -44,22 +44,30 @@ struct DistAttentionFunction : public torch::autograd::Function<DistAttentionFun
 
 }  // namespace
 
+PreparedCall prepare_call(const std::string& where, const dist::ProcessGroup& pg,
+                          StrategyChoice choice, const AttentionSpec& spec, const at::Tensor& q,
+                          const at::Tensor& k) {
+  LVX_CHECK(can_pair(choice.forward, choice.backward), where, ": the backward of ",
+            strategy_name(choice.backward), " cannot start from the state the forward of ",
+            strategy_name(choice.forward), " saves");
+  PreparedCall c{make_strategy(choice.forward), make_strategy(choice.backward), {}};
+  c.forward->check_supported(spec, pg.world_size());
+  c.backward->check_supported(spec, pg.world_size());
+  check_local_shards(where, spec, *c.forward, pg.world_size(), pg.rank(), q, k);
+  c.spec = with_topology(spec, pg);
+  return c;
+}
+
 DistAttentionResult dist_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    std::shared_ptr<dist::ProcessGroup> pg, StrategyChoice choice,
                                    const AttentionSpec& spec, const MaskInputs& mask) {
   LVX_CHECK(pg != nullptr, "dist_attention: no process group");
-  LVX_CHECK(can_pair(choice.forward, choice.backward), "dist_attention: the backward of ",
-            strategy_name(choice.backward), " cannot start from the state the forward of ",
-            strategy_name(choice.forward), " saves");
+  PreparedCall call = prepare_call("dist_attention", *pg, choice, spec, q, k);
   auto state = c10::make_intrusive<CallState>();
   state->pg = std::move(pg);
-  state->forward = make_strategy(choice.forward);
-  state->backward = make_strategy(choice.backward);
-  state->forward->check_supported(spec, state->pg->world_size());
-  state->backward->check_supported(spec, state->pg->world_size());
-  check_local_shards("dist_attention", spec, *state->forward, state->pg->world_size(),
-                     state->pg->rank(), q, k);
-  state->spec = with_topology(spec, *state->pg);
+  state->forward = std::move(call.forward);
+  state->backward = std::move(call.backward);
+  state->spec = call.spec;
   state->mask = mask;
   auto outs = DistAttentionFunction::apply(q, k, v, c10::IValue::make_capsule(state));
   return {outs[0], outs[1]};

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <string>
 
 #include "src/attention/strategy.h"
 
@@ -22,6 +23,19 @@ struct DistAttentionResult {
                    // merging partial results by lse);
                    // −inf where the row sees no key (has_keys)
 };
+
+// One call's strategies and spec, checked for this rank of `pg`: the backward can start from the
+// forward's state, both strategies support the spec on pg's ranks, this rank's q and k shards
+// hold the tokens the forward's layouts give it (check_local_shards, messages starting with
+// `where`), and node_size comes from the launcher (with_topology). dist_attention and the Python
+// operators (python/csrc/ops.cpp) both start here.
+struct PreparedCall {
+  std::unique_ptr<Strategy> forward, backward;
+  AttentionSpec spec;
+};
+PreparedCall prepare_call(const std::string& where, const dist::ProcessGroup& pg,
+                          StrategyChoice choice, const AttentionSpec& spec, const at::Tensor& q,
+                          const at::Tensor& k);
 
 // q [B, Sq_r, Hq, D], k/v [B, Skv_r, Hkv, D]: this rank's shards in the strategies' layouts.
 // `choice`: one strategy, or a forward+backward pair (can_pair). `mask`: global metadata

@@ -33,7 +33,6 @@ namespace {
 
 std::string shape_str(const at::Tensor& t) { return str(t.sizes()); }
 
-
 attention::AttentionSpec spec_from(const AttentionJob& job, const TensorFile& f) {
   for (const char* n : {"q", "k", "v"})
     LVX_CHECK(f.tensors.count(n), job.input, ": has no tensor '", n, "' (needs q, k, v)");
