@@ -157,8 +157,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
         break;
     }
     attention::LocalGrads g =
-        call.backward->backward(*pg, call.spec, mask_from(q_media, kv_media, kv_valid), saved,
-                                dout, dlse.value_or(at::Tensor()));
+        call.backward->backward(*pg, call.spec, mask_from(q_media, kv_media, kv_valid), saved, dout,
+                                dlse.value_or(at::Tensor()));
     return std::make_tuple(g.dq, g.dk, g.dv);
   });
 }
@@ -190,8 +190,7 @@ std::tuple<at::Tensor, double> counters(const std::string& group) {
   return guarded([&] {
     auto pg = group_for(group);
     const auto& c = pg->counters();
-    return std::make_tuple(at::stack({at::tensor(c.sent), at::tensor(c.received)}),
-                           c.wait_seconds);
+    return std::make_tuple(at::stack({at::tensor(c.sent), at::tensor(c.received)}), c.wait_seconds);
   });
 }
 
