@@ -1,0 +1,276 @@
+"""The hostile-input suite's harness: every case makes its files, runs one lvx command and asserts
+how it ends.
+
+A case names the command (argv after `lvx`, built from a Ctx), the exit code it must end with (1
+unless said otherwise), a regular expression that stderr must match (the named error), a time
+bound (a hang fails the case; the process group is killed) and a memory bound (peak RSS of the
+command and the ranks it started, from wait4's rusage), plus an optional `check(ctx, result)` for
+what must not be lost (a file that must stay unchanged, an output that must not grow).
+
+Cases live in tests/hostile/cases_<area>.py as `CASES = [Case(...), ...]`; one CTest per area
+(`hostile_<area>`). `python run.py AREA [-k SUBSTRING] [--list]`; LVX_BIN names the binary.
+Ends with the plain summary line "N passed, N failed".
+"""
+import dataclasses
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Union
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE.parent.parent
+REFERENCE = SOURCE / "tests" / "reference"
+
+
+@dataclasses.dataclass
+class Result:
+    rc: int
+    stdout: str
+    stderr: str
+    seconds: float
+    max_rss_mb: float
+    timed_out: bool
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    argv: Union[Sequence[str], Callable[["Ctx"], Sequence[str]]]
+    stderr: str = ""                 # regex that stderr must match (re.S | re.I)
+    rc: int = 1                      # expected exit code
+    timeout: float = 60.0            # seconds; past it the case fails as a hang
+    max_rss_mb: float = 2048.0       # peak RSS of the command and its ranks
+    check: Optional[Callable[["Ctx", Result], None]] = None
+    stdin: Optional[str] = None
+    env: Optional[dict] = None
+
+
+class Ctx:
+    """Per-case working folder plus shared, lazily made fixtures (tiny models, a clip)."""
+
+    _shared: dict = {}
+
+    def __init__(self, root: Path, case_dir: Path):
+        self.root = root              # shared across the area's cases
+        self.dir = case_dir           # this case's own folder
+        self.lvx = os.environ.get("LVX_BIN", str(SOURCE / "build" / "lvx"))
+        self.python = sys.executable
+
+    def path(self, name: str) -> str:
+        return str(self.dir / name)
+
+    def write(self, name: str, data: Union[str, bytes]) -> str:
+        p = self.dir / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data.encode() if isinstance(data, str) else data)
+        return str(p)
+
+    def fifo(self, name: str) -> str:
+        p = self.dir / name
+        os.mkfifo(p)
+        return str(p)
+
+    def _fixture(self, key: str, make: Callable[[Path], None]) -> Path:
+        p = self.root / "fixtures" / key
+        if key not in Ctx._shared:
+            if not p.exists():
+                tmp = Path(str(p) + ".tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                make(tmp)
+                tmp.rename(p)
+            Ctx._shared[key] = p
+        return Ctx._shared[key]
+
+    def mplug(self, variant: str = "240728") -> str:
+        """A tiny random mPLUG-Owl3 checkpoint (tests/reference/mplug_owl3_ref.py make-model)."""
+        def make(d: Path):
+            subprocess.run([self.python, str(REFERENCE / "mplug_owl3_ref.py"), "make-model",
+                            str(d), "--variant", variant], check=True,
+                           stdout=subprocess.DEVNULL)
+        return str(self._fixture("mplug_" + variant, make))
+
+    def flamingo(self, lm: str = "mpt") -> str:
+        """A tiny random OpenFlamingo checkpoint (tests/reference/openflamingo_ref.py)."""
+        def make(d: Path):
+            subprocess.run([self.python, str(REFERENCE / "openflamingo_ref.py"), "make-model",
+                            str(d), "--lm", lm], check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+        return str(self._fixture("flamingo_" + lm, make))
+
+    def copy_model(self, src: str, name: str = "model") -> str:
+        dst = self.dir / name
+        shutil.copytree(src, dst)
+        return str(dst)
+
+    def clip(self, seconds: int = 4) -> str:
+        """A small test video (ffmpeg's testsrc, 64x48, 4 fps)."""
+        def make(d: Path):
+            subprocess.run(["ffmpeg", "-loglevel", "error", "-f", "lavfi", "-i",
+                            "testsrc=size=64x48:rate=4", "-t", str(seconds), "-pix_fmt",
+                            "yuv420p", str(d / "clip.mp4")], check=True)
+        return str(self._fixture("clip%d" % seconds, make) / "clip.mp4")
+
+
+def run_case(case: Case, root: Path) -> (bool, str):
+    case_dir = root / "cases" / re.sub(r"[^A-Za-z0-9_.-]", "_", case.name)
+    shutil.rmtree(case_dir, ignore_errors=True)
+    case_dir.mkdir(parents=True)
+    ctx = Ctx(root, case_dir)
+    argv = case.argv(ctx) if callable(case.argv) else list(case.argv)
+    cmd = [ctx.lvx] + [str(a) for a in argv]
+    env = dict(os.environ)
+    env.setdefault("LVX_DIST_TIMEOUT_S", "20")
+    env["OMP_NUM_THREADS"] = "1"
+    if case.env:
+        env.update(case.env)
+
+    def limits():
+        os.setsid()
+        # Address space cap: a case that tries to allocate without bound fails here rather than
+        # taking the machine down (libtorch maps several GiB of libraries it never touches).
+        cap = 16 << 30
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, cwd=case_dir, env=env, preexec_fn=limits,
+                         stdin=subprocess.PIPE if case.stdin is not None else subprocess.DEVNULL,
+                         stdout=open(case_dir / "stdout", "wb"), stderr=open(case_dir / "stderr", "wb"))
+    if case.stdin is not None:
+        try:
+            p.stdin.write(case.stdin.encode())
+            p.stdin.close()
+        except BrokenPipeError:
+            pass
+    timed_out = False
+    deadline = t0 + case.timeout
+    status, usage = 0, None
+    while True:
+        pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            timed_out = True
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _, status, usage = os.wait4(p.pid, 0)
+            break
+        time.sleep(0.02)
+    p.returncode = 0
+    seconds = time.monotonic() - t0
+    # Ranks left behind by a failing command are a defect too: they would hold ports and memory.
+    try:
+        os.killpg(p.pid, 0)
+        os.killpg(p.pid, signal.SIGKILL)
+        stray = True
+    except (ProcessLookupError, PermissionError):
+        stray = False
+    rc = os.waitstatus_to_exitcode(status)
+    if rc < 0:
+        rc = 128 - rc
+    res = Result(rc, (case_dir / "stdout").read_text(errors="replace"),
+                 (case_dir / "stderr").read_text(errors="replace"), seconds,
+                 usage.ru_maxrss / 1024.0, timed_out)
+    problems = []
+    if timed_out:
+        problems.append("hung: killed after %.0f s" % case.timeout)
+    if res.rc != case.rc:
+        problems.append("exit code %d, expected %d" % (res.rc, case.rc))
+    if case.stderr and not re.search(case.stderr, res.stderr, re.S | re.I):
+        problems.append("stderr does not match /%s/" % case.stderr)
+    if case.rc != 0 and not res.stderr.strip():
+        problems.append("failed with nothing on stderr")
+    if re.search(r"terminate called|Segmentation fault|core dumped|Floating point exception|"
+                 r"AddressSanitizer|internal error|c10::Error", res.stderr):
+        problems.append("crash text on stderr")
+    if res.max_rss_mb > case.max_rss_mb:
+        problems.append("peak RSS %.0f MiB > %.0f MiB" % (res.max_rss_mb, case.max_rss_mb))
+    if stray:
+        problems.append("left processes running")
+    if case.check and not problems:
+        try:
+            case.check(ctx, res)
+        except AssertionError as e:
+            problems.append("check: %s" % e)
+    detail = "%.1f s, %.0f MiB, rc %d" % (res.seconds, res.max_rss_mb, res.rc)
+    if problems:
+        tail = res.stderr.strip().splitlines()[-6:]
+        return False, "%s (%s)\n      cmd: %s\n      stderr: %s" % (
+            "; ".join(problems), detail, " ".join(cmd), "\n              ".join(tail))
+    first = res.stderr.strip().splitlines()
+    return True, "%s: %s" % (detail, first[-1][:160] if first else "")
+
+
+def main(argv: List[str]) -> int:
+    import argparse
+    import importlib
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("area")
+    ap.add_argument("-k", default="", help="run cases whose name contains this")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--workdir", default="")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    cases = importlib.import_module("cases_" + a.area).CASES
+    names = [c.name for c in cases]
+    dup = {n for n in names if names.count(n) > 1}
+    assert not dup, "duplicate case names: %s" % sorted(dup)
+    cases = [c for c in cases if a.k in c.name]
+    if a.list:
+        for c in cases:
+            print(c.name)
+        return 0
+    root = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="lvx_hostile_" + a.area + "_"))
+    root.mkdir(parents=True, exist_ok=True)
+    passed = failed = 0
+    for c in cases:
+        try:
+            ok, msg = run_case(c, root)
+        except Exception as e:  # a fixture that could not be made fails its case, not the run
+            ok, msg = False, "harness: %r" % (e,)
+        print("%s %s: %s" % ("PASS" if ok else "FAIL", c.name, msg), flush=True)
+        passed += ok
+        failed += not ok
+    if not a.workdir and failed == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    print("%d passed, %d failed" % (passed, failed))
+    return 1 if failed or not cases else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
+# ---- file builders shared by the areas -----------------------------------------------------
+
+def safetensors_bytes(tensors=None, header=None, data=b"", header_len=None, pad=True) -> bytes:
+    """A safetensors file. `tensors`: {name: (dtype, shape, bytes)} laid out in order; or a raw
+    `header` dict (written as given, for malformed files) with `data`. `header_len` overrides the
+    8-byte length prefix (a lie about the header's size)."""
+    import json
+    import struct
+    if tensors is not None:
+        header, data, off = {}, b"", 0
+        for name, (dtype, shape, raw) in tensors.items():
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(raw)]}
+            data += raw
+            off += len(raw)
+    text = json.dumps(header).encode() if isinstance(header, dict) else header
+    if pad and len(text) % 8:
+        text += b" " * (8 - len(text) % 8)
+    n = len(text) if header_len is None else header_len
+    return struct.pack("<Q", n) + text + data
+
+
+def f32(*values) -> bytes:
+    import struct
+    return struct.pack("<%df" % len(values), *values)
