@@ -20,6 +20,7 @@
 
 #include "models/model.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/common/safetensors.h"
 #include "src/runtime/optimizer.h"
 #include "src/runtime/train_checkpoint.h"
@@ -212,7 +213,7 @@ TEST(Finetune, BadInputIsNamedAndNothingIsLost) {
   const std::string ck = (dir() / "ck_bad").string();
   fs::remove_all(ck);
   fs::copy(ref, ck, fs::copy_options::recursive);
-  const std::string before = lvx::runtime::file_checksum(ck + "/step-000006/model.safetensors");
+  const std::string before = lvx::file_xxh3(ck + "/step-000006/model.safetensors");
   auto data = [&](const std::string& name, const std::string& row) {
     const std::string p = (dir() / (name + ".jsonl")).string();
     std::ofstream(p) << row << "\n";
@@ -247,7 +248,7 @@ TEST(Finetune, BadInputIsNamedAndNothingIsLost) {
     EXPECT_EQ(fs::path(latest(ck)).filename(), "step-000006") << c.what;
     EXPECT_FALSE(fs::exists(ck + "/step-000008")) << c.what;
   }
-  EXPECT_EQ(lvx::runtime::file_checksum(ck + "/step-000006/model.safetensors"), before);
+  EXPECT_EQ(lvx::file_xxh3(ck + "/step-000006/model.safetensors"), before);
   lvx::runtime::verify_checkpoint(latest(ck));
 }
 
