@@ -3,6 +3,8 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -167,6 +169,26 @@ TrainConfig train_config_from_yaml(const std::string& text, const std::string& w
   return from_root(root, where);
 }
 
+namespace {
+
+// A scalar as written, a number in the fewest digits that read back as the same double
+// ("0.003", not the emitter's "0.0030000000000000001").
+std::string shortest(const YAML::Node& v) {
+  if (!v.IsScalar()) return YAML::Dump(v);
+  const std::string s = v.Scalar();
+  char* end = nullptr;
+  const double d = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size()) return s;
+  for (int digits = 1; digits <= 17; ++digits) {
+    char buf[40];
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, d);
+    if (std::strtod(buf, nullptr) == d) return buf;
+  }
+  return s;
+}
+
+}  // namespace
+
 std::vector<std::string> config_changes(const TrainConfig& before, const TrainConfig& now) {
   // Both through to_yaml, so that equal values print alike (numbers included).
   const YAML::Node a = YAML::Load(to_yaml(before)), b = YAML::Load(to_yaml(now));
@@ -179,9 +201,12 @@ std::vector<std::string> config_changes(const TrainConfig& before, const TrainCo
       auto text = [&](const YAML::Node& root) {
         const YAML::Node v = root[section][k];
         if (!v) return std::string("(unset)");
-        YAML::Emitter e;
-        e << YAML::Flow << v;
-        return std::string(e.c_str());
+        if (v.IsSequence()) {
+          std::string list;
+          for (const auto& e : v) list += (list.empty() ? "" : ", ") + shortest(e);
+          return "[" + list + "]";
+        }
+        return shortest(v);
       };
       const std::string x = text(a), y = text(b);
       if (x != y) changes.push_back(str(section, ".", k, ": ", x, " -> ", y));

@@ -100,12 +100,12 @@ RANK_FAILED = r"error:|exited with code 1"
 
 # ---- divergence ------------------------------------------------------------------------------
 
-def resume_diverging(override):
+def resume_diverging(*overrides):
     def argv(ctx):
         cfg = trained(ctx, steps=2)
         snapshot(ctx)
         return ["finetune", "--config", cfg, "--resume", "--accept-config-changes",
-                "schedule.steps=5", override]
+                "schedule.steps=5"] + list(overrides)
     return argv
 
 
@@ -201,15 +201,17 @@ def steps_kept(ctx, res):
 # ---- ranks -----------------------------------------------------------------------------------
 
 def video_bad_on_rank1(ctx):
-    """A clip whose index (moov first) is whole but whose second half of frame data is gone:
-    it passes the check before the run (its header and duration are fine), and decoding fails
-    on the rank that holds the later frames only."""
+    """A clip whose index (moov first) and size are whole but whose later frames' data is
+    overwritten with garbage: it passes the check before the run (header, duration, sizes), and
+    decoding fails on the rank that holds the later frames only."""
     good = ctx.path("good.mp4")
     subprocess.run(["ffmpeg", "-loglevel", "error", "-f", "lavfi", "-i",
                     "testsrc=size=64x48:rate=4", "-t", "8", "-pix_fmt", "yuv420p", "-g", "1",
                     "-movflags", "+faststart", good], check=True)
-    data = Path(good).read_bytes()
-    bad = ctx.write("bad.mp4", data[:len(data) * 45 // 100])
+    data = bytearray(Path(good).read_bytes())
+    for i in range(len(data) * 60 // 100, len(data) * 97 // 100):
+        data[i] = 0xFF
+    bad = ctx.write("bad.mp4", bytes(data))
     row = json.dumps({"id": "broken", "video": bad, "question": "What is shown?",
                       "answer": "bars"})
     data_file = ctx.write("train.jsonl", row + "\n")
@@ -244,7 +246,10 @@ def huge_line(ctx):
 
 
 CASES = [
-    Case("diverge_lr_1e30_keeps_last_good_checkpoint", resume_diverging("optimizer.lr=1e30"),
+    # lr=1e30: step 3's update is huge but finite (saved only at step 4, which never comes);
+    # step 4's loss is not finite.
+    Case("diverge_lr_1e30_keeps_last_good_checkpoint",
+         resume_diverging("optimizer.lr=1e30", "checkpoint.every=2"),
          stderr=RANK_FAILED, timeout=180,
          check=on_rank(r"step [345]: training diverged: .*(loss|gradient norm|non-finite).*"
                        r"stays latest", diverged_metrics_bounded)),
