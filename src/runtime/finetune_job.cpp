@@ -348,6 +348,10 @@ ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, 
   LVX_CHECK(integer(data, "seed", "data.seed", 0) == before.data.seed, where,
             ": field 'data.seed' differs from its config's data.seed ", before.data.seed);
   r.metrics = before.logging.metrics;
+  // The default file lives with the checkpoints: a run folder that was moved or copied keeps it.
+  if (before.logging.metrics == before.checkpoint.dir + "/metrics.jsonl" &&
+      cfg.logging.metrics == cfg.checkpoint.dir + "/metrics.jsonl")
+    r.metrics = cfg.logging.metrics;
   const std::vector<std::string> changes = config_changes(before, cfg);
   if (!changes.empty() && !accept_config_changes) {
     std::string list;

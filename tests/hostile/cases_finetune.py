@@ -148,6 +148,20 @@ def other_metrics_kept(ctx, res):
     assert not Path(ctx.path("ck/latest")).exists(), "the run started"
 
 
+def copied_run_folder(ctx):
+    import shutil
+    cfg = trained(ctx)
+    shutil.copytree(ctx.path("ck"), ctx.path("ck2"))
+    return ["finetune", "--config", cfg, "--resume", "--accept-config-changes",
+            "checkpoint.dir=" + ctx.path("ck2"), "schedule.steps=3"]
+
+
+def copy_continued(ctx, res):
+    unchanged(ctx, res)  # the original run folder
+    lines = Path(ctx.path("ck2/metrics.jsonl")).read_text().splitlines()
+    assert [json.loads(l)["step"] for l in lines] == [1, 2, 3], lines
+
+
 # ---- resume ----------------------------------------------------------------------------------
 
 def resume_changed(ctx):
@@ -260,6 +274,8 @@ CASES = [
     Case("metrics_of_another_run_not_truncated", other_runs_metrics,
          stderr=r"logging\.metrics: .*other/metrics\.jsonl already holds \d+ bytes",
          timeout=60, check=other_metrics_kept),
+    Case("resume_in_a_copied_run_folder_continues_its_metrics", copied_run_folder, rc=0,
+         timeout=180, check=copy_continued),
     Case("resume_with_changed_config_names_fields", resume_changed,
          stderr=r"differs from the one step-000002 was trained with.*data\.seed: 1 -> 7.*"
                 r"optimizer\.lr: 0\.001 -> 0\.01.*schedule\.steps: 2 -> 4.*--accept-config-changes",
