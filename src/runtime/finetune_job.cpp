@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -170,16 +171,20 @@ void agree_on_errors(dist::ProcessGroup& pg, const std::string& error, const std
 
 // Rank 0 writes a checkpoint while the others wait, for as long as the write takes rather than
 // the collectives' timeout: the write runs on a thread of rank 0 whose main thread tells the
-// others every second whether it is done (a broadcast). A rank 0 that dies still fails the
-// others within one timeout; a write that fails fails every rank.
+// others every second (a tenth of the timeout when shorter) whether it is done (a broadcast). A
+// rank 0 that dies still fails the others within one timeout; a write that fails fails every rank.
 void rank0_writes(dist::ProcessGroup& pg, int64_t step, const std::function<void()>& write) {
   if (pg.world_size() == 1) return write();
   std::future<void> done;
   if (pg.rank() == 0) done = std::async(std::launch::async, write);
   std::exception_ptr failure;
+  // Well inside the collectives' timeout, at most a second.
+  const auto poll = std::clamp(
+      std::chrono::duration_cast<std::chrono::milliseconds>(dist::options_from_env().timeout / 10),
+      std::chrono::milliseconds(50), std::chrono::milliseconds(1000));
   for (;;) {
     at::Tensor state = at::zeros({1}, at::kLong);  // 0 writing, 1 written, 2 failed
-    if (pg.rank() == 0 && done.wait_for(std::chrono::seconds(1)) == std::future_status::ready) {
+    if (pg.rank() == 0 && done.wait_for(poll) == std::future_status::ready) {
       try {
         done.get();
         state[0] = 1;

@@ -308,8 +308,8 @@ CASES = [
          check=on_rank(r"step 1, sample 'broken' \(.*train\.jsonl:1\): failed on 1 of 2 ranks"
                        r".*rank 1:")),
     Case("slow_checkpoint_write_outlasts_the_timeout", slow_write, rc=0, timeout=120,
-         env={"LVX_DIST_TIMEOUT_S": "2", "LVX_FAULT_CHECKPOINT": "slow@2",
-              "LVX_FAULT_SLOW_S": "5"}, check=slow_write_done),
+         env={"LVX_DIST_TIMEOUT_S": "3", "LVX_FAULT_CHECKPOINT": "slow@2",
+              "LVX_FAULT_SLOW_S": "6"}, check=slow_write_done),
     Case("num_frames_unbounded", lambda ctx: ["finetune", "--config", config(ctx),
                                               "data.num_frames=1000000000"],
          stderr=r"data\.num_frames: at most 4096 frames per sample, got 1000000000", timeout=30),
