@@ -10,6 +10,10 @@
 //     nothing already written changes;
 //   - AdamW + warm-up/cosine + clipping matches torch.optim.AdamW and clip_grad_norm_ (PyTorch
 //     itself, the independent reference) within 1e-6 relative over 6 steps.
+//   - config bounds and the changed fields --resume names; step folders without `latest` are
+//     refused; manifests are XXH3 (old FNV-1a ones still verify); a non-finite gradient norm or
+//     master weight is caught. (Divergence, trainer_state.json damage, metrics of other runs,
+//     one rank's failure and a slow write end to end: tests/hostile/cases_finetune.py.)
 #include <gtest/gtest.h>
 
 #include <cmath>
