@@ -10,6 +10,10 @@
 //     nothing already written changes;
 //   - AdamW + warm-up/cosine + clipping matches torch.optim.AdamW and clip_grad_norm_ (PyTorch
 //     itself, the independent reference) within 1e-6 relative over 6 steps.
+//   - config bounds and the changed fields --resume names; step folders without `latest` are
+//     refused; manifests are XXH3 (old FNV-1a ones still verify); a non-finite gradient norm or
+//     master weight is caught. (Divergence, trainer_state.json damage, metrics of other runs,
+//     one rank's failure and a slow write end to end: tests/hostile/cases_finetune.py.)
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -20,6 +24,7 @@
 
 #include "models/model.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/common/safetensors.h"
 #include "src/runtime/optimizer.h"
 #include "src/runtime/train_checkpoint.h"
@@ -212,7 +217,7 @@ TEST(Finetune, BadInputIsNamedAndNothingIsLost) {
   const std::string ck = (dir() / "ck_bad").string();
   fs::remove_all(ck);
   fs::copy(ref, ck, fs::copy_options::recursive);
-  const std::string before = lvx::runtime::file_checksum(ck + "/step-000006/model.safetensors");
+  const std::string before = lvx::file_xxh3(ck + "/step-000006/model.safetensors");
   auto data = [&](const std::string& name, const std::string& row) {
     const std::string p = (dir() / (name + ".jsonl")).string();
     std::ofstream(p) << row << "\n";
@@ -247,7 +252,7 @@ TEST(Finetune, BadInputIsNamedAndNothingIsLost) {
     EXPECT_EQ(fs::path(latest(ck)).filename(), "step-000006") << c.what;
     EXPECT_FALSE(fs::exists(ck + "/step-000008")) << c.what;
   }
-  EXPECT_EQ(lvx::runtime::file_checksum(ck + "/step-000006/model.safetensors"), before);
+  EXPECT_EQ(lvx::file_xxh3(ck + "/step-000006/model.safetensors"), before);
   lvx::runtime::verify_checkpoint(latest(ck));
 }
 
@@ -274,6 +279,100 @@ TEST(FinetuneConfig, OverridesAndDefaults) {
   EXPECT_NE(error_of({"optimizer.betas=0.9"}).find("optimizer.betas: expected a list"),
             std::string::npos);
   EXPECT_NE(error_of({"train.lr=1"}).find("unknown section 'train'"), std::string::npos);
+}
+
+// Counts that size allocations are bounded; --resume's comparison names each changed field.
+TEST(FinetuneConfig, BoundsAndChangedFields) {
+  const std::string path = write_config("cfg_changes", (dir() / "ck_cfg").string(), 5);
+  auto error_of = [&](const std::vector<std::string>& o) {
+    try {
+      lvx::runtime::load_train_config(path, o);
+    } catch (const lvx::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of({"data.num_frames=100000"}).find("data.num_frames: at most 4096"),
+            std::string::npos);
+  EXPECT_NE(error_of({"parallel.nproc=5000"}).find("parallel.nproc: at most 1024"),
+            std::string::npos);
+  const TrainConfig a = lvx::runtime::load_train_config(path, {});
+  // The recorded config reads back as it was: no changes.
+  const TrainConfig back = lvx::runtime::train_config_from_yaml(lvx::runtime::to_yaml(a), "state");
+  EXPECT_TRUE(lvx::runtime::config_changes(a, back).empty());
+  const TrainConfig b = lvx::runtime::load_train_config(
+      path, {"optimizer.lr=1e-3", "schedule.steps=9", "checkpoint.every=1", "logging.every=4"});
+  const std::vector<std::string> changes = lvx::runtime::config_changes(a, b);
+  ASSERT_EQ(changes.size(), 2u);  // checkpoint and logging may change on resume
+  EXPECT_EQ(changes[0], "optimizer.lr: 0.003 -> 0.001");
+  EXPECT_EQ(changes[1], "schedule.steps: 5 -> 9");
+}
+
+// Step folders without a `latest` pointer are refused (a fresh start would remove them, a resume
+// would have to guess); leftovers of interrupted writes alone are not checkpoints.
+TEST(FinetuneCheckpoint, StepFoldersWithoutLatestAreRefused) {
+  const fs::path root = dir() / "ck_nolatest";
+  fs::remove_all(root);
+  fs::create_directories(root / "step-000004.partial");
+  EXPECT_EQ(latest(root.string()), "");
+  fs::create_directories(root / "step-000002");
+  try {
+    latest(root.string());
+    ADD_FAILURE() << "no error";
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds checkpoint folders (step-000002) but no 'latest'"),
+              std::string::npos)
+        << e.what();
+  }
+  std::ofstream(root / "latest") << "step-000002\n";
+  EXPECT_EQ(fs::path(latest(root.string())).filename(), "step-000002");
+}
+
+// New manifests checksum with XXH3; a checkpoint written before (FNV-1a 64) still verifies.
+TEST(FinetuneCheckpoint, ManifestIsXxh3AndOldFnvStillVerifies) {
+  const std::string ref = latest(reference_run());
+  const nlohmann::json m = nlohmann::json::parse(std::ifstream(ref + "/manifest.json"));
+  for (const auto& [file, info] : m["files"].items()) {
+    EXPECT_TRUE(info.contains("xxh3")) << file;
+    EXPECT_FALSE(info.contains("fnv1a64")) << file;
+  }
+  const fs::path old = dir() / "ck_fnv" / "step-000001";
+  fs::remove_all(old.parent_path());
+  fs::create_directories(old);
+  std::ofstream(old / "config.json") << "{}";
+  std::ofstream(old / "manifest.json")
+      << nlohmann::json{{"step", 1},
+                        {"files",
+                         {{"config.json",
+                           {{"bytes", 2},
+                            {"fnv1a64", lvx::file_fnv1a64((old / "config.json").string())}}}}}}
+             .dump();
+  EXPECT_NO_THROW(lvx::runtime::verify_checkpoint(old.string()));
+  std::ofstream(old / "config.json") << "[]";
+  EXPECT_THROW(lvx::runtime::verify_checkpoint(old.string()), lvx::Error);
+}
+
+// A non-finite gradient norm throws before anything changes; an update that makes a master
+// non-finite (eps 0 where a gradient is 0) is named.
+TEST(FinetuneOptimizer, NonFiniteValuesAreCaught) {
+  TrainConfig::Optimizer o;
+  TrainConfig::Schedule s;
+  s.steps = 2;
+  std::map<std::string, at::Tensor> params{{"a", at::ones({3})}, {"b", at::ones({2})}};
+  lvx::runtime::AdamW opt(o, s);
+  opt.init(params);
+  std::map<std::string, at::Tensor> g{{"a", at::ones({3})}, {"b", at::ones({2})}};
+  g["b"][0] = std::nan("");
+  EXPECT_THROW(opt.step(g, params), lvx::runtime::NonFiniteGradient);
+  EXPECT_EQ(opt.steps_done(), 0);
+  EXPECT_TRUE(at::equal(params.at("a"), at::ones({3})));
+  EXPECT_EQ(opt.non_finite_master(), "");
+  o.eps = 0;
+  lvx::runtime::AdamW zero_eps(o, s);
+  zero_eps.init(params);
+  std::map<std::string, at::Tensor> g2{{"a", at::ones({3})}, {"b", at::zeros({2})}};
+  zero_eps.step(g2, params);
+  EXPECT_EQ(zero_eps.non_finite_master(), "b");
 }
 
 // AdamW with fp32 masters, warm-up + cosine and clipping against PyTorch on the same gradients.

@@ -64,7 +64,8 @@ int cmd_finetune(int argc, char** argv) {
       args.push_back(argv[i]);
   }
   lvx::cli::ArgParser p(
-      "lvx finetune --config run.yaml [--resume] [--nproc N] [section.field=value ...]",
+      "lvx finetune --config run.yaml [--resume [--accept-config-changes]] [--nproc N] "
+      "[section.field=value ...]",
       "Fine-tunes a video LLM (mPLUG-Owl3 or OpenFlamingo checkpoint directory) on JSONL rows of\n"
       "video, optional start/end seconds, question and answer; the loss is on the answer tokens.\n"
       "AdamW (fp32 masters), warm-up then cosine decay, gradient clipping and accumulation,\n"
@@ -73,11 +74,15 @@ int cmd_finetune(int argc, char** argv) {
       "continues from the latest. See docs/finetune.md for every config field.");
   p.add_option("config", 'c', "", "run YAML (configs/runs/finetune_tiny.yaml)", true);
   p.add_flag("resume", 'r', "continue from checkpoint.dir/latest (a fresh start when none)");
+  p.add_flag("accept-config-changes", 0,
+             "with --resume: continue although data, optimizer, schedule or freeze settings "
+             "differ from the checkpoint's (refused otherwise, naming the fields)");
   p.add_option("nproc", 'n', "", "local ranks to start (default: parallel.nproc)");
   if (!p.parse(static_cast<int>(args.size()), args.data())) return 0;
   lvx::runtime::FinetuneJob job;
   job.config = p.get("config");
   job.resume = p.flag("resume");
+  job.accept_config_changes = p.flag("accept-config-changes");
   job.overrides = overrides;
   if (p.has("nproc") && !p.get("nproc").empty())
     job.overrides.push_back("parallel.nproc=" + p.get("nproc"));

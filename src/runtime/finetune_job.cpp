@@ -4,18 +4,26 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <future>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "models/model.h"
 #include "models/tokenizer.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
 #include "src/runtime/layer_plan.h"
@@ -31,16 +39,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream f(path);
-  LVX_CHECK(f.good(), path, ": cannot open");
-  try {
-    return nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    LVX_FAIL(path, ": not valid JSON: ", e.what());
-  }
-}
-
 void check_model_dir(const std::string& dir, const std::string& field) {
   LVX_CHECK(fs::is_directory(dir), field, ": ", dir, " is not a directory (expected a checkpoint ",
             "directory with config.json, model.safetensors and tokenizer.json)");
@@ -52,8 +50,9 @@ void check_model_dir(const std::string& dir, const std::string& field) {
 
 int64_t image_size_of(const std::string& dir) {
   const std::string where = dir + "/config.json";
-  const nlohmann::json c = read_json(where);
-  LVX_CHECK(c.contains("vision_config") && c["vision_config"].contains("image_size") &&
+  const nlohmann::json c = read_json_file(where, "model config");
+  LVX_CHECK(c.is_object() && c.contains("vision_config") && c["vision_config"].is_object() &&
+                c["vision_config"].contains("image_size") &&
                 c["vision_config"]["image_size"].is_number_integer(),
             where, ": vision_config.image_size: missing (the frames are resized to it)");
   return c["vision_config"]["image_size"].get<int64_t>();
@@ -67,12 +66,14 @@ at::ScalarType dtype_of(const std::string& name) {
 int64_t sample_at(const TrainConfig::Data& d, int64_t n, int64_t k) {
   const int64_t epoch = k / n, pos = k % n;
   if (!d.shuffle) return pos;
-  static std::map<int64_t, at::Tensor> orders;  // per epoch, made once
-  auto it = orders.find(epoch);
+  // Per (epoch, row count, seed), made once: an order is a function of all three.
+  static std::map<std::tuple<int64_t, int64_t, int64_t>, at::Tensor> orders;
+  const auto key = std::make_tuple(epoch, n, d.seed);
+  auto it = orders.find(key);
   if (it == orders.end()) {
     at::Generator g =
         at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(d.seed + epoch));
-    it = orders.emplace(epoch, at::randperm(n, g, at::kLong)).first;
+    it = orders.emplace(key, at::randperm(n, g, at::kLong)).first;
   }
   return it->second[pos].item<int64_t>();
 }
@@ -101,19 +102,135 @@ std::string hms(double s) {
   return buf;
 }
 
-// Keeps the metrics of steps up to `step` (a resumed run writes the later ones again).
+// Keeps the metrics of steps up to `step` (a resumed run writes the later ones again). The kept
+// lines are written to a new file that replaces the old one, so a kill meanwhile loses nothing;
+// a torn last line (a kill mid-write) is dropped.
 void truncate_metrics(const std::string& path, int64_t step) {
   if (!fs::exists(path)) return;
-  std::ifstream in(path);
-  std::string kept, line;
-  while (std::getline(in, line)) {
-    try {
-      if (nlohmann::json::parse(line).value("step", int64_t{0}) <= step) kept += line + "\n";
-    } catch (const nlohmann::json::exception&) {
-      // a line cut short by a kill: dropped
+  std::string kept;
+  JsonlOptions o;
+  o.on_torn = [](uint64_t, const std::string&) {};
+  for_each_jsonl(
+      path, "logging.metrics",
+      [&](int64_t, const nlohmann::json& row) {
+        const auto s = row.is_object() ? row.find("step") : row.end();
+        if (s != row.end() && s->is_number_integer() && s->get<int64_t>() <= step)
+          kept += row.dump() + "\n";
+      },
+      o);
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << kept;
+    f.flush();
+    LVX_CHECK(f.good(), "logging.metrics: cannot write ", tmp);
+  }
+  fs::rename(tmp, path);
+}
+
+// A metrics file may be continued only by the run that wrote it (a resume whose checkpoint
+// recorded the same file); any other run would mix or, resuming, cut its rows.
+void check_metrics_file(const TrainConfig& cfg, const std::string& recorded) {
+  const std::string& m = cfg.logging.metrics;
+  check_output_path(m, "logging.metrics");
+  if (!recorded.empty() && recorded == m) return;
+  std::error_code ec;
+  const auto size = fs::exists(m, ec) ? fs::file_size(m, ec) : 0;
+  LVX_CHECK(ec || size == 0, "logging.metrics: ", m, " already holds ", size,
+            " bytes of metrics that this run did not write",
+            recorded.empty() ? "" : str(" (its checkpoint recorded ", recorded, ")"),
+            "; a run never overwrites another's metrics: give logging.metrics another file (the ",
+            "default is <checkpoint.dir>/metrics.jsonl), or remove that one");
+}
+
+// Every rank's outcome of its local work for one sample (decoding its frames, the prompt): when
+// any rank failed, every rank throws at once, naming the failed ranks and their errors, instead
+// of the healthy ones waiting in the next collective until the timeout.
+void agree_on_errors(dist::ProcessGroup& pg, const std::string& error, const std::string& what) {
+  if (pg.world_size() == 1) {
+    LVX_CHECK(error.empty(), what, ": ", error);
+    return;
+  }
+  at::Tensor flags = at::zeros({pg.world_size()}, at::kLong);
+  if (!error.empty()) flags[pg.rank()] = 1;
+  pg.all_reduce(flags);
+  if (flags.sum().item<int64_t>() == 0) return;
+  constexpr int64_t kLen = 2048;
+  at::Tensor mine = at::zeros({1, kLen}, at::kByte);
+  std::memcpy(mine.data_ptr(), error.data(), std::min<size_t>(error.size(), kLen - 1));
+  const at::Tensor all = pg.all_gather(mine).contiguous();
+  std::string msg;
+  for (int r = 0; r < pg.world_size(); ++r) {
+    if (flags[r].item<int64_t>() == 0) continue;
+    const char* text = reinterpret_cast<const char*>(all[r].data_ptr());
+    msg += str("\n  rank ", r, ": ", std::string(text, ::strnlen(text, kLen)));
+  }
+  LVX_FAIL(what, ": failed on ", flags.sum().item<int64_t>(), " of ", pg.world_size(),
+           " ranks (every rank stops):", msg);
+}
+
+// Rank 0 writes a checkpoint while the others wait, for as long as the write takes rather than
+// the collectives' timeout: the write runs on a thread of rank 0 whose main thread tells the
+// others every second (a tenth of the timeout when shorter) whether it is done (a broadcast). A
+// rank 0 that dies still fails the others within one timeout; a write that fails fails every rank.
+void rank0_writes(dist::ProcessGroup& pg, int64_t step, const std::function<void()>& write) {
+  if (pg.world_size() == 1) return write();
+  std::future<void> done;
+  if (pg.rank() == 0) done = std::async(std::launch::async, write);
+  std::exception_ptr failure;
+  // Well inside the collectives' timeout, at most a second.
+  const auto poll = std::clamp(
+      std::chrono::duration_cast<std::chrono::milliseconds>(dist::options_from_env().timeout / 10),
+      std::chrono::milliseconds(50), std::chrono::milliseconds(1000));
+  for (;;) {
+    at::Tensor state = at::zeros({1}, at::kLong);  // 0 writing, 1 written, 2 failed
+    if (pg.rank() == 0 && done.wait_for(poll) == std::future_status::ready) {
+      try {
+        done.get();
+        state[0] = 1;
+      } catch (...) {
+        failure = std::current_exception();
+        state[0] = 2;
+      }
+    }
+    pg.broadcast(state, 0);
+    const int64_t s = state.item<int64_t>();
+    if (s == 1) return;
+    if (s == 2) {
+      if (failure) std::rethrow_exception(failure);
+      LVX_FAIL("rank 0 could not write the checkpoint of step ", step,
+               " (its error is above); the previous checkpoint stays latest");
     }
   }
-  std::ofstream(path, std::ios::trunc) << kept;
+}
+
+// The model's context in tokens from its config.json (max_position_embeddings, or max_seq_len
+// for MPT), 0 when it names none.
+int64_t model_context(const std::map<std::string, std::string>& model_files,
+                      const std::string& dir) {
+  const auto it = model_files.find("config.json");
+  if (it == model_files.end()) return 0;
+  const nlohmann::json c = parse_json(it->second, dir + "/config.json");
+  for (const nlohmann::json* j :
+       {&c, c.is_object() && c.contains("text_config") ? &c["text_config"] : nullptr}) {
+    if (!j || !j->is_object()) continue;
+    for (const char* k : {"max_position_embeddings", "max_seq_len", "n_positions"})
+      if (j->contains(k) && (*j)[k].is_number_integer() && (*j)[k].get<int64_t>() > 0)
+        return (*j)[k].get<int64_t>();
+  }
+  return 0;
+}
+
+// The step of a checkpoint folder's name (step-000042 → 42), −1 when it has another name.
+int64_t step_of_name(const std::string& dir) {
+  const std::string n = fs::path(dir).filename().string();
+  if (n.size() < 6 || n.rfind("step-", 0) != 0) return -1;
+  int64_t v = 0;
+  for (size_t i = 5; i < n.size(); ++i) {
+    if (n[i] < '0' || n[i] > '9' || v > (int64_t{1} << 40)) return -1;
+    v = v * 10 + (n[i] - '0');
+  }
+  return v;
 }
 
 }  // namespace
@@ -133,63 +250,143 @@ bool trains_under(const std::string& policy, const std::string& family, const st
   return has(".v_kv_proj.") || ends(".self_attn.gate") || name.rfind("vision2text_model.", 0) == 0;
 }
 
-std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos) {
+std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos,
+                                       std::vector<int64_t>* lines) {
   const std::string& path = cfg.data.train;
-  LVX_CHECK(fs::exists(path), "data.train: ", path, ": no such file");
+  try {
+    check_regular_file(path, "data.train");
+  } catch (const Error& e) {
+    LVX_FAIL(e.what(), " (expected the JSONL file of training rows)");
+  }
+  const std::string base = fs::absolute(path).parent_path().string();
   std::vector<QaItem> items;
   std::string errors;
   int bad = 0;
   std::map<std::string, std::pair<double, double>> spans;  // video → [begin, end] seconds
-  for (QaLine& l : read_qa_jsonl(path, /*need_answer=*/true)) {
-    const std::string where = str(path, ":", l.line);
-    try {
-      LVX_CHECK(l.error.empty(), l.error);
-      const QaItem& it = l.item;
-      LVX_CHECK(fs::exists(it.video), where, ": field 'video': ", it.video, ": no such file");
-      if (probe_videos) {
-        auto sp = spans.find(it.video);
-        if (sp == spans.end()) {
-          const video::VideoDecoder dec(it.video);
-          sp = spans
-                   .emplace(it.video,
-                            std::make_pair(dec.info().begin_seconds, dec.info().end_seconds))
-                   .first;
+  // One row at most 1 MiB (a question and its answer), nested at most 64 levels.
+  JsonlOptions o;
+  o.max_line_bytes = uint64_t{1} << 20;
+  for_each_jsonl(
+      path, "data.train",
+      [&](int64_t line, const nlohmann::json& row) {
+        const std::string where = str(path, ":", line);
+        try {
+          QaItem it = parse_qa_item(row, where, base, /*need_answer=*/true);
+          if (it.id.empty()) it.id = str("line ", line);
+          try {
+            check_regular_file(it.video, "video");
+          } catch (const Error& e) {
+            LVX_FAIL(where, ": field 'video': ", e.what());
+          }
+          if (probe_videos) {
+            auto sp = spans.find(it.video);
+            if (sp == spans.end()) {
+              const video::VideoDecoder dec(it.video);
+              sp = spans
+                       .emplace(it.video,
+                                std::make_pair(dec.info().begin_seconds, dec.info().end_seconds))
+                       .first;
+            }
+            const auto [begin, end] = sp->second;
+            if (it.start)
+              LVX_CHECK(*it.start < end, where, ": field 'start' (", *it.start,
+                        " s) is at or after the end of ", it.video, " (", end, " s)");
+            if (it.end)
+              LVX_CHECK(*it.end <= end + 1e-3 && *it.end > begin, where, ": field 'end' (", *it.end,
+                        " s) is outside ", it.video, " (", begin, " to ", end, " s)");
+          }
+          items.push_back(std::move(it));
+          if (lines) lines->push_back(line);
+        } catch (const Error& e) {
+          if (bad++ < 5) errors += str("\n  ", e.what());
         }
-        const auto [begin, end] = sp->second;
-        if (it.start)
-          LVX_CHECK(*it.start < end, where, ": field 'start' (", *it.start, " s) is at or after ",
-                    "the end of ", it.video, " (", end, " s)");
-        if (it.end)
-          LVX_CHECK(*it.end <= end + 1e-3 && *it.end > begin, where, ": field 'end' (", *it.end,
-                    " s) is outside ", it.video, " (", begin, " to ", end, " s)");
-      }
-      items.push_back(it);
-    } catch (const Error& e) {
-      if (bad++ < 5) errors += str("\n  ", e.what());
-    }
-  }
+      },
+      o);
   LVX_CHECK(bad == 0, "data.train: ", bad, " unusable row(s) in ", path, ":", errors,
             bad > 5 ? "\n  ..." : "");
   LVX_CHECK(!items.empty(), "data.train: ", path, " has no rows");
   return items;
 }
 
+ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, int64_t samples,
+                               bool accept_config_changes) {
+  const std::string where = ckpt + "/trainer_state.json";
+  const nlohmann::json st = read_json_file(where, "trainer state", uint64_t{16} << 20);
+  auto field = [&](const nlohmann::json& obj, const char* key, const char* path) {
+    LVX_CHECK(obj.is_object() && obj.contains(key), where, ": missing field '", path, "'");
+    return obj[key];
+  };
+  auto integer = [&](const nlohmann::json& obj, const char* key, const char* path, int64_t min) {
+    const nlohmann::json v = field(obj, key, path);
+    LVX_CHECK(v.is_number_integer(), where, ": field '", path, "' must be an integer, got ",
+              v.dump());
+    const int64_t x = v.get<int64_t>();
+    LVX_CHECK(x >= min, where, ": field '", path, "' must be >= ", min, ", got ", x);
+    return x;
+  };
+  ResumeState r;
+  r.step = integer(st, "step", "step", 1);
+  const int64_t named = step_of_name(ckpt);
+  LVX_CHECK(named < 0 || named == r.step, where, ": field 'step' is ", r.step,
+            " but the checkpoint is ", fs::path(ckpt).filename().string());
+  const nlohmann::json data = field(st, "data", "data");
+  LVX_CHECK(data.is_object(), where, ": field 'data' must be an object");
+  const int64_t rows = integer(data, "samples", "data.samples", 1);
+  LVX_CHECK(rows == samples, where, ": the run trained on ", rows, " rows of ",
+            data.value("train", std::string("?")), "; ", cfg.data.train, " now has ", samples,
+            " (the data order would change; resume with the same data)");
+  integer(st, "world_size", "world_size", 1);
+  const nlohmann::json text = field(st, "config", "config");
+  LVX_CHECK(text.is_string(), where, ": field 'config' must be the run's YAML as a string");
+  const TrainConfig before = train_config_from_yaml(text.get<std::string>(), where + ": config");
+  // The data position must be the one the recorded run reached at this step.
+  const int64_t seen = integer(data, "samples_seen", "data.samples_seen", 0);
+  LVX_CHECK(r.step <= (int64_t{1} << 40) / before.optimizer.grad_accum &&
+                seen == r.step * before.optimizer.grad_accum,
+            where, ": field 'data.samples_seen' is ", seen, ", but step ", r.step, " with ",
+            "grad_accum ", before.optimizer.grad_accum, " has seen ",
+            r.step * before.optimizer.grad_accum);
+  LVX_CHECK(integer(data, "epoch", "data.epoch", 0) == seen / rows &&
+                integer(data, "position", "data.position", 0) == seen % rows,
+            where, ": fields 'data.epoch' and 'data.position' do not match ", seen,
+            " samples seen of ", rows);
+  LVX_CHECK(integer(data, "seed", "data.seed", 0) == before.data.seed, where,
+            ": field 'data.seed' differs from its config's data.seed ", before.data.seed);
+  r.metrics = before.logging.metrics;
+  // The default file lives with the checkpoints: a run folder that was moved or copied keeps it.
+  if (before.logging.metrics == before.checkpoint.dir + "/metrics.jsonl" &&
+      cfg.logging.metrics == cfg.checkpoint.dir + "/metrics.jsonl")
+    r.metrics = cfg.logging.metrics;
+  const std::vector<std::string> changes = config_changes(before, cfg);
+  if (!changes.empty() && !accept_config_changes) {
+    std::string list;
+    for (const auto& c : changes) list += "\n  " + c;
+    LVX_FAIL("--resume: the configuration differs from the one ",
+             fs::path(ckpt).filename().string(), " was trained with (", where, "):", list,
+             "\nresume with the same settings, or pass --accept-config-changes to continue ",
+             "with the new ones");
+  }
+  return r;
+}
+
 TrainConfig validate_finetune_job(const FinetuneJob& job) {
   const TrainConfig cfg = load_train_config(job.config, job.overrides);
   check_model_dir(cfg.model.path, "model.path");
   if (cfg.parallel.strategies != "auto") explicit_strategies(cfg.parallel.strategies, 1);
-  if (!cfg.parallel.cluster.empty())
-    LVX_CHECK(fs::exists(cfg.parallel.cluster), "parallel.cluster: ", cfg.parallel.cluster,
-              ": no such file");
-  load_training_data(cfg, /*probe_videos=*/true);
+  if (!cfg.parallel.cluster.empty()) check_regular_file(cfg.parallel.cluster, "parallel.cluster");
+  const int64_t samples =
+      static_cast<int64_t>(load_training_data(cfg, /*probe_videos=*/true).size());
   const std::string latest = latest_checkpoint(cfg.checkpoint.dir);
+  std::string recorded_metrics;
   if (!job.resume) {
     LVX_CHECK(latest.empty(), "checkpoint.dir: ", cfg.checkpoint.dir, " already holds checkpoints ",
               "(latest: ", fs::path(latest).filename().string(), "); pass --resume to continue ",
               "that run, or choose another checkpoint.dir (nothing is overwritten)");
   } else if (!latest.empty()) {
     verify_checkpoint(latest);
+    recorded_metrics = check_resume_state(cfg, latest, samples, job.accept_config_changes).metrics;
   }
+  check_metrics_file(cfg, recorded_metrics);
   return cfg;
 }
 
@@ -198,14 +395,22 @@ int run_finetune_rank(const FinetuneJob& job) {
   const int n = pg->world_size(), r = pg->rank();
   const TrainConfig cfg = load_train_config(job.config, job.overrides);
   if (r == 0) std::cout << "effective config:\n" << to_yaml(cfg) << std::flush;
-  const std::vector<QaItem> items = load_training_data(cfg, /*probe_videos=*/false);
+  std::vector<int64_t> lines;
+  const std::vector<QaItem> items = load_training_data(cfg, /*probe_videos=*/false, &lines);
   const int64_t samples = static_cast<int64_t>(items.size());
 
-  const std::string ckpt = job.resume ? latest_checkpoint(cfg.checkpoint.dir) : "";
+  // A fresh run refuses a directory with checkpoints; latest_checkpoint refuses step folders
+  // without a `latest` pointer either way.
+  const std::string latest = latest_checkpoint(cfg.checkpoint.dir);
   if (!job.resume)
-    LVX_CHECK(latest_checkpoint(cfg.checkpoint.dir).empty(), "checkpoint.dir: ", cfg.checkpoint.dir,
+    LVX_CHECK(latest.empty(), "checkpoint.dir: ", cfg.checkpoint.dir,
               " already holds checkpoints; pass --resume");
-  if (!ckpt.empty()) verify_checkpoint(ckpt);
+  const std::string ckpt = job.resume ? latest : "";
+  // The trainer state before anything heavy is loaded; the checkpoint's files (this one
+  // included) are verified against its manifest by models::load_model below.
+  ResumeState resumed;
+  if (!ckpt.empty()) resumed = check_resume_state(cfg, ckpt, samples, job.accept_config_changes);
+  if (r == 0) check_metrics_file(cfg, resumed.metrics);
   const std::string model_dir = ckpt.empty() ? cfg.model.path : ckpt;
   check_model_dir(model_dir, ckpt.empty() ? "model.path" : "checkpoint");
   std::unique_ptr<models::Model> model = models::load_model(model_dir, dtype_of(cfg.model.dtype));
@@ -213,6 +418,7 @@ int run_finetune_rank(const FinetuneJob& job) {
   const std::string family = model->family();
   const std::map<std::string, std::string> model_files = read_model_files(model_dir);
   const video::PreprocessConfig prep = family_preprocess(family, image_size_of(model_dir));
+  const int64_t context = model_context(model_files, model_dir);
 
   // What trains, and the optimizer over it.
   ParamFilter trains = [&](const std::string& name) {
@@ -233,12 +439,7 @@ int run_finetune_rank(const FinetuneJob& job) {
   opt.init(trainable);
   int64_t start = 0;
   if (!ckpt.empty()) {
-    const nlohmann::json st = read_json(ckpt + "/trainer_state.json");
-    start = st.at("step").get<int64_t>();
-    LVX_CHECK(st.at("data").at("samples").get<int64_t>() == samples, ckpt,
-              "/trainer_state.json: the run trained on ", st["data"]["samples"], " rows of ",
-              st["data"]["train"], "; ", cfg.data.train, " now has ", samples,
-              " (the data order would change; resume with the same data)");
+    start = resumed.step;
     opt.load_state(load_safetensors(ckpt + "/optimizer.safetensors").tensors, start,
                    ckpt + "/optimizer.safetensors");
     // The fp32 masters are the truth: the model's copy may be bf16.
@@ -272,22 +473,35 @@ int run_finetune_rank(const FinetuneJob& job) {
     double loss = 0;
     int64_t tokens = 0, frames = 0;
     for (int64_t a = 0; a < cfg.optimizer.grad_accum; ++a) {
-      const QaItem& item = items[static_cast<size_t>(
-          sample_at(cfg.data, samples, step * cfg.optimizer.grad_accum + a))];
-      video::SampleSpec spec;
-      spec.num_frames = cfg.data.num_frames;
-      spec.fps = cfg.data.fps;
-      spec.start = item.start;
-      spec.end = item.end;
+      const size_t row =
+          static_cast<size_t>(sample_at(cfg.data, samples, step * cfg.optimizer.grad_accum + a));
+      const QaItem& item = items[row];
+      const std::string sample = str("step ", step + 1, ", sample '", item.id, "' (",
+                                     cfg.data.train, ":", lines[row], ")");
+      // This rank's own work for the sample; a failure here is agreed by every rank before the
+      // first collective of the forward (a bad video may fail on the rank holding its frames).
       video::FrameBatch fb;
+      PromptTokens p;
+      std::string local_error;
       try {
+        video::SampleSpec spec;
+        spec.num_frames = cfg.data.num_frames;
+        spec.fps = cfg.data.fps;
+        spec.start = item.start;
+        spec.end = item.end;
         fb = video::decode_video(item.video, spec, video::ShardSpec{r, n}, prep);
-      } catch (const Error& e) {
-        LVX_FAIL("sample '", item.id, "' (", cfg.data.train, "): ", e.what());
+        const std::string target = training_target(item);
+        p = build_prompt(family, tok, question_text(item), fb.report.sampled_total, &target);
+        const int64_t len = static_cast<int64_t>(p.ids.size());
+        LVX_CHECK(context == 0 || len <= context, "the prompt with its answer is ", len,
+                  " tokens (", fb.report.sampled_total, " frames), more than the model's context ",
+                  "of ", context, " (config.json); use fewer frames (data.num_frames / data.fps) ",
+                  "or a shorter question and answer");
+      } catch (const std::exception& e) {
+        local_error = e.what();
+        if (local_error.empty()) local_error = "unknown error";
       }
-      const std::string target = training_target(item);
-      const PromptTokens p =
-          build_prompt(family, tok, question_text(item), fb.report.sampled_total, &target);
+      agree_on_errors(*pg, local_error, sample);
       const int64_t len = static_cast<int64_t>(p.ids.size());
       const at::Tensor ids = at::tensor(p.ids, at::kLong).reshape({1, len});
       const at::Tensor labels = at::tensor(p.labels, at::kLong).reshape({1, len});
@@ -322,7 +536,25 @@ int run_finetune_rank(const FinetuneJob& job) {
     if (cfg.optimizer.grad_accum > 1)
       for (auto& [name, g] : grads) g.div_(static_cast<double>(cfg.optimizer.grad_accum));
     loss /= static_cast<double>(cfg.optimizer.grad_accum);
-    const double norm = opt.step(grads, model->parameters());
+    // Divergence stops the run before it can reach a checkpoint: the loss and the gradients are
+    // already summed across ranks (every rank sees the same values and stops alike), and the
+    // parameters are checked after the update, before anything is saved.
+    auto diverge = [&](const std::string& what) {
+      LVX_FAIL("step ", step + 1, ": training diverged: ", what,
+               "; nothing of this step is saved and the last good checkpoint in ",
+               cfg.checkpoint.dir, " stays latest (lower optimizer.lr, raise optimizer.eps or ",
+               "clip with optimizer.grad_clip, then --resume --accept-config-changes)");
+    };
+    if (!std::isfinite(loss)) diverge(str("the loss is ", loss));
+    double norm = 0;
+    try {
+      norm = opt.step(grads, model->parameters());
+    } catch (const NonFiniteGradient& e) {
+      diverge(e.what());
+    }
+    if (const std::string bad = opt.non_finite_master(); !bad.empty())
+      diverge(str("the update made parameter '", bad, "' non-finite (optimizer.lr ",
+                  cfg.optimizer.lr, ", optimizer.eps ", cfg.optimizer.eps, ")"));
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     tokens_run += tokens;
@@ -354,8 +586,9 @@ int run_finetune_rank(const FinetuneJob& job) {
     }
     const bool last = step + 1 == cfg.schedule.steps;
     if (last || (cfg.checkpoint.every > 0 && (step + 1) % cfg.checkpoint.every == 0)) {
-      // Parameters are replicated and updated identically, so rank 0 writes for everyone.
-      if (r == 0) {
+      // Parameters are replicated and updated identically, so rank 0 writes for everyone; the
+      // others wait for it as long as the write takes (rank0_writes).
+      rank0_writes(*pg, step + 1, [&] {
         const int64_t k = (step + 1) * cfg.optimizer.grad_accum;
         nlohmann::json state = {{"step", step + 1},
                                 {"data",
@@ -373,8 +606,7 @@ int run_finetune_rank(const FinetuneJob& job) {
             save_train_checkpoint(cfg.checkpoint.dir, step + 1, model_files, model->parameters(),
                                   opt.state_tensors(), state, cfg.checkpoint.keep);
         if (plain) std::cout << "checkpoint " << dir << "\n" << std::flush;
-      }
-      pg->barrier();
+      });
     }
   }
   pg->barrier();

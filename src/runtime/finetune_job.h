@@ -24,11 +24,28 @@ struct FinetuneJob {
   std::string config;                  // run YAML
   std::vector<std::string> overrides;  // "section.field=value"
   bool resume = false;                 // continue from checkpoint.dir/latest (fresh if none)
+  // --resume with data, optimizer, schedule or freeze settings that differ from the ones the
+  // checkpoint recorded: refused (naming the fields) unless this is set.
+  bool accept_config_changes = false;
 };
 
 // The training rows, every one checked: a bad row, a missing video or a time range outside its
-// video is an error naming the file:line (several at once when several rows are bad).
-std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos);
+// video is an error naming the file:line (several at once when several rows are bad). Rows are
+// read with lvx::for_each_jsonl (a line at most 1 MiB, JSON nested at most 64 levels). `lines`,
+// when given, gets each item's line number.
+std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos,
+                                       std::vector<int64_t>* lines = nullptr);
+
+// What --resume continues from, read from the checkpoint's trainer_state.json and checked:
+// types and ranges (step >= 1 and the folder's step, the data position consistent with it, the
+// row count equal to the data's now), and the recorded config against `cfg` (changes to data,
+// optimizer, schedule or freeze are refused, naming the fields, unless accepted).
+struct ResumeState {
+  int64_t step = 0;
+  std::string metrics;  // the recorded run's logging.metrics
+};
+ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, int64_t samples,
+                               bool accept_config_changes);
 
 // Which parameters train under `policy` (vision | cross_only | none) for a model family.
 bool trains_under(const std::string& policy, const std::string& family, const std::string& name,

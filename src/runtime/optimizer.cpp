@@ -49,6 +49,7 @@ double AdamW::step(std::map<std::string, at::Tensor>& grads,
   for (const auto& [name, m] : master_)
     LVX_CHECK(grads.count(name), "optimizer: no gradient for parameter '", name, "'");
   const double norm = clip_grad_norm(grads, opt_.grad_clip);
+  if (!std::isfinite(norm)) throw NonFiniteGradient(str("the gradient norm is ", norm));
   const double lr = learning_rate(opt_, schedule_, step_);
   last_lr_ = lr;
   ++step_;
@@ -68,6 +69,19 @@ double AdamW::step(std::map<std::string, at::Tensor>& grads,
     param.detach().copy_(p);  // cast to the compute dtype (bf16) from the fp32 master
   }
   return norm;
+}
+
+std::string AdamW::non_finite_master() const {
+  if (master_.empty()) return "";
+  std::vector<at::Tensor> finite;
+  for (const auto& [name, p] : master_) finite.push_back(at::isfinite(p).all());
+  const at::Tensor all = at::stack(finite);
+  if (all.all().item<bool>()) return "";
+  const at::Tensor ok = all.to(at::kBool);
+  size_t i = 0;
+  for (const auto& [name, p] : master_)
+    if (!ok[static_cast<int64_t>(i++)].item<bool>()) return name;
+  return "";
 }
 
 std::map<std::string, at::Tensor> AdamW::state_tensors() const {

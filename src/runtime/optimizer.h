@@ -11,6 +11,7 @@
 #include <map>
 #include <string>
 
+#include "src/common/error.h"
 #include "src/runtime/train_config.h"
 
 namespace lvx::runtime {
@@ -25,6 +26,12 @@ double learning_rate(const TrainConfig::Optimizer& o, const TrainConfig::Schedul
 // only measures.
 double clip_grad_norm(std::map<std::string, at::Tensor>& grads, double max_norm);
 
+// A gradient norm that is not finite: AdamW::step throws it before changing anything.
+class NonFiniteGradient : public Error {
+ public:
+  using Error::Error;
+};
+
 class AdamW {
  public:
   AdamW(TrainConfig::Optimizer opt, TrainConfig::Schedule schedule);
@@ -33,10 +40,13 @@ class AdamW {
   void init(const std::map<std::string, at::Tensor>& params);
 
   // One step with `grads` (fp32, by the same names; clipped here in place): updates the masters
-  // and copies them into `params` (cast to their dtype). Returns the pre-clip gradient norm.
+  // and copies them into `params` (cast to their dtype). Returns the pre-clip gradient norm. A
+  // non-finite norm throws NonFiniteGradient before anything changes.
   double step(std::map<std::string, at::Tensor>& grads, std::map<std::string, at::Tensor>& params);
 
   int64_t steps_done() const { return step_; }
+  // The first master weight (by name) with a NaN or infinite element, "" when all are finite.
+  std::string non_finite_master() const;
   double last_lr() const { return last_lr_; }
 
   // Masters, moments and the step count, as tensors (master.<n>, exp_avg.<n>, exp_avg_sq.<n>)

@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "video/encoder.h"
 
 namespace lvx::runtime {
@@ -355,47 +356,43 @@ SyntheticTask generate_synthetic_task(const std::string& dir_in, const Synthetic
 }
 
 std::vector<TaskRow> read_task_jsonl(const std::string& path) {
-  std::ifstream f(path);
-  LVX_CHECK(f.is_open(), "task file '", path, "': cannot open");
   std::vector<TaskRow> rows;
-  std::string line;
-  for (int64_t n = 1; std::getline(f, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = lvx::str(path, ":", n);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const std::exception& e) {
-      LVX_FAIL(where, ": not valid JSON: ", e.what());
-    }
-    LVX_CHECK(j.is_object(), where, ": expected a JSON object per line");
-    TaskRow r;
-    auto text = [&](const char* field, std::string* out) {
-      LVX_CHECK(j.contains(field) && j[field].is_string(), where, ": ", field,
-                ": missing or not a string");
-      *out = j[field].get<std::string>();
-    };
-    text("id", &r.id);
-    text("video", &r.video);
-    text("question", &r.question);
-    text("answer", &r.answer);
-    if (j.contains("options")) {
-      LVX_CHECK(j["options"].is_array(), where, ": options: expected a list of strings");
-      for (const auto& o : j["options"]) {
-        LVX_CHECK(o.is_string(), where, ": options: expected strings, got ", o.dump());
-        r.options.push_back(o.get<std::string>());
-      }
-    }
-    const std::pair<const char*, double*> times[] = {{"event_start", &r.event_start},
-                                                     {"event_end", &r.event_end}};
-    for (const auto& [field, out] : times)
-      if (j.contains(field)) {
-        LVX_CHECK(j[field].is_number(), where, ": ", field, ": expected seconds, got ",
-                  j[field].dump());
-        *out = j[field].get<double>();
-      }
-    rows.push_back(std::move(r));
-  }
+  // Bounded lines (1 MiB a row) and JSON depth (lvx::for_each_jsonl).
+  JsonlOptions opt;
+  opt.max_line_bytes = uint64_t{1} << 20;
+  for_each_jsonl(
+      path, "task file",
+      [&](int64_t n, const nlohmann::json& j) {
+        const std::string where = lvx::str(path, ":", n);
+        LVX_CHECK(j.is_object(), where, ": expected a JSON object per line");
+        TaskRow r;
+        auto text = [&](const char* field, std::string* out) {
+          LVX_CHECK(j.contains(field) && j[field].is_string(), where, ": ", field,
+                    ": missing or not a string");
+          *out = j[field].get<std::string>();
+        };
+        text("id", &r.id);
+        text("video", &r.video);
+        text("question", &r.question);
+        text("answer", &r.answer);
+        if (j.contains("options")) {
+          LVX_CHECK(j["options"].is_array(), where, ": options: expected a list of strings");
+          for (const auto& o : j["options"]) {
+            LVX_CHECK(o.is_string(), where, ": options: expected strings, got ", o.dump());
+            r.options.push_back(o.get<std::string>());
+          }
+        }
+        const std::pair<const char*, double*> times[] = {{"event_start", &r.event_start},
+                                                         {"event_end", &r.event_end}};
+        for (const auto& [field, out] : times)
+          if (j.contains(field)) {
+            LVX_CHECK(j[field].is_number(), where, ": ", field, ": expected seconds, got ",
+                      j[field].dump());
+            *out = j[field].get<double>();
+          }
+        rows.push_back(std::move(r));
+      },
+      opt);
   return rows;
 }
 

@@ -4,13 +4,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <vector>
 
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/common/safetensors.h"
 
 namespace lvx::runtime {
@@ -47,6 +50,12 @@ void fault_point(const char* point, int64_t step) {
     if (std::atoll(spec.c_str() + at + 1) != step) return;
     spec = spec.substr(0, at);
   }
+  if (spec == point && spec == "slow") {
+    // A slow disk: the others must wait for the write however long it takes (not a timeout).
+    const char* secs = std::getenv("LVX_FAULT_SLOW_S");
+    std::this_thread::sleep_for(std::chrono::duration<double>(secs ? std::atof(secs) : 5.0));
+    return;
+  }
   if (spec == point) {
     std::fprintf(stderr, "LVX_FAULT_CHECKPOINT=%s: exiting during the checkpoint of step %lld\n",
                  env, static_cast<long long>(step));
@@ -68,24 +77,6 @@ std::string checkpoint_name(int64_t step) {
   return buf;
 }
 
-std::string file_checksum(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  LVX_CHECK(f.good(), path, ": cannot open to checksum");
-  uint64_t h = 1469598103934665603ULL;
-  std::vector<char> buf(1 << 20);
-  while (f) {
-    f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    const std::streamsize n = f.gcount();
-    for (std::streamsize i = 0; i < n; ++i) {
-      h ^= static_cast<unsigned char>(buf[static_cast<size_t>(i)]);
-      h *= 1099511628211ULL;
-    }
-  }
-  char out[17];
-  std::snprintf(out, sizeof(out), "%016llx", static_cast<unsigned long long>(h));
-  return out;
-}
-
 std::map<std::string, std::string> read_model_files(const std::string& model_dir) {
   std::map<std::string, std::string> files;
   for (const auto& e : fs::directory_iterator(model_dir)) {
@@ -94,8 +85,7 @@ std::map<std::string, std::string> read_model_files(const std::string& model_dir
     if (!e.is_regular_file() || is_weights_file(n) || n == "manifest.json" ||
         n == "trainer_state.json" || n == "stamp")
       continue;
-    std::ifstream f(e.path(), std::ios::binary);
-    files[n] = std::string(std::istreambuf_iterator<char>(f), {});
+    files[n] = read_file(e.path().string(), "model file");
   }
   return files;
 }
@@ -115,11 +105,12 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
       fs::remove_all(e.path());
   }
   fs::create_directories(tmp);
+  fault_point("slow", step);
   nlohmann::json files = nlohmann::json::object();
   auto done = [&](const std::string& file) {
     fsync_path(tmp / file);
     files[file] = {{"bytes", fs::file_size(tmp / file)},
-                   {"fnv1a64", file_checksum((tmp / file).string())}};
+                   {"xxh3", file_xxh3((tmp / file).string())}};
     fault_point("after_first_file", step);
   };
   save_safetensors((tmp / "model.safetensors").string(), params, {{"format", "pt"}});
@@ -144,52 +135,57 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
   fs::rename(fs::path(root) / "latest.tmp", fs::path(root) / "latest");
   fsync_path(root);
   // Only now that `latest` names the new checkpoint may old ones go.
+  const std::vector<std::string> steps = checkpoint_folders(root);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i)
+    if (steps[i] != name) fs::remove_all(fs::path(root) / steps[i]);
+  return final_dir.string();
+}
+
+std::vector<std::string> checkpoint_folders(const std::string& root) {
   std::vector<std::string> steps;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return steps;
   for (const auto& e : fs::directory_iterator(root)) {
     const std::string n = e.path().filename().string();
     if (e.is_directory() && n.rfind("step-", 0) == 0 && n.find('.') == std::string::npos)
       steps.push_back(n);
   }
   std::sort(steps.begin(), steps.end());
-  for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i)
-    if (steps[i] != name) fs::remove_all(fs::path(root) / steps[i]);
-  return final_dir.string();
+  return steps;
 }
 
 std::string latest_checkpoint(const std::string& root) {
   const fs::path p = fs::path(root) / "latest";
-  if (!fs::exists(p)) return "";
-  std::ifstream f(p);
-  std::string name;
-  std::getline(f, name);
-  LVX_CHECK(!name.empty() && name.find('/') == std::string::npos, p.string(),
-            ": expected the name of a checkpoint folder, got '", name, "'");
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(p, ec))) {
+    // Step folders without the pointer: the pointer was deleted (or lost) after checkpoints were
+    // written. Starting fresh would remove them (keep), resuming from a guess could pick a
+    // checkpoint the user did not mean: refuse and say how to choose.
+    const std::vector<std::string> steps = checkpoint_folders(root);
+    if (!steps.empty()) {
+      std::string list;
+      for (const auto& s : steps) list += (list.empty() ? "" : ", ") + s;
+      LVX_FAIL("checkpoint.dir: ", root, " holds checkpoint folders (", list, ") but no 'latest' ",
+               "pointer naming the one to continue from; write the chosen name into ", p.string(),
+               " (e.g. echo ", steps.back(), " > ", p.string(), ") and pass --resume, or ",
+               "choose another checkpoint.dir (nothing was changed)");
+    }
+    return "";
+  }
+  std::string name = read_file(p.string(), "checkpoint pointer", 4096);
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' '))
+    name.pop_back();
+  LVX_CHECK(!name.empty() && name.find('/') == std::string::npos &&
+                name.find('\n') == std::string::npos && name != "." && name != "..",
+            p.string(), ": expected the name of a checkpoint folder, got '", name, "'");
   const fs::path dir = fs::path(root) / name;
   LVX_CHECK(fs::is_directory(dir), p.string(), ": names ", name, ", which does not exist");
   return dir.string();
 }
 
 void verify_checkpoint(const std::string& dir) {
-  const fs::path m = fs::path(dir) / "manifest.json";
-  LVX_CHECK(fs::exists(m), dir, ": has no manifest.json (an incomplete or foreign checkpoint)");
-  nlohmann::json j;
-  try {
-    std::ifstream f(m);
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    LVX_FAIL(m.string(), ": corrupt (not valid JSON: ", e.what(), ")");
-  }
-  LVX_CHECK(j.contains("files") && j["files"].is_object(), m.string(), ": corrupt (no 'files')");
-  for (const auto& [file, info] : j["files"].items()) {
-    const fs::path p = fs::path(dir) / file;
-    LVX_CHECK(fs::exists(p), dir, ": corrupt checkpoint: ", file, " is missing");
-    LVX_CHECK(fs::file_size(p) == info.value("bytes", uint64_t{0}), dir,
-              ": corrupt checkpoint: ", file, " has ", fs::file_size(p),
-              " bytes, the manifest says ", info.value("bytes", uint64_t{0}));
-    const std::string sum = file_checksum(p.string());
-    LVX_CHECK(sum == info.value("fnv1a64", std::string()), dir, ": corrupt checkpoint: ", file,
-              " has checksum ", sum, ", the manifest says ", info.value("fnv1a64", std::string()));
-  }
+  LVX_CHECK(verify_manifest(dir), dir,
+            ": has no manifest.json (an incomplete or foreign checkpoint)");
 }
 
 }  // namespace lvx::runtime

@@ -2,7 +2,8 @@
 // `lvx forward` and models::load_model read as they are (config.json, tokenizer.json,
 // model.safetensors), plus the training state that --resume needs (optimizer.safetensors: fp32
 // masters and AdamW moments; trainer_state.json: step, data order, effective config) and
-// manifest.json (size and FNV-1a 64 checksum of every other file).
+// manifest.json (size and XXH3-64 checksum of every other file; lvx::verify_manifest also
+// accepts the FNV-1a 64 entries of checkpoints written before).
 //
 // Layout under checkpoint.dir:
 //   step-000004/      a complete checkpoint
@@ -16,7 +17,8 @@
 //
 // Fault injection for tests: LVX_FAULT_CHECKPOINT=after_first_file[@STEP] makes the writer
 // _exit(137) right after the first file of the checkpoint of step STEP (any step when omitted)
-// is written, and before_latest[@STEP] right after the rename, before `latest` is updated.
+// is written, and before_latest[@STEP] right after the rename, before `latest` is updated;
+// slow[@STEP] sleeps LVX_FAULT_SLOW_S seconds (default 5) before writing (a slow disk).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,6 +26,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace lvx::runtime {
 
@@ -43,14 +46,18 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
                                   const std::map<std::string, at::Tensor>& optimizer,
                                   const nlohmann::json& state, int64_t keep);
 
-// The newest complete checkpoint under `root` (`latest`), or "" when there is none.
+// The complete checkpoint folders under `root` (step-NNNNNN, sorted; no .partial ones).
+std::vector<std::string> checkpoint_folders(const std::string& root);
+
+// The newest complete checkpoint under `root` (`latest`), or "" when there is none. A `latest`
+// that is unreadable or names a missing folder, and a missing `latest` while step folders remain
+// (a deleted pointer: guessing could resume from, or a fresh start remove, checkpoints the user
+// wants), are errors naming the directory.
 std::string latest_checkpoint(const std::string& root);
 
-// Checks every file of the manifest (present, size, checksum). Throws lvx::Error naming the
-// checkpoint and the file that is missing or corrupt.
+// Checks every file of the manifest (present, size, checksum) with lvx::verify_manifest. Throws
+// lvx::Error naming the checkpoint and the file that is missing or corrupt, or the missing
+// manifest.
 void verify_checkpoint(const std::string& dir);
-
-// FNV-1a 64 of a file's bytes, as 16 hex digits.
-std::string file_checksum(const std::string& path);
 
 }  // namespace lvx::runtime

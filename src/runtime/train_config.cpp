@@ -3,12 +3,15 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <set>
 #include <sstream>
 
 #include "src/common/error.h"
+#include "src/common/files.h"
 
 namespace lvx::runtime {
 
@@ -128,18 +131,93 @@ void apply_override(YAML::Node& root, const std::string& o) {
 
 }  // namespace
 
+namespace {
+
+TrainConfig from_root(const YAML::Node& root, const std::string& file);
+
+}  // namespace
+
 TrainConfig load_train_config(const std::string& path, const std::vector<std::string>& overrides) {
-  LVX_CHECK(std::filesystem::exists(path), path, ": no such file (expected the run's YAML config)");
+  uint64_t size = 0;
+  try {
+    size = check_regular_file(path, "run config");
+  } catch (const Error& e) {
+    LVX_FAIL(e.what(), " (expected the run's YAML config)");
+  }
+  LVX_CHECK(size <= kMaxConfigBytes, path, ": ", size, " bytes, more than a run config may have (",
+            kMaxConfigBytes, ")");
   YAML::Node root;
   try {
-    root = YAML::LoadFile(path);
+    root = YAML::Load(read_file(path, "run config", kMaxConfigBytes));
   } catch (const YAML::Exception& e) {
     LVX_FAIL(path, ": not valid YAML: ", e.what());
   }
   if (!root || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
   LVX_CHECK(root.IsMap(), path, ": the top level must be a mapping of sections");
   for (const auto& o : overrides) apply_override(root, o);
-  const std::string file = overrides.empty() ? path : path + " (with command-line overrides)";
+  return from_root(root, overrides.empty() ? path : path + " (with command-line overrides)");
+}
+
+TrainConfig train_config_from_yaml(const std::string& text, const std::string& where) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    LVX_FAIL(where, ": not valid YAML: ", e.what());
+  }
+  LVX_CHECK(root.IsMap(), where, ": expected a mapping of sections");
+  return from_root(root, where);
+}
+
+namespace {
+
+// A scalar as written, a number in the fewest digits that read back as the same double
+// ("0.003", not the emitter's "0.0030000000000000001").
+std::string shortest(const YAML::Node& v) {
+  if (!v.IsScalar()) return YAML::Dump(v);
+  const std::string s = v.Scalar();
+  char* end = nullptr;
+  const double d = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size()) return s;
+  for (int digits = 1; digits <= 17; ++digits) {
+    char buf[40];
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, d);
+    if (std::strtod(buf, nullptr) == d) return buf;
+  }
+  return s;
+}
+
+}  // namespace
+
+std::vector<std::string> config_changes(const TrainConfig& before, const TrainConfig& now) {
+  // Both through to_yaml, so that equal values print alike (numbers included).
+  const YAML::Node a = YAML::Load(to_yaml(before)), b = YAML::Load(to_yaml(now));
+  std::vector<std::string> changes;
+  for (const char* section : {"data", "optimizer", "schedule", "freeze"}) {
+    std::set<std::string> keys;
+    for (const auto& kv : a[section]) keys.insert(kv.first.as<std::string>());
+    for (const auto& kv : b[section]) keys.insert(kv.first.as<std::string>());
+    for (const auto& k : keys) {
+      auto text = [&](const YAML::Node& root) {
+        const YAML::Node v = root[section][k];
+        if (!v) return std::string("(unset)");
+        if (v.IsSequence()) {
+          std::string list;
+          for (const auto& e : v) list += (list.empty() ? "" : ", ") + shortest(e);
+          return "[" + list + "]";
+        }
+        return shortest(v);
+      };
+      const std::string x = text(a), y = text(b);
+      if (x != y) changes.push_back(str(section, ".", k, ": ", x, " -> ", y));
+    }
+  }
+  return changes;
+}
+
+namespace {
+
+TrainConfig from_root(const YAML::Node& root, const std::string& file) {
   for (const auto& kv : root) {
     const std::string k = kv.first.as<std::string>();
     bool known = false;
@@ -157,12 +235,23 @@ TrainConfig load_train_config(const std::string& path, const std::vector<std::st
   {
     Section s(root, file, "data");
     c.data.train = s.get<std::string>("train", "a JSONL file");
-    if (s.has("num_frames")) c.data.num_frames = s.int_or("num_frames", 1, 1);
-    if (s.has("fps")) c.data.fps = s.num_or("fps", 1, 1e-9);
+    // Bounded before anything is allocated from them (frames are decoded into one batch).
+    if (s.has("num_frames")) {
+      c.data.num_frames = s.int_or("num_frames", 1, 1);
+      LVX_CHECK(*c.data.num_frames <= kMaxFrames, s.where("num_frames"), ": at most ", kMaxFrames,
+                " frames per sample, got ", *c.data.num_frames);
+    }
+    if (s.has("fps")) {
+      c.data.fps = s.num_or("fps", 1, 1e-9);
+      LVX_CHECK(*c.data.fps <= kMaxFps, s.where("fps"), ": at most ", kMaxFps,
+                " frames per second, got ", *c.data.fps);
+    }
     LVX_CHECK(c.data.num_frames.has_value() != c.data.fps.has_value(), s.where("num_frames"),
               ": give exactly one of data.num_frames and data.fps");
     c.data.shuffle = s.bool_or("shuffle", c.data.shuffle);
     c.data.seed = s.int_or("seed", c.data.seed, 0);
+    LVX_CHECK(c.data.seed <= kMaxSeed, s.where("seed"), ": at most ", kMaxSeed, ", got ",
+              c.data.seed);
     s.finish();
   }
   {
@@ -215,6 +304,8 @@ TrainConfig load_train_config(const std::string& path, const std::vector<std::st
     Section s(root, file, "parallel");
     auto& p = c.parallel;
     p.nproc = s.int_or("nproc", 1, 1);
+    LVX_CHECK(p.nproc <= kMaxRanks, s.where("nproc"), ": at most ", kMaxRanks, " local ranks, got ",
+              p.nproc);
     p.strategies = s.str_or("strategies", p.strategies);
     p.cluster = s.str_or("cluster", "");
     p.recompute = s.bool_or("recompute", false);
@@ -229,6 +320,8 @@ TrainConfig load_train_config(const std::string& path, const std::vector<std::st
   }
   return c;
 }
+
+}  // namespace
 
 std::string to_yaml(const TrainConfig& c) {
   YAML::Emitter e;

@@ -58,6 +58,13 @@ struct TrainConfig {
   } logging;
 };
 
+// Bounds of the fields that size an allocation or a process count, checked while loading.
+constexpr int64_t kMaxFrames = 4096;                     // data.num_frames: frames of one sample
+constexpr double kMaxFps = 240;                          // data.fps
+constexpr int64_t kMaxRanks = 1024;                      // parallel.nproc: local processes
+constexpr int64_t kMaxSeed = int64_t{1} << 52;           // data.seed (+ epoch must not overflow)
+constexpr uint64_t kMaxConfigBytes = uint64_t{1} << 20;  // the run YAML
+
 // Reads `path` and applies `overrides` ("section.field=value", the value parsed as YAML) in
 // order. Errors name the file (or "command line") and the field path: unknown fields, wrong
 // types, out-of-range values, a missing required field.
@@ -65,5 +72,12 @@ TrainConfig load_train_config(const std::string& path, const std::vector<std::st
 
 // The effective configuration as YAML (every field, defaults filled in).
 std::string to_yaml(const TrainConfig& c);
+
+// to_yaml's text read back (the config a checkpoint recorded); errors name `where`.
+TrainConfig train_config_from_yaml(const std::string& text, const std::string& where);
+
+// The fields of data, optimizer, schedule and freeze that differ from `before` to `now`, each as
+// "section.field: old -> new" (what --resume refuses unless told to accept them).
+std::vector<std::string> config_changes(const TrainConfig& before, const TrainConfig& now);
 
 }  // namespace lvx::runtime
