@@ -49,18 +49,26 @@ namespace lvx::models {
 class Tokenizer {
  public:
   // Reads and checks a tokenizer.json. Errors name the file and the JSON path: a file that is
-  // missing ("cannot open"), not JSON ("<path>: not valid JSON: ..."), lacks a required field, has
-  // an unsupported type or field value, an inconsistent vocabulary/merge/added-token id, or a
+  // missing ("does not exist"), not a regular file (a FIFO, a directory), not JSON ("not valid
+  // JSON"), nested deeper than 64 levels, lacks a required field, has an unsupported type or field
+  // value, an id that is negative, 2^24 or more, used by two tokens, not the one tokenizers
+  // assigns to an added token, or not in the vocabulary (a post-processor's special token), or a
   // regex PCRE2 cannot compile.
   static Tokenizer from_file(const std::string& tokenizer_json_path);
   // Same from the JSON text; `name` stands for the file in error messages.
   static Tokenizer from_json_string(const std::string& json_text,
                                     const std::string& name = "<tokenizer.json>");
 
-  // UTF-8 text → ids. add_special_tokens applies the post-processor (e.g. a BOS/EOS template);
-  // special tokens written in the text are always recognized. Throws lvx::Error on invalid UTF-8
-  // (naming the byte offset). Thread-safe.
-  std::vector<int64_t> encode(const std::string& utf8, bool add_special_tokens = false) const;
+  // UTF-8 text → ids. add_special_tokens applies the post-processor (e.g. a BOS/EOS template).
+  // Added tokens written in the text are recognized; with split_special_tokens those marked
+  // special are not, and are tokenized as plain text (tokenizers' encode_special_tokens,
+  // transformers' split_special_tokens=True): the mode for text from users, so that "<|image|>"
+  // in a question cannot become an image token. Time is O(n log n) in the text's length
+  // whatever the number of added tokens; pre-tokenizer regexes get a matching budget per text
+  // (an lvx::Error naming the pattern when a pattern backtracks past it). Throws lvx::Error on
+  // invalid UTF-8 (naming the byte offset). Thread-safe.
+  std::vector<int64_t> encode(const std::string& utf8, bool add_special_tokens = false,
+                              bool split_special_tokens = false) const;
 
   // Ids → text through the decoder. skip_special_tokens drops added tokens marked special (false
   // by default as in transformers' decode; tokenizers' Python binding defaults to true). Byte
