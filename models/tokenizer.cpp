@@ -250,6 +250,13 @@ class Regex {
   // Throws lvx::Error "<context>: regex does not compile in PCRE2: <message> (pattern ...)".
   Regex(const std::string& pattern, const std::string& context)
       : pattern_(pattern), context_(context) {
+    // PCRE2's start-of-pattern options ((*NO_START_OPT), (*NO_JIT), ...) are no Oniguruma syntax,
+    // so no tokenizers file has them; they would also switch off the optimizations that keep an
+    // unanchored search from rescanning the text at every position (uncounted by match limits).
+    if (pattern.rfind("(*", 0) == 0) {
+      LVX_FAIL(context, ": PCRE2 start-of-pattern options are not supported (pattern ",
+               json(pattern).dump(), ")");
+    }
     const std::string translated = oniguruma_to_pcre2(pattern);
     int code = 0;
     PCRE2_SIZE offset = 0;
@@ -1302,8 +1309,9 @@ Tokenizer Tokenizer::from_json_string(const std::string& json_text, const std::s
 }
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  // A regular file of at most kMaxJsonBytes: a FIFO or a directory is refused at once.
-  return Tokenizer(load(read_json_file(path, "tokenizer file"), path));
+  // read_json_file's steps, with errors that start with the path as the others here do: a regular
+  // file of at most kMaxJsonBytes (a FIFO or a directory is refused at once), nesting bounded.
+  return Tokenizer(load(parse_json(read_file(path, "tokenizer file"), path), path));
 }
 
 std::vector<int64_t> Tokenizer::encode(const std::string& utf8, bool add_special_tokens,

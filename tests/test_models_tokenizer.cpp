@@ -293,13 +293,13 @@ void expect_message(const std::string& msg, std::initializer_list<std::string> p
 TEST_F(TokenizerFiles, FileThatIsNotJson) {
   const std::string path = *scratch_ + "/corrupt.json";
   write_file(path, "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\", ");
-  expect_message(error_of(path), {path + "': not valid JSON (", "parse error"});
+  expect_message(error_of(path), {path + ": not valid JSON (", "parse error"});
   write_file(path, "");
-  expect_message(error_of(path), {path + "': not valid JSON ("});
+  expect_message(error_of(path), {path + ": not valid JSON ("});
   // A truncated copy of a real file.
   const std::string real = read_file(*dir_ + "/qwen2/tokenizer.json");
   write_file(path, real.substr(0, real.size() / 2));
-  expect_message(error_of(path), {path + "': not valid JSON ("});
+  expect_message(error_of(path), {path + ": not valid JSON ("});
   expect_message(error_of(*scratch_ + "/no_such_file.json"),
                  {"tokenizer file '" + *scratch_ + "/no_such_file.json' does not exist"});
   // Not a regular file: refused at once (a FIFO without a writer would block a plain open).
@@ -314,7 +314,7 @@ TEST_F(TokenizerFiles, FileThatIsNotJson) {
   json j = json::parse(real);
   j["normalizer"] = deep;
   write_file(path, j.dump());
-  expect_message(error_of(path), {path + "': JSON nested deeper than 64 levels"});
+  expect_message(error_of(path), {path + ": JSON nested deeper than 64 levels"});
   std::string very_deep = "{\"normalizer\": ";
   for (int i = 0; i < 100000; ++i) very_deep += "{\"type\": \"Sequence\", \"normalizers\": [";
   write_file(path, very_deep);
@@ -519,6 +519,13 @@ TEST_F(TokenizerFiles, RegexMatchingHasABudgetPerText) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
   // Short texts it can do are done.
   EXPECT_EQ(t.decode(t.encode("aaa")), "aaa");
+  // PCRE2-only verbs that switch off its search optimizations (no Oniguruma syntax) are refused.
+  expect_message(error_after("verb",
+                             [](json& j) {
+                               j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] =
+                                   "(*NO_START_OPT)a*b";
+                             }),
+                 {"pattern.Regex: PCRE2 start-of-pattern options are not supported"});
 }
 
 TEST_F(TokenizerGolden, Cli) {

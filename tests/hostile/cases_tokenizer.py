@@ -195,7 +195,7 @@ CASES = [
          stderr=r"--decode: '99999999999999999999999' is not a token id"),
     # 3. depth and file kinds: the deep list took 4.7 GiB; the FIFOs blocked forever
     Case("tok_deep_normalizer", deep_normalizer, timeout=30, max_rss_mb=1024,
-         stderr=r"tokenizer\.json': JSON nested deeper than 64 levels"),
+         stderr=r"tokenizer\.json: JSON nested deeper than 64 levels"),
     Case("tok_tokenizer_is_fifo", fifo_tokenizer, timeout=20,
          stderr=r"tokenizer file '.*tokenizer\.json' is a FIFO"),
     Case("tok_tokenizer_is_directory", dir_tokenizer, timeout=20,
