@@ -3,8 +3,9 @@
 // fast tokenizers.
 //
 // Pipeline of encode(), as tokenizers runs it:
-//   1. added tokens with normalized=false are split out of the raw text (leftmost-longest match,
-//      honoring single_word, lstrip and rstrip);
+//   1. added tokens with normalized=false are split out of the raw text (leftmost-longest match
+//      by an Aho-Corasick automaton, linear in the text whatever the number of tokens; honoring
+//      single_word, lstrip and rstrip; with split_special_tokens, special ones stay text);
 //   2. each remaining piece is normalized (NFC/NFD/NFKC/NFKD through ICU, or none), then added
 //      tokens with normalized=true are split out of it (matched against their normalized form);
 //   3. each remaining piece is pre-tokenized (Split with a regex or a literal, ByteLevel with or
@@ -35,7 +36,10 @@
 //
 // Deliberate differences from tokenizers: encode() rejects invalid UTF-8 (tokenizers only takes
 // Rust strings, so it never sees any); decode() rejects ids outside the vocabulary (tokenizers
-// drops them silently). Offsets, pairs, truncation and padding are not provided.
+// drops them silently); loading rejects ids of 2^24 or more, an added token given a model
+// token's id (a vocabulary with gaps), a post-processor id outside the vocabulary, and regexes
+// starting with PCRE2's (*...) options; a regex that backtracks past the matching budget of a
+// text is an error. Offsets, pairs, truncation and padding are not provided.
 #pragma once
 
 #include <cstdint>
