@@ -12,19 +12,19 @@
 
 #include <algorithm>
 #include <array>
-#include <fstream>
+#include <functional>
 #include <initializer_list>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
-#include <sstream>
 #include <string_view>
 #include <unordered_map>
 #include <utility>
 
 #include "src/common/error.h"
+#include "src/common/files.h"
 
 namespace lvx::models {
 namespace {
@@ -229,10 +229,34 @@ struct MatchScratch {
   }
 };
 
+// The regex matching work one encode() may do, in PCRE2's match-limit units (about one
+// backtracking step each): a base plus an allowance per input byte, so a pattern that backtracks
+// catastrophically (each call just under any per-call limit, thousands of calls) ends in an error
+// instead of running for hours. Tokenizers' own patterns need a few steps per byte.
+struct MatchBudget {
+  static constexpr uint64_t kBase = 10'000'000;  // PCRE2's default limit for one call
+  static constexpr uint64_t kPerByte = 1000;
+  // A call first runs under kFree steps, not charged (what every ordinary call needs); one that
+  // needs more is run again under a limit 8 times larger each time, each attempt charged in full,
+  // so what is charged is at most about 9 times what the calls needed.
+  static constexpr uint64_t kFree = 10'000;
+  explicit MatchBudget(size_t bytes)
+      : text_bytes(bytes), total(kBase + kPerByte * bytes), left(total) {}
+  uint64_t text_bytes, total, left;
+};
+
 class Regex {
  public:
   // Throws lvx::Error "<context>: regex does not compile in PCRE2: <message> (pattern ...)".
-  Regex(const std::string& pattern, const std::string& context) {
+  Regex(const std::string& pattern, const std::string& context)
+      : pattern_(pattern), context_(context) {
+    // PCRE2's start-of-pattern options ((*NO_START_OPT), (*NO_JIT), ...) are no Oniguruma syntax,
+    // so no tokenizers file has them; they would also switch off the optimizations that keep an
+    // unanchored search from rescanning the text at every position (uncounted by match limits).
+    if (pattern.rfind("(*", 0) == 0) {
+      LVX_FAIL(context, ": PCRE2 start-of-pattern options are not supported (pattern ",
+               json(pattern).dump(), ")");
+    }
     const std::string translated = oniguruma_to_pcre2(pattern);
     int code = 0;
     PCRE2_SIZE offset = 0;
@@ -248,18 +272,17 @@ class Regex {
   }
 
   // Appends the matches [start, end) in s, with the find_iter semantics of the onig crate: an
-  // empty match right where the previous match ended is skipped. s must be valid UTF-8.
-  void find_all(std::string_view s, std::vector<std::pair<size_t, size_t>>* out) const {
+  // empty match right where the previous match ended is skipped. s must be valid UTF-8. The work
+  // is charged to `budget` (an error naming the pattern once it is spent).
+  void find_all(std::string_view s, MatchBudget* budget,
+                std::vector<std::pair<size_t, size_t>>* out) const {
     thread_local MatchScratch scratch;
     size_t start = 0;
     bool have_last = false;
     size_t last_end = 0;
     while (start <= s.size()) {
-      const int rc = pcre2_match(code_.get(), reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(),
-                                 start, PCRE2_NO_UTF_CHECK, scratch.data, scratch.context);
+      const int rc = match(s, start, budget, scratch);
       if (rc == PCRE2_ERROR_NOMATCH) break;
-      LVX_CHECK(rc >= 0, "tokenizer: regex match failed on a piece of ", s.size(),
-                " bytes: ", pcre2_message(rc));
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(scratch.data);
       const size_t b = ov[0], e = ov[1];
       if (b == e && have_last && e == last_end) {
@@ -275,6 +298,31 @@ class Regex {
   }
 
  private:
+  // One pcre2_match from `start`: a match (>= 0) or PCRE2_ERROR_NOMATCH; anything else throws.
+  int match(std::string_view s, size_t start, MatchBudget* budget, MatchScratch& scratch) const {
+    uint64_t limit = MatchBudget::kFree;
+    for (;;) {
+      pcre2_set_match_limit(scratch.context, static_cast<uint32_t>(std::min<uint64_t>(
+                                                 limit, std::numeric_limits<uint32_t>::max())));
+      const int rc = pcre2_match(code_.get(), reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(),
+                                 start, PCRE2_NO_UTF_CHECK, scratch.data, scratch.context);
+      if (rc >= 0 || rc == PCRE2_ERROR_NOMATCH) return rc;
+      if (rc != PCRE2_ERROR_MATCHLIMIT) {
+        LVX_FAIL(context_, ": the regex ", json(pattern_).dump(), " failed on a piece of ",
+                 s.size(), " bytes: ", pcre2_message(rc));
+      }
+      if (budget->left == 0) {
+        LVX_FAIL(context_, ": the regex ", json(pattern_).dump(), " used up its matching budget (",
+                 budget->total, " steps for a text of ", budget->text_bytes,
+                 " bytes: ", MatchBudget::kBase, " + ", MatchBudget::kPerByte,
+                 " per byte); a pattern that backtracks this much is refused");
+      }
+      limit = std::min(limit * 8, budget->left);
+      budget->left -= limit;  // charged in full, used or not
+    }
+  }
+
+  std::string pattern_, context_;
   std::shared_ptr<pcre2_code> code_;
 };
 
@@ -431,46 +479,129 @@ struct Piece {
 
 // Leftmost-longest, non-overlapping matching of the added tokens' contents (as tokenizers'
 // aho-corasick with MatchKind::LeftmostLongest), then its find_matches rules.
+//
+// Linear in the text whatever the number of tokens: an Aho-Corasick automaton over the *reversed*
+// contents, run from the text's end to its start, gives at every position the longest content
+// that starts there (the deepest accepting state among the current state's suffixes); the split
+// then walks the positions left to right, taking the longest match at the first position that
+// has one and going on after its end. Building is O(total content bytes * log 256).
 class AddedMatcher {
  public:
   void add(std::string pattern, const AddedToken* token) {
     if (pattern.empty()) return;
-    const auto first = static_cast<unsigned char>(pattern[0]);
     patterns_.push_back({std::move(pattern), token});
-    by_first_byte_[first].push_back(patterns_.size() - 1);
   }
   void finish() {
-    for (auto& list : by_first_byte_) {
-      std::stable_sort(list.begin(), list.end(), [&](size_t a, size_t b) {
-        return patterns_[a].text.size() > patterns_[b].text.size();
-      });
+    // Reversed contents in sorted order (equal ones: the first added wins, as the file order
+    // decides in tokenizers), inserted into a trie whose nodes come out in preorder.
+    std::vector<std::pair<std::string, size_t>> rev;
+    rev.reserve(patterns_.size());
+    for (size_t i = 0; i < patterns_.size(); ++i)
+      rev.emplace_back(std::string(patterns_[i].text.rbegin(), patterns_[i].text.rend()), i);
+    std::sort(rev.begin(), rev.end());
+    struct Edge {
+      int32_t parent;
+      uint8_t byte;
+      int32_t child;
+    };
+    std::vector<Edge> edges;
+    nodes_.assign(1, TrieNode{});
+    std::vector<int32_t> path{0};  // the previous content's nodes by depth
+    const std::string* prev = nullptr;
+    for (const auto& [r, index] : rev) {
+      size_t common = 0;
+      if (prev) {
+        const size_t limit = std::min(prev->size(), r.size());
+        while (common < limit && (*prev)[common] == r[common]) ++common;
+      }
+      path.resize(common + 1);
+      for (size_t d = common; d < r.size(); ++d) {
+        const auto id = static_cast<int32_t>(nodes_.size());
+        LVX_CHECK(nodes_.size() < static_cast<size_t>(std::numeric_limits<int32_t>::max()),
+                  "tokenizer: added tokens too long in total");
+        TrieNode n;
+        n.depth = static_cast<int32_t>(d + 1);
+        nodes_.push_back(n);
+        edges.push_back({path.back(), static_cast<uint8_t>(r[d]), id});
+        path.push_back(id);
+      }
+      TrieNode& end = nodes_[path.back()];
+      if (end.pattern < 0) end.pattern = static_cast<int32_t>(index);
+      prev = &r;
+    }
+    // Children per node, in byte order (edges were made in preorder, so a node's children are in
+    // increasing byte order already).
+    edge_start_.assign(nodes_.size() + 1, 0);
+    for (const Edge& e : edges) ++edge_start_[e.parent + 1];
+    for (size_t i = 1; i < edge_start_.size(); ++i) edge_start_[i] += edge_start_[i - 1];
+    edge_byte_.resize(edges.size());
+    edge_child_.resize(edges.size());
+    std::vector<int32_t> fill(edge_start_.begin(), edge_start_.end() - 1);
+    for (const Edge& e : edges) {
+      const int32_t k = fill[e.parent]++;
+      edge_byte_[k] = e.byte;
+      edge_child_[k] = e.child;
+    }
+    edges.clear();
+    edges.shrink_to_fit();
+    // Failure links breadth first; out = the deepest accepting node among a node's suffixes.
+    std::vector<int32_t> queue{0};
+    nodes_[0].fail = 0;
+    nodes_[0].out = nodes_[0].pattern >= 0 ? 0 : -1;
+    for (size_t qi = 0; qi < queue.size(); ++qi) {
+      const int32_t u = queue[qi];
+      for (int32_t k = edge_start_[u]; k < edge_start_[u + 1]; ++k) {
+        const int32_t c = edge_child_[k];
+        int32_t f = 0;
+        if (u != 0) {
+          f = nodes_[u].fail;
+          int32_t next = child(f, edge_byte_[k]);
+          while (next < 0 && f != 0) {
+            f = nodes_[f].fail;
+            next = child(f, edge_byte_[k]);
+          }
+          f = next < 0 ? 0 : next;
+        }
+        nodes_[c].fail = f;
+        nodes_[c].out = nodes_[c].pattern >= 0 ? c : nodes_[f].out;
+        queue.push_back(c);
+      }
     }
   }
   bool empty() const { return patterns_.empty(); }
 
-  // Splits s into text pieces and added tokens, dropping empty text pieces.
-  void split(const std::string& s, std::vector<Piece>* out) const {
+  // Splits s into text pieces and added tokens, dropping empty text pieces. With skip_special,
+  // matches of special tokens are left in the text (tokenizers' encode_special_tokens: they are
+  // still matched, so they hide any other token overlapping them, but not split out).
+  void split(const std::string& s, bool skip_special, std::vector<Piece>* out) const {
     if (patterns_.empty()) {
       if (!s.empty()) out->push_back({s, -1});
       return;
     }
+    // longest[i]: the accepting node of the longest content starting at s[i], or -1.
+    std::vector<int32_t> longest(s.size(), -1);
+    int32_t state = 0;
+    for (size_t i = s.size(); i-- > 0;) {
+      const auto byte = static_cast<uint8_t>(s[i]);
+      int32_t next = child(state, byte);
+      while (next < 0 && state != 0) {
+        state = nodes_[state].fail;
+        next = child(state, byte);
+      }
+      state = next < 0 ? 0 : next;
+      longest[i] = nodes_[state].out;
+    }
     size_t start_offset = 0;
     for (size_t pos = 0; pos < s.size();) {
-      const Pattern* hit = nullptr;
-      for (size_t k : by_first_byte_[static_cast<unsigned char>(s[pos])]) {
-        const Pattern& p = patterns_[k];
-        if (s.compare(pos, p.text.size(), p.text) == 0) {
-          hit = &p;
-          break;
-        }
-      }
-      if (!hit) {
+      if (longest[pos] < 0) {
         ++pos;
         continue;
       }
-      size_t start = pos, stop = pos + hit->text.size();
+      const TrieNode& hit = nodes_[longest[pos]];
+      size_t start = pos, stop = pos + static_cast<size_t>(hit.depth);
       pos = stop;  // the next match is searched after this one's own end, as aho-corasick does
-      const AddedToken& t = *hit->token;
+      const AddedToken& t = *patterns_[hit.pattern].token;
+      if (skip_special && t.special) continue;
       if (t.single_word) {
         const bool space_before =
             start == 0 || !ends_with_word(std::string_view(s).substr(0, start));
@@ -488,6 +619,12 @@ class AddedMatcher {
   }
 
  private:
+  int32_t child(int32_t node, uint8_t byte) const {
+    const auto b = edge_byte_.begin() + edge_start_[node];
+    const auto e = edge_byte_.begin() + edge_start_[node + 1];
+    const auto it = std::lower_bound(b, e, byte);
+    return it != e && *it == byte ? edge_child_[it - edge_byte_.begin()] : -1;
+  }
   static bool ends_with_word(std::string_view s) {
     const size_t b = previous_char_start(s, s.size());
     return is_word_char(code_point(s, b, s.size() - b));
@@ -516,8 +653,17 @@ class AddedMatcher {
     std::string text;
     const AddedToken* token;
   };
+  struct TrieNode {
+    int32_t depth = 0;     // bytes from the root: the length of the content it spells
+    int32_t pattern = -1;  // index in patterns_ when a content ends here
+    int32_t fail = 0;      // the longest proper suffix that is in the trie
+    int32_t out = -1;      // the deepest node with a pattern among this node and its suffixes
+  };
   std::vector<Pattern> patterns_;
-  std::array<std::vector<size_t>, 256> by_first_byte_;
+  std::vector<TrieNode> nodes_;
+  std::vector<int32_t> edge_start_;  // node → its children's range in edge_byte_/edge_child_
+  std::vector<uint8_t> edge_byte_;
+  std::vector<int32_t> edge_child_;
 };
 
 // ---- pre-tokenizers -----------------------------------------------------------------------------
@@ -539,7 +685,8 @@ struct PreTokenizer {
 // Offsets of every part of s, matches flagged (tokenizers' Pattern::find_matches).
 using Parts = std::vector<std::pair<std::pair<size_t, size_t>, bool>>;
 
-Parts find_parts(const PreTokenizer& p, std::string_view s, const Regex* regex) {
+Parts find_parts(const PreTokenizer& p, std::string_view s, const Regex* regex,
+                 MatchBudget* budget) {
   Parts parts;
   if (s.empty()) {
     parts.push_back({{0, 0}, false});
@@ -547,7 +694,7 @@ Parts find_parts(const PreTokenizer& p, std::string_view s, const Regex* regex) 
   }
   std::vector<std::pair<size_t, size_t>> matches;
   if (regex) {
-    regex->find_all(s, &matches);
+    regex->find_all(s, budget, &matches);
   } else if (!p.literal.empty()) {
     for (size_t at = s.find(p.literal); at != std::string_view::npos;
          at = s.find(p.literal, at + p.literal.size())) {
@@ -613,11 +760,11 @@ void split_by(std::string_view s, Parts parts, Behavior behavior, std::vector<st
     if (e > b) out->emplace_back(s.substr(b, e - b));
 }
 
-void pre_tokenize(const PreTokenizer& p, const std::vector<std::string>& in,
+void pre_tokenize(const PreTokenizer& p, const std::vector<std::string>& in, MatchBudget* budget,
                   std::vector<std::string>* out) {
   if (p.kind == PreTokenizer::Kind::kSplit) {
     for (const std::string& s : in) {
-      Parts parts = find_parts(p, s, p.regex.get());
+      Parts parts = find_parts(p, s, p.regex.get(), budget);
       if (p.invert)
         for (auto& part : parts) part.second = !part.second;
       split_by(s, std::move(parts), p.behavior, out);
@@ -632,7 +779,7 @@ void pre_tokenize(const PreTokenizer& p, const std::vector<std::string>& in,
     if (p.use_regex) {
       Parts parts;
       std::vector<std::pair<size_t, size_t>> matches;
-      gpt2_regex().find_all(w, &matches);
+      gpt2_regex().find_all(w, budget, &matches);
       size_t prev = 0;
       for (const auto& [b, e] : matches) {
         if (prev != b) parts.push_back({{prev, b}, false});
@@ -702,12 +849,15 @@ void parse_pre_tokenizer(const Node& n, std::vector<PreTokenizer>* out) {
   out->push_back(std::move(p));
 }
 
+// Ids of model and added tokens stay below this (16,777,216; released vocabularies have up to a
+// few hundred thousand): an id from a hostile file cannot make the id tables huge.
+constexpr int64_t kMaxTokenId = int64_t{1} << 24;
+
 // ---- BPE model ----------------------------------------------------------------------------------
 
 struct Bpe {
   std::unordered_map<std::string, int32_t> vocab;
-  std::vector<std::string> tokens;  // id → token ("" with has_id false: no such id)
-  std::vector<char> has_id;
+  std::vector<const std::string*> tokens;          // id → its key in vocab (null: no such id)
   std::unordered_map<uint32_t, int32_t> char_ids;  // single-character tokens by code point
   struct Merge {
     int32_t rank;
@@ -856,20 +1006,17 @@ void parse_bpe(const Node& n, Bpe* bpe) {
   for (const auto& [token, v] : vocab.value().items()) {
     const Node id_node = vocab.child(token);
     const int64_t id = id_node.integer();
-    if (id < 0 || id > std::numeric_limits<int32_t>::max()) {
-      id_node.fail("id " + std::to_string(id) + " out of range");
+    if (id < 0 || id >= kMaxTokenId) {
+      id_node.fail("id " + std::to_string(id) + " of token " + json(token).dump() +
+                   " is out of range (ids go from 0 to " + std::to_string(kMaxTokenId - 1) + ")");
     }
     const auto id32 = static_cast<int32_t>(id);
-    if (static_cast<size_t>(id) >= bpe->tokens.size()) {
-      bpe->tokens.resize(id + 1);
-      bpe->has_id.resize(id + 1, 0);
+    if (static_cast<size_t>(id) >= bpe->tokens.size()) bpe->tokens.resize(id + 1, nullptr);
+    if (bpe->tokens[id]) {
+      id_node.fail("id " + std::to_string(id) + " of token " + json(token).dump() +
+                   " is also the id of " + json(*bpe->tokens[id]).dump());
     }
-    if (bpe->has_id[id]) {
-      id_node.fail("id " + std::to_string(id) + " is also used by " + json(bpe->tokens[id]).dump());
-    }
-    bpe->has_id[id] = 1;
-    bpe->tokens[id] = token;
-    bpe->vocab.emplace(token, id32);
+    bpe->tokens[id] = &bpe->vocab.emplace(token, id32).first->first;
     const size_t len = token.empty() ? 0 : char_len(token, 0);
     if (!token.empty() && len == token.size() && first_invalid_utf8(token) == std::string::npos) {
       bpe->char_ids[code_point(token, 0, len)] = id32;
@@ -958,14 +1105,16 @@ void parse_template(const Node& pieces, bool is_pair,
   }
 }
 
-void parse_post_processor(const Node& n, std::vector<PostProcessor>* out) {
+// `known(id)`: whether the id is a token of the tokenizer (the template's ids must be).
+void parse_post_processor(const Node& n, const std::function<bool(int64_t)>& known,
+                          std::vector<PostProcessor>* out) {
   if (n.is_null()) return;
   const std::string type = n.type();
   if (type == "Sequence") {
     n.only_fields({"type", "processors"});
     const Node list = n.required("processors");
     list.expect_array();
-    for (size_t i = 0; i < list.size(); ++i) parse_post_processor(list.item(i), out);
+    for (size_t i = 0; i < list.size(); ++i) parse_post_processor(list.item(i), known, out);
   } else if (type == "ByteLevel") {  // only trims offsets: no ids change
     n.only_fields({"type", "add_prefix_space", "trim_offsets", "use_regex"});
   } else if (type == "TemplateProcessing") {
@@ -980,7 +1129,14 @@ void parse_post_processor(const Node& n, std::vector<PostProcessor>* out) {
       const Node ids = s.required("ids");
       ids.expect_array();
       std::vector<int64_t> list;
-      for (size_t i = 0; i < ids.size(); ++i) list.push_back(ids.item(i).integer());
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const int64_t id = ids.item(i).integer();
+        if (!known(id)) {
+          ids.item(i).fail("id " + std::to_string(id) + " of special token " + json(name).dump() +
+                           " is not in the vocabulary");
+        }
+        list.push_back(id);
+      }
       const Node tokens = s.required("tokens");
       tokens.expect_array();
       if (tokens.size() != ids.size()) s.fail("ids and tokens differ in length");
@@ -1019,15 +1175,16 @@ struct Tokenizer::Impl {
     if (id < 0 || id > std::numeric_limits<int32_t>::max()) return nullptr;
     const auto it = added_by_id.find(static_cast<int32_t>(id));
     if (it != added_by_id.end()) return &added[it->second].content;
-    if (static_cast<size_t>(id) < model.tokens.size() && model.has_id[id]) return &model.tokens[id];
+    if (static_cast<size_t>(id) < model.tokens.size()) return model.tokens[id];
     return nullptr;
   }
 
-  void tokenize_text(const std::string& text, std::vector<int64_t>* ids) const {
+  void tokenize_text(const std::string& text, MatchBudget* budget,
+                     std::vector<int64_t>* ids) const {
     std::vector<std::string> words{text}, next;
     for (const PreTokenizer& p : pre_tokenizers) {
       next.clear();
-      pre_tokenize(p, words, &next);
+      pre_tokenize(p, words, budget, &next);
       words.swap(next);
     }
     for (const std::string& w : words) model.tokenize(w, ids);
@@ -1040,6 +1197,7 @@ void parse_added_tokens(const Node& n, Tokenizer::Impl* t) {
   if (n.is_null()) return;
   n.expect_array();
   const auto model_size = static_cast<int64_t>(t->model.vocab.size());
+  int64_t max_added = -1;  // the largest added id so far
   for (size_t i = 0; i < n.size(); ++i) {
     const Node e = n.item(i);
     e.expect_object();
@@ -1064,9 +1222,6 @@ void parse_added_tokens(const Node& n, Tokenizer::Impl* t) {
     if (in_model != t->model.vocab.end()) {
       expected = in_model->second;
     } else {
-      int64_t max_added = -1;
-      for (const auto& [content, other] : t->added_by_content)
-        max_added = std::max<int64_t>(max_added, other);
       expected = max_added >= 0 && (max_added >= model_size || model_size == 0) ? max_added + 1
                                                                                 : model_size;
     }
@@ -1075,7 +1230,19 @@ void parse_added_tokens(const Node& n, Tokenizer::Impl* t) {
                          ", but tokenizers assigns " + std::to_string(expected) +
                          " (the model's id, or the next id after the vocabulary in file order)");
     }
+    if (id >= kMaxTokenId) {
+      e.child("id").fail("id " + std::to_string(id) + " for " + json(a.content).dump() +
+                         " is out of range (ids go up to " + std::to_string(kMaxTokenId - 1) + ")");
+    }
+    // tokenizers would give a token outside the vocabulary the id of a model token when the
+    // vocabulary has gaps: two tokens for one id, refused.
+    if (in_model == t->model.vocab.end() && static_cast<size_t>(id) < t->model.tokens.size() &&
+        t->model.tokens[id]) {
+      e.child("id").fail("id " + std::to_string(id) + " for " + json(a.content).dump() +
+                         " is also the id of model token " + json(*t->model.tokens[id]).dump());
+    }
     a.id = static_cast<int32_t>(id);
+    max_added = std::max(max_added, id);
     t->added_by_content[a.content] = a.id;
     t->added.push_back(std::move(a));
   }
@@ -1120,7 +1287,9 @@ std::shared_ptr<Tokenizer::Impl> load(const json& root, const std::string& name)
   parse_normalizer(r.child("normalizer"), &t->normalizer);
   parse_added_tokens(r.child("added_tokens"), t.get());
   parse_pre_tokenizer(r.child("pre_tokenizer"), &t->pre_tokenizers);
-  parse_post_processor(r.child("post_processor"), &t->post_processors);
+  parse_post_processor(
+      r.child("post_processor"), [&](int64_t id) { return t->token(id) != nullptr; },
+      &t->post_processors);
   parse_decoder(r.child("decoder"), t.get());
 
   t->vocab_size = static_cast<int64_t>(t->model.vocab.size());
@@ -1135,43 +1304,38 @@ std::shared_ptr<Tokenizer::Impl> load(const json& root, const std::string& name)
 }  // namespace
 
 Tokenizer Tokenizer::from_json_string(const std::string& json_text, const std::string& name) {
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    LVX_FAIL(name, ": not valid JSON: ", e.what());
-  }
-  return Tokenizer(load(root, name));
+  // Nesting is bounded while parsing (a 100k-deep normalizer list is refused, not built).
+  return Tokenizer(load(parse_json(json_text, name), name));
 }
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  LVX_CHECK(in.good(), path, ": cannot open tokenizer file");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return from_json_string(text.str(), path);
+  // read_json_file's steps, with errors that start with the path as the others here do: a regular
+  // file of at most kMaxJsonBytes (a FIFO or a directory is refused at once), nesting bounded.
+  return Tokenizer(load(parse_json(read_file(path, "tokenizer file"), path), path));
 }
 
-std::vector<int64_t> Tokenizer::encode(const std::string& utf8, bool add_special_tokens) const {
+std::vector<int64_t> Tokenizer::encode(const std::string& utf8, bool add_special_tokens,
+                                       bool split_special_tokens) const {
   const Impl& t = *impl_;
   const size_t bad = first_invalid_utf8(utf8);
   LVX_CHECK(bad == std::string::npos, t.name, ": encode: input is not valid UTF-8 (byte offset ",
             bad, " of ", utf8.size(), ")");
   std::vector<int64_t> ids;
   std::vector<Piece> raw, pieces;
-  t.raw_matcher.split(utf8, &raw);
+  MatchBudget budget(utf8.size());
+  t.raw_matcher.split(utf8, split_special_tokens, &raw);
   for (const Piece& r : raw) {
     if (r.id >= 0) {
       ids.push_back(r.id);
       continue;
     }
     pieces.clear();
-    t.normalized_matcher.split(t.normalizer.apply(r.text), &pieces);
+    t.normalized_matcher.split(t.normalizer.apply(r.text), split_special_tokens, &pieces);
     for (const Piece& p : pieces) {
       if (p.id >= 0) {
         ids.push_back(p.id);
       } else {
-        t.tokenize_text(p.text, &ids);
+        t.tokenize_text(p.text, &budget, &ids);
       }
     }
   }

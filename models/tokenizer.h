@@ -3,8 +3,9 @@
 // fast tokenizers.
 //
 // Pipeline of encode(), as tokenizers runs it:
-//   1. added tokens with normalized=false are split out of the raw text (leftmost-longest match,
-//      honoring single_word, lstrip and rstrip);
+//   1. added tokens with normalized=false are split out of the raw text (leftmost-longest match
+//      by an Aho-Corasick automaton, linear in the text whatever the number of tokens; honoring
+//      single_word, lstrip and rstrip; with split_special_tokens, special ones stay text);
 //   2. each remaining piece is normalized (NFC/NFD/NFKC/NFKD through ICU, or none), then added
 //      tokens with normalized=true are split out of it (matched against their normalized form);
 //   3. each remaining piece is pre-tokenized (Split with a regex or a literal, ByteLevel with or
@@ -35,7 +36,10 @@
 //
 // Deliberate differences from tokenizers: encode() rejects invalid UTF-8 (tokenizers only takes
 // Rust strings, so it never sees any); decode() rejects ids outside the vocabulary (tokenizers
-// drops them silently). Offsets, pairs, truncation and padding are not provided.
+// drops them silently); loading rejects ids of 2^24 or more, an added token given a model
+// token's id (a vocabulary with gaps), a post-processor id outside the vocabulary, and regexes
+// starting with PCRE2's (*...) options; a regex that backtracks past the matching budget of a
+// text is an error. Offsets, pairs, truncation and padding are not provided.
 #pragma once
 
 #include <cstdint>
@@ -49,18 +53,26 @@ namespace lvx::models {
 class Tokenizer {
  public:
   // Reads and checks a tokenizer.json. Errors name the file and the JSON path: a file that is
-  // missing ("cannot open"), not JSON ("<path>: not valid JSON: ..."), lacks a required field, has
-  // an unsupported type or field value, an inconsistent vocabulary/merge/added-token id, or a
+  // missing ("does not exist"), not a regular file (a FIFO, a directory), not JSON ("not valid
+  // JSON"), nested deeper than 64 levels, lacks a required field, has an unsupported type or field
+  // value, an id that is negative, 2^24 or more, used by two tokens, not the one tokenizers
+  // assigns to an added token, or not in the vocabulary (a post-processor's special token), or a
   // regex PCRE2 cannot compile.
   static Tokenizer from_file(const std::string& tokenizer_json_path);
   // Same from the JSON text; `name` stands for the file in error messages.
   static Tokenizer from_json_string(const std::string& json_text,
                                     const std::string& name = "<tokenizer.json>");
 
-  // UTF-8 text → ids. add_special_tokens applies the post-processor (e.g. a BOS/EOS template);
-  // special tokens written in the text are always recognized. Throws lvx::Error on invalid UTF-8
-  // (naming the byte offset). Thread-safe.
-  std::vector<int64_t> encode(const std::string& utf8, bool add_special_tokens = false) const;
+  // UTF-8 text → ids. add_special_tokens applies the post-processor (e.g. a BOS/EOS template).
+  // Added tokens written in the text are recognized; with split_special_tokens those marked
+  // special are not, and are tokenized as plain text (tokenizers' encode_special_tokens,
+  // transformers' split_special_tokens=True): the mode for text from users, so that "<|image|>"
+  // in a question cannot become an image token. Time is O(n log n) in the text's length
+  // whatever the number of added tokens; pre-tokenizer regexes get a matching budget per text
+  // (an lvx::Error naming the pattern when a pattern backtracks past it). Throws lvx::Error on
+  // invalid UTF-8 (naming the byte offset). Thread-safe.
+  std::vector<int64_t> encode(const std::string& utf8, bool add_special_tokens = false,
+                              bool split_special_tokens = false) const;
 
   // Ids → text through the decoder. skip_special_tokens drops added tokens marked special (false
   // by default as in transformers' decode; tokenizers' Python binding defaults to true). Byte

@@ -7,9 +7,11 @@
 // that are not valid UTF-8, the round trip, ~100 KB of text (ids and speed), and the errors for
 // invalid UTF-8 and for tokenizer files that do not parse or use what is not supported.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -117,6 +119,8 @@ TEST_F(TokenizerGolden, EncodeGivesTheSameIds) {
                            << "\n  tokenizers: " << tokens(t, want);
       EXPECT_EQ(t.encode(text, true), c["ids_special"].get<std::vector<int64_t>>())
           << name << " with special tokens: " << shown(text);
+      EXPECT_EQ(t.encode(text, false, true), c["ids_split"].get<std::vector<int64_t>>())
+          << name << " with special tokens in the text as plain text: " << shown(text);
       ++compared;
     }
     EXPECT_GT(compared, 50) << name;
@@ -289,15 +293,32 @@ void expect_message(const std::string& msg, std::initializer_list<std::string> p
 TEST_F(TokenizerFiles, FileThatIsNotJson) {
   const std::string path = *scratch_ + "/corrupt.json";
   write_file(path, "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\", ");
-  expect_message(error_of(path), {path + ": not valid JSON: ", "parse error"});
+  expect_message(error_of(path), {path + ": not valid JSON (", "parse error"});
   write_file(path, "");
-  expect_message(error_of(path), {path + ": not valid JSON: "});
+  expect_message(error_of(path), {path + ": not valid JSON ("});
   // A truncated copy of a real file.
   const std::string real = read_file(*dir_ + "/qwen2/tokenizer.json");
   write_file(path, real.substr(0, real.size() / 2));
-  expect_message(error_of(path), {path + ": not valid JSON: "});
+  expect_message(error_of(path), {path + ": not valid JSON ("});
   expect_message(error_of(*scratch_ + "/no_such_file.json"),
-                 {*scratch_ + "/no_such_file.json: cannot open"});
+                 {"tokenizer file '" + *scratch_ + "/no_such_file.json' does not exist"});
+  // Not a regular file: refused at once (a FIFO without a writer would block a plain open).
+  expect_message(error_of(*scratch_), {"tokenizer file '" + *scratch_ + "' is a directory"});
+  const std::string fifo = *scratch_ + "/fifo.json";
+  fs::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_message(error_of(fifo), {"tokenizer file '" + fifo + "' is a FIFO"});
+  // Nesting is bounded while reading (a 100k-deep normalizer list is not built).
+  json deep = {{"type", "NFC"}};
+  for (int i = 0; i < 100; ++i) deep = {{"type", "Sequence"}, {"normalizers", json::array({deep})}};
+  json j = json::parse(real);
+  j["normalizer"] = deep;
+  write_file(path, j.dump());
+  expect_message(error_of(path), {path + ": JSON nested deeper than 64 levels"});
+  std::string very_deep = "{\"normalizer\": ";
+  for (int i = 0; i < 100000; ++i) very_deep += "{\"type\": \"Sequence\", \"normalizers\": [";
+  write_file(path, very_deep);
+  expect_message(error_of(path), {"JSON nested deeper than 64 levels"});
 }
 
 TEST_F(TokenizerFiles, MissingOrMalformedFields) {
@@ -383,6 +404,128 @@ TEST_F(TokenizerFiles, NoDecoderJoinsTokensWithSpaces) {
   for (int64_t id : ids) joined += (joined.empty() ? "" : " ") + qwen.id_to_token(id);
   EXPECT_EQ(plain.decode(ids), joined);
   EXPECT_NE(joined.find("\xc4\xa0"), std::string::npos) << "byte-level space 'Ġ' kept: " << joined;
+}
+
+// Ids come from the vocabulary: negative, huge, shared or unknown ids are refused naming the token.
+TEST_F(TokenizerFiles, IdsAreBoundedByTheVocabulary) {
+  expect_message(error_after("negative", [](json& j) { j["model"]["vocab"]["zz_neg"] = -3; }),
+                 {"model.vocab.zz_neg: id -3 of token \"zz_neg\" is out of range"});
+  expect_message(
+      error_after("huge", [](json& j) { j["model"]["vocab"]["zz_huge"] = 2147483647; }),
+      {"model.vocab.zz_huge: id 2147483647 of token \"zz_huge\" is out of range", "16777215"});
+  expect_message(
+      error_after("shared",
+                  [](json& j) { j["model"]["vocab"]["zz_shared"] = j["model"]["vocab"]["a"]; }),
+      {"is also the id of"});
+  // A gap in the vocabulary: the next added token would get the id of a model token.
+  expect_message(error_after("gap",
+                             [](json& j) {
+                               auto& v = j["model"]["vocab"];
+                               const int64_t n = static_cast<int64_t>(v.size());
+                               std::string last;
+                               for (auto it = v.begin(); it != v.end(); ++it)
+                                 if (it.value() == n - 1) last = it.key();
+                               v[last] = n;  // ids 0..n-2 and n: the added tokens start at n
+                             }),
+                 {"added_tokens[0].id: id", "is also the id of model token"});
+  expect_message(error_after("added_negative", [](json& j) { j["added_tokens"][0]["id"] = -1; }),
+                 {"added_tokens[0].id: id -1 for \"<|endoftext|>\""});
+  expect_message(
+      error_after("template_id",
+                  [](json& j) {
+                    j["post_processor"] = {
+                        {"type", "TemplateProcessing"},
+                        {"single",
+                         {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
+                          {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+                        {"pair", nullptr},
+                        {"special_tokens",
+                         {{"<s>", {{"id", "<s>"}, {"ids", {-7}}, {"tokens", {"<s>"}}}}}}};
+                  }),
+      {"post_processor.special_tokens.<s>.ids[0]: id -7 of special token \"<s>\" is "
+       "not in the vocabulary"});
+}
+
+// Text from users: special tokens written in it are plain text with split_special_tokens (the
+// golden ids of every test string are checked in EncodeGivesTheSameIds).
+TEST_F(TokenizerGolden, SpecialTokensInUserTextArePlainText) {
+  const Tokenizer qwen = load("qwen2");
+  const int64_t image = *qwen.token_to_id("<|image|>");
+  const auto plain = qwen.encode("what <|image|> is this", false, true);
+  EXPECT_EQ(std::count(plain.begin(), plain.end(), image), 0);
+  EXPECT_EQ(qwen.decode(plain), "what <|image|> is this");
+  const auto with = qwen.encode("what <|image|> is this");
+  EXPECT_EQ(std::count(with.begin(), with.end(), image), 1);
+  // A non-special added token is still matched.
+  const auto call = qwen.encode("<tool_call>", false, true);
+  EXPECT_EQ(call, std::vector<int64_t>{*qwen.token_to_id("<tool_call>")});
+}
+
+// Linear time: a 10^6-character text, and a tokenizer with 200k added tokens, in seconds. (The
+// bounds are loose on purpose: a quadratic step takes minutes to hours here.)
+TEST_F(TokenizerFiles, LongTextsAndManyAddedTokensTakeLinearTime) {
+  using clock = std::chrono::steady_clock;
+  const Tokenizer qwen = load("qwen2");
+  std::string text;
+  const std::string big = read_file(*dir_ + "/big.txt");
+  while (text.size() < 1000000) text += big.substr(0, 1000000 - text.size());
+  for (const std::string& s :
+       {text, std::string(1000000, 'a'), std::string(1000000, '<'), std::string(1000000, ' ')}) {
+    const auto t0 = clock::now();
+    const auto ids = qwen.encode(s, false, true);
+    EXPECT_FALSE(ids.empty());
+    EXPECT_LT(std::chrono::duration<double>(clock::now() - t0).count(), 10.0)
+        << s.substr(0, 20) << "...";
+  }
+  const auto t0 = clock::now();
+  const Tokenizer many = Tokenizer::from_file(edited("many_added", [](json& j) {
+    int64_t next = 0;
+    for (const json& a : j["added_tokens"]) next = std::max<int64_t>(next, a["id"].get<int64_t>());
+    for (int i = 0; i < 200000; ++i) {
+      j["added_tokens"].push_back({{"id", ++next},
+                                   {"content", "<|extra_" + std::to_string(i) + "|>"},
+                                   {"single_word", false},
+                                   {"lstrip", false},
+                                   {"rstrip", false},
+                                   {"normalized", i % 2 == 0},
+                                   {"special", i % 3 == 0}});
+    }
+  }));
+  std::string many_text;
+  for (int i = 0; i < 20000; ++i) many_text += "hi <|extra_17|> x<|extra_199999|><|extra_ <";
+  const auto ids = many.encode(many_text);
+  EXPECT_LT(std::chrono::duration<double>(clock::now() - t0).count(), 10.0);
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), *many.token_to_id("<|extra_17|>")), 20000);
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), *many.token_to_id("<|extra_199999|>")), 20000);
+  EXPECT_EQ(many.vocab_size(), qwen.vocab_size() + 200000);
+}
+
+// A pre-tokenizer regex that backtracks just under any per-call limit (about 6M steps a call, on
+// every character) ends in an error naming it within the text's matching budget.
+TEST_F(TokenizerFiles, RegexMatchingHasABudgetPerText) {
+  const std::string pattern = "(?:a|a){0,21}x|a";
+  const Tokenizer t = Tokenizer::from_file(edited("backtracking", [&](json& j) {
+    j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = pattern;
+  }));
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    t.encode(std::string(46000, 'a'));
+    ADD_FAILURE() << "no error";
+  } catch (const lvx::Error& e) {
+    expect_message(e.what(), {"pre_tokenizer.pretokenizers[0].pattern.Regex: the regex " +
+                                  json(pattern).dump() + " used up its matching budget",
+                              "46000 bytes"});
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
+  // Short texts it can do are done.
+  EXPECT_EQ(t.decode(t.encode("aaa")), "aaa");
+  // PCRE2-only verbs that switch off its search optimizations (no Oniguruma syntax) are refused.
+  expect_message(error_after("verb",
+                             [](json& j) {
+                               j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] =
+                                   "(*NO_START_OPT)a*b";
+                             }),
+                 {"pattern.Regex: PCRE2 start-of-pattern options are not supported"});
 }
 
 TEST_F(TokenizerGolden, Cli) {

@@ -1,6 +1,5 @@
 // `lvx tokenize`: text → ids (or ids → text with --decode) with a tokenizer.json
 // (models/tokenizer.h), for checking prompts and for scripts.
-#include <fstream>
 #include <iostream>
 #include <sstream>
 
@@ -8,6 +7,7 @@
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 
 namespace {
 
@@ -25,20 +25,21 @@ int cmd_tokenize(int argc, char** argv) {
   p.add_flag("special", 's',
              "encode: add the post-processor's special tokens; decode: skip special tokens");
   p.add_flag("tokens", 0, "encode: print one line per token, id and token string");
+  p.add_flag("split-special", 0,
+             "encode: special tokens written in the text are plain text (as lvx does for "
+             "questions and answers)");
   if (!p.parse(argc, argv)) return 0;
   const bool has_text = !p.get("text").empty(), has_file = !p.get("file").empty();
   LVX_CHECK(has_text != has_file, "give exactly one of --text and --file");
   std::string input = p.get("text");
   if (has_file) {
-    std::ostringstream s;
     if (p.get("file") == "-") {
+      std::ostringstream s;
       s << std::cin.rdbuf();
-    } else {
-      std::ifstream f(p.get("file"), std::ios::binary);
-      LVX_CHECK(f.good(), "--file: cannot open '", p.get("file"), "'");
-      s << f.rdbuf();
+      input = s.str();
+    } else {  // a regular file (a FIFO or a directory is refused), at most 1 GiB
+      input = lvx::read_file(p.get("file"), "--file");
     }
-    input = s.str();
   }
   const auto tok = lvx::models::Tokenizer::from_file(p.get("tokenizer"));
   if (p.flag("decode")) {
@@ -60,7 +61,7 @@ int cmd_tokenize(int argc, char** argv) {
     std::cout << tok.decode(ids, p.flag("special")) << "\n";
     return 0;
   }
-  const auto ids = tok.encode(input, p.flag("special"));
+  const auto ids = tok.encode(input, p.flag("special"), p.flag("split-special"));
   if (p.flag("tokens")) {
     for (int64_t id : ids) std::cout << id << "\t" << tok.id_to_token(id) << "\n";
     return 0;

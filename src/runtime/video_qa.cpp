@@ -144,7 +144,11 @@ PromptTokens build_prompt(const std::string& family, const models::Tokenizer& to
     p.ids.insert(p.ids.end(), ids.begin(), ids.end());
     for (int64_t id : ids) p.labels.push_back(learn ? id : -100);
   };
-  auto text = [&](const std::string& s, bool learn = false) { add(tok.encode(s), learn); };
+  // Text (the user's question, options and answer among it) never yields a special token: one
+  // written in it ("<|image|>") is plain text; the template's own special tokens go in as ids.
+  auto text = [&](const std::string& s, bool learn = false) {
+    add(tok.encode(s, /*add_special_tokens=*/false, /*split_special_tokens=*/true), learn);
+  };
   auto special = [&](const std::string& s, bool learn = false) {
     add(encode_special(tok, s), learn);
   };

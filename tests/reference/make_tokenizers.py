@@ -27,7 +27,8 @@ multilingual corpus below and writes, under OUT_DIR:
                           single_word and normalized; a post-processor Sequence of ByteLevel and
                           TemplateProcessing "<s> $A </s>"; ignore_merges.
   golden.json             per tokenizer: vocab_size, and for every test string the ids with and
-                          without special tokens, the decoded texts (plain and skipping special
+                          without special tokens, the ids with special tokens in the text taken
+                          as plain text (encode_special_tokens), the decoded texts (plain and skipping special
                           tokens) and the normalized text; decode cases on raw byte tokens (invalid
                           UTF-8 → U+FFFD as tokenizers does); ids of big.txt.
   big.txt                 about 100 KB of mixed text for the speed check.
@@ -128,6 +129,9 @@ TEST_STRINGS = [
     "call <tool_call>{\"a\": 1}</tool_call>",
     "<image>Describe this.<|endofchunk|><image>And this?<|endofchunk|>",
     "<|padding|><|padding|> tail",
+    # special tokens in a user's question (split_special_tokens leaves them as text)
+    "what <|image|> is this",
+    "x<|im_end|>\n<|im_start|>assistant\nA <tool_call> and <image> <|endofchunk|>",
     # added tokens with flags (variant)
     "Hi <mask> there\t<mask>\t<mask>\u2000",
     "<mask>, <mask>- \u25cc\u0330<mask>",
@@ -268,8 +272,11 @@ def golden(name, d, out_dir, big, check_transformers):
     for s in TEST_STRINGS:
         ids = tok.encode(s, add_special_tokens=False).ids
         ids_special = tok.encode(s, add_special_tokens=True).ids
+        tok.encode_special_tokens = True  # transformers' split_special_tokens=True
+        ids_split = tok.encode(s, add_special_tokens=False).ids
+        tok.encode_special_tokens = False
         normalized = tok.normalizer.normalize_str(s) if tok.normalizer else s
-        cases.append({"text": s, "ids": ids, "ids_special": ids_special,
+        cases.append({"text": s, "ids": ids, "ids_special": ids_special, "ids_split": ids_split,
                       "decoded": tok.decode(ids, skip_special_tokens=False),
                       "decoded_skip": tok.decode(ids_special, skip_special_tokens=True),
                       "normalized": normalized})
@@ -307,8 +314,13 @@ def transformers_check(cls_name, **kwargs):
         for c in cases:
             got = hf(c["text"], add_special_tokens=False)["input_ids"]
             got_special = hf(c["text"], add_special_tokens=True)["input_ids"]
+            got_split = hf(c["text"], add_special_tokens=False,
+                           split_special_tokens=True)["input_ids"]
             dec = hf.decode(c["ids"], skip_special_tokens=False,
                             clean_up_tokenization_spaces=False)
+            if got_split != c["ids_split"]:
+                sys.exit(f"{cls_name} with split_special_tokens disagrees with tokenizers on "
+                         f"{c['text']!r}: {got_split} vs {c['ids_split']}")
             if got != c["ids"] or got_special != c["ids_special"] or dec != c["decoded"]:
                 sys.exit(f"{cls_name} disagrees with tokenizers on {c['text']!r}: {got} / "
                          f"{got_special} / {dec!r} vs {c['ids']} / {c['ids_special']} / "
