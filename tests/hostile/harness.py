@@ -60,7 +60,7 @@ class Ctx:
     def __init__(self, root: Path, case_dir: Path):
         self.root = root              # shared across the area's cases
         self.dir = case_dir           # this case's own folder
-        self.lvx = os.environ.get("LVX_BIN", str(SOURCE / "build" / "lvx"))
+        self.lvx = os.path.abspath(os.environ.get("LVX_BIN", str(SOURCE / "build" / "lvx")))
         self.python = sys.executable
 
     def path(self, name: str) -> str:
