@@ -1,11 +1,11 @@
 #include "src/runtime/model_description.h"
 
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "models/model.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 
 namespace lvx::runtime {
 
@@ -14,12 +14,7 @@ planner::ModelConfig planner_model(const std::string& path) {
   if (!fs::is_directory(path)) return planner::load_model_config(path);
   const fs::path cfg = fs::path(path) / "config.json";
   LVX_CHECK(fs::exists(cfg), path, ": no config.json (expected a checkpoint directory or a YAML)");
-  nlohmann::json j;
-  try {
-    std::ifstream(cfg) >> j;
-  } catch (const nlohmann::json::exception& e) {
-    LVX_FAIL(cfg.string(), ": not valid JSON: ", e.what());
-  }
+  const nlohmann::json j = read_json_file(cfg.string(), "model config");
   planner::ModelConfig m = models::planner_model_from_config(j, cfg.string());
   m.name = fs::path(path).filename().string();
   return m;
