@@ -190,11 +190,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
 TensorFile load_safetensors(const std::string& path, const std::vector<std::string>& names) {
   // A regular file only: a FIFO cannot block the open (O_NONBLOCK) and is refused by fstat.
   Fd f{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
-  if (f.fd < 0) {
-    const int err = errno;
-    LVX_CHECK(err != ENOENT, path, ": does not exist");
-    LVX_FAIL(path, ": cannot open (", std::strerror(err), ")");
-  }
+  LVX_CHECK(f.fd >= 0, path, ": cannot open (", std::strerror(errno), ")");
   struct stat st {};
   LVX_CHECK(::fstat(f.fd, &st) == 0, path, ": cannot stat (", std::strerror(errno), ")");
   LVX_CHECK(S_ISREG(st.st_mode), path, ": is ",
