@@ -237,10 +237,11 @@ TEST(Checkpoint, HiddenActIsHonoured) {
   in.input_ids = at::arange(1, 9, at::kLong).unsqueeze(0);
   in.pixel_values = at::zeros({0, 3, 32, 32});
   std::map<std::string, at::Tensor> logits;
-  for (const std::string act : {"silu", "gelu", "relu"}) {
+  for (const std::string act : {"silu", "swish", "gelu", "relu"}) {
     edit_config(dir, [&](nlohmann::json& c) { c["hidden_act"] = act; });
     logits[act] = load_model(dir, at::kFloat)->forward(in, par).logits;
   }
+  EXPECT_TRUE(logits["swish"].equal(logits["silu"]));  // one function, two names
   EXPECT_GT((logits["gelu"] - logits["silu"]).abs().max().item<double>(), 1e-3);
   EXPECT_GT((logits["relu"] - logits["gelu"]).abs().max().item<double>(), 1e-3);
 }
