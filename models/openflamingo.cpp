@@ -93,7 +93,9 @@ OpenFlamingoConfig openflamingo_config(const nlohmann::json& j, const std::strin
     c.mlp = config_int_in(t, "intermediate_size", wt, 1, kMaxConfigWidth);
     LVX_CHECK(c.hidden % c.heads == 0, wt, ": hidden size ", c.hidden,
               " is not a multiple of the heads ", c.heads);
-    const std::string pct_field = t.contains("rotary_pct") ? "rotary_pct" : "partial_rotary_factor";
+    // transformers' older and newer names for one field; a null one does not count.
+    auto given = [&](const char* f) { return t.contains(f) && !t[f].is_null(); };
+    const std::string pct_field = given("rotary_pct") ? "rotary_pct" : "partial_rotary_factor";
     const double pct = config_positive_or(t, pct_field, wt, 1.0);
     LVX_CHECK(pct <= 1.0, wt, ": ", pct_field, ": expected a fraction in (0, 1], got ", pct);
     c.rotary_dim = static_cast<int64_t>(static_cast<double>(c.hidden / c.heads) * pct);
@@ -101,7 +103,7 @@ OpenFlamingoConfig openflamingo_config(const nlohmann::json& j, const std::strin
               " of head size ", c.hidden / c.heads, " gives ", c.rotary_dim,
               " rotary channels (must be even and at least 2)");
     c.rotary_base = config_positive_or(
-        t, t.contains("rotary_emb_base") ? "rotary_emb_base" : "rope_theta", wt, 10000);
+        t, given("rotary_emb_base") ? "rotary_emb_base" : "rope_theta", wt, 10000);
     c.eps = config_positive_or(t, "layer_norm_eps", wt, 1e-5);
     c.parallel_residual = json_bool(t, "use_parallel_residual", true);
     c.act = config_string_or(t, "hidden_act", wt, "gelu");
