@@ -50,8 +50,8 @@ MplugOwl3Config mplug_owl3_config(const nlohmann::json& j, const std::string& wh
   c.layers = config_int_in(j, "num_hidden_layers", where, 1, kMaxConfigLayers);
   c.heads = config_int_in(j, "num_attention_heads", where, 1, kMaxConfigHeads);
   c.kv_heads = config_int_in_or(j, "num_key_value_heads", where, 1, kMaxConfigHeads, c.heads);
-  LVX_CHECK(j.contains("head_dim") || c.hidden % c.heads == 0, where, ": hidden_size (", c.hidden,
-            ") must be a multiple of num_attention_heads (", c.heads,
+  LVX_CHECK((j.contains("head_dim") && !j["head_dim"].is_null()) || c.hidden % c.heads == 0, where,
+            ": hidden_size (", c.hidden, ") must be a multiple of num_attention_heads (", c.heads,
             ") when head_dim is not given");
   c.head_dim = config_int_in_or(j, "head_dim", where, 1, kMaxConfigWidth, c.hidden / c.heads);
   c.intermediate = config_int_in(j, "intermediate_size", where, 1, kMaxConfigWidth);

@@ -146,8 +146,9 @@ OpenFlamingoConfig openflamingo_config(const nlohmann::json& j, const std::strin
               ": rope_scaling is not supported");
     LVX_CHECK(!json_bool(t, "attention_bias", false) && !json_bool(t, "mlp_bias", false), wt,
               ": attention_bias / mlp_bias are not supported");
-    LVX_CHECK(t.contains("head_dim") || c.hidden % c.heads == 0, wt, ": hidden size ", c.hidden,
-              " is not a multiple of the heads ", c.heads, " (and head_dim is not given)");
+    LVX_CHECK((t.contains("head_dim") && !t["head_dim"].is_null()) || c.hidden % c.heads == 0, wt,
+              ": hidden size ", c.hidden, " is not a multiple of the heads ", c.heads,
+              " (and head_dim is not given)");
     c.lm_biases = false;
   } else {
     LVX_FAIL(wt, ": model_type '", c.lm, "' is not supported (gpt_neox, mpt, llama)");
