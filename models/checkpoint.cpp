@@ -1,9 +1,11 @@
 #include "models/checkpoint.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/common/safetensors.h"
 
 namespace lvx::models {
@@ -13,16 +15,17 @@ namespace fs = std::filesystem;
 Checkpoint load_checkpoint(const std::string& dir) {
   LVX_CHECK(fs::is_directory(dir), dir, ": not a directory (expected a checkpoint directory with ",
             "config.json and model.safetensors)");
+  // A checkpoint lvx wrote carries manifest.json (size and checksum of every file): verified
+  // whoever loads it (lvx forward, lvx qa, a fine-tuning run's model.path), so one flipped bit
+  // is an error naming the file instead of a wrong answer.
+  verify_manifest(dir);
   const fs::path cfg = fs::path(dir) / "config.json";
   LVX_CHECK(fs::exists(cfg), dir, ": no config.json");
   Checkpoint c;
   c.dir = dir;
-  std::ifstream in(cfg);
-  try {
-    in >> c.config;
-  } catch (const nlohmann::json::exception& e) {
-    LVX_FAIL(cfg.string(), ": not valid JSON: ", e.what());
-  }
+  c.config = read_json_file(cfg.string(), "model config", uint64_t{16} << 20);
+  LVX_CHECK(c.config.is_object(), cfg.string(), ": expected a JSON object, got ",
+            c.config.type_name());
   c.tensors = load_checkpoint_dir(dir);
   return c;
 }
@@ -30,12 +33,15 @@ Checkpoint load_checkpoint(const std::string& dir) {
 StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
                             const std::vector<std::string>& unused_prefixes, at::ScalarType dtype,
                             const std::string& dir) {
-  std::vector<std::string> missing, unexpected, misshaped;
+  std::vector<std::string> missing, unexpected, misshaped, mistyped;
   StateDict out;
   for (const auto& [name, shape] : expected) {
     auto it = all.find(name);
     if (it == all.end()) {
       missing.push_back(name);
+    } else if (!at::isFloatingType(it->second.scalar_type())) {
+      // Integer or boolean tensors are not weights: converting them would run with garbage.
+      mistyped.push_back(str(name, " ", it->second.scalar_type()));
     } else if (it->second.sizes() != at::IntArrayRef(shape)) {
       misshaped.push_back(
           str(name, " ", it->second.sizes(), " (expected ", at::IntArrayRef(shape), ")"));
@@ -49,7 +55,7 @@ StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
     for (const auto& p : unused_prefixes) known = known || name.rfind(p, 0) == 0;
     if (!known) unexpected.push_back(name);
   }
-  if (missing.empty() && unexpected.empty() && misshaped.empty()) return out;
+  if (missing.empty() && unexpected.empty() && misshaped.empty() && mistyped.empty()) return out;
   auto list = [](const std::vector<std::string>& v) {
     std::string s;
     const size_t show = std::min<size_t>(v.size(), 8);
@@ -60,6 +66,9 @@ StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
   std::string msg = str(dir, ": the checkpoint does not match the model");
   if (!missing.empty()) msg += str("; missing ", missing.size(), ": ", list(missing));
   if (!misshaped.empty()) msg += str("; wrong shape ", misshaped.size(), ": ", list(misshaped));
+  if (!mistyped.empty())
+    msg += str("; not floating-point (weights must be F32, F16 or BF16) ", mistyped.size(), ": ",
+               list(mistyped));
   if (!unexpected.empty()) msg += str("; unexpected ", unexpected.size(), ": ", list(unexpected));
   LVX_FAIL(msg);
 }
@@ -112,6 +121,36 @@ double config_double(const nlohmann::json& c, const std::string& field, const st
   LVX_CHECK(c.contains(field), where, ": ", field, ": missing");
   LVX_CHECK(c[field].is_number(), where, ": ", field, ": expected a number, got ", c[field].dump());
   return c[field].get<double>();
+}
+
+int64_t config_int_in(const nlohmann::json& c, const std::string& field, const std::string& where,
+                      int64_t lo, int64_t hi) {
+  const int64_t v = config_int(c, field, where);
+  LVX_CHECK(v >= lo && v <= hi, where, ": ", field, ": expected an integer in [", lo, ", ", hi,
+            "], got ", v);
+  return v;
+}
+
+int64_t config_int_in_or(const nlohmann::json& c, const std::string& field,
+                         const std::string& where, int64_t lo, int64_t hi, int64_t fallback) {
+  if (!c.contains(field) || c[field].is_null()) return fallback;
+  return config_int_in(c, field, where, lo, hi);
+}
+
+double config_positive_or(const nlohmann::json& c, const std::string& field,
+                          const std::string& where, double fallback) {
+  if (!c.contains(field) || c[field].is_null()) return fallback;
+  const double v = config_double(c, field, where);
+  LVX_CHECK(std::isfinite(v) && v > 0, where, ": ", field, ": expected a positive number, got ",
+            c[field].dump());
+  return v;
+}
+
+std::string config_string_or(const nlohmann::json& c, const std::string& field,
+                             const std::string& where, const std::string& fallback) {
+  if (!c.contains(field) || c[field].is_null()) return fallback;
+  LVX_CHECK(c[field].is_string(), where, ": ", field, ": expected a string, got ", c[field].dump());
+  return c[field].get<std::string>();
 }
 
 int64_t config_int_or(const nlohmann::json& c, const std::string& field, int64_t fallback) {

@@ -24,13 +24,15 @@ struct Checkpoint {
   StateDict tensors;      // every tensor of the checkpoint, CPU, in its stored dtype
 };
 
-// Reads config.json and every tensor. Errors name the directory and the file.
+// Verifies manifest.json when the directory has one (every file's size and checksum), then reads
+// config.json (a checked JSON object) and every tensor. Errors name the directory and the file.
 Checkpoint load_checkpoint(const std::string& dir);
 
 // The parameters a model needs, converted to `dtype`: every tensor of `expected` must be present
 // with its shape, and every other tensor must start with one of `unused_prefixes` (tensors of the
 // release that the model does not use, e.g. SigLIP's pooling head). One lvx::Error lists every
-// missing, unexpected and mis-shaped tensor, naming `dir`.
+// missing, unexpected, mis-shaped and non-floating-point tensor (an integer tensor is not a
+// weight), naming `dir`.
 StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
                             const std::vector<std::string>& unused_prefixes, at::ScalarType dtype,
                             const std::string& dir);
@@ -47,6 +49,26 @@ const at::Tensor& param(const StateDict& w, const std::string& name);
 int64_t config_int(const nlohmann::json& c, const std::string& field, const std::string& where);
 double config_double(const nlohmann::json& c, const std::string& field, const std::string& where);
 int64_t config_int_or(const nlohmann::json& c, const std::string& field, int64_t fallback);
+// Checked variants: an integer in [lo, hi] (required, or `fallback` when the field is absent or
+// null); a finite positive number (eps, rope θ); a string. Errors name the file, the field, the
+// expected range and the value.
+int64_t config_int_in(const nlohmann::json& c, const std::string& field, const std::string& where,
+                      int64_t lo, int64_t hi);
+int64_t config_int_in_or(const nlohmann::json& c, const std::string& field,
+                         const std::string& where, int64_t lo, int64_t hi, int64_t fallback);
+double config_positive_or(const nlohmann::json& c, const std::string& field,
+                          const std::string& where, double fallback);
+std::string config_string_or(const nlohmann::json& c, const std::string& field,
+                             const std::string& where, const std::string& fallback);
+
+// Sane bounds on config.json sizes, checked before anything is sized from them (the tensors'
+// shapes bound them further: a checkpoint must hold every tensor the sizes imply). Generous
+// beside every released model (Qwen2-72B: 80 layers, width 8192, vocab 152k; ViTs ≤ 1k pixels).
+constexpr int64_t kMaxConfigLayers = 1024;
+constexpr int64_t kMaxConfigWidth = int64_t{1} << 17;  // hidden, intermediate, head_dim
+constexpr int64_t kMaxConfigHeads = 4096;
+constexpr int64_t kMaxConfigVocab = int64_t{1} << 24;
+constexpr int64_t kMaxConfigImage = 8192;  // pixels per side
 double config_double_or(const nlohmann::json& c, const std::string& field, double fallback);
 
 }  // namespace lvx::models

@@ -25,14 +25,26 @@ at::Tensor layer_norm(const at::Tensor& x, const StateDict& w, const std::string
                         it == w.end() ? c10::optional<at::Tensor>() : it->second, eps);
 }
 
+namespace {
+constexpr const char* kActivations =
+    "gelu, gelu_pytorch_tanh, gelu_new, gelu_fast, silu, swish, relu, quick_gelu";
+}  // namespace
+
 at::Tensor activation(const at::Tensor& x, const std::string& name) {
   if (name == "gelu") return at::gelu(x);
-  if (name == "gelu_pytorch_tanh" || name == "gelu_new") return at::gelu(x, "tanh");
+  if (name == "gelu_pytorch_tanh" || name == "gelu_new" || name == "gelu_fast")
+    return at::gelu(x, "tanh");
   if (name == "silu" || name == "swish") return at::silu(x);
   if (name == "relu") return at::relu(x);
   if (name == "quick_gelu") return x * at::sigmoid(1.702 * x);
-  LVX_FAIL("activation '", name, "' is not supported (gelu, gelu_pytorch_tanh, gelu_new, silu, ",
-           "relu, quick_gelu)");
+  LVX_FAIL("activation '", name, "' is not supported (", kActivations, ")");
+}
+
+void check_activation(const std::string& name, const std::string& where) {
+  for (const char* n : {"gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "silu", "swish",
+                        "relu", "quick_gelu"})
+    if (name == n) return;
+  LVX_FAIL(where, ": activation '", name, "' is not supported (", kActivations, ")");
 }
 
 at::Tensor swiglu_mlp(const at::Tensor& x, const StateDict& w, const std::string& prefix) {

@@ -23,9 +23,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor layer_norm(const at::Tensor& x, const StateDict& w, const std::string& prefix,
                       double eps);
 
-// Activations by their Hugging Face names: "gelu" (exact), "gelu_pytorch_tanh" / "gelu_new"
-// (tanh approximation), "silu", "relu", "quick_gelu". Others are an error naming the value.
+// Activations by their Hugging Face names: "gelu" (exact), "gelu_pytorch_tanh" / "gelu_new" /
+// "gelu_fast" (tanh approximation), "silu", "relu", "quick_gelu". Others are an error naming the
+// value.
 at::Tensor activation(const at::Tensor& x, const std::string& name);
+// Refuses a name activation() does not compute, naming `where` (config.json and its field), so
+// an unknown hidden_act is an error when the config is read, not at the first forward.
+void check_activation(const std::string& name, const std::string& where);
 
 // SwiGLU MLP (Qwen2, Llama): down(silu(gate(x)) ∘ up(x)), no biases.
 at::Tensor swiglu_mlp(const at::Tensor& x, const StateDict& w, const std::string& prefix);

@@ -29,7 +29,7 @@ at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positio
 
 std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype) {
   Checkpoint ck = load_checkpoint(dir);
-  const std::string type = ck.config.value("model_type", std::string());
+  const std::string type = config_string_or(ck.config, "model_type", dir + "/config.json", "");
   if (type == "mplugowl3") {
     const Tokenizer tok = Tokenizer::from_file(dir + "/tokenizer.json");
     const auto image = tok.token_to_id("<|image|>");
@@ -42,7 +42,8 @@ std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype) 
 }
 
 planner::ModelConfig planner_model_from_config(const nlohmann::json& j, const std::string& where) {
-  const std::string type = j.value("model_type", std::string());
+  LVX_CHECK(j.is_object(), where, ": expected a JSON object, got ", j.type_name());
+  const std::string type = config_string_or(j, "model_type", where, "");
   planner::ModelConfig m;
   if (type == "mplugowl3") {
     // Shapes only: both releases run a cross layer beside each hyper layer.
@@ -53,7 +54,7 @@ planner::ModelConfig planner_model_from_config(const nlohmann::json& j, const st
     LVX_FAIL(where, ": model_type '", type, "' is not supported (supported: mplugowl3, ",
              "openflamingo)");
   }
-  const std::string dt = j.value("torch_dtype", std::string("bfloat16"));
+  const std::string dt = config_string_or(j, "torch_dtype", where, "bfloat16");
   m.dtype = dt == "float32" ? "fp32" : dt == "float16" ? "fp16" : "bf16";
   return m;
 }

@@ -42,22 +42,34 @@ MplugOwl3Config mplug_owl3_config(const Checkpoint& ck, int64_t image_token_id) 
 
 MplugOwl3Config mplug_owl3_config(const nlohmann::json& j, const std::string& where, bool gated,
                                   int64_t image_token_id) {
-  const std::string type = j.value("model_type", std::string());
+  const std::string type = config_string_or(j, "model_type", where, "");
   LVX_CHECK(type == "mplugowl3", where, ": model_type: expected \"mplugowl3\", got \"", type, "\"");
   MplugOwl3Config c;
-  c.hidden = config_int(j, "hidden_size", where);
-  c.layers = config_int(j, "num_hidden_layers", where);
-  c.heads = config_int(j, "num_attention_heads", where);
-  c.kv_heads = config_int_or(j, "num_key_value_heads", c.heads);
-  c.head_dim = config_int_or(j, "head_dim", c.heads > 0 ? c.hidden / c.heads : 0);
-  c.intermediate = config_int(j, "intermediate_size", where);
-  c.vocab = config_int(j, "vocab_size", where);
-  c.rope_theta = config_double_or(j, "rope_theta", 1e6);
-  c.rms_eps = config_double_or(j, "rms_norm_eps", 1e-6);
+  // Every size positive, bounded and consistent before anything is sized from it.
+  c.hidden = config_int_in(j, "hidden_size", where, 1, kMaxConfigWidth);
+  c.layers = config_int_in(j, "num_hidden_layers", where, 1, kMaxConfigLayers);
+  c.heads = config_int_in(j, "num_attention_heads", where, 1, kMaxConfigHeads);
+  c.kv_heads = config_int_in_or(j, "num_key_value_heads", where, 1, kMaxConfigHeads, c.heads);
+  LVX_CHECK((j.contains("head_dim") && !j["head_dim"].is_null()) || c.hidden % c.heads == 0, where,
+            ": hidden_size (", c.hidden, ") must be a multiple of num_attention_heads (", c.heads,
+            ") when head_dim is not given");
+  c.head_dim = config_int_in_or(j, "head_dim", where, 1, kMaxConfigWidth, c.hidden / c.heads);
+  c.intermediate = config_int_in(j, "intermediate_size", where, 1, kMaxConfigWidth);
+  c.vocab = config_int_in(j, "vocab_size", where, 1, kMaxConfigVocab);
+  c.rope_theta = config_positive_or(j, "rope_theta", where, 1e6);
+  c.rms_eps = config_positive_or(j, "rms_norm_eps", where, 1e-6);
+  // Qwen2's MLP activation (silu in every release), honoured.
+  c.act = config_string_or(j, "hidden_act", where, "silu");
+  check_activation(c.act, where + ": hidden_act");
+  LVX_CHECK(!j.contains("tie_word_embeddings") || j["tie_word_embeddings"].is_boolean(), where,
+            ": tie_word_embeddings: expected true or false, got ", j["tie_word_embeddings"].dump());
   c.tie_embeddings = j.value("tie_word_embeddings", false);
-  LVX_CHECK(c.heads > 0 && c.kv_heads > 0 && c.heads % c.kv_heads == 0, where,
-            ": num_attention_heads (", c.heads, ") must be a multiple of num_key_value_heads (",
-            c.kv_heads, ")");
+  LVX_CHECK(c.heads % c.kv_heads == 0, where, ": num_attention_heads (", c.heads,
+            ") must be a multiple of num_key_value_heads (", c.kv_heads, ")");
+  LVX_CHECK(c.head_dim % 2 == 0, where, ": head_dim ", c.head_dim,
+            " must be even (rotary embeddings rotate channel pairs)");
+  LVX_CHECK(j.value("rope_scaling", nlohmann::json()).is_null(), where,
+            ": rope_scaling is not supported");
   LVX_CHECK(j.contains("hyper_layers") && j["hyper_layers"].is_array(), where,
             ": hyper_layers: missing (the 1-based indices of the hyper attention layers)");
   for (const auto& v : j["hyper_layers"]) {
@@ -70,6 +82,8 @@ MplugOwl3Config mplug_owl3_config(const nlohmann::json& j, const std::string& wh
             ": vision_config: missing");
   c.vision = siglip_config(j["vision_config"], where);
   LVX_CHECK(image_token_id >= 0, where, ": no <|image|> token id (tokenizer.json added_tokens)");
+  LVX_CHECK(image_token_id < c.vocab, where, ": the <|image|> token id ", image_token_id,
+            " (tokenizer.json) is outside vocab_size ", c.vocab);
   c.image_token_id = image_token_id;
   c.variant = gated ? "240728" : "241101";
   return c;
@@ -173,11 +187,12 @@ at::Tensor MplugOwl3::post_attention(int64_t layer, const at::Tensor& h, const a
       param(w_, l + "mlp.gate_proj.weight"), param(w_, l + "mlp.up_proj.weight"),
       param(w_, l + "mlp.down_proj.weight")};
   const double eps = cfg_.rms_eps;
-  auto block = [eps](const std::vector<at::Tensor>& in,
-                     const std::vector<at::Tensor>& p) -> std::vector<at::Tensor> {
+  const std::string act = cfg_.act;
+  auto block = [eps, act](const std::vector<at::Tensor>& in,
+                          const std::vector<at::Tensor>& p) -> std::vector<at::Tensor> {
     const at::Tensor a = in[0] + at::linear(in[1], p[0]);
     const at::Tensor x2 = rms_norm(a, p[1], eps);
-    return {a + at::linear(at::silu(at::linear(x2, p[2])) * at::linear(x2, p[3]), p[4])};
+    return {a + at::linear(activation(at::linear(x2, p[2]), act) * at::linear(x2, p[3]), p[4])};
   };
   return remat ? checkpoint_segment(block, {h, ctx}, block_params)[0]
                : block({h, ctx}, block_params)[0];
@@ -317,8 +332,8 @@ at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
   c10::AutoGradMode no_grad(false);
   const MplugOwl3Config& c = cfg_;
   const int64_t B = cache.batch, hq = c.heads, hkv = c.kv_heads, d = c.head_dim;
-  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == B, "decode: expected one token per sample (",
-            B, "), got ", tokens.sizes());
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == B, "decode: expected one token per sample (", B,
+            "), got ", tokens.sizes());
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
   at::Tensor h = at::embedding(emb, tokens.to(at::kLong).unsqueeze(1));  // [B, 1, H]
   const RotaryTables rope =

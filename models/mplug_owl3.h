@@ -36,6 +36,7 @@ struct MplugOwl3Config {
   int64_t hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0,
           vocab = 0;
   double rope_theta = 1e6, rms_eps = 1e-6;
+  std::string act = "silu";  // hidden_act: the decoder MLP's gate activation
   bool tie_embeddings = false;
   std::vector<int64_t> hyper_layers;  // 0-based decoder layer indices
   SiglipConfig vision;

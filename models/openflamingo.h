@@ -16,7 +16,7 @@
 // images only. ALiBi runs through every distributed strategy as one extra head dimension
 // (q' = [q, 1], k' = [k, slope_h·j/scale], v' = [v, 0]: scale·q'·k' = scale·q·k + slope_h·j,
 // which differs from MPT's bias slope_h·(j − i) by a per-row constant, so the softmax is the
-// same).
+// same); in bf16/fp16 three (the bias split hi + mid + lo, fp32's precision: alibi_channels).
 // Generation (models/decode.h): prefill is the forward keeping each rank's self K/V (MPT's with
 // the ALiBi channel) and its images' visual K/V; a decode step attends by pass-Q, as the
 // package's cached generation does: a generated token sees its sample's LAST image only
@@ -25,8 +25,8 @@
 // does). The cross block runs before the decoder layer and feeds it, so a
 // layer with one merges twice, one after the other: per rank and token (n−1)·B·x_heads·
 // (x_dim_head+1)·4 bytes for the cross-attention and (n−1)·B·heads·(D+1)·4 for the self-
-// attention, D = head_dim (MPT: head_dim + 1). forward, prefill and decode_step share one
-// implementation of each layer piece (self q/k/v, the block after the self-attention, the gated
+// attention, D = head_dim (MPT: head_dim + alibi_channels). forward, prefill and decode_step share
+// one implementation of each layer piece (self q/k/v, the block after the self-attention, the gated
 // block's query / visual K/V / output, the final norm and head).
 #pragma once
 
@@ -72,6 +72,10 @@ struct OpenFlamingoConfig {
 // From the converted directory's config.json; unsupported options (MPT qk_ln, clip_qkv, …) are
 // errors naming the field.
 OpenFlamingoConfig openflamingo_config(const nlohmann::json& config, const std::string& where);
+// MPT's ALiBi channels per head for a model in `dtype`: 1 in fp32 (slope·j/scale exactly);
+// 3 in bf16/fp16, the bias split hi + mid + lo so that their sum keeps fp32's 24 bits (one bf16
+// channel keeps 8: several logits of error at position 2047).
+int64_t alibi_channels(at::ScalarType dtype);
 ShapeSpec openflamingo_shapes(const OpenFlamingoConfig& c);
 
 class OpenFlamingo : public Model {
@@ -94,7 +98,8 @@ class OpenFlamingo : public Model {
  private:
   // The self-attention's inputs of one decoder layer.
   struct SelfQKV {
-    at::Tensor q, k, v;  // [B, S, H, D'] (Llama: k, v with kv_heads); MPT: D' = head_dim + 1
+    at::Tensor q, k, v;  // [B, S, H, D'] (Llama: k, v with kv_heads); MPT: D' = head_dim +
+                         // alibi_channels(dtype)
   };
   // The forward; with a cache (prefill) it also keeps this rank's K/V there and returns the
   // final hidden states (after the norm) instead of logits.

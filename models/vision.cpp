@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "models/checkpoint.h"
 #include "models/layers.h"
 #include "src/common/error.h"
 
@@ -10,21 +11,26 @@ namespace lvx::models {
 SiglipConfig siglip_config(const nlohmann::json& v, const std::string& where) {
   const std::string w = where + ": vision_config";
   SiglipConfig c;
+  LVX_CHECK(v.is_object(), w, ": expected an object, got ", v.type_name());
   // transformers' SiglipVisionConfig defaults (so400m-style releases set the sizes explicitly).
-  c.hidden = config_int_or(v, "hidden_size", 768);
-  c.layers = config_int_or(v, "num_hidden_layers", 12);
-  c.heads = config_int_or(v, "num_attention_heads", 12);
-  c.mlp = config_int_or(v, "intermediate_size", 3072);
-  c.image_size = config_int_or(v, "image_size", 224);
-  c.patch_size = config_int_or(v, "patch_size", 16);
-  c.channels = config_int_or(v, "num_channels", 3);
-  c.eps = config_double_or(v, "layer_norm_eps", 1e-6);
-  if (v.contains("hidden_act")) c.act = v["hidden_act"].get<std::string>();
-  LVX_CHECK(c.hidden > 0 && c.heads > 0 && c.hidden % c.heads == 0, w,
+  // Every size positive and bounded before anything is sized from it.
+  c.hidden = config_int_in_or(v, "hidden_size", w, 1, kMaxConfigWidth, 768);
+  c.layers = config_int_in_or(v, "num_hidden_layers", w, 1, kMaxConfigLayers, 12);
+  c.heads = config_int_in_or(v, "num_attention_heads", w, 1, kMaxConfigHeads, 12);
+  c.mlp = config_int_in_or(v, "intermediate_size", w, 1, kMaxConfigWidth, 3072);
+  c.image_size = config_int_in_or(v, "image_size", w, 1, kMaxConfigImage, 224);
+  c.patch_size = config_int_in_or(v, "patch_size", w, 1, kMaxConfigImage, 16);
+  c.channels = config_int_in_or(v, "num_channels", w, 1, 16, 3);
+  c.eps = config_positive_or(v, "layer_norm_eps", w, 1e-6);
+  c.act = config_string_or(v, "hidden_act", w, c.act);
+  check_activation(c.act, w + ": hidden_act");
+  LVX_CHECK(c.hidden % c.heads == 0, w,
             ": hidden_size must be a positive multiple of num_attention_heads (", c.hidden, ", ",
             c.heads, ")");
-  LVX_CHECK(c.patch_size > 0 && c.image_size >= c.patch_size, w, ": image_size ", c.image_size,
-            " and patch_size ", c.patch_size, " give no patch");
+  // SigLIP takes image_size // patch_size patches per side ('valid' convolution): so400m-patch14
+  // has 384-pixel images, which 14 does not divide. At least one patch.
+  LVX_CHECK(c.image_size >= c.patch_size, w, ": image_size ", c.image_size, " and patch_size ",
+            c.patch_size, " give no patch");
   return c;
 }
 

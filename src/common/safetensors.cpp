@@ -1,16 +1,22 @@
 // Safetensors reader/writer (format described in safetensors.h).
 #include "src/common/safetensors.h"
 
-#include <nlohmann/json.hpp>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
 #include <set>
-#include <unistd.h>
 
 #include "src/common/error.h"
+#include "src/common/files.h"
 
 namespace lvx {
 namespace {
@@ -20,8 +26,8 @@ struct DtypeCode {
   at::ScalarType type;
 };
 constexpr DtypeCode kDtypes[] = {
-    {"F64", at::kDouble}, {"F32", at::kFloat},  {"F16", at::kHalf},  {"BF16", at::kBFloat16},
-    {"I64", at::kLong},   {"I32", at::kInt},    {"I16", at::kShort}, {"I8", at::kChar},
+    {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf},  {"BF16", at::kBFloat16},
+    {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
     {"U8", at::kByte},    {"BOOL", at::kBool},
 };
 
@@ -39,52 +45,223 @@ at::ScalarType scalar_type_from_safetensors(const std::string& code) {
   LVX_FAIL("safetensors: unknown dtype code '", code, "'");
 }
 
+namespace {
+
+// The safetensors package's bound on a header (100 MB): a larger length is a lie or a
+// different format, and is refused before anything is allocated from it.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// pread until `n` bytes are in or the file ends; false on a short read.
+bool pread_all(int fd, void* dst, uint64_t n, uint64_t offset) {
+  char* p = static_cast<char*>(dst);
+  while (n > 0) {
+    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(n, uint64_t{1} << 30));
+    const ssize_t got = ::pread(fd, p, chunk, static_cast<off_t>(offset));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    p += got;
+    n -= static_cast<uint64_t>(got);
+    offset += static_cast<uint64_t>(got);
+  }
+  return true;
+}
+
+// The header's JSON: nesting bounded (kMaxJsonDepth) and duplicate keys refused at every level
+// (nlohmann keeps one of two entries with one name silently; the safetensors package refuses
+// them). A SAX pass checks both in linear time (nlohmann's parse callback rescans the enclosing
+// object at the end of every member: quadratic in a header of many tensors), then the parse.
+class HeaderCheck : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  explicit HeaderCheck(const std::string& path) : path_(path) {}
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    open(true);
+    return true;
+  }
+  bool key(string_t& k) override {
+    LVX_CHECK(keys_.back().insert(k).second, path_, ": header names '", k,
+              "' twice (a duplicate tensor or field)");
+    return true;
+  }
+  bool end_object() override {
+    keys_.pop_back();
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    open(false);
+    return true;
+  }
+  bool end_array() override {
+    --depth_;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    LVX_FAIL(path_, ": header is not valid JSON (", e.what(), ")");
+  }
+
+ private:
+  void open(bool object) {
+    LVX_CHECK(++depth_ <= kMaxJsonDepth, path_, ": header: JSON nested deeper than ", kMaxJsonDepth,
+              " levels");
+    if (object) keys_.emplace_back();
+  }
+  const std::string& path_;
+  int depth_ = 0;
+  std::vector<std::set<std::string>> keys_;  // the keys of each open object
+};
+
+nlohmann::json parse_header(const std::string& text, const std::string& path) {
+  HeaderCheck check(path);
+  nlohmann::json::sax_parse(text, &check);
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    LVX_FAIL(path, ": header is not valid JSON (", e.what(), ")");
+  }
+}
+
+struct Entry {
+  std::string name;
+  at::ScalarType type;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;
+};
+
+// One tensor's header entry, every field checked; nbytes = product(shape) · element size must
+// not overflow and must be the span of its offsets.
+Entry parse_entry(const std::string& path, const std::string& name, const nlohmann::json& e) {
+  const std::string where = path + ": tensor '" + name + "'";
+  LVX_CHECK(e.is_object(), where, ": expected an object with dtype, shape and data_offsets, got ",
+            e.type_name());
+  Entry out;
+  out.name = name;
+  LVX_CHECK(e.contains("dtype") && e["dtype"].is_string(), where, ": dtype: missing or not a ",
+            "string");
+  const std::string code = e["dtype"].get<std::string>();
+  bool known = false;
+  for (const auto& d : kDtypes)
+    if (code == d.code) known = true, out.type = d.type;
+  LVX_CHECK(known, where, ": dtype '", code, "' is not supported (F64, F32, F16, BF16, I64, I32, ",
+            "I16, I8, U8, BOOL)");
+  LVX_CHECK(e.contains("shape") && e["shape"].is_array(), where, ": shape: missing or not an ",
+            "array");
+  LVX_CHECK(e["shape"].size() <= 64, where, ": shape has ", e["shape"].size(), " dimensions");
+  uint64_t nbytes = c10::elementSize(out.type);
+  for (const auto& d : e["shape"]) {
+    LVX_CHECK(d.is_number_unsigned() || (d.is_number_integer() && d.get<int64_t>() >= 0), where,
+              ": shape: expected non-negative integers, got ", e["shape"].dump());
+    const uint64_t n = d.get<uint64_t>();
+    LVX_CHECK(n <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) &&
+                  !__builtin_mul_overflow(nbytes, n, &nbytes),
+              where, ": shape ", e["shape"].dump(), " is too large (its size overflows)");
+    out.shape.push_back(static_cast<int64_t>(n));
+  }
+  LVX_CHECK(e.contains("data_offsets") && e["data_offsets"].is_array() &&
+                e["data_offsets"].size() == 2 && e["data_offsets"][0].is_number_unsigned() &&
+                e["data_offsets"][1].is_number_unsigned(),
+            where, ": data_offsets: expected [begin, end] (non-negative integers), got ",
+            e.contains("data_offsets") ? e["data_offsets"].dump() : std::string("nothing"));
+  out.begin = e["data_offsets"][0].get<uint64_t>();
+  out.end = e["data_offsets"][1].get<uint64_t>();
+  LVX_CHECK(out.begin <= out.end, where, ": data_offsets [", out.begin, ", ", out.end,
+            "] end before they begin");
+  LVX_CHECK(out.end - out.begin == nbytes, where, ": data_offsets [", out.begin, ", ", out.end,
+            "] hold ", out.end - out.begin, " bytes but its shape ", e["shape"].dump(),
+            " and dtype ", code, " need ", nbytes);
+  return out;
+}
+
+}  // namespace
+
 TensorFile load_safetensors(const std::string& path, const std::vector<std::string>& names) {
-  std::ifstream in(path, std::ios::binary);
-  LVX_CHECK(in.good(), path, ": cannot open (", std::strerror(errno), ")");
-  in.seekg(0, std::ios::end);
-  const uint64_t file_size = static_cast<uint64_t>(in.tellg());
-  in.seekg(0);
-  uint64_t header_len = 0;
+  // A regular file only: a FIFO cannot block the open (O_NONBLOCK) and is refused by fstat.
+  Fd f{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
+  LVX_CHECK(f.fd >= 0, path, ": cannot open (", std::strerror(errno), ")");
+  struct stat st {};
+  LVX_CHECK(::fstat(f.fd, &st) == 0, path, ": cannot stat (", std::strerror(errno), ")");
+  LVX_CHECK(S_ISREG(st.st_mode), path, ": is ",
+            S_ISDIR(st.st_mode)    ? "a directory"
+            : S_ISFIFO(st.st_mode) ? "a FIFO"
+                                   : "not a regular file",
+            ", not a safetensors file");
+  ::fcntl(f.fd, F_SETFL, ::fcntl(f.fd, F_GETFL) & ~O_NONBLOCK);
+  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
   LVX_CHECK(file_size >= 8, path, ": not a safetensors file (", file_size, " bytes)");
-  in.read(reinterpret_cast<char*>(&header_len), 8);
+  unsigned char len_bytes[8];
+  LVX_CHECK(pread_all(f.fd, len_bytes, 8, 0), path, ": cannot read its header length");
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];  // little-endian
   LVX_CHECK(header_len <= file_size - 8, path, ": header length ", header_len,
             " exceeds the file size ", file_size, " (truncated or not safetensors)");
+  LVX_CHECK(header_len <= kMaxHeaderBytes, path, ": header length ", header_len,
+            " is more than the ", kMaxHeaderBytes, " bytes a safetensors header may have");
   std::string header(header_len, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(header_len));
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(header);
-  } catch (const std::exception& e) {
-    LVX_FAIL(path, ": header is not valid JSON: ", e.what());
-  }
-  const uint64_t data_begin = 8 + header_len;
+  LVX_CHECK(pread_all(f.fd, header.data(), header_len, 8), path, ": short read of its header");
+  const size_t first = header.find_first_not_of(" \t\r\n");
+  LVX_CHECK(first != std::string::npos && header[first] == '{', path,
+            ": header is not a JSON object (not a safetensors file)");
+  const nlohmann::json j = parse_header(header, path);
+  LVX_CHECK(j.is_object(), path, ": header is not a JSON object");
+
+  // Validate the whole header before allocating anything: every entry, then the layout of the
+  // data section (sorted, non-overlapping, covering it exactly: no gap, no trailing bytes).
+  const uint64_t data_begin = 8 + header_len, data_len = file_size - data_begin;
   TensorFile out;
-  std::set<std::string> wanted(names.begin(), names.end());
+  std::vector<Entry> entries;
   for (auto it = j.begin(); it != j.end(); ++it) {
     if (it.key() == "__metadata__") {
+      LVX_CHECK(it.value().is_object(), path, ": __metadata__ must be an object of strings");
       for (auto m = it.value().begin(); m != it.value().end(); ++m)
-        out.metadata[m.key()] = m.value().is_string() ? m.value().get<std::string>()
-                                                      : m.value().dump();
+        out.metadata[m.key()] =
+            m.value().is_string() ? m.value().get<std::string>() : m.value().dump();
       continue;
     }
-    if (!wanted.empty() && !wanted.count(it.key())) continue;
-    const auto& e = it.value();
-    const at::ScalarType type = scalar_type_from_safetensors(e.at("dtype").get<std::string>());
-    std::vector<int64_t> shape = e.at("shape").get<std::vector<int64_t>>();
-    const auto offs = e.at("data_offsets").get<std::vector<uint64_t>>();
-    LVX_CHECK(offs.size() == 2 && offs[0] <= offs[1], path, ": tensor '", it.key(),
-              "' has bad data_offsets");
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type));
-    const uint64_t nbytes = t.numel() * t.element_size();
-    LVX_CHECK(offs[1] - offs[0] == nbytes, path, ": tensor '", it.key(), "' holds ",
-              offs[1] - offs[0], " bytes but its shape and dtype need ", nbytes);
-    LVX_CHECK(data_begin + offs[1] <= file_size, path, ": tensor '", it.key(),
-              "' lies past the end of the file (truncated)");
-    in.seekg(static_cast<std::streamoff>(data_begin + offs[0]));
-    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(nbytes));
-    LVX_CHECK(in.good(), path, ": short read for tensor '", it.key(), "'");
-    out.tensors[it.key()] = t;
+    entries.push_back(parse_entry(path, it.key(), it.value()));
+  }
+  std::vector<const Entry*> by_offset;
+  for (const Entry& e : entries) by_offset.push_back(&e);
+  std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  uint64_t at = 0;
+  const Entry* prev = nullptr;
+  for (const Entry* e : by_offset) {
+    LVX_CHECK(e->begin <= at, path, ": tensor '", e->name, "' begins at byte ", e->begin,
+              " of the data but ", prev ? "tensor '" + prev->name + "' ends at " : "the data ",
+              prev ? "" : "begins at ", at, " (a gap: offsets must cover the data exactly)");
+    LVX_CHECK(e->begin == at, path, ": tensors '", prev ? prev->name : "", "' and '", e->name,
+              "' overlap (bytes [", e->begin, ", ", at, ") are shared)");
+    at = e->end;
+    prev = e;
+  }
+  LVX_CHECK(at <= data_len, path, ": tensor '", prev ? prev->name : "", "' ends at byte ", at,
+            " of the data but the file holds only ", data_len,
+            " data bytes (truncated, or a wrong header length)");
+  LVX_CHECK(at == data_len, path, ": ", data_len - at, " bytes after the last tensor's data (",
+            "the offsets cover ", at, " of ", data_len,
+            " bytes: a wrong header length or trailing garbage)");
+
+  std::set<std::string> wanted(names.begin(), names.end());
+  for (const Entry& e : entries) {
+    if (!wanted.empty() && !wanted.count(e.name)) continue;
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.type));
+    LVX_CHECK(pread_all(f.fd, t.data_ptr(), e.end - e.begin, data_begin + e.begin), path,
+              ": short read for tensor '", e.name, "' (the file changed while it was read?)");
+    out.tensors[e.name] = t;
   }
   for (const auto& n : wanted)
     LVX_CHECK(out.tensors.count(n), path, ": has no tensor named '", n, "'");
@@ -133,11 +310,17 @@ std::map<std::string, at::Tensor> load_checkpoint_dir(const std::string& dir) {
     LVX_CHECK(fs::exists(single), dir, ": no model.safetensors or model.safetensors.index.json");
     return load_safetensors(single.string()).tensors;
   }
-  std::ifstream in(index);
-  nlohmann::json j = nlohmann::json::parse(in);
+  const nlohmann::json j = read_json_file(index.string(), "checkpoint index");
+  LVX_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
+            index.string(), ": weight_map: missing or not an object (tensor name -> shard file)");
   std::map<std::string, std::vector<std::string>> by_shard;
-  for (auto it = j.at("weight_map").begin(); it != j.at("weight_map").end(); ++it)
-    by_shard[it.value().get<std::string>()].push_back(it.key());
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    LVX_CHECK(file.is_string(), index.string(), ": weight_map: '", name,
+              "' must name a shard file, got ", file.dump());
+    // Shards live in the checkpoint's own folder: "../x" or "/etc/x" is refused.
+    check_name_inside(file.get<std::string>(), index.string());
+    by_shard[file.get<std::string>()].push_back(name);
+  }
   for (const auto& [shard, names] : by_shard) {
     auto f = load_safetensors((fs::path(dir) / shard).string(), names);
     for (auto& [n, t] : f.tensors) out[n] = t;
