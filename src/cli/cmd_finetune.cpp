@@ -74,6 +74,7 @@ int cmd_finetune(int argc, char** argv) {
   p.add_option("config", 'c', "", "run YAML (configs/runs/finetune_tiny.yaml)", true);
   p.add_flag("resume", 'r', "continue from checkpoint.dir/latest (a fresh start when none)");
   p.add_option("nproc", 'n', "", "local ranks to start (default: parallel.nproc)");
+  lvx::cli::add_threads_option(p);
   if (!p.parse(static_cast<int>(args.size()), args.data())) return 0;
   lvx::runtime::FinetuneJob job;
   job.config = p.get("config");
@@ -82,7 +83,7 @@ int cmd_finetune(int argc, char** argv) {
   if (p.has("nproc") && !p.get("nproc").empty())
     job.overrides.push_back("parallel.nproc=" + p.get("nproc"));
   if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
-    return lvx::runtime::run_finetune_rank(job);
+    return lvx::cli::apply_threads(p), lvx::runtime::run_finetune_rank(job);
   // Bad input fails once, clearly, before ranks start and before anything is written.
   const lvx::runtime::TrainConfig cfg = lvx::runtime::validate_finetune_job(job);
   std::vector<std::string> cmd{lvx::dist::self_executable()};
