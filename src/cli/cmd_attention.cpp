@@ -6,6 +6,7 @@
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/attention_job.h"
 
@@ -55,9 +56,15 @@ int cmd_attention(int argc, char** argv) {
   }
 
   // Launcher: check everything cheap up front so that bad input fails once, clearly.
+  const int nproc = lvx::cli::checked_nproc(p);
+  lvx::cli::apply_threads(p, nproc);
+  // A FIFO or a directory is refused here; a missing file is named by the input's own check.
+  if (std::filesystem::exists(job.input))
+    lvx::check_regular_file(job.input, "input file (--input)");
+  lvx::check_output_path(job.output, "output file (--output)");
+  if (!job.stats.empty()) lvx::check_output_path(job.stats, "stats file (--stats)");
   const auto choice = lvx::attention::strategy_choice_from_name(job.strategy);
   const auto spec = lvx::runtime::validate_attention_input(job);
-  const int nproc = lvx::cli::checked_nproc(p);
   lvx::attention::make_strategy(choice.forward)->check_supported(spec, nproc);
   if (job.backward) lvx::attention::make_strategy(choice.backward)->check_supported(spec, nproc);
   std::vector<std::string> cmd{lvx::dist::self_executable()};

@@ -64,6 +64,7 @@ int cmd_forward(int argc, char** argv) {
     return lvx::runtime::run_forward_rank(job);
   }
   const int nproc = lvx::cli::checked_nproc(p);
+  lvx::cli::apply_threads(p, nproc);
   lvx::runtime::validate_forward_job(job);  // bad input fails once, clearly, before ranks start
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);

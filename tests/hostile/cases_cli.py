@@ -109,3 +109,20 @@ CASES = [
                     corrupt_video(c), "--question", "What?", "--num-frames", "2"],
          stderr=r"\[rank 1\].*corrupt\.mp4", check=not_on_stdout("corrupt.mp4"), timeout=120),
 ]
+
+CASES += [
+    Case("attention_input_fifo", lambda c: ["attention", "--input", c.fifo("in.safetensors"),
+                                            "--output", c.path("out.safetensors")],
+         stderr=r"input file \(--input\) '.*' is a FIFO", timeout=30),
+    Case("attention_stats_directory",
+         lambda c: ["attention", "--input", c.write("in.safetensors", b"x"), "--output",
+                    c.path("out.safetensors"), "--stats", c.dir],
+         stderr=r"stats file \(--stats\) '.*' is a directory"),
+    Case("forward_input_fifo", lambda c: ["forward", "--model", c.dir, "--input",
+                                          c.fifo("in.safetensors"), "--output", c.path("out")],
+         stderr=r"input file \(--input\) '.*' is a FIFO", timeout=30),
+    Case("forward_output_directory",
+         lambda c: ["forward", "--model", c.dir, "--input", c.write("in.safetensors", b"x"),
+                    "--output", c.dir],
+         stderr=r"output file \(--output\) '.*' is a directory"),
+]
