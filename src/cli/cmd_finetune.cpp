@@ -89,7 +89,7 @@ int cmd_finetune(int argc, char** argv) {
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::dist::LaunchOptions o;
-  o.nproc = static_cast<int>(cfg.parallel.nproc);
+  o.nproc = lvx::cli::check_nproc(cfg.parallel.nproc, false, "parallel.nproc (--nproc)");
   const bool bar = ::isatty(STDERR_FILENO);
   if (bar) o.env["LVX_FINETUNE_BAR"] = "1";
   std::atomic<bool> running{true};
