@@ -352,6 +352,26 @@ TEST(Launch, PrefixesOutputAndSetsVariables) {
                                      std::to_string(i) + " addr=127.0.0.1\n");
 }
 
+// Unless OMP_NUM_THREADS is set, each of N ranks gets the cores this process may use divided by N
+// threads, a single rank too (libtorch's own default counts the host's cores).
+TEST(Launch, RanksShareTheCoresBetweenThem) {
+  const char* saved = std::getenv("OMP_NUM_THREADS");
+  const std::string keep = saved ? saved : "";
+  ::unsetenv("OMP_NUM_THREADS");
+  const int cores = lvx::dist::available_cores();
+  EXPECT_GE(cores, 1);
+  for (int n : {1, 2}) {
+    lvx::dist::LaunchOptions o;
+    o.nproc = n;
+    o.capture = true;
+    auto r = lvx::dist::launch_local({"sh", "-c", "echo threads=$OMP_NUM_THREADS"}, o);
+    EXPECT_EQ(r.exit_code, 0);
+    for (int i = 0; i < n; ++i)
+      EXPECT_EQ(r.ranks[i].output, lvx::str("threads=", std::max(1, cores / n), "\n")) << n;
+  }
+  if (saved) ::setenv("OMP_NUM_THREADS", keep.c_str(), 1);
+}
+
 TEST(Launch, SimulatedNodesSetTheLocalVariables) {
   lvx::dist::LaunchOptions o;
   o.nproc = 4;

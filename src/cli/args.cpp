@@ -1,19 +1,15 @@
 #include "src/cli/args.h"
 
 #include <ATen/Parallel.h>
-#include <sched.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
-#include <limits>
 #include <sstream>
 
 #include "src/common/error.h"
+#include "src/dist/launcher.h"
 
 namespace lvx::cli {
 namespace {
@@ -196,24 +192,7 @@ std::string ArgParser::help() const {
   return os.str();
 }
 
-int available_cores() {
-  int cores = 0;
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
-  if (cores <= 0) cores = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
-  // A container's CPU quota (cgroup v2 "max 100000" / "200000 100000"): at most that many.
-  std::ifstream q("/sys/fs/cgroup/cpu.max");
-  std::string quota, period;
-  if (q >> quota >> period && quota != "max") {
-    try {
-      const double n = std::stod(quota) / std::stod(period);
-      if (n > 0) cores = std::min(cores, std::max(1, static_cast<int>(std::ceil(n))));
-    } catch (...) {
-      // Unreadable quota: the affinity count stands.
-    }
-  }
-  return std::max(1, cores);
-}
+int available_cores() { return dist::available_cores(); }
 
 void add_nproc_options(ArgParser& p, const std::string& default_value, const std::string& help) {
   p.add_option("nproc", 'n', default_value, help);

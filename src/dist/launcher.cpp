@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -12,8 +13,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 
 #include "src/common/error.h"
@@ -38,6 +41,25 @@ int relaunch_self_as_ranks(int nproc, int argc, char** argv) {
   for (const auto& rk : res.ranks)
     if (rk.rank == 0 || rk.exit_code != 0) std::cout << rk.output;
   return res.exit_code;
+}
+
+int available_cores() {
+  int cores = 0;
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+  if (cores <= 0) cores = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+  // A container's CPU quota (cgroup v2 "max 100000" / "200000 100000"): at most that many.
+  std::ifstream q("/sys/fs/cgroup/cpu.max");
+  std::string quota, period;
+  if (q >> quota >> period && quota != "max") {
+    try {
+      const double n = std::stod(quota) / std::stod(period);
+      if (n > 0) cores = std::min(cores, std::max(1, static_cast<int>(std::ceil(n))));
+    } catch (...) {
+      // Unreadable quota: the affinity count stands.
+    }
+  }
+  return std::max(1, cores);
 }
 
 int free_port() {
@@ -148,10 +170,10 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
       set("MASTER_PORT", std::to_string(port));
       // As torchrun does: ranks sharing a machine split its cores instead of each spinning up
       // one OpenMP thread per core (which oversubscribes and can be 30x slower).
-      if (!std::getenv("OMP_NUM_THREADS") && opts.nproc > 1) {
-        long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
-        set("OMP_NUM_THREADS", std::to_string(std::max<long>(1, cores / opts.nproc)));
-      }
+      // A single rank too: libtorch's own default counts the host's cores, not this process's
+      // share (affinity, cgroup quota), and oversubscribes a shared machine.
+      if (!std::getenv("OMP_NUM_THREADS"))
+        set("OMP_NUM_THREADS", std::to_string(std::max(1, available_cores() / opts.nproc)));
       for (const auto& [k, v] : opts.env) set(k, v);
       std::vector<char*> cargv;
       for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));

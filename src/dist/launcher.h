@@ -77,6 +77,11 @@ std::string self_executable();
 // any failing rank) and returns the launch's exit code; returns -1 when already a rank.
 int relaunch_self_as_ranks(int nproc, int argc, char** argv);
 
+// The cores this process may run on: its CPU affinity, bounded by a cgroup v2 CPU quota
+// (/sys/fs/cgroup/cpu.max). Ranks on one machine share them: each of N local ranks gets
+// available_cores() / N intra-op threads unless told otherwise (OMP_NUM_THREADS, --threads).
+int available_cores();
+
 // A TCP port on 127.0.0.1 that is free right now.
 int free_port();
 
