@@ -408,8 +408,11 @@ int run_qa_rank(const QaJob& job) {
   pg->barrier();
   if (r == 0) {
     if (job.overwrite && had_rows) {
-      fs::rename(job.output, job.output + ".old");
-      std::cerr << "lvx qa: --overwrite: the previous answers moved to " << job.output << ".old\n";
+      // Never over an earlier .old: the first free of .old, .old.1, .old.2, ...
+      std::string old = job.output + ".old";
+      for (int k = 1; fs::exists(old); ++k) old = str(job.output, ".old.", k);
+      fs::rename(job.output, old);
+      std::cerr << "lvx qa: --overwrite: the previous answers moved to " << old << "\n";
     }
     const std::string torn = repair_torn_jsonl(job.output);
     if (!torn.empty())
