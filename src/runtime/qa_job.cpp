@@ -48,6 +48,10 @@ std::string agree_on_error(dist::ProcessGroup& pg, const std::string& error) {
   return "";
 }
 
+// JSON text of a row. A question or path with invalid UTF-8 (JSON parsing keeps such bytes) is
+// written with U+FFFD in their place instead of failing the whole batch.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 // An id the tokenizer can decode. A model's embedding may have more rows than the tokenizer has
 // tokens (padding, as Qwen's): a sampled or --ignore-stop id among them has no text (dropped, as
 // tokenizers' decode does) instead of failing the answer.
@@ -130,8 +134,15 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
   }
   const double video_s = since(t_start);
   const int64_t m = frames.report.sampled_total;
-  const PromptTokens prompt = build_prompt(cx.model.family(), cx.tok, question_text(item), m);
-  // Every rank built the same prompt: all of them skip a question that does not fit together.
+  // Every rank builds the same prompt: all of them skip a question that cannot be tokenized
+  // (invalid UTF-8) or does not fit together.
+  PromptTokens prompt;
+  try {
+    prompt = build_prompt(cx.model.family(), cx.tok, question_text(item), m);
+  } catch (const Error& e) {
+    row["error"] = e.what();
+    return row;
+  }
   const int64_t prompt_len = static_cast<int64_t>(prompt.ids.size());
   if (cx.context > 0 && prompt_len >= cx.context) {
     row["error"] = str("the prompt has ", prompt_len, " tokens (", m,
@@ -267,8 +278,8 @@ bool check_output_settings(const QaJob& job, const json& now) {
     const json a = before.is_object() && before.contains(k) ? before[k] : json();
     const json b = now.contains(k) ? now[k] : json();
     if (a != b)
-      diff += str(diff.empty() ? "" : "; ", k, " ", a.is_null() ? "unset" : a.dump(), " there, ",
-                  b.is_null() ? "unset" : b.dump(), " now");
+      diff += str(diff.empty() ? "" : "; ", k, " ", a.is_null() ? "unset" : dump(a), " there, ",
+                  b.is_null() ? "unset" : dump(b), " now");
   }
   LVX_CHECK(diff.empty(), "answers file '", job.output, "' was written with other settings (", sp,
             "): ", diff,
@@ -281,7 +292,7 @@ void write_settings(const std::string& output, const json& settings) {
   const std::string sp = settings_path(output), tmp = sp + ".tmp";
   {
     std::ofstream f(tmp, std::ios::trunc);
-    f << settings.dump(2) << "\n";
+    f << settings.dump(2, ' ', false, json::error_handler_t::replace) << "\n";
     f.flush();
     LVX_CHECK(f.good(), "cannot write '", tmp, "'");
   }
@@ -391,7 +402,7 @@ int run_qa_rank(const QaJob& job) {
     item.options = job.options;
     const json row = answer(cx, item, /*stream=*/!job.json);
     LVX_CHECK(!row.contains("error"), row["error"].get<std::string>());
-    if (r == 0 && job.json) std::cout << row.dump() << std::endl;
+    if (r == 0 && job.json) std::cout << dump(row) << std::endl;
     if (r == 0 && !job.json)
       std::cerr << "[qa] " << row["frames"] << " frames on " << pg->world_size()
                 << " ranks, time to first token " << row["timings"]["ttft_s"] << " s, "
@@ -452,10 +463,10 @@ int run_qa_rank(const QaJob& job) {
       }
     }
     if (r == 0) {
-      out << row.dump() << "\n" << std::flush;
+      out << dump(row) << "\n" << std::flush;
       std::cerr << "[qa " << i + 1 << "/" << lines.size() << "] " << l.item.id << ": "
                 << (row.contains("error") ? "error: " + row["error"].get<std::string>()
-                                          : row["response"].dump())
+                                          : dump(row["response"]))
                 << (row.contains("correct")
                         ? (row["correct"].get<bool>() ? " (correct)" : " (wrong)")
                         : "")

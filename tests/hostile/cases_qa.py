@@ -210,3 +210,23 @@ def fifo_config(ctx):
     os.remove(os.path.join(d, "config.json"))
     os.mkfifo(os.path.join(d, "config.json"))
     return d
+
+
+def bad_utf8_question(ctx):
+    q = ctx.write("q.jsonl", b'{"id": "bad", "video": "' + ctx.clip().encode() +
+                  b'", "question": "caf\\udcff?"}\n' +
+                  b'{"id": "raw", "video": "' + ctx.clip().encode() + b'", "question": "caf\xff"}\n' +
+                  json.dumps({"id": "ok", "video": ctx.clip(), "question": "What?"}).encode() + b"\n")
+    return qa(ctx, "--questions", q, "--output", ctx.path("answers.jsonl"), "--num-frames", "2")
+
+
+def others_still_answered(ctx, res):
+    got = {r["id"]: r for r in rows(ctx.path("answers.jsonl"))}
+    assert "response" in got["ok"], got
+    assert all("error" in got[k] for k in got if k != "ok"), got
+
+
+CASES += [
+    Case("question_not_utf8_is_a_row_error", bad_utf8_question, rc=0, stderr=r"answered 1, failed 2",
+         check=others_still_answered, timeout=120),
+]
