@@ -95,6 +95,7 @@ void validate_forward_job(const ForwardJob& job) {
   // A known family, from config.json alone: the ranks read the weights, once.
   LVX_CHECK(fs::is_directory(job.model), job.model, ": not a directory (expected a checkpoint ",
             "directory with config.json and model.safetensors)");
+  check_model_files(job.model);
   planner_model(job.model);
   if (job.strategies != "auto") explicit_strategies(job.strategies, 1);
 }

@@ -319,6 +319,15 @@ json qa_settings(const QaJob& job) {
           {"seed", sampling ? json(job.generation.sampling.seed) : json()}};
 }
 
+void check_model_files(const std::string& model_dir) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(model_dir, ec)) {
+    const std::string ext = e.path().extension().string();
+    if (ext == ".safetensors" || ext == ".json" || ext == ".bin")
+      check_regular_file(e.path().string(), "model file");
+  }
+}
+
 int64_t model_context_length(const std::string& model_dir) {
   const json c =
       read_json_file((fs::path(model_dir) / "config.json").string(), "model config", 64 << 20);
@@ -341,6 +350,7 @@ void validate_qa_job(const QaJob& job) {
   LVX_CHECK(fs::is_directory(job.model), job.model,
             ": not a directory (expected a checkpoint directory with config.json)");
   check_regular_file((fs::path(job.model) / "config.json").string(), "model config");
+  check_model_files(job.model);
   planner_model(job.model);  // config.json names a known family
   LVX_CHECK(fs::exists(fs::path(job.model) / "tokenizer.json"), job.model,
             ": has no tokenizer.json (lvx qa builds the prompt with it)");

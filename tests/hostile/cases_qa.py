@@ -230,3 +230,17 @@ CASES += [
     Case("question_not_utf8_is_a_row_error", bad_utf8_question, rc=0, stderr=r"answered 1, failed 2",
          check=others_still_answered, timeout=120),
 ]
+
+
+def fifo_weights(ctx):
+    d = ctx.copy_model(ctx.mplug())
+    os.remove(os.path.join(d, "model.safetensors"))
+    os.mkfifo(os.path.join(d, "model.safetensors"))
+    return d
+
+
+CASES += [
+    Case("model_weights_are_a_fifo",
+         lambda c: qa(c, "--video", c.clip(), "--question", "What?", model=fifo_weights(c)),
+         stderr=r"model file '.*model\.safetensors' is a FIFO", timeout=30),
+]
