@@ -352,6 +352,26 @@ TEST(Launch, PrefixesOutputAndSetsVariables) {
                                      std::to_string(i) + " addr=127.0.0.1\n");
 }
 
+// Unless OMP_NUM_THREADS is set, each of N ranks gets the cores this process may use divided by N
+// threads, a single rank too (libtorch's own default counts the host's cores).
+TEST(Launch, RanksShareTheCoresBetweenThem) {
+  const char* saved = std::getenv("OMP_NUM_THREADS");
+  const std::string keep = saved ? saved : "";
+  ::unsetenv("OMP_NUM_THREADS");
+  const int cores = lvx::dist::available_cores();
+  EXPECT_GE(cores, 1);
+  for (int n : {1, 2}) {
+    lvx::dist::LaunchOptions o;
+    o.nproc = n;
+    o.capture = true;
+    auto r = lvx::dist::launch_local({"sh", "-c", "echo threads=$OMP_NUM_THREADS"}, o);
+    EXPECT_EQ(r.exit_code, 0);
+    for (int i = 0; i < n; ++i)
+      EXPECT_EQ(r.ranks[i].output, lvx::str("threads=", std::max(1, cores / n), "\n")) << n;
+  }
+  if (saved) ::setenv("OMP_NUM_THREADS", keep.c_str(), 1);
+}
+
 TEST(Launch, SimulatedNodesSetTheLocalVariables) {
   lvx::dist::LaunchOptions o;
   o.nproc = 4;
@@ -393,6 +413,34 @@ TEST(Launch, CliExitCodeAndStopsOthers) {
   std::string out(buf, n);
   EXPECT_NE(out.find("[rank 0] hello"), std::string::npos) << out;
   EXPECT_NE(out.find("[rank 1] hello"), std::string::npos) << out;
+}
+
+// Each rank's stderr reaches the launcher's stderr and its stdout the launcher's stdout (both
+// prefixed), so that `lvx qa ... > answer.txt` never hides a rank's error in the answer file.
+TEST(Launch, CliKeepsEachRanksStreamsApart) {
+  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  if (::access(lvx.c_str(), X_OK) != 0) GTEST_SKIP() << "lvx executable not built";
+  const std::string out_path = "/tmp/lvx_launch_streams_out.txt";
+  const std::string err_path = "/tmp/lvx_launch_streams_err.txt";
+  const int rc = std::system((lvx + " launch --nproc 2 -- sh -c 'echo result$RANK; echo " +
+                              "problem$RANK >&2' > " + out_path + " 2> " + err_path)
+                                 .c_str());
+  EXPECT_EQ(WEXITSTATUS(rc), 0);
+  auto slurp = [](const std::string& path) {
+    std::FILE* f = std::fopen(path.c_str(), "r");
+    if (!f) return std::string();
+    char buf[4096] = {0};
+    const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+    std::fclose(f);
+    return std::string(buf, n);
+  };
+  const std::string out = slurp(out_path), err = slurp(err_path);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(out.find(lvx::str("[rank ", r, "] result", r)), std::string::npos) << out;
+    EXPECT_NE(err.find(lvx::str("[rank ", r, "] problem", r)), std::string::npos) << err;
+  }
+  EXPECT_EQ(out.find("problem"), std::string::npos) << out;
+  EXPECT_EQ(err.find("result"), std::string::npos) << err;
 }
 
 // Rank 0 ends; the others never do (stuck outside any communication). The launch stops them

@@ -132,13 +132,36 @@ INSTANTIATE_TEST_SUITE_P(Colour, VideoColourTest,
                          [](const auto& i) { return i.param.name; });
 
 TEST(VideoColour, WrongMatrixWouldBeDetected) {
-  // The same colour through BT.601 and BT.709 coefficients: the difference the test above
-  // relies on (so a decoder ignoring the matrix fails it). Computed from the standards.
-  const double r = 0x30 / 255.0, g = 0xA0 / 255.0, b = 0xE0 / 255.0;
-  const double y709 = 0.2126 * r + 0.7152 * g + 0.0722 * b;
-  const double cr709 = (r - y709) / 1.5748;
-  const double r_as_601 = y709 + 1.402 * cr709;  // 709 data read with 601's Cr→R gain
-  EXPECT_GT(std::abs(r_as_601 - r) * 255, 3.0);
+  // Decoded, not computed: the flat colour converted to YUV with one matrix and range but tagged
+  // with another, so the decoder (which honours the tag) converts back with the wrong one. Each
+  // mismatch must land beyond the 3-level tolerance FlatColourSurvivesMatrixAndRange uses, so a
+  // decoder ignoring the matrix or the range fails that test; the correctly tagged clip stays
+  // within it.
+  const int rgb[3] = {0x30, 0xA0, 0xE0};
+  auto worst_error = [&](const std::string& name, const std::string& matrix,
+                         const std::string& range, const std::string& tag_matrix,
+                         const std::string& tag_range) {
+    const std::string path =
+        make_video("colour_tag_" + name + ".mkv", "color=c=0x30A0E0:size=32x32:rate=5:duration=1",
+                   "-vf scale=out_color_matrix=" + matrix + ":out_range=" + range +
+                       ",format=yuv444p -c:v libx264 -qp 0 -colorspace " + tag_matrix +
+                       " -color_range " + tag_range);
+    VideoDecoder dec(path);
+    DecodedFrame f;
+    std::string why;
+    EXPECT_TRUE(dec.decode_frame(2, &f, &why)) << why;
+    int worst = 0;
+    for (int64_t p = 0; p < static_cast<int64_t>(f.rgb.total()); ++p)
+      for (int ch = 0; ch < 3; ++ch)
+        worst = std::max(worst, std::abs(int(f.rgb.data[3 * p + ch]) - rgb[ch]));
+    return worst;
+  };
+  EXPECT_LE(worst_error("right", "bt709", "tv", "bt709", "tv"), 3);
+  // BT.709 data read as BT.601 (smpte170m), and the other way round.
+  EXPECT_GT(worst_error("709_as_601", "bt709", "tv", "smpte170m", "tv"), 3);
+  EXPECT_GT(worst_error("601_as_709", "bt601", "tv", "bt709", "tv"), 3);
+  // Limited-range data read as full range.
+  EXPECT_GT(worst_error("tv_as_pc", "bt709", "tv", "bt709", "pc"), 3);
 }
 
 // Rotation: a remux with the "rotate" tag makes ffmpeg 5.1's mov muxer write a display matrix;

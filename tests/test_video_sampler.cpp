@@ -130,7 +130,8 @@ TEST(VideoSampler, ShardsAreContiguousBalancedAndCoverEverythingOnce) {
         EXPECT_EQ(b, next) << "m " << m << " n " << n << " r " << r;  // no gap, no overlap
         EXPECT_LE(e - b, m / n + 1);
         EXPECT_GE(e - b, m / n);
-        EXPECT_EQ(e - b, m / n + (r < m % n ? 1 : 0));  // the model's key layout: first ranks larger
+        EXPECT_EQ(e - b,
+                  m / n + (r < m % n ? 1 : 0));  // the model's key layout: first ranks larger
         next = e;
       }
       EXPECT_EQ(next, m);
@@ -166,6 +167,39 @@ TEST(VideoSampler, BadSpecsAreErrorsThatSayWhy) {
   EXPECT_EQ(round_div_half_even(5, 2), 2);
   EXPECT_EQ(round_div_half_even(7, 2), 4);
   EXPECT_EQ(round_div_half_even(8, 3), 3);
+}
+
+// More samples than the range can give (kMaxSamplesPerFrame per frame in it) are refused before
+// a vector of them is built: --num-frames 1e9 or --fps 1e9 must not allocate gigabytes.
+TEST(VideoSampler, CountsBeyondWhatTheRangeHoldsAreRefused) {
+  const Timeline tl = cfr(30, 10);  // 3 s, 30 frames
+  auto message = [&](const SampleSpec& spec) {
+    try {
+      sample_frames(tl, spec);
+    } catch (const lvx::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  SampleSpec many;
+  many.num_frames = 1000000000;
+  EXPECT_NE(message(many).find("num_frames 1000000000 is more than the range [0, 3) s can give: "
+                               "it holds 30 frames"),
+            std::string::npos)
+      << message(many);
+  SampleSpec fast;
+  fast.fps = 1e9;
+  EXPECT_NE(message(fast).find("lower the fps"), std::string::npos) << message(fast);
+  // Up to the bound, frames repeat as documented.
+  many.num_frames = kMaxSamplesPerFrame * 30;
+  EXPECT_EQ(sample_frames(tl, many).indices.size(), static_cast<size_t>(kMaxSamplesPerFrame * 30));
+  fast.fps = 10.0 * kMaxSamplesPerFrame;
+  EXPECT_EQ(sample_frames(tl, fast).indices.size(), static_cast<size_t>(kMaxSamplesPerFrame * 30));
+  // A range of one frame still allows a few repeats of it.
+  many.num_frames = 4;
+  many.start = 1.0;
+  many.end = 1.05;
+  EXPECT_EQ(sample_frames(tl, many).indices, (std::vector<int64_t>{10, 10, 10, 10}));
 }
 
 }  // namespace

@@ -47,7 +47,8 @@ std::string or_unknown(const char* s) { return s ? s : "unknown"; }
 
 VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options)
     : options_(options) {
-  LVX_CHECK(options.threads >= 0, "decoder threads must be >= 0 (0 = FFmpeg auto), got ",
+  LVX_CHECK(options.threads >= 0 && options.threads <= kMaxDecodeThreads,
+            "decoder threads must be in [0, ", kMaxDecodeThreads, "] (0 = FFmpeg auto), got ",
             options.threads);
   // FFmpeg's own warnings ("partial file", alignment notes) would interleave with ours; every
   // problem that matters reaches the caller as an lvx::Error or a DecodeReport entry instead.
@@ -56,6 +57,10 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
   struct stat st_buf {};
   LVX_CHECK(::stat(path.c_str(), &st_buf) == 0, "video '", path, "': no such file");
   LVX_CHECK(!S_ISDIR(st_buf.st_mode), "video '", path, "': is a directory, not a video file");
+  // A FIFO or a device would block FFmpeg's open or never end: only regular files are videos.
+  LVX_CHECK(S_ISREG(st_buf.st_mode), "video '", path, "': is ",
+            S_ISFIFO(st_buf.st_mode) ? "a FIFO" : "not a regular file (a device or a socket)",
+            ", not a video file");
   LVX_CHECK(st_buf.st_size > 0, "video '", path, "': the file is empty");
   fmt_ = open_input(path);
   const AVCodec* codec = nullptr;

@@ -1,6 +1,8 @@
 // Decoder thread → bounded queue → preprocessing into the output batch (see pipeline.h).
 #include "video/pipeline.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <exception>
 #include <iomanip>
@@ -8,6 +10,7 @@
 #include <sstream>
 #include <thread>
 
+#include "src/common/error.h"
 #include "video/bounded_queue.h"
 #include "video/preprocess.h"
 #include "video/sampler.h"
@@ -34,6 +37,14 @@ std::string describe(const FrameIndex& index, int64_t i) {
 
 FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const ShardSpec& shard,
                         const PreprocessConfig& preprocess, const DecodeOptions& options) {
+  LVX_CHECK(options.queue_capacity >= 1 && options.queue_capacity <= kMaxQueueCapacity,
+            "decode queue capacity must be in [1, ", kMaxQueueCapacity, "], got ",
+            options.queue_capacity);
+  LVX_CHECK(options.preprocess_threads >= 1 && options.preprocess_threads <= kMaxDecodeThreads,
+            "preprocess threads must be in [1, ", kMaxDecodeThreads, "], got ",
+            options.preprocess_threads);
+  LVX_CHECK(preprocess.image_size <= kMaxImageSize, "preprocessing size ", preprocess.image_size,
+            " is larger than ", kMaxImageSize, " pixels a side");
   VideoDecoder decoder(path, options);
   const FrameIndex& index = decoder.index();
   FrameBatch batch;
@@ -47,7 +58,11 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
     report.events.push_back("container truncated: " + index.truncation_reason +
                             "; sampling the readable part");
   }
-  const SampledFrames sampled = sample_frames(index.timeline(), spec);
+  const Timeline timeline = index.timeline();
+  if (spec.end && *spec.end > timeline.end + kTimeEpsilon)
+    report.events.push_back(str("end ", *spec.end, " s is past the end of the video (",
+                                timeline.end, " s): sampling up to the end"));
+  const SampledFrames sampled = sample_frames(timeline, spec);
   report.sampled_total = static_cast<int64_t>(sampled.indices.size());
   std::tie(report.shard_begin, report.shard_end) = shard_range(report.sampled_total, shard);
   const std::vector<int64_t> wanted(sampled.indices.begin() + report.shard_begin,
@@ -57,6 +72,15 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
   targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
 
   const auto [out_h, out_w] = preprocessed_size(preprocess, batch.info.height, batch.info.width);
+  // The output is allocated at once: refuse what this machine cannot hold (a huge --size).
+  const double out_bytes = static_cast<double>(n) * 3.0 * static_cast<double>(out_h) *
+                           static_cast<double>(out_w) * (preprocess.normalize ? 4.0 : 1.0);
+  const double ram =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  LVX_CHECK(ram <= 0 || out_bytes <= ram / 2, "video '", path, "': ", n, " frames of 3 x ", out_h,
+            " x ", out_w, " need ", out_bytes / (1 << 20),
+            " MiB, more than half of this machine's ", ram / (1 << 20),
+            " MiB: sample fewer frames or a smaller size");
   batch.frames = at::empty({n, 3, out_h, out_w}, preprocess.normalize ? at::kFloat : at::kByte);
   // wanted is sorted, so distinct target u fills output positions [span[u], span[u + 1]).
   std::vector<int64_t> span(targets.size() + 1, n);

@@ -31,10 +31,24 @@ SampledFrames sample_frames(const Timeline& tl, const SampleSpec& spec) {
   LVX_CHECK(start < tl.end, "sampling: start ", start, " s is at or past the end of the video (",
             tl.end, " s)");
   LVX_CHECK(start < end, "sampling: start ", start, " s must be before end ", end, " s");
+  LVX_CHECK(std::isfinite(start) && std::isfinite(end), "sampling: start and end must be finite");
+  // Frames whose display starts in the range: what any sampling of it can give.
+  const int64_t first = std::max<int64_t>(0, played_at(tl, start));
+  const int64_t last =
+      static_cast<int64_t>(std::lower_bound(tl.pts.begin(), tl.pts.end(), end - kTimeEpsilon) -
+                           tl.pts.begin()) -
+      1;
+  const int64_t in_range = std::max<int64_t>(1, last - first + 1);
+  const int64_t most = kMaxSamplesPerFrame * in_range;
   SampledFrames out;
   if (spec.fps) {
     const double fps = *spec.fps;
     LVX_CHECK(fps > 0 && std::isfinite(fps), "sampling: fps must be > 0, got ", fps);
+    const double count = (end - start) * fps;
+    LVX_CHECK(count <= static_cast<double>(most), "sampling: fps ", fps, " over [", start, ", ",
+              end, ") s asks for about ", count, " frames, but the range holds ", in_range,
+              " frame", in_range == 1 ? "" : "s", " (at most ", kMaxSamplesPerFrame,
+              " samples per frame, ", most, "): lower the fps");
     for (int64_t k = 0;; ++k) {
       const double t = start + static_cast<double>(k) / fps;
       // With slack: start + k / fps written in doubles must not reach a frame at the end.
@@ -47,13 +61,11 @@ SampledFrames sample_frames(const Timeline& tl, const SampleSpec& spec) {
   }
   const int64_t n = *spec.num_frames;
   LVX_CHECK(n >= 1, "sampling: num_frames must be >= 1, got ", n);
-  const int64_t first = std::max<int64_t>(0, played_at(tl, start));
-  // Last frame whose pts < end: one before the first frame with pts >= end.
-  const int64_t last =
-      static_cast<int64_t>(std::lower_bound(tl.pts.begin(), tl.pts.end(), end - kTimeEpsilon) -
-                           tl.pts.begin()) -
-      1;
+  // last: the last frame whose pts < end (one before the first frame with pts >= end).
   LVX_CHECK(last >= first, "sampling: no frame starts in [", start, ", ", end, ") s");
+  LVX_CHECK(n <= most, "sampling: num_frames ", n, " is more than the range [", start, ", ", end,
+            ") s can give: it holds ", in_range, " frame", in_range == 1 ? "" : "s", " (at most ",
+            kMaxSamplesPerFrame, " samples per frame, ", most, ")");
   for (int64_t k = 0; k < n; ++k) {
     const int64_t idx = n == 1 ? first : first + round_div_half_even(k * (last - first), n - 1);
     out.indices.push_back(idx);

@@ -49,7 +49,8 @@ struct SampledFrames {
 };
 
 // Applies the rules above. Throws lvx::Error for an invalid spec (both or neither of fps and
-// num_frames, fps <= 0, N < 1, start >= end, start past the stream end, an empty range).
+// num_frames, fps <= 0, N < 1, start >= end, start past the stream end, an empty range), and,
+// before allocating, for more samples than kMaxSamplesPerFrame per frame of the range.
 SampledFrames sample_frames(const Timeline& tl, const SampleSpec& spec);
 
 // Positions [begin, end) of `count` sampled frames that rank `shard.rank` of `shard.world` takes.

@@ -19,6 +19,11 @@ enum class CorruptPolicy {
 CorruptPolicy parse_corrupt_policy(const std::string& s);  // "error" | "skip" | "repeat"
 const char* to_string(CorruptPolicy p);
 
+// Bounds of the thread and queue counts below: far above any useful value, low enough that a
+// typo (100000) is an error instead of a failed thread creation or a queue of huge frames.
+constexpr int kMaxDecodeThreads = 256;
+constexpr int kMaxQueueCapacity = 1024;
+
 struct DecodeOptions {
   // libavcodec threads. 1 is best when many decoders run side by side (one per rank/worker);
   // 0 lets FFmpeg choose (one per core). Explicit on purpose: see torchcodec #1639, #715.
@@ -43,6 +48,12 @@ struct SampleSpec {
   std::optional<double> start;        // default: 0, the first frame
   std::optional<double> end;          // exclusive; default: the end of the last frame
 };
+
+// At most this many sampled positions per frame of the range (fps above the source rate and N
+// above the range's frame count repeat frames): more is refused before anything is allocated.
+constexpr int64_t kMaxSamplesPerFrame = 64;
+// Largest output side of preprocessing (PreprocessConfig::image_size).
+constexpr int64_t kMaxImageSize = 8192;
 
 // Rank r of `world` takes a contiguous share of the sampled frames (see sampler.h).
 struct ShardSpec {

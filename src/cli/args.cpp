@@ -1,11 +1,15 @@
 #include "src/cli/args.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
 
 #include "src/common/error.h"
+#include "src/dist/launcher.h"
 
 namespace lvx::cli {
 namespace {
@@ -111,28 +115,47 @@ std::string ArgParser::get(const std::string& name) const {
   return it != values_.end() ? it->second : s->default_value;
 }
 
-int64_t ArgParser::get_int(const std::string& name) const {
-  const std::string v = get(name);
+namespace {
+
+// Strict integer: the whole text, within int64 (std::stoll's out_of_range named as such).
+int64_t parse_int(const std::string& name, const std::string& v) {
+  size_t pos = 0;
+  int64_t x = 0;
   try {
-    size_t pos = 0;
-    int64_t x = std::stoll(v, &pos);
-    LVX_CHECK(pos == v.size(), "");
-    return x;
+    x = std::stoll(v, &pos);
+  } catch (const std::out_of_range&) {
+    LVX_FAIL("--", name, " is out of range: '", v, "' does not fit a 64-bit integer");
   } catch (...) {
     LVX_FAIL("--", name, " expects an integer, got '", v, "'");
   }
+  LVX_CHECK(pos == v.size(), "--", name, " expects an integer, got '", v, "'");
+  return x;
+}
+
+}  // namespace
+
+int64_t ArgParser::get_int(const std::string& name) const { return parse_int(name, get(name)); }
+
+int64_t ArgParser::get_int(const std::string& name, int64_t lo, int64_t hi) const {
+  const int64_t x = get_int(name);
+  LVX_CHECK(x >= lo && x <= hi, "--", name, " must be in [", lo, ", ", hi, "], got ", x);
+  return x;
 }
 
 double ArgParser::get_double(const std::string& name) const {
   const std::string v = get(name);
+  size_t pos = 0;
+  double x = 0;
   try {
-    size_t pos = 0;
-    double x = std::stod(v, &pos);
-    LVX_CHECK(pos == v.size(), "");
-    return x;
+    x = std::stod(v, &pos);
+  } catch (const std::out_of_range&) {
+    LVX_FAIL("--", name, " is out of range: '", v, "' does not fit a double");
   } catch (...) {
     LVX_FAIL("--", name, " expects a number, got '", v, "'");
   }
+  LVX_CHECK(pos == v.size(), "--", name, " expects a number, got '", v, "'");
+  LVX_CHECK(std::isfinite(x), "--", name, " expects a finite number, got '", v, "'");
+  return x;
 }
 
 bool ArgParser::flag(const std::string& name) const { return !get(name).empty(); }
@@ -145,9 +168,9 @@ std::vector<int64_t> ArgParser::get_int_list(const std::string& name) const {
   std::vector<int64_t> out;
   for (const auto& s : get_list(name)) {
     try {
-      out.push_back(std::stoll(s));
-    } catch (...) {
-      LVX_FAIL("--", name, " expects a comma list of integers, got '", get(name), "'");
+      out.push_back(parse_int(name, s));
+    } catch (const Error&) {
+      LVX_FAIL("--", name, " expects a comma list of 64-bit integers, got '", get(name), "'");
     }
   }
   return out;
@@ -167,6 +190,53 @@ std::string ArgParser::help() const {
   }
   os << "  -h, --help                  show this help\n";
   return os.str();
+}
+
+int available_cores() { return dist::available_cores(); }
+
+void add_nproc_options(ArgParser& p, const std::string& default_value, const std::string& help) {
+  p.add_option("nproc", 'n', default_value, help);
+  p.add_flag(
+      "force-nproc", 0,
+      str("start --nproc ranks even beyond ", kMaxRanksPerCore, " per core of this machine"));
+}
+
+int check_nproc(int64_t n, bool force, const std::string& what) {
+  LVX_CHECK(n >= 1, what, " must be >= 1, got ", n);
+  const int cores = available_cores();
+  const int64_t most = int64_t{kMaxRanksPerCore} * cores;
+  LVX_CHECK(n <= most || (force && n <= 65536), what, " ", n, " is more than ", kMaxRanksPerCore,
+            " ranks per core of this machine (", cores, " cores: at most ", most,
+            "); pass --force-nproc to start them anyway");
+  return static_cast<int>(n);
+}
+
+int checked_nproc(const ArgParser& p) {
+  return check_nproc(p.get_int("nproc"), p.flag("force-nproc"));
+}
+
+void add_threads_option(ArgParser& p) {
+  p.add_option("threads", 0, "auto",
+               "intra-op threads per rank (auto: OMP_NUM_THREADS when set, else cores / local "
+               "ranks)");
+}
+
+int apply_threads(const ArgParser& p, int local_ranks) {
+  const int cores = available_cores();
+  int threads = 0;
+  if (p.get("threads") != "auto") {
+    threads = static_cast<int>(p.get_int("threads", 1, 4096));
+  } else if (const char* env = std::getenv("OMP_NUM_THREADS"); env && std::atoi(env) > 0) {
+    threads = std::min(4096, std::atoi(env));
+  } else {
+    if (const char* l = std::getenv("LOCAL_WORLD_SIZE"); l && std::atoi(l) > 0)
+      local_ranks = std::atoi(l);
+    else if (const char* o = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); o && std::atoi(o) > 0)
+      local_ranks = std::atoi(o);
+    threads = std::max(1, cores / std::max(1, local_ranks));
+  }
+  at::set_num_threads(threads);
+  return threads;
 }
 
 }  // namespace lvx::cli

@@ -27,7 +27,10 @@ class ArgParser {
 
   bool has(const std::string& name) const;  // given on the command line, env, or has a default
   std::string get(const std::string& name) const;
+  // Integers must fit int64 (an error naming the flag otherwise); the bounded form also checks
+  // lo <= value <= hi. Numbers must be finite: nan and inf are refused for every flag.
   int64_t get_int(const std::string& name) const;
+  int64_t get_int(const std::string& name, int64_t lo, int64_t hi) const;
   double get_double(const std::string& name) const;
   bool flag(const std::string& name) const;
   std::vector<int64_t> get_int_list(const std::string& name) const;  // "1,2,4"
@@ -50,5 +53,25 @@ class ArgParser {
   std::map<std::string, std::string> values_;
   std::vector<std::string> rest_;
 };
+
+// Ranks and threads, one rule for every command that computes.
+//
+// --nproc: at most kMaxRanksPerCore × the cores this process may use (a typo such as 1000 would
+// start 1000 ranks); --force-nproc lifts the bound. Declared by add_nproc_options (with the
+// command's own default and help), read by checked_nproc.
+constexpr int kMaxRanksPerCore = 4;
+void add_nproc_options(ArgParser& p, const std::string& default_value, const std::string& help);
+int checked_nproc(const ArgParser& p);
+// The same bound for a rank count from elsewhere (a config file): `what` names it.
+int check_nproc(int64_t n, bool force, const std::string& what = "--nproc");
+
+// --threads: intra-op (libtorch) threads of each rank; default "auto" = cores ÷ local ranks, for
+// one rank too (libtorch's own default oversubscribes a shared machine), or OMP_NUM_THREADS when
+// set. apply_threads sets them in this process: on a rank LOCAL_WORLD_SIZE counts the local
+// ranks, in a launcher `local_ranks`. Returns the count.
+void add_threads_option(ArgParser& p);
+int apply_threads(const ArgParser& p, int local_ranks = 1);
+// The cores this process may run on (CPU affinity, bounded by a cgroup CPU quota).
+int available_cores();
 
 }  // namespace lvx::cli

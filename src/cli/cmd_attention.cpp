@@ -6,6 +6,7 @@
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/attention_job.h"
 
@@ -28,7 +29,8 @@ int cmd_attention(int argc, char** argv) {
   p.add_option("strategy", 's', "lv_xattn",
                "lv_xattn | ring | striped | ulysses | all_gather | distflash (causal "
                "self-attention) | F+B (a pair)");
-  p.add_option("nproc", 'n', "1", "number of local ranks to start");
+  lvx::cli::add_nproc_options(p, "1", "number of local ranks to start");
+  lvx::cli::add_threads_option(p);
   p.add_option("input", 'i', "", "input safetensors file", true);
   p.add_option("output", 'o', "", "output safetensors file (written atomically)", true);
   p.add_option("mask", 'm', "none", "none | causal | media_immediate | media_upto");
@@ -45,15 +47,24 @@ int cmd_attention(int argc, char** argv) {
   job.backward = p.flag("backward");
   job.stats = p.get("stats");
   job.scale = p.get_double("scale");
-  job.repeat = static_cast<int>(p.get_int("repeat"));
+  LVX_CHECK(job.scale >= 0, "--scale must be >= 0 (0: 1/sqrt(head_dim)), got ", job.scale);
+  job.repeat = static_cast<int>(p.get_int("repeat", 1, 1000000));
 
-  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
+  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
+    lvx::cli::apply_threads(p);
     return lvx::runtime::run_attention_rank(job);
+  }
 
   // Launcher: check everything cheap up front so that bad input fails once, clearly.
+  const int nproc = lvx::cli::checked_nproc(p);
+  lvx::cli::apply_threads(p, nproc);
+  // A FIFO or a directory is refused here; a missing file is named by the input's own check.
+  if (std::filesystem::exists(job.input))
+    lvx::check_regular_file(job.input, "input file (--input)");
+  lvx::check_output_path(job.output, "output file (--output)");
+  if (!job.stats.empty()) lvx::check_output_path(job.stats, "stats file (--stats)");
   const auto choice = lvx::attention::strategy_choice_from_name(job.strategy);
   const auto spec = lvx::runtime::validate_attention_input(job);
-  const int nproc = static_cast<int>(p.get_int("nproc"));
   lvx::attention::make_strategy(choice.forward)->check_supported(spec, nproc);
   if (job.backward) lvx::attention::make_strategy(choice.backward)->check_supported(spec, nproc);
   std::vector<std::string> cmd{lvx::dist::self_executable()};

@@ -12,6 +12,7 @@
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/dist/launcher.h"
 #include "src/planner/calibrate.h"
 
@@ -49,7 +50,9 @@ int comm_worker(const std::string& out, int64_t max_bytes, const std::string& de
       lvx::planner::measure_collective_after_compute(*pg, dev, std::max(reps, 9), 0.01);
   if (pg->rank() == 0) {
     std::ofstream f(out);
-    f << nlohmann::json{{"sizes", sizes}, {"seconds", sec}, {"collective_after_compute", collective}}
+    f << nlohmann::json{{"sizes", sizes},
+                        {"seconds", sec},
+                        {"collective_after_compute", collective}}
              .dump()
       << "\n";
     LVX_CHECK(f.good(), "calibrate worker: cannot write '", out, "'");
@@ -64,7 +67,8 @@ int cmd_calibrate(int argc, char** argv) {
       "Measure this machine's attention throughput (forward, backward) and matmul throughput per\n"
       "dtype, and the latency and bandwidth of a ring step between N local ranks, and write a\n"
       "cluster config for `lvx plan`. One machine: intra_node is measured, inter_node repeats it.");
-  p.add_option("nproc", 'n', "2", "local ranks for the communication sweep");
+  lvx::cli::add_nproc_options(p, "2", "local ranks for the communication sweep");
+  lvx::cli::add_threads_option(p);
   p.add_option("device", 'd', "cpu", "cpu, or cuda (one GPU per rank)");
   p.add_option("name", 0, "local", "name of the cluster config");
   p.add_option("output", 'o', "", "write the cluster config here (default: stdout only)");
@@ -75,13 +79,16 @@ int cmd_calibrate(int argc, char** argv) {
   p.add_option("reps", 'r', "5", "timed repetitions per measurement (median)");
   p.add_option("comm-worker", 0, "", "internal: run one rank of the sweep, rank 0 writes here");
   if (!p.parse(argc, argv)) return 0;
-  const int reps = static_cast<int>(p.get_int("reps"));
+  const int reps = static_cast<int>(p.get_int("reps", 1, 100000));
   if (!p.get("comm-worker").empty()) {
     return comm_worker(p.get("comm-worker"), p.get_int("max-bytes"), p.get("device"), reps);
   }
   const at::Device dev = parse_device(p.get("device"));
-  const int nproc = static_cast<int>(p.get_int("nproc"));
+  const int nproc = lvx::cli::checked_nproc(p);
   LVX_CHECK(nproc >= 2, "--nproc: the sweep needs at least 2 ranks, got ", nproc);
+  if (!p.get("output").empty()) lvx::check_output_path(p.get("output"), "--output");
+  for (const char* flag : {"seq", "heads", "head-dim"}) p.get_int(flag, 1, 1 << 20);
+  p.get_int("max-bytes", 1, int64_t{1} << 34);
 
   ClusterConfig c;
   c.name = p.get("name");
@@ -95,8 +102,11 @@ int cmd_calibrate(int argc, char** argv) {
     std::cerr << "calibrate: timing attention and matmul in " << name << " on " << dev << "\n";
     // On CPU each rank gets cores / nproc intra-op threads (the launcher's OMP_NUM_THREADS), and
     // with more ranks than cores they share the cores: measure what one rank gets.
-    const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
-    const int threads = dev.is_cuda() ? 0 : static_cast<int>(std::max<long>(1, cores / nproc));
+    const long cores = lvx::cli::available_cores();
+    const int threads = dev.is_cuda() ? 0
+                        : p.get("threads") != "auto"
+                            ? static_cast<int>(p.get_int("threads", 1, 4096))
+                            : static_cast<int>(std::max<long>(1, cores / nproc));
     const double share = dev.is_cuda() ? 1.0 : std::min(1.0, double(cores) / nproc);
     auto s = lvx::planner::measure_throughput(dt, dev, p.get_int("seq"), p.get_int("heads"),
                                               p.get_int("head-dim"), 1024, reps, threads, share);

@@ -1,5 +1,6 @@
 // `lvx decode`: one rank's share of a video → frames.safetensors (frames [N,3,H,W], indices,
 // pts). Sampling, colour, rotation and bad-input rules: docs/video.md.
+#include <cmath>
 #include <cstdlib>
 #include <iomanip>
 #include <iostream>
@@ -9,6 +10,7 @@
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/common/safetensors.h"
 #include "video/pipeline.h"
 
@@ -36,11 +38,14 @@ std::array<float, 3> three_floats(const lvx::cli::ArgParser& p, const std::strin
             p.get(name), "'");
   std::array<float, 3> v{};
   for (int i = 0; i < 3; ++i) {
+    size_t pos = 0;
     try {
-      v[i] = std::stof(parts[i]);
+      v[i] = std::stof(parts[i], &pos);
     } catch (...) {
       LVX_FAIL("--", name, " expects numbers, got '", parts[i], "'");
     }
+    LVX_CHECK(pos == parts[i].size() && std::isfinite(v[i]), "--", name,
+              " expects finite numbers, got '", parts[i], "'");
   }
   return v;
 }
@@ -96,10 +101,7 @@ int cmd_decode(int argc, char** argv) {
   pre.mean = {0.5f, 0.5f, 0.5f};
   pre.std = {0.5f, 0.5f, 0.5f};
   if (!p.get("preset").empty()) pre = PreprocessConfig::preset(p.get("preset"));
-  if (!p.get("size").empty()) {
-    pre.image_size = p.get_int("size");
-    LVX_CHECK(pre.image_size > 0, "--size must be > 0, got ", pre.image_size);
-  }
+  if (!p.get("size").empty()) pre.image_size = p.get_int("size", 1, kMaxImageSize);
   if (!p.get("resize").empty()) pre.resize = parse_resize_mode(p.get("resize"));
   if (!p.get("mean").empty()) pre.mean = three_floats(p, "mean");
   if (!p.get("std").empty()) pre.std = three_floats(p, "std");
@@ -111,16 +113,14 @@ int cmd_decode(int argc, char** argv) {
   shard.world = rank_setting(p, "world", "WORLD_SIZE", 1);
 
   DecodeOptions opt;
-  opt.threads = static_cast<int>(p.get_int("threads"));
-  opt.queue_capacity = static_cast<int>(p.get_int("queue"));
-  LVX_CHECK(opt.queue_capacity >= 1, "--queue must be >= 1, got ", opt.queue_capacity);
-  opt.preprocess_threads = static_cast<int>(p.get_int("preprocess-threads"));
-  LVX_CHECK(opt.preprocess_threads >= 1, "--preprocess-threads must be >= 1, got ",
-            opt.preprocess_threads);
+  opt.threads = static_cast<int>(p.get_int("threads", 0, kMaxDecodeThreads));
+  opt.queue_capacity = static_cast<int>(p.get_int("queue", 1, kMaxQueueCapacity));
+  opt.preprocess_threads = static_cast<int>(p.get_int("preprocess-threads", 1, kMaxDecodeThreads));
   opt.on_corrupt = parse_corrupt_policy(p.get("on-corrupt"));
   opt.index_cache = !p.flag("no-index-cache");
 
   const std::string video = p.get("video");
+  lvx::check_output_path(p.get("output"), "output file (--output)");
   FrameBatch b = decode_video(video, spec, shard, pre, opt);
   for (const auto& e : b.report.events) std::cerr << "lvx decode: " << video << ": " << e << "\n";
 

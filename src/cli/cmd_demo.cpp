@@ -95,7 +95,8 @@ int cmd_demo(int argc, char** argv) {
       "and a tiny mPLUG-Owl3, fine-tunes it with lvx finetune on local ranks, answers\n"
       "held-out videos with lvx qa, and prints the accuracy beside a baseline that\n"
       "sees the wrong videos, the per-layer plan and the bytes each strategy moved.");
-  p.add_option("nproc", 'n', "2", "local ranks (sequence parallel)");
+  cli::add_nproc_options(p, "2", "local ranks (sequence parallel)");
+  cli::add_threads_option(p);
   p.add_option("videos", 0, "160", "videos in the task (a quarter held out)");
   p.add_option("seconds", 0, "180", "length of each video");
   p.add_option("frames", 'f', "24", "frames sampled per video");
@@ -106,7 +107,10 @@ int cmd_demo(int argc, char** argv) {
   p.add_flag("fresh", 0, "start over (do not reuse an earlier task or checkpoint)");
   if (!p.parse(argc, argv)) return 0;
   const auto t_start = clock_type::now();
-  const int64_t nproc = p.get_int("nproc"), frames = p.get_int("frames");
+  const int64_t nproc = cli::checked_nproc(p), frames = p.get_int("frames", 1, 100000);
+  cli::apply_threads(p, static_cast<int>(nproc));
+  p.get_int("steps", 1, int64_t{1} << 40);  // both go into the run's YAML as written
+  LVX_CHECK(p.get_double("lr") > 0, "--lr must be > 0, got ", p.get("lr"));
   const std::string dir = p.get("workdir").empty()
                               ? (fs::path(dist::self_executable()).parent_path() / "demo").string()
                               : fs::absolute(p.get("workdir")).string();
@@ -253,7 +257,9 @@ int cmd_demo(int argc, char** argv) {
   fs::remove(answers);
   fs::remove(shuffled_a);
   const std::string qa_args = " --model '" + trained + "' --nproc " + std::to_string(nproc) +
-                              " --num-frames " + std::to_string(frames) + " --max-new-tokens 4";
+                              (p.flag("force-nproc") ? " --force-nproc" : "") + " --threads " +
+                              p.get("threads") + " --num-frames " + std::to_string(frames) +
+                              " --max-new-tokens 4";
   run_lvx("qa --questions '" + task.test_jsonl + "' --output '" + answers + "'" + qa_args,
           dir + "/qa.log");
   run_lvx("qa --questions '" + shuffled_q + "' --output '" + shuffled_a + "'" + qa_args,

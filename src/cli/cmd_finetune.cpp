@@ -78,6 +78,7 @@ int cmd_finetune(int argc, char** argv) {
              "with --resume: continue although data, optimizer, schedule or freeze settings "
              "differ from the checkpoint's (refused otherwise, naming the fields)");
   p.add_option("nproc", 'n', "", "local ranks to start (default: parallel.nproc)");
+  lvx::cli::add_threads_option(p);
   if (!p.parse(static_cast<int>(args.size()), args.data())) return 0;
   lvx::runtime::FinetuneJob job;
   job.config = p.get("config");
@@ -87,13 +88,13 @@ int cmd_finetune(int argc, char** argv) {
   if (p.has("nproc") && !p.get("nproc").empty())
     job.overrides.push_back("parallel.nproc=" + p.get("nproc"));
   if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
-    return lvx::runtime::run_finetune_rank(job);
+    return lvx::cli::apply_threads(p), lvx::runtime::run_finetune_rank(job);
   // Bad input fails once, clearly, before ranks start and before anything is written.
   const lvx::runtime::TrainConfig cfg = lvx::runtime::validate_finetune_job(job);
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::dist::LaunchOptions o;
-  o.nproc = static_cast<int>(cfg.parallel.nproc);
+  o.nproc = lvx::cli::check_nproc(cfg.parallel.nproc, false, "parallel.nproc (--nproc)");
   const bool bar = ::isatty(STDERR_FILENO);
   if (bar) o.env["LVX_FINETUNE_BAR"] = "1";
   std::atomic<bool> running{true};

@@ -1,5 +1,6 @@
 // `lvx forward`: one model step (logits; with --backward also loss and gradients) from files on
 // N real ranks: the conformance interface of the model families.
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 
@@ -27,7 +28,8 @@ int cmd_forward(int argc, char** argv) {
   p.add_option("model", 'm', "", "checkpoint directory (config.json, model.safetensors)", true);
   p.add_option("input", 'i', "", "input safetensors file", true);
   p.add_option("output", 'o', "", "output safetensors file (written atomically)", true);
-  p.add_option("nproc", 'n', "1", "local ranks to start");
+  lvx::cli::add_nproc_options(p, "1", "local ranks to start");
+  lvx::cli::add_threads_option(p);
   p.add_option("strategies", 's', "auto", "auto | S | S_cross,S_self");
   p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
   p.add_option("dtype", 0, "fp32", "fp32 | bf16");
@@ -54,16 +56,20 @@ int cmd_forward(int argc, char** argv) {
   job.backward = p.flag("backward");
   job.print_plan = p.flag("print-plan");
   job.recompute_cross_kv = p.flag("recompute");
-  job.repeat = static_cast<int>(p.get_int("repeat"));
+  job.repeat = static_cast<int>(p.get_int("repeat", 1, 1000000));
   job.remat = p.flag("remat");
-  job.generate = p.get_int("generate");
-  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
+  job.generate = p.get_int("generate", 0, INT64_MAX);
+  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
+    lvx::cli::apply_threads(p);
     return lvx::runtime::run_forward_rank(job);
+  }
+  const int nproc = lvx::cli::checked_nproc(p);
+  lvx::cli::apply_threads(p, nproc);
   lvx::runtime::validate_forward_job(job);  // bad input fails once, clearly, before ranks start
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::dist::LaunchOptions o;
-  o.nproc = static_cast<int>(p.get_int("nproc"));
+  o.nproc = nproc;
   return lvx::dist::launch_local(cmd, o).exit_code;
 }
 

@@ -10,7 +10,8 @@ int cmd_launch(int argc, char** argv) {
   lvx::cli::ArgParser p("lvx launch --nproc N [options] -- <command> [args...]",
                         "Start N local ranks of a command with RANK, WORLD_SIZE, LOCAL_RANK,\n"
                         "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (as torchrun does).\n"
-                        "Each output line is prefixed with its rank. If any rank fails, the\n"
+                        "Each output line is prefixed with its rank and stays on its stream (a\n"
+                        "rank's stdout on stdout, its stderr on stderr). If any rank fails, the\n"
                         "others are stopped and lvx launch exits with that rank's code.\n"
                         "No job hangs forever once a rank has exited: lvx ranks fail any\n"
                         "communication wait within LVX_DIST_TIMEOUT_S (default 60 s), so ranks\n"
@@ -18,7 +19,7 @@ int cmd_launch(int argc, char** argv) {
                         "another exited are stuck; they are stopped and lvx launch exits with\n"
                         "124. Like torchrun and mpirun, the total run time is not limited unless\n"
                         "--timeout is given.");
-  p.add_option("nproc", 'n', "2", "number of local ranks");
+  lvx::cli::add_nproc_options(p, "2", "number of local ranks");
   p.add_option("nodes", 0, "1",
                "simulate this many nodes: LOCAL_WORLD_SIZE = nproc / nodes (the double ring "
                "and the inter-node byte counters follow it)");
@@ -33,18 +34,20 @@ int cmd_launch(int argc, char** argv) {
   if (!p.parse(argc, argv)) return 0;
   LVX_CHECK(!p.rest().empty(), "no command given after -- (usage: lvx launch --nproc N -- cmd)");
   lvx::dist::LaunchOptions o;
-  o.nproc = static_cast<int>(p.get_int("nproc"));
-  o.nodes = static_cast<int>(p.get_int("nodes"));
+  o.nproc = lvx::cli::checked_nproc(p);
+  o.nodes = static_cast<int>(p.get_int("nodes", 1, o.nproc));
   LVX_CHECK(o.nodes >= 1 && o.nproc % o.nodes == 0, "--nodes ", o.nodes,
             " must be at least 1 and divide --nproc ", o.nproc);
   o.master_addr = p.get("master-addr");
-  o.master_port = static_cast<int>(p.get_int("master-port"));
+  o.master_port = static_cast<int>(p.get_int("master-port", 0, 65535));
   o.timeout_s = p.get_double("timeout");
+  LVX_CHECK(o.timeout_s >= 0, "--timeout must be seconds >= 0 (0: no limit), got ", o.timeout_s);
   o.exit_wait_s =
       p.get("exit-wait") == "auto" ? lvx::dist::default_exit_wait_s() : p.get_double("exit-wait");
   LVX_CHECK(o.exit_wait_s >= 0, "--exit-wait must be 'auto' or seconds >= 0, got ",
             p.get("exit-wait"));
   o.grace_s = p.get_double("grace");
+  LVX_CHECK(o.grace_s >= 0, "--grace must be seconds >= 0, got ", o.grace_s);
   auto r = lvx::dist::launch_local(p.rest(), o);
   return r.exit_code;
 }

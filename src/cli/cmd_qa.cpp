@@ -1,4 +1,5 @@
 // `lvx qa`: answers questions about videos with a checkpoint on N ranks (src/runtime/qa_job.h).
+#include <cstdint>
 #include <cstdlib>
 
 #include "src/cli/args.h"
@@ -21,7 +22,9 @@ int cmd_qa(int argc, char** argv) {
       "\"start\", \"end\"} (options, answer, start, end optional) gets one output row, appended "
       "as\n"
       "it is answered; failed lines get a row with \"error\"; ids already answered in the\n"
-      "output are skipped (a killed run continues).");
+      "output are skipped (a killed run continues). The settings (model, frames, range,\n"
+      "generation) are kept in <output>.settings.json: a rerun with others is refused\n"
+      "unless --overwrite. Errors and progress go to stderr, answers to stdout.");
   p.add_option("model", 'm', "", "checkpoint directory (config.json, weights, tokenizer.json)",
                true);
   p.add_option("video", 'v', "", "video file (one question)");
@@ -33,7 +36,8 @@ int cmd_qa(int argc, char** argv) {
   p.add_option("num-frames", 'f', "", "sample N frames spread over the range (default 16)");
   p.add_option("start", 0, "", "range start, seconds");
   p.add_option("end", 0, "", "range end, seconds (exclusive)");
-  p.add_option("nproc", 'n', "1", "local ranks to start");
+  lvx::cli::add_nproc_options(p, "1", "local ranks to start");
+  lvx::cli::add_threads_option(p);
   p.add_option("max-new-tokens", 't', "64", "most tokens to generate");
   p.add_option("temperature", 0, "0", "0: greedy (deterministic); > 0: sampling");
   p.add_option("top-p", 0, "1", "nucleus sampling threshold (with --temperature > 0)");
@@ -43,7 +47,11 @@ int cmd_qa(int argc, char** argv) {
   p.add_option("dtype", 0, "fp32", "fp32 | bf16");
   p.add_flag("json", 'j', "print one JSON object (answer, timings, bytes) per question");
   p.add_flag("print-plan", 0, "print each question's per-layer strategies (stderr)");
-  p.add_flag("ignore-stop", 0, "generate exactly --max-new-tokens tokens (benchmarks)");
+  p.add_flag("ignore-stop", 0,
+             "generate --max-new-tokens tokens, stopping only at the model's context (benchmarks)");
+  p.add_flag("overwrite", 0,
+             "batch: answer every question again into an --output written with other settings "
+             "(the old answers move to <output>.old)");
   if (!p.parse(argc, argv)) return 0;
   lvx::runtime::QaJob job;
   job.model = p.get("model");
@@ -63,20 +71,25 @@ int cmd_qa(int argc, char** argv) {
   job.generation.max_new_tokens = p.get_int("max-new-tokens");
   job.generation.sampling.temperature = p.get_double("temperature");
   job.generation.sampling.top_p = p.get_double("top-p");
-  job.generation.sampling.seed = static_cast<uint64_t>(p.get_int("seed"));
+  job.generation.sampling.seed = static_cast<uint64_t>(p.get_int("seed", 0, INT64_MAX));
   job.plan.strategies = p.get("strategies");
   job.plan.cluster = p.get("cluster");
   job.plan.dtype = p.get("dtype");
   job.json = p.flag("json");
   job.print_plan = p.flag("print-plan");
   job.ignore_stop = p.flag("ignore-stop");
-  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
+  job.overwrite = p.flag("overwrite");
+  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
+    lvx::cli::apply_threads(p);
     return lvx::runtime::run_qa_rank(job);
+  }
+  const int nproc = lvx::cli::checked_nproc(p);
+  lvx::cli::apply_threads(p, nproc);
   lvx::runtime::validate_qa_job(job);  // bad input fails once, clearly, before ranks start
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::dist::LaunchOptions o;
-  o.nproc = static_cast<int>(p.get_int("nproc"));
+  o.nproc = nproc;
   o.rank0_direct = true;  // the answer (or JSON) on stdout as rank 0 writes it
   return lvx::dist::launch_local(cmd, o).exit_code;
 }

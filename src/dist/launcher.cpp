@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -12,8 +13,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 
 #include "src/common/error.h"
@@ -38,6 +41,25 @@ int relaunch_self_as_ranks(int nproc, int argc, char** argv) {
   for (const auto& rk : res.ranks)
     if (rk.rank == 0 || rk.exit_code != 0) std::cout << rk.output;
   return res.exit_code;
+}
+
+int available_cores() {
+  int cores = 0;
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+  if (cores <= 0) cores = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+  // A container's CPU quota (cgroup v2 "max 100000" / "200000 100000"): at most that many.
+  std::ifstream q("/sys/fs/cgroup/cpu.max");
+  std::string quota, period;
+  if (q >> quota >> period && quota != "max") {
+    try {
+      const double n = std::stod(quota) / std::stod(period);
+      if (n > 0) cores = std::min(cores, std::max(1, static_cast<int>(std::ceil(n))));
+    } catch (...) {
+      // Unreadable quota: the affinity count stands.
+    }
+  }
+  return std::max(1, cores);
 }
 
 int free_port() {
@@ -73,17 +95,22 @@ std::string describe_exit(int code) {
 
 namespace {
 
+// A rank's two output pipes: [0] its stdout, [1] its stderr (each forwarded to the same stream of
+// the launcher, so that errors never land in a result redirected from stdout).
 struct Child {
   pid_t pid = -1;
-  int fd = -1;
-  std::string partial;
+  int fd[2] = {-1, -1};
+  std::string partial[2];
   bool running = true;
   std::chrono::steady_clock::time_point start;
 };
 
-void emit(RankExit& rank, const std::string& line, bool capture) {
+void emit(RankExit& rank, const std::string& line, bool capture, bool to_stderr) {
   if (capture) {
     rank.output += line;
+  } else if (to_stderr) {
+    std::cout << std::flush;
+    std::cerr << "[rank " << rank.rank << "] " << line << std::flush;
   } else {
     std::cout << "[rank " << rank.rank << "] " << line << std::flush;
   }
@@ -104,24 +131,30 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
   const pid_t parent = ::getpid();
 
   for (int r = 0; r < opts.nproc; ++r) {
-    int fds[2];
-    LVX_CHECK(::pipe(fds) == 0, "launch: pipe failed: ", std::strerror(errno));
+    const bool direct = r == 0 && opts.rank0_direct && !opts.capture;
+    int out_fds[2] = {-1, -1}, err_fds[2] = {-1, -1};
+    if (!direct) {
+      LVX_CHECK(::pipe(out_fds) == 0 && ::pipe(err_fds) == 0,
+                "launch: pipe failed: ", std::strerror(errno));
+    }
     pid_t pid = ::fork();
     LVX_CHECK(pid >= 0, "launch: fork failed: ", std::strerror(errno));
     if (pid == 0) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
       if (::getppid() != parent) _exit(127);
       ::setpgid(0, 0);
-      if (!(r == 0 && opts.rank0_direct && !opts.capture)) {
-        ::dup2(fds[1], STDOUT_FILENO);
-        ::dup2(fds[1], STDERR_FILENO);
+      if (!direct) {
+        ::dup2(out_fds[1], STDOUT_FILENO);
+        ::dup2(err_fds[1], STDERR_FILENO);
+        for (int fd : {out_fds[0], out_fds[1], err_fds[0], err_fds[1]}) ::close(fd);
       }
-      ::close(fds[0]);
-      ::close(fds[1]);
-      auto set = [](const std::string& k, const std::string& v) { ::setenv(k.c_str(), v.c_str(), 1); };
+      auto set = [](const std::string& k, const std::string& v) {
+        ::setenv(k.c_str(), v.c_str(), 1);
+      };
       const int local = opts.nproc / std::max(1, opts.nodes);
       if (opts.openmpi_style) {
-        for (const char* k : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}) ::unsetenv(k);
+        for (const char* k : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"})
+          ::unsetenv(k);
         set("OMPI_COMM_WORLD_RANK", std::to_string(r));
         set("OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r % local));
         set("OMPI_COMM_WORLD_SIZE", std::to_string(opts.nproc));
@@ -137,10 +170,10 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
       set("MASTER_PORT", std::to_string(port));
       // As torchrun does: ranks sharing a machine split its cores instead of each spinning up
       // one OpenMP thread per core (which oversubscribes and can be 30x slower).
-      if (!std::getenv("OMP_NUM_THREADS") && opts.nproc > 1) {
-        long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
-        set("OMP_NUM_THREADS", std::to_string(std::max<long>(1, cores / opts.nproc)));
-      }
+      // A single rank too: libtorch's own default counts the host's cores, not this process's
+      // share (affinity, cgroup quota), and oversubscribes a shared machine.
+      if (!std::getenv("OMP_NUM_THREADS"))
+        set("OMP_NUM_THREADS", std::to_string(std::max(1, available_cores() / opts.nproc)));
       for (const auto& [k, v] : opts.env) set(k, v);
       std::vector<char*> cargv;
       for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
@@ -149,12 +182,15 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
       std::fprintf(stderr, "lvx launch: cannot run '%s': %s\n", cargv[0], std::strerror(errno));
       _exit(127);
     }
-    ::close(fds[1]);
-    ::fcntl(fds[0], F_SETFL, O_NONBLOCK);
-    kids[r] = {pid, fds[0], "", true, std::chrono::steady_clock::now()};
-    if (r == 0 && opts.rank0_direct && !opts.capture) {
-      ::close(fds[0]);
-      kids[r].fd = -1;
+    kids[r].pid = pid;
+    kids[r].start = std::chrono::steady_clock::now();
+    if (!direct) {
+      ::close(out_fds[1]);
+      ::close(err_fds[1]);
+      ::fcntl(out_fds[0], F_SETFL, O_NONBLOCK);
+      ::fcntl(err_fds[0], F_SETFL, O_NONBLOCK);
+      kids[r].fd[0] = out_fds[0];
+      kids[r].fd[1] = err_fds[0];
     }
     result.ranks[r].rank = r;
   }
@@ -196,37 +232,43 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
     stop_at = std::chrono::steady_clock::now();
     stop_all(SIGTERM);
   };
+  // Forwards what one output of a rank holds now, line by line; closes it at EOF.
+  auto drain = [&](int owner, int s) {
+    Child& k = kids[owner];
+    std::string& partial = k.partial[s];
+    char buf[65536];
+    ssize_t n;
+    while ((n = ::read(k.fd[s], buf, sizeof(buf))) > 0) {
+      partial.append(buf, n);
+      size_t nl;
+      while ((nl = partial.find('\n')) != std::string::npos) {
+        emit(result.ranks[owner], partial.substr(0, nl + 1), opts.capture, s == 1);
+        partial.erase(0, nl + 1);
+      }
+    }
+    if (n == 0) {  // EOF: the rank closed this output (normally: it exited)
+      if (!partial.empty()) emit(result.ranks[owner], partial + "\n", opts.capture, s == 1);
+      partial.clear();
+      ::close(k.fd[s]);
+      k.fd[s] = -1;
+    }
+  };
   int running = opts.nproc;
   while (running > 0) {
     std::vector<pollfd> pfds;
-    std::vector<int> owners;
+    std::vector<std::pair<int, int>> owners;  // (rank, 0 stdout | 1 stderr)
     for (int r = 0; r < opts.nproc; ++r)
-      if (kids[r].fd >= 0) {
-        pfds.push_back({kids[r].fd, POLLIN, 0});
-        owners.push_back(r);
-      }
-    if (!pfds.empty()) ::poll(pfds.data(), pfds.size(), 50);
-    else ::usleep(20000);
-    for (size_t i = 0; i < pfds.size(); ++i) {
-      if (!(pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      Child& k = kids[owners[i]];
-      char buf[65536];
-      ssize_t n;
-      while ((n = ::read(k.fd, buf, sizeof(buf))) > 0) {
-        k.partial.append(buf, n);
-        size_t nl;
-        while ((nl = k.partial.find('\n')) != std::string::npos) {
-          emit(result.ranks[owners[i]], k.partial.substr(0, nl + 1), opts.capture);
-          k.partial.erase(0, nl + 1);
+      for (int s = 0; s < 2; ++s)
+        if (kids[r].fd[s] >= 0) {
+          pfds.push_back({kids[r].fd[s], POLLIN, 0});
+          owners.emplace_back(r, s);
         }
-      }
-      if (n == 0) {  // EOF: the rank closed its output (normally: it exited)
-        if (!k.partial.empty()) emit(result.ranks[owners[i]], k.partial + "\n", opts.capture);
-        k.partial.clear();
-        ::close(k.fd);
-        k.fd = -1;
-      }
-    }
+    if (!pfds.empty())
+      ::poll(pfds.data(), pfds.size(), 50);
+    else
+      ::usleep(20000);
+    for (size_t i = 0; i < pfds.size(); ++i)
+      if (pfds[i].revents & (POLLIN | POLLHUP | POLLERR)) drain(owners[i].first, owners[i].second);
     for (int r = 0; r < opts.nproc; ++r) {
       Child& k = kids[r];
       if (!k.running) continue;
@@ -267,8 +309,26 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
     if (stopping && std::chrono::duration<double>(now - stop_at).count() > opts.grace_s)
       stop_all(SIGKILL);
   }
-  for (auto& k : kids)
-    if (k.fd >= 0) ::close(k.fd);
+  // Every rank has exited: what they wrote last (often the error that ended them) may still sit
+  // in the pipes. Read it out; a pipe kept open by a rank's own child gets a short grace.
+  const auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  for (bool open = true; open && std::chrono::steady_clock::now() < drain_until;) {
+    open = false;
+    for (int r = 0; r < opts.nproc; ++r)
+      for (int s = 0; s < 2; ++s)
+        if (kids[r].fd[s] >= 0) {
+          drain(r, s);
+          open = open || kids[r].fd[s] >= 0;
+        }
+    if (open) ::usleep(10000);
+  }
+  for (int r = 0; r < opts.nproc; ++r)
+    for (int s = 0; s < 2; ++s)
+      if (kids[r].fd[s] >= 0) {
+        if (!kids[r].partial[s].empty())
+          emit(result.ranks[r], kids[r].partial[s] + "\n", opts.capture, s == 1);
+        ::close(kids[r].fd[s]);
+      }
   return result;
 }
 

@@ -1,9 +1,11 @@
 // Starts N local ranks of a command the way torchrun does: each gets RANK, WORLD_SIZE,
 // LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Their output is prefixed with the
-// rank ("[rank 2] ..."), and if any rank fails the others are stopped (SIGTERM, then SIGKILL
-// after a grace period) and the launch fails with that rank's exit code. Unless OMP_NUM_THREADS
-// is set, each of N ranks gets cores / N OpenMP threads (torchrun sets it too). Used by `lvx
-// launch`, by commands that run themselves on N ranks (`lvx attention --nproc N`), and by tests.
+// rank ("[rank 2] ...") and stays on its stream (a rank's stdout on the launcher's stdout, its
+// stderr on the launcher's stderr: errors never hide in a redirected result), and if any rank fails
+// the others are stopped (SIGTERM, then SIGKILL after a grace period) and the launch fails with
+// that rank's exit code. Unless OMP_NUM_THREADS is set, each of N ranks gets cores / N OpenMP
+// threads (torchrun sets it too). Used by `lvx launch`, by commands that run themselves on N ranks
+// (`lvx attention --nproc N`), and by tests.
 //
 // Time limits. No job hangs forever once one of its ranks has ended: every lvx collective involves
 // every rank, and a rank fails any communication wait within LVX_DIST_TIMEOUT_S (default 60 s),
@@ -28,19 +30,19 @@ struct LaunchOptions {
   // code (the double ring, the inter-node byte counters) runs on one machine.
   int nodes = 1;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;                       // 0: pick a free port
-  std::map<std::string, std::string> env;    // extra variables for every rank
-  bool capture = false;                      // keep each rank's output instead of printing it
-  double timeout_s = 0;                      // > 0: stop every rank after this long (exit 124)
+  int master_port = 0;                     // 0: pick a free port
+  std::map<std::string, std::string> env;  // extra variables for every rank
+  bool capture = false;                    // keep each rank's output instead of printing it
+  double timeout_s = 0;                    // > 0: stop every rank after this long (exit 124)
   // > 0: once a rank has exited, stop the ranks still running after this long (exit 124);
   // 0: wait for them forever; < 0 (default): default_exit_wait_s(env), or 0 when
   // stop_on_failure is false.
   double exit_wait_s = -1;
-  double grace_s = 5;                        // SIGTERM → SIGKILL delay when stopping ranks
+  double grace_s = 5;  // SIGTERM → SIGKILL delay when stopping ranks
   // Stop the others when one rank fails. false: every rank runs to its own end (fault tests),
   // stopped only by timeout_s or an explicit exit_wait_s.
   bool stop_on_failure = true;
-  bool openmpi_style = false;                // set OMPI_COMM_WORLD_* instead of RANK/WORLD_SIZE
+  bool openmpi_style = false;  // set OMPI_COMM_WORLD_* instead of RANK/WORLD_SIZE
   // Rank 0 writes to the launcher's own stdout and stderr, unprefixed (its stdout is the
   // command's result: lvx qa's streamed answer or JSON); the other ranks stay prefixed.
   // Ignored with capture.
@@ -60,8 +62,8 @@ struct RankExit {
 
 struct LaunchResult {
   std::vector<RankExit> ranks;
-  int exit_code = 0;       // 0 when every rank exited 0, else the first failing rank's code
-  int first_failed = -1;   // rank that failed first (or the first one stopped), or -1
+  int exit_code = 0;      // 0 when every rank exited 0, else the first failing rank's code
+  int first_failed = -1;  // rank that failed first (or the first one stopped), or -1
 };
 
 // Runs argv (argv[0] found on PATH or given as a path) on opts.nproc local ranks.
@@ -74,6 +76,11 @@ std::string self_executable();
 // starts `nproc` ranks of this executable with argv[1..], prints rank 0's output (and that of
 // any failing rank) and returns the launch's exit code; returns -1 when already a rank.
 int relaunch_self_as_ranks(int nproc, int argc, char** argv);
+
+// The cores this process may run on: its CPU affinity, bounded by a cgroup v2 CPU quota
+// (/sys/fs/cgroup/cpu.max). Ranks on one machine share them: each of N local ranks gets
+// available_cores() / N intra-op threads unless told otherwise (OMP_NUM_THREADS, --threads).
+int available_cores();
 
 // A TCP port on 127.0.0.1 that is free right now.
 int free_port();

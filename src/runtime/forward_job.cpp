@@ -11,11 +11,13 @@
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
 #include "src/runtime/generate.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/model_description.h"
+#include "src/runtime/qa_job.h"
 #include "src/runtime/train_step.h"
 
 namespace lvx::runtime {
@@ -85,10 +87,15 @@ at::Tensor gather_logits(dist::ProcessGroup& pg, attention::LayoutKind layout,
 void validate_forward_job(const ForwardJob& job) {
   dtype_of(job.dtype);
   LVX_CHECK(fs::exists(job.input), job.input, ": no such file");
+  check_regular_file(job.input, "input file (--input)");
+  check_output_path(job.output, "output file (--output)");
+  LVX_CHECK(job.generate >= 0, "--generate must be >= 0, got ", job.generate);
+  LVX_CHECK(job.repeat >= 1, "--repeat must be >= 1, got ", job.repeat);
   read_batch(job.input);
   // A known family, from config.json alone: the ranks read the weights, once.
   LVX_CHECK(fs::is_directory(job.model), job.model, ": not a directory (expected a checkpoint ",
             "directory with config.json and model.safetensors)");
+  check_model_files(job.model);
   planner_model(job.model);
   if (job.strategies != "auto") explicit_strategies(job.strategies, 1);
 }
@@ -113,6 +120,7 @@ int run_forward_rank(const ForwardJob& job) {
   if (job.generate > 0) {
     GenerateOptions g;
     g.max_new_tokens = job.generate;
+    g.max_length = model_context_length(job.model);  // never past the model's context
     g.keep_logits = true;
     const GenerateResult out = generate(model, {b.input_ids, b.pixel_values}, par, g);
     double per_token = 0;

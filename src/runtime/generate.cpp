@@ -4,15 +4,26 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include "src/common/error.h"
 
 namespace lvx::runtime {
 
+void check_sampling(const SamplingOptions& s) {
+  LVX_CHECK(std::isfinite(s.temperature) && s.temperature >= 0,
+            "--temperature must be a finite number >= 0 (0: greedy), got ", s.temperature);
+  LVX_CHECK(std::isfinite(s.top_p) && s.top_p > 0 && s.top_p <= 1,
+            "--top-p must be in (0, 1], got ", s.top_p);
+}
+
 at::Tensor pick_tokens(const at::Tensor& logits, const SamplingOptions& s, at::Generator& gen) {
+  check_sampling(s);
   if (s.temperature <= 0) return logits.argmax(-1);
-  LVX_CHECK(s.top_p > 0 && s.top_p <= 1, "--top-p must be in (0, 1], got ", s.top_p);
-  const at::Tensor probs = at::softmax(logits.to(at::kDouble) / s.temperature, -1);
+  // Shifted by the largest logit first, so that a tiny temperature cannot overflow to inf/nan.
+  const at::Tensor x = logits.to(at::kDouble);
+  const at::Tensor probs =
+      at::softmax((x - std::get<0>(x.max(-1, /*keepdim=*/true))) / s.temperature, -1);
   auto [sorted, order] = probs.sort(-1, /*descending=*/true);
   // Keep a token while the probability before it is below top_p (the first always stays).
   const at::Tensor before = sorted.cumsum(-1) - sorted;
@@ -25,6 +36,15 @@ GenerateResult generate(const models::Model& model, const models::ModelInputs& i
                         const models::Parallel& par, const GenerateOptions& o,
                         const std::function<void(const at::Tensor&)>& on_token) {
   LVX_CHECK(o.max_new_tokens >= 1, "--max-new-tokens must be >= 1, got ", o.max_new_tokens);
+  check_sampling(o.sampling);
+  const int64_t prompt = in.input_ids.size(1);
+  int64_t max_new = o.max_new_tokens;
+  if (o.max_length > 0) {
+    LVX_CHECK(prompt < o.max_length, "the prompt has ", prompt,
+              " tokens, more than the model's context of ", o.max_length,
+              " tokens leaves room for (at least one new token)");
+    max_new = std::min(max_new, o.max_length - prompt);
+  }
   dist::ProcessGroup& pg = *par.pg;
   using clock = std::chrono::steady_clock;
   GenerateResult r;
@@ -51,7 +71,11 @@ GenerateResult generate(const models::Model& model, const models::ModelInputs& i
     done = done | is_stop;
     tokens.push_back(next);
     if (on_token) on_token(next);
-    if (done.all().item<bool>() || step + 1 == o.max_new_tokens) break;
+    if (done.all().item<bool>()) break;
+    if (step + 1 == max_new) {
+      r.hit_context = max_new < o.max_new_tokens;
+      break;
+    }
     t0 = clock::now();
     sent0 = pg.counters().total_sent();
     logits = model.decode_step(next, par, cache);

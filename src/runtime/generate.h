@@ -22,6 +22,9 @@ struct SamplingOptions {
 
 struct GenerateOptions {
   int64_t max_new_tokens = 64;
+  // > 0: the model's context length. A longer prompt is refused; generation stops when prompt
+  // and new tokens fill it (GenerateResult::hit_context), whatever max_new_tokens says.
+  int64_t max_length = 0;
   SamplingOptions sampling;
   std::vector<int64_t> stop;  // a sample is done after emitting one of these
   bool keep_logits = false;   // return every step's logits (tests)
@@ -35,7 +38,12 @@ struct GenerateResult {
   std::vector<double> token_seconds;  // each decode step (the first token comes from prefill)
   // This rank's bytes sent by the prefill and by the decode steps (not the token broadcasts).
   int64_t prefill_bytes_sent = 0, decode_bytes_sent = 0;
+  bool hit_context = false;  // stopped because the context (max_length) was full
 };
+
+// Refuses sampling settings that cannot give a distribution: a temperature that is not finite
+// or < 0, a top_p outside (0, 1]. Errors name the flags (--temperature, --top-p).
+void check_sampling(const SamplingOptions& sampling);
 
 // `on_token` gets each new token row (int64 [B]) as soon as it is chosen (rank 0 streams text).
 GenerateResult generate(const models::Model& model, const models::ModelInputs& in,

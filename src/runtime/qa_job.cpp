@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -9,6 +10,7 @@
 #include <set>
 
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/dist/process_group.h"
 #include "src/runtime/model_description.h"
 #include "src/runtime/video_qa.h"
@@ -46,6 +48,23 @@ std::string agree_on_error(dist::ProcessGroup& pg, const std::string& error) {
   return "";
 }
 
+// JSON text of a row. A question or path with invalid UTF-8 (JSON parsing keeps such bytes) is
+// written with U+FFFD in their place instead of failing the whole batch.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// An id the tokenizer can decode. A model's embedding may have more rows than the tokenizer has
+// tokens (padding, as Qwen's): a sampled or --ignore-stop id among them has no text (dropped, as
+// tokenizers' decode does) instead of failing the answer.
+bool known_id(const models::Tokenizer& tok, int64_t id) {
+  if (id < 0 || id >= tok.id_limit()) return false;
+  try {
+    tok.id_to_token(id);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 // Text streamed to stdout as tokens arrive; an incomplete UTF-8 character waits for its rest.
 class TextStream {
  public:
@@ -56,6 +75,7 @@ class TextStream {
       done_ = true;
       return;
     }
+    if (!known_id(tok_, id)) return;
     ids_.push_back(id);
     const std::string text = tok_.decode(ids_, /*skip_special_tokens=*/true);
     if (text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0) return;
@@ -80,6 +100,7 @@ struct Context {
   const models::Tokenizer& tok;
   video::PreprocessConfig preprocess;
   std::vector<int64_t> stop;
+  int64_t context = 0;  // the model's context length (0: unknown)
 };
 
 // Answers one question on every rank; the row (rank 0's is complete). Errors of the video (on
@@ -101,6 +122,7 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
   std::string error;
   try {
     LVX_CHECK(fs::exists(item.video), item.video, ": no such video file");
+    check_regular_file(item.video, "video");  // a FIFO would block FFmpeg's open
     frames = video::decode_video(item.video, spec, {r, n}, cx.preprocess);
   } catch (const std::exception& e) {
     error = e.what();
@@ -112,15 +134,36 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
   }
   const double video_s = since(t_start);
   const int64_t m = frames.report.sampled_total;
-  const PromptTokens prompt = build_prompt(cx.model.family(), cx.tok, question_text(item), m);
+  // Every rank builds the same prompt: all of them skip a question that cannot be tokenized
+  // (invalid UTF-8) or does not fit together.
+  PromptTokens prompt;
+  try {
+    prompt = build_prompt(cx.model.family(), cx.tok, question_text(item), m);
+  } catch (const Error& e) {
+    row["error"] = e.what();
+    return row;
+  }
+  const int64_t prompt_len = static_cast<int64_t>(prompt.ids.size());
+  if (cx.context > 0 && prompt_len >= cx.context) {
+    row["error"] = str("the prompt has ", prompt_len, " tokens (", m,
+                       " frames and the question), more than the model's context of ", cx.context,
+                       " tokens leaves room for: ask a shorter question or sample "
+                       "fewer frames");
+    return row;
+  }
+  if (r == 0)
+    for (const auto& e : frames.report.events)
+      std::cerr << "[qa] " << item.video << ": " << e << "\n";
   const at::Tensor ids = at::tensor(prompt.ids, at::kLong).unsqueeze(0);
   std::string plan_text;
   models::Parallel par = plan_layers(cx.model, ids, n, cx.job.plan, &plan_text);
   par.pg = cx.pg;
-  if (cx.job.print_plan && r == 0) std::cerr << plan_text << "\n" << describe(par, &cx.model) << "\n";
+  if (cx.job.print_plan && r == 0)
+    std::cerr << plan_text << "\n" << describe(par, &cx.model) << "\n";
 
   TextStream text(cx.tok, cx.stop);
   GenerateOptions g = cx.job.generation;
+  g.max_length = cx.context;
   if (!cx.job.ignore_stop) g.stop = cx.stop;
   const GenerateResult out = generate(cx.model, {ids, frames.frames, /*pixels_local=*/true}, par, g,
                                       [&](const at::Tensor& next) {
@@ -131,7 +174,7 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
   for (int64_t i = 0; i < out.tokens.size(1); ++i) {
     const int64_t id = out.tokens[0][i].item<int64_t>();
     if (std::find(cx.stop.begin(), cx.stop.end(), id) != cx.stop.end()) break;
-    answer_ids.push_back(id);
+    if (known_id(cx.tok, id)) answer_ids.push_back(id);
   }
   const std::string response = cx.tok.decode(answer_ids, /*skip_special_tokens=*/true);
 
@@ -163,6 +206,13 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
       std::vector<double>(pts.data_ptr<double>(), pts.data_ptr<double>() + pts.numel());
   row["prompt_tokens"] = static_cast<int64_t>(prompt.ids.size());
   row["new_tokens"] = out.tokens.size(1);
+  if (out.hit_context) {
+    row["stopped_at_context"] = cx.context;
+    if (r == 0)
+      std::cerr << "[qa] " << item.id << ": generation stopped after " << out.tokens.size(1)
+                << " tokens: the model's context of " << cx.context << " tokens is full\n";
+  }
+  if (!frames.report.events.empty()) row["video_events"] = frames.report.events;
   row["ranks"] = n;
   row["plan"] = describe(par, &cx.model);
   const double ttft = times[0].item<double>() + times[2].item<double>();
@@ -177,33 +227,147 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
   return row;
 }
 
-// Ids already answered (without error) in an existing output file.
-std::set<std::string> answered_ids(const std::string& path) {
+// Ids already answered (without error) in an existing output file. A line that is not JSON (an
+// older run's damage) is asked again, said once on stderr by rank 0.
+std::set<std::string> answered_ids(const std::string& path, int rank) {
   std::set<std::string> ids;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) {
+  if (!fs::exists(path)) return ids;
+  const std::string text = read_file(path, "answers file (--output)", uint64_t{4} << 30);
+  int64_t bad = 0, number = 0;
+  for (size_t b = 0; b < text.size();) {
+    size_t e = text.find('\n', b);
+    if (e == std::string::npos) e = text.size();
+    const std::string line = text.substr(b, e - b);
+    b = e + 1;
+    ++number;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     try {
-      const json row = json::parse(line);
-      if (row.contains("id") && !row.contains("error")) ids.insert(row["id"].get<std::string>());
-    } catch (const std::exception&) {
-      // A line cut by a kill: asked again.
+      const json row = parse_json(line, str(path, " line ", number));
+      if (row.is_object() && row.contains("id") && row["id"].is_string() && !row.contains("error"))
+        ids.insert(row["id"].get<std::string>());
+    } catch (const Error&) {
+      ++bad;
     }
   }
+  if (bad && rank == 0)
+    std::cerr << "lvx qa: " << path << ": " << bad << " line" << (bad == 1 ? " is" : "s are")
+              << " not JSON rows; their questions are asked again\n";
   return ids;
 }
 
+std::string settings_path(const std::string& output) { return output + ".settings.json"; }
+
+// Refuses to add answers of other settings to an output (every rank, before any write). Returns
+// true when the output already holds something (to be moved aside with --overwrite).
+bool check_output_settings(const QaJob& job, const json& now) {
+  const bool has_rows = fs::exists(job.output) && fs::file_size(job.output) > 0;
+  const std::string sp = settings_path(job.output);
+  if (!has_rows || job.overwrite) return has_rows;
+  LVX_CHECK(fs::exists(sp), "answers file '", job.output, "' has answers but no settings file '",
+            sp,
+            "' (written by another program or an older lvx): give --overwrite to answer every "
+            "question again (the old answers move to ",
+            job.output, ".old), or another --output");
+  const json before = read_json_file(sp, "answers settings file");
+  std::string diff;
+  std::set<std::string> keys;
+  for (const auto& [k, v] : now.items()) keys.insert(k);
+  if (before.is_object())
+    for (const auto& [k, v] : before.items()) keys.insert(k);
+  for (const std::string& k : keys) {
+    const json a = before.is_object() && before.contains(k) ? before[k] : json();
+    const json b = now.contains(k) ? now[k] : json();
+    if (a != b)
+      diff += str(diff.empty() ? "" : "; ", k, " ", a.is_null() ? "unset" : dump(a), " there, ",
+                  b.is_null() ? "unset" : dump(b), " now");
+  }
+  LVX_CHECK(diff.empty(), "answers file '", job.output, "' was written with other settings (", sp,
+            "): ", diff,
+            ". Give --overwrite to answer every question again (the old answers move to ",
+            job.output, ".old), or another --output");
+  return true;
+}
+
+void write_settings(const std::string& output, const json& settings) {
+  const std::string sp = settings_path(output), tmp = sp + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << settings.dump(2, ' ', false, json::error_handler_t::replace) << "\n";
+    f.flush();
+    LVX_CHECK(f.good(), "cannot write '", tmp, "'");
+  }
+  fs::rename(tmp, sp);
+}
+
 }  // namespace
+
+json qa_settings(const QaJob& job) {
+  std::error_code ec;
+  const fs::path model = fs::weakly_canonical(job.model, ec);
+  const bool sampling = job.generation.sampling.temperature > 0;
+  auto opt = [](const auto& v) { return v ? json(*v) : json(); };
+  return {{"model", ec ? job.model : model.string()},
+          {"dtype", job.plan.dtype},
+          {"fps", opt(job.fps)},
+          {"num_frames", job.fps ? json() : json(job.num_frames.value_or(16))},
+          {"start", opt(job.start)},
+          {"end", opt(job.end)},
+          {"max_new_tokens", job.generation.max_new_tokens},
+          {"ignore_stop", job.ignore_stop},
+          {"temperature", job.generation.sampling.temperature},
+          {"top_p", sampling ? json(job.generation.sampling.top_p) : json()},
+          {"seed", sampling ? json(job.generation.sampling.seed) : json()}};
+}
+
+void check_model_files(const std::string& model_dir) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(model_dir, ec)) {
+    const std::string ext = e.path().extension().string();
+    if (ext == ".safetensors" || ext == ".json" || ext == ".bin")
+      check_regular_file(e.path().string(), "model file");
+  }
+}
+
+int64_t model_context_length(const std::string& model_dir) {
+  const json c =
+      read_json_file((fs::path(model_dir) / "config.json").string(), "model config", 64 << 20);
+  int64_t best = 0;
+  auto scan = [&](const json& o) {
+    if (!o.is_object()) return;
+    for (const char* k : {"max_position_embeddings", "max_seq_len", "n_positions", "seq_length"})
+      if (o.contains(k) && o[k].is_number_integer() && o[k].get<int64_t>() > 0) {
+        best = best ? std::min(best, o[k].get<int64_t>()) : o[k].get<int64_t>();
+        return;
+      }
+  };
+  scan(c);
+  if (best == 0 && c.is_object() && c.contains("text_config")) scan(c["text_config"]);
+  return best;
+}
 
 void validate_qa_job(const QaJob& job) {
   dtype_of(job.plan.dtype);
   LVX_CHECK(fs::is_directory(job.model), job.model,
             ": not a directory (expected a checkpoint directory with config.json)");
+  check_regular_file((fs::path(job.model) / "config.json").string(), "model config");
+  check_model_files(job.model);
   planner_model(job.model);  // config.json names a known family
   LVX_CHECK(fs::exists(fs::path(job.model) / "tokenizer.json"), job.model,
             ": has no tokenizer.json (lvx qa builds the prompt with it)");
+  check_regular_file((fs::path(job.model) / "tokenizer.json").string(), "tokenizer file");
   LVX_CHECK(!(job.fps && job.num_frames), "give --fps or --num-frames, not both");
-  LVX_CHECK(!job.fps || *job.fps > 0, "--fps must be > 0, got ", job.fps.value_or(0));
+  LVX_CHECK(!job.fps || (*job.fps > 0 && std::isfinite(*job.fps)), "--fps must be > 0, got ",
+            job.fps.value_or(0));
   LVX_CHECK(!job.num_frames || *job.num_frames >= 1, "--num-frames must be >= 1");
+  for (const auto& [flag, t] : {std::pair{"--start", job.start}, std::pair{"--end", job.end}})
+    LVX_CHECK(!t || (std::isfinite(*t) && *t >= 0), flag,
+              " must be a finite number of seconds >= 0, got ", t.value_or(0));
+  LVX_CHECK(job.generation.max_new_tokens >= 1, "--max-new-tokens must be >= 1, got ",
+            job.generation.max_new_tokens);
+  check_sampling(job.generation.sampling);
+  LVX_CHECK(job.options.empty() || (job.options.size() >= 2 && job.options.size() <= 26),
+            "--options needs 2 to 26 '|'-separated options (letters A to Z), got ",
+            job.options.size());
   LVX_CHECK(!(job.start && job.end) || *job.start < *job.end, "--start (", job.start.value_or(0),
             ") must be before --end (", job.end.value_or(0), ")");
   if (!job.plan.strategies.empty() && job.plan.strategies != "auto")
@@ -212,17 +376,22 @@ void validate_qa_job(const QaJob& job) {
     LVX_CHECK(job.video.empty() && job.question.empty(),
               "give --questions (a JSONL file) or --video and --question, not both");
     LVX_CHECK(fs::exists(job.questions), job.questions, ": no such file (--questions)");
+    check_regular_file(job.questions, "questions file (--questions)");
     LVX_CHECK(!job.output.empty(), "--questions needs --output (a JSONL file of answers)");
+    check_output_path(job.output, "answers file (--output)");
     const fs::path dir = fs::absolute(job.output).parent_path();
     LVX_CHECK(fs::is_directory(dir), job.output, ": folder ", dir.string(), " does not exist");
+    check_output_settings(job, qa_settings(job));
     return;
   }
   LVX_CHECK(!job.video.empty(), "--video is required (or --questions FILE)");
   LVX_CHECK(fs::exists(job.video), job.video, ": no such video file");
+  check_regular_file(job.video, "video (--video)");
   LVX_CHECK(job.question.find_first_not_of(" \t\r\n") != std::string::npos, "--question is empty");
 }
 
 int run_qa_rank(const QaJob& job) {
+  validate_qa_job(job);  // also under an outer launcher (torchrun, lvx launch): every rank alike
   auto pg = dist::ProcessGroup::from_env();
   const int r = pg->rank();
   std::unique_ptr<models::Model> model = models::load_model(job.model, dtype_of(job.plan.dtype));
@@ -232,7 +401,8 @@ int run_qa_rank(const QaJob& job) {
                    *model,
                    tok,
                    family_preprocess(model->family(), model->planner_model().vision.image_size),
-                   stop_tokens(model->family(), tok)};
+                   stop_tokens(model->family(), tok),
+                   model_context_length(job.model)};
 
   if (job.questions.empty()) {  // one question
     QaItem item;
@@ -242,7 +412,7 @@ int run_qa_rank(const QaJob& job) {
     item.options = job.options;
     const json row = answer(cx, item, /*stream=*/!job.json);
     LVX_CHECK(!row.contains("error"), row["error"].get<std::string>());
-    if (r == 0 && job.json) std::cout << row.dump() << std::endl;
+    if (r == 0 && job.json) std::cout << dump(row) << std::endl;
     if (r == 0 && !job.json)
       std::cerr << "[qa] " << row["frames"] << " frames on " << pg->world_size()
                 << " ranks, time to first token " << row["timings"]["ttft_s"] << " s, "
@@ -253,7 +423,27 @@ int run_qa_rank(const QaJob& job) {
   }
 
   const std::vector<QaLine> lines = read_qa_jsonl(job.questions, /*need_answer=*/false);
-  const std::set<std::string> done = answered_ids(job.output);  // every rank, before any write
+  check_output_path(job.output, "answers file (--output)");
+  const json settings = qa_settings(job);
+  const bool had_rows = check_output_settings(job, settings);  // every rank, before any write
+  pg->barrier();
+  if (r == 0) {
+    if (job.overwrite && had_rows) {
+      // Never over an earlier .old: the first free of .old, .old.1, .old.2, ...
+      std::string old = job.output + ".old";
+      for (int k = 1; fs::exists(old); ++k) old = str(job.output, ".old.", k);
+      fs::rename(job.output, old);
+      std::cerr << "lvx qa: --overwrite: the previous answers moved to " << old << "\n";
+    }
+    const std::string torn = repair_torn_jsonl(job.output);
+    if (!torn.empty())
+      std::cerr << "lvx qa: " << job.output << ": its last line was torn (a run killed while "
+                << "writing it): " << torn.size() << " bytes moved to " << job.output
+                << ".torn; that question is asked again\n";
+    write_settings(job.output, settings);
+  }
+  pg->barrier();
+  const std::set<std::string> done = answered_ids(job.output, r);
   pg->barrier();
   std::ofstream out;
   if (r == 0) {
@@ -283,10 +473,10 @@ int run_qa_rank(const QaJob& job) {
       }
     }
     if (r == 0) {
-      out << row.dump() << "\n" << std::flush;
+      out << dump(row) << "\n" << std::flush;
       std::cerr << "[qa " << i + 1 << "/" << lines.size() << "] " << l.item.id << ": "
                 << (row.contains("error") ? "error: " + row["error"].get<std::string>()
-                                          : row["response"].dump())
+                                          : dump(row["response"]))
                 << (row.contains("correct")
                         ? (row["correct"].get<bool>() ? " (correct)" : " (wrong)")
                         : "")

@@ -10,7 +10,13 @@
 // Batch mode reads JSONL questions and appends one JSON row per question to the output as soon
 // as it is answered (flushed): a line that fails (missing video, bad range, a bad row) gets a row
 // with "error" and the others still run; rows already in the output (same id, no error) are kept
-// and not asked again, so a killed run continues where it stopped. A row:
+// and not asked again, so a killed run continues where it stopped. The settings that shape an
+// answer (model, dtype, frames, fps, range, generation) are kept beside the output in
+// `<output>.settings.json`: a rerun with other settings is refused, naming the difference, unless
+// --overwrite (the old output is then moved to `<output>.old` and every question asked again). A
+// last line torn by a kill is moved to `<output>.torn` before new rows are appended. A question
+// whose prompt does not fit the model's context (config.json max_position_embeddings or
+// max_seq_len) gets a row error; generation stops when the context is full. A row:
 //   {id, video, question, options, answer, response, parsed_answer, correct, frames,
 //    frame_indices, pts_seconds, prompt_tokens, new_tokens, plan, timings {video_decode_s,
 //    encode_s, prefill_s, ttft_s, decode_per_token_s, total_s}, bytes {prefill, decode,
@@ -18,6 +24,7 @@
 // (timings: the slowest rank; bytes: sent by all ranks together).
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,10 +46,23 @@ struct QaJob {
   std::optional<double> start, end;   // seconds (a row's own range wins)
   GenerateOptions generation;         // max_new_tokens, sampling
   PlanRequest plan;
-  bool json = false;        // print one JSON object per question instead of streaming text
-  bool print_plan = false;  // the per-layer plan of each question (rank 0, stderr)
-  bool ignore_stop = false; // generate exactly max_new_tokens (benchmarks)
+  bool json = false;         // print one JSON object per question instead of streaming text
+  bool print_plan = false;   // the per-layer plan of each question (rank 0, stderr)
+  bool ignore_stop = false;  // generate exactly max_new_tokens (benchmarks)
+  bool overwrite = false;    // batch: answer everything again into an output of other settings
 };
+
+// What the batch output's answers depend on, as written to `<output>.settings.json`.
+nlohmann::json qa_settings(const QaJob& job);
+
+// Refuses a checkpoint directory holding a FIFO, a directory or a device where a weights, config
+// or tokenizer file (*.safetensors, *.json, *.bin) should be: reading one would block or fail
+// late. Errors name the file.
+void check_model_files(const std::string& model_dir);
+
+// The model's context length from its config.json (max_position_embeddings, max_seq_len,
+// n_positions or seq_length, at the top level or in text_config); 0 when it names none.
+int64_t model_context_length(const std::string& model_dir);
 
 // Runs on this rank (rendezvous from the environment). 0 when every question was answered (a
 // batch with failed rows returns 0 too: the rows say why); single-question errors throw.

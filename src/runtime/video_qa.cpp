@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "src/common/error.h"
+#include "src/common/files.h"
 
 namespace lvx::runtime {
 
@@ -89,26 +90,35 @@ QaItem parse_qa_item(const nlohmann::json& row, const std::string& where,
 }
 
 std::vector<QaLine> read_qa_jsonl(const std::string& path, bool need_answer) {
-  std::ifstream in(path);
-  LVX_CHECK(in.good(), path, ": cannot open (expected a JSONL file of questions)");
+  // The checked reader (a regular file, at most 1 GiB), then each line on its own: a bad line (not
+  // JSON, nested deeper than kMaxJsonDepth, longer than a row may be) becomes that line's error
+  // and the others still run.
+  const std::string text = read_file(path, "questions file", kMaxJsonBytes);
+  constexpr size_t kMaxRowBytes = size_t{64} << 20;
   const std::string base = fs::absolute(path).parent_path().string();
   std::vector<QaLine> lines;
-  std::string text;
-  for (int64_t n = 1; std::getline(in, text); ++n) {
-    if (trim(text).empty()) continue;
+  int64_t n = 0;
+  for (size_t b = 0; b < text.size();) {
+    size_t e = text.find('\n', b);
+    if (e == std::string::npos) e = text.size();
+    const size_t len = e - b;
+    const size_t from = b;
+    b = e + 1;
+    ++n;
     QaLine l;
     l.line = n;
     const std::string where = str(path, ":", n);
-    try {
-      nlohmann::json row;
+    if (len > kMaxRowBytes) {
+      l.error = str(where, ": the row has ", len, " bytes, more than the ", kMaxRowBytes,
+                    " a question may have");
+    } else {
+      const std::string row_text = text.substr(from, len);
+      if (trim(row_text).empty()) continue;
       try {
-        row = nlohmann::json::parse(text);
-      } catch (const nlohmann::json::exception& e) {
-        LVX_FAIL(where, ": not valid JSON: ", e.what());
+        l.item = parse_qa_item(parse_json(row_text, where), where, base, need_answer);
+      } catch (const Error& err) {
+        l.error = err.what();
       }
-      l.item = parse_qa_item(row, where, base, need_answer);
-    } catch (const Error& e) {
-      l.error = e.what();
     }
     if (l.item.id.empty()) l.item.id = str("line ", n);
     lines.push_back(std::move(l));
