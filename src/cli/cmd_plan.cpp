@@ -34,7 +34,7 @@ int cmd_plan(int argc, char** argv) {
   p.add_flag("no-recompute", 0, "training without LV-XAttn's K/V recomputation for cross layers");
   p.add_flag("paper-accounting", 0,
              "model the LV-XAttn paper's implementations: K/V expanded to the query heads, masked\n"
-             "attention computed densely");
+             "attention computed densely, Ring Attention as one flat ring over every GPU");
   p.add_option("strategies", 's', "",
                "comma list of candidate strategies (empty: all); every strategy is still shown");
   p.add_option("reserve-gib", 0, "0",
@@ -57,10 +57,7 @@ int cmd_plan(int argc, char** argv) {
   lvx::planner::CostOptions opt;
   opt.recompute_cross_kv = !p.flag("no-recompute");
   opt.reserved_bytes = p.get_double("reserve-gib") * double(1LL << 30);
-  if (p.flag("paper-accounting")) {
-    opt.expand_kv_heads = true;
-    opt.skip_masked_tiles = false;
-  }
+  if (p.flag("paper-accounting")) opt = lvx::planner::paper_accounting(opt);
   lvx::planner::Plan plan = lvx::planner::plan(model, cluster, w, opt);
   std::cout << lvx::planner::format_table(plan);
   if (!p.get("json").empty()) {
