@@ -221,6 +221,23 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
     }
     p.layers.push_back(std::move(lp));
   }
+  // The text layout the runtime will use (models::resolve_layouts): striped when any self layer
+  // runs striped. The cross layers' queries are that text, so they are priced again on it:
+  // lv_xattn's query blocks are then balanced under a media mask too.
+  if (p.options.text_layout != attention::LayoutKind::kStriped) {
+    bool striped = false;
+    for (const LayerPlan& l : p.layers)
+      striped = striped ||
+                (l.work.kind == LayerKind::kSelf &&
+                 (l.forward == StrategyKind::kStriped || l.backward == StrategyKind::kStriped));
+    if (striped) {
+      p.options.text_layout = attention::LayoutKind::kStriped;
+      for (LayerPlan& l : p.layers)
+        if (l.work.kind == LayerKind::kCross)
+          l = plan_layer(l.index, l.work, c, p.ranks, p.options, p.options.train && w.split_passes,
+                         w.strategies);
+    }
+  }
 
   // Whole-plan memory: every layer's saved activations live until its backward, plus the shared
   // visual features and the largest working set. While that exceeds the budget, trade the layer
@@ -351,6 +368,9 @@ nlohmann::json to_json(const Plan& p) {
           {"layout", to_string(p.workload.layout)},
           {"expand_kv_heads", p.options.expand_kv_heads},
           {"skip_masked_tiles", p.options.skip_masked_tiles},
+          {"topology_aware_ring", p.options.topology_aware_ring},
+          {"text_layout",
+           p.options.text_layout == attention::LayoutKind::kStriped ? "striped" : "contiguous"},
           {"layers", layers},
           {"total", total}};
 }
@@ -359,8 +379,9 @@ std::string format_table(const Plan& p) {
   std::ostringstream os;
   os << "plan: model " << p.model << ", cluster " << p.cluster << ", " << p.ranks << " ranks, "
      << p.workload.frames << " frames, text " << p.workload.text_tokens << " ("
-     << to_string(p.workload.layout) << " prompt), "
-     << (p.workload.train ? "training (fwd+bwd)" : "inference (fwd)") << "\n";
+     << to_string(p.workload.layout) << " prompt, text "
+     << (p.options.text_layout == attention::LayoutKind::kStriped ? "striped" : "contiguous")
+     << "), " << (p.workload.train ? "training (fwd+bwd)" : "inference (fwd)") << "\n";
   os << std::left << std::setw(7) << "layers" << std::setw(6) << "kind" << std::setw(22)
      << "Sq/rank x Skv/rank";
   for (StrategyKind s : attention::all_strategies()) os << std::setw(19) << strategy_name(s);
