@@ -110,7 +110,15 @@ std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload&
   LVX_CHECK(w.frames > 0, "--frames: expected > 0, got ", w.frames);
   LVX_CHECK(w.text_tokens >= w.frames, "--text: expected >= --frames (", w.frames,
             ", one <image> token per frame), got ", w.text_tokens);
+  // The prompt and its mask metadata are built token by token: bound them before allocating.
+  LVX_CHECK(w.text_tokens <= kMaxPlanTextTokens, "--text: expected at most ", kMaxPlanTextTokens,
+            " tokens, got ", w.text_tokens);
+  LVX_CHECK(w.tokens_per_frame >= 0, "--tokens-per-frame: expected >= 0 (0: the model's), got ",
+            w.tokens_per_frame);
   const int64_t tpf = w.tokens_per_frame > 0 ? w.tokens_per_frame : m.visual_tokens_per_frame;
+  LVX_CHECK(w.frames <= kMaxPlanVisualTokens / tpf, "--frames: ", w.frames, " frames x ", tpf,
+            " tokens per frame is more than the ", kMaxPlanVisualTokens,
+            " visual tokens the planner plans for");
   const std::string dtype = w.dtype.empty() ? m.dtype : w.dtype;
   const int64_t e = dtype_bytes(dtype, "--dtype");
   const at::Tensor ids = prompt_ids(w);
@@ -206,6 +214,7 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
   p.model = m.name;
   p.cluster = c.name;
   p.workload = w;
+  LVX_CHECK(w.ranks >= 0, "--nproc: expected >= 0 (0: every GPU of the cluster), got ", w.ranks);
   p.ranks = w.ranks > 0 ? w.ranks : c.world_size();
   LVX_CHECK(p.ranks <= c.world_size(), "--nproc: cluster '", c.name, "' has ", c.world_size(),
             " GPUs, got ", p.ranks);
