@@ -160,6 +160,71 @@ TEST_P(DistOps, EveryOperationExactWithAnalyticBytes) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, DistOps, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
+// ---- threads and lifetimes ---------------------------------------------------------------
+
+// Several threads of one rank post and wait at once (autograd's backward thread runs lvx's
+// messages while the main thread may post its own): every message gets a tag of its own and is
+// counted exactly once, so the counters sum exactly and nothing hangs on a duplicated tag.
+LVX_WORKER(threads) {
+  auto pg = ProcessGroup::from_env();
+  const int threads = 4, iters = 150;
+  const int64_t elems = 1000, bytes = elems * 4;
+  pg->reset_counters();
+  std::vector<std::thread> ts;
+  std::vector<int> wrong(threads, 0);
+  for (int t = 0; t < threads; ++t) {
+    ts.emplace_back([&, t] {
+      try {
+        for (int i = 0; i < iters; ++i) {
+          at::Tensor send = at::full({elems}, 7.0f), recv = at::empty({elems});
+          pg->ring_exchange(send, recv, "threads").wait();
+          if (!recv.eq(7.0f).all().item<bool>()) ++wrong[t];
+          if (i % 16 == 0) (void)pg->counters_snapshot();  // reads while others count
+        }
+      } catch (const lvx::Error& e) {
+        std::cerr << "thread " << t << ": " << e.what() << "\n";
+        ++wrong[t];
+      }
+    });
+  }
+  for (auto& th : ts) th.join();
+  for (int w : wrong) g_wrong += w;
+  const lvx::dist::ByteCounters c = pg->counters_snapshot();
+  expect_bytes(c.sent[pg->next()], threads * iters * bytes, "threads sent");
+  expect_bytes(c.received[pg->prev()], threads * iters * bytes, "threads received");
+  if (!(c.wait_seconds >= 0)) ++g_wrong;
+  pg->barrier();
+  return g_wrong ? 1 : 0;
+}
+
+TEST(DistThreads, CountersFromFourThreadsSumExactly) {
+  lvx::testing::expect_all_ok(
+      lvx::testing::run_ranks(2, "threads", 120, {{"OMP_NUM_THREADS", "1"}}));
+}
+
+// A Work never outlives its group as a raw pointer: waiting for one whose group is gone is an
+// error naming it, and destroying one is harmless.
+TEST(DistThreads, WorkOutlivingItsGroupIsAnError) {
+  lvx::dist::Work w, unwaited;
+  {
+    ProcessGroup pg(lvx::dist::RendezvousInfo{});
+    w = pg.batch_isend_irecv({}, "probe");
+    unwaited = pg.batch_isend_irecv({}, "unwaited");
+    ASSERT_TRUE(w.valid());
+  }
+  try {
+    w.wait();
+    ADD_FAILURE() << "no error";
+  } catch (const lvx::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("probe", 0), 0u) << msg;
+    EXPECT_NE(msg.find(": waited for after its process group was destroyed"), std::string::npos)
+        << msg;
+  }
+  w.wait();                      // once reported, waiting again is a no-op
+  unwaited = lvx::dist::Work();  // destroys the old one: no wait on a dead group, no throw
+}
+
 // ---- rendezvous --------------------------------------------------------------------------
 
 TEST(Rendezvous, TorchrunVariablesFirst) {

@@ -76,6 +76,86 @@ TEST(PlannerCli, PlanErrorsNameTheField) {
   EXPECT_NE(out.find("--text"), std::string::npos) << out;
 }
 
+// `lvx plan --paper-accounting` models everything the paper's implementations did (K/V with all
+// query heads, dense masked attention, one flat ring over every GPU), so on the paper clusters
+// the CLI reproduces LV-XAttn's measured cross-attention speedups (Tables 3 and 4) for every row
+// but the one each cluster was derived from (tests/test_planner_paper.cpp), within 1.6x
+// (observed 0.67-1.55x). With the double ring lvx itself runs across nodes, which the flag used
+// to keep, the A100 mPLUG-Owl3 rows came out at 0.2-0.3x.
+TEST(PlannerCli, PaperAccountingReproducesHeldOutTableRows) {
+  if (!fs::exists(lvx_binary())) GTEST_SKIP() << "build the lvx target first";
+  struct Row {
+    const char* cluster;
+    const char* model;
+    int text, frames;
+    double measured;  // the paper's CA speedup
+  };
+  const Row rows[] = {
+      {"paper_a100_80g_16", "mplug_owl3_7b", 8192, 4096, 7.26},
+      {"paper_a100_80g_16", "mplug_owl3_7b", 8192, 2048, 7.41},
+      {"paper_a100_80g_16", "mplug_owl3_7b", 4096, 2048, 14.33},
+      {"paper_a100_80g_16", "mplug_owl3_2b", 8192, 2048, 7.04},
+      {"paper_a100_80g_16", "mplug_owl3_2b", 4096, 2048, 13.52},
+      {"paper_a100_80g_16", "mplug_owl3_1b", 8192, 4096, 9.12},
+      {"paper_a100_80g_16", "mplug_owl3_1b", 8192, 2048, 8.64},
+      {"paper_a100_80g_16", "mplug_owl3_1b", 4096, 2048, 15.32},
+      {"paper_a100_80g_16", "openflamingo_9b", 65536, 65536, 1.52},
+      {"paper_a100_80g_16", "openflamingo_9b", 65536, 32768, 1.52},
+      {"paper_a100_80g_16", "openflamingo_9b", 32768, 32768, 2.10},
+      {"paper_a100_80g_16", "openflamingo_3b", 65536, 65536, 1.48},
+      {"paper_a100_80g_16", "openflamingo_3b", 65536, 32768, 1.47},
+      {"paper_a100_80g_16", "openflamingo_3b", 32768, 32768, 2.14},
+      {"paper_a30_24g_8", "mplug_owl3_7b", 1024, 512, 29.96},
+      {"paper_a30_24g_8", "mplug_owl3_7b", 1024, 256, 31.31},
+      {"paper_a30_24g_8", "mplug_owl3_7b", 512, 256, 45.85},
+      {"paper_a30_24g_8", "mplug_owl3_2b", 1024, 256, 20.60},
+      {"paper_a30_24g_8", "mplug_owl3_2b", 512, 256, 30.39},
+      {"paper_a30_24g_8", "mplug_owl3_1b", 1024, 512, 24.25},
+      {"paper_a30_24g_8", "mplug_owl3_1b", 1024, 256, 21.19},
+      {"paper_a30_24g_8", "mplug_owl3_1b", 512, 256, 29.44},
+      {"paper_a30_24g_8", "openflamingo_9b", 8192, 8192, 4.33},
+      {"paper_a30_24g_8", "openflamingo_9b", 8192, 4096, 3.97},
+      {"paper_a30_24g_8", "openflamingo_9b", 4096, 4096, 7.20},
+      {"paper_a30_24g_8", "openflamingo_3b", 8192, 8192, 4.27},
+      {"paper_a30_24g_8", "openflamingo_3b", 8192, 4096, 4.06},
+      {"paper_a30_24g_8", "openflamingo_3b", 4096, 4096, 7.14},
+  };
+  const std::string src = LVX_SOURCE_DIR;
+  const std::string json = (fs::temp_directory_path() / "lvx_test_planner_paper.json").string();
+  for (const Row& r : rows) {
+    SCOPED_TRACE(std::string(r.model) + " text " + std::to_string(r.text) + " frames " +
+                 std::to_string(r.frames) + " on " + r.cluster);
+    std::string out;
+    ASSERT_EQ(
+        run(lvx_binary() + " plan --paper-accounting --train --model " + src + "/configs/models/" +
+                r.model + ".yaml --cluster " + src + "/configs/clusters/" + r.cluster +
+                ".yaml --frames " + std::to_string(r.frames) + " --text " + std::to_string(r.text) +
+                " --json " + json,
+            &out),
+        0)
+        << out;
+    nlohmann::json j;
+    std::ifstream(json) >> j;
+    EXPECT_EQ(j["expand_kv_heads"], true);
+    EXPECT_EQ(j["skip_masked_tiles"], false);
+    EXPECT_EQ(j["topology_aware_ring"], false);
+    double ring = 0, lv = 0;
+    for (const auto& l : j["layers"]) {
+      if (l["kind"] != "cross") continue;
+      EXPECT_EQ(l["choice"], "lv_xattn") << l["explanation"];
+      const auto& pr = l["predicted"];
+      ring += pr["ring"]["fwd_s"].get<double>() + pr["ring"]["bwd_s"].get<double>();
+      lv += pr["lv_xattn"]["fwd_s"].get<double>() + pr["lv_xattn"]["bwd_s"].get<double>();
+    }
+    ASSERT_GT(lv, 0);
+    const double ratio = ring / lv / r.measured;
+    std::printf("%-16s text %6d frames %6d on %s: predicted/measured CA speedup %.2f\n", r.model,
+                r.text, r.frames, r.cluster, ratio);
+    EXPECT_GT(ratio, 1 / 1.6);
+    EXPECT_LT(ratio, 1.6);
+  }
+}
+
 }  // namespace
 
 namespace {

@@ -397,6 +397,52 @@ TEST(PlannerCost, PlannerChoosesExplainsAndWritesJson) {
   for (const LayerPlan& l : plan(m, c, w).layers) EXPECT_EQ(l.choice_name(), "ring");
 }
 
+// The text is sharded once for every layer, striped when a self layer runs striped
+// (models::resolve_layouts), and a cross layer's queries are that text: the plan prices its cross
+// layers on the text layout it chose. mPLUG-Owl3-7B, 4,096 frames, 8K text on 16 A100s: the self
+// layers run striped, so lv_xattn's (and ring's) query blocks are striped, balanced.
+TEST(PlannerCost, CrossLayersArePricedOnThePlansTextLayout) {
+  ModelConfig m = load_model_config(source("configs/models/mplug_owl3_7b.yaml"));
+  ClusterConfig c = load_cluster_config(source("configs/clusters/a100_80g_16.yaml"));
+  Workload w;
+  w.frames = 4096;
+  w.text_tokens = 8192;
+  w.train = true;
+  const Plan p = plan(m, c, w);
+  EXPECT_EQ(p.layers[0].choice_name(), "striped") << p.layers[0].explanation;
+  EXPECT_EQ(p.options.text_layout, attention::LayoutKind::kStriped);
+  EXPECT_EQ(to_json(p)["text_layout"], "striped");
+  const LayerPlan& cross = p.layers[1];
+  ASSERT_EQ(cross.work.kind, LayerKind::kCross);
+  EXPECT_EQ(layer_spec(cross.work, c, p.options).q_layout, attention::LayoutKind::kStriped);
+  const StrategyCost& lv = cross.costs.at(StrategyKind::kLvXAttn);
+  const StrategyCost& striped = cross.costs.at(StrategyKind::kStriped);
+  const StrategyCost& ring = cross.costs.at(StrategyKind::kRing);
+  // lv_xattn moves the queries and fp32 outputs: 0.46 GB per rank, against striped's 26.8 GB.
+  EXPECT_EQ(lv.bytes_sent.forward, 202997760.0);
+  EXPECT_EQ(lv.bytes_sent.backward, 258621440.0);
+  EXPECT_EQ(striped.bytes_sent.forward + striped.bytes_sent.backward, 26754416640.0);
+  // Ring keeps the queries in place: on striped text its busiest rank computes what striped's
+  // does (on contiguous text, the first 4,096 text tokens see few frames: 1.33x more).
+  EXPECT_NEAR(ring.fwd_compute_s + ring.bwd_compute_s,
+              striped.fwd_compute_s + striped.bwd_compute_s, 1e-9);
+  CostOptions contiguous = p.options;
+  contiguous.text_layout = attention::LayoutKind::kContiguous;
+  const StrategyCost lv_contiguous =
+      estimate(StrategyKind::kLvXAttn, cross.work, c, 16, contiguous);
+  EXPECT_LT(lv.fwd_s + lv.bwd_s, lv_contiguous.fwd_s + lv_contiguous.bwd_s);
+  EXPECT_EQ(lv.bytes_sent.forward, lv_contiguous.bytes_sent.forward);
+  // lv_xattn still is not chosen here: its imbalance is on the key side, which no query layout
+  // changes. The frames are split contiguously (whole images, as the runtime encodes them), and
+  // under mPLUG-Owl3's media_upto rule with the frames first, rank 0's frames are seen by nearly
+  // every text token and rank 15's by about half, so the rank holding rank 0's keys does 1.31x
+  // the mean in every round; striped K/V spreads them.
+  EXPECT_NEAR(
+      (lv.fwd_compute_s + lv.bwd_compute_s) / (striped.fwd_compute_s + striped.bwd_compute_s), 1.31,
+      0.01);
+  EXPECT_EQ(cross.choice_name(), "striped") << cross.explanation;
+}
+
 TEST(PlannerCost, ForwardAndBackwardMayDiffer) {
   // Self-attention with K/V expanded to all heads: the backward of ring rotates K, V and fp32
   // dK, dV, while the query-side rotation moves Q, dO, lse, delta and fp32 dQ: the planner

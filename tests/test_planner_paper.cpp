@@ -67,13 +67,9 @@ const std::vector<PaperRow> kTable4 = {
     {"openflamingo_3b", 4096, 4096, 25.84, 3.62, 7.14},
 };
 
-CostOptions paper_accounting() {
-  CostOptions o;
-  o.expand_kv_heads = true;     // the paper's Ring Attention moves K/V with all query heads
-  o.skip_masked_tiles = false;  // its kernels compute masked attention densely
-  o.topology_aware_ring = false;  // and its Ring Attention is one flat ring over every GPU
-  return o;
-}
+// paper_accounting() (cost_model.h): the paper's Ring Attention moves K/V with all query heads,
+// its kernels compute masked attention densely, and its ring is one flat ring over every GPU;
+// `lvx plan --paper-accounting` sets the same (tests/test_planner_cli.cpp).
 
 // `strategies`: the candidates (empty: all six).
 Plan plan_row(const PaperRow& r, const ClusterConfig& c,

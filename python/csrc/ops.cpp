@@ -19,6 +19,7 @@
 // sends exactly the bytes of the C++ API.
 #include <torch/library.h>
 
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
@@ -61,8 +62,31 @@ std::shared_ptr<dist::ProcessGroup> group_for(const std::string& name) {
   return g;
 }
 
+// An enum entry of the spec list, range-checked: an out-of-range value from Python would
+// otherwise be cast to an enumerator that does not exist (a mask kind of 7 ran unmasked).
+template <class E>
+E enum_entry(int64_t value, const char* field, std::initializer_list<const char*> names) {
+  const int64_t n = static_cast<int64_t>(names.size());
+  if (value < 0 || value >= n) {
+    std::string valid;
+    int64_t i = 0;
+    for (const char* name : names) valid += str(valid.empty() ? "" : ", ", i++, " (", name, ")");
+    LVX_FAIL("lvx.attention: spec ", field, " = ", value, " is out of range; valid: ", valid);
+  }
+  return static_cast<E>(value);
+}
+
 AttentionSpec spec_from(const std::vector<int64_t>& v, double scale) {
   LVX_CHECK(v.size() == 11, "lvx.attention: spec has ", v.size(), " entries, expected 11");
+  static const char* const kSizes[] = {"batch", "sq", "skv", "hq", "hkv", "head_dim"};
+  for (int i = 0; i < 6; ++i) {
+    const bool length = i == 1 || i == 2;  // global lengths may be 0, counts may not
+    LVX_CHECK(v[i] >= (length ? 0 : 1), "lvx.attention: spec ", kSizes[i], " = ", v[i],
+              ", expected ", length ? ">= 0" : ">= 1");
+  }
+  LVX_CHECK(v[10] >= 1, "lvx.attention: spec kv_unit = ", v[10], ", expected >= 1");
+  LVX_CHECK(std::isfinite(scale), "lvx.attention: scale = ", scale,
+            ", expected a finite number (0: 1/sqrt(head_dim))");
   AttentionSpec s;
   s.batch = v[0];
   s.sq = v[1];
@@ -70,10 +94,11 @@ AttentionSpec spec_from(const std::vector<int64_t>& v, double scale) {
   s.hq = v[3];
   s.hkv = v[4];
   s.head_dim = v[5];
-  s.mask = static_cast<kernels::MaskKind>(v[6]);
-  s.media_rule = static_cast<kernels::MediaRule>(v[7]);
-  s.q_layout = static_cast<attention::LayoutKind>(v[8]);
-  s.kv_layout = static_cast<attention::LayoutKind>(v[9]);
+  s.mask = enum_entry<kernels::MaskKind>(v[6], "mask", {"none", "causal", "media"});
+  s.media_rule =
+      enum_entry<kernels::MediaRule>(v[7], "media_rule", {"media_immediate", "media_upto"});
+  s.q_layout = enum_entry<attention::LayoutKind>(v[8], "q_layout", {"contiguous", "striped"});
+  s.kv_layout = enum_entry<attention::LayoutKind>(v[9], "kv_layout", {"contiguous", "striped"});
   s.kv_unit = v[10];
   s.scale = scale;
   return s;
@@ -189,13 +214,14 @@ at::Tensor shard_positions(const std::string& strategy, const std::string& role,
 std::tuple<at::Tensor, double> counters(const std::string& group) {
   return guarded([&] {
     auto pg = group_for(group);
-    const auto& c = pg->counters();
+    // A copy under the group's lock: autograd's backward thread may be completing messages.
+    const dist::ByteCounters c = pg->counters_snapshot();
     return std::make_tuple(at::stack({at::tensor(c.sent), at::tensor(c.received)}), c.wait_seconds);
   });
 }
 
 void reset_counters(const std::string& group) {
-  guarded([&] { group_for(group)->counters().reset(); });
+  guarded([&] { group_for(group)->reset_counters(); });
 }
 
 void release_groups() {

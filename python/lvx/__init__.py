@@ -27,7 +27,7 @@ _MASKS = {"none": (0, 0), "causal": (1, 0), "media_immediate": (2, 0), "media_up
 _LAYOUTS = {"contiguous": 0, "striped": 1}
 
 
-@torch.compiler.assume_constant_result
+@_ops.constant_result
 def _group_name(group):
     """The c10d registry name of `group` (None: the default group; "" when there is none)."""
     if group is None:

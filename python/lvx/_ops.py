@@ -43,9 +43,19 @@ def saved_form(strategy):
     return ops.saved_form(strategy)
 
 
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without its cost at import time: that function
+    imports ``torch._dynamo`` (0.7 s, most of ``import lvx``) only to set the mark below, which
+    dynamo reads when it traces a call of `fn`. tests/python/test_lvx.py (case imports) checks
+    that dynamo's decorator sets the same mark and that ``import lvx`` leaves dynamo unloaded;
+    the compile cases check that the traced calls stay constants (no graph break)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # The group's size and name are fixed for the life of the group: traced as constants, so
 # torch.compile(fullgraph=True) does not break on the c10d lookups.
-@torch.compiler.assume_constant_result
+@constant_result
 def _world(group):
     if not group:
         return 1

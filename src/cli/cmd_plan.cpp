@@ -1,11 +1,13 @@
 // `lvx plan`: per-layer choice of the distributed attention strategy for a model on a cluster and
 // a workload, with every strategy's predicted time and memory and the reason for the choice.
+#include <cmath>
 #include <fstream>
 #include <iostream>
 
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/planner/planner.h"
 #include "src/runtime/model_description.h"
 
@@ -34,13 +36,15 @@ int cmd_plan(int argc, char** argv) {
   p.add_flag("no-recompute", 0, "training without LV-XAttn's K/V recomputation for cross layers");
   p.add_flag("paper-accounting", 0,
              "model the LV-XAttn paper's implementations: K/V expanded to the query heads, masked\n"
-             "attention computed densely");
+             "attention computed densely, Ring Attention as one flat ring over every GPU");
   p.add_option("strategies", 's', "",
                "comma list of candidate strategies (empty: all); every strategy is still shown");
   p.add_option("reserve-gib", 0, "0",
                "device memory taken by everything but attention (weights, other activations)");
   p.add_option("json", 'j', "", "also write the plan as JSON to this file");
   if (!p.parse(argc, argv)) return 0;
+  const std::string json_path = p.get("json");
+  if (!json_path.empty()) lvx::check_output_path(json_path, "--json");  // no FIFO, no directory
   lvx::planner::ModelConfig model = lvx::runtime::planner_model(p.get("model"));
   lvx::planner::ClusterConfig cluster = lvx::planner::load_cluster_config(p.get("cluster"));
   lvx::planner::Workload w;
@@ -56,17 +60,19 @@ int cmd_plan(int argc, char** argv) {
   }
   lvx::planner::CostOptions opt;
   opt.recompute_cross_kv = !p.flag("no-recompute");
-  opt.reserved_bytes = p.get_double("reserve-gib") * double(1LL << 30);
-  if (p.flag("paper-accounting")) {
-    opt.expand_kv_heads = true;
-    opt.skip_masked_tiles = false;
-  }
+  const double reserve_gib = p.get_double("reserve-gib");
+  LVX_CHECK(std::isfinite(reserve_gib) && reserve_gib >= 0,
+            "--reserve-gib: expected a finite number >= 0, got ", reserve_gib);
+  opt.reserved_bytes = reserve_gib * double(1LL << 30);
+  if (p.flag("paper-accounting")) opt = lvx::planner::paper_accounting(opt);
   lvx::planner::Plan plan = lvx::planner::plan(model, cluster, w, opt);
   std::cout << lvx::planner::format_table(plan);
-  if (!p.get("json").empty()) {
-    std::ofstream f(p.get("json"));
-    LVX_CHECK(f.good(), "--json: cannot write '", p.get("json"), "'");
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    LVX_CHECK(f.good(), "--json: cannot write '", json_path, "'");
     f << lvx::planner::to_json(plan).dump(2) << "\n";
+    f.close();
+    LVX_CHECK(!f.fail(), "--json: writing '", json_path, "' failed (disk full?)");
   }
   return 0;
 }

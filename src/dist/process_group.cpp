@@ -5,11 +5,6 @@
 // rank never waits a second timeout while unwinding past requests it still had in flight.
 #include "src/dist/process_group.h"
 
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -17,7 +12,12 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <thread>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "src/common/error.h"
 #include "src/dist/nccl_backend.h"
@@ -68,6 +68,15 @@ const std::vector<uint8_t> kOne{1};  // a store flag
 
 // ---- engine ------------------------------------------------------------------------------
 
+// What a Work holds of its group: the group while it lives. ~ProcessGroup clears `pg` (no new
+// wait starts) and waits for the waits in progress (`waiting`) to end.
+struct ProcessGroup::Handle {
+  std::mutex mu;
+  std::condition_variable cv;
+  ProcessGroup* pg = nullptr;
+  int waiting = 0;
+};
+
 struct ProcessGroup::Engine {
   // Owned groups: the TCP store rank 0 hosts. Adopted torch.distributed groups: that group's
   // store (its own prefix), when it has one.
@@ -78,8 +87,12 @@ struct ProcessGroup::Engine {
   uint32_t tag_base = 0, tag_mask = 0x7fffffff;
   c10::intrusive_ptr<Backend> gloo;
   c10::intrusive_ptr<Backend> nccl;  // created on the first CUDA tensor (same point on all ranks)
-  std::vector<uint32_t> send_seq, recv_seq;  // per-peer message numbers: the Gloo tags
-  int64_t agreement_seq = 0;
+  // Per-peer message numbers: the Gloo tags. Taken and posted under post_mu, so that threads
+  // posting at once (autograd's backward thread and the main thread) never share a tag, and a
+  // batch's messages keep consecutive tags (NCCL: one coalesced group call per batch).
+  std::mutex post_mu;
+  std::vector<uint32_t> send_seq, recv_seq;
+  std::atomic<int64_t> agreement_seq{0};
   // Heartbeat: a second store client bumps lvx/hb/<rank> so that a failure can name the rank
   // that stopped.
   std::thread heartbeat;
@@ -126,7 +139,12 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const RendezvousInfo& info, boo
 }  // namespace
 
 ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options, bool connect)
-    : info_(info), options_(options), rank_(info.rank), world_size_(info.world_size) {
+    : info_(info),
+      options_(options),
+      rank_(info.rank),
+      world_size_(info.world_size),
+      handle_(std::make_shared<Handle>()) {
+  handle_->pg = this;
   LVX_CHECK(world_size_ >= 1 && rank_ >= 0 && rank_ < world_size_, "invalid rank ", rank_,
             " for world size ", world_size_);
   counters_.sent.assign(world_size_, 0);
@@ -253,6 +271,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::from_env(Options options) {
 }
 
 ProcessGroup::~ProcessGroup() {
+  {
+    // Works that outlive the group now fail to wait instead of touching it; a wait already
+    // running on another thread ends first (within the timeout).
+    std::unique_lock<std::mutex> lock(handle_->mu);
+    handle_->pg = nullptr;
+    handle_->cv.wait(lock, [this] { return handle_->waiting == 0; });
+  }
   if (!engine_) return;
   {
     std::lock_guard<std::mutex> lock(engine_->mu);
@@ -406,7 +431,7 @@ void ProcessGroup::fail(const std::string& what, const std::string& cause) {
 // ---- Work --------------------------------------------------------------------------------
 
 struct Work::Impl {
-  ProcessGroup* pg = nullptr;
+  std::shared_ptr<ProcessGroup::Handle> group;
   std::string what;
   std::chrono::milliseconds timeout{0};
   // One engine request and the messages it carries (counted once it completes).
@@ -453,18 +478,53 @@ Work::~Work() {
 void Work::wait() {
   if (!impl_ || impl_->done) return;
   impl_->done = true;
-  impl_->pg->wait_work(*impl_);
+  ProcessGroup::Handle& h = *impl_->group;
+  ProcessGroup* pg = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(h.mu);
+    pg = h.pg;
+    if (pg != nullptr) ++h.waiting;
+  }
+  if (pg == nullptr) {
+    impl_->posted.clear();  // abandoned: never counted
+    LVX_FAIL(impl_->what,
+             ": waited for after its process group was destroyed (a Work must not outlive its "
+             "ProcessGroup); its messages are abandoned");
+  }
+  struct Leave {
+    ProcessGroup::Handle& h;
+    ~Leave() {
+      {
+        std::lock_guard<std::mutex> lock(h.mu);
+        --h.waiting;
+      }
+      h.cv.notify_all();
+    }
+  } leave{h};
+  pg->wait_work(*impl_);
+}
+
+ByteCounters ProcessGroup::counters_snapshot() const {
+  std::lock_guard<std::mutex> lock(counters_mu_);
+  return counters_;
+}
+
+void ProcessGroup::reset_counters() {
+  std::lock_guard<std::mutex> lock(counters_mu_);
+  counters_.reset();
 }
 
 void ProcessGroup::wait_work(Work::Impl& w) {
   const auto t0 = std::chrono::steady_clock::now();
   struct AddWait {  // counted on every path out, errors included
-    double& total;
+    ProcessGroup& pg;
     std::chrono::steady_clock::time_point t0;
     ~AddWait() {
-      total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::lock_guard<std::mutex> lock(pg.counters_mu_);
+      pg.counters_.wait_seconds += s;
     }
-  } add_wait{counters_.wait_seconds, t0};
+  } add_wait{*this, t0};
   for (auto& p : w.posted) {
     check_not_failed(w.what);  // its requests were aborted: do not wait for them
     bool completed = false;
@@ -483,8 +543,11 @@ void ProcessGroup::wait_work(Work::Impl& w) {
       std::lock_guard<std::mutex> lock(engine_->fault_mu);
       engine_->pending.erase(p.work.get());
     }
-    for (const auto& m : p.msgs)
-      (m.kind == P2POp::kSend ? counters_.sent : counters_.received)[m.peer] += m.bytes;
+    {
+      std::lock_guard<std::mutex> lock(counters_mu_);
+      for (const auto& m : p.msgs)
+        (m.kind == P2POp::kSend ? counters_.sent : counters_.received)[m.peer] += m.bytes;
+    }
   }
   w.posted.clear();
 }
@@ -494,7 +557,7 @@ void ProcessGroup::wait_work(Work::Impl& w) {
 Work ProcessGroup::batch_isend_irecv(std::vector<P2POp> ops, const char* what) {
   Work work;
   work.impl_ = std::make_unique<Work::Impl>();
-  work.impl_->pg = this;
+  work.impl_->group = handle_;
   work.impl_->timeout = options_.timeout;
   std::vector<int> peers;
   for (const auto& op : ops) {
@@ -523,35 +586,41 @@ Work ProcessGroup::batch_isend_irecv(std::vector<P2POp> ops, const char* what) {
     engine_->pending[w.get()] = w;
     posted.push_back({std::move(w), std::move(msgs)});
   };
-  try {
-    if (coalesce) backend.startCoalescing();
-    std::vector<Work::Impl::Msg> coalesced;
-    for (auto& op : ops) {
-      const int64_t n = nbytes(op.tensor);
-      if (n == 0) continue;
-      std::vector<at::Tensor> ts{op.tensor};
-      auto& seq = op.kind == P2POp::kSend ? engine_->send_seq : engine_->recv_seq;
-      const int tag =
-          static_cast<int>(engine_->tag_base | (seq[op.peer]++ & engine_->tag_mask));
-      auto w =
-          op.kind == P2POp::kSend ? backend.send(ts, op.peer, tag) : backend.recv(ts, op.peer, tag);
-      if (coalesce) {
-        coalesced.push_back({op.kind, op.peer, n});
-      } else {
-        track(w, {{op.kind, op.peer, n}});
+  // An engine error while posting fails the group, after post_mu is released (the diagnosis
+  // takes seconds, and other threads must see the failure rather than wait behind it).
+  std::optional<std::string> engine_error;
+  {
+    std::lock_guard<std::mutex> post_lock(engine_->post_mu);
+    try {
+      if (coalesce) backend.startCoalescing();
+      std::vector<Work::Impl::Msg> coalesced;
+      for (auto& op : ops) {
+        const int64_t n = nbytes(op.tensor);
+        if (n == 0) continue;
+        std::vector<at::Tensor> ts{op.tensor};
+        auto& seq = op.kind == P2POp::kSend ? engine_->send_seq : engine_->recv_seq;
+        const int tag = static_cast<int>(engine_->tag_base | (seq[op.peer]++ & engine_->tag_mask));
+        auto w = op.kind == P2POp::kSend ? backend.send(ts, op.peer, tag)
+                                         : backend.recv(ts, op.peer, tag);
+        if (coalesce) {
+          coalesced.push_back({op.kind, op.peer, n});
+        } else {
+          track(w, {{op.kind, op.peer, n}});
+        }
       }
+      if (coalesce) {
+        auto w = backend.endCoalescing();
+        if (w) track(w, std::move(coalesced));
+      }
+    } catch (const lvx::Error&) {
+      throw;
+    } catch (const c10::Error& e) {
+      engine_error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      engine_error = e.what();
     }
-    if (coalesce) {
-      auto w = backend.endCoalescing();
-      if (w) track(w, std::move(coalesced));
-    }
-  } catch (const lvx::Error&) {
-    throw;
-  } catch (const c10::Error& e) {
-    fail(work.impl_->what, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    fail(work.impl_->what, e.what());
   }
+  if (engine_error) fail(work.impl_->what, *engine_error);
   return work;
 }
 

@@ -29,6 +29,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,9 @@ namespace lvx::dist {
 // Payload bytes of this rank's completed messages, per peer, since construction or the last
 // reset(). A message is counted when the wait() of its Work sees it complete (or the destructor
 // of an unwaited Work does), so a request still in flight, or one that failed, adds nothing.
+// The group updates its counters under a lock (messages may complete on several threads, e.g.
+// autograd's backward thread while the main thread posts): read them from another thread with
+// ProcessGroup::counters_snapshot() and reset them with ProcessGroup::reset_counters().
 struct ByteCounters {
   std::vector<int64_t> sent;      // [world_size], bytes this rank sent to each peer
   std::vector<int64_t> received;  // [world_size], bytes this rank received from each peer
@@ -86,6 +90,10 @@ class ProcessGroup;
 // the operation and the failed rank). Destroying an unwaited Work waits for it, except after its
 // group failed: then its messages were aborted and the destructor returns at once (the engine
 // keeps their tensors alive until the group is destroyed).
+// A Work refers to its group through a shared handle, never a bare pointer: waiting for a Work
+// whose group was destroyed throws lvx::Error (its messages are abandoned, never counted), and
+// destroying such a Work returns at once. A group being destroyed while another thread waits
+// for one of its Works lets that wait finish first (bounded by the timeout).
 class Work {
  public:
   Work();
@@ -154,8 +162,13 @@ class ProcessGroup {
   // collective of a run so that a mismatched launch fails clearly instead of hanging.
   void check_agreement(const std::string& what, const std::string& value);
 
+  // The counters themselves, for code that reads or resets them while no other thread runs
+  // messages of this group (the usual single-threaded loop).
   ByteCounters& counters() { return counters_; }
   const ByteCounters& counters() const { return counters_; }
+  // A consistent copy, and a reset, safe while other threads' messages complete.
+  ByteCounters counters_snapshot() const;
+  void reset_counters();
 
   // Internal: turns an engine failure into an error naming the operation and the failed rank,
   // and fails the group (aborts every pending request; later operations throw at once).
@@ -166,6 +179,7 @@ class ProcessGroup {
  private:
   friend class Work;
   struct Engine;
+  struct Handle;  // what Works hold: the group while it lives (see Work)
   ProcessGroup(const RendezvousInfo& info, Options options, bool connect);
   void start_heartbeat();
   // A store connection of its own (heartbeats, failure diagnosis).
@@ -181,7 +195,9 @@ class ProcessGroup {
   Options options_;
   int rank_ = 0;
   int world_size_ = 1;
+  mutable std::mutex counters_mu_;  // guards counters_ (Work::wait on any thread updates them)
   ByteCounters counters_;
+  std::shared_ptr<Handle> handle_;
   std::unique_ptr<Engine> engine_;
 };
 

@@ -41,7 +41,17 @@ ClusterConfig load_cluster_config(const std::string& path) {
   c.device = root.get_string("device");
   c.gpus_per_node = root.get_int("gpus_per_node");
   c.nodes = root.get_int("nodes");
-  c.device_memory_bytes = static_cast<int64_t>(root.get_double("device_memory_gib") * (1LL << 30));
+  // The planner walks every rank's schedule (rounds x ranks): bound the cluster before it does
+  // (and before nodes x gpus_per_node can overflow).
+  LVX_CHECK(c.gpus_per_node <= kMaxClusterGpus, root.where("gpus_per_node"), ": expected at most ",
+            kMaxClusterGpus, ", got ", c.gpus_per_node);
+  LVX_CHECK(c.nodes <= kMaxClusterGpus / c.gpus_per_node, root.where("nodes"), ": ", c.nodes,
+            " nodes x ", c.gpus_per_node, " GPUs is more than the ", kMaxClusterGpus,
+            " GPUs the planner plans for");
+  const double memory_gib = root.get_double("device_memory_gib");
+  LVX_CHECK(memory_gib <= kMaxDeviceMemoryGib, root.where("device_memory_gib"),
+            ": expected at most ", kMaxDeviceMemoryGib, ", got ", memory_gib);
+  c.device_memory_bytes = static_cast<int64_t>(memory_gib * (1LL << 30));
   YamlMap att = root.get_map("attention_tflops");
   for (const char* dt : {"bf16", "fp16", "fp32"}) {
     if (!att.has(dt)) continue;

@@ -34,6 +34,10 @@ struct Link {
   double sync_s = 0;
 };
 
+// Bounds on what a cluster config may describe (a larger value is an error naming the field).
+constexpr int64_t kMaxClusterGpus = 4096;
+constexpr double kMaxDeviceMemoryGib = 1 << 20;
+
 struct ClusterConfig {
   std::string name;
   std::string device;  // free text, e.g. "A100-SXM4-80GB"

@@ -140,6 +140,13 @@ at::ScalarType scalar_type(const std::string& dtype) {
   LVX_FAIL("dtype: expected bf16|fp16|fp32, got '", dtype, "'");
 }
 
+CostOptions paper_accounting(CostOptions base) {
+  base.expand_kv_heads = true;
+  base.skip_masked_tiles = false;
+  base.topology_aware_ring = false;
+  return base;
+}
+
 attention::AttentionSpec layer_spec(const LayerWorkload& w, const CostOptions& opt) {
   attention::AttentionSpec s;
   s.batch = 1;
@@ -153,6 +160,9 @@ attention::AttentionSpec layer_spec(const LayerWorkload& w, const CostOptions& o
                                          : kernels::MaskKind::kMedia;
   s.media_rule =
       w.mask == MaskRule::kMediaUpTo ? kernels::MediaRule::kUpTo : kernels::MediaRule::kImmediate;
+  // A cross layer's queries are the text, in the text's layout (strategies that choose their own
+  // layouts, striped and distflash, override it).
+  if (w.kind == LayerKind::kCross) s.q_layout = opt.text_layout;
   return s;
 }
 

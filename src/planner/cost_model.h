@@ -129,10 +129,20 @@ struct CostOptions {
   // node_size = gpus_per_node), as the runtime does under a multi-node launcher; false: a flat
   // ring over all ranks, whose every round waits on the inter-node hop.
   bool topology_aware_ring = true;
+  // The layout of the text, i.e. of every cross layer's queries: the runtime shards the text
+  // once for all layers, striped when any self layer runs striped (models::resolve_layouts), so
+  // the cross layers' strategies (lv_xattn, ring, ...) get striped query blocks, which balance a
+  // media mask as they balance a causal one. plan() sets it from its self-layer choices.
+  attention::LayoutKind text_layout = attention::LayoutKind::kContiguous;
   // Device memory taken by everything but attention (weights, optimizer state, other layers'
   // activations): a strategy fits in device memory minus this.
   double reserved_bytes = 0;
 };
+
+// The LV-XAttn paper's implementations (`lvx plan --paper-accounting`, tests/test_planner_paper):
+// K/V expanded to the query heads, masked attention computed densely, and its Ring Attention one
+// flat ring over every GPU (no double ring across nodes). Other fields are kept from `base`.
+CostOptions paper_accounting(CostOptions base = {});
 
 // Per-rank tensor sizes in bytes for n ranks (averages over ranks; memory estimates).
 struct ShardBytes {

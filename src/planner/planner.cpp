@@ -110,7 +110,15 @@ std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload&
   LVX_CHECK(w.frames > 0, "--frames: expected > 0, got ", w.frames);
   LVX_CHECK(w.text_tokens >= w.frames, "--text: expected >= --frames (", w.frames,
             ", one <image> token per frame), got ", w.text_tokens);
+  // The prompt and its mask metadata are built token by token: bound them before allocating.
+  LVX_CHECK(w.text_tokens <= kMaxPlanTextTokens, "--text: expected at most ", kMaxPlanTextTokens,
+            " tokens, got ", w.text_tokens);
+  LVX_CHECK(w.tokens_per_frame >= 0, "--tokens-per-frame: expected >= 0 (0: the model's), got ",
+            w.tokens_per_frame);
   const int64_t tpf = w.tokens_per_frame > 0 ? w.tokens_per_frame : m.visual_tokens_per_frame;
+  LVX_CHECK(w.frames <= kMaxPlanVisualTokens / tpf, "--frames: ", w.frames, " frames x ", tpf,
+            " tokens per frame is more than the ", kMaxPlanVisualTokens,
+            " visual tokens the planner plans for");
   const std::string dtype = w.dtype.empty() ? m.dtype : w.dtype;
   const int64_t e = dtype_bytes(dtype, "--dtype");
   const at::Tensor ids = prompt_ids(w);
@@ -206,6 +214,7 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
   p.model = m.name;
   p.cluster = c.name;
   p.workload = w;
+  LVX_CHECK(w.ranks >= 0, "--nproc: expected >= 0 (0: every GPU of the cluster), got ", w.ranks);
   p.ranks = w.ranks > 0 ? w.ranks : c.world_size();
   LVX_CHECK(p.ranks <= c.world_size(), "--nproc: cluster '", c.name, "' has ", c.world_size(),
             " GPUs, got ", p.ranks);
@@ -220,6 +229,23 @@ Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
       p.shared_visual_bytes = shard_bytes(lp.work, p.ranks, p.options).y;
     }
     p.layers.push_back(std::move(lp));
+  }
+  // The text layout the runtime will use (models::resolve_layouts): striped when any self layer
+  // runs striped. The cross layers' queries are that text, so they are priced again on it:
+  // lv_xattn's query blocks are then balanced under a media mask too.
+  if (p.options.text_layout != attention::LayoutKind::kStriped) {
+    bool striped = false;
+    for (const LayerPlan& l : p.layers)
+      striped = striped ||
+                (l.work.kind == LayerKind::kSelf &&
+                 (l.forward == StrategyKind::kStriped || l.backward == StrategyKind::kStriped));
+    if (striped) {
+      p.options.text_layout = attention::LayoutKind::kStriped;
+      for (LayerPlan& l : p.layers)
+        if (l.work.kind == LayerKind::kCross)
+          l = plan_layer(l.index, l.work, c, p.ranks, p.options, p.options.train && w.split_passes,
+                         w.strategies);
+    }
   }
 
   // Whole-plan memory: every layer's saved activations live until its backward, plus the shared
@@ -351,6 +377,9 @@ nlohmann::json to_json(const Plan& p) {
           {"layout", to_string(p.workload.layout)},
           {"expand_kv_heads", p.options.expand_kv_heads},
           {"skip_masked_tiles", p.options.skip_masked_tiles},
+          {"topology_aware_ring", p.options.topology_aware_ring},
+          {"text_layout",
+           p.options.text_layout == attention::LayoutKind::kStriped ? "striped" : "contiguous"},
           {"layers", layers},
           {"total", total}};
 }
@@ -359,8 +388,9 @@ std::string format_table(const Plan& p) {
   std::ostringstream os;
   os << "plan: model " << p.model << ", cluster " << p.cluster << ", " << p.ranks << " ranks, "
      << p.workload.frames << " frames, text " << p.workload.text_tokens << " ("
-     << to_string(p.workload.layout) << " prompt), "
-     << (p.workload.train ? "training (fwd+bwd)" : "inference (fwd)") << "\n";
+     << to_string(p.workload.layout) << " prompt, text "
+     << (p.options.text_layout == attention::LayoutKind::kStriped ? "striped" : "contiguous")
+     << "), " << (p.workload.train ? "training (fwd+bwd)" : "inference (fwd)") << "\n";
   os << std::left << std::setw(7) << "layers" << std::setw(6) << "kind" << std::setw(22)
      << "Sq/rank x Skv/rank";
   for (StrategyKind s : attention::all_strategies()) os << std::setw(19) << strategy_name(s);

@@ -22,6 +22,11 @@ enum class PromptLayout {
 const char* to_string(PromptLayout l);
 PromptLayout prompt_layout_from_string(const std::string& s);  // error lists the valid names
 
+// Bounds on a workload (larger is an error naming the flag): text tokens, and visual tokens
+// (frames x tokens per frame), whose per-token mask metadata the planner builds.
+constexpr int64_t kMaxPlanTextTokens = int64_t{1} << 24;
+constexpr int64_t kMaxPlanVisualTokens = int64_t{1} << 27;
+
 struct Workload {
   int64_t frames = 0;
   int64_t text_tokens = 0;       // S_Q: text length including one <image> token per frame

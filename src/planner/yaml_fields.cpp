@@ -1,8 +1,11 @@
 #include "src/planner/yaml_fields.h"
 
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
 
 #include "src/common/error.h"
+#include "src/common/files.h"
 
 namespace lvx::planner {
 
@@ -100,12 +103,54 @@ void YamlMap::finish() const {
   }
 }
 
+namespace {
+
+constexpr uint64_t kMaxConfigBytes = uint64_t{1} << 20;  // a model or cluster config: a few KB
+
+// yaml-cpp parses nested collections recursively with no bound: a file of 100k '[' overflows the
+// stack. Flow collections ([ ], { }) are counted here (outside quotes and comments); block
+// nesting is bounded by the file size (k levels need ~k²/2 bytes of indentation: < 1,500 in 1 MiB).
+void check_flow_depth(const std::string& text, const std::string& file) {
+  int depth = 0, max_depth = 0;
+  char quote = 0;
+  bool comment = false;
+  int64_t line = 1;
+  for (char ch : text) {
+    if (ch == '\n') {
+      ++line;
+      comment = false;
+      continue;
+    }
+    if (comment) continue;
+    if (quote) {
+      if (ch == quote) quote = 0;
+      continue;
+    }
+    if (ch == '"' || ch == '\'') {
+      quote = ch;
+    } else if (ch == '#') {
+      comment = true;
+    } else if (ch == '[' || ch == '{') {
+      max_depth = std::max(max_depth, ++depth);
+      LVX_CHECK(max_depth <= kMaxJsonDepth, file, ":", line, ": collections nest deeper than ",
+                kMaxJsonDepth, " levels");
+    } else if ((ch == ']' || ch == '}') && depth > 0) {
+      --depth;
+    }
+  }
+}
+
+}  // namespace
+
 YamlMap load_yaml_map(const std::string& file) {
+  // Read through the checked reader (a FIFO, a directory or a huge file is refused at once, not
+  // blocked on or read whole), then parse the text.
+  LVX_CHECK(std::filesystem::exists(file), file, ": cannot open (no such file)");
+  const std::string text = read_file(file, "config file", kMaxConfigBytes);
+  check_flow_depth(text, file);
   YAML::Node root;
   try {
-    root = YAML::LoadFile(file);
-  } catch (const YAML::BadFile&) {
-    LVX_FAIL(file, ": cannot open");
+    root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
     LVX_FAIL(file, ": invalid YAML: ", e.what());
   }

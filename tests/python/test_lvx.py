@@ -17,6 +17,7 @@ Cases (all by default):
   patch_of  an OpenFlamingo GatedCrossAttentionBlock (its own helpers.py) patched, two steps with
             text and images sharded, equals the unpatched loop
   plan      lvx.plan equals `lvx plan --json` (LVX_BIN)
+  imports   `import lvx` (a fresh interpreter) does not import torch._dynamo
   fault     (only when named) the last rank dies; the others raise a ValueError naming it
   inductor  (only when named) torch.compile with the default backend around the op equals eager
 A failing check raises; the process exits non-zero and torchrun reports the rank.
@@ -211,6 +212,21 @@ def case_errors():
                          f"lv_xattn's contiguous layout of {S} tokens over {n - 1} ranks gives "
                          f"it {lvx.positions(S, group=sub).numel()}")
         dist.barrier()
+    # The op's own checks, past the Python wrapper: every enum of the spec list is range-checked
+    # in C++ (an out-of-range mask kind used to run unmasked).
+    spec = [1, 4 * n, 4 * n, 4, 2, 8, 0, 0, 0, 0, 1]
+    for i, field, bad in ((6, "mask", 7), (7, "media_rule", -1), (8, "q_layout", 2),
+                          (9, "kv_layout", 99)):
+        bad_spec = list(spec)
+        bad_spec[i] = bad
+        expect_error(lambda: torch.ops.lvx.attention_forward(q, k, k, None, None, None, "",
+                                                             "lv_xattn", bad_spec, 0.0),
+                     f"lvx.attention: spec {field} = {bad} is out of range; valid: 0 (")
+    bad_spec = list(spec)
+    bad_spec[10] = 0
+    expect_error(lambda: torch.ops.lvx.attention_forward(q, k, k, None, None, None, "",
+                                                         "lv_xattn", bad_spec, 0.0),
+                 "lvx.attention: spec kv_unit = 0, expected >= 1")
     return "messages match"
 
 
@@ -411,6 +427,31 @@ def case_plan():
     return f"{len(p.layers)} layers, choices {sorted(set(p.choices))}"
 
 
+def case_imports():
+    """`import lvx` costs little beyond `import torch`: it must not import torch._dynamo (0.7 s;
+    torch.compile loads it when used), and lvx's stand-in for assume_constant_result marks a
+    function as dynamo's own decorator does."""
+    if dist.get_rank() != 0:
+        return "rank 0 checks"
+    code = ("import sys, lvx; print(sorted(m for m in sys.modules "
+            "if m == 'torch._dynamo' or m.startswith('torch._dynamo.')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=os.environ.copy(), check=True)
+    check(res.stdout.strip() == "[]", f"import lvx imported {res.stdout.strip()}")
+
+    def ours():
+        pass
+
+    def theirs():
+        pass
+
+    lvx._ops.constant_result(ours)
+    torch.compiler.assume_constant_result(theirs)
+    check(vars(ours) == vars(theirs) and vars(ours),
+          f"constant_result marks {vars(ours)}, dynamo's decorator {vars(theirs)}")
+    return "torch._dynamo not imported"
+
+
 def case_fault():
     """The last rank dies before a call; the others get a ValueError naming it within the
     timeout (LVX_DIST_TIMEOUT_S, heartbeats in the group's store), and exit without hanging."""
@@ -433,8 +474,8 @@ def case_fault():
 
 CASES = {"exact": case_exact, "errors": case_errors, "compile": case_compile,
          "patch_hf": case_patch_hf, "patch_of": case_patch_of, "plan": case_plan,
-         "fault": case_fault, "inductor": case_inductor}
-DEFAULT = ["exact", "errors", "compile", "patch_hf", "patch_of", "plan"]
+         "fault": case_fault, "inductor": case_inductor, "imports": case_imports}
+DEFAULT = ["exact", "errors", "compile", "patch_hf", "patch_of", "plan", "imports"]
 
 
 def main():
