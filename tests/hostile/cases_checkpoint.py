@@ -57,15 +57,14 @@ RANK_FAILED = r"error:|exited with code 1"
 
 
 def on_rank(regex):
-    """For errors a rank finds (the weights are read by the ranks, not by the launcher): until
-    `lvx launch` forwards each rank's stderr to its own stderr, a rank's error arrives on the
-    launcher's stdout (prefixed); the case's stderr regex asks for the failure, this check for the
-    named error in either stream, and that no output was written."""
+    """For errors a rank finds (the weights are read by the ranks, not by the launcher): `lvx
+    launch` forwards each rank's stderr to its own stderr (prefixed), so the named error must be
+    there and not on stdout, and no output may have been written."""
     import re
 
     def check(ctx, res):
-        text = res.stderr + res.stdout
-        assert re.search(regex, text, re.S | re.I), "no /%s/ in the output" % regex
+        assert re.search(regex, res.stderr, re.S | re.I), "no /%s/ on stderr" % regex
+        assert not re.search(regex, res.stdout, re.S | re.I), "/%s/ on stdout" % regex
         no_output(ctx, res)
     return check
 

@@ -82,14 +82,13 @@ def edit_state(ctx, fn):
 
 
 def on_rank(regex, then=None):
-    """For errors a rank finds while training: until `lvx launch` forwards each rank's stderr to
-    its own stderr, a rank's error arrives on the launcher's stdout (prefixed); the case's stderr
-    regex only asks for a failure, this check for the named error in either stream."""
+    """For errors a rank finds while training: `lvx launch` forwards each rank's stderr to its
+    own stderr (prefixed), so the named error must be there and not on stdout."""
     import re
 
     def check(ctx, res):
-        text = res.stderr + res.stdout
-        assert re.search(regex, text, re.S | re.I), "no /%s/ in the output" % regex
+        assert re.search(regex, res.stderr, re.S | re.I), "no /%s/ on stderr" % regex
+        assert not re.search(regex, res.stdout, re.S | re.I), "/%s/ on stdout" % regex
         if then:
             then(ctx, res)
     return check
