@@ -132,7 +132,7 @@ logs=$build/gpu-logs
 [ $dry = 1 ] || mkdir -p "$logs"
 export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=1
 export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
-targets=(lvx_test_kernels lvx_test_dist lvx_test_attention bench_kernels)
+targets=(lvx_test_kernels lvx_test_dist lvx_test_attention lvx_gpu_dist_cuda bench_kernels)
 [ "$gpu_only" = OFF ] && targets+=(lvx)
 step "configure (CUDA, arch $archs)" "$logs/configure.log" -- \
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLVX_PYTHON="$python" -DLVX_CUDA=ON \
@@ -155,7 +155,14 @@ fi
 cli_filter=""
 [ "$gpu_only" = ON ] && cli_filter="--gtest_filter=-*Cli*:Launch.*"
 step "process group (lvx_test_dist)" "$logs/dist.log" -- "$build/tests/lvx_test_dist" $cli_filter
-step "strategies x masks, world 1-4 (lvx_test_attention)" "$logs/attention.log" -- \
+for n in 1 2 3 4; do  # CUDA tensors, every rank on GPU 0 (n > 1: Gloo with host staging)
+  step "process group, CUDA tensors, world $n (1 GPU)" "$logs/dist_cuda_$n.log" -- \
+    env CUDA_VISIBLE_DEVICES=0 "$python" -m torch.distributed.run --standalone --no-python \
+    --nproc_per_node=$n "$build/tests/lvx_gpu_dist_cuda"
+done
+# The strategy suite builds its tensors on the CPU (tests/test_attention.cpp has no device
+# option yet): on a GPU machine it checks the CUDA build's CPU path at world 1-4.
+step "strategies x masks, world 1-4 (CPU tensors)" "$logs/attention.log" -- \
   env CUDA_VISIBLE_DEVICES=0 "$build/tests/lvx_test_attention" $cli_filter
 
 # ---- jobs of a tiny model on the GPU (full build only) --------------------------------------
