@@ -87,6 +87,12 @@ struct ProcessGroup::Engine {
   uint32_t tag_base = 0, tag_mask = 0x7fffffff;
   c10::intrusive_ptr<Backend> gloo;
   c10::intrusive_ptr<Backend> nccl;  // created on the first CUDA tensor (same point on all ranks)
+  // Multi-node runs (nccl_backend.h, spans_nodes): messages between ranks of different nodes go on
+  // a communicator of their own, whose NCCL stream runs beside `nccl`'s, so that a double ring's
+  // inter-node hop overlaps the intra-node hops posted after it. Null otherwise (and for adopted
+  // torch.distributed groups): every CUDA message goes on `nccl`.
+  c10::intrusive_ptr<Backend> nccl_inter;
+  int node_size = 1;  // ranks per node (LOCAL_WORLD_SIZE): pairs with different r / node_size
   // Per-peer message numbers: the Gloo tags. Taken and posted under post_mu, so that threads
   // posting at once (autograd's backward thread and the main thread) never share a tag, and a
   // batch's messages keep consecutive tags (NCCL: one coalesced group call per batch).
@@ -107,6 +113,12 @@ struct ProcessGroup::Engine {
   std::map<c10d::Work*, c10::intrusive_ptr<c10d::Work>> pending;
   std::vector<c10::intrusive_ptr<c10d::Work>> aborted;
   std::vector<int> found_dead;  // the ranks this rank's own diagnosis found unresponsive
+
+  // CUDA tensors without NCCL (lvx built without CUDA, or ranks sharing a GPU, which NCCL refuses:
+  // nccl_backend.h) go through Gloo, staged in host memory: sends are copied to the host when
+  // posted, receives land in a host buffer copied to the device when waited for.
+  bool stage_cuda() const { return !nccl && cuda_via_host; }
+  bool cuda_via_host = false;
 
   Backend& backend_for(const at::Tensor& t) {
     if (t.is_cuda()) {
@@ -184,6 +196,12 @@ ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options, bool con
     LVX_FAIL("rank ", rank_, ": Gloo could not connect the ", world_size_, " ranks: ", e.what());
   }
   engine_->nccl = make_nccl_backend(engine_->store, info_, options_.timeout);
+  engine_->cuda_via_host = true;  // used only when there is no NCCL engine (see stage_cuda)
+  if (engine_->nccl && spans_nodes(info_)) {
+    engine_->node_size = info_.local_world_size;
+    engine_->nccl_inter = make_nccl_backend(engine_->store, info_, options_.timeout,
+                                            "lvx/nccl-inter", /*eager=*/true);
+  }
 
   start_heartbeat();
 }
@@ -443,6 +461,12 @@ struct Work::Impl {
   struct Posted {
     c10::intrusive_ptr<c10d::Work> work;
     std::vector<Msg> msgs;
+    // NCCL: waited on by the caller's CUDA stream, not the host (nccl_stream_wait); the engine's
+    // watchdog bounds it by the timeout.
+    bool stream_ordered = false;
+    // Host staging of a CUDA receive through Gloo: `staged` (host) is copied into `device` once
+    // the message is in.
+    at::Tensor staged, device;
   };
   std::vector<Posted> posted;
   bool done = false;
@@ -529,7 +553,12 @@ void ProcessGroup::wait_work(Work::Impl& w) {
     check_not_failed(w.what);  // its requests were aborted: do not wait for them
     bool completed = false;
     try {
-      completed = p.work->wait(w.timeout);
+      if (p.stream_ordered) {
+        nccl_stream_wait(*p.work);  // no host block: the current stream waits on NCCL's
+        completed = true;
+      } else {
+        completed = p.work->wait(w.timeout);
+      }
     } catch (const c10::Error& e) {
       fail(w.what, e.what_without_backtrace());
     } catch (const std::exception& e) {
@@ -543,6 +572,7 @@ void ProcessGroup::wait_work(Work::Impl& w) {
       std::lock_guard<std::mutex> lock(engine_->fault_mu);
       engine_->pending.erase(p.work.get());
     }
+    if (p.device.defined()) p.device.copy_(p.staged);
     {
       std::lock_guard<std::mutex> lock(counters_mu_);
       for (const auto& m : p.msgs)
@@ -578,40 +608,79 @@ Work ProcessGroup::batch_isend_irecv(std::vector<P2POp> ops, const char* what) {
   bool any_cuda = false, any_cpu = false;
   for (const auto& op : ops) (op.tensor.is_cuda() ? any_cuda : any_cpu) = true;
   LVX_CHECK(!(any_cuda && any_cpu), what, ": a batch mixes CPU and CUDA tensors");
+  // Host staging (Engine::stage_cuda): the batch becomes a Gloo batch of host tensors.
+  std::map<const at::TensorImpl*, at::Tensor> staged_recv;  // host buffer -> device tensor
+  if (any_cuda && engine_->stage_cuda()) {
+    for (auto& op : ops) {
+      if (op.kind == P2POp::kSend) {
+        op.tensor = op.tensor.to(at::kCPU);  // synchronous: the data is on the host when it returns
+      } else {
+        at::Tensor host = at::empty(op.tensor.sizes(), op.tensor.options().device(at::kCPU));
+        staged_recv[host.unsafeGetTensorImpl()] = op.tensor;
+        op.tensor = host;
+      }
+    }
+    any_cuda = false;
+  }
   Backend& backend = engine_->backend_for(ops.front().tensor);
   const bool coalesce = any_cuda;  // NCCL: one group call; Gloo: unbound buffers never block
   auto& posted = work.impl_->posted;
   auto track = [&](c10::intrusive_ptr<c10d::Work> w, std::vector<Work::Impl::Msg> msgs) {
     std::lock_guard<std::mutex> lock(engine_->fault_mu);
     engine_->pending[w.get()] = w;
-    posted.push_back({std::move(w), std::move(msgs)});
+    posted.push_back({std::move(w), std::move(msgs), /*stream_ordered=*/any_cuda, {}, {}});
   };
+  // NCCL in a multi-node run: the batch's inter-node messages form a second group call on the
+  // inter-node communicator (a pair is inter-node on both sides alike, so both post it there).
+  Backend* inter = nullptr;
+  std::vector<P2POp> inter_ops;
+  if (any_cuda && engine_->nccl_inter) {
+    inter = engine_->nccl_inter.get();
+    const int node = rank_ / engine_->node_size;
+    std::vector<P2POp> intra_ops;
+    for (auto& op : ops)
+      (op.peer / engine_->node_size == node ? intra_ops : inter_ops).push_back(std::move(op));
+    ops = std::move(intra_ops);
+  }
   // An engine error while posting fails the group, after post_mu is released (the diagnosis
   // takes seconds, and other threads must see the failure rather than wait behind it).
   std::optional<std::string> engine_error;
   {
     std::lock_guard<std::mutex> post_lock(engine_->post_mu);
     try {
-      if (coalesce) backend.startCoalescing();
-      std::vector<Work::Impl::Msg> coalesced;
-      for (auto& op : ops) {
-        const int64_t n = nbytes(op.tensor);
-        if (n == 0) continue;
-        std::vector<at::Tensor> ts{op.tensor};
-        auto& seq = op.kind == P2POp::kSend ? engine_->send_seq : engine_->recv_seq;
-        const int tag = static_cast<int>(engine_->tag_base | (seq[op.peer]++ & engine_->tag_mask));
-        auto w = op.kind == P2POp::kSend ? backend.send(ts, op.peer, tag)
-                                         : backend.recv(ts, op.peer, tag);
-        if (coalesce) {
-          coalesced.push_back({op.kind, op.peer, n});
-        } else {
-          track(w, {{op.kind, op.peer, n}});
+      auto post = [&](Backend& engine, std::vector<P2POp>& batch) {
+        bool any = false;
+        for (const auto& op : batch) any = any || nbytes(op.tensor) > 0;
+        if (!any) return;
+        if (coalesce) engine.startCoalescing();
+        std::vector<Work::Impl::Msg> coalesced;
+        for (auto& op : batch) {
+          const int64_t n = nbytes(op.tensor);
+          if (n == 0) continue;
+          std::vector<at::Tensor> ts{op.tensor};
+          auto& seq = op.kind == P2POp::kSend ? engine_->send_seq : engine_->recv_seq;
+          const int tag =
+              static_cast<int>(engine_->tag_base | (seq[op.peer]++ & engine_->tag_mask));
+          auto w = op.kind == P2POp::kSend ? engine.send(ts, op.peer, tag)
+                                           : engine.recv(ts, op.peer, tag);
+          if (coalesce) {
+            coalesced.push_back({op.kind, op.peer, n});
+          } else {
+            track(w, {{op.kind, op.peer, n}});
+            auto it = staged_recv.find(op.tensor.unsafeGetTensorImpl());
+            if (it != staged_recv.end()) {
+              posted.back().staged = op.tensor;
+              posted.back().device = it->second;
+            }
+          }
         }
-      }
-      if (coalesce) {
-        auto w = backend.endCoalescing();
-        if (w) track(w, std::move(coalesced));
-      }
+        if (coalesce) {
+          auto w = engine.endCoalescing();
+          if (w) track(w, std::move(coalesced));
+        }
+      };
+      post(backend, ops);
+      if (inter) post(*inter, inter_ops);
     } catch (const lvx::Error&) {
       throw;
     } catch (const c10::Error& e) {

@@ -2,7 +2,13 @@
 // video sharding, benchmarks) talks through ProcessGroup; it runs on real engines only:
 //   - CPU tensors: Gloo through libtorch's c10d (ranks are separate processes, TCP between them);
 //   - CUDA tensors: NCCL through c10d (its own communication stream, ordered against the caller's
-//     compute stream with events), when lvx is built with CUDA.
+//     compute stream with events), when lvx is built with CUDA. Waiting for NCCL messages never
+//     blocks the host: the caller's current CUDA stream waits on them (nccl_backend.h), so a ring
+//     hop overlaps the next block's compute; NCCL's watchdog bounds them by Options::timeout. In a
+//     run over several nodes (LOCAL_WORLD_SIZE < WORLD_SIZE) inter-node messages go on a second
+//     communicator (its own stream), so inter- and intra-node hops of a double ring overlap.
+//     Without NCCL (ranks sharing one GPU, or LVX_DIST_CUDA_ENGINE=gloo) CUDA tensors go through
+//     Gloo staged in host memory (copied to the host when posted, to the device when waited for).
 // Collectives are built from batched point-to-point messages, so that every byte is counted per
 // peer and the counters equal the analytic volume of each algorithm:
 //   ring exchange of S bytes        : sends S to next, receives S from previous
@@ -11,8 +17,9 @@
 //   all_to_all with splits s_j      : Σ_{j≠r} s_j sent to the owners (pairwise exchange)
 //   broadcast of S bytes            : root sends S to each of the n-1 others
 // Byte counters count the payload of messages that completed: a send once the engine reports it
-// done, a receive once its data is in the tensor (both seen by Work::wait). Messages of a request
-// that failed or was aborted are not counted; neither are headers or transport overhead.
+// done, a receive once its data is in the tensor (both seen by Work::wait; for NCCL, once the
+// caller's stream is ordered after them, a failure later failing the whole group). Messages of a
+// request that failed or was aborted are not counted; neither are headers or transport overhead.
 // Faults: every wait is bounded by Options::timeout; a peer that dies or stops answering turns
 // into an lvx::Error on every other rank naming the operation and the failed rank (found from
 // heartbeats kept in the rendezvous store), so no rank waits forever. The first failure (timeout
