@@ -32,7 +32,7 @@ Checkpoint load_checkpoint(const std::string& dir) {
 
 StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
                             const std::vector<std::string>& unused_prefixes, at::ScalarType dtype,
-                            const std::string& dir) {
+                            const std::string& dir, at::Device device) {
   std::vector<std::string> missing, unexpected, misshaped, mistyped;
   StateDict out;
   for (const auto& [name, shape] : expected) {
@@ -46,7 +46,7 @@ StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
       misshaped.push_back(
           str(name, " ", it->second.sizes(), " (expected ", at::IntArrayRef(shape), ")"));
     } else {
-      out[name] = it->second.to(dtype).contiguous();
+      out[name] = it->second.to(device, dtype).contiguous();
     }
   }
   for (const auto& [name, t] : all) {

@@ -19,24 +19,29 @@ at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positio
                              const at::Tensor& head, dist::ProcessGroup& pg) {
   const int64_t B = hidden.size(0);
   at::Tensor logits = at::zeros({B, head.size(0)}, hidden.options().dtype(at::kFloat));
-  const at::Tensor row = (positions == length - 1).nonzero().flatten();
-  if (row.numel() == 1)
-    logits = at::linear(hidden.index_select(1, row).squeeze(1), head).to(at::kFloat);
+  // The row is found on the host (positions are host metadata): no device sync, no nonzero().
+  LVX_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong,
+            "last_token_logits: positions must be int64 on the host, got ", positions.scalar_type(),
+            " on ", positions.device());
+  const at::Tensor p = positions.contiguous();
+  const int64_t* pp = p.data_ptr<int64_t>();
+  for (int64_t i = 0; i < p.numel(); ++i)
+    if (pp[i] == length - 1) logits = at::linear(hidden.select(1, i), head).to(at::kFloat);
   // One rank holds the row; the others add zeros (exact).
   pg.all_reduce(logits);
   return logits;
 }
 
-std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype) {
+std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, at::Device device) {
   Checkpoint ck = load_checkpoint(dir);
   const std::string type = config_string_or(ck.config, "model_type", dir + "/config.json", "");
   if (type == "mplugowl3") {
     const Tokenizer tok = Tokenizer::from_file(dir + "/tokenizer.json");
     const auto image = tok.token_to_id("<|image|>");
     LVX_CHECK(image.has_value(), dir, "/tokenizer.json: has no <|image|> token");
-    return std::make_unique<MplugOwl3>(ck, *image, dtype);
+    return std::make_unique<MplugOwl3>(ck, *image, dtype, device);
   }
-  if (type == "openflamingo") return std::make_unique<OpenFlamingo>(ck, dtype);
+  if (type == "openflamingo") return std::make_unique<OpenFlamingo>(ck, dtype, device);
   LVX_FAIL(dir, "/config.json: model_type '", type,
            "' is not supported (supported: mplugowl3, openflamingo)");
 }
