@@ -38,6 +38,9 @@ TEST(Device, RefusesFewerGpusThanLocalRanksAndCudaWithoutOne) {
   EXPECT_NE(error_of([] { choose_device("gpu", 0, 1, 0); }).find("expected auto, cuda or cpu"),
             std::string::npos);
   EXPECT_NE(error_of([] { choose_device("cpu", 2, 2, 0); }).find("outside"), std::string::npos);
+  // Validation before ranks start checks the spelling only (it may run where no GPU is).
+  EXPECT_EQ(error_of([] { check_device_option("cuda"); }), "");
+  EXPECT_NE(error_of([] { check_device_option("gpu"); }), "");
   // This machine: cpu always works; check_local_devices refuses like a rank would.
   EXPECT_EQ(error_of([] { check_local_devices("cpu", 64); }), "");
   if (cuda_device_count() == 0) {

@@ -53,6 +53,8 @@ at::Device choose_device(const std::string& spec) {
   return d;
 }
 
+void check_device_option(const std::string& spec) { choose_device(spec, 0, 1, 1); }
+
 void check_local_devices(const std::string& spec, int local_ranks) {
   choose_device(spec, 0, std::max(local_ranks, 1), spec == "cpu" ? 0 : cuda_device_count());
 }

@@ -31,6 +31,10 @@ at::Device choose_device(const std::string& spec);
 // GPU for --device cuda, fewer GPUs than ranks), once and clearly. Counts GPUs only unless cpu.
 void check_local_devices(const std::string& spec, int local_ranks);
 
+// Checks the option's spelling only (auto | cuda | cpu): for validation before the ranks start,
+// which may run where the GPUs are not (check_local_devices checks the counts).
+void check_device_option(const std::string& spec);
+
 // CUDA devices this process can use (0 without CUDA).
 int cuda_device_count();
 

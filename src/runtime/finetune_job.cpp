@@ -367,6 +367,7 @@ ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, 
 }
 
 TrainConfig validate_finetune_job(const FinetuneJob& job) {
+  check_device_option(job.device);  // counts: by the launcher and on each rank
   const TrainConfig cfg = load_train_config(job.config, job.overrides);
   check_model_dir(cfg.model.path, "model.path");
   if (cfg.parallel.strategies != "auto") explicit_strategies(cfg.parallel.strategies, 1);

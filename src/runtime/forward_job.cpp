@@ -88,7 +88,7 @@ std::string checkpoint_dtype(const std::string& dir) {
 
 void validate_forward_job(const ForwardJob& job) {
   resolve_dtype(job.dtype, at::Device(at::kCPU), "");
-  choose_device(job.device, 0, 1, 0 /* counts are checked by the launcher and on each rank */);
+  check_device_option(job.device);  // counts: by the launcher and on each rank
   LVX_CHECK(fs::exists(job.input), job.input, ": no such file");
   check_regular_file(job.input, "input file (--input)");
   check_output_path(job.output, "output file (--output)");

@@ -345,7 +345,7 @@ int64_t model_context_length(const std::string& model_dir) {
 
 void validate_qa_job(const QaJob& job) {
   resolve_dtype(job.plan.dtype, at::Device(at::kCPU), "");
-  choose_device(job.device, 0, 1, 0);  // the value; GPU counts are checked on each rank
+  check_device_option(job.device);  // counts: by the launcher and on each rank
   LVX_CHECK(fs::is_directory(job.model), job.model,
             ": not a directory (expected a checkpoint directory with config.json)");
   check_regular_file((fs::path(job.model) / "config.json").string(), "model config");
