@@ -32,8 +32,10 @@ at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positio
   return logits;
 }
 
-std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, at::Device device) {
-  Checkpoint ck = load_checkpoint(dir);
+namespace {
+
+std::unique_ptr<Model> make_model(const Checkpoint& ck, at::ScalarType dtype, at::Device device) {
+  const std::string& dir = ck.dir;
   const std::string type = config_string_or(ck.config, "model_type", dir + "/config.json", "");
   if (type == "mplugowl3") {
     const Tokenizer tok = Tokenizer::from_file(dir + "/tokenizer.json");
@@ -44,6 +46,20 @@ std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, 
   if (type == "openflamingo") return std::make_unique<OpenFlamingo>(ck, dtype, device);
   LVX_FAIL(dir, "/config.json: model_type '", type,
            "' is not supported (supported: mplugowl3, openflamingo)");
+}
+
+}  // namespace
+
+std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, at::Device device) {
+  if (device.is_cpu()) return make_model(load_checkpoint(dir), dtype, device);
+  // Straight to the device: the model is built on meta from the files' headers (every name,
+  // shape and dtype checked as on the CPU), then each parameter is read, converted and moved on
+  // its own, so host memory holds one tensor at a time, never the checkpoint.
+  const CheckpointIndex index = load_checkpoint_index(dir);
+  std::unique_ptr<Model> model = make_model(index.meta, dtype, at::kMeta);
+  for (auto& [name, t] : model->parameters())
+    t = read_tensor(index, name).to(device, dtype).contiguous();
+  return model;
 }
 
 planner::ModelConfig planner_model_from_config(const nlohmann::json& j, const std::string& where) {

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <cctype>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -309,6 +310,32 @@ TEST(Placement, MplugOwl3RunsForwardBackwardPrefillDecodeOnMeta) {
       auto m = mplug_on_meta(variant);
       run_everything_on_meta(*m, single_rank(remat, remat));
     }
+}
+
+// Off the CPU, load_model builds the model on meta from the files' headers and reads each
+// parameter on its own: the same parameters (names, shapes, dtypes) as the CPU load.
+TEST(Placement, LoadingStraightToADeviceGivesTheCpuLoadsParameters) {
+  const std::string dir = (lvx::testing::workdir() / "placement_load").string();
+  TinyModelSpec spec;
+  spec.words = {"red"};
+  write_tiny_mplug_owl3(dir, spec);
+  // The same tensors in 3 shards (model.safetensors.index.json).
+  const std::string sharded = dir + "_sharded";
+  const Checkpoint ck = load_checkpoint(dir);
+  save_checkpoint(sharded, ck.config, ck.tensors, 3);
+  std::filesystem::copy_file(dir + "/tokenizer.json", sharded + "/tokenizer.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  for (const auto& [from, dt] : {std::pair{dir, at::kFloat}, std::pair{sharded, at::kBFloat16}}) {
+    const auto cpu = load_model(dir, dt), meta = load_model(from, dt, kMeta);
+    ASSERT_EQ(cpu->parameters().size(), meta->parameters().size());
+    for (const auto& [name, t] : cpu->parameters()) {
+      const at::Tensor& m = meta->parameters().at(name);
+      EXPECT_TRUE(m.is_meta()) << name;
+      EXPECT_EQ(m.sizes(), t.sizes()) << name;
+      EXPECT_EQ(m.scalar_type(), dt) << name;
+      EXPECT_TRUE(m.is_contiguous()) << name;
+    }
+  }
 }
 
 TEST(Placement, OpenFlamingoRunsForwardBackwardPrefillDecodeOnMeta) {
