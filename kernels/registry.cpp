@@ -9,6 +9,9 @@ const AttentionImpl* find_attention_impl(c10::DeviceType device) {
   static const AttentionImpl cpu{"cpu", attention_forward_cpu, attention_backward_cpu,
                                  merge_attention_states_cpu};
   if (device == c10::DeviceType::CPU) return &cpu;
+  static const AttentionImpl meta{"meta", attention_forward_meta, attention_backward_meta,
+                                  merge_attention_states_meta};
+  if (device == c10::DeviceType::Meta) return &meta;
 #ifdef LVX_WITH_CUDA
   static const AttentionImpl cuda = cuda_attention_impl();
   if (device == c10::DeviceType::CUDA) return &cuda;

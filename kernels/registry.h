@@ -54,5 +54,15 @@ AttentionGrads attention_backward_cpu(const at::Tensor& q, const at::Tensor& k, 
 void merge_attention_states_cpu(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Tensor& o_new,
                                 const at::Tensor& lse_new);
 AttentionImpl cuda_attention_impl();  // defined in attention_fwd.cu when LVX_WITH_CUDA
+// Shape-only twins for the `meta` device (attention_meta.cpp): the placement check.
+AttentionOutput attention_forward_meta(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, double scale, const AttentionMask& mask,
+                                       AttentionStats* stats);
+AttentionGrads attention_backward_meta(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& dout,
+                                       const at::Tensor& lse, const at::Tensor& delta, double scale,
+                                       const AttentionMask& mask, AttentionStats* stats);
+void merge_attention_states_meta(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Tensor& o_new,
+                                 const at::Tensor& lse_new);
 
 }  // namespace lvx::kernels

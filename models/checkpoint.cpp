@@ -1,5 +1,6 @@
 #include "models/checkpoint.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -30,9 +31,96 @@ Checkpoint load_checkpoint(const std::string& dir) {
   return c;
 }
 
+namespace {
+
+// A safetensors header's tensors as meta tensors (the file's full validation is
+// load_safetensors', which read_tensor runs on every read).
+StateDict header_tensors(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  LVX_CHECK(f.good(), path, ": cannot open");
+  unsigned char len[8] = {};
+  f.read(reinterpret_cast<char*>(len), 8);
+  LVX_CHECK(f.gcount() == 8, path, ": not a safetensors file (shorter than 8 bytes)");
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
+  LVX_CHECK(n <= (uint64_t{100} << 20), path, ": header length ", n, " is implausible");
+  std::string header(n, '\0');
+  f.read(header.data(), static_cast<std::streamsize>(n));
+  LVX_CHECK(static_cast<uint64_t>(f.gcount()) == n, path, ": short read of its header");
+  const nlohmann::json j = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
+  LVX_CHECK(j.is_object(), path, ": header is not a JSON object (not a safetensors file)");
+  StateDict out;
+  for (const auto& [name, e] : j.items()) {
+    if (name == "__metadata__") continue;
+    LVX_CHECK(e.is_object() && e.contains("dtype") && e["dtype"].is_string() &&
+                  e.contains("shape") && e["shape"].is_array(),
+              path, ": tensor '", name, "': expected dtype and shape");
+    std::vector<int64_t> shape;
+    for (const auto& d : e["shape"]) {
+      LVX_CHECK(d.is_number_unsigned(), path, ": tensor '", name, "': bad shape ",
+                e["shape"].dump());
+      shape.push_back(d.get<int64_t>());
+    }
+    out[name] = at::empty(
+        shape,
+        at::TensorOptions().dtype(scalar_type_from_safetensors(e["dtype"])).device(at::kMeta));
+  }
+  return out;
+}
+
+}  // namespace
+
+CheckpointIndex load_checkpoint_index(const std::string& dir) {
+  LVX_CHECK(fs::is_directory(dir), dir, ": not a directory (expected a checkpoint directory with ",
+            "config.json and model.safetensors)");
+  verify_manifest(dir);
+  const fs::path cfg = fs::path(dir) / "config.json";
+  LVX_CHECK(fs::exists(cfg), dir, ": no config.json");
+  CheckpointIndex c;
+  c.meta.dir = dir;
+  c.meta.config = read_json_file(cfg.string(), "model config", uint64_t{16} << 20);
+  LVX_CHECK(c.meta.config.is_object(), cfg.string(), ": expected a JSON object, got ",
+            c.meta.config.type_name());
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  std::vector<std::string> files;
+  if (!fs::exists(index)) {
+    LVX_CHECK(fs::exists(fs::path(dir) / "model.safetensors"), dir,
+              ": no model.safetensors or model.safetensors.index.json");
+    files.push_back("model.safetensors");
+  } else {
+    const nlohmann::json j = read_json_file(index.string(), "checkpoint index");
+    LVX_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
+              index.string(), ": weight_map: missing or not an object (tensor name -> shard file)");
+    for (const auto& [name, file] : j["weight_map"].items()) {
+      LVX_CHECK(file.is_string(), index.string(), ": weight_map: '", name,
+                "' must name a shard file, got ", file.dump());
+      check_name_inside(file.get<std::string>(), index.string());
+      if (std::find(files.begin(), files.end(), file.get<std::string>()) == files.end())
+        files.push_back(file.get<std::string>());
+    }
+  }
+  for (const std::string& file : files) {
+    const std::string path = (fs::path(dir) / file).string();
+    const StateDict t = header_tensors(path);
+    // The whole header validated once, as a full load would, with its first tensor read.
+    if (!t.empty()) load_safetensors(path, {t.begin()->first});
+    for (const auto& [name, meta] : t) {
+      c.meta.tensors[name] = meta;
+      c.files[name] = path;
+    }
+  }
+  return c;
+}
+
+at::Tensor read_tensor(const CheckpointIndex& index, const std::string& name) {
+  const auto it = index.files.find(name);
+  LVX_CHECK(it != index.files.end(), index.meta.dir, ": has no tensor '", name, "'");
+  return load_safetensors(it->second, {name}).tensors.at(name);
+}
+
 StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
                             const std::vector<std::string>& unused_prefixes, at::ScalarType dtype,
-                            const std::string& dir) {
+                            const std::string& dir, at::Device device) {
   std::vector<std::string> missing, unexpected, misshaped, mistyped;
   StateDict out;
   for (const auto& [name, shape] : expected) {
@@ -46,7 +134,7 @@ StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
       misshaped.push_back(
           str(name, " ", it->second.sizes(), " (expected ", at::IntArrayRef(shape), ")"));
     } else {
-      out[name] = it->second.to(dtype).contiguous();
+      out[name] = it->second.to(device, dtype).contiguous();
     }
   }
   for (const auto& [name, t] : all) {

@@ -28,14 +28,27 @@ struct Checkpoint {
 // config.json (a checked JSON object) and every tensor. Errors name the directory and the file.
 Checkpoint load_checkpoint(const std::string& dir);
 
-// The parameters a model needs, converted to `dtype`: every tensor of `expected` must be present
-// with its shape, and every other tensor must start with one of `unused_prefixes` (tensors of the
-// release that the model does not use, e.g. SigLIP's pooling head). One lvx::Error lists every
-// missing, unexpected, mis-shaped and non-floating-point tensor (an integer tensor is not a
-// weight), naming `dir`.
+// The same directory with every tensor as a `meta` tensor of its stored shape and dtype (no data
+// read; each file's header fully validated by reading its first tensor), and where each tensor
+// is: `files` maps a tensor name to its file. For loading straight onto a device:
+// load_model builds the model on meta (every name, shape and dtype checked as usual), then reads
+// the parameters one at a time (read_tensor) onto the device.
+struct CheckpointIndex {
+  Checkpoint meta;
+  std::map<std::string, std::string> files;
+};
+CheckpointIndex load_checkpoint_index(const std::string& dir);
+// One tensor of a checkpoint from its file (host memory: that tensor only).
+at::Tensor read_tensor(const CheckpointIndex& index, const std::string& name);
+
+// The parameters a model needs, converted to `dtype` on `device` (one tensor at a time): every
+// tensor of `expected` must be present with its shape, and every other tensor must start with one
+// of `unused_prefixes` (tensors of the release that the model does not use, e.g. SigLIP's pooling
+// head). One lvx::Error lists every missing, unexpected, mis-shaped and non-floating-point tensor
+// (an integer tensor is not a weight), naming `dir`.
 StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,
                             const std::vector<std::string>& unused_prefixes, at::ScalarType dtype,
-                            const std::string& dir);
+                            const std::string& dir, at::Device device = at::kCPU);
 
 // Writes `tensors` in the layout above (config.json, model.safetensors; or `shards` > 1 files
 // model-0000i-of-0000N.safetensors and model.safetensors.index.json). For tests and converters.

@@ -19,26 +19,47 @@ at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positio
                              const at::Tensor& head, dist::ProcessGroup& pg) {
   const int64_t B = hidden.size(0);
   at::Tensor logits = at::zeros({B, head.size(0)}, hidden.options().dtype(at::kFloat));
-  const at::Tensor row = (positions == length - 1).nonzero().flatten();
-  if (row.numel() == 1)
-    logits = at::linear(hidden.index_select(1, row).squeeze(1), head).to(at::kFloat);
+  // The row is found on the host (positions are host metadata): no device sync, no nonzero().
+  LVX_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong,
+            "last_token_logits: positions must be int64 on the host, got ", positions.scalar_type(),
+            " on ", positions.device());
+  const at::Tensor p = positions.contiguous();
+  const int64_t* pp = p.data_ptr<int64_t>();
+  for (int64_t i = 0; i < p.numel(); ++i)
+    if (pp[i] == length - 1) logits = at::linear(hidden.select(1, i), head).to(at::kFloat);
   // One rank holds the row; the others add zeros (exact).
   pg.all_reduce(logits);
   return logits;
 }
 
-std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype) {
-  Checkpoint ck = load_checkpoint(dir);
+namespace {
+
+std::unique_ptr<Model> make_model(const Checkpoint& ck, at::ScalarType dtype, at::Device device) {
+  const std::string& dir = ck.dir;
   const std::string type = config_string_or(ck.config, "model_type", dir + "/config.json", "");
   if (type == "mplugowl3") {
     const Tokenizer tok = Tokenizer::from_file(dir + "/tokenizer.json");
     const auto image = tok.token_to_id("<|image|>");
     LVX_CHECK(image.has_value(), dir, "/tokenizer.json: has no <|image|> token");
-    return std::make_unique<MplugOwl3>(ck, *image, dtype);
+    return std::make_unique<MplugOwl3>(ck, *image, dtype, device);
   }
-  if (type == "openflamingo") return std::make_unique<OpenFlamingo>(ck, dtype);
+  if (type == "openflamingo") return std::make_unique<OpenFlamingo>(ck, dtype, device);
   LVX_FAIL(dir, "/config.json: model_type '", type,
            "' is not supported (supported: mplugowl3, openflamingo)");
+}
+
+}  // namespace
+
+std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, at::Device device) {
+  if (device.is_cpu()) return make_model(load_checkpoint(dir), dtype, device);
+  // Straight to the device: the model is built on meta from the files' headers (every name,
+  // shape and dtype checked as on the CPU), then each parameter is read, converted and moved on
+  // its own, so host memory holds one tensor at a time, never the checkpoint.
+  const CheckpointIndex index = load_checkpoint_index(dir);
+  std::unique_ptr<Model> model = make_model(index.meta, dtype, at::kMeta);
+  for (auto& [name, t] : model->parameters())
+    t = read_tensor(index, name).to(device, dtype).contiguous();
+  return model;
 }
 
 planner::ModelConfig planner_model_from_config(const nlohmann::json& j, const std::string& where) {

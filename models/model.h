@@ -28,7 +28,7 @@ struct ModelInputs {
 
 struct ModelOutputs {
   at::Tensor logits;     // [B, L_r, V]: this rank's text shard (positions below)
-  at::Tensor positions;  // int64 [L_r]: global token index of each local row
+  at::Tensor positions;  // int64 [L_r] on the host: global token index of each local row
 };
 
 class Model {
@@ -56,13 +56,22 @@ class Model {
 };
 
 // The logits of the last token (global position length − 1) from the rank that holds it, on
-// every rank: hidden [B, L_r, W] after the final norm, positions [L_r].
+// every rank: hidden [B, L_r, W] after the final norm, positions [L_r] on the host.
 at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positions, int64_t length,
                              const at::Tensor& head, dist::ProcessGroup& pg);
 
-// Loads the family of `dir` (config.json's model_type) with its tokenizer.json; errors name the
-// file and the field, or list the supported model types.
-std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype);
+// Loads the family of `dir` (config.json's model_type) with its tokenizer.json, its weights in
+// `dtype` on `device` (src/runtime/device.h picks it); errors name the file and the field, or
+// list the supported model types.
+//
+// Where tensors live (every family; tests/test_models_placement.cpp checks it on `meta`):
+// weights, activations, visual features and K/V on the weights' device; input_ids and the media
+// layout computed from them (the plan of the step: which rank encodes which image) may stay on
+// the host and are moved where they meet activations; pixel_values on the weights' device
+// (moved once by the job after preprocessing). Every tensor a model creates takes its options
+// from the tensor it relates to.
+std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype,
+                                  at::Device device = at::kCPU);
 
 // The planner's description of a checkpoint from its config.json alone (no weights read).
 planner::ModelConfig planner_model_from_config(const nlohmann::json& config,

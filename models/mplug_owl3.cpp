@@ -122,7 +122,8 @@ ShapeSpec mplug_owl3_shapes(const MplugOwl3Config& c) {
   return s;
 }
 
-MplugOwl3::MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarType dtype)
+MplugOwl3::MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarType dtype,
+                     at::Device device)
     : cfg_(mplug_owl3_config(ck, image_token_id)) {
   const MplugOwl3Config& c = cfg_;
   // Released tensors the model does not use: SigLIP's last layer (hidden_states[-2] is used),
@@ -131,7 +132,7 @@ MplugOwl3::MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarTyp
       kVision + "post_layernorm.", kVision + "head.",
       kVision + "encoder.layers." + std::to_string(c.vision.layers - 1) + "."};
   if (c.tie_embeddings) unused.push_back("language_model.lm_head.");
-  w_ = select_parameters(ck.tensors, mplug_owl3_shapes(c), unused, dtype, ck.dir);
+  w_ = select_parameters(ck.tensors, mplug_owl3_shapes(c), unused, dtype, ck.dir, device);
 }
 
 bool MplugOwl3::trainable(const std::string& name) const { return name.rfind(kVision, 0) != 0; }
@@ -209,7 +210,10 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
   const at::ScalarType dt = emb.scalar_type();
 
   // Media: per-token indices under this release's rule; this rank's whole images.
-  const attention::MediaMask mm = attention::media_mask(c.media_rule(), ids, c.image_token_id, T);
+  // The media layout on the host (which rank encodes which image), its tensors on h's device.
+  const attention::MediaMask mm =
+      attention::media_mask(c.media_rule(), host_ids(ids), c.image_token_id, T);
+  const attention::MediaMask mmd = media_mask_on(mm, h.device());
   const int64_t slots = mm.slots;
   LocalVisual vis;
   const auto encode_start = std::chrono::steady_clock::now();
@@ -227,9 +231,9 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
     // MI-RoPE: every key of image j at its token's index (+1 for 240728/241014).
     const int64_t shift = c.variant == "241101" ? 0 : 1;
     const at::Tensor starts =
-        mm.media_starts.narrow(1, media.first_slot, media.slots).clamp_min(0) + shift;
+        mmd.media_starts.narrow(1, media.first_slot, media.slots).clamp_min(0) + shift;
     vis.key_positions = starts.unsqueeze(2).expand({B, media.slots, T}).reshape({B, -1});
-    vis.kv_media = mm.kv_media.narrow(1, media.first_slot * T, media.slots * T);
+    vis.kv_media = mmd.kv_media.narrow(1, media.first_slot * T, media.slots * T);
   }
   if (cache) {
     *cache = DecodeCache{};
@@ -242,12 +246,13 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
     cache->length = L;
     cache->batch = B;
     // A generated token comes after every image: it sees all of its sample's images.
-    cache->sees_media = slots > 0 ? (mm.media_starts >= 0).any(1) : at::zeros({B}, at::kBool);
+    cache->sees_media =
+        slots > 0 ? (mmd.media_starts >= 0).any(1) : at::zeros({B}, h.options().dtype(at::kBool));
   }
 
   const RotaryTables rope = rotary_tables(pos, c.head_dim, c.rope_theta);
-  const attention::MaskInputs cross_mask{mm.q_media, mm.kv_media, {}};
-  const at::Tensor sees_image = mm.q_media.index_select(1, pos).ge(0).unsqueeze(-1);  // [B,L_r,1]
+  const attention::MaskInputs cross_mask{mmd.q_media, mmd.kv_media, {}};
+  const at::Tensor sees_image = mmd.q_media.index_select(1, pos).ge(0).unsqueeze(-1);  // [B,L_r,1]
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string l = layer_prefix(i);
     const LayerStrategies& st = par.at(static_cast<size_t>(i));
@@ -311,8 +316,8 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
     h = post_attention(i, h, ctx, par.remat);
   }
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
-  if (cache) return {h, pos};
-  return {at::linear(h, lm_head()), pos};
+  if (cache) return {h, shard.host_positions};
+  return {at::linear(h, lm_head()), shard.host_positions};
 }
 
 const at::Tensor& MplugOwl3::lm_head() const {
@@ -335,9 +340,9 @@ at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
   LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == B, "decode: expected one token per sample (", B,
             "), got ", tokens.sizes());
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
-  at::Tensor h = at::embedding(emb, tokens.to(at::kLong).unsqueeze(1));  // [B, 1, H]
-  const RotaryTables rope =
-      rotary_tables(at::full({1}, cache.length, at::kLong), c.head_dim, c.rope_theta);
+  at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong).unsqueeze(1));  // [B, 1, H]
+  const RotaryTables rope = rotary_tables(
+      at::full({1}, cache.length, emb.options().dtype(at::kLong)), c.head_dim, c.rope_theta);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string l = layer_prefix(i);

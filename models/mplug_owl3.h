@@ -59,7 +59,8 @@ class MplugOwl3 : public Model {
  public:
   // Loads and checks the parameters (missing, unexpected or mis-shaped tensors are one error
   // naming them; SigLIP's post_layernorm, last layer and pooling head may be present).
-  MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarType dtype);
+  MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarType dtype,
+            at::Device device = at::kCPU);
 
   const MplugOwl3Config& config() const { return cfg_; }
   std::string family() const override { return "mplugowl3"; }

@@ -281,13 +281,13 @@ ShapeSpec openflamingo_shapes(const OpenFlamingoConfig& c) {
   return s;
 }
 
-OpenFlamingo::OpenFlamingo(const Checkpoint& ck, at::ScalarType dtype)
+OpenFlamingo::OpenFlamingo(const Checkpoint& ck, at::ScalarType dtype, at::Device device)
     : cfg_(openflamingo_config(ck.config, ck.dir + "/config.json")) {
   // open_clip's projection to the contrastive space is not used by OpenFlamingo, nor ln_post
   // when the tokens are taken before it (open_clip <= 2.22, which the releases used).
   std::vector<std::string> unused{kVis + "proj"};
   if (!cfg_.v_tokens_ln_post) unused.push_back(kVis + "ln_post.");
-  w_ = select_parameters(ck.tensors, openflamingo_shapes(cfg_), unused, dtype, ck.dir);
+  w_ = select_parameters(ck.tensors, openflamingo_shapes(cfg_), unused, dtype, ck.dir, device);
 }
 
 bool OpenFlamingo::trainable(const std::string& name) const { return name.rfind(kVis, 0) != 0; }
@@ -384,11 +384,11 @@ int64_t alibi_channels(at::ScalarType dtype) {
 namespace {
 
 // MPT's ALiBi slopes (transformers' build_mpt_alibi_tensor).
-at::Tensor alibi_slopes(int64_t heads, double bias_max) {
+at::Tensor alibi_slopes(int64_t heads, double bias_max, const at::TensorOptions& options) {
   const int64_t n2 =
       int64_t{1} << static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(heads))));
-  at::Tensor s =
-      1.0 / at::pow(2.0, at::arange(1, n2 + 1, at::kDouble) * (bias_max / static_cast<double>(n2)));
+  at::Tensor s = 1.0 / at::pow(2.0, at::arange(1, n2 + 1, options.dtype(at::kDouble)) *
+                                        (bias_max / static_cast<double>(n2)));
   if (n2 != heads) s = at::cat({s.slice(0, 1, n2, 2), s.slice(0, 0, n2, 2)}).narrow(0, 0, heads);
   return s;
 }
@@ -455,14 +455,17 @@ OpenFlamingo::SelfQKV OpenFlamingo::self_qkv(int64_t layer, const at::Tensor& x,
       linear(layer_norm(x, w_, l + "norm_1", c.eps), w_, l + "attn.Wqkv", false).chunk(3, -1);
   auto heads = [&](const at::Tensor& t) { return t.reshape({B, S, c.heads, hd}); };
   const int64_t n = alibi_channels(x.scalar_type());
-  at::Tensor rest = positions.to(at::kDouble).cpu().view({1, -1, 1, 1}) *
-                    alibi_slopes(c.heads, c.alibi_bias_max).view({1, 1, -1, 1}) / self_scale();
+  // In float64 on the positions' device (the activations'), split into x's dtype there.
+  at::Tensor rest =
+      positions.to(at::kDouble).view({1, -1, 1, 1}) *
+      alibi_slopes(c.heads, c.alibi_bias_max, positions.options()).view({1, 1, -1, 1}) /
+      self_scale();
   std::vector<at::Tensor> parts;
   for (int64_t i = 0; i < n; ++i) {
     parts.push_back(rest.to(x.scalar_type()));
     rest = rest - parts.back().to(at::kDouble);
   }
-  const at::Tensor alibi_k = at::cat(parts, -1).to(x.device()).expand({B, S, c.heads, n});
+  const at::Tensor alibi_k = at::cat(parts, -1).expand({B, S, c.heads, n});
   const at::Tensor one = at::ones({B, S, c.heads, n}, x.options());
   return {at::cat({heads(qkv[0]), one}, -1), at::cat({heads(qkv[1]), alibi_k}, -1),
           at::cat({heads(qkv[2]), at::zeros_like(one)}, -1)};
@@ -561,7 +564,10 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
 
   // Media: OpenFlamingo's rule (most recent image; the <image> token its own); this rank's
   // images through the ViT and the resampler.
-  const attention::MediaMask mm = attention::openflamingo_media_mask(ids, c.media_token_id, T);
+  // The media layout on the host (which rank encodes which image), its tensors on x's device.
+  const attention::MediaMask mm =
+      attention::openflamingo_media_mask(host_ids(ids), c.media_token_id, T);
+  const attention::MediaMask mmd = media_mask_on(mm, x.device());
   LocalMedia media;
   const auto encode_start = std::chrono::steady_clock::now();
   if (mm.slots > 0)
@@ -569,7 +575,7 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
         mm, in.pixel_values, in.pixels_local, par, c.v_width,
         [&](const at::Tensor& px) { return perceiver(w_, c, clip_tokens(w_, c, px.to(dt))); },
         x.options(), "OpenFlamingo");
-  const attention::MaskInputs cross_mask{mm.q_media, mm.kv_media, {}};
+  const attention::MaskInputs cross_mask{mmd.q_media, mmd.kv_media, {}};
   at::Tensor last_image;  // bool [B, slots_r·T]: this rank's keys of each sample's last image
   if (cache) {
     *cache = DecodeCache{};
@@ -581,10 +587,10 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
     cache->length = L;
     cache->batch = B;
     // A generated token sees its sample's last image only (the package's use_cached_media).
-    const at::Tensor images = ids.eq(c.media_token_id).sum(1);  // [B]
+    const at::Tensor images = host_ids(ids).eq(c.media_token_id).sum(1).to(x.device());  // [B]
     cache->sees_media = images.gt(0);
     if (mm.slots > 0) {
-      const at::Tensor local = mm.kv_media.narrow(1, media.first_slot * T, media.slots * T);
+      const at::Tensor local = mmd.kv_media.narrow(1, media.first_slot * T, media.slots * T);
       last_image = local.ge(0) & local.eq((images - 1).unsqueeze(1).to(local.scalar_type()));
     }
   }
@@ -616,8 +622,8 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
     x = post_attention(i, x, a, par.remat);
   }
   x = final_norm(x);
-  if (cache) return {x, pos};
-  return {at::linear(x, lm_head()), pos};
+  if (cache) return {x, shard.host_positions};
+  return {at::linear(x, lm_head()), shard.host_positions};
 }
 
 at::Tensor OpenFlamingo::prefill(const ModelInputs& in, const Parallel& par,
@@ -634,7 +640,8 @@ at::Tensor OpenFlamingo::decode_step(const at::Tensor& tokens, const Parallel& p
   const int64_t B = cache.batch, hd = c.head_dim;
   LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == B, "decode: expected one token per sample (", B,
             "), got ", tokens.sizes());
-  at::Tensor x = at::embedding(embedding(), tokens.to(at::kLong).unsqueeze(1));  // [B, 1, W]
+  at::Tensor x = at::embedding(embedding(),
+                               tokens.to(embedding().device(), at::kLong).unsqueeze(1));  // [B,1,W]
   const at::ScalarType dt = x.scalar_type();
   const at::Tensor position = at::full({1}, cache.length, x.options().dtype(at::kLong));
   const double x_scale = 1.0 / std::sqrt(static_cast<double>(c.x_dim_head));

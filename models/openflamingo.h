@@ -80,7 +80,7 @@ ShapeSpec openflamingo_shapes(const OpenFlamingoConfig& c);
 
 class OpenFlamingo : public Model {
  public:
-  OpenFlamingo(const Checkpoint& ck, at::ScalarType dtype);
+  OpenFlamingo(const Checkpoint& ck, at::ScalarType dtype, at::Device device = at::kCPU);
   const OpenFlamingoConfig& config() const { return cfg_; }
   std::string family() const override { return "openflamingo"; }
   StateDict& parameters() override { return w_; }

@@ -30,8 +30,12 @@ TextShard embed_text_shard(const at::Tensor& input_ids, const at::Tensor& embedd
             input_ids.sizes());
   const attention::Layout text{par.text_layout, input_ids.size(1), par.world()};
   TextShard t;
-  t.positions = text.positions(par.rank());
-  t.hidden = at::embedding(embedding, input_ids.index_select(1, t.positions));
+  // The layout's indices are made on the host; the ids may be on the host or the device.
+  t.host_positions = text.positions(par.rank());
+  t.positions = t.host_positions.to(embedding.device());
+  t.hidden = at::embedding(
+      embedding,
+      input_ids.index_select(1, t.host_positions.to(input_ids.device())).to(embedding.device()));
   return t;
 }
 
@@ -89,11 +93,25 @@ LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& 
             " but pixel_values has ",
             pixel_values.defined() ? str(pixel_values.sizes()) : std::string("none"));
   at::Tensor feats = at::zeros({B * out.slots, T, width}, options);
-  if (!images.empty())
-    feats = feats.index_copy(0, at::tensor(rows, at::kLong),
-                             encode(pixel_values.index_select(0, at::tensor(images, at::kLong))));
+  if (!images.empty()) {
+    // Host-made indices, moved to the tensors they index.
+    const at::Tensor image_index = at::tensor(images, at::kLong).to(pixel_values.device());
+    const at::Tensor row_index = at::tensor(rows, at::kLong).to(feats.device());
+    feats = feats.index_copy(0, row_index, encode(pixel_values.index_select(0, image_index)));
+  }
   out.features = feats.view({B, out.slots * T, width});
   return out;
+}
+
+attention::MediaMask media_mask_on(const attention::MediaMask& mm, at::Device device) {
+  attention::MediaMask out = mm;
+  for (at::Tensor* t : {&out.q_media, &out.kv_media, &out.media_starts})
+    if (t->defined()) *t = t->to(device);
+  return out;
+}
+
+at::Tensor host_ids(const at::Tensor& input_ids) {
+  return input_ids.device().is_cpu() ? input_ids : input_ids.cpu();
 }
 
 }  // namespace lvx::models

@@ -67,13 +67,20 @@ LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& 
                               const std::function<at::Tensor(const at::Tensor&)>& encode,
                               const at::TensorOptions& options, const std::string& model);
 
-// This rank's text: the global index of each of its tokens ([L_r]) and their embeddings
-// ([B, L_r, width]). Checks input_ids (int64 [B, L]), naming `model`.
+// This rank's text: the global index of each of its tokens ([L_r]; `positions` on the
+// embedding's device, `host_positions` on the host) and their embeddings ([B, L_r, width]).
+// Checks input_ids (int64 [B, L]), naming `model`.
 struct TextShard {
-  at::Tensor positions, hidden;
+  at::Tensor positions, hidden, host_positions;
 };
 TextShard embed_text_shard(const at::Tensor& input_ids, const at::Tensor& embedding,
                            const Parallel& par, const std::string& model);
+
+// The media layout is computed on the host from host_ids(input_ids) (it decides which rank
+// encodes which image, with host reads); media_mask_on moves its tensors to the device where they
+// meet activations (the attention's mask inputs, MI-RoPE positions, gates).
+at::Tensor host_ids(const at::Tensor& input_ids);
+attention::MediaMask media_mask_on(const attention::MediaMask& mm, at::Device device);
 
 // The causal self-attention over the text, in the text layout.
 attention::AttentionSpec self_attention_spec(int64_t batch, int64_t length, int64_t heads,

@@ -215,6 +215,12 @@ int checked_nproc(const ArgParser& p) {
   return check_nproc(p.get_int("nproc"), p.flag("force-nproc"));
 }
 
+void add_device_option(ArgParser& p) {
+  p.add_option("device", 0, "auto",
+               "auto | cuda | cpu: where each rank's tensors live (auto: cuda:LOCAL_RANK when\n"
+               "CUDA devices are visible, else cpu; one GPU per local rank, never shared)");
+}
+
 void add_threads_option(ArgParser& p) {
   p.add_option("threads", 0, "auto",
                "intra-op threads per rank (auto: OMP_NUM_THREADS when set, else cores / local "

@@ -71,6 +71,11 @@ int check_nproc(int64_t n, bool force, const std::string& what = "--nproc");
 // ranks, in a launcher `local_ranks`. Returns the count.
 void add_threads_option(ArgParser& p);
 int apply_threads(const ArgParser& p, int local_ranks = 1);
+// --device auto|cuda|cpu (default auto): where each rank's tensors live, chosen on the rank by
+// runtime::choose_device (src/runtime/device.h): cuda:LOCAL_RANK when CUDA devices are visible,
+// else cpu; fewer GPUs than local ranks is refused. One option, the same help, for every command.
+void add_device_option(ArgParser& p);
+
 // The cores this process may run on (CPU affinity, bounded by a cgroup CPU quota).
 int available_cores();
 

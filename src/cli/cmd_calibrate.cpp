@@ -15,6 +15,7 @@
 #include "src/common/files.h"
 #include "src/dist/launcher.h"
 #include "src/planner/calibrate.h"
+#include "src/runtime/device.h"
 
 #ifdef LVX_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -31,18 +32,10 @@ std::vector<int64_t> sweep(int64_t max_bytes) {
   return s;
 }
 
-at::Device parse_device(const std::string& d) {
-  if (d == "cpu") return at::Device(at::kCPU);
-  LVX_CHECK(d == "cuda", "--device: expected cpu|cuda, got '", d, "'");
-  LVX_CHECK(at::hasCUDA(), "--device cuda: this lvx has no CUDA device available");
-  return at::Device(at::kCUDA, 0);
-}
-
 // One rank of the communication sweep; rank 0 writes {"sizes": [...], "seconds": [...]}.
 int comm_worker(const std::string& out, int64_t max_bytes, const std::string& device, int reps) {
   auto pg = lvx::dist::ProcessGroup::from_env();
-  at::Device dev = parse_device(device);
-  if (dev.is_cuda()) dev = at::Device(at::kCUDA, static_cast<int8_t>(pg->info().local_rank));
+  const at::Device dev = lvx::runtime::choose_device(device);  // cuda:LOCAL_RANK or cpu
   std::vector<int64_t> sizes = sweep(max_bytes);
   std::vector<double> sec = lvx::planner::measure_ring_steps(*pg, sizes, dev, reps);
   // A blocking collective right after compute (ulysses' all-to-alls): 10 ms of matmuls first.
@@ -63,13 +56,13 @@ int comm_worker(const std::string& out, int64_t max_bytes, const std::string& de
 
 int cmd_calibrate(int argc, char** argv) {
   lvx::cli::ArgParser p(
-      "lvx calibrate [--nproc N] [--device cpu|cuda] [--output C.yaml]",
+      "lvx calibrate [--nproc N] [--device auto|cuda|cpu] [--output C.yaml]",
       "Measure this machine's attention throughput (forward, backward) and matmul throughput per\n"
       "dtype, and the latency and bandwidth of a ring step between N local ranks, and write a\n"
       "cluster config for `lvx plan`. One machine: intra_node is measured, inter_node repeats it.");
   lvx::cli::add_nproc_options(p, "2", "local ranks for the communication sweep");
   lvx::cli::add_threads_option(p);
-  p.add_option("device", 'd', "cpu", "cpu, or cuda (one GPU per rank)");
+  lvx::cli::add_device_option(p);
   p.add_option("name", 0, "local", "name of the cluster config");
   p.add_option("output", 'o', "", "write the cluster config here (default: stdout only)");
   p.add_option("seq", 0, "512", "tokens of the attention problem timed (queries = keys)");
@@ -83,9 +76,12 @@ int cmd_calibrate(int argc, char** argv) {
   if (!p.get("comm-worker").empty()) {
     return comm_worker(p.get("comm-worker"), p.get_int("max-bytes"), p.get("device"), reps);
   }
-  const at::Device dev = parse_device(p.get("device"));
   const int nproc = lvx::cli::checked_nproc(p);
   LVX_CHECK(nproc >= 2, "--nproc: the sweep needs at least 2 ranks, got ", nproc);
+  // This process times on local rank 0's device; the sweep's ranks each take their own.
+  const std::string spec = p.get("device");
+  const at::Device dev = lvx::runtime::choose_device(
+      spec, 0, nproc, spec == "cpu" ? 0 : lvx::runtime::cuda_device_count());
   if (!p.get("output").empty()) lvx::check_output_path(p.get("output"), "--output");
   for (const char* flag : {"seq", "heads", "head-dim"}) p.get_int(flag, 1, 1 << 20);
   p.get_int("max-bytes", 1, int64_t{1} << 34);
@@ -123,7 +119,7 @@ int cmd_calibrate(int argc, char** argv) {
   }
   if (dev.is_cuda()) {
 #ifdef LVX_WITH_CUDA
-    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(0);
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(dev.index());
     c.device = prop->name;
     c.device_memory_bytes = static_cast<int64_t>(prop->totalGlobalMem);
 #endif

@@ -27,6 +27,7 @@
 #include "src/cli/command.h"
 #include "src/common/error.h"
 #include "src/dist/launcher.h"
+#include "src/runtime/device.h"
 #include "src/runtime/synthetic_task.h"
 
 namespace {
@@ -97,6 +98,7 @@ int cmd_demo(int argc, char** argv) {
       "sees the wrong videos, the per-layer plan and the bytes each strategy moved.");
   cli::add_nproc_options(p, "2", "local ranks (sequence parallel)");
   cli::add_threads_option(p);
+  cli::add_device_option(p);
   p.add_option("videos", 0, "160", "videos in the task (a quarter held out)");
   p.add_option("seconds", 0, "180", "length of each video");
   p.add_option("frames", 'f', "24", "frames sampled per video");
@@ -109,6 +111,8 @@ int cmd_demo(int argc, char** argv) {
   const auto t_start = clock_type::now();
   const int64_t nproc = cli::checked_nproc(p), frames = p.get_int("frames", 1, 100000);
   cli::apply_threads(p, static_cast<int>(nproc));
+  runtime::check_local_devices(p.get("device"), static_cast<int>(nproc));  // before any work
+  const std::string device_arg = " --device " + p.get("device");
   p.get_int("steps", 1, int64_t{1} << 40);  // both go into the run's YAML as written
   LVX_CHECK(p.get_double("lr") > 0, "--lr must be > 0, got ", p.get("lr"));
   const std::string dir = p.get("workdir").empty()
@@ -201,7 +205,7 @@ int cmd_demo(int argc, char** argv) {
                 config.c_str(), run_dir.c_str());
     std::fflush(stdout);
     fs::create_directories(run_dir);
-    run_lvx("finetune --config '" + config + "'", run_dir + "/finetune.log");
+    run_lvx("finetune --config '" + config + "'" + device_arg, run_dir + "/finetune.log");
   }
   // The loss curve, mean over windows of 100 steps (metrics.jsonl: one row per step).
   {
@@ -259,7 +263,7 @@ int cmd_demo(int argc, char** argv) {
   const std::string qa_args = " --model '" + trained + "' --nproc " + std::to_string(nproc) +
                               (p.flag("force-nproc") ? " --force-nproc" : "") + " --threads " +
                               p.get("threads") + " --num-frames " + std::to_string(frames) +
-                              " --max-new-tokens 4";
+                              " --max-new-tokens 4" + device_arg;
   run_lvx("qa --questions '" + task.test_jsonl + "' --output '" + answers + "'" + qa_args,
           dir + "/qa.log");
   run_lvx("qa --questions '" + shuffled_q + "' --output '" + shuffled_a + "'" + qa_args,

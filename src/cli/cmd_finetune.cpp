@@ -16,6 +16,7 @@
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/dist/launcher.h"
+#include "src/runtime/device.h"
 #include "src/runtime/finetune_job.h"
 
 namespace {
@@ -79,11 +80,13 @@ int cmd_finetune(int argc, char** argv) {
              "differ from the checkpoint's (refused otherwise, naming the fields)");
   p.add_option("nproc", 'n', "", "local ranks to start (default: parallel.nproc)");
   lvx::cli::add_threads_option(p);
+  lvx::cli::add_device_option(p);
   if (!p.parse(static_cast<int>(args.size()), args.data())) return 0;
   lvx::runtime::FinetuneJob job;
   job.config = p.get("config");
   job.resume = p.flag("resume");
   job.accept_config_changes = p.flag("accept-config-changes");
+  job.device = p.get("device");
   job.overrides = overrides;
   if (p.has("nproc") && !p.get("nproc").empty())
     job.overrides.push_back("parallel.nproc=" + p.get("nproc"));
@@ -95,6 +98,7 @@ int cmd_finetune(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::dist::LaunchOptions o;
   o.nproc = lvx::cli::check_nproc(cfg.parallel.nproc, false, "parallel.nproc (--nproc)");
+  lvx::runtime::check_local_devices(job.device, o.nproc);
   const bool bar = ::isatty(STDERR_FILENO);
   if (bar) o.env["LVX_FINETUNE_BAR"] = "1";
   std::atomic<bool> running{true};

@@ -7,6 +7,7 @@
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/dist/launcher.h"
+#include "src/runtime/device.h"
 #include "src/runtime/forward_job.h"
 
 namespace {
@@ -14,7 +15,8 @@ namespace {
 int cmd_forward(int argc, char** argv) {
   lvx::cli::ArgParser p(
       "lvx forward --model DIR --input batch.safetensors --output out.safetensors [--nproc N]\n"
-      "            [--strategies auto|S|S_cross,S_self] [--backward] [--dtype fp32|bf16]",
+      "            [--strategies auto|S|S_cross,S_self] [--backward] [--dtype fp32|bf16|auto]\n"
+      "            [--device auto|cuda|cpu]",
       "One step of a model from a Hugging Face checkpoint directory on N local ranks (or on the\n"
       "ranks of torchrun / mpirun / lvx launch). Input: input_ids int64 [B,L] (the image token\n"
       "where each image sits), pixel_values float32 [N_img,3,H,W] preprocessed, in prompt order,\n"
@@ -32,7 +34,8 @@ int cmd_forward(int argc, char** argv) {
   lvx::cli::add_threads_option(p);
   p.add_option("strategies", 's', "auto", "auto | S | S_cross,S_self");
   p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
-  p.add_option("dtype", 0, "fp32", "fp32 | bf16");
+  p.add_option("dtype", 0, "auto", "fp32 | bf16 | auto (fp32 on cpu, the checkpoint's on cuda)");
+  lvx::cli::add_device_option(p);
   p.add_flag("backward", 'b', "also compute the loss and the gradients");
   p.add_flag("remat", 0,
              "rematerialization-aware checkpointing (DistFlashAttn §3.3): recompute\n"
@@ -53,6 +56,7 @@ int cmd_forward(int argc, char** argv) {
   job.strategies = p.get("strategies");
   job.cluster = p.get("cluster");
   job.dtype = p.get("dtype");
+  job.device = p.get("device");
   job.backward = p.flag("backward");
   job.print_plan = p.flag("print-plan");
   job.recompute_cross_kv = p.flag("recompute");
@@ -66,6 +70,7 @@ int cmd_forward(int argc, char** argv) {
   const int nproc = lvx::cli::checked_nproc(p);
   lvx::cli::apply_threads(p, nproc);
   lvx::runtime::validate_forward_job(job);  // bad input fails once, clearly, before ranks start
+  lvx::runtime::check_local_devices(job.device, nproc);
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::dist::LaunchOptions o;

@@ -5,6 +5,7 @@
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/dist/launcher.h"
+#include "src/runtime/device.h"
 #include "src/runtime/qa_job.h"
 
 namespace {
@@ -44,7 +45,8 @@ int cmd_qa(int argc, char** argv) {
   p.add_option("seed", 0, "0", "sampling seed (the same seed gives the same answer)");
   p.add_option("strategies", 's', "auto", "auto | S | S_cross,S_self (prefill)");
   p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
-  p.add_option("dtype", 0, "fp32", "fp32 | bf16");
+  p.add_option("dtype", 0, "auto", "fp32 | bf16 | auto (fp32 on cpu, the checkpoint's on cuda)");
+  lvx::cli::add_device_option(p);
   p.add_flag("json", 'j', "print one JSON object (answer, timings, bytes) per question");
   p.add_flag("print-plan", 0, "print each question's per-layer strategies (stderr)");
   p.add_flag("ignore-stop", 0,
@@ -75,6 +77,7 @@ int cmd_qa(int argc, char** argv) {
   job.plan.strategies = p.get("strategies");
   job.plan.cluster = p.get("cluster");
   job.plan.dtype = p.get("dtype");
+  job.device = p.get("device");
   job.json = p.flag("json");
   job.print_plan = p.flag("print-plan");
   job.ignore_stop = p.flag("ignore-stop");
@@ -86,6 +89,7 @@ int cmd_qa(int argc, char** argv) {
   const int nproc = lvx::cli::checked_nproc(p);
   lvx::cli::apply_threads(p, nproc);
   lvx::runtime::validate_qa_job(job);  // bad input fails once, clearly, before ranks start
+  lvx::runtime::check_local_devices(job.device, nproc);
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::dist::LaunchOptions o;

@@ -26,6 +26,7 @@
 #include "src/common/files.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
+#include "src/runtime/device.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/optimizer.h"
 #include "src/runtime/train_checkpoint.h"
@@ -56,10 +57,6 @@ int64_t image_size_of(const std::string& dir) {
                 c["vision_config"]["image_size"].is_number_integer(),
             where, ": vision_config.image_size: missing (the frames are resized to it)");
   return c["vision_config"]["image_size"].get<int64_t>();
-}
-
-at::ScalarType dtype_of(const std::string& name) {
-  return name == "bf16" ? at::kBFloat16 : at::kFloat;
 }
 
 // Sample k of the run: epochs of `n` samples, each in its own seeded order.
@@ -370,6 +367,7 @@ ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, 
 }
 
 TrainConfig validate_finetune_job(const FinetuneJob& job) {
+  check_device_option(job.device);  // counts: by the launcher and on each rank
   const TrainConfig cfg = load_train_config(job.config, job.overrides);
   check_model_dir(cfg.model.path, "model.path");
   if (cfg.parallel.strategies != "auto") explicit_strategies(cfg.parallel.strategies, 1);
@@ -413,7 +411,9 @@ int run_finetune_rank(const FinetuneJob& job) {
   if (r == 0) check_metrics_file(cfg, resumed.metrics);
   const std::string model_dir = ckpt.empty() ? cfg.model.path : ckpt;
   check_model_dir(model_dir, ckpt.empty() ? "model.path" : "checkpoint");
-  std::unique_ptr<models::Model> model = models::load_model(model_dir, dtype_of(cfg.model.dtype));
+  const at::Device device = choose_device(job.device);
+  std::unique_ptr<models::Model> model =
+      models::load_model(model_dir, dtype_of(cfg.model.dtype), device);
   const models::Tokenizer tok = models::Tokenizer::from_file(model_dir + "/tokenizer.json");
   const std::string family = model->family();
   const std::map<std::string, std::string> model_files = read_model_files(model_dir);
@@ -517,7 +517,9 @@ int run_finetune_rank(const FinetuneJob& job) {
         pg->check_agreement("the fine-tuning step", describe(par));
         if (r == 0 && !plan_text.empty()) std::cout << plan_text << "\n";
       }
-      const models::ModelOutputs out = model->forward({ids, fb.frames, /*pixels_local=*/true}, par);
+      // Frames go to the device once, after preprocessing; ids and labels are host metadata.
+      const at::Tensor pixels = fb.frames.defined() ? fb.frames.to(device) : at::Tensor();
+      const models::ModelOutputs out = model->forward({ids, pixels, /*pixels_local=*/true}, par);
       std::map<std::string, at::Tensor> res = backward_step(*pg, *model, labels, out, trains);
       for (auto& [name, t] : trainable) t.mutable_grad() = at::Tensor();
       loss += res.at("loss").item<double>();

@@ -27,6 +27,7 @@ struct FinetuneJob {
   // --resume with data, optimizer, schedule or freeze settings that differ from the ones the
   // checkpoint recorded: refused (naming the fields) unless this is set.
   bool accept_config_changes = false;
+  std::string device = "auto";  // auto | cuda | cpu (src/runtime/device.h); model.dtype as given
 };
 
 // The training rows, every one checked: a bad row, a missing video or a time range outside its

@@ -14,6 +14,7 @@
 #include "src/common/files.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
+#include "src/runtime/device.h"
 #include "src/runtime/generate.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/model_description.h"
@@ -27,12 +28,6 @@ using attention::StrategyChoice;
 using attention::StrategyKind;
 
 namespace {
-
-at::ScalarType dtype_of(const std::string& name) {
-  if (name == "fp32") return at::kFloat;
-  if (name == "bf16") return at::kBFloat16;
-  LVX_FAIL("--dtype: expected fp32 or bf16, got '", name, "'");
-}
 
 struct Batch {
   at::Tensor input_ids, pixel_values, labels;
@@ -71,7 +66,8 @@ at::Tensor gather_logits(dist::ProcessGroup& pg, attention::LayoutKind layout,
     total = t.item<int64_t>();
   }
   const attention::Layout text{layout, total, n};
-  at::Tensor rows = local.detach().to(at::kFloat).transpose(0, 1).contiguous();  // [L_r, B, V]
+  // Gathered on the host: the file is written there, and rows of every rank meet in one tensor.
+  at::Tensor rows = local.detach().to(at::kCPU, at::kFloat).transpose(0, 1).contiguous();
   at::Tensor all = pg.all_gather(rows, text.sizes()).transpose(0, 1);
   std::vector<at::Tensor> shards;
   int64_t off = 0;
@@ -84,8 +80,15 @@ at::Tensor gather_logits(dist::ProcessGroup& pg, attention::LayoutKind layout,
 
 }  // namespace
 
+// The checkpoint's torch_dtype as config.json spells it (from the planner's reading of it).
+std::string checkpoint_dtype(const std::string& dir) {
+  const std::string d = planner_model(dir).dtype;
+  return d == "fp32" ? "float32" : d == "fp16" ? "float16" : "bfloat16";
+}
+
 void validate_forward_job(const ForwardJob& job) {
-  dtype_of(job.dtype);
+  resolve_dtype(job.dtype, at::Device(at::kCPU), "");
+  check_device_option(job.device);  // counts: by the launcher and on each rank
   LVX_CHECK(fs::exists(job.input), job.input, ": no such file");
   check_regular_file(job.input, "input file (--input)");
   check_output_path(job.output, "output file (--output)");
@@ -103,18 +106,23 @@ void validate_forward_job(const ForwardJob& job) {
 int run_forward_rank(const ForwardJob& job) {
   auto pg = dist::ProcessGroup::from_env();
   const int n = pg->world_size(), r = pg->rank();
-  const Batch b = read_batch(job.input);
-  std::unique_ptr<models::Model> loaded = models::load_model(job.model, dtype_of(job.dtype));
+  const at::Device device = choose_device(job.device);
+  const std::string dtype = resolve_dtype(job.dtype, device, checkpoint_dtype(job.model));
+  Batch b = read_batch(job.input);
+  // Frames go to the device once; input_ids and labels are host metadata (models/model.h).
+  if (b.pixel_values.defined()) b.pixel_values = b.pixel_values.to(device);
+  std::unique_ptr<models::Model> loaded = models::load_model(job.model, dtype_of(dtype), device);
   models::Model& model = *loaded;
   std::string plan_text;
   models::Parallel par = plan_layers(
-      model, b.input_ids, n, {job.strategies, job.cluster, job.dtype, job.backward}, &plan_text);
+      model, b.input_ids, n, {job.strategies, job.cluster, dtype, job.backward}, &plan_text);
   par.pg = pg;
   par.recompute_cross_kv = job.recompute_cross_kv;
   par.remat = job.remat;
   // Every rank must run the same plan on the same inputs.
-  pg->check_agreement("the model step", str(describe(par), " input_ids=", b.input_ids.sizes(),
-                                            " backward=", job.backward, " dtype=", job.dtype));
+  pg->check_agreement("the model step",
+                      str(describe(par), " input_ids=", b.input_ids.sizes(),
+                          " backward=", job.backward, " dtype=", dtype, " device=", device.type()));
   if (job.print_plan && r == 0) std::cout << plan_text << "\n" << describe(par, &model) << "\n";
 
   if (job.generate > 0) {

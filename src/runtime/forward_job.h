@@ -23,7 +23,8 @@ struct ForwardJob {
   std::string input, output;        // safetensors files
   std::string strategies = "auto";  // auto | S | S_cross,S_self (S may be a pair F+B)
   std::string cluster;              // cluster config for auto (empty: the built-in rule)
-  std::string dtype = "fp32";       // fp32 | bf16
+  std::string dtype = "auto";       // fp32 | bf16 | auto (src/runtime/device.h)
+  std::string device = "auto";      // auto | cuda | cpu (src/runtime/device.h)
   bool backward = false;
   bool print_plan = false;
   bool recompute_cross_kv = false;  // LV-XAttn §3.2 (models/recompute.h)

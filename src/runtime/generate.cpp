@@ -19,9 +19,12 @@ void check_sampling(const SamplingOptions& s) {
 
 at::Tensor pick_tokens(const at::Tensor& logits, const SamplingOptions& s, at::Generator& gen) {
   check_sampling(s);
-  if (s.temperature <= 0) return logits.argmax(-1);
+  // Tokens are host values (they steer the loop and are broadcast from rank 0): greedy picks on
+  // the logits' device and copies B ids back; sampling draws on the host with the seeded CPU
+  // generator, so a seed gives the same tokens on every device.
+  if (s.temperature <= 0) return logits.argmax(-1).cpu();
   // Shifted by the largest logit first, so that a tiny temperature cannot overflow to inf/nan.
-  const at::Tensor x = logits.to(at::kDouble);
+  const at::Tensor x = logits.to(at::kCPU, at::kDouble);
   const at::Tensor probs =
       at::softmax((x - std::get<0>(x.max(-1, /*keepdim=*/true))) / s.temperature, -1);
   auto [sorted, order] = probs.sort(-1, /*descending=*/true);

@@ -106,7 +106,7 @@ void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, int64_t
                 "' (the checkpoint was written with another freeze policy or model?)");
       LVX_CHECK(it->second.sizes() == t.sizes(), where, ": tensor '", prefix, name, "' has shape ",
                 it->second.sizes(), ", the model's parameter has ", t.sizes());
-      t = it->second.to(at::kFloat).clone();
+      t = it->second.to(t.device(), at::kFloat).clone();  // beside the parameter it updates
     }
   }
   size_t expected = 3 * master_.size();

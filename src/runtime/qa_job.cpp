@@ -12,6 +12,7 @@
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/dist/process_group.h"
+#include "src/runtime/device.h"
 #include "src/runtime/model_description.h"
 #include "src/runtime/video_qa.h"
 #include "video/pipeline.h"
@@ -26,12 +27,6 @@ namespace {
 using clock = std::chrono::steady_clock;
 double since(clock::time_point t) {
   return std::chrono::duration<double>(clock::now() - t).count();
-}
-
-at::ScalarType dtype_of(const std::string& name) {
-  if (name == "fp32") return at::kFloat;
-  if (name == "bf16") return at::kBFloat16;
-  LVX_FAIL("--dtype: expected fp32 or bf16, got '", name, "'");
 }
 
 // Every rank's error for one question (empty: fine), so that all ranks skip it together: a
@@ -94,8 +89,9 @@ class TextStream {
 };
 
 struct Context {
-  const QaJob& job;
+  const QaJob& job;  // its plan.dtype resolved (fp32 | bf16)
   std::shared_ptr<dist::ProcessGroup> pg;
+  at::Device device;  // the model's: frames go there once, after preprocessing
   models::Model& model;
   const models::Tokenizer& tok;
   video::PreprocessConfig preprocess;
@@ -165,10 +161,12 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
   GenerateOptions g = cx.job.generation;
   g.max_length = cx.context;
   if (!cx.job.ignore_stop) g.stop = cx.stop;
-  const GenerateResult out = generate(cx.model, {ids, frames.frames, /*pixels_local=*/true}, par, g,
-                                      [&](const at::Tensor& next) {
-                                        if (stream && r == 0) text.add(next[0].item<int64_t>());
-                                      });
+  // Frames go to the device once, after preprocessing; the prompt's ids stay host metadata.
+  const at::Tensor pixels = frames.frames.defined() ? frames.frames.to(cx.device) : at::Tensor();
+  const GenerateResult out =
+      generate(cx.model, {ids, pixels, /*pixels_local=*/true}, par, g, [&](const at::Tensor& next) {
+        if (stream && r == 0) text.add(next[0].item<int64_t>());
+      });
   if (stream && r == 0) std::cout << "\n" << std::flush;
   std::vector<int64_t> answer_ids;
   for (int64_t i = 0; i < out.tokens.size(1); ++i) {
@@ -346,7 +344,8 @@ int64_t model_context_length(const std::string& model_dir) {
 }
 
 void validate_qa_job(const QaJob& job) {
-  dtype_of(job.plan.dtype);
+  resolve_dtype(job.plan.dtype, at::Device(at::kCPU), "");
+  check_device_option(job.device);  // counts: by the launcher and on each rank
   LVX_CHECK(fs::is_directory(job.model), job.model,
             ": not a directory (expected a checkpoint directory with config.json)");
   check_regular_file((fs::path(job.model) / "config.json").string(), "model config");
@@ -394,10 +393,19 @@ int run_qa_rank(const QaJob& job) {
   validate_qa_job(job);  // also under an outer launcher (torchrun, lvx launch): every rank alike
   auto pg = dist::ProcessGroup::from_env();
   const int r = pg->rank();
-  std::unique_ptr<models::Model> model = models::load_model(job.model, dtype_of(job.plan.dtype));
+  const at::Device device = choose_device(job.device);
+  QaJob resolved = job;  // --dtype auto resolved for this device (the plan and the weights)
+  const std::string ck_dtype = planner_model(job.model).dtype;
+  resolved.plan.dtype = resolve_dtype(job.plan.dtype, device,
+                                      ck_dtype == "fp32"   ? "float32"
+                                      : ck_dtype == "fp16" ? "float16"
+                                                           : "bfloat16");
+  std::unique_ptr<models::Model> model =
+      models::load_model(job.model, dtype_of(resolved.plan.dtype), device);
   const models::Tokenizer tok = models::Tokenizer::from_file(job.model + "/tokenizer.json");
-  const Context cx{job,
+  const Context cx{resolved,
                    pg,
+                   device,
                    *model,
                    tok,
                    family_preprocess(model->family(), model->planner_model().vision.image_size),

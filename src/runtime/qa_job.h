@@ -45,7 +45,8 @@ struct QaJob {
   std::optional<int64_t> num_frames;  // N frames spread over the range (default 16)
   std::optional<double> start, end;   // seconds (a row's own range wins)
   GenerateOptions generation;         // max_new_tokens, sampling
-  PlanRequest plan;
+  PlanRequest plan;                   // plan.dtype: fp32 | bf16 | auto (src/runtime/device.h)
+  std::string device = "auto";        // auto | cuda | cpu (src/runtime/device.h)
   bool json = false;         // print one JSON object per question instead of streaming text
   bool print_plan = false;   // the per-layer plan of each question (rank 0, stderr)
   bool ignore_stop = false;  // generate exactly max_new_tokens (benchmarks)

@@ -11,7 +11,10 @@ std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::
                                                 const at::Tensor& all_labels,
                                                 const models::ModelOutputs& out,
                                                 const ParamFilter& trains) {
-  const at::Tensor labels = all_labels.index_select(1, out.positions);  // this rank's rows
+  // This rank's rows (positions are host metadata; the labels may be on the host), on the
+  // logits' device.
+  const at::Tensor labels =
+      all_labels.index_select(1, out.positions.to(all_labels.device())).to(out.logits.device());
   at::Tensor count = labels.ne(-100).sum().to(at::kDouble).reshape({1});
   pg.all_reduce(count);
   LVX_CHECK(count.item<double>() > 0, "labels: every label is -100 (nothing to learn)");
@@ -25,7 +28,7 @@ std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::
     if (trains ? !trains(name) : !model.trainable(name)) continue;
     names.push_back(name);
     parts.push_back(t.grad().defined() ? t.grad().to(at::kFloat).reshape({-1})
-                                       : at::zeros({t.numel()}, at::kFloat));
+                                       : at::zeros({t.numel()}, t.options().dtype(at::kFloat)));
   }
   std::map<std::string, at::Tensor> result;
   if (!parts.empty()) {

@@ -1,0 +1,67 @@
+// --device and --dtype auto (src/runtime/device.h): the rule every computing command shares.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "src/common/error.h"
+#include "src/runtime/device.h"
+
+namespace lvx::runtime {
+namespace {
+
+template <typename F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Device, AutoIsCudaLocalRankWhenThereAreGpusElseCpu) {
+  EXPECT_EQ(choose_device("auto", 0, 1, 0), at::Device(at::kCPU));
+  EXPECT_EQ(choose_device("auto", 3, 4, 0), at::Device(at::kCPU));
+  EXPECT_EQ(choose_device("auto", 0, 1, 8), at::Device(at::kCUDA, 0));
+  EXPECT_EQ(choose_device("auto", 5, 8, 8), at::Device(at::kCUDA, 5));
+  EXPECT_EQ(choose_device("cuda", 2, 4, 4), at::Device(at::kCUDA, 2));
+  EXPECT_EQ(choose_device("cpu", 2, 4, 4), at::Device(at::kCPU));
+}
+
+TEST(Device, RefusesFewerGpusThanLocalRanksAndCudaWithoutOne) {
+  const std::string few = error_of([] { choose_device("auto", 0, 4, 2); });
+  EXPECT_NE(few.find("4 local ranks need one GPU each but this machine has 2"), std::string::npos)
+      << few;
+  EXPECT_NE(error_of([] { choose_device("cuda", 0, 2, 1); }).find("has 1"), std::string::npos);
+  EXPECT_NE(error_of([] { choose_device("cuda", 0, 1, 0); }).find("no CUDA device"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { choose_device("gpu", 0, 1, 0); }).find("expected auto, cuda or cpu"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { choose_device("cpu", 2, 2, 0); }).find("outside"), std::string::npos);
+  // Validation before ranks start checks the spelling only (it may run where no GPU is).
+  EXPECT_EQ(error_of([] { check_device_option("cuda"); }), "");
+  EXPECT_NE(error_of([] { check_device_option("gpu"); }), "");
+  // This machine: cpu always works; check_local_devices refuses like a rank would.
+  EXPECT_EQ(error_of([] { check_local_devices("cpu", 64); }), "");
+  if (cuda_device_count() == 0) {
+    EXPECT_EQ(choose_device("auto"), at::Device(at::kCPU));
+    EXPECT_NE(error_of([] { check_local_devices("cuda", 1); }), "");
+  }
+}
+
+TEST(Device, DtypeAutoIsFp32OnCpuAndTheCheckpointsOnGpu) {
+  const at::Device cpu(at::kCPU), gpu(at::kCUDA, 0);
+  EXPECT_EQ(resolve_dtype("auto", cpu, "bfloat16"), "fp32");
+  EXPECT_EQ(resolve_dtype("auto", gpu, "bfloat16"), "bf16");
+  EXPECT_EQ(resolve_dtype("auto", gpu, ""), "bf16");
+  EXPECT_EQ(resolve_dtype("auto", gpu, "float16"), "bf16");
+  EXPECT_EQ(resolve_dtype("auto", gpu, "float32"), "fp32");
+  EXPECT_EQ(resolve_dtype("bf16", cpu, "float32"), "bf16");
+  EXPECT_EQ(resolve_dtype("fp32", gpu, "bfloat16"), "fp32");
+  EXPECT_NE(error_of([&] { resolve_dtype("fp16", cpu, ""); }).find("expected fp32, bf16 or auto"),
+            std::string::npos);
+  EXPECT_EQ(dtype_of("bf16"), at::kBFloat16);
+}
+
+}  // namespace
+}  // namespace lvx::runtime
