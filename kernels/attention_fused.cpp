@@ -1,0 +1,300 @@
+// Local attention on ATen's fused kernels (issue 21, "Local attention on ATen's fused kernels").
+// The CPU entry of the device table: bf16/fp16/fp32 blocks go to
+// at::_scaled_dot_product_flash_attention_for_cpu (FlashAttention-2 tiling, Dao 2023, Alg. 1/2;
+// it returns the natural-log lse in fp32, and its backward takes the final global O and lse,
+// which is the ring backward's contract, NOTES.md §7.2); fp64 and LVX_CPU_ATTENTION=kernel stay
+// on lvx's own kernels (attention_{fwd,bwd}_cpu.cpp).
+//
+// Plan (host only, from the per-tile min/max summaries of kernels/mask.h, never by scanning
+// entries, no .item()): for each batch row and query tile, the key tiles are classified
+// none / partial / full; the tiles between the first and the last visible one are cut into
+// maximal runs of full tiles (one fused call without a mask) and of the rest (one fused call
+// with an additive −inf mask, or is_causal when the run is exactly top-left causal). Key tiles
+// outside that range are skipped; query tiles with the same runs are grouped into one call.
+// Results of the runs of one group are merged in fp32 (pure-LSE merge, NOTES.md §0).
+// GQA without copying K/V: one call per query head of a K/V head group, on strided views.
+// Backward: the op derives delta = rowsum(dO ∘ O) from the O it is given; lvx's backward gets
+// delta, so it passes O' = dO · delta / |dO|² (rowsum(dO ∘ O') = delta; O' = 0 where dO = 0,
+// where every gradient is 0 anyway), rounded once to the input dtype like the op's own O.
+#include <ATen/Parallel.h>
+
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels/mask.h"
+#include "kernels/registry.h"
+
+namespace lvx::kernels {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// Additive mask elements of one masked call (rows are cut so the mask stays <= 64 MiB fp32).
+constexpr int64_t kMaskElems = int64_t{16} << 20;
+
+struct Run {
+  int64_t kt0, kt1;  // key tiles [kt0, kt1)
+  bool full;         // every tile of the run is fully visible
+  bool operator==(const Run& o) const { return kt0 == o.kt0 && kt1 == o.kt1 && full == o.full; }
+};
+
+struct Group {
+  int64_t b, qt0, qt1;  // batch row, query tiles [qt0, qt1)
+  std::vector<Run> runs;
+};
+
+struct Plan {
+  std::vector<Group> groups;
+  int64_t total = 0, skipped = 0, full = 0, fused = 0;  // tiles, per query head
+};
+
+Plan make_plan(const PreparedMask& pm, int64_t batch) {
+  Plan plan;
+  const int64_t n_qt = pm.n_q_tiles, n_kt = pm.n_k_tiles;
+  std::vector<TileVisibility> vis(n_kt);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t qt = 0; qt < n_qt; ++qt) {
+      const TileSummary qs = pm.q_summary(b, qt);
+      int64_t lo = n_kt, hi = -1;
+      for (int64_t kt = 0; kt < n_kt; ++kt) {
+        vis[kt] = classify_tile(pm.view.kind, pm.view.rule, qs, pm.k_summary(b, kt));
+        if (vis[kt] != TileVisibility::kNone) {
+          lo = std::min(lo, kt);
+          hi = kt;
+        }
+        plan.full += vis[kt] == TileVisibility::kFull;
+      }
+      plan.total += n_kt;
+      std::vector<Run> runs;
+      for (int64_t kt = lo; kt <= hi; ++kt) {
+        const bool f = vis[kt] == TileVisibility::kFull;
+        if (runs.empty() || runs.back().full != f) runs.push_back({kt, kt, f});
+        runs.back().kt1 = kt + 1;
+      }
+      const int64_t in_range = hi >= lo ? hi - lo + 1 : 0;
+      plan.fused += in_range;
+      plan.skipped += n_kt - in_range;
+      if (runs.empty()) continue;  // the rows see nothing: o = 0, lse = −inf
+      Group* last = plan.groups.empty() ? nullptr : &plan.groups.back();
+      if (last != nullptr && last->b == b && last->qt1 == qt && last->runs == runs) {
+        last->qt1 = qt + 1;
+      } else {
+        plan.groups.push_back({b, qt, qt + 1, std::move(runs)});
+      }
+    }
+  }
+  return plan;
+}
+
+// mask restricted to batch row b, queries [i0, i1) and keys [j0, j1) (same kinds and rules).
+AttentionMask sub_mask(const AttentionMask& m, int64_t b, int64_t i0, int64_t i1, int64_t j0,
+                       int64_t j1) {
+  AttentionMask s = m;
+  if (m.q_pos.defined()) s.q_pos = m.q_pos.narrow(0, i0, i1 - i0);
+  if (m.k_pos.defined()) s.k_pos = m.k_pos.narrow(0, j0, j1 - j0);
+  if (m.q_media.defined()) s.q_media = m.q_media.narrow(0, b, 1).narrow(1, i0, i1 - i0);
+  if (m.kv_media.defined()) s.kv_media = m.kv_media.narrow(0, b, 1).narrow(1, j0, j1 - j0);
+  if (m.kv_valid.defined()) s.kv_valid = m.kv_valid.narrow(0, b, 1).narrow(1, j0, j1 - j0);
+  return s;
+}
+
+// True when queries [i0, i1) see keys [j0, j1) exactly as a top-left causal mask does (query r
+// sees key c iff c <= r): causal positions p0 + r and p0 + c, no padding. Reads the host view.
+bool top_left_causal(const MaskView& v, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+  if (v.kind != static_cast<int>(MaskKind::kCausal) || v.kv_valid != nullptr) return false;
+  const int64_t p0 = v.q_pos[i0];
+  for (int64_t r = i0; r < i1; ++r) {
+    if (v.q_pos[r] != p0 + (r - i0)) return false;
+  }
+  for (int64_t c = j0; c < j1; ++c) {
+    if (v.k_pos[c] != p0 + (c - j0)) return false;
+  }
+  return true;
+}
+
+// [1, n, Hq, D] rows of x (batch row b, tokens [i0, i0 + n)) as [1, Hkv, n, D] for query head
+// gi of every K/V head group (a strided view).
+at::Tensor head_view(const at::Tensor& x, int64_t b, int64_t i0, int64_t n, int64_t hkv, int64_t g,
+                     int64_t gi) {
+  return x.narrow(0, b, 1)
+      .narrow(1, i0, n)
+      .view({1, n, hkv, g, x.size(3)})
+      .select(3, gi)
+      .transpose(1, 2);
+}
+// [B, Hq, Sq] stats of batch row b, queries [i0, i0 + n), query head gi of each group: [1, Hkv, n].
+at::Tensor stat_view(const at::Tensor& s, int64_t b, int64_t i0, int64_t n, int64_t hkv, int64_t g,
+                     int64_t gi) {
+  return s.narrow(0, b, 1).view({1, hkv, g, s.size(2)}).select(2, gi).narrow(2, i0, n);
+}
+
+// One masked or unmasked piece of a run: queries [i0, i1), keys [j0, j1).
+struct Piece {
+  int64_t i0, i1, j0, j1;
+  bool causal;      // top-left causal: is_causal instead of a mask
+  at::Tensor bias;  // [1, 1, n, m] additive mask in the input dtype, or undefined
+  at::Tensor rows;  // [1, 1, n] bool: the row sees some key of the piece (masked pieces only)
+};
+
+// Cuts run `r` of group `gr` into pieces with bounded masks.
+std::vector<Piece> pieces(const Group& gr, const Run& r, const AttentionMask& mask,
+                          const MaskView& view, int64_t sq, int64_t skv, at::ScalarType dtype) {
+  const int64_t i0 = gr.qt0 * kCpuQTile, i1 = std::min(sq, gr.qt1 * kCpuQTile);
+  const int64_t j0 = r.kt0 * kCpuKTile, j1 = std::min(skv, r.kt1 * kCpuKTile);
+  if (r.full) return {{i0, i1, j0, j1, false, {}, {}}};
+  if (top_left_causal(view, i0, i1, j0, j1)) return {{i0, i1, j0, j1, true, {}, {}}};
+  const int64_t step = std::max<int64_t>(
+      kCpuQTile, kMaskElems / std::max<int64_t>(1, j1 - j0) / kCpuQTile * kCpuQTile);
+  std::vector<Piece> out;
+  for (int64_t a = i0; a < i1; a += step) {
+    const int64_t e = std::min(i1, a + step);
+    at::Tensor vis = mask_matrix(sub_mask(mask, gr.b, a, e, j0, j1), 1, e - a, j1 - j0);
+    at::Tensor bias = at::zeros(vis.sizes(), at::TensorOptions().dtype(dtype))
+                          .masked_fill_(vis.logical_not(), -kInf)
+                          .unsqueeze(1);
+    out.push_back({a, e, j0, j1, false, bias, vis.any(-1).unsqueeze(1)});
+  }
+  return out;
+}
+
+}  // namespace
+
+bool cpu_uses_fused_path(at::ScalarType dtype) {
+  static const bool kernel = [] {
+    const char* e = std::getenv("LVX_CPU_ATTENTION");
+    return e != nullptr && std::string(e) == "kernel";
+  }();
+  return dtype != at::kDouble && !kernel;
+}
+
+AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, double scale,
+                                            const AttentionMask& mask, AttentionStats* stats) {
+  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+  const int64_t skv = k.size(1), hkv = k.size(2), g = hq / hkv;
+  const auto f32 = q.options().dtype(at::kFloat);
+  AttentionOutput out{at::zeros({batch, sq, hq, d}, f32), at::full({batch, hq, sq}, -kInf, f32)};
+  if (sq == 0 || skv == 0) return out;
+  const PreparedMask pm = prepare_mask(mask, batch, sq, skv, kCpuQTile, kCpuKTile, at::kCPU);
+  const Plan plan = make_plan(pm, batch);
+  for (const Group& gr : plan.groups) {
+    const int64_t i0 = gr.qt0 * kCpuQTile, n = std::min(sq, gr.qt1 * kCpuQTile) - i0;
+    // fp32 accumulators of the group, [1, n, Hkv, D] and [1, Hkv, n] per query head of a group.
+    std::vector<at::Tensor> o_acc(g), l_acc(g);
+    for (const Run& r : gr.runs) {
+      for (const Piece& p : pieces(gr, r, mask, pm.view, sq, skv, q.scalar_type())) {
+        const int64_t m = p.j1 - p.j0, rows = p.i1 - p.i0;
+        const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
+        const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+              head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, 0.0, p.causal,
+              p.bias.defined() ? std::optional<at::Tensor>(p.bias) : std::nullopt, scale);
+          at::Tensor o32 = o.transpose(1, 2).to(at::kFloat).contiguous();  // [1, rows, Hkv, D]
+          at::Tensor l32 = lse.to(at::kFloat);
+          // The op gives a row with no visible key o = 0 and lse = 0: make it −inf.
+          if (p.rows.defined()) l32 = at::where(p.rows, l32, at::full_like(l32, -kInf));
+          l32 = l32.contiguous();
+          if (!o_acc[gi].defined()) {
+            o_acc[gi] = at::zeros({1, n, hkv, d}, f32);
+            l_acc[gi] = at::full({1, hkv, n}, -kInf, f32);
+          }
+          if (rows == n && r.kt0 == gr.runs.front().kt0) {  // first piece covers every row
+            o_acc[gi] = o32;
+            l_acc[gi] = l32;
+            continue;
+          }
+          at::Tensor os = o_acc[gi].narrow(1, p.i0 - i0, rows).contiguous();
+          at::Tensor ls = l_acc[gi].narrow(2, p.i0 - i0, rows).contiguous();
+          merge_attention_states_cpu(os, ls, o32, l32);
+          o_acc[gi].narrow(1, p.i0 - i0, rows).copy_(os);
+          l_acc[gi].narrow(2, p.i0 - i0, rows).copy_(ls);
+        }
+      }
+    }
+    for (int64_t gi = 0; gi < g; ++gi) {
+      head_view(out.o, gr.b, i0, n, hkv, g, gi).copy_(o_acc[gi].transpose(1, 2));
+      stat_view(out.lse, gr.b, i0, n, hkv, g, gi).copy_(l_acc[gi]);
+    }
+  }
+  if (stats != nullptr) {
+    stats->tiles_total += plan.total * hq;
+    stats->tiles_skipped += plan.skipped * hq;
+    stats->tiles_full += plan.full * hq;
+    stats->tiles_fused += plan.fused * hq;
+  }
+  return out;
+}
+
+AttentionGrads attention_backward_fused_cpu(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& dout,
+                                            const at::Tensor& lse, const at::Tensor& delta,
+                                            double scale, const AttentionMask& mask,
+                                            AttentionStats* stats) {
+  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2);
+  const int64_t skv = k.size(1), hkv = k.size(2), g = hq / hkv;
+  const auto f32 = q.options().dtype(at::kFloat);
+  AttentionGrads grads{at::zeros(q.sizes(), f32), at::zeros(k.sizes(), f32),
+                       at::zeros(v.sizes(), f32)};
+  if (sq == 0 || skv == 0) return grads;
+  const PreparedMask pm = prepare_mask(mask, batch, sq, skv, kCpuQTile, kCpuKTile, at::kCPU);
+  const Plan plan = make_plan(pm, batch);
+  // Rows that see no key anywhere have lse = −inf: +inf makes P = exp(S − lse) = 0 there.
+  const at::Tensor lse_p = at::where(lse.isneginf(), at::full_like(lse, kInf), lse).contiguous();
+  // O' with rowsum(dO ∘ O') = delta, in the input dtype ([B, Sq, Hq, D]).
+  const at::Tensor do32 = dout.to(at::kFloat);
+  const at::Tensor den = do32.square().sum(-1, true);
+  const at::Tensor coef = at::where(den.gt(0),
+                                    delta.transpose(1, 2).unsqueeze(-1).to(at::kFloat) /
+                                        at::where(den.gt(0), den, at::ones_like(den)),
+                                    at::zeros_like(den));
+  const at::Tensor o_fake = (do32 * coef).to(q.scalar_type()).contiguous();
+  for (const Group& gr : plan.groups) {
+    for (const Run& r : gr.runs) {
+      for (const Piece& p : pieces(gr, r, mask, pm.view, sq, skv, q.scalar_type())) {
+        const int64_t m = p.j1 - p.j0, rows = p.i1 - p.i0;
+        const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
+        const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+              head_view(dout, gr.b, p.i0, rows, hkv, g, gi),
+              head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg,
+              head_view(o_fake, gr.b, p.i0, rows, hkv, g, gi),
+              stat_view(lse_p, gr.b, p.i0, rows, hkv, g, gi).contiguous(), 0.0, p.causal,
+              p.bias.defined() ? std::optional<at::Tensor>(p.bias) : std::nullopt, scale);
+          head_view(grads.dq, gr.b, p.i0, rows, hkv, g, gi).add_(gq);
+          grads.dk.narrow(0, gr.b, 1).narrow(1, p.j0, m).add_(gk.transpose(1, 2));
+          grads.dv.narrow(0, gr.b, 1).narrow(1, p.j0, m).add_(gv.transpose(1, 2));
+        }
+      }
+    }
+  }
+  if (stats != nullptr) {
+    stats->tiles_total += plan.total * hq;
+    stats->tiles_skipped += plan.skipped * hq;
+    stats->tiles_full += plan.full * hq;
+    stats->tiles_fused += plan.fused * hq;
+  }
+  return grads;
+}
+
+AttentionOutput attention_forward_dispatch_cpu(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, double scale,
+                                               const AttentionMask& mask, AttentionStats* stats) {
+  return cpu_uses_fused_path(q.scalar_type())
+             ? attention_forward_fused_cpu(q, k, v, scale, mask, stats)
+             : attention_forward_cpu(q, k, v, scale, mask, stats);
+}
+
+AttentionGrads attention_backward_dispatch_cpu(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, const at::Tensor& dout,
+                                               const at::Tensor& lse, const at::Tensor& delta,
+                                               double scale, const AttentionMask& mask,
+                                               AttentionStats* stats) {
+  return cpu_uses_fused_path(q.scalar_type())
+             ? attention_backward_fused_cpu(q, k, v, dout, lse, delta, scale, mask, stats)
+             : attention_backward_cpu(q, k, v, dout, lse, delta, scale, mask, stats);
+}
+
+}  // namespace lvx::kernels
