@@ -182,8 +182,16 @@ AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tenso
     const int64_t i0 = gr.qt0 * kCpuQTile, n = std::min(sq, gr.qt1 * kCpuQTile) - i0;
     // fp32 accumulators of the group, [1, n, Hkv, D] and [1, Hkv, n] per query head of a group.
     std::vector<at::Tensor> o_acc(g), l_acc(g);
+    std::vector<std::vector<Piece>> run_pieces;
     for (const Run& r : gr.runs) {
-      for (const Piece& p : pieces(gr, r, mask, pm.view, sq, skv, q.scalar_type())) {
+      run_pieces.push_back(pieces(gr, r, mask, pm.view, sq, skv, q.scalar_type()));
+    }
+    // One piece for the whole group (a block without a partial tile, a causal diagonal): the
+    // op's output goes straight into o/lse, one copy (and the fp32 widening) in all.
+    const bool single = run_pieces.size() == 1 && run_pieces.front().size() == 1;
+    for (size_t ri = 0; ri < gr.runs.size(); ++ri) {
+      const Run& r = gr.runs[ri];
+      for (const Piece& p : run_pieces[ri]) {
         const int64_t m = p.j1 - p.j0, rows = p.i1 - p.i0;
         const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
         const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
@@ -191,10 +199,15 @@ AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tenso
           auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
               head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, 0.0, p.causal,
               p.bias.defined() ? std::optional<at::Tensor>(p.bias) : std::nullopt, scale);
-          at::Tensor o32 = o.transpose(1, 2).to(at::kFloat).contiguous();  // [1, rows, Hkv, D]
           at::Tensor l32 = lse.to(at::kFloat);
           // The op gives a row with no visible key o = 0 and lse = 0: make it −inf.
           if (p.rows.defined()) l32 = at::where(p.rows, l32, at::full_like(l32, -kInf));
+          if (single) {
+            head_view(out.o, gr.b, i0, n, hkv, g, gi).copy_(o);
+            stat_view(out.lse, gr.b, i0, n, hkv, g, gi).copy_(l32);
+            continue;
+          }
+          at::Tensor o32 = o.transpose(1, 2).to(at::kFloat).contiguous();  // [1, rows, Hkv, D]
           l32 = l32.contiguous();
           if (!o_acc[gi].defined()) {
             o_acc[gi] = at::zeros({1, n, hkv, d}, f32);
@@ -213,7 +226,7 @@ AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tenso
         }
       }
     }
-    for (int64_t gi = 0; gi < g; ++gi) {
+    for (int64_t gi = 0; gi < g && !single; ++gi) {
       head_view(out.o, gr.b, i0, n, hkv, g, gi).copy_(o_acc[gi].transpose(1, 2));
       stat_view(out.lse, gr.b, i0, n, hkv, g, gi).copy_(l_acc[gi]);
     }
