@@ -113,6 +113,17 @@ bool top_left_causal(const MaskView& v, int64_t i0, int64_t i1, int64_t j0, int6
   return true;
 }
 
+// A block that is exactly top-left causal as a whole (a ring's diagonal block, a local causal
+// prefill): one is_causal call per batch row instead of calls per run, as SDPA would make.
+void whole_block_if_causal(Plan& plan, const PreparedMask& pm, int64_t batch, int64_t sq,
+                           int64_t skv) {
+  if (plan.groups.empty() || !top_left_causal(pm.view, 0, sq, 0, skv)) return;
+  plan.groups.clear();
+  for (int64_t b = 0; b < batch; ++b) {
+    plan.groups.push_back({b, 0, pm.n_q_tiles, {Run{0, pm.n_k_tiles, false}}});
+  }
+}
+
 // [1, n, Hq, D] rows of x (batch row b, tokens [i0, i0 + n)) as [1, Hkv, n, D] for query head
 // gi of every K/V head group (a strided view).
 at::Tensor head_view(const at::Tensor& x, int64_t b, int64_t i0, int64_t n, int64_t hkv, int64_t g,
@@ -158,6 +169,29 @@ std::vector<Piece> pieces(const Group& gr, const Run& r, const AttentionMask& ma
   return out;
 }
 
+// The one piece that covers the whole block when batch = 1 and Hq = Hkv and the plan is one
+// call (no mask, or top-left causal): its outputs become lvx's without any copy for fp32.
+std::optional<Piece> whole_piece(const Plan& plan, const AttentionMask& mask,
+                                 const PreparedMask& pm, int64_t batch, int64_t g, int64_t sq,
+                                 int64_t skv, at::ScalarType dtype) {
+  if (batch != 1 || g != 1 || plan.groups.size() != 1) return std::nullopt;
+  const Group& gr = plan.groups.front();
+  if (gr.qt0 != 0 || gr.qt1 != pm.n_q_tiles || gr.runs.size() != 1) return std::nullopt;
+  const Run& r = gr.runs.front();
+  if (r.kt0 != 0 || r.kt1 != pm.n_k_tiles || !(r.full || top_left_causal(pm.view, 0, sq, 0, skv))) {
+    return std::nullopt;
+  }
+  return pieces(gr, r, mask, pm.view, sq, skv, dtype).front();
+}
+
+void add_stats(const Plan& plan, int64_t hq, AttentionStats* stats) {
+  if (stats == nullptr) return;
+  stats->tiles_total += plan.total * hq;
+  stats->tiles_skipped += plan.skipped * hq;
+  stats->tiles_full += plan.full * hq;
+  stats->tiles_fused += plan.fused * hq;
+}
+
 }  // namespace
 
 bool cpu_uses_fused_path(at::ScalarType dtype) {
@@ -174,10 +208,20 @@ AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tenso
   const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
   const int64_t skv = k.size(1), hkv = k.size(2), g = hq / hkv;
   const auto f32 = q.options().dtype(at::kFloat);
-  AttentionOutput out{at::zeros({batch, sq, hq, d}, f32), at::full({batch, hq, sq}, -kInf, f32)};
-  if (sq == 0 || skv == 0) return out;
+  if (sq == 0 || skv == 0) {
+    return {at::zeros({batch, sq, hq, d}, f32), at::full({batch, hq, sq}, -kInf, f32)};
+  }
   const PreparedMask pm = prepare_mask(mask, batch, sq, skv, kCpuQTile, kCpuKTile, at::kCPU);
-  const Plan plan = make_plan(pm, batch);
+  Plan plan = make_plan(pm, batch);
+  whole_block_if_causal(plan, pm, batch, sq, skv);
+  add_stats(plan, hq, stats);
+  if (auto p = whole_piece(plan, mask, pm, batch, g, sq, skv, q.scalar_type())) {
+    auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, p->causal, std::nullopt,
+        scale);
+    return {o.transpose(1, 2).to(at::kFloat).contiguous(), lse.to(at::kFloat).contiguous()};
+  }
+  AttentionOutput out{at::zeros({batch, sq, hq, d}, f32), at::full({batch, hq, sq}, -kInf, f32)};
   for (const Group& gr : plan.groups) {
     const int64_t i0 = gr.qt0 * kCpuQTile, n = std::min(sq, gr.qt1 * kCpuQTile) - i0;
     // fp32 accumulators of the group, [1, n, Hkv, D] and [1, Hkv, n] per query head of a group.
@@ -231,12 +275,6 @@ AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tenso
       stat_view(out.lse, gr.b, i0, n, hkv, g, gi).copy_(l_acc[gi]);
     }
   }
-  if (stats != nullptr) {
-    stats->tiles_total += plan.total * hq;
-    stats->tiles_skipped += plan.skipped * hq;
-    stats->tiles_full += plan.full * hq;
-    stats->tiles_fused += plan.fused * hq;
-  }
   return out;
 }
 
@@ -248,11 +286,13 @@ AttentionGrads attention_backward_fused_cpu(const at::Tensor& q, const at::Tenso
   const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2);
   const int64_t skv = k.size(1), hkv = k.size(2), g = hq / hkv;
   const auto f32 = q.options().dtype(at::kFloat);
-  AttentionGrads grads{at::zeros(q.sizes(), f32), at::zeros(k.sizes(), f32),
-                       at::zeros(v.sizes(), f32)};
-  if (sq == 0 || skv == 0) return grads;
+  if (sq == 0 || skv == 0) {
+    return {at::zeros(q.sizes(), f32), at::zeros(k.sizes(), f32), at::zeros(v.sizes(), f32)};
+  }
   const PreparedMask pm = prepare_mask(mask, batch, sq, skv, kCpuQTile, kCpuKTile, at::kCPU);
-  const Plan plan = make_plan(pm, batch);
+  Plan plan = make_plan(pm, batch);
+  whole_block_if_causal(plan, pm, batch, sq, skv);
+  add_stats(plan, hq, stats);
   // Rows that see no key anywhere have lse = −inf: +inf makes P = exp(S − lse) = 0 there.
   const at::Tensor lse_p = at::where(lse.isneginf(), at::full_like(lse, kInf), lse).contiguous();
   // O' with rowsum(dO ∘ O') = delta, in the input dtype ([B, Sq, Hq, D]).
@@ -263,6 +303,16 @@ AttentionGrads attention_backward_fused_cpu(const at::Tensor& q, const at::Tenso
                                         at::where(den.gt(0), den, at::ones_like(den)),
                                     at::zeros_like(den));
   const at::Tensor o_fake = (do32 * coef).to(q.scalar_type()).contiguous();
+  if (auto p = whole_piece(plan, mask, pm, batch, g, sq, skv, q.scalar_type())) {
+    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        o_fake.transpose(1, 2), lse_p, 0.0, p->causal, std::nullopt, scale);
+    return {gq.transpose(1, 2).to(at::kFloat).contiguous(),
+            gk.transpose(1, 2).to(at::kFloat).contiguous(),
+            gv.transpose(1, 2).to(at::kFloat).contiguous()};
+  }
+  AttentionGrads grads{at::zeros(q.sizes(), f32), at::zeros(k.sizes(), f32),
+                       at::zeros(v.sizes(), f32)};
   for (const Group& gr : plan.groups) {
     for (const Run& r : gr.runs) {
       for (const Piece& p : pieces(gr, r, mask, pm.view, sq, skv, q.scalar_type())) {
@@ -282,12 +332,6 @@ AttentionGrads attention_backward_fused_cpu(const at::Tensor& q, const at::Tenso
         }
       }
     }
-  }
-  if (stats != nullptr) {
-    stats->tiles_total += plan.total * hq;
-    stats->tiles_skipped += plan.skipped * hq;
-    stats->tiles_full += plan.full * hq;
-    stats->tiles_fused += plan.fused * hq;
   }
   return grads;
 }
