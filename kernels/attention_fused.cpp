@@ -18,6 +18,7 @@
 // where every gradient is 0 anyway), rounded once to the input dtype like the op's own O.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -52,30 +53,57 @@ struct Plan {
 Plan make_plan(const PreparedMask& pm, int64_t batch) {
   Plan plan;
   const int64_t n_qt = pm.n_q_tiles, n_kt = pm.n_k_tiles;
-  std::vector<TileVisibility> vis(n_kt);
+  std::vector<TileVisibility> vis(n_qt * n_kt);
+  std::vector<int64_t> lo(n_qt), hi(n_qt);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t qt = 0; qt < n_qt; ++qt) {
       const TileSummary qs = pm.q_summary(b, qt);
-      int64_t lo = n_kt, hi = -1;
+      lo[qt] = n_kt;
+      hi[qt] = -1;
       for (int64_t kt = 0; kt < n_kt; ++kt) {
-        vis[kt] = classify_tile(pm.view.kind, pm.view.rule, qs, pm.k_summary(b, kt));
-        if (vis[kt] != TileVisibility::kNone) {
-          lo = std::min(lo, kt);
-          hi = kt;
+        const auto t = classify_tile(pm.view.kind, pm.view.rule, qs, pm.k_summary(b, kt));
+        vis[qt * n_kt + kt] = t;
+        if (t != TileVisibility::kNone) {
+          lo[qt] = std::min(lo[qt], kt);
+          hi[qt] = kt;
         }
-        plan.full += vis[kt] == TileVisibility::kFull;
+        plan.full += t == TileVisibility::kFull;
       }
       plan.total += n_kt;
-      std::vector<Run> runs;
-      for (int64_t kt = lo; kt <= hi; ++kt) {
-        const bool f = vis[kt] == TileVisibility::kFull;
-        if (runs.empty() || runs.back().full != f) runs.push_back({kt, kt, f});
-        runs.back().kt1 = kt + 1;
-      }
-      const int64_t in_range = hi >= lo ? hi - lo + 1 : 0;
+      const int64_t in_range = hi[qt] >= lo[qt] ? hi[qt] - lo[qt] + 1 : 0;
       plan.fused += in_range;
       plan.skipped += n_kt - in_range;
-      if (runs.empty()) continue;  // the rows see nothing: o = 0, lse = −inf
+    }
+    // The longest run of key tiles fully visible to every query tile of the row is one call
+    // for all its queries (the op's own tiling then sees every query at once: a ring block
+    // just below the diagonal, the media every query sees); the rest goes by query tile.
+    int64_t a = 0, c = 0;
+    if (n_qt > 1) {
+      for (int64_t kt = 0, start = 0; kt <= n_kt; ++kt) {
+        bool common = kt < n_kt;
+        for (int64_t qt = 0; common && qt < n_qt; ++qt) {
+          common = vis[qt * n_kt + kt] == TileVisibility::kFull;
+        }
+        if (common) continue;
+        if (kt - start > c - a) {
+          a = start;
+          c = kt;
+        }
+        start = kt + 1;
+      }
+    }
+    if (c > a) plan.groups.push_back({b, 0, n_qt, {Run{a, c, true}}});
+    for (int64_t qt = 0; qt < n_qt; ++qt) {
+      std::vector<Run> runs;
+      for (int64_t kt = lo[qt]; kt <= hi[qt]; ++kt) {
+        if (kt >= a && kt < c) continue;
+        const bool f = vis[qt * n_kt + kt] == TileVisibility::kFull;
+        if (runs.empty() || runs.back().full != f || runs.back().kt1 != kt) {
+          runs.push_back({kt, kt, f});
+        }
+        runs.back().kt1 = kt + 1;
+      }
+      if (runs.empty()) continue;  // nothing (else) visible: o = 0, lse = −inf if nothing at all
       Group* last = plan.groups.empty() ? nullptr : &plan.groups.back();
       if (last != nullptr && last->b == b && last->qt1 == qt && last->runs == runs) {
         last->qt1 = qt + 1;
@@ -222,21 +250,17 @@ AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tenso
     return {o.transpose(1, 2).to(at::kFloat).contiguous(), lse.to(at::kFloat).contiguous()};
   }
   AttentionOutput out{at::zeros({batch, sq, hq, d}, f32), at::full({batch, hq, sq}, -kInf, f32)};
+  // Every piece's result merges into o/lse in fp32; a piece whose query tiles nothing has
+  // written yet is copied in directly.
+  std::vector<char> written(batch * pm.n_q_tiles, 0);
   for (const Group& gr : plan.groups) {
-    const int64_t i0 = gr.qt0 * kCpuQTile, n = std::min(sq, gr.qt1 * kCpuQTile) - i0;
-    // fp32 accumulators of the group, [1, n, Hkv, D] and [1, Hkv, n] per query head of a group.
-    std::vector<at::Tensor> o_acc(g), l_acc(g);
-    std::vector<std::vector<Piece>> run_pieces;
     for (const Run& r : gr.runs) {
-      run_pieces.push_back(pieces(gr, r, mask, pm.view, sq, skv, q.scalar_type()));
-    }
-    // One piece for the whole group (a block without a partial tile, a causal diagonal): the
-    // op's output goes straight into o/lse, one copy (and the fp32 widening) in all.
-    const bool single = run_pieces.size() == 1 && run_pieces.front().size() == 1;
-    for (size_t ri = 0; ri < gr.runs.size(); ++ri) {
-      const Run& r = gr.runs[ri];
-      for (const Piece& p : run_pieces[ri]) {
+      for (const Piece& p : pieces(gr, r, mask, pm.view, sq, skv, q.scalar_type())) {
         const int64_t m = p.j1 - p.j0, rows = p.i1 - p.i0;
+        const int64_t t0 = p.i0 / kCpuQTile, t1 = (p.i1 + kCpuQTile - 1) / kCpuQTile;
+        char* w = written.data() + gr.b * pm.n_q_tiles;
+        const bool fresh = std::none_of(w + t0, w + t1, [](char x) { return x != 0; });
+        std::fill(w + t0, w + t1, 1);
         const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
         const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
         for (int64_t gi = 0; gi < g; ++gi) {
@@ -246,33 +270,20 @@ AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tenso
           at::Tensor l32 = lse.to(at::kFloat);
           // The op gives a row with no visible key o = 0 and lse = 0: make it −inf.
           if (p.rows.defined()) l32 = at::where(p.rows, l32, at::full_like(l32, -kInf));
-          if (single) {
-            head_view(out.o, gr.b, i0, n, hkv, g, gi).copy_(o);
-            stat_view(out.lse, gr.b, i0, n, hkv, g, gi).copy_(l32);
+          at::Tensor o_dst = head_view(out.o, gr.b, p.i0, rows, hkv, g, gi).transpose(1, 2);
+          at::Tensor l_dst = stat_view(out.lse, gr.b, p.i0, rows, hkv, g, gi);
+          if (fresh) {
+            o_dst.copy_(o.transpose(1, 2));
+            l_dst.copy_(l32);
             continue;
           }
-          at::Tensor o32 = o.transpose(1, 2).to(at::kFloat).contiguous();  // [1, rows, Hkv, D]
-          l32 = l32.contiguous();
-          if (!o_acc[gi].defined()) {
-            o_acc[gi] = at::zeros({1, n, hkv, d}, f32);
-            l_acc[gi] = at::full({1, hkv, n}, -kInf, f32);
-          }
-          if (rows == n && r.kt0 == gr.runs.front().kt0) {  // first piece covers every row
-            o_acc[gi] = o32;
-            l_acc[gi] = l32;
-            continue;
-          }
-          at::Tensor os = o_acc[gi].narrow(1, p.i0 - i0, rows).contiguous();
-          at::Tensor ls = l_acc[gi].narrow(2, p.i0 - i0, rows).contiguous();
-          merge_attention_states_cpu(os, ls, o32, l32);
-          o_acc[gi].narrow(1, p.i0 - i0, rows).copy_(os);
-          l_acc[gi].narrow(2, p.i0 - i0, rows).copy_(ls);
+          at::Tensor os = o_dst.contiguous(), ls = l_dst.contiguous();  // [1, rows, Hkv, D]
+          merge_attention_states_cpu(os, ls, o.transpose(1, 2).to(at::kFloat).contiguous(),
+                                     l32.contiguous());
+          o_dst.copy_(os);
+          l_dst.copy_(ls);
         }
       }
-    }
-    for (int64_t gi = 0; gi < g && !single; ++gi) {
-      head_view(out.o, gr.b, i0, n, hkv, g, gi).copy_(o_acc[gi].transpose(1, 2));
-      stat_view(out.lse, gr.b, i0, n, hkv, g, gi).copy_(l_acc[gi]);
     }
   }
   return out;
