@@ -308,7 +308,7 @@ AttentionGrads attention_backward_fused_cpu(const at::Tensor& q, const at::Tenso
   const at::Tensor lse_p = at::where(lse.isneginf(), at::full_like(lse, kInf), lse).contiguous();
   // O' with rowsum(dO ∘ O') = delta, in the input dtype ([B, Sq, Hq, D]).
   const at::Tensor do32 = dout.to(at::kFloat);
-  const at::Tensor den = do32.square().sum(-1, true);
+  const at::Tensor den = at::linalg_vector_norm(do32, 2, {-1}, true).square_();  // one read of dO
   const at::Tensor coef = at::where(den.gt(0),
                                     delta.transpose(1, 2).unsqueeze(-1).to(at::kFloat) /
                                         at::where(den.gt(0), den, at::ones_like(den)),
