@@ -23,9 +23,11 @@
 //   CPU, fp64 (and any dtype with LVX_CPU_ATTENTION=kernel): lvx's own blockwise kernels
 //     (attention_{fwd,bwd}_cpu.cpp). ATen's CPU op accepts fp64 too, but lvx keeps fp64 on its
 //     own kernel, the exact path the gate's fp64 numbers are taken through.
-//   CUDA: lvx's GEMM path / hand-written kernels (attention_gemm.cpp, attention_{fwd,bwd}.cu);
-//     they stay for fp64 and for what ATen cannot do (arbitrary per-token masks without a dense
-//     bias, skipping empty tiles inside the kernel).
+//   CUDA: lvx's GEMM path / hand-written kernels (attention_gemm.cpp, attention_{fwd,bwd}.cu)
+//     by default; they stay for fp64, fp32 and masked blocks (ATen's CUDA flash takes no
+//     per-token mask). LVX_CUDA_ATTENTION=fused sends unmasked bf16/fp16 blocks to
+//     at::_scaled_dot_product_flash_attention and its backward (attention_fused.cpp), written
+//     without a GPU and opt-in until the GPU kernel gate has passed on it.
 // The CPU kernel never materializes more than one tile of scores per thread, so 1k queries
 // against 1M keys run in a few GB; tiles whose every entry is masked are skipped.
 #pragma once

@@ -347,6 +347,83 @@ AttentionGrads attention_backward_fused_cpu(const at::Tensor& q, const at::Tenso
   return grads;
 }
 
+// ---- CUDA, opt-in (LVX_CUDA_ATTENTION=fused): unmasked bf16/fp16 blocks on ATen's flash
+// attention (at::_scaled_dot_product_flash_attention and its backward; lse fp32 [B, H, Sq]).
+// Compiled in every build (the ops are dispatcher ops), called only for CUDA tensors from
+// attention_gemm.cpp. Not yet run on a GPU: tests/gpu (kernel gate) must pass before it becomes
+// the default. Masked blocks and fp32 stay on lvx's GEMM path.
+bool cuda_uses_fused_path(const at::Tensor& q, const AttentionMask& mask) {
+  static const bool on = [] {
+    const char* e = std::getenv("LVX_CUDA_ATTENTION");
+    return e != nullptr && std::string(e) == "fused";
+  }();
+  const auto t = q.scalar_type();
+  return on && q.is_cuda() && (t == at::kBFloat16 || t == at::kHalf) &&
+         mask.kind == MaskKind::kNone && !mask.kv_valid.defined() && q.size(1) > 0 &&
+         q.size(3) <= 256;
+}
+
+namespace {
+// x [B, S, Hq, D] → [B, Hkv, S, D] view of query head gi of every K/V head group.
+at::Tensor group_view(const at::Tensor& x, int64_t hkv, int64_t g, int64_t gi) {
+  return x.view({x.size(0), x.size(1), hkv, g, x.size(3)}).select(3, gi).transpose(1, 2);
+}
+// s [B, Hq, Sq] → [B, Hkv, Sq] of query head gi of every group.
+at::Tensor group_stat(const at::Tensor& s, int64_t hkv, int64_t g, int64_t gi) {
+  return s.view({s.size(0), hkv, g, s.size(2)}).select(2, gi);
+}
+}  // namespace
+
+AttentionOutput attention_forward_fused_cuda(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, double scale,
+                                             AttentionStats* stats) {
+  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+  const int64_t hkv = k.size(2), g = hq / hkv;
+  const auto f32 = q.options().dtype(at::kFloat);
+  AttentionOutput out{at::empty({batch, sq, hq, d}, f32), at::empty({batch, hq, sq}, f32)};
+  const at::Tensor kt = k.transpose(1, 2), vt = v.transpose(1, 2);
+  for (int64_t gi = 0; gi < g; ++gi) {
+    auto r = at::_scaled_dot_product_flash_attention(group_view(q, hkv, g, gi), kt, vt, 0.0, false,
+                                                     false, scale);
+    group_view(out.o, hkv, g, gi).copy_(std::get<0>(r));
+    group_stat(out.lse, hkv, g, gi).copy_(std::get<1>(r).narrow(2, 0, sq));
+  }
+  if (stats != nullptr) stats->tiles_fused += hq * cpu_tiles(sq, k.size(1)) * batch;
+  return out;
+}
+
+AttentionGrads attention_backward_fused_cuda(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& dout,
+                                             const at::Tensor& lse, const at::Tensor& delta,
+                                             double scale, AttentionStats* stats) {
+  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), skv = k.size(1);
+  const int64_t hkv = k.size(2), g = hq / hkv;
+  const auto f32 = q.options().dtype(at::kFloat);
+  AttentionGrads grads{at::empty(q.sizes(), f32), at::zeros(k.sizes(), f32),
+                       at::zeros(v.sizes(), f32)};
+  const at::Tensor lse_p = at::where(lse.isneginf(), at::full_like(lse, kInf), lse).contiguous();
+  const at::Tensor do32 = dout.to(at::kFloat);
+  const at::Tensor den = at::linalg_vector_norm(do32, 2, {-1}, true).square_();
+  const at::Tensor coef = at::where(den.gt(0),
+                                    delta.transpose(1, 2).unsqueeze(-1).to(at::kFloat) /
+                                        at::where(den.gt(0), den, at::ones_like(den)),
+                                    at::zeros_like(den));
+  const at::Tensor o_fake = (do32 * coef).to(q.scalar_type()).contiguous();
+  const at::Tensor kt = k.transpose(1, 2), vt = v.transpose(1, 2);
+  const auto no_seed = at::empty({}, at::TensorOptions().dtype(at::kLong));
+  for (int64_t gi = 0; gi < g; ++gi) {
+    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_backward(
+        group_view(dout, hkv, g, gi), group_view(q, hkv, g, gi), kt, vt,
+        group_view(o_fake, hkv, g, gi), group_stat(lse_p, hkv, g, gi).contiguous(), at::Tensor(),
+        at::Tensor(), sq, skv, 0.0, false, no_seed, no_seed, scale);
+    group_view(grads.dq, hkv, g, gi).copy_(gq);
+    grads.dk.add_(gk.transpose(1, 2));
+    grads.dv.add_(gv.transpose(1, 2));
+  }
+  if (stats != nullptr) stats->tiles_fused += hq * cpu_tiles(sq, skv) * batch;
+  return grads;
+}
+
 AttentionOutput attention_forward_dispatch_cpu(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, double scale,
                                                const AttentionMask& mask, AttentionStats* stats) {

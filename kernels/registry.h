@@ -73,6 +73,16 @@ AttentionGrads attention_backward_dispatch_cpu(const at::Tensor& q, const at::Te
                                                const at::Tensor& lse, const at::Tensor& delta,
                                                double scale, const AttentionMask& mask,
                                                AttentionStats* stats);
+// CUDA, opt-in with LVX_CUDA_ATTENTION=fused (attention_fused.cpp, called from
+// attention_gemm.cpp): unmasked bf16/fp16 blocks on at::_scaled_dot_product_flash_attention.
+bool cuda_uses_fused_path(const at::Tensor& q, const AttentionMask& mask);
+AttentionOutput attention_forward_fused_cuda(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, double scale,
+                                             AttentionStats* stats);
+AttentionGrads attention_backward_fused_cuda(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& dout,
+                                             const at::Tensor& lse, const at::Tensor& delta,
+                                             double scale, AttentionStats* stats);
 AttentionImpl cuda_attention_impl();  // defined in attention_fwd.cu when LVX_WITH_CUDA
 
 }  // namespace lvx::kernels
