@@ -1,11 +1,14 @@
 // Local attention kernels: correctness first (every mask x dtype x head layout against the fp64
 // dense reference with the dual-reference gate, on CPU and, when present, CUDA), then timing
-// side by side with a baseline in the same run: the CPU kernel against libtorch's at::matmul
-// GFLOP/s on the same machine, the CUDA kernel against at::_scaled_dot_product_flash_attention
-// and cuDNN attention. Warm-up, repeats, median (and min/max spread); -o md|json.
+// side by side with a baseline in the same run: on CPU lvx's local forward and forward+backward
+// against at::scaled_dot_product_attention on the same tensors (masks none / causal / media,
+// MHA and GQA; ratio = SDPA time / lvx time, rate over visible pairs), on CUDA against
+// at::_scaled_dot_product_flash_attention and cuDNN attention. Warm-up, repeats, median (and
+// min/max spread); -o md|json.
 //
-//   bench_kernels [--sq 256,1024] [--skv 4096,65536] [--heads 8] [--hkv 8] [--dim 128]
-//                 [--dtype f32,bf16] [--device cpu,cuda] [--reps 5] [--warmup 1] [-o md|json]
+//   bench_kernels [--shapes 2048x2048,1024x16384] [--masks none,causal,mediaUpTo] [--heads 8]
+//                 [--hkv 8,2] [--dim 64] [--dtype f32] [--device cpu,cuda] [--reps 3]
+//                 [--warmup 1] [-o md|json]
 //                 [--memory-demo] [--check-only]      (--help: defaults and LVX_* env mirrors)
 #include <sys/resource.h>
 
@@ -15,8 +18,10 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/attention.h"
@@ -265,7 +270,8 @@ int run_checks(const at::Device& dev, bool verbose) {
 struct Row {
   std::string device, dtype, op;
   int64_t sq, skv, heads, hkv, dim;
-  double seconds, rate, baseline_rate;  // rate in GFLOP/s (CPU) or TFLOP/s (CUDA)
+  double seconds, rate, baseline_rate;  // rate in GFLOP/s (CPU) or TFLOP/s (CUDA); the
+                                        // ratio rate / baseline_rate is baseline time / lvx time
   std::string baseline;
   double spread;
 };
@@ -295,34 +301,78 @@ void print_rows(const std::vector<Row>& rows, const std::string& format) {
   }
 }
 
-// at::matmul GFLOP/s on the score product of the same shape ([H, Sq, D] x [H, D, Skv]), in
-// key chunks that keep the scores under ~1 GiB.
-double matmul_rate_cpu(int64_t sq, int64_t skv, int64_t h, int64_t d, at::ScalarType dt, int warmup,
-                       int reps) {
-  const auto acc = accumulation_dtype(dt);
-  const int64_t chunk =
-      std::max<int64_t>(512, std::min<int64_t>(skv, (int64_t{1} << 28) / (h * sq)));
-  auto a = at::randn({h, sq, d}, acc), b = at::randn({h, d, chunk}, acc);
-  auto t = time_it([&] { at::matmul(a, b); }, at::kCPU, warmup, reps);
-  return 2.0 * h * sq * chunk * d / t.median_s / 1e9;
+// The timing masks: none, causal (bottom-right aligned, as a ring block at the diagonal's end;
+// square shapes are exactly SDPA's is_causal), and the LV-XAttn media mask (mPLUG-Owl3 up-to
+// rule, 4 media of Skv/4 keys each, queries in media order: a staircase).
+AttentionMask timing_mask(MaskCase c, int64_t sq, int64_t skv) {
+  AttentionMask m;
+  if (c == MaskCase::kCausal) {
+    m.kind = MaskKind::kCausal;
+    m.q_pos = at::arange(sq, at::kLong) + (skv - sq);
+    m.k_pos = at::arange(skv, at::kLong);
+  } else if (c == MaskCase::kMediaUpTo || c == MaskCase::kMediaImmediate) {
+    m.kind = MaskKind::kMedia;
+    m.media_rule = c == MaskCase::kMediaImmediate ? MediaRule::kImmediate : MediaRule::kUpTo;
+    m.q_media = (at::arange(sq, at::kLong) * 4 / sq).to(at::kInt).unsqueeze(0).contiguous();
+    m.kv_media = (at::arange(skv, at::kLong) * 4 / skv).to(at::kInt).unsqueeze(0).contiguous();
+  }
+  return m;
 }
 
-void bench_cpu(std::vector<Row>& rows, int64_t sq, int64_t skv, int64_t h, int64_t hkv, int64_t d,
-               at::ScalarType dt, int warmup, int reps) {
+// lvx's local forward and forward+backward against at::scaled_dot_product_attention on the CPU,
+// side by side in one run on the same tensors (SDPA gets [B, H, S, D] views, enable_gqa for
+// GQA, is_causal for square causal, a boolean mask otherwise); outputs compared first.
+void bench_cpu(std::vector<Row>& rows, MaskCase mc, int64_t sq, int64_t skv, int64_t h, int64_t hkv,
+               int64_t d, at::ScalarType dt, int warmup, int reps) {
+  at::manual_seed(3);
   auto q = at::randn({1, sq, h, d}).to(dt), k = at::randn({1, skv, hkv, d}).to(dt);
   auto v = at::randn({1, skv, hkv, d}).to(dt), dout = at::randn({1, sq, h, d}).to(dt);
   AttentionParams p;
-  const double flops = 4.0 * h * sq * skv * d;
-  const double mm = matmul_rate_cpu(sq, skv, h, d, dt, warmup, reps);
-  AttentionOutput out;
+  p.mask = timing_mask(mc, sq, skv);
+  const double pairs = static_cast<double>(visible_pairs(p.mask, 1, sq, skv));
+  const double flops = 4.0 * h * pairs * d;
+  const bool causal_sq = mc == MaskCase::kCausal && sq == skv;
+  std::optional<at::Tensor> sdpa_mask;
+  if (mc != MaskCase::kNone && !causal_sq) {
+    sdpa_mask = mask_matrix(p.mask, 1, sq, skv).unsqueeze(1);  // [1, 1, Sq, Skv] bool
+  }
+  auto qh = q.transpose(1, 2), kh = k.transpose(1, 2), vh = v.transpose(1, 2);
+  auto sdpa = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+    return at::scaled_dot_product_attention(a, b, c, sdpa_mask, 0.0, causal_sq, std::nullopt,
+                                            hkv != h);
+  };
+  // Correctness first: lvx's o against SDPA's on rows that see some key.
+  AttentionOutput out = attention_forward(q, k, v, p);
+  {
+    at::Tensor ref = sdpa(qh, kh, vh).transpose(1, 2).to(at::kFloat);
+    at::Tensor seen = out.lse.isfinite().transpose(1, 2).unsqueeze(-1);  // [1, Sq, H, 1]
+    const double e = (at::where(seen, out.o - ref, at::zeros_like(ref))).abs().max().item<double>();
+    const double tol = dt == at::kFloat ? 1e-4 : 3e-2;
+    LVX_CHECK(e <= tol, "bench_kernels: lvx and SDPA outputs differ by ", e, " (tolerance ", tol,
+              ") at ", mask_name(mc), " Sq=", sq, " Skv=", skv, " H=", h, " Hkv=", hkv);
+  }
   auto tf = time_it([&] { out = attention_forward(q, k, v, p); }, at::kCPU, warmup, reps);
-  rows.push_back({"cpu", dtype_name(dt), "fwd", sq, skv, h, hkv, d, tf.median_s,
-                  flops / tf.median_s / 1e9, mm, "at::matmul", tf.max_s / tf.min_s});
-  auto delta = attention_delta(dout, out.o);
-  auto tb = time_it([&] { attention_backward(q, k, v, dout, out.lse, delta, p); }, at::kCPU, warmup,
-                    reps);
-  rows.push_back({"cpu", dtype_name(dt), "bwd", sq, skv, h, hkv, d, tb.median_s,
-                  2.5 * flops / tb.median_s / 1e9, mm, "at::matmul", tb.max_s / tb.min_s});
+  auto ts = time_it([&] { sdpa(qh, kh, vh); }, at::kCPU, warmup, reps);
+  rows.push_back({"cpu", dtype_name(dt), std::string("fwd ") + mask_name(mc), sq, skv, h, hkv, d,
+                  tf.median_s, flops / tf.median_s / 1e9, flops / ts.median_s / 1e9, "sdpa",
+                  tf.max_s / tf.min_s});
+  auto tb = time_it(
+      [&] {
+        auto o = attention_forward(q, k, v, p);
+        attention_backward(q, k, v, dout, o.lse, attention_delta(dout, o.o), p);
+      },
+      at::kCPU, warmup, reps);
+  auto dh = dout.transpose(1, 2);
+  auto tsb = time_it(
+      [&] {
+        auto a = qh.detach().requires_grad_(true), b = kh.detach().requires_grad_(true);
+        auto c = vh.detach().requires_grad_(true);
+        sdpa(a, b, c).backward(dh);
+      },
+      at::kCPU, warmup, reps);
+  rows.push_back({"cpu", dtype_name(dt), std::string("fwd+bwd ") + mask_name(mc), sq, skv, h, hkv,
+                  d, tb.median_s, 3.5 * flops / tb.median_s / 1e9, 3.5 * flops / tsb.median_s / 1e9,
+                  "sdpa", tb.max_s / tb.min_s});
 }
 
 #ifdef LVX_WITH_CUDA
@@ -410,14 +460,18 @@ int main(int argc, char** argv) {
     lvx::cli::ArgParser args("bench_kernels [options]",
                              "Local attention kernels: correctness vs fp64, then speed vs "
                              "at::matmul (CPU) and SDPA flash/cuDNN (CUDA).");
-    args.add_option("sq", 'q', "256,1024", "query counts (comma list)");
-    args.add_option("skv", 'k', "4096,65536", "key counts (comma list)");
+    args.add_option("shapes", 's', "2048x2048,1024x16384",
+                    "SqxSkv shapes (comma list): square and LV-XAttn (1k queries x 16k-64k keys)");
+    args.add_option("sq", 'q', "", "query counts (comma list; with --skv, replaces --shapes)");
+    args.add_option("skv", 'k', "", "key counts (comma list; with --sq, replaces --shapes)");
+    args.add_option("masks", 'm', "none,causal,mediaUpTo",
+                    "CPU timing masks: none, causal, mediaUpTo, mediaImm (comma list)");
     args.add_option("heads", 'H', "8", "query heads (comma list)");
-    args.add_option("hkv", 0, "", "K/V heads (default: = heads)");
-    args.add_option("dim", 'd', "128", "head dims (comma list)");
-    args.add_option("dtype", 't', "f32,bf16", "input dtypes: f32, f64, bf16, f16 (comma list)");
+    args.add_option("hkv", 0, "8,2", "K/V heads (comma list; those that divide heads are run)");
+    args.add_option("dim", 'd', "64", "head dims (comma list)");
+    args.add_option("dtype", 't', "f32", "input dtypes: f32, f64, bf16, f16 (comma list)");
     args.add_option("device", 0, cuda_present() ? "cpu,cuda" : "cpu", "devices: cpu, cuda");
-    args.add_option("reps", 'r', "5", "timed repeats (median reported)");
+    args.add_option("reps", 'r', "3", "timed repeats (median reported)");
     args.add_option("warmup", 'w', "1", "warm-up runs");
     args.add_option("output", 'o', "md", "output format: md or json (JSON lines)");
     args.add_flag("check-only", 0, "run the correctness phase only");
@@ -429,8 +483,33 @@ int main(int argc, char** argv) {
     const int warmup = static_cast<int>(args.get_int("warmup"));
     const bool check_only = args.flag("check-only"), demo = args.flag("memory-demo");
     const bool verbose = args.flag("verbose");
-    const std::string device_s = args.get("device"), hkv_s = args.get("hkv");
-    const auto sq_list = args.get_int_list("sq"), skv_list = args.get_int_list("skv");
+    const std::string device_s = args.get("device");
+    const auto hkv_list = args.get_int_list("hkv");
+    std::vector<std::pair<int64_t, int64_t>> shapes;
+    if (!args.get("sq").empty() || !args.get("skv").empty()) {
+      for (int64_t sq : args.get_int_list("sq")) {
+        for (int64_t skv : args.get_int_list("skv")) shapes.emplace_back(sq, skv);
+      }
+    } else {
+      for (const auto& x : split(args.get("shapes"))) {
+        const auto at = x.find('x');
+        LVX_CHECK(at != std::string::npos, "--shapes: expected SQxSKV, got '", x, "'");
+        shapes.emplace_back(std::stoll(x.substr(0, at)), std::stoll(x.substr(at + 1)));
+      }
+    }
+    std::vector<MaskCase> masks;
+    for (const auto& m : split(args.get("masks"))) {
+      const MaskCase all[] = {MaskCase::kNone, MaskCase::kCausal, MaskCase::kMediaImmediate,
+                              MaskCase::kMediaUpTo};
+      bool found = false;
+      for (MaskCase c : all) {
+        if (m == mask_name(c)) {
+          masks.push_back(c);
+          found = true;
+        }
+      }
+      LVX_CHECK(found, "--masks: expected none, causal, mediaImm or mediaUpTo, got '", m, "'");
+    }
     const auto heads_list = args.get_int_list("heads"), dim_list = args.get_int_list("dim");
     const auto dtype_list = args.get_list("dtype");
     LVX_CHECK(format == "md" || format == "json", "-o: expected md or json, got '", format, "'");
@@ -461,11 +540,11 @@ int main(int argc, char** argv) {
     std::vector<Row> rows;
     for (const auto& dev : devices) {
       for (const auto& dt : dtype_list) {
-        for (int64_t sq : sq_list) {
-          for (int64_t skv : skv_list) {
-            for (int64_t h : heads_list) {
+        for (const auto& [sq, skv] : shapes) {
+          for (int64_t h : heads_list) {
+            for (int64_t hkv : hkv_list) {
+              if (hkv <= 0 || h % hkv != 0) continue;
               for (int64_t d : dim_list) {
-                const int64_t hkv = hkv_s.empty() ? h : std::stoll(hkv_s);
                 std::cerr << "timing " << dev << " " << dt << " Sq=" << sq << " Skv=" << skv
                           << " H=" << h << " Hkv=" << hkv << " D=" << d << "\n";
                 if (dev.is_cuda()) {
@@ -473,7 +552,9 @@ int main(int argc, char** argv) {
                   bench_cuda(rows, sq, skv, h, hkv, d, parse_dtype(dt), warmup, reps);
 #endif
                 } else {
-                  bench_cpu(rows, sq, skv, h, hkv, d, parse_dtype(dt), warmup, reps);
+                  for (MaskCase mc : masks) {
+                    bench_cpu(rows, mc, sq, skv, h, hkv, d, parse_dtype(dt), warmup, reps);
+                  }
                 }
               }
             }

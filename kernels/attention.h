@@ -11,7 +11,24 @@
 // Backward takes the FINAL global lse and delta = rowsum(dO ∘ O) (NOTES.md §7.2):
 //   P = exp(S − lse), dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ∘ (dP − delta), dQ = scale·dS·K,
 //   dK = scale·dSᵀ·Q, with dK/dV summed over the query heads of each K/V head group.
-// The CPU path never materializes more than one tile of scores per thread, so 1k queries
+// Who computes what (kernels/registry.cpp picks by q's device):
+//   CPU, bf16/fp16/fp32: ATen's fused attention, at::_scaled_dot_product_flash_attention_for_cpu
+//     and its _backward (kernels/attention_fused.cpp). The visible key range of each query tile
+//     is found from per-tile mask metadata on the host; runs of fully visible tiles are one
+//     fused call without a mask, the other runs a fused call with an additive −inf mask (or
+//     is_causal when the run is exactly top-left causal), tiles outside the range are skipped.
+//     Runs merge in fp32; the op rounds a run's O once to the input dtype; lse is fp32 (ln).
+//     GQA: one call per query head of a K/V group on strided K/V views (the op has no
+//     enable_gqa; K/V are never copied per head).
+//   CPU, fp64 (and any dtype with LVX_CPU_ATTENTION=kernel): lvx's own blockwise kernels
+//     (attention_{fwd,bwd}_cpu.cpp). ATen's CPU op accepts fp64 too, but lvx keeps fp64 on its
+//     own kernel, the exact path the gate's fp64 numbers are taken through.
+//   CUDA: lvx's GEMM path / hand-written kernels (attention_gemm.cpp, attention_{fwd,bwd}.cu)
+//     by default; they stay for fp64, fp32 and masked blocks (ATen's CUDA flash takes no
+//     per-token mask). LVX_CUDA_ATTENTION=fused sends unmasked bf16/fp16 blocks to
+//     at::_scaled_dot_product_flash_attention and its backward (attention_fused.cpp), written
+//     without a GPU and opt-in until the GPU kernel gate has passed on it.
+// The CPU kernel never materializes more than one tile of scores per thread, so 1k queries
 // against 1M keys run in a few GB; tiles whose every entry is masked are skipped.
 #pragma once
 
@@ -68,7 +85,9 @@ struct AttentionGrads {
 struct AttentionStats {
   int64_t tiles_total = 0;    // all (query tile, key tile) pairs considered
   int64_t tiles_skipped = 0;  // pairs with no visible entry: no matmul, no softmax
-  int64_t tiles_full = 0;     // pairs computed without building a mask (every entry visible)
+  int64_t tiles_full = 0;     // pairs every entry of which is visible (lvx's kernels build no
+                              // mask for them; the fused path calls ATen without a mask)
+  int64_t tiles_fused = 0;    // pairs computed by ATen's fused attention (0 on lvx's kernels)
 };
 
 // Accumulation dtype for an input dtype: float64 → float64, anything else → float32.

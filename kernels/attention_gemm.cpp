@@ -5,6 +5,7 @@
 #include <string>
 #include <limits>
 
+#include "kernels/registry.h"
 #include "src/common/error.h"
 
 namespace lvx::kernels {
@@ -92,6 +93,7 @@ bool cuda_uses_gemm_path(at::ScalarType dtype) {
 AttentionOutput attention_forward_gemm(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, double scale,
                                        const AttentionMask& mask, AttentionStats* stats) {
+  if (cuda_uses_fused_path(q, mask)) return attention_forward_fused_cuda(q, k, v, scale, stats);
   const Rows r = dims(q, k);
   const auto f32 = q.options().dtype(at::kFloat);
   const at::Tensor qh = to_rows(q, r), kh = kv_rows(k, r), vh = kv_rows(v, r);
@@ -142,6 +144,9 @@ AttentionGrads attention_backward_gemm(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& lse, const at::Tensor& delta,
                                        double scale, const AttentionMask& mask,
                                        AttentionStats* stats) {
+  if (cuda_uses_fused_path(q, mask)) {
+    return attention_backward_fused_cuda(q, k, v, dout, lse, delta, scale, stats);
+  }
   const Rows r = dims(q, k);
   const auto f32 = q.options().dtype(at::kFloat);
   const auto dt = q.scalar_type();

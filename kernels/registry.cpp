@@ -6,8 +6,8 @@
 namespace lvx::kernels {
 
 const AttentionImpl* find_attention_impl(c10::DeviceType device) {
-  static const AttentionImpl cpu{"cpu", attention_forward_cpu, attention_backward_cpu,
-                                 merge_attention_states_cpu};
+  static const AttentionImpl cpu{"cpu", attention_forward_dispatch_cpu,
+                                 attention_backward_dispatch_cpu, merge_attention_states_cpu};
   if (device == c10::DeviceType::CPU) return &cpu;
   static const AttentionImpl meta{"meta", attention_forward_meta, attention_backward_meta,
                                   merge_attention_states_meta};

@@ -1,0 +1,445 @@
+// Local attention on ATen's fused kernels (issue 21, "Local attention on ATen's fused kernels").
+// The CPU entry of the device table: bf16/fp16/fp32 blocks go to
+// at::_scaled_dot_product_flash_attention_for_cpu (FlashAttention-2 tiling, Dao 2023, Alg. 1/2;
+// it returns the natural-log lse in fp32, and its backward takes the final global O and lse,
+// which is the ring backward's contract, NOTES.md §7.2); fp64 and LVX_CPU_ATTENTION=kernel stay
+// on lvx's own kernels (attention_{fwd,bwd}_cpu.cpp).
+//
+// Plan (host only, from the per-tile min/max summaries of kernels/mask.h, never by scanning
+// entries, no .item()): for each batch row and query tile, the key tiles are classified
+// none / partial / full; the tiles between the first and the last visible one are cut into
+// maximal runs of full tiles (one fused call without a mask) and of the rest (one fused call
+// with an additive −inf mask, or is_causal when the run is exactly top-left causal). Key tiles
+// outside that range are skipped; query tiles with the same runs are grouped into one call.
+// Results of the runs of one group are merged in fp32 (pure-LSE merge, NOTES.md §0).
+// GQA without copying K/V: one call per query head of a K/V head group, on strided views.
+// Backward: the op derives delta = rowsum(dO ∘ O) from the O it is given; lvx's backward gets
+// delta, so it passes O' = dO · delta / |dO|² (rowsum(dO ∘ O') = delta; O' = 0 where dO = 0,
+// where every gradient is 0 anyway), rounded once to the input dtype like the op's own O.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels/mask.h"
+#include "kernels/registry.h"
+
+namespace lvx::kernels {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// Additive mask elements of one masked call (rows are cut so the mask stays <= 64 MiB fp32).
+constexpr int64_t kMaskElems = int64_t{16} << 20;
+
+struct Run {
+  int64_t kt0, kt1;  // key tiles [kt0, kt1)
+  bool full;         // every tile of the run is fully visible
+  bool operator==(const Run& o) const { return kt0 == o.kt0 && kt1 == o.kt1 && full == o.full; }
+};
+
+struct Group {
+  int64_t b, qt0, qt1;  // batch row, query tiles [qt0, qt1)
+  std::vector<Run> runs;
+};
+
+struct Plan {
+  std::vector<Group> groups;
+  int64_t total = 0, skipped = 0, full = 0, fused = 0;  // tiles, per query head
+};
+
+Plan make_plan(const PreparedMask& pm, int64_t batch) {
+  Plan plan;
+  const int64_t n_qt = pm.n_q_tiles, n_kt = pm.n_k_tiles;
+  std::vector<TileVisibility> vis(n_qt * n_kt);
+  std::vector<int64_t> lo(n_qt), hi(n_qt);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t qt = 0; qt < n_qt; ++qt) {
+      const TileSummary qs = pm.q_summary(b, qt);
+      lo[qt] = n_kt;
+      hi[qt] = -1;
+      for (int64_t kt = 0; kt < n_kt; ++kt) {
+        const auto t = classify_tile(pm.view.kind, pm.view.rule, qs, pm.k_summary(b, kt));
+        vis[qt * n_kt + kt] = t;
+        if (t != TileVisibility::kNone) {
+          lo[qt] = std::min(lo[qt], kt);
+          hi[qt] = kt;
+        }
+        plan.full += t == TileVisibility::kFull;
+      }
+      plan.total += n_kt;
+      const int64_t in_range = hi[qt] >= lo[qt] ? hi[qt] - lo[qt] + 1 : 0;
+      plan.fused += in_range;
+      plan.skipped += n_kt - in_range;
+    }
+    // The longest run of key tiles fully visible to every query tile of the row is one call
+    // for all its queries (the op's own tiling then sees every query at once: a ring block
+    // just below the diagonal, the media every query sees); the rest goes by query tile.
+    int64_t a = 0, c = 0;
+    if (n_qt > 1) {
+      for (int64_t kt = 0, start = 0; kt <= n_kt; ++kt) {
+        bool common = kt < n_kt;
+        for (int64_t qt = 0; common && qt < n_qt; ++qt) {
+          common = vis[qt * n_kt + kt] == TileVisibility::kFull;
+        }
+        if (common) continue;
+        if (kt - start > c - a) {
+          a = start;
+          c = kt;
+        }
+        start = kt + 1;
+      }
+    }
+    if (c > a) plan.groups.push_back({b, 0, n_qt, {Run{a, c, true}}});
+    for (int64_t qt = 0; qt < n_qt; ++qt) {
+      std::vector<Run> runs;
+      for (int64_t kt = lo[qt]; kt <= hi[qt]; ++kt) {
+        if (kt >= a && kt < c) continue;
+        const bool f = vis[qt * n_kt + kt] == TileVisibility::kFull;
+        if (runs.empty() || runs.back().full != f || runs.back().kt1 != kt) {
+          runs.push_back({kt, kt, f});
+        }
+        runs.back().kt1 = kt + 1;
+      }
+      if (runs.empty()) continue;  // nothing (else) visible: o = 0, lse = −inf if nothing at all
+      Group* last = plan.groups.empty() ? nullptr : &plan.groups.back();
+      if (last != nullptr && last->b == b && last->qt1 == qt && last->runs == runs) {
+        last->qt1 = qt + 1;
+      } else {
+        plan.groups.push_back({b, qt, qt + 1, std::move(runs)});
+      }
+    }
+  }
+  return plan;
+}
+
+// mask restricted to batch row b, queries [i0, i1) and keys [j0, j1) (same kinds and rules).
+AttentionMask sub_mask(const AttentionMask& m, int64_t b, int64_t i0, int64_t i1, int64_t j0,
+                       int64_t j1) {
+  AttentionMask s = m;
+  if (m.q_pos.defined()) s.q_pos = m.q_pos.narrow(0, i0, i1 - i0);
+  if (m.k_pos.defined()) s.k_pos = m.k_pos.narrow(0, j0, j1 - j0);
+  if (m.q_media.defined()) s.q_media = m.q_media.narrow(0, b, 1).narrow(1, i0, i1 - i0);
+  if (m.kv_media.defined()) s.kv_media = m.kv_media.narrow(0, b, 1).narrow(1, j0, j1 - j0);
+  if (m.kv_valid.defined()) s.kv_valid = m.kv_valid.narrow(0, b, 1).narrow(1, j0, j1 - j0);
+  return s;
+}
+
+// True when queries [i0, i1) see keys [j0, j1) exactly as a top-left causal mask does (query r
+// sees key c iff c <= r): causal positions p0 + r and p0 + c, no padding. Reads the host view.
+bool top_left_causal(const MaskView& v, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+  if (v.kind != static_cast<int>(MaskKind::kCausal) || v.kv_valid != nullptr) return false;
+  const int64_t p0 = v.q_pos[i0];
+  for (int64_t r = i0; r < i1; ++r) {
+    if (v.q_pos[r] != p0 + (r - i0)) return false;
+  }
+  for (int64_t c = j0; c < j1; ++c) {
+    if (v.k_pos[c] != p0 + (c - j0)) return false;
+  }
+  return true;
+}
+
+// A block that is exactly top-left causal as a whole (a ring's diagonal block, a local causal
+// prefill): one is_causal call per batch row instead of calls per run, as SDPA would make.
+void whole_block_if_causal(Plan& plan, const PreparedMask& pm, int64_t batch, int64_t sq,
+                           int64_t skv) {
+  if (plan.groups.empty() || !top_left_causal(pm.view, 0, sq, 0, skv)) return;
+  plan.groups.clear();
+  for (int64_t b = 0; b < batch; ++b) {
+    plan.groups.push_back({b, 0, pm.n_q_tiles, {Run{0, pm.n_k_tiles, false}}});
+  }
+}
+
+// [1, n, Hq, D] rows of x (batch row b, tokens [i0, i0 + n)) as [1, Hkv, n, D] for query head
+// gi of every K/V head group (a strided view).
+at::Tensor head_view(const at::Tensor& x, int64_t b, int64_t i0, int64_t n, int64_t hkv, int64_t g,
+                     int64_t gi) {
+  return x.narrow(0, b, 1)
+      .narrow(1, i0, n)
+      .view({1, n, hkv, g, x.size(3)})
+      .select(3, gi)
+      .transpose(1, 2);
+}
+// [B, Hq, Sq] stats of batch row b, queries [i0, i0 + n), query head gi of each group: [1, Hkv, n].
+at::Tensor stat_view(const at::Tensor& s, int64_t b, int64_t i0, int64_t n, int64_t hkv, int64_t g,
+                     int64_t gi) {
+  return s.narrow(0, b, 1).view({1, hkv, g, s.size(2)}).select(2, gi).narrow(2, i0, n);
+}
+
+// One masked or unmasked piece of a run: queries [i0, i1), keys [j0, j1).
+struct Piece {
+  int64_t i0, i1, j0, j1;
+  bool causal;      // top-left causal: is_causal instead of a mask
+  at::Tensor bias;  // [1, 1, n, m] additive mask in the input dtype, or undefined
+  at::Tensor rows;  // [1, 1, n] bool: the row sees some key of the piece (masked pieces only)
+};
+
+// Cuts run `r` of group `gr` into pieces with bounded masks.
+std::vector<Piece> pieces(const Group& gr, const Run& r, const AttentionMask& mask,
+                          const MaskView& view, int64_t sq, int64_t skv, at::ScalarType dtype) {
+  const int64_t i0 = gr.qt0 * kCpuQTile, i1 = std::min(sq, gr.qt1 * kCpuQTile);
+  const int64_t j0 = r.kt0 * kCpuKTile, j1 = std::min(skv, r.kt1 * kCpuKTile);
+  if (r.full) return {{i0, i1, j0, j1, false, {}, {}}};
+  if (top_left_causal(view, i0, i1, j0, j1)) return {{i0, i1, j0, j1, true, {}, {}}};
+  const int64_t step = std::max<int64_t>(
+      kCpuQTile, kMaskElems / std::max<int64_t>(1, j1 - j0) / kCpuQTile * kCpuQTile);
+  std::vector<Piece> out;
+  for (int64_t a = i0; a < i1; a += step) {
+    const int64_t e = std::min(i1, a + step);
+    at::Tensor vis = mask_matrix(sub_mask(mask, gr.b, a, e, j0, j1), 1, e - a, j1 - j0);
+    at::Tensor bias = at::zeros(vis.sizes(), at::TensorOptions().dtype(dtype))
+                          .masked_fill_(vis.logical_not(), -kInf)
+                          .unsqueeze(1);
+    out.push_back({a, e, j0, j1, false, bias, vis.any(-1).unsqueeze(1)});
+  }
+  return out;
+}
+
+// The one piece that covers the whole block when batch = 1 and Hq = Hkv and the plan is one
+// call (no mask, or top-left causal): its outputs become lvx's without any copy for fp32.
+std::optional<Piece> whole_piece(const Plan& plan, const AttentionMask& mask,
+                                 const PreparedMask& pm, int64_t batch, int64_t g, int64_t sq,
+                                 int64_t skv, at::ScalarType dtype) {
+  if (batch != 1 || g != 1 || plan.groups.size() != 1) return std::nullopt;
+  const Group& gr = plan.groups.front();
+  if (gr.qt0 != 0 || gr.qt1 != pm.n_q_tiles || gr.runs.size() != 1) return std::nullopt;
+  const Run& r = gr.runs.front();
+  if (r.kt0 != 0 || r.kt1 != pm.n_k_tiles || !(r.full || top_left_causal(pm.view, 0, sq, 0, skv))) {
+    return std::nullopt;
+  }
+  return pieces(gr, r, mask, pm.view, sq, skv, dtype).front();
+}
+
+void add_stats(const Plan& plan, int64_t hq, AttentionStats* stats) {
+  if (stats == nullptr) return;
+  stats->tiles_total += plan.total * hq;
+  stats->tiles_skipped += plan.skipped * hq;
+  stats->tiles_full += plan.full * hq;
+  stats->tiles_fused += plan.fused * hq;
+}
+
+}  // namespace
+
+bool cpu_uses_fused_path(at::ScalarType dtype) {
+  static const bool kernel = [] {
+    const char* e = std::getenv("LVX_CPU_ATTENTION");
+    return e != nullptr && std::string(e) == "kernel";
+  }();
+  return dtype != at::kDouble && !kernel;
+}
+
+AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, double scale,
+                                            const AttentionMask& mask, AttentionStats* stats) {
+  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+  const int64_t skv = k.size(1), hkv = k.size(2), g = hq / hkv;
+  const auto f32 = q.options().dtype(at::kFloat);
+  if (sq == 0 || skv == 0) {
+    return {at::zeros({batch, sq, hq, d}, f32), at::full({batch, hq, sq}, -kInf, f32)};
+  }
+  const PreparedMask pm = prepare_mask(mask, batch, sq, skv, kCpuQTile, kCpuKTile, at::kCPU);
+  Plan plan = make_plan(pm, batch);
+  whole_block_if_causal(plan, pm, batch, sq, skv);
+  add_stats(plan, hq, stats);
+  if (auto p = whole_piece(plan, mask, pm, batch, g, sq, skv, q.scalar_type())) {
+    auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, p->causal, std::nullopt,
+        scale);
+    return {o.transpose(1, 2).to(at::kFloat).contiguous(), lse.to(at::kFloat).contiguous()};
+  }
+  AttentionOutput out{at::zeros({batch, sq, hq, d}, f32), at::full({batch, hq, sq}, -kInf, f32)};
+  // Every piece's result merges into o/lse in fp32; a piece whose query tiles nothing has
+  // written yet is copied in directly.
+  std::vector<char> written(batch * pm.n_q_tiles, 0);
+  for (const Group& gr : plan.groups) {
+    for (const Run& r : gr.runs) {
+      for (const Piece& p : pieces(gr, r, mask, pm.view, sq, skv, q.scalar_type())) {
+        const int64_t m = p.j1 - p.j0, rows = p.i1 - p.i0;
+        const int64_t t0 = p.i0 / kCpuQTile, t1 = (p.i1 + kCpuQTile - 1) / kCpuQTile;
+        char* w = written.data() + gr.b * pm.n_q_tiles;
+        const bool fresh = std::none_of(w + t0, w + t1, [](char x) { return x != 0; });
+        std::fill(w + t0, w + t1, 1);
+        const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
+        const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+              head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, 0.0, p.causal,
+              p.bias.defined() ? std::optional<at::Tensor>(p.bias) : std::nullopt, scale);
+          at::Tensor l32 = lse.to(at::kFloat);
+          // The op gives a row with no visible key o = 0 and lse = 0: make it −inf.
+          if (p.rows.defined()) l32 = at::where(p.rows, l32, at::full_like(l32, -kInf));
+          at::Tensor o_dst = head_view(out.o, gr.b, p.i0, rows, hkv, g, gi).transpose(1, 2);
+          at::Tensor l_dst = stat_view(out.lse, gr.b, p.i0, rows, hkv, g, gi);
+          if (fresh) {
+            o_dst.copy_(o.transpose(1, 2));
+            l_dst.copy_(l32);
+            continue;
+          }
+          at::Tensor os = o_dst.contiguous(), ls = l_dst.contiguous();  // [1, rows, Hkv, D]
+          merge_attention_states_cpu(os, ls, o.transpose(1, 2).to(at::kFloat).contiguous(),
+                                     l32.contiguous());
+          o_dst.copy_(os);
+          l_dst.copy_(ls);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+AttentionGrads attention_backward_fused_cpu(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& dout,
+                                            const at::Tensor& lse, const at::Tensor& delta,
+                                            double scale, const AttentionMask& mask,
+                                            AttentionStats* stats) {
+  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2);
+  const int64_t skv = k.size(1), hkv = k.size(2), g = hq / hkv;
+  const auto f32 = q.options().dtype(at::kFloat);
+  if (sq == 0 || skv == 0) {
+    return {at::zeros(q.sizes(), f32), at::zeros(k.sizes(), f32), at::zeros(v.sizes(), f32)};
+  }
+  const PreparedMask pm = prepare_mask(mask, batch, sq, skv, kCpuQTile, kCpuKTile, at::kCPU);
+  Plan plan = make_plan(pm, batch);
+  whole_block_if_causal(plan, pm, batch, sq, skv);
+  add_stats(plan, hq, stats);
+  // Rows that see no key anywhere have lse = −inf: +inf makes P = exp(S − lse) = 0 there.
+  const at::Tensor lse_p = at::where(lse.isneginf(), at::full_like(lse, kInf), lse).contiguous();
+  // O' with rowsum(dO ∘ O') = delta, in the input dtype ([B, Sq, Hq, D]).
+  const at::Tensor do32 = dout.to(at::kFloat);
+  const at::Tensor den = at::linalg_vector_norm(do32, 2, {-1}, true).square_();  // one read of dO
+  const at::Tensor coef = at::where(den.gt(0),
+                                    delta.transpose(1, 2).unsqueeze(-1).to(at::kFloat) /
+                                        at::where(den.gt(0), den, at::ones_like(den)),
+                                    at::zeros_like(den));
+  const at::Tensor o_fake = (do32 * coef).to(q.scalar_type()).contiguous();
+  if (auto p = whole_piece(plan, mask, pm, batch, g, sq, skv, q.scalar_type())) {
+    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        o_fake.transpose(1, 2), lse_p, 0.0, p->causal, std::nullopt, scale);
+    return {gq.transpose(1, 2).to(at::kFloat).contiguous(),
+            gk.transpose(1, 2).to(at::kFloat).contiguous(),
+            gv.transpose(1, 2).to(at::kFloat).contiguous()};
+  }
+  AttentionGrads grads{at::zeros(q.sizes(), f32), at::zeros(k.sizes(), f32),
+                       at::zeros(v.sizes(), f32)};
+  for (const Group& gr : plan.groups) {
+    for (const Run& r : gr.runs) {
+      for (const Piece& p : pieces(gr, r, mask, pm.view, sq, skv, q.scalar_type())) {
+        const int64_t m = p.j1 - p.j0, rows = p.i1 - p.i0;
+        const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
+        const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+              head_view(dout, gr.b, p.i0, rows, hkv, g, gi),
+              head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg,
+              head_view(o_fake, gr.b, p.i0, rows, hkv, g, gi),
+              stat_view(lse_p, gr.b, p.i0, rows, hkv, g, gi).contiguous(), 0.0, p.causal,
+              p.bias.defined() ? std::optional<at::Tensor>(p.bias) : std::nullopt, scale);
+          head_view(grads.dq, gr.b, p.i0, rows, hkv, g, gi).add_(gq);
+          grads.dk.narrow(0, gr.b, 1).narrow(1, p.j0, m).add_(gk.transpose(1, 2));
+          grads.dv.narrow(0, gr.b, 1).narrow(1, p.j0, m).add_(gv.transpose(1, 2));
+        }
+      }
+    }
+  }
+  return grads;
+}
+
+// ---- CUDA, opt-in (LVX_CUDA_ATTENTION=fused): unmasked bf16/fp16 blocks on ATen's flash
+// attention (at::_scaled_dot_product_flash_attention and its backward; lse fp32 [B, H, Sq]).
+// Compiled in every build (the ops are dispatcher ops), called only for CUDA tensors from
+// attention_gemm.cpp. Not yet run on a GPU: tests/gpu (kernel gate) must pass before it becomes
+// the default. Masked blocks and fp32 stay on lvx's GEMM path.
+bool cuda_uses_fused_path(const at::Tensor& q, const AttentionMask& mask) {
+  static const bool on = [] {
+    const char* e = std::getenv("LVX_CUDA_ATTENTION");
+    return e != nullptr && std::string(e) == "fused";
+  }();
+  const auto t = q.scalar_type();
+  return on && q.is_cuda() && (t == at::kBFloat16 || t == at::kHalf) &&
+         mask.kind == MaskKind::kNone && !mask.kv_valid.defined() && q.size(1) > 0 &&
+         q.size(3) <= 256;
+}
+
+namespace {
+// x [B, S, Hq, D] → [B, Hkv, S, D] view of query head gi of every K/V head group.
+at::Tensor group_view(const at::Tensor& x, int64_t hkv, int64_t g, int64_t gi) {
+  return x.view({x.size(0), x.size(1), hkv, g, x.size(3)}).select(3, gi).transpose(1, 2);
+}
+// s [B, Hq, Sq] → [B, Hkv, Sq] of query head gi of every group.
+at::Tensor group_stat(const at::Tensor& s, int64_t hkv, int64_t g, int64_t gi) {
+  return s.view({s.size(0), hkv, g, s.size(2)}).select(2, gi);
+}
+}  // namespace
+
+AttentionOutput attention_forward_fused_cuda(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, double scale,
+                                             AttentionStats* stats) {
+  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+  const int64_t hkv = k.size(2), g = hq / hkv;
+  const auto f32 = q.options().dtype(at::kFloat);
+  AttentionOutput out{at::empty({batch, sq, hq, d}, f32), at::empty({batch, hq, sq}, f32)};
+  const at::Tensor kt = k.transpose(1, 2), vt = v.transpose(1, 2);
+  for (int64_t gi = 0; gi < g; ++gi) {
+    auto r = at::_scaled_dot_product_flash_attention(group_view(q, hkv, g, gi), kt, vt, 0.0, false,
+                                                     false, scale);
+    group_view(out.o, hkv, g, gi).copy_(std::get<0>(r));
+    group_stat(out.lse, hkv, g, gi).copy_(std::get<1>(r).narrow(2, 0, sq));
+  }
+  if (stats != nullptr) stats->tiles_fused += hq * cpu_tiles(sq, k.size(1)) * batch;
+  return out;
+}
+
+AttentionGrads attention_backward_fused_cuda(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& dout,
+                                             const at::Tensor& lse, const at::Tensor& delta,
+                                             double scale, AttentionStats* stats) {
+  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), skv = k.size(1);
+  const int64_t hkv = k.size(2), g = hq / hkv;
+  const auto f32 = q.options().dtype(at::kFloat);
+  AttentionGrads grads{at::empty(q.sizes(), f32), at::zeros(k.sizes(), f32),
+                       at::zeros(v.sizes(), f32)};
+  const at::Tensor lse_p = at::where(lse.isneginf(), at::full_like(lse, kInf), lse).contiguous();
+  const at::Tensor do32 = dout.to(at::kFloat);
+  const at::Tensor den = at::linalg_vector_norm(do32, 2, {-1}, true).square_();
+  const at::Tensor coef = at::where(den.gt(0),
+                                    delta.transpose(1, 2).unsqueeze(-1).to(at::kFloat) /
+                                        at::where(den.gt(0), den, at::ones_like(den)),
+                                    at::zeros_like(den));
+  const at::Tensor o_fake = (do32 * coef).to(q.scalar_type()).contiguous();
+  const at::Tensor kt = k.transpose(1, 2), vt = v.transpose(1, 2);
+  const auto no_seed = at::empty({}, at::TensorOptions().dtype(at::kLong));
+  for (int64_t gi = 0; gi < g; ++gi) {
+    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_backward(
+        group_view(dout, hkv, g, gi), group_view(q, hkv, g, gi), kt, vt,
+        group_view(o_fake, hkv, g, gi), group_stat(lse_p, hkv, g, gi).contiguous(), at::Tensor(),
+        at::Tensor(), sq, skv, 0.0, false, no_seed, no_seed, scale);
+    group_view(grads.dq, hkv, g, gi).copy_(gq);
+    grads.dk.add_(gk.transpose(1, 2));
+    grads.dv.add_(gv.transpose(1, 2));
+  }
+  if (stats != nullptr) stats->tiles_fused += hq * cpu_tiles(sq, skv) * batch;
+  return grads;
+}
+
+AttentionOutput attention_forward_dispatch_cpu(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, double scale,
+                                               const AttentionMask& mask, AttentionStats* stats) {
+  return cpu_uses_fused_path(q.scalar_type())
+             ? attention_forward_fused_cpu(q, k, v, scale, mask, stats)
+             : attention_forward_cpu(q, k, v, scale, mask, stats);
+}
+
+AttentionGrads attention_backward_dispatch_cpu(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, const at::Tensor& dout,
+                                               const at::Tensor& lse, const at::Tensor& delta,
+                                               double scale, const AttentionMask& mask,
+                                               AttentionStats* stats) {
+  return cpu_uses_fused_path(q.scalar_type())
+             ? attention_backward_fused_cpu(q, k, v, dout, lse, delta, scale, mask, stats)
+             : attention_backward_cpu(q, k, v, dout, lse, delta, scale, mask, stats);
+}
+
+}  // namespace lvx::kernels
