@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <string>
 #include <limits>
+#include <string>
+#include <vector>
 
+#include "kernels/mask.h"
 #include "kernels/registry.h"
 #include "src/common/error.h"
 
@@ -27,15 +29,22 @@ struct Rows {
 
 // [B, S, Hq, D] → [B·Hkv, g·S, D]: the g query heads of each K/V head stacked as rows.
 at::Tensor to_rows(const at::Tensor& x, const Rows& r) {
-  return x.reshape({r.b, x.size(1), r.hkv, r.g, r.d}).permute({0, 2, 3, 1, 4})
+  return x.reshape({r.b, x.size(1), r.hkv, r.g, r.d})
+      .permute({0, 2, 3, 1, 4})
       .reshape({r.b * r.hkv, r.g * x.size(1), r.d});
 }
 at::Tensor from_rows(const at::Tensor& x, const Rows& r) {
-  return x.reshape({r.b, r.hkv, r.g, r.sq, r.d}).permute({0, 3, 1, 2, 4}).reshape({r.b, r.sq, r.hq, r.d});
+  return x.reshape({r.b, r.hkv, r.g, r.sq, r.d})
+      .permute({0, 3, 1, 2, 4})
+      .reshape({r.b, r.sq, r.hq, r.d});
 }
 // [B, Hq, Sq] ↔ [B·Hkv, g·Sq]
-at::Tensor stat_rows(const at::Tensor& x, const Rows& r) { return x.reshape({r.b * r.hkv, r.g * r.sq}); }
-at::Tensor stat_from_rows(const at::Tensor& x, const Rows& r) { return x.reshape({r.b, r.hq, r.sq}); }
+at::Tensor stat_rows(const at::Tensor& x, const Rows& r) {
+  return x.reshape({r.b * r.hkv, r.g * r.sq});
+}
+at::Tensor stat_from_rows(const at::Tensor& x, const Rows& r) {
+  return x.reshape({r.b, r.hq, r.sq});
+}
 // [B, S, Hkv, D] → [B·Hkv, S, D]
 at::Tensor kv_rows(const at::Tensor& x, const Rows& r) {
   return x.permute({0, 2, 1, 3}).reshape({r.b * r.hkv, x.size(1), r.d});
@@ -58,17 +67,43 @@ AttentionMask chunk_mask(const AttentionMask& m, int64_t k0, int64_t k1, const a
 
 enum class ChunkKind { kSkip, kFull, kMasked };
 
-// Visibility of one key chunk for every row: skip it, compute it whole, or with `vis`
-// ([B·Hkv, g·Sq, C] bool, broadcast over the g heads).
-ChunkKind classify(const AttentionMask& mask, const Rows& r, int64_t k0, int64_t k1,
-                   const at::Device& dev, at::Tensor* vis) {
-  if (mask.kind == MaskKind::kNone && !mask.kv_valid.defined()) return ChunkKind::kFull;
-  at::Tensor m = mask_matrix(chunk_mask(mask, k0, k1, dev), r.b, r.sq, k1 - k0);  // [B, Sq, C]
-  if (!m.any().item<bool>()) return ChunkKind::kSkip;
-  if (m.all().item<bool>()) return ChunkKind::kFull;
-  *vis = m.unsqueeze(1).unsqueeze(1).expand({r.b, r.hkv, r.g, r.sq, k1 - k0})
-             .reshape({r.b * r.hkv, r.g * r.sq, k1 - k0});
-  return ChunkKind::kMasked;
+// The visibility of every key chunk of size `c`, decided on the host from each chunk's min/max
+// of the mask metadata (classify_tile, kernels/mask.h), so the chunk loop never waits on the
+// device: the metadata goes to the host once per call (the runtime builds it there), never once
+// per chunk. Exact for causal and media-up-to masks, conservative (kMasked: the chunk's mask is
+// built) for media-immediate and padding, where min/max cannot tell.
+std::vector<ChunkKind> plan_chunks(const AttentionMask& mask, const Rows& r, int64_t c) {
+  const int64_t n = (r.skv + c - 1) / c;
+  if (mask.kind == MaskKind::kNone && !mask.kv_valid.defined())
+    return std::vector<ChunkKind>(static_cast<size_t>(n), ChunkKind::kFull);
+  if (r.sq == 0 || r.b == 0)
+    return std::vector<ChunkKind>(static_cast<size_t>(n), ChunkKind::kSkip);
+  const PreparedMask pm = prepare_mask(mask, r.b, r.sq, r.skv, r.sq, c, at::kCPU);
+  std::vector<ChunkKind> kinds(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) {
+    bool any = false, all = true;
+    for (int64_t b = 0; b < r.b; ++b) {
+      const TileVisibility v =
+          classify_tile(pm.view.kind, pm.view.rule, pm.q_summary(b, 0), pm.k_summary(b, t));
+      any = any || v != TileVisibility::kNone;
+      all = all && v == TileVisibility::kFull;
+    }
+    kinds[static_cast<size_t>(t)] = !any  ? ChunkKind::kSkip
+                                    : all ? ChunkKind::kFull
+                                          : ChunkKind::kMasked;
+  }
+  return kinds;
+}
+
+// The visibility matrix of a masked chunk ([B·Hkv, g·Sq, C] bool, broadcast over the g heads),
+// built on the device from `dmask` (the mask with its metadata already there).
+at::Tensor chunk_visibility(const AttentionMask& dmask, const Rows& r, int64_t k0, int64_t k1,
+                            const at::Device& dev) {
+  at::Tensor m = mask_matrix(chunk_mask(dmask, k0, k1, dev), r.b, r.sq, k1 - k0);  // [B, Sq, C]
+  return m.unsqueeze(1)
+      .unsqueeze(1)
+      .expand({r.b, r.hkv, r.g, r.sq, k1 - k0})
+      .reshape({r.b * r.hkv, r.g * r.sq, k1 - k0});
 }
 
 int64_t chunk_size(const Rows& r) {
@@ -91,8 +126,8 @@ bool cuda_uses_gemm_path(at::ScalarType dtype) {
 }
 
 AttentionOutput attention_forward_gemm(const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, double scale,
-                                       const AttentionMask& mask, AttentionStats* stats) {
+                                       const at::Tensor& v, double scale, const AttentionMask& mask,
+                                       AttentionStats* stats) {
   if (cuda_uses_fused_path(q, mask)) return attention_forward_fused_cuda(q, k, v, scale, stats);
   const Rows r = dims(q, k);
   const auto f32 = q.options().dtype(at::kFloat);
@@ -101,10 +136,13 @@ AttentionOutput attention_forward_gemm(const at::Tensor& q, const at::Tensor& k,
   at::Tensor m = at::full({r.b * r.hkv, r.g * r.sq}, -kInf, f32);
   at::Tensor l = at::zeros({r.b * r.hkv, r.g * r.sq}, f32);
   const int64_t c = chunk_size(r);
+  const std::vector<ChunkKind> kinds = plan_chunks(mask, r, c);
+  const AttentionMask dmask = chunk_mask(mask, 0, r.skv, q.device());  // metadata moved once
   for (int64_t k0 = 0; k0 < r.skv; k0 += c) {
     const int64_t k1 = std::min(r.skv, k0 + c);
-    at::Tensor vis;
-    const ChunkKind kind = classify(mask, r, k0, k1, q.device(), &vis);
+    const ChunkKind kind = kinds[static_cast<size_t>(k0 / c)];
+    const at::Tensor vis =
+        kind == ChunkKind::kMasked ? chunk_visibility(dmask, r, k0, k1, q.device()) : at::Tensor();
     if (stats) {
       ++stats->tiles_total;
       stats->tiles_skipped += kind == ChunkKind::kSkip;
@@ -141,9 +179,8 @@ AttentionOutput attention_forward_gemm(const at::Tensor& q, const at::Tensor& k,
 
 AttentionGrads attention_backward_gemm(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& dout,
-                                       const at::Tensor& lse, const at::Tensor& delta,
-                                       double scale, const AttentionMask& mask,
-                                       AttentionStats* stats) {
+                                       const at::Tensor& lse, const at::Tensor& delta, double scale,
+                                       const AttentionMask& mask, AttentionStats* stats) {
   if (cuda_uses_fused_path(q, mask)) {
     return attention_backward_fused_cuda(q, k, v, dout, lse, delta, scale, stats);
   }
@@ -163,10 +200,13 @@ AttentionGrads attention_backward_gemm(const at::Tensor& q, const at::Tensor& k,
   at::Tensor dk = at::zeros({r.b * r.hkv, r.skv, r.d}, f32);
   at::Tensor dv = at::zeros({r.b * r.hkv, r.skv, r.d}, f32);
   const int64_t c = chunk_size(r);
+  const std::vector<ChunkKind> kinds = plan_chunks(mask, r, c);
+  const AttentionMask dmask = chunk_mask(mask, 0, r.skv, q.device());  // metadata moved once
   for (int64_t k0 = 0; k0 < r.skv; k0 += c) {
     const int64_t k1 = std::min(r.skv, k0 + c), n = k1 - k0;
-    at::Tensor vis;
-    const ChunkKind kind = classify(mask, r, k0, k1, q.device(), &vis);
+    const ChunkKind kind = kinds[static_cast<size_t>(k0 / c)];
+    const at::Tensor vis =
+        kind == ChunkKind::kMasked ? chunk_visibility(dmask, r, k0, k1, q.device()) : at::Tensor();
     if (stats) {
       ++stats->tiles_total;
       stats->tiles_skipped += kind == ChunkKind::kSkip;

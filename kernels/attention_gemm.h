@@ -3,7 +3,8 @@
 // running (m, l), O and every gradient accumulator are fp32; only the operands of the second
 // GEMMs (P, dS) are rounded to the input dtype, as FlashAttention does. GQA without expanding
 // K/V: the query heads of one K/V head are stacked as rows of one GEMM. Chunks with no visible
-// key are skipped; fully visible chunks build no mask. Scores of one key chunk are held at a time
+// key are skipped; fully visible chunks build no mask; which is which is decided on the host from
+// the mask metadata once per call, so no chunk waits on the device. Scores of one key chunk are held at a time
 // (chunk sized to ~256 MiB), so memory is bounded for any Skv.
 // Device-generic (any ATen device); on CPU the GEMMs run in fp32, which is how tests check the
 // math here.

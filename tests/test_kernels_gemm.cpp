@@ -78,18 +78,76 @@ TEST_P(AttentionGemm, ForwardBackwardMatchFloat64) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, AttentionGemm,
     ::testing::Values(
-        GemmCase{"none_mha_f32", MaskKind::kNone, MediaRule::kImmediate, false, 4, 4, 9, 33, at::kFloat},
-        GemmCase{"none_gqa_bf16", MaskKind::kNone, MediaRule::kImmediate, false, 4, 2, 9, 33, at::kBFloat16},
-        GemmCase{"causal_gqa_f32", MaskKind::kCausal, MediaRule::kImmediate, false, 4, 2, 17, 40, at::kFloat},
-        GemmCase{"causal_mqa_bf16", MaskKind::kCausal, MediaRule::kImmediate, false, 4, 1, 17, 40, at::kBFloat16},
-        GemmCase{"media_immediate_f32", MaskKind::kMedia, MediaRule::kImmediate, false, 4, 2, 12, 30, at::kFloat},
-        GemmCase{"media_upto_bf16", MaskKind::kMedia, MediaRule::kUpTo, false, 4, 4, 12, 30, at::kBFloat16},
-        GemmCase{"padding_f32", MaskKind::kNone, MediaRule::kImmediate, true, 2, 1, 5, 21, at::kFloat},
-        GemmCase{"decode_sq1_bf16", MaskKind::kNone, MediaRule::kImmediate, false, 8, 2, 1, 300, at::kBFloat16},
+        GemmCase{"none_mha_f32", MaskKind::kNone, MediaRule::kImmediate, false, 4, 4, 9, 33,
+                 at::kFloat},
+        GemmCase{"none_gqa_bf16", MaskKind::kNone, MediaRule::kImmediate, false, 4, 2, 9, 33,
+                 at::kBFloat16},
+        GemmCase{"causal_gqa_f32", MaskKind::kCausal, MediaRule::kImmediate, false, 4, 2, 17, 40,
+                 at::kFloat},
+        GemmCase{"causal_mqa_bf16", MaskKind::kCausal, MediaRule::kImmediate, false, 4, 1, 17, 40,
+                 at::kBFloat16},
+        GemmCase{"media_immediate_f32", MaskKind::kMedia, MediaRule::kImmediate, false, 4, 2, 12,
+                 30, at::kFloat},
+        GemmCase{"media_upto_bf16", MaskKind::kMedia, MediaRule::kUpTo, false, 4, 4, 12, 30,
+                 at::kBFloat16},
+        GemmCase{"padding_f32", MaskKind::kNone, MediaRule::kImmediate, true, 2, 1, 5, 21,
+                 at::kFloat},
+        GemmCase{"decode_sq1_bf16", MaskKind::kNone, MediaRule::kImmediate, false, 8, 2, 1, 300,
+                 at::kBFloat16},
         // B·Hq·Sq = 2·8·2048 rows: the 256 MiB score budget gives 2048-key chunks, so 2500
         // keys take two chunks and exercise the online-softmax rescaling between them.
-        GemmCase{"two_chunks_causal_f32", MaskKind::kCausal, MediaRule::kImmediate, false, 8, 8, 2048, 2500, at::kFloat}),
+        GemmCase{"two_chunks_causal_f32", MaskKind::kCausal, MediaRule::kImmediate, false, 8, 8,
+                 2048, 2500, at::kFloat}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// Which key chunks run is planned on the host from the mask metadata, once per call (no device
+// wait per chunk): 2·8·2048 query rows give 2048-key chunks, so 6144 keys are three chunks. With
+// causal positions 0..2047 (top-left aligned) only the first chunk has a visible key: the other
+// two must be skipped, and the result must still equal the float64 kernels'. Media-up-to with
+// every key in media 0 makes every chunk fully visible (no mask built).
+TEST(AttentionGemmPlan, InvisibleChunksAreSkippedAndFullOnesBuildNoMask) {
+  const int64_t B = 2, H = 8, D = 16, sq = 2048, skv = 6144;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto q = at::randn({B, sq, H, D}, gen, at::kFloat),
+       k = at::randn({B, skv, H, D}, gen, at::kFloat);
+  auto v = at::randn({B, skv, H, D}, gen, at::kFloat),
+       dout = at::randn({B, sq, H, D}, gen, at::kFloat);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  AttentionParams p;
+  p.mask.kind = MaskKind::kCausal;
+  p.mask.q_pos = at::arange(sq);
+  p.mask.k_pos = at::arange(skv);
+  AttentionStats stats;
+  auto got = attention_forward_gemm(q, k, v, scale, p.mask, &stats);
+  EXPECT_EQ(stats.tiles_total, 3);
+  EXPECT_EQ(stats.tiles_skipped, 2);
+  EXPECT_EQ(stats.tiles_full, 0);
+  auto ref = attention_forward(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), p);
+  EXPECT_LE(err(got.o, ref.o), 2e-5);
+  EXPECT_LE(err(got.lse, ref.lse), 2e-5);
+  AttentionStats bstats;
+  auto got_g = attention_backward_gemm(q, k, v, dout, got.lse, attention_delta(dout, got.o), scale,
+                                       p.mask, &bstats);
+  EXPECT_EQ(bstats.tiles_skipped, 2);
+  auto ref_g = attention_backward(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble),
+                                  dout.to(at::kDouble), ref.lse,
+                                  attention_delta(dout.to(at::kDouble), ref.o), p);
+  EXPECT_LE(err(got_g.dq, ref_g.dq), 1e-4);
+  EXPECT_LE(err(got_g.dk.narrow(1, 0, sq), ref_g.dk.narrow(1, 0, sq)), 1e-4);
+  EXPECT_EQ(got_g.dk.narrow(1, sq, skv - sq).abs().max().item<float>(), 0.0f);  // never seen
+
+  AttentionParams m;
+  m.mask.kind = MaskKind::kMedia;
+  m.mask.media_rule = MediaRule::kUpTo;
+  m.mask.q_media = at::zeros({B, sq}, at::kInt);
+  m.mask.kv_media = at::zeros({B, skv}, at::kInt);
+  AttentionStats mstats;
+  auto full = attention_forward_gemm(q, k, v, scale, m.mask, &mstats);
+  EXPECT_EQ(mstats.tiles_total, 3);
+  EXPECT_EQ(mstats.tiles_full, 3);
+  auto unmasked = attention_forward_gemm(q, k, v, scale, AttentionMask{}, nullptr);
+  EXPECT_EQ(err(full.o, unmasked.o), 0.0);
+}
 
 }  // namespace
 }  // namespace lvx::kernels
