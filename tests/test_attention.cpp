@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <iostream>
 
 #include "src/attention/strategy.h"
@@ -21,6 +22,13 @@ using kernels::MaskKind;
 using kernels::MediaRule;
 
 namespace {
+
+// The device the strategy suite runs its strategies on: LVX_TEST_DEVICE ("cpu" when unset;
+// tests/gpu/run.sh sets "cuda", so the same cases run on a GPU against the same CPU references).
+at::Device test_device() {
+  const char* e = std::getenv("LVX_TEST_DEVICE");
+  return at::Device(e != nullptr && *e != 0 ? std::string(e) : std::string("cpu"));
+}
 
 struct Dense {
   at::Tensor o, lse, dq, dk, dv;
@@ -151,14 +159,26 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
   Dense same = dense(s, q, k, v, dout, vis, c.dtype);
 
   const auto ql = strategy->q_layout(s, n), kl = strategy->kv_layout(s, n);
-  LocalInputs in{ql.shard(q, 1, r), kl.shard(k, 1, r), kl.shard(v, 1, r),
-                 {q_media, kv_media, kv_valid}};
+  // The strategy runs on the test device (LVX_TEST_DEVICE; tests/gpu/run.sh sets cuda) with
+  // every input of this rank there; the references stay on the CPU, and the results come back.
+  const at::Device dev = test_device();
+  auto on_dev = [&](const at::Tensor& t) { return t.defined() ? t.to(dev) : t; };
+  LocalInputs in{on_dev(ql.shard(q, 1, r)), on_dev(kl.shard(k, 1, r)), on_dev(kl.shard(v, 1, r)),
+                 {on_dev(q_media), on_dev(kv_media), on_dev(kv_valid)}};
   pg.counters().reset();
   attention::SavedState saved;
   auto out = strategy->forward(pg, s, in, &saved);
   auto fwd_sent = pg.counters().total_sent(), fwd_recv = pg.counters().total_received();
   const std::vector<int64_t> fwd_to = pg.counters().sent;
-  auto grads = strategy->backward(pg, s, in.mask, saved, ql.shard(dout, 1, r));
+  auto grads = strategy->backward(pg, s, in.mask, saved, on_dev(ql.shard(dout, 1, r)));
+  for (at::Tensor* t : {&out.o, &out.lse, &grads.dq, &grads.dk, &grads.dv}) {
+    if (t->device() != dev) {
+      std::cerr << "rank " << r << " " << c.name() << ": a result is on " << t->device()
+                << ", the inputs on " << dev << "\n";
+      return 1;
+    }
+    *t = t->cpu();
+  }
   std::vector<int64_t> bwd_to = pg.counters().sent;
   for (int j = 0; j < n; ++j) bwd_to[j] -= fwd_to[j];
   auto bwd_sent = pg.counters().total_sent() - fwd_sent;
