@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "src/common/error.h"
 #include "src/common/files.h"
@@ -13,12 +14,15 @@ namespace lvx::models {
 
 namespace fs = std::filesystem;
 
-Checkpoint load_checkpoint(const std::string& dir) {
+namespace {
+
+// What every load of a checkpoint directory starts with: the directory, its manifest when it has
+// one (lvx's checkpoints: verified whoever loads it — lvx forward, lvx qa, a fine-tuning run's
+// model.path — so one flipped bit is an error naming the file instead of a wrong answer), and
+// config.json as a checked JSON object.
+Checkpoint read_checkpoint_config(const std::string& dir) {
   LVX_CHECK(fs::is_directory(dir), dir, ": not a directory (expected a checkpoint directory with ",
             "config.json and model.safetensors)");
-  // A checkpoint lvx wrote carries manifest.json (size and checksum of every file): verified
-  // whoever loads it (lvx forward, lvx qa, a fine-tuning run's model.path), so one flipped bit
-  // is an error naming the file instead of a wrong answer.
   verify_manifest(dir);
   const fs::path cfg = fs::path(dir) / "config.json";
   LVX_CHECK(fs::exists(cfg), dir, ": no config.json");
@@ -27,86 +31,30 @@ Checkpoint load_checkpoint(const std::string& dir) {
   c.config = read_json_file(cfg.string(), "model config", uint64_t{16} << 20);
   LVX_CHECK(c.config.is_object(), cfg.string(), ": expected a JSON object, got ",
             c.config.type_name());
-  c.tensors = load_checkpoint_dir(dir);
   return c;
-}
-
-namespace {
-
-// A safetensors header's tensors as meta tensors (the file's full validation is
-// load_safetensors', which read_tensor runs on every read).
-StateDict header_tensors(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  LVX_CHECK(f.good(), path, ": cannot open");
-  unsigned char len[8] = {};
-  f.read(reinterpret_cast<char*>(len), 8);
-  LVX_CHECK(f.gcount() == 8, path, ": not a safetensors file (shorter than 8 bytes)");
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
-  LVX_CHECK(n <= (uint64_t{100} << 20), path, ": header length ", n, " is implausible");
-  std::string header(n, '\0');
-  f.read(header.data(), static_cast<std::streamsize>(n));
-  LVX_CHECK(static_cast<uint64_t>(f.gcount()) == n, path, ": short read of its header");
-  const nlohmann::json j = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
-  LVX_CHECK(j.is_object(), path, ": header is not a JSON object (not a safetensors file)");
-  StateDict out;
-  for (const auto& [name, e] : j.items()) {
-    if (name == "__metadata__") continue;
-    LVX_CHECK(e.is_object() && e.contains("dtype") && e["dtype"].is_string() &&
-                  e.contains("shape") && e["shape"].is_array(),
-              path, ": tensor '", name, "': expected dtype and shape");
-    std::vector<int64_t> shape;
-    for (const auto& d : e["shape"]) {
-      LVX_CHECK(d.is_number_unsigned(), path, ": tensor '", name, "': bad shape ",
-                e["shape"].dump());
-      shape.push_back(d.get<int64_t>());
-    }
-    out[name] = at::empty(
-        shape,
-        at::TensorOptions().dtype(scalar_type_from_safetensors(e["dtype"])).device(at::kMeta));
-  }
-  return out;
 }
 
 }  // namespace
 
+Checkpoint load_checkpoint(const std::string& dir) {
+  Checkpoint c = read_checkpoint_config(dir);
+  c.tensors = load_checkpoint_dir(dir);
+  return c;
+}
+
 CheckpointIndex load_checkpoint_index(const std::string& dir) {
-  LVX_CHECK(fs::is_directory(dir), dir, ": not a directory (expected a checkpoint directory with ",
-            "config.json and model.safetensors)");
-  verify_manifest(dir);
-  const fs::path cfg = fs::path(dir) / "config.json";
-  LVX_CHECK(fs::exists(cfg), dir, ": no config.json");
   CheckpointIndex c;
-  c.meta.dir = dir;
-  c.meta.config = read_json_file(cfg.string(), "model config", uint64_t{16} << 20);
-  LVX_CHECK(c.meta.config.is_object(), cfg.string(), ": expected a JSON object, got ",
-            c.meta.config.type_name());
-  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
-  std::vector<std::string> files;
-  if (!fs::exists(index)) {
-    LVX_CHECK(fs::exists(fs::path(dir) / "model.safetensors"), dir,
-              ": no model.safetensors or model.safetensors.index.json");
-    files.push_back("model.safetensors");
-  } else {
-    const nlohmann::json j = read_json_file(index.string(), "checkpoint index");
-    LVX_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
-              index.string(), ": weight_map: missing or not an object (tensor name -> shard file)");
-    for (const auto& [name, file] : j["weight_map"].items()) {
-      LVX_CHECK(file.is_string(), index.string(), ": weight_map: '", name,
-                "' must name a shard file, got ", file.dump());
-      check_name_inside(file.get<std::string>(), index.string());
-      if (std::find(files.begin(), files.end(), file.get<std::string>()) == files.end())
-        files.push_back(file.get<std::string>());
-    }
-  }
-  for (const std::string& file : files) {
-    const std::string path = (fs::path(dir) / file).string();
-    const StateDict t = header_tensors(path);
-    // The whole header validated once, as a full load would, with its first tensor read.
-    if (!t.empty()) load_safetensors(path, {t.begin()->first});
-    for (const auto& [name, meta] : t) {
-      c.meta.tensors[name] = meta;
-      c.files[name] = path;
+  c.meta = read_checkpoint_config(dir);
+  for (const auto& [path, names] : checkpoint_shards(dir)) {
+    // Each file's whole header validated once, as a full load would.
+    auto header = std::make_shared<const SafetensorsHeader>(read_safetensors_header(path));
+    const std::set<std::string> assigned(names.begin(), names.end());
+    for (const auto& e : header->entries) {
+      if (!assigned.empty() && !assigned.count(e.name))
+        continue;  // not this shard's, per the index
+      c.meta.tensors[e.name] =
+          at::empty(e.shape, at::TensorOptions().dtype(e.type).device(at::kMeta));
+      c.files[e.name] = header;
     }
   }
   return c;
@@ -115,7 +63,7 @@ CheckpointIndex load_checkpoint_index(const std::string& dir) {
 at::Tensor read_tensor(const CheckpointIndex& index, const std::string& name) {
   const auto it = index.files.find(name);
   LVX_CHECK(it != index.files.end(), index.meta.dir, ": has no tensor '", name, "'");
-  return load_safetensors(it->second, {name}).tensors.at(name);
+  return read_safetensors_tensor(*it->second, name);
 }
 
 StateDict select_parameters(const StateDict& all, const ShapeSpec& expected,

@@ -7,9 +7,12 @@
 #include <ATen/ATen.h>
 
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
+
+#include "src/common/safetensors.h"
 
 namespace lvx::models {
 
@@ -29,13 +32,13 @@ struct Checkpoint {
 Checkpoint load_checkpoint(const std::string& dir);
 
 // The same directory with every tensor as a `meta` tensor of its stored shape and dtype (no data
-// read; each file's header fully validated by reading its first tensor), and where each tensor
-// is: `files` maps a tensor name to its file. For loading straight onto a device:
+// read; each file's header fully validated once), and where each tensor is: `files` maps a
+// tensor name to its file's validated header. For loading straight onto a device:
 // load_model builds the model on meta (every name, shape and dtype checked as usual), then reads
 // the parameters one at a time (read_tensor) onto the device.
 struct CheckpointIndex {
   Checkpoint meta;
-  std::map<std::string, std::string> files;
+  std::map<std::string, std::shared_ptr<const SafetensorsHeader>> files;
 };
 CheckpointIndex load_checkpoint_index(const std::string& dir);
 // One tensor of a checkpoint from its file (host memory: that tensor only).

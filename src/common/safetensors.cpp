@@ -53,6 +53,10 @@ constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
 struct Fd {
   int fd = -1;
+  explicit Fd(int f) : fd(f) {}
+  Fd(Fd&& o) noexcept : fd(o.fd) { o.fd = -1; }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
   ~Fd() {
     if (fd >= 0) ::close(fd);
   }
@@ -134,12 +138,7 @@ nlohmann::json parse_header(const std::string& text, const std::string& path) {
   }
 }
 
-struct Entry {
-  std::string name;
-  at::ScalarType type;
-  std::vector<int64_t> shape;
-  uint64_t begin = 0, end = 0;
-};
+using Entry = SafetensorsHeader::Entry;
 
 // One tensor's header entry, every field checked; nbytes = product(shape) · element size must
 // not overflow and must be the span of its offsets.
@@ -187,9 +186,14 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
 
 }  // namespace
 
-TensorFile load_safetensors(const std::string& path, const std::vector<std::string>& names) {
-  // A regular file only: a FIFO cannot block the open (O_NONBLOCK) and is refused by fstat.
-  Fd f{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
+namespace {
+
+// Opens `path` (a regular file only: a FIFO cannot block the open, O_NONBLOCK, and is refused by
+// fstat) and validates its whole header before anything is allocated from it: every entry, then
+// the layout of the data section (sorted, non-overlapping, covering it exactly: no gap, no
+// trailing bytes). Returns the open file.
+Fd open_and_validate(const std::string& path, SafetensorsHeader* out) {
+  Fd f(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
   LVX_CHECK(f.fd >= 0, path, ": cannot open (", std::strerror(errno), ")");
   struct stat st {};
   LVX_CHECK(::fstat(f.fd, &st) == 0, path, ": cannot stat (", std::strerror(errno), ")");
@@ -217,23 +221,21 @@ TensorFile load_safetensors(const std::string& path, const std::vector<std::stri
   const nlohmann::json j = parse_header(header, path);
   LVX_CHECK(j.is_object(), path, ": header is not a JSON object");
 
-  // Validate the whole header before allocating anything: every entry, then the layout of the
-  // data section (sorted, non-overlapping, covering it exactly: no gap, no trailing bytes).
-  const uint64_t data_begin = 8 + header_len, data_len = file_size - data_begin;
-  TensorFile out;
-  std::vector<Entry> entries;
+  out->path = path;
+  out->data_begin = 8 + header_len;
+  const uint64_t data_len = file_size - out->data_begin;
   for (auto it = j.begin(); it != j.end(); ++it) {
     if (it.key() == "__metadata__") {
       LVX_CHECK(it.value().is_object(), path, ": __metadata__ must be an object of strings");
       for (auto m = it.value().begin(); m != it.value().end(); ++m)
-        out.metadata[m.key()] =
+        out->metadata[m.key()] =
             m.value().is_string() ? m.value().get<std::string>() : m.value().dump();
       continue;
     }
-    entries.push_back(parse_entry(path, it.key(), it.value()));
+    out->entries.push_back(parse_entry(path, it.key(), it.value()));
   }
   std::vector<const Entry*> by_offset;
-  for (const Entry& e : entries) by_offset.push_back(&e);
+  for (const Entry& e : out->entries) by_offset.push_back(&e);
   std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) {
     return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
   });
@@ -254,15 +256,41 @@ TensorFile load_safetensors(const std::string& path, const std::vector<std::stri
   LVX_CHECK(at == data_len, path, ": ", data_len - at, " bytes after the last tensor's data (",
             "the offsets cover ", at, " of ", data_len,
             " bytes: a wrong header length or trailing garbage)");
+  return f;
+}
 
+at::Tensor read_entry(int fd, const SafetensorsHeader& h, const Entry& e) {
+  at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.type));
+  LVX_CHECK(pread_all(fd, t.data_ptr(), e.end - e.begin, h.data_begin + e.begin), h.path,
+            ": short read for tensor '", e.name, "' (the file changed while it was read?)");
+  return t;
+}
+
+}  // namespace
+
+SafetensorsHeader read_safetensors_header(const std::string& path) {
+  SafetensorsHeader h;
+  open_and_validate(path, &h);
+  return h;
+}
+
+at::Tensor read_safetensors_tensor(const SafetensorsHeader& header, const std::string& name) {
+  const auto it = std::find_if(header.entries.begin(), header.entries.end(),
+                               [&](const Entry& e) { return e.name == name; });
+  LVX_CHECK(it != header.entries.end(), header.path, ": has no tensor named '", name, "'");
+  Fd f(::open(header.path.c_str(), O_RDONLY | O_CLOEXEC));
+  LVX_CHECK(f.fd >= 0, header.path, ": cannot open (", std::strerror(errno), ")");
+  return read_entry(f.fd, header, *it);
+}
+
+TensorFile load_safetensors(const std::string& path, const std::vector<std::string>& names) {
+  SafetensorsHeader h;
+  const Fd f = open_and_validate(path, &h);
+  TensorFile out;
+  out.metadata = h.metadata;
   std::set<std::string> wanted(names.begin(), names.end());
-  for (const Entry& e : entries) {
-    if (!wanted.empty() && !wanted.count(e.name)) continue;
-    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.type));
-    LVX_CHECK(pread_all(f.fd, t.data_ptr(), e.end - e.begin, data_begin + e.begin), path,
-              ": short read for tensor '", e.name, "' (the file changed while it was read?)");
-    out.tensors[e.name] = t;
-  }
+  for (const Entry& e : h.entries)
+    if (wanted.empty() || wanted.count(e.name)) out.tensors[e.name] = read_entry(f.fd, h, e);
   for (const auto& n : wanted)
     LVX_CHECK(out.tensors.count(n), path, ": has no tensor named '", n, "'");
   return out;
@@ -301,14 +329,13 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
   std::filesystem::rename(tmp, path);
 }
 
-std::map<std::string, at::Tensor> load_checkpoint_dir(const std::string& dir) {
+std::map<std::string, std::vector<std::string>> checkpoint_shards(const std::string& dir) {
   namespace fs = std::filesystem;
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
-  std::map<std::string, at::Tensor> out;
   if (!fs::exists(index)) {
     const fs::path single = fs::path(dir) / "model.safetensors";
     LVX_CHECK(fs::exists(single), dir, ": no model.safetensors or model.safetensors.index.json");
-    return load_safetensors(single.string()).tensors;
+    return {{single.string(), {}}};
   }
   const nlohmann::json j = read_json_file(index.string(), "checkpoint index");
   LVX_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
@@ -319,10 +346,15 @@ std::map<std::string, at::Tensor> load_checkpoint_dir(const std::string& dir) {
               "' must name a shard file, got ", file.dump());
     // Shards live in the checkpoint's own folder: "../x" or "/etc/x" is refused.
     check_name_inside(file.get<std::string>(), index.string());
-    by_shard[file.get<std::string>()].push_back(name);
+    by_shard[(fs::path(dir) / file.get<std::string>()).string()].push_back(name);
   }
-  for (const auto& [shard, names] : by_shard) {
-    auto f = load_safetensors((fs::path(dir) / shard).string(), names);
+  return by_shard;
+}
+
+std::map<std::string, at::Tensor> load_checkpoint_dir(const std::string& dir) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [shard, names] : checkpoint_shards(dir)) {
+    auto f = load_safetensors(shard, names);
     for (auto& [n, t] : f.tensors) out[n] = t;
   }
   return out;
