@@ -9,6 +9,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -855,5 +856,26 @@ void ProcessGroup::check_agreement(const std::string& what, const std::string& v
   }
   LVX_FAIL("rank ", rank_, ": ranks disagree on ", what, " before starting:", msg);
 }
+
+std::vector<std::string> gather_errors(ProcessGroup& pg, const std::string& error) {
+  const int n = pg.world_size();
+  if (n == 1) return {error};
+  at::Tensor flags = at::zeros({n}, at::kLong);
+  if (!error.empty()) flags[pg.rank()] = 1;
+  pg.all_reduce(flags);
+  std::vector<std::string> out(static_cast<size_t>(n));
+  if (flags.sum().item<int64_t>() == 0) return out;
+  constexpr int64_t kLen = 2048;
+  at::Tensor mine = at::zeros({1, kLen}, at::kByte);
+  std::memcpy(mine.data_ptr(), error.data(), std::min<size_t>(error.size(), kLen - 1));
+  const at::Tensor all = pg.all_gather(mine).contiguous();
+  for (int r = 0; r < n; ++r) {
+    if (flags[r].item<int64_t>() == 0) continue;
+    const char* text = reinterpret_cast<const char*>(all[r].data_ptr());
+    out[static_cast<size_t>(r)] = std::string(text, ::strnlen(text, kLen));
+  }
+  return out;
+}
+
 
 }  // namespace lvx::dist

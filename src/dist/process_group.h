@@ -208,4 +208,11 @@ class ProcessGroup {
   std::unique_ptr<Engine> engine_;
 };
 
+// Every rank's error text for one unit of work ("" where it went fine), so that all ranks act
+// together (skip a question, stop a run) instead of the healthy ones waiting in the next
+// collective until the timeout: a damaged frame may sit in one rank's share only. One small
+// all_reduce of flags; the texts (cut at 2047 bytes) are gathered only when some rank failed.
+// No collective at world size 1.
+std::vector<std::string> gather_errors(ProcessGroup& pg, const std::string& error);
+
 }  // namespace lvx::dist

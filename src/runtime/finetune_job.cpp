@@ -148,22 +148,16 @@ void agree_on_errors(dist::ProcessGroup& pg, const std::string& error, const std
     LVX_CHECK(error.empty(), what, ": ", error);
     return;
   }
-  at::Tensor flags = at::zeros({pg.world_size()}, at::kLong);
-  if (!error.empty()) flags[pg.rank()] = 1;
-  pg.all_reduce(flags);
-  if (flags.sum().item<int64_t>() == 0) return;
-  constexpr int64_t kLen = 2048;
-  at::Tensor mine = at::zeros({1, kLen}, at::kByte);
-  std::memcpy(mine.data_ptr(), error.data(), std::min<size_t>(error.size(), kLen - 1));
-  const at::Tensor all = pg.all_gather(mine).contiguous();
+  const std::vector<std::string> all = dist::gather_errors(pg, error);
   std::string msg;
+  int failed = 0;
   for (int r = 0; r < pg.world_size(); ++r) {
-    if (flags[r].item<int64_t>() == 0) continue;
-    const char* text = reinterpret_cast<const char*>(all[r].data_ptr());
-    msg += str("\n  rank ", r, ": ", std::string(text, ::strnlen(text, kLen)));
+    if (all[static_cast<size_t>(r)].empty()) continue;
+    ++failed;
+    msg += str("\n  rank ", r, ": ", all[static_cast<size_t>(r)]);
   }
-  LVX_FAIL(what, ": failed on ", flags.sum().item<int64_t>(), " of ", pg.world_size(),
-           " ranks (every rank stops):", msg);
+  LVX_CHECK(failed == 0, what, ": failed on ", failed, " of ", pg.world_size(),
+            " ranks (every rank stops):", msg);
 }
 
 // Rank 0 writes a checkpoint while the others wait, for as long as the write takes rather than

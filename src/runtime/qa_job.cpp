@@ -29,15 +29,12 @@ double since(clock::time_point t) {
   return std::chrono::duration<double>(clock::now() - t).count();
 }
 
-// Every rank's error for one question (empty: fine), so that all ranks skip it together: a
-// damaged frame may sit in one rank's share only. Returns the first rank's message, naming it.
+// Every rank's error for one question (empty: fine), so that all ranks skip it together.
+// Returns the first failed rank's message, naming it.
 std::string agree_on_error(dist::ProcessGroup& pg, const std::string& error) {
-  constexpr int64_t kMax = 1024;
-  at::Tensor mine = at::zeros({1, kMax}, at::kByte);
-  std::memcpy(mine.data_ptr<uint8_t>(), error.data(), std::min<size_t>(error.size(), kMax - 1));
-  const at::Tensor all = pg.world_size() > 1 ? pg.all_gather(mine) : mine;
+  const std::vector<std::string> all = dist::gather_errors(pg, error);
   for (int r = 0; r < pg.world_size(); ++r) {
-    const std::string msg(reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>()));
+    const std::string& msg = all[static_cast<size_t>(r)];
     if (!msg.empty()) return pg.world_size() > 1 ? str("rank ", r, ": ", msg) : msg;
   }
   return "";
