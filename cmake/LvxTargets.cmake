@@ -22,9 +22,11 @@ endfunction()
 # Includes are rooted at the project: #include "src/dist/process_group.h", "kernels/attention.h".
 function(lvx_library name folder)
   cmake_parse_arguments(ARG "" "" "DEPS" ${ARGN})
-  file(GLOB _srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/${folder}/*.cpp)
+  # A library is its folder with every subfolder (models/: shared blocks, then one folder per
+  # family).
+  file(GLOB_RECURSE _srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/${folder}/*.cpp)
   if(LVX_WITH_CUDA)
-    file(GLOB _cu CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/${folder}/*.cu)
+    file(GLOB_RECURSE _cu CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/${folder}/*.cu)
     list(APPEND _srcs ${_cu})
   endif()
   list(FILTER _srcs EXCLUDE REGEX ".*/main\\.cpp$")

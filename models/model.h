@@ -1,17 +1,19 @@
-// The model families behind one interface (vLLM's per-family files over shared layers): a
-// checkpoint directory's config.json model_type picks the family — "mplugowl3"
-// (models/mplug_owl3.h) or "openflamingo" (models/openflamingo.h, a directory written by
-// models/convert_openflamingo.py).
+// A loaded model behind one interface (vLLM's per-family files over shared layers): a
+// checkpoint directory's config.json model_type picks the family (models/family.h), whose folder
+// under models/ implements this interface.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "models/checkpoint.h"
 #include "models/decode.h"
+#include "models/family.h"
 #include "models/parallel.h"
 #include "src/planner/model_config.h"
 
@@ -24,6 +26,11 @@ struct ModelInputs {
   // pixel_values holds only this rank's images (its whole slots of the key layout, in prompt
   // order): each rank decoded its own share of the frames (video::ShardSpec is the same split).
   bool pixels_local = false;
+  // Inputs a family's processor adds, by the names that processor gives them (Mllama:
+  // aspect_ratio_ids, aspect_ratio_mask, cross_attention_mask); lvx forward passes every tensor
+  // of its batch file but input_ids, pixel_values and labels here. Families that read none
+  // refuse unknown names; absent ones are derived from input_ids where the family can.
+  std::map<std::string, at::Tensor> named;
 };
 
 struct ModelOutputs {
@@ -34,11 +41,13 @@ struct ModelOutputs {
 class Model {
  public:
   virtual ~Model() = default;
-  virtual std::string family() const = 0;
+  virtual const Family& family() const = 0;
   virtual StateDict& parameters() = 0;
   // What fine-tuning updates (every family: all but the frozen vision encoder).
   virtual bool trainable(const std::string& name) const = 0;
   virtual int64_t decoder_layers() const = 0;
+  // Each decoder layer's attentions and their order (planner_model().layers lists the same).
+  virtual std::vector<DecoderLayerAttention> layer_attentions() const = 0;
   virtual int64_t media_token_id() const = 0;
   virtual int64_t tokens_per_media() const = 0;  // keys per image in the cross-attention
   // The attention layers as they run, for the planner.

@@ -1,0 +1,86 @@
+// A model family: everything the runtime asks of one kind of checkpoint, answered in the
+// family's own folder under models/ (models/mplug_owl3/, models/openflamingo/, models/mllama/)
+// and registered by one line in models/families.cpp. src/runtime, src/attention and src/planner
+// name no family: they ask the Family of a checkpoint (config.json's model_type) or the Model it
+// loaded. A third family is one folder plus its registration line (docs/models.md, "Adding a
+// family").
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "src/planner/model_config.h"
+
+namespace lvx::models {
+
+class Model;
+class Tokenizer;
+struct Checkpoint;
+
+// The token ids of one prompt and its labels. Labels follow lvx forward's convention (not
+// shifted: position t's logits predict labels[t]): labels[t] = ids[t + 1] where ids[t + 1] is a
+// token of the answer or the end of the turn, −100 everywhere else (the loss is on the answer).
+struct PromptTokens {
+  std::vector<int64_t> ids;
+  std::vector<int64_t> labels;  // same length as ids
+};
+
+// The attentions of one decoder layer as they run: a self-attention over the text, a
+// cross-attention to the visual tokens, or both, and which comes first. The planner's layers
+// (Model::planner_model().layers) list the same attentions in the same order, decoder layer by
+// decoder layer; the runtime maps its per-layer strategy choices through this.
+struct DecoderLayerAttention {
+  bool self = true;          // a causal self-attention over the text
+  bool cross = false;        // a cross-attention to the visual tokens
+  bool cross_first = false;  // with both: the cross-attention runs before the self-attention
+};
+
+class Family {
+ public:
+  virtual ~Family() = default;
+
+  // config.json's model_type ("mplugowl3", "openflamingo", "mllama"), the registry's key.
+  virtual std::string model_type() const = 0;
+  // The family's name for people ("mPLUG-Owl3"), in messages and reports.
+  virtual std::string display_name() const = 0;
+
+  // The model of checkpoint `ck` (every tensor's name, shape and dtype checked; errors name the
+  // file and the field), its weights in `dtype` on `device`. On `meta`, shapes only: load_model
+  // then reads each parameter straight to the device.
+  virtual std::unique_ptr<Model> load(const Checkpoint& ck, at::ScalarType dtype,
+                                      at::Device device) const = 0;
+  // The planner's description of a checkpoint from its config.json alone (no weights read).
+  virtual planner::ModelConfig planner_model(const nlohmann::json& config,
+                                             const std::string& where) const = 0;
+
+  // The chat/prompt template: the ids of a question about `frames` video frames (one image per
+  // frame, in order), and with `answer` the labelled answer and end of turn (fine-tuning).
+  // Text (question, answer) never yields a special token; the template's own special tokens go
+  // in as ids. Errors name the special token the tokenizer lacks.
+  virtual PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t frames,
+                              const std::string* answer = nullptr) const = 0;
+  // Every token that stops generation (the end of the assistant's turn first, then end of text).
+  virtual std::vector<int64_t> stop_tokens(const Tokenizer& tok) const = 0;
+  // The image preprocessing preset of the family's vision tower (a video::PreprocessConfig
+  // preset name: "siglip" squashes, "clip" resizes the short side and crops the centre).
+  virtual std::string preprocess_preset() const = 0;
+  // freeze.policy cross_only, the family's own recipe: whether parameter `name` trains.
+  virtual bool trains_cross_only(const std::string& name) const = 0;
+};
+
+// The registered families (models/families.cpp), in registration order.
+const std::vector<const Family*>& families();
+// The family of `model_type`; an unknown type is an error naming `where` and listing every
+// supported model_type.
+const Family& family_of(const std::string& model_type, const std::string& where);
+// The family of a checkpoint's config.json (its model_type field).
+const Family& family_of_config(const nlohmann::json& config, const std::string& where);
+// "mplugowl3, openflamingo, ...": the supported model types, for messages.
+std::string supported_model_types();
+
+}  // namespace lvx::models
