@@ -2,7 +2,7 @@
 
 #include "models/mplug_owl3.h"
 #include "models/openflamingo.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 
 namespace lvx::models {

@@ -21,7 +21,7 @@
 #include <tuple>
 
 #include "models/model.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/common/safetensors.h"

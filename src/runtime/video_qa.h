@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 #include "video/video_options.h"
 
 namespace lvx::runtime {
