@@ -1,3 +1,4 @@
+#include "src/common/dtype.h"
 #include "src/runtime/finetune_job.h"
 
 #include <ATen/core/grad_mode.h>
@@ -407,7 +408,7 @@ int run_finetune_rank(const FinetuneJob& job) {
   check_model_dir(model_dir, ckpt.empty() ? "model.path" : "checkpoint");
   const at::Device device = choose_device(job.device);
   std::unique_ptr<models::Model> model =
-      models::load_model(model_dir, dtype_of(cfg.model.dtype), device);
+      models::load_model(model_dir, dtype_of(cfg.model.dtype, "model.dtype"), device);
   const models::Tokenizer tok = models::Tokenizer::from_file(model_dir + "/tokenizer.json");
   const std::string family = model->family();
   const std::map<std::string, std::string> model_files = read_model_files(model_dir);

@@ -1,3 +1,4 @@
+#include "src/common/dtype.h"
 #include "src/runtime/qa_job.h"
 
 #include <algorithm>
@@ -398,7 +399,7 @@ int run_qa_rank(const QaJob& job) {
                                       : ck_dtype == "fp16" ? "float16"
                                                            : "bfloat16");
   std::unique_ptr<models::Model> model =
-      models::load_model(job.model, dtype_of(resolved.plan.dtype), device);
+      models::load_model(job.model, dtype_of(resolved.plan.dtype, "--dtype"), device);
   const models::Tokenizer tok = models::Tokenizer::from_file(job.model + "/tokenizer.json");
   const Context cx{resolved,
                    pg,
