@@ -1,4 +1,3 @@
-#include "src/common/dtype.h"
 #include "src/planner/bench_plan.h"
 
 #include <algorithm>
@@ -6,6 +5,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 
 namespace lvx::planner {

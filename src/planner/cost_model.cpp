@@ -1,4 +1,3 @@
-#include "src/common/dtype.h"
 #include "src/planner/cost_model.h"
 
 #include <algorithm>
@@ -8,6 +7,7 @@
 
 #include "kernels/mask.h"
 #include "kernels/registry.h"
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 
 namespace lvx::planner {

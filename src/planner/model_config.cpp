@@ -1,6 +1,6 @@
-#include "src/common/dtype.h"
 #include "src/planner/model_config.h"
 
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/planner/yaml_fields.h"
 

@@ -1,4 +1,3 @@
-#include "src/common/dtype.h"
 #include "src/runtime/forward_job.h"
 
 #include <malloc.h>
@@ -11,6 +10,7 @@
 
 #include "models/checkpoint.h"
 #include "models/model.h"
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/common/safetensors.h"
