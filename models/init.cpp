@@ -12,7 +12,7 @@
 
 #include "models/checkpoint.h"
 #include "models/mplug_owl3.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 
 namespace lvx::models {

@@ -4,7 +4,7 @@
 
 #include "models/mplug_owl3.h"
 #include "models/prompt.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 
 namespace lvx::models::mplug_owl3 {

@@ -4,7 +4,7 @@
 
 #include "models/openflamingo.h"
 #include "models/prompt.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 
 namespace lvx::models::openflamingo {
 

@@ -17,6 +17,7 @@
 
 #include "src/cli/args.h"
 #include "src/cli/command.h"
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
 #include "src/dist/launcher.h"
@@ -334,7 +335,7 @@ int cmd_bench_plan(int argc, char** argv) {
   b.rounds = static_cast<int>(p.get_int("rounds"));
   LVX_CHECK(b.rounds >= 1 && b.reps >= 1, "--rounds and --reps must be at least 1");
   const std::string dt = p.get("dtype");
-  b.dtype = dt == "fp32" ? at::kFloat : dt == "bf16" ? at::kBFloat16 : at::kHalf;
+  b.dtype = lvx::dtype_of(dt, "--dtype");
   b.table << std::left << std::setw(4) << "#" << std::setw(6) << "kind" << std::setw(15)
           << "strategy" << std::setw(13) << "predicted" << std::setw(13) << "measured"
           << std::setw(10) << "meas/pred" << std::setw(14) << "bytes pred"

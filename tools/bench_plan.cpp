@@ -5,6 +5,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 
 namespace lvx::planner {
@@ -32,7 +33,7 @@ double predicted_bytes_sent(const attention::StrategyChoice& choice, const Layer
   const attention::AttentionSpec spec = layer_spec(w, c, opt);
   const auto f = attention::make_strategy(choice.forward),
              b = attention::make_strategy(choice.backward);
-  const at::ScalarType dt = scalar_type(w.dtype);
+  const at::ScalarType dt = dtype_of(w.dtype, "workload dtype");
   int64_t most = 0;
   for (int r = 0; r < n; ++r)
     most = std::max(most, f->analytic_bytes(spec, n, r, dt, false).sent +
