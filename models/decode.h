@@ -19,9 +19,9 @@
 // layer (1, or 2 in a layer with cross-attention), n ranks (ring all-gather: each rank forwards
 // n−1 pieces). That is one message when the layer's attentions read the same input (mPLUG-Owl3);
 // where one feeds the next (OpenFlamingo's gated block before the decoder layer) each merges on
-// its own, with its own Hq and D (models/openflamingo.h). Gathering K/V instead would move (n−1)/n
-// of the layer's visual K/V to every rank once (2·B·S_vis·Hkv·D·dtype bytes) and then hold it all
-// on every rank, which lvx never does.
+// its own, with its own Hq and D (models/openflamingo/model.h). Gathering K/V instead would move
+// (n−1)/n of the layer's visual K/V to every rank once (2·B·S_vis·Hkv·D·dtype bytes) and then hold
+// it all on every rank, which lvx never does.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -47,6 +47,17 @@ struct TinyModelSpec {
 // Throws lvx::Error naming the field for an invalid spec and the file for an I/O error.
 void write_tiny_mplug_owl3(const std::string& dir, const TinyModelSpec& spec);
 
+// The tiny model lvx demo trains, named here only: its family's model_type ("mplugowl3"), what
+// write_tiny_model writes.
+std::string default_demo_family();
+// Writes the tiny model of `model_type` (the families with a tiny writer: default_demo_family())
+// into `dir`; another type is an error naming it and the ones that have one.
+void write_tiny_model(const std::string& model_type, const std::string& dir,
+                      const TinyModelSpec& spec);
+// One line for people: what write_tiny_model(model_type, ...) writes for `spec` ("tiny
+// mPLUG-Owl3 (240728), random init: LM hidden 64, 2 layers (hyper layer: 0), ...").
+std::string describe_tiny_model(const std::string& model_type, const TinyModelSpec& spec);
+
 // The tokenizer.json text of the tokenizer above: Qwen2's normalizer (NFC), pre-tokenizer
 // (Split by Qwen2's regex, Isolated; then ByteLevel without regex), ByteLevel post-processor and
 // decoder; BPE vocabulary = the 256 byte symbols (ids 0–255 in byte order), then one token per

@@ -3,7 +3,8 @@
 //   1. a synthetic task written with lvx's FFmpeg bindings (src/runtime/synthetic_task.h): videos
 //      of a few minutes of grey distractors in which one coloured shape appears for a few seconds
 //      at a random time; the question asks its colour;
-//   2. a tiny random mPLUG-Owl3 (models/init.h) with a tokenizer holding the task's words;
+//   2. a tiny random model of the demo's family (models/init.h: default_demo_family) with a
+//      tokenizer holding the task's words;
 //   3. `lvx finetune` on local ranks (sequence parallel: each rank decodes and encodes its own
 //      frames, the visual tokens are never gathered);
 //   4. `lvx qa` on the held-out videos, and again with the videos shuffled among the questions:
@@ -93,7 +94,7 @@ int cmd_demo(int argc, char** argv) {
   cli::ArgParser p(
       "lvx demo [options]",
       "Long-video question answering end to end: makes a synthetic long-video task\n"
-      "and a tiny mPLUG-Owl3, fine-tunes it with lvx finetune on local ranks, answers\n"
+      "and a tiny random model, fine-tunes it with lvx finetune on local ranks, answers\n"
       "held-out videos with lvx qa, and prints the accuracy beside a baseline that\n"
       "sees the wrong videos, the per-layer plan and the bytes each strategy moved.");
   cli::add_nproc_options(p, "2", "local ranks (sequence parallel)");
@@ -164,18 +165,11 @@ int cmd_demo(int argc, char** argv) {
   // 2. The model.
   t = clock_type::now();
   const std::string init = dir + "/init";
-  if (!reuse) models::write_tiny_mplug_owl3(init, model_spec);
-  std::printf(
-      "[2/4] model: tiny mPLUG-Owl3 (240728), random init: LM hidden %lld, %lld layers (hyper "
-      "layer: %lld), %lld heads / %lld K/V heads; SigLIP %lld px, patch %lld -> %lld visual "
-      "tokens per frame  (%.1f s%s)\n",
-      static_cast<long long>(model_spec.hidden), static_cast<long long>(model_spec.layers),
-      static_cast<long long>(model_spec.hyper_layers[0] - 1),
-      static_cast<long long>(model_spec.heads), static_cast<long long>(model_spec.kv_heads),
-      static_cast<long long>(model_spec.image_size), static_cast<long long>(model_spec.patch_size),
-      static_cast<long long>((model_spec.image_size / model_spec.patch_size) *
-                             (model_spec.image_size / model_spec.patch_size)),
-      since(t), reuse ? ", reused" : "");
+  const std::string family = models::default_demo_family();
+  if (!reuse) models::write_tiny_model(family, init, model_spec);
+  std::printf("[2/4] model: %s  (%.1f s%s)\n",
+              models::describe_tiny_model(family, model_spec).c_str(), since(t),
+              reuse ? ", reused" : "");
 
   // 3. Fine-tuning.
   t = clock_type::now();
