@@ -7,6 +7,39 @@
 
 namespace lvx::runtime {
 
+LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
+                             const at::Tensor& all_labels, const models::ModelOutputs& out,
+                             const std::vector<std::string>& names) {
+  const at::Tensor labels =
+      all_labels.index_select(1, out.positions.to(all_labels.device())).to(out.logits.device());
+  at::Tensor count = labels.ne(-100).sum().to(at::kDouble).reshape({1});
+  pg.all_reduce(count);
+  LVX_CHECK(count.item<double>() > 0, "labels: every label is -100 (nothing to learn)");
+  const at::Tensor logits = out.logits.to(at::kFloat).reshape({-1, out.logits.size(-1)});
+  const at::Tensor local_sum = at::cross_entropy_loss(logits, labels.reshape({-1}), /*weight=*/{},
+                                                      at::Reduction::Sum, /*ignore_index=*/-100);
+  (local_sum / count.item<double>()).backward();
+  int64_t total = 0;
+  for (const auto& n : names) total += model.parameters().at(n).numel();
+  LocalBackward r;
+  r.flat = at::empty({total}, out.logits.options().dtype(at::kFloat));
+  int64_t off = 0;
+  for (const auto& n : names) {
+    at::Tensor& t = model.parameters().at(n);
+    at::Tensor dst = r.flat.narrow(0, off, t.numel());
+    if (t.grad().defined())
+      dst.copy_(t.grad().reshape({-1}));
+    else
+      dst.zero_();
+    t.mutable_grad() = at::Tensor();
+    off += t.numel();
+  }
+  at::Tensor sum = local_sum.detach().to(at::kDouble).reshape({1});
+  pg.all_reduce(sum);
+  r.loss = (sum / count).to(at::kFloat).reshape({});
+  return r;
+}
+
 std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::Model& model,
                                                 const at::Tensor& all_labels,
                                                 const models::ModelOutputs& out,
