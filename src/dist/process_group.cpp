@@ -819,13 +819,31 @@ void ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op) {
 }
 
 at::Tensor ProcessGroup::reduce_scatter(at::Tensor& tensor, ReduceOp op) {
+  std::vector<int64_t> splits(static_cast<size_t>(world_size_));
+  for (int c = 0; c < world_size_; ++c) {
+    const auto [b, e] = shard_range(tensor.numel(), world_size_, c);
+    splits[static_cast<size_t>(c)] = e - b;
+  }
+  return reduce_scatter(tensor, splits, op);
+}
+
+at::Tensor ProcessGroup::reduce_scatter(at::Tensor& tensor, const std::vector<int64_t>& splits,
+                                        ReduceOp op) {
   LVX_CHECK(tensor.dim() == 1 && tensor.is_contiguous(),
             "reduce_scatter: expected a contiguous 1-D tensor, got shape ", tensor.sizes());
   const int64_t n = tensor.numel();
   const int w = world_size_;
+  LVX_CHECK(static_cast<int>(splits.size()) == w, "reduce_scatter: splits has ", splits.size(),
+            " entries for ", w, " ranks");
+  std::vector<int64_t> off(static_cast<size_t>(w) + 1, 0);
+  for (int c = 0; c < w; ++c) {
+    LVX_CHECK(splits[static_cast<size_t>(c)] >= 0, "reduce_scatter: negative split");
+    off[static_cast<size_t>(c) + 1] = off[static_cast<size_t>(c)] + splits[static_cast<size_t>(c)];
+  }
+  LVX_CHECK(off.back() == n, "reduce_scatter: splits sum to ", off.back(), ", the tensor has ", n,
+            " elements");
   auto chunk = [&](int c) {
-    const auto [b, e] = shard_range(n, w, c);
-    return tensor.narrow(0, b, e - b);
+    return tensor.narrow(0, off[static_cast<size_t>(c)], splits[static_cast<size_t>(c)]);
   };
   if (w == 1) return tensor;
   auto reduce_into = [&](at::Tensor dst, const at::Tensor& src) {
@@ -835,7 +853,8 @@ at::Tensor ProcessGroup::reduce_scatter(at::Tensor& tensor, ReduceOp op) {
       case ReduceOp::kMin: at::minimum_out(dst, dst, src); break;
     }
   };
-  at::Tensor tmp = at::empty({n / w + 1}, tensor.options());
+  at::Tensor tmp =
+      at::empty({*std::max_element(splits.begin(), splits.end())}, tensor.options());
   // After w−1 steps rank r holds the full reduction of chunk r: at step s it sends its partial
   // of chunk r−s−1 and adds the previous rank's partial of chunk r−s−2.
   for (int s = 0; s + 1 < w; ++s) {

@@ -170,6 +170,10 @@ class ProcessGroup {
   // chunks are left partly reduced (scratch). (n−1)/n·S bytes sent and received per rank for S
   // bytes: half an all_reduce. Contiguous 1-D input only.
   at::Tensor reduce_scatter(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // The same with rank j's chunk `splits[j]` elements long (in rank order, summing to n; zeros
+  // allowed): each rank sends every chunk but its own once.
+  at::Tensor reduce_scatter(at::Tensor& tensor, const std::vector<int64_t>& splits,
+                            ReduceOp op = ReduceOp::kSum);
   // Splits `input` along dim 0 into send_splits[j] rows for rank j, and returns the rows
   // received from every rank concatenated in rank order (recv_splits[j] rows from rank j).
   at::Tensor all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_splits,

@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -77,6 +78,13 @@ int64_t sample_at(const TrainConfig::Data& d, int64_t n, int64_t k) {
   return it->second[pos].item<int64_t>();
 }
 
+// Elements of one gradient bucket of parallel.shard=gradients: 2^24 (64 MiB of fp32), or
+// LVX_GRAD_BUCKET (tests: many buckets on a tiny model).
+int64_t gradient_bucket() {
+  const char* env = std::getenv("LVX_GRAD_BUCKET");
+  return env && std::atoll(env) > 0 ? std::atoll(env) : int64_t{1} << 24;
+}
+
 // LVX_FAULT_KILL=RANK@STEP: this rank kills itself with SIGKILL as optimizer step STEP begins
 // (tests of kill-and-resume; the same as `kill -9` from outside at that moment).
 void fault_kill(int rank, int64_t step) {
@@ -91,6 +99,13 @@ void fault_kill(int rank, int64_t step) {
     std::fflush(stderr);
     ::kill(::getpid(), SIGKILL);
   }
+}
+
+// Peak resident memory of this process so far (getrusage ru_maxrss, bytes).
+int64_t peak_rss_bytes() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
 }
 
 std::string hms(double s) {
@@ -384,6 +399,7 @@ TrainConfig validate_finetune_job(const FinetuneJob& job) {
 }
 
 int run_finetune_rank(const FinetuneJob& job) {
+  const int64_t base_rss = peak_rss_bytes();  // the process before the model (libraries)
   auto pg = dist::ProcessGroup::from_env();
   const int n = pg->world_size(), r = pg->rank();
   const TrainConfig cfg = load_train_config(job.config, job.overrides);
@@ -524,6 +540,14 @@ int run_finetune_rank(const FinetuneJob& job) {
     fault_kill(r, step);
     const auto t0 = std::chrono::steady_clock::now();
     at::Tensor acc;  // summed gradients: flat [Ψ] (none, optimizer) or this rank's shard (gradients)
+    // Bytes this rank sent for the training state this step (gradient reduction, parameter
+    // all-gather, norm): the counters sharded_state.h's formulas are checked against.
+    int64_t state_bytes = 0;
+    auto counted = [&](const std::function<void()>& f) {
+      const int64_t before = pg->counters_snapshot().total_sent();
+      f();
+      state_bytes += pg->counters_snapshot().total_sent() - before;
+    };
     double loss = 0;
     int64_t tokens = 0, frames = 0;
     for (int64_t a = 0; a < cfg.optimizer.grad_accum; ++a) {
@@ -577,19 +601,32 @@ int run_finetune_rank(const FinetuneJob& job) {
       const at::Tensor pixels = fb.frames.defined() ? fb.frames.to(device) : at::Tensor();
       const models::ModelOutputs out =
           model->forward({ids, pixels, /*pixels_local=*/true, {}}, par);
-      LocalBackward lb = backward_local(*sp_pg, *model, labels, out, layout.names);
-      loss += lb.loss.item<double>();
       // The gradients of the sample summed over the world (the sequence-parallel ranks' parts
-      // and the other groups' samples), whole (none) or this rank's shard (gradients); the
+      // and the other groups' samples), whole (none) or this rank's shard (gradients: bucket by
+      // bucket, each bucket reduce-scattered onto the ranks whose shards it overlaps); the
       // optimizer stage sums locally and reduce-scatters once per step.
-      if (stage == ShardStage::kGradients) {
-        at::Tensor mine = pg->reduce_scatter(lb.flat);
-        if (acc.defined())
-          acc.add_(mine);
-        else
-          acc = mine.clone();
-      } else {
-        if (stage == ShardStage::kNone) pg->all_reduce(lb.flat);
+      if (stage == ShardStage::kGradients && !acc.defined())
+        acc = at::zeros({sopt.end() - sopt.begin()}, out.logits.options().dtype(at::kFloat));
+      const GradBucketFn take = [&](int64_t offset, at::Tensor& flat) {
+        std::vector<int64_t> splits(static_cast<size_t>(n));
+        int64_t mine_b = 0, mine_e = 0;
+        for (int q = 0; q < n; ++q) {
+          const auto [b, e] = dist::shard_range(layout.numel(), n, q);
+          const int64_t lo = std::clamp(b, offset, offset + flat.numel()),
+                        hi = std::clamp(e, offset, offset + flat.numel());
+          splits[static_cast<size_t>(q)] = hi - lo;
+          if (q == r) mine_b = lo, mine_e = hi;
+        }
+        at::Tensor mine;
+        counted([&] { mine = pg->reduce_scatter(flat, splits); });
+        if (mine_e > mine_b) acc.narrow(0, mine_b - sopt.begin(), mine_e - mine_b).add_(mine);
+      };
+      LocalBackward lb = backward_local(
+          *sp_pg, *model, labels, out, layout.names,
+          stage == ShardStage::kGradients ? gradient_bucket() : 0, take);
+      loss += lb.loss.item<double>();
+      if (stage != ShardStage::kGradients) {
+        if (stage == ShardStage::kNone) counted([&] { pg->all_reduce(lb.flat); });
         if (acc.defined())
           acc.add_(lb.flat);
         else
@@ -598,7 +635,7 @@ int run_finetune_rank(const FinetuneJob& job) {
       tokens += len;
       frames += fb.report.sampled_total;
     }
-    if (stage == ShardStage::kOptimizer) acc = pg->reduce_scatter(acc).clone();
+    if (stage == ShardStage::kOptimizer) counted([&] { acc = pg->reduce_scatter(acc).clone(); });
     const int64_t per_step = cfg.optimizer.grad_accum * dp;  // samples averaged
     if (per_step > 1) acc.div_(static_cast<double>(per_step));
     if (dp > 1) {
@@ -626,8 +663,10 @@ int run_finetune_rank(const FinetuneJob& job) {
     if (!std::isfinite(loss)) diverge(str("the loss is ", loss));
     double norm = 0;
     try {
-      norm = sharded ? sopt.step(*pg, acc, model->parameters())
-                     : opt.step(grads, model->parameters());
+      counted([&] {
+        norm = sharded ? sopt.step(*pg, acc, model->parameters())
+                       : opt.step(grads, model->parameters());
+      });
     } catch (const NonFiniteGradient& e) {
       diverge(e.what());
     }
@@ -640,6 +679,9 @@ int run_finetune_rank(const FinetuneJob& job) {
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     tokens_run += tokens;
+    // The largest peak RSS of any rank so far, and its process's footprint before the model.
+    at::Tensor rss = at::tensor({peak_rss_bytes(), base_rss}, at::kLong);
+    pg->all_reduce(rss, dist::ReduceOp::kMax);
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
     const int64_t done = step + 1 - start;
@@ -654,6 +696,9 @@ int run_finetune_rank(const FinetuneJob& job) {
           {"tokens", tokens},
           {"frames", frames},
           {"step_seconds", secs},
+          {"state_bytes_sent", state_bytes},
+          {"peak_rss_bytes", rss[0].item<int64_t>()},
+          {"base_rss_bytes", rss[1].item<int64_t>()},
           {"tokens_per_second", tokens_run / elapsed},
           {"samples_per_second", static_cast<double>(done * cfg.optimizer.grad_accum) / elapsed},
           {"eta_seconds", eta},

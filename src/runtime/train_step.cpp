@@ -9,7 +9,8 @@ namespace lvx::runtime {
 
 LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
                              const at::Tensor& all_labels, const models::ModelOutputs& out,
-                             const std::vector<std::string>& names) {
+                             const std::vector<std::string>& names, int64_t bucket,
+                             const GradBucketFn& take) {
   const at::Tensor labels =
       all_labels.index_select(1, out.positions.to(all_labels.device())).to(out.logits.device());
   at::Tensor count = labels.ne(-100).sum().to(at::kDouble).reshape({1});
@@ -19,20 +20,33 @@ LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
   const at::Tensor local_sum = at::cross_entropy_loss(logits, labels.reshape({-1}), /*weight=*/{},
                                                       at::Reduction::Sum, /*ignore_index=*/-100);
   (local_sum / count.item<double>()).backward();
-  int64_t total = 0;
-  for (const auto& n : names) total += model.parameters().at(n).numel();
   LocalBackward r;
-  r.flat = at::empty({total}, out.logits.options().dtype(at::kFloat));
-  int64_t off = 0;
-  for (const auto& n : names) {
-    at::Tensor& t = model.parameters().at(n);
-    at::Tensor dst = r.flat.narrow(0, off, t.numel());
-    if (t.grad().defined())
-      dst.copy_(t.grad().reshape({-1}));
+  // Buckets [first, last) of parameters, each copied into a fresh flat fp32 vector.
+  size_t first = 0;
+  int64_t offset = 0;
+  while (first < names.size()) {
+    size_t last = first;
+    int64_t total = 0;
+    while (last < names.size() && (bucket <= 0 || total < bucket))
+      total += model.parameters().at(names[last++]).numel();
+    at::Tensor flat = at::empty({total}, out.logits.options().dtype(at::kFloat));
+    int64_t off = 0;
+    for (size_t i = first; i < last; ++i) {
+      at::Tensor& t = model.parameters().at(names[i]);
+      at::Tensor dst = flat.narrow(0, off, t.numel());
+      if (t.grad().defined())
+        dst.copy_(t.grad().reshape({-1}));
+      else
+        dst.zero_();
+      t.mutable_grad() = at::Tensor();
+      off += t.numel();
+    }
+    if (bucket > 0 && take)
+      take(offset, flat);
     else
-      dst.zero_();
-    t.mutable_grad() = at::Tensor();
-    off += t.numel();
+      r.flat = flat;
+    offset += total;
+    first = last;
   }
   at::Tensor sum = local_sum.detach().to(at::kDouble).reshape({1});
   pg.all_reduce(sum);

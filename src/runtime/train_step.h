@@ -28,13 +28,20 @@ using ParamFilter = std::function<bool(const std::string&)>;
 // (mean over `pg`'s labels, reduced over `pg` only) and this rank's own gradients of the
 // parameters `names` (in that order) as one flat fp32 vector. Each parameter's .grad is copied
 // into the flat vector and released at once, so gradients are held about once, not twice.
+// With `bucket` > 0 the gradients are handed over in buckets instead: consecutive parameters of
+// at least `bucket` elements in all (the last one less), each bucket's .grad released as it is
+// copied, and `take(offset, flat)` called with the bucket's flat fp32 gradients and its first
+// element's offset in the whole vector (LocalBackward::flat stays undefined). Gradients then
+// take one bucket of fp32 beyond the parameters' .grad at any moment (ZeRO stage 2's buckets).
 struct LocalBackward {
   at::Tensor loss;  // float32 scalar
   at::Tensor flat;  // float32 [Σ numel(names)], not reduced across ranks
 };
+using GradBucketFn = std::function<void(int64_t offset, at::Tensor& flat)>;
 LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
                              const at::Tensor& all_labels, const models::ModelOutputs& out,
-                             const std::vector<std::string>& names);
+                             const std::vector<std::string>& names, int64_t bucket = 0,
+                             const GradBucketFn& take = nullptr);
 
 std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::Model& model,
                                                 const at::Tensor& all_labels,
