@@ -99,18 +99,22 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   // Weights and optimizer state.
   t.weights = s == "parameters" ? e * (psi - psi_t) + e * psi_t / n + 2 * e * block : e * psi;
   t.optimizer = 12 * psi_t / (sharded ? n : 1);
-  // Gradients at their three moments.
+  // Gradients: the flat buffer the parameters' .grad view during the backward (e·Ψt; its fp32
+  // copy when e != 4), then the reduction and the update.
+  const double convert = e != 4 ? 4 * psi_t : 0;
   const double accumulate = o.grad_accum > 1 ? 4 * psi_t : 0;
   const double bucket = std::min(psi_t, static_cast<double>(o.bucket)) * 4;
-  double g_backward = e * psi_t, g_reduce = 0, g_update = 0;
-  if (s == "none" || s == "optimizer") {
-    g_reduce = std::max(e, 4.0) * psi_t + accumulate;
-    g_update = s == "none" ? 4 * psi_t : 4 * psi_t / n + e * psi_t;
+  double g_reduce = 0, g_update = 0;
+  if (s == "none") {
+    g_reduce = e * psi_t + convert + accumulate + (o.ranks > 1 ? 4 * psi_t / n : 0);
+    g_update = 4 * psi_t;
+  } else if (s == "optimizer") {
+    g_reduce = e * psi_t + convert + accumulate + 8 * psi_t / n;
+    g_update = 4 * psi_t / n + e * psi_t;
   } else if (s == "gradients") {
-    g_reduce = e * psi_t + bucket + 4 * psi_t / n;
+    g_reduce = e * psi_t + convert + 4 * psi_t / n + bucket;
     g_update = 4 * psi_t / n + e * psi_t;
   } else {
-    g_backward = 2 * e * block;
     g_reduce = 2 * e * block + bucket + 4 * psi_t / n;
     g_update = 4 * psi_t / n;
   }
@@ -139,11 +143,14 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   saved += l_rank * (e + 8) * static_cast<double>(pc.vocab);  // logits, fp32 copy, log-softmax
   t.activations = saved;
   t.attention = working;
-  t.visual = v_rank * static_cast<double>(m.visual_feature_dim) * e;
-  t.gradients = std::max({g_backward, g_reduce, g_update});
-  const double phases = std::max({t.activations + t.attention + t.visual + g_backward, g_reduce,
-                                  g_update});
-  t.total = t.weights + t.optimizer + phases;
+  // The visual features y of this rank's frames, and the vision tower's largest transient while
+  // it encodes them (hidden states in and out, the MLP's intermediate; frozen: nothing saved).
+  t.visual = v_rank * static_cast<double>(m.visual_feature_dim) * e +
+             v_rank * static_cast<double>(2 * m.vision.hidden_size + m.vision.mlp_size) * e;
+  t.gradients = std::max(g_reduce, g_update);
+  // Activation memory freed in the backward stays with the allocator (glibc's heap on the CPU,
+  // the caching allocator on a GPU), so it adds to the gradients' largest moment.
+  t.total = t.weights + t.optimizer + t.activations + t.attention + t.visual + t.gradients;
   t.fits = device_bytes <= 0 || t.total <= device_bytes;
   return t;
 }

@@ -12,21 +12,23 @@
 //   weights     e·Ψ; stage parameters: e·(Ψ−Ψt) + e·Ψt/n + 2·e·(largest block) (one block
 //               gathered, the next prefetched)
 //   optimizer   12·Ψt fp32 masters and two moments; /n from stage optimizer on
-//   gradients   the largest of three moments of a step:
-//                 backward     e·Ψt of .grad (stage parameters: 2 blocks) beside the activations
-//                 reduction    none/optimizer: max(e,4)·Ψt flat fp32 (+4·Ψt accumulator when
-//                              A > 1); gradients: e·Ψt + one bucket + 4·Ψt/n; parameters: 4·Ψt/n
-//                              + one bucket
-//                 update       none: 4·Ψt; sharded: 4·Ψt/n + e·Ψt gathered (parameters: 4·Ψt/n)
+//   gradients   the larger of two moments of a step (the parameters' .grad are views of one
+//               flat buffer of e·Ψt, plus its fp32 copy when e != 4: "conv"):
+//                 reduction  none: e·Ψt + conv + 4·Ψt/n (the ring's receive buffer, n > 1)
+//                            (+4·Ψt accumulator when A > 1); optimizer: e·Ψt + conv (+4·Ψt)
+//                            + 8·Ψt/n (reduce-scatter buffer, shard); gradients: e·Ψt + conv +
+//                            4·Ψt/n + one bucket; parameters: 2 blocks + one bucket + 4·Ψt/n
+//                 update     none: 4·Ψt; sharded: 4·Ψt/n + e·Ψt gathered (parameters: 4·Ψt/n)
 //   activations saved for the backward, per LM block and text token on this rank (L/S):
 //               (4h + 4m)·e (norms, residuals, MLP), remat: h·e (the block input only); per
 //               attention layer q, k, v, o and lse; per cross layer x, o, lse and, without
 //               recompute, its K/V of this rank's visual tokens; logits (e + 8)·V per token
 //   attention   the largest layer's working set: its K/V blocks in flight (two ring buffers) and
 //               the fp32 output/gradient accumulators of its queries
-//   visual      this rank's visual features y (F·T/S tokens × feature width), kept once
-// peak = weights + optimizer + max(activations + attention + visual + backward gradients,
-//                                   reduction gradients, update gradients)
+//   visual      this rank's visual features y (F·T/S tokens × feature width), kept once, and the
+//               vision tower's transient while encoding them (2 hidden + MLP width per token)
+// peak = weights + optimizer + activations + attention + visual + gradients (activation memory
+// freed in the backward stays with the allocator, glibc's heap or the CUDA caching allocator)
 #pragma once
 
 #include <cstdint>

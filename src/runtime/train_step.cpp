@@ -19,34 +19,45 @@ LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
   const at::Tensor logits = out.logits.to(at::kFloat).reshape({-1, out.logits.size(-1)});
   const at::Tensor local_sum = at::cross_entropy_loss(logits, labels.reshape({-1}), /*weight=*/{},
                                                       at::Reduction::Sum, /*ignore_index=*/-100);
-  (local_sum / count.item<double>()).backward();
-  LocalBackward r;
-  // Buckets [first, last) of parameters, each copied into a fresh flat fp32 vector.
-  size_t first = 0;
-  int64_t offset = 0;
-  while (first < names.size()) {
-    size_t last = first;
-    int64_t total = 0;
-    while (last < names.size() && (bucket <= 0 || total < bucket))
-      total += model.parameters().at(names[last++]).numel();
-    at::Tensor flat = at::empty({total}, out.logits.options().dtype(at::kFloat));
+  // Every parameter's .grad is a view of one zeroed flat buffer, so autograd accumulates into it
+  // in place (0 + g = g exactly) and the gradients exist once, already flat.
+  int64_t total = 0;
+  for (const auto& n : names) total += model.parameters().at(n).numel();
+  LVX_CHECK(!names.empty(), "backward: no parameter trains");
+  at::Tensor flat = at::zeros({total}, model.parameters().at(names.front()).options());
+  {
     int64_t off = 0;
-    for (size_t i = first; i < last; ++i) {
-      at::Tensor& t = model.parameters().at(names[i]);
-      at::Tensor dst = flat.narrow(0, off, t.numel());
-      if (t.grad().defined())
-        dst.copy_(t.grad().reshape({-1}));
-      else
-        dst.zero_();
-      t.mutable_grad() = at::Tensor();
+    for (const auto& n : names) {
+      at::Tensor& t = model.parameters().at(n);
+      LVX_CHECK(t.scalar_type() == flat.scalar_type(), "backward: parameter '", n, "' is ",
+                t.scalar_type(), ", the others ", flat.scalar_type());
+      t.mutable_grad() = flat.narrow(0, off, t.numel()).view(t.sizes());
       off += t.numel();
     }
-    if (bucket > 0 && take)
-      take(offset, flat);
-    else
-      r.flat = flat;
-    offset += total;
-    first = last;
+  }
+  (local_sum / count.item<double>()).backward();
+  for (const auto& n : names) {
+    at::Tensor& t = model.parameters().at(n);
+    t.mutable_grad() = at::Tensor();
+  }
+  flat = flat.to(at::kFloat);  // no copy for fp32 parameters
+  LocalBackward r;
+  if (bucket > 0 && take) {
+    // Buckets of whole consecutive parameters, views of the flat vector.
+    size_t first = 0;
+    int64_t offset = 0;
+    while (first < names.size()) {
+      int64_t size = 0;
+      size_t last = first;
+      while (last < names.size() && size < bucket)
+        size += model.parameters().at(names[last++]).numel();
+      at::Tensor part = flat.narrow(0, offset, size);
+      take(offset, part);
+      offset += size;
+      first = last;
+    }
+  } else {
+    r.flat = flat;
   }
   at::Tensor sum = local_sum.detach().to(at::kDouble).reshape({1});
   pg.all_reduce(sum);

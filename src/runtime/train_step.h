@@ -26,13 +26,12 @@ using ParamFilter = std::function<bool(const std::string&)>;
 // The backward of one sample without the cross-rank gradient sum (sharded training state and
 // data-parallel groups reduce over another group, src/runtime/sharded_state.h): "loss" as above
 // (mean over `pg`'s labels, reduced over `pg` only) and this rank's own gradients of the
-// parameters `names` (in that order) as one flat fp32 vector. Each parameter's .grad is copied
-// into the flat vector and released at once, so gradients are held about once, not twice.
-// With `bucket` > 0 the gradients are handed over in buckets instead: consecutive parameters of
-// at least `bucket` elements in all (the last one less), each bucket's .grad released as it is
-// copied, and `take(offset, flat)` called with the bucket's flat fp32 gradients and its first
-// element's offset in the whole vector (LocalBackward::flat stays undefined). Gradients then
-// take one bucket of fp32 beyond the parameters' .grad at any moment (ZeRO stage 2's buckets).
+// parameters `names` (in that order, one dtype) as one flat fp32 vector. The parameters' .grad
+// are views of that one zeroed buffer while the backward runs (autograd accumulates into them in
+// place, 0 + g = g exactly), so gradients are held once, already flat; .grad is undefined after.
+// With `bucket` > 0 the flat vector is handed to `take(offset, part)` in buckets instead (views:
+// consecutive whole parameters of at least `bucket` elements, the last one less; offset = the
+// bucket's first element), and LocalBackward::flat stays undefined.
 struct LocalBackward {
   at::Tensor loss;  // float32 scalar
   at::Tensor flat;  // float32 [Σ numel(names)], not reduced across ranks
