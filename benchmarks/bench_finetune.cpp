@@ -86,13 +86,15 @@ int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string
   const planner::ModelConfig m = runtime::planner_model(model_dir);
   const planner::ParamCounts counts = runtime::count_parameters(model_dir, m, "vision");
   const double gib = double(int64_t{1} << 30);
-  std::printf("mPLUG-Owl3 (random) hidden %s, %s layers: %.3f B parameters, %.3f B train "
-              "(freeze vision), fp32; %s frames/sample, %s steps\n\n",
-              p.get("hidden").c_str(), p.get("layers").c_str(), counts.total / 1e9,
-              counts.trainable / 1e9, p.get("frames").c_str(), p.get("steps").c_str());
-  std::printf("| shard | ranks | samples/s | peak RSS/rank GiB (measured) | predicted GiB | "
-              "measured/predicted | state bytes/step/rank | formula |\n"
-              "|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "mPLUG-Owl3 (random) hidden %s, %s layers: %.3f B parameters, %.3f B train "
+      "(freeze vision), fp32; %s frames/sample, %s steps\n\n",
+      p.get("hidden").c_str(), p.get("layers").c_str(), counts.total / 1e9, counts.trainable / 1e9,
+      p.get("frames").c_str(), p.get("steps").c_str());
+  std::printf(
+      "| shard | ranks | samples/s | peak RSS/rank GiB (measured) | predicted GiB | "
+      "measured/predicted | state bytes/step/rank | formula |\n"
+      "|---|---|---|---|---|---|---|---|\n");
   const double host = p.get_double("host-gib") * gib;
   for (const std::string& stage : p.get_list("stages")) {
     for (const std::string& ws : p.get_list("worlds")) {

@@ -569,6 +569,20 @@ TEST(FinetuneShard, ResumeAtAnotherWorldSizeReshards) {
               << "\n";
     EXPECT_LE(d, kShardTol);
   }
+  // Kill -9 of one rank after the step-2 checkpoint, then --resume at the same rank count and
+  // stage: bitwise the uninterrupted run (the same arithmetic repeats).
+  const std::string ck = (dir() / "ck_rs_kill").string();
+  fs::remove_all(ck);
+  const std::string config = write_config("rs_kill", ck, 3);
+  const std::string flags =
+      "optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=2 "
+      "parallel.shard=gradients";
+  const std::string killed = finetune(config, flags, "LVX_FAULT_KILL=1@2");
+  EXPECT_NE(killed.find("exit status"), std::string::npos) << killed;
+  ASSERT_EQ(fs::path(latest(ck)).filename(), "step-000002");
+  const std::string resumed = finetune(config, "--resume " + flags);
+  ASSERT_EQ(resumed.find("exit status"), std::string::npos) << resumed;
+  EXPECT_EQ(state_diff(latest(full), latest(ck)), 0.0) << "not bitwise equal";
 }
 
 TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {

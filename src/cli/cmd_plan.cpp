@@ -88,11 +88,11 @@ int cmd_plan(int argc, char** argv) {
     if (counts.vocab == 0)
       std::cout << "note: the model has no vocab_size: the logits' memory is not counted\n";
     std::cout << "parameters: " << counts.total << " (" << counts.trainable << " train under "
-              << "freeze " << p.get("freeze") << (counts.exact ? ", counted" : ", estimated")
-              << ")" << (mo.lora_r > 0 ? lvx::str("; LoRA r=", mo.lora_r, ": ",
-                                                  lvx::planner::lora_parameters(model, mo.lora_r),
-                                                  " adapter parameters train")
-                                       : std::string())
+              << "freeze " << p.get("freeze") << (counts.exact ? ", counted" : ", estimated") << ")"
+              << (mo.lora_r > 0 ? lvx::str("; LoRA r=", mo.lora_r, ": ",
+                                           lvx::planner::lora_parameters(model, mo.lora_r),
+                                           " adapter parameters train")
+                                : std::string())
               << "\n";
   }
   if (max_frames) {
@@ -107,14 +107,18 @@ int cmd_plan(int argc, char** argv) {
       if (!fits(0)) return int64_t{-1};
       while (lo < hi) {
         const int64_t mid = (lo + hi + 1) / 2;
-        if (fits(mid)) lo = mid; else hi = mid - 1;
+        if (fits(mid))
+          lo = mid;
+        else
+          hi = mid - 1;
       }
       return lo;
     };
     nlohmann::json rows = nlohmann::json::array();
     const int64_t given = most(mo);
-    std::cout << "max frames (shard " << mo.shard << ", sp-size " << (mo.sp_size ? mo.sp_size : mo.ranks)
-              << ", recompute " << mo.recompute << ", remat " << mo.remat << "): "
+    std::cout << "max frames (shard " << mo.shard << ", sp-size "
+              << (mo.sp_size ? mo.sp_size : mo.ranks) << ", recompute " << mo.recompute
+              << ", remat " << mo.remat << "): "
               << (given < 0 ? std::string("none fit (the state alone exceeds the device)")
                             : std::to_string(given))
               << "\n";
@@ -128,8 +132,8 @@ int cmd_plan(int argc, char** argv) {
           o.recompute = rc;
           o.remat = rm;
           const int64_t f = most(o);
-          rows.push_back({{"shard", stage}, {"recompute", bool(rc)}, {"remat", bool(rm)},
-                          {"max_frames", f}});
+          rows.push_back(
+              {{"shard", stage}, {"recompute", bool(rc)}, {"remat", bool(rm)}, {"max_frames", f}});
           if (f > best_frames) best_frames = f, best = o;
         }
     std::cout << "best: " << best_frames << " frames with shard " << best.shard
@@ -140,8 +144,11 @@ int cmd_plan(int argc, char** argv) {
     if (!json_path.empty()) {
       std::ofstream f(json_path);
       f << nlohmann::json{{"max_frames", given},
-                          {"best", {{"max_frames", best_frames}, {"shard", best.shard},
-                                    {"recompute", best.recompute}, {"remat", best.remat}}},
+                          {"best",
+                           {{"max_frames", best_frames},
+                            {"shard", best.shard},
+                            {"recompute", best.recompute},
+                            {"remat", best.remat}}},
                           {"choices", rows},
                           {"fits", given >= 0}}
                .dump(2)
@@ -172,8 +179,8 @@ int cmd_plan(int argc, char** argv) {
   std::cout << lvx::planner::format_table(plan);
   nlohmann::json j = lvx::planner::to_json(plan);
   if (p.flag("train")) {
-    const lvx::planner::TrainMemory tm = lvx::planner::train_memory(
-        model, counts, w.frames, w.text_tokens, tpf, mo, device);
+    const lvx::planner::TrainMemory tm =
+        lvx::planner::train_memory(model, counts, w.frames, w.text_tokens, tpf, mo, device);
     std::cout << lvx::planner::format_memory(tm);
     j["train_memory"] = lvx::planner::to_json(tm);
     j["fits"] = plan.fits && tm.fits;

@@ -286,7 +286,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::adopt(const std::string& torch_group
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::subgroup(const std::shared_ptr<ProcessGroup>& parent,
-                                                   int first, int size) {
+                                                     int first, int size) {
   const int pr = parent->rank();
   LVX_CHECK(first >= 0 && size >= 1 && first + size <= parent->world_size() && pr >= first &&
                 pr < first + size,
@@ -848,13 +848,18 @@ at::Tensor ProcessGroup::reduce_scatter(at::Tensor& tensor, const std::vector<in
   if (w == 1) return tensor;
   auto reduce_into = [&](at::Tensor dst, const at::Tensor& src) {
     switch (op) {
-      case ReduceOp::kSum: dst.add_(src); break;
-      case ReduceOp::kMax: at::maximum_out(dst, dst, src); break;
-      case ReduceOp::kMin: at::minimum_out(dst, dst, src); break;
+      case ReduceOp::kSum:
+        dst.add_(src);
+        break;
+      case ReduceOp::kMax:
+        at::maximum_out(dst, dst, src);
+        break;
+      case ReduceOp::kMin:
+        at::minimum_out(dst, dst, src);
+        break;
     }
   };
-  at::Tensor tmp =
-      at::empty({*std::max_element(splits.begin(), splits.end())}, tensor.options());
+  at::Tensor tmp = at::empty({*std::max_element(splits.begin(), splits.end())}, tensor.options());
   // After w−1 steps rank r holds the full reduction of chunk r: at step s it sends its partial
   // of chunk r−s−1 and adds the previous rank's partial of chunk r−s−2.
   for (int s = 0; s + 1 < w; ++s) {

@@ -79,8 +79,8 @@ int64_t lora_parameters(const ModelConfig& m, int64_t r) {
 }
 
 TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t frames,
-                         int64_t text_tokens, int64_t tokens_per_frame,
-                         const TrainMemoryOptions& o, double device_bytes) {
+                         int64_t text_tokens, int64_t tokens_per_frame, const TrainMemoryOptions& o,
+                         double device_bytes) {
   LVX_CHECK(o.ranks >= 1, "train memory: ranks must be >= 1, got ", o.ranks);
   const double n = static_cast<double>(o.ranks);
   const double S = static_cast<double>(o.sp_size > 0 ? o.sp_size : o.ranks);
@@ -120,8 +120,7 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   }
   // Activations saved for the backward (this rank's L/S text tokens).
   const double l_rank = static_cast<double>(text_tokens) / S;
-  const double v_rank =
-      static_cast<double>(frames) * static_cast<double>(tokens_per_frame) / S;
+  const double v_rank = static_cast<double>(frames) * static_cast<double>(tokens_per_frame) / S;
   double saved = 0, working = 0;
   for (const auto& l : m.layers) {
     const double h = static_cast<double>(l.hidden_size), mlp = static_cast<double>(l.mlp_size);
@@ -136,8 +135,8 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
     } else {
       saved += l_rank * (h * e + q * e + lse);
       if (!o.recompute) saved += v_rank * 2 * kv * e;
-      working = std::max(working, 2 * v_rank * 2 * kv * e + l_rank * (q * 4 + q * 4) +
-                                      v_rank * 2 * kv * 4);
+      working = std::max(working,
+                         2 * v_rank * 2 * kv * e + l_rank * (q * 4 + q * 4) + v_rank * 2 * kv * 4);
     }
   }
   saved += l_rank * (e + 8) * static_cast<double>(pc.vocab);  // logits, fp32 copy, log-softmax
@@ -156,10 +155,14 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
 }
 
 nlohmann::json to_json(const TrainMemory& t) {
-  return {{"weights_bytes", t.weights},         {"gradients_bytes", t.gradients},
-          {"optimizer_bytes", t.optimizer},     {"activations_bytes", t.activations},
-          {"attention_bytes", t.attention},     {"visual_bytes", t.visual},
-          {"peak_bytes", t.total},              {"device_bytes", t.device},
+  return {{"weights_bytes", t.weights},
+          {"gradients_bytes", t.gradients},
+          {"optimizer_bytes", t.optimizer},
+          {"activations_bytes", t.activations},
+          {"attention_bytes", t.attention},
+          {"visual_bytes", t.visual},
+          {"peak_bytes", t.total},
+          {"device_bytes", t.device},
           {"fits", t.fits}};
 }
 
@@ -167,10 +170,9 @@ std::string format_memory(const TrainMemory& t) {
   std::ostringstream os;
   os << "memory per rank: weights " << gib(t.weights) << ", gradients " << gib(t.gradients)
      << " (at their largest), optimizer state " << gib(t.optimizer) << ", saved activations "
-     << gib(t.activations) << ", attention working set " << gib(t.attention)
-     << ", visual features " << gib(t.visual) << "; peak " << gib(t.total);
-  if (t.device > 0)
-    os << " of " << gib(t.device) << (t.fits ? " (fits)" : " (DOES NOT FIT)");
+     << gib(t.activations) << ", attention working set " << gib(t.attention) << ", visual features "
+     << gib(t.visual) << "; peak " << gib(t.total);
+  if (t.device > 0) os << " of " << gib(t.device) << (t.fits ? " (fits)" : " (DOES NOT FIT)");
   os << "\n";
   return os.str();
 }

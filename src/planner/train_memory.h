@@ -43,9 +43,9 @@ namespace lvx::planner {
 // estimated from the shapes of a YAML config otherwise (estimate_parameters).
 struct ParamCounts {
   int64_t total = 0;
-  int64_t trainable = 0;   // under the freeze policy (LoRA: the adapters only)
-  int64_t vocab = 0;       // rows of the output projection (logits per token)
-  int64_t max_block = 0;   // parameters of the largest decoder block
+  int64_t trainable = 0;  // under the freeze policy (LoRA: the adapters only)
+  int64_t vocab = 0;      // rows of the output projection (logits per token)
+  int64_t max_block = 0;  // parameters of the largest decoder block
   bool exact = false;
 };
 
@@ -66,8 +66,8 @@ struct TrainMemoryOptions {
   bool recompute = false;
   bool remat = false;
   int64_t grad_accum = 1;
-  int64_t elem_bytes = 2;                 // e: the model dtype's
-  int64_t bucket = int64_t{1} << 24;      // gradient bucket elements (stage gradients)
+  int64_t elem_bytes = 2;             // e: the model dtype's
+  int64_t bucket = int64_t{1} << 24;  // gradient bucket elements (stage gradients)
 };
 
 struct TrainMemory {
@@ -79,8 +79,8 @@ struct TrainMemory {
 
 // Per-rank memory for frames × tokens_per_frame visual tokens and text_tokens of text.
 TrainMemory train_memory(const ModelConfig& m, const ParamCounts& params, int64_t frames,
-                         int64_t text_tokens, int64_t tokens_per_frame,
-                         const TrainMemoryOptions& o, double device_bytes);
+                         int64_t text_tokens, int64_t tokens_per_frame, const TrainMemoryOptions& o,
+                         double device_bytes);
 
 nlohmann::json to_json(const TrainMemory& t);
 std::string format_memory(const TrainMemory& t);

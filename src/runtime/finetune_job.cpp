@@ -539,7 +539,8 @@ int run_finetune_rank(const FinetuneJob& job) {
   for (int64_t step = start; step < cfg.schedule.steps; ++step) {
     fault_kill(r, step);
     const auto t0 = std::chrono::steady_clock::now();
-    at::Tensor acc;  // summed gradients: flat [Ψ] (none, optimizer) or this rank's shard (gradients)
+    at::Tensor
+        acc;  // summed gradients: flat [Ψ] (none, optimizer) or this rank's shard (gradients)
     // Bytes this rank sent for the training state this step (gradient reduction, parameter
     // all-gather, norm): the counters sharded_state.h's formulas are checked against.
     int64_t state_bytes = 0;
@@ -621,9 +622,9 @@ int run_finetune_rank(const FinetuneJob& job) {
         counted([&] { mine = pg->reduce_scatter(flat, splits); });
         if (mine_e > mine_b) acc.narrow(0, mine_b - sopt.begin(), mine_e - mine_b).add_(mine);
       };
-      LocalBackward lb = backward_local(
-          *sp_pg, *model, labels, out, layout.names,
-          stage == ShardStage::kGradients ? gradient_bucket() : 0, take);
+      LocalBackward lb =
+          backward_local(*sp_pg, *model, labels, out, layout.names,
+                         stage == ShardStage::kGradients ? gradient_bucket() : 0, take);
       loss += lb.loss.item<double>();
       if (stage != ShardStage::kGradients) {
         if (stage == ShardStage::kNone) counted([&] { pg->all_reduce(lb.flat); });
@@ -707,7 +708,8 @@ int run_finetune_rank(const FinetuneJob& job) {
       if (plain && (done % cfg.logging.every == 0 || step + 1 == cfg.schedule.steps)) {
         std::printf("step %lld/%lld  loss %.4f  lr %.3g  grad norm %.3g  %.0f tok/s  ETA %s\n",
                     static_cast<long long>(step + 1), static_cast<long long>(cfg.schedule.steps),
-                    loss, sharded ? sopt.last_lr() : opt.last_lr(), norm, tokens_run / elapsed, hms(eta).c_str());
+                    loss, sharded ? sopt.last_lr() : opt.last_lr(), norm, tokens_run / elapsed,
+                    hms(eta).c_str());
         std::fflush(stdout);
       }
     }
@@ -721,28 +723,26 @@ int run_finetune_rank(const FinetuneJob& job) {
         if (r == 0) begin_train_checkpoint(cfg.checkpoint.dir, step + 1);
         pg->barrier();
         const std::string tmp = cfg.checkpoint.dir + "/" + checkpoint_name(step + 1) + ".partial";
-        ranks_write(*pg, step + 1, true,
-                    [&] { save_optimizer_shard(tmp, sopt, n, r, step + 1); });
+        ranks_write(*pg, step + 1, true, [&] { save_optimizer_shard(tmp, sopt, n, r, step + 1); });
         for (int q = 0; q < n; ++q) shard_files.push_back(optimizer_shard_name(q, n));
       }
       rank0_writes(*pg, step + 1, [&] {
         const int64_t k = seen0 + (step + 1 - start) * cfg.optimizer.grad_accum * dp;
-        nlohmann::json state = {{"step", step + 1},
-                                {"data",
-                                 {{"train", cfg.data.train},
-                                  {"samples", samples},
-                                  {"seed", cfg.data.seed},
-                                  {"shuffle", cfg.data.shuffle},
-                                  {"samples_seen", k},
-                                  {"epoch", k / samples},
-                                  {"position", k % samples}}},
-                                {"world_size", n},
-                                {"freeze_policy", cfg.freeze.policy},
-                                {"optimizer",
-                                 {{"shard", shard_stage_name(stage)},
-                                  {"world_size", n},
-                                  {"layout", layout.to_json()}}},
-                                {"config", to_yaml(cfg)}};
+        nlohmann::json state = {
+            {"step", step + 1},
+            {"data",
+             {{"train", cfg.data.train},
+              {"samples", samples},
+              {"seed", cfg.data.seed},
+              {"shuffle", cfg.data.shuffle},
+              {"samples_seen", k},
+              {"epoch", k / samples},
+              {"position", k % samples}}},
+            {"world_size", n},
+            {"freeze_policy", cfg.freeze.policy},
+            {"optimizer",
+             {{"shard", shard_stage_name(stage)}, {"world_size", n}, {"layout", layout.to_json()}}},
+            {"config", to_yaml(cfg)}};
         const std::string dir = save_train_checkpoint(
             cfg.checkpoint.dir, step + 1, model_files, model->parameters(),
             sharded ? std::map<std::string, at::Tensor>{} : opt.state_tensors(), state,

@@ -97,8 +97,10 @@ double ShardedAdamW::step(dist::ProcessGroup& pg, at::Tensor g,
             " elements, this rank owns ", end_ - begin_);
   at::AutoGradMode no_grad(false);
   g = g.to(at::kFloat);
-  // The global L2 norm: every rank's sum of squares (fp64), summed over the ranks.
-  at::Tensor sq = g.to(at::kDouble).square().sum().reshape({1});
+  // The global L2 norm: every rank's sum of squares (from its shard's norm, no copy of the
+  // shard), summed over the ranks in fp64.
+  const double local = at::linalg_vector_norm(g, 2).item<double>();
+  at::Tensor sq = at::full({1}, local * local, g.options().dtype(at::kDouble));
   pg.all_reduce(sq);
   const double norm = std::sqrt(sq.item<double>());
   if (!std::isfinite(norm)) throw NonFiniteGradient(str("the gradient norm is ", norm));
@@ -118,7 +120,8 @@ double ShardedAdamW::step(dist::ProcessGroup& pg, at::Tensor g,
   if (opt_.weight_decay != 0) master_.mul_(1 - lr * opt_.weight_decay);
   exp_avg_.lerp_(g, 1 - b1);
   exp_avg_sq_.mul_(b2).addcmul_(g, g, 1 - b2);
-  const at::Tensor denom = (exp_avg_sq_.sqrt() / bias2_sqrt).add_(opt_.eps);
+  at::Tensor denom = exp_avg_sq_.sqrt();  // one shard-sized temporary
+  denom.div_(bias2_sqrt).add_(opt_.eps);
   master_.addcdiv_(exp_avg_, denom, -step_size);
   // Every rank's updated shard, in the parameters' dtype, into every rank's parameters.
   const at::ScalarType dtype = params.at(layout_.names.front()).scalar_type();

@@ -18,8 +18,9 @@
 //   gradients  A · (n−1)/n · 4Ψ + (n−1)/n · s_pΨ
 // (plus a few scalars: the loss, the label count and the gradient norm). Each stage computes
 // the same update as `none` elementwise; only the gradient sums (order of additions across ranks
-// and samples) and the global norm (one fp64 sum of squares instead of a norm of per-tensor fp32
-// norms) round differently, so parameters agree with `none` to fp32 rounding, not bitwise.
+// and samples) and the global norm (the shards' fp32 norms squared and summed in fp64, instead of
+// a norm of per-tensor fp32 norms) round differently, so parameters agree with `none` to fp32
+// rounding, not bitwise.
 //
 // Checkpoints: the weights stay one consolidated model.safetensors (parameters are whole on every
 // rank after the all-gather); the optimizer state is written by every rank beside it as
