@@ -612,4 +612,10 @@ TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
   const std::string log =
       finetune(write_config("dp_bad", ck, 3), "parallel.nproc=3 parallel.sp_size=2");
   EXPECT_NE(log.find("parallel.sp_size: 2 does not divide the 3 ranks"), std::string::npos) << log;
+  // Stage 3 is refused before any rank starts, naming what runs instead.
+  const std::string s3 = finetune(write_config("dp_bad", ck, 3), "parallel.shard=parameters");
+  EXPECT_NE(s3.find("parallel.shard: 'parameters'"), std::string::npos) << s3;
+  const std::string typo = finetune(write_config("dp_bad", ck, 3), "parallel.shard=zero2");
+  EXPECT_NE(typo.find("parallel.shard"), std::string::npos) << typo;
+  EXPECT_FALSE(fs::exists(ck + "/latest"));
 }

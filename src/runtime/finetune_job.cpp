@@ -381,6 +381,13 @@ TrainConfig validate_finetune_job(const FinetuneJob& job) {
   const TrainConfig cfg = load_train_config(job.config, job.overrides);
   check_model_dir(cfg.model.path, "model.path");
   if (cfg.parallel.strategies != "auto") explicit_strategies(cfg.parallel.strategies, 1);
+  LVX_CHECK(cfg.parallel.sp_size == 0 || cfg.parallel.nproc % cfg.parallel.sp_size == 0,
+            "parallel.sp_size: ", cfg.parallel.sp_size, " does not divide the ",
+            cfg.parallel.nproc, " ranks (world = data-parallel groups × sp_size)");
+  LVX_CHECK(cfg.parallel.shard != "parameters",
+            "parallel.shard: 'parameters' (ZeRO stage 3, parameters gathered per layer) is not ",
+            "run yet; use 'gradients' (stage 2) or 'optimizer' (stage 1). lvx plan --train ",
+            "--shard parameters prices it");
   if (!cfg.parallel.cluster.empty()) check_regular_file(cfg.parallel.cluster, "parallel.cluster");
   const int64_t samples =
       static_cast<int64_t>(load_training_data(cfg, /*probe_videos=*/true).size());

@@ -120,9 +120,11 @@ double ShardedAdamW::step(dist::ProcessGroup& pg, at::Tensor g,
   if (opt_.weight_decay != 0) master_.mul_(1 - lr * opt_.weight_decay);
   exp_avg_.lerp_(g, 1 - b1);
   exp_avg_sq_.mul_(b2).addcmul_(g, g, 1 - b2);
-  at::Tensor denom = exp_avg_sq_.sqrt();  // one shard-sized temporary
-  denom.div_(bias2_sqrt).add_(opt_.eps);
-  master_.addcdiv_(exp_avg_, denom, -step_size);
+  {
+    at::Tensor denom = exp_avg_sq_.sqrt();  // one shard-sized temporary, freed before the gather
+    denom.div_(bias2_sqrt).add_(opt_.eps);
+    master_.addcdiv_(exp_avg_, denom, -step_size);
+  }
   // Every rank's updated shard, in the parameters' dtype, into every rank's parameters.
   const at::ScalarType dtype = params.at(layout_.names.front()).scalar_type();
   std::vector<int64_t> sizes(static_cast<size_t>(world_));
