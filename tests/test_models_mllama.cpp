@@ -1,0 +1,191 @@
+// Llama-3.2-Vision (Mllama) conformance: a tiny random checkpoint saved by transformers'
+// MllamaForConditionalGeneration.save_pretrained (the released layout) and the expected logits,
+// loss and gradients of transformers itself in float64 (tests/reference/mllama_ref.py), on a
+// batch as MllamaProcessor lays it out (pixel_values [B, images, tiles, 3, S, S],
+// aspect_ratio_ids, aspect_ratio_mask, cross_attention_mask; text before the first image, so
+// transformers' all-keys rows are exercised, a run of two consecutive images, a padding image).
+// `lvx forward` must match it at world sizes 1–4 for lv_xattn and the baselines (ring,
+// all_gather) on the cross layers and ring / striped / distflash on the self layers, with and
+// without K/V recomputation and rematerialization. Tolerance (fp32 run vs fp64 reference):
+// logits and loss within 1e-4 absolute (logits are O(1–10)), every gradient within 1e-4 of its
+// largest element, as the other families' conformance tests.
+//
+// The mask pieces (models/mllama/mask.h) are checked against independent statements of the
+// processor's and the model's rules first.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "models/mllama/mask.h"
+#include "src/common/error.h"
+#include "src/common/safetensors.h"
+#include "tests/model_conformance.h"
+#include "tests/reference_mask.h"
+
+namespace {
+
+using namespace lvx::testing;
+namespace fs = std::filesystem;
+namespace mllama = lvx::models::mllama;
+
+std::string ref_script() { return std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py"; }
+
+const Reference& reference() {
+  static const Reference ref =
+      reference_model("mllama", ref_script(), script_stamp(ref_script()), "", "--length 24");
+  return ref;
+}
+
+constexpr int64_t kTokensPerTile = 17;  // the tiny model: 16 patches + the class token
+
+// ---- the mask -----------------------------------------------------------------------------
+
+// The visibility transformers' _prepare_cross_attention_mask gives (bias 0 = visible), written
+// from its text: key j of image i, tile k is visible to row t iff mask[t, i, k] = 1, and a row
+// whose mask is all 0 sees every key. bool [B, L, images · tiles · kTokensPerTile].
+at::Tensor transformers_visibility(const at::Tensor& cam) {
+  const int64_t B = cam.size(0), L = cam.size(1);
+  at::Tensor units = cam.reshape({B, L, -1}).to(at::kBool);
+  at::Tensor keys = units.repeat_interleave(kTokensPerTile, 2);
+  at::Tensor blind = units.any(2).logical_not().unsqueeze(2);
+  return keys | blind;
+}
+
+// Each row has keys in exactly one call, and the union of the calls is transformers' mask.
+void expect_calls_reproduce(const at::Tensor& cam) {
+  const mllama::CrossMask cm = mllama::cross_mask(cam, kTokensPerTile, "test");
+  const int64_t B = cam.size(0), L = cam.size(1), S = cam.size(2) * cam.size(3) * kTokensPerTile;
+  ASSERT_FALSE(cm.calls.empty());
+  at::Tensor all = at::zeros({B, L, S}, at::kBool), rows_with_keys = at::zeros({B, L}, at::kLong);
+  for (const auto& mm : cm.calls) {
+    ASSERT_EQ(mm.kv_media.sizes(), at::IntArrayRef({B, S}));
+    ASSERT_EQ(mm.slots * mm.tokens_per_media, S);
+    const at::Tensor v = reference_visibility(mm.attention_mask(), B, L, S);
+    all = all | v;
+    rows_with_keys = rows_with_keys + v.any(2).to(at::kLong);
+  }
+  EXPECT_TRUE(all.equal(transformers_visibility(cam)));
+  EXPECT_TRUE(rows_with_keys.eq(1).all().item<bool>()) << rows_with_keys;
+  EXPECT_TRUE(cm.sees_media.equal(cam.reshape({B, L, -1}).ne(0).any(2)));
+  EXPECT_TRUE(cm.last_row_keys.equal(transformers_visibility(cam).select(1, L - 1)));
+}
+
+TEST(MllamaMask, FromIdsEqualsTheProcessorsMask) {
+  const auto batch = lvx::load_safetensors(reference().batch).tensors;
+  const at::Tensor& cam = batch.at("cross_attention_mask");
+  // The image token: the id input_ids holds where the processor's mask rows start.
+  const std::string cfg = read_text(reference().model + "/config.json");
+  const int64_t image = nlohmann::json::parse(cfg).at("image_token_index").get<int64_t>();
+  const at::Tensor mine = mllama::cross_attention_mask_from_ids(
+      batch.at("input_ids"), image, batch.at("aspect_ratio_mask").sum(-1), cam.size(3), "test");
+  EXPECT_TRUE(mine.equal(cam.to(at::kLong))) << mine.sum() << " vs " << cam.sum();
+}
+
+TEST(MllamaMask, CallsReproduceTransformersBiasOnTheReferenceBatch) {
+  const auto batch = lvx::load_safetensors(reference().batch).tensors;
+  expect_calls_reproduce(batch.at("cross_attention_mask"));
+  // A run of two images and a later one in sample 0: two families, two calls.
+  EXPECT_EQ(mllama::cross_mask(batch.at("cross_attention_mask"), kTokensPerTile, "t").calls.size(),
+            2u);
+}
+
+TEST(MllamaMask, CallsReproduceTransformersBiasOnProcessorLayouts) {
+  // <|image|> = 9 in runs of 1–3, 4 images max, 2 tiles; the images' real tiles vary.
+  const int64_t L = 30;
+  at::Tensor ids = at::zeros({3, L}, at::kLong);
+  for (int64_t p : {2, 3, 4, 15}) ids[0][p] = 9;    // a run of three, then one
+  for (int64_t p : {0, 10, 11, 20}) ids[1][p] = 9;  // from the first token; a run of two
+  for (int64_t p : {29}) ids[2][p] = 9;             // the last token only
+  const at::Tensor tiles = at::tensor({1, 2, 1, 2, 2, 1, 2, 1, 1, 1, 1, 1}, at::kLong).view({3, 4});
+  const at::Tensor cam = mllama::cross_attention_mask_from_ids(ids, 9, tiles, 2, "test");
+  // The processor's rule, by hand: sample 0 image 1 covers [3, 15) on both tiles.
+  EXPECT_EQ(cam[0].select(1, 1).sum(0).sum().item<int64_t>(), 12 * 2);
+  EXPECT_EQ(cam[0][2].sum().item<int64_t>(), 1);   // token 2 sees image 0 only (tile 0)
+  EXPECT_EQ(cam[0][3].sum().item<int64_t>(), 3);   // token 3: image 0 and both tiles of image 1
+  EXPECT_EQ(cam[0][14].sum().item<int64_t>(), 4);  // the run's end: images 0, 1, 2
+  EXPECT_EQ(cam[0][15].sum().item<int64_t>(), 2);  // image 3 only (two tiles)
+  expect_calls_reproduce(cam);
+}
+
+TEST(MllamaMask, SetsThatAreNotNestedAreRefused) {
+  at::Tensor cam = at::zeros({1, 3, 3, 1}, at::kLong);
+  cam[0][0][0][0] = cam[0][0][1][0] = 1;  // row 0 sees images 0, 1
+  cam[0][1][1][0] = cam[0][1][2][0] = 1;  // row 1 sees images 1, 2
+  try {
+    mllama::cross_mask(cam, kTokensPerTile, "batch.safetensors");
+    FAIL() << "expected an error";
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("overlap without one containing the other"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(mllama::cross_mask(at::ones({1, 3, 2, 1}, at::kFloat), 17, "x"), lvx::Error);
+  EXPECT_THROW(mllama::cross_mask(at::full({1, 3, 2, 1}, 2, at::kLong), 17, "x"), lvx::Error);
+}
+
+// ---- lvx forward against transformers --------------------------------------------------------
+
+struct Case {
+  int nproc;
+  std::string strategies;  // S_cross,S_self
+  std::string flags;
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.nproc << " ranks, " << c.strategies << " " << c.flags;
+}
+
+class MllamaConformance : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MllamaConformance, MatchesTransformers) {
+  const Case& c = GetParam();
+  const Diff d = forward_against(reference(), "mllama", c.nproc, c.strategies, c.flags);
+  // Every tensor but the frozen vision model's: 5 layers (self 9, cross 13 tensors), the
+  // embeddings, final norm, lm_head and the projector's weight and bias.
+  expect_conforms(d, 1e-4, 1e-4, 3 * 9 + 2 * 13 + 5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, MllamaConformance,
+    ::testing::Values(Case{1, "lv_xattn,ring", ""}, Case{2, "lv_xattn,ring", "--recompute"},
+                      Case{2, "ring,striped", "--remat"}, Case{2, "all_gather,distflash", ""},
+                      Case{3, "lv_xattn,distflash", ""},
+                      Case{3, "all_gather,ring", "--recompute --remat"},
+                      Case{4, "lv_xattn,striped", ""}, Case{4, "ring,distflash", "--recompute"},
+                      Case{4, "all_gather,ring", "--remat"}),
+    [](const auto& info) {
+      return "n" + std::to_string(info.param.nproc) + "_" + test_name(info.param.strategies) +
+             test_name(info.param.flags);
+    });
+
+// Greedy generation (prefill, then pass-Q decode steps; a new token repeats the last row of the
+// cross-attention mask, as transformers' generate) equals transformers' greedy loop without a
+// cache, token for token; every step's logits within 1e-4. Each decode step sends the pass-Q
+// formula's bytes (models/decode.h): (n−1)·A·B·Hq·(D+1)·4 per rank, A = 5 (one attention per
+// layer), B = 2, Hq = 4, D = 16.
+class MllamaGeneration : public ::testing::TestWithParam<int> {};
+
+TEST_P(MllamaGeneration, GreedyTokensEqualTransformers) {
+  const int n = GetParam();
+  const auto meta = generate_against(reference(), "mllama_generate", ref_script(),
+                                     script_stamp(ref_script()), n, "lv_xattn,ring", 6);
+  ASSERT_FALSE(meta.empty());
+  EXPECT_EQ(std::stoll(meta.at("decode_bytes_sent_per_token")),
+            int64_t{n - 1} * 5 * 2 * 4 * 17 * 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, MllamaGeneration, ::testing::Values(1, 2),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+// `lvx plan --model <checkpoint dir>` reads config.json alone and plans the tiny model.
+TEST(MllamaPlan, PlansTheCheckpoint) {
+  const std::string out = run_command(
+      lvx_binary() + " plan --model " + reference().model + " --cluster " + LVX_SOURCE_DIR +
+      "/configs/clusters/a100_80g_16.yaml --frames 8 --text 64 --nproc 4");
+  EXPECT_EQ(out.find("exit status"), std::string::npos) << out;
+  EXPECT_NE(out.find("lv_xattn"), std::string::npos) << out;
+}
+
+}  // namespace
