@@ -52,8 +52,9 @@ TextConfig text_config(const nlohmann::json& j, const std::string& where) {
   c.head_dim = c.hidden / c.heads;
   LVX_CHECK(c.heads % c.kv_heads == 0, where, ": num_attention_heads (", c.heads,
             ") must be a multiple of num_key_value_heads (", c.kv_heads, ")");
-  LVX_CHECK(c.head_dim % 2 == 0, where, ": head_dim (hidden_size / num_attention_heads = ",
-            c.head_dim, ") must be even (rotary embeddings rotate channel pairs)");
+  LVX_CHECK(c.head_dim % 2 == 0, where,
+            ": head_dim (hidden_size / num_attention_heads = ", c.head_dim,
+            ") must be even (rotary embeddings rotate channel pairs)");
   c.intermediate = config_int_in(j, "intermediate_size", where, 1, kMaxConfigWidth);
   c.vocab = config_int_in(j, "vocab_size", where, 1, kMaxConfigVocab);
   c.rope_theta = config_positive_or(j, "rope_theta", where, 5e5);
@@ -76,14 +77,14 @@ TextConfig text_config(const nlohmann::json& j, const std::string& where) {
     c.rope_type = type;
     if (type == "llama3") {
       c.rope_factor = config_positive_or(rs, "factor", at, 0);
-      LVX_CHECK(c.rope_factor > 0 && c.rope_factor <= 1e6, at, ".factor: expected in (0, 1e6], got ",
-                c.rope_factor);
+      LVX_CHECK(c.rope_factor > 0 && c.rope_factor <= 1e6, at,
+                ".factor: expected in (0, 1e6], got ", c.rope_factor);
       c.low_freq_factor = config_positive_or(rs, "low_freq_factor", at, 1);
       c.high_freq_factor = config_positive_or(rs, "high_freq_factor", at, 4);
       LVX_CHECK(c.high_freq_factor > c.low_freq_factor, at, ": high_freq_factor (",
                 c.high_freq_factor, ") must exceed low_freq_factor (", c.low_freq_factor, ")");
-      c.original_max_positions = config_int_in(rs, "original_max_position_embeddings", at, 1,
-                                               int64_t{1} << 40);
+      c.original_max_positions =
+          config_int_in(rs, "original_max_position_embeddings", at, 1, int64_t{1} << 40);
     }
   }
   return c;
@@ -163,9 +164,7 @@ bool TextConfig::is_cross(int64_t layer) const {
   return std::find(cross_layers.begin(), cross_layers.end(), layer) != cross_layers.end();
 }
 
-int64_t Config::tokens_per_image() const {
-  return vision.max_num_tiles * vision.tokens_per_tile();
-}
+int64_t Config::tokens_per_image() const { return vision.max_num_tiles * vision.tokens_per_tile(); }
 
 Config config_from_json(const nlohmann::json& config, const std::string& where) {
   LVX_CHECK(config.is_object(), where, ": expected a JSON object");
@@ -216,7 +215,8 @@ ShapeSpec shapes(const Config& c) {
   s[kVision + "gated_positional_embedding.gate"] = {1};
   s[kVision + "gated_positional_embedding.embedding"] = {T, W};
   s[kVision + "gated_positional_embedding.tile_embedding.weight"] = {ratios, tiles * T * W};
-  for (const std::string e : {"pre_tile_positional_embedding.", "post_tile_positional_embedding."}) {
+  for (const std::string e :
+       {"pre_tile_positional_embedding.", "post_tile_positional_embedding."}) {
     s[kVision + e + "gate"] = {1};
     s[kVision + e + "embedding.weight"] = {ratios, tiles * W};
   }
@@ -252,7 +252,8 @@ at::Tensor rope_inv_freq(const TextConfig& c, const at::TensorOptions& o) {
   // _compute_default_rope_parameters: 1 / base^(arange(0, D, 2).float() / D), in fp32.
   const auto f32 = o.dtype(at::kFloat);
   const int64_t D = c.head_dim;
-  at::Tensor exponent = at::arange(0, D, 2, f32.dtype(at::kLong)).to(at::kFloat) / static_cast<double>(D);
+  at::Tensor exponent =
+      at::arange(0, D, 2, f32.dtype(at::kLong)).to(at::kFloat) / static_cast<double>(D);
   at::Tensor inv = 1.0 / at::pow(at::scalar_tensor(c.rope_theta, f32), exponent);
   if (c.rope_type != "llama3") return inv;
   // _compute_llama3_parameters, op for op in fp32 tensors (Python floats as scalars).
@@ -263,7 +264,8 @@ at::Tensor rope_inv_freq(const TextConfig& c, const at::TensorOptions& o) {
   at::Tensor llama = at::where(wavelen > low_wavelen, inv / factor, inv);
   at::Tensor smooth = (old_len / wavelen - low) / (high - low);
   at::Tensor smoothed = (1 - smooth) * llama / factor + smooth * llama;
-  at::Tensor medium = at::logical_not(wavelen < high_wavelen) * at::logical_not(wavelen > low_wavelen);
+  at::Tensor medium =
+      at::logical_not(wavelen < high_wavelen) * at::logical_not(wavelen > low_wavelen);
   return at::where(medium, smoothed, llama);
 }
 
@@ -274,8 +276,9 @@ planner::ModelConfig planner_model(const Config& c) {
   m.dtype = "bf16";
   m.visual_tokens_per_frame = c.tokens_per_image();
   m.visual_feature_dim = c.text.hidden;  // the projector's output is what the cross layers read
-  m.vision = {c.vision.hidden,     c.vision.layers + c.vision.global_layers, c.vision.heads,
-              c.vision.intermediate, c.vision.image_size, c.vision.patch_size};
+  m.vision = {c.vision.hidden,     c.vision.layers + c.vision.global_layers,
+              c.vision.heads,      c.vision.intermediate,
+              c.vision.image_size, c.vision.patch_size};
   for (int64_t i = 0; i < c.text.layers; ++i) {
     planner::AttentionLayerConfig l;
     l.hidden_size = c.text.hidden;

@@ -28,9 +28,9 @@ struct VisionConfig {
   int64_t hidden = 0, layers = 0, global_layers = 0, heads = 0, intermediate = 0, image_size = 0,
           patch_size = 0, max_num_tiles = 0, output_dim = 0;
   double norm_eps = 1e-5;
-  std::vector<int64_t> intermediate_layers;               // intermediate_layers_indices, 0-based
-  std::vector<std::array<int64_t, 2>> aspect_ratios;      // supported_aspect_ratios; id = index+1
-  int64_t patches() const;          // (image_size / patch_size)^2
+  std::vector<int64_t> intermediate_layers;           // intermediate_layers_indices, 0-based
+  std::vector<std::array<int64_t, 2>> aspect_ratios;  // supported_aspect_ratios; id = index+1
+  int64_t patches() const;                            // (image_size / patch_size)^2
   int64_t tokens_per_tile() const;  // patches() + 1 (class token), after stripping the pad-to-8
 };
 

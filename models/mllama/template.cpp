@@ -85,8 +85,8 @@ std::vector<int64_t> stop_tokens(const Tokenizer& tok) {
 bool trains_cross_only(const std::string& name) {
   if (name.rfind("multi_modal_projector.", 0) == 0) return true;
   if (name.rfind("language_model.model.layers.", 0) != 0) return false;
-  return name.find(".cross_attn.") != std::string::npos || ends_with(name, ".cross_attn_attn_gate") ||
-         ends_with(name, ".cross_attn_mlp_gate");
+  return name.find(".cross_attn.") != std::string::npos ||
+         ends_with(name, ".cross_attn_attn_gate") || ends_with(name, ".cross_attn_mlp_gate");
 }
 
 }  // namespace lvx::models::mllama

@@ -16,11 +16,16 @@ const std::string kV = "vision_model.";
 // torch.finfo(dtype).min: the additive mask value transformers uses.
 double lowest(at::ScalarType t) {
   switch (t) {
-    case at::kDouble: return std::numeric_limits<double>::lowest();
-    case at::kFloat: return std::numeric_limits<float>::lowest();
-    case at::kBFloat16: return static_cast<double>(std::numeric_limits<c10::BFloat16>::lowest());
-    case at::kHalf: return static_cast<double>(std::numeric_limits<c10::Half>::lowest());
-    default: LVX_FAIL("mllama vision: unsupported weight dtype ", c10::toString(t));
+    case at::kDouble:
+      return std::numeric_limits<double>::lowest();
+    case at::kFloat:
+      return std::numeric_limits<float>::lowest();
+    case at::kBFloat16:
+      return static_cast<double>(std::numeric_limits<c10::BFloat16>::lowest());
+    case at::kHalf:
+      return static_cast<double>(std::numeric_limits<c10::Half>::lowest());
+    default:
+      LVX_FAIL("mllama vision: unsupported weight dtype ", c10::toString(t));
   }
 }
 
@@ -28,7 +33,8 @@ double lowest(at::ScalarType t) {
 at::Tensor add_tile_embedding(const at::Tensor& x, const StateDict& w, const std::string& prefix,
                               const at::Tensor& ar_ids) {
   const int64_t n = x.size(0), tiles = x.size(1), W = x.size(3);
-  at::Tensor e = at::embedding(param(w, prefix + "embedding.weight"), ar_ids).reshape({n, tiles, 1, W});
+  at::Tensor e =
+      at::embedding(param(w, prefix + "embedding.weight"), ar_ids).reshape({n, tiles, 1, W});
   return x + e * param(w, prefix + "gate").tanh();
 }
 
@@ -70,8 +76,7 @@ at::Tensor encode_images(const StateDict& w, const Config& c, const at::Tensor& 
             aspect_ratio_mask.sizes());
   const at::Tensor& conv = param(w, kV + "patch_embedding.weight");
   const auto dt = conv.scalar_type();
-  if (n == 0)
-    return at::zeros({0, tiles * T, c.text.hidden}, conv.options());
+  if (n == 0) return at::zeros({0, tiles * T, c.text.hidden}, conv.options());
   if (aspect_ratio_ids.device().is_cpu()) {  // the table lookup would fail less clearly
     const int64_t lo = aspect_ratio_ids.min().item<int64_t>(),
                   hi = aspect_ratio_ids.max().item<int64_t>();
@@ -92,7 +97,8 @@ at::Tensor encode_images(const StateDict& w, const Config& c, const at::Tensor& 
   const std::string g = kV + "gated_positional_embedding.";
   const at::Tensor gate = param(w, g + "gate").tanh();
   x = x + (1 - gate) * param(w, g + "embedding").view({1, 1, T, W});
-  x = x + gate * at::embedding(param(w, g + "tile_embedding.weight"), ids).reshape({n, tiles, T, W});
+  x = x +
+      gate * at::embedding(param(w, g + "tile_embedding.weight"), ids).reshape({n, tiles, T, W});
   x = layer_norm(x, w, kV + "layernorm_pre", 1e-5);  // nn.LayerNorm's default eps, as released
 
   // Pad each tile to a multiple of 8 tokens; a (query, key) pair is masked only when BOTH are
@@ -114,16 +120,17 @@ at::Tensor encode_images(const StateDict& w, const Config& c, const at::Tensor& 
       if (v.intermediate_layers[j] == i) inter[j] = x;
   }
   x = layer_norm(x, w, kV + "layernorm_post", 1e-5);
-  x = add_tile_embedding(x.reshape({n, tiles, Tp, W}), w, kV + "post_tile_positional_embedding.", ids);
+  x = add_tile_embedding(x.reshape({n, tiles, Tp, W}), w, kV + "post_tile_positional_embedding.",
+                         ids);
   x = x.reshape({n, L, W});
   for (int64_t i = 0; i < v.global_layers; ++i)
-    x = encoder_layer(x, w, kV + "global_transformer.layers." + std::to_string(i) + ".", v, bias, true);
+    x = encoder_layer(x, w, kV + "global_transformer.layers." + std::to_string(i) + ".", v, bias,
+                      true);
 
   // [final | intermediates], the intermediates stacked on a last axis and flattened (channel
   // d·k + j: torch.stack(dim=-1).reshape), padding tokens stripped.
   at::Tensor out = x.reshape({n, tiles, Tp, W});
-  if (!inter.empty())
-    out = at::cat({out, at::stack(inter, -1).reshape({n, tiles, Tp, -1})}, -1);
+  if (!inter.empty()) out = at::cat({out, at::stack(inter, -1).reshape({n, tiles, Tp, -1})}, -1);
   out = out.narrow(2, 0, T);
   out = out.reshape({n, tiles * T, v.output_dim});
   return linear(out, w, "multi_modal_projector", true);
@@ -133,16 +140,18 @@ Tiled frames_as_images(const Config& c, const at::Tensor& frames) {
   const VisionConfig& v = c.vision;
   const int64_t S = v.image_size, tiles = v.max_num_tiles;
   LVX_CHECK(frames.dim() == 4 && frames.size(1) == 3 && frames.size(2) == S && frames.size(3) == S,
-            "mllama frames_as_images: expected frames [F, 3, ", S, ", ", S,
-            "] (image_size), got ", frames.sizes());
+            "mllama frames_as_images: expected frames [F, 3, ", S, ", ", S, "] (image_size), got ",
+            frames.sizes());
   int64_t id = -1;
   for (size_t i = 0; i < v.aspect_ratios.size(); ++i)
     if (v.aspect_ratios[i][0] == 1 && v.aspect_ratios[i][1] == 1) id = static_cast<int64_t>(i) + 1;
-  LVX_CHECK(id > 0, "mllama frames_as_images: supported_aspect_ratios has no [1, 1] (a frame is "
-                    "one tile)");
+  LVX_CHECK(id > 0,
+            "mllama frames_as_images: supported_aspect_ratios has no [1, 1] (a frame is "
+            "one tile)");
   const int64_t F = frames.size(0);
   Tiled t;
-  t.pixel_values = at::cat({frames.unsqueeze(1), at::zeros({F, tiles - 1, 3, S, S}, frames.options())}, 1);
+  t.pixel_values =
+      at::cat({frames.unsqueeze(1), at::zeros({F, tiles - 1, 3, S, S}, frames.options())}, 1);
   const auto i64 = frames.options().dtype(at::kLong);
   t.aspect_ratio_ids = at::full({F}, id, i64);
   t.aspect_ratio_mask = at::zeros({F, tiles}, i64);
