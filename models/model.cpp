@@ -1,18 +1,17 @@
 #include "models/model.h"
 
-#include "models/mplug_owl3.h"
-#include "models/openflamingo.h"
-#include "models/tokenizer.h"
 #include "src/common/error.h"
 
 namespace lvx::models {
 
 at::Tensor Model::prefill(const ModelInputs&, const Parallel&, DecodeCache&) const {
-  LVX_FAIL("generation is not implemented for the ", family(), " family yet (lvx qa needs it)");
+  LVX_FAIL("generation is not implemented for the ", family().display_name(),
+           " family yet (lvx qa needs it)");
 }
 
 at::Tensor Model::decode_step(const at::Tensor&, const Parallel&, DecodeCache&) const {
-  LVX_FAIL("generation is not implemented for the ", family(), " family yet (lvx qa needs it)");
+  LVX_FAIL("generation is not implemented for the ", family().display_name(),
+           " family yet (lvx qa needs it)");
 }
 
 at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positions, int64_t length,
@@ -35,17 +34,7 @@ at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positio
 namespace {
 
 std::unique_ptr<Model> make_model(const Checkpoint& ck, at::ScalarType dtype, at::Device device) {
-  const std::string& dir = ck.dir;
-  const std::string type = config_string_or(ck.config, "model_type", dir + "/config.json", "");
-  if (type == "mplugowl3") {
-    const Tokenizer tok = Tokenizer::from_file(dir + "/tokenizer.json");
-    const auto image = tok.token_to_id("<|image|>");
-    LVX_CHECK(image.has_value(), dir, "/tokenizer.json: has no <|image|> token");
-    return std::make_unique<MplugOwl3>(ck, *image, dtype, device);
-  }
-  if (type == "openflamingo") return std::make_unique<OpenFlamingo>(ck, dtype, device);
-  LVX_FAIL(dir, "/config.json: model_type '", type,
-           "' is not supported (supported: mplugowl3, openflamingo)");
+  return family_of_config(ck.config, ck.dir + "/config.json").load(ck, dtype, device);
 }
 
 }  // namespace
@@ -64,17 +53,7 @@ std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, 
 
 planner::ModelConfig planner_model_from_config(const nlohmann::json& j, const std::string& where) {
   LVX_CHECK(j.is_object(), where, ": expected a JSON object, got ", j.type_name());
-  const std::string type = config_string_or(j, "model_type", where, "");
-  planner::ModelConfig m;
-  if (type == "mplugowl3") {
-    // Shapes only: both releases run a cross layer beside each hyper layer.
-    m = MplugOwl3::planner_model(mplug_owl3_config(j, where, /*gated=*/true, 0));
-  } else if (type == "openflamingo") {
-    m = OpenFlamingo::planner_model(openflamingo_config(j, where));
-  } else {
-    LVX_FAIL(where, ": model_type '", type, "' is not supported (supported: mplugowl3, ",
-             "openflamingo)");
-  }
+  planner::ModelConfig m = family_of_config(j, where).planner_model(j, where);
   const std::string dt = config_string_or(j, "torch_dtype", where, "bfloat16");
   m.dtype = dt == "float32" ? "fp32" : dt == "float16" ? "fp16" : "bf16";
   return m;

@@ -137,6 +137,14 @@ MplugOwl3::MplugOwl3(const Checkpoint& ck, int64_t image_token_id, at::ScalarTyp
 
 bool MplugOwl3::trainable(const std::string& name) const { return name.rfind(kVision, 0) != 0; }
 
+const Family& MplugOwl3::family() const { return mplug_owl3::family(); }
+
+std::vector<DecoderLayerAttention> MplugOwl3::layer_attentions() const {
+  std::vector<DecoderLayerAttention> a(static_cast<size_t>(cfg_.layers));
+  for (int64_t i = 0; i < cfg_.layers; ++i) a[static_cast<size_t>(i)].cross = cfg_.is_hyper(i);
+  return a;
+}
+
 planner::ModelConfig MplugOwl3::planner_model(const MplugOwl3Config& c) {
   planner::ModelConfig m;
   m.name = "mplug_owl3_" + c.variant;

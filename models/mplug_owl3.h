@@ -63,11 +63,14 @@ class MplugOwl3 : public Model {
             at::Device device = at::kCPU);
 
   const MplugOwl3Config& config() const { return cfg_; }
-  std::string family() const override { return "mplugowl3"; }
+  const Family& family() const override;
   StateDict& parameters() override { return w_; }
   // Everything but the (frozen) vision encoder.
   bool trainable(const std::string& name) const override;
   int64_t decoder_layers() const override { return cfg_.layers; }
+  // Every layer a self-attention; a hyper layer also a cross-attention, after it in the
+  // planner's order (the same queries, beside the self-attention).
+  std::vector<DecoderLayerAttention> layer_attentions() const override;
   int64_t media_token_id() const override { return cfg_.image_token_id; }
   int64_t tokens_per_media() const override { return cfg_.vision.tokens(); }
   // The attention layers as they run, for the planner (one description: derived, not copied).
@@ -94,3 +97,8 @@ class MplugOwl3 : public Model {
 };
 
 }  // namespace lvx::models
+
+namespace lvx::models::mplug_owl3 {
+// The mPLUG-Owl3 family (model_type "mplugowl3"), registered in models/families.cpp.
+const Family& family();
+}  // namespace lvx::models::mplug_owl3

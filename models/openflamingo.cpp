@@ -292,6 +292,17 @@ OpenFlamingo::OpenFlamingo(const Checkpoint& ck, at::ScalarType dtype, at::Devic
 
 bool OpenFlamingo::trainable(const std::string& name) const { return name.rfind(kVis, 0) != 0; }
 
+const Family& OpenFlamingo::family() const { return openflamingo::family(); }
+
+std::vector<DecoderLayerAttention> OpenFlamingo::layer_attentions() const {
+  std::vector<DecoderLayerAttention> a(static_cast<size_t>(cfg_.layers));
+  for (int64_t i = 0; i < cfg_.layers; ++i) {
+    a[static_cast<size_t>(i)].cross = cfg_.is_cross(i);
+    a[static_cast<size_t>(i)].cross_first = true;
+  }
+  return a;
+}
+
 planner::ModelConfig OpenFlamingo::planner_model(const OpenFlamingoConfig& c) {
   planner::ModelConfig m;
   m.name = "openflamingo_" + c.lm;

@@ -82,10 +82,13 @@ class OpenFlamingo : public Model {
  public:
   OpenFlamingo(const Checkpoint& ck, at::ScalarType dtype, at::Device device = at::kCPU);
   const OpenFlamingoConfig& config() const { return cfg_; }
-  std::string family() const override { return "openflamingo"; }
+  const Family& family() const override;
   StateDict& parameters() override { return w_; }
   bool trainable(const std::string& name) const override;  // all but the vision encoder
   int64_t decoder_layers() const override { return cfg_.layers; }
+  // Every layer a self-attention; a layer in cross_attn_layers also a gated cross-attention
+  // block, which runs before it.
+  std::vector<DecoderLayerAttention> layer_attentions() const override;
   int64_t media_token_id() const override { return cfg_.media_token_id; }
   int64_t tokens_per_media() const override { return cfg_.p_latents; }
   planner::ModelConfig planner_model() const override { return planner_model(cfg_); }
@@ -132,3 +135,8 @@ class OpenFlamingo : public Model {
 };
 
 }  // namespace lvx::models
+
+namespace lvx::models::openflamingo {
+// The OpenFlamingo family (model_type "openflamingo"), registered in models/families.cpp.
+const Family& family();
+}  // namespace lvx::models::openflamingo

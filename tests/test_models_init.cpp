@@ -62,7 +62,7 @@ TEST(TinyModelInit, LoadsAndRunsForwardWithTheImagesReachingTheLogits) {
     spec.variant = variant;
     write_tiny_mplug_owl3(dir, spec);
     const auto model = load_model(dir, at::kFloat);
-    ASSERT_EQ(model->family(), "mplugowl3");
+    ASSERT_EQ(model->family().model_type(), "mplugowl3");
     EXPECT_EQ(model->decoder_layers(), 2);
     EXPECT_EQ(model->tokens_per_media(), 16);  // (32 / 8)²
     EXPECT_EQ(model->parameters().count("language_model.model.layers.0.self_attn.gate"),

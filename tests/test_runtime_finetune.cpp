@@ -156,7 +156,7 @@ TEST(Finetune, LossFallsOnALearnableTask) {
   // The checkpoint is a model directory as `lvx qa` loads it.
   ASSERT_EQ(fs::path(latest(ck)).filename(), "step-000010");
   auto model = lvx::models::load_model(latest(ck), at::kFloat);
-  EXPECT_EQ(model->family(), "mplugowl3");
+  EXPECT_EQ(model->family().model_type(), "mplugowl3");
 }
 
 TEST(Finetune, KillOfOneRankThenResumeEqualsTheUninterruptedRun) {

@@ -78,7 +78,8 @@ TEST(QaPrompt, MplugChatTemplateEqualsTheTokenizersPackage) {
       json::parse(run(std::string(LVX_PYTHON) + " " + script + " " + tok_path + " '" + text + "'"));
   const models::Tokenizer tok = models::Tokenizer::from_file(tok_path);
   const std::string answer = "red";
-  const PromptTokens p = build_prompt("mplugowl3", tok, "What colour was the shape?", 3, &answer);
+  const PromptTokens p =
+      models::family_of("mplugowl3", "test").prompt(tok, "What colour was the shape?", 3, &answer);
   EXPECT_EQ(json(p.ids), want);
   // Loss on the answer and the end of the turn only.
   const size_t n = p.ids.size();
@@ -93,7 +94,8 @@ TEST(QaPrompt, MplugChatTemplateEqualsTheTokenizersPackage) {
   EXPECT_EQ(p.labels[n - 3], *tok.token_to_id("red"));
   EXPECT_EQ(p.labels[n - 2], *tok.token_to_id("<|im_end|>"));
   // Inference: the same prompt up to "assistant\n".
-  const PromptTokens q = build_prompt("mplugowl3", tok, "What colour was the shape?", 3);
+  const PromptTokens q =
+      models::family_of("mplugowl3", "test").prompt(tok, "What colour was the shape?", 3);
   EXPECT_EQ(std::vector<int64_t>(p.ids.begin(), p.ids.end() - 2), q.ids);
 }
 

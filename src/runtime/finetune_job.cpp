@@ -226,19 +226,11 @@ int64_t step_of_name(const std::string& dir) {
 
 }  // namespace
 
-bool trains_under(const std::string& policy, const std::string& family, const std::string& name,
+bool trains_under(const std::string& policy, const models::Family& family, const std::string& name,
                   bool default_trainable) {
   if (policy == "none") return true;
   if (policy == "vision") return default_trainable;
-  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
-  auto ends = [&](const std::string& s) {
-    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-  };
-  if (family == "openflamingo")  // OpenFlamingo's own recipe: resampler and gated xattn blocks
-    return name.rfind("perceiver.", 0) == 0 || has(".gated_cross_attn_layer.");
-  // mPLUG-Owl3 has no resampler: the hyper layers' visual K/V projection and gate, and the
-  // vision-to-text projector.
-  return has(".v_kv_proj.") || ends(".self_attn.gate") || name.rfind("vision2text_model.", 0) == 0;
+  return family.trains_cross_only(name);
 }
 
 std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos,
@@ -409,7 +401,7 @@ int run_finetune_rank(const FinetuneJob& job) {
   std::unique_ptr<models::Model> model =
       models::load_model(model_dir, dtype_of(cfg.model.dtype), device);
   const models::Tokenizer tok = models::Tokenizer::from_file(model_dir + "/tokenizer.json");
-  const std::string family = model->family();
+  const models::Family& family = model->family();
   const std::map<std::string, std::string> model_files = read_model_files(model_dir);
   const video::PreprocessConfig prep = family_preprocess(family, image_size_of(model_dir));
   const int64_t context = model_context(model_files, model_dir);
@@ -428,7 +420,7 @@ int run_finetune_rank(const FinetuneJob& job) {
     trainable_numel += t.numel();
   }
   LVX_CHECK(!trainable.empty(), "freeze.policy ", cfg.freeze.policy, ": no parameter of this ",
-            family, " model trains");
+            family.model_type(), " model trains");
   AdamW opt(cfg.optimizer, cfg.schedule);
   opt.init(trainable);
   int64_t start = 0;
@@ -445,7 +437,7 @@ int run_finetune_rank(const FinetuneJob& job) {
     if (r == 0) std::cout << "resumed from " << ckpt << " at step " << start << "\n";
   }
   if (r == 0) {
-    std::cout << family << ": " << trainable_numel << " of " << total_numel
+    std::cout << family.model_type() << ": " << trainable_numel << " of " << total_numel
               << " parameters train (freeze.policy " << cfg.freeze.policy << "), " << samples
               << " samples, " << n << " rank(s)\n"
               << std::flush;
@@ -485,7 +477,7 @@ int run_finetune_rank(const FinetuneJob& job) {
         spec.end = item.end;
         fb = video::decode_video(item.video, spec, video::ShardSpec{r, n}, prep);
         const std::string target = training_target(item);
-        p = build_prompt(family, tok, question_text(item), fb.report.sampled_total, &target);
+        p = family.prompt(tok, question_text(item), fb.report.sampled_total, &target);
         const int64_t len = static_cast<int64_t>(p.ids.size());
         LVX_CHECK(context == 0 || len <= context, "the prompt with its answer is ", len,
                   " tokens (", fb.report.sampled_total, " frames), more than the model's context ",
@@ -513,7 +505,8 @@ int run_finetune_rank(const FinetuneJob& job) {
       }
       // Frames go to the device once, after preprocessing; ids and labels are host metadata.
       const at::Tensor pixels = fb.frames.defined() ? fb.frames.to(device) : at::Tensor();
-      const models::ModelOutputs out = model->forward({ids, pixels, /*pixels_local=*/true}, par);
+      const models::ModelOutputs out =
+          model->forward({ids, pixels, /*pixels_local=*/true, {}}, par);
       std::map<std::string, at::Tensor> res = backward_step(*pg, *model, labels, out, trains);
       for (auto& [name, t] : trainable) t.mutable_grad() = at::Tensor();
       loss += res.at("loss").item<double>();

@@ -48,8 +48,10 @@ struct ResumeState {
 ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, int64_t samples,
                                bool accept_config_changes);
 
-// Which parameters train under `policy` (vision | cross_only | none) for a model family.
-bool trains_under(const std::string& policy, const std::string& family, const std::string& name,
+// Which parameters train under `policy` (vision | cross_only | none) for a model family:
+// none trains everything, vision `default_trainable` (Model::trainable), cross_only the family's
+// own recipe (Family::trains_cross_only).
+bool trains_under(const std::string& policy, const models::Family& family, const std::string& name,
                   bool default_trainable);
 
 // Checks everything before ranks start and before anything is written: the config, the model

@@ -130,7 +130,7 @@ int run_forward_rank(const ForwardJob& job) {
     g.max_new_tokens = job.generate;
     g.max_length = model_context_length(job.model);  // never past the model's context
     g.keep_logits = true;
-    const GenerateResult out = generate(model, {b.input_ids, b.pixel_values}, par, g);
+    const GenerateResult out = generate(model, {b.input_ids, b.pixel_values, false, {}}, par, g);
     double per_token = 0;
     for (double t : out.token_seconds)
       per_token += t / static_cast<double>(out.token_seconds.size());
@@ -164,7 +164,7 @@ int run_forward_rank(const ForwardJob& job) {
     pg->barrier();
     pg->counters().reset();
     const auto t0 = std::chrono::steady_clock::now();
-    out = model.forward({b.input_ids, b.pixel_values}, par);
+    out = model.forward({b.input_ids, b.pixel_values, false, {}}, par);
     const auto t1 = std::chrono::steady_clock::now();
     // What the step holds at its peak: weights plus everything the forward saved for the
     // backward (glibc's in-use heap, small and mmapped chunks).

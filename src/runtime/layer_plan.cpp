@@ -26,21 +26,36 @@ models::Parallel explicit_strategies(const std::string& spec, int64_t layers) {
 
 namespace {
 
-// Which decoder layers have a cross-attention: the planner's layers in execution order, each
-// cross layer belonging to the decoder layer of the self layer next to it (mPLUG-Owl3: after it,
-// OpenFlamingo: before it).
-std::vector<bool> layers_with_cross(const models::Model& model) {
-  std::vector<bool> cross(static_cast<size_t>(model.decoder_layers()), false);
-  const bool cross_first = model.family() == "openflamingo";
+// The decoder layer and side of each of the planner's layers (Model::planner_model().layers, in
+// execution order), from the model's own description of its layers (Model::layer_attentions): a
+// decoder layer lists its self- and cross-attention in the order they run, or only the one it
+// has. A mismatch between the two descriptions is an error naming both counts.
+struct PlannerLayerSlot {
   size_t decoder_layer = 0;
-  for (const planner::AttentionLayerConfig& l : model.planner_model().layers) {
-    if (l.kind == planner::LayerKind::kSelf) {
-      ++decoder_layer;
-    } else {
-      cross[cross_first ? decoder_layer : decoder_layer - 1] = true;
-    }
+  bool cross = false;
+};
+std::vector<PlannerLayerSlot> planner_layer_slots(const models::Model& model,
+                                                  const std::vector<planner::LayerKind>& kinds) {
+  const std::vector<models::DecoderLayerAttention> attn = model.layer_attentions();
+  LVX_CHECK(static_cast<int64_t>(attn.size()) == model.decoder_layers(), "the model describes ",
+            attn.size(), " decoder layers' attentions but has ", model.decoder_layers(),
+            " decoder layers");
+  std::vector<PlannerLayerSlot> slots;
+  for (size_t i = 0; i < attn.size(); ++i) {
+    const models::DecoderLayerAttention& a = attn[i];
+    LVX_CHECK(a.self || a.cross, "decoder layer ", i, " has neither a self- nor a cross-attention");
+    if (a.cross && a.cross_first) slots.push_back({i, true});
+    if (a.self) slots.push_back({i, false});
+    if (a.cross && !a.cross_first) slots.push_back({i, true});
   }
-  return cross;
+  LVX_CHECK(slots.size() == kinds.size(), "the planner describes ", kinds.size(),
+            " attention layers but the model's decoder layers run ", slots.size());
+  for (size_t k = 0; k < kinds.size(); ++k)
+    LVX_CHECK((kinds[k] == planner::LayerKind::kCross) == slots[k].cross, "attention layer ", k,
+              " is a ", kinds[k] == planner::LayerKind::kCross ? "cross" : "self",
+              "-attention in the planner's description but a ", slots[k].cross ? "cross" : "self",
+              "-attention of decoder layer ", slots[k].decoder_layer, " in the model's");
+  return slots;
 }
 
 // auto: the planner's per-layer choice for this input on the cluster config; without one,
@@ -65,16 +80,13 @@ models::Parallel planned_strategies(const models::Model& model, const at::Tensor
   w.dtype = req.dtype;
   w.train = req.train;
   const planner::Plan plan = planner::plan(m, planner::load_cluster_config(req.cluster), w);
-  // Each decoder layer has one self layer; a cross layer belongs to the decoder layer of the
-  // self layer next to it (mPLUG-Owl3: after it, OpenFlamingo: before it).
-  const bool cross_first = model.family() == "openflamingo";
-  size_t decoder_layer = 0;
-  for (const planner::LayerPlan& l : plan.layers) {
-    if (l.work.kind == planner::LayerKind::kSelf) {
-      p.layers[decoder_layer++].self = l.choice();
-    } else {
-      p.layers[cross_first ? decoder_layer : decoder_layer - 1].cross = l.choice();
-    }
+  // Each of the planner's layers is one attention of a decoder layer (Model::layer_attentions).
+  std::vector<planner::LayerKind> kinds;
+  for (const planner::LayerPlan& l : plan.layers) kinds.push_back(l.work.kind);
+  const std::vector<PlannerLayerSlot> slots = planner_layer_slots(model, kinds);
+  for (size_t k = 0; k < slots.size(); ++k) {
+    models::LayerStrategies& ls = p.layers[slots[k].decoder_layer];
+    (slots[k].cross ? ls.cross : ls.self) = plan.layers[k].choice();
   }
   *plan_text = planner::format_table(plan);
   return p;
@@ -92,12 +104,17 @@ models::Parallel plan_layers(const models::Model& model, const at::Tensor& input
 }
 
 std::string describe(const models::Parallel& p, const models::Model* model) {
-  const std::vector<bool> cross = model ? layers_with_cross(*model) : std::vector<bool>{};
+  const std::vector<models::DecoderLayerAttention> attn =
+      model ? model->layer_attentions() : std::vector<models::DecoderLayerAttention>{};
   std::string s =
       str("text ", p.text_layout == attention::LayoutKind::kStriped ? "striped" : "contiguous");
   for (size_t i = 0; i < p.layers.size(); ++i) {
-    s += str("; layer ", i, " self ", p.layers[i].self.name());
-    if (!model || (i < cross.size() && cross[i])) s += str(" cross ", p.layers[i].cross.name());
+    // With the model: only the attentions the layer has.
+    const bool self = !model || i >= attn.size() || attn[i].self;
+    const bool cross = !model || (i < attn.size() && attn[i].cross);
+    s += str("; layer ", i);
+    if (self) s += str(" self ", p.layers[i].self.name());
+    if (cross) s += str(" cross ", p.layers[i].cross.name());
   }
   return s;
 }

@@ -27,8 +27,8 @@ models::Parallel plan_layers(const models::Model& model, const at::Tensor& input
 // "S" for every layer or "S_cross,S_self"; errors name the flag.
 models::Parallel explicit_strategies(const std::string& spec, int64_t layers);
 
-// One line: the text layout and each layer's self / cross strategy (with `model`, a cross
-// strategy only for the layers that have a cross-attention).
+// One line: the text layout and each layer's self / cross strategy (with `model`, only the
+// attentions each decoder layer has: Model::layer_attentions).
 std::string describe(const models::Parallel& p, const models::Model* model = nullptr);
 
 }  // namespace lvx::runtime

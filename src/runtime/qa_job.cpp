@@ -131,7 +131,7 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
   // (invalid UTF-8) or does not fit together.
   PromptTokens prompt;
   try {
-    prompt = build_prompt(cx.model.family(), cx.tok, question_text(item), m);
+    prompt = cx.model.family().prompt(cx.tok, question_text(item), m);
   } catch (const Error& e) {
     row["error"] = e.what();
     return row;
@@ -160,10 +160,10 @@ json answer(const Context& cx, const QaItem& item, bool stream) {
   if (!cx.job.ignore_stop) g.stop = cx.stop;
   // Frames go to the device once, after preprocessing; the prompt's ids stay host metadata.
   const at::Tensor pixels = frames.frames.defined() ? frames.frames.to(cx.device) : at::Tensor();
-  const GenerateResult out =
-      generate(cx.model, {ids, pixels, /*pixels_local=*/true}, par, g, [&](const at::Tensor& next) {
-        if (stream && r == 0) text.add(next[0].item<int64_t>());
-      });
+  const GenerateResult out = generate(cx.model, {ids, pixels, /*pixels_local=*/true, {}}, par, g,
+                                      [&](const at::Tensor& next) {
+                                        if (stream && r == 0) text.add(next[0].item<int64_t>());
+                                      });
   if (stream && r == 0) std::cout << "\n" << std::flush;
   std::vector<int64_t> answer_ids;
   for (int64_t i = 0; i < out.tokens.size(1); ++i) {
@@ -406,7 +406,7 @@ int run_qa_rank(const QaJob& job) {
                    *model,
                    tok,
                    family_preprocess(model->family(), model->planner_model().vision.image_size),
-                   stop_tokens(model->family(), tok),
+                   model->family().stop_tokens(tok),
                    model_context_length(job.model)};
 
   if (job.questions.empty()) {  // one question

@@ -42,12 +42,6 @@ std::string trim(const std::string& s) {
   return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
 }
 
-std::vector<int64_t> encode_special(const models::Tokenizer& tok, const std::string& token) {
-  const auto id = tok.token_to_id(token);
-  LVX_CHECK(id.has_value(), "the tokenizer has no ", token, " token (needed by the prompt)");
-  return {*id};
-}
-
 }  // namespace
 
 QaItem parse_qa_item(const nlohmann::json& row, const std::string& where,
@@ -145,74 +139,8 @@ std::string question_text(const QaItem& item) {
   return s + "The best answer is:";
 }
 
-PromptTokens build_prompt(const std::string& family, const models::Tokenizer& tok,
-                          const std::string& question, int64_t frames, const std::string* answer) {
-  LVX_CHECK(!trim(question).empty(), "the question is empty");
-  LVX_CHECK(frames >= 1, "a prompt needs at least one frame, got ", frames);
-  PromptTokens p;
-  auto add = [&](const std::vector<int64_t>& ids, bool learn) {
-    p.ids.insert(p.ids.end(), ids.begin(), ids.end());
-    for (int64_t id : ids) p.labels.push_back(learn ? id : -100);
-  };
-  // Text (the user's question, options and answer among it) never yields a special token: one
-  // written in it ("<|image|>") is plain text; the template's own special tokens go in as ids.
-  auto text = [&](const std::string& s, bool learn = false) {
-    add(tok.encode(s, /*add_special_tokens=*/false, /*split_special_tokens=*/true), learn);
-  };
-  auto special = [&](const std::string& s, bool learn = false) {
-    add(encode_special(tok, s), learn);
-  };
-  if (family == "mplugowl3") {
-    special("<|im_start|>");
-    text("system\n");
-    special("<|im_end|>");
-    text("\n");
-    special("<|im_start|>");
-    text("user\n");
-    const bool bracket = tok.token_to_id("<|start_video_frame|>").has_value() &&
-                         tok.token_to_id("<|end_video_frame|>").has_value();
-    if (bracket) special("<|start_video_frame|>");
-    for (int64_t f = 0; f < frames; ++f) special("<|image|>");
-    if (bracket) special("<|end_video_frame|>");
-    text("\n" + question);
-    special("<|im_end|>");
-    text("\n");
-    special("<|im_start|>");
-    text("assistant\n");
-    if (answer) {
-      text(*answer, true);
-      special("<|im_end|>", true);
-    }
-  } else if (family == "openflamingo") {
-    for (int64_t f = 0; f < frames; ++f) {
-      special("<image>");
-      if (f + 1 < frames) special("<|endofchunk|>");
-    }
-    text("Question:" + question + " Short answer:");
-    if (answer) {
-      text(*answer, true);
-      special("<|endofchunk|>", true);
-    }
-  } else {
-    LVX_FAIL("no prompt template for model family '", family,
-             "' (supported: mplugowl3, openflamingo)");
-  }
-  // Position t predicts token t + 1.
-  p.labels.erase(p.labels.begin());
-  p.labels.push_back(-100);
-  return p;
-}
-
-std::vector<int64_t> stop_tokens(const std::string& family, const models::Tokenizer& tok) {
-  std::vector<int64_t> stop =
-      encode_special(tok, family == "openflamingo" ? "<|endofchunk|>" : "<|im_end|>");
-  if (auto eos = tok.token_to_id("<|endoftext|>")) stop.push_back(*eos);
-  return stop;
-}
-
-video::PreprocessConfig family_preprocess(const std::string& family, int64_t image_size) {
-  video::PreprocessConfig p =
-      video::PreprocessConfig::preset(family == "openflamingo" ? "clip" : "siglip");
+video::PreprocessConfig family_preprocess(const models::Family& family, int64_t image_size) {
+  video::PreprocessConfig p = video::PreprocessConfig::preset(family.preprocess_preset());
   p.image_size = image_size;
   p.normalize = true;
   return p;

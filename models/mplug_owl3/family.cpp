@@ -1,0 +1,90 @@
+// mPLUG-Owl3's answers to the runtime (models/family.h): its Qwen chatml prompt, SigLIP
+// preprocessing and the cross_only freeze recipe.
+#include <memory>
+
+#include "models/mplug_owl3.h"
+#include "models/prompt.h"
+#include "models/tokenizer.h"
+#include "src/common/error.h"
+
+namespace lvx::models::mplug_owl3 {
+
+namespace {
+
+class MplugOwl3Family final : public Family {
+ public:
+  std::string model_type() const override { return "mplugowl3"; }
+  std::string display_name() const override { return "mPLUG-Owl3"; }
+
+  std::unique_ptr<Model> load(const Checkpoint& ck, at::ScalarType dtype,
+                              at::Device device) const override {
+    const Tokenizer tok = Tokenizer::from_file(ck.dir + "/tokenizer.json");
+    const auto image = tok.token_to_id("<|image|>");
+    LVX_CHECK(image.has_value(), ck.dir, "/tokenizer.json: has no <|image|> token");
+    return std::make_unique<MplugOwl3>(ck, *image, dtype, device);
+  }
+
+  planner::ModelConfig planner_model(const nlohmann::json& config,
+                                     const std::string& where) const override {
+    // Shapes only: both releases run a cross layer beside each hyper layer.
+    return MplugOwl3::planner_model(mplug_owl3_config(config, where, /*gated=*/true, 0));
+  }
+
+  // Qwen chatml; a video is one <|image|> per frame, then "\n"; 241101 brackets the frames with
+  // <|start_video_frame|> … <|end_video_frame|> when the tokenizer has them:
+  //   <|im_start|>system\n<|im_end|>\n<|im_start|>user\n<|image|>…<|image|>\n{question}<|im_end|>
+  //   \n<|im_start|>assistant\n{answer}<|im_end|>
+  PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t frames,
+                      const std::string* answer) const override {
+    check_prompt_request(question, frames);
+    PromptBuilder p(tok);
+    p.special("<|im_start|>");
+    p.text("system\n");
+    p.special("<|im_end|>");
+    p.text("\n");
+    p.special("<|im_start|>");
+    p.text("user\n");
+    const bool bracket = p.has("<|start_video_frame|>") && p.has("<|end_video_frame|>");
+    if (bracket) p.special("<|start_video_frame|>");
+    for (int64_t f = 0; f < frames; ++f) p.special("<|image|>");
+    if (bracket) p.special("<|end_video_frame|>");
+    p.text("\n" + question);
+    p.special("<|im_end|>");
+    p.text("\n");
+    p.special("<|im_start|>");
+    p.text("assistant\n");
+    if (answer) {
+      p.text(*answer, true);
+      p.special("<|im_end|>", true);
+    }
+    return std::move(p).finish();
+  }
+
+  std::vector<int64_t> stop_tokens(const Tokenizer& tok) const override {
+    std::vector<int64_t> stop{special_token_id(tok, "<|im_end|>")};
+    if (auto eos = tok.token_to_id("<|endoftext|>")) stop.push_back(*eos);
+    return stop;
+  }
+
+  std::string preprocess_preset() const override { return "siglip"; }
+
+  // No resampler: the hyper layers' visual K/V projection and gate, and the vision-to-text
+  // projector.
+  bool trains_cross_only(const std::string& name) const override {
+    auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+    auto ends = [&](const std::string& s) {
+      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+    };
+    return has(".v_kv_proj.") || ends(".self_attn.gate") ||
+           name.rfind("vision2text_model.", 0) == 0;
+  }
+};
+
+}  // namespace
+
+const Family& family() {
+  static const MplugOwl3Family f;
+  return f;
+}
+
+}  // namespace lvx::models::mplug_owl3

@@ -1,0 +1,68 @@
+// OpenFlamingo's answers to the runtime (models/family.h): its VQA evaluation prompt, CLIP
+// preprocessing and the cross_only freeze recipe.
+#include <memory>
+
+#include "models/openflamingo.h"
+#include "models/prompt.h"
+#include "models/tokenizer.h"
+
+namespace lvx::models::openflamingo {
+
+namespace {
+
+class OpenFlamingoFamily final : public Family {
+ public:
+  std::string model_type() const override { return "openflamingo"; }
+  std::string display_name() const override { return "OpenFlamingo"; }
+
+  std::unique_ptr<Model> load(const Checkpoint& ck, at::ScalarType dtype,
+                              at::Device device) const override {
+    return std::make_unique<OpenFlamingo>(ck, dtype, device);
+  }
+
+  planner::ModelConfig planner_model(const nlohmann::json& config,
+                                     const std::string& where) const override {
+    return OpenFlamingo::planner_model(openflamingo_config(config, where));
+  }
+
+  // The VQA evaluation prompt; each frame an <image> followed by <|endofchunk|>:
+  //   <image><|endofchunk|>…<image>Question:{question} Short answer:{answer}<|endofchunk|>
+  PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t frames,
+                      const std::string* answer) const override {
+    check_prompt_request(question, frames);
+    PromptBuilder p(tok);
+    for (int64_t f = 0; f < frames; ++f) {
+      p.special("<image>");
+      if (f + 1 < frames) p.special("<|endofchunk|>");
+    }
+    p.text("Question:" + question + " Short answer:");
+    if (answer) {
+      p.text(*answer, true);
+      p.special("<|endofchunk|>", true);
+    }
+    return std::move(p).finish();
+  }
+
+  std::vector<int64_t> stop_tokens(const Tokenizer& tok) const override {
+    std::vector<int64_t> stop{special_token_id(tok, "<|endofchunk|>")};
+    if (auto eos = tok.token_to_id("<|endoftext|>")) stop.push_back(*eos);
+    return stop;
+  }
+
+  std::string preprocess_preset() const override { return "clip"; }
+
+  // OpenFlamingo's own recipe: the resampler and the gated xattn blocks.
+  bool trains_cross_only(const std::string& name) const override {
+    return name.rfind("perceiver.", 0) == 0 ||
+           name.find(".gated_cross_attn_layer.") != std::string::npos;
+  }
+};
+
+}  // namespace
+
+const Family& family() {
+  static const OpenFlamingoFamily f;
+  return f;
+}
+
+}  // namespace lvx::models::openflamingo
