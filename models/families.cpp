@@ -1,6 +1,7 @@
 // The registry of model families (models/family.h): one line per family folder under models/.
 #include "models/checkpoint.h"
 #include "models/family.h"
+#include "models/mllama/model.h"
 #include "models/mplug_owl3.h"
 #include "models/openflamingo.h"
 #include "src/common/error.h"
@@ -11,6 +12,7 @@ const std::vector<const Family*>& families() {
   static const std::vector<const Family*> all = {
       &mplug_owl3::family(),
       &openflamingo::family(),
+      &mllama::family(),
   };
   return all;
 }

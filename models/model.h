@@ -64,6 +64,11 @@ class Model {
                                  DecodeCache& cache) const;
 };
 
+// Refuses every named input (ModelInputs::named) not in `known`, naming it and `model`'s inputs
+// (a family that reads none passes an empty list).
+void check_named_inputs(const ModelInputs& in, const std::vector<std::string>& known,
+                        const std::string& model);
+
 // The logits of the last token (global position length − 1) from the rank that holds it, on
 // every rank: hidden [B, L_r, W] after the final norm, positions [L_r] on the host.
 at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positions, int64_t length,

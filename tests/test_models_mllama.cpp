@@ -152,12 +152,16 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{1, "lv_xattn,ring", ""}, Case{2, "lv_xattn,ring", "--recompute"},
                       Case{2, "ring,striped", "--remat"}, Case{2, "all_gather,distflash", ""},
                       Case{3, "lv_xattn,distflash", ""},
-                      Case{3, "all_gather,ring", "--recompute --remat"},
+                      Case{3, "lv_xattn+ring,ring", "--recompute --remat"},
                       Case{4, "lv_xattn,striped", ""}, Case{4, "ring,distflash", "--recompute"},
-                      Case{4, "all_gather,ring", "--remat"}),
+                      Case{4, "all_gather,ring", "--remat"},
+                      // The planner's per-layer choice for this batch on a cluster config.
+                      Case{3, "auto",
+                           "--cluster " + std::string(LVX_SOURCE_DIR) +
+                               "/configs/clusters/h100_80g_16.yaml --print-plan"}),
     [](const auto& info) {
       return "n" + std::to_string(info.param.nproc) + "_" + test_name(info.param.strategies) +
-             test_name(info.param.flags);
+             test_name(info.param.flags.substr(0, info.param.flags.find(' ', 3)));
     });
 
 // Greedy generation (prefill, then pass-Q decode steps; a new token repeats the last row of the
@@ -186,6 +190,31 @@ TEST(MllamaPlan, PlansTheCheckpoint) {
       "/configs/clusters/a100_80g_16.yaml --frames 8 --text 64 --nproc 4");
   EXPECT_EQ(out.find("exit status"), std::string::npos) << out;
   EXPECT_NE(out.find("lv_xattn"), std::string::npos) << out;
+}
+
+// Inputs the family does not read, and pixel_values in neither of its layouts, are named.
+TEST(MllamaBadInput, UnknownInputsAndWrongPixelLayoutsAreNamed) {
+  auto forward = [](const std::map<std::string, at::Tensor>& batch) {
+    const std::string path = (workdir() / "mllama_bad_batch.safetensors").string();
+    lvx::save_safetensors(path, batch);
+    return run_command(lvx_binary() + " forward --model " + reference().model + " --input " + path +
+                       " --output " + (workdir() / "mllama_bad.safetensors").string());
+  };
+  auto batch = lvx::load_safetensors(reference().batch).tensors;
+  auto extra = batch;
+  extra["attention_mask"] = at::ones_like(batch.at("input_ids"));
+  std::string out = forward(extra);
+  EXPECT_NE(out.find("Llama-3.2-Vision: unknown input 'attention_mask'"), std::string::npos) << out;
+  auto flat = batch;
+  flat["pixel_values"] = batch.at("pixel_values").flatten(0, 2);
+  out = forward(flat);
+  EXPECT_NE(out.find("pixel_values must be [2, images, 2 (max_num_tiles), 3, 16, 16]"),
+            std::string::npos)
+      << out;
+  auto no_ratios = batch;
+  no_ratios.erase("aspect_ratio_ids");
+  out = forward(no_ratios);
+  EXPECT_NE(out.find("needs aspect_ratio_ids and aspect_ratio_mask"), std::string::npos) << out;
 }
 
 }  // namespace

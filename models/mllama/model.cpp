@@ -49,12 +49,7 @@ const at::Tensor* named(const ModelInputs& in, const std::string& name) {
 Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par) {
   const VisionConfig& v = c.vision;
   const int64_t K = v.max_num_tiles, S = v.image_size, B = in.input_ids.size(0);
-  for (const auto& [name, t] : in.named)
-    LVX_CHECK(
-        name == "aspect_ratio_ids" || name == "aspect_ratio_mask" || name == "cross_attention_mask",
-        kName, ": unknown input '", name,
-        "' (this family reads input_ids, pixel_values, aspect_ratio_ids, aspect_ratio_mask, "
-        "cross_attention_mask, labels)");
+  check_named_inputs(in, {"aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"}, kName);
   const at::Tensor& px = in.pixel_values;
   const at::Tensor host_ids = in.input_ids.cpu();
   Images im;
@@ -151,8 +146,6 @@ Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par)
 Mllama::Mllama(const Checkpoint& ck, at::ScalarType dtype, at::Device device)
     : cfg_(config_from_json(ck.config, ck.dir + "/config.json")) {
   w_ = select_parameters(ck.tensors, shapes(cfg_), {}, dtype, ck.dir, device);
-  if (cfg_.text.tie_embeddings)
-    lm_head_ = param(w_, kLm + "embed_tokens.weight").narrow(0, 0, cfg_.text.vocab);
 }
 
 bool Mllama::trainable(const std::string& name) const { return name.rfind(kVision, 0) != 0; }
@@ -166,8 +159,12 @@ std::vector<DecoderLayerAttention> Mllama::layer_attentions() const {
   return v;
 }
 
-const at::Tensor& Mllama::lm_head() const {
-  return cfg_.text.tie_embeddings ? lm_head_ : param(w_, "language_model.lm_head.weight");
+at::Tensor Mllama::lm_head() const {
+  // Tied: the first vocab rows of embed_tokens (it has vocab + 8), taken at each use: load_model
+  // replaces the parameters after construction when it loads straight to a device.
+  return cfg_.text.tie_embeddings
+             ? param(w_, kLm + "embed_tokens.weight").narrow(0, 0, cfg_.text.vocab)
+             : param(w_, "language_model.lm_head.weight");
 }
 
 ModelOutputs Mllama::forward(const ModelInputs& in, const Parallel& par) const {

@@ -74,11 +74,10 @@ class Mllama : public Model {
   // h's dtype: full_text_row_masked_out_mask).
   at::Tensor cross_block(int64_t layer, const at::Tensor& h, const at::Tensor& ctx,
                          const at::Tensor& sees, bool remat) const;
-  const at::Tensor& lm_head() const;
+  at::Tensor lm_head() const;
 
   Config cfg_;
   StateDict w_;
-  at::Tensor lm_head_;  // tied: the first vocab rows of embed_tokens
 };
 
 }  // namespace lvx::models::mllama
