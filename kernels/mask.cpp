@@ -188,7 +188,8 @@ at::Tensor mask_matrix(const AttentionMask& mask, int64_t batch, int64_t sq, int
   at::Tensor vis = rule_visible(exact, q.value.unsqueeze(2), k.value.unsqueeze(1));
   vis = vis & q.none.logical_not().unsqueeze(2) & k.none.logical_not().unsqueeze(1);
   if (!mask.unmatched_sees_all) return vis;
-  return vis | (q.none.unsqueeze(2) & key_padding(mask, batch, skv, dev).logical_not().unsqueeze(1));
+  const at::Tensor real_keys = key_padding(mask, batch, skv, dev).logical_not();
+  return vis | (q.none.unsqueeze(2) & real_keys.unsqueeze(1));
 }
 
 int64_t visible_pairs(const AttentionMask& mask, int64_t batch, int64_t sq, int64_t skv) {

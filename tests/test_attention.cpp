@@ -319,9 +319,9 @@ std::vector<Case> all_cases(int world) {
           // Two nodes of two ranks: the double ring (ring strategies; the others ignore it).
           if (world == 4 && sq != 1)
             cases.push_back({strat, mask, rule, hq, hkv, sq, skv, at::kFloat, sq == 13, false, 2});
-          // Llama-3.2-Vision's media mask: rows that see no media see every key (padding
-          // excluded), also with a model's layouts (keys in whole blocks of 4).
-          if (mask == MaskKind::kMedia && rule == MediaRule::kImmediate) {
+          // Llama-3.2-Vision's media masks (models/mllama/mask.h): rows that see no media see
+          // every key (padding excluded), also with a model's layouts (keys in blocks of 4).
+          if (mask == MaskKind::kMedia) {
             Case a{strat, mask, rule, hq, hkv, sq, skv, at::kFloat, sq == 13};
             a.sees_all = true;
             cases.push_back(a);

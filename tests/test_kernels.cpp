@@ -48,9 +48,18 @@ double gate_atol(at::ScalarType t) {
   }
 }
 
-// kMediaSeesAll: media-immediate with unmatched_sees_all (queries with media −1 see every key,
-// Llama-3.2-Vision) and padding, whole key tiles of it in the last sample.
-enum class MaskCase { kNone, kCausal, kMediaImmediate, kMediaUpTo, kPadding, kMediaSeesAll };
+// kMediaSeesAll / kMediaUpToSeesAll: media-immediate / up-to with unmatched_sees_all (queries
+// with media −1 see every key, Llama-3.2-Vision) and padding, whole key tiles of it in the last
+// sample.
+enum class MaskCase {
+  kNone,
+  kCausal,
+  kMediaImmediate,
+  kMediaUpTo,
+  kPadding,
+  kMediaSeesAll,
+  kMediaUpToSeesAll
+};
 
 const char* mask_name(MaskCase m) {
   switch (m) {
@@ -66,6 +75,8 @@ const char* mask_name(MaskCase m) {
       return "padding";
     case MaskCase::kMediaSeesAll:
       return "mediaSeesAll";
+    case MaskCase::kMediaUpToSeesAll:
+      return "mediaUpToSeesAll";
   }
   return "?";
 }
@@ -108,8 +119,9 @@ AttentionMask make_mask(MaskCase c, int64_t batch, int64_t sq, int64_t skv) {
       m.kv_valid.select(0, batch - 1).narrow(0, skv / 2, skv - skv / 2).fill_(false);
       break;
     case MaskCase::kMediaSeesAll:
+    case MaskCase::kMediaUpToSeesAll:
       m.kind = MaskKind::kMedia;
-      m.media_rule = MediaRule::kImmediate;
+      m.media_rule = c == MaskCase::kMediaSeesAll ? MediaRule::kImmediate : MediaRule::kUpTo;
       m.unmatched_sees_all = true;
       m.q_media = media_queries(batch, sq, 3);
       m.kv_media = media_keys(batch, skv, 3);
@@ -232,7 +244,8 @@ TEST(AttentionKernelCuda, MatchesFp64ReferenceOnEveryMask) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     for (auto m : {MaskCase::kNone, MaskCase::kCausal, MaskCase::kMediaImmediate,
-                   MaskCase::kMediaUpTo, MaskCase::kPadding, MaskCase::kMediaSeesAll}) {
+                   MaskCase::kMediaUpTo, MaskCase::kPadding, MaskCase::kMediaSeesAll,
+                   MaskCase::kMediaUpToSeesAll}) {
       for (const Shape& s : {Shape{2, 37, 1100, 4, 2, 32}, Shape{1, 200, 70, 4, 1, 16}}) {
         SCOPED_TRACE(dtype_name(dtype) + "_" + mask_name(m) + "_" + shape_name(s));
         check_against_reference(at::Device(at::kCUDA, 0), dtype, m, s);
@@ -260,7 +273,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(at::kFloat, at::kDouble, at::kBFloat16),
                        ::testing::Values(MaskCase::kNone, MaskCase::kCausal,
                                          MaskCase::kMediaImmediate, MaskCase::kMediaUpTo,
-                                         MaskCase::kPadding, MaskCase::kMediaSeesAll),
+                                         MaskCase::kPadding, MaskCase::kMediaSeesAll,
+                                         MaskCase::kMediaUpToSeesAll),
                        ::testing::ValuesIn(shapes())),
     case_name);
 

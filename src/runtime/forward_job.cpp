@@ -130,7 +130,8 @@ int run_forward_rank(const ForwardJob& job) {
     g.max_new_tokens = job.generate;
     g.max_length = model_context_length(job.model);  // never past the model's context
     g.keep_logits = true;
-    const GenerateResult out = generate(model, {b.input_ids, b.pixel_values, false, b.named}, par, g);
+    const GenerateResult out =
+        generate(model, {b.input_ids, b.pixel_values, false, b.named}, par, g);
     double per_token = 0;
     for (double t : out.token_seconds)
       per_token += t / static_cast<double>(out.token_seconds.size());
