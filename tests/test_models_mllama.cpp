@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/mllama/mask.h"
+#include "models/model.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
 #include "tests/model_conformance.h"
@@ -164,6 +165,80 @@ INSTANTIATE_TEST_SUITE_P(
              test_name(info.param.flags.substr(0, info.param.flags.find(' ', 3)));
     });
 
+// lvx qa / finetune's input: video frames [N, 3, S, S] and input_ids with <|image|> runs, nothing
+// named. The same batch laid out as MllamaProcessor lays out one-tile images (tile 0 the frame,
+// the other tiles zero; aspect ratio (1, 1); padding images zero with id 0; the mask from
+// processing_mllama's own functions, made here in Python) through transformers must give lvx's
+// logits, loss and gradients from the frames.
+const Reference& frames_reference() {
+  static const Reference ref = [] {
+    const Reference& base = reference();
+    std::string log;
+    const std::string dir = generated(
+        "mllama_frames", script_stamp(ref_script()) + "frames-v1",
+        [&](const std::string& d) {
+          auto batch = lvx::load_safetensors(base.batch).tensors;
+          const at::Tensor& ids = batch.at("input_ids");
+          const int64_t image =
+              nlohmann::json::parse(read_text(base.model + "/config.json")).at("image_token_index");
+          // Every image of the reference batch becomes a frame: tile 0 of its pixels, in order.
+          std::vector<at::Tensor> frames;
+          for (int64_t b = 0; b < ids.size(0); ++b)
+            for (int64_t j = 0; j < ids[b].eq(image).sum().item<int64_t>(); ++j)
+              frames.push_back(batch.at("pixel_values")[b][j][0]);
+          lvx::save_safetensors(d + "/frames.safetensors",
+                                {{"input_ids", ids},
+                                 {"pixel_values", at::stack(frames).contiguous()},
+                                 {"labels", batch.at("labels")}});
+          const std::string py = d + "/to_processor.py";
+          std::ofstream(py) << R"(import sys, torch
+from safetensors.torch import load_file, save_file
+from transformers.models.mllama.processing_mllama import (
+    convert_sparse_cross_attention_mask_to_dense, get_cross_attention_token_mask)
+f = load_file(sys.argv[1]); image = int(sys.argv[3]); tiles = 2
+ids, frames = f["input_ids"], f["pixel_values"]
+B, L = ids.shape
+counts = [int((ids[b] == image).sum()) for b in range(B)]
+n = max(counts)
+pv = torch.zeros(B, n, tiles, *frames.shape[1:])
+ar_ids = torch.zeros(B, n, dtype=torch.int64)
+ar_mask = torch.zeros(B, n, tiles, dtype=torch.int64)
+ar_mask[:, :, 0] = 1
+k = 0
+for b in range(B):
+    for j in range(counts[b]):
+        pv[b, j, 0] = frames[k]; ar_ids[b, j] = 1; k += 1
+masks = [get_cross_attention_token_mask(ids[b].tolist(), image) for b in range(B)]
+cam = torch.from_numpy(convert_sparse_cross_attention_mask_to_dense(
+    masks, [[1] * c for c in counts], tiles, L))
+save_file({"input_ids": ids, "pixel_values": pv, "aspect_ratio_ids": ar_ids,
+           "aspect_ratio_mask": ar_mask, "cross_attention_mask": cam.contiguous(),
+           "labels": f["labels"]}, sys.argv[2])
+)";
+          std::string out = run_command(python() + " " + py + " " + d + "/frames.safetensors " + d +
+                                        "/processor.safetensors " + std::to_string(image));
+          out += run_command(python() + " " + ref_script() + " run " + base.model + " " + d +
+                             "/processor.safetensors " + d + "/expected.safetensors --backward");
+          return out;
+        },
+        &log);
+    EXPECT_FALSE(dir.empty()) << log;
+    return Reference{base.model, dir + "/frames.safetensors", dir + "/expected.safetensors"};
+  }();
+  return ref;
+}
+
+class MllamaFrames : public ::testing::TestWithParam<int> {};
+
+TEST_P(MllamaFrames, FramesAsOneTileImagesMatchTransformers) {
+  const Diff d =
+      forward_against(frames_reference(), "mllama_frames", GetParam(), "lv_xattn,ring", "");
+  expect_conforms(d, 1e-4, 1e-4, 3 * 9 + 2 * 13 + 5);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, MllamaFrames, ::testing::Values(1, 3),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
 // Greedy generation (prefill, then pass-Q decode steps; a new token repeats the last row of the
 // cross-attention mask, as transformers' generate) equals transformers' greedy loop without a
 // cache, token for token; every step's logits within 1e-4. Each decode step sends the pass-Q
@@ -190,6 +265,96 @@ TEST(MllamaPlan, PlansTheCheckpoint) {
       "/configs/clusters/a100_80g_16.yaml --frames 8 --text 64 --nproc 4");
   EXPECT_EQ(out.find("exit status"), std::string::npos) << out;
   EXPECT_NE(out.find("lv_xattn"), std::string::npos) << out;
+}
+
+// ---- lvx qa and lvx finetune on the tiny checkpoint ------------------------------------------
+
+std::string make_clip(const std::string& name, const std::string& source) {
+  const std::string path = (workdir() / name).string();
+  EXPECT_EQ(run_command("ffmpeg -loglevel error -y -f lavfi -i " + source +
+                        "=size=64x64:rate=4 -t 4 -pix_fmt yuv420p " + path),
+            "");
+  return path;
+}
+
+// One question about a generated video: the greedy answer is the same on 1 and 2 ranks, and a
+// decode step sends the pass-Q bytes, summed over the ranks: n·(n−1)·A·B·Hq·(D+1)·4 with
+// A = 5 attentions, B = 1, Hq = 4, D = 16.
+TEST(MllamaQa, GreedyAnswerIsTheSameOnOneAndTwoRanks) {
+  const std::string clip = make_clip("mllama_qa.mp4", "testsrc");
+  auto ask = [&](int n) {
+    const std::string out =
+        run_command(lvx_binary() + " qa --model " + reference().model + " --video " + clip +
+                    " --question 'What colour was the shape?' --num-frames 6 --json "
+                    "--max-new-tokens 6 --nproc " +
+                    std::to_string(n) + " 2>/dev/null");
+    try {
+      return nlohmann::json::parse(out);
+    } catch (const std::exception&) {
+      ADD_FAILURE() << "not JSON: " << out;
+      return nlohmann::json();
+    }
+  };
+  const nlohmann::json one = ask(1), two = ask(2);
+  ASSERT_TRUE(one.contains("response") && two.contains("response"));
+  EXPECT_EQ(one["frames"], 6);
+  EXPECT_EQ(one["new_tokens"], 6);
+  EXPECT_EQ(two["response"], one["response"]);
+  EXPECT_EQ(two["bytes"]["decode_per_token"].get<int64_t>(), int64_t{2} * 1 * 5 * 1 * 4 * 17 * 4);
+}
+
+// Fine-tuning on two generated videos: the loss falls, the vision model stays frozen, and the
+// checkpoint is a model directory lvx loads as Mllama.
+TEST(MllamaFinetune, LossFallsAndTheVisionModelStaysFrozen) {
+  const fs::path d = workdir() / "mllama_finetune";
+  fs::create_directories(d);
+  const std::string a = make_clip("mllama_ft_a.mp4", "testsrc");
+  const std::string b = make_clip("mllama_ft_b.mp4", "testsrc2");
+  std::ofstream(d / "train.jsonl")
+      << nlohmann::json{{"video", a},
+                        {"question", "What pattern is shown?"},
+                        {"answer", "color bars"}}
+             .dump()
+      << "\n"
+      << nlohmann::json{{"video", b}, {"question", "What moves?"}, {"answer", "shapes"}}.dump()
+      << "\n";
+  const std::string ck = (d / "ck").string();
+  fs::remove_all(ck);
+  std::ofstream(d / "run.yaml") << "model: {path: " << reference().model << "}\n"
+                                << "data: {train: " << (d / "train.jsonl").string()
+                                << ", num_frames: 4, seed: 3}\n"
+                                << "optimizer: {lr: 3.0e-3, weight_decay: 0.01, grad_clip: 1.0}\n"
+                                << "schedule: {steps: 10, warmup_steps: 1, min_lr: 1.0e-4}\n"
+                                << "checkpoint: {dir: " << ck << ", every: 5, keep: 2}\n"
+                                << "parallel: {nproc: 2, strategies: \"lv_xattn,ring\"}\n";
+  const std::string log =
+      run_command(lvx_binary() + " finetune --config " + (d / "run.yaml").string());
+  ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
+  std::vector<double> loss;
+  std::ifstream m(ck + "/metrics.jsonl");
+  for (std::string line; std::getline(m, line);)
+    loss.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  ASSERT_EQ(loss.size(), 10u);
+  std::cout << "mllama finetune loss: first two steps " << (loss[0] + loss[1]) / 2 << ", last two "
+            << (loss[8] + loss[9]) / 2 << "\n";
+  EXPECT_LT(loss[8] + loss[9], 0.5 * (loss[0] + loss[1]));
+  const std::string last = ck + "/step-000010";
+  const auto before = lvx::load_safetensors(reference().model + "/model.safetensors").tensors;
+  const auto after = lvx::load_safetensors(last + "/model.safetensors").tensors;
+  int64_t vision = 0, changed = 0;
+  for (const auto& [name, t] : before) {
+    ASSERT_TRUE(after.count(name)) << name;
+    const bool same = at::equal(t, after.at(name).to(t.scalar_type()));
+    if (name.rfind("vision_model.", 0) == 0) {
+      ++vision;
+      EXPECT_TRUE(same) << name << " (the vision model is frozen)";
+    } else {
+      changed += !same;
+    }
+  }
+  EXPECT_GT(vision, 0);
+  EXPECT_GT(changed, 0);
+  EXPECT_EQ(lvx::models::load_model(last, at::kFloat)->family().model_type(), "mllama");
 }
 
 // Inputs the family does not read, and pixel_values in neither of its layouts, are named.
