@@ -7,7 +7,7 @@
 // min/max spread); -o md|json.
 //
 //   bench_kernels [--shapes 2048x2048,1024x16384] [--masks none,causal,mediaUpTo] [--heads 8]
-//                 [--hkv 8,2] [--dim 64] [--dtype f32] [--device cpu,cuda] [--reps 3]
+//                 [--hkv 8,2] [--dim 64] [--dtype fp32] [--device cpu,cuda] [--reps 3]
 //                 [--warmup 1] [-o md|json]
 //                 [--memory-demo] [--check-only]      (--help: defaults and LVX_* env mirrors)
 #include <sys/resource.h>
@@ -26,6 +26,7 @@
 
 #include "kernels/attention.h"
 #include "src/cli/args.h"
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 
 #ifdef LVX_WITH_CUDA
@@ -45,17 +46,12 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
+// lvx's dtype names (src/common/dtype.h), plus fp64 for the CPU reference precision.
 at::ScalarType parse_dtype(const std::string& s) {
-  if (s == "f32") return at::kFloat;
-  if (s == "f64") return at::kDouble;
-  if (s == "bf16") return at::kBFloat16;
-  if (s == "f16") return at::kHalf;
-  LVX_FAIL("--dtype: expected f32, f64, bf16 or f16, got '", s, "'");
+  return s == "fp64" ? at::kDouble : lvx::dtype_of(s, "--dtype (or fp64)");
 }
 
-std::string dtype_name(at::ScalarType t) {
-  return t == at::kDouble ? "f64" : t == at::kFloat ? "f32" : t == at::kBFloat16 ? "bf16" : "f16";
-}
+std::string dtype_name(at::ScalarType t) { return t == at::kDouble ? "fp64" : lvx::dtype_name(t); }
 
 bool cuda_present() { return at::hasCUDA(); }
 
@@ -469,7 +465,7 @@ int main(int argc, char** argv) {
     args.add_option("heads", 'H', "8", "query heads (comma list)");
     args.add_option("hkv", 0, "8,2", "K/V heads (comma list; those that divide heads are run)");
     args.add_option("dim", 'd', "64", "head dims (comma list)");
-    args.add_option("dtype", 't', "f32", "input dtypes: f32, f64, bf16, f16 (comma list)");
+    args.add_option("dtype", 't', "fp32", "input dtypes: fp32, fp64, bf16, fp16 (comma list)");
     args.add_option("device", 0, cuda_present() ? "cpu,cuda" : "cpu", "devices: cpu, cuda");
     args.add_option("reps", 'r', "3", "timed repeats (median reported)");
     args.add_option("warmup", 'w', "1", "warm-up runs");

@@ -20,7 +20,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "models/mplug_owl3.h"
+#include "models/mplug_owl3/model.h"
 #include "src/cli/args.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"

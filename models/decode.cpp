@@ -2,41 +2,37 @@
 
 #include <limits>
 
+#include "kernels/attention.h"
 #include "src/common/error.h"
 
 namespace lvx::models {
 
 Partial partial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& visible, double scale) {
-  const int64_t B = q.size(0), hq = q.size(1), D = q.size(2), hkv = k.size(2), S = k.size(1);
-  LVX_CHECK(hq % hkv == 0, "decode: ", hq, " query heads are not groups of ", hkv, " key heads");
-  if (S == 0) {
-    return {
-        at::zeros({B, hq, D}, q.options().dtype(at::kFloat)),
-        at::full({B, hq}, -std::numeric_limits<float>::infinity(), q.options().dtype(at::kFloat))};
+  const int64_t B = q.size(0), hq = q.size(1), D = q.size(2), S = k.size(1);
+  if (S == 0) {  // no key on this rank (the kernels take at least one)
+    const auto acc = q.options().dtype(kernels::accumulation_dtype(q.scalar_type()));
+    return {at::zeros({B, hq, D}, acc),
+            at::full({B, hq}, -std::numeric_limits<double>::infinity(), acc)};
   }
-  // [B, Hkv, G, D] · [B, Hkv, D, S] → [B, Hkv, G, S]: each key head serves its G query heads.
-  const at::Tensor qg = q.to(at::kFloat).view({B, hkv, hq / hkv, D});
-  const at::Tensor kt = k.to(at::kFloat).permute({0, 2, 3, 1});
-  at::Tensor s = at::matmul(qg, kt) * scale;
-  if (visible.defined())
-    s = s.masked_fill(visible.logical_not().view({B, 1, 1, S}),
-                      -std::numeric_limits<float>::infinity());
-  const at::Tensor lse = at::logsumexp(s, -1, /*keepdim=*/true);  // −inf: no visible key
-  const at::Tensor p = at::exp(s - lse).nan_to_num(0.0);  // exp(−inf − −inf) = nan → 0
-  const at::Tensor o = at::matmul(p, v.to(at::kFloat).transpose(1, 2));  // [B, Hkv, G, D]
-  return {o.reshape({B, hq, D}), lse.reshape({B, hq})};
+  // One query per row: q [B, 1, Hq, D] against the keys, the GQA mapping and the padding mask
+  // (kv_valid) as the kernels have them; o and lse come back in the accumulation dtype.
+  kernels::AttentionParams params;
+  params.scale = scale;
+  if (visible.defined()) params.mask.kv_valid = visible;
+  const kernels::AttentionOutput out = kernels::attention_forward(q.unsqueeze(1), k, v, params);
+  return {out.o.select(1, 0), out.lse.select(2, 0)};  // [B, Hq, D], [B, Hq]
 }
 
 Partial merge_partials(const std::vector<Partial>& parts) {
   LVX_CHECK(!parts.empty(), "decode: nothing to merge");
   if (parts.size() == 1) return parts[0];
-  std::vector<at::Tensor> lses;
-  for (const Partial& p : parts) lses.push_back(p.lse);
-  const at::Tensor lse = at::logsumexp(at::stack(lses), 0);  // −inf when every part is empty
-  at::Tensor o = at::zeros_like(parts[0].o);
-  for (const Partial& p : parts) o = o + (at::exp(p.lse - lse).nan_to_num(0.0)).unsqueeze(-1) * p.o;
-  return {o, lse};
+  // The kernels' merge over [B, Sq = 1, Hq, D] / [B, Hq, Sq = 1], in place on a copy of the first.
+  at::Tensor o = parts[0].o.unsqueeze(1).clone();
+  at::Tensor lse = parts[0].lse.unsqueeze(2).clone();
+  for (size_t i = 1; i < parts.size(); ++i)
+    kernels::merge_attention_states(o, lse, parts[i].o.unsqueeze(1), parts[i].lse.unsqueeze(2));
+  return {o.select(1, 0), lse.select(2, 0)};
 }
 
 std::vector<Partial> merge_across_ranks(dist::ProcessGroup& pg, const std::vector<Partial>& local) {

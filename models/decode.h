@@ -19,9 +19,9 @@
 // layer (1, or 2 in a layer with cross-attention), n ranks (ring all-gather: each rank forwards
 // n−1 pieces). That is one message when the layer's attentions read the same input (mPLUG-Owl3);
 // where one feeds the next (OpenFlamingo's gated block before the decoder layer) each merges on
-// its own, with its own Hq and D (models/openflamingo.h). Gathering K/V instead would move (n−1)/n
-// of the layer's visual K/V to every rank once (2·B·S_vis·Hkv·D·dtype bytes) and then hold it all
-// on every rank, which lvx never does.
+// its own, with its own Hq and D (models/openflamingo/model.h). Gathering K/V instead would move
+// (n−1)/n of the layer's visual K/V to every rank once (2·B·S_vis·Hkv·D·dtype bytes) and then hold
+// it all on every rank, which lvx never does.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,18 +32,20 @@
 
 namespace lvx::models {
 
-// One attention's result over some keys: o [B, Hq, D] fp32 (0 where no key is visible) and lse
-// [B, Hq] fp32 (−inf where no key is visible).
+// One attention's result over some keys: o [B, Hq, D] and lse [B, Hq] in the accumulation dtype
+// (fp32; fp64 for fp64 inputs), o = 0 and lse = −inf where no key is visible.
 struct Partial {
   at::Tensor o, lse;
 };
 
 // q [B, Hq, D] against k/v [B, S, Hkv, D] (GQA: query head h reads key head h / (Hq/Hkv)),
-// keys with visible[b, s] false skipped (undefined: all visible). In fp32.
+// keys with visible[b, s] false skipped (undefined: all visible): the kernels'
+// attention_forward (kernels/attention.h) with one query per row and `visible` as its kv_valid.
 Partial partial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& visible, double scale);
 
-// Merges partial results over disjoint key sets (exact; rows without keys stay o = 0, −inf).
+// Merges partial results over disjoint key sets with the kernels' merge_attention_states, in
+// order (exact; rows without keys stay o = 0, −inf).
 Partial merge_partials(const std::vector<Partial>& parts);
 
 // Pass-Q: all-gathers this rank's partials (every attention of one layer, one message) and

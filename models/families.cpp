@@ -1,9 +1,11 @@
 // The registry of model families (models/family.h): one line per family folder under models/.
+#include <utility>
+
 #include "models/checkpoint.h"
 #include "models/family.h"
 #include "models/mllama/model.h"
-#include "models/mplug_owl3.h"
-#include "models/openflamingo.h"
+#include "models/mplug_owl3/model.h"
+#include "models/openflamingo/model.h"
 #include "src/common/error.h"
 
 namespace lvx::models {
@@ -28,6 +30,25 @@ const Family& family_of(const std::string& model_type, const std::string& where)
     if (f->model_type() == model_type) return *f;
   LVX_FAIL(where, ": model_type '", model_type,
            "' is not supported (supported: ", supported_model_types(), ")");
+}
+
+std::vector<NamedMediaMaskRule> named_media_mask_rules() {
+  std::vector<NamedMediaMaskRule> all;
+  for (const Family* f : families())
+    for (NamedMediaMaskRule& r : f->media_mask_rules()) all.push_back(std::move(r));
+  return all;
+}
+
+attention::MediaMaskRule media_mask_rule(const std::string& name) {
+  std::string valid;
+  for (const NamedMediaMaskRule& r : named_media_mask_rules()) {
+    if (r.name == name) return r.rule;
+    valid += (valid.empty() ? "" : ", ") + r.name;
+  }
+  if (auto r = attention::media_mask_rule_by_meaning(name)) return *r;
+  for (const attention::MediaMaskRule& r : attention::media_mask_rules())
+    valid += (valid.empty() ? "" : ", ") + attention::media_mask_rule_name(r);
+  LVX_FAIL("media mask model: expected one of ", valid, "; got '", name, "'");
 }
 
 const Family& family_of_config(const nlohmann::json& config, const std::string& where) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "src/attention/media_mask.h"
 #include "src/planner/model_config.h"
 
 namespace lvx::models {
@@ -34,6 +35,14 @@ struct PromptTokens {
 // cross-attention to the visual tokens, or both, and which comes first. The planner's layers
 // (Model::planner_model().layers) list the same attentions in the same order, decoder layer by
 // decoder layer; the runtime maps its per-layer strategy choices through this.
+// A media mask rule under the name people know a released model's behaviour by
+// ("openflamingo", "mplug-owl3-240728"): what lvx's tools and tests accept besides the rules'
+// names by meaning (attention::media_mask_rule_name).
+struct NamedMediaMaskRule {
+  std::string name;
+  attention::MediaMaskRule rule;
+};
+
 struct DecoderLayerAttention {
   bool self = true;          // a causal self-attention over the text
   bool cross = false;        // a cross-attention to the visual tokens
@@ -71,6 +80,9 @@ class Family {
   virtual std::string preprocess_preset() const = 0;
   // freeze.policy cross_only, the family's own recipe: whether parameter `name` trains.
   virtual bool trains_cross_only(const std::string& name) const = 0;
+  // The media mask rules of the family's releases by name, canonical names first, then aliases
+  // (none by default: its rules are still reachable by meaning).
+  virtual std::vector<NamedMediaMaskRule> media_mask_rules() const { return {}; }
 };
 
 // The registered families (models/families.cpp), in registration order.
@@ -82,5 +94,11 @@ const Family& family_of(const std::string& model_type, const std::string& where)
 const Family& family_of_config(const nlohmann::json& config, const std::string& where);
 // "mplugowl3, openflamingo, ...": the supported model types, for messages.
 std::string supported_model_types();
+
+// Every family's named media mask rules (Family::media_mask_rules), in registration order.
+std::vector<NamedMediaMaskRule> named_media_mask_rules();
+// A rule by a family's name for it or by its meaning (attention::media_mask_rule_name); an
+// unknown name is an error listing every valid one.
+attention::MediaMaskRule media_mask_rule(const std::string& name);
 
 }  // namespace lvx::models

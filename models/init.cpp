@@ -11,8 +11,8 @@
 #include <utility>
 
 #include "models/checkpoint.h"
-#include "models/mplug_owl3.h"
-#include "models/tokenizer.h"
+#include "models/mplug_owl3/model.h"
+#include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 
 namespace lvx::models {
@@ -228,6 +228,34 @@ void write_tiny_mplug_owl3(const std::string& dir, const TinyModelSpec& s) {
   f << tokenizer;
   f.flush();
   LVX_CHECK(f.good(), path, ": cannot write");
+}
+
+std::string default_demo_family() { return "mplugowl3"; }
+
+namespace {
+
+void check_tiny_family(const std::string& model_type) {
+  LVX_CHECK(model_type == default_demo_family(), "tiny model: no tiny writer for model_type '",
+            model_type, "' (one exists for: ", default_demo_family(), ")");
+}
+
+}  // namespace
+
+void write_tiny_model(const std::string& model_type, const std::string& dir,
+                      const TinyModelSpec& spec) {
+  check_tiny_family(model_type);
+  write_tiny_mplug_owl3(dir, spec);
+}
+
+std::string describe_tiny_model(const std::string& model_type, const TinyModelSpec& s) {
+  check_tiny_family(model_type);
+  LVX_CHECK(!s.hyper_layers.empty() && s.patch_size > 0, "tiny model spec: hyper_layers must ",
+            "not be empty and patch_size > 0");
+  const int64_t grid = s.image_size / s.patch_size;
+  return str("tiny mPLUG-Owl3 (", s.variant, "), random init: LM hidden ", s.hidden, ", ", s.layers,
+             " layers (hyper layer: ", s.hyper_layers[0] - 1, "), ", s.heads, " heads / ",
+             s.kv_heads, " K/V heads; SigLIP ", s.image_size, " px, patch ", s.patch_size, " -> ",
+             grid * grid, " visual tokens per frame");
 }
 
 }  // namespace lvx::models

@@ -1,5 +1,5 @@
 // Tiny randomly initialised checkpoints to train from scratch (lvx demo fine-tunes one on the
-// synthetic task of src/runtime/synthetic_task.h): an mPLUG-Owl3 directory in the released
+// synthetic task of tools/synthetic_task.h): an mPLUG-Owl3 directory in the released
 // Hugging Face layout that load_model() accepts — config.json, model.safetensors (fp32) and a
 // tokenizer.json written here, a Qwen2-style byte-level BPE whose merges make each word of a
 // given list one token.
@@ -46,6 +46,17 @@ struct TinyModelSpec {
 //                           cross-attention equally, so both paths get gradient from the start
 // Throws lvx::Error naming the field for an invalid spec and the file for an I/O error.
 void write_tiny_mplug_owl3(const std::string& dir, const TinyModelSpec& spec);
+
+// The tiny model lvx demo trains, named here only: its family's model_type ("mplugowl3"), what
+// write_tiny_model writes.
+std::string default_demo_family();
+// Writes the tiny model of `model_type` (the families with a tiny writer: default_demo_family())
+// into `dir`; another type is an error naming it and the ones that have one.
+void write_tiny_model(const std::string& model_type, const std::string& dir,
+                      const TinyModelSpec& spec);
+// One line for people: what write_tiny_model(model_type, ...) writes for `spec` ("tiny
+// mPLUG-Owl3 (240728), random init: LM hidden 64, 2 layers (hyper layer: 0), ...").
+std::string describe_tiny_model(const std::string& model_type, const TinyModelSpec& spec);
 
 // The tokenizer.json text of the tokenizer above: Qwen2's normalizer (NFC), pre-tokenizer
 // (Split by Qwen2's regex, Isolated; then ByteLevel without regex), ByteLevel post-processor and

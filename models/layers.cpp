@@ -81,12 +81,11 @@ at::Tensor apply_rotary(const at::Tensor& x, const RotaryTables& t) {
 
 at::Tensor local_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            bool causal, double scale) {
-  const int64_t g = q.size(2) / k.size(2);
-  at::Tensor kk = g == 1 ? k : k.repeat_interleave(g, 2);
-  at::Tensor vv = g == 1 ? v : v.repeat_interleave(g, 2);
-  at::Tensor o = at::scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2),
-                                                  vv.transpose(1, 2), /*attn_mask=*/{},
-                                                  /*dropout_p=*/0.0, causal, scale);
+  // GQA through SDPA's enable_gqa: query head h reads K/V head h / (Hq / Hkv), as the kernels
+  // map it, without copying K/V per query head.
+  at::Tensor o = at::scaled_dot_product_attention(
+      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), /*attn_mask=*/{},
+      /*dropout_p=*/0.0, causal, scale, /*enable_gqa=*/q.size(2) != k.size(2));
   return o.transpose(1, 2);  // [B, S, H, D]
 }
 

@@ -1,7 +1,7 @@
 // Shared blocks of the model families (vLLM's model_executor/layers, llama.cpp's graph helpers):
-// written once as functions of the checkpoint's tensors, composed by models/mplug_owl3.cpp and
-// models/openflamingo.cpp. Plain ATen ops with autograd: every op has a CPU path and runs on
-// CUDA where the tensors are.
+// written once as functions of the checkpoint's tensors, composed by each family's model under
+// models/<family>/. Plain ATen ops with autograd: every op has a CPU path and runs on CUDA where
+// the tensors are.
 //
 // Shapes: activations are [..., width]; attention inputs [B, S, H, D].
 #pragma once

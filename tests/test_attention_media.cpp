@@ -22,14 +22,25 @@
 
 using namespace lvx;
 using attention::MediaMask;
-using attention::MediaMaskModel;
+using attention::MediaMaskRule;
+using attention::MediaSees;
 using kernels::MediaRule;
 
 namespace {
 
-const std::vector<MediaMaskModel> kModels = {
-    MediaMaskModel::kOpenFlamingo, MediaMaskModel::kOpenFlamingoAllPrevious,
-    MediaMaskModel::kMplugOwl3_240728, MediaMaskModel::kMplugOwl3_241101};
+// The released models' rules, stated by meaning under the names the reference writes (each
+// family's folder under models/ derives its rule from the model's code and names it the same).
+struct NamedRule {
+  std::string name;
+  MediaMaskRule rule;
+};
+const NamedRule kOpenFlamingo{"openflamingo", {MediaSees::kMostRecent, true}};
+const NamedRule kOpenFlamingoAllPrevious{"openflamingo-all-previous",
+                                         {MediaSees::kUpToMostRecent, true}};
+const NamedRule kMplugOwl3_240728{"mplug-owl3-240728", {MediaSees::kUpToMostRecent, false}};
+const NamedRule kMplugOwl3_241101{"mplug-owl3-241101", {MediaSees::kUpToMostRecent, true}};
+const std::vector<NamedRule> kModels = {kOpenFlamingo, kOpenFlamingoAllPrevious, kMplugOwl3_240728,
+                                        kMplugOwl3_241101};
 
 std::string run(const std::string& cmd) { return lvx::testing::run_command(cmd); }
 
@@ -131,12 +142,12 @@ TEST(MediaMask, MatchesTheModelsOwnMaskCode) {
   const auto cases = reference_cases();
   // Our masks first; the reference gets the slot count they chose (the default included).
   std::map<std::string, at::Tensor> in;
-  std::map<std::string, std::map<MediaMaskModel, MediaMask>> ours;
+  std::map<std::string, std::map<std::string, MediaMask>> ours;
   for (const auto& c : cases) {
-    for (auto model : kModels)
-      ours[c.name][model] =
-          attention::media_mask(model, c.input_ids, c.media_token_id, c.tokens_per_media, c.slots);
-    const int64_t slots = ours[c.name][kModels[0]].slots;
+    for (const auto& model : kModels)
+      ours[c.name][model.name] = attention::media_mask(model.rule, c.input_ids, c.media_token_id,
+                                                       c.tokens_per_media, c.slots);
+    const int64_t slots = ours[c.name][kModels[0].name].slots;
     in[c.name + ".input_ids"] = c.input_ids;
     in[c.name + ".meta"] = longs({c.media_token_id, c.tokens_per_media, slots}, 1).view({-1});
   }
@@ -154,9 +165,9 @@ TEST(MediaMask, MatchesTheModelsOwnMaskCode) {
 
   int compared = 0;
   for (const auto& c : cases) {
-    for (auto model : kModels) {
-      const auto& m = ours.at(c.name).at(model);
-      const std::string key = c.name + "." + attention::media_mask_model_name(model);
+    for (const auto& model : kModels) {
+      const auto& m = ours.at(c.name).at(model.name);
+      const std::string key = c.name + "." + model.name;
       SCOPED_TRACE(key);
       ASSERT_TRUE(ref.count(key)) << "reference has no " << key;
       const auto vis = dense_visibility(m);
@@ -168,7 +179,7 @@ TEST(MediaMask, MatchesTheModelsOwnMaskCode) {
       ++compared;
     }
     // media_starts: in 241101's t2v mask image j is first seen on the row of its own token.
-    const auto& m = ours.at(c.name).at(MediaMaskModel::kMplugOwl3_241101);
+    const auto& m = ours.at(c.name).at(kMplugOwl3_241101.name);
     const auto seen =
         ref.at(c.name + ".mplug-owl3-241101")
             .view({c.input_ids.size(0), c.input_ids.size(1), m.slots, c.tokens_per_media})
@@ -198,16 +209,16 @@ TEST(MediaMask, HandWrittenIndices) {
   const auto starts = longs({0, 3, 4, -1, -1, -1, 5, -1, -1}, 3);
 
   struct Want {
-    MediaMaskModel model;
+    NamedRule model;
     at::Tensor q;
     MediaRule rule;
   };
-  for (const auto& w : {Want{MediaMaskModel::kOpenFlamingo, inclusive, MediaRule::kImmediate},
-                        Want{MediaMaskModel::kOpenFlamingoAllPrevious, inclusive, MediaRule::kUpTo},
-                        Want{MediaMaskModel::kMplugOwl3_240728, exclusive, MediaRule::kUpTo},
-                        Want{MediaMaskModel::kMplugOwl3_241101, inclusive, MediaRule::kUpTo}}) {
-    SCOPED_TRACE(attention::media_mask_model_name(w.model));
-    const auto m = attention::media_mask(w.model, ids, I, 2);
+  for (const auto& w : {Want{kOpenFlamingo, inclusive, MediaRule::kImmediate},
+                        Want{kOpenFlamingoAllPrevious, inclusive, MediaRule::kUpTo},
+                        Want{kMplugOwl3_240728, exclusive, MediaRule::kUpTo},
+                        Want{kMplugOwl3_241101, inclusive, MediaRule::kUpTo}}) {
+    SCOPED_TRACE(w.model.name);
+    const auto m = attention::media_mask(w.model.rule, ids, I, 2);
     EXPECT_EQ(m.slots, 3);
     EXPECT_EQ(m.tokens_per_media, 2);
     EXPECT_EQ(m.rule, w.rule);
@@ -222,7 +233,7 @@ TEST(MediaMask, HandWrittenIndices) {
     EXPECT_EQ(a.media_rule, w.rule);
   }
   // An explicit slot count pads every sample with absent images.
-  const auto m = attention::mplug_owl3_241101_media_mask(ids, I, 1, 5);
+  const auto m = attention::media_mask(kMplugOwl3_241101.rule, ids, I, 1, 5);
   EXPECT_TRUE(
       at::equal(m.kv_media, i32({0, 1, 2, -1, -1, -1, -1, -1, -1, -1, 0, -1, -1, -1, -1}, 3)))
       << m.kv_media;
@@ -230,7 +241,7 @@ TEST(MediaMask, HandWrittenIndices) {
       at::equal(m.media_starts, longs({0, 3, 4, -1, -1, -1, -1, -1, -1, -1, 5, -1, -1, -1, -1}, 3)))
       << m.media_starts;
   // No image anywhere: zero slots by default, every query sees nothing.
-  const auto none = attention::openflamingo_media_mask(ids.narrow(0, 1, 1), I, 4);
+  const auto none = attention::media_mask(kOpenFlamingo.rule, ids.narrow(0, 1, 1), I, 4);
   EXPECT_EQ(none.slots, 0);
   EXPECT_EQ(none.kv_media.sizes(), (at::IntArrayRef{1, 0}));
   EXPECT_EQ(none.media_starts.sizes(), (at::IntArrayRef{1, 0}));
@@ -247,12 +258,13 @@ TEST(MediaMask, RulesDifferByOneOnTheMediaTokenRow) {
   const auto ids = random_prompts(gen, 6, 30, 6, I);
   ids[0][0] = I;  // an image at position 0 and back to back
   ids[0][1] = I;
-  std::map<MediaMaskModel, at::Tensor> vis;
-  for (auto model : kModels) vis[model] = dense_visibility(attention::media_mask(model, ids, I, n));
-  const int64_t K = vis[kModels[0]].size(2);
-  auto images_seen = [&](MediaMaskModel model, int64_t b, int64_t t) {
+  std::map<std::string, at::Tensor> vis;
+  for (const auto& model : kModels)
+    vis[model.name] = dense_visibility(attention::media_mask(model.rule, ids, I, n));
+  const int64_t K = vis[kModels[0].name].size(2);
+  auto images_seen = [&](const NamedRule& model, int64_t b, int64_t t) {
     std::vector<int64_t> seen;
-    auto row = vis[model][b][t];
+    auto row = vis[model.name][b][t];
     for (int64_t j = 0; j < K; j += n) {
       const bool all = row.narrow(0, j, n).all().item<bool>(),
                  any = row.narrow(0, j, n).any().item<bool>();
@@ -275,32 +287,32 @@ TEST(MediaMask, RulesDifferByOneOnTheMediaTokenRow) {
       const bool is_media = ids[b][t].item<int64_t>() == I;
       if (is_media) ++k;
       const auto latest = k >= 0 ? std::vector<int64_t>{k} : std::vector<int64_t>{};
-      EXPECT_EQ(images_seen(MediaMaskModel::kOpenFlamingo, b, t), latest);
-      EXPECT_EQ(images_seen(MediaMaskModel::kOpenFlamingoAllPrevious, b, t), range(0, k + 1));
-      EXPECT_EQ(images_seen(MediaMaskModel::kMplugOwl3_241101, b, t), range(0, k + 1));
-      EXPECT_EQ(images_seen(MediaMaskModel::kMplugOwl3_240728, b, t),
-                range(0, is_media ? k : k + 1));
+      EXPECT_EQ(images_seen(kOpenFlamingo, b, t), latest);
+      EXPECT_EQ(images_seen(kOpenFlamingoAllPrevious, b, t), range(0, k + 1));
+      EXPECT_EQ(images_seen(kMplugOwl3_241101, b, t), range(0, k + 1));
+      EXPECT_EQ(images_seen(kMplugOwl3_240728, b, t), range(0, is_media ? k : k + 1));
       media_rows += is_media;
     }
   }
   EXPECT_GT(media_rows, 6);
 }
 
-TEST(MediaMask, NamesParseAndUnknownListsValidNames) {
-  for (auto model : kModels)
-    EXPECT_EQ(attention::parse_media_mask_model(attention::media_mask_model_name(model)), model);
-  EXPECT_EQ(attention::parse_media_mask_model("mplug-owl3-241014"),
-            MediaMaskModel::kMplugOwl3_240728);
-  EXPECT_EQ(attention::media_mask_model_names().size(), 5u);
-  try {
-    attention::parse_media_mask_model("flamingo");
-    FAIL() << "no error for an unknown name";
-  } catch (const lvx::Error& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find("'flamingo'"), std::string::npos) << msg;
-    for (const auto& name : attention::media_mask_model_names())
-      EXPECT_NE(msg.find(name), std::string::npos) << msg;
+// The names of the rules by meaning (the models' own names are models/' table:
+// tests/test_models_media_rules.cpp).
+TEST(MediaMask, RulesByMeaningHaveOneNameEach) {
+  const auto rules = attention::media_mask_rules();
+  ASSERT_EQ(rules.size(), 4u);
+  std::vector<std::string> names;
+  for (const auto& r : rules) {
+    names.push_back(attention::media_mask_rule_name(r));
+    EXPECT_EQ(attention::media_mask_rule_by_meaning(names.back()), r) << names.back();
   }
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"most-recent", "most-recent-after-token", "up-to-most-recent",
+                                      "up-to-most-recent-after-token"}));
+  EXPECT_EQ(attention::media_mask_rule_by_meaning("openflamingo"), std::nullopt);
+  EXPECT_EQ((MediaMaskRule{MediaSees::kMostRecent, true}.kernel_rule()), MediaRule::kImmediate);
+  EXPECT_EQ((MediaMaskRule{MediaSees::kUpToMostRecent, false}.kernel_rule()), MediaRule::kUpTo);
 }
 
 TEST(MediaMask, BadInputsAreNamed) {
@@ -317,18 +329,21 @@ TEST(MediaMask, BadInputsAreNamed) {
       EXPECT_NE(msg.find(p), std::string::npos) << msg << "\nlacks: " << p;
   };
   const auto ids = longs({5, 1, 5, 2, 3, 5, 1, 1}, 2);
-  expect_parts(error_of([&] { attention::openflamingo_media_mask(ids.to(at::kInt), 5, 2); }),
-               {"openflamingo_media_mask", "input_ids", "int64", "Int"});
-  expect_parts(error_of([&] { attention::mplug_owl3_240728_media_mask(ids.view({-1}), 5, 2); }),
-               {"mplug_owl3_240728_media_mask", "input_ids", "rank 2", "rank 1"});
-  expect_parts(error_of([&] { attention::mplug_owl3_241101_media_mask(ids, 5, 0); }),
+  const auto& of = kOpenFlamingo.rule;
+  expect_parts(error_of([&] { attention::media_mask(of, ids.to(at::kInt), 5, 2); }),
+               {"media_mask", "input_ids", "int64", "Int"});
+  expect_parts(
+      error_of([&] { attention::media_mask(kMplugOwl3_240728.rule, ids.view({-1}), 5, 2); }),
+      {"media_mask", "input_ids", "rank 2", "rank 1"});
+  expect_parts(error_of([&] { attention::media_mask(kMplugOwl3_241101.rule, ids, 5, 0); }),
                {"tokens_per_media", ">= 1", "got 0"});
-  expect_parts(error_of([&] { attention::openflamingo_media_mask(ids, -3, 2); }),
+  expect_parts(error_of([&] { attention::media_mask(of, ids, -3, 2); }),
                {"media_token_id", "got -3"});
-  expect_parts(error_of([&] { attention::openflamingo_all_previous_media_mask(ids, 5, 2, 1); }),
-               {"slots", "got 1", "sample 0", "2 media tokens"});
-  expect_parts(error_of([&] { attention::openflamingo_media_mask(ids, 5, 2, -1); }),
+  expect_parts(
+      error_of([&] { attention::media_mask(kOpenFlamingoAllPrevious.rule, ids, 5, 2, 1); }),
+      {"slots", "got 1", "sample 0", "2 media tokens"});
+  expect_parts(error_of([&] { attention::media_mask(of, ids, 5, 2, -1); }),
                {"slots", ">= 0", "got -1"});
   // Enough slots: fine.
-  EXPECT_EQ(attention::openflamingo_media_mask(ids, 5, 2, 2).kv_media.size(1), 4);
+  EXPECT_EQ(attention::media_mask(of, ids, 5, 2, 2).kv_media.size(1), 4);
 }

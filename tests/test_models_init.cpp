@@ -14,7 +14,7 @@
 
 #include "models/init.h"
 #include "models/model.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 #include "src/dist/process_group.h"
 #include "tests/model_conformance.h"

@@ -1,10 +1,10 @@
 // OpenFlamingo conformance: tiny random OpenFlamingo models built with the real open-flamingo
 // 2.0.1 package (a tiny open_clip ViT, the package's Perceiver resampler and gated
 // cross-attention, and transformers' GPT-NeoX, MPT or Llama (GQA)), saved as a release is saved and
-// converted by models/convert_openflamingo.py; expected logits, loss and gradients from the
-// package's own forward in float64 (tests/reference/openflamingo_ref.py). `lvx forward` must match
-// at world sizes 1–4 for every strategy kind. Tolerance (fp32): logits and loss within 1e-4
-// absolute (measured ≈3e-6), gradients within 1e-4 of their largest element (measured ≈3e-6).
+// converted by models/openflamingo/convert_openflamingo.py; expected logits, loss and gradients
+// from the package's own forward in float64 (tests/reference/openflamingo_ref.py). `lvx forward`
+// must match at world sizes 1–4 for every strategy kind. Tolerance (fp32): logits and loss within
+// 1e-4 absolute (measured ≈3e-6), gradients within 1e-4 of their largest element (measured ≈3e-6).
 // Generation: greedy tokens through lvx's KV cache and pass-Q decode steps equal the package's
 // greedy loop without a cache (OpenFlamingoGeneration).
 #include <gtest/gtest.h>
@@ -14,7 +14,7 @@
 
 #include "models/checkpoint.h"
 #include "models/model.h"
-#include "models/openflamingo.h"
+#include "models/openflamingo/model.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
 #include "tests/model_conformance.h"
@@ -32,7 +32,7 @@ std::string ref_script() {
 // The stamp of every generated reference: the script, the converter and the pinned packages.
 std::string ref_stamp() {
   return script_stamp(ref_script()) +
-         read_text(std::string(LVX_SOURCE_DIR) + "/models/convert_openflamingo.py");
+         read_text(std::string(LVX_SOURCE_DIR) + "/models/openflamingo/convert_openflamingo.py");
 }
 
 const Reference& reference(const std::string& lm) {

@@ -20,7 +20,7 @@
 #include "models/decode.h"
 #include "models/init.h"
 #include "models/model.h"
-#include "models/openflamingo.h"
+#include "models/openflamingo/model.h"
 #include "src/common/error.h"
 #include "src/dist/process_group.h"
 #include "tests/model_conformance.h"

@@ -1,11 +1,11 @@
-// models/tokenizer.h against the `tokenizers` package (and transformers' Qwen2TokenizerFast /
-// GPTNeoXTokenizerFast, which the generator checks agree with it): tests/reference/
-// make_tokenizers.py trains small byte-level BPE tokenizers configured like Qwen2's and
-// GPT-NeoX's (plus a variant covering the other supported options) and writes golden ids and
-// decoded texts for multilingual, emoji, whitespace-heavy, NFD, contraction and special-token
-// strings. Here: exact ids with and without special tokens, decoded text, decode of byte tokens
-// that are not valid UTF-8, the round trip, ~100 KB of text (ids and speed), and the errors for
-// invalid UTF-8 and for tokenizer files that do not parse or use what is not supported.
+// models/tokenizer/tokenizer.h against the `tokenizers` package (and transformers'
+// Qwen2TokenizerFast / GPTNeoXTokenizerFast, which the generator checks agree with it):
+// tests/reference/make_tokenizers.py trains small byte-level BPE tokenizers configured like
+// Qwen2's and GPT-NeoX's (plus a variant covering the other supported options) and writes golden
+// ids and decoded texts for multilingual, emoji, whitespace-heavy, NFD, contraction and
+// special-token strings. Here: exact ids with and without special tokens, decoded text, decode of
+// byte tokens that are not valid UTF-8, the round trip, ~100 KB of text (ids and speed), and the
+// errors for invalid UTF-8 and for tokenizer files that do not parse or use what is not supported.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 #include "tests/model_conformance.h"
 

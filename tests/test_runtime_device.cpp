@@ -2,7 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/runtime/device.h"
 
@@ -60,7 +63,25 @@ TEST(Device, DtypeAutoIsFp32OnCpuAndTheCheckpointsOnGpu) {
   EXPECT_EQ(resolve_dtype("fp32", gpu, "bfloat16"), "fp32");
   EXPECT_NE(error_of([&] { resolve_dtype("fp16", cpu, ""); }).find("expected fp32, bf16 or auto"),
             std::string::npos);
-  EXPECT_EQ(dtype_of("bf16"), at::kBFloat16);
+  EXPECT_EQ(dtype_of("bf16", "--dtype"), at::kBFloat16);
+}
+
+// src/common/dtype.h: the one name ↔ dtype mapping every flag and config field goes through.
+TEST(Device, DtypeNamesMapBothWaysAndUnknownNamesAreRefusedByField) {
+  const std::vector<std::pair<std::string, at::ScalarType>> known = {
+      {"fp32", at::kFloat}, {"bf16", at::kBFloat16}, {"fp16", at::kHalf}};
+  for (const auto& [name, t] : known) {
+    EXPECT_EQ(dtype_of(name, "x"), t) << name;
+    EXPECT_EQ(dtype_name(t), name);
+  }
+  for (const char* bad : {"float16", "f32", "FP32", "", "auto"}) {
+    EXPECT_NE(error_of([&] { dtype_of(bad, "run.yaml: model.dtype"); })
+                  .find(std::string("run.yaml: model.dtype: expected fp32, bf16 or fp16, got '") +
+                        bad + "'"),
+              std::string::npos)
+        << bad;
+  }
+  EXPECT_NE(error_of([&] { dtype_name(at::kDouble); }).find("has no lvx name"), std::string::npos);
 }
 
 }  // namespace

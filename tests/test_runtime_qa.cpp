@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/init.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 #include "src/attention/layout.h"
 #include "src/common/error.h"
 #include "src/runtime/video_qa.h"

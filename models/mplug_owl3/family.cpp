@@ -2,9 +2,9 @@
 // preprocessing and the cross_only freeze recipe.
 #include <memory>
 
-#include "models/mplug_owl3.h"
+#include "models/mplug_owl3/model.h"
 #include "models/prompt.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 
 namespace lvx::models::mplug_owl3 {
@@ -67,6 +67,13 @@ class MplugOwl3Family final : public Family {
   }
 
   std::string preprocess_preset() const override { return "siglip"; }
+
+  // The releases' rules and their derivation: models/mplug_owl3/model.h.
+  std::vector<NamedMediaMaskRule> media_mask_rules() const override {
+    return {{"mplug-owl3-240728", kMediaMask240728},
+            {"mplug-owl3-241101", kMediaMask241101},
+            {"mplug-owl3-241014", kMediaMask240728}};
+  }
 
   // No resampler: the hyper layers' visual K/V projection and gate, and the vision-to-text
   // projector.

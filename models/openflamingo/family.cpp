@@ -2,9 +2,9 @@
 // preprocessing and the cross_only freeze recipe.
 #include <memory>
 
-#include "models/openflamingo.h"
+#include "models/openflamingo/model.h"
 #include "models/prompt.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 
 namespace lvx::models::openflamingo {
 
@@ -50,6 +50,12 @@ class OpenFlamingoFamily final : public Family {
   }
 
   std::string preprocess_preset() const override { return "clip"; }
+
+  // only_attend_immediate_media True / False; the derivation: models/openflamingo/model.h.
+  std::vector<NamedMediaMaskRule> media_mask_rules() const override {
+    return {{"openflamingo", kMediaMaskImmediate},
+            {"openflamingo-all-previous", kMediaMaskAllPrevious}};
+  }
 
   // OpenFlamingo's own recipe: the resampler and the gated xattn blocks.
   bool trains_cross_only(const std::string& name) const override {

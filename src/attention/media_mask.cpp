@@ -1,4 +1,4 @@
-// Media masks from token ids; the rules and their sources are in media_mask.h.
+// Media masks from token ids; the rules' meaning is in media_mask.h.
 #include "src/attention/media_mask.h"
 
 #include <utility>
@@ -7,31 +7,42 @@
 
 namespace lvx::attention {
 
-namespace {
+kernels::MediaRule MediaMaskRule::kernel_rule() const {
+  return sees == MediaSees::kMostRecent ? kernels::MediaRule::kImmediate
+                                        : kernels::MediaRule::kUpTo;
+}
 
-struct NamedModel {
-  const char* name;
-  MediaMaskModel model;
-};
+std::string media_mask_rule_name(const MediaMaskRule& rule) {
+  return std::string(rule.sees == MediaSees::kMostRecent ? "most-recent" : "up-to-most-recent") +
+         (rule.own_token_included ? "" : "-after-token");
+}
 
-// Canonical names first (media_mask_model_name returns these), then aliases.
-constexpr NamedModel kNames[] = {
-    {"openflamingo", MediaMaskModel::kOpenFlamingo},
-    {"openflamingo-all-previous", MediaMaskModel::kOpenFlamingoAllPrevious},
-    {"mplug-owl3-240728", MediaMaskModel::kMplugOwl3_240728},
-    {"mplug-owl3-241101", MediaMaskModel::kMplugOwl3_241101},
-    {"mplug-owl3-241014", MediaMaskModel::kMplugOwl3_240728},
-};
+std::vector<MediaMaskRule> media_mask_rules() {
+  return {{MediaSees::kMostRecent, true},
+          {MediaSees::kMostRecent, false},
+          {MediaSees::kUpToMostRecent, true},
+          {MediaSees::kUpToMostRecent, false}};
+}
 
-// Which count a rule uses for q_media = count − 1.
-enum class Count {
-  kInclusive,  // media tokens at positions <= t: the media token sees its own image
-  kExclusive,  // media tokens at positions < t: it does not
-};
+std::optional<MediaMaskRule> media_mask_rule_by_meaning(const std::string& name) {
+  for (const MediaMaskRule& r : media_mask_rules())
+    if (media_mask_rule_name(r) == name) return r;
+  return std::nullopt;
+}
 
-MediaMask build(const char* fn, const at::Tensor& input_ids, int64_t media_token_id,
-                int64_t tokens_per_media, std::optional<int64_t> slots, Count count,
-                kernels::MediaRule rule) {
+kernels::AttentionMask MediaMask::attention_mask() const {
+  kernels::AttentionMask a;
+  a.kind = kernels::MaskKind::kMedia;
+  a.media_rule = rule;
+  a.unmatched_sees_all = unmatched_sees_all;
+  a.q_media = q_media;
+  a.kv_media = kv_media;
+  return a;
+}
+
+MediaMask media_mask(const MediaMaskRule& rule, const at::Tensor& input_ids, int64_t media_token_id,
+                     int64_t tokens_per_media, std::optional<int64_t> slots) {
+  const char* fn = "media_mask";
   LVX_CHECK(input_ids.defined(), fn, ": input_ids: expected an int64 tensor [B, L], got none");
   LVX_CHECK(input_ids.scalar_type() == at::kLong, fn,
             ": input_ids: expected dtype int64 (Long), got ", input_ids.scalar_type());
@@ -58,10 +69,11 @@ MediaMask build(const char* fn, const at::Tensor& input_ids, int64_t media_token
             " media tokens (id ", media_token_id, ")");
 
   MediaMask m;
-  m.rule = rule;
+  m.rule = rule.kernel_rule();
   m.slots = n_slots;
   m.tokens_per_media = tokens_per_media;
-  const auto c = count == Count::kInclusive ? c_in : c_in - is_media.to(at::kLong);
+  // q_media = count − 1: the inclusive count c_in, or the exclusive one (media tokens at < t).
+  const auto c = rule.own_token_included ? c_in : c_in - is_media.to(at::kLong);
   m.q_media = (c - 1).to(at::kInt);
 
   // Image i of sample b sits at the position where c_in first reaches i + 1; every other
@@ -77,82 +89,6 @@ MediaMask build(const char* fn, const at::Tensor& input_ids, int64_t media_token
                    .to(at::kInt)
                    .contiguous();
   return m;
-}
-
-}  // namespace
-
-const char* media_mask_model_name(MediaMaskModel model) {
-  for (const auto& n : kNames)
-    if (n.model == model) return n.name;
-  LVX_FAIL("media_mask_model_name: model: expected a MediaMaskModel, got ",
-           static_cast<int>(model));
-}
-
-std::vector<std::string> media_mask_model_names() {
-  std::vector<std::string> out;
-  for (const auto& n : kNames) out.emplace_back(n.name);
-  return out;
-}
-
-MediaMaskModel parse_media_mask_model(const std::string& name) {
-  std::string valid;
-  for (const auto& n : kNames) {
-    if (name == n.name) return n.model;
-    valid += valid.empty() ? n.name : std::string(", ") + n.name;
-  }
-  LVX_FAIL("media mask model: expected one of ", valid, "; got '", name, "'");
-}
-
-kernels::AttentionMask MediaMask::attention_mask() const {
-  kernels::AttentionMask a;
-  a.kind = kernels::MaskKind::kMedia;
-  a.media_rule = rule;
-  a.unmatched_sees_all = unmatched_sees_all;
-  a.q_media = q_media;
-  a.kv_media = kv_media;
-  return a;
-}
-
-// One line per model: which count, which comparison (the derivations are in media_mask.h).
-MediaMask openflamingo_media_mask(const at::Tensor& input_ids, int64_t media_token_id,
-                                  int64_t tokens_per_media, std::optional<int64_t> slots) {
-  return build("openflamingo_media_mask", input_ids, media_token_id, tokens_per_media, slots,
-               Count::kInclusive, kernels::MediaRule::kImmediate);
-}
-
-MediaMask openflamingo_all_previous_media_mask(const at::Tensor& input_ids, int64_t media_token_id,
-                                               int64_t tokens_per_media,
-                                               std::optional<int64_t> slots) {
-  return build("openflamingo_all_previous_media_mask", input_ids, media_token_id, tokens_per_media,
-               slots, Count::kInclusive, kernels::MediaRule::kUpTo);
-}
-
-MediaMask mplug_owl3_240728_media_mask(const at::Tensor& input_ids, int64_t media_token_id,
-                                       int64_t tokens_per_media, std::optional<int64_t> slots) {
-  return build("mplug_owl3_240728_media_mask", input_ids, media_token_id, tokens_per_media, slots,
-               Count::kExclusive, kernels::MediaRule::kUpTo);
-}
-
-MediaMask mplug_owl3_241101_media_mask(const at::Tensor& input_ids, int64_t media_token_id,
-                                       int64_t tokens_per_media, std::optional<int64_t> slots) {
-  return build("mplug_owl3_241101_media_mask", input_ids, media_token_id, tokens_per_media, slots,
-               Count::kInclusive, kernels::MediaRule::kUpTo);
-}
-
-MediaMask media_mask(MediaMaskModel model, const at::Tensor& input_ids, int64_t media_token_id,
-                     int64_t tokens_per_media, std::optional<int64_t> slots) {
-  switch (model) {
-    case MediaMaskModel::kOpenFlamingo:
-      return openflamingo_media_mask(input_ids, media_token_id, tokens_per_media, slots);
-    case MediaMaskModel::kOpenFlamingoAllPrevious:
-      return openflamingo_all_previous_media_mask(input_ids, media_token_id, tokens_per_media,
-                                                  slots);
-    case MediaMaskModel::kMplugOwl3_240728:
-      return mplug_owl3_240728_media_mask(input_ids, media_token_id, tokens_per_media, slots);
-    case MediaMaskModel::kMplugOwl3_241101:
-      return mplug_owl3_241101_media_mask(input_ids, media_token_id, tokens_per_media, slots);
-  }
-  LVX_FAIL("media_mask: model: expected a MediaMaskModel, got ", static_cast<int>(model));
 }
 
 }  // namespace lvx::attention

@@ -1,8 +1,8 @@
 // `lvx attention-demo`: every distributed attention strategy side by side. A video-QA-shaped
-// cross-attention (text queries against the visual tokens of several clips, mPLUG-Owl3's media
-// mask, GQA) runs with every strategy on N real local ranks, forward and backward; it prints what
-// ran, the error against a single-device float64 result, and the bytes each rank sent (measured,
-// and the strategy's analytic volume).
+// cross-attention (text queries against the visual tokens of several clips under a media mask,
+// GQA) runs with every strategy on N real local ranks, forward and backward; it prints what ran,
+// the error against a single-device float64 result, and the bytes each rank sent (measured, and
+// the strategy's analytic volume).
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -66,7 +66,7 @@ int cmd_attention_demo(int argc, char** argv) {
   const std::string in = dir + "/input.safetensors";
 
   // Inputs: clip c's visual tokens carry media index c; text before the first clip sees nothing,
-  // later text sees the clips before it (mPLUG-Owl3) or only the latest (OpenFlamingo).
+  // later text sees the clips before it (media_upto) or only the latest (media_immediate).
   auto gen = at::make_generator<at::CPUGeneratorImpl>(2026);
   std::map<std::string, at::Tensor> t{
       {"q", at::randn({1, sq, hq, d}, gen).to(dtype)},

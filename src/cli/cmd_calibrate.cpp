@@ -11,6 +11,7 @@
 
 #include "src/cli/args.h"
 #include "src/cli/command.h"
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/dist/launcher.h"
@@ -94,7 +95,7 @@ int cmd_calibrate(int argc, char** argv) {
   if (dev.is_cuda()) dtypes = {at::kBFloat16, at::kHalf, at::kFloat};
   std::ostringstream log;
   for (at::ScalarType dt : dtypes) {
-    const char* name = dt == at::kBFloat16 ? "bf16" : dt == at::kHalf ? "fp16" : "fp32";
+    const std::string name = lvx::dtype_name(dt);
     std::cerr << "calibrate: timing attention and matmul in " << name << " on " << dev << "\n";
     // On CPU each rank gets cores / nproc intra-op threads (the launcher's OMP_NUM_THREADS), and
     // with more ranks than cores they share the cores: measure what one rank gets.

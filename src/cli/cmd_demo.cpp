@@ -1,9 +1,10 @@
 // `lvx demo`: the main job on a small built-in default, end to end with real parts. No weights can
 // be downloaded, so the demo makes its own long-video task and model:
-//   1. a synthetic task written with lvx's FFmpeg bindings (src/runtime/synthetic_task.h): videos
+//   1. a synthetic task written with lvx's FFmpeg bindings (tools/synthetic_task.h): videos
 //      of a few minutes of grey distractors in which one coloured shape appears for a few seconds
 //      at a random time; the question asks its colour;
-//   2. a tiny random mPLUG-Owl3 (models/init.h) with a tokenizer holding the task's words;
+//   2. a tiny random model of the demo's family (models/init.h: default_demo_family) with a
+//      tokenizer holding the task's words;
 //   3. `lvx finetune` on local ranks (sequence parallel: each rank decodes and encodes its own
 //      frames, the visual tokens are never gathered);
 //   4. `lvx qa` on the held-out videos, and again with the videos shuffled among the questions:
@@ -28,7 +29,7 @@
 #include "src/common/error.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/device.h"
-#include "src/runtime/synthetic_task.h"
+#include "tools/synthetic_task.h"
 
 namespace {
 
@@ -93,7 +94,7 @@ int cmd_demo(int argc, char** argv) {
   cli::ArgParser p(
       "lvx demo [options]",
       "Long-video question answering end to end: makes a synthetic long-video task\n"
-      "and a tiny mPLUG-Owl3, fine-tunes it with lvx finetune on local ranks, answers\n"
+      "and a tiny random model, fine-tunes it with lvx finetune on local ranks, answers\n"
       "held-out videos with lvx qa, and prints the accuracy beside a baseline that\n"
       "sees the wrong videos, the per-layer plan and the bytes each strategy moved.");
   cli::add_nproc_options(p, "2", "local ranks (sequence parallel)");
@@ -118,12 +119,12 @@ int cmd_demo(int argc, char** argv) {
   const std::string dir = p.get("workdir").empty()
                               ? (fs::path(dist::self_executable()).parent_path() / "demo").string()
                               : fs::absolute(p.get("workdir")).string();
-  runtime::SyntheticTaskSpec task_spec;
+  tools::SyntheticTaskSpec task_spec;
   task_spec.videos = p.get_int("videos");
   task_spec.seconds = p.get_double("seconds");
   task_spec.seed = p.get_int("seed");
   models::TinyModelSpec model_spec;
-  model_spec.words = runtime::synthetic_task_words();
+  model_spec.words = tools::synthetic_task_words();
   model_spec.seed = static_cast<uint64_t>(p.get_int("seed"));
   // What the trained checkpoint depends on: a re-run with the same settings reuses it.
   const std::string stamp = str("demo v1 videos=", task_spec.videos, " seconds=", task_spec.seconds,
@@ -144,38 +145,31 @@ int cmd_demo(int argc, char** argv) {
 
   // 1. The task.
   auto t = clock_type::now();
-  runtime::SyntheticTask task;
+  tools::SyntheticTask task;
   if (reuse) {
     task.dir = dir + "/task";
     task.train_jsonl = task.dir + "/train.jsonl";
     task.test_jsonl = task.dir + "/test.jsonl";
-    task.train = runtime::read_task_jsonl(task.train_jsonl);
-    task.test = runtime::read_task_jsonl(task.test_jsonl);
+    task.train = tools::read_task_jsonl(task.train_jsonl);
+    task.test = tools::read_task_jsonl(task.test_jsonl);
   } else {
-    task = runtime::generate_synthetic_task(dir + "/task", task_spec);
+    task = tools::generate_synthetic_task(dir + "/task", task_spec);
   }
   std::printf(
       "[1/4] task: %zu videos of %.0f s at %d fps (%d px): grey distractors, one coloured shape "
       "for %.0f s at a random time; \"%s\" (%zu colours); %zu train / %zu held out  (%.1f s%s)\n",
       task.train.size() + task.test.size(), task_spec.seconds, task_spec.fps, task_spec.size,
-      task_spec.event_seconds, runtime::kColourQuestion, runtime::synthetic_colours().size(),
+      task_spec.event_seconds, tools::kColourQuestion, tools::synthetic_colours().size(),
       task.train.size(), task.test.size(), since(t), reuse ? ", reused" : "");
 
   // 2. The model.
   t = clock_type::now();
   const std::string init = dir + "/init";
-  if (!reuse) models::write_tiny_mplug_owl3(init, model_spec);
-  std::printf(
-      "[2/4] model: tiny mPLUG-Owl3 (240728), random init: LM hidden %lld, %lld layers (hyper "
-      "layer: %lld), %lld heads / %lld K/V heads; SigLIP %lld px, patch %lld -> %lld visual "
-      "tokens per frame  (%.1f s%s)\n",
-      static_cast<long long>(model_spec.hidden), static_cast<long long>(model_spec.layers),
-      static_cast<long long>(model_spec.hyper_layers[0] - 1),
-      static_cast<long long>(model_spec.heads), static_cast<long long>(model_spec.kv_heads),
-      static_cast<long long>(model_spec.image_size), static_cast<long long>(model_spec.patch_size),
-      static_cast<long long>((model_spec.image_size / model_spec.patch_size) *
-                             (model_spec.image_size / model_spec.patch_size)),
-      since(t), reuse ? ", reused" : "");
+  const std::string family = models::default_demo_family();
+  if (!reuse) models::write_tiny_model(family, init, model_spec);
+  std::printf("[2/4] model: %s  (%.1f s%s)\n",
+              models::describe_tiny_model(family, model_spec).c_str(), since(t),
+              reuse ? ", reused" : "");
 
   // 3. Fine-tuning.
   t = clock_type::now();
@@ -273,7 +267,7 @@ int cmd_demo(int argc, char** argv) {
   std::printf("[4/4] answered %lld held-out questions twice with lvx qa  (%.1f s)\n\n",
               static_cast<long long>(acc.total + base.total) / 2, since(t));
 
-  const double chance = 100.0 / static_cast<double>(runtime::synthetic_colours().size());
+  const double chance = 100.0 / static_cast<double>(tools::synthetic_colours().size());
   std::printf("accuracy on held-out videos:           %5.1f%%  (%lld/%lld)\n", acc.pct(),
               static_cast<long long>(acc.correct), static_cast<long long>(acc.total));
   std::printf("baseline, videos shuffled (wrong one): %5.1f%%  (%lld/%lld; chance %.1f%%)\n",

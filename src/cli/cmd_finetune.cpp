@@ -13,6 +13,7 @@
 #include <regex>
 #include <thread>
 
+#include "models/family.h"
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/dist/launcher.h"
@@ -67,12 +68,14 @@ int cmd_finetune(int argc, char** argv) {
   lvx::cli::ArgParser p(
       "lvx finetune --config run.yaml [--resume [--accept-config-changes]] [--nproc N] "
       "[section.field=value ...]",
-      "Fine-tunes a video LLM (mPLUG-Owl3 or OpenFlamingo checkpoint directory) on JSONL rows of\n"
-      "video, optional start/end seconds, question and answer; the loss is on the answer tokens.\n"
-      "AdamW (fp32 masters), warm-up then cosine decay, gradient clipping and accumulation,\n"
-      "freeze policies (vision | cross_only | none), sequence parallel across ranks.\n"
-      "Checkpoints (checkpoint.dir/step-N, `latest`) load with lvx qa / lvx forward; --resume\n"
-      "continues from the latest. See docs/finetune.md for every config field.");
+      "Fine-tunes a video LLM (a checkpoint directory; model_type " +
+          lvx::models::supported_model_types() +
+          ") on JSONL rows\nof video, optional start/end seconds, question and answer; "
+          "the loss is on the answer tokens.\n"
+          "AdamW (fp32 masters), warm-up then cosine decay, gradient clipping and accumulation,\n"
+          "freeze policies (vision | cross_only | none), sequence parallel across ranks.\n"
+          "Checkpoints (checkpoint.dir/step-N, `latest`) load with lvx qa / lvx forward; --resume\n"
+          "continues from the latest. See docs/finetune.md for every config field.");
   p.add_option("config", 'c', "", "run YAML (configs/runs/finetune_tiny.yaml)", true);
   p.add_flag("resume", 'r', "continue from checkpoint.dir/latest (a fresh start when none)");
   p.add_flag("accept-config-changes", 0,

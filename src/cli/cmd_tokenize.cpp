@@ -1,9 +1,9 @@
 // `lvx tokenize`: text → ids (or ids → text with --decode) with a tokenizer.json
-// (models/tokenizer.h), for checking prompts and for scripts.
+// (models/tokenizer/tokenizer.h), for checking prompts and for scripts.
 #include <iostream>
 #include <sstream>
 
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
@@ -17,7 +17,7 @@ int cmd_tokenize(int argc, char** argv) {
       "Encode UTF-8 text into token ids, printed on one line separated by spaces, or with "
       "--decode\n"
       "read ids (separated by spaces, commas or newlines) and print the text. Byte-level BPE\n"
-      "tokenizer.json files of the Qwen2 and GPT-NeoX families (models/tokenizer.h).");
+      "tokenizer.json files of the Qwen2 and GPT-NeoX families (models/tokenizer/tokenizer.h).");
   p.add_option("tokenizer", 't', "", "tokenizer.json", true);
   p.add_option("text", 0, "", "the input on the command line");
   p.add_option("file", 'f', "", "read the input from this file (\"-\": standard input)");

@@ -168,12 +168,19 @@ void for_each_jsonl(const std::string& path, const std::string& what,
     line.clear();
     line_start = offset;
     bool newline = false, any = false;
+    uint64_t length = 0;  // the line's bytes, kept in `line` up to max_line_bytes
     while (std::fgets(buf.data(), static_cast<int>(buf.size()), fp.get())) {
       any = true;
       const size_t n = std::strlen(buf.data());  // a NUL inside a row ends its text: JSON has none
-      line.append(buf.data(), n);
-      LVX_CHECK(line.size() <= opt.max_line_bytes, what, " '", path, "' line ", number + 1,
-                ": longer than ", opt.max_line_bytes, " bytes");
+      length += n;
+      if (length <= opt.max_line_bytes) {
+        line.append(buf.data(), n);
+      } else {
+        const std::string e = str(what, " '", path, "' line ", number + 1, ": longer than ",
+                                  opt.max_line_bytes, " bytes");
+        LVX_CHECK(opt.on_bad_line != nullptr, e);
+        line.clear();  // the rest of the line is skipped, not kept
+      }
       if (n && buf[n - 1] == '\n') {
         newline = true;
         break;
@@ -182,10 +189,15 @@ void for_each_jsonl(const std::string& path, const std::string& what,
     LVX_CHECK(!std::ferror(fp.get()), what, " '", path, "': read failed");
     if (!any) break;
     ++number;
-    offset += line.size();
+    offset += length;
+    const std::string where = what + " '" + path + "' line " + std::to_string(number);
+    if (length > opt.max_line_bytes) {
+      opt.on_bad_line(number, str(where, ": longer than ", opt.max_line_bytes, " bytes"));
+      if (!newline) break;
+      continue;
+    }
     if (newline) line.pop_back();
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = what + " '" + path + "' line " + std::to_string(number);
     if (!newline && opt.on_torn) {
       nlohmann::json row;
       try {
@@ -197,7 +209,19 @@ void for_each_jsonl(const std::string& path, const std::string& what,
       fn(number, row);
       break;
     }
-    fn(number, parse_json(line, where));
+    if (opt.on_bad_line) {
+      nlohmann::json row;
+      try {
+        row = parse_json(line, where);
+      } catch (const Error& e) {
+        opt.on_bad_line(number, e.what());
+        if (!newline) break;
+        continue;
+      }
+      fn(number, row);
+    } else {
+      fn(number, parse_json(line, where));
+    }
     if (!newline) break;
   }
 }

@@ -48,6 +48,10 @@ struct JsonlOptions {
   // A last line with no trailing newline that does not parse is passed to `on_torn` (and not
   // an error) when set: what a writer killed mid-line leaves.
   std::function<void(uint64_t offset, const std::string& fragment)> on_torn;
+  // A line longer than max_line_bytes or that does not parse (not JSON, nested too deep) is
+  // passed to `on_bad_line` with its error ("<what> '<path>' line <n>: ...") and reading goes
+  // on with the next line, when set; otherwise that error is thrown.
+  std::function<void(int64_t line, const std::string& error)> on_bad_line;
 };
 // Calls fn(line_number (1-based), row) for every non-blank line of a JSONL file. Errors name
 // `what`, the path and the line.

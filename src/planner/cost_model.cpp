@@ -7,6 +7,7 @@
 
 #include "kernels/mask.h"
 #include "kernels/registry.h"
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 
 namespace lvx::planner {
@@ -133,13 +134,6 @@ int64_t kv_heads_moved(const LayerWorkload& w, const CostOptions& opt) {
 
 }  // namespace
 
-at::ScalarType scalar_type(const std::string& dtype) {
-  if (dtype == "bf16") return at::kBFloat16;
-  if (dtype == "fp16") return at::kHalf;
-  if (dtype == "fp32") return at::kFloat;
-  LVX_FAIL("dtype: expected bf16|fp16|fp32, got '", dtype, "'");
-}
-
 CostOptions paper_accounting(CostOptions base) {
   base.expand_kv_heads = true;
   base.skip_masked_tiles = false;
@@ -249,7 +243,7 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
   const Link link = ring_link(c, n);  // collectives' ring hops
   const int64_t per_node = std::max<int64_t>(1, c.gpus_per_node);
   auto same_node = [&](int a, int b) { return a / per_node == b / per_node; };
-  const at::ScalarType dtype = scalar_type(w.dtype);
+  const at::ScalarType dtype = dtype_of(w.dtype, "workload dtype");
 
   std::vector<attention::PassSchedule> sched;
   for (int r = 0; r < n; ++r) sched.push_back(st.schedule(spec, n, r, dtype, backward));

@@ -158,7 +158,6 @@ attention::AttentionSpec layer_spec(const LayerWorkload& w, const CostOptions& o
 // when opt.topology_aware_ring), as estimate() prices the layer.
 attention::AttentionSpec layer_spec(const LayerWorkload& w, const ClusterConfig& c,
                                     const CostOptions& opt);
-at::ScalarType scalar_type(const std::string& dtype);
 
 // Bytes the busiest rank sends in the forward and backward pass (the schedules' messages).
 struct Volume {

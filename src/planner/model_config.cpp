@@ -1,5 +1,6 @@
 #include "src/planner/model_config.h"
 
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/planner/yaml_fields.h"
 
@@ -30,9 +31,7 @@ MaskRule mask_rule_from_string(const std::string& s, const std::string& where) {
 }
 
 int64_t dtype_bytes(const std::string& dtype, const std::string& where) {
-  if (dtype == "bf16" || dtype == "fp16") return 2;
-  if (dtype == "fp32") return 4;
-  LVX_FAIL(where, ": expected bf16|fp16|fp32, got '", dtype, "'");
+  return static_cast<int64_t>(c10::elementSize(dtype_of(dtype, where)));
 }
 
 int64_t ModelConfig::count(LayerKind kind) const {

@@ -16,8 +16,8 @@ const char* to_string(LayerKind kind);
 enum class MaskRule {
   kNone,            // dense
   kCausal,          // self-attention over text
-  kMediaImmediate,  // OpenFlamingo: a text token sees only its most recent frame
-  kMediaUpTo,       // mPLUG-Owl3: a text token sees every earlier frame
+  kMediaImmediate,  // a text token sees only its most recent frame
+  kMediaUpTo,       // a text token sees every earlier frame
 };
 const char* to_string(MaskRule rule);
 MaskRule mask_rule_from_string(const std::string& s, const std::string& where);
@@ -42,7 +42,7 @@ struct VisionEncoderConfig {
 
 struct ModelConfig {
   std::string name;
-  std::string family;  // mplug_owl3 | openflamingo | tiny
+  std::string family;  // the YAML's or the checkpoint family's own label (data, not a switch)
   std::string dtype;   // activation dtype: bf16 | fp16 | fp32
   int64_t visual_tokens_per_frame = 0;
   int64_t visual_feature_dim = 0;  // width of the visual features y that cross layers project

@@ -138,9 +138,12 @@ std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload&
     auto& counter = counters[str(to_string(l.mask), lw.sq, "x", lw.skv)];
     if (!counter) {
       if (l.mask == MaskRule::kMediaUpTo || l.mask == MaskRule::kMediaImmediate) {
-        const auto rule = l.mask == MaskRule::kMediaUpTo
-                              ? attention::MediaMaskModel::kMplugOwl3_240728
-                              : attention::MediaMaskModel::kOpenFlamingo;
+        // media_upto: every image before the token (an image from the token after its own on);
+        // media_immediate: the most recent image, its own token included.
+        const attention::MediaMaskRule rule =
+            l.mask == MaskRule::kMediaUpTo
+                ? attention::MediaMaskRule{attention::MediaSees::kUpToMostRecent, false}
+                : attention::MediaMaskRule{attention::MediaSees::kMostRecent, true};
         const attention::MediaMask mm = attention::media_mask(rule, ids, 1, tpf, w.frames);
         counter = std::make_shared<PairCounter>(l.mask, lw.sq, lw.skv, mm.q_media, mm.kv_media);
       } else {

@@ -50,8 +50,8 @@ at::Tensor prompt_ids(const Workload& w);
 // Builds each layer's workload (LV-XAttn §4 accounting: S_Q = text length for every layer;
 // S_KV = text for self layers, frames × tokens per frame for cross layers) and its mask
 // metadata: causal positions, or the media indices of the prompt layout under the model's rule
-// (media_upto: mPLUG-Owl3's "every image before the token", media_immediate: OpenFlamingo's
-// "the most recent image"; attention/media_mask.h). Layers of the same shape share one
+// (media_upto: "every image before the token", media_immediate: "the most recent image, the
+// image's own token included"; attention/media_mask.h). Layers of the same shape share one
 // PairCounter.
 std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload& w);
 

@@ -68,10 +68,4 @@ std::string resolve_dtype(const std::string& option, const at::Device& device,
   return checkpoint_dtype == "float32" ? "fp32" : "bf16";
 }
 
-at::ScalarType dtype_of(const std::string& name) {
-  if (name == "fp32") return at::kFloat;
-  if (name == "bf16") return at::kBFloat16;
-  LVX_FAIL("--dtype: expected fp32, bf16 or auto, got '", name, "'");
-}
-
 }  // namespace lvx::runtime

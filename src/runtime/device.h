@@ -43,6 +43,5 @@ int cuda_device_count();
 // (float16 checkpoints run in bf16: lvx's kernels accumulate in fp32 either way).
 std::string resolve_dtype(const std::string& option, const at::Device& device,
                           const std::string& checkpoint_dtype);
-at::ScalarType dtype_of(const std::string& name);  // "fp32" | "bf16"
 
 }  // namespace lvx::runtime

@@ -21,7 +21,8 @@
 #include <tuple>
 
 #include "models/model.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/common/safetensors.h"
@@ -241,50 +242,44 @@ std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos
   } catch (const Error& e) {
     LVX_FAIL(e.what(), " (expected the JSONL file of training rows)");
   }
-  const std::string base = fs::absolute(path).parent_path().string();
   std::vector<QaItem> items;
   std::string errors;
   int bad = 0;
   std::map<std::string, std::pair<double, double>> spans;  // video → [begin, end] seconds
   // One row at most 1 MiB (a question and its answer), nested at most 64 levels.
-  JsonlOptions o;
-  o.max_line_bytes = uint64_t{1} << 20;
-  for_each_jsonl(
-      path, "data.train",
-      [&](int64_t line, const nlohmann::json& row) {
-        const std::string where = str(path, ":", line);
-        try {
-          QaItem it = parse_qa_item(row, where, base, /*need_answer=*/true);
-          if (it.id.empty()) it.id = str("line ", line);
-          try {
-            check_regular_file(it.video, "video");
-          } catch (const Error& e) {
-            LVX_FAIL(where, ": field 'video': ", e.what());
-          }
-          if (probe_videos) {
-            auto sp = spans.find(it.video);
-            if (sp == spans.end()) {
-              const video::VideoDecoder dec(it.video);
-              sp = spans
-                       .emplace(it.video,
-                                std::make_pair(dec.info().begin_seconds, dec.info().end_seconds))
-                       .first;
-            }
-            const auto [begin, end] = sp->second;
-            if (it.start)
-              LVX_CHECK(*it.start < end, where, ": field 'start' (", *it.start,
-                        " s) is at or after the end of ", it.video, " (", end, " s)");
-            if (it.end)
-              LVX_CHECK(*it.end <= end + 1e-3 && *it.end > begin, where, ": field 'end' (", *it.end,
-                        " s) is outside ", it.video, " (", begin, " to ", end, " s)");
-          }
-          items.push_back(std::move(it));
-          if (lines) lines->push_back(line);
-        } catch (const Error& e) {
-          if (bad++ < 5) errors += str("\n  ", e.what());
+  for (QaLine& l : read_qa_rows(path, "data.train", /*need_answer=*/true, uint64_t{1} << 20)) {
+    const std::string where = str(path, ":", l.line);
+    try {
+      if (!l.error.empty()) throw Error(l.error);
+      QaItem& it = l.item;
+      try {
+        check_regular_file(it.video, "video");
+      } catch (const Error& e) {
+        LVX_FAIL(where, ": field 'video': ", e.what());
+      }
+      if (probe_videos) {
+        auto sp = spans.find(it.video);
+        if (sp == spans.end()) {
+          const video::VideoDecoder dec(it.video);
+          sp = spans
+                   .emplace(it.video,
+                            std::make_pair(dec.info().begin_seconds, dec.info().end_seconds))
+                   .first;
         }
-      },
-      o);
+        const auto [begin, end] = sp->second;
+        if (it.start)
+          LVX_CHECK(*it.start < end, where, ": field 'start' (", *it.start,
+                    " s) is at or after the end of ", it.video, " (", end, " s)");
+        if (it.end)
+          LVX_CHECK(*it.end <= end + 1e-3 && *it.end > begin, where, ": field 'end' (", *it.end,
+                    " s) is outside ", it.video, " (", begin, " to ", end, " s)");
+      }
+      items.push_back(std::move(it));
+      if (lines) lines->push_back(l.line);
+    } catch (const Error& e) {
+      if (bad++ < 5) errors += str("\n  ", e.what());
+    }
+  }
   LVX_CHECK(bad == 0, "data.train: ", bad, " unusable row(s) in ", path, ":", errors,
             bad > 5 ? "\n  ..." : "");
   LVX_CHECK(!items.empty(), "data.train: ", path, " has no rows");
@@ -399,7 +394,7 @@ int run_finetune_rank(const FinetuneJob& job) {
   check_model_dir(model_dir, ckpt.empty() ? "model.path" : "checkpoint");
   const at::Device device = choose_device(job.device);
   std::unique_ptr<models::Model> model =
-      models::load_model(model_dir, dtype_of(cfg.model.dtype), device);
+      models::load_model(model_dir, dtype_of(cfg.model.dtype, "model.dtype"), device);
   const models::Tokenizer tok = models::Tokenizer::from_file(model_dir + "/tokenizer.json");
   const models::Family& family = model->family();
   const std::map<std::string, std::string> model_files = read_model_files(model_dir);

@@ -32,8 +32,8 @@ struct FinetuneJob {
 
 // The training rows, every one checked: a bad row, a missing video or a time range outside its
 // video is an error naming the file:line (several at once when several rows are bad). Rows are
-// read with lvx::for_each_jsonl (a line at most 1 MiB, JSON nested at most 64 levels). `lines`,
-// when given, gets each item's line number.
+// read by read_qa_rows (src/runtime/qa_rows.h; a line at most 1 MiB, JSON nested at most 64
+// levels). `lines`, when given, gets each item's line number.
 std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos,
                                        std::vector<int64_t>* lines = nullptr);
 

@@ -10,6 +10,7 @@
 
 #include "models/checkpoint.h"
 #include "models/model.h"
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/common/safetensors.h"
@@ -111,7 +112,7 @@ int run_forward_rank(const ForwardJob& job) {
   Batch b = read_batch(job.input);
   // Frames go to the device once; input_ids and labels are host metadata (models/model.h).
   if (b.pixel_values.defined()) b.pixel_values = b.pixel_values.to(device);
-  std::unique_ptr<models::Model> loaded = models::load_model(job.model, dtype_of(dtype), device);
+  std::unique_ptr<models::Model> loaded = models::load_model(job.model, dtype_of(dtype, "--dtype"), device);
   models::Model& model = *loaded;
   std::string plan_text;
   models::Parallel par = plan_layers(

@@ -10,7 +10,8 @@
 
 namespace lvx::runtime {
 
-// `path`: a directory with config.json (model_type mplugowl3), or a planner YAML file.
+// `path`: a checkpoint directory with config.json (any supported model_type, models/family.h), or
+// a planner YAML file.
 planner::ModelConfig planner_model(const std::string& path);
 
 }  // namespace lvx::runtime

@@ -9,6 +9,7 @@
 #include <iostream>
 #include <set>
 
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/dist/process_group.h"
@@ -398,7 +399,7 @@ int run_qa_rank(const QaJob& job) {
                                       : ck_dtype == "fp16" ? "float16"
                                                            : "bfloat16");
   std::unique_ptr<models::Model> model =
-      models::load_model(job.model, dtype_of(resolved.plan.dtype), device);
+      models::load_model(job.model, dtype_of(resolved.plan.dtype, "--dtype"), device);
   const models::Tokenizer tok = models::Tokenizer::from_file(job.model + "/tokenizer.json");
   const Context cx{resolved,
                    pg,
@@ -427,7 +428,9 @@ int run_qa_rank(const QaJob& job) {
     return 0;
   }
 
-  const std::vector<QaLine> lines = read_qa_jsonl(job.questions, /*need_answer=*/false);
+  // A question (and its options) may be long: rows up to 64 MiB.
+  const std::vector<QaLine> lines = read_qa_rows(job.questions, "questions file",
+                                                 /*need_answer=*/false, uint64_t{64} << 20);
   check_output_path(job.output, "answers file (--output)");
   const json settings = qa_settings(job);
   const bool had_rows = check_output_settings(job, settings);  // every rank, before any write

@@ -2,10 +2,10 @@
 //
 // Per question, each rank samples the video's frames (the same rule on every rank), decodes and
 // preprocesses only its own share (video::ShardSpec: the model's key layout) and encodes only
-// those; the prompt follows the family's template (src/runtime/video_qa.h); the prefill runs with
-// the plan's per-layer strategies for this prompt; generation decodes with the KV cache by
-// pass-Q (models/decode.h): no rank ever holds all visual K/V. Rank 0 streams the answer's text
-// as tokens arrive (single question without --json) and writes the results.
+// those; the prompt follows the family's template (models/family.h: Family::prompt); the
+// prefill runs with the plan's per-layer strategies for this prompt; generation decodes with the
+// KV cache by pass-Q (models/decode.h): no rank ever holds all visual K/V. Rank 0 streams the
+// answer's text as tokens arrive (single question without --json) and writes the results.
 //
 // Batch mode reads JSONL questions and appends one JSON row per question to the output as soon
 // as it is answered (flushed): a line that fails (missing video, bad range, a bad row) gets a row

@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
 
@@ -229,7 +230,10 @@ TrainConfig from_root(const YAML::Node& root, const std::string& file) {
   {
     Section s(root, file, "model");
     c.model.path = s.get<std::string>("path", "a checkpoint directory");
-    c.model.dtype = s.choice_or("dtype", c.model.dtype, {"fp32", "bf16"});
+    c.model.dtype = s.str_or("dtype", c.model.dtype);
+    // Training keeps fp32 masters and has no loss scaling: fp16's range would overflow.
+    LVX_CHECK(dtype_of(c.model.dtype, s.where("dtype")) != at::kHalf, s.where("dtype"),
+              ": fp16 is not supported for training (no loss scaling); use bf16 or fp32");
     s.finish();
   }
   {

@@ -14,23 +14,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string string_field(const nlohmann::json& row, const std::string& key,
-                         const std::string& where) {
-  LVX_CHECK(row[key].is_string(), where, ": field '", key, "' must be a string, got ",
-            row[key].type_name());
-  return row[key].get<std::string>();
-}
-
-std::optional<double> time_field(const nlohmann::json& row, const std::string& key,
-                                 const std::string& where) {
-  if (!row.contains(key) || row[key].is_null()) return std::nullopt;
-  LVX_CHECK(row[key].is_number(), where, ": field '", key, "' must be a number of seconds, got ",
-            row[key].dump());
-  const double t = row[key].get<double>();
-  LVX_CHECK(t >= 0, where, ": field '", key, "' must be >= 0 seconds, got ", t);
-  return t;
-}
-
 bool has_letter_prefix(const std::string& option, size_t i) {
   return option.size() >= 2 && option[0] == static_cast<char>('A' + i) &&
          (option[1] == '.' || option[1] == ')' || option[1] == ':');
@@ -43,82 +26,6 @@ std::string trim(const std::string& s) {
 }
 
 }  // namespace
-
-QaItem parse_qa_item(const nlohmann::json& row, const std::string& where,
-                     const std::string& base_dir, bool need_answer) {
-  LVX_CHECK(row.is_object(), where, ": expected a JSON object, got ", row.type_name());
-  QaItem it;
-  for (const char* key : {"video", "question"})
-    LVX_CHECK(row.contains(key), where, ": missing field '", key, "'");
-  if (row.contains("id")) {
-    it.id = row["id"].is_string() ? row["id"].get<std::string>() : row["id"].dump();
-  } else if (row.contains("question_id")) {
-    const auto& q = row["question_id"];
-    it.id = q.is_string() ? q.get<std::string>() : q.dump();
-  }
-  it.video = string_field(row, "video", where);
-  LVX_CHECK(!it.video.empty(), where, ": field 'video' is empty");
-  if (fs::path(it.video).is_relative() && !base_dir.empty())
-    it.video = (fs::path(base_dir) / it.video).string();
-  it.question = trim(string_field(row, "question", where));
-  LVX_CHECK(!it.question.empty(), where, ": field 'question' is empty");
-  if (row.contains("options") && !row["options"].is_null()) {
-    LVX_CHECK(row["options"].is_array(), where, ": field 'options' must be a list of strings");
-    for (const auto& o : row["options"]) {
-      LVX_CHECK(o.is_string(), where, ": field 'options' must be a list of strings, got ",
-                o.dump());
-      it.options.push_back(o.get<std::string>());
-    }
-    LVX_CHECK(it.options.size() >= 2 && it.options.size() <= 26, where,
-              ": field 'options' needs 2 to 26 options, got ", it.options.size());
-  }
-  if (row.contains("answer") && !row["answer"].is_null())
-    it.answer = row["answer"].is_string() ? row["answer"].get<std::string>() : row["answer"].dump();
-  LVX_CHECK(!need_answer || !trim(it.answer).empty(), where,
-            ": missing field 'answer' (fine-tuning learns it)");
-  it.start = time_field(row, "start", where);
-  it.end = time_field(row, "end", where);
-  LVX_CHECK(!(it.start && it.end) || *it.start < *it.end, where, ": 'start' (",
-            it.start.value_or(0), " s) must be before 'end' (", it.end.value_or(0), " s)");
-  return it;
-}
-
-std::vector<QaLine> read_qa_jsonl(const std::string& path, bool need_answer) {
-  // The checked reader (a regular file, at most 1 GiB), then each line on its own: a bad line (not
-  // JSON, nested deeper than kMaxJsonDepth, longer than a row may be) becomes that line's error
-  // and the others still run.
-  const std::string text = read_file(path, "questions file", kMaxJsonBytes);
-  constexpr size_t kMaxRowBytes = size_t{64} << 20;
-  const std::string base = fs::absolute(path).parent_path().string();
-  std::vector<QaLine> lines;
-  int64_t n = 0;
-  for (size_t b = 0; b < text.size();) {
-    size_t e = text.find('\n', b);
-    if (e == std::string::npos) e = text.size();
-    const size_t len = e - b;
-    const size_t from = b;
-    b = e + 1;
-    ++n;
-    QaLine l;
-    l.line = n;
-    const std::string where = str(path, ":", n);
-    if (len > kMaxRowBytes) {
-      l.error = str(where, ": the row has ", len, " bytes, more than the ", kMaxRowBytes,
-                    " a question may have");
-    } else {
-      const std::string row_text = text.substr(from, len);
-      if (trim(row_text).empty()) continue;
-      try {
-        l.item = parse_qa_item(parse_json(row_text, where), where, base, need_answer);
-      } catch (const Error& err) {
-        l.error = err.what();
-      }
-    }
-    if (l.item.id.empty()) l.item.id = str("line ", n);
-    lines.push_back(std::move(l));
-  }
-  return lines;
-}
 
 std::string question_text(const QaItem& item) {
   if (item.options.empty()) return item.question;

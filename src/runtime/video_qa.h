@@ -1,5 +1,6 @@
-// Questions about videos, as `lvx qa` answers them and `lvx finetune` learns them: the JSONL row,
-// the user turn, the preprocessing of the model's frames, and answer scoring.
+// Questions about videos, as `lvx qa` answers them and `lvx finetune` learns them (the JSONL row:
+// src/runtime/qa_rows.h): the user turn, the preprocessing of the model's frames, and answer
+// scoring.
 //
 // Prompts follow the released processors (built from the question by lvx, never by the user):
 // each family's template is its own (models/family.h, Family::prompt), in its folder under
@@ -20,37 +21,11 @@
 #include <vector>
 
 #include "models/family.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
+#include "src/runtime/qa_rows.h"
 #include "video/video_options.h"
 
 namespace lvx::runtime {
-
-// One question about one video: a JSONL row of `lvx qa --questions` and of fine-tuning data.
-//   {"id": "...", "video": "path", "question": "...", "options": ["...", ...],
-//    "answer": "...", "start": 10.0, "end": 70.0}
-// id (or question_id) defaults to "line <n>"; a relative video path resolves against the JSONL
-// file's folder; options, start and end are optional; answer is required for fine-tuning.
-struct QaItem {
-  std::string id;
-  std::string video;
-  std::string question;
-  std::vector<std::string> options;  // as written; "A. " prefixes are added when missing
-  std::string answer;
-  std::optional<double> start, end;  // seconds
-};
-
-// Parses one row; errors name `where` (file:line) and the field.
-QaItem parse_qa_item(const nlohmann::json& row, const std::string& where,
-                     const std::string& base_dir, bool need_answer);
-
-// Every line of a JSONL file (blank lines skipped): the item, or why the line is unusable. A bad
-// line does not stop the others. A missing file is an error.
-struct QaLine {
-  int64_t line = 0;
-  QaItem item;
-  std::string error;  // empty: item is usable
-};
-std::vector<QaLine> read_qa_jsonl(const std::string& path, bool need_answer);
 
 // The user turn: the question, or the multiple-choice instruction with lettered options.
 std::string question_text(const QaItem& item);

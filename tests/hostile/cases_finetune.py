@@ -312,6 +312,14 @@ CASES = [
     Case("num_frames_unbounded", lambda ctx: ["finetune", "--config", config(ctx),
                                               "data.num_frames=1000000000"],
          stderr=r"data\.num_frames: at most 4096 frames per sample, got 1000000000", timeout=30),
+    # One dtype reader (src/common/dtype.h): an unknown name is refused naming the field, never
+    # read as fp32; fp16 is a known name that training refuses (no loss scaling).
+    Case("model_dtype_unknown_refused", lambda ctx: ["finetune", "--config", config(ctx),
+                                                     "model.dtype=float16"],
+         stderr=r"model\.dtype: expected fp32, bf16 or fp16, got 'float16'", timeout=30),
+    Case("model_dtype_fp16_refused", lambda ctx: ["finetune", "--config", config(ctx),
+                                                  "model.dtype=fp16"],
+         stderr=r"model\.dtype: fp16 is not supported for training", timeout=30),
     Case("nproc_unbounded", lambda ctx: ["finetune", "--config", config(ctx), "--nproc",
                                          "100000"],
          stderr=r"parallel\.nproc: at most 1024 local ranks, got 100000", timeout=30),

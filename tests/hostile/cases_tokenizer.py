@@ -1,4 +1,4 @@
-"""Hostile inputs for the tokenizer (models/tokenizer.cpp, lvx tokenize, the prompt builders):
+"""Hostile inputs for the tokenizer (models/tokenizer/, lvx tokenize, the prompt builders):
 tokenizer.json files that are huge in the wrong places (200k added tokens, 100k-deep nesting, ids
 up to 2^31), not regular files, or carry a regex that backtracks without bound; ids outside the
 vocabulary; special tokens and 10^6 characters in a user's question."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """OpenFlamingo reference: tiny random models built with the real open_flamingo package (2.0.1),
-converted by models/convert_openflamingo.py, and the package's own forward/backward on them.
+converted by models/openflamingo/convert_openflamingo.py, and the package's own forward/backward on them.
 
 usage:
   openflamingo_ref.py make-model OUT_DIR --lm gpt_neox|mpt|llama [--seed S] [--rotary-pct P]
@@ -83,7 +83,7 @@ import types
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "models"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "models", "openflamingo"))
 import convert_openflamingo as conv  # noqa: E402
 
 TINY_PERCEIVER = {"depth": 2, "heads": 4, "dim_head": 16, "num_latents": 8, "ff_mult": 2}

@@ -1,4 +1,4 @@
-#include "models/openflamingo.h"
+#include "models/openflamingo/model.h"
 
 #include <c10/core/GradMode.h>
 
@@ -39,7 +39,7 @@ OpenFlamingoConfig openflamingo_config(const nlohmann::json& j, const std::strin
             "\"");
   for (const char* f : {"vision_config", "perceiver_config", "cross_attn_config", "text_config"})
     LVX_CHECK(j.contains(f) && j[f].is_object(), where, ": ", f, ": missing (write the directory ",
-              "with models/convert_openflamingo.py)");
+              "with models/openflamingo/convert_openflamingo.py)");
   OpenFlamingoConfig c;
   const auto &v = j["vision_config"], &p = j["perceiver_config"], &x = j["cross_attn_config"],
              &t = j["text_config"];
@@ -591,7 +591,7 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
   // images through the ViT and the resampler.
   // The media layout on the host (which rank encodes which image), its tensors on x's device.
   const attention::MediaMask mm =
-      attention::openflamingo_media_mask(host_ids(ids), c.media_token_id, T);
+      attention::media_mask(kMediaMaskImmediate, host_ids(ids), c.media_token_id, T);
   const attention::MediaMask mmd = media_mask_on(mm, x.device());
   LocalMedia media;
   const auto encode_start = std::chrono::steady_clock::now();

@@ -31,6 +31,37 @@
 
 namespace lvx::models {
 
+// The media mask rules of the releases (src/attention/media_mask.h states them by meaning), with
+// c_in(t) = number of `<|image|>` tokens at positions <= t and c_ex(t) = number at positions < t,
+// images numbered 0, 1, ... in token order:
+//
+//   240728 (also 1B/2B-241014; the separate, gated cross-attention):
+//     processor `count = (arange(L)[:, None] > media_starts[None]).sum(1)` (strict `>`), then
+//     modeling_hyper_qwen2.py `make_t2v_mask`: `mask = offset_line <= arange(num_images)`
+//     where True means MASKED (x_sdpa inverts it).
+//     → t sees images j < c_ex(t): all images strictly BEFORE t; the `<|image|>` token does NOT
+//       see its own image (only the tokens after it do). q_media = c_ex − 1, kUpTo.
+//     Rows with q_media == −1 (no image before them) are skipped by the model: they keep pure
+//     self-attention, with no gate mix. The kernel gives them o = 0, lse = −inf; model code
+//     must apply the gate only where q_media >= 0. An image whose token is the sample's last
+//     token is seen by nobody (the released code leaves it out of the keys, and raises when it
+//     is the sample's only image; here its keys are present and invisible: same outputs).
+//
+//   241101 (fused hyper attention, one softmax over [visual keys | text keys]):
+//     modeling_hyper_qwen2.py `t2vmask = ~(arange(q_len)[:, None] < media_starts[None])`,
+//     True = attend.
+//     → t sees images j with media_starts[j] <= t: all previous images AND the `<|image|>` token
+//       sees its own image. q_media = c_in − 1, kUpTo. This is the visual part of the fused
+//       mask only; the text part is the usual causal mask.
+//
+// So on the `<|image|>` token's own row the releases differ by one; after it both see every
+// earlier image. MI-RoPE rotates image j's keys at media_starts[j] + 1 (240728/241014) or
+// media_starts[j] (241101).
+inline constexpr attention::MediaMaskRule kMediaMask240728{attention::MediaSees::kUpToMostRecent,
+                                                           /*own_token_included=*/false};
+inline constexpr attention::MediaMaskRule kMediaMask241101{attention::MediaSees::kUpToMostRecent,
+                                                           /*own_token_included=*/true};
+
 struct MplugOwl3Config {
   std::string variant;  // "240728" (gated; also 241014) or "241101" (fused), from the checkpoint
   int64_t hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0,
@@ -41,7 +72,8 @@ struct MplugOwl3Config {
   std::vector<int64_t> hyper_layers;  // 0-based decoder layer indices
   SiglipConfig vision;
   int64_t image_token_id = -1;  // `<|image|>` from tokenizer.json's added tokens
-  attention::MediaMaskModel media_rule() const;
+  // This release's media mask rule (kMediaMask240728 or kMediaMask241101).
+  attention::MediaMaskRule media_rule() const;
   bool is_hyper(int64_t layer) const;
 };
 

@@ -1,4 +1,4 @@
-#include "models/mplug_owl3.h"
+#include "models/mplug_owl3/model.h"
 
 #include <c10/core/GradMode.h>
 
@@ -22,9 +22,8 @@ std::string layer_prefix(int64_t i) { return kLm + "layers." + std::to_string(i)
 
 }  // namespace
 
-attention::MediaMaskModel MplugOwl3Config::media_rule() const {
-  return variant == "241101" ? attention::MediaMaskModel::kMplugOwl3_241101
-                             : attention::MediaMaskModel::kMplugOwl3_240728;
+attention::MediaMaskRule MplugOwl3Config::media_rule() const {
+  return variant == "241101" ? kMediaMask241101 : kMediaMask240728;
 }
 
 bool MplugOwl3Config::is_hyper(int64_t layer) const {

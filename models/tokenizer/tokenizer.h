@@ -1,6 +1,7 @@
 // Byte-level BPE tokenizers read from a Hugging Face tokenizer.json (Qwen2 / mPLUG-Owl3, GPT-NeoX /
 // MPT / OpenFlamingo), giving the same ids as the `tokenizers` package (0.22) and transformers'
-// fast tokenizers.
+// fast tokenizers. One file per part of tokenizer.json in this folder: utf8, regex (PCRE2),
+// normalizer, pre_tokenizer, bpe, added_tokens (Aho-Corasick), post_processor, decoder.
 //
 // Pipeline of encode(), as tokenizers runs it:
 //   1. added tokens with normalized=false are split out of the raw text (leftmost-longest match

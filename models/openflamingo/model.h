@@ -1,7 +1,7 @@
 // OpenFlamingo (Awadalla et al., "OpenFlamingo: An Open-Source Framework for Training Large
 // Autoregressive Vision-Language Models"; open-flamingo 2.0.1), from the one directory that
-// models/convert_openflamingo.py writes out of a release (checkpoint.pt + the base LM + the
-// open_clip tower; names are the Flamingo module's own, see docs/openflamingo.md):
+// models/openflamingo/convert_openflamingo.py writes out of a release (checkpoint.pt + the base LM
+// + the open_clip tower; names are the Flamingo module's own, see docs/openflamingo.md):
 //   open_clip ViT (class token, ln_pre, pre-LN blocks, QuickGELU or GELU, ln_post on tokens as
 //   recorded by the converter) → token outputs without the class token [N_img, v, W] →
 //   Perceiver resampler (latents attend to [media | latents], residual, LayerNorm-GELU FF, final
@@ -40,8 +40,28 @@
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/parallel.h"
+#include "src/attention/media_mask.h"
 
 namespace lvx::models {
+
+// OpenFlamingo's media mask rule (src/attention/media_mask.h states rules by meaning), with
+// c_in(t) = number of `<image>` tokens at positions <= t, images numbered 0, 1, ... in token
+// order. only_attend_immediate_media=True (every released checkpoint), helpers.py
+// MaskedCrossAttention.forward: `text_time = media_locations.cumsum(-1)`,
+// `media_time = arange(T_img) + 1`, mask `text_time == media_time`; rows with text_time == 0
+// get their attention zeroed.
+//   → text token t sees only image c_in(t) − 1: the most recent image, and the `<image>` token
+//     sees its OWN image. q_media = c_in − 1, kImmediate.
+inline constexpr attention::MediaMaskRule kMediaMaskImmediate{attention::MediaSees::kMostRecent,
+                                                              /*own_token_included=*/true};
+// only_attend_immediate_media=False ("openflamingo-all-previous"): the same code with `>=`.
+//   → t sees images 0 .. c_in(t) − 1. q_media = c_in − 1, kUpTo.
+//   One deliberate difference: rows before the first image (text_time == 0) have every logit
+//   masked and the package does not zero them in this mode, so its softmax spreads uniformly
+//   over ALL media keys (later images included). Here they see nothing (output 0), as in the
+//   immediate mode.
+inline constexpr attention::MediaMaskRule kMediaMaskAllPrevious{
+    attention::MediaSees::kUpToMostRecent, /*own_token_included=*/true};
 
 struct OpenFlamingoConfig {
   // Vision (open_clip)
