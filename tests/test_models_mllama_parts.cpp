@@ -13,7 +13,7 @@
 #include "models/mllama/config.h"
 #include "models/mllama/template.h"
 #include "models/mllama/vision.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
 #include "tests/model_conformance.h"

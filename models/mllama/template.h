@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "models/family.h"
-#include "models/tokenizer.h"
+#include "models/tokenizer/tokenizer.h"
 
 namespace lvx::models::mllama {
 
