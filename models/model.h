@@ -45,6 +45,12 @@ class Model {
   virtual StateDict& parameters() = 0;
   // What fine-tuning updates (every family: all but the frozen vision encoder).
   virtual bool trainable(const std::string& name) const = 0;
+  // freeze.policy cross_only, the family's own recipe: whether parameter `name` trains. By
+  // default the family's recipe by name (Family::trains_cross_only); a family whose recipe needs
+  // the configuration (which decoder layers are cross layers) overrides it.
+  virtual bool trains_cross_only(const std::string& name) const {
+    return family().trains_cross_only(name);
+  }
   virtual int64_t decoder_layers() const = 0;
   // Each decoder layer's attentions and their order (planner_model().layers lists the same).
   virtual std::vector<DecoderLayerAttention> layer_attentions() const = 0;

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "models/mllama/mask.h"
 #include "models/model.h"
@@ -265,6 +266,33 @@ TEST(MllamaPlan, PlansTheCheckpoint) {
       "/configs/clusters/a100_80g_16.yaml --frames 8 --text 64 --nproc 4");
   EXPECT_EQ(out.find("exit status"), std::string::npos) << out;
   EXPECT_NE(out.find("lv_xattn"), std::string::npos) << out;
+}
+
+// freeze.policy cross_only on a loaded checkpoint: the whole cross layers (cross_attention_layers
+// of config.json: attention, gates, norms, MLP) and the projector train; the self layers, the
+// embeddings, lm_head and the vision tower do not. Checked against config.json's own list.
+TEST(MllamaFreeze, CrossOnlyTrainsTheWholeCrossLayersAndTheProjector) {
+  const std::unique_ptr<lvx::models::Model> model =
+      lvx::models::load_model(reference().model, at::kFloat);
+  const nlohmann::json cfg = nlohmann::json::parse(read_text(reference().model + "/config.json"));
+  std::set<int64_t> cross;
+  for (const auto& l : cfg.at("text_config").at("cross_attention_layers"))
+    cross.insert(l.get<int64_t>());
+  ASSERT_FALSE(cross.empty());
+  size_t trained = 0, cross_mlp = 0;
+  for (const auto& [name, t] : model->parameters()) {
+    const std::string layers = "language_model.model.layers.";
+    bool want = name.rfind("multi_modal_projector.", 0) == 0;
+    if (name.rfind(layers, 0) == 0) {
+      const int64_t i = std::stoll(name.substr(layers.size()));
+      want = cross.count(i) > 0;
+      if (want && name.find(".mlp.") != std::string::npos) ++cross_mlp;
+    }
+    EXPECT_EQ(model->trains_cross_only(name), want) << name;
+    trained += want;
+  }
+  EXPECT_GT(trained, 0u);
+  EXPECT_EQ(cross_mlp, 3 * cross.size());  // gate, up and down projections of each cross layer
 }
 
 // ---- lvx qa and lvx finetune on the tiny checkpoint ------------------------------------------

@@ -150,6 +150,20 @@ Mllama::Mllama(const Checkpoint& ck, at::ScalarType dtype, at::Device device)
 
 bool Mllama::trainable(const std::string& name) const { return name.rfind(kVision, 0) != 0; }
 
+bool Mllama::trains_cross_only(const std::string& name) const {
+  if (name.rfind("multi_modal_projector.", 0) == 0) return true;
+  const std::string layers = "language_model.model.layers.";
+  if (name.rfind(layers, 0) != 0) return false;
+  const size_t end = name.find('.', layers.size());
+  if (end == std::string::npos || end == layers.size()) return false;
+  int64_t layer = 0;
+  for (size_t i = layers.size(); i < end; ++i) {
+    if (name[i] < '0' || name[i] > '9' || layer > cfg_.text.layers) return false;
+    layer = layer * 10 + (name[i] - '0');
+  }
+  return cfg_.text.is_cross(layer);
+}
+
 std::vector<DecoderLayerAttention> Mllama::layer_attentions() const {
   std::vector<DecoderLayerAttention> v;
   for (int64_t i = 0; i < cfg_.text.layers; ++i) {

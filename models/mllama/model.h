@@ -53,6 +53,11 @@ class Mllama : public Model {
   StateDict& parameters() override { return w_; }
   // Everything but the (frozen) vision model; the projector trains.
   bool trainable(const std::string& name) const override;
+  // freeze.policy cross_only: the adapter as the Llama 3 paper trains it with the language model
+  // frozen (and torchtune's fusion recipe): every parameter of the cross layers (attention,
+  // gates, norms, MLP) and multi_modal_projector; the self layers, embeddings, lm_head and the
+  // vision tower stay frozen.
+  bool trains_cross_only(const std::string& name) const override;
   int64_t decoder_layers() const override { return cfg_.text.layers; }
   // A cross layer runs its cross-attention only; every other layer its self-attention only.
   std::vector<DecoderLayerAttention> layer_attentions() const override;

@@ -22,11 +22,10 @@ PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t f
 // <|eot_id|> (end of the assistant's turn), then <|end_of_text|> (those the tokenizer has;
 // <|eot_id|> is required).
 std::vector<int64_t> stop_tokens(const Tokenizer& tok);
-// freeze.policy cross_only: whether `name` (on-disk name) trains: the cross layers'
-// cross_attn.* (q/k/v/o projections, q_norm, k_norm), cross_attn_attn_gate, cross_attn_mlp_gate,
-// and multi_modal_projector.*; everything else (vision tower, self layers, the cross layers'
-// own norms and MLP, embeddings, lm_head) stays frozen. A name alone cannot tell a cross
-// layer's MLP from a self layer's: the recipe is the cross-attention and the gates.
+// freeze.policy cross_only by name alone (Family::trains_cross_only, no configuration): the
+// cross layers' cross_attn.* (q/k/v/o projections, q_norm, k_norm), cross_attn_attn_gate,
+// cross_attn_mlp_gate, and multi_modal_projector.*. A name alone cannot tell a cross layer's MLP
+// from a self layer's; a loaded model (Mllama::trains_cross_only) trains the whole cross layers.
 bool trains_cross_only(const std::string& name);
 
 }  // namespace lvx::models::mllama
