@@ -176,7 +176,7 @@ TEST(MllamaConfig, PlannerModelHasOneAttentionPerDecoderLayer) {
     EXPECT_EQ(m.layers[i].kind,
               cross ? lvx::planner::LayerKind::kCross : lvx::planner::LayerKind::kSelf);
     EXPECT_EQ(m.layers[i].mask,
-              cross ? lvx::planner::MaskRule::kMediaImmediate : lvx::planner::MaskRule::kCausal);
+              cross ? lvx::planner::MaskRule::kMediaUpTo : lvx::planner::MaskRule::kCausal);
     EXPECT_EQ(m.layers[i].kv_heads, 2);
   }
   EXPECT_EQ(m.visual_tokens_per_frame, 34);

@@ -288,7 +288,10 @@ planner::ModelConfig planner_model(const Config& c) {
     l.mlp_size = c.text.intermediate;
     // A cross layer replaces the decoder layer: no self-attention in it.
     l.kind = c.text.is_cross(i) ? planner::LayerKind::kCross : planner::LayerKind::kSelf;
-    l.mask = c.text.is_cross(i) ? planner::MaskRule::kMediaImmediate : planner::MaskRule::kCausal;
+    // The planner prices a video prompt: the frames' <|image|> tokens are one run, so each token
+    // sees the images up to its own and the text after the run sees them all (the processor's
+    // group rule, models/mllama/mask.h; the runtime runs it as one up-to call).
+    l.mask = c.text.is_cross(i) ? planner::MaskRule::kMediaUpTo : planner::MaskRule::kCausal;
     m.layers.push_back(l);
   }
   return m;
