@@ -81,9 +81,9 @@ LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& 
                   media->features.dim() == 3 && media->features.size(0) == B &&
                   media->features.size(1) == out.slots * T && media->features.size(2) == width,
               model, ": precomputed media features of slots [", media->first_slot, ", ",
-              media->first_slot + media->slots, ") ", media->features.sizes(),
-              " do not fit rank ", par.rank(), "'s slots [", out.first_slot, ", ",
-              out.first_slot + out.slots, ") of ", B, " x ", out.slots * T, " x ", width);
+              media->first_slot + media->slots, ") ", media->features.sizes(), " do not fit rank ",
+              par.rank(), "'s slots [", out.first_slot, ", ", out.first_slot + out.slots, ") of ",
+              B, " x ", out.slots * T, " x ", width);
     return *media;
   }
   const at::Tensor present = mm.media_starts >= 0;  // [B, slots]

@@ -60,8 +60,9 @@ struct LocalMedia {
 
 // Picks this rank's images out of pixel_values (every image of the batch, in prompt order:
 // sample 0's, then sample 1's, …; their number must equal the media tokens of input_ids, as `mm`
-// counts them; with `local`, only this rank's images, in the same order), runs `encode` ([n, C, H, W] → [n, tokens_per_media, width]) on them only, and
-// places them in their slots. Errors name the counts that disagree.
+// counts them; with `local`, only this rank's images, in the same order), runs `encode`
+// ([n, C, H, W] → [n, tokens_per_media, width]) on them only, and places them in their slots.
+// Errors name the counts that disagree.
 //
 // `media` (ModelInputs::media, the visual cache of lvx serve): null, encode as above; holding
 // features, those are this rank's share already encoded (their slots must be the layout's) and

@@ -202,7 +202,8 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
     for (auto& k : kids)
       if (k.running) ::kill(-k.pid, sig), ::kill(k.pid, sig);
   };
-  struct sigaction old_term {}, old_int {};
+  struct sigaction old_term = {};
+  struct sigaction old_int = {};
   bool forwarded = false;
   if (opts.forward_signals) {
     g_launcher_signal = 0;

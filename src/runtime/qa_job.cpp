@@ -91,7 +91,8 @@ class TextStream {
 
 // This rank's share of `files` (one frame each, in order): each decoded as a one-frame video and
 // preprocessed like a video's frames. indices and pts are the frames' positions in the list.
-video::FrameBatch decode_images(const std::vector<std::string>& files, const video::ShardSpec& shard,
+video::FrameBatch decode_images(const std::vector<std::string>& files,
+                                const video::ShardSpec& shard,
                                 const video::PreprocessConfig& preprocess) {
   const int64_t m = static_cast<int64_t>(files.size());
   const auto [b, e] = video::shard_range(m, shard);
@@ -254,8 +255,7 @@ QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, i
   s.model = models::load_model(job.model, dtype_of(s.job.plan.dtype, "--dtype"), s.device);
   s.tok = std::make_unique<models::Tokenizer>(
       models::Tokenizer::from_file(job.model + "/tokenizer.json"));
-  s.preprocess =
-      family_preprocess(s.model->family(), s.model->planner_model().vision.image_size);
+  s.preprocess = family_preprocess(s.model->family(), s.model->planner_model().vision.image_size);
   s.stop = s.model->family().stop_tokens(*s.tok);
   s.context = model_context_length(job.model);
   s.cache = std::make_unique<VisualCache>(cache_bytes);
@@ -359,10 +359,9 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
     in.pixel_values = frames.frames.defined() ? frames.frames.to(cx.device) : at::Tensor();
     if (cx.cache->enabled()) in.media = &encoded;
   }
-  const GenerateResult out =
-      generate(*cx.model, in, par, g, [&](const at::Tensor& next) {
-        if (r == 0 && hooks.on_text) text.add(next[0].item<int64_t>());
-      });
+  const GenerateResult out = generate(*cx.model, in, par, g, [&](const at::Tensor& next) {
+    if (r == 0 && hooks.on_text) text.add(next[0].item<int64_t>());
+  });
   at::Tensor local_indices = cached ? cached->indices : frames.indices;
   at::Tensor local_pts = cached ? cached->pts : frames.pts;
   if (!cached && cx.cache->enabled() && encoded.features.defined()) {
@@ -396,10 +395,10 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
       {video_s, out.encode_seconds, out.prefill_seconds, per_token, since(t_start)}, at::kDouble);
   pg.all_reduce(times, dist::ReduceOp::kMax);
   const VisualCacheStats cs = cx.cache->stats();
-  at::Tensor bytes = at::tensor({out.prefill_bytes_sent, out.decode_bytes_sent,
-                                 int64_t{cached ? 1 : 0}, int64_t{!cached && cx.cache->enabled()},
-                                 cs.bytes},
-                                at::kLong);
+  at::Tensor bytes =
+      at::tensor({out.prefill_bytes_sent, out.decode_bytes_sent, int64_t{cached ? 1 : 0},
+                  int64_t{!cached && cx.cache->enabled()}, cs.bytes},
+                 at::kLong);
   pg.all_reduce(bytes);
   const std::vector<int64_t> sizes = [&] {
     std::vector<int64_t> s(n);

@@ -84,10 +84,11 @@ struct QaRequest {
   // Instead of item.video: the frames as image files (PNG, JPEG, ...; one frame each, in order),
   // all of them used (no sampling). Each rank reads its own share.
   std::vector<std::string> image_files;
-  std::optional<double> fps;          // override the session's sampling (both unset: the job's)
+  std::optional<double> fps;  // override the session's sampling (both unset: the job's)
   std::optional<int64_t> num_frames;
   std::optional<GenerateOptions> generation;  // override the job's (max_new_tokens, sampling)
-  std::string video_id;  // the caller's name for the media: the visual cache's key instead of a hash
+  std::string
+      video_id;  // the caller's name for the media: the visual cache's key instead of a hash
 };
 
 // Rank 0's view of an answer as it is generated.
@@ -113,7 +114,7 @@ class QaSession {
   // of the process group throws.
   nlohmann::json answer(const QaRequest& request, const AnswerHooks& hooks = {});
   dist::ProcessGroup& group();
-  const QaJob& job() const;  // plan.dtype resolved
+  const QaJob& job() const;              // plan.dtype resolved
   VisualCacheStats cache_stats() const;  // this rank's
 
  private:
