@@ -242,6 +242,10 @@ def case_cache_hits_and_changed_file(fx, srv, ranks):
     hits = lambda m: m["lvx_visual_cache_hits_total"]
     misses = lambda m: m["lvx_visual_cache_misses_total"]
     assert hits(m2) - hits(m1) == ranks and misses(m2) == misses(m1), (m1, m2)
+    # A hit decodes and encodes nothing: the slowest rank's encoding time is the lookup's.
+    lvx = b.model_extra["lvx"]
+    assert lvx["visual_cache"] == {"hits": ranks, "misses": 0, "bytes": lvx["visual_cache"]["bytes"]}
+    assert lvx["timings"]["encode_s"] < 0.01, lvx
     assert m2["lvx_visual_cache_bytes"] > 0
     # The file changes in place (same name): no rank may use the old features.
     shutil.copy(fx.other, path)
