@@ -1,5 +1,7 @@
 #include "src/runtime/qa_job.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -7,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <set>
 
 #include "src/common/dtype.h"
@@ -121,6 +125,39 @@ video::FrameBatch decode_images(const std::vector<std::string>& files,
   return out;
 }
 
+// XXH3 of a file's content, hashed again only when the file may have changed: the hash is kept
+// with the file's device, inode, size, modification and status-change times (the kernel sets
+// ctime on every write, and no call sets it back), all of which must match to reuse it. A
+// one-hour video is hashed once, not on every question.
+std::string content_hash(const std::string& path) {
+  struct Known {
+    struct stat st;
+    std::string hash;
+  };
+  static std::mutex mu;
+  static std::map<std::string, Known> known;
+  struct stat st {};
+  LVX_CHECK(::stat(path.c_str(), &st) == 0, path, ": cannot stat: ", std::strerror(errno));
+  auto same = [](const struct stat& a, const struct stat& b) {
+    return a.st_dev == b.st_dev && a.st_ino == b.st_ino && a.st_size == b.st_size &&
+           a.st_mtim.tv_sec == b.st_mtim.tv_sec && a.st_mtim.tv_nsec == b.st_mtim.tv_nsec &&
+           a.st_ctim.tv_sec == b.st_ctim.tv_sec && a.st_ctim.tv_nsec == b.st_ctim.tv_nsec;
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = known.find(path);
+    if (it != known.end() && same(it->second.st, st)) return it->second.hash;
+  }
+  const std::string hash = file_xxh3(path);
+  struct stat after {};
+  if (::stat(path.c_str(), &after) == 0 && same(st, after)) {  // unchanged while hashed
+    std::lock_guard<std::mutex> lock(mu);
+    if (known.size() > 4096) known.clear();
+    known[path] = {st, hash};
+  }
+  return hash;
+}
+
 // The visual cache's key of a request on this rank: the content (or the caller's video_id), the
 // sampling, the preprocessing, the dtype and the rank's place.
 std::string visual_key(const QaRequest& req, const video::SampleSpec& spec,
@@ -133,7 +170,7 @@ std::string visual_key(const QaRequest& req, const video::SampleSpec& spec,
     source = "frames:";
     for (const std::string& f : req.image_files) source += file_xxh3(f);
   } else {
-    source = "video:" + file_xxh3(req.item.video);
+    source = "video:" + content_hash(req.item.video);
   }
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };
   const json k{{"source", source},

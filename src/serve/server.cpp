@@ -189,8 +189,7 @@ json Server::describe(const Job& job, std::vector<std::string>& blobs) const {
          {"max_tokens", r.max_tokens},
          {"temperature", r.temperature},
          {"top_p", r.top_p},
-         {"seed", r.seed},
-         {"stream", r.stream || !r.stop.empty()}};
+         {"seed", r.seed}};
   if (r.video) d["video"] = ref(*r.video);
   json frames = json::array();
   for (const MediaRef& m : r.frames) frames.push_back(ref(m));
