@@ -140,6 +140,9 @@ class Server {
     api_.default_max_tokens = o.default_max_tokens;
   }
 
+  // Rank 0: listens on --host:--port (before any request: a port in use fails every rank at
+  // once). Returns the error, or "".
+  std::string bind();
   int run_rank0();
   int run_other_rank();
 
@@ -169,6 +172,8 @@ class Server {
   std::string failure_;
   std::atomic<int64_t> next_id_{0};
   int64_t tmp_counter_ = 0;
+  httplib::Server http_;
+  int port_ = 0;
 };
 
 json Server::describe(const Job& job, std::vector<std::string>& blobs) const {
@@ -507,22 +512,28 @@ void Server::routes(httplib::Server& http) {
       });
 }
 
-int Server::run_rank0() {
-  httplib::Server http;
+std::string Server::bind() {
   const size_t threads = static_cast<size_t>(std::min<int64_t>(o_.max_queue + 8, 512));
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  http.set_payload_max_length(static_cast<size_t>(o_.max_body_bytes));
-  http.set_read_timeout(300, 0);
-  http.set_write_timeout(300, 0);
-  routes(http);
-  int port = o_.port;
-  if (port == 0) {
-    port = http.bind_to_any_port(o_.host);
-    LVX_CHECK(port > 0, "lvx serve: cannot bind ", o_.host, " (--host)");
-  } else {
-    LVX_CHECK(http.bind_to_port(o_.host, port), "lvx serve: cannot bind ", o_.host, ":", port,
-              " (--host, --port): in use or not an address of this machine");
+  http_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  http_.set_payload_max_length(static_cast<size_t>(o_.max_body_bytes));
+  http_.set_read_timeout(300, 0);
+  http_.set_write_timeout(300, 0);
+  routes(http_);
+  port_ = o_.port;
+  if (port_ == 0) {
+    port_ = http_.bind_to_any_port(o_.host);
+    if (port_ <= 0)
+      return "cannot listen on " + o_.host + " (--host): not an address of this machine";
+  } else if (!http_.bind_to_port(o_.host, port_)) {
+    return "cannot listen on " + o_.host + ":" + std::to_string(port_) +
+           " (--host, --port): the port is in use or the host is not an address of this machine";
   }
+  return "";
+}
+
+int Server::run_rank0() {
+  httplib::Server& http = http_;
+  const int port = port_;
   std::thread listener([&] { http.listen_after_bind(); });
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
@@ -640,6 +651,9 @@ int run_serve_rank(const ServeOptions& options) {
   auto pg = dist::ProcessGroup::from_env();
   runtime::QaSession session(options.job, pg, options.cache_bytes);
   Server server(options, session);
+  const std::vector<std::string> errors =
+      dist::gather_errors(*pg, pg->rank() == 0 ? server.bind() : std::string());
+  LVX_CHECK(errors[0].empty(), errors[0]);
   return pg->rank() == 0 ? server.run_rank0() : server.run_other_rank();
 }
 
