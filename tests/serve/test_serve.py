@@ -380,7 +380,22 @@ def case_killed_rank_503(fx, srv, ranks):
     assert time.time() - t0 < 20, time.time() - t0
 
 
-# (case, server flags, environment, ranks it needs, stops the server itself)
+def case_port_in_use_fails_every_rank_at_once(fx, srv, ranks):
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    t0 = time.time()
+    r = subprocess.run([LVX, "serve", "--model", str(fx.model), "--nproc", str(ranks), "--port",
+                        str(s.getsockname()[1])], capture_output=True, text=True, timeout=60)
+    s.close()
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert re.search(r"cannot listen on 127\.0\.0\.1:\d+ \(--host, --port\)", r.stderr), r.stderr
+    assert time.time() - t0 < 30, "took %.1f s: the other ranks waited" % (time.time() - t0)
+
+
+# (case, server flags (None: the case starts what it needs), environment, ranks it needs, stops
+# the server itself)
 CASES = [
     (case_answers_equal_lvx_qa, [], {}, 1, False),
     (case_streaming, [], {}, 1, False),
@@ -391,6 +406,7 @@ CASES = [
     (case_stop_and_disconnect, [], {}, 1, False),
     (case_sigterm_finishes_in_flight, [], {}, 1, True),
     (case_killed_rank_503, [], {"LVX_DIST_TIMEOUT_S": "4"}, 2, True),
+    (case_port_in_use_fails_every_rank_at_once, None, {}, 1, True),
 ]
 
 
@@ -409,13 +425,16 @@ def main():
         t0 = time.time()
         srv = None
         try:
-            if not flags and not env and not stops:
+            if flags is None:
+                srv = None
+            elif not flags and not env and not stops:
                 shared = shared or Server(fx, ranks)
                 srv = shared
             else:
                 srv = Server(fx, ranks, *flags, env=env)
             done = threading.Event()
-            timer = threading.Timer(60, lambda: (done.is_set() or os.killpg(srv.proc.pid, 9)))
+            timer = threading.Timer(
+                60, lambda: (done.is_set() or srv is None or os.killpg(srv.proc.pid, 9)))
             timer.start()
             try:
                 case(fx, srv, ranks)
