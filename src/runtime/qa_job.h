@@ -18,7 +18,8 @@
 // whose prompt does not fit the model's context (config.json max_position_embeddings or
 // max_seq_len) gets a row error; generation stops when the context is full. A row:
 //   {id, video, question, options, answer, response, parsed_answer, correct, frames,
-//    frame_indices, pts_seconds, prompt_tokens, new_tokens, plan, timings {video_decode_s,
+//    frame_indices, pts_seconds, prompt_tokens, new_tokens, completion_tokens (before the stop
+//    token), finish_reason (stop | length), plan, timings {video_decode_s,
 //    encode_s, prefill_s, ttft_s, decode_per_token_s, total_s}, bytes {prefill, decode,
 //    decode_per_token}}
 // (timings: the slowest rank; bytes: sent by all ranks together).
