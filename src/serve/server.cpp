@@ -626,8 +626,8 @@ int Server::run_rank0() {
     exchange(pg_, bye);
     pg_.barrier();
   } catch (const std::exception& e) {
+    failure_ = e.what();  // before failed_: HTTP threads read it once they see failed_
     failed_ = true;
-    failure_ = e.what();
     code = 1;
     std::cerr << "lvx serve: " << e.what() << "\nlvx serve: answering 503 and stopping"
               << std::endl;
