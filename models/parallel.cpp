@@ -60,6 +60,7 @@ attention::AttentionSpec cross_attention_spec(int64_t batch, int64_t length, int
   s.skv = mm.slots * mm.tokens_per_media;
   s.mask = kernels::MaskKind::kMedia;
   s.media_rule = mm.rule;
+  s.unmatched_sees_all = mm.unmatched_sees_all;
   s.kv_layout = attention::LayoutKind::kContiguous;
   s.kv_unit = mm.tokens_per_media;
   return s;

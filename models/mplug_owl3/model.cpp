@@ -210,6 +210,7 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
   const MplugOwl3Config& c = cfg_;
   const at::Tensor& ids = in.input_ids;
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  check_named_inputs(in, {}, "mPLUG-Owl3");
   const TextShard shard = embed_text_shard(ids, emb, par, "mPLUG-Owl3");
   const at::Tensor& pos = shard.positions;
   at::Tensor h = shard.hidden;
