@@ -31,6 +31,10 @@ struct ModelInputs {
   // of its batch file but input_ids, pixel_values and labels here. Families that read none
   // refuse unknown names; absent ones are derived from input_ids where the family can.
   std::map<std::string, at::Tensor> named;
+  // This rank's encoded media, in and out (encode_local_media in models/parallel.h): features
+  // given are used instead of encoding pixel_values (lvx serve's visual cache); an empty one
+  // receives what the prefill encoded. Null: encode, keep nothing.
+  LocalMedia* media = nullptr;
 };
 
 struct ModelOutputs {

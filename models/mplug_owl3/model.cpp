@@ -234,7 +234,7 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
           return linear(at::gelu(linear(v, w_, "vision2text_model.0", true)), w_,
                         "vision2text_model.2", true);
         },
-        h.options(), "mPLUG-Owl3");
+        h.options(), "mPLUG-Owl3", in.media);
     vis.features = media.features;
     // MI-RoPE: every key of image j at its token's index (+1 for 240728/241014).
     const int64_t shift = c.variant == "241101" ? 0 : 1;

@@ -599,7 +599,7 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
     media = encode_local_media(
         mm, in.pixel_values, in.pixels_local, par, c.v_width,
         [&](const at::Tensor& px) { return perceiver(w_, c, clip_tokens(w_, c, px.to(dt))); },
-        x.options(), "OpenFlamingo");
+        x.options(), "OpenFlamingo", in.media);
   const attention::MaskInputs cross_mask{mmd.q_media, mmd.kv_media, {}};
   at::Tensor last_image;  // bool [B, slots_r·T]: this rank's keys of each sample's last image
   if (cache) {
