@@ -24,6 +24,7 @@ apt_packages=(
   ffmpeg libavformat-dev libavcodec-dev libavutil-dev libswscale-dev
   libopencv-core-dev libopencv-imgproc-dev
   libyaml-cpp-dev nlohmann-json3-dev libgtest-dev libgloo-dev libpcre2-dev libicu-dev libxxhash-dev
+  libcpp-httplib-dev
 )
 missing=()
 for p in "${apt_packages[@]}"; do

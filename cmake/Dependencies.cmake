@@ -22,6 +22,9 @@ endif()
 if(NOT LVX_GPU_ONLY)
   pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
   pkg_check_modules(ICU REQUIRED IMPORTED_TARGET icu-uc)
+  # lvx serve's HTTP (src/serve/): cpp-httplib 0.11 (Debian's libcpp-httplib-dev, a compiled
+  # library with its header).
+  pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
 endif()
 # Checkpoint manifests (src/common/files.cpp): xxHash's XXH3-64 checksums every file of a
 # checkpoint at memory speed, so verifying a 15 GB checkpoint is not what bounds a load or save.

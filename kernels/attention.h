@@ -61,6 +61,11 @@ struct AttentionMask {
                         // the query sees nothing and gets a zero output)
   at::Tensor kv_media;  // kMedia: int32 [B, Skv], media index of each key (−1: seen by nobody)
   at::Tensor kv_valid;  // optional padding mask, bool [B, Skv] (false = padding, never seen)
+  // kMedia only: a query whose q_media is −1 sees EVERY key instead of none (kv_media −1
+  // included; padding, kv_valid false, still excluded). Llama-3.2-Vision (Hugging Face
+  // MllamaTextCrossAttention) gives a text row that sees no image an all-zero additive bias, so
+  // its softmax spreads over all visual keys; the model then zeroes that row's MLP branch.
+  bool unmatched_sees_all = false;
 };
 
 struct AttentionParams {

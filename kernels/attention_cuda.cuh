@@ -31,14 +31,24 @@ struct DeviceTileSummaries {
   int n_q_tiles = 0, n_k_tiles = 0;
   const int64_t *q_lo, *q_hi, *k_lo, *k_hi;
   const bool *q_has_none, *q_all_none, *k_has_none, *k_all_none;
+  bool see_all = false;                                  // AttentionMask::unmatched_sees_all
+  const bool *k_has_pad = nullptr, *k_all_pad = nullptr;  // set when see_all
 
   LVX_HOST_DEVICE TileSummary q(int64_t b, int64_t t) const {
     const int64_t i = b * n_q_tiles + t;
-    return {q_lo[i], q_hi[i], q_has_none[i], q_all_none[i]};
+    TileSummary s{q_lo[i], q_hi[i], q_has_none[i], q_all_none[i]};
+    s.has_all = see_all && s.has_none;
+    s.all_all = see_all && s.all_none;
+    return s;
   }
   LVX_HOST_DEVICE TileSummary k(int64_t b, int64_t t) const {
     const int64_t i = b * n_k_tiles + t;
-    return {k_lo[i], k_hi[i], k_has_none[i], k_all_none[i]};
+    TileSummary s{k_lo[i], k_hi[i], k_has_none[i], k_all_none[i]};
+    if (see_all) {
+      s.has_pad = k_has_pad[i];
+      s.all_pad = k_all_pad[i];
+    }
+    return s;
   }
 };
 

@@ -416,6 +416,11 @@ DeviceTileSummaries device_tile_summaries(const PreparedMask& pm) {
   t.k_hi = pm.k_hi.data_ptr<int64_t>();
   t.k_has_none = pm.k_has_none.data_ptr<bool>();
   t.k_all_none = pm.k_all_none.data_ptr<bool>();
+  t.see_all = pm.view.see_all;
+  if (t.see_all) {
+    t.k_has_pad = pm.k_has_pad.data_ptr<bool>();
+    t.k_all_pad = pm.k_all_pad.data_ptr<bool>();
+  }
   return t;
 }
 

@@ -42,6 +42,15 @@ void validate(const AttentionMask& mask, int64_t batch, int64_t sq, int64_t skv)
   if (mask.kv_valid.defined()) {
     check_meta(mask.kv_valid, "kv_valid", at::kBool, {batch, skv}, "padding");
   }
+  LVX_CHECK(!mask.unmatched_sees_all || mask.kind == MaskKind::kMedia,
+            "attention mask: unmatched_sees_all is a media-mask flag (kind media), got kind ",
+            mask.kind == MaskKind::kNone ? "none" : "causal");
+}
+
+// bool [B, Skv]: the keys that are padding (kv_valid false).
+at::Tensor key_padding(const AttentionMask& m, int64_t batch, int64_t skv, const at::Device& dev) {
+  if (m.kv_valid.defined()) return m.kv_valid.to(dev).logical_not();
+  return at::zeros({batch, skv}, at::TensorOptions().device(dev).dtype(at::kBool));
 }
 
 // Per-token metadata as [B, S] int64 values and a [B, S] bool "takes no part" flag.
@@ -104,14 +113,22 @@ void summarize(const TokenMeta& t, int64_t tile, at::Tensor& lo, at::Tensor& hi,
 
 TileSummary PreparedMask::q_summary(int64_t b, int64_t t) const {
   const int64_t i = b * n_q_tiles + t;
-  return {q_lo.data_ptr<int64_t>()[i], q_hi.data_ptr<int64_t>()[i], q_has_none.data_ptr<bool>()[i],
-          q_all_none.data_ptr<bool>()[i]};
+  TileSummary s{q_lo.data_ptr<int64_t>()[i], q_hi.data_ptr<int64_t>()[i],
+                q_has_none.data_ptr<bool>()[i], q_all_none.data_ptr<bool>()[i]};
+  s.has_all = view.see_all && s.has_none;
+  s.all_all = view.see_all && s.all_none;
+  return s;
 }
 
 TileSummary PreparedMask::k_summary(int64_t b, int64_t t) const {
   const int64_t i = b * n_k_tiles + t;
-  return {k_lo.data_ptr<int64_t>()[i], k_hi.data_ptr<int64_t>()[i], k_has_none.data_ptr<bool>()[i],
-          k_all_none.data_ptr<bool>()[i]};
+  TileSummary s{k_lo.data_ptr<int64_t>()[i], k_hi.data_ptr<int64_t>()[i],
+                k_has_none.data_ptr<bool>()[i], k_all_none.data_ptr<bool>()[i]};
+  if (view.see_all) {
+    s.has_pad = k_has_pad.data_ptr<bool>()[i];
+    s.all_pad = k_all_pad.data_ptr<bool>()[i];
+  }
+  return s;
 }
 
 PreparedMask prepare_mask(const AttentionMask& mask, int64_t batch, int64_t sq, int64_t skv,
@@ -125,6 +142,7 @@ PreparedMask prepare_mask(const AttentionMask& mask, int64_t batch, int64_t sq, 
   MaskView& v = p.view;
   v.kind = static_cast<int>(mask.kind);
   v.rule = static_cast<int>(mask.media_rule);
+  v.see_all = mask.unmatched_sees_all;
   v.sq = sq;
   v.skv = skv;
   if (mask.kind == MaskKind::kCausal) {
@@ -149,6 +167,12 @@ PreparedMask prepare_mask(const AttentionMask& mask, int64_t batch, int64_t sq, 
   if (skv > 0) {
     summarize(key_meta(mask, batch, skv, device), k_tile, p.k_lo, p.k_hi, p.k_has_none,
               p.k_all_none);
+    if (mask.unmatched_sees_all) {
+      const at::Tensor pad = key_padding(mask, batch, skv, device);
+      at::Tensor lo, hi;
+      summarize({at::zeros_like(pad, pad.options().dtype(at::kLong)), pad}, k_tile, lo, hi,
+                p.k_has_pad, p.k_all_pad);
+    }
   }
   return p;
 }
@@ -162,7 +186,10 @@ at::Tensor mask_matrix(const AttentionMask& mask, int64_t batch, int64_t sq, int
   const TokenMeta q = query_meta(mask, batch, sq, dev), k = key_meta(mask, batch, skv, dev);
   const bool exact = rule_is_exact(static_cast<int>(mask.kind), static_cast<int>(mask.media_rule));
   at::Tensor vis = rule_visible(exact, q.value.unsqueeze(2), k.value.unsqueeze(1));
-  return vis & q.none.logical_not().unsqueeze(2) & k.none.logical_not().unsqueeze(1);
+  vis = vis & q.none.logical_not().unsqueeze(2) & k.none.logical_not().unsqueeze(1);
+  if (!mask.unmatched_sees_all) return vis;
+  const at::Tensor real_keys = key_padding(mask, batch, skv, dev).logical_not();
+  return vis | (q.none.unsqueeze(2) & real_keys.unsqueeze(1));
 }
 
 int64_t visible_pairs(const AttentionMask& mask, int64_t batch, int64_t sq, int64_t skv) {
@@ -179,6 +206,10 @@ int64_t visible_pairs(const AttentionMask& mask, int64_t batch, int64_t sq, int6
     at::Tensor n = at::searchsorted(keys, qs, /*out_int32=*/false, /*right=*/true);
     if (exact) n = n - at::searchsorted(keys, qs, false, /*right=*/false);
     total += n.sum().item<int64_t>();
+    if (mask.unmatched_sees_all) {  // each unmatched query sees every non-padding key
+      const at::Tensor keys_real = key_padding(mask, batch, skv, dev)[b].logical_not().sum();
+      total += q.none[b].sum().item<int64_t>() * keys_real.item<int64_t>();
+    }
   }
   return total;
 }

@@ -3,6 +3,7 @@
 
 #include "models/checkpoint.h"
 #include "models/family.h"
+#include "models/mllama/model.h"
 #include "models/mplug_owl3/model.h"
 #include "models/openflamingo/model.h"
 #include "src/common/error.h"
@@ -13,6 +14,7 @@ const std::vector<const Family*>& families() {
   static const std::vector<const Family*> all = {
       &mplug_owl3::family(),
       &openflamingo::family(),
+      &mllama::family(),
   };
   return all;
 }

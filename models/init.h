@@ -1,5 +1,5 @@
 // Tiny randomly initialised checkpoints to train from scratch (lvx demo fine-tunes one on the
-// synthetic task of src/runtime/synthetic_task.h): an mPLUG-Owl3 directory in the released
+// synthetic task of tools/synthetic_task.h): an mPLUG-Owl3 directory in the released
 // Hugging Face layout that load_model() accepts — config.json, model.safetensors (fp32) and a
 // tokenizer.json written here, a Qwen2-style byte-level BPE whose merges make each word of a
 // given list one token.

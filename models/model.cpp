@@ -1,5 +1,7 @@
 #include "models/model.h"
 
+#include <algorithm>
+
 #include "src/common/error.h"
 
 namespace lvx::models {
@@ -49,6 +51,15 @@ std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, 
   for (auto& [name, t] : model->parameters())
     t = read_tensor(index, name).to(device, dtype).contiguous();
   return model;
+}
+
+void check_named_inputs(const ModelInputs& in, const std::vector<std::string>& known,
+                        const std::string& model) {
+  std::string reads = "input_ids, pixel_values, labels";
+  for (const std::string& k : known) reads += ", " + k;
+  for (const auto& [name, t] : in.named)
+    LVX_CHECK(std::find(known.begin(), known.end(), name) != known.end(), model,
+              ": unknown input '", name, "' (this family reads ", reads, ")");
 }
 
 planner::ModelConfig planner_model_from_config(const nlohmann::json& j, const std::string& where) {

@@ -31,6 +31,10 @@ struct ModelInputs {
   // of its batch file but input_ids, pixel_values and labels here. Families that read none
   // refuse unknown names; absent ones are derived from input_ids where the family can.
   std::map<std::string, at::Tensor> named;
+  // This rank's encoded media, in and out (encode_local_media in models/parallel.h): features
+  // given are used instead of encoding pixel_values (lvx serve's visual cache); an empty one
+  // receives what the prefill encoded. Null: encode, keep nothing.
+  LocalMedia* media = nullptr;
 };
 
 struct ModelOutputs {
@@ -45,6 +49,12 @@ class Model {
   virtual StateDict& parameters() = 0;
   // What fine-tuning updates (every family: all but the frozen vision encoder).
   virtual bool trainable(const std::string& name) const = 0;
+  // freeze.policy cross_only, the family's own recipe: whether parameter `name` trains. By
+  // default the family's recipe by name (Family::trains_cross_only); a family whose recipe needs
+  // the configuration (which decoder layers are cross layers) overrides it.
+  virtual bool trains_cross_only(const std::string& name) const {
+    return family().trains_cross_only(name);
+  }
   virtual int64_t decoder_layers() const = 0;
   // Each decoder layer's attentions and their order (planner_model().layers lists the same).
   virtual std::vector<DecoderLayerAttention> layer_attentions() const = 0;
@@ -63,6 +73,11 @@ class Model {
   virtual at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,
                                  DecodeCache& cache) const;
 };
+
+// Refuses every named input (ModelInputs::named) not in `known`, naming it and `model`'s inputs
+// (a family that reads none passes an empty list).
+void check_named_inputs(const ModelInputs& in, const std::vector<std::string>& known,
+                        const std::string& model);
 
 // The logits of the last token (global position length − 1) from the rank that holds it, on
 // every rank: hidden [B, L_r, W] after the final norm, positions [L_r] on the host.

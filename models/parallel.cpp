@@ -60,6 +60,7 @@ attention::AttentionSpec cross_attention_spec(int64_t batch, int64_t length, int
   s.skv = mm.slots * mm.tokens_per_media;
   s.mask = kernels::MaskKind::kMedia;
   s.media_rule = mm.rule;
+  s.unmatched_sees_all = mm.unmatched_sees_all;
   s.kv_layout = attention::LayoutKind::kContiguous;
   s.kv_unit = mm.tokens_per_media;
   return s;
@@ -68,13 +69,24 @@ attention::AttentionSpec cross_attention_spec(int64_t batch, int64_t length, int
 LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& pixel_values,
                               bool local, const Parallel& par, int64_t width,
                               const std::function<at::Tensor(const at::Tensor&)>& encode,
-                              const at::TensorOptions& options, const std::string& model) {
+                              const at::TensorOptions& options, const std::string& model,
+                              LocalMedia* media) {
   const int64_t B = mm.q_media.size(0), T = mm.tokens_per_media;
   const attention::Layout keys{attention::LayoutKind::kContiguous, mm.slots * T, par.world(), T};
   const at::Tensor pos = keys.positions(par.rank());
   LocalMedia out;
   out.first_slot = pos.numel() ? pos[0].item<int64_t>() / T : 0;
   out.slots = pos.numel() / T;
+  if (media && media->features.defined()) {
+    LVX_CHECK(media->first_slot == out.first_slot && media->slots == out.slots &&
+                  media->features.dim() == 3 && media->features.size(0) == B &&
+                  media->features.size(1) == out.slots * T && media->features.size(2) == width,
+              model, ": precomputed media features of slots [", media->first_slot, ", ",
+              media->first_slot + media->slots, ") ", media->features.sizes(), " do not fit rank ",
+              par.rank(), "'s slots [", out.first_slot, ", ", out.first_slot + out.slots, ") of ",
+              B, " x ", out.slots * T, " x ", width);
+    return *media;
+  }
   const at::Tensor present = mm.media_starts >= 0;  // [B, slots]
   const at::Tensor counts = present.sum(1);         // images per sample
   const at::Tensor first = at::cumsum(counts, 0) - counts;  // each sample's first image
@@ -100,6 +112,7 @@ LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& 
     feats = feats.index_copy(0, row_index, encode(pixel_values.index_select(0, image_index)));
   }
   out.features = feats.view({B, out.slots * T, width});
+  if (media) *media = out;
   return out;
 }
 

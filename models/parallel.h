@@ -60,12 +60,19 @@ struct LocalMedia {
 
 // Picks this rank's images out of pixel_values (every image of the batch, in prompt order:
 // sample 0's, then sample 1's, …; their number must equal the media tokens of input_ids, as `mm`
-// counts them; with `local`, only this rank's images, in the same order), runs `encode` ([n, C, H, W] → [n, tokens_per_media, width]) on them only, and
-// places them in their slots. Errors name the counts that disagree.
+// counts them; with `local`, only this rank's images, in the same order), runs `encode`
+// ([n, C, H, W] → [n, tokens_per_media, width]) on them only, and places them in their slots.
+// Errors name the counts that disagree.
+//
+// `media` (ModelInputs::media, the visual cache of lvx serve): null, encode as above; holding
+// features, those are this rank's share already encoded (their slots must be the layout's) and
+// are returned as they are: nothing is encoded and pixel_values is not read; empty, encode and
+// also leave the result in it.
 LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& pixel_values,
                               bool local, const Parallel& par, int64_t width,
                               const std::function<at::Tensor(const at::Tensor&)>& encode,
-                              const at::TensorOptions& options, const std::string& model);
+                              const at::TensorOptions& options, const std::string& model,
+                              LocalMedia* media = nullptr);
 
 // This rank's text: the global index of each of its tokens ([L_r]; `positions` on the
 // embedding's device, `host_positions` on the host) and their embeddings ([B, L_r, width]).

@@ -4,7 +4,9 @@
 //   none:   every query sees every key;
 //   causal: query i sees key j iff k_pos[j] <= q_pos[i];
 //   media:  a query or key with media index −1 takes no part; otherwise immediate:
-//           kv_media[j] == q_media[i], up-to: kv_media[j] <= q_media[i];
+//           kv_media[j] == q_media[i], up-to: kv_media[j] <= q_media[i]; with
+//           unmatched_sees_all, a query with media index −1 sees every key instead (keys with
+//           media index −1 included);
 //   and a key with kv_valid false (padding) is seen by no query.
 #pragma once
 
@@ -33,7 +35,9 @@ inline at::Tensor reference_visibility(const kernels::AttentionMask& m, int64_t 
         } else if (m.kind == kernels::MaskKind::kMedia) {
           const int64_t q = qm.data_ptr<int64_t>()[b * sq + i];
           const int64_t k = km.data_ptr<int64_t>()[b * skv + j];
-          if (q == -1 || k == -1)
+          if (q == -1)
+            seen = m.unmatched_sees_all;
+          else if (k == -1)
             seen = false;
           else if (m.media_rule == kernels::MediaRule::kImmediate)
             seen = k == q;

@@ -35,6 +35,7 @@ struct Dense {
 };
 
 // visible[b, i, j]: query i sees key j, straight from the mask rules of kernels/attention.h.
+// With unmatched_sees_all, a query of media −1 sees every key (padding is removed by the caller).
 at::Tensor visibility(const AttentionSpec& s, const at::Tensor& q_media, const at::Tensor& kv_media) {
   if (s.mask == MaskKind::kNone) return at::ones({s.batch, s.sq, s.skv}, at::kBool);
   if (s.mask == MaskKind::kCausal) {
@@ -44,7 +45,9 @@ at::Tensor visibility(const AttentionSpec& s, const at::Tensor& q_media, const a
   }
   auto qm = q_media.to(at::kLong).unsqueeze(2), km = kv_media.to(at::kLong).unsqueeze(1);
   auto seen = s.media_rule == MediaRule::kImmediate ? km.eq(qm) : km.le(qm);
-  return seen & qm.ge(0) & km.ge(0);
+  seen = seen & qm.ge(0) & km.ge(0);
+  if (s.unmatched_sees_all) seen = seen | qm.lt(0).expand_as(seen);
+  return seen;
 }
 
 // Dense attention and its gradient in `dt` (float64 = exact reference).
@@ -97,12 +100,14 @@ struct Case {
   bool padded = false;  // some keys are padding (kv_valid false), differently per batch row
   bool layouts = false;  // queries striped, keys split in whole blocks of 4 (a model's layouts)
   int node_size = 0;     // > 0: ranks per node, so that the ring strategies run the double ring
+  bool sees_all = false;  // media: unmatched_sees_all (rows of media −1 see every key)
   std::string name() const {
     const char* m = mask == MaskKind::kNone ? "none" : mask == MaskKind::kCausal ? "causal"
                     : rule == MediaRule::kImmediate ? "media_immediate" : "media_upto";
     return lvx::str(strategy, "/", m, "/Hq", hq, "Hkv", hkv, "/Sq", sq, "Skv", skv, "/",
                     c10::toString(dtype), padded ? "/padded" : "", layouts ? "/layouts" : "",
-                    node_size ? lvx::str("/nodes_of_", node_size) : std::string());
+                    node_size ? lvx::str("/nodes_of_", node_size) : std::string(),
+                    sees_all ? "/sees_all" : "");
   }
 };
 
@@ -134,6 +139,7 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
   s.head_dim = 8;
   s.mask = c.mask;
   s.media_rule = c.rule;
+  s.unmatched_sees_all = c.sees_all;
   s.node_size = c.node_size;
   if (c.layouts) {
     s.q_layout = attention::LayoutKind::kStriped;
@@ -313,6 +319,18 @@ std::vector<Case> all_cases(int world) {
           // Two nodes of two ranks: the double ring (ring strategies; the others ignore it).
           if (world == 4 && sq != 1)
             cases.push_back({strat, mask, rule, hq, hkv, sq, skv, at::kFloat, sq == 13, false, 2});
+          // Llama-3.2-Vision's media masks (models/mllama/mask.h): rows that see no media see
+          // every key (padding excluded), also with a model's layouts (keys in blocks of 4).
+          if (mask == MaskKind::kMedia) {
+            Case a{strat, mask, rule, hq, hkv, sq, skv, at::kFloat, sq == 13};
+            a.sees_all = true;
+            cases.push_back(a);
+            if (sq == 13 && std::string(strat) != "striped") {
+              Case l{strat, mask, rule, hq, hkv, sq, 20, at::kFloat, true, true};
+              l.sees_all = true;
+              cases.push_back(l);
+            }
+          }
         }
   // Causal self-attention (Sq = Skv), where distflash balances the work: even, uneven, and fewer
   // tokens than ranks, against ring and striped on the same inputs.

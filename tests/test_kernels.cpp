@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kernels/attention.h"
+#include "kernels/mask.h"
 #include "kernels/registry.h"
 #include "src/common/error.h"
 #include "tests/reference_mask.h"
@@ -47,7 +48,18 @@ double gate_atol(at::ScalarType t) {
   }
 }
 
-enum class MaskCase { kNone, kCausal, kMediaImmediate, kMediaUpTo, kPadding };
+// kMediaSeesAll / kMediaUpToSeesAll: media-immediate / up-to with unmatched_sees_all (queries
+// with media −1 see every key, Llama-3.2-Vision) and padding, whole key tiles of it in the last
+// sample.
+enum class MaskCase {
+  kNone,
+  kCausal,
+  kMediaImmediate,
+  kMediaUpTo,
+  kPadding,
+  kMediaSeesAll,
+  kMediaUpToSeesAll
+};
 
 const char* mask_name(MaskCase m) {
   switch (m) {
@@ -61,6 +73,10 @@ const char* mask_name(MaskCase m) {
       return "mediaUpTo";
     case MaskCase::kPadding:
       return "padding";
+    case MaskCase::kMediaSeesAll:
+      return "mediaSeesAll";
+    case MaskCase::kMediaUpToSeesAll:
+      return "mediaUpToSeesAll";
   }
   return "?";
 }
@@ -100,6 +116,16 @@ AttentionMask make_mask(MaskCase c, int64_t batch, int64_t sq, int64_t skv) {
       break;
     case MaskCase::kPadding:
       m.kv_valid = at::rand({batch, skv}) > 0.2;
+      m.kv_valid.select(0, batch - 1).narrow(0, skv / 2, skv - skv / 2).fill_(false);
+      break;
+    case MaskCase::kMediaSeesAll:
+    case MaskCase::kMediaUpToSeesAll:
+      m.kind = MaskKind::kMedia;
+      m.media_rule = c == MaskCase::kMediaSeesAll ? MediaRule::kImmediate : MediaRule::kUpTo;
+      m.unmatched_sees_all = true;
+      m.q_media = media_queries(batch, sq, 3);
+      m.kv_media = media_keys(batch, skv, 3);
+      m.kv_valid = at::ones({batch, skv}, at::kBool);
       m.kv_valid.select(0, batch - 1).narrow(0, skv / 2, skv - skv / 2).fill_(false);
       break;
   }
@@ -218,7 +244,8 @@ TEST(AttentionKernelCuda, MatchesFp64ReferenceOnEveryMask) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     for (auto m : {MaskCase::kNone, MaskCase::kCausal, MaskCase::kMediaImmediate,
-                   MaskCase::kMediaUpTo, MaskCase::kPadding}) {
+                   MaskCase::kMediaUpTo, MaskCase::kPadding, MaskCase::kMediaSeesAll,
+                   MaskCase::kMediaUpToSeesAll}) {
       for (const Shape& s : {Shape{2, 37, 1100, 4, 2, 32}, Shape{1, 200, 70, 4, 1, 16}}) {
         SCOPED_TRACE(dtype_name(dtype) + "_" + mask_name(m) + "_" + shape_name(s));
         check_against_reference(at::Device(at::kCUDA, 0), dtype, m, s);
@@ -246,7 +273,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(at::kFloat, at::kDouble, at::kBFloat16),
                        ::testing::Values(MaskCase::kNone, MaskCase::kCausal,
                                          MaskCase::kMediaImmediate, MaskCase::kMediaUpTo,
-                                         MaskCase::kPadding),
+                                         MaskCase::kPadding, MaskCase::kMediaSeesAll,
+                                         MaskCase::kMediaUpToSeesAll),
                        ::testing::ValuesIn(shapes())),
     case_name);
 
@@ -594,10 +622,11 @@ TEST(AttentionChecks, MessagesNameTensorExpectedAndActual) {
 TEST(MaskMatrix, MatrixAndPairCountEqualTheIndependentRules) {
   at::manual_seed(7);
   const int64_t b = 2, sq = 23, skv = 41;
-  for (int kind = 0; kind < 4; ++kind) {
+  for (int kind = 0; kind < 6; ++kind) {  // 4, 5: media with unmatched_sees_all
     AttentionMask m;
     m.kind = kind == 0 ? MaskKind::kNone : kind == 1 ? MaskKind::kCausal : MaskKind::kMedia;
-    m.media_rule = kind == 2 ? MediaRule::kImmediate : MediaRule::kUpTo;
+    m.media_rule = kind == 2 || kind == 4 ? MediaRule::kImmediate : MediaRule::kUpTo;
+    m.unmatched_sees_all = kind >= 4;
     m.q_pos = at::randperm(sq, at::kLong);
     m.k_pos = at::randint(0, sq, {skv}, at::kLong);
     m.q_media = at::randint(-1, 4, {b, sq}, at::kInt);
@@ -622,6 +651,44 @@ TEST(MaskMatrix, RulesByHand) {
   m.media_rule = MediaRule::kUpTo;
   auto upto = mask_matrix(m, 1, 3, 3)[0].to(at::kInt);
   EXPECT_TRUE(at::equal(upto, at::tensor({0, 0, 0, 1, 0, 0, 1, 1, 0}, at::kInt).reshape({3, 3})));
+  // unmatched_sees_all: the −1 row sees every key (the −1 key included) but not padding.
+  m.media_rule = MediaRule::kImmediate;
+  m.unmatched_sees_all = true;
+  m.kv_valid = at::tensor({1, 0, 1}, at::kInt).to(at::kBool).unsqueeze(0);
+  auto all = mask_matrix(m, 1, 3, 3)[0].to(at::kInt);
+  EXPECT_TRUE(at::equal(all, at::tensor({1, 0, 1, 1, 0, 0, 0, 0, 0}, at::kInt).reshape({3, 3})));
+  EXPECT_EQ(visible_pairs(m, 1, 3, 3), 3);
+  m.kind = MaskKind::kCausal;
+  m.q_pos = m.k_pos = at::arange(3, at::kLong);
+  EXPECT_THROW(mask_matrix(m, 1, 3, 3), lvx::Error);  // the flag is a media-mask flag
+}
+
+// Tile decisions under unmatched_sees_all: a query tile whose every query is unmatched is full
+// against a key tile without padding (whatever the keys' media), skipped against an all-padding
+// one; a mixed query tile is never skipped where one of its queries sees a real key.
+TEST(MaskTiles, UnmatchedSeesAllClassifiesExactly) {
+  const int64_t sq = 4, skv = 8;
+  AttentionMask m;
+  m.kind = MaskKind::kMedia;
+  m.unmatched_sees_all = true;
+  m.q_media = at::tensor({-1, -1, 0, -1}, at::kInt).unsqueeze(0);
+  m.kv_media = at::tensor({-1, 1, 1, -1, 0, 0, 0, 0}, at::kInt).unsqueeze(0);
+  m.kv_valid = at::tensor({1, 1, 1, 1, 0, 0, 0, 0}, at::kInt).to(at::kBool).unsqueeze(0);
+  const PreparedMask pm = prepare_mask(m, 1, sq, skv, 2, 4, at::kCPU);
+  // query tiles {−1, −1}, {0, −1}; key tiles {−1, 1, 1, −1} (no padding), {0 …} (all padding)
+  EXPECT_EQ(classify_tile(pm.view.kind, pm.view.rule, pm.q_summary(0, 0), pm.k_summary(0, 0)),
+            TileVisibility::kFull);
+  EXPECT_EQ(classify_tile(pm.view.kind, pm.view.rule, pm.q_summary(0, 0), pm.k_summary(0, 1)),
+            TileVisibility::kNone);
+  EXPECT_EQ(classify_tile(pm.view.kind, pm.view.rule, pm.q_summary(0, 1), pm.k_summary(0, 0)),
+            TileVisibility::kPartial);
+  EXPECT_EQ(classify_tile(pm.view.kind, pm.view.rule, pm.q_summary(0, 1), pm.k_summary(0, 1)),
+            TileVisibility::kNone);
+  // Without the flag the first query tile sees nothing at all.
+  m.unmatched_sees_all = false;
+  const PreparedMask off = prepare_mask(m, 1, sq, skv, 2, 4, at::kCPU);
+  EXPECT_EQ(classify_tile(off.view.kind, off.view.rule, off.q_summary(0, 0), off.k_summary(0, 0)),
+            TileVisibility::kNone);
 }
 
 }  // namespace

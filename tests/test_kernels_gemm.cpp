@@ -26,6 +26,7 @@ struct GemmCase {
   bool padding;
   int64_t hq, hkv, sq, skv;
   at::ScalarType dtype;
+  bool sees_all = false;  // AttentionMask::unmatched_sees_all
 };
 
 void PrintTo(const GemmCase& c, std::ostream* os) { *os << c.name; }
@@ -43,6 +44,7 @@ TEST_P(AttentionGemm, ForwardBackwardMatchFloat64) {
   AttentionParams p;
   p.mask.kind = c.kind;
   p.mask.media_rule = c.rule;
+  p.mask.unmatched_sees_all = c.sees_all;
   if (c.kind == MaskKind::kCausal) {
     p.mask.q_pos = at::arange(c.sq) + (c.skv - c.sq);
     p.mask.k_pos = at::arange(c.skv);
@@ -90,6 +92,8 @@ INSTANTIATE_TEST_SUITE_P(
                  30, at::kFloat},
         GemmCase{"media_upto_bf16", MaskKind::kMedia, MediaRule::kUpTo, false, 4, 4, 12, 30,
                  at::kBFloat16},
+        GemmCase{"media_sees_all_padding_f32", MaskKind::kMedia, MediaRule::kImmediate, true, 4,
+                 2, 12, 30, at::kFloat, true},
         GemmCase{"padding_f32", MaskKind::kNone, MediaRule::kImmediate, true, 2, 1, 5, 21,
                  at::kFloat},
         GemmCase{"decode_sq1_bf16", MaskKind::kNone, MediaRule::kImmediate, false, 8, 2, 1, 300,

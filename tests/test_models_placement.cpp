@@ -243,23 +243,24 @@ std::unique_ptr<Model> openflamingo_on_meta(const std::string& lm, at::ScalarTyp
   return std::make_unique<OpenFlamingo>(ck, dtype, kMeta);
 }
 
-// Two images in a prompt of 12 tokens (host ids), their pixels on meta.
-ModelInputs inputs(const Model& m) {
+// Two images in a prompt of 12 tokens (host ids), their pixels ([2, 3, S, S]) on meta.
+ModelInputs inputs(const Model& m, int64_t image_size = 32) {
   const int64_t img = m.media_token_id();
   const std::vector<int64_t> ids{1, img, 2, 3, 4, img, 5, 6, 7, 8, 9, 10};
   ModelInputs in;
   in.input_ids = at::tensor(ids, at::kLong).unsqueeze(0);
-  in.pixel_values = at::empty({2, 3, 32, 32}, at::TensorOptions().dtype(at::kFloat).device(kMeta));
+  in.pixel_values = at::empty({2, 3, image_size, image_size},
+                              at::TensorOptions().dtype(at::kFloat).device(kMeta));
   return in;
 }
 
 // Forward + backward, prefill + two decode steps: every result on meta.
-void run_everything_on_meta(Model& m, const Parallel& par) {
+void run_everything_on_meta(Model& m, const Parallel& par, int64_t image_size = 32) {
   for (auto& [name, t] : m.parameters()) {
     ASSERT_TRUE(t.is_meta()) << name << " is on " << t.device();
     if (m.trainable(name)) t.requires_grad_(true);
   }
-  const ModelInputs in = inputs(m);
+  const ModelInputs in = inputs(m, image_size);
   const ModelOutputs out = m.forward(in, par);
   EXPECT_TRUE(out.logits.is_meta()) << out.logits.device();
   EXPECT_EQ(out.logits.size(0), 1);
@@ -279,8 +280,13 @@ void run_everything_on_meta(Model& m, const Parallel& par) {
   DecodeCache cache;
   at::Tensor logits = m.prefill(in, par, cache);
   EXPECT_TRUE(logits.is_meta()) << logits.device();
+  const std::vector<DecoderLayerAttention> attentions = m.layer_attentions();
+  ASSERT_EQ(attentions.size(), cache.prompt.size());
   for (size_t l = 0; l < cache.prompt.size(); ++l) {
-    EXPECT_TRUE(cache.prompt[l].k.is_meta()) << "layer " << l << " prompt K";
+    // Every layer with a self-attention keeps its prompt K (Mllama's cross layers have none).
+    if (attentions[l].self) {
+      EXPECT_TRUE(cache.prompt[l].k.is_meta()) << "layer " << l << " prompt K";
+    }
     if (cache.visual[l].k.defined()) {
       EXPECT_TRUE(cache.visual[l].k.is_meta()) << "layer " << l;
     }
@@ -406,6 +412,19 @@ TEST(Placement, CatchesACpuTensorPlantedInTheModel) {
     EXPECT_NE(msg.find("q_media must be on meta"), std::string::npos) << msg;
     p.mask.q_media = p.mask.q_media.to(kMeta);
     EXPECT_TRUE(kernels::attention_forward(q, k, k, p).o.is_meta());
+  }
+}
+
+// Llama-3.2-Vision: transformers' tiny checkpoint (tests/reference/mllama_ref.py, the one
+// test_models_mllama.cpp makes) loaded straight onto meta; frames as one-tile images.
+TEST(Placement, MllamaRunsForwardBackwardPrefillDecodeOnMeta) {
+  const std::string script = std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py";
+  const lvx::testing::Reference ref = lvx::testing::reference_model(
+      "mllama", script, lvx::testing::script_stamp(script), "", "--length 24");
+  for (const bool remat : {false, true}) {
+    SCOPED_TRACE(remat ? "remat+recompute" : "plain");
+    auto m = load_model(ref.model, at::kFloat, kMeta);
+    run_everything_on_meta(*m, single_rank(remat, remat), 16);
   }
 }
 

@@ -1,4 +1,4 @@
-// Pieces of lvx bench-plan: layer inputs in lvx attention's format, its stats file, regret.
+// Pieces of lvx bench-plan (tools/bench_plan.h): layer inputs in lvx attention's format, its stats file, regret.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -6,11 +6,13 @@
 #include <fstream>
 
 #include "src/common/error.h"
-#include "src/planner/bench_plan.h"
 #include "src/planner/planner.h"
+#include "tools/bench_plan.h"
 
 namespace lvx::planner {
 namespace {
+
+using namespace lvx::tools;  // bench-plan's harness (tools/bench_plan.h)
 
 TEST(PlannerBench, CrossLayerInputsCarryThePlannedMediaIndices) {
   // tiny.yaml's cross layer (media_upto, mPLUG-Owl3's "images strictly before the token"), 4

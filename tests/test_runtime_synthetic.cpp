@@ -15,11 +15,13 @@
 #include <sstream>
 
 #include "src/common/error.h"
-#include "src/runtime/synthetic_task.h"
 #include "tests/video_test_util.h"
+#include "tools/synthetic_task.h"
 
 namespace lvx::runtime {
 namespace {
+
+using namespace lvx::tools;  // the synthetic task (tools/synthetic_task.h)
 
 using video::testing::reference_frames;
 using video::testing::run;

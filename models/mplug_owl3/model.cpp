@@ -210,6 +210,7 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
   const MplugOwl3Config& c = cfg_;
   const at::Tensor& ids = in.input_ids;
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  check_named_inputs(in, {}, "mPLUG-Owl3");
   const TextShard shard = embed_text_shard(ids, emb, par, "mPLUG-Owl3");
   const at::Tensor& pos = shard.positions;
   at::Tensor h = shard.hidden;
@@ -233,7 +234,7 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
           return linear(at::gelu(linear(v, w_, "vision2text_model.0", true)), w_,
                         "vision2text_model.2", true);
         },
-        h.options(), "mPLUG-Owl3");
+        h.options(), "mPLUG-Owl3", in.media);
     vis.features = media.features;
     // MI-RoPE: every key of image j at its token's index (+1 for 240728/241014).
     const int64_t shift = c.variant == "241101" ? 0 : 1;

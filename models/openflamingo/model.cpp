@@ -565,7 +565,21 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
 ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
                                DecodeCache* cache) const {
   const OpenFlamingoConfig& c = cfg_;
+  // The package's batches carry attention_mask (all ones: lvx runs unpadded samples) and
+  // images_per_sample (the <image> tokens of each sample).
+  check_named_inputs(in, {"attention_mask", "images_per_sample"}, "OpenFlamingo");
   const at::Tensor& ids = in.input_ids;
+  if (auto m = in.named.find("attention_mask"); m != in.named.end())
+    LVX_CHECK(m->second.sizes() == ids.sizes() && m->second.ne(0).all().item<bool>(),
+              "OpenFlamingo: attention_mask must be all ones with input_ids' shape ", ids.sizes(),
+              " (lvx runs unpadded samples), got ", m->second.sizes());
+  if (auto m = in.named.find("images_per_sample"); m != in.named.end()) {
+    const at::Tensor counts = host_ids(ids).eq(c.media_token_id).sum(1);
+    LVX_CHECK(m->second.dim() == 1 && m->second.size(0) == ids.size(0) &&
+                  m->second.cpu().to(at::kLong).equal(counts),
+              "OpenFlamingo: images_per_sample must be the <image> tokens of each sample ",
+              counts.sizes(), ", got ", m->second.sizes());
+  }
   const int64_t B = ids.size(0), L = ids.size(1), hd = c.head_dim, T = c.p_latents;
   const at::Tensor& emb = embedding();
   const at::ScalarType dt = emb.scalar_type();
@@ -585,7 +599,7 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
     media = encode_local_media(
         mm, in.pixel_values, in.pixels_local, par, c.v_width,
         [&](const at::Tensor& px) { return perceiver(w_, c, clip_tokens(w_, c, px.to(dt))); },
-        x.options(), "OpenFlamingo");
+        x.options(), "OpenFlamingo", in.media);
   const attention::MaskInputs cross_mask{mmd.q_media, mmd.kv_media, {}};
   at::Tensor last_image;  // bool [B, slots_r·T]: this rank's keys of each sample's last image
   if (cache) {

@@ -34,6 +34,7 @@ kernels::AttentionMask MediaMask::attention_mask() const {
   kernels::AttentionMask a;
   a.kind = kernels::MaskKind::kMedia;
   a.media_rule = rule;
+  a.unmatched_sees_all = unmatched_sees_all;
   a.q_media = q_media;
   a.kv_media = kv_media;
   return a;

@@ -67,6 +67,9 @@ struct MediaMask {
   at::Tensor kv_media;  // int32 [B, slots * tokens_per_media]: j / tokens_per_media when
                         // sample b has that image, −1 for a slot it does not have (padding)
   kernels::MediaRule rule = kernels::MediaRule::kImmediate;  // how the kernels compare them
+  // A token with q_media −1 sees every key instead of none (Llama-3.2-Vision's rows that see
+  // no image; kernels::AttentionMask::unmatched_sees_all). media_mask() leaves it false.
+  bool unmatched_sees_all = false;
   at::Tensor media_starts;  // int64 [B, slots]: sequence index of each image's media token, −1
                             // for absent images (a family's rotary positions of image keys
                             // start from it)

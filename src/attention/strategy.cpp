@@ -148,8 +148,10 @@ Volume PassSchedule::volume() const {
 std::string AttentionSpec::describe() const {
   const char* m = mask == kernels::MaskKind::kNone     ? "none"
                   : mask == kernels::MaskKind::kCausal ? "causal"
-                  : media_rule == kernels::MediaRule::kImmediate ? "media_immediate"
-                                                                 : "media_upto";
+                  : media_rule == kernels::MediaRule::kImmediate
+                      ? (unmatched_sees_all ? "media_immediate_unmatched_sees_all"
+                                            : "media_immediate")
+                      : (unmatched_sees_all ? "media_upto_unmatched_sees_all" : "media_upto");
   return str("B=", batch, " Sq=", sq, " Skv=", skv, " Hq=", hq, " Hkv=", hkv, " D=", head_dim,
              " mask=", m, " scale=", scale, " layouts=", static_cast<int>(q_layout), "/",
              static_cast<int>(kv_layout), "x", kv_unit, " node_size=", node_size);
@@ -169,6 +171,7 @@ kernels::AttentionParams block_params(const AttentionSpec& s, const MaskInputs& 
   p.scale = s.scale > 0 ? s.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
   p.mask.kind = s.mask;
   p.mask.media_rule = s.media_rule;
+  p.mask.unmatched_sees_all = s.unmatched_sees_all;
   if (s.mask == kernels::MaskKind::kCausal) {
     p.mask.q_pos = q_pos + s.causal_offset();
     p.mask.k_pos = k_pos;

@@ -102,6 +102,7 @@ struct AttentionSpec {
   int64_t batch = 1, sq = 0, skv = 0, hq = 0, hkv = 0, head_dim = 0;
   kernels::MaskKind mask = kernels::MaskKind::kNone;
   kernels::MediaRule media_rule = kernels::MediaRule::kImmediate;
+  bool unmatched_sees_all = false;  // kMedia: q_media −1 sees every key (AttentionMask's flag)
   double scale = 0;  // 0: 1/sqrt(head_dim)
   // How the shards split the tokens (striped forces striped on both sides): a model keeps its
   // text in one layout for every layer, and splits visual keys in whole images (kv_unit tokens).

@@ -1,6 +1,6 @@
 // `lvx demo`: the main job on a small built-in default, end to end with real parts. No weights can
 // be downloaded, so the demo makes its own long-video task and model:
-//   1. a synthetic task written with lvx's FFmpeg bindings (src/runtime/synthetic_task.h): videos
+//   1. a synthetic task written with lvx's FFmpeg bindings (tools/synthetic_task.h): videos
 //      of a few minutes of grey distractors in which one coloured shape appears for a few seconds
 //      at a random time; the question asks its colour;
 //   2. a tiny random model of the demo's family (models/init.h: default_demo_family) with a
@@ -29,7 +29,7 @@
 #include "src/common/error.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/device.h"
-#include "src/runtime/synthetic_task.h"
+#include "tools/synthetic_task.h"
 
 namespace {
 
@@ -119,12 +119,12 @@ int cmd_demo(int argc, char** argv) {
   const std::string dir = p.get("workdir").empty()
                               ? (fs::path(dist::self_executable()).parent_path() / "demo").string()
                               : fs::absolute(p.get("workdir")).string();
-  runtime::SyntheticTaskSpec task_spec;
+  tools::SyntheticTaskSpec task_spec;
   task_spec.videos = p.get_int("videos");
   task_spec.seconds = p.get_double("seconds");
   task_spec.seed = p.get_int("seed");
   models::TinyModelSpec model_spec;
-  model_spec.words = runtime::synthetic_task_words();
+  model_spec.words = tools::synthetic_task_words();
   model_spec.seed = static_cast<uint64_t>(p.get_int("seed"));
   // What the trained checkpoint depends on: a re-run with the same settings reuses it.
   const std::string stamp = str("demo v1 videos=", task_spec.videos, " seconds=", task_spec.seconds,
@@ -145,21 +145,21 @@ int cmd_demo(int argc, char** argv) {
 
   // 1. The task.
   auto t = clock_type::now();
-  runtime::SyntheticTask task;
+  tools::SyntheticTask task;
   if (reuse) {
     task.dir = dir + "/task";
     task.train_jsonl = task.dir + "/train.jsonl";
     task.test_jsonl = task.dir + "/test.jsonl";
-    task.train = runtime::read_task_jsonl(task.train_jsonl);
-    task.test = runtime::read_task_jsonl(task.test_jsonl);
+    task.train = tools::read_task_jsonl(task.train_jsonl);
+    task.test = tools::read_task_jsonl(task.test_jsonl);
   } else {
-    task = runtime::generate_synthetic_task(dir + "/task", task_spec);
+    task = tools::generate_synthetic_task(dir + "/task", task_spec);
   }
   std::printf(
       "[1/4] task: %zu videos of %.0f s at %d fps (%d px): grey distractors, one coloured shape "
       "for %.0f s at a random time; \"%s\" (%zu colours); %zu train / %zu held out  (%.1f s%s)\n",
       task.train.size() + task.test.size(), task_spec.seconds, task_spec.fps, task_spec.size,
-      task_spec.event_seconds, runtime::kColourQuestion, runtime::synthetic_colours().size(),
+      task_spec.event_seconds, tools::kColourQuestion, tools::synthetic_colours().size(),
       task.train.size(), task.test.size(), since(t), reuse ? ", reused" : "");
 
   // 2. The model.
@@ -267,7 +267,7 @@ int cmd_demo(int argc, char** argv) {
   std::printf("[4/4] answered %lld held-out questions twice with lvx qa  (%.1f s)\n\n",
               static_cast<long long>(acc.total + base.total) / 2, since(t));
 
-  const double chance = 100.0 / static_cast<double>(runtime::synthetic_colours().size());
+  const double chance = 100.0 / static_cast<double>(tools::synthetic_colours().size());
   std::printf("accuracy on held-out videos:           %5.1f%%  (%lld/%lld)\n", acc.pct(),
               static_cast<long long>(acc.correct), static_cast<long long>(acc.total));
   std::printf("baseline, videos shuffled (wrong one): %5.1f%%  (%lld/%lld; chance %.1f%%)\n",

@@ -95,6 +95,9 @@ std::string describe_exit(int code) {
 
 namespace {
 
+volatile sig_atomic_t g_launcher_signal = 0;  // LaunchOptions::forward_signals: the one received
+extern "C" void remember_launcher_signal(int sig) { g_launcher_signal = sig; }
+
 // A rank's two output pipes: [0] its stdout, [1] its stderr (each forwarded to the same stream of
 // the launcher, so that errors never land in a result redirected from stdout).
 struct Child {
@@ -199,6 +202,16 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
     for (auto& k : kids)
       if (k.running) ::kill(-k.pid, sig), ::kill(k.pid, sig);
   };
+  struct sigaction old_term = {};
+  struct sigaction old_int = {};
+  bool forwarded = false;
+  if (opts.forward_signals) {
+    g_launcher_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = remember_launcher_signal;
+    ::sigaction(SIGTERM, &sa, &old_term);
+    ::sigaction(SIGINT, &sa, &old_int);
+  }
   const double exit_wait_s = opts.exit_wait_s >= 0  ? opts.exit_wait_s
                              : opts.stop_on_failure ? default_exit_wait_s(opts.env)
                                                     : 0;
@@ -296,6 +309,10 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
         stop_all(SIGTERM);
       }
     }
+    if (opts.forward_signals && g_launcher_signal && !forwarded) {
+      forwarded = true;
+      stop_all(g_launcher_signal);
+    }
     const auto now = std::chrono::steady_clock::now();
     if (opts.timeout_s > 0 && !stopping && running > 0 &&
         std::chrono::duration<double>(now - t0).count() > opts.timeout_s)
@@ -308,6 +325,10 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
                         "communication wait within LVX_DIST_TIMEOUT_S, so these are stuck"));
     if (stopping && std::chrono::duration<double>(now - stop_at).count() > opts.grace_s)
       stop_all(SIGKILL);
+  }
+  if (opts.forward_signals) {
+    ::sigaction(SIGTERM, &old_term, nullptr);
+    ::sigaction(SIGINT, &old_int, nullptr);
   }
   // Every rank has exited: what they wrote last (often the error that ended them) may still sit
   // in the pipes. Read it out; a pipe kept open by a rank's own child gets a short grace.

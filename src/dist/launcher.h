@@ -47,6 +47,10 @@ struct LaunchOptions {
   // command's result: lvx qa's streamed answer or JSON); the other ranks stay prefixed.
   // Ignored with capture.
   bool rank0_direct = false;
+  // SIGTERM or SIGINT sent to the launcher goes on to every rank (once), and the launch waits for
+  // them to end as they choose (a server finishing its requests); without it the launcher dies
+  // of the signal and its ranks with it.
+  bool forward_signals = false;
 };
 
 // 2 × LVX_DIST_TIMEOUT_S, read from `env` (the ranks' extra variables) or else this process's

@@ -251,11 +251,10 @@ int64_t step_of_name(const std::string& dir) {
 
 }  // namespace
 
-bool trains_under(const std::string& policy, const models::Family& family, const std::string& name,
-                  bool default_trainable) {
+bool trains_under(const std::string& policy, const models::Model& model, const std::string& name) {
   if (policy == "none") return true;
-  if (policy == "vision") return default_trainable;
-  return family.trains_cross_only(name);
+  if (policy == "vision") return model.trainable(name);
+  return model.trains_cross_only(name);
 }
 
 std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos,
@@ -453,7 +452,7 @@ int run_finetune_rank(const FinetuneJob& job) {
 
   // What trains, and the optimizer over it.
   ParamFilter trains = [&](const std::string& name) {
-    return trains_under(cfg.freeze.policy, family, name, model->trainable(name));
+    return trains_under(cfg.freeze.policy, *model, name);
   };
   std::map<std::string, at::Tensor> trainable;
   int64_t trainable_numel = 0, total_numel = 0;

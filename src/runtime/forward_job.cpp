@@ -32,6 +32,7 @@ namespace {
 
 struct Batch {
   at::Tensor input_ids, pixel_values, labels;
+  std::map<std::string, at::Tensor> named;  // every other tensor: the family's named inputs
 };
 
 Batch read_batch(const std::string& path) {
@@ -42,11 +43,10 @@ Batch read_batch(const std::string& path) {
   LVX_CHECK(b.input_ids.dim() == 2 && b.input_ids.scalar_type() == at::kLong, path,
             ": input_ids must be int64 [B, L], got ", b.input_ids.scalar_type(), " ",
             b.input_ids.sizes());
-  if (f.tensors.count("pixel_values")) {
-    b.pixel_values = f.tensors.at("pixel_values");
-    LVX_CHECK(b.pixel_values.dim() == 4, path, ": pixel_values must be [N_img, 3, H, W], got ",
-              b.pixel_values.sizes());
-  }
+  // pixel_values' layout is the family's (models/model.h): the model checks its rank.
+  if (f.tensors.count("pixel_values")) b.pixel_values = f.tensors.at("pixel_values");
+  for (const auto& [name, t] : f.tensors)
+    if (name != "input_ids" && name != "pixel_values" && name != "labels") b.named[name] = t;
   if (f.tensors.count("labels")) {
     b.labels = f.tensors.at("labels");
     LVX_CHECK(b.labels.sizes() == b.input_ids.sizes() && b.labels.scalar_type() == at::kLong, path,
@@ -131,7 +131,8 @@ int run_forward_rank(const ForwardJob& job) {
     g.max_new_tokens = job.generate;
     g.max_length = model_context_length(job.model);  // never past the model's context
     g.keep_logits = true;
-    const GenerateResult out = generate(model, {b.input_ids, b.pixel_values, false, {}}, par, g);
+    const GenerateResult out =
+        generate(model, {b.input_ids, b.pixel_values, false, b.named}, par, g);
     double per_token = 0;
     for (double t : out.token_seconds)
       per_token += t / static_cast<double>(out.token_seconds.size());
@@ -165,7 +166,7 @@ int run_forward_rank(const ForwardJob& job) {
     pg->barrier();
     pg->counters().reset();
     const auto t0 = std::chrono::steady_clock::now();
-    out = model.forward({b.input_ids, b.pixel_values, false, {}}, par);
+    out = model.forward({b.input_ids, b.pixel_values, false, b.named}, par);
     const auto t1 = std::chrono::steady_clock::now();
     // What the step holds at its peak: weights plus everything the forward saved for the
     // backward (glibc's in-use heap, small and mmapped chunks).

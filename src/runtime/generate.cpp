@@ -67,7 +67,18 @@ GenerateResult generate(const models::Model& model, const models::ModelInputs& i
   for (int64_t step = 0;; ++step) {
     if (o.keep_logits) logits_kept.push_back(logits);
     at::Tensor next = pick_tokens(logits, o.sampling, gen).to(at::kLong).contiguous();
-    pg.broadcast(next, 0);  // rank 0's choice (sampling draws on rank 0 only matter)
+    if (o.stop_requested) {  // rank 0's choice and its stop flag in one message
+      const bool stop_now = pg.rank() == 0 && o.stop_requested();
+      at::Tensor msg = at::cat({next, at::full({1}, stop_now ? 1 : 0, next.options())});
+      pg.broadcast(msg, 0);
+      if (msg[B].item<int64_t>() != 0) {
+        r.stopped = true;
+        break;
+      }
+      next = msg.narrow(0, 0, B).contiguous();
+    } else {
+      pg.broadcast(next, 0);  // rank 0's choice (sampling draws on rank 0 only matter)
+    }
     next = at::where(done, last_stop, next);
     const at::Tensor is_stop = at::isin(next, stop);
     last_stop = at::where(is_stop & done.logical_not(), next, last_stop);
@@ -85,7 +96,7 @@ GenerateResult generate(const models::Model& model, const models::ModelInputs& i
     r.decode_bytes_sent += pg.counters().total_sent() - sent0;
     r.token_seconds.push_back(std::chrono::duration<double>(clock::now() - t0).count());
   }
-  r.tokens = at::stack(tokens, 1);
+  r.tokens = tokens.empty() ? at::zeros({B, 0}, at::kLong) : at::stack(tokens, 1);
   if (o.keep_logits) r.step_logits = at::stack(logits_kept, 1);
   return r;
 }

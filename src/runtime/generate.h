@@ -28,6 +28,11 @@ struct GenerateOptions {
   SamplingOptions sampling;
   std::vector<int64_t> stop;  // a sample is done after emitting one of these
   bool keep_logits = false;   // return every step's logits (tests)
+  // Asked on rank 0 before each new token is sent to the other ranks (a client went away, a stop
+  // string was seen): true ends generation before that token, on every rank together (the flag
+  // travels with the token's broadcast). Set it on every rank or on none; only rank 0's answer
+  // counts.
+  std::function<bool()> stop_requested;
 };
 
 struct GenerateResult {
@@ -39,6 +44,7 @@ struct GenerateResult {
   // This rank's bytes sent by the prefill and by the decode steps (not the token broadcasts).
   int64_t prefill_bytes_sent = 0, decode_bytes_sent = 0;
   bool hit_context = false;  // stopped because the context (max_length) was full
+  bool stopped = false;      // ended by GenerateOptions::stop_requested
 };
 
 // Refuses sampling settings that cannot give a distribution: a temperature that is not finite

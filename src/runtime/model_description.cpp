@@ -31,7 +31,7 @@ planner::ParamCounts count_parameters(const std::string& path, const planner::Mo
   std::map<std::string, int64_t> blocks;  // "....layers.<i>." → parameters
   for (const auto& [name, t] : model->parameters()) {
     p.total += t.numel();
-    if (trains_under(freeze, model->family(), name, model->trainable(name)))
+    if (trains_under(freeze, *model, name))
       p.trainable += t.numel();
     const size_t at = name.find("layers.");
     if (at != std::string::npos && name.find("vision") == std::string::npos) {

@@ -1,5 +1,7 @@
 #include "src/runtime/qa_job.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -7,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <set>
 
 #include "src/common/dtype.h"
@@ -58,11 +62,13 @@ bool known_id(const models::Tokenizer& tok, int64_t id) {
   }
 }
 
-// Text streamed to stdout as tokens arrive; an incomplete UTF-8 character waits for its rest.
+// The answer's text as tokens arrive, given to `sink` piece by piece; an incomplete UTF-8
+// character waits for its rest.
 class TextStream {
  public:
-  TextStream(const models::Tokenizer& tok, std::vector<int64_t> stop)
-      : tok_(tok), stop_(std::move(stop)) {}
+  TextStream(const models::Tokenizer& tok, std::vector<int64_t> stop,
+             std::function<void(const std::string&)> sink)
+      : tok_(tok), stop_(std::move(stop)), sink_(std::move(sink)) {}
   void add(int64_t id) {
     if (done_ || std::find(stop_.begin(), stop_.end(), id) != stop_.end()) {
       done_ = true;
@@ -73,7 +79,7 @@ class TextStream {
     const std::string text = tok_.decode(ids_, /*skip_special_tokens=*/true);
     if (text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0) return;
     if (text.size() > printed_ && text.compare(0, printed_, text, 0, printed_) == 0) {
-      std::cout << text.substr(printed_) << std::flush;
+      sink_(text.substr(printed_));
       printed_ = text.size();
     }
   }
@@ -81,147 +87,122 @@ class TextStream {
  private:
   const models::Tokenizer& tok_;
   std::vector<int64_t> stop_;
+  std::function<void(const std::string&)> sink_;
   std::vector<int64_t> ids_;
   size_t printed_ = 0;
   bool done_ = false;
 };
 
-struct Context {
-  const QaJob& job;  // its plan.dtype resolved (fp32 | bf16)
+// This rank's share of `files` (one frame each, in order): each decoded as a one-frame video and
+// preprocessed like a video's frames. indices and pts are the frames' positions in the list.
+video::FrameBatch decode_images(const std::vector<std::string>& files,
+                                const video::ShardSpec& shard,
+                                const video::PreprocessConfig& preprocess) {
+  const int64_t m = static_cast<int64_t>(files.size());
+  const auto [b, e] = video::shard_range(m, shard);
+  std::vector<at::Tensor> frames;
+  for (int64_t i = b; i < e; ++i) {
+    check_regular_file(files[static_cast<size_t>(i)], "frame image");
+    video::SampleSpec one;
+    one.num_frames = 1;
+    video::FrameBatch f;
+    try {
+      f = video::decode_video(files[static_cast<size_t>(i)], one, {0, 1}, preprocess);
+    } catch (const std::exception& ex) {
+      LVX_FAIL("frame image ", i, " of ", m, ": ", ex.what());
+    }
+    LVX_CHECK(f.frames.defined() && f.frames.size(0) == 1, "frame image ", i, " of ", m,
+              ": decoded no frame");
+    frames.push_back(f.frames);
+  }
+  video::FrameBatch out;
+  out.indices = at::arange(b, e, at::kLong);
+  out.pts = out.indices.to(at::kDouble);
+  out.frames = frames.empty() ? at::Tensor() : at::cat(frames, 0);
+  out.report.sampled_total = m;
+  out.report.shard_begin = b;
+  out.report.shard_end = e;
+  return out;
+}
+
+// XXH3 of a file's content, hashed again only when the file may have changed: the hash is kept
+// with the file's device, inode, size, modification and status-change times (the kernel sets
+// ctime on every write, and no call sets it back), all of which must match to reuse it. A
+// one-hour video is hashed once, not on every question.
+std::string content_hash(const std::string& path) {
+  struct Known {
+    struct stat st;
+    std::string hash;
+  };
+  static std::mutex mu;
+  static std::map<std::string, Known> known;
+  struct stat st {};
+  LVX_CHECK(::stat(path.c_str(), &st) == 0, path, ": cannot stat: ", std::strerror(errno));
+  auto same = [](const struct stat& a, const struct stat& b) {
+    return a.st_dev == b.st_dev && a.st_ino == b.st_ino && a.st_size == b.st_size &&
+           a.st_mtim.tv_sec == b.st_mtim.tv_sec && a.st_mtim.tv_nsec == b.st_mtim.tv_nsec &&
+           a.st_ctim.tv_sec == b.st_ctim.tv_sec && a.st_ctim.tv_nsec == b.st_ctim.tv_nsec;
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = known.find(path);
+    if (it != known.end() && same(it->second.st, st)) return it->second.hash;
+  }
+  const std::string hash = file_xxh3(path);
+  struct stat after {};
+  if (::stat(path.c_str(), &after) == 0 && same(st, after)) {  // unchanged while hashed
+    std::lock_guard<std::mutex> lock(mu);
+    if (known.size() > 4096) known.clear();
+    known[path] = {st, hash};
+  }
+  return hash;
+}
+
+// The visual cache's key of a request on this rank: the content (or the caller's video_id), the
+// sampling, the preprocessing, the dtype and the rank's place.
+std::string visual_key(const QaRequest& req, const video::SampleSpec& spec,
+                       const video::PreprocessConfig& pre, const std::string& dtype, int rank,
+                       int world) {
+  std::string source;
+  if (!req.video_id.empty()) {
+    source = "id:" + req.video_id + (req.image_files.empty() ? ":video" : ":frames");
+  } else if (!req.image_files.empty()) {
+    source = "frames:";
+    for (const std::string& f : req.image_files) source += file_xxh3(f);
+  } else {
+    source = "video:" + content_hash(req.item.video);
+  }
+  auto opt = [](const auto& v) { return v ? json(*v) : json(); };
+  const json k{{"source", source},
+               {"fps", opt(spec.fps)},
+               {"num_frames", opt(spec.num_frames)},
+               {"start", opt(spec.start)},
+               {"end", opt(spec.end)},
+               {"image_size", pre.image_size},
+               {"resize", video::to_string(pre.resize)},
+               {"mean", pre.mean},
+               {"std", pre.std},
+               {"dtype", dtype},
+               {"rank", rank},
+               {"world", world}};
+  return k.dump();
+}
+
+}  // namespace
+
+struct QaSession::State {
+  QaJob job;  // its plan.dtype resolved (fp32 | bf16)
   std::shared_ptr<dist::ProcessGroup> pg;
-  at::Device device;  // the model's: frames go there once, after preprocessing
-  models::Model& model;
-  const models::Tokenizer& tok;
+  at::Device device{at::kCPU};  // the model's: frames go there once, after preprocessing
+  std::unique_ptr<models::Model> model;
+  std::unique_ptr<models::Tokenizer> tok;
   video::PreprocessConfig preprocess;
   std::vector<int64_t> stop;
   int64_t context = 0;  // the model's context length (0: unknown)
+  std::unique_ptr<VisualCache> cache;
 };
 
-// Answers one question on every rank; the row (rank 0's is complete). Errors of the video (on
-// any rank) become the row's "error".
-json answer(const Context& cx, const QaItem& item, bool stream) {
-  dist::ProcessGroup& pg = *cx.pg;
-  const int n = pg.world_size(), r = pg.rank();
-  json row{{"id", item.id}, {"video", item.video}, {"question", item.question}};
-  if (!item.options.empty()) row["options"] = item.options;
-  if (!item.answer.empty()) row["answer"] = item.answer;
-  const auto t_start = clock::now();
-  video::SampleSpec spec;
-  spec.fps = cx.job.fps;
-  spec.num_frames =
-      cx.job.fps ? std::nullopt : std::optional<int64_t>(cx.job.num_frames.value_or(16));
-  spec.start = item.start ? item.start : cx.job.start;
-  spec.end = item.end ? item.end : cx.job.end;
-  video::FrameBatch frames;
-  std::string error;
-  try {
-    LVX_CHECK(fs::exists(item.video), item.video, ": no such video file");
-    check_regular_file(item.video, "video");  // a FIFO would block FFmpeg's open
-    frames = video::decode_video(item.video, spec, {r, n}, cx.preprocess);
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  error = agree_on_error(pg, error);
-  if (!error.empty()) {
-    row["error"] = error;
-    return row;
-  }
-  const double video_s = since(t_start);
-  const int64_t m = frames.report.sampled_total;
-  // Every rank builds the same prompt: all of them skip a question that cannot be tokenized
-  // (invalid UTF-8) or does not fit together.
-  PromptTokens prompt;
-  try {
-    prompt = cx.model.family().prompt(cx.tok, question_text(item), m);
-  } catch (const Error& e) {
-    row["error"] = e.what();
-    return row;
-  }
-  const int64_t prompt_len = static_cast<int64_t>(prompt.ids.size());
-  if (cx.context > 0 && prompt_len >= cx.context) {
-    row["error"] = str("the prompt has ", prompt_len, " tokens (", m,
-                       " frames and the question), more than the model's context of ", cx.context,
-                       " tokens leaves room for: ask a shorter question or sample "
-                       "fewer frames");
-    return row;
-  }
-  if (r == 0)
-    for (const auto& e : frames.report.events)
-      std::cerr << "[qa] " << item.video << ": " << e << "\n";
-  const at::Tensor ids = at::tensor(prompt.ids, at::kLong).unsqueeze(0);
-  std::string plan_text;
-  models::Parallel par = plan_layers(cx.model, ids, n, cx.job.plan, &plan_text);
-  par.pg = cx.pg;
-  if (cx.job.print_plan && r == 0)
-    std::cerr << plan_text << "\n" << describe(par, &cx.model) << "\n";
-
-  TextStream text(cx.tok, cx.stop);
-  GenerateOptions g = cx.job.generation;
-  g.max_length = cx.context;
-  if (!cx.job.ignore_stop) g.stop = cx.stop;
-  // Frames go to the device once, after preprocessing; the prompt's ids stay host metadata.
-  const at::Tensor pixels = frames.frames.defined() ? frames.frames.to(cx.device) : at::Tensor();
-  const GenerateResult out = generate(cx.model, {ids, pixels, /*pixels_local=*/true, {}}, par, g,
-                                      [&](const at::Tensor& next) {
-                                        if (stream && r == 0) text.add(next[0].item<int64_t>());
-                                      });
-  if (stream && r == 0) std::cout << "\n" << std::flush;
-  std::vector<int64_t> answer_ids;
-  for (int64_t i = 0; i < out.tokens.size(1); ++i) {
-    const int64_t id = out.tokens[0][i].item<int64_t>();
-    if (std::find(cx.stop.begin(), cx.stop.end(), id) != cx.stop.end()) break;
-    if (known_id(cx.tok, id)) answer_ids.push_back(id);
-  }
-  const std::string response = cx.tok.decode(answer_ids, /*skip_special_tokens=*/true);
-
-  // The slowest rank's timings; every rank's bytes; every rank's frames in sampled order.
-  double per_token = 0;
-  for (double t : out.token_seconds) per_token += t;
-  if (!out.token_seconds.empty()) per_token /= static_cast<double>(out.token_seconds.size());
-  at::Tensor times = at::tensor(
-      {video_s, out.encode_seconds, out.prefill_seconds, per_token, since(t_start)}, at::kDouble);
-  pg.all_reduce(times, dist::ReduceOp::kMax);
-  at::Tensor bytes = at::tensor({out.prefill_bytes_sent, out.decode_bytes_sent}, at::kLong);
-  pg.all_reduce(bytes);
-  const std::vector<int64_t> sizes = [&] {
-    std::vector<int64_t> s(n);
-    for (int k = 0; k < n; ++k)
-      s[k] = video::shard_range(m, {k, n}).second - video::shard_range(m, {k, n}).first;
-    return s;
-  }();
-  const at::Tensor indices = pg.all_gather(frames.indices, sizes);
-  const at::Tensor pts = pg.all_gather(frames.pts, sizes);
-
-  row["response"] = response;
-  row["parsed_answer"] = parse_answer(item, response);
-  if (!item.answer.empty()) row["correct"] = row["parsed_answer"] == expected_answer(item);
-  row["frames"] = m;
-  row["frame_indices"] = std::vector<int64_t>(indices.data_ptr<int64_t>(),
-                                              indices.data_ptr<int64_t>() + indices.numel());
-  row["pts_seconds"] =
-      std::vector<double>(pts.data_ptr<double>(), pts.data_ptr<double>() + pts.numel());
-  row["prompt_tokens"] = static_cast<int64_t>(prompt.ids.size());
-  row["new_tokens"] = out.tokens.size(1);
-  if (out.hit_context) {
-    row["stopped_at_context"] = cx.context;
-    if (r == 0)
-      std::cerr << "[qa] " << item.id << ": generation stopped after " << out.tokens.size(1)
-                << " tokens: the model's context of " << cx.context << " tokens is full\n";
-  }
-  if (!frames.report.events.empty()) row["video_events"] = frames.report.events;
-  row["ranks"] = n;
-  row["plan"] = describe(par, &cx.model);
-  const double ttft = times[0].item<double>() + times[2].item<double>();
-  row["timings"] = {
-      {"video_decode_s", times[0].item<double>()},     {"encode_s", times[1].item<double>()},
-      {"prefill_s", times[2].item<double>()},          {"ttft_s", ttft},
-      {"decode_per_token_s", times[3].item<double>()}, {"total_s", times[4].item<double>()}};
-  const int64_t steps = std::max<int64_t>(1, out.tokens.size(1) - 1);
-  row["bytes"] = {{"prefill", bytes[0].item<int64_t>()},
-                  {"decode", bytes[1].item<int64_t>()},
-                  {"decode_per_token", bytes[1].item<int64_t>() / steps}};
-  return row;
-}
+namespace {
 
 // Ids already answered (without error) in an existing output file. A line that is not JSON (an
 // older run's damage) is asked again, said once on stderr by rank 0.
@@ -297,6 +278,211 @@ void write_settings(const std::string& output, const json& settings) {
 
 }  // namespace
 
+QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, int64_t cache_bytes)
+    : s_(std::make_unique<State>()) {
+  State& s = *s_;
+  s.pg = std::move(pg);
+  s.device = choose_device(job.device);
+  s.job = job;  // --dtype auto resolved for this device (the plan and the weights)
+  const std::string ck_dtype = planner_model(job.model).dtype;
+  s.job.plan.dtype = resolve_dtype(job.plan.dtype, s.device,
+                                   ck_dtype == "fp32"   ? "float32"
+                                   : ck_dtype == "fp16" ? "float16"
+                                                        : "bfloat16");
+  s.model = models::load_model(job.model, dtype_of(s.job.plan.dtype, "--dtype"), s.device);
+  s.tok = std::make_unique<models::Tokenizer>(
+      models::Tokenizer::from_file(job.model + "/tokenizer.json"));
+  s.preprocess = family_preprocess(s.model->family(), s.model->planner_model().vision.image_size);
+  s.stop = s.model->family().stop_tokens(*s.tok);
+  s.context = model_context_length(job.model);
+  s.cache = std::make_unique<VisualCache>(cache_bytes);
+}
+
+QaSession::~QaSession() = default;
+dist::ProcessGroup& QaSession::group() { return *s_->pg; }
+const QaJob& QaSession::job() const { return s_->job; }
+VisualCacheStats QaSession::cache_stats() const { return s_->cache->stats(); }
+
+json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
+  State& cx = *s_;
+  const QaItem& item = req.item;
+  dist::ProcessGroup& pg = *cx.pg;
+  const int n = pg.world_size(), r = pg.rank();
+  json row{{"id", item.id}, {"video", item.video}, {"question", item.question}};
+  if (!req.image_files.empty()) row["video"] = json();
+  if (!item.options.empty()) row["options"] = item.options;
+  if (!item.answer.empty()) row["answer"] = item.answer;
+  const auto t_start = clock::now();
+  video::SampleSpec spec;
+  const bool own_sampling = req.fps || req.num_frames;
+  const std::optional<double> fps = own_sampling ? req.fps : cx.job.fps;
+  const std::optional<int64_t> num_frames = own_sampling ? req.num_frames : cx.job.num_frames;
+  spec.fps = fps;
+  spec.num_frames = fps ? std::nullopt : std::optional<int64_t>(num_frames.value_or(16));
+  spec.start = item.start ? item.start : cx.job.start;
+  spec.end = item.end ? item.end : cx.job.end;
+  if (!req.image_files.empty()) spec = video::SampleSpec{};  // every frame given, in order
+
+  // This rank's share: from the visual cache (nothing decoded or encoded), or decoded here.
+  std::shared_ptr<const VisualEntry> cached;
+  std::string key;
+  video::FrameBatch frames;
+  std::string error;
+  try {
+    if (req.image_files.empty()) {
+      LVX_CHECK(fs::exists(item.video), item.video, ": no such video file");
+      check_regular_file(item.video, "video");  // a FIFO would block FFmpeg's open
+    }
+    if (cx.cache->enabled()) {
+      key = visual_key(req, spec, cx.preprocess, cx.job.plan.dtype, r, n);
+      cached = cx.cache->find(key);
+    }
+    if (!cached)
+      frames = req.image_files.empty()
+                   ? video::decode_video(item.video, spec, {r, n}, cx.preprocess)
+                   : decode_images(req.image_files, {r, n}, cx.preprocess);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  error = agree_on_error(pg, error);
+  if (!error.empty()) {
+    row["error"] = error;
+    return row;
+  }
+  const double video_s = since(t_start);
+  const int64_t m = cached ? cached->sampled_total : frames.report.sampled_total;
+  const std::vector<std::string>& events = cached ? cached->events : frames.report.events;
+  // Every rank builds the same prompt: all of them skip a question that cannot be tokenized
+  // (invalid UTF-8) or does not fit together.
+  PromptTokens prompt;
+  try {
+    prompt = cx.model->family().prompt(*cx.tok, question_text(item), m);
+  } catch (const Error& e) {
+    row["error"] = e.what();
+    return row;
+  }
+  const int64_t prompt_len = static_cast<int64_t>(prompt.ids.size());
+  if (cx.context > 0 && prompt_len >= cx.context) {
+    row["error"] = str("the prompt has ", prompt_len, " tokens (", m,
+                       " frames and the question), more than the model's context of ", cx.context,
+                       " tokens leaves room for: ask a shorter question or sample "
+                       "fewer frames");
+    return row;
+  }
+  if (r == 0)
+    for (const auto& e : events)
+      std::cerr << "[qa] " << (item.video.empty() ? "frames" : item.video) << ": " << e << "\n";
+  const at::Tensor ids = at::tensor(prompt.ids, at::kLong).unsqueeze(0);
+  std::string plan_text;
+  models::Parallel par = plan_layers(*cx.model, ids, n, cx.job.plan, &plan_text);
+  par.pg = cx.pg;
+  if (cx.job.print_plan && r == 0)
+    std::cerr << plan_text << "\n" << describe(par, cx.model.get()) << "\n";
+
+  const std::function<void(const std::string&)> sink =
+      hooks.on_text ? hooks.on_text : [](const std::string&) {};
+  TextStream text(*cx.tok, cx.stop, sink);
+  GenerateOptions g = req.generation ? *req.generation : cx.job.generation;
+  g.max_length = cx.context;
+  if (!cx.job.ignore_stop) g.stop = cx.stop;
+  g.stop_requested = hooks.stop_requested;
+  // Frames go to the device once, after preprocessing; the prompt's ids stay host metadata.
+  models::ModelInputs in{ids, at::Tensor(), /*pixels_local=*/true, {}};
+  models::LocalMedia encoded;  // filled by the prefill on a cache miss
+  if (cached) {
+    encoded = cached->media;
+    in.media = &encoded;
+  } else {
+    in.pixel_values = frames.frames.defined() ? frames.frames.to(cx.device) : at::Tensor();
+    if (cx.cache->enabled()) in.media = &encoded;
+  }
+  const GenerateResult out = generate(*cx.model, in, par, g, [&](const at::Tensor& next) {
+    if (r == 0 && hooks.on_text) text.add(next[0].item<int64_t>());
+  });
+  at::Tensor local_indices = cached ? cached->indices : frames.indices;
+  at::Tensor local_pts = cached ? cached->pts : frames.pts;
+  if (!cached && cx.cache->enabled() && encoded.features.defined()) {
+    auto entry = std::make_shared<VisualEntry>();
+    entry->media = encoded;
+    entry->sampled_total = m;
+    entry->indices = frames.indices;
+    entry->pts = frames.pts;
+    entry->events = frames.report.events;
+    cx.cache->put(key, std::move(entry));
+  }
+  std::vector<int64_t> answer_ids;
+  int64_t completion_tokens = 0;
+  bool stop_token = false;
+  for (int64_t i = 0; i < out.tokens.size(1); ++i) {
+    const int64_t id = out.tokens[0][i].item<int64_t>();
+    if (std::find(cx.stop.begin(), cx.stop.end(), id) != cx.stop.end()) {
+      stop_token = true;
+      break;
+    }
+    ++completion_tokens;
+    if (known_id(*cx.tok, id)) answer_ids.push_back(id);
+  }
+  const std::string response = cx.tok->decode(answer_ids, /*skip_special_tokens=*/true);
+
+  // The slowest rank's timings; every rank's bytes; every rank's frames in sampled order.
+  double per_token = 0;
+  for (double t : out.token_seconds) per_token += t;
+  if (!out.token_seconds.empty()) per_token /= static_cast<double>(out.token_seconds.size());
+  at::Tensor times = at::tensor(
+      {video_s, out.encode_seconds, out.prefill_seconds, per_token, since(t_start)}, at::kDouble);
+  pg.all_reduce(times, dist::ReduceOp::kMax);
+  const VisualCacheStats cs = cx.cache->stats();
+  at::Tensor bytes =
+      at::tensor({out.prefill_bytes_sent, out.decode_bytes_sent, int64_t{cached ? 1 : 0},
+                  int64_t{!cached && cx.cache->enabled()}, cs.bytes},
+                 at::kLong);
+  pg.all_reduce(bytes);
+  const std::vector<int64_t> sizes = [&] {
+    std::vector<int64_t> s(n);
+    for (int k = 0; k < n; ++k)
+      s[k] = video::shard_range(m, {k, n}).second - video::shard_range(m, {k, n}).first;
+    return s;
+  }();
+  const at::Tensor indices = pg.all_gather(local_indices, sizes);
+  const at::Tensor pts = pg.all_gather(local_pts, sizes);
+
+  row["response"] = response;
+  row["parsed_answer"] = parse_answer(item, response);
+  if (!item.answer.empty()) row["correct"] = row["parsed_answer"] == expected_answer(item);
+  row["frames"] = m;
+  row["frame_indices"] = std::vector<int64_t>(indices.data_ptr<int64_t>(),
+                                              indices.data_ptr<int64_t>() + indices.numel());
+  row["pts_seconds"] =
+      std::vector<double>(pts.data_ptr<double>(), pts.data_ptr<double>() + pts.numel());
+  row["prompt_tokens"] = static_cast<int64_t>(prompt.ids.size());
+  row["new_tokens"] = out.tokens.size(1);
+  row["completion_tokens"] = completion_tokens;
+  row["finish_reason"] = stop_token || out.stopped ? "stop" : "length";
+  if (out.hit_context) {
+    row["stopped_at_context"] = cx.context;
+    if (r == 0)
+      std::cerr << "[qa] " << item.id << ": generation stopped after " << out.tokens.size(1)
+                << " tokens: the model's context of " << cx.context << " tokens is full\n";
+  }
+  if (!events.empty()) row["video_events"] = events;
+  row["ranks"] = n;
+  row["plan"] = describe(par, cx.model.get());
+  const double ttft = times[0].item<double>() + times[2].item<double>();
+  row["timings"] = {
+      {"video_decode_s", times[0].item<double>()},     {"encode_s", times[1].item<double>()},
+      {"prefill_s", times[2].item<double>()},          {"ttft_s", ttft},
+      {"decode_per_token_s", times[3].item<double>()}, {"total_s", times[4].item<double>()}};
+  const int64_t steps = std::max<int64_t>(1, out.tokens.size(1) - 1);
+  row["bytes"] = {{"prefill", bytes[0].item<int64_t>()},
+                  {"decode", bytes[1].item<int64_t>()},
+                  {"decode_per_token", bytes[1].item<int64_t>() / steps}};
+  if (cx.cache->enabled())
+    row["visual_cache"] = {{"hits", bytes[2].item<int64_t>()},
+                           {"misses", bytes[3].item<int64_t>()},
+                           {"bytes", bytes[4].item<int64_t>()}};
+  return row;
+}
+
 json qa_settings(const QaJob& job) {
   std::error_code ec;
   const fs::path model = fs::weakly_canonical(job.model, ec);
@@ -341,7 +527,7 @@ int64_t model_context_length(const std::string& model_dir) {
   return best;
 }
 
-void validate_qa_job(const QaJob& job) {
+void validate_qa_settings(const QaJob& job) {
   resolve_dtype(job.plan.dtype, at::Device(at::kCPU), "");
   check_device_option(job.device);  // counts: by the launcher and on each rank
   LVX_CHECK(fs::is_directory(job.model), job.model,
@@ -362,13 +548,17 @@ void validate_qa_job(const QaJob& job) {
   LVX_CHECK(job.generation.max_new_tokens >= 1, "--max-new-tokens must be >= 1, got ",
             job.generation.max_new_tokens);
   check_sampling(job.generation.sampling);
-  LVX_CHECK(job.options.empty() || (job.options.size() >= 2 && job.options.size() <= 26),
-            "--options needs 2 to 26 '|'-separated options (letters A to Z), got ",
-            job.options.size());
   LVX_CHECK(!(job.start && job.end) || *job.start < *job.end, "--start (", job.start.value_or(0),
             ") must be before --end (", job.end.value_or(0), ")");
   if (!job.plan.strategies.empty() && job.plan.strategies != "auto")
     explicit_strategies(job.plan.strategies, 1);
+}
+
+void validate_qa_job(const QaJob& job) {
+  validate_qa_settings(job);
+  LVX_CHECK(job.options.empty() || (job.options.size() >= 2 && job.options.size() <= 26),
+            "--options needs 2 to 26 '|'-separated options (letters A to Z), got ",
+            job.options.size());
   if (!job.questions.empty()) {
     LVX_CHECK(job.video.empty() && job.question.empty(),
               "give --questions (a JSONL file) or --video and --question, not both");
@@ -391,24 +581,10 @@ int run_qa_rank(const QaJob& job) {
   validate_qa_job(job);  // also under an outer launcher (torchrun, lvx launch): every rank alike
   auto pg = dist::ProcessGroup::from_env();
   const int r = pg->rank();
-  const at::Device device = choose_device(job.device);
-  QaJob resolved = job;  // --dtype auto resolved for this device (the plan and the weights)
-  const std::string ck_dtype = planner_model(job.model).dtype;
-  resolved.plan.dtype = resolve_dtype(job.plan.dtype, device,
-                                      ck_dtype == "fp32"   ? "float32"
-                                      : ck_dtype == "fp16" ? "float16"
-                                                           : "bfloat16");
-  std::unique_ptr<models::Model> model =
-      models::load_model(job.model, dtype_of(resolved.plan.dtype, "--dtype"), device);
-  const models::Tokenizer tok = models::Tokenizer::from_file(job.model + "/tokenizer.json");
-  const Context cx{resolved,
-                   pg,
-                   device,
-                   *model,
-                   tok,
-                   family_preprocess(model->family(), model->planner_model().vision.image_size),
-                   model->family().stop_tokens(tok),
-                   model_context_length(job.model)};
+  QaSession session(job, pg);
+  // A single question's answer streams to stdout as it is generated (rank 0).
+  AnswerHooks print;
+  print.on_text = [](const std::string& piece) { std::cout << piece << std::flush; };
 
   if (job.questions.empty()) {  // one question
     QaItem item;
@@ -416,7 +592,10 @@ int run_qa_rank(const QaJob& job) {
     item.video = job.video;
     item.question = job.question;
     item.options = job.options;
-    const json row = answer(cx, item, /*stream=*/!job.json);
+    QaRequest req;
+    req.item = item;
+    const json row = session.answer(req, job.json ? AnswerHooks{} : print);
+    if (!job.json && r == 0 && !row.contains("error")) std::cout << "\n" << std::flush;
     LVX_CHECK(!row.contains("error"), row["error"].get<std::string>());
     if (r == 0 && job.json) std::cout << dump(row) << std::endl;
     if (r == 0 && !job.json)
@@ -469,7 +648,9 @@ int run_qa_rank(const QaJob& job) {
     if (!l.error.empty()) {
       row = {{"id", l.item.id}, {"line", l.line}, {"error", l.error}};
     } else {
-      row = answer(cx, l.item, /*stream=*/false);
+      QaRequest req;
+      req.item = l.item;
+      row = session.answer(req);
     }
     if (row.contains("error")) {
       ++failed;

@@ -18,12 +18,19 @@
 // whose prompt does not fit the model's context (config.json max_position_embeddings or
 // max_seq_len) gets a row error; generation stops when the context is full. A row:
 //   {id, video, question, options, answer, response, parsed_answer, correct, frames,
-//    frame_indices, pts_seconds, prompt_tokens, new_tokens, plan, timings {video_decode_s,
+//    frame_indices, pts_seconds, prompt_tokens, new_tokens, completion_tokens (before the stop
+//    token), finish_reason (stop | length), plan, timings {video_decode_s,
 //    encode_s, prefill_s, ttft_s, decode_per_token_s, total_s}, bytes {prefill, decode,
 //    decode_per_token}}
 // (timings: the slowest rank; bytes: sent by all ranks together).
+//
+// QaSession is the model loaded once answering many questions: `lvx qa` asks it each question of
+// a run, `lvx serve` (src/serve/server.h) each request, so both give the same answer token for
+// token for the same video, frames and question.
 #pragma once
 
+#include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -31,6 +38,12 @@
 
 #include "src/runtime/generate.h"
 #include "src/runtime/layer_plan.h"
+#include "src/runtime/qa_rows.h"
+#include "src/runtime/visual_cache.h"
+
+namespace lvx::dist {
+class ProcessGroup;
+}
 
 namespace lvx::runtime {
 
@@ -65,11 +78,59 @@ void check_model_files(const std::string& model_dir);
 // n_positions or seq_length, at the top level or in text_config); 0 when it names none.
 int64_t model_context_length(const std::string& model_dir);
 
+// One question as a session answers it: a QaItem (id, question text, options, answer, its own
+// start/end; video: a file path) and what a request may set beyond lvx qa's flags.
+struct QaRequest {
+  QaItem item;
+  // Instead of item.video: the frames as image files (PNG, JPEG, ...; one frame each, in order),
+  // all of them used (no sampling). Each rank reads its own share.
+  std::vector<std::string> image_files;
+  std::optional<double> fps;  // override the session's sampling (both unset: the job's)
+  std::optional<int64_t> num_frames;
+  std::optional<GenerateOptions> generation;  // override the job's (max_new_tokens, sampling)
+  std::string
+      video_id;  // the caller's name for the media: the visual cache's key instead of a hash
+};
+
+// Rank 0's view of an answer as it is generated.
+struct AnswerHooks {
+  std::function<void(const std::string&)> on_text;  // rank 0: each new piece of the answer's text
+  // Asked on rank 0 before each token (generate.h GenerateOptions::stop_requested): true stops
+  // the answer there. Set on every rank or on none.
+  std::function<bool()> stop_requested;
+};
+
+// A checkpoint loaded on this rank with its tokenizer, answering questions one at a time. Every
+// rank of the group makes one with the same job and calls answer() with the same requests in the
+// same order (each call runs collectives). With cache_bytes > 0 each rank keeps its share of each
+// video's encoded frames (src/runtime/visual_cache.h).
+class QaSession {
+ public:
+  QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, int64_t cache_bytes = 0);
+  ~QaSession();
+  // The row of lvx qa (see the top of this file) plus finish_reason ("stop": a stop token or
+  // stop_requested; "length": max_new_tokens or the context), completion_tokens (generated
+  // tokens before the stop token) and visual_cache {hits, misses: ranks; bytes: every rank's
+  // cache}. Errors of the video or the prompt (on any rank) become the row's "error"; a failure
+  // of the process group throws.
+  nlohmann::json answer(const QaRequest& request, const AnswerHooks& hooks = {});
+  dist::ProcessGroup& group();
+  const QaJob& job() const;              // plan.dtype resolved
+  VisualCacheStats cache_stats() const;  // this rank's
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
 // Runs on this rank (rendezvous from the environment). 0 when every question was answered (a
 // batch with failed rows returns 0 too: the rows say why); single-question errors throw.
 int run_qa_rank(const QaJob& job);
 
 // Checks what can be checked before ranks start (model directory, video, question, flags).
 void validate_qa_job(const QaJob& job);
+// The part of it that holds for any question: the model directory, dtype, device, sampling,
+// range, generation and strategy flags (lvx serve, whose questions come later).
+void validate_qa_settings(const QaJob& job);
 
 }  // namespace lvx::runtime

@@ -2,7 +2,7 @@
 // with our own uniform/integer mappings (not <random>'s distributions, whose output the standard
 // leaves to each library), so a seed means the same task everywhere. Each video draws from its
 // own generator seeded by (seed, index): threads may encode videos in any order.
-#include "src/runtime/synthetic_task.h"
+#include "tools/synthetic_task.h"
 
 #include <sys/stat.h>
 
@@ -26,7 +26,7 @@
 #include "src/common/files.h"
 #include "video/encoder.h"
 
-namespace lvx::runtime {
+namespace lvx::tools {
 
 const char* const kColourQuestion = "What colour was the shape that appeared in the video?";
 const char* const kShapeQuestion = "What shape appeared in the video?";
@@ -396,4 +396,4 @@ std::vector<TaskRow> read_task_jsonl(const std::string& path) {
   return rows;
 }
 
-}  // namespace lvx::runtime
+}  // namespace lvx::tools

@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-namespace lvx::runtime {
+namespace lvx::tools {
 
 struct SyntheticTaskSpec {
   int64_t videos = 200;          // number of videos (one colour question each)
@@ -40,8 +40,8 @@ struct SyntheticTaskSpec {
   // Rows list the answers as "options" (multiple choice, Video-MME style: lvx asks for and learns
   // the option letter); false: free-form questions whose answer is the word itself.
   bool multiple_choice = false;
-  double test_fraction = 0.25;   // share of each colour's videos held out in test.jsonl
-  int threads = 0;               // encoding threads; 0: one per core
+  double test_fraction = 0.25;  // share of each colour's videos held out in test.jsonl
+  int threads = 0;              // encoding threads; 0: one per core
 };
 
 // The answer vocabularies, lowercase single words, in label order (colour k is answer k).
@@ -80,4 +80,4 @@ SyntheticTask generate_synthetic_task(const std::string& dir, const SyntheticTas
 // Errors name the file, the line and the field.
 std::vector<TaskRow> read_task_jsonl(const std::string& path);
 
-}  // namespace lvx::runtime
+}  // namespace lvx::tools

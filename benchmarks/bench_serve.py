@@ -1,0 +1,211 @@
+"""lvx serve benchmark: time to first token for the first and a repeated question about a long
+video (the visual cache), and requests/s with p50/p99 latency at several concurrent clients.
+
+  python bench_serve.py [--nproc 1,2] [--minutes 60] [--video-fps 1] [--sample-fps 0.5]
+                        [--clients 1,4,16] [--requests 32] [--tokens 16] [-o md|json]
+
+Model: a tiny random mPLUG-Owl3 (tests/reference/mplug_owl3_ref.py make-model: SigLIP 32 px,
+16 visual tokens per frame), so the numbers measure lvx's video path, prefill and serving, not a
+real checkpoint's FLOPs. Video: ffmpeg's testsrc2 at 64x48, --video-fps, --minutes long (libx264,
+default GOP), sampled at --sample-fps (1 hour at 0.5 fps: 1800 frames, 28 800 visual keys).
+Correctness first: the served answer (first and repeated) must equal `lvx qa --json` on the same
+video, frames and question, or the run stops. Time to first token is the client's (request sent
+→ first content chunk of the stream), median of --repeats runs; "first" runs are cache misses
+forced by a fresh video_id each (the file is the same, so the OS page cache is warm for all but the
+very first), "repeat" runs hit (keyed by the file's content hash: hashing is included).
+Throughput: every client sends its requests back to back (the cached video, greedy, --tokens new
+tokens, no streaming); requests run one at a time across the ranks, so latency grows with the
+queue.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent.parent
+QUESTION = "What colour was the shape?"
+
+
+def sh(*cmd, **kw):
+    return subprocess.run(cmd, check=True, **kw)
+
+
+class Server:
+    def __init__(self, lvx, model, nproc, media, sample_fps, tokens):
+        self.proc = subprocess.Popen(
+            [lvx, "serve", "--model", model, "--nproc", str(nproc), "--port", "0",
+             "--allowed-local-media-path", media, "--fps", str(sample_fps),
+             "--max-new-tokens", str(tokens), "--max-queue", "256"],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.port = None
+        t0 = time.time()
+        while time.time() - t0 < 120:
+            line = self.proc.stderr.readline()
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+                break
+            if not line:
+                break
+        assert self.port, "server did not start"
+        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+
+    def post(self, body, stream=False):
+        """(seconds to the first content, seconds in all, text, response JSON or None)."""
+        req = urllib.request.Request("http://127.0.0.1:%d/v1/chat/completions" % self.port,
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        first = None
+        with urllib.request.urlopen(req, timeout=600) as r:
+            if not stream:
+                out = json.loads(r.read())
+                t = time.perf_counter() - t0
+                return t, t, out["choices"][0]["message"]["content"], out
+            text = ""
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                for c in ev.get("choices", []):
+                    piece = c["delta"].get("content") or ""
+                    if piece and first is None:
+                        first = time.perf_counter() - t0
+                    text += piece
+        total = time.perf_counter() - t0
+        return first if first is not None else total, total, text, None
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def body(video, tokens, stream=False, video_id=None, question=QUESTION):
+    b = {"model": "model", "temperature": 0, "max_tokens": tokens, "stream": stream,
+         "messages": [{"role": "user", "content": [
+             {"type": "video_url", "video_url": {"url": "file://" + video}},
+             {"type": "text", "text": question}]}]}
+    if video_id:
+        b["video_id"] = video_id
+    return b
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", default="1,2")
+    ap.add_argument("--minutes", type=float, default=60)
+    ap.add_argument("--video-fps", type=float, default=1)
+    ap.add_argument("--sample-fps", type=float, default=0.5)
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lvx_bench_serve"))
+    ap.add_argument("-o", "--output", default="md", choices=["md", "json"])
+    a = ap.parse_args()
+    lvx = os.environ.get("LVX_BIN", str(SOURCE / "build" / "lvx"))
+    work = Path(a.workdir)
+    media = work / "media"
+    media.mkdir(parents=True, exist_ok=True)
+    model = work / "model"
+    if not (model / "config.json").exists():
+        sh(sys.executable, str(SOURCE / "tests/reference/mplug_owl3_ref.py"), "make-model",
+           str(model), "--variant", "240728", stdout=subprocess.DEVNULL)
+    video = media / ("long_%gmin_%gfps.mp4" % (a.minutes, a.video_fps))
+    if not video.exists():
+        t0 = time.time()
+        sh("ffmpeg", "-loglevel", "error", "-y", "-f", "lavfi", "-i",
+           "testsrc2=size=64x48:rate=%g" % a.video_fps, "-t", str(a.minutes * 60), "-c:v",
+           "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p", str(video))
+        print("made %s (%.1f MB) in %.1f s" % (video, video.stat().st_size / 1e6, time.time() - t0),
+              file=sys.stderr)
+    results = []
+    for nproc in [int(x) for x in a.nproc.split(",")]:
+        want = json.loads(subprocess.run(
+            [lvx, "qa", "--model", str(model), "--video", str(video), "--question", QUESTION,
+             "--fps", str(a.sample_fps), "--max-new-tokens", str(a.tokens), "--json", "--nproc",
+             str(nproc)], check=True, capture_output=True, text=True).stdout)
+        srv = Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens)
+        try:
+            row = {"ranks": nproc, "frames": want["frames"], "prompt_tokens": want["prompt_tokens"],
+                   "qa_ttft_s": want["timings"]["ttft_s"]}
+            # The real first question (content hash, cold cache), then forced misses.
+            first = [srv.post(body(str(video), a.tokens, True), True)]
+            for k in range(a.repeats - 1):
+                first.append(srv.post(body(str(video), a.tokens, True, "first-%d" % k), True))
+            repeat = [srv.post(body(str(video), a.tokens, True), True) for _ in range(a.repeats)]
+            for t in first + repeat:
+                assert t[2] == want["response"], ("answer differs from lvx qa", t[2], want)
+            row["ttft_first_s"] = statistics.median(t[0] for t in first)
+            row["ttft_first_cold_s"] = first[0][0]
+            row["ttft_repeat_s"] = statistics.median(t[0] for t in repeat)
+            row["repeat_over_first"] = row["ttft_repeat_s"] / row["ttft_first_s"]
+            # Where a miss's time goes, and what a hit still spends (the slowest rank's, from
+            # the response's lvx timings): video decode, encode, prefill (encode included).
+            miss = srv.post(body(str(video), a.tokens, video_id="breakdown"))[3]["lvx"]
+            hit = srv.post(body(str(video), a.tokens, video_id="breakdown"))[3]["lvx"]
+            assert miss["visual_cache"]["misses"] == nproc and hit["visual_cache"]["hits"] == nproc
+            for name, t in (("miss", miss["timings"]), ("hit", hit["timings"])):
+                row[name] = {k: t[k] for k in ("video_decode_s", "encode_s", "prefill_s", "ttft_s")}
+            row["load"] = {}
+            for c in [int(x) for x in a.clients.split(",")]:
+                n = max(a.requests, c)
+                lat = []
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(c) as ex:
+                    outs = list(ex.map(lambda _: srv.post(body(str(video), a.tokens)), range(n)))
+                wall = time.perf_counter() - t0
+                for o in outs:
+                    assert o[2] == want["response"], "answer differs under load"
+                    lat.append(o[1])
+                row["load"][c] = {"requests": n, "req_per_s": n / wall,
+                                  "p50_s": statistics.median(lat), "p99_s": pct(lat, 99)}
+            results.append(row)
+        finally:
+            srv.stop()
+    load = os.getloadavg()[0]
+    if a.output == "json":
+        print(json.dumps({"results": results, "loadavg_1min_at_end": load}, indent=1))
+        return
+    print("| ranks | frames | TTFT first (cold) s | TTFT first (median) s | TTFT repeat s | "
+          "repeat / first | lvx qa TTFT s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print("| %d | %d | %.3f | %.3f | %.3f | %.3f | %.3f |" % (
+            r["ranks"], r["frames"], r["ttft_first_cold_s"], r["ttft_first_s"],
+            r["ttft_repeat_s"], r["repeat_over_first"], r["qa_ttft_s"]))
+    print()
+    print("| ranks | | video decode s | encode s | prefill s (encode included) | server TTFT s |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        for name in ("miss", "hit"):
+            t = r[name]
+            print("| %d | %s | %.3f | %.3f | %.3f | %.3f |" % (
+                r["ranks"], name, t["video_decode_s"], t["encode_s"], t["prefill_s"], t["ttft_s"]))
+    print()
+    print("| ranks | clients | requests | requests/s | p50 s | p99 s |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        for c, l in r["load"].items():
+            print("| %d | %d | %d | %.2f | %.3f | %.3f |" % (r["ranks"], c, l["requests"],
+                                                          l["req_per_s"], l["p50_s"], l["p99_s"]))
+    print("\n(load average at the end: %.1f)" % load)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,402 @@
+#include "models/mllama/model.h"
+
+#include <c10/core/GradMode.h>
+
+#include <chrono>
+#include <cmath>
+
+#include "models/layers.h"
+#include "models/mllama/vision.h"
+#include "models/recompute.h"
+#include "src/attention/dist_attention.h"
+#include "src/common/error.h"
+
+namespace lvx::models::mllama {
+
+namespace {
+
+const std::string kLm = "language_model.model.";
+const std::string kVision = "vision_model.";
+const std::string kName = "Llama-3.2-Vision";
+
+std::string layer_prefix(int64_t i) { return kLm + "layers." + std::to_string(i) + "."; }
+
+// Llama's rotary tables at `positions` (int64 [S]) from the llama3-scaled inverse frequencies.
+RotaryTables llama_rotary(const at::Tensor& positions, const at::Tensor& inv_freq) {
+  const at::Tensor angles = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [S, D/2]
+  const at::Tensor both = at::cat({angles, angles}, -1).unsqueeze(0);           // [1, S, D]
+  return {both.cos(), both.sin()};
+}
+
+// The batch as the processor lays it out, on the host for the layout (ids, masks) and the
+// weights' device for the pixels.
+struct Images {
+  at::Tensor pixel_values;          // [B, images (or this rank's slots), tiles, 3, S, S]
+  at::Tensor aspect_ratio_ids;      // int64 [B, images (or slots)]
+  at::Tensor aspect_ratio_mask;     // int64 [B, images (or slots), tiles]
+  at::Tensor cross_attention_mask;  // int64 [B, L, images, tiles] (host)
+  int64_t images = 0;               // image slots per sample
+  // The slot of the first entry of pixel_values / of the aspect ratio tensors (this rank's
+  // first slot where they hold only its share).
+  int64_t pixels_first = 0, ratios_first = 0;
+};
+
+const at::Tensor* named(const ModelInputs& in, const std::string& name) {
+  auto it = in.named.find(name);
+  return it == in.named.end() || !it->second.defined() ? nullptr : &it->second;
+}
+
+Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par) {
+  const VisionConfig& v = c.vision;
+  const int64_t K = v.max_num_tiles, S = v.image_size, B = in.input_ids.size(0);
+  check_named_inputs(in, {"aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"}, kName);
+  const at::Tensor& px = in.pixel_values;
+  const at::Tensor host_ids = in.input_ids.cpu();
+  Images im;
+  if (!in.named.empty() || (px.defined() && px.dim() == 6)) {
+    // MllamaProcessor's layout.
+    const at::Tensor* ids = named(in, "aspect_ratio_ids");
+    const at::Tensor* mask = named(in, "aspect_ratio_mask");
+    LVX_CHECK(px.defined() && px.dim() == 6 && px.size(0) == B && px.size(2) == K &&
+                  px.size(3) == 3 && px.size(4) == S && px.size(5) == S,
+              kName, ": pixel_values must be [", B, ", images, ", K, " (max_num_tiles), 3, ", S,
+              ", ", S, "] (MllamaProcessor's layout), got ",
+              px.defined() ? str(px.sizes()) : std::string("none"));
+    LVX_CHECK(ids != nullptr && mask != nullptr, kName,
+              ": pixel_values [B, images, tiles, 3, H, W] needs aspect_ratio_ids and "
+              "aspect_ratio_mask");
+    im.images = ids->dim() == 2 ? ids->size(1) : -1;
+    LVX_CHECK(ids->dim() == 2 && ids->size(0) == B && !at::isFloatingType(ids->scalar_type()),
+              kName, ": aspect_ratio_ids must be integer [", B, ", images], got ",
+              ids->scalar_type(), " ", ids->sizes());
+    LVX_CHECK(mask->dim() == 3 && mask->size(0) == B && mask->size(1) == im.images &&
+                  mask->size(2) == K && !at::isFloatingType(mask->scalar_type()),
+              kName, ": aspect_ratio_mask must be integer [", B, ", ", im.images, ", ", K,
+              "], got ", mask->scalar_type(), " ", mask->sizes());
+    LVX_CHECK(in.pixels_local || px.size(1) == im.images, kName, ": pixel_values has ", px.size(1),
+              " images per sample, aspect_ratio_ids ", im.images);
+    im.pixel_values = px;
+    if (in.pixels_local) {
+      const int64_t T = c.tokens_per_image();
+      const attention::Layout keys{attention::LayoutKind::kContiguous, im.images * T, par.world(),
+                                   T};
+      const at::Tensor pos = keys.positions(par.rank());
+      im.pixels_first = pos.numel() ? pos[0].item<int64_t>() / T : 0;
+      LVX_CHECK(px.size(1) == pos.numel() / T, kName, ": rank ", par.rank(),
+                "'s pixel_values (pixels_local) must hold its ", pos.numel() / T,
+                " image slots, got ", px.size(1));
+    }
+    im.aspect_ratio_ids = ids->to(at::kLong);
+    im.aspect_ratio_mask = mask->to(at::kLong);
+    if (const at::Tensor* cam = named(in, "cross_attention_mask")) {
+      LVX_CHECK(cam->dim() == 4 && cam->size(0) == B && cam->size(1) == in.input_ids.size(1) &&
+                    cam->size(2) == im.images && cam->size(3) == K,
+                kName, ": cross_attention_mask must be [", B, ", ", in.input_ids.size(1), ", ",
+                im.images, ", ", K, "], got ", cam->sizes());
+      im.cross_attention_mask = cam->cpu();
+    } else {
+      im.cross_attention_mask = cross_attention_mask_from_ids(
+          host_ids, c.image_token_id, im.aspect_ratio_mask.cpu().sum(-1), K, kName);
+    }
+    return im;
+  }
+  // Video frames, one single-tile image each, in prompt order.
+  const at::Tensor counts = (host_ids == c.image_token_id).sum(1);  // images per sample
+  im.images = counts.numel() ? counts.max().item<int64_t>() : 0;
+  const attention::Layout keys{attention::LayoutKind::kContiguous, im.images * c.tokens_per_image(),
+                               par.world(), c.tokens_per_image()};
+  const at::Tensor pos = keys.positions(par.rank());
+  const int64_t first = pos.numel() ? pos[0].item<int64_t>() / c.tokens_per_image() : 0;
+  const int64_t slots = in.pixels_local ? pos.numel() / c.tokens_per_image() : im.images;
+  const int64_t lo = in.pixels_local ? first : 0;
+  int64_t expected = 0;
+  for (int64_t b = 0; b < B; ++b)
+    expected += std::clamp<int64_t>(counts[b].item<int64_t>() - lo, 0, slots);
+  LVX_CHECK(
+      im.images == 0 ||
+          (px.defined() && px.dim() == 4 && px.size(0) == expected && px.size(1) == 3),
+      kName, ": input_ids hold ", counts.sum().item<int64_t>(), " <|image|> tokens",
+      in.pixels_local ? str(" (", expected, " in rank ", par.rank(), "'s share)") : std::string(),
+      " but pixel_values has ", px.defined() ? str(px.sizes()) : std::string("none"),
+      " (frames [N, 3, S, S], or [B, images, tiles, 3, S, S] with aspect_ratio_ids and "
+      "aspect_ratio_mask)");
+  const auto opts = px.defined() ? px.options() : in.input_ids.options().dtype(at::kFloat);
+  im.pixel_values = at::zeros({B, slots, K, 3, S, S}, opts);
+  im.aspect_ratio_ids = at::zeros({B, slots}, opts.dtype(at::kLong));
+  im.aspect_ratio_mask = at::zeros({B, slots, K}, opts.dtype(at::kLong));
+  im.aspect_ratio_mask.select(2, 0).fill_(1);  // the processor's padding images: tile 0 set
+  im.pixels_first = im.ratios_first = lo;
+  if (expected > 0) {
+    const Tiled t = frames_as_images(c, px);
+    int64_t next = 0;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < slots && lo + s < counts[b].item<int64_t>(); ++s, ++next) {
+        im.pixel_values[b][s].copy_(t.pixel_values[next]);
+        im.aspect_ratio_ids[b][s].copy_(t.aspect_ratio_ids[next]);
+        im.aspect_ratio_mask[b][s].copy_(t.aspect_ratio_mask[next]);
+      }
+  }
+  im.cross_attention_mask = cross_attention_mask_from_ids(
+      host_ids, c.image_token_id, at::ones({B, im.images}, at::kLong), K, kName);
+  return im;
+}
+
+}  // namespace
+
+Mllama::Mllama(const Checkpoint& ck, at::ScalarType dtype, at::Device device)
+    : cfg_(config_from_json(ck.config, ck.dir + "/config.json")) {
+  w_ = select_parameters(ck.tensors, shapes(cfg_), {}, dtype, ck.dir, device);
+}
+
+bool Mllama::trainable(const std::string& name) const { return name.rfind(kVision, 0) != 0; }
+
+bool Mllama::trains_cross_only(const std::string& name) const {
+  if (name.rfind("multi_modal_projector.", 0) == 0) return true;
+  const std::string layers = "language_model.model.layers.";
+  if (name.rfind(layers, 0) != 0) return false;
+  const size_t end = name.find('.', layers.size());
+  if (end == std::string::npos || end == layers.size()) return false;
+  int64_t layer = 0;
+  for (size_t i = layers.size(); i < end; ++i) {
+    if (name[i] < '0' || name[i] > '9' || layer > cfg_.text.layers) return false;
+    layer = layer * 10 + (name[i] - '0');
+  }
+  return cfg_.text.is_cross(layer);
+}
+
+std::vector<DecoderLayerAttention> Mllama::layer_attentions() const {
+  std::vector<DecoderLayerAttention> v;
+  for (int64_t i = 0; i < cfg_.text.layers; ++i) {
+    const bool cross = cfg_.text.is_cross(i);
+    v.push_back({!cross, cross, false});
+  }
+  return v;
+}
+
+at::Tensor Mllama::lm_head() const {
+  // Tied: the first vocab rows of embed_tokens (it has vocab + 8), taken at each use: load_model
+  // replaces the parameters after construction when it loads straight to a device.
+  return cfg_.text.tie_embeddings
+             ? param(w_, kLm + "embed_tokens.weight").narrow(0, 0, cfg_.text.vocab)
+             : param(w_, "language_model.lm_head.weight");
+}
+
+ModelOutputs Mllama::forward(const ModelInputs& in, const Parallel& par) const {
+  return run(in, par, nullptr);
+}
+
+at::Tensor Mllama::self_block(int64_t layer, const at::Tensor& h, const at::Tensor& ctx,
+                              bool remat) const {
+  const std::string l = layer_prefix(layer);
+  const std::vector<at::Tensor> p{
+      param(w_, l + "self_attn.o_proj.weight"), param(w_, l + "post_attention_layernorm.weight"),
+      param(w_, l + "mlp.gate_proj.weight"), param(w_, l + "mlp.up_proj.weight"),
+      param(w_, l + "mlp.down_proj.weight")};
+  const double eps = cfg_.text.rms_eps;
+  const std::string act = cfg_.text.act;
+  auto block = [eps, act](const std::vector<at::Tensor>& in,
+                          const std::vector<at::Tensor>& w) -> std::vector<at::Tensor> {
+    const at::Tensor a = in[0] + at::linear(in[1], w[0]);
+    const at::Tensor x = rms_norm(a, w[1], eps);
+    return {a + at::linear(activation(at::linear(x, w[2]), act) * at::linear(x, w[3]), w[4])};
+  };
+  return remat ? checkpoint_segment(block, {h, ctx}, p)[0] : block({h, ctx}, p)[0];
+}
+
+at::Tensor Mllama::cross_block(int64_t layer, const at::Tensor& h, const at::Tensor& ctx,
+                               const at::Tensor& sees, bool remat) const {
+  const std::string l = layer_prefix(layer);
+  const std::vector<at::Tensor> p{param(w_, l + "cross_attn.o_proj.weight"),
+                                  param(w_, l + "cross_attn_attn_gate"),
+                                  param(w_, l + "post_attention_layernorm.weight"),
+                                  param(w_, l + "mlp.gate_proj.weight"),
+                                  param(w_, l + "mlp.up_proj.weight"),
+                                  param(w_, l + "mlp.down_proj.weight"),
+                                  param(w_, l + "cross_attn_mlp_gate")};
+  const double eps = cfg_.text.rms_eps;
+  const std::string act = cfg_.text.act;
+  auto block = [eps, act, sees](const std::vector<at::Tensor>& in,
+                                const std::vector<at::Tensor>& w) -> std::vector<at::Tensor> {
+    const at::Tensor a = in[0] + w[1].tanh() * at::linear(in[1], w[0]);
+    const at::Tensor x = rms_norm(a, w[2], eps);
+    const at::Tensor m =
+        at::linear(activation(at::linear(x, w[3]), act) * at::linear(x, w[4]), w[5]);
+    return {a + w[6].tanh() * (sees * m)};
+  };
+  return remat ? checkpoint_segment(block, {h, ctx}, p)[0] : block({h, ctx}, p)[0];
+}
+
+ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache* cache) const {
+  const TextConfig& t = cfg_.text;
+  const at::Tensor& ids = in.input_ids;
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  const TextShard shard = embed_text_shard(ids, emb, par, kName);
+  at::Tensor h = shard.hidden;
+  const int64_t B = ids.size(0), L = ids.size(1), lr = h.size(1);
+  const int64_t Hq = t.heads, Hkv = t.kv_heads, D = t.head_dim, T = cfg_.tokens_per_image();
+  const at::ScalarType dt = emb.scalar_type();
+
+  // The media: the mask on the host (it decides the calls), this rank's whole images encoded.
+  const auto encode_start = std::chrono::steady_clock::now();
+  const Images im = batch_images(cfg_, in, par);
+  const CrossMask cm = cross_mask(im.cross_attention_mask, cfg_.vision.tokens_per_tile(), kName);
+  const attention::Layout keys{attention::LayoutKind::kContiguous, im.images * T, par.world(), T};
+  const at::Tensor kpos = keys.positions(par.rank());
+  const int64_t first = kpos.numel() ? kpos[0].item<int64_t>() / T : 0, slots = kpos.numel() / T;
+  at::Tensor features;  // [B, slots·T, hidden]
+  if (!cm.calls.empty()) {
+    const at::Tensor px = im.pixel_values.narrow(1, first - im.pixels_first, slots);
+    auto flat = [&](const at::Tensor& x) {
+      std::vector<int64_t> s{B * slots};
+      for (int64_t d = 2; d < x.dim(); ++d) s.push_back(x.size(d));
+      return x.reshape(s);
+    };
+    if (slots > 0) {
+      const int64_t r0 = first - im.ratios_first;
+      const at::Tensor ar_ids = im.aspect_ratio_ids.narrow(1, r0, slots).to(emb.device());
+      const at::Tensor ar_mask = im.aspect_ratio_mask.narrow(1, r0, slots).to(emb.device());
+      features = encode_images(w_, cfg_, flat(px.to(emb.device(), dt)), flat(ar_ids), flat(ar_mask))
+                     .reshape({B, slots * T, t.hidden});
+    } else {
+      features = at::zeros({B, 0, t.hidden}, h.options());
+    }
+  }
+  std::vector<attention::MaskInputs> call_masks;
+  std::vector<attention::AttentionSpec> call_specs;
+  for (const attention::MediaMask& mm : cm.calls) {
+    const attention::MediaMask d = media_mask_on(mm, h.device());
+    call_masks.push_back({d.q_media, d.kv_media, {}});
+    call_specs.push_back(cross_attention_spec(B, L, Hq, Hkv, D, mm, par));
+  }
+  const at::Tensor sees =
+      cm.sees_media.to(h.device()).index_select(1, shard.positions).unsqueeze(-1).to(dt);
+  if (cache) {
+    *cache = DecodeCache{};
+    cache->encode_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
+    for (auto* v : {&cache->prompt, &cache->visual}) v->resize(static_cast<size_t>(t.layers));
+    cache->new_k.resize(static_cast<size_t>(t.layers));
+    cache->new_v.resize(static_cast<size_t>(t.layers));
+    cache->length = L;
+    cache->batch = B;
+    cache->sees_media = cm.last_row_sees_media.to(h.device());
+  }
+
+  const RotaryTables rope =
+      llama_rotary(shard.positions, rope_inv_freq(t, emb.options().dtype(at::kFloat)));
+  for (int64_t i = 0; i < t.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const LayerStrategies& st = par.at(static_cast<size_t>(i));
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), t.rms_eps);
+    if (!t.is_cross(i)) {
+      at::Tensor q = linear(x, w_, l + "self_attn.q_proj", false).view({B, lr, Hq, D});
+      at::Tensor k = linear(x, w_, l + "self_attn.k_proj", false).view({B, lr, Hkv, D});
+      const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", false).view({B, lr, Hkv, D});
+      q = apply_rotary(q, rope);
+      k = apply_rotary(k, rope);
+      if (cache) cache->prompt[static_cast<size_t>(i)] = {k, v, {}};
+      const auto self = attention::dist_attention(q, k, v, par.pg, st.self,
+                                                  self_attention_spec(B, L, Hq, Hkv, D, par));
+      h = self_block(i, h, self.o.reshape({B, lr, Hq * D}), par.remat);
+      continue;
+    }
+    if (cm.calls.empty()) continue;  // no image in the batch: transformers skips the layer
+    // q_norm / k_norm: RMSNorm over each head's channels; K/V from the shared features (by
+    // value: with recomputation this runs again in the backward).
+    const double eps = t.rms_eps;
+    at::Tensor q = linear(x, w_, l + "cross_attn.q_proj", false).view({B, lr, Hq, D});
+    q = rms_norm(q, param(w_, l + "cross_attn.q_norm.weight"), eps);
+    KVFunction kv_fn = [Hkv, D, eps](const at::Tensor& y, const std::vector<at::Tensor>& p) {
+      const int64_t n = y.size(1);
+      const at::Tensor k = rms_norm(at::linear(y, p[0]).view({y.size(0), n, Hkv, D}), p[2], eps);
+      return std::make_pair(k, at::linear(y, p[1]).view({y.size(0), n, Hkv, D}));
+    };
+    const std::vector<at::Tensor> kv_params{param(w_, l + "cross_attn.k_proj.weight"),
+                                            param(w_, l + "cross_attn.v_proj.weight"),
+                                            param(w_, l + "cross_attn.k_norm.weight")};
+    // One call per family of nested tile sets (mask.h); each row has keys in one call only, and
+    // o = 0 in the others, so the attention is their sum.
+    at::Tensor o;
+    if (par.recompute_cross_kv && !cache) {
+      for (size_t c = 0; c < cm.calls.size(); ++c) {
+        const auto r = cross_attention_recompute(q, features, kv_params, kv_fn, par.pg, st.cross,
+                                                 call_specs[c], call_masks[c]);
+        o = c == 0 ? r.o : o + r.o;
+      }
+    } else {
+      const auto [k, v] = kv_fn(features, kv_params);
+      for (size_t c = 0; c < cm.calls.size(); ++c) {
+        const auto r =
+            attention::dist_attention(q, k, v, par.pg, st.cross, call_specs[c], call_masks[c]);
+        o = c == 0 ? r.o : o + r.o;
+      }
+      if (cache) {
+        cache->visual[static_cast<size_t>(i)] = {
+            k, v, cm.last_row_keys.narrow(1, first * T, slots * T).to(h.device())};
+      }
+    }
+    h = cross_block(i, h, o.reshape({B, lr, Hq * D}), sees, par.remat);
+  }
+  h = rms_norm(h, param(w_, kLm + "norm.weight"), t.rms_eps);
+  if (cache) return {h, shard.host_positions};
+  return {at::linear(h, lm_head()), shard.host_positions};
+}
+
+at::Tensor Mllama::prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const ModelOutputs out = run(in, par, &cache);
+  return last_token_logits(out.logits, out.positions, in.input_ids.size(1), lm_head(), *par.pg);
+}
+
+at::Tensor Mllama::decode_step(const at::Tensor& tokens, const Parallel& par,
+                               DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const TextConfig& t = cfg_.text;
+  const int64_t B = cache.batch, Hq = t.heads, Hkv = t.kv_heads, D = t.head_dim;
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == B, "decode: expected one token per sample (", B,
+            "), got ", tokens.sizes());
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong).unsqueeze(1));  // [B, 1, H]
+  const RotaryTables rope =
+      llama_rotary(at::full({1}, cache.length, emb.options().dtype(at::kLong)),
+                   rope_inv_freq(t, emb.options().dtype(at::kFloat)));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  // A generated token repeats the last prompt row of the mask (transformers' generate).
+  const at::Tensor sees = cache.sees_media.to(h.scalar_type()).view({B, 1, 1});
+  for (int64_t i = 0; i < t.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const size_t li = static_cast<size_t>(i);
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), t.rms_eps);
+    if (!t.is_cross(i)) {
+      at::Tensor q = linear(x, w_, l + "self_attn.q_proj", false).view({B, 1, Hq, D});
+      at::Tensor k = linear(x, w_, l + "self_attn.k_proj", false).view({B, 1, Hkv, D});
+      const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", false).view({B, 1, Hkv, D});
+      q = apply_rotary(q, rope);
+      k = apply_rotary(k, rope);
+      cache.new_k[li].push_back(k);
+      cache.new_v[li].push_back(v);
+      const at::Tensor q1 = q.squeeze(1);
+      const std::vector<Partial> merged =
+          merge_across_ranks(*par.pg, {partial_attention(q1, cache.prompt[li].k, cache.prompt[li].v,
+                                                         cache.prompt[li].visible, scale)});
+      const Partial generated = partial_attention(q1, at::cat(cache.new_k[li], 1),
+                                                  at::cat(cache.new_v[li], 1), {}, scale);
+      const at::Tensor ctx = merge_partials({merged[0], generated}).o;
+      h = self_block(i, h, ctx.reshape({B, 1, Hq * D}).to(h.scalar_type()), false);
+      continue;
+    }
+    const KVShard& vis = cache.visual[li];
+    if (!vis.k.defined()) continue;  // no image: the layer is skipped
+    at::Tensor q = linear(x, w_, l + "cross_attn.q_proj", false).view({B, 1, Hq, D});
+    q = rms_norm(q, param(w_, l + "cross_attn.q_norm.weight"), t.rms_eps);
+    const std::vector<Partial> merged = merge_across_ranks(
+        *par.pg, {partial_attention(q.squeeze(1), vis.k, vis.v, vis.visible, scale)});
+    const at::Tensor ctx = merged[0].o.reshape({B, 1, Hq * D}).to(h.scalar_type());
+    h = cross_block(i, h, ctx, sees, false);
+  }
+  ++cache.length;
+  h = rms_norm(h, param(w_, kLm + "norm.weight"), t.rms_eps);
+  return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
+}
+
+}  // namespace lvx::models::mllama

@@ -1,0 +1,100 @@
+// `lvx serve`: an OpenAI-compatible long-video QA server on N ranks (src/serve/server.h).
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+
+#include "src/cli/args.h"
+#include "src/cli/command.h"
+#include "src/common/error.h"
+#include "src/dist/launcher.h"
+#include "src/runtime/device.h"
+#include "src/runtime/qa_job.h"
+#include "src/serve/server.h"
+
+namespace {
+
+int cmd_serve(int argc, char** argv) {
+  lvx::cli::ArgParser p(
+      "lvx serve --model DIR [--nproc N] [--host 127.0.0.1] [--port 8000] [--api-key K]\n"
+      "          [--cache-bytes B] [--allowed-local-media-path DIR] [--max-queue Q]",
+      "Serves questions about videos with the OpenAI chat-completions API (POST\n"
+      "/v1/chat/completions, GET /v1/models, /health, /metrics). Every rank holds the model and\n"
+      "its share of each request's frames, as lvx qa runs one question; each rank keeps its\n"
+      "share of each video's encoded frames (--cache-bytes per rank), so a repeated question\n"
+      "about a video decodes and encodes nothing. Requests run one at a time across the ranks;\n"
+      "up to --max-queue wait (429 beyond). SIGTERM finishes the requests in flight and exits\n"
+      "0; a rank that dies makes the server answer 503 and exit non-zero.\n"
+      "Request extensions: num_frames | fps, start, end (seconds), video_id (cache key).");
+  p.add_option("model", 'm', "", "checkpoint directory (config.json, weights, tokenizer.json)",
+               true);
+  p.add_option("host", 0, "127.0.0.1", "address to listen on (0.0.0.0: every interface)");
+  p.add_option("port", 'p', "8000", "TCP port (0: any free one, printed)");
+  p.add_option("api-key", 0, "", "require 'Authorization: Bearer KEY' (default: none)");
+  p.add_option("served-model-name", 0, "", "the model's name in requests (default: DIR's name)");
+  p.add_option("allowed-local-media-path", 0, "",
+               "file:// media URLs must be under this folder (default: refused)");
+  p.add_option("cache-bytes", 0, "4294967296",
+               "visual cache per rank, bytes (0: no cache); least recently used out first");
+  p.add_option("max-queue", 0, "64", "requests that may wait (beyond: 429)");
+  p.add_option("max-body-bytes", 0, "536870912", "largest request body (beyond: 413)");
+  p.add_option("max-new-tokens", 't', "256", "tokens to generate when a request names none");
+  p.add_option("fps", 0, "", "default sampling: frames per second");
+  p.add_option("num-frames", 'f', "", "default sampling: N frames over the range (default 16)");
+  lvx::cli::add_nproc_options(p, "1", "local ranks to start");
+  lvx::cli::add_threads_option(p);
+  p.add_option("strategies", 's', "auto", "auto | S | S_cross,S_self (prefill)");
+  p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
+  p.add_option("dtype", 0, "auto", "fp32 | bf16 | auto (fp32 on cpu, the checkpoint's on cuda)");
+  lvx::cli::add_device_option(p);
+  if (!p.parse(argc, argv)) return 0;
+  lvx::serve::ServeOptions o;
+  lvx::runtime::QaJob& job = o.job;
+  job.model = p.get("model");
+  if (!p.get("fps").empty()) job.fps = p.get_double("fps");
+  if (!p.get("num-frames").empty()) job.num_frames = p.get_int("num-frames");
+  job.generation.max_new_tokens = p.get_int("max-new-tokens", 1, INT32_MAX);
+  job.plan.strategies = p.get("strategies");
+  job.plan.cluster = p.get("cluster");
+  job.plan.dtype = p.get("dtype");
+  job.device = p.get("device");
+  o.host = p.get("host");
+  o.port = static_cast<int>(p.get_int("port", 0, 65535));
+  o.api_key = p.get("api-key");
+  o.model_name = p.get("served-model-name");
+  if (o.model_name.empty()) {
+    std::filesystem::path dir(job.model);
+    if (!dir.has_filename()) dir = dir.parent_path();
+    o.model_name = dir.filename().string();
+  }
+  o.allowed_media_path = p.get("allowed-local-media-path");
+  o.cache_bytes = p.get_int("cache-bytes", 0, INT64_MAX);
+  o.max_queue = p.get_int("max-queue", 0, 1 << 20);
+  o.max_body_bytes = p.get_int("max-body-bytes", 1, INT64_MAX);
+  o.default_max_tokens = job.generation.max_new_tokens;
+  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
+    lvx::cli::apply_threads(p);
+    lvx::runtime::validate_qa_settings(job);
+    return lvx::serve::run_serve_rank(o);
+  }
+  const int nproc = lvx::cli::checked_nproc(p);
+  lvx::cli::apply_threads(p, nproc);
+  lvx::runtime::validate_qa_settings(job);  // bad flags fail once, before ranks start
+  LVX_CHECK(o.allowed_media_path.empty() || std::filesystem::is_directory(o.allowed_media_path),
+            "--allowed-local-media-path '", o.allowed_media_path, "' is not a folder");
+  lvx::runtime::check_local_devices(job.device, nproc);
+  std::vector<std::string> cmd{lvx::dist::self_executable()};
+  for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
+  lvx::dist::LaunchOptions lo;
+  lo.nproc = nproc;
+  lo.rank0_direct = true;
+  // Rank 0 answers the clients when another rank dies (503), then exits non-zero itself; a
+  // SIGTERM to this launcher goes to every rank (rank 0 drains, then tells the others).
+  lo.stop_on_failure = false;
+  lo.exit_wait_s = lvx::dist::default_exit_wait_s();
+  lo.forward_signals = true;
+  return lvx::dist::launch_local(cmd, lo).exit_code;
+}
+
+}  // namespace
+
+LVX_COMMAND("serve", "serve questions about videos over the OpenAI chat API on N ranks", cmd_serve);

@@ -1,0 +1,357 @@
+#include "src/serve/openai_api.h"
+
+#include <cmath>
+#include <filesystem>
+
+namespace lvx::serve {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::string type_name(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "a boolean";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::object:
+      return "an object";
+    default:
+      return "a number";
+  }
+}
+
+// An optional number field of the body (null counts as absent).
+std::optional<double> number(const json& body, const char* key, double lo, double hi) {
+  if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+  const json& v = body[key];
+  if (!v.is_number())
+    throw bad_request(std::string("'") + key + "' must be a number, got " + type_name(v), key);
+  const double x = v.get<double>();
+  if (!std::isfinite(x) || x < lo || x > hi)
+    throw bad_request(std::string("'") + key + "' must be in [" + json(lo).dump() + ", " +
+                          json(hi).dump() + "], got " + v.dump(),
+                      key);
+  return x;
+}
+
+std::optional<int64_t> integer(const json& body, const char* key, int64_t lo, int64_t hi) {
+  if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+  const json& v = body[key];
+  if (!v.is_number_integer() && !v.is_number_unsigned())
+    throw bad_request(std::string("'") + key + "' must be an integer, got " + v.dump(), key);
+  const int64_t x = v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)
+                        ? INT64_MAX
+                        : v.get<int64_t>();
+  if (x < lo || x > hi)
+    throw bad_request(std::string("'") + key + "' must be in [" + std::to_string(lo) + ", " +
+                          std::to_string(hi) + "], got " + v.dump(),
+                      key);
+  return x;
+}
+
+std::string ext_of_media_type(const std::string& type) {
+  static const std::pair<const char*, const char*> known[] = {
+      {"video/mp4", ".mp4"},       {"video/webm", ".webm"}, {"video/x-matroska", ".mkv"},
+      {"video/quicktime", ".mov"}, {"video/avi", ".avi"},   {"video/x-msvideo", ".avi"},
+      {"image/png", ".png"},       {"image/jpeg", ".jpg"},  {"image/jpg", ".jpg"},
+      {"image/webp", ".webp"},     {"image/bmp", ".bmp"},   {"image/gif", ".gif"}};
+  for (const auto& [t, e] : known)
+    if (type == t) return e;
+  return ".bin";  // FFmpeg probes the content
+}
+
+std::string percent_decode(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '%' && i + 2 < s.size() && std::isxdigit(static_cast<unsigned char>(s[i + 1])) &&
+        std::isxdigit(static_cast<unsigned char>(s[i + 2]))) {
+      out += static_cast<char>(std::stoi(s.substr(i + 1, 2), nullptr, 16));
+      i += 2;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
+// A media URL of part `param`: data:<kind>/...;base64,... or file://<absolute path> under the
+// allowed folder.
+MediaRef media_url(const json& part, const std::string& field, const std::string& kind,
+                   const ApiOptions& o) {
+  const std::string param = "messages[].content[]." + field;
+  if (!part.contains(field) || !part[field].is_object() || !part[field].contains("url") ||
+      !part[field]["url"].is_string())
+    throw bad_request("a " + field + " part needs {\"" + field + "\": {\"url\": \"...\"}}", param);
+  const std::string url = part[field]["url"].get<std::string>();
+  MediaRef m;
+  if (url.rfind("data:", 0) == 0) {
+    const size_t comma = url.find(',');
+    const std::string head = url.substr(5, comma == std::string::npos ? 0 : comma - 5);
+    if (comma == std::string::npos || head.size() < 7 ||
+        head.compare(head.size() - 7, 7, ";base64") != 0)
+      throw bad_request(field + ": a data URL must be data:" + kind + "/<type>;base64,<bytes>",
+                        param);
+    const std::string type = head.substr(0, head.size() - 7);
+    if (type.rfind(kind + "/", 0) != 0 && type != "application/octet-stream")
+      throw bad_request(
+          field + ": a data URL of type '" + type + "' where " + kind + "/... was expected", param);
+    const std::optional<std::string> bytes = base64_decode(url.substr(comma + 1));
+    if (!bytes) throw bad_request(field + ": the data URL's base64 is malformed", param);
+    if (bytes->empty()) throw bad_request(field + ": the data URL holds no bytes", param);
+    m.bytes = *bytes;
+    m.ext = ext_of_media_type(type);
+    return m;
+  }
+  if (url.rfind("file://", 0) == 0) {
+    const std::string path = percent_decode(url.substr(7));
+    if (o.allowed_media_path.empty())
+      throw ApiError(403, "permission_error",
+                     field +
+                         ": file:// URLs are refused: the server was started without "
+                         "--allowed-local-media-path",
+                     param);
+    if (path.empty() || path[0] != '/')
+      throw bad_request(field + ": a file:// URL needs an absolute path, got '" + url + "'", param);
+    std::error_code ec;
+    const fs::path root = fs::weakly_canonical(o.allowed_media_path, ec);
+    const fs::path p = fs::weakly_canonical(path, ec);  // symbolic links resolved
+    const fs::path rel = p.lexically_relative(root);
+    if (ec || rel.empty() || *rel.begin() == ".." || rel.is_absolute())
+      throw ApiError(403, "permission_error",
+                     field + ": '" + path + "' is outside the allowed local media path '" +
+                         o.allowed_media_path + "'",
+                     param);
+    m.path = p.string();
+    return m;
+  }
+  throw bad_request(
+      field + ": the URL must be a data: URL or a file:// URL (got '" + url.substr(0, 64) + "')",
+      param);
+}
+
+}  // namespace
+
+json ApiError::body() const {
+  return {{"error",
+           {{"message", what()},
+            {"type", type},
+            {"param", param.empty() ? json() : json(param)},
+            {"code", code.empty() ? json() : json(code)}}}};
+}
+
+ApiError bad_request(const std::string& message, const std::string& param) {
+  return ApiError(400, "invalid_request_error", message, param);
+}
+
+std::optional<std::string> base64_decode(const std::string& text) {
+  auto value = [](unsigned char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+' || c == '-') return 62;
+    if (c == '/' || c == '_') return 63;
+    return -1;
+  };
+  size_t n = text.size();
+  while (n > 0 && text[n - 1] == '=') --n;
+  if (text.size() - n > 2 || n % 4 == 1) return std::nullopt;
+  std::string out;
+  out.reserve(n * 3 / 4);
+  uint32_t acc = 0;
+  int bits = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int v = value(static_cast<unsigned char>(text[i]));
+    if (v < 0) return std::nullopt;
+    acc = (acc << 6) | static_cast<uint32_t>(v);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out += static_cast<char>((acc >> bits) & 0xFF);
+    }
+  }
+  return out;
+}
+
+ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
+  json body;
+  try {
+    body = json::parse(text);
+  } catch (const std::exception& e) {
+    throw bad_request(std::string("the body is not JSON: ") + e.what());
+  }
+  if (!body.is_object())
+    throw bad_request("the body must be a JSON object, got " + type_name(body));
+  if (!body.contains("model") || !body["model"].is_string())
+    throw bad_request("'model' (a string) is required", "model");
+  if (body["model"].get<std::string>() != o.model_name)
+    throw ApiError(404, "invalid_request_error",
+                   "The model '" + body["model"].get<std::string>() +
+                       "' does not exist: this server serves '" + o.model_name + "'",
+                   "model", "model_not_found");
+  if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty())
+    throw bad_request("'messages' (a non-empty array) is required", "messages");
+  ChatRequest r;
+  const json& messages = body["messages"];
+  std::vector<std::pair<std::string, std::string>> turns;  // (role, text)
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const json& m = messages[i];
+    const std::string param = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      throw bad_request(param + " must be an object with a 'role'", param);
+    const std::string role = m["role"].get<std::string>();
+    if (role != "system" && role != "user" && role != "assistant" && role != "developer")
+      throw bad_request(param + ".role '" + role + "' is not system, developer, user or assistant",
+                        param + ".role");
+    std::string text;
+    const json content = m.contains("content") ? m["content"] : json();
+    if (content.is_string()) {
+      text = content.get<std::string>();
+    } else if (content.is_array()) {
+      for (const json& part : content) {
+        if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
+          throw bad_request(param + ".content parts must be objects with a 'type'",
+                            param + ".content");
+        const std::string type = part["type"].get<std::string>();
+        if (type == "text") {
+          if (!part.contains("text") || !part["text"].is_string())
+            throw bad_request(param + ": a text part needs 'text' (a string)", param + ".content");
+          text += (text.empty() ? "" : "\n") + part["text"].get<std::string>();
+        } else if (type == "video_url" || type == "image_url") {
+          if (role != "user")
+            throw bad_request(param + ": media parts belong in user messages", param + ".content");
+          if (type == "video_url") {
+            if (r.video)
+              throw bad_request("one video per request: a second video_url part in " + param,
+                                param + ".content");
+            r.video = media_url(part, "video_url", "video", o);
+          } else {
+            r.frames.push_back(media_url(part, "image_url", "image", o));
+          }
+        } else {
+          throw bad_request(param + ": content part type '" + type +
+                                "' is not supported (text, video_url, image_url)",
+                            param + ".content");
+        }
+      }
+    } else if (!(role == "assistant" && content.is_null())) {
+      throw bad_request(param + ".content must be a string or an array of parts",
+                        param + ".content");
+    }
+    turns.emplace_back(role, text);
+  }
+  if (turns.back().first != "user")
+    throw bad_request("the last message must be the user's question", "messages");
+  if (turns.back().second.find_first_not_of(" \t\r\n") == std::string::npos)
+    throw bad_request("the last user message has no text (the question)", "messages");
+  if (r.video && !r.frames.empty())
+    throw bad_request("give a video_url part or image_url frames, not both", "messages");
+  if (!r.video && r.frames.empty())
+    throw bad_request("a request needs a video: a video_url part or image_url frames", "messages");
+  if (static_cast<int64_t>(r.frames.size()) > o.max_frames)
+    throw bad_request("at most " + std::to_string(o.max_frames) + " image_url frames, got " +
+                          std::to_string(r.frames.size()),
+                      "messages");
+  if (turns.size() == 1) {
+    r.question = turns[0].second;
+  } else {
+    for (size_t i = 0; i + 1 < turns.size(); ++i) {
+      if (turns[i].second.empty()) continue;
+      const std::string& role = turns[i].first;
+      r.question += (role == "user"        ? "User: "
+                     : role == "assistant" ? "Assistant: "
+                                           : "System: ") +
+                    turns[i].second + "\n";
+    }
+    r.question += r.question.empty() ? turns.back().second : "User: " + turns.back().second;
+  }
+
+  if (const auto n = integer(body, "n", 1, 1); n && *n != 1)
+    throw bad_request("'n' must be 1", "n");
+  const auto mt = integer(body, "max_completion_tokens", 1, 1 << 20);
+  const auto mt2 = integer(body, "max_tokens", 1, 1 << 20);
+  r.max_tokens = mt ? *mt : mt2 ? *mt2 : o.default_max_tokens;
+  r.temperature = number(body, "temperature", 0, 2).value_or(0);
+  r.top_p = number(body, "top_p", 0, 1).value_or(1);
+  if (r.top_p <= 0) throw bad_request("'top_p' must be > 0", "top_p");
+  r.seed = static_cast<uint64_t>(integer(body, "seed", INT64_MIN, INT64_MAX).value_or(0));
+  if (body.contains("stop") && !body["stop"].is_null()) {
+    const json& s = body["stop"];
+    if (s.is_string()) {
+      r.stop.push_back(s.get<std::string>());
+    } else if (s.is_array() && s.size() <= 4) {
+      for (const json& x : s) {
+        if (!x.is_string()) throw bad_request("'stop' must hold strings", "stop");
+        r.stop.push_back(x.get<std::string>());
+      }
+    } else {
+      throw bad_request("'stop' must be a string or an array of up to 4 strings", "stop");
+    }
+    for (const std::string& x : r.stop)
+      if (x.empty()) throw bad_request("'stop' strings must not be empty", "stop");
+  }
+  if (body.contains("stream") && !body["stream"].is_null()) {
+    if (!body["stream"].is_boolean()) throw bad_request("'stream' must be a boolean", "stream");
+    r.stream = body["stream"].get<bool>();
+  }
+  if (body.contains("stream_options") && body["stream_options"].is_object() &&
+      body["stream_options"].contains("include_usage"))
+    r.include_usage = body["stream_options"]["include_usage"].is_boolean() &&
+                      body["stream_options"]["include_usage"].get<bool>();
+  r.fps = number(body, "fps", 0, 1000);
+  if (r.fps && *r.fps <= 0) throw bad_request("'fps' must be > 0", "fps");
+  r.num_frames = integer(body, "num_frames", 1, o.max_frames);
+  if (r.fps && r.num_frames) throw bad_request("give 'fps' or 'num_frames', not both", "fps");
+  r.start = number(body, "start", 0, 1e9);
+  r.end = number(body, "end", 0, 1e9);
+  if (r.start && r.end && *r.start >= *r.end)
+    throw bad_request("'start' must be before 'end'", "start");
+  if (body.contains("video_id") && !body["video_id"].is_null()) {
+    if (!body["video_id"].is_string() || body["video_id"].get<std::string>().empty())
+      throw bad_request("'video_id' must be a non-empty string", "video_id");
+    r.video_id = body["video_id"].get<std::string>();
+  }
+  return r;
+}
+
+json usage_json(int64_t prompt_tokens, int64_t completion_tokens) {
+  return {{"prompt_tokens", prompt_tokens},
+          {"completion_tokens", completion_tokens},
+          {"total_tokens", prompt_tokens + completion_tokens}};
+}
+
+json completion_json(const std::string& id, int64_t created, const std::string& model,
+                     const std::string& content, const std::string& finish_reason,
+                     int64_t prompt_tokens, int64_t completion_tokens) {
+  return {{"id", id},
+          {"object", "chat.completion"},
+          {"created", created},
+          {"model", model},
+          {"choices",
+           {{{"index", 0},
+             {"message", {{"role", "assistant"}, {"content", content}}},
+             {"logprobs", nullptr},
+             {"finish_reason", finish_reason}}}},
+          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+}
+
+json chunk_json(const std::string& id, int64_t created, const std::string& model, const json& delta,
+                const json& finish_reason) {
+  return {{"id", id},
+          {"object", "chat.completion.chunk"},
+          {"created", created},
+          {"model", model},
+          {"choices",
+           {{{"index", 0},
+             {"delta", delta},
+             {"logprobs", nullptr},
+             {"finish_reason", finish_reason}}}}};
+}
+
+}  // namespace lvx::serve

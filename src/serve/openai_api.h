@@ -1,0 +1,95 @@
+// The OpenAI chat-completions API as lvx serve speaks it: a request body read into one question
+// about one video (ChatRequest), errors in OpenAI's shape, and the response objects (a
+// chat.completion, or chat.completion.chunk events for streaming). Pure functions: no model, no
+// sockets (src/serve/server.h runs them).
+//
+// Request (POST /v1/chat/completions), what lvx reads:
+//   model (required, must name the served model: else 404), messages (required; the last is the
+//   user's question), max_tokens | max_completion_tokens, temperature (default 0: greedy, lvx
+//   qa's default, so that an answer equals lvx qa's), top_p, seed, stop (a string or up to 4),
+//   stream, stream_options.include_usage, n (1 only); lvx extensions: num_frames | fps, start,
+//   end (seconds), video_id (the visual cache's key instead of a content hash).
+// Media, in the content parts of user messages: one video_url ({"url": "file:///abs/path"} under
+// --allowed-local-media-path, or "data:video/<type>;base64,<bytes>"), or image_url parts, each
+// one frame ("data:image/<type>;base64,..." or a file:// URL): a list of frames as lmms-eval's
+// openai_compatible_chat sends a video, all used in order (no sampling).
+// Conversations: the family's template (models/family.h, Family::prompt) has one user turn;
+// earlier turns (system, user and assistant text) go before the last user text as a transcript
+// ("System: ...\nUser: ...\nAssistant: ...\nUser: <question>").
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace lvx::serve {
+
+// An error answered with HTTP `status` and OpenAI's body {"error": {message, type, param,
+// code}}.
+class ApiError : public std::runtime_error {
+ public:
+  ApiError(int status, std::string type, const std::string& message, std::string param = "",
+           std::string code = "")
+      : std::runtime_error(message),
+        status(status),
+        type(std::move(type)),
+        param(std::move(param)),
+        code(std::move(code)) {}
+  int status;
+  std::string type, param, code;
+  nlohmann::json body() const;
+};
+// The usual ones.
+ApiError bad_request(const std::string& message, const std::string& param = "");
+
+// One piece of media: a file on this machine, or bytes sent in the request (written to a file
+// on each rank, named with `ext`).
+struct MediaRef {
+  std::string path;
+  std::string bytes;
+  std::string ext;  // ".mp4", ".png", ... (from the data URL's media type)
+};
+
+struct ChatRequest {
+  std::string question;  // the user turn as Family::prompt receives it
+  std::optional<MediaRef> video;
+  std::vector<MediaRef> frames;  // image_url parts, in order
+  std::optional<double> fps;
+  std::optional<int64_t> num_frames;
+  std::optional<double> start, end;
+  std::string video_id;
+  int64_t max_tokens = 0;
+  double temperature = 0, top_p = 1;
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+  bool stream = false, include_usage = false;
+};
+
+struct ApiOptions {
+  std::string model_name;          // what GET /v1/models lists and requests must name
+  std::string allowed_media_path;  // file:// URLs must be under it (canonical); empty: refused
+  int64_t default_max_tokens = 256;
+  int64_t max_frames = 4096;  // frames a request may ask for or send
+};
+
+// Reads a request body. Throws ApiError: 400 (malformed JSON, a missing or ill-typed field, no
+// media), 404 (another model), 403 (a file:// URL outside the allowed path, or none allowed).
+ChatRequest parse_chat_request(const std::string& body, const ApiOptions& options);
+
+// Decodes standard base64 (padding optional, no whitespace inside); nullopt when malformed.
+std::optional<std::string> base64_decode(const std::string& text);
+
+// The objects sent back. `id` names the completion ("chatcmpl-..."), `created` Unix seconds.
+nlohmann::json completion_json(const std::string& id, int64_t created, const std::string& model,
+                               const std::string& content, const std::string& finish_reason,
+                               int64_t prompt_tokens, int64_t completion_tokens);
+// A chunk with a delta ({"role": "assistant"}, {"content": ...} or {}) and finish_reason (null
+// while generating).
+nlohmann::json chunk_json(const std::string& id, int64_t created, const std::string& model,
+                          const nlohmann::json& delta, const nlohmann::json& finish_reason);
+nlohmann::json usage_json(int64_t prompt_tokens, int64_t completion_tokens);
+
+}  // namespace lvx::serve

@@ -1,0 +1,660 @@
+#include "src/serve/server.h"
+
+#include <httplib.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "src/common/error.h"
+#include "src/dist/process_group.h"
+#include "src/serve/openai_api.h"
+#include "src/serve/wire.h"
+
+namespace lvx::serve {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using clock = std::chrono::steady_clock;
+
+namespace {
+
+std::atomic<bool> g_stop_signal{false};
+extern "C" void on_stop_signal(int) { g_stop_signal = true; }
+
+double seconds_since(clock::time_point t) {
+  return std::chrono::duration<double>(clock::now() - t).count();
+}
+
+int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// One request from the HTTP thread that received it to the main thread that runs it, and its
+// answer back: text pieces as they come, then the end (a row, or an error).
+struct Job {
+  ChatRequest req;
+  std::string id;
+  int64_t created = 0;
+  clock::time_point received;
+  std::atomic<bool> cancelled{false};  // the client went away
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::string> pieces;  // text not yet sent (stop strings already cut)
+  bool first = false;              // the first text (or the end) arrived
+  bool done = false;
+  json row;                       // when done without error
+  std::optional<ApiError> error;  // when done with one
+  std::string content;            // the whole answer as sent
+  std::string finish_reason;
+
+  // Rank 0's stop-string filter over the generated text (runs on the main thread).
+  std::string text;  // every piece so far
+  size_t sent = 0;   // bytes of `text` handed to the client
+  bool stop_hit = false;
+
+  void push_text(const std::string& piece) {
+    if (stop_hit) return;
+    text += piece;
+    size_t safe = text.size();
+    size_t longest = 0;
+    for (const std::string& s : req.stop) {
+      const size_t at = text.find(s, sent > s.size() ? sent - s.size() : 0);
+      if (at != std::string::npos && at < safe) {
+        safe = at;
+        stop_hit = true;
+      }
+      longest = std::max(longest, s.size());
+    }
+    if (stop_hit) {
+      text.resize(safe);
+    } else if (longest > 1) {  // a stop string may begin in the last bytes: hold them back
+      safe = text.size() >= longest - 1 ? text.size() - (longest - 1) : 0;
+    }
+    if (safe > sent) {
+      std::lock_guard<std::mutex> lock(mu);
+      pieces.push_back(text.substr(sent, safe - sent));
+      sent = safe;
+      first = true;
+      cv.notify_all();
+    }
+  }
+  // Ends with `r` and `final_text`, the whole answer (lvx qa's response, or the text cut at a
+  // stop string): what the pieces sent so far lack of it follows them.
+  void finish(json r, const std::string& finish, const std::string& final_text) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (final_text.size() > sent && final_text.compare(0, sent, text, 0, sent) == 0)
+      pieces.push_back(final_text.substr(sent));
+    sent = final_text.size();
+    content = final_text;
+    row = std::move(r);
+    finish_reason = finish;
+    done = first = true;
+    cv.notify_all();
+  }
+  void fail(const ApiError& e) {
+    std::lock_guard<std::mutex> lock(mu);
+    error = e;
+    done = first = true;
+    cv.notify_all();
+  }
+};
+
+// Prometheus counters (rank 0).
+struct Metrics {
+  std::mutex mu;
+  std::map<int, int64_t> requests;  // by HTTP status
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+  double ttft_sum = 0, latency_sum = 0;
+  int64_t ttft_count = 0, latency_count = 0;
+  std::vector<double> ttft_buckets{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+  std::vector<int64_t> ttft_counts = std::vector<int64_t>(10, 0);
+  int64_t cache_hits = 0, cache_misses = 0, cache_bytes = 0;  // over every rank
+  void count(int status) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++requests[status];
+  }
+};
+
+class Server {
+ public:
+  Server(const ServeOptions& o, runtime::QaSession& session)
+      : o_(o), session_(session), pg_(session.group()) {
+    api_.model_name = o.model_name;
+    api_.allowed_media_path = o.allowed_media_path;
+    api_.default_max_tokens = o.default_max_tokens;
+  }
+
+  // Rank 0: listens on --host:--port (before any request: a port in use fails every rank at
+  // once). Returns the error, or "".
+  std::string bind();
+  int run_rank0();
+  int run_other_rank();
+
+ private:
+  json describe(const Job& job, std::vector<std::string>& blobs) const;
+  json answer(const Command& c, const std::function<void(const std::string&)>& on_text,
+              const std::function<bool()>& stop_requested);
+  void routes(httplib::Server& http);
+  bool authorized(const httplib::Request& req, httplib::Response& res);
+  void send_error(httplib::Response& res, const ApiError& e);
+  void chat(const httplib::Request& req, httplib::Response& res);
+  std::string metrics_text();
+  // Every queued job ends with `e` (a failed rank, or shutting down).
+  void fail_queued(const ApiError& e);
+
+  const ServeOptions& o_;
+  runtime::QaSession& session_;
+  dist::ProcessGroup& pg_;
+  ApiOptions api_;
+  Metrics metrics_;
+  std::mutex qmu_;
+  std::condition_variable qcv_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  std::atomic<int64_t> running_{0};   // 1 while the main thread answers a job
+  std::atomic<int64_t> handlers_{0};  // chat handlers still writing a response
+  std::atomic<bool> draining_{false}, failed_{false};
+  std::string failure_;
+  std::atomic<int64_t> next_id_{0};
+  int64_t tmp_counter_ = 0;
+  httplib::Server http_;
+  int port_ = 0;
+};
+
+json Server::describe(const Job& job, std::vector<std::string>& blobs) const {
+  const ChatRequest& r = job.req;
+  auto ref = [&](const MediaRef& m) {
+    if (!m.path.empty()) return json{{"path", m.path}};
+    blobs.push_back(m.bytes);
+    return json{{"blob", blobs.size() - 1}, {"ext", m.ext}};
+  };
+  auto opt = [](const auto& v) { return v ? json(*v) : json(); };
+  json d{{"id", job.id},
+         {"question", r.question},
+         {"fps", opt(r.fps)},
+         {"num_frames", opt(r.num_frames)},
+         {"start", opt(r.start)},
+         {"end", opt(r.end)},
+         {"video_id", r.video_id},
+         {"max_tokens", r.max_tokens},
+         {"temperature", r.temperature},
+         {"top_p", r.top_p},
+         {"seed", r.seed}};
+  if (r.video) d["video"] = ref(*r.video);
+  json frames = json::array();
+  for (const MediaRef& m : r.frames) frames.push_back(ref(m));
+  d["frames"] = frames;
+  return d;
+}
+
+// Runs one answer command on this rank (media sent inline written to this rank's own files).
+json Server::answer(const Command& c, const std::function<void(const std::string&)>& on_text,
+                    const std::function<bool()>& stop_requested) {
+  const json& d = c.desc;
+  const fs::path dir = fs::temp_directory_path() / ("lvx-serve-" + std::to_string(::getpid()) +
+                                                    "-" + std::to_string(tmp_counter_++));
+  fs::create_directories(dir);
+  struct Cleanup {
+    fs::path dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{dir};
+  auto file_of = [&](const json& ref, const std::string& name) -> std::string {
+    if (ref.contains("path")) return ref["path"].get<std::string>();
+    const std::string path = (dir / (name + ref["ext"].get<std::string>())).string();
+    std::ofstream f(path, std::ios::binary);
+    const std::string& b = c.blobs.at(ref["blob"].get<size_t>());
+    f.write(b.data(), static_cast<std::streamsize>(b.size()));
+    LVX_CHECK(f.good(), "cannot write '", path, "'");
+    return path;
+  };
+  runtime::QaRequest q;
+  q.item.id = d["id"].get<std::string>();
+  q.item.question = d["question"].get<std::string>();
+  if (d.contains("video")) q.item.video = file_of(d["video"], "video");
+  for (size_t i = 0; i < d["frames"].size(); ++i)
+    q.image_files.push_back(file_of(d["frames"][i], "frame" + std::to_string(i)));
+  if (!d["fps"].is_null()) q.fps = d["fps"].get<double>();
+  if (!d["num_frames"].is_null()) q.num_frames = d["num_frames"].get<int64_t>();
+  if (!d["start"].is_null()) q.item.start = d["start"].get<double>();
+  if (!d["end"].is_null()) q.item.end = d["end"].get<double>();
+  q.video_id = d["video_id"].get<std::string>();
+  runtime::GenerateOptions g = session_.job().generation;
+  g.max_new_tokens = d["max_tokens"].get<int64_t>();
+  g.sampling.temperature = d["temperature"].get<double>();
+  g.sampling.top_p = d["top_p"].get<double>();
+  g.sampling.seed = d["seed"].get<uint64_t>();
+  q.generation = g;
+  runtime::AnswerHooks hooks;
+  hooks.on_text = on_text;
+  hooks.stop_requested = stop_requested;
+  return session_.answer(q, hooks);
+}
+
+int Server::run_other_rank() {
+  ::signal(SIGTERM, SIG_IGN);  // rank 0 says when to stop
+  ::signal(SIGINT, SIG_IGN);
+  for (;;) {
+    Command c;
+    exchange(pg_, c);
+    if (c.op == Op::kShutdown) {
+      pg_.barrier();
+      return 0;
+    }
+    if (c.op == Op::kAnswer) answer(c, {}, [] { return false; });
+  }
+}
+
+bool Server::authorized(const httplib::Request& req, httplib::Response& res) {
+  if (o_.api_key.empty()) return true;
+  if (req.get_header_value("Authorization") == "Bearer " + o_.api_key) return true;
+  send_error(res, ApiError(401, "invalid_request_error",
+                           req.has_header("Authorization")
+                               ? "Incorrect API key provided"
+                               : "Missing API key: send 'Authorization: Bearer <key>'",
+                           "", "invalid_api_key"));
+  return false;
+}
+
+void Server::send_error(httplib::Response& res, const ApiError& e) {
+  res.status = e.status;
+  res.set_content(e.body().dump(), "application/json");
+  metrics_.count(e.status);
+}
+
+void Server::fail_queued(const ApiError& e) {
+  std::deque<std::shared_ptr<Job>> q;
+  {
+    std::lock_guard<std::mutex> lock(qmu_);
+    q.swap(queue_);
+  }
+  for (auto& j : q) j->fail(e);
+}
+
+void Server::chat(const httplib::Request& req, httplib::Response& res) {
+  if (!authorized(req, res)) return;
+  if (failed_) {
+    send_error(res, ApiError(503, "server_error", "a rank failed: " + failure_));
+    return;
+  }
+  if (draining_) {
+    send_error(res, ApiError(503, "server_error", "the server is shutting down"));
+    return;
+  }
+  auto job = std::make_shared<Job>();
+  job->received = clock::now();
+  job->created = unix_now();
+  job->id = "chatcmpl-lvx-" + std::to_string(next_id_++);
+  try {
+    job->req = parse_chat_request(req.body, api_);
+  } catch (const ApiError& e) {
+    send_error(res, e);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(qmu_);
+    if (static_cast<int64_t>(queue_.size()) >= o_.max_queue) {
+      send_error(res, ApiError(429, "rate_limit_error",
+                               "the queue is full (" + std::to_string(o_.max_queue) +
+                                   " requests waiting, --max-queue): try again later",
+                               "", "queue_full"));
+      return;
+    }
+    queue_.push_back(job);
+  }
+  qcv_.notify_all();
+  // Wait for the first text (or the end), so that an error before it gets its own status.
+  {
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait(lock, [&] { return job->first; });
+    if (job->error) {
+      const ApiError e = *job->error;
+      lock.unlock();
+      send_error(res, e);
+      return;
+    }
+  }
+  const std::string model = o_.model_name;
+  if (!job->req.stream) {
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait(lock, [&] { return job->done; });
+    if (job->error) {
+      const ApiError e = *job->error;
+      lock.unlock();
+      send_error(res, e);
+      return;
+    }
+    const std::string content = job->content;
+    const json& row = job->row;
+    json out = completion_json(job->id, job->created, model, content, job->finish_reason,
+                               row["prompt_tokens"].get<int64_t>(),
+                               row["completion_tokens"].get<int64_t>());
+    out["lvx"] = {{"frames", row["frames"]},
+                  {"timings", row["timings"]},
+                  {"visual_cache", row.value("visual_cache", json())}};
+    res.set_content(out.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+    metrics_.count(200);
+    return;
+  }
+  metrics_.count(200);
+  ++handlers_;
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, job, model, role_sent = false](size_t, httplib::DataSink& sink) mutable {
+        auto event = [&](const json& j) {
+          const std::string s =
+              "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+          return sink.write(s.data(), s.size());
+        };
+        if (!role_sent) {
+          role_sent = true;
+          if (!event(chunk_json(job->id, job->created, model,
+                                {{"role", "assistant"}, {"content", ""}}, nullptr))) {
+            job->cancelled = true;
+            return false;
+          }
+        }
+        std::unique_lock<std::mutex> lock(job->mu);
+        job->cv.wait_for(lock, std::chrono::milliseconds(500),
+                         [&] { return !job->pieces.empty() || job->done; });
+        std::deque<std::string> pieces;
+        pieces.swap(job->pieces);
+        const bool done = job->done;
+        lock.unlock();
+        for (const std::string& p : pieces)
+          if (!p.empty() &&
+              !event(chunk_json(job->id, job->created, model, {{"content", p}}, nullptr))) {
+            job->cancelled = true;
+            return false;
+          }
+        if (!sink.is_writable()) {
+          job->cancelled = true;
+          return false;
+        }
+        if (!done) return true;
+        if (job->error) {
+          event(job->error->body());
+        } else {
+          event(chunk_json(job->id, job->created, model, json::object(), job->finish_reason));
+          if (job->req.include_usage) {
+            json u = chunk_json(job->id, job->created, model, json::object(), nullptr);
+            u["choices"] = json::array();
+            u["usage"] = usage_json(job->row["prompt_tokens"].get<int64_t>(),
+                                    job->row["completion_tokens"].get<int64_t>());
+            event(u);
+          }
+        }
+        const std::string end = "data: [DONE]\n\n";
+        sink.write(end.data(), end.size());
+        sink.done();
+        return true;
+      },
+      [this](bool) { --handlers_; });
+}
+
+std::string Server::metrics_text() {
+  std::ostringstream m;
+  const runtime::VisualCacheStats own = session_.cache_stats();
+  int64_t depth = 0;
+  {
+    std::lock_guard<std::mutex> lock(qmu_);
+    depth = static_cast<int64_t>(queue_.size());
+  }
+  std::lock_guard<std::mutex> lock(metrics_.mu);
+  m << "# HELP lvx_requests_total Chat completion requests answered, by HTTP status.\n"
+    << "# TYPE lvx_requests_total counter\n";
+  for (const auto& [status, n] : metrics_.requests)
+    m << "lvx_requests_total{status=\"" << status << "\"} " << n << "\n";
+  m << "# TYPE lvx_prompt_tokens_total counter\nlvx_prompt_tokens_total " << metrics_.prompt_tokens
+    << "\n"
+    << "# TYPE lvx_generated_tokens_total counter\nlvx_generated_tokens_total "
+    << metrics_.completion_tokens << "\n"
+    << "# HELP lvx_time_to_first_token_seconds From a request's arrival to its first text.\n"
+    << "# TYPE lvx_time_to_first_token_seconds histogram\n";
+  int64_t cum = 0;
+  for (size_t i = 0; i < metrics_.ttft_buckets.size(); ++i) {
+    cum += metrics_.ttft_counts[i];
+    m << "lvx_time_to_first_token_seconds_bucket{le=\"" << metrics_.ttft_buckets[i] << "\"} " << cum
+      << "\n";
+  }
+  m << "lvx_time_to_first_token_seconds_bucket{le=\"+Inf\"} " << metrics_.ttft_count << "\n"
+    << "lvx_time_to_first_token_seconds_sum " << metrics_.ttft_sum << "\n"
+    << "lvx_time_to_first_token_seconds_count " << metrics_.ttft_count << "\n"
+    << "# TYPE lvx_request_seconds summary\nlvx_request_seconds_sum " << metrics_.latency_sum
+    << "\nlvx_request_seconds_count " << metrics_.latency_count << "\n"
+    << "# HELP lvx_visual_cache_hits_total Ranks that found their share of a request's frames "
+       "encoded already (summed over ranks).\n"
+    << "# TYPE lvx_visual_cache_hits_total counter\nlvx_visual_cache_hits_total "
+    << metrics_.cache_hits << "\n"
+    << "# TYPE lvx_visual_cache_misses_total counter\nlvx_visual_cache_misses_total "
+    << metrics_.cache_misses << "\n"
+    << "# HELP lvx_visual_cache_bytes Bytes held by the visual caches of every rank.\n"
+    << "# TYPE lvx_visual_cache_bytes gauge\nlvx_visual_cache_bytes " << metrics_.cache_bytes
+    << "\n"
+    << "# TYPE lvx_visual_cache_entries gauge\nlvx_visual_cache_entries{rank=\"0\"} " << own.entries
+    << "\n"
+    << "# TYPE lvx_visual_cache_capacity_bytes gauge\nlvx_visual_cache_capacity_bytes{rank=\"0\"} "
+    << own.capacity << "\n"
+    << "# TYPE lvx_queue_depth gauge\nlvx_queue_depth " << depth << "\n"
+    << "# TYPE lvx_requests_running gauge\nlvx_requests_running " << running_.load() << "\n"
+    << "# TYPE lvx_ranks gauge\nlvx_ranks " << pg_.world_size() << "\n";
+  return m.str();
+}
+
+void Server::routes(httplib::Server& http) {
+  http.Post("/v1/chat/completions",
+            [this](const httplib::Request& req, httplib::Response& res) { chat(req, res); });
+  http.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+    if (!authorized(req, res)) return;
+    const json models{
+        {"object", "list"},
+        {"data",
+         {{{"id", o_.model_name}, {"object", "model"}, {"created", 0}, {"owned_by", "lvx"}}}}};
+    res.set_content(models.dump(), "application/json");
+  });
+  http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    const bool ok = !failed_ && !draining_;
+    res.status = ok ? 200 : 503;
+    res.set_content(json{{"status", failed_     ? "failed"
+                                    : draining_ ? "shutting down"
+                                                : "ok"},
+                         {"ranks", pg_.world_size()}}
+                        .dump(),
+                    "application/json");
+  });
+  http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_text(), "text/plain; version=0.0.4");
+  });
+  // Errors httplib answers itself (413 for an oversized body, 404 for an unknown path) in
+  // OpenAI's shape; those our handlers answered keep their bodies.
+  http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    const ApiError e =
+        res.status == 413
+            ? ApiError(413, "invalid_request_error",
+                       "the request body is larger than the server's limit of " +
+                           std::to_string(o_.max_body_bytes) + " bytes (--max-body-bytes)")
+        : res.status == 404 ? ApiError(404, "invalid_request_error",
+                                       "no such endpoint: " + req.method + " " + req.path)
+                            : ApiError(res.status, "invalid_request_error",
+                                       "HTTP error " + std::to_string(res.status));
+    res.set_content(e.body().dump(), "application/json");
+    metrics_.count(e.status);
+  });
+  http.set_exception_handler(
+      [this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown error";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        send_error(res, ApiError(500, "server_error", what));
+      });
+}
+
+std::string Server::bind() {
+  const size_t threads = static_cast<size_t>(std::min<int64_t>(o_.max_queue + 8, 512));
+  http_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  http_.set_payload_max_length(static_cast<size_t>(o_.max_body_bytes));
+  http_.set_read_timeout(300, 0);
+  http_.set_write_timeout(300, 0);
+  routes(http_);
+  port_ = o_.port;
+  if (port_ == 0) {
+    port_ = http_.bind_to_any_port(o_.host);
+    if (port_ <= 0)
+      return "cannot listen on " + o_.host + " (--host): not an address of this machine";
+  } else if (!http_.bind_to_port(o_.host, port_)) {
+    return "cannot listen on " + o_.host + ":" + std::to_string(port_) +
+           " (--host, --port): the port is in use or the host is not an address of this machine";
+  }
+  return "";
+}
+
+int Server::run_rank0() {
+  httplib::Server& http = http_;
+  const int port = port_;
+  std::thread listener([&] { http.listen_after_bind(); });
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGINT, &sa, nullptr);
+  std::cerr << "lvx serve: " << o_.model_name << " on " << pg_.world_size()
+            << " rank(s), listening on http://" << o_.host << ":" << port << std::endl;
+
+  const double timeout_s = std::chrono::duration<double>(dist::options_from_env().timeout).count();
+  const double heartbeat_s = std::clamp(timeout_s / 4, 0.2, 5.0);
+  auto last_command = clock::now();
+  int code = 0;
+  std::shared_ptr<Job> job;  // the one running
+  try {
+    for (;;) {
+      job.reset();
+      {
+        std::unique_lock<std::mutex> lock(qmu_);
+        qcv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return !queue_.empty(); });
+        if (!queue_.empty()) {
+          job = queue_.front();
+          queue_.pop_front();
+          running_ = 1;
+        }
+      }
+      if (g_stop_signal && !draining_) {
+        draining_ = true;
+        std::cerr << "lvx serve: stopping: finishing the requests in flight" << std::endl;
+      }
+      if (!job) {
+        if (draining_) break;
+        if (seconds_since(last_command) >= heartbeat_s) {
+          Command hb;
+          exchange(pg_, hb);
+          last_command = clock::now();
+        }
+        continue;
+      }
+      Command c;
+      c.op = Op::kAnswer;
+      c.desc = describe(*job, c.blobs);
+      exchange(pg_, c);
+      bool first_seen = false;
+      auto note_first = [&] {
+        if (first_seen) return;
+        first_seen = true;
+        const double t = seconds_since(job->received);
+        std::lock_guard<std::mutex> lock(metrics_.mu);
+        metrics_.ttft_sum += t;
+        ++metrics_.ttft_count;
+        for (size_t i = 0; i < metrics_.ttft_buckets.size(); ++i)
+          if (t <= metrics_.ttft_buckets[i]) {
+            ++metrics_.ttft_counts[i];
+            break;
+          }
+      };
+      const json row = answer(
+          c,
+          [&](const std::string& piece) {
+            note_first();
+            job->push_text(piece);
+          },
+          [&] { return job->cancelled.load() || job->stop_hit; });
+      last_command = clock::now();
+      running_ = 0;
+      if (row.contains("error")) {
+        job->fail(bad_request(row["error"].get<std::string>()));
+        continue;
+      }
+      note_first();
+      {
+        std::lock_guard<std::mutex> lock(metrics_.mu);
+        metrics_.prompt_tokens += row["prompt_tokens"].get<int64_t>();
+        metrics_.completion_tokens += row["completion_tokens"].get<int64_t>();
+        metrics_.latency_sum += seconds_since(job->received);
+        ++metrics_.latency_count;
+        if (row.contains("visual_cache")) {
+          metrics_.cache_hits += row["visual_cache"]["hits"].get<int64_t>();
+          metrics_.cache_misses += row["visual_cache"]["misses"].get<int64_t>();
+          metrics_.cache_bytes = row["visual_cache"]["bytes"].get<int64_t>();
+        }
+      }
+      std::string finish = row["finish_reason"].get<std::string>();
+      if (job->stop_hit) finish = "stop";
+      // The text as lvx qa gives it, unless a stop string cut it.
+      job->finish(row, finish, job->stop_hit ? job->text : row["response"].get<std::string>());
+    }
+    Command bye;
+    bye.op = Op::kShutdown;
+    exchange(pg_, bye);
+    pg_.barrier();
+  } catch (const std::exception& e) {
+    failure_ = e.what();  // before failed_: HTTP threads read it once they see failed_
+    failed_ = true;
+    code = 1;
+    std::cerr << "lvx serve: " << e.what() << "\nlvx serve: answering 503 and stopping"
+              << std::endl;
+    const ApiError unavailable(503, "server_error", "a rank failed: " + failure_);
+    if (job) job->fail(unavailable);
+    fail_queued(unavailable);
+  }
+  // Let the responses in flight reach their clients (bounded), then stop listening.
+  const auto until = clock::now() + std::chrono::seconds(10);
+  while (handlers_ > 0 && clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  http.stop();
+  listener.join();
+  return code;
+}
+
+}  // namespace
+
+int run_serve_rank(const ServeOptions& options) {
+  auto pg = dist::ProcessGroup::from_env();
+  runtime::QaSession session(options.job, pg, options.cache_bytes);
+  Server server(options, session);
+  const std::vector<std::string> errors =
+      dist::gather_errors(*pg, pg->rank() == 0 ? server.bind() : std::string());
+  LVX_CHECK(errors[0].empty(), errors[0]);
+  return pg->rank() == 0 ? server.run_rank0() : server.run_other_rank();
+}
+
+}  // namespace lvx::serve

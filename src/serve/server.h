@@ -1,0 +1,49 @@
+// `lvx serve`: an OpenAI-compatible server of long-video question answering on N ranks.
+//
+// Every rank loads the model once (src/runtime/qa_job.h QaSession) and keeps its share of each
+// video's encoded frames (src/runtime/visual_cache.h). Rank 0 also serves HTTP (cpp-httplib):
+// it reads and checks each request (src/serve/openai_api.h), queues it (at most max_queue
+// waiting: 429 beyond), and its main thread takes requests one at a time: it broadcasts a compact
+// description (the fields and the media bytes sent inline, src/serve/wire.h) to every rank,
+// every rank answers it as `lvx qa` does (per-rank frames, the plan's strategies, pass-Q
+// decoding), and rank 0 streams the text to the client as tokens arrive. A client that goes
+// away mid-stream stops its generation (the stop flag travels with the next token).
+//
+// Endpoints: POST /v1/chat/completions, GET /v1/models (with --api-key: both need
+// "Authorization: Bearer K", else 401), GET /health (200, or 503 once a rank failed or while
+// shutting down), GET /metrics (Prometheus text: requests by status, tokens, time to first token,
+// visual cache hits/misses/bytes, queue depth).
+//
+// Faults: while idle rank 0 sends a heartbeat command (a broadcast and a barrier) every quarter
+// of LVX_DIST_TIMEOUT_S (at most 5 s), so a rank that dies is found within about one timeout
+// whether or not a request is running: every waiting and running request gets 503, and the
+// server exits 1. SIGTERM (or SIGINT) stops taking requests (503), finishes those in flight and
+// queued, tells the other ranks to stop, and exits 0; the other ranks ignore the signal and wait
+// for rank 0's word.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "src/runtime/qa_job.h"
+
+namespace lvx::serve {
+
+struct ServeOptions {
+  runtime::QaJob job;  // model, device, dtype, strategies, default sampling (num_frames, fps)
+  std::string host = "127.0.0.1";
+  int port = 8000;  // 0: any free port (printed)
+  std::string api_key;
+  std::string model_name;  // what requests name; default: the model folder's name
+  std::string allowed_media_path;
+  int64_t cache_bytes = int64_t{4} << 30;  // per rank
+  int64_t max_queue = 64;
+  int64_t max_body_bytes = int64_t{512} << 20;
+  int64_t default_max_tokens = 256;
+};
+
+// Runs this rank of the server (rendezvous from the environment) until SIGTERM (0) or a failure
+// of a rank (1).
+int run_serve_rank(const ServeOptions& options);
+
+}  // namespace lvx::serve

@@ -1,0 +1,31 @@
+// What rank 0 of lvx serve sends every rank for each command (src/serve/server.h): an opcode, a
+// JSON description and the byte strings it refers to (media sent inline in the request), in
+// one broadcast of their length and one of their bytes. Every rank calls these in the same order.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "src/dist/process_group.h"
+
+namespace lvx::serve {
+
+enum class Op : int64_t { kHeartbeat = 1, kAnswer = 2, kShutdown = 3 };
+
+struct Command {
+  Op op = Op::kHeartbeat;
+  nlohmann::json desc;
+  std::vector<std::string> blobs;
+};
+
+// Rank 0: sends `c`. Other ranks: receive it into `c`. A heartbeat ends with a barrier (every
+// rank answered: a dead rank is found while the server idles).
+void exchange(dist::ProcessGroup& pg, Command& c);
+
+// The bytes of a command and back (exposed for tests).
+std::string pack(const Command& c);
+Command unpack(const std::string& bytes);
+
+}  // namespace lvx::serve

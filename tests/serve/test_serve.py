@@ -1,0 +1,466 @@
+"""lvx serve end to end: a real server on 127.0.0.1 (a free port) at 1 or 2 ranks, spoken to with
+the `openai` package (PyPI) and raw HTTP.
+
+  python test_serve.py RANKS [-k SUBSTRING]    (LVX_BIN names the binary)
+
+Each case is bounded (60 s) and asserts against an independent reference where there is one:
+answers against `lvx qa --json` on the same video, frames and question (greedy, token for token:
+the text and the token counts); image_url frames against lvx qa on the video they were cut from
+(ffmpeg's PNGs of the frames lvx qa sampled); every error code by its status and OpenAI's error
+shape; the visual cache by the hit counters of /metrics (every rank hits on a repeat, none after
+the file changed); a killed rank by the 503 and the server's non-zero exit; SIGTERM by a stream
+that still completes and an exit code of 0. Ends with the summary line "N passed, N failed".
+"""
+import base64
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE.parent.parent
+LVX = os.environ.get("LVX_BIN", str(SOURCE / "build" / "lvx"))
+PY = sys.executable
+KEY = "sk-test-key"
+QUESTION = "What colour was the shape?"
+FRAMES = 8
+TOKENS = 12
+
+
+class Fixtures:
+    def __init__(self, root: Path):
+        self.root = root
+        self.media = root / "media"
+        self.media.mkdir(parents=True, exist_ok=True)
+        self.model = root / "model"
+        if not (self.model / "config.json").exists():
+            subprocess.run([PY, str(SOURCE / "tests/reference/mplug_owl3_ref.py"), "make-model",
+                            str(self.model), "--variant", "240728"], check=True,
+                           stdout=subprocess.DEVNULL)
+        self.clip = self.make_clip("clip.mp4", "testsrc=size=64x48:rate=4", 4)
+        self.other = self.make_clip("other.mp4", "mandelbrot=size=64x48:rate=4", 4)
+
+    def make_clip(self, name, source, seconds):
+        path = self.media / name
+        if not path.exists():
+            subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-f", "lavfi", "-i", source, "-t",
+                            str(seconds), "-pix_fmt", "yuv420p", str(path)], check=True)
+        return path
+
+
+def qa_json(fx, video, ranks, extra=()):
+    out = subprocess.run([LVX, "qa", "--model", str(fx.model), "--video", str(video), "--question",
+                          QUESTION, "--num-frames", str(FRAMES), "--max-new-tokens", str(TOKENS),
+                          "--json", "--nproc", str(ranks), *extra],
+                         check=True, capture_output=True, text=True, timeout=60).stdout
+    return json.loads(out)
+
+
+class Server:
+    """`lvx serve` on a free port; its stderr kept for the checks."""
+
+    def __init__(self, fx, ranks, *flags, env=None):
+        self.proc = subprocess.Popen(
+            [LVX, "serve", "--model", str(fx.model), "--nproc", str(ranks), "--port", "0",
+             "--api-key", KEY, "--allowed-local-media-path", str(fx.media), "--num-frames",
+             str(FRAMES), "--max-new-tokens", str(TOKENS), *flags],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            env={**os.environ, **(env or {})}, start_new_session=True)
+        self.err = []
+        deadline = time.time() + 60
+        self.port = None
+        while time.time() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.err.append(line)
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+                break
+        assert self.port, "server did not start:\n" + "".join(self.err)
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.base = "http://127.0.0.1:%d" % self.port
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key=KEY, max_retries=0,
+                                    timeout=60)
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.err.append(line)
+
+    def stderr(self):
+        return "".join(self.err)
+
+    def http(self, method, path, body=None, headers=None, key=KEY):
+        """(status, body text) of a raw request."""
+        h = {"Content-Type": "application/json"}
+        if key:
+            h["Authorization"] = "Bearer " + key
+        h.update(headers or {})
+        data = body if isinstance(body, (bytes, type(None))) else body.encode()
+        req = urllib.request.Request(self.base + path, data=data, headers=h, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def metrics(self):
+        status, text = self.http("GET", "/metrics")
+        assert status == 200
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError("server did not stop within %d s after signal %d" % (timeout, sig))
+
+
+def video_part(url):
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def messages(*media, question=QUESTION):
+    return [{"role": "user", "content": [*media, {"type": "text", "text": question}]}]
+
+
+def ask(srv, *media, **kw):
+    kw.setdefault("max_tokens", TOKENS)
+    return srv.client.chat.completions.create(model="model", messages=messages(*media),
+                                              temperature=0, **kw)
+
+
+def file_url(path):
+    return "file://" + str(path)
+
+
+def data_url(path, kind):
+    return "data:%s;base64,%s" % (kind, base64.b64encode(Path(path).read_bytes()).decode())
+
+
+def expect_error(srv, status, body, key=KEY, path="/v1/chat/completions", headers=None):
+    got, text = srv.http("POST", path, body, key=key, headers=headers)
+    assert got == status, "expected %d, got %d: %s" % (status, got, text[:300])
+    err = json.loads(text)["error"]
+    assert isinstance(err["message"], str) and err["message"] and "type" in err, text
+    return err
+
+
+# ---- cases ---------------------------------------------------------------------------------
+
+def case_answers_equal_lvx_qa(fx, srv, ranks):
+    want = qa_json(fx, fx.clip, ranks)
+    r = ask(srv, video_part(file_url(fx.clip)))
+    assert r.choices[0].message.content == want["response"], (r.choices[0].message.content, want)
+    assert r.usage.prompt_tokens == want["prompt_tokens"]
+    assert r.usage.completion_tokens == want["completion_tokens"]
+    assert r.choices[0].finish_reason == want["finish_reason"]
+    assert r.model == "model" and r.object == "chat.completion"
+    # A base64 data URL of the same bytes: the same answer.
+    r2 = ask(srv, video_part(data_url(fx.clip, "video/mp4")))
+    assert r2.choices[0].message.content == want["response"]
+
+
+def case_streaming(fx, srv, ranks):
+    want = qa_json(fx, fx.clip, ranks)
+    stream = ask(srv, video_part(file_url(fx.clip)), stream=True,
+                 stream_options={"include_usage": True})
+    text, finish, usage, chunks = "", None, None, 0
+    for ch in stream:
+        assert ch.object == "chat.completion.chunk"
+        chunks += 1
+        if ch.usage:
+            usage = ch.usage
+        for c in ch.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert text == want["response"], (text, want["response"])
+    assert finish == want["finish_reason"]
+    assert usage and usage.completion_tokens == want["completion_tokens"]
+    assert chunks >= 3  # role, content pieces, finish
+    # Raw SSE: events, then [DONE].
+    body = json.dumps({"model": "model", "messages": messages(video_part(file_url(fx.clip))),
+                       "stream": True, "max_tokens": 4})
+    status, raw = srv.http("POST", "/v1/chat/completions", body)
+    assert status == 200 and raw.rstrip().endswith("data: [DONE]"), raw[-200:]
+
+
+def case_image_frames(fx, srv, ranks):
+    # The frames lvx qa sampled, cut by ffmpeg's own decoder into PNGs, sent as image_url parts
+    # (as lmms-eval does): the same answer as lvx qa on the video.
+    want = qa_json(fx, fx.clip, ranks)
+    d = Path(tempfile.mkdtemp(dir=fx.root))
+    sel = "+".join("eq(n\\,%d)" % i for i in want["frame_indices"])
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-i", str(fx.clip), "-vf", "select=" + sel,
+                    "-vsync", "0", str(d / "f%03d.png")], check=True)
+    pngs = sorted(d.glob("f*.png"))
+    assert len(pngs) == FRAMES, pngs
+    parts = [{"type": "image_url", "image_url": {"url": data_url(p, "image/png")}} for p in pngs]
+    before = srv.metrics()
+    r = ask(srv, *parts)
+    assert r.choices[0].message.content == want["response"], (r.choices[0].message.content, want)
+    assert r.usage.prompt_tokens == want["prompt_tokens"]
+    # The same frames again: every rank finds them encoded.
+    r2 = ask(srv, *parts)
+    assert r2.choices[0].message.content == want["response"]
+    after = srv.metrics()
+    assert after["lvx_visual_cache_hits_total"] - before["lvx_visual_cache_hits_total"] == ranks
+
+
+def case_cache_hits_and_changed_file(fx, srv, ranks):
+    path = fx.media / "changing.mp4"
+    shutil.copy(fx.clip, path)
+    m0 = srv.metrics()
+    a = ask(srv, video_part(file_url(path)))
+    m1 = srv.metrics()
+    b = ask(srv, video_part(file_url(path)))
+    m2 = srv.metrics()
+    assert a.choices[0].message.content == b.choices[0].message.content
+    hits = lambda m: m["lvx_visual_cache_hits_total"]
+    misses = lambda m: m["lvx_visual_cache_misses_total"]
+    assert hits(m2) - hits(m1) == ranks and misses(m2) == misses(m1), (m1, m2)
+    # A hit decodes and encodes nothing: the slowest rank's encoding time is the lookup's.
+    lvx = b.model_extra["lvx"]
+    assert lvx["visual_cache"] == {"hits": ranks, "misses": 0, "bytes": lvx["visual_cache"]["bytes"]}
+    assert lvx["timings"]["encode_s"] < 0.01, lvx
+    assert m2["lvx_visual_cache_bytes"] > 0
+    # The file changes in place (same name): no rank may use the old features.
+    shutil.copy(fx.other, path)
+    c = ask(srv, video_part(file_url(path)))
+    m3 = srv.metrics()
+    assert misses(m3) - misses(m2) == ranks and hits(m3) == hits(m2), (m2, m3)
+    assert c.choices[0].message.content == qa_json(fx, fx.other, ranks)["response"]
+    # A caller's video_id is a key of its own.
+    ask(srv, video_part(file_url(fx.clip)), extra_body={"video_id": "clip-1"})
+    m4 = srv.metrics()
+    ask(srv, video_part(file_url(fx.clip)), extra_body={"video_id": "clip-1"})
+    m5 = srv.metrics()
+    assert hits(m5) - hits(m4) == ranks
+
+
+def case_error_codes(fx, srv, ranks):
+    ok = json.dumps({"model": "model", "messages": messages(video_part(file_url(fx.clip)))})
+    expect_error(srv, 400, "{not json")
+    expect_error(srv, 400, json.dumps({"model": "model", "messages": "hi"}))
+    expect_error(srv, 400, json.dumps({"model": "model", "messages": messages()}))  # no video
+    expect_error(srv, 400, json.dumps({"model": "model", "temperature": -1,
+                                       "messages": messages(video_part(file_url(fx.clip)))}))
+    expect_error(srv, 400, json.dumps({"model": "model", "messages": messages(
+        video_part(file_url(fx.media / "missing.mp4")))}))  # no such file
+    expect_error(srv, 400, json.dumps({"model": "model", "messages": messages(
+        video_part("data:video/mp4;base64,!!!"))}))
+    err = expect_error(srv, 404, json.dumps({"model": "gpt-4o", "messages": messages(
+        video_part(file_url(fx.clip)))}))
+    assert err["code"] == "model_not_found"
+    expect_error(srv, 401, ok, key=None)
+    expect_error(srv, 401, ok, key="sk-wrong")
+    assert srv.http("GET", "/v1/models", key=None)[0] == 401
+    expect_error(srv, 403, json.dumps({"model": "model", "messages": messages(
+        video_part("file:///etc/hostname"))}))
+    link = fx.media / "escape.mp4"
+    if not link.exists():
+        os.symlink("/etc/hostname", link)
+    expect_error(srv, 403, json.dumps({"model": "model", "messages": messages(
+        video_part(file_url(link)))}))
+    expect_error(srv, 403, json.dumps({"model": "model", "messages": messages(
+        video_part("file://" + str(fx.media) + "/../model/config.json"))}))
+    big = json.dumps({"model": "model", "pad": "x" * (300 << 10),
+                      "messages": messages(video_part(file_url(fx.clip)))})
+    expect_error(srv, 413, big)
+    # The openai client sees the same statuses as its exceptions.
+    try:
+        srv.client.chat.completions.create(model="nope", messages=messages(
+            video_part(file_url(fx.clip))))
+        raise AssertionError("no error for an unknown model")
+    except openai.NotFoundError:
+        pass
+    # Nothing else disturbed: a good request still works, and /v1/models, /health answer.
+    assert ask(srv, video_part(file_url(fx.clip))).choices[0].message.content is not None
+    status, models = srv.http("GET", "/v1/models")
+    assert status == 200 and json.loads(models)["data"][0]["id"] == "model"
+    assert srv.http("GET", "/health", key=None)[0] == 200
+
+
+def case_queue_full_429(fx, srv, ranks):
+    # --max-queue 1: of many requests sent at once, some wait, one runs, the rest get 429.
+    body = json.dumps({"model": "model", "max_tokens": 60,
+                       "messages": messages(video_part(file_url(fx.clip)))})
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        t0 = time.time()
+        codes = list(ex.map(lambda _: srv.http("POST", "/v1/chat/completions", body)[0],
+                            range(8)))
+    print("  8 requests at once: %s in %.1f s" % (codes, time.time() - t0))
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+    status, text = srv.http("POST", "/v1/chat/completions", body)
+    assert status == 200, text
+    m = srv.metrics()
+    assert m['lvx_requests_total{status="429"}'] == codes.count(429)
+
+
+def case_stop_and_disconnect(fx, srv, ranks):
+    full = ask(srv, video_part(file_url(fx.clip)), max_tokens=40).choices[0].message.content
+    if len(full) > 6:
+        stop = full[3:5]
+        r = ask(srv, video_part(file_url(fx.clip)), max_tokens=40, stop=[stop])
+        assert r.choices[0].message.content == full[:full.index(stop)], (full, stop, r)
+        assert r.choices[0].finish_reason == "stop"
+    # A client that goes away mid-stream stops its generation.
+    before = srv.metrics()["lvx_generated_tokens_total"]
+    stream = srv.client.chat.completions.create(
+        model="model", messages=messages(video_part(file_url(fx.clip))), temperature=0,
+        max_tokens=400, stream=True)
+    for _ in stream:
+        break
+    stream.close()
+    time.sleep(1.0)
+    ask(srv, video_part(file_url(fx.clip)), max_tokens=1)  # runs after the cancelled one
+    used = srv.metrics()["lvx_generated_tokens_total"] - before
+    assert used < 400, used
+
+
+def case_sigterm_finishes_in_flight(fx, srv, ranks):
+    got = {}
+
+    def run():
+        s = ask(srv, video_part(file_url(fx.clip)), max_tokens=100, stream=True)
+        got["text"] = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+        got["done"] = True
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    code = srv.stop(signal.SIGTERM)
+    t.join(30)
+    assert got.get("done"), "the stream in flight did not complete"
+    assert code == 0, "exit %s\n%s" % (code, srv.stderr())
+
+
+def case_killed_rank_503(fx, srv, ranks):
+    # Rank 1 (a child of the launcher with RANK=1) dies: requests get 503 and the server exits
+    # non-zero within LVX_DIST_TIMEOUT_S (4 s here) plus its heartbeat.
+    kids = subprocess.run(["pgrep", "-P", str(srv.proc.pid)], capture_output=True,
+                          text=True).stdout.split()
+    victim = None
+    for pid in kids:
+        env = Path("/proc/%s/environ" % pid).read_bytes().split(b"\0")
+        if b"RANK=1" in env:
+            victim = int(pid)
+    assert victim, kids
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.time()
+    status, text = srv.http("POST", "/v1/chat/completions", json.dumps(
+        {"model": "model", "messages": messages(video_part(file_url(fx.clip)))}))
+    assert status == 503, (status, text)
+    assert json.loads(text)["error"]["type"] == "server_error"
+    code = srv.proc.wait(timeout=30)
+    assert code != 0, srv.stderr()
+    assert time.time() - t0 < 20, time.time() - t0
+
+
+def case_port_in_use_fails_every_rank_at_once(fx, srv, ranks):
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    t0 = time.time()
+    r = subprocess.run([LVX, "serve", "--model", str(fx.model), "--nproc", str(ranks), "--port",
+                        str(s.getsockname()[1])], capture_output=True, text=True, timeout=60)
+    s.close()
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert re.search(r"cannot listen on 127\.0\.0\.1:\d+ \(--host, --port\)", r.stderr), r.stderr
+    assert time.time() - t0 < 30, "took %.1f s: the other ranks waited" % (time.time() - t0)
+
+
+# (case, server flags (None: the case starts what it needs), environment, ranks it needs, stops
+# the server itself)
+CASES = [
+    (case_answers_equal_lvx_qa, [], {}, 1, False),
+    (case_streaming, [], {}, 1, False),
+    (case_image_frames, [], {}, 1, False),
+    (case_cache_hits_and_changed_file, [], {}, 1, False),
+    (case_error_codes, ["--max-body-bytes", str(200 << 10)], {}, 1, False),
+    (case_queue_full_429, ["--max-queue", "1"], {}, 1, False),
+    (case_stop_and_disconnect, [], {}, 1, False),
+    (case_sigterm_finishes_in_flight, [], {}, 1, True),
+    (case_killed_rank_503, [], {"LVX_DIST_TIMEOUT_S": "4"}, 2, True),
+    (case_port_in_use_fails_every_rank_at_once, None, {}, 1, True),
+]
+
+
+def main():
+    ranks = int(sys.argv[1])
+    only = sys.argv[sys.argv.index("-k") + 1] if "-k" in sys.argv else ""
+    root = Path(os.environ.get("LVX_SERVE_TEST_DIR",
+                               Path(tempfile.gettempdir()) / ("lvx-serve-test-%d" % os.getuid())))
+    fx = Fixtures(root)
+    passed = failed = 0
+    shared = None  # cases without flags share one server
+    for case, flags, env, need, stops in CASES:
+        name = "%s[%d ranks]" % (case.__name__[5:], ranks)
+        if ranks < need or only not in name:
+            continue
+        t0 = time.time()
+        srv = None
+        try:
+            if flags is None:
+                srv = None
+            elif not flags and not env and not stops:
+                shared = shared or Server(fx, ranks)
+                srv = shared
+            else:
+                srv = Server(fx, ranks, *flags, env=env)
+            done = threading.Event()
+            timer = threading.Timer(
+                60, lambda: (done.is_set() or srv is None or os.killpg(srv.proc.pid, 9)))
+            timer.start()
+            try:
+                case(fx, srv, ranks)
+            finally:
+                done.set()
+                timer.cancel()
+            assert time.time() - t0 < 60, "took %.1f s" % (time.time() - t0)
+            passed += 1
+            print("PASS %s (%.1f s)" % (name, time.time() - t0), flush=True)
+        except Exception:
+            failed += 1
+            print("FAIL %s (%.1f s)\n%s" % (name, time.time() - t0, traceback.format_exc()),
+                  flush=True)
+            if srv:
+                print("server stderr:\n" + srv.stderr()[-3000:], flush=True)
+        finally:
+            if srv is not None and srv is not shared and srv.proc.poll() is None:
+                srv.stop()
+    if shared is not None:
+        code = shared.stop()
+        if code != 0:
+            failed += 1
+            print("FAIL shared server exit code %s\n%s" % (code, shared.stderr()[-3000:]))
+    print("%d passed, %d failed" % (passed, failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
