@@ -109,7 +109,7 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
     g_reduce = e * psi_t + convert + accumulate + (o.ranks > 1 ? 4 * psi_t / n : 0);
     g_update = 4 * psi_t;
   } else if (s == "optimizer") {
-    g_reduce = e * psi_t + convert + accumulate + 8 * psi_t / n;
+    g_reduce = e * psi_t + convert + accumulate + 4 * psi_t / n;
     g_update = 4 * psi_t / n + e * psi_t;
   } else if (s == "gradients") {
     g_reduce = e * psi_t + convert + 4 * psi_t / n + bucket;

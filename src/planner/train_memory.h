@@ -16,8 +16,9 @@
 //               flat buffer of e·Ψt, plus its fp32 copy when e != 4: "conv"):
 //                 reduction  none: e·Ψt + conv + 4·Ψt/n (the ring's receive buffer, n > 1)
 //                            (+4·Ψt accumulator when A > 1); optimizer: e·Ψt + conv (+4·Ψt)
-//                            + 8·Ψt/n (reduce-scatter buffer, shard); gradients: e·Ψt + conv +
-//                            4·Ψt/n + one bucket; parameters: 2 blocks + one bucket + 4·Ψt/n
+//                            + 4·Ψt/n (the shard, copied out of the flat buffer);
+//                            gradients: e·Ψt + conv + 4·Ψt/n + one bucket;
+//                            parameters: 2 blocks + one bucket + 4·Ψt/n
 //                 update     none: 4·Ψt; sharded: 4·Ψt/n + e·Ψt gathered (parameters: 4·Ψt/n)
 //   activations saved for the backward, per LM block and text token on this rank (L/S):
 //               (4h + 4m)·e (norms, residuals, MLP), remat: h·e (the block input only); per
