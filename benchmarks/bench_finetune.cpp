@@ -5,6 +5,16 @@
 // every step must equal the plain run's (both savers are exact; tolerance 1e-4 relative, fp32),
 // then throughput is the median step time over the steps after the first (warm-up).
 //   bench_finetune [--frames 32] [--nproc 2] [--hidden 128] [--layers 4] [--steps 4]
+//
+// --memory: sharded training state (parallel.shard) at world 1..4 on a larger random model
+// (--hidden 1024 --layers 32: 0.30 B parameters, fp32): per stage and rank count, samples/s,
+// the largest per-rank peak RSS above the process's own footprint before the model (metrics
+// peak_rss_bytes − base_rss_bytes), lvx plan's prediction for the same run
+// (planner::train_memory with the checkpoint's exact parameter counts, fp32) and their ratio, and
+// the training-state bytes each rank sent per step against sharded_state.h's formula. Runs whose
+// predicted memory for all ranks exceeds --host-gib are skipped (named).
+//   bench_finetune --memory --hidden 1024 --layers 32 [--frames 8] [--steps 3]
+//                  [--worlds 1,2,3,4] [--stages none,optimizer,gradients] [--host-gib 18]
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +30,8 @@
 #include "src/cli/args.h"
 #include "src/common/error.h"
 #include "src/dist/launcher.h"
+#include "src/planner/train_memory.h"
+#include "src/runtime/model_description.h"
 
 using namespace lvx;
 namespace fs = std::filesystem;
@@ -60,6 +72,73 @@ constexpr Mode kModes[] = {{"none", ""},
                            {"remat", " parallel.remat=true"},
                            {"both", " parallel.recompute=true parallel.remat=true"}};
 
+// The last metrics line of a run.
+nlohmann::json last_metrics(const std::string& ck) {
+  std::ifstream f(ck + "/metrics.jsonl");
+  nlohmann::json last;
+  for (std::string line; std::getline(f, line);) last = nlohmann::json::parse(line);
+  LVX_CHECK(last.is_object(), "bench_finetune: ", ck, "/metrics.jsonl has no rows");
+  return last;
+}
+
+int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string& lvx) {
+  const std::string model_dir = (dir / "model").string();
+  const planner::ModelConfig m = runtime::planner_model(model_dir);
+  const planner::ParamCounts counts = runtime::count_parameters(model_dir, m, "vision");
+  const double gib = double(int64_t{1} << 30);
+  std::printf(
+      "mPLUG-Owl3 (random) hidden %s, %s layers: %.3f B parameters, %.3f B train "
+      "(freeze vision), fp32; %s frames/sample, %s steps\n\n",
+      p.get("hidden").c_str(), p.get("layers").c_str(), counts.total / 1e9, counts.trainable / 1e9,
+      p.get("frames").c_str(), p.get("steps").c_str());
+  std::printf(
+      "| shard | ranks | samples/s | peak RSS/rank GiB (measured) | predicted GiB | "
+      "measured/predicted | state bytes/step/rank | formula |\n"
+      "|---|---|---|---|---|---|---|---|\n");
+  const double host = p.get_double("host-gib") * gib;
+  for (const std::string& stage : p.get_list("stages")) {
+    for (const std::string& ws : p.get_list("worlds")) {
+      const int w = std::stoi(ws);
+      planner::TrainMemoryOptions o;
+      o.shard = stage;
+      o.ranks = w;
+      o.elem_bytes = 4;
+      const int64_t frames = p.get_int("frames");
+      // Text tokens of the prompt: read back from the run; estimate to decide skipping.
+      const double guess =
+          planner::train_memory(m, counts, frames, frames + 64, m.visual_tokens_per_frame, o, 0)
+              .total;
+      if (guess * w > host) {
+        std::printf("| %s | %d | skipped: %.1f GiB predicted for %d ranks > --host-gib |||||\n",
+                    stage.c_str(), w, guess * w / gib, w);
+        std::fflush(stdout);
+        continue;
+      }
+      const std::string ck = "ck_mem_" + stage + ws;
+      fs::remove_all(ck);
+      run(lvx + " finetune --config run.yaml checkpoint.dir=" + ck + " parallel.nproc=" + ws +
+          " parallel.shard=" + stage);
+      const nlohmann::json j = last_metrics(ck);
+      const int64_t tokens = j.at("tokens").get<int64_t>();
+      const double measured =
+          j.at("peak_rss_bytes").get<double>() - j.at("base_rss_bytes").get<double>();
+      const planner::TrainMemory t =
+          planner::train_memory(m, counts, frames, tokens, m.visual_tokens_per_frame, o, 0);
+      // sharded_state.h at one sample per step: none 2(n−1)/n·4Ψ (all-reduce); the stages
+      // (n−1)/n·4Ψ reduce-scatter + (n−1)/n·4Ψ parameter all-gather, the same volume (the
+      // measured adds uneven chunks and the norm's all-reduce).
+      const double psi = static_cast<double>(counts.trainable), f = (w - 1.0) / w;
+      const double formula = 2 * f * 4 * psi;
+      std::printf("| %s | %d | %.3f | %.2f | %.2f | %.3f | %.4g | %.4g |\n", stage.c_str(), w,
+                  j.at("samples_per_second").get<double>(), measured / gib, t.total / gib,
+                  measured / t.total, j.at("state_bytes_sent").get<double>(), formula);
+      std::fflush(stdout);
+      fs::remove_all(ck);
+    }
+  }
+  return 0;
+}
+
 int bench(int argc, char** argv) {
   cli::ArgParser p("bench_finetune [options]",
                    "Fine-tuning samples/s through `lvx finetune` with and without K/V\n"
@@ -69,7 +148,12 @@ int bench(int argc, char** argv) {
   p.add_option("hidden", 0, "128", "LM width (heads of 32)");
   p.add_option("layers", 0, "4", "LM layers (two are hyper layers)");
   p.add_option("steps", 0, "4", "optimizer steps per mode (the first is a warm-up)");
+  p.add_flag("memory", 0, "sharded state: measured peak RSS per rank vs lvx plan's prediction");
+  p.add_option("worlds", 0, "1,2,3,4", "--memory: rank counts");
+  p.add_option("stages", 0, "none,optimizer,gradients", "--memory: parallel.shard values");
+  p.add_option("host-gib", 0, "18", "--memory: skip runs predicted to need more host memory");
   if (!p.parse(argc, argv)) return 0;
+  const bool memory = p.flag("memory");
   const fs::path dir =
       fs::temp_directory_path() / ("lvx_bench_finetune_" + std::to_string(getpid()));
   fs::create_directories(dir);
@@ -89,6 +173,12 @@ int bench(int argc, char** argv) {
                                   << ", strategies: \"lv_xattn,ring\"}\n";
   const std::string lvx =
       (fs::path(dist::self_executable()).parent_path().parent_path() / "lvx").string();
+  if (memory) {
+    const int rc = bench_memory(p, dir, lvx);
+    fs::current_path(fs::temp_directory_path());
+    fs::remove_all(dir);
+    return rc;
+  }
   struct Result {
     std::string mode;
     std::vector<double> loss, secs;

@@ -118,6 +118,27 @@ LVX_WORKER(all_ops) {
     pg->all_reduce(odd);
     expect_equal(odd, at::full({5}, static_cast<float>(w * (w + 1) / 2)), "all_reduce small");
   }
+  // Reduce-scatter: rank r gets the sum of chunk shard_range(n, w, r), n not divisible by w;
+  // each rank sends and receives (w−1) chunks, the sizes of chunks r−1 … r−w+1 (sent) and
+  // r−2 … r−w (received).
+  {
+    const int64_t n = 12 * w + 1;
+    at::Tensor i = at::arange(n, at::kFloat);
+    pg->counters().reset();
+    at::Tensor x = i * r + 1;
+    const at::Tensor got = pg->reduce_scatter(x);
+    const auto [b, e] = lvx::dist::shard_range(n, w, r);
+    expect_equal(got, (i * (w * (w - 1) / 2) + w).narrow(0, b, e - b), "reduce_scatter sum");
+    int64_t sent = 0, recv = 0;
+    for (int s = 0; s + 1 < w; ++s) {
+      const auto cs = lvx::dist::shard_range(n, w, (r - s - 1 + 2 * w) % w);
+      const auto cr = lvx::dist::shard_range(n, w, (r - s - 2 + 3 * w) % w);
+      sent += (cs.second - cs.first) * fb;
+      recv += (cr.second - cr.first) * fb;
+    }
+    expect_bytes(pg->counters().total_sent(), sent, "reduce_scatter sent");
+    expect_bytes(pg->counters().total_received(), recv, "reduce_scatter recv");
+  }
   // All-to-all with uneven splits, zeros included: rank a sends (a + b) % 3 rows to rank b.
   {
     pg->counters().reset();

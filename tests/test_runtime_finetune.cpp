@@ -26,7 +26,9 @@
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/common/safetensors.h"
+#include "src/dist/process_group.h"
 #include "src/runtime/optimizer.h"
+#include "src/runtime/sharded_state.h"
 #include "src/runtime/train_checkpoint.h"
 #include "src/runtime/train_config.h"
 #include "tests/model_conformance.h"
@@ -432,3 +434,188 @@ TEST(FinetuneOptimizer, MatchesTorchAdamWAndClipGradNorm) {
 }
 
 }  // namespace
+
+// ---- sharded training state and data × sequence parallel (src/runtime/sharded_state.h) --------
+//
+// Tolerance: the stages compute AdamW's update elementwise exactly as `none` does; only gradient
+// sums (across ranks and samples) and the global norm round differently (fp32). Adam turns those
+// ~1e-7 relative differences into at most lr · (relative change) per step for parameters with a
+// real gradient, but for parameters whose exact gradient is zero (the key biases: softmax is
+// invariant to them) it normalises pure rounding noise, moving them by up to lr · noise / eps per
+// step. optimizer.eps = 1e-6 (above that noise) and 2e-5 absolute over 3 steps of lr <= 3e-3
+// covers both (measured: <= 6e-6; a wrong shard or a missing rank's gradient moves parameters by
+// ~lr = 1e-3 per step).
+namespace {
+
+constexpr double kShardTol = 2e-5;
+
+struct TrainState {
+  std::map<std::string, at::Tensor> weights;
+  std::map<std::string, at::Tensor> optimizer;  // flat master, exp_avg, exp_avg_sq
+};
+
+TrainState train_state(const std::string& ckpt) {
+  TrainState s;
+  s.weights = lvx::load_safetensors(ckpt + "/model.safetensors").tensors;
+  const nlohmann::json st =
+      nlohmann::json::parse(lvx::read_file(ckpt + "/trainer_state.json", "t"));
+  const auto layout =
+      lvx::runtime::FlatLayout::from_json(st["optimizer"]["layout"], ckpt + "/trainer_state.json");
+  s.optimizer = lvx::runtime::load_flat_optimizer_state(ckpt, layout, 0, layout.numel());
+  return s;
+}
+
+double state_diff(const std::string& a, const std::string& b) {
+  const TrainState x = train_state(a), y = train_state(b);
+  double worst = 0;
+  EXPECT_EQ(x.weights.size(), y.weights.size());
+  for (const auto& [name, t] : x.weights)
+    worst = std::max(
+        worst, (t.to(at::kDouble) - y.weights.at(name).to(at::kDouble)).abs().max().item<double>());
+  for (const auto& [name, t] : x.optimizer)
+    worst = std::max(
+        worst,
+        (t.to(at::kDouble) - y.optimizer.at(name).to(at::kDouble)).abs().max().item<double>());
+  return worst;
+}
+
+// A 3-step run (grad_accum 2, eps 1e-6) at `ranks` with extra overrides; returns its directory.
+std::string shard_run(const std::string& name, int ranks, const std::string& flags,
+                      const std::string& env = "") {
+  const std::string ck = (dir() / ("ck_" + name)).string();
+  fs::remove_all(ck);
+  const std::string log = finetune(
+      write_config(name, ck, 3),
+      lvx::str("optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=", ranks, " ", flags),
+      env);
+  EXPECT_EQ(log.find("exit status"), std::string::npos) << log;
+  return ck;
+}
+
+// Trainable elements of a run (its recorded layout) and rank 0's shard-range chunk sizes.
+int64_t trainable_numel(const std::string& ckpt) {
+  const nlohmann::json st =
+      nlohmann::json::parse(lvx::read_file(latest(ckpt) + "/trainer_state.json", "t"));
+  return lvx::runtime::FlatLayout::from_json(st["optimizer"]["layout"], "t").numel();
+}
+
+}  // namespace
+
+TEST(FinetuneShard, EveryStageEqualsNoneAtWorlds1To4WithFormulaBytes) {
+  for (int w = 1; w <= 4; ++w) {
+    const std::string none = shard_run(lvx::str("none", w), w, "");
+    const int64_t psi = trainable_numel(none);
+    auto chunk = [&](int q) {
+      const auto [b, e] = lvx::dist::shard_range(psi, w, q % w);
+      return e - b;
+    };
+    // Rank 0's bytes per step (fp32 gradients and parameters, A = 2 samples per step): none
+    // all-reduces each sample (every chunk but chunk 1, then every chunk but chunk 2); the
+    // stages reduce-scatter (all chunks but rank 0's own) once per step (optimizer) or per sample
+    // (gradients), then all-gather the parameters (all chunks but chunk 1), plus the norm's
+    // all-reduce of one double (at most 16 bytes).
+    const int64_t rs = 4 * (psi - chunk(0)), ag = 4 * (psi - chunk(1));
+    const int64_t ar = w == 1 ? 0 : 4 * (2 * psi - chunk(1) - chunk(2));
+    const std::map<std::string, int64_t> want = {{"none", 2 * ar},
+                                                 {"optimizer", w == 1 ? 0 : rs + ag},
+                                                 {"gradients", w == 1 ? 0 : 2 * rs + ag}};
+    for (const std::string stage : {"none", "optimizer", "gradients"}) {
+      // Gradients in buckets of 5000 elements: many buckets, most crossing a shard boundary.
+      const std::string ck =
+          stage == "none"
+              ? none
+              : shard_run(lvx::str(stage, w), w, "parallel.shard=" + stage, "LVX_GRAD_BUCKET=5000");
+      const double d = stage == "none" ? 0 : state_diff(latest(none), latest(ck));
+      std::cout << "world " << w << " shard " << stage << ": max |diff| vs none " << d << "\n";
+      EXPECT_LE(d, kShardTol) << "world " << w << " " << stage;
+      for (const auto& m : metrics(ck + "/metrics.jsonl")) {
+        const int64_t got = m["state_bytes_sent"].get<int64_t>();
+        EXPECT_GE(got, want.at(stage)) << "world " << w << " " << stage;
+        EXPECT_LE(got, want.at(stage) + 16) << "world " << w << " " << stage;
+      }
+    }
+    if (w >= 2) {
+      // The optimizer state is sharded beside the consolidated weights.
+      const std::string g = latest((dir() / lvx::str("ck_gradients", w)).string());
+      for (int q = 0; q < w; ++q)
+        EXPECT_TRUE(fs::exists(g + "/" + lvx::runtime::optimizer_shard_name(q, w))) << g;
+      EXPECT_FALSE(fs::exists(g + "/optimizer.safetensors"));
+      EXPECT_NO_THROW(lvx::models::load_model(g, at::kFloat));
+    }
+  }
+}
+
+TEST(FinetuneShard, ResumeAtAnotherWorldSizeReshards) {
+  // Uninterrupted: gradients at 2 ranks, 3 steps (checkpoints at 2 and 3).
+  const std::string full = shard_run("rs_full", 2, "parallel.shard=gradients");
+  for (const auto& [ranks, stage] :
+       std::vector<std::pair<int, std::string>>{{3, "gradients"}, {1, "none"}, {4, "optimizer"}}) {
+    const std::string ck = (dir() / lvx::str("ck_rs_", ranks, stage)).string();
+    fs::remove_all(ck);
+    fs::create_directories(ck);
+    fs::copy(full + "/step-000002", ck + "/step-000002", fs::copy_options::recursive);
+    std::ofstream(ck + "/latest") << "step-000002\n";
+    fs::copy(full + "/metrics.jsonl", ck + "/metrics.jsonl");
+    const std::string log = finetune(
+        write_config(lvx::str("rs_", ranks, stage), ck, 3),
+        lvx::str("--resume optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=", ranks,
+                 " parallel.shard=", stage));
+    ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
+    EXPECT_NE(log.find("resumed from"), std::string::npos) << log;
+    ASSERT_EQ(fs::path(latest(ck)).filename(), "step-000003");
+    // Step 3 ran at another rank count (other attention arithmetic): fp32 rounding apart.
+    const double d = state_diff(latest(full), latest(ck));
+    std::cout << "resume 2 ranks (gradients) -> " << ranks << " (" << stage << "): max |diff| " << d
+              << "\n";
+    EXPECT_LE(d, kShardTol);
+  }
+  // Kill -9 of one rank after the step-2 checkpoint, then --resume at the same rank count and
+  // stage: bitwise the uninterrupted run (the same arithmetic repeats).
+  const std::string ck = (dir() / "ck_rs_kill").string();
+  fs::remove_all(ck);
+  const std::string config = write_config("rs_kill", ck, 3);
+  const std::string flags =
+      "optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=2 "
+      "parallel.shard=gradients";
+  const std::string killed = finetune(config, flags, "LVX_FAULT_KILL=1@2");
+  EXPECT_NE(killed.find("exit status"), std::string::npos) << killed;
+  ASSERT_EQ(fs::path(latest(ck)).filename(), "step-000002");
+  const std::string resumed = finetune(config, "--resume " + flags);
+  ASSERT_EQ(resumed.find("exit status"), std::string::npos) << resumed;
+  EXPECT_EQ(state_diff(latest(full), latest(ck)), 0.0) << "not bitwise equal";
+}
+
+TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
+  // World 2 as 2 data-parallel groups × 1 rank == world 1 with grad_accum 2 × 2 = 4.
+  const std::string one = shard_run("dp_one", 1, "optimizer.grad_accum=4");
+  const std::string dp2 = shard_run("dp_2x1", 2, "parallel.sp_size=1");
+  const double d1 = state_diff(latest(one), latest(dp2));
+  std::cout << "2x1 vs world 1 grad_accum 4: " << d1 << "\n";
+  EXPECT_LE(d1, kShardTol);
+  // World 4 as 2 × 2 == world 2 (one sequence-parallel group) with grad_accum 4; with sharded
+  // gradients too.
+  const std::string two = shard_run("dp_two", 2, "optimizer.grad_accum=4");
+  const std::string dp4 = shard_run("dp_2x2", 4, "parallel.sp_size=2");
+  const std::string dp4g = shard_run("dp_2x2g", 4, "parallel.sp_size=2 parallel.shard=gradients");
+  for (const std::string& ck : {dp4, dp4g}) {
+    const double d = state_diff(latest(two), latest(ck));
+    std::cout << fs::path(ck).filename().string() << " vs world 2 grad_accum 4: " << d << "\n";
+    EXPECT_LE(d, kShardTol);
+  }
+  // The recorded data position counts every group's samples: 3 steps × 2 × 2 groups.
+  const nlohmann::json st =
+      nlohmann::json::parse(lvx::read_file(latest(dp4) + "/trainer_state.json", "t"));
+  EXPECT_EQ(st["data"]["samples_seen"].get<int64_t>(), 12);
+  // sp_size must divide the world.
+  const std::string ck = (dir() / "ck_dp_bad").string();
+  fs::remove_all(ck);
+  const std::string log =
+      finetune(write_config("dp_bad", ck, 3), "parallel.nproc=3 parallel.sp_size=2");
+  EXPECT_NE(log.find("parallel.sp_size: 2 does not divide the 3 ranks"), std::string::npos) << log;
+  // Stage 3 is refused before any rank starts, naming what runs instead.
+  const std::string s3 = finetune(write_config("dp_bad", ck, 3), "parallel.shard=parameters");
+  EXPECT_NE(s3.find("parallel.shard: 'parameters'"), std::string::npos) << s3;
+  const std::string typo = finetune(write_config("dp_bad", ck, 3), "parallel.shard=zero2");
+  EXPECT_NE(typo.find("parallel.shard"), std::string::npos) << typo;
+  EXPECT_FALSE(fs::exists(ck + "/latest"));
+}

@@ -67,13 +67,14 @@ int cmd_finetune(int argc, char** argv) {
   }
   lvx::cli::ArgParser p(
       "lvx finetune --config run.yaml [--resume [--accept-config-changes]] [--nproc N] "
-      "[section.field=value ...]",
+      "[--sp-size S] [section.field=value ...]",
       "Fine-tunes a video LLM (a checkpoint directory; model_type " +
           lvx::models::supported_model_types() +
           ") on JSONL rows\nof video, optional start/end seconds, question and answer; "
           "the loss is on the answer tokens.\n"
           "AdamW (fp32 masters), warm-up then cosine decay, gradient clipping and accumulation,\n"
-          "freeze policies (vision | cross_only | none), sequence parallel across ranks.\n"
+          "freeze policies (vision | cross_only | none), data x sequence parallel across ranks,\n"
+          "sharded training state (parallel.shard: none | optimizer | gradients).\n"
           "Checkpoints (checkpoint.dir/step-N, `latest`) load with lvx qa / lvx forward; --resume\n"
           "continues from the latest. See docs/finetune.md for every config field.");
   p.add_option("config", 'c', "", "run YAML (configs/runs/finetune_tiny.yaml)", true);
@@ -82,6 +83,8 @@ int cmd_finetune(int argc, char** argv) {
              "with --resume: continue although data, optimizer, schedule or freeze settings "
              "differ from the checkpoint's (refused otherwise, naming the fields)");
   p.add_option("nproc", 'n', "", "local ranks to start (default: parallel.nproc)");
+  p.add_option("sp-size", 0, "",
+               "ranks per sequence-parallel group (default: parallel.sp_size; 0: all ranks)");
   lvx::cli::add_threads_option(p);
   lvx::cli::add_device_option(p);
   if (!p.parse(static_cast<int>(args.size()), args.data())) return 0;
@@ -93,6 +96,8 @@ int cmd_finetune(int argc, char** argv) {
   job.overrides = overrides;
   if (p.has("nproc") && !p.get("nproc").empty())
     job.overrides.push_back("parallel.nproc=" + p.get("nproc"));
+  if (p.has("sp-size") && !p.get("sp-size").empty())
+    job.overrides.push_back("parallel.sp_size=" + p.get("sp-size"));
   if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
     return lvx::cli::apply_threads(p), lvx::runtime::run_finetune_rank(job);
   // Bad input fails once, clearly, before ranks start and before anything is written.

@@ -9,6 +9,7 @@
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/planner/planner.h"
+#include "src/planner/train_memory.h"
 #include "src/runtime/model_description.h"
 
 namespace {
@@ -24,8 +25,10 @@ int cmd_plan(int argc, char** argv) {
   p.add_option("model", 'm', "", "model config (configs/models/*.yaml) or a checkpoint directory",
                true);
   p.add_option("cluster", 'c', "", "cluster config (configs/clusters/*.yaml)", true);
-  p.add_option("frames", 'f', "", "video frames", true);
-  p.add_option("text", 't', "", "text tokens S_Q, including one <image> token per frame", true);
+  p.add_option("frames", 'f', "", "video frames (or --max-frames)");
+  p.add_option("text", 't', "",
+               "text tokens S_Q, including one <image> token per frame (with --max-frames: the\n"
+               "text besides the frames' tokens; default 64)");
   p.add_option("tokens-per-frame", 'k', "0", "visual tokens per frame (0: the model's)");
   p.add_option("nproc", 'n', "0", "ranks to use (0: every GPU of the cluster)");
   p.add_option("dtype", 0, "", "activation dtype bf16|fp16|fp32 (empty: the model's)");
@@ -42,11 +45,118 @@ int cmd_plan(int argc, char** argv) {
   p.add_option("reserve-gib", 0, "0",
                "device memory taken by everything but attention (weights, other activations)");
   p.add_option("json", 'j', "", "also write the plan as JSON to this file");
+  // The whole memory of training (src/planner/train_memory.h), mirroring lvx finetune's config.
+  p.add_option("shard", 0, "none",
+               "training: sharded state none|optimizer|gradients|parameters (parallel.shard)");
+  p.add_option("sp-size", 0, "0",
+               "training: ranks per sequence-parallel group (parallel.sp_size; 0: all)");
+  p.add_option("lora-r", 0, "0", "training: LoRA rank (0: full fine-tuning)");
+  p.add_option("freeze", 0, "vision", "training: freeze.policy vision|cross_only|none");
+  p.add_option("grad-accum", 0, "1", "training: optimizer.grad_accum");
+  p.add_flag("recompute", 0, "training memory: LV-XAttn K/V recomputation (parallel.recompute)");
+  p.add_flag("remat", 0, "training memory: rematerialization (parallel.remat)");
+  p.add_flag("max-frames", 0,
+             "training: the most frames whose whole memory fits the device, for the given\n"
+             "settings and for the best shard stage / recompute / remat choice");
   if (!p.parse(argc, argv)) return 0;
   const std::string json_path = p.get("json");
   if (!json_path.empty()) lvx::check_output_path(json_path, "--json");  // no FIFO, no directory
   lvx::planner::ModelConfig model = lvx::runtime::planner_model(p.get("model"));
   lvx::planner::ClusterConfig cluster = lvx::planner::load_cluster_config(p.get("cluster"));
+  const bool max_frames = p.flag("max-frames");
+  LVX_CHECK(max_frames || (!p.get("frames").empty() && !p.get("text").empty()),
+            "--frames and --text are required (or --train --max-frames)");
+  LVX_CHECK(!max_frames || p.flag("train"), "--max-frames plans training memory: add --train");
+  lvx::planner::TrainMemoryOptions mo;
+  mo.shard = p.get("shard");
+  mo.ranks = p.get_int("nproc") > 0 ? p.get_int("nproc") : cluster.nodes * cluster.gpus_per_node;
+  mo.sp_size = p.get_int("sp-size", 0, mo.ranks);
+  LVX_CHECK(mo.sp_size == 0 || mo.ranks % mo.sp_size == 0, "--sp-size: ", mo.sp_size,
+            " does not divide the ", mo.ranks, " ranks");
+  mo.lora_r = p.get_int("lora-r", 0, 1 << 16);
+  mo.grad_accum = p.get_int("grad-accum", 1, 1 << 20);
+  mo.recompute = p.flag("recompute");
+  mo.remat = p.flag("remat");
+  const std::string dtype = p.get("dtype").empty() ? model.dtype : p.get("dtype");
+  mo.elem_bytes = lvx::planner::dtype_bytes(dtype, "--dtype");
+  const int64_t tpf = p.get_int("tokens-per-frame") > 0 ? p.get_int("tokens-per-frame")
+                                                        : model.visual_tokens_per_frame;
+  const double device = static_cast<double>(cluster.device_memory_bytes);
+  lvx::planner::ParamCounts counts;
+  if (p.flag("train")) {
+    counts = lvx::runtime::count_parameters(p.get("model"), model, p.get("freeze"));
+    if (counts.vocab == 0)
+      std::cout << "note: the model has no vocab_size: the logits' memory is not counted\n";
+    std::cout << "parameters: " << counts.total << " (" << counts.trainable << " train under "
+              << "freeze " << p.get("freeze") << (counts.exact ? ", counted" : ", estimated") << ")"
+              << (mo.lora_r > 0 ? lvx::str("; LoRA r=", mo.lora_r, ": ",
+                                           lvx::planner::lora_parameters(model, mo.lora_r),
+                                           " adapter parameters train")
+                                : std::string())
+              << "\n";
+  }
+  if (max_frames) {
+    const int64_t question = p.get("text").empty() ? 64 : p.get_int("text");
+    // The most frames with the whole memory within the device, by bisection (memory grows
+    // with frames).
+    auto most = [&](const lvx::planner::TrainMemoryOptions& o) {
+      auto fits = [&](int64_t f) {
+        return lvx::planner::train_memory(model, counts, f, f + question, tpf, o, device).fits;
+      };
+      int64_t lo = 0, hi = lvx::planner::kMaxPlanVisualTokens / std::max<int64_t>(1, tpf);
+      if (!fits(0)) return int64_t{-1};
+      while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (fits(mid))
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      return lo;
+    };
+    nlohmann::json rows = nlohmann::json::array();
+    const int64_t given = most(mo);
+    std::cout << "max frames (shard " << mo.shard << ", sp-size "
+              << (mo.sp_size ? mo.sp_size : mo.ranks) << ", recompute " << mo.recompute
+              << ", remat " << mo.remat << "): "
+              << (given < 0 ? std::string("none fit (the state alone exceeds the device)")
+                            : std::to_string(given))
+              << "\n";
+    lvx::planner::TrainMemoryOptions best = mo;
+    int64_t best_frames = given;
+    for (const char* stage : {"none", "optimizer", "gradients", "parameters"})
+      for (int rc = 0; rc < 2; ++rc)
+        for (int rm = 0; rm < 2; ++rm) {
+          lvx::planner::TrainMemoryOptions o = mo;
+          o.shard = stage;
+          o.recompute = rc;
+          o.remat = rm;
+          const int64_t f = most(o);
+          rows.push_back(
+              {{"shard", stage}, {"recompute", bool(rc)}, {"remat", bool(rm)}, {"max_frames", f}});
+          if (f > best_frames) best_frames = f, best = o;
+        }
+    std::cout << "best: " << best_frames << " frames with shard " << best.shard
+              << (best.recompute ? ", recompute" : "") << (best.remat ? ", remat" : "") << "\n";
+    if (best_frames >= 0)
+      std::cout << lvx::planner::format_memory(lvx::planner::train_memory(
+          model, counts, best_frames, best_frames + question, tpf, best, device));
+    if (!json_path.empty()) {
+      std::ofstream f(json_path);
+      f << nlohmann::json{{"max_frames", given},
+                          {"best",
+                           {{"max_frames", best_frames},
+                            {"shard", best.shard},
+                            {"recompute", best.recompute},
+                            {"remat", best.remat}}},
+                          {"choices", rows},
+                          {"fits", given >= 0}}
+               .dump(2)
+        << "\n";
+      LVX_CHECK(f.good(), "--json: cannot write '", json_path, "'");
+    }
+    return 0;
+  }
   lvx::planner::Workload w;
   w.frames = p.get_int("frames");
   w.text_tokens = p.get_int("text");
@@ -67,10 +177,18 @@ int cmd_plan(int argc, char** argv) {
   if (p.flag("paper-accounting")) opt = lvx::planner::paper_accounting(opt);
   lvx::planner::Plan plan = lvx::planner::plan(model, cluster, w, opt);
   std::cout << lvx::planner::format_table(plan);
+  nlohmann::json j = lvx::planner::to_json(plan);
+  if (p.flag("train")) {
+    const lvx::planner::TrainMemory tm =
+        lvx::planner::train_memory(model, counts, w.frames, w.text_tokens, tpf, mo, device);
+    std::cout << lvx::planner::format_memory(tm);
+    j["train_memory"] = lvx::planner::to_json(tm);
+    j["fits"] = plan.fits && tm.fits;
+  }
   if (!json_path.empty()) {
     std::ofstream f(json_path);
     LVX_CHECK(f.good(), "--json: cannot write '", json_path, "'");
-    f << lvx::planner::to_json(plan).dump(2) << "\n";
+    f << j.dump(2) << "\n";
     f.close();
     LVX_CHECK(!f.fail(), "--json: writing '", json_path, "' failed (disk full?)");
   }

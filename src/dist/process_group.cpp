@@ -285,6 +285,56 @@ std::shared_ptr<ProcessGroup> ProcessGroup::adopt(const std::string& torch_group
   return pg;
 }
 
+std::shared_ptr<ProcessGroup> ProcessGroup::subgroup(const std::shared_ptr<ProcessGroup>& parent,
+                                                     int first, int size) {
+  const int pr = parent->rank();
+  LVX_CHECK(first >= 0 && size >= 1 && first + size <= parent->world_size() && pr >= first &&
+                pr < first + size,
+            "subgroup: ranks [", first, ", ", first + size, ") of a world of ",
+            parent->world_size(), " must include this rank ", pr);
+  RendezvousInfo info = parent->info();
+  info.rank = pr - first;
+  info.world_size = size;
+  info.source = str(parent->info().source, ", ranks ", first, "..", first + size - 1);
+  // Ranks per node as the parent sees them, clipped to the group (a group inside a node).
+  info.local_world_size = std::min(info.local_world_size, size);
+  std::shared_ptr<ProcessGroup> pg(new ProcessGroup(info, parent->options_, /*connect=*/false));
+  if (size == 1) return pg;
+  LVX_CHECK(parent->engine_ && parent->engine_->store, "subgroup: the parent group has no store");
+  auto& e = *pg->engine_;
+  // Like an adopted group: the (prefixed) store is shared, never hosted; tags from 2^30 up.
+  e.adopted = true;
+  e.tag_base = 1u << 30;
+  e.tag_mask = (1u << 30) - 1;
+  const std::string prefix = str(kStorePrefix, "sub/", first, "+", size, "/");
+  c10::intrusive_ptr<c10d::Store> base;
+  try {
+    base = parent->engine_->store->clone();
+  } catch (const std::exception&) {
+    base = parent->engine_->store;
+  }
+  e.store = c10::make_intrusive<c10d::PrefixStore>(prefix, base);
+  auto gloo_opts = c10d::ProcessGroupGloo::Options::create(pg->options_.timeout);
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else if (info.master_addr == "127.0.0.1" || info.master_addr == "localhost") {
+    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  try {
+    e.gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("gloo", e.store), info.rank, size, gloo_opts);
+  } catch (const std::exception& ex) {
+    LVX_FAIL("rank ", pr, ": Gloo could not connect the subgroup of ranks ", first, "..",
+             first + size - 1, ": ", ex.what());
+  }
+  e.nccl = make_nccl_backend(e.store, info, pg->options_.timeout);
+  e.cuda_via_host = true;
+  pg->start_heartbeat();
+  return pg;
+}
+
 std::shared_ptr<ProcessGroup> ProcessGroup::from_env(Options options) {
   return std::make_shared<ProcessGroup>(rendezvous_from_env(), options);
 }
@@ -766,6 +816,63 @@ void ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op) {
                       "all_reduce")
         .wait();
   }
+}
+
+at::Tensor ProcessGroup::reduce_scatter(at::Tensor& tensor, ReduceOp op) {
+  std::vector<int64_t> splits(static_cast<size_t>(world_size_));
+  for (int c = 0; c < world_size_; ++c) {
+    const auto [b, e] = shard_range(tensor.numel(), world_size_, c);
+    splits[static_cast<size_t>(c)] = e - b;
+  }
+  return reduce_scatter(tensor, splits, op);
+}
+
+at::Tensor ProcessGroup::reduce_scatter(at::Tensor& tensor, const std::vector<int64_t>& splits,
+                                        ReduceOp op) {
+  LVX_CHECK(tensor.dim() == 1 && tensor.is_contiguous(),
+            "reduce_scatter: expected a contiguous 1-D tensor, got shape ", tensor.sizes());
+  const int64_t n = tensor.numel();
+  const int w = world_size_;
+  LVX_CHECK(static_cast<int>(splits.size()) == w, "reduce_scatter: splits has ", splits.size(),
+            " entries for ", w, " ranks");
+  std::vector<int64_t> off(static_cast<size_t>(w) + 1, 0);
+  for (int c = 0; c < w; ++c) {
+    LVX_CHECK(splits[static_cast<size_t>(c)] >= 0, "reduce_scatter: negative split");
+    off[static_cast<size_t>(c) + 1] = off[static_cast<size_t>(c)] + splits[static_cast<size_t>(c)];
+  }
+  LVX_CHECK(off.back() == n, "reduce_scatter: splits sum to ", off.back(), ", the tensor has ", n,
+            " elements");
+  auto chunk = [&](int c) {
+    return tensor.narrow(0, off[static_cast<size_t>(c)], splits[static_cast<size_t>(c)]);
+  };
+  if (w == 1) return tensor;
+  auto reduce_into = [&](at::Tensor dst, const at::Tensor& src) {
+    switch (op) {
+      case ReduceOp::kSum:
+        dst.add_(src);
+        break;
+      case ReduceOp::kMax:
+        at::maximum_out(dst, dst, src);
+        break;
+      case ReduceOp::kMin:
+        at::minimum_out(dst, dst, src);
+        break;
+    }
+  };
+  at::Tensor tmp = at::empty({*std::max_element(splits.begin(), splits.end())}, tensor.options());
+  // After w−1 steps rank r holds the full reduction of chunk r: at step s it sends its partial
+  // of chunk r−s−1 and adds the previous rank's partial of chunk r−s−2.
+  for (int s = 0; s + 1 < w; ++s) {
+    const int send_c = (rank_ - s - 1 + 2 * w) % w;
+    const int recv_c = (rank_ - s - 2 + 3 * w) % w;
+    at::Tensor dst = chunk(recv_c);
+    at::Tensor buf = tmp.narrow(0, 0, dst.numel());
+    batch_isend_irecv({P2POp::send(chunk(send_c), next()), P2POp::recv(buf, prev())},
+                      "reduce_scatter")
+        .wait();
+    reduce_into(dst, buf);
+  }
+  return chunk(rank_);
 }
 
 at::Tensor ProcessGroup::all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_splits,

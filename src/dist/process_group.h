@@ -38,6 +38,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "src/dist/rendezvous.h"
@@ -130,6 +131,14 @@ class ProcessGroup {
                                              Options options = options_from_env());
   // Reads the environment (torchrun, then OpenMPI variables) and joins.
   static std::shared_ptr<ProcessGroup> from_env(Options options = options_from_env());
+  // A group of `parent`'s ranks [first, first + size) (this rank among them), e.g. one
+  // sequence-parallel group of a data × sequence parallel run. Collective over those ranks only
+  // (each group's ranks construct theirs at the same point). Its engines are its own (Gloo, and
+  // NCCL for CUDA tensors) and its rendezvous keys live under a prefix of their own in the
+  // parent's store; ranks are numbered 0..size−1 (parent rank − first); counters count its own
+  // messages. A group of one rank needs no engine.
+  static std::shared_ptr<ProcessGroup> subgroup(const std::shared_ptr<ProcessGroup>& parent,
+                                                int first, int size);
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
@@ -156,6 +165,15 @@ class ProcessGroup {
   at::Tensor all_gather(const at::Tensor& input, const std::vector<int64_t>& sizes = {});
   // Reduces `tensor` in place across ranks.
   void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // Ring reduce-scatter of a flat tensor of n elements: returns rank r's chunk
+  // [n·r/w, n·(r+1)/w) (shard_range) reduced over every rank, as a view of `tensor`, whose other
+  // chunks are left partly reduced (scratch). (n−1)/n·S bytes sent and received per rank for S
+  // bytes: half an all_reduce. Contiguous 1-D input only.
+  at::Tensor reduce_scatter(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // The same with rank j's chunk `splits[j]` elements long (in rank order, summing to n; zeros
+  // allowed): each rank sends every chunk but its own once.
+  at::Tensor reduce_scatter(at::Tensor& tensor, const std::vector<int64_t>& splits,
+                            ReduceOp op = ReduceOp::kSum);
   // Splits `input` along dim 0 into send_splits[j] rows for rank j, and returns the rows
   // received from every rank concatenated in rank order (recv_splits[j] rows from rank j).
   at::Tensor all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_splits,
@@ -207,6 +225,12 @@ class ProcessGroup {
   std::shared_ptr<Handle> handle_;
   std::unique_ptr<Engine> engine_;
 };
+
+// The chunk [begin, end) of n elements that rank r of w owns in reduce_scatter and in sharded
+// training state: [n·r/w, n·(r+1)/w), so chunk sizes differ by at most one element.
+inline std::pair<int64_t, int64_t> shard_range(int64_t n, int world, int rank) {
+  return {n * rank / world, n * (rank + 1) / world};
+}
 
 // Every rank's error text for one unit of work ("" where it went fine), so that all ranks act
 // together (skip a question, stop a run) instead of the healthy ones waiting in the next

@@ -49,6 +49,7 @@ ModelConfig load_model_config(const std::string& path) {
   dtype_bytes(m.dtype, root.where("dtype"));
   m.visual_tokens_per_frame = root.get_int("visual_tokens_per_frame");
   m.visual_feature_dim = root.get_int("visual_feature_dim");
+  m.vocab_size = root.get_int_or("vocab_size", 0);
   YamlMap v = root.get_map("vision_encoder");
   m.vision.hidden_size = v.get_int("hidden_size");
   m.vision.layers = v.get_int("layers");

@@ -47,6 +47,7 @@ struct ModelConfig {
   int64_t visual_tokens_per_frame = 0;
   int64_t visual_feature_dim = 0;  // width of the visual features y that cross layers project
   VisionEncoderConfig vision;
+  int64_t vocab_size = 0;  // optional (`vocab_size`): embedding and output rows, for memory plans
   std::vector<AttentionLayerConfig> layers;  // expanded (a `repeat: n` entry becomes n layers)
   int64_t count(LayerKind kind) const;
 };

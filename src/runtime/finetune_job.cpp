@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,6 +31,7 @@
 #include "src/runtime/device.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/optimizer.h"
+#include "src/runtime/sharded_state.h"
 #include "src/runtime/train_checkpoint.h"
 #include "src/runtime/train_step.h"
 #include "video/decoder.h"
@@ -76,6 +78,13 @@ int64_t sample_at(const TrainConfig::Data& d, int64_t n, int64_t k) {
   return it->second[pos].item<int64_t>();
 }
 
+// Elements of one gradient bucket of parallel.shard=gradients: 2^24 (64 MiB of fp32), or
+// LVX_GRAD_BUCKET (tests: many buckets on a tiny model).
+int64_t gradient_bucket() {
+  const char* env = std::getenv("LVX_GRAD_BUCKET");
+  return env && std::atoll(env) > 0 ? std::atoll(env) : int64_t{1} << 24;
+}
+
 // LVX_FAULT_KILL=RANK@STEP: this rank kills itself with SIGKILL as optimizer step STEP begins
 // (tests of kill-and-resume; the same as `kill -9` from outside at that moment).
 void fault_kill(int rank, int64_t step) {
@@ -90,6 +99,13 @@ void fault_kill(int rank, int64_t step) {
     std::fflush(stderr);
     ::kill(::getpid(), SIGKILL);
   }
+}
+
+// Peak resident memory of this process so far (getrusage ru_maxrss, bytes).
+int64_t peak_rss_bytes() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
 }
 
 std::string hms(double s) {
@@ -161,39 +177,47 @@ void agree_on_errors(dist::ProcessGroup& pg, const std::string& error, const std
             " ranks (every rank stops):", msg);
 }
 
-// Rank 0 writes a checkpoint while the others wait, for as long as the write takes rather than
-// the collectives' timeout: the write runs on a thread of rank 0 whose main thread tells the
-// others every second (a tenth of the timeout when shorter) whether it is done (a broadcast). A
-// rank 0 that dies still fails the others within one timeout; a write that fails fails every rank.
-void rank0_writes(dist::ProcessGroup& pg, int64_t step, const std::function<void()>& write) {
+// The ranks with `writes` set write (part of) a checkpoint while the others wait, for as long as
+// the writes take rather than the collectives' timeout: each write runs on a thread whose rank's
+// main thread tells the others every second (a tenth of the timeout when shorter) whether it is
+// done (a small all-reduce of [writing, failed]). A writer that dies still fails the others
+// within one timeout; a write that fails fails every rank.
+void ranks_write(dist::ProcessGroup& pg, int64_t step, bool writes,
+                 const std::function<void()>& write) {
   if (pg.world_size() == 1) return write();
   std::future<void> done;
-  if (pg.rank() == 0) done = std::async(std::launch::async, write);
+  if (writes) done = std::async(std::launch::async, write);
   std::exception_ptr failure;
+  bool finished = !writes;
   // Well inside the collectives' timeout, at most a second.
   const auto poll = std::clamp(
       std::chrono::duration_cast<std::chrono::milliseconds>(dist::options_from_env().timeout / 10),
       std::chrono::milliseconds(50), std::chrono::milliseconds(1000));
   for (;;) {
-    at::Tensor state = at::zeros({1}, at::kLong);  // 0 writing, 1 written, 2 failed
-    if (pg.rank() == 0 && done.wait_for(poll) == std::future_status::ready) {
+    at::Tensor state = at::zeros({2}, at::kLong);  // [ranks still writing, ranks failed]
+    if (!finished && done.wait_for(poll) == std::future_status::ready) {
+      finished = true;
       try {
         done.get();
-        state[0] = 1;
       } catch (...) {
         failure = std::current_exception();
-        state[0] = 2;
+        state[1] = 1;
       }
     }
-    pg.broadcast(state, 0);
-    const int64_t s = state.item<int64_t>();
-    if (s == 1) return;
-    if (s == 2) {
+    if (!finished) state[0] = 1;
+    pg.all_reduce(state);
+    if (state[1].item<int64_t>() > 0) {
       if (failure) std::rethrow_exception(failure);
-      LVX_FAIL("rank 0 could not write the checkpoint of step ", step,
+      LVX_FAIL("another rank could not write its part of the checkpoint of step ", step,
                " (its error is above); the previous checkpoint stays latest");
     }
+    if (state[0].item<int64_t>() == 0) return;
   }
+}
+
+// Rank 0 writes while the others wait (ranks_write).
+void rank0_writes(dist::ProcessGroup& pg, int64_t step, const std::function<void()>& write) {
+  ranks_write(pg, step, pg.rank() == 0, write);
 }
 
 // The model's context in tokens from its config.json (max_position_embeddings, or max_seq_len
@@ -312,17 +336,22 @@ ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, 
   LVX_CHECK(rows == samples, where, ": the run trained on ", rows, " rows of ",
             data.value("train", std::string("?")), "; ", cfg.data.train, " now has ", samples,
             " (the data order would change; resume with the same data)");
-  integer(st, "world_size", "world_size", 1);
+  const int64_t world_before = integer(st, "world_size", "world_size", 1);
   const nlohmann::json text = field(st, "config", "config");
   LVX_CHECK(text.is_string(), where, ": field 'config' must be the run's YAML as a string");
   const TrainConfig before = train_config_from_yaml(text.get<std::string>(), where + ": config");
-  // The data position must be the one the recorded run reached at this step.
+  // The data position must be the one the recorded run reached at this step: grad_accum samples
+  // per data-parallel group (world / sp_size of them) per step.
   const int64_t seen = integer(data, "samples_seen", "data.samples_seen", 0);
-  LVX_CHECK(r.step <= (int64_t{1} << 40) / before.optimizer.grad_accum &&
-                seen == r.step * before.optimizer.grad_accum,
-            where, ": field 'data.samples_seen' is ", seen, ", but step ", r.step, " with ",
-            "grad_accum ", before.optimizer.grad_accum, " has seen ",
-            r.step * before.optimizer.grad_accum);
+  const int64_t sp_before = before.parallel.sp_size > 0 ? before.parallel.sp_size : world_before;
+  LVX_CHECK(world_before % sp_before == 0, where, ": world_size ", world_before,
+            " is not a multiple of its config's parallel.sp_size ", sp_before);
+  const int64_t per_step = before.optimizer.grad_accum * (world_before / sp_before);
+  LVX_CHECK(r.step <= (int64_t{1} << 40) / per_step && seen == r.step * per_step, where,
+            ": field 'data.samples_seen' is ", seen, ", but step ", r.step, " with grad_accum ",
+            before.optimizer.grad_accum, " and ", world_before / sp_before,
+            " data-parallel group(s) has seen ", r.step * per_step);
+  r.samples_seen = seen;
   LVX_CHECK(integer(data, "epoch", "data.epoch", 0) == seen / rows &&
                 integer(data, "position", "data.position", 0) == seen % rows,
             where, ": fields 'data.epoch' and 'data.position' do not match ", seen,
@@ -351,6 +380,13 @@ TrainConfig validate_finetune_job(const FinetuneJob& job) {
   const TrainConfig cfg = load_train_config(job.config, job.overrides);
   check_model_dir(cfg.model.path, "model.path");
   if (cfg.parallel.strategies != "auto") explicit_strategies(cfg.parallel.strategies, 1);
+  LVX_CHECK(cfg.parallel.sp_size == 0 || cfg.parallel.nproc % cfg.parallel.sp_size == 0,
+            "parallel.sp_size: ", cfg.parallel.sp_size, " does not divide the ",
+            cfg.parallel.nproc, " ranks (world = data-parallel groups × sp_size)");
+  LVX_CHECK(cfg.parallel.shard != "parameters",
+            "parallel.shard: 'parameters' (ZeRO stage 3, parameters gathered per layer) is not ",
+            "run yet; use 'gradients' (stage 2) or 'optimizer' (stage 1). lvx plan --train ",
+            "--shard parameters prices it");
   if (!cfg.parallel.cluster.empty()) check_regular_file(cfg.parallel.cluster, "parallel.cluster");
   const int64_t samples =
       static_cast<int64_t>(load_training_data(cfg, /*probe_videos=*/true).size());
@@ -369,9 +405,23 @@ TrainConfig validate_finetune_job(const FinetuneJob& job) {
 }
 
 int run_finetune_rank(const FinetuneJob& job) {
+  const int64_t base_rss = peak_rss_bytes();  // the process before the model (libraries)
   auto pg = dist::ProcessGroup::from_env();
   const int n = pg->world_size(), r = pg->rank();
   const TrainConfig cfg = load_train_config(job.config, job.overrides);
+  // Data × sequence parallel: consecutive ranks form the sequence-parallel groups (a node's
+  // ranks are consecutive, so a group stays inside a node when sp_size divides its size).
+  const int sp = cfg.parallel.sp_size > 0 ? static_cast<int>(cfg.parallel.sp_size) : n;
+  LVX_CHECK(n % sp == 0, "parallel.sp_size: ", sp, " does not divide the ", n,
+            " ranks (world = data-parallel groups × sp_size)");
+  const int dp = n / sp, group = r / sp, sp_rank = r % sp;
+  std::shared_ptr<dist::ProcessGroup> sp_pg =
+      sp == n ? pg : dist::ProcessGroup::subgroup(pg, group * sp, sp);
+  const ShardStage stage = shard_stage_from_string(cfg.parallel.shard, "parallel.shard");
+  LVX_CHECK(stage != ShardStage::kParameters,
+            "parallel.shard: 'parameters' (ZeRO stage 3, parameters gathered per layer) is not ",
+            "run yet; use 'gradients' (stage 2) or 'optimizer' (stage 1). lvx plan --train ",
+            "--shard parameters prices it");
   if (r == 0) std::cout << "effective config:\n" << to_yaml(cfg) << std::flush;
   std::vector<int64_t> lines;
   const std::vector<QaItem> items = load_training_data(cfg, /*probe_videos=*/false, &lines);
@@ -415,25 +465,71 @@ int run_finetune_rank(const FinetuneJob& job) {
   }
   LVX_CHECK(!trainable.empty(), "freeze.policy ", cfg.freeze.policy, ": no parameter of this ",
             family.model_type(), " model trains");
+  const FlatLayout layout = flat_layout(trainable);
+  const bool sharded = stage != ShardStage::kNone;
   AdamW opt(cfg.optimizer, cfg.schedule);
-  opt.init(trainable);
-  int64_t start = 0;
+  ShardedAdamW sopt(cfg.optimizer, cfg.schedule, layout, n, r);
+  if (sharded)
+    sopt.init(trainable);
+  else
+    opt.init(trainable);
+  int64_t start = 0, seen0 = 0;
   if (!ckpt.empty()) {
     start = resumed.step;
-    opt.load_state(load_safetensors(ckpt + "/optimizer.safetensors").tensors, start,
-                   ckpt + "/optimizer.safetensors");
+    seen0 = resumed.samples_seen;
+    // The layout the checkpoint recorded (older checkpoints: this run's).
+    const nlohmann::json st =
+        read_json_file(ckpt + "/trainer_state.json", "trainer state", uint64_t{16} << 20);
+    const FlatLayout saved =
+        st.contains("optimizer") && st["optimizer"].contains("layout")
+            ? FlatLayout::from_json(st["optimizer"]["layout"], ckpt + "/trainer_state.json")
+            : layout;
+    if (sharded) {
+      sopt.load(ckpt, saved, start);
+    } else if (fs::exists(ckpt + "/optimizer.safetensors")) {
+      opt.load_state(load_safetensors(ckpt + "/optimizer.safetensors").tensors, start,
+                     ckpt + "/optimizer.safetensors");
+    } else {
+      // Sharded state of a run with parallel.shard: gathered whole on every rank.
+      LVX_CHECK(saved == layout, ckpt, "/trainer_state.json: the optimizer layout differs from ",
+                "this run's trainable parameters (another freeze policy or model?)");
+      const auto flat = load_flat_optimizer_state(ckpt, layout, 0, layout.numel());
+      std::map<std::string, at::Tensor> per_name;
+      for (size_t i = 0; i < layout.names.size(); ++i) {
+        const at::Tensor& p = trainable.at(layout.names[i]);
+        for (const auto& [k, t] : flat)
+          per_name[k + "." + layout.names[i]] =
+              t.narrow(0, layout.offsets[i], p.numel()).view(p.sizes());
+      }
+      opt.load_state(per_name, start, ckpt);
+    }
     // The fp32 masters are the truth: the model's copy may be bf16.
     {
       at::AutoGradMode ng(false);
-      for (auto& [name, m] : opt.state_tensors())
-        if (name.rfind("master.", 0) == 0) trainable.at(name.substr(7)).detach().copy_(m);
+      if (sharded) {
+        const at::Tensor master = sopt.state_tensors().at("master");
+        std::vector<int64_t> sizes;
+        for (int q = 0; q < n; ++q) {
+          const auto [b, e] = dist::shard_range(layout.numel(), n, q);
+          sizes.push_back(e - b);
+        }
+        const at::Tensor full = pg->all_gather(master, sizes);
+        for (size_t i = 0; i < layout.names.size(); ++i) {
+          at::Tensor p = trainable.at(layout.names[i]).detach();
+          p.copy_(full.narrow(0, layout.offsets[i], p.numel()).view(p.sizes()));
+        }
+      } else {
+        for (auto& [name, m] : opt.state_tensors())
+          if (name.rfind("master.", 0) == 0) trainable.at(name.substr(7)).detach().copy_(m);
+      }
     }
     if (r == 0) std::cout << "resumed from " << ckpt << " at step " << start << "\n";
   }
   if (r == 0) {
     std::cout << family.model_type() << ": " << trainable_numel << " of " << total_numel
               << " parameters train (freeze.policy " << cfg.freeze.policy << "), " << samples
-              << " samples, " << n << " rank(s)\n"
+              << " samples, " << n << " rank(s) (" << dp << " data-parallel × " << sp
+              << " sequence-parallel), parallel.shard " << shard_stage_name(stage) << "\n"
               << std::flush;
     fs::create_directories(fs::path(cfg.logging.metrics).parent_path().empty()
                                ? fs::path(".")
@@ -449,12 +545,23 @@ int run_finetune_rank(const FinetuneJob& job) {
   for (int64_t step = start; step < cfg.schedule.steps; ++step) {
     fault_kill(r, step);
     const auto t0 = std::chrono::steady_clock::now();
-    std::map<std::string, at::Tensor> grads;
+    at::Tensor
+        acc;  // summed gradients: flat [Ψ] (none, optimizer) or this rank's shard (gradients)
+    // Bytes this rank sent for the training state this step (gradient reduction, parameter
+    // all-gather, norm): the counters sharded_state.h's formulas are checked against.
+    int64_t state_bytes = 0;
+    auto counted = [&](const std::function<void()>& f) {
+      const int64_t before = pg->counters_snapshot().total_sent();
+      f();
+      state_bytes += pg->counters_snapshot().total_sent() - before;
+    };
     double loss = 0;
     int64_t tokens = 0, frames = 0;
     for (int64_t a = 0; a < cfg.optimizer.grad_accum; ++a) {
-      const size_t row =
-          static_cast<size_t>(sample_at(cfg.data, samples, step * cfg.optimizer.grad_accum + a));
+      // Group g takes sample g of each run of dp samples: the order one rank with grad_accum
+      // × dp takes them.
+      const int64_t k = seen0 + ((step - start) * cfg.optimizer.grad_accum + a) * dp + group;
+      const size_t row = static_cast<size_t>(sample_at(cfg.data, samples, k));
       const QaItem& item = items[row];
       const std::string sample = str("step ", step + 1, ", sample '", item.id, "' (",
                                      cfg.data.train, ":", lines[row], ")");
@@ -469,7 +576,7 @@ int run_finetune_rank(const FinetuneJob& job) {
         spec.fps = cfg.data.fps;
         spec.start = item.start;
         spec.end = item.end;
-        fb = video::decode_video(item.video, spec, video::ShardSpec{r, n}, prep);
+        fb = video::decode_video(item.video, spec, video::ShardSpec{sp_rank, sp}, prep);
         const std::string target = training_target(item);
         p = family.prompt(tok, question_text(item), fb.report.sampled_total, &target);
         const int64_t len = static_cast<int64_t>(p.ids.size());
@@ -481,44 +588,76 @@ int run_finetune_rank(const FinetuneJob& job) {
         local_error = e.what();
         if (local_error.empty()) local_error = "unknown error";
       }
-      agree_on_errors(*pg, local_error, sample);
+      agree_on_errors(*sp_pg, local_error, sample);
       const int64_t len = static_cast<int64_t>(p.ids.size());
       const at::Tensor ids = at::tensor(p.ids, at::kLong).reshape({1, len});
       const at::Tensor labels = at::tensor(p.labels, at::kLong).reshape({1, len});
       std::string plan_text;
       models::Parallel par = plan_layers(
-          *model, ids, n,
+          *model, ids, sp,
           {cfg.parallel.strategies, cfg.parallel.cluster, cfg.model.dtype, /*train=*/true},
           &plan_text);
-      par.pg = pg;
+      par.pg = sp_pg;
       par.recompute_cross_kv = cfg.parallel.recompute;
       par.remat = cfg.parallel.remat;
       if (step == start && a == 0) {
-        pg->check_agreement("the fine-tuning step", describe(par));
+        sp_pg->check_agreement("the fine-tuning step", describe(par));
         if (r == 0 && !plan_text.empty()) std::cout << plan_text << "\n";
       }
       // Frames go to the device once, after preprocessing; ids and labels are host metadata.
       const at::Tensor pixels = fb.frames.defined() ? fb.frames.to(device) : at::Tensor();
       const models::ModelOutputs out =
           model->forward({ids, pixels, /*pixels_local=*/true, {}}, par);
-      std::map<std::string, at::Tensor> res = backward_step(*pg, *model, labels, out, trains);
-      for (auto& [name, t] : trainable) t.mutable_grad() = at::Tensor();
-      loss += res.at("loss").item<double>();
-      res.erase("loss");
-      for (auto& [key, g] : res) {
-        const std::string name = key.substr(5);  // "grad."
-        auto it = grads.find(name);
-        if (it == grads.end())
-          grads.emplace(name, g);
+      // The gradients of the sample summed over the world (the sequence-parallel ranks' parts
+      // and the other groups' samples), whole (none) or this rank's shard (gradients: bucket by
+      // bucket, each bucket reduce-scattered onto the ranks whose shards it overlaps); the
+      // optimizer stage sums locally and reduce-scatters once per step.
+      if (stage == ShardStage::kGradients && !acc.defined())
+        acc = at::zeros({sopt.end() - sopt.begin()}, out.logits.options().dtype(at::kFloat));
+      const GradBucketFn take = [&](int64_t offset, at::Tensor& flat) {
+        std::vector<int64_t> splits(static_cast<size_t>(n));
+        int64_t mine_b = 0, mine_e = 0;
+        for (int q = 0; q < n; ++q) {
+          const auto [b, e] = dist::shard_range(layout.numel(), n, q);
+          const int64_t lo = std::clamp(b, offset, offset + flat.numel()),
+                        hi = std::clamp(e, offset, offset + flat.numel());
+          splits[static_cast<size_t>(q)] = hi - lo;
+          if (q == r) mine_b = lo, mine_e = hi;
+        }
+        at::Tensor mine;
+        counted([&] { mine = pg->reduce_scatter(flat, splits); });
+        if (mine_e > mine_b) acc.narrow(0, mine_b - sopt.begin(), mine_e - mine_b).add_(mine);
+      };
+      LocalBackward lb =
+          backward_local(*sp_pg, *model, labels, out, layout.names,
+                         stage == ShardStage::kGradients ? gradient_bucket() : 0, take);
+      loss += lb.loss.item<double>();
+      if (stage != ShardStage::kGradients) {
+        if (stage == ShardStage::kNone) counted([&] { pg->all_reduce(lb.flat); });
+        if (acc.defined())
+          acc.add_(lb.flat);
         else
-          it->second.add_(g);
+          acc = lb.flat;
       }
       tokens += len;
       frames += fb.report.sampled_total;
     }
-    if (cfg.optimizer.grad_accum > 1)
-      for (auto& [name, g] : grads) g.div_(static_cast<double>(cfg.optimizer.grad_accum));
+    if (stage == ShardStage::kOptimizer) counted([&] { acc = pg->reduce_scatter(acc).clone(); });
+    const int64_t per_step = cfg.optimizer.grad_accum * dp;  // samples averaged
+    if (per_step > 1) acc.div_(static_cast<double>(per_step));
+    if (dp > 1) {
+      // The mean of the groups' losses (one contribution per group).
+      at::Tensor l = at::full({1}, sp_rank == 0 ? loss : 0.0, at::kDouble);
+      pg->all_reduce(l);
+      loss = l.item<double>() / dp;
+    }
     loss /= static_cast<double>(cfg.optimizer.grad_accum);
+    std::map<std::string, at::Tensor> grads;
+    if (!sharded)
+      for (size_t i = 0; i < layout.names.size(); ++i) {
+        const at::Tensor& p = trainable.at(layout.names[i]);
+        grads[layout.names[i]] = acc.narrow(0, layout.offsets[i], p.numel()).view(p.sizes());
+      }
     // Divergence stops the run before it can reach a checkpoint: the loss and the gradients are
     // already summed across ranks (every rank sees the same values and stops alike), and the
     // parameters are checked after the update, before anything is saved.
@@ -531,16 +670,25 @@ int run_finetune_rank(const FinetuneJob& job) {
     if (!std::isfinite(loss)) diverge(str("the loss is ", loss));
     double norm = 0;
     try {
-      norm = opt.step(grads, model->parameters());
+      counted([&] {
+        norm = sharded ? sopt.step(*pg, acc, model->parameters())
+                       : opt.step(grads, model->parameters());
+      });
     } catch (const NonFiniteGradient& e) {
       diverge(e.what());
     }
-    if (const std::string bad = opt.non_finite_master(); !bad.empty())
+    acc = at::Tensor();
+    grads.clear();
+    if (const std::string bad = sharded ? sopt.non_finite_master(*pg) : opt.non_finite_master();
+        !bad.empty())
       diverge(str("the update made parameter '", bad, "' non-finite (optimizer.lr ",
                   cfg.optimizer.lr, ", optimizer.eps ", cfg.optimizer.eps, ")"));
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     tokens_run += tokens;
+    // The largest peak RSS of any rank so far, and its process's footprint before the model.
+    at::Tensor rss = at::tensor({peak_rss_bytes(), base_rss}, at::kLong);
+    pg->all_reduce(rss, dist::ReduceOp::kMax);
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
     const int64_t done = step + 1 - start;
@@ -550,11 +698,14 @@ int run_finetune_rank(const FinetuneJob& job) {
       nlohmann::json m = {
           {"step", step + 1},
           {"loss", loss},
-          {"lr", opt.last_lr()},
+          {"lr", sharded ? sopt.last_lr() : opt.last_lr()},
           {"grad_norm", norm},
           {"tokens", tokens},
           {"frames", frames},
           {"step_seconds", secs},
+          {"state_bytes_sent", state_bytes},
+          {"peak_rss_bytes", rss[0].item<int64_t>()},
+          {"base_rss_bytes", rss[1].item<int64_t>()},
           {"tokens_per_second", tokens_run / elapsed},
           {"samples_per_second", static_cast<double>(done * cfg.optimizer.grad_accum) / elapsed},
           {"eta_seconds", eta},
@@ -563,31 +714,45 @@ int run_finetune_rank(const FinetuneJob& job) {
       if (plain && (done % cfg.logging.every == 0 || step + 1 == cfg.schedule.steps)) {
         std::printf("step %lld/%lld  loss %.4f  lr %.3g  grad norm %.3g  %.0f tok/s  ETA %s\n",
                     static_cast<long long>(step + 1), static_cast<long long>(cfg.schedule.steps),
-                    loss, opt.last_lr(), norm, tokens_run / elapsed, hms(eta).c_str());
+                    loss, sharded ? sopt.last_lr() : opt.last_lr(), norm, tokens_run / elapsed,
+                    hms(eta).c_str());
         std::fflush(stdout);
       }
     }
     const bool last = step + 1 == cfg.schedule.steps;
     if (last || (cfg.checkpoint.every > 0 && (step + 1) % cfg.checkpoint.every == 0)) {
-      // Parameters are replicated and updated identically, so rank 0 writes for everyone; the
-      // others wait for it as long as the write takes (rank0_writes).
+      // Parameters are replicated and updated identically, so rank 0 writes them for everyone;
+      // with sharded state every rank first writes its optimizer shard into the checkpoint being
+      // made. The others wait for the writers as long as the writes take (ranks_write).
+      std::vector<std::string> shard_files;
+      if (sharded) {
+        if (r == 0) begin_train_checkpoint(cfg.checkpoint.dir, step + 1);
+        pg->barrier();
+        const std::string tmp = cfg.checkpoint.dir + "/" + checkpoint_name(step + 1) + ".partial";
+        ranks_write(*pg, step + 1, true, [&] { save_optimizer_shard(tmp, sopt, n, r, step + 1); });
+        for (int q = 0; q < n; ++q) shard_files.push_back(optimizer_shard_name(q, n));
+      }
       rank0_writes(*pg, step + 1, [&] {
-        const int64_t k = (step + 1) * cfg.optimizer.grad_accum;
-        nlohmann::json state = {{"step", step + 1},
-                                {"data",
-                                 {{"train", cfg.data.train},
-                                  {"samples", samples},
-                                  {"seed", cfg.data.seed},
-                                  {"shuffle", cfg.data.shuffle},
-                                  {"samples_seen", k},
-                                  {"epoch", k / samples},
-                                  {"position", k % samples}}},
-                                {"world_size", n},
-                                {"freeze_policy", cfg.freeze.policy},
-                                {"config", to_yaml(cfg)}};
-        const std::string dir =
-            save_train_checkpoint(cfg.checkpoint.dir, step + 1, model_files, model->parameters(),
-                                  opt.state_tensors(), state, cfg.checkpoint.keep);
+        const int64_t k = seen0 + (step + 1 - start) * cfg.optimizer.grad_accum * dp;
+        nlohmann::json state = {
+            {"step", step + 1},
+            {"data",
+             {{"train", cfg.data.train},
+              {"samples", samples},
+              {"seed", cfg.data.seed},
+              {"shuffle", cfg.data.shuffle},
+              {"samples_seen", k},
+              {"epoch", k / samples},
+              {"position", k % samples}}},
+            {"world_size", n},
+            {"freeze_policy", cfg.freeze.policy},
+            {"optimizer",
+             {{"shard", shard_stage_name(stage)}, {"world_size", n}, {"layout", layout.to_json()}}},
+            {"config", to_yaml(cfg)}};
+        const std::string dir = save_train_checkpoint(
+            cfg.checkpoint.dir, step + 1, model_files, model->parameters(),
+            sharded ? std::map<std::string, at::Tensor>{} : opt.state_tensors(), state,
+            cfg.checkpoint.keep, shard_files);
         if (plain) std::cout << "checkpoint " << dir << "\n" << std::flush;
       });
     }

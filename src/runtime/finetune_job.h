@@ -43,7 +43,8 @@ std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos
 // optimizer, schedule or freeze are refused, naming the fields, unless accepted).
 struct ResumeState {
   int64_t step = 0;
-  std::string metrics;  // the recorded run's logging.metrics
+  int64_t samples_seen = 0;  // data position: samples taken by every data-parallel group together
+  std::string metrics;       // the recorded run's logging.metrics
 };
 ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, int64_t samples,
                                bool accept_config_changes);

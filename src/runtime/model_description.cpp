@@ -6,6 +6,7 @@
 #include "models/model.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
+#include "src/runtime/finetune_job.h"
 
 namespace lvx::runtime {
 
@@ -18,6 +19,33 @@ planner::ModelConfig planner_model(const std::string& path) {
   planner::ModelConfig m = models::planner_model_from_config(j, cfg.string());
   m.name = fs::path(path).filename().string();
   return m;
+}
+
+planner::ParamCounts count_parameters(const std::string& path, const planner::ModelConfig& m,
+                                      const std::string& freeze) {
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(path)) return planner::estimate_parameters(m, m.vocab_size, freeze);
+  const auto model = models::load_model(path, at::kFloat, at::Device(at::kMeta));
+  planner::ParamCounts p;
+  p.exact = true;
+  std::map<std::string, int64_t> blocks;  // "....layers.<i>." → parameters
+  for (const auto& [name, t] : model->parameters()) {
+    p.total += t.numel();
+    if (trains_under(freeze, *model, name))
+      p.trainable += t.numel();
+    const size_t at = name.find("layers.");
+    if (at != std::string::npos && name.find("vision") == std::string::npos) {
+      const size_t dot = name.find('.', at + 7);
+      blocks[name.substr(0, dot)] += t.numel();
+    }
+  }
+  for (const auto& [b, k] : blocks) p.max_block = std::max(p.max_block, k);
+  const nlohmann::json c = read_json_file(path + "/config.json", "model config");
+  for (const nlohmann::json* j :
+       {&c, c.is_object() && c.contains("text_config") ? &c["text_config"] : nullptr})
+    if (j && j->is_object() && j->contains("vocab_size") && (*j)["vocab_size"].is_number_integer())
+      p.vocab = (*j)["vocab_size"].get<int64_t>();
+  return p;
 }
 
 }  // namespace lvx::runtime

@@ -7,11 +7,18 @@
 #include <string>
 
 #include "src/planner/model_config.h"
+#include "src/planner/train_memory.h"
 
 namespace lvx::runtime {
 
 // `path`: a checkpoint directory with config.json (any supported model_type, models/family.h), or
 // a planner YAML file.
 planner::ModelConfig planner_model(const std::string& path);
+
+// Parameter counts for the memory plan: a checkpoint directory's exactly (its tensors built on
+// the meta device; trainable under `freeze` as lvx finetune decides it; vocab from config.json);
+// a YAML's estimated from its shapes (planner::estimate_parameters).
+planner::ParamCounts count_parameters(const std::string& path, const planner::ModelConfig& m,
+                                      const std::string& freeze);
 
 }  // namespace lvx::runtime

@@ -90,14 +90,10 @@ std::map<std::string, std::string> read_model_files(const std::string& model_dir
   return files;
 }
 
-std::string save_train_checkpoint(const std::string& root, int64_t step,
-                                  const std::map<std::string, std::string>& model_files,
-                                  const std::map<std::string, at::Tensor>& params,
-                                  const std::map<std::string, at::Tensor>& optimizer,
-                                  const nlohmann::json& state, int64_t keep) {
+std::string begin_train_checkpoint(const std::string& root, int64_t step) {
   fs::create_directories(root);
   const std::string name = checkpoint_name(step);
-  const fs::path final_dir = fs::path(root) / name, tmp = fs::path(root) / (name + ".partial");
+  const fs::path tmp = fs::path(root) / (name + ".partial");
   // Leftovers of interrupted writes are never read; clear them so they cannot pile up.
   for (const auto& e : fs::directory_iterator(root)) {
     const std::string n = e.path().filename().string();
@@ -105,6 +101,19 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
       fs::remove_all(e.path());
   }
   fs::create_directories(tmp);
+  return tmp.string();
+}
+
+std::string save_train_checkpoint(const std::string& root, int64_t step,
+                                  const std::map<std::string, std::string>& model_files,
+                                  const std::map<std::string, at::Tensor>& params,
+                                  const std::map<std::string, at::Tensor>& optimizer,
+                                  const nlohmann::json& state, int64_t keep,
+                                  const std::vector<std::string>& present) {
+  const std::string name = checkpoint_name(step);
+  const fs::path final_dir = fs::path(root) / name, tmp = fs::path(root) / (name + ".partial");
+  if (present.empty()) begin_train_checkpoint(root, step);
+  LVX_CHECK(fs::is_directory(tmp), tmp.string(), ": the checkpoint being written is gone");
   fault_point("slow", step);
   nlohmann::json files = nlohmann::json::object();
   auto done = [&](const std::string& file) {
@@ -113,6 +122,10 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
                    {"xxh3", file_xxh3((tmp / file).string())}};
     fault_point("after_first_file", step);
   };
+  for (const std::string& f : present) {
+    LVX_CHECK(fs::is_regular_file(tmp / f), tmp.string(), ": ", f, " was not written");
+    done(f);
+  }
   save_safetensors((tmp / "model.safetensors").string(), params, {{"format", "pt"}});
   done("model.safetensors");
   LVX_CHECK(model_files.count("config.json"), "checkpoint: the model's files have no config.json");
@@ -120,9 +133,11 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
     write_text(tmp / n, bytes);
     done(n);
   }
-  save_safetensors((tmp / "optimizer.safetensors").string(), optimizer,
-                   {{"step", std::to_string(step)}});
-  done("optimizer.safetensors");
+  if (!optimizer.empty()) {
+    save_safetensors((tmp / "optimizer.safetensors").string(), optimizer,
+                     {{"step", std::to_string(step)}});
+    done("optimizer.safetensors");
+  }
   write_text(tmp / "trainer_state.json", state.dump(2));
   done("trainer_state.json");
   write_text(tmp / "manifest.json", nlohmann::json{{"step", step}, {"files", files}}.dump(2));

@@ -40,11 +40,17 @@ std::map<std::string, std::string> read_model_files(const std::string& model_dir
 // directory the model came from (written as they are). `params`: every
 // parameter of the model (saved in its dtype under the checkpoint names); `optimizer`: the
 // optimizer's state tensors; `state`: trainer_state.json. Returns the checkpoint's path.
+// Sharded training state (sharded_state.h): begin_train_checkpoint clears leftovers and creates
+// the empty <root>/step-NNNNNN.partial/ (returned) for every rank to write its optimizer shard
+// into; save_train_checkpoint then gets those file names as `present` (listed in the manifest,
+// the folder not cleared again) and an empty `optimizer` (no optimizer.safetensors).
 std::string save_train_checkpoint(const std::string& root, int64_t step,
                                   const std::map<std::string, std::string>& model_files,
                                   const std::map<std::string, at::Tensor>& params,
                                   const std::map<std::string, at::Tensor>& optimizer,
-                                  const nlohmann::json& state, int64_t keep);
+                                  const nlohmann::json& state, int64_t keep,
+                                  const std::vector<std::string>& present = {});
+std::string begin_train_checkpoint(const std::string& root, int64_t step);
 
 // The complete checkpoint folders under `root` (step-NNNNNN, sorted; no .partial ones).
 std::vector<std::string> checkpoint_folders(const std::string& root);

@@ -314,6 +314,10 @@ TrainConfig from_root(const YAML::Node& root, const std::string& file) {
     p.cluster = s.str_or("cluster", "");
     p.recompute = s.bool_or("recompute", false);
     p.remat = s.bool_or("remat", false);
+    p.shard = s.choice_or("shard", p.shard, {"none", "optimizer", "gradients", "parameters"});
+    p.sp_size = s.int_or("sp_size", 0, 0);
+    LVX_CHECK(p.sp_size <= kMaxRanks, s.where("sp_size"), ": at most ", kMaxRanks, ", got ",
+              p.sp_size);
     s.finish();
   }
   {
@@ -357,7 +361,8 @@ std::string to_yaml(const TrainConfig& c) {
   e << YAML::Key << "parallel" << YAML::Value << YAML::BeginMap << YAML::Key << "nproc"
     << YAML::Value << p.nproc << YAML::Key << "strategies" << YAML::Value << p.strategies
     << YAML::Key << "cluster" << YAML::Value << p.cluster << YAML::Key << "recompute" << YAML::Value
-    << p.recompute << YAML::Key << "remat" << YAML::Value << p.remat << YAML::EndMap;
+    << p.recompute << YAML::Key << "remat" << YAML::Value << p.remat << YAML::Key << "shard"
+    << YAML::Value << p.shard << YAML::Key << "sp_size" << YAML::Value << p.sp_size << YAML::EndMap;
   e << YAML::Key << "logging" << YAML::Value << YAML::BeginMap << YAML::Key << "metrics"
     << YAML::Value << c.logging.metrics << YAML::Key << "every" << YAML::Value << c.logging.every
     << YAML::EndMap;

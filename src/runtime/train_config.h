@@ -51,6 +51,12 @@ struct TrainConfig {
     std::string cluster;              // cluster config for auto (empty: the built-in rule)
     bool recompute = false;           // LV-XAttn K/V recomputation (models/recompute.h)
     bool remat = false;               // DistFlashAttn rematerialization-aware checkpointing
+    // Sharded training state (src/runtime/sharded_state.h): none | optimizer | gradients |
+    // parameters, ZeRO stages 0–3.
+    std::string shard = "none";
+    // Ranks per sequence-parallel group (0: every rank); world = DP × sp_size, DP groups take
+    // different samples.
+    int64_t sp_size = 0;
   } parallel;
   struct Logging {
     std::string metrics;  // JSONL file (default: <checkpoint.dir>/metrics.jsonl)

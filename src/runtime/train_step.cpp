@@ -7,6 +7,64 @@
 
 namespace lvx::runtime {
 
+LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
+                             const at::Tensor& all_labels, const models::ModelOutputs& out,
+                             const std::vector<std::string>& names, int64_t bucket,
+                             const GradBucketFn& take) {
+  const at::Tensor labels =
+      all_labels.index_select(1, out.positions.to(all_labels.device())).to(out.logits.device());
+  at::Tensor count = labels.ne(-100).sum().to(at::kDouble).reshape({1});
+  pg.all_reduce(count);
+  LVX_CHECK(count.item<double>() > 0, "labels: every label is -100 (nothing to learn)");
+  const at::Tensor logits = out.logits.to(at::kFloat).reshape({-1, out.logits.size(-1)});
+  const at::Tensor local_sum = at::cross_entropy_loss(logits, labels.reshape({-1}), /*weight=*/{},
+                                                      at::Reduction::Sum, /*ignore_index=*/-100);
+  // Every parameter's .grad is a view of one zeroed flat buffer, so autograd accumulates into it
+  // in place (0 + g = g exactly) and the gradients exist once, already flat.
+  int64_t total = 0;
+  for (const auto& n : names) total += model.parameters().at(n).numel();
+  LVX_CHECK(!names.empty(), "backward: no parameter trains");
+  at::Tensor flat = at::zeros({total}, model.parameters().at(names.front()).options());
+  {
+    int64_t off = 0;
+    for (const auto& n : names) {
+      at::Tensor& t = model.parameters().at(n);
+      LVX_CHECK(t.scalar_type() == flat.scalar_type(), "backward: parameter '", n, "' is ",
+                t.scalar_type(), ", the others ", flat.scalar_type());
+      t.mutable_grad() = flat.narrow(0, off, t.numel()).view(t.sizes());
+      off += t.numel();
+    }
+  }
+  (local_sum / count.item<double>()).backward();
+  for (const auto& n : names) {
+    at::Tensor& t = model.parameters().at(n);
+    t.mutable_grad() = at::Tensor();
+  }
+  flat = flat.to(at::kFloat);  // no copy for fp32 parameters
+  LocalBackward r;
+  if (bucket > 0 && take) {
+    // Buckets of whole consecutive parameters, views of the flat vector.
+    size_t first = 0;
+    int64_t offset = 0;
+    while (first < names.size()) {
+      int64_t size = 0;
+      size_t last = first;
+      while (last < names.size() && size < bucket)
+        size += model.parameters().at(names[last++]).numel();
+      at::Tensor part = flat.narrow(0, offset, size);
+      take(offset, part);
+      offset += size;
+      first = last;
+    }
+  } else {
+    r.flat = flat;
+  }
+  at::Tensor sum = local_sum.detach().to(at::kDouble).reshape({1});
+  pg.all_reduce(sum);
+  r.loss = (sum / count).to(at::kFloat).reshape({});
+  return r;
+}
+
 std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::Model& model,
                                                 const at::Tensor& all_labels,
                                                 const models::ModelOutputs& out,

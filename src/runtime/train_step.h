@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "models/model.h"
 #include "src/dist/process_group.h"
@@ -22,6 +23,25 @@ using ParamFilter = std::function<bool(const std::string&)>;
 // `trains` selects (default: model.trainable) summed across ranks in one flat all-reduce. Returns
 // "loss" (float32 scalar) and "grad.<name>" (float32), identical on every rank. Every rank must
 // call it (collectives). Parameters that got no gradient here contribute zeros.
+// The backward of one sample without the cross-rank gradient sum (sharded training state and
+// data-parallel groups reduce over another group, src/runtime/sharded_state.h): "loss" as above
+// (mean over `pg`'s labels, reduced over `pg` only) and this rank's own gradients of the
+// parameters `names` (in that order, one dtype) as one flat fp32 vector. The parameters' .grad
+// are views of that one zeroed buffer while the backward runs (autograd accumulates into them in
+// place, 0 + g = g exactly), so gradients are held once, already flat; .grad is undefined after.
+// With `bucket` > 0 the flat vector is handed to `take(offset, part)` in buckets instead (views:
+// consecutive whole parameters of at least `bucket` elements, the last one less; offset = the
+// bucket's first element), and LocalBackward::flat stays undefined.
+struct LocalBackward {
+  at::Tensor loss;  // float32 scalar
+  at::Tensor flat;  // float32 [Σ numel(names)], not reduced across ranks
+};
+using GradBucketFn = std::function<void(int64_t offset, at::Tensor& flat)>;
+LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
+                             const at::Tensor& all_labels, const models::ModelOutputs& out,
+                             const std::vector<std::string>& names, int64_t bucket = 0,
+                             const GradBucketFn& take = nullptr);
+
 std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::Model& model,
                                                 const at::Tensor& all_labels,
                                                 const models::ModelOutputs& out,

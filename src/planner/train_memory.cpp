@@ -1,0 +1,180 @@
+#include "src/planner/train_memory.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "src/common/error.h"
+
+namespace lvx::planner {
+
+namespace {
+
+// Parameters of one LM block (self entry): q/k/v/o projections with q/k/v biases, gated MLP,
+// two norms.
+int64_t block_parameters(const AttentionLayerConfig& l) {
+  const int64_t h = l.hidden_size, q = l.heads * l.head_dim, kv = l.kv_heads * l.head_dim;
+  return h * q + q + 2 * (h * kv + kv) + q * h + 3 * h * l.mlp_size + 2 * h;
+}
+
+// A cross layer's own parameters: K/V projections of the visual features and a norm.
+int64_t cross_parameters(const AttentionLayerConfig& l, int64_t visual_dim) {
+  const int64_t kv = l.kv_heads * l.head_dim;
+  return visual_dim * 2 * kv + 2 * kv + 2 * visual_dim;
+}
+
+int64_t vision_parameters(const ModelConfig& m) {
+  const auto& v = m.vision;
+  if (v.hidden_size == 0) return 0;
+  const int64_t h = v.hidden_size;
+  const int64_t per_layer = 4 * h * h + 4 * h + 2 * h * v.mlp_size + v.mlp_size + h + 4 * h;
+  const int64_t patches = v.patch_size > 0 ? (v.image_size / v.patch_size) : 0;
+  return v.layers * per_layer + 3 * v.patch_size * v.patch_size * h + h + patches * patches * h;
+}
+
+std::string gib(double b) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f GiB", b / double(int64_t{1} << 30));
+  return buf;
+}
+
+}  // namespace
+
+ParamCounts estimate_parameters(const ModelConfig& m, int64_t vocab_size,
+                                const std::string& freeze) {
+  ParamCounts p;
+  int64_t blocks = 0, cross = 0, h = 0;
+  for (const auto& l : m.layers) {
+    h = std::max(h, l.hidden_size);
+    if (l.kind == LayerKind::kSelf) {
+      blocks += block_parameters(l);
+      p.max_block = std::max(p.max_block, block_parameters(l));
+    } else {
+      cross += cross_parameters(l, m.visual_feature_dim);
+    }
+  }
+  const int64_t vision = vision_parameters(m);
+  // The projector from the vision width to the visual features (one linear layer).
+  const int64_t projector = m.vision.hidden_size * m.visual_feature_dim + m.visual_feature_dim;
+  const int64_t embeddings = 2 * vocab_size * h + h;  // input embeddings, untied head, final norm
+  p.total = blocks + cross + vision + projector + embeddings;
+  if (freeze == "none")
+    p.trainable = p.total;
+  else if (freeze == "cross_only")
+    p.trainable = cross;
+  else
+    p.trainable = p.total - vision;
+  p.vocab = vocab_size;
+  return p;
+}
+
+int64_t lora_parameters(const ModelConfig& m, int64_t r) {
+  int64_t n = 0;
+  for (const auto& l : m.layers) {
+    if (l.kind != LayerKind::kSelf) continue;
+    const int64_t h = l.hidden_size, q = l.heads * l.head_dim, kv = l.kv_heads * l.head_dim;
+    n += r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + l.mlp_size) + (l.mlp_size + h));
+  }
+  return n;
+}
+
+TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t frames,
+                         int64_t text_tokens, int64_t tokens_per_frame, const TrainMemoryOptions& o,
+                         double device_bytes) {
+  LVX_CHECK(o.ranks >= 1, "train memory: ranks must be >= 1, got ", o.ranks);
+  const double n = static_cast<double>(o.ranks);
+  const double S = static_cast<double>(o.sp_size > 0 ? o.sp_size : o.ranks);
+  const double e = static_cast<double>(o.elem_bytes);
+  const bool lora = o.lora_r > 0;
+  const double psi = static_cast<double>(pc.total) + (lora ? lora_parameters(m, o.lora_r) : 0);
+  const double psi_t =
+      lora ? static_cast<double>(lora_parameters(m, o.lora_r)) : static_cast<double>(pc.trainable);
+  const double block = static_cast<double>(pc.max_block);
+  const std::string& s = o.shard;
+  LVX_CHECK(s == "none" || s == "optimizer" || s == "gradients" || s == "parameters",
+            "--shard: expected none | optimizer | gradients | parameters, got '", s, "'");
+  const bool sharded = s != "none";
+  TrainMemory t;
+  t.device = device_bytes;
+  // Weights and optimizer state.
+  t.weights = s == "parameters" ? e * (psi - psi_t) + e * psi_t / n + 2 * e * block : e * psi;
+  t.optimizer = 12 * psi_t / (sharded ? n : 1);
+  // Gradients: the flat buffer the parameters' .grad view during the backward (e·Ψt; its fp32
+  // copy when e != 4), then the reduction and the update.
+  const double convert = e != 4 ? 4 * psi_t : 0;
+  const double accumulate = o.grad_accum > 1 ? 4 * psi_t : 0;
+  const double bucket = std::min(psi_t, static_cast<double>(o.bucket)) * 4;
+  double g_reduce = 0, g_update = 0;
+  if (s == "none") {
+    g_reduce = e * psi_t + convert + accumulate + (o.ranks > 1 ? 4 * psi_t / n : 0);
+    g_update = 4 * psi_t;
+  } else if (s == "optimizer") {
+    g_reduce = e * psi_t + convert + accumulate + 8 * psi_t / n;
+    g_update = 4 * psi_t / n + e * psi_t;
+  } else if (s == "gradients") {
+    g_reduce = e * psi_t + convert + 4 * psi_t / n + bucket;
+    g_update = 4 * psi_t / n + e * psi_t;
+  } else {
+    g_reduce = 2 * e * block + bucket + 4 * psi_t / n;
+    g_update = 4 * psi_t / n;
+  }
+  // Activations saved for the backward (this rank's L/S text tokens).
+  const double l_rank = static_cast<double>(text_tokens) / S;
+  const double v_rank = static_cast<double>(frames) * static_cast<double>(tokens_per_frame) / S;
+  double saved = 0, working = 0;
+  for (const auto& l : m.layers) {
+    const double h = static_cast<double>(l.hidden_size), mlp = static_cast<double>(l.mlp_size);
+    const double q = static_cast<double>(l.heads * l.head_dim);
+    const double kv = static_cast<double>(l.kv_heads * l.head_dim);
+    const double lse = static_cast<double>(l.heads) * 4;
+    if (l.kind == LayerKind::kSelf) {
+      saved += l_rank * (o.remat ? h * e : (4 * h + 4 * mlp) * e);
+      saved += l_rank * ((q + 2 * kv + q) * e + lse);
+      // Two K/V blocks in flight, the fp32 output and gradient accumulators of the queries.
+      working = std::max(working, 2 * l_rank * 2 * kv * e + l_rank * (q * 4 + q * 4 + 2 * kv * 4));
+    } else {
+      saved += l_rank * (h * e + q * e + lse);
+      if (!o.recompute) saved += v_rank * 2 * kv * e;
+      working = std::max(working,
+                         2 * v_rank * 2 * kv * e + l_rank * (q * 4 + q * 4) + v_rank * 2 * kv * 4);
+    }
+  }
+  saved += l_rank * (e + 8) * static_cast<double>(pc.vocab);  // logits, fp32 copy, log-softmax
+  t.activations = saved;
+  t.attention = working;
+  // The visual features y of this rank's frames, and the vision tower's largest transient while
+  // it encodes them (hidden states in and out, the MLP's intermediate; frozen: nothing saved).
+  t.visual = v_rank * static_cast<double>(m.visual_feature_dim) * e +
+             v_rank * static_cast<double>(2 * m.vision.hidden_size + m.vision.mlp_size) * e;
+  t.gradients = std::max(g_reduce, g_update);
+  // Activation memory freed in the backward stays with the allocator (glibc's heap on the CPU,
+  // the caching allocator on a GPU), so it adds to the gradients' largest moment.
+  t.total = t.weights + t.optimizer + t.activations + t.attention + t.visual + t.gradients;
+  t.fits = device_bytes <= 0 || t.total <= device_bytes;
+  return t;
+}
+
+nlohmann::json to_json(const TrainMemory& t) {
+  return {{"weights_bytes", t.weights},
+          {"gradients_bytes", t.gradients},
+          {"optimizer_bytes", t.optimizer},
+          {"activations_bytes", t.activations},
+          {"attention_bytes", t.attention},
+          {"visual_bytes", t.visual},
+          {"peak_bytes", t.total},
+          {"device_bytes", t.device},
+          {"fits", t.fits}};
+}
+
+std::string format_memory(const TrainMemory& t) {
+  std::ostringstream os;
+  os << "memory per rank: weights " << gib(t.weights) << ", gradients " << gib(t.gradients)
+     << " (at their largest), optimizer state " << gib(t.optimizer) << ", saved activations "
+     << gib(t.activations) << ", attention working set " << gib(t.attention) << ", visual features "
+     << gib(t.visual) << "; peak " << gib(t.total);
+  if (t.device > 0) os << " of " << gib(t.device) << (t.fits ? " (fits)" : " (DOES NOT FIT)");
+  os << "\n";
+  return os.str();
+}
+
+}  // namespace lvx::planner

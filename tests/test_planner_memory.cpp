@@ -1,0 +1,123 @@
+// The whole-memory model of training (src/planner/train_memory.h) against byte counts worked out
+// by hand for a tiny model, and `lvx plan --train --max-frames` end to end.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "src/planner/train_memory.h"
+
+namespace {
+
+using namespace lvx::planner;
+
+// One LM block: hidden 8, 2 heads and 1 K/V head of 4, MLP 16; vocab 10; no vision.
+ModelConfig tiny() {
+  ModelConfig m;
+  m.name = "tiny";
+  m.dtype = "fp32";
+  AttentionLayerConfig l;
+  l.kind = LayerKind::kSelf;
+  l.hidden_size = 8;
+  l.heads = 2;
+  l.kv_heads = 1;
+  l.head_dim = 4;
+  l.mlp_size = 16;
+  m.layers = {l};
+  return m;
+}
+
+TEST(TrainMemory, ParameterCountsByHand) {
+  // Block: q 8·8+8, k and v 2·(8·4+4), o 8·8, MLP 3·8·16, norms 2·8 = 608; embeddings and head
+  // 2·10·8 + final norm 8 = 168.
+  const ParamCounts p = estimate_parameters(tiny(), 10, "vision");
+  EXPECT_EQ(p.total, 776);
+  EXPECT_EQ(p.trainable, 776);
+  EXPECT_EQ(p.max_block, 608);
+  // LoRA r=2 on q (8→8), k, v (8→4), o (8→8), gate, up (8→16), down (16→8): 2·128.
+  EXPECT_EQ(lora_parameters(tiny(), 2), 256);
+}
+
+TEST(TrainMemory, BreakdownByHand) {
+  const ModelConfig m = tiny();
+  const ParamCounts p = estimate_parameters(m, 10, "vision");
+  TrainMemoryOptions o;
+  o.elem_bytes = 4;
+  o.ranks = 1;
+  // 10 text tokens, no frames, fp32, one rank, no sharding.
+  TrainMemory t = train_memory(m, p, 0, 10, 0, o, 0);
+  EXPECT_DOUBLE_EQ(t.weights, 4 * 776);
+  EXPECT_DOUBLE_EQ(t.optimizer, 12 * 776);
+  EXPECT_DOUBLE_EQ(t.gradients, 4 * 776);
+  // Per token: block (4·8 + 4·16)·4 = 384, attention q,k,v,o (8+4+4+8)·4 + lse 2·4 = 104,
+  // logits (4 + 8)·10 = 120.
+  EXPECT_DOUBLE_EQ(t.activations, 10 * (384 + 104 + 120));
+  // Two K/V blocks in flight 2·10·(2·4)·4, fp32 accumulators 10·(8·4 + 8·4 + 2·4·4).
+  EXPECT_DOUBLE_EQ(t.attention, 640 + 960);
+  EXPECT_DOUBLE_EQ(t.total, 3104 + 9312 + 6080 + 1600 + 3104);
+  // Stage gradients over 4 ranks: optimizer state /4; gradients at the reduction: the flat
+  // buffer 4·776, this rank's shard 776, one bucket (here all of Ψ) 4·776.
+  o.shard = "gradients";
+  o.ranks = 4;
+  o.sp_size = 1;  // 4 data-parallel ranks: activations of the whole sample on each
+  t = train_memory(m, p, 0, 10, 0, o, 0);
+  EXPECT_DOUBLE_EQ(t.optimizer, 12 * 776 / 4.0);
+  EXPECT_DOUBLE_EQ(t.gradients, 4 * 776 + 776 + 4 * 776);
+  EXPECT_DOUBLE_EQ(t.total, 3104 + 2328 + 6080 + 1600 + 6984);
+  // Sequence parallel over the 4 ranks: a quarter of the tokens' activations.
+  o.sp_size = 4;
+  EXPECT_DOUBLE_EQ(train_memory(m, p, 0, 10, 0, o, 0).activations, 10 / 4.0 * (384 + 104 + 120));
+  // fits compares the peak with the device's memory.
+  EXPECT_FALSE(train_memory(m, p, 0, 10, 0, o, 100).fits);
+  EXPECT_TRUE(train_memory(m, p, 0, 10, 0, o, 1e9).fits);
+}
+
+int run(const std::string& cmd, std::string* out) {
+  FILE* f = popen((cmd + " 2>&1").c_str(), "r");
+  if (f == nullptr) return -1;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, f)) > 0) out->append(buf, n);
+  const int st = pclose(f);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+TEST(TrainMemory, PlanMaxFramesSaysWhatFitsFor7B) {
+  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  if (!std::filesystem::exists(lvx)) GTEST_SKIP() << "build the lvx target first";
+  const std::string src = LVX_SOURCE_DIR;
+  const std::string json =
+      (std::filesystem::temp_directory_path() / "lvx_test_planner_memory.json").string();
+  auto plan = [&](const std::string& flags) {
+    std::string out;
+    EXPECT_EQ(run(lvx + " plan --model " + src + "/configs/models/mplug_owl3_7b.yaml --cluster " +
+                      src + "/configs/clusters/a100_80g_16.yaml --train --max-frames " + flags +
+                      " --json " + json,
+                  &out),
+              0)
+        << out;
+    nlohmann::json j;
+    std::ifstream(json) >> j;
+    return j;
+  };
+  // 7.6 B trainable parameters: 16 bytes each replicated (122 GB) cannot fit 80 GB.
+  nlohmann::json j = plan("--nproc 16 --shard none");
+  EXPECT_FALSE(j["fits"].get<bool>());
+  EXPECT_EQ(j["max_frames"].get<int64_t>(), -1);
+  EXPECT_GT(j["best"]["max_frames"].get<int64_t>(), 0);
+  // Each stage fits more frames than the one before (the state shrinks: 12 Ψt/n of optimizer
+  // state, then 4 Ψt/n of gradients kept, then 2 Ψ/n of weights).
+  int64_t prev = 0;
+  for (const char* s : {"optimizer", "gradients", "parameters"}) {
+    j = plan(std::string("--nproc 16 --recompute --remat --shard ") + s);
+    EXPECT_TRUE(j["fits"].get<bool>()) << s;
+    EXPECT_GT(j["max_frames"].get<int64_t>(), prev) << s;
+    prev = j["max_frames"].get<int64_t>();
+  }
+}
+
+}  // namespace
