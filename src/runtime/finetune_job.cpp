@@ -28,6 +28,7 @@
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
 #include "src/runtime/device.h"
+#include "src/runtime/finetune_lora.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/optimizer.h"
 #include "src/runtime/train_checkpoint.h"
@@ -390,11 +391,13 @@ int run_finetune_rank(const FinetuneJob& job) {
   ResumeState resumed;
   if (!ckpt.empty()) resumed = check_resume_state(cfg, ckpt, samples, job.accept_config_changes);
   if (r == 0) check_metrics_file(cfg, resumed.metrics);
-  const std::string model_dir = ckpt.empty() ? cfg.model.path : ckpt;
+  // A LoRA checkpoint holds the adapter only: the weights come from model.path.
+  const std::string model_dir = ckpt.empty() || cfg.lora.r > 0 ? cfg.model.path : ckpt;
   check_model_dir(model_dir, ckpt.empty() ? "model.path" : "checkpoint");
   const at::Device device = choose_device(job.device);
   std::unique_ptr<models::Model> model =
       models::load_model(model_dir, dtype_of(cfg.model.dtype, "model.dtype"), device);
+  model = with_lora(std::move(model), cfg, ckpt);  // LoRA (src/runtime/finetune_lora.h)
   const models::Tokenizer tok = models::Tokenizer::from_file(model_dir + "/tokenizer.json");
   const models::Family& family = model->family();
   const std::map<std::string, std::string> model_files = read_model_files(model_dir);
@@ -403,6 +406,7 @@ int run_finetune_rank(const FinetuneJob& job) {
 
   // What trains, and the optimizer over it.
   ParamFilter trains = [&](const std::string& name) {
+    if (cfg.lora.r > 0) return model->trainable(name);  // LoRA: the adapter only
     return trains_under(cfg.freeze.policy, family, name, model->trainable(name));
   };
   std::map<std::string, at::Tensor> trainable;
@@ -587,8 +591,11 @@ int run_finetune_rank(const FinetuneJob& job) {
                                 {"freeze_policy", cfg.freeze.policy},
                                 {"config", to_yaml(cfg)}};
         const std::string dir =
-            save_train_checkpoint(cfg.checkpoint.dir, step + 1, model_files, model->parameters(),
-                                  opt.state_tensors(), state, cfg.checkpoint.keep);
+            cfg.lora.r > 0  // LoRA: the adapter in PEFT's layout (src/runtime/finetune_lora.h)
+                ? save_lora_checkpoint(*model, cfg, step + 1, opt.state_tensors(), state)
+                : save_train_checkpoint(cfg.checkpoint.dir, step + 1, model_files,
+                                        model->parameters(), opt.state_tensors(), state,
+                                        cfg.checkpoint.keep);
         if (plain) std::cout << "checkpoint " << dir << "\n" << std::flush;
       });
     }

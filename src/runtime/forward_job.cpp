@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include "models/checkpoint.h"
+#include "models/lora.h"
 #include "models/model.h"
 #include "src/common/dtype.h"
 #include "src/common/error.h"
@@ -113,6 +114,10 @@ int run_forward_rank(const ForwardJob& job) {
   // Frames go to the device once; input_ids and labels are host metadata (models/model.h).
   if (b.pixel_values.defined()) b.pixel_values = b.pixel_values.to(device);
   std::unique_ptr<models::Model> loaded = models::load_model(job.model, dtype_of(dtype, "--dtype"), device);
+  if (!job.adapter.empty()) {  // --adapter: the model with its LoRA adapter (models/lora.h)
+    models::LoraAdapter ad = models::load_lora(job.adapter, *loaded);
+    loaded = std::make_unique<models::LoraModel>(std::move(loaded), std::move(ad));
+  }
   models::Model& model = *loaded;
   std::string plan_text;
   models::Parallel par = plan_layers(

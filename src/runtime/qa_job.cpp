@@ -9,6 +9,7 @@
 #include <iostream>
 #include <set>
 
+#include "models/lora.h"
 #include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
@@ -302,7 +303,7 @@ json qa_settings(const QaJob& job) {
   const fs::path model = fs::weakly_canonical(job.model, ec);
   const bool sampling = job.generation.sampling.temperature > 0;
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };
-  return {{"model", ec ? job.model : model.string()},
+  json s = {{"model", ec ? job.model : model.string()},
           {"dtype", job.plan.dtype},
           {"fps", opt(job.fps)},
           {"num_frames", job.fps ? json() : json(job.num_frames.value_or(16))},
@@ -313,6 +314,11 @@ json qa_settings(const QaJob& job) {
           {"temperature", job.generation.sampling.temperature},
           {"top_p", sampling ? json(job.generation.sampling.top_p) : json()},
           {"seed", sampling ? json(job.generation.sampling.seed) : json()}};
+  if (!job.adapter.empty()) {  // --adapter: the answers depend on it (absent: as before)
+    const fs::path a = fs::weakly_canonical(job.adapter, ec);
+    s["adapter"] = ec ? job.adapter : a.string();
+  }
+  return s;
 }
 
 void check_model_files(const std::string& model_dir) {
@@ -352,6 +358,9 @@ void validate_qa_job(const QaJob& job) {
   LVX_CHECK(fs::exists(fs::path(job.model) / "tokenizer.json"), job.model,
             ": has no tokenizer.json (lvx qa builds the prompt with it)");
   check_regular_file((fs::path(job.model) / "tokenizer.json").string(), "tokenizer file");
+  if (!job.adapter.empty())  // --adapter: PEFT's two files (read on the ranks)
+    for (const char* f : {"adapter_config.json", "adapter_model.safetensors"})
+      check_regular_file((fs::path(job.adapter) / f).string(), "LoRA adapter file (--adapter)");
   LVX_CHECK(!(job.fps && job.num_frames), "give --fps or --num-frames, not both");
   LVX_CHECK(!job.fps || (*job.fps > 0 && std::isfinite(*job.fps)), "--fps must be > 0, got ",
             job.fps.value_or(0));
@@ -400,6 +409,7 @@ int run_qa_rank(const QaJob& job) {
                                                            : "bfloat16");
   std::unique_ptr<models::Model> model =
       models::load_model(job.model, dtype_of(resolved.plan.dtype, "--dtype"), device);
+  if (!job.adapter.empty()) models::merge_adapter(*model, job.adapter);  // --adapter (LoRA)
   const models::Tokenizer tok = models::Tokenizer::from_file(job.model + "/tokenizer.json");
   const Context cx{resolved,
                    pg,

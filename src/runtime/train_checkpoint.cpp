@@ -94,7 +94,8 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
                                   const std::map<std::string, std::string>& model_files,
                                   const std::map<std::string, at::Tensor>& params,
                                   const std::map<std::string, at::Tensor>& optimizer,
-                                  const nlohmann::json& state, int64_t keep) {
+                                  const nlohmann::json& state, int64_t keep,
+                                  const std::string& weights_file) {
   fs::create_directories(root);
   const std::string name = checkpoint_name(step);
   const fs::path final_dir = fs::path(root) / name, tmp = fs::path(root) / (name + ".partial");
@@ -113,9 +114,10 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
                    {"xxh3", file_xxh3((tmp / file).string())}};
     fault_point("after_first_file", step);
   };
-  save_safetensors((tmp / "model.safetensors").string(), params, {{"format", "pt"}});
-  done("model.safetensors");
-  LVX_CHECK(model_files.count("config.json"), "checkpoint: the model's files have no config.json");
+  save_safetensors((tmp / weights_file).string(), params, {{"format", "pt"}});
+  done(weights_file);
+  LVX_CHECK(weights_file != "model.safetensors" || model_files.count("config.json"),
+            "checkpoint: the model's files have no config.json");
   for (const auto& [n, bytes] : model_files) {
     write_text(tmp / n, bytes);
     done(n);

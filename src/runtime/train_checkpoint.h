@@ -40,11 +40,14 @@ std::map<std::string, std::string> read_model_files(const std::string& model_dir
 // directory the model came from (written as they are). `params`: every
 // parameter of the model (saved in its dtype under the checkpoint names); `optimizer`: the
 // optimizer's state tensors; `state`: trainer_state.json. Returns the checkpoint's path.
+// LoRA: `weights_file` "adapter_model.safetensors", `params` the adapter's tensors and
+// `model_files` its adapter_config.json (a PEFT adapter directory; no config.json needed).
 std::string save_train_checkpoint(const std::string& root, int64_t step,
                                   const std::map<std::string, std::string>& model_files,
                                   const std::map<std::string, at::Tensor>& params,
                                   const std::map<std::string, at::Tensor>& optimizer,
-                                  const nlohmann::json& state, int64_t keep);
+                                  const nlohmann::json& state, int64_t keep,
+                                  const std::string& weights_file = "model.safetensors");
 
 // The complete checkpoint folders under `root` (step-NNNNNN, sorted; no .partial ones).
 std::vector<std::string> checkpoint_folders(const std::string& root);
