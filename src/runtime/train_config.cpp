@@ -322,7 +322,9 @@ TrainConfig from_root(const YAML::Node& root, const std::string& file) {
     c.logging.every = s.int_or("every", 1, 1);
     s.finish();
   }
-  if (section_of(root, "lora").IsDefined()) {  // LoRA (models/lora.h)
+  bool lora = false;  // a `lora:` section, even empty, turns LoRA on (models/lora.h)
+  for (const auto& kv : root) lora = lora || kv.first.as<std::string>() == "lora";
+  if (lora) {
     Section s(root, file, "lora");
     auto& l = c.lora;
     l.r = s.int_or("r", 8, 0);
