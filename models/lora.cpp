@@ -23,7 +23,8 @@ const std::string kPrefix = "base_model.model.";
 const std::string kWeight = ".weight";
 
 bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 std::string module_of(const std::string& weight) {
@@ -39,9 +40,9 @@ std::string last_component(const std::string& module) {
 // heads (PEFT's all-linear leaves the output layer out), by the names the families' checkpoints
 // give them.
 bool is_embedding(const std::string& module) {
-  static const std::set<std::string> names{"embed_tokens", "embed_in", "wte", "wpe",
-                                           "word_embeddings", "position_embedding",
-                                           "patch_embedding", "token_embedding"};
+  static const std::set<std::string> names{
+      "embed_tokens",    "embed_in",       "wte", "wpe", "word_embeddings", "position_embedding",
+      "patch_embedding", "token_embedding"};
   return names.count(last_component(module)) > 0;
 }
 bool is_output_head(const std::string& module) {
@@ -78,8 +79,8 @@ std::string regex_escape(const std::string& s) {
 std::string path_pattern(const std::string& module) {
   std::string out, part;
   auto flush = [&] {
-    const bool digits =
-        !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const bool digits = !part.empty() && std::all_of(part.begin(), part.end(),
+                                                     [](char c) { return c >= '0' && c <= '9'; });
     out += digits ? std::string(R"(\d+)") : regex_escape(part);
     part.clear();
   };
@@ -147,8 +148,7 @@ std::vector<std::string> lora_targets(Model& model, const LoraConfig& cfg,
             cfg.alpha);
   LVX_CHECK(!cfg.target_modules.empty(), where,
             ".target_modules: empty (name modules such as q_proj, v_proj, or all-linear)");
-  const bool all_linear =
-      cfg.target_modules.size() == 1 && cfg.target_modules[0] == "all-linear";
+  const bool all_linear = cfg.target_modules.size() == 1 && cfg.target_modules[0] == "all-linear";
   std::set<std::string> chosen;
   std::vector<std::string> candidates;
   for (const std::string& name : linear_weights(model))
@@ -170,8 +170,8 @@ std::vector<std::string> lora_targets(Model& model, const LoraConfig& cfg,
         std::string list;
         for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
         LVX_FAIL(where, ".target_modules: '", t, "' matches no linear weight of this ",
-                 model.family().display_name(), " model outside the vision tower (modules: ",
-                 list, ", or all-linear)");
+                 model.family().display_name(), " model outside the vision tower (modules: ", list,
+                 ", or all-linear)");
       }
     }
   }
@@ -282,8 +282,7 @@ LoraAdapter load_lora(const std::string& dir, const StateDict& w) {
         if (!w.count(path + kWeight) && n++ < 3) missing += "\n  " + kPrefix + path;
       LVX_FAIL(st_path, ": ", found.empty() ? "no" : "more than one",
                " way to match the adapter's modules to the weights of the model; modules ",
-               "with no weight of that name:",
-               missing);
+               "with no weight of that name:", missing);
     }
     prefix = found[0];
   }
@@ -296,8 +295,7 @@ LoraAdapter load_lora(const std::string& dir, const StateDict& w) {
     LVX_CHECK(wt.dim() == 2 && a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(1) &&
                   a.size(1) == wt.size(1) && b.size(0) == wt.size(0) && a.size(0) >= 1,
               st_path, ": module '", path, "': lora_A ", a.sizes(), " and lora_B ", b.sizes(),
-              " do not fit the weight ", name, " ", wt.sizes(),
-              " (expected [r, in] and [out, r])");
+              " do not fit the weight ", name, " ", wt.sizes(), " (expected [r, in] and [out, r])");
     LVX_CHECK(at::isFloatingType(a.scalar_type()) && at::isFloatingType(b.scalar_type()), st_path,
               ": module '", path, "': lora tensors must be floating point");
     LoraLayer l;
@@ -347,8 +345,8 @@ nlohmann::json adapter_config_json(const LoraAdapter& ad, Model& model) {
   if (!ad.layers.empty()) r = ad.layers.begin()->second.a.size(0);
   return {{"alpha_pattern", nlohmann::json::object()},
           {"auto_mapping", nullptr},
-          {"base_model_name_or_path", ad.base_model.empty() ? nlohmann::json(nullptr)
-                                                            : nlohmann::json(ad.base_model)},
+          {"base_model_name_or_path",
+           ad.base_model.empty() ? nlohmann::json(nullptr) : nlohmann::json(ad.base_model)},
           {"bias", "none"},
           {"corda_config", nullptr},
           {"eva_config", nullptr},

@@ -37,9 +37,9 @@ namespace lvx::models {
 // ---- configuration -------------------------------------------------------------------------
 
 struct LoraConfig {
-  int64_t r = 8;        // rank
-  double alpha = 8;     // lora_alpha (PEFT's default 8)
-  double dropout = 0;   // lora_dropout: recorded; training supports 0 only (see lora_targets)
+  int64_t r = 8;       // rank
+  double alpha = 8;    // lora_alpha (PEFT's default 8)
+  double dropout = 0;  // lora_dropout: recorded; training supports 0 only (see lora_targets)
   bool use_rslora = false;
   // PEFT's semantics: a weight "<module>.weight" is adapted when <module> equals an entry or ends
   // with "." + entry ("q_proj" matches "...self_attn.q_proj"); {"all-linear"}: every linear
@@ -65,9 +65,9 @@ struct LoraLayer {
 
 struct LoraAdapter {
   LoraConfig config;
-  std::string base_model;                 // base_model_name_or_path
+  std::string base_model;                   // base_model_name_or_path
   std::map<std::string, LoraLayer> layers;  // by the adapted weight's checkpoint name
-  int64_t parameters() const;             // Σ r·(in + out)
+  int64_t parameters() const;               // Σ r·(in + out)
 };
 
 // A fresh adapter as PEFT initialises one (init_lora_weights=True): A ~ kaiming_uniform(a=√5),

@@ -55,8 +55,8 @@ const Made& made() {
         "lora_peft", script_stamp(owl_script()) + read_text(lora_script()),
         [&](const std::string& o) {
           const std::string model = o + "/model", batch = o + "/batch.safetensors";
-          std::string out = run_command(py + owl_script() + " make-model " + model +
-                                        " --variant 240728");
+          std::string out =
+              run_command(py + owl_script() + " make-model " + model + " --variant 240728");
           out += run_command(py + owl_script() + " make-batch " + model + " " + batch +
                              " --images-per-sample 0 --length 24");
           out += run_command(py + lora_script() + " logits " + model + " " + batch + " " + o +
@@ -147,13 +147,15 @@ TEST(Lora, MergeAdapterWritesWeightsTransformersLoads) {
   const std::string log2 = run_command(python() + " " + lora_script() + " merged-logits " + merged +
                                        " " + m.batch + " " + hf);
   ASSERT_TRUE(fs::exists(hf)) << log2;
-  EXPECT_LE(max_abs(tensors(hf).at("logits"), tensors(m.dir + "/peft_all.safetensors").at("logits")),
-            1e-4);
+  EXPECT_LE(
+      max_abs(tensors(hf).at("logits"), tensors(m.dir + "/peft_all.safetensors").at("logits")),
+      1e-4);
   // lvx on the merged directory; tensors the adapter does not touch are copied bit for bit.
   const std::string out = lvx_forward(merged, "merged", "");
   ASSERT_FALSE(out.empty());
-  EXPECT_LE(max_abs(tensors(out).at("logits"), tensors(m.dir + "/peft_all.safetensors").at("logits")),
-            1e-4);
+  EXPECT_LE(
+      max_abs(tensors(out).at("logits"), tensors(m.dir + "/peft_all.safetensors").at("logits")),
+      1e-4);
   const auto a = lvx::load_checkpoint_dir(m.model), b = lvx::load_checkpoint_dir(merged);
   ASSERT_EQ(a.size(), b.size());
   int changed = 0;
@@ -163,8 +165,8 @@ TEST(Lora, MergeAdapterWritesWeightsTransformersLoads) {
   }
   EXPECT_EQ(changed, 28);  // the adapted weights, and only those
   // Refuses to write into a directory that holds files.
-  EXPECT_NE(run_command(lvx_binary() + " merge-adapter --model " + m.model + " --adapter " +
-                        m.dir + "/ad_all --output " + merged)
+  EXPECT_NE(run_command(lvx_binary() + " merge-adapter --model " + m.model + " --adapter " + m.dir +
+                        "/ad_all --output " + merged)
                 .find("already exists"),
             std::string::npos);
 }
@@ -200,7 +202,7 @@ TEST(Lora, AllLinearTargetsTheLanguageModelOnly) {
   const auto ad = lvx::models::init_lora(*model, c, 0, "m");
   EXPECT_EQ(ad.parameters(), 4 * 4 * (64 + 64));
   for (const auto& [n, l] : ad.layers) {
-    EXPECT_EQ(l.b.abs().max().item<double>(), 0.0);  // PEFT's init: B = 0
+    EXPECT_EQ(l.b.abs().max().item<double>(), 0.0);        // PEFT's init: B = 0
     EXPECT_LE(l.a.abs().max().item<double>(), 1.0 / 8.0);  // U(-1/sqrt(in), 1/sqrt(in)), in 64
   }
 }
@@ -310,14 +312,18 @@ TEST(Lora, FinetuneWritesAnAdapterPeftLoads) {
   const std::string log = run_command(lvx_binary() + " finetune --config " + cfg);
   ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
   const std::string step = ck + "/step-000004";
-  for (const char* f : {"adapter_config.json", "adapter_model.safetensors",
-                        "optimizer.safetensors", "trainer_state.json", "manifest.json"})
+  for (const char* f : {"adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors",
+                        "trainer_state.json", "manifest.json"})
     EXPECT_TRUE(fs::exists(step + "/" + f)) << f;
   EXPECT_FALSE(fs::exists(step + "/model.safetensors")) << "a LoRA checkpoint holds no weights";
   const json ac = lvx::read_json_file(step + "/adapter_config.json", "adapter config");
   EXPECT_EQ(ac["peft_type"], "LORA");
   EXPECT_EQ(ac["r"], 4);
   EXPECT_EQ(ac["lora_alpha"], 8.0);
+  // SigLIP has q_proj, k_proj and v_proj too, which lvx leaves alone: a list would make PEFT adapt
+  // them, so the file names the adapted modules by a regular expression (PEFT places exactly the
+  // 28 pairs below).
+  EXPECT_TRUE(ac["target_modules"].is_string()) << ac["target_modules"];
   // Only the adapter trained (28 pairs), and it moved: B is no longer zero.
   const auto ad = tensors(step + "/adapter_model.safetensors");
   EXPECT_EQ(ad.size(), 56u);
@@ -327,8 +333,8 @@ TEST(Lora, FinetuneWritesAnAdapterPeftLoads) {
   EXPECT_GT(bmax, 1e-3);
   // PEFT places every pair (lora_ref.py checks it) and gives lvx's logits.
   const std::string peft = (workdir() / "lora_ft_peft.safetensors").string();
-  const std::string log2 = run_command(python() + " " + lora_script() + " logits " + m.model +
-                                       " " + m.batch + " " + peft + " --adapter " + step);
+  const std::string log2 = run_command(python() + " " + lora_script() + " logits " + m.model + " " +
+                                       m.batch + " " + peft + " --adapter " + step);
   ASSERT_TRUE(fs::exists(peft)) << log2;
   const std::string out = lvx_forward(m.model, "ft", "--adapter " + step);
   ASSERT_FALSE(out.empty());

@@ -437,8 +437,10 @@ int run_finetune_rank(const FinetuneJob& job) {
   }
   if (r == 0) {
     std::cout << family.model_type() << ": " << trainable_numel << " of " << total_numel
-              << " parameters train (freeze.policy " << cfg.freeze.policy << "), " << samples
-              << " samples, " << n << " rank(s)\n"
+              << " parameters train ("
+              << (cfg.lora.r > 0 ? str("LoRA r ", cfg.lora.r)
+                                 : "freeze.policy " + cfg.freeze.policy)
+              << "), " << samples << " samples, " << n << " rank(s)\n"
               << std::flush;
     fs::create_directories(fs::path(cfg.logging.metrics).parent_path().empty()
                                ? fs::path(".")

@@ -304,16 +304,16 @@ json qa_settings(const QaJob& job) {
   const bool sampling = job.generation.sampling.temperature > 0;
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };
   json s = {{"model", ec ? job.model : model.string()},
-          {"dtype", job.plan.dtype},
-          {"fps", opt(job.fps)},
-          {"num_frames", job.fps ? json() : json(job.num_frames.value_or(16))},
-          {"start", opt(job.start)},
-          {"end", opt(job.end)},
-          {"max_new_tokens", job.generation.max_new_tokens},
-          {"ignore_stop", job.ignore_stop},
-          {"temperature", job.generation.sampling.temperature},
-          {"top_p", sampling ? json(job.generation.sampling.top_p) : json()},
-          {"seed", sampling ? json(job.generation.sampling.seed) : json()}};
+            {"dtype", job.plan.dtype},
+            {"fps", opt(job.fps)},
+            {"num_frames", job.fps ? json() : json(job.num_frames.value_or(16))},
+            {"start", opt(job.start)},
+            {"end", opt(job.end)},
+            {"max_new_tokens", job.generation.max_new_tokens},
+            {"ignore_stop", job.ignore_stop},
+            {"temperature", job.generation.sampling.temperature},
+            {"top_p", sampling ? json(job.generation.sampling.top_p) : json()},
+            {"seed", sampling ? json(job.generation.sampling.seed) : json()}};
   if (!job.adapter.empty()) {  // --adapter: the answers depend on it (absent: as before)
     const fs::path a = fs::weakly_canonical(job.adapter, ec);
     s["adapter"] = ec ? job.adapter : a.string();

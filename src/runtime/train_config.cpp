@@ -101,8 +101,9 @@ class Section {
   std::set<std::string> used_;
 };
 
-const std::vector<std::string> kSections = {"model",      "data",     "optimizer", "schedule", "freeze",
-                                            "checkpoint", "parallel", "logging",   "lora"};
+const std::vector<std::string> kSections = {"model",    "data",    "optimizer",
+                                            "schedule", "freeze",  "checkpoint",
+                                            "parallel", "logging", "lora"};
 
 // "a.b.c=value": sets root[a][b][c] to the value parsed as YAML (so numbers, booleans and lists
 // keep their types).
@@ -331,7 +332,8 @@ TrainConfig from_root(const YAML::Node& root, const std::string& file) {
     LVX_CHECK(l.r <= 65536, s.where("r"), ": at most 65536, got ", l.r);
     l.alpha = s.num_or("alpha", l.alpha, 1e-12);
     l.dropout = s.num_or("dropout", l.dropout, 0);
-    LVX_CHECK(l.dropout == 0, s.where("dropout"), ": ", l.dropout, " is not supported: lvx applies ",
+    LVX_CHECK(l.dropout == 0, s.where("dropout"), ": ", l.dropout,
+              " is not supported: lvx applies ",
               "LoRA as a weight transform (W + (alpha/r)·B·A), where dropout on the layer's input ",
               "has no place; use 0 (an adapter trained with dropout still loads for inference)");
     if (s.has("target_modules")) {

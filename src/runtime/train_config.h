@@ -84,8 +84,8 @@ std::string to_yaml(const TrainConfig& c);
 // to_yaml's text read back (the config a checkpoint recorded); errors name `where`.
 TrainConfig train_config_from_yaml(const std::string& text, const std::string& where);
 
-// The fields of data, optimizer, schedule, freeze and lora that differ from `before` to `now`, each as
-// "section.field: old -> new" (what --resume refuses unless told to accept them).
+// The fields of data, optimizer, schedule, freeze and lora that differ from `before` to `now`, each
+// as "section.field: old -> new" (what --resume refuses unless told to accept them).
 std::vector<std::string> config_changes(const TrainConfig& before, const TrainConfig& now);
 
 }  // namespace lvx::runtime
