@@ -75,13 +75,16 @@ std::string regex_escape(const std::string& s) {
   return out;
 }
 
-// A module path with each all-digit component (a layer index) generalised to \d+.
+// A module path with its first all-digit component (the layer index) generalised to \d+; later
+// ones (positions in a Sequential: ff.1 is a Linear, ff.0 a LayerNorm) stay as they are.
 std::string path_pattern(const std::string& module) {
   std::string out, part;
+  bool generalised = false;
   auto flush = [&] {
     const bool digits = !part.empty() && std::all_of(part.begin(), part.end(),
                                                      [](char c) { return c >= '0' && c <= '9'; });
-    out += digits ? std::string(R"(\d+)") : regex_escape(part);
+    out += digits && !generalised ? std::string(R"(\d+)") : regex_escape(part);
+    generalised = generalised || digits;
     part.clear();
   };
   for (char c : module) {
@@ -261,6 +264,26 @@ LoraAdapter load_lora(const std::string& dir, const StateDict& w) {
     }
   }
   LVX_CHECK(!pairs.empty(), st_path, ": holds no LoRA tensors");
+  // Aliases: a module reachable under two paths is in PyTorch's state_dict twice, and PEFT saves
+  // both (OpenFlamingo's lang_encoder.gated_cross_attn_layers.i is the same block as
+  // lang_encoder.<decoder layers>.i.gated_cross_attn_layer). A pair without a weight of its name
+  // that equals, tensor for tensor, a pair with one is such an alias: dropped.
+  auto has_weight = [&](const std::string& path) { return w.count(path + kWeight) > 0; };
+  auto same = [](const at::Tensor& x, const at::Tensor& y) {
+    return x.defined() && y.defined() && x.sizes() == y.sizes() &&
+           x.scalar_type() == y.scalar_type() && at::equal(x, y);
+  };
+  for (auto it = pairs.begin(); it != pairs.end();) {
+    bool alias = false;
+    if (!has_weight(it->first))
+      for (const auto& [other, ab] : pairs)
+        if (has_weight(other) && same(ab.first, it->second.first) &&
+            same(ab.second, it->second.second)) {
+          alias = true;
+          break;
+        }
+    it = alias ? pairs.erase(it) : std::next(it);
+  }
   // The prefix that makes every module path a weight of the model: "" when they already are;
   // otherwise the one prefix (e.g. "language_model.") under which each of them is.
   auto fits = [&](const std::string& prefix) {
@@ -312,6 +335,9 @@ nlohmann::json adapter_config_json(const LoraAdapter& ad, Model& model) {
   for (const auto& [name, l] : ad.layers) adapted.insert(module_of(name));
   std::vector<std::string> linear;
   for (const auto& n : linear_weights(model)) linear.push_back(module_of(n));
+  std::set<std::string> modules;  // every module that holds a parameter
+  for (const auto& [name, t] : model.parameters())
+    modules.insert(name.find('.') == std::string::npos ? name : name.substr(0, name.rfind('.')));
   // What PEFT's suffix rule would select with the configured list.
   nlohmann::json targets;
   const bool all_linear =
@@ -333,7 +359,8 @@ nlohmann::json adapter_config_json(const LoraAdapter& ad, Model& model) {
     std::string re = join_alternatives(patterns);
     const std::regex rx(re);
     bool exact = true;
-    for (const auto& m : linear) exact = exact && std::regex_match(m, rx) == (adapted.count(m) > 0);
+    for (const auto& m : modules)
+      exact = exact && std::regex_match(m, rx) == (adapted.count(m) > 0);
     if (!exact) {  // layer indices cannot be generalised: the paths themselves
       std::set<std::string> paths;
       for (const auto& m : adapted) paths.insert(regex_escape(m));

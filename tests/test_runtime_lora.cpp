@@ -8,6 +8,10 @@
 //   - lvx finetune with a lora: section trains only the adapter and writes PEFT's layout, which
 //     PeftModel.from_pretrained places (every pair) and which gives lvx's logits; --resume
 //     continues bitwise; lvx qa --adapter answers as the merged checkpoint does;
+//   - OpenFlamingo (the open_flamingo package's Flamingo, LLaMA decoder, batches WITH images): a
+//     PEFT adapter on the resampler, the gated cross-attention blocks and the decoder gives PEFT's
+//     logits, loss and gradients in lvx; an all-linear lvx finetune writes an adapter PEFT places
+//     completely, with lvx's logits;
 //   - target selection, the config section, and what is refused.
 // Tolerances: logits and loss within 1e-4 absolute (outputs are O(1–10); measured ≈5e-6: lvx
 // computes x·(W + s·B·A)ᵀ, PEFT x·Wᵀ + s·(x·Aᵀ)·Bᵀ, equal but summed in another order), gradients
@@ -78,6 +82,39 @@ const Made& made() {
   return m;
 }
 
+// The same for OpenFlamingo (the open_flamingo package's Flamingo, LLaMA decoder; a batch with
+// images): a PEFT adapter on the resampler, the gated cross-attention blocks and the decoder
+// (build/tests/lora_peft_flamingo).
+const Made& made_flamingo() {
+  static const Made m = [] {
+    const std::string of = std::string(LVX_SOURCE_DIR) + "/tests/reference/openflamingo_ref.py";
+    const std::string py = python() + " ";
+    std::string log;
+    const std::string d = generated(
+        "lora_peft_flamingo",
+        script_stamp(of) + read_text(lora_script()) +
+            read_text(std::string(LVX_SOURCE_DIR) + "/models/openflamingo/convert_openflamingo.py"),
+        [&](const std::string& o) {
+          const std::string model = o + "/model", batch = o + "/batch.safetensors";
+          const std::string ref = py + lora_script() + " ";
+          std::string out = run_command(py + of + " make-model " + model + " --lm llama");
+          out += run_command(py + of + " make-batch " + model + " " + batch);
+          out += run_command(ref + "logits --family openflamingo " + model + " " + batch + " " + o +
+                             "/base.safetensors");
+          out += run_command(ref + "make-adapter --family openflamingo " + model + " " + o +
+                             "/ad --r 2 --alpha 4 --seed 3 --targets "
+                             "to_q,to_kv,to_out,q_proj,v_proj,down_proj");
+          out += run_command(ref + "logits --family openflamingo " + model + " " + batch + " " + o +
+                             "/peft.safetensors --backward --adapter " + o + "/ad");
+          return out;
+        },
+        &log);
+    EXPECT_FALSE(d.empty()) << log;
+    return Made{d, d + "/model", d + "/batch.safetensors"};
+  }();
+  return m;
+}
+
 std::map<std::string, at::Tensor> tensors(const std::string& path) {
   return lvx::load_safetensors(path).tensors;
 }
@@ -86,13 +123,15 @@ double max_abs(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
 
-// lvx forward on the text batch; returns its output file ("" on failure, with the log).
-std::string lvx_forward(const std::string& model, const std::string& tag,
-                        const std::string& flags) {
+// lvx forward on the text batch (or `batch`); returns its output file ("" on failure, with the
+// log).
+std::string lvx_forward(const std::string& model, const std::string& tag, const std::string& flags,
+                        const std::string& batch = "") {
   const std::string out = (workdir() / ("lora_" + tag + ".safetensors")).string();
   fs::remove(out);
-  const std::string log = run_command(lvx_binary() + " forward --model " + model + " --input " +
-                                      made().batch + " --output " + out + " " + flags);
+  const std::string log =
+      run_command(lvx_binary() + " forward --model " + model + " --input " +
+                  (batch.empty() ? made().batch : batch) + " --output " + out + " " + flags);
   EXPECT_TRUE(fs::exists(out)) << log;
   return fs::exists(out) ? out : "";
 }
@@ -122,6 +161,40 @@ TEST(Lora, PeftAdapterGivesPeftsLogitsLossAndGradients) {
   EXPECT_LE(worst, 1e-4);
   std::cout << "PEFT adapter (7 modules, r 4): logits " << e << ", gradients " << worst << " ("
             << grads << " tensors)\n";
+}
+
+TEST(Lora, PeftAdapterOnOpenFlamingoWithImages) {
+  // PEFT saves the gated blocks twice (lang_encoder.gated_cross_attn_layers.i is an alias of
+  // lang_encoder.model.layers.i.gated_cross_attn_layer); lvx drops the aliases.
+  const Made& m = made_flamingo();
+  const std::string out =
+      lvx_forward(m.model, "flamingo", "--backward --adapter " + m.dir + "/ad", m.batch);
+  ASSERT_FALSE(out.empty());
+  auto got = tensors(out), want = tensors(m.dir + "/peft.safetensors");
+  EXPECT_GT(max_abs(want.at("logits"), tensors(m.dir + "/base.safetensors").at("logits")), 0.5);
+  const double e = max_abs(got.at("logits"), want.at("logits"));
+  EXPECT_LE(e, 1e-4);
+  EXPECT_LE(max_abs(got.at("loss"), want.at("loss")), 1e-4);
+  size_t grads = 0, lvx_grads = 0;
+  double worst = 0;
+  for (const auto& [name, g] : want) {
+    if (name.rfind("grad.", 0) != 0) continue;
+    ASSERT_TRUE(got.count(name)) << name << ": lvx gave no gradient";
+    worst = std::max(worst, max_abs(got.at(name), g) / g.abs().max().item<double>());
+    ++grads;
+  }
+  for (const auto& [name, g] : got) lvx_grads += name.rfind("grad.", 0) == 0;
+  bool gated = false, perceiver = false;
+  for (const auto& [name, g] : want) {
+    gated = gated || name.find(".gated_cross_attn_layer.attn.to_kv.lora_A") != std::string::npos;
+    perceiver = perceiver || name.rfind("grad.perceiver.", 0) == 0;
+  }
+  EXPECT_TRUE(gated && perceiver);
+  EXPECT_EQ(lvx_grads, grads);
+  EXPECT_GE(grads, 40u);
+  EXPECT_LE(worst, 1e-4);
+  std::cout << "PEFT adapter on OpenFlamingo (resampler, gated blocks, decoder): logits " << e
+            << ", gradients " << worst << " (" << grads << " tensors)\n";
 }
 
 TEST(Lora, RsLoraAdapterOnTwoModules) {
@@ -277,7 +350,10 @@ TEST(Lora, ConfigSection) {
 }
 
 // Videos and a run config for the fine-tuning tests.
-std::string finetune_config(const std::string& name, const std::string& ck, int64_t steps) {
+std::string finetune_config(const std::string& name, const std::string& ck, int64_t steps,
+                            const std::string& model = "",
+                            const std::string& lora = "{r: 4, alpha: 8, target_modules: [" +
+                                                      kModules + "]}") {
   const fs::path d = workdir() / "lora_ft";
   fs::create_directories(d);
   const std::string video = (d / "testsrc.mp4").string();
@@ -295,12 +371,12 @@ std::string finetune_config(const std::string& name, const std::string& ck, int6
                       << R"(", "question": "What moves?", "answer": "shapes", "end": 3.5})"
                       << "\n";
   const std::string path = (d / (name + ".yaml")).string();
-  std::ofstream(path) << "model: {path: " << made().model << "}\n"
+  std::ofstream(path) << "model: {path: " << (model.empty() ? made().model : model) << "}\n"
                       << "data: {train: " << data << ", num_frames: 2, seed: 3}\n"
                       << "optimizer: {lr: 2.0e-2}\n"
                       << "schedule: {steps: " << steps << "}\n"
                       << "checkpoint: {dir: " << ck << ", every: 2, keep: 3}\n"
-                      << "lora: {r: 4, alpha: 8, target_modules: [" << kModules << "]}\n";
+                      << "lora: " << lora << "\n";
   return path;
 }
 
@@ -384,6 +460,33 @@ TEST(Lora, FinetuneWritesAnAdapterPeftLoads) {
   EXPECT_TRUE(a.contains("response"));
   EXPECT_EQ(a["response"], b["response"]);
   EXPECT_EQ(a["new_tokens"], b["new_tokens"]);
+}
+
+TEST(Lora, AllLinearOnOpenFlamingoWritesAnAdapterPeftLoads) {
+  // all-linear: the resampler's and the gated blocks' linears (their FF Sequentials hold
+  // LayerNorms beside the Linears) and the decoder's, none of the vision tower; PEFT must place
+  // every pair of the file through the regular expression lvx writes, and agree on the logits.
+  const Made& m = made_flamingo();
+  const std::string ck = (workdir() / "lora_ft" / "ck_flamingo").string();
+  fs::remove_all(ck);
+  const std::string log = run_command(lvx_binary() + " finetune --config " +
+                                      finetune_config("flamingo", ck, 2, m.model, "{r: 2}"));
+  ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
+  const std::string step = ck + "/step-000002";
+  const auto ad = tensors(step + "/adapter_model.safetensors");
+  // 4 layers × 7 decoder linears, 2 gated blocks × (to_q, to_kv, to_out, ff.1, ff.3), 2
+  // resampler layers × the same five.
+  EXPECT_EQ(ad.size(), 2u * (4 * 7 + 2 * 5 + 2 * 5));
+  const std::string peft = (workdir() / "lora_ft_flamingo_peft.safetensors").string();
+  const std::string log2 =
+      run_command(python() + " " + lora_script() + " logits --family openflamingo " + m.model +
+                  " " + m.batch + " " + peft + " --adapter " + step);
+  ASSERT_TRUE(fs::exists(peft)) << log2;
+  const std::string out = lvx_forward(m.model, "ft_flamingo", "--adapter " + step, m.batch);
+  ASSERT_FALSE(out.empty());
+  const auto want = tensors(peft).at("logits");
+  EXPECT_GT(max_abs(want, tensors(m.dir + "/base.safetensors").at("logits")), 1e-3);
+  EXPECT_LE(max_abs(tensors(out).at("logits"), want), 1e-4);
 }
 
 }  // namespace
