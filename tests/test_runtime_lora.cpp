@@ -313,6 +313,18 @@ TEST(Lora, RefusesWhatItCannotApply) {
       at::zeros({64, 2});
   lvx::save_safetensors(d + "/adapter_model.safetensors", t);
   expect_error("unknown module", "layers.9.self_attn.q_proj");
+  // The commands name a directory that is not an adapter before ranks start.
+  for (const std::string& cmd :
+       {" forward --model " + made().model + " --input " + made().batch + " --output " +
+            (workdir() / "lora_never.safetensors").string() + " --adapter " + made().model,
+        " qa --model " + made().model + " --video x.mp4 --question q --adapter " + made().model,
+        " merge-adapter --model " + made().model + " --adapter " + made().model + " --output " +
+            (workdir() / "lora_never").string()}) {
+    const std::string log = run_command(lvx_binary() + cmd);
+    EXPECT_NE(log.find("exit status"), std::string::npos) << cmd;
+    EXPECT_NE(log.find("adapter_config.json"), std::string::npos) << cmd << ": " << log;
+  }
+  EXPECT_FALSE(fs::exists(workdir() / "lora_never"));
 }
 
 TEST(Lora, ConfigSection) {

@@ -103,6 +103,9 @@ void validate_forward_job(const ForwardJob& job) {
   check_model_files(job.model);
   planner_model(job.model);
   if (job.strategies != "auto") explicit_strategies(job.strategies, 1);
+  if (!job.adapter.empty())  // --adapter: PEFT's two files (matched to the weights on the ranks)
+    for (const char* f : {"adapter_config.json", "adapter_model.safetensors"})
+      check_regular_file((fs::path(job.adapter) / f).string(), "LoRA adapter file (--adapter)");
 }
 
 int run_forward_rank(const ForwardJob& job) {
