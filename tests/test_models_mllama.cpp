@@ -23,6 +23,7 @@
 #include "models/model.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
+#include "src/dist/process_group.h"
 #include "tests/model_conformance.h"
 #include "tests/reference_mask.h"
 
@@ -293,6 +294,38 @@ TEST(MllamaFreeze, CrossOnlyTrainsTheWholeCrossLayersAndTheProjector) {
   }
   EXPECT_GT(trained, 0u);
   EXPECT_EQ(cross_mlp, 3 * cross.size());  // gate, up and down projections of each cross layer
+}
+
+// lvx serve's visual cache (ModelInputs::media): a prefill hands back this rank's encoded images,
+// and a prefill given them (no pixel_values at all) gives the same logits, bit for bit, as
+// encoding again; features that do not fit the rank's slots are refused.
+TEST(MllamaVisualCache, PrefillFromKeptFeaturesEqualsEncoding) {
+  const Reference& ref = frames_reference();
+  const auto batch = lvx::load_safetensors(ref.batch).tensors;
+  const std::unique_ptr<lvx::models::Model> model = lvx::models::load_model(ref.model, at::kFloat);
+  lvx::models::Parallel par;
+  par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
+  lvx::models::LocalMedia kept;
+  lvx::models::ModelInputs miss{batch.at("input_ids"), batch.at("pixel_values"), false, {}};
+  miss.media = &kept;
+  lvx::models::DecodeCache c1, c2;
+  const at::Tensor first = model->prefill(miss, par, c1);
+  ASSERT_TRUE(kept.features.defined());
+  EXPECT_EQ(kept.slots, batch.at("input_ids").eq(model->media_token_id()).sum(1).max().item<int64_t>());
+  lvx::models::ModelInputs hit{batch.at("input_ids"), at::Tensor(), false, {}};
+  hit.media = &kept;
+  EXPECT_TRUE(at::equal(model->prefill(hit, par, c2), first));
+  lvx::models::LocalMedia wrong = kept;
+  wrong.features = kept.features.narrow(1, 0, kept.features.size(1) - 1);
+  hit.media = &wrong;
+  lvx::models::DecodeCache c3;
+  try {
+    model->prefill(hit, par, c3);
+    ADD_FAILURE() << "features of the wrong shape were taken";
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("precomputed media features"), std::string::npos)
+        << e.what();
+  }
 }
 
 // ---- lvx qa and lvx finetune on the tiny checkpoint ------------------------------------------

@@ -112,8 +112,10 @@ Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par)
   int64_t expected = 0;
   for (int64_t b = 0; b < B; ++b)
     expected += std::clamp<int64_t>(counts[b].item<int64_t>() - lo, 0, slots);
+  // Features given (lvx serve's visual cache, ModelInputs::media) replace the frames.
+  const bool encoded = in.media != nullptr && in.media->features.defined();
   LVX_CHECK(
-      im.images == 0 ||
+      im.images == 0 || encoded ||
           (px.defined() && px.dim() == 4 && px.size(0) == expected && px.size(1) == 3),
       kName, ": input_ids hold ", counts.sum().item<int64_t>(), " <|image|> tokens",
       in.pixels_local ? str(" (", expected, " in rank ", par.rank(), "'s share)") : std::string(),
@@ -126,7 +128,7 @@ Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par)
   im.aspect_ratio_mask = at::zeros({B, slots, K}, opts.dtype(at::kLong));
   im.aspect_ratio_mask.select(2, 0).fill_(1);  // the processor's padding images: tile 0 set
   im.pixels_first = im.ratios_first = lo;
-  if (expected > 0) {
+  if (expected > 0 && !encoded) {
     const Tiled t = frames_as_images(c, px);
     int64_t next = 0;
     for (int64_t b = 0; b < B; ++b)
@@ -244,7 +246,18 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
   const at::Tensor kpos = keys.positions(par.rank());
   const int64_t first = kpos.numel() ? kpos[0].item<int64_t>() / T : 0, slots = kpos.numel() / T;
   at::Tensor features;  // [B, slots·T, hidden]
-  if (!cm.calls.empty()) {
+  if (!cm.calls.empty() && in.media != nullptr && in.media->features.defined()) {
+    // This rank's images encoded before (lvx serve's visual cache): nothing decoded or encoded.
+    const LocalMedia& m = *in.media;
+    LVX_CHECK(m.first_slot == first && m.slots == slots && m.features.dim() == 3 &&
+                  m.features.size(0) == B && m.features.size(1) == slots * T &&
+                  m.features.size(2) == t.hidden,
+              kName, ": precomputed media features of slots [", m.first_slot, ", ",
+              m.first_slot + m.slots, ") ", m.features.sizes(), " do not fit rank ", par.rank(),
+              "'s slots [", first, ", ", first + slots, ") of ", B, " x ", slots * T, " x ",
+              t.hidden);
+    features = m.features;
+  } else if (!cm.calls.empty()) {
     const at::Tensor px = im.pixel_values.narrow(1, first - im.pixels_first, slots);
     auto flat = [&](const at::Tensor& x) {
       std::vector<int64_t> s{B * slots};
@@ -260,6 +273,7 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
     } else {
       features = at::zeros({B, 0, t.hidden}, h.options());
     }
+    if (in.media != nullptr) *in.media = LocalMedia{features, first, slots};  // for the cache
   }
   std::vector<attention::MaskInputs> call_masks;
   std::vector<attention::AttentionSpec> call_specs;

@@ -80,7 +80,7 @@ int cmd_finetune(int argc, char** argv) {
   p.add_option("config", 'c', "", "run YAML (configs/runs/finetune_tiny.yaml)", true);
   p.add_flag("resume", 'r', "continue from checkpoint.dir/latest (a fresh start when none)");
   p.add_flag("accept-config-changes", 0,
-             "with --resume: continue although data, optimizer, schedule or freeze settings "
+             "with --resume: continue although data, optimizer, schedule, freeze or lora settings "
              "differ from the checkpoint's (refused otherwise, naming the fields)");
   p.add_option("nproc", 'n', "", "local ranks to start (default: parallel.nproc)");
   p.add_option("sp-size", 0, "",

@@ -28,6 +28,9 @@ int cmd_forward(int argc, char** argv) {
       "without one lv_xattn for cross and ring for self layers), one strategy S for every layer,\n"
       "or S_cross,S_self; S may be a forward+backward pair such as lv_xattn+ring.");
   p.add_option("model", 'm', "", "checkpoint directory (config.json, model.safetensors)", true);
+  p.add_option("adapter", 0, "",
+               "LoRA adapter directory (PEFT's layout): W + s*B*A at every step; --backward "
+               "gives the gradients of its lora_A/lora_B");
   p.add_option("input", 'i', "", "input safetensors file", true);
   p.add_option("output", 'o', "", "output safetensors file (written atomically)", true);
   lvx::cli::add_nproc_options(p, "1", "local ranks to start");
@@ -51,6 +54,7 @@ int cmd_forward(int argc, char** argv) {
   if (!p.parse(argc, argv)) return 0;
   lvx::runtime::ForwardJob job;
   job.model = p.get("model");
+  job.adapter = p.get("adapter");
   job.input = p.get("input");
   job.output = p.get("output");
   job.strategies = p.get("strategies");

@@ -28,6 +28,9 @@ int cmd_qa(int argc, char** argv) {
       "unless --overwrite. Errors and progress go to stderr, answers to stdout.");
   p.add_option("model", 'm', "", "checkpoint directory (config.json, weights, tokenizer.json)",
                true);
+  p.add_option("adapter", 0, "",
+               "LoRA adapter directory in PEFT's layout (adapter_config.json, "
+               "adapter_model.safetensors), merged into the weights once");
   p.add_option("video", 'v', "", "video file (one question)");
   p.add_option("question", 'q', "", "the question (one question)");
   p.add_option("options", 0, "", "multiple-choice options, '|'-separated (one question)");
@@ -57,6 +60,7 @@ int cmd_qa(int argc, char** argv) {
   if (!p.parse(argc, argv)) return 0;
   lvx::runtime::QaJob job;
   job.model = p.get("model");
+  job.adapter = p.get("adapter");
   job.video = p.get("video");
   job.question = p.get("question");
   for (size_t b = 0, e; !p.get("options").empty() && b <= p.get("options").size(); b = e + 1) {

@@ -29,6 +29,7 @@
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
 #include "src/runtime/device.h"
+#include "src/runtime/finetune_lora.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/optimizer.h"
 #include "src/runtime/sharded_state.h"
@@ -418,6 +419,10 @@ int run_finetune_rank(const FinetuneJob& job) {
   std::shared_ptr<dist::ProcessGroup> sp_pg =
       sp == n ? pg : dist::ProcessGroup::subgroup(pg, group * sp, sp);
   const ShardStage stage = shard_stage_from_string(cfg.parallel.shard, "parallel.shard");
+  // An adapter's state is small (2·r·(in+out) per target): sharding it is not implemented.
+  LVX_CHECK(cfg.lora.r == 0 || stage == ShardStage::kNone, "parallel.shard: '", cfg.parallel.shard,
+            "' with lora (r ", cfg.lora.r, ") is not supported: LoRA trains and saves the adapter ",
+            "replicated; use parallel.shard: none");
   LVX_CHECK(stage != ShardStage::kParameters,
             "parallel.shard: 'parameters' (ZeRO stage 3, parameters gathered per layer) is not ",
             "run yet; use 'gradients' (stage 2) or 'optimizer' (stage 1). lvx plan --train ",
@@ -439,11 +444,13 @@ int run_finetune_rank(const FinetuneJob& job) {
   ResumeState resumed;
   if (!ckpt.empty()) resumed = check_resume_state(cfg, ckpt, samples, job.accept_config_changes);
   if (r == 0) check_metrics_file(cfg, resumed.metrics);
-  const std::string model_dir = ckpt.empty() ? cfg.model.path : ckpt;
+  // A LoRA checkpoint holds the adapter only: the weights come from model.path.
+  const std::string model_dir = ckpt.empty() || cfg.lora.r > 0 ? cfg.model.path : ckpt;
   check_model_dir(model_dir, ckpt.empty() ? "model.path" : "checkpoint");
   const at::Device device = choose_device(job.device);
   std::unique_ptr<models::Model> model =
       models::load_model(model_dir, dtype_of(cfg.model.dtype, "model.dtype"), device);
+  model = with_lora(std::move(model), cfg, ckpt);  // LoRA (src/runtime/finetune_lora.h)
   const models::Tokenizer tok = models::Tokenizer::from_file(model_dir + "/tokenizer.json");
   const models::Family& family = model->family();
   const std::map<std::string, std::string> model_files = read_model_files(model_dir);
@@ -452,6 +459,7 @@ int run_finetune_rank(const FinetuneJob& job) {
 
   // What trains, and the optimizer over it.
   ParamFilter trains = [&](const std::string& name) {
+    if (cfg.lora.r > 0) return model->trainable(name);  // LoRA: the adapter only
     return trains_under(cfg.freeze.policy, *model, name);
   };
   std::map<std::string, at::Tensor> trainable;
@@ -527,9 +535,12 @@ int run_finetune_rank(const FinetuneJob& job) {
   }
   if (r == 0) {
     std::cout << family.model_type() << ": " << trainable_numel << " of " << total_numel
-              << " parameters train (freeze.policy " << cfg.freeze.policy << "), " << samples
-              << " samples, " << n << " rank(s) (" << dp << " data-parallel × " << sp
-              << " sequence-parallel), parallel.shard " << shard_stage_name(stage) << "\n"
+              << " parameters train ("
+              << (cfg.lora.r > 0 ? str("LoRA r ", cfg.lora.r)
+                                 : "freeze.policy " + cfg.freeze.policy)
+              << "), " << samples << " samples, " << n << " rank(s) (" << dp
+              << " data-parallel × " << sp << " sequence-parallel), parallel.shard "
+              << shard_stage_name(stage) << "\n"
               << std::flush;
     fs::create_directories(fs::path(cfg.logging.metrics).parent_path().empty()
                                ? fs::path(".")
@@ -749,10 +760,13 @@ int run_finetune_rank(const FinetuneJob& job) {
             {"optimizer",
              {{"shard", shard_stage_name(stage)}, {"world_size", n}, {"layout", layout.to_json()}}},
             {"config", to_yaml(cfg)}};
-        const std::string dir = save_train_checkpoint(
-            cfg.checkpoint.dir, step + 1, model_files, model->parameters(),
-            sharded ? std::map<std::string, at::Tensor>{} : opt.state_tensors(), state,
-            cfg.checkpoint.keep, shard_files);
+        const std::string dir =
+            cfg.lora.r > 0  // LoRA: the adapter in PEFT's layout (src/runtime/finetune_lora.h)
+                ? save_lora_checkpoint(*model, cfg, step + 1, opt.state_tensors(), state)
+                : save_train_checkpoint(
+                      cfg.checkpoint.dir, step + 1, model_files, model->parameters(),
+                      sharded ? std::map<std::string, at::Tensor>{} : opt.state_tensors(), state,
+                      cfg.checkpoint.keep, shard_files);
         if (plain) std::cout << "checkpoint " << dir << "\n" << std::flush;
       });
     }

@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include "models/checkpoint.h"
+#include "models/lora.h"
 #include "models/model.h"
 #include "src/common/dtype.h"
 #include "src/common/error.h"
@@ -102,6 +103,9 @@ void validate_forward_job(const ForwardJob& job) {
   check_model_files(job.model);
   planner_model(job.model);
   if (job.strategies != "auto") explicit_strategies(job.strategies, 1);
+  if (!job.adapter.empty())  // --adapter: PEFT's two files (matched to the weights on the ranks)
+    for (const char* f : {"adapter_config.json", "adapter_model.safetensors"})
+      check_regular_file((fs::path(job.adapter) / f).string(), "LoRA adapter file (--adapter)");
 }
 
 int run_forward_rank(const ForwardJob& job) {
@@ -113,6 +117,10 @@ int run_forward_rank(const ForwardJob& job) {
   // Frames go to the device once; input_ids and labels are host metadata (models/model.h).
   if (b.pixel_values.defined()) b.pixel_values = b.pixel_values.to(device);
   std::unique_ptr<models::Model> loaded = models::load_model(job.model, dtype_of(dtype, "--dtype"), device);
+  if (!job.adapter.empty()) {  // --adapter: the model with its LoRA adapter (models/lora.h)
+    models::LoraAdapter ad = models::load_lora(job.adapter, *loaded);
+    loaded = std::make_unique<models::LoraModel>(std::move(loaded), std::move(ad));
+  }
   models::Model& model = *loaded;
   std::string plan_text;
   models::Parallel par = plan_layers(

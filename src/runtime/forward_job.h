@@ -20,6 +20,9 @@ namespace lvx::runtime {
 
 struct ForwardJob {
   std::string model;                // checkpoint directory (Hugging Face layout)
+  // A LoRA adapter (PEFT's layout, models/lora.h) applied at every step as W + s·B·A; with
+  // backward, the gradients are those of its grad.<module>.lora_A.weight / lora_B.weight.
+  std::string adapter;
   std::string input, output;        // safetensors files
   std::string strategies = "auto";  // auto | S | S_cross,S_self (S may be a pair F+B)
   std::string cluster;              // cluster config for auto (empty: the built-in rule)

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <set>
 
+#include "models/lora.h"
 #include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
@@ -290,6 +291,7 @@ QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, i
                                    : ck_dtype == "fp16" ? "float16"
                                                         : "bfloat16");
   s.model = models::load_model(job.model, dtype_of(s.job.plan.dtype, "--dtype"), s.device);
+  if (!job.adapter.empty()) models::merge_adapter(*s.model, job.adapter);  // --adapter (LoRA)
   s.tok = std::make_unique<models::Tokenizer>(
       models::Tokenizer::from_file(job.model + "/tokenizer.json"));
   s.preprocess = family_preprocess(s.model->family(), s.model->planner_model().vision.image_size);
@@ -488,17 +490,22 @@ json qa_settings(const QaJob& job) {
   const fs::path model = fs::weakly_canonical(job.model, ec);
   const bool sampling = job.generation.sampling.temperature > 0;
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };
-  return {{"model", ec ? job.model : model.string()},
-          {"dtype", job.plan.dtype},
-          {"fps", opt(job.fps)},
-          {"num_frames", job.fps ? json() : json(job.num_frames.value_or(16))},
-          {"start", opt(job.start)},
-          {"end", opt(job.end)},
-          {"max_new_tokens", job.generation.max_new_tokens},
-          {"ignore_stop", job.ignore_stop},
-          {"temperature", job.generation.sampling.temperature},
-          {"top_p", sampling ? json(job.generation.sampling.top_p) : json()},
-          {"seed", sampling ? json(job.generation.sampling.seed) : json()}};
+  json s = {{"model", ec ? job.model : model.string()},
+            {"dtype", job.plan.dtype},
+            {"fps", opt(job.fps)},
+            {"num_frames", job.fps ? json() : json(job.num_frames.value_or(16))},
+            {"start", opt(job.start)},
+            {"end", opt(job.end)},
+            {"max_new_tokens", job.generation.max_new_tokens},
+            {"ignore_stop", job.ignore_stop},
+            {"temperature", job.generation.sampling.temperature},
+            {"top_p", sampling ? json(job.generation.sampling.top_p) : json()},
+            {"seed", sampling ? json(job.generation.sampling.seed) : json()}};
+  if (!job.adapter.empty()) {  // --adapter: the answers depend on it (absent: as before)
+    const fs::path a = fs::weakly_canonical(job.adapter, ec);
+    s["adapter"] = ec ? job.adapter : a.string();
+  }
+  return s;
 }
 
 void check_model_files(const std::string& model_dir) {
@@ -538,6 +545,9 @@ void validate_qa_settings(const QaJob& job) {
   LVX_CHECK(fs::exists(fs::path(job.model) / "tokenizer.json"), job.model,
             ": has no tokenizer.json (lvx qa builds the prompt with it)");
   check_regular_file((fs::path(job.model) / "tokenizer.json").string(), "tokenizer file");
+  if (!job.adapter.empty())  // --adapter: PEFT's two files (read on the ranks)
+    for (const char* f : {"adapter_config.json", "adapter_model.safetensors"})
+      check_regular_file((fs::path(job.adapter) / f).string(), "LoRA adapter file (--adapter)");
   LVX_CHECK(!(job.fps && job.num_frames), "give --fps or --num-frames, not both");
   LVX_CHECK(!job.fps || (*job.fps > 0 && std::isfinite(*job.fps)), "--fps must be > 0, got ",
             job.fps.value_or(0));

@@ -49,6 +49,7 @@ namespace lvx::runtime {
 
 struct QaJob {
   std::string model;
+  std::string adapter;  // a LoRA adapter directory in PEFT's layout, merged once (models/lora.h)
   // One question...
   std::string video, question;
   std::vector<std::string> options;

@@ -109,7 +109,8 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
                                   const std::map<std::string, at::Tensor>& params,
                                   const std::map<std::string, at::Tensor>& optimizer,
                                   const nlohmann::json& state, int64_t keep,
-                                  const std::vector<std::string>& present) {
+                                  const std::vector<std::string>& present,
+                                  const std::string& weights_file) {
   const std::string name = checkpoint_name(step);
   const fs::path final_dir = fs::path(root) / name, tmp = fs::path(root) / (name + ".partial");
   if (present.empty()) begin_train_checkpoint(root, step);
@@ -126,9 +127,10 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
     LVX_CHECK(fs::is_regular_file(tmp / f), tmp.string(), ": ", f, " was not written");
     done(f);
   }
-  save_safetensors((tmp / "model.safetensors").string(), params, {{"format", "pt"}});
-  done("model.safetensors");
-  LVX_CHECK(model_files.count("config.json"), "checkpoint: the model's files have no config.json");
+  save_safetensors((tmp / weights_file).string(), params, {{"format", "pt"}});
+  done(weights_file);
+  LVX_CHECK(weights_file != "model.safetensors" || model_files.count("config.json"),
+            "checkpoint: the model's files have no config.json");
   for (const auto& [n, bytes] : model_files) {
     write_text(tmp / n, bytes);
     done(n);

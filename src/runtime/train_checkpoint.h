@@ -44,12 +44,15 @@ std::map<std::string, std::string> read_model_files(const std::string& model_dir
 // the empty <root>/step-NNNNNN.partial/ (returned) for every rank to write its optimizer shard
 // into; save_train_checkpoint then gets those file names as `present` (listed in the manifest,
 // the folder not cleared again) and an empty `optimizer` (no optimizer.safetensors).
+// LoRA: `weights_file` "adapter_model.safetensors", `params` the adapter's tensors and
+// `model_files` its adapter_config.json (a PEFT adapter directory; no config.json needed).
 std::string save_train_checkpoint(const std::string& root, int64_t step,
                                   const std::map<std::string, std::string>& model_files,
                                   const std::map<std::string, at::Tensor>& params,
                                   const std::map<std::string, at::Tensor>& optimizer,
                                   const nlohmann::json& state, int64_t keep,
-                                  const std::vector<std::string>& present = {});
+                                  const std::vector<std::string>& present = {},
+                                  const std::string& weights_file = "model.safetensors");
 std::string begin_train_checkpoint(const std::string& root, int64_t step);
 
 // The complete checkpoint folders under `root` (step-NNNNNN, sorted; no .partial ones).

@@ -101,8 +101,9 @@ class Section {
   std::set<std::string> used_;
 };
 
-const std::vector<std::string> kSections = {"model",  "data",       "optimizer", "schedule",
-                                            "freeze", "checkpoint", "parallel",  "logging"};
+const std::vector<std::string> kSections = {"model",    "data",    "optimizer",
+                                            "schedule", "freeze",  "checkpoint",
+                                            "parallel", "logging", "lora"};
 
 // "a.b.c=value": sets root[a][b][c] to the value parsed as YAML (so numbers, booleans and lists
 // keep their types).
@@ -194,7 +195,7 @@ std::vector<std::string> config_changes(const TrainConfig& before, const TrainCo
   // Both through to_yaml, so that equal values print alike (numbers included).
   const YAML::Node a = YAML::Load(to_yaml(before)), b = YAML::Load(to_yaml(now));
   std::vector<std::string> changes;
-  for (const char* section : {"data", "optimizer", "schedule", "freeze"}) {
+  for (const char* section : {"data", "optimizer", "schedule", "freeze", "lora"}) {
     std::set<std::string> keys;
     for (const auto& kv : a[section]) keys.insert(kv.first.as<std::string>());
     for (const auto& kv : b[section]) keys.insert(kv.first.as<std::string>());
@@ -224,7 +225,7 @@ TrainConfig from_root(const YAML::Node& root, const std::string& file) {
     bool known = false;
     for (const auto& s : kSections) known = known || s == k;
     LVX_CHECK(known, file, ": ", k, ": unknown section (known: model, data, optimizer, schedule, ",
-              "freeze, checkpoint, parallel, logging)");
+              "freeze, checkpoint, parallel, logging, lora)");
   }
   TrainConfig c;
   {
@@ -326,6 +327,39 @@ TrainConfig from_root(const YAML::Node& root, const std::string& file) {
     c.logging.every = s.int_or("every", 1, 1);
     s.finish();
   }
+  bool lora = false;  // a `lora:` section, even empty, turns LoRA on (models/lora.h)
+  for (const auto& kv : root) lora = lora || kv.first.as<std::string>() == "lora";
+  if (lora) {
+    Section s(root, file, "lora");
+    auto& l = c.lora;
+    l.r = s.int_or("r", 8, 0);
+    LVX_CHECK(l.r <= 65536, s.where("r"), ": at most 65536, got ", l.r);
+    l.alpha = s.num_or("alpha", l.alpha, 1e-12);
+    l.dropout = s.num_or("dropout", l.dropout, 0);
+    LVX_CHECK(l.dropout == 0, s.where("dropout"), ": ", l.dropout,
+              " is not supported: lvx applies ",
+              "LoRA as a weight transform (W + (alpha/r)·B·A), where dropout on the layer's input ",
+              "has no place; use 0 (an adapter trained with dropout still loads for inference)");
+    if (s.has("target_modules")) {
+      const YAML::Node t = s.raw("target_modules");
+      l.target_modules.clear();
+      try {
+        if (t.IsScalar()) {
+          l.target_modules.push_back(t.as<std::string>());
+        } else {
+          LVX_CHECK(t.IsSequence() && t.size() > 0, s.where("target_modules"),
+                    ": expected a module name, a list of them, or all-linear, got '", YAML::Dump(t),
+                    "'");
+          for (const auto& e : t) l.target_modules.push_back(e.as<std::string>());
+        }
+      } catch (const YAML::Exception&) {
+        LVX_FAIL(s.where("target_modules"), ": expected module names, got '", YAML::Dump(t), "'");
+      }
+      for (const auto& m : l.target_modules)
+        LVX_CHECK(!m.empty(), s.where("target_modules"), ": an empty module name");
+    }
+    s.finish();
+  }
   return c;
 }
 
@@ -366,6 +400,12 @@ std::string to_yaml(const TrainConfig& c) {
   e << YAML::Key << "logging" << YAML::Value << YAML::BeginMap << YAML::Key << "metrics"
     << YAML::Value << c.logging.metrics << YAML::Key << "every" << YAML::Value << c.logging.every
     << YAML::EndMap;
+  if (c.lora.r > 0) {  // only when on: full fine-tuning's recorded configs stay as they were
+    e << YAML::Key << "lora" << YAML::Value << YAML::BeginMap << YAML::Key << "r" << YAML::Value
+      << c.lora.r << YAML::Key << "alpha" << YAML::Value << c.lora.alpha << YAML::Key << "dropout"
+      << YAML::Value << c.lora.dropout << YAML::Key << "target_modules" << YAML::Value << YAML::Flow
+      << c.lora.target_modules << YAML::EndMap;
+  }
   e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";
 }

@@ -58,6 +58,14 @@ struct TrainConfig {
     // different samples.
     int64_t sp_size = 0;
   } parallel;
+  // LoRA (models/lora.h): with r > 0 only the adapter trains (freeze.policy does not apply) and
+  // checkpoints hold the adapter in PEFT's layout instead of the weights (docs/finetune.md).
+  struct Lora {
+    int64_t r = 0;       // rank; 0 (no `lora:` section): full fine-tuning
+    double alpha = 8;    // lora_alpha: W + (alpha / r)·B·A
+    double dropout = 0;  // 0 only: LoRA runs as a weight transform, which cannot drop inputs
+    std::vector<std::string> target_modules{"all-linear"};  // PEFT's names, or all-linear
+  } lora;
   struct Logging {
     std::string metrics;  // JSONL file (default: <checkpoint.dir>/metrics.jsonl)
     int64_t every = 1;    // steps between plain progress lines when not on a terminal
@@ -82,8 +90,8 @@ std::string to_yaml(const TrainConfig& c);
 // to_yaml's text read back (the config a checkpoint recorded); errors name `where`.
 TrainConfig train_config_from_yaml(const std::string& text, const std::string& where);
 
-// The fields of data, optimizer, schedule and freeze that differ from `before` to `now`, each as
-// "section.field: old -> new" (what --resume refuses unless told to accept them).
+// The fields of data, optimizer, schedule, freeze and lora that differ from `before` to `now`, each
+// as "section.field: old -> new" (what --resume refuses unless told to accept them).
 std::vector<std::string> config_changes(const TrainConfig& before, const TrainConfig& now);
 
 }  // namespace lvx::runtime
