@@ -99,8 +99,11 @@ int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string
   for (const std::string& stage : p.get_list("stages")) {
     for (const std::string& ws : p.get_list("worlds")) {
       const int w = std::stoi(ws);
+      // "lora": a rank-16 adapter on every LM linear layer (lora.r=16), parallel.shard none.
+      const bool lora = stage == "lora";
       planner::TrainMemoryOptions o;
-      o.shard = stage;
+      o.shard = lora ? "none" : stage;
+      o.lora_r = lora ? 16 : 0;
       o.ranks = w;
       o.elem_bytes = 4;
       const int64_t frames = p.get_int("frames");
@@ -117,7 +120,7 @@ int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string
       const std::string ck = "ck_mem_" + stage + ws;
       fs::remove_all(ck);
       run(lvx + " finetune --config run.yaml checkpoint.dir=" + ck + " parallel.nproc=" + ws +
-          " parallel.shard=" + stage);
+          (lora ? std::string(" lora.r=16") : " parallel.shard=" + stage));
       const nlohmann::json j = last_metrics(ck);
       const int64_t tokens = j.at("tokens").get<int64_t>();
       const double measured =
@@ -127,7 +130,9 @@ int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string
       // sharded_state.h at one sample per step: none 2(n−1)/n·4Ψ (all-reduce); the stages
       // (n−1)/n·4Ψ reduce-scatter + (n−1)/n·4Ψ parameter all-gather, the same volume (the
       // measured adds uneven chunks and the norm's all-reduce).
-      const double psi = static_cast<double>(counts.trainable), f = (w - 1.0) / w;
+      const double psi = lora ? static_cast<double>(planner::lora_parameters(m, 16))
+                              : static_cast<double>(counts.trainable),
+                   f = (w - 1.0) / w;
       const double formula = 2 * f * 4 * psi;
       std::printf("| %s | %d | %.3f | %.2f | %.2f | %.3f | %.4g | %.4g |\n", stage.c_str(), w,
                   j.at("samples_per_second").get<double>(), measured / gib, t.total / gib,
@@ -150,7 +155,8 @@ int bench(int argc, char** argv) {
   p.add_option("steps", 0, "4", "optimizer steps per mode (the first is a warm-up)");
   p.add_flag("memory", 0, "sharded state: measured peak RSS per rank vs lvx plan's prediction");
   p.add_option("worlds", 0, "1,2,3,4", "--memory: rank counts");
-  p.add_option("stages", 0, "none,optimizer,gradients", "--memory: parallel.shard values");
+  p.add_option("stages", 0, "none,optimizer,gradients",
+               "--memory: parallel.shard values, and lora (lora.r=16)");
   p.add_option("host-gib", 0, "18", "--memory: skip runs predicted to need more host memory");
   if (!p.parse(argc, argv)) return 0;
   const bool memory = p.flag("memory");
