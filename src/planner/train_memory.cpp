@@ -68,6 +68,16 @@ ParamCounts estimate_parameters(const ModelConfig& m, int64_t vocab_size,
   return p;
 }
 
+int64_t lora_adapted_weights(const ModelConfig& m) {
+  int64_t n = 0;
+  for (const auto& l : m.layers) {
+    if (l.kind != LayerKind::kSelf) continue;
+    const int64_t h = l.hidden_size, q = l.heads * l.head_dim, kv = l.kv_heads * l.head_dim;
+    n += h * q + 2 * h * kv + q * h + 3 * h * l.mlp_size;
+  }
+  return n;
+}
+
 int64_t lora_parameters(const ModelConfig& m, int64_t r) {
   int64_t n = 0;
   for (const auto& l : m.layers) {
@@ -140,6 +150,10 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
     }
   }
   saved += l_rank * (e + 8) * static_cast<double>(pc.vocab);  // logits, fp32 copy, log-softmax
+  // LoRA (models/lora.h) reads W_eff = W + s·B·A: per adapted weight its W_eff (kept until the
+  // backward passes it), the product s·B·A it was made from, and its gradient in the backward,
+  // each a weight-sized tensor the allocator keeps.
+  if (lora) saved += 3 * e * static_cast<double>(lora_adapted_weights(m));
   t.activations = saved;
   t.attention = working;
   // The visual features y of this rank's frames, and the vision tower's largest transient while

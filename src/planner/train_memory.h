@@ -23,7 +23,8 @@
 //   activations saved for the backward, per LM block and text token on this rank (L/S):
 //               (4h + 4m)·e (norms, residuals, MLP), remat: h·e (the block input only); per
 //               attention layer q, k, v, o and lse; per cross layer x, o, lse and, without
-//               recompute, its K/V of this rank's visual tokens; logits (e + 8)·V per token
+//               recompute, its K/V of this rank's visual tokens; logits (e + 8)·V per token;
+//               LoRA: 3·e per adapted weight element (W_eff, s·B·A, and W_eff's gradient)
 //   attention   the largest layer's working set: its K/V blocks in flight (two ring buffers) and
 //               the fp32 output/gradient accumulators of its queries
 //   visual      this rank's visual features y (F·T/S tokens × feature width), kept once, and the
@@ -56,8 +57,9 @@ struct ParamCounts {
 ParamCounts estimate_parameters(const ModelConfig& m, int64_t vocab_size,
                                 const std::string& freeze);
 // LoRA adapters of rank r on every projection of every LM block (q, k, v, o, gate, up, down):
-// r·(in + out) each.
+// r·(in + out) each; lora_adapted_weights: the elements of those projections' weights.
 int64_t lora_parameters(const ModelConfig& m, int64_t r);
+int64_t lora_adapted_weights(const ModelConfig& m);
 
 struct TrainMemoryOptions {
   std::string shard = "none";  // none | optimizer | gradients | parameters
