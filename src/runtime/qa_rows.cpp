@@ -152,8 +152,10 @@ QaItem parse_llava_row(const nlohmann::json& row, const std::string& where,
   return it;
 }
 
-// Whether the file's first non-blank byte opens a JSON array.
+// Whether the file is a .json file whose first non-blank byte opens a JSON array (a .jsonl file
+// is read line by line whatever its first row looks like).
 bool json_array_file(const std::string& path) {
+  if (fs::path(path).extension() != ".json") return false;
   check_regular_file(path, "rows file");
   std::ifstream f(path, std::ios::binary);
   for (char c; f.get(c);)

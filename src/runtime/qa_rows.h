@@ -49,8 +49,8 @@ struct QaLine {
   std::string error;  // empty: item is usable
 };
 
-// Every non-blank line of the JSONL file `path`, or every element of a file whose top level is a
-// JSON array (LLaVA's .json; "line <n>" is the line its element starts on). `what` names the file
+// Every non-blank line of the JSONL file `path`, or every element of a .json file whose top level
+// is a JSON array (LLaVA's; "line <n>" is the line its element starts on). `what` names the file
 // in errors ("questions file", "data.train"); a line longer than max_row_bytes or that does not
 // parse is that line's error "<what> '<path>' line <n>: ...", a row parse_qa_item refuses is
 // "<path>:<n>: ...". need_answer: rows without an answer are refused (fine-tuning learns it). A
