@@ -19,6 +19,14 @@ const std::vector<const Family*>& families() {
   return all;
 }
 
+PromptTokens Family::prompt_turns(const Tokenizer& tok,
+                                  const std::vector<std::pair<std::string, std::string>>& turns,
+                                  int64_t frames) const {
+  LVX_CHECK(turns.size() == 1, display_name(), "'s prompt template takes one question and answer; ",
+            "a conversation of ", turns.size(), " turns is not supported for it");
+  return prompt(tok, turns[0].first, frames, &turns[0].second);
+}
+
 std::string supported_model_types() {
   std::string s;
   for (const Family* f : families()) s += (s.empty() ? "" : ", ") + f->model_type();

@@ -12,6 +12,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "src/attention/media_mask.h"
@@ -73,6 +74,13 @@ class Family {
   // in as ids. Errors name the special token the tokenizer lacks.
   virtual PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t frames,
                               const std::string* answer = nullptr) const = 0;
+  // A conversation of (question, answer) turns about `frames` frames, every answer labelled
+  // (fine-tuning rows in ms-swift's or LLaVA's shape): the frames go with the first question, as
+  // in prompt(). The default takes one turn (prompt()) and refuses more, naming the family; a
+  // template that continues a conversation overrides it.
+  virtual PromptTokens prompt_turns(const Tokenizer& tok,
+                                    const std::vector<std::pair<std::string, std::string>>& turns,
+                                    int64_t frames) const;
   // Every token that stops generation (the end of the assistant's turn first, then end of text).
   virtual std::vector<int64_t> stop_tokens(const Tokenizer& tok) const = 0;
   // The image preprocessing preset of the family's vision tower (a video::PreprocessConfig

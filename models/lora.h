@@ -39,7 +39,7 @@ namespace lvx::models {
 struct LoraConfig {
   int64_t r = 8;       // rank
   double alpha = 8;    // lora_alpha (PEFT's default 8)
-  double dropout = 0;  // lora_dropout: recorded; training supports 0 only (see lora_targets)
+  double dropout = 0;  // lora_dropout: recorded (lvx finetune takes 0 only: train_config.h)
   bool use_rslora = false;
   // PEFT's semantics: a weight "<module>.weight" is adapted when <module> equals an entry or ends
   // with "." + entry ("q_proj" matches "...self_attn.q_proj"); {"all-linear"}: every linear

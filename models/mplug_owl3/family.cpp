@@ -36,8 +36,38 @@ class MplugOwl3Family final : public Family {
   //   \n<|im_start|>assistant\n{answer}<|im_end|>
   PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t frames,
                       const std::string* answer) const override {
-    check_prompt_request(question, frames);
     PromptBuilder p(tok);
+    first_turn(p, question, frames, answer);
+    return std::move(p).finish();
+  }
+
+  // Later turns continue the chatml conversation, each answer and its <|im_end|> labelled:
+  //   ...{answer}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n
+  //   {answer}<|im_end|>
+  PromptTokens prompt_turns(const Tokenizer& tok,
+                            const std::vector<std::pair<std::string, std::string>>& turns,
+                            int64_t frames) const override {
+    LVX_CHECK(!turns.empty(), "a conversation needs at least one turn");
+    PromptBuilder p(tok);
+    first_turn(p, turns[0].first, frames, &turns[0].second);
+    for (size_t i = 1; i < turns.size(); ++i) {
+      check_prompt_request(turns[i].first, frames);
+      p.text("\n");
+      p.special("<|im_start|>");
+      p.text("user\n" + turns[i].first);
+      p.special("<|im_end|>");
+      p.text("\n");
+      p.special("<|im_start|>");
+      p.text("assistant\n");
+      p.text(turns[i].second, true);
+      p.special("<|im_end|>", true);
+    }
+    return std::move(p).finish();
+  }
+
+  void first_turn(PromptBuilder& p, const std::string& question, int64_t frames,
+                  const std::string* answer) const {
+    check_prompt_request(question, frames);
     p.special("<|im_start|>");
     p.text("system\n");
     p.special("<|im_end|>");
@@ -57,7 +87,6 @@ class MplugOwl3Family final : public Family {
       p.text(*answer, true);
       p.special("<|im_end|>", true);
     }
-    return std::move(p).finish();
   }
 
   std::vector<int64_t> stop_tokens(const Tokenizer& tok) const override {

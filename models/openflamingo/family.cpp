@@ -5,6 +5,7 @@
 #include "models/openflamingo/model.h"
 #include "models/prompt.h"
 #include "models/tokenizer/tokenizer.h"
+#include "src/common/error.h"
 
 namespace lvx::models::openflamingo {
 
@@ -41,6 +42,29 @@ class OpenFlamingoFamily final : public Family {
       p.special("<|endofchunk|>", true);
     }
     return std::move(p).finish();
+  }
+
+  // Later turns follow as the package's few-shot prompts chain examples, each answer and its
+  // <|endofchunk|> labelled: ...{answer}<|endofchunk|>Question:{question} Short answer:{answer}
+  // <|endofchunk|>
+  PromptTokens prompt_turns(const Tokenizer& tok,
+                            const std::vector<std::pair<std::string, std::string>>& turns,
+                            int64_t frames) const override {
+    LVX_CHECK(!turns.empty(), "a conversation needs at least one turn");
+    PromptTokens all = prompt(tok, turns[0].first, frames, &turns[0].second);
+    for (size_t i = 1; i < turns.size(); ++i) {
+      check_prompt_request(turns[i].first, frames);
+      PromptBuilder p(tok);
+      p.text("Question:" + turns[i].first + " Short answer:");
+      p.text(turns[i].second, true);
+      p.special("<|endofchunk|>", true);
+      PromptTokens more = std::move(p).finish();
+      // The last label of the part before (−100 after finish's shift) predicts this part's first
+      // token, a prompt token: it stays −100.
+      all.ids.insert(all.ids.end(), more.ids.begin(), more.ids.end());
+      all.labels.insert(all.labels.end(), more.labels.begin(), more.labels.end());
+    }
+    return all;
   }
 
   std::vector<int64_t> stop_tokens(const Tokenizer& tok) const override {

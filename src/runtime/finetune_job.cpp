@@ -588,8 +588,7 @@ int run_finetune_rank(const FinetuneJob& job) {
         spec.start = item.start;
         spec.end = item.end;
         fb = video::decode_video(item.video, spec, video::ShardSpec{sp_rank, sp}, prep);
-        const std::string target = training_target(item);
-        p = family.prompt(tok, question_text(item), fb.report.sampled_total, &target);
+        p = training_prompt(family, tok, item, fb.report.sampled_total);  // every turn's answer
         const int64_t len = static_cast<int64_t>(p.ids.size());
         LVX_CHECK(context == 0 || len <= context, "the prompt with its answer is ", len,
                   " tokens (", fb.report.sampled_total, " frames), more than the model's context ",

@@ -18,6 +18,14 @@ namespace lvx::runtime {
 //    "answer": "...", "start": 10.0, "end": 70.0}
 // id (or question_id) defaults to "line <n>"; a relative video path resolves against the JSONL
 // file's folder; options, start and end are optional; answer is required for fine-tuning.
+// Rows in the formats people bring are read too (docs/finetune.md, "Data formats"):
+//   ms-swift:   {"messages": [{"role": "user", "content": "<video>..."},
+//                             {"role": "assistant", "content": "..."}, ...], "videos": ["path"]}
+//   LLaVA/VILA: {"video": "path", "conversations": [{"from": "human", "value": "<video>\n..."},
+//                                                   {"from": "gpt", "value": "..."}, ...]}
+// with one video per row, its tag (<video>, or LLaVA's <image>) in the first user turn or absent
+// (the family's template places the frames), user and assistant turns alternating from a user
+// turn; a system message must be empty. The first turn is (question, answer), later ones `turns`.
 struct QaItem {
   std::string id;
   std::string video;
@@ -25,6 +33,9 @@ struct QaItem {
   std::vector<std::string> options;  // as written; "A. " prefixes are added when missing
   std::string answer;
   std::optional<double> start, end;  // seconds
+  // Later (question, answer) turns of a multi-turn conversation: fine-tuning learns every answer
+  // (models::Family::prompt_turns); lvx qa asks the first question.
+  std::vector<std::pair<std::string, std::string>> turns;
 };
 
 // Parses one row; errors name `where` (file:line) and the field.
@@ -38,11 +49,12 @@ struct QaLine {
   std::string error;  // empty: item is usable
 };
 
-// Every non-blank line of the JSONL file `path`. `what` names the file in errors ("questions
-// file", "data.train"); a line longer than max_row_bytes or that does not parse is that line's
-// error "<what> '<path>' line <n>: ...", a row parse_qa_item refuses is "<path>:<n>: ...".
-// need_answer: rows without an answer are refused (fine-tuning learns it). A file that is
-// missing or not a regular file is an lvx::Error.
+// Every non-blank line of the JSONL file `path`, or every element of a .json file whose top level
+// is a JSON array (LLaVA's; "line <n>" is the line its element starts on). `what` names the file
+// in errors ("questions file", "data.train"); a line longer than max_row_bytes or that does not
+// parse is that line's error "<what> '<path>' line <n>: ...", a row parse_qa_item refuses is
+// "<path>:<n>: ...". need_answer: rows without an answer are refused (fine-tuning learns it). A
+// file that is missing or not a regular file is an lvx::Error.
 std::vector<QaLine> read_qa_rows(const std::string& path, const std::string& what, bool need_answer,
                                  uint64_t max_row_bytes);
 

@@ -78,6 +78,15 @@ std::string training_target(const QaItem& item) {
   return item.options.empty() ? item.answer : expected_answer(item);
 }
 
+PromptTokens training_prompt(const models::Family& family, const models::Tokenizer& tok,
+                             const QaItem& item, int64_t frames) {
+  const std::string target = training_target(item);
+  if (item.turns.empty()) return family.prompt(tok, question_text(item), frames, &target);
+  std::vector<std::pair<std::string, std::string>> turns{{question_text(item), target}};
+  turns.insert(turns.end(), item.turns.begin(), item.turns.end());
+  return family.prompt_turns(tok, turns, frames);
+}
+
 std::string expected_answer(const QaItem& item) {
   if (item.options.empty()) return parse_answer(item, item.answer);
   const std::string a = trim(item.answer);
