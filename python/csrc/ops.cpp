@@ -248,7 +248,22 @@ std::tuple<std::string, std::string> plan(const std::string& model, const std::s
     w.layout = planner::prompt_layout_from_string(layout);
     for (const auto& s : strategies) w.strategies.push_back(attention::strategy_from_name(s));
     planner::Plan p = planner::plan(m, c, w, planner::CostOptions{});
-    return std::make_tuple(planner::format_table(p), planner::to_json(p).dump());
+    if (!train) return std::make_tuple(planner::format_table(p), planner::to_json(p).dump());
+    // Training: the whole memory of a rank as `lvx plan --train` prices it by default (full
+    // fine-tuning under freeze.policy vision, shard none, every rank one sequence group).
+    planner::TrainMemoryOptions mo;
+    mo.ranks = nproc > 0 ? nproc : c.nodes * c.gpus_per_node;
+    mo.elem_bytes = planner::dtype_bytes(dtype.empty() ? m.dtype : dtype, "dtype");
+    const planner::ParamCounts counts = runtime::count_parameters(model, m, "vision");
+    const planner::TrainMemory tm = planner::train_memory(
+        m, counts, frames, text, tokens_per_frame > 0 ? tokens_per_frame : m.visual_tokens_per_frame,
+        mo, static_cast<double>(c.device_memory_bytes));
+    nlohmann::json j = planner::to_json(p);
+    j["train_memory"] = planner::to_json(tm);
+    j["fits"] = p.fits && tm.fits;
+    return std::make_tuple(runtime::describe_parameters(counts, "vision", m, 0) +
+                               planner::format_table(p) + planner::format_memory(tm),
+                           j.dump());
   });
 }
 

@@ -85,15 +85,7 @@ int cmd_plan(int argc, char** argv) {
   lvx::planner::ParamCounts counts;
   if (p.flag("train")) {
     counts = lvx::runtime::count_parameters(p.get("model"), model, p.get("freeze"));
-    if (counts.vocab == 0)
-      std::cout << "note: the model has no vocab_size: the logits' memory is not counted\n";
-    std::cout << "parameters: " << counts.total << " (" << counts.trainable << " train under "
-              << "freeze " << p.get("freeze") << (counts.exact ? ", counted" : ", estimated") << ")"
-              << (mo.lora_r > 0 ? lvx::str("; LoRA r=", mo.lora_r, ": ",
-                                           lvx::planner::lora_parameters(model, mo.lora_r),
-                                           " adapter parameters train")
-                                : std::string())
-              << "\n";
+    std::cout << lvx::runtime::describe_parameters(counts, p.get("freeze"), model, mo.lora_r);
   }
   if (max_frames) {
     const int64_t question = p.get("text").empty() ? 64 : p.get_int("text");

@@ -48,4 +48,16 @@ planner::ParamCounts count_parameters(const std::string& path, const planner::Mo
   return p;
 }
 
+std::string describe_parameters(const planner::ParamCounts& counts, const std::string& freeze,
+                                const planner::ModelConfig& m, int64_t lora_r) {
+  std::string s;
+  if (counts.vocab == 0) s += "note: the model has no vocab_size: the logits' memory is not counted\n";
+  s += str("parameters: ", counts.total, " (", counts.trainable, " train under freeze ", freeze,
+           counts.exact ? ", counted" : ", estimated", ")");
+  if (lora_r > 0)
+    s += str("; LoRA r=", lora_r, ": ", planner::lora_parameters(m, lora_r),
+             " adapter parameters train");
+  return s + "\n";
+}
+
 }  // namespace lvx::runtime

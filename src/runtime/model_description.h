@@ -21,4 +21,10 @@ planner::ModelConfig planner_model(const std::string& path);
 planner::ParamCounts count_parameters(const std::string& path, const planner::ModelConfig& m,
                                       const std::string& freeze);
 
+// What `lvx plan --train` prints before its table: the parameter counts (a note first when the
+// model has no vocab_size) and, with LoRA, the adapter's parameters. One text for the command
+// and the Python op (lvx.plan), so the two print the same.
+std::string describe_parameters(const planner::ParamCounts& counts, const std::string& freeze,
+                                const planner::ModelConfig& m, int64_t lora_r);
+
 }  // namespace lvx::runtime
