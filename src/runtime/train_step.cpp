@@ -7,18 +7,35 @@
 
 namespace lvx::runtime {
 
-LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
-                             const at::Tensor& all_labels, const models::ModelOutputs& out,
-                             const std::vector<std::string>& names, int64_t bucket,
-                             const GradBucketFn& take) {
+namespace {
+
+// This rank's summed cross-entropy over its rows (positions are host metadata; the labels may be
+// on the host, the loss is on the logits' device) and the labelled tokens of every rank.
+struct LocalLoss {
+  at::Tensor sum;    // fp32 scalar, differentiable
+  at::Tensor count;  // double [1], summed across ranks
+};
+
+LocalLoss local_loss(dist::ProcessGroup& pg, const at::Tensor& all_labels,
+                     const models::ModelOutputs& out) {
   const at::Tensor labels =
       all_labels.index_select(1, out.positions.to(all_labels.device())).to(out.logits.device());
   at::Tensor count = labels.ne(-100).sum().to(at::kDouble).reshape({1});
   pg.all_reduce(count);
   LVX_CHECK(count.item<double>() > 0, "labels: every label is -100 (nothing to learn)");
   const at::Tensor logits = out.logits.to(at::kFloat).reshape({-1, out.logits.size(-1)});
-  const at::Tensor local_sum = at::cross_entropy_loss(logits, labels.reshape({-1}), /*weight=*/{},
-                                                      at::Reduction::Sum, /*ignore_index=*/-100);
+  return {at::cross_entropy_loss(logits, labels.reshape({-1}), /*weight=*/{}, at::Reduction::Sum,
+                                 /*ignore_index=*/-100),
+          count};
+}
+
+}  // namespace
+
+LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
+                             const at::Tensor& all_labels, const models::ModelOutputs& out,
+                             const std::vector<std::string>& names, int64_t bucket,
+                             const GradBucketFn& take) {
+  const auto [local_sum, count] = local_loss(pg, all_labels, out);
   // Every parameter's .grad is a view of one zeroed flat buffer, so autograd accumulates into it
   // in place (0 + g = g exactly) and the gradients exist once, already flat.
   int64_t total = 0;
@@ -69,16 +86,7 @@ std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::
                                                 const at::Tensor& all_labels,
                                                 const models::ModelOutputs& out,
                                                 const ParamFilter& trains) {
-  // This rank's rows (positions are host metadata; the labels may be on the host), on the
-  // logits' device.
-  const at::Tensor labels =
-      all_labels.index_select(1, out.positions.to(all_labels.device())).to(out.logits.device());
-  at::Tensor count = labels.ne(-100).sum().to(at::kDouble).reshape({1});
-  pg.all_reduce(count);
-  LVX_CHECK(count.item<double>() > 0, "labels: every label is -100 (nothing to learn)");
-  const at::Tensor logits = out.logits.to(at::kFloat).reshape({-1, out.logits.size(-1)});
-  const at::Tensor local_sum = at::cross_entropy_loss(logits, labels.reshape({-1}), /*weight=*/{},
-                                                      at::Reduction::Sum, /*ignore_index=*/-100);
+  const auto [local_sum, count] = local_loss(pg, all_labels, out);
   (local_sum / count.item<double>()).backward();
   std::vector<std::string> names;
   std::vector<at::Tensor> parts;
