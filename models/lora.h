@@ -122,6 +122,9 @@ class LoraModel : public Model {
   StateDict& parameters() override { return params_; }
   bool trainable(const std::string& name) const override;
   int64_t decoder_layers() const override { return base_->decoder_layers(); }
+  int64_t decoder_layer_of(const std::string& name) const override {
+    return base_->decoder_layer_of(name);
+  }
   std::vector<DecoderLayerAttention> layer_attentions() const override {
     return base_->layer_attentions();
   }

@@ -41,16 +41,26 @@ std::unique_ptr<Model> make_model(const Checkpoint& ck, at::ScalarType dtype, at
 
 }  // namespace
 
-std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, at::Device device) {
-  if (device.is_cpu()) return make_model(load_checkpoint(dir), dtype, device);
+std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, at::Device device,
+                                  const DeferParameter& defer) {
+  if (device.is_cpu() && !defer) return make_model(load_checkpoint(dir), dtype, device);
   // Straight to the device: the model is built on meta from the files' headers (every name,
   // shape and dtype checked as on the CPU), then each parameter is read, converted and moved on
   // its own, so host memory holds one tensor at a time, never the checkpoint.
   const CheckpointIndex index = load_checkpoint_index(dir);
   std::unique_ptr<Model> model = make_model(index.meta, dtype, at::kMeta);
   for (auto& [name, t] : model->parameters())
-    t = read_tensor(index, name).to(device, dtype).contiguous();
+    if (!defer || !defer(*model, name)) t = read_tensor(index, name).to(device, dtype).contiguous();
   return model;
+}
+
+int64_t layer_number_after(const std::string& name, const std::string& prefix) {
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return -1;
+  int64_t n = 0;
+  size_t i = prefix.size();
+  for (; i < name.size() && name[i] >= '0' && name[i] <= '9' && i - prefix.size() < 9; ++i)
+    n = n * 10 + (name[i] - '0');
+  return i > prefix.size() && i < name.size() && name[i] == '.' ? n : -1;
 }
 
 void check_named_inputs(const ModelInputs& in, const std::vector<std::string>& known,

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -56,6 +57,12 @@ class Model {
     return family().trains_cross_only(name);
   }
   virtual int64_t decoder_layers() const = 0;
+  // The decoder layer parameter `name` belongs to (0-based), or -1 for the rest (embeddings, the
+  // final norm, the head, the vision side): the units ZeRO stage 3 gathers layer by layer.
+  virtual int64_t decoder_layer_of(const std::string& name) const {
+    (void)name;
+    return -1;
+  }
   // Each decoder layer's attentions and their order (planner_model().layers lists the same).
   virtual std::vector<DecoderLayerAttention> layer_attentions() const = 0;
   virtual int64_t media_token_id() const = 0;
@@ -94,8 +101,16 @@ at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positio
 // the host and are moved where they meet activations; pixel_values on the weights' device
 // (moved once by the job after preprocessing). Every tensor a model creates takes its options
 // from the tensor it relates to.
+//
+// `defer` (optional) leaves the parameters it selects on the `meta` device, unread: ZeRO stage 3
+// reads them one tensor at a time into its shards (src/runtime/sharded_params.h), so no rank
+// ever holds them whole. Such a load reads tensors one at a time on the CPU too.
+using DeferParameter = std::function<bool(const Model& model, const std::string& name)>;
 std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype,
-                                  at::Device device = at::kCPU);
+                                  at::Device device = at::kCPU, const DeferParameter& defer = {});
+// `name` within the model's layer-numbered parameters: the integer right after `prefix` and
+// before the next '.', or -1 when `name` does not start with prefix + digits + '.'.
+int64_t layer_number_after(const std::string& name, const std::string& prefix);
 
 // The planner's description of a checkpoint from its config.json alone (no weights read).
 planner::ModelConfig planner_model_from_config(const nlohmann::json& config,

@@ -30,6 +30,18 @@ struct LayerStrategies {
   attention::StrategyChoice cross{attention::StrategyKind::kLvXAttn};
 };
 
+// What runs around each decoder layer. Every family's decoder loop calls enter_layer(i, hidden)
+// before layer i (hidden: its input) and leave_layers(hidden) after the last one (hidden: the
+// last layer's output), also for a layer it then skips. ZeRO stage 3 (src/runtime/
+// sharded_params.h) gathers a layer's parameters there, frees the previous layer's, and hooks the
+// hidden states' gradients to gather them again for the backward.
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  virtual void enter_layer(int64_t layer, const at::Tensor& hidden) = 0;
+  virtual void leave_layers(const at::Tensor& hidden) = 0;
+};
+
 struct Parallel {
   std::shared_ptr<dist::ProcessGroup> pg;  // world 1 for a single process
   attention::LayoutKind text_layout = attention::LayoutKind::kContiguous;
@@ -42,6 +54,14 @@ struct Parallel {
   // block input and the attention output, which the attention keeps anyway.
   bool remat = false;
 
+  LayerHooks* hooks = nullptr;  // null: nothing runs around the layers
+
+  void enter_layer(int64_t layer, const at::Tensor& hidden) const {
+    if (hooks != nullptr) hooks->enter_layer(layer, hidden);
+  }
+  void leave_layers(const at::Tensor& hidden) const {
+    if (hooks != nullptr) hooks->leave_layers(hidden);
+  }
   int world() const { return pg->world_size(); }
   int rank() const { return pg->rank(); }
   const LayerStrategies& at(size_t layer) const {

@@ -19,6 +19,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <regex>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -499,6 +501,42 @@ int64_t trainable_numel(const std::string& ckpt) {
   return lvx::runtime::FlatLayout::from_json(st["optimizer"]["layout"], "t").numel();
 }
 
+// Stage 3's bytes per sample for rank 0 of `w` (fp32 parameters): the model's units are its
+// decoder layers (names with ".layers.<l>.") and the rest (the root, gathered once per sample);
+// each layer's runs of consecutive elements in the flat layout are all-gathered for the forward
+// and, but for the last layer's, again for the backward (ring: rank 0 sends every rank's piece of a run but rank 1's), and
+// reduce-scattered once (rank 0 sends every piece but its own).
+int64_t stage3_bytes_per_sample(const std::string& ckpt, int w) {
+  if (w == 1) return 0;
+  const nlohmann::json st =
+      nlohmann::json::parse(lvx::read_file(latest(ckpt) + "/trainer_state.json", "t"));
+  const auto layout = lvx::runtime::FlatLayout::from_json(st["optimizer"]["layout"], "t");
+  const int64_t psi = layout.numel();
+  const std::regex layer_re(R"(\.layers\.(\d+)\.)");
+  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> runs;  // unit -> [b, e)
+  for (size_t i = 0; i < layout.names.size(); ++i) {
+    std::smatch m;
+    const int64_t unit = std::regex_search(layout.names[i], m, layer_re) ? std::stoll(m[1]) : -1;
+    auto& r = runs[unit];
+    if (!r.empty() && r.back().second == layout.offsets[i])
+      r.back().second = layout.offsets[i + 1];
+    else
+      r.push_back({layout.offsets[i], layout.offsets[i + 1]});
+  }
+  auto piece = [&](int q, int64_t b, int64_t e) {
+    const auto [sb, se] = lvx::dist::shard_range(psi, w, q);
+    return std::max<int64_t>(0, std::min(e, se) - std::max(b, sb));
+  };
+  const int64_t last = runs.rbegin()->first;
+  int64_t bytes = 0;
+  for (const auto& [unit, rs] : runs)
+    for (const auto& [b, e] : rs) {
+      const int64_t gather = 4 * (e - b - piece(1, b, e));
+      bytes += gather * (unit == last || unit < 0 ? 1 : 2) + 4 * (e - b - piece(0, b, e));
+    }
+  return bytes;
+}
+
 }  // namespace
 
 TEST(FinetuneShard, EveryStageEqualsNoneAtWorlds1To4WithFormulaBytes) {
@@ -516,10 +554,12 @@ TEST(FinetuneShard, EveryStageEqualsNoneAtWorlds1To4WithFormulaBytes) {
     // all-reduce of one double (at most 16 bytes).
     const int64_t rs = 4 * (psi - chunk(0)), ag = 4 * (psi - chunk(1));
     const int64_t ar = w == 1 ? 0 : 4 * (2 * psi - chunk(1) - chunk(2));
-    const std::map<std::string, int64_t> want = {{"none", 2 * ar},
-                                                 {"optimizer", w == 1 ? 0 : rs + ag},
-                                                 {"gradients", w == 1 ? 0 : 2 * rs + ag}};
-    for (const std::string stage : {"none", "optimizer", "gradients"}) {
+    const std::map<std::string, int64_t> want = {
+        {"none", 2 * ar},
+        {"optimizer", w == 1 ? 0 : rs + ag},
+        {"gradients", w == 1 ? 0 : 2 * rs + ag},
+        {"parameters", 2 * stage3_bytes_per_sample(none, w)}};
+    for (const std::string stage : {"none", "optimizer", "gradients", "parameters"}) {
       // Gradients in buckets of 5000 elements: many buckets, most crossing a shard boundary.
       const std::string ck =
           stage == "none"
@@ -549,7 +589,8 @@ TEST(FinetuneShard, ResumeAtAnotherWorldSizeReshards) {
   // Uninterrupted: gradients at 2 ranks, 3 steps (checkpoints at 2 and 3).
   const std::string full = shard_run("rs_full", 2, "parallel.shard=gradients");
   for (const auto& [ranks, stage] :
-       std::vector<std::pair<int, std::string>>{{3, "gradients"}, {1, "none"}, {4, "optimizer"}}) {
+       std::vector<std::pair<int, std::string>>{
+           {3, "gradients"}, {1, "none"}, {4, "optimizer"}, {3, "parameters"}}) {
     const std::string ck = (dir() / lvx::str("ck_rs_", ranks, stage)).string();
     fs::remove_all(ck);
     fs::create_directories(ck);
@@ -583,6 +624,19 @@ TEST(FinetuneShard, ResumeAtAnotherWorldSizeReshards) {
   const std::string resumed = finetune(config, "--resume " + flags);
   ASSERT_EQ(resumed.find("exit status"), std::string::npos) << resumed;
   EXPECT_EQ(state_diff(latest(full), latest(ck)), 0.0) << "not bitwise equal";
+  // The same at stage 3, against its own uninterrupted run.
+  const std::string full3 = shard_run("rs_full3", 2, "parallel.shard=parameters");
+  const std::string ck3 = (dir() / "ck_rs_kill3").string();
+  fs::remove_all(ck3);
+  const std::string config3 = write_config("rs_kill3", ck3, 3);
+  const std::string flags3 =
+      "optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=2 parallel.shard=parameters";
+  const std::string killed3 = finetune(config3, flags3, "LVX_FAULT_KILL=1@2");
+  EXPECT_NE(killed3.find("exit status"), std::string::npos) << killed3;
+  ASSERT_EQ(fs::path(latest(ck3)).filename(), "step-000002");
+  const std::string resumed3 = finetune(config3, "--resume " + flags3);
+  ASSERT_EQ(resumed3.find("exit status"), std::string::npos) << resumed3;
+  EXPECT_EQ(state_diff(latest(full3), latest(ck3)), 0.0) << "stage 3: not bitwise equal";
 }
 
 TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
@@ -597,7 +651,9 @@ TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
   const std::string two = shard_run("dp_two", 2, "optimizer.grad_accum=4");
   const std::string dp4 = shard_run("dp_2x2", 4, "parallel.sp_size=2");
   const std::string dp4g = shard_run("dp_2x2g", 4, "parallel.sp_size=2 parallel.shard=gradients");
-  for (const std::string& ck : {dp4, dp4g}) {
+  const std::string dp4p =
+      shard_run("dp_2x2p", 4, "parallel.sp_size=2 parallel.shard=parameters");
+  for (const std::string& ck : {dp4, dp4g, dp4p}) {
     const double d = state_diff(latest(two), latest(ck));
     std::cout << fs::path(ck).filename().string() << " vs world 2 grad_accum 4: " << d << "\n";
     EXPECT_LE(d, kShardTol);
@@ -612,9 +668,6 @@ TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
   const std::string log =
       finetune(write_config("dp_bad", ck, 3), "parallel.nproc=3 parallel.sp_size=2");
   EXPECT_NE(log.find("parallel.sp_size: 2 does not divide the 3 ranks"), std::string::npos) << log;
-  // Stage 3 is refused before any rank starts, naming what runs instead.
-  const std::string s3 = finetune(write_config("dp_bad", ck, 3), "parallel.shard=parameters");
-  EXPECT_NE(s3.find("parallel.shard: 'parameters'"), std::string::npos) << s3;
   const std::string typo = finetune(write_config("dp_bad", ck, 3), "parallel.shard=zero2");
   EXPECT_NE(typo.find("parallel.shard"), std::string::npos) << typo;
   EXPECT_FALSE(fs::exists(ck + "/latest"));

@@ -299,6 +299,7 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
   const RotaryTables rope =
       llama_rotary(shard.positions, rope_inv_freq(t, emb.options().dtype(at::kFloat)));
   for (int64_t i = 0; i < t.layers; ++i) {
+    par.enter_layer(i, h);
     const std::string l = layer_prefix(i);
     const LayerStrategies& st = par.at(static_cast<size_t>(i));
     const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), t.rms_eps);
@@ -351,6 +352,7 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
     }
     h = cross_block(i, h, o.reshape({B, lr, Hq * D}), sees, par.remat);
   }
+  par.leave_layers(h);
   h = rms_norm(h, param(w_, kLm + "norm.weight"), t.rms_eps);
   if (cache) return {h, shard.host_positions};
   return {at::linear(h, lm_head()), shard.host_positions};
@@ -411,6 +413,10 @@ at::Tensor Mllama::decode_step(const at::Tensor& tokens, const Parallel& par,
   ++cache.length;
   h = rms_norm(h, param(w_, kLm + "norm.weight"), t.rms_eps);
   return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
+}
+
+int64_t Mllama::decoder_layer_of(const std::string& name) const {
+  return layer_number_after(name, kLm + "layers.");
 }
 
 }  // namespace lvx::models::mllama

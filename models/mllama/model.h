@@ -59,6 +59,7 @@ class Mllama : public Model {
   // vision tower stay frozen.
   bool trains_cross_only(const std::string& name) const override;
   int64_t decoder_layers() const override { return cfg_.text.layers; }
+  int64_t decoder_layer_of(const std::string& name) const override;
   // A cross layer runs its cross-attention only; every other layer its self-attention only.
   std::vector<DecoderLayerAttention> layer_attentions() const override;
   int64_t media_token_id() const override { return cfg_.image_token_id; }

@@ -262,6 +262,7 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
   const attention::MaskInputs cross_mask{mmd.q_media, mmd.kv_media, {}};
   const at::Tensor sees_image = mmd.q_media.index_select(1, pos).ge(0).unsqueeze(-1);  // [B,L_r,1]
   for (int64_t i = 0; i < c.layers; ++i) {
+    par.enter_layer(i, h);
     const std::string l = layer_prefix(i);
     const LayerStrategies& st = par.at(static_cast<size_t>(i));
     const at::Tensor& norm_w = param(w_, l + "input_layernorm.weight");
@@ -323,6 +324,7 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
     // The block after its attention: o_proj, residual, norm, MLP, residual.
     h = post_attention(i, h, ctx, par.remat);
   }
+  par.leave_layers(h);
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
   if (cache) return {h, shard.host_positions};
   return {at::linear(h, lm_head()), shard.host_positions};
@@ -392,6 +394,10 @@ at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
   ++cache.length;
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
   return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
+}
+
+int64_t MplugOwl3::decoder_layer_of(const std::string& name) const {
+  return layer_number_after(name, kLm + "layers.");
 }
 
 }  // namespace lvx::models

@@ -100,6 +100,7 @@ class MplugOwl3 : public Model {
   // Everything but the (frozen) vision encoder.
   bool trainable(const std::string& name) const override;
   int64_t decoder_layers() const override { return cfg_.layers; }
+  int64_t decoder_layer_of(const std::string& name) const override;
   // Every layer a self-attention; a hyper layer also a cross-attention, after it in the
   // planner's order (the same queries, beside the self-attention).
   std::vector<DecoderLayerAttention> layer_attentions() const override;

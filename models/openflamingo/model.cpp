@@ -406,6 +406,10 @@ at::Tensor alibi_slopes(int64_t heads, double bias_max, const at::TensorOptions&
 
 }  // namespace
 
+int64_t OpenFlamingo::decoder_layer_of(const std::string& name) const {
+  return layer_number_after(name, "lang_encoder." + cfg_.layers_attr + ".");
+}
+
 std::string OpenFlamingo::layer_prefix(int64_t layer) const {
   return "lang_encoder." + cfg_.layers_attr + "." + std::to_string(layer) + ".";
 }
@@ -625,6 +629,7 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
   if (c.lm == "mpt") self_spec.head_dim = hd + alibi_channels(dt);  // the ALiBi channels
   self_spec.scale = self_scale();
   for (int64_t i = 0; i < c.layers; ++i) {
+    par.enter_layer(i, x);
     const size_t li = static_cast<size_t>(i);
     const LayerStrategies& st = par.at(li);
     const int64_t lr = x.size(1);
@@ -646,6 +651,7 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
                              .reshape({B, lr, c.heads * hd});
     x = post_attention(i, x, a, par.remat);
   }
+  par.leave_layers(x);
   x = final_norm(x);
   if (cache) return {x, shard.host_positions};
   return {at::linear(x, lm_head()), shard.host_positions};

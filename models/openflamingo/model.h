@@ -106,6 +106,7 @@ class OpenFlamingo : public Model {
   StateDict& parameters() override { return w_; }
   bool trainable(const std::string& name) const override;  // all but the vision encoder
   int64_t decoder_layers() const override { return cfg_.layers; }
+  int64_t decoder_layer_of(const std::string& name) const override;
   // Every layer a self-attention; a layer in cross_attn_layers also a gated cross-attention
   // block, which runs before it.
   std::vector<DecoderLayerAttention> layer_attentions() const override;

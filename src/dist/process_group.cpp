@@ -286,7 +286,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::adopt(const std::string& torch_group
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::subgroup(const std::shared_ptr<ProcessGroup>& parent,
-                                                     int first, int size) {
+                                                     int first, int size, const std::string& name) {
   const int pr = parent->rank();
   LVX_CHECK(first >= 0 && size >= 1 && first + size <= parent->world_size() && pr >= first &&
                 pr < first + size,
@@ -306,7 +306,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::subgroup(const std::shared_ptr<Proce
   e.adopted = true;
   e.tag_base = 1u << 30;
   e.tag_mask = (1u << 30) - 1;
-  const std::string prefix = str(kStorePrefix, "sub/", first, "+", size, "/");
+  const std::string prefix =
+      str(kStorePrefix, "sub/", first, "+", size, name.empty() ? "" : "/" + name, "/");
   c10::intrusive_ptr<c10d::Store> base;
   try {
     base = parent->engine_->store->clone();

@@ -136,9 +136,10 @@ class ProcessGroup {
   // (each group's ranks construct theirs at the same point). Its engines are its own (Gloo, and
   // NCCL for CUDA tensors) and its rendezvous keys live under a prefix of their own in the
   // parent's store; ranks are numbered 0..size−1 (parent rank − first); counters count its own
-  // messages. A group of one rank needs no engine.
+  // messages. A group of one rank needs no engine. `name` tells apart groups of the same ranks
+  // (ZeRO stage 3 gathers and reduces on groups of their own beside the world's).
   static std::shared_ptr<ProcessGroup> subgroup(const std::shared_ptr<ProcessGroup>& parent,
-                                                int first, int size);
+                                                int first, int size, const std::string& name = "");
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;

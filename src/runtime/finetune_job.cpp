@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <tuple>
 
+#include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/tokenizer/tokenizer.h"
 #include "src/common/dtype.h"
@@ -32,6 +33,7 @@
 #include "src/runtime/finetune_lora.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/optimizer.h"
+#include "src/runtime/sharded_params.h"
 #include "src/runtime/sharded_state.h"
 #include "src/runtime/train_checkpoint.h"
 #include "src/runtime/train_step.h"
@@ -384,10 +386,6 @@ TrainConfig validate_finetune_job(const FinetuneJob& job) {
   LVX_CHECK(cfg.parallel.sp_size == 0 || cfg.parallel.nproc % cfg.parallel.sp_size == 0,
             "parallel.sp_size: ", cfg.parallel.sp_size, " does not divide the ",
             cfg.parallel.nproc, " ranks (world = data-parallel groups × sp_size)");
-  LVX_CHECK(cfg.parallel.shard != "parameters",
-            "parallel.shard: 'parameters' (ZeRO stage 3, parameters gathered per layer) is not ",
-            "run yet; use 'gradients' (stage 2) or 'optimizer' (stage 1). lvx plan --train ",
-            "--shard parameters prices it");
   if (!cfg.parallel.cluster.empty()) check_regular_file(cfg.parallel.cluster, "parallel.cluster");
   const int64_t samples =
       static_cast<int64_t>(load_training_data(cfg, /*probe_videos=*/true).size());
@@ -423,10 +421,6 @@ int run_finetune_rank(const FinetuneJob& job) {
   LVX_CHECK(cfg.lora.r == 0 || stage == ShardStage::kNone, "parallel.shard: '", cfg.parallel.shard,
             "' with lora (r ", cfg.lora.r, ") is not supported: LoRA trains and saves the adapter ",
             "replicated; use parallel.shard: none");
-  LVX_CHECK(stage != ShardStage::kParameters,
-            "parallel.shard: 'parameters' (ZeRO stage 3, parameters gathered per layer) is not ",
-            "run yet; use 'gradients' (stage 2) or 'optimizer' (stage 1). lvx plan --train ",
-            "--shard parameters prices it");
   if (r == 0) std::cout << "effective config:\n" << to_yaml(cfg) << std::flush;
   std::vector<int64_t> lines;
   const std::vector<QaItem> items = load_training_data(cfg, /*probe_videos=*/false, &lines);
@@ -448,8 +442,16 @@ int run_finetune_rank(const FinetuneJob& job) {
   const std::string model_dir = ckpt.empty() || cfg.lora.r > 0 ? cfg.model.path : ckpt;
   check_model_dir(model_dir, ckpt.empty() ? "model.path" : "checkpoint");
   const at::Device device = choose_device(job.device);
-  std::unique_ptr<models::Model> model =
-      models::load_model(model_dir, dtype_of(cfg.model.dtype, "model.dtype"), device);
+  const at::ScalarType dtype = dtype_of(cfg.model.dtype, "model.dtype");
+  // Stage 3 never holds the trainable parameters whole: they stay unread (meta) here and each
+  // rank reads, one tensor at a time, only what its shard of the masters needs.
+  const bool stage3 = stage == ShardStage::kParameters;
+  std::unique_ptr<models::Model> model = models::load_model(
+      model_dir, dtype, device,
+      stage3 ? models::DeferParameter([&](const models::Model& m, const std::string& name) {
+        return trains_under(cfg.freeze.policy, m, name);
+      })
+             : models::DeferParameter());
   model = with_lora(std::move(model), cfg, ckpt);  // LoRA (src/runtime/finetune_lora.h)
   const models::Tokenizer tok = models::Tokenizer::from_file(model_dir + "/tokenizer.json");
   const models::Family& family = model->family();
@@ -477,10 +479,21 @@ int run_finetune_rank(const FinetuneJob& job) {
   const bool sharded = stage != ShardStage::kNone;
   AdamW opt(cfg.optimizer, cfg.schedule);
   ShardedAdamW sopt(cfg.optimizer, cfg.schedule, layout, n, r);
-  if (sharded)
+  if (stage3) {
+    // Resuming: the masters come from the checkpoint's optimizer state below.
+    std::function<at::Tensor(const std::string&)> read;
+    if (ckpt.empty()) {
+      auto index = std::make_shared<models::CheckpointIndex>(models::load_checkpoint_index(model_dir));
+      read = [index, device, dtype](const std::string& name) {
+        return models::read_tensor(*index, name).to(device, dtype);
+      };
+    }
+    sopt.init(read, device);
+  } else if (sharded) {
     sopt.init(trainable);
-  else
+  } else {
     opt.init(trainable);
+  }
   int64_t start = 0, seen0 = 0;
   if (!ckpt.empty()) {
     start = resumed.step;
@@ -514,7 +527,9 @@ int run_finetune_rank(const FinetuneJob& job) {
     // The fp32 masters are the truth: the model's copy may be bf16.
     {
       at::AutoGradMode ng(false);
-      if (sharded) {
+      if (stage3) {
+        // Nothing to copy: every gather reads the masters.
+      } else if (sharded) {
         const at::Tensor master = sopt.state_tensors().at("master");
         std::vector<int64_t> sizes;
         for (int q = 0; q < n; ++q) {
@@ -532,6 +547,13 @@ int run_finetune_rank(const FinetuneJob& job) {
       }
     }
     if (r == 0) std::cout << "resumed from " << ckpt << " at step " << start << "\n";
+  }
+  // Stage 3: the trainable parameters become tensors over per-layer buffers that exist only
+  // while their layer runs (src/runtime/sharded_params.h).
+  std::unique_ptr<ShardedParameters> zero3;
+  if (stage3) {
+    zero3 = std::make_unique<ShardedParameters>(pg, *model, layout, sopt, device);
+    for (auto& [name, t] : trainable) t = model->parameters().at(name);
   }
   if (r == 0) {
     std::cout << family.model_type() << ": " << trainable_numel << " of " << total_numel
@@ -566,6 +588,7 @@ int run_finetune_rank(const FinetuneJob& job) {
       f();
       state_bytes += pg->counters_snapshot().total_sent() - before;
     };
+    const int64_t zero3_sent0 = zero3 ? zero3->bytes_sent() : 0;
     double loss = 0;
     int64_t tokens = 0, frames = 0;
     for (int64_t a = 0; a < cfg.optimizer.grad_accum; ++a) {
@@ -616,33 +639,29 @@ int run_finetune_rank(const FinetuneJob& job) {
       }
       // Frames go to the device once, after preprocessing; ids and labels are host metadata.
       const at::Tensor pixels = fb.frames.defined() ? fb.frames.to(device) : at::Tensor();
+      if ((stage == ShardStage::kGradients || stage3) && !acc.defined())
+        acc = at::zeros({sopt.end() - sopt.begin()},
+                        at::TensorOptions().dtype(at::kFloat).device(device));
+      if (zero3) {
+        zero3->begin_sample(acc);
+        par.hooks = zero3.get();
+      }
       const models::ModelOutputs out =
           model->forward({ids, pixels, /*pixels_local=*/true, {}}, par);
       // The gradients of the sample summed over the world (the sequence-parallel ranks' parts
       // and the other groups' samples), whole (none) or this rank's shard (gradients: bucket by
       // bucket, each bucket reduce-scattered onto the ranks whose shards it overlaps); the
       // optimizer stage sums locally and reduce-scatters once per step.
-      if (stage == ShardStage::kGradients && !acc.defined())
-        acc = at::zeros({sopt.end() - sopt.begin()}, out.logits.options().dtype(at::kFloat));
       const GradBucketFn take = [&](int64_t offset, at::Tensor& flat) {
-        std::vector<int64_t> splits(static_cast<size_t>(n));
-        int64_t mine_b = 0, mine_e = 0;
-        for (int q = 0; q < n; ++q) {
-          const auto [b, e] = dist::shard_range(layout.numel(), n, q);
-          const int64_t lo = std::clamp(b, offset, offset + flat.numel()),
-                        hi = std::clamp(e, offset, offset + flat.numel());
-          splits[static_cast<size_t>(q)] = hi - lo;
-          if (q == r) mine_b = lo, mine_e = hi;
-        }
-        at::Tensor mine;
-        counted([&] { mine = pg->reduce_scatter(flat, splits); });
-        if (mine_e > mine_b) acc.narrow(0, mine_b - sopt.begin(), mine_e - mine_b).add_(mine);
+        counted([&] { reduce_into_shard(*pg, layout.numel(), offset, flat, acc, sopt.begin()); });
       };
-      LocalBackward lb =
-          backward_local(*sp_pg, *model, labels, out, layout.names,
-                         stage == ShardStage::kGradients ? gradient_bucket() : 0, take);
+      // Stage 3: the gradients go to `acc` layer by layer from the engine's hooks.
+      LocalBackward lb = backward_local(
+          *sp_pg, *model, labels, out, stage3 ? std::vector<std::string>{} : layout.names,
+          stage == ShardStage::kGradients ? gradient_bucket() : 0, take);
+      if (zero3) zero3->end_sample();
       loss += lb.loss.item<double>();
-      if (stage != ShardStage::kGradients) {
+      if (stage != ShardStage::kGradients && !stage3) {
         if (stage == ShardStage::kNone) counted([&] { pg->all_reduce(lb.flat); });
         if (acc.defined())
           acc.add_(lb.flat);
@@ -681,7 +700,7 @@ int run_finetune_rank(const FinetuneJob& job) {
     double norm = 0;
     try {
       counted([&] {
-        norm = sharded ? sopt.step(*pg, acc, model->parameters())
+        norm = sharded ? sopt.step(*pg, acc, stage3 ? nullptr : &model->parameters())
                        : opt.step(grads, model->parameters());
       });
     } catch (const NonFiniteGradient& e) {
@@ -689,6 +708,7 @@ int run_finetune_rank(const FinetuneJob& job) {
     }
     acc = at::Tensor();
     grads.clear();
+    if (zero3) state_bytes += zero3->bytes_sent() - zero3_sent0;
     if (const std::string bad = sharded ? sopt.non_finite_master(*pg) : opt.non_finite_master();
         !bad.empty())
       diverge(str("the update made parameter '", bad, "' non-finite (optimizer.lr ",
@@ -735,6 +755,12 @@ int run_finetune_rank(const FinetuneJob& job) {
       // with sharded state every rank first writes its optimizer shard into the checkpoint being
       // made. The others wait for the writers as long as the writes take (ranks_write).
       std::vector<std::string> shard_files;
+      // Stage 3: the consolidated weights are gathered layer by layer onto rank 0's host.
+      std::map<std::string, at::Tensor> whole;
+      if (zero3) {
+        whole = model->parameters();
+        for (auto& [name, t] : zero3->consolidated(0)) whole[name] = t;
+      }
       if (sharded) {
         if (r == 0) begin_train_checkpoint(cfg.checkpoint.dir, step + 1);
         pg->barrier();
@@ -763,7 +789,8 @@ int run_finetune_rank(const FinetuneJob& job) {
             cfg.lora.r > 0  // LoRA: the adapter in PEFT's layout (src/runtime/finetune_lora.h)
                 ? save_lora_checkpoint(*model, cfg, step + 1, opt.state_tensors(), state)
                 : save_train_checkpoint(
-                      cfg.checkpoint.dir, step + 1, model_files, model->parameters(),
+                      cfg.checkpoint.dir, step + 1, model_files,
+                      zero3 ? whole : model->parameters(),
                       sharded ? std::map<std::string, at::Tensor>{} : opt.state_tensors(), state,
                       cfg.checkpoint.keep, shard_files);
         if (plain) std::cout << "checkpoint " << dir << "\n" << std::flush;

@@ -31,6 +31,21 @@ double clip_grad_norm(std::map<std::string, at::Tensor>& grads, double max_norm)
   return total.item<double>();
 }
 
+void adamw_update(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                  const at::Tensor& g, const TrainConfig::Optimizer& o, double lr, int64_t step) {
+  const double b1 = o.betas[0], b2 = o.betas[1];
+  const double bias1 = 1 - std::pow(b1, static_cast<double>(step));
+  const double bias2_sqrt = std::sqrt(1 - std::pow(b2, static_cast<double>(step)));
+  const double step_size = lr / bias1;
+  at::AutoGradMode no_grad(false);
+  if (o.weight_decay != 0) master.mul_(1 - lr * o.weight_decay);
+  exp_avg.lerp_(g, 1 - b1);
+  exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2);
+  at::Tensor denom = exp_avg_sq.sqrt();  // one temporary of the tensor's size
+  denom.div_(bias2_sqrt).add_(o.eps);
+  master.addcdiv_(exp_avg, denom, -step_size);
+}
+
 AdamW::AdamW(TrainConfig::Optimizer opt, TrainConfig::Schedule schedule)
     : opt_(opt), schedule_(schedule) {}
 
@@ -53,18 +68,10 @@ double AdamW::step(std::map<std::string, at::Tensor>& grads,
   const double lr = learning_rate(opt_, schedule_, step_);
   last_lr_ = lr;
   ++step_;
-  const double b1 = opt_.betas[0], b2 = opt_.betas[1];
-  const double bias1 = 1 - std::pow(b1, static_cast<double>(step_));
-  const double bias2_sqrt = std::sqrt(1 - std::pow(b2, static_cast<double>(step_)));
-  const double step_size = lr / bias1;
   at::AutoGradMode no_grad(false);
   for (auto& [name, p] : master_) {
     const at::Tensor g = grads.at(name).to(at::kFloat);
-    if (opt_.weight_decay != 0) p.mul_(1 - lr * opt_.weight_decay);
-    exp_avg_.at(name).lerp_(g, 1 - b1);
-    exp_avg_sq_.at(name).mul_(b2).addcmul_(g, g, 1 - b2);
-    const at::Tensor denom = (exp_avg_sq_.at(name).sqrt() / bias2_sqrt).add_(opt_.eps);
-    p.addcdiv_(exp_avg_.at(name), denom, -step_size);
+    adamw_update(p, exp_avg_.at(name), exp_avg_sq_.at(name), g, opt_, lr, step_);
     at::Tensor& param = params.at(name);
     param.detach().copy_(p);  // cast to the compute dtype (bf16) from the fp32 master
   }

@@ -26,6 +26,14 @@ double learning_rate(const TrainConfig::Optimizer& o, const TrainConfig::Schedul
 // only measures.
 double clip_grad_norm(std::map<std::string, at::Tensor>& grads, double max_norm);
 
+// AdamW's update of one fp32 tensor in place (torch.optim.AdamW's single-tensor path: decoupled
+// weight decay, then the moments, then the bias-corrected step), with `g` already clipped, at
+// learning rate `lr`, `step` the 1-based count of this update. The one arithmetic of AdamW and
+// ShardedAdamW (src/runtime/sharded_state.h): whole tensors or a rank's flat shard, element for
+// element the same operations.
+void adamw_update(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                  const at::Tensor& g, const TrainConfig::Optimizer& o, double lr, int64_t step);
+
 // A gradient norm that is not finite: AdamW::step throws it before changing anything.
 class NonFiniteGradient : public Error {
  public:

@@ -91,8 +91,39 @@ void ShardedAdamW::init(const std::map<std::string, at::Tensor>& params) {
   step_ = 0;
 }
 
+void ShardedAdamW::init(const std::function<at::Tensor(const std::string&)>& read,
+                        const at::Device& device) {
+  master_ = at::zeros({end_ - begin_}, at::TensorOptions().dtype(at::kFloat).device(device));
+  for (size_t i = 0; read && i < layout_.names.size(); ++i) {
+    const int64_t b = std::max(begin_, layout_.offsets[i]),
+                  e = std::min(end_, layout_.offsets[i + 1]);
+    if (b >= e) continue;
+    const at::Tensor p = read(layout_.names[i]).reshape({-1});  // one whole tensor at a time
+    master_.narrow(0, b - begin_, e - b).copy_(p.narrow(0, b - layout_.offsets[i], e - b));
+  }
+  exp_avg_ = at::zeros_like(master_);
+  exp_avg_sq_ = at::zeros_like(master_);
+  step_ = 0;
+}
+
+void reduce_into_shard(dist::ProcessGroup& pg, int64_t numel, int64_t offset, at::Tensor& part,
+                       at::Tensor& shard, int64_t shard_begin) {
+  const int n = pg.world_size();
+  std::vector<int64_t> splits(static_cast<size_t>(n));
+  int64_t mine_b = 0, mine_e = 0;
+  for (int q = 0; q < n; ++q) {
+    const auto [b, e] = dist::shard_range(numel, n, q);
+    const int64_t lo = std::clamp(b, offset, offset + part.numel()),
+                  hi = std::clamp(e, offset, offset + part.numel());
+    splits[static_cast<size_t>(q)] = hi - lo;
+    if (q == pg.rank()) mine_b = lo, mine_e = hi;
+  }
+  const at::Tensor mine = pg.reduce_scatter(part, splits);
+  if (mine_e > mine_b) shard.narrow(0, mine_b - shard_begin, mine_e - mine_b).add_(mine);
+}
+
 double ShardedAdamW::step(dist::ProcessGroup& pg, at::Tensor g,
-                          std::map<std::string, at::Tensor>& params) {
+                          std::map<std::string, at::Tensor>* params) {
   LVX_CHECK(g.numel() == end_ - begin_, "sharded optimizer: gradient shard has ", g.numel(),
             " elements, this rank owns ", end_ - begin_);
   at::AutoGradMode no_grad(false);
@@ -113,20 +144,10 @@ double ShardedAdamW::step(dist::ProcessGroup& pg, at::Tensor g,
   const double lr = learning_rate(opt_, schedule_, step_);
   last_lr_ = lr;
   ++step_;
-  const double b1 = opt_.betas[0], b2 = opt_.betas[1];
-  const double bias1 = 1 - std::pow(b1, static_cast<double>(step_));
-  const double bias2_sqrt = std::sqrt(1 - std::pow(b2, static_cast<double>(step_)));
-  const double step_size = lr / bias1;
-  if (opt_.weight_decay != 0) master_.mul_(1 - lr * opt_.weight_decay);
-  exp_avg_.lerp_(g, 1 - b1);
-  exp_avg_sq_.mul_(b2).addcmul_(g, g, 1 - b2);
-  {
-    at::Tensor denom = exp_avg_sq_.sqrt();  // one shard-sized temporary, freed before the gather
-    denom.div_(bias2_sqrt).add_(opt_.eps);
-    master_.addcdiv_(exp_avg_, denom, -step_size);
-  }
+  adamw_update(master_, exp_avg_, exp_avg_sq_, g, opt_, lr, step_);
+  if (params == nullptr) return norm;  // stage 3: parameters are gathered from the masters
   // Every rank's updated shard, in the parameters' dtype, into every rank's parameters.
-  const at::ScalarType dtype = params.at(layout_.names.front()).scalar_type();
+  const at::ScalarType dtype = params->at(layout_.names.front()).scalar_type();
   std::vector<int64_t> sizes(static_cast<size_t>(world_));
   for (int r = 0; r < world_; ++r) {
     const auto [b, e] = dist::shard_range(layout_.numel(), world_, r);
@@ -134,7 +155,7 @@ double ShardedAdamW::step(dist::ProcessGroup& pg, at::Tensor g,
   }
   const at::Tensor full = pg.all_gather(master_.to(dtype), sizes);
   for (size_t i = 0; i < layout_.names.size(); ++i) {
-    at::Tensor p = params.at(layout_.names[i]).detach();
+    at::Tensor p = params->at(layout_.names[i]).detach();
     p.copy_(full.narrow(0, layout_.offsets[i], layout_.offsets[i + 1] - layout_.offsets[i])
                 .view(p.sizes()));
   }

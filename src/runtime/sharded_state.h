@@ -1,5 +1,5 @@
 // Sharded training state for `lvx finetune` (parallel.shard), after "ZeRO: Memory Optimizations
-// Toward Training Trillion Parameter Models" (Rajbhandari et al., 2020), stages 1 and 2:
+// Toward Training Trillion Parameter Models" (Rajbhandari et al., 2020), stages 1 to 3:
 //   none       every rank keeps the fp32 gradients, masters and both AdamW moments of every
 //              trainable parameter and all-reduces the gradients of each sample (AdamW,
 //              optimizer.h);
@@ -8,14 +8,20 @@
 //              step; after its update each rank's shard of the parameters is all-gathered;
 //   gradients  (stage 2) as optimizer, but each sample's gradients are reduce-scattered at once
 //              and only this rank's shard is kept (accumulated) across the step's samples;
-//   parameters (stage 3, FSDP FULL_SHARD) is not run yet: the runtime refuses it (the planner
-//              prices it).
+//   parameters (stage 3, FSDP's FULL_SHARD) as gradients, but the parameters too are kept only as
+//              this rank's masters: each decoder layer's are gathered just before it runs and
+//              freed after it, gathered again when the backward reaches it, and its gradients
+//              reduce-scattered as soon as they are complete (src/runtime/sharded_params.h).
 // The trainable parameters form one flat fp32 vector in name order (FlatLayout); rank r of w owns
 // elements dist::shard_range(numel, w, r). Bytes each rank sends per optimizer step, for Ψ
 // trainable elements, n ranks, A samples per rank per step, s_p bytes per parameter element:
 //   none       A · 2(n−1)/n · 4Ψ           (ring all-reduce of fp32 gradients per sample)
 //   optimizer  (n−1)/n · 4Ψ + (n−1)/n · s_pΨ   (one reduce-scatter, one parameter all-gather)
 //   gradients  A · (n−1)/n · 4Ψ + (n−1)/n · s_pΨ
+//   parameters A · ((n−1)/n · 4Ψ + (n−1)/n · s_p(2Ψ − Ψ_last))
+//              (per sample, every unit gathered for the forward and, but for the last layer,
+//              which stays, again for the backward; Ψ_last its elements; no gather after the
+//              update)
 // (plus a few scalars: the loss, the label count and the gradient norm). Each stage computes
 // the same update as `none` elementwise; only the gradient sums (order of additions across ranks
 // and samples) and the global norm (the shards' fp32 norms squared and summed in fp64, instead of
@@ -33,6 +39,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -76,12 +83,19 @@ class ShardedAdamW {
 
   // fp32 masters of this rank's slice of `params`, zero moments.
   void init(const std::map<std::string, at::Tensor>& params);
+  // The same from `read(name)`, each parameter whole in its dtype, asked for one at a time and
+  // only for the names this rank's slice overlaps (stage 3 never holds the parameters whole);
+  // no `read`: zeros, for load() to fill.
+  void init(const std::function<at::Tensor(const std::string&)>& read, const at::Device& device);
   // One step with this rank's shard of the summed, averaged fp32 gradients (clipped here by the
   // global norm, one all-reduce over `pg`), then the updated parameters all-gathered into
-  // `params` (cast to their dtype). Returns the pre-clip norm; a non-finite one throws
-  // NonFiniteGradient on every rank before anything changes. Collective over `pg`.
+  // `params` (cast to their dtype; null for stage 3, which gathers them layer by layer from the
+  // masters). Returns the pre-clip norm; a non-finite one throws NonFiniteGradient on every rank
+  // before anything changes. Collective over `pg`.
   double step(dist::ProcessGroup& pg, at::Tensor grad_shard,
-              std::map<std::string, at::Tensor>& params);
+              std::map<std::string, at::Tensor>* params);
+  // This rank's fp32 masters: the flat elements [begin(), end()).
+  const at::Tensor& master() const { return master_; }
   // The first parameter (by name) with a non-finite master element on any rank, "" when none.
   // Collective.
   std::string non_finite_master(dist::ProcessGroup& pg) const;
@@ -107,6 +121,13 @@ class ShardedAdamW {
   int64_t step_ = 0;
   double last_lr_ = 0;
 };
+
+// Reduces `part`, this rank's fp32 gradients of the flat elements [offset, offset + part.numel())
+// of a layout of `numel` elements, over `pg` onto the ranks whose shards overlap them (one
+// reduce_scatter with those splits, `part` its scratch) and adds this rank's piece into `shard`,
+// its elements [shard_begin, …). Collective over `pg`; stage 2's buckets and stage 3's layers.
+void reduce_into_shard(dist::ProcessGroup& pg, int64_t numel, int64_t offset, at::Tensor& part,
+                       at::Tensor& shard, int64_t shard_begin);
 
 // "optimizer-00001-of-00004.safetensors".
 std::string optimizer_shard_name(int rank, int world);

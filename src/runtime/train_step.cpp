@@ -36,13 +36,15 @@ LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
                              const std::vector<std::string>& names, int64_t bucket,
                              const GradBucketFn& take) {
   const auto [local_sum, count] = local_loss(pg, all_labels, out);
+  LocalBackward r;
   // Every parameter's .grad is a view of one zeroed flat buffer, so autograd accumulates into it
-  // in place (0 + g = g exactly) and the gradients exist once, already flat.
-  int64_t total = 0;
-  for (const auto& n : names) total += model.parameters().at(n).numel();
-  LVX_CHECK(!names.empty(), "backward: no parameter trains");
-  at::Tensor flat = at::zeros({total}, model.parameters().at(names.front()).options());
-  {
+  // in place (0 + g = g exactly) and the gradients exist once, already flat. No names: the
+  // gradients are the hooks' business (ZeRO stage 3, src/runtime/sharded_params.h).
+  at::Tensor flat;
+  if (!names.empty()) {
+    int64_t total = 0;
+    for (const auto& n : names) total += model.parameters().at(n).numel();
+    flat = at::zeros({total}, model.parameters().at(names.front()).options());
     int64_t off = 0;
     for (const auto& n : names) {
       at::Tensor& t = model.parameters().at(n);
@@ -53,28 +55,26 @@ LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
     }
   }
   (local_sum / count.item<double>()).backward();
-  for (const auto& n : names) {
-    at::Tensor& t = model.parameters().at(n);
-    t.mutable_grad() = at::Tensor();
-  }
-  flat = flat.to(at::kFloat);  // no copy for fp32 parameters
-  LocalBackward r;
-  if (bucket > 0 && take) {
-    // Buckets of whole consecutive parameters, views of the flat vector.
-    size_t first = 0;
-    int64_t offset = 0;
-    while (first < names.size()) {
-      int64_t size = 0;
-      size_t last = first;
-      while (last < names.size() && size < bucket)
-        size += model.parameters().at(names[last++]).numel();
-      at::Tensor part = flat.narrow(0, offset, size);
-      take(offset, part);
-      offset += size;
-      first = last;
+  for (const auto& n : names) model.parameters().at(n).mutable_grad() = at::Tensor();
+  if (flat.defined()) {
+    flat = flat.to(at::kFloat);  // no copy for fp32 parameters
+    if (bucket > 0 && take) {
+      // Buckets of whole consecutive parameters, views of the flat vector.
+      size_t first = 0;
+      int64_t offset = 0;
+      while (first < names.size()) {
+        int64_t size = 0;
+        size_t last = first;
+        while (last < names.size() && size < bucket)
+          size += model.parameters().at(names[last++]).numel();
+        at::Tensor part = flat.narrow(0, offset, size);
+        take(offset, part);
+        offset += size;
+        first = last;
+      }
+    } else {
+      r.flat = flat;
     }
-  } else {
-    r.flat = flat;
   }
   at::Tensor sum = local_sum.detach().to(at::kDouble).reshape({1});
   pg.all_reduce(sum);

@@ -32,6 +32,8 @@ using ParamFilter = std::function<bool(const std::string&)>;
 // With `bucket` > 0 the flat vector is handed to `take(offset, part)` in buckets instead (views:
 // consecutive whole parameters of at least `bucket` elements, the last one less; offset = the
 // bucket's first element), and LocalBackward::flat stays undefined.
+// No `names`: only the loss and its backward (ZeRO stage 3 takes the gradients in hooks,
+// src/runtime/sharded_params.h); flat stays undefined.
 struct LocalBackward {
   at::Tensor loss;  // float32 scalar
   at::Tensor flat;  // float32 [Σ numel(names)], not reduced across ranks

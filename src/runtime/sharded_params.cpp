@@ -1,0 +1,319 @@
+#include "src/runtime/sharded_params.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/strides.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "src/common/error.h"
+
+namespace lvx::runtime {
+
+namespace {
+
+// The buffer's memory goes back to its allocator (CPU: the OS for large blocks; CUDA: the caching
+// allocator); every tensor over the storage keeps its shape and sees the memory again once
+// allocate_storage refills it (FSDP's _free_storage / _alloc_storage).
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));
+  s->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  LVX_CHECK(s->allocator() != nullptr, "parallel.shard parameters: a unit's storage has no "
+                                       "allocator");
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+
+class UnitGradHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  UnitGradHook(ShardedParameters* engine, size_t unit) : engine_(engine), unit_(unit) {}
+  void operator()(const torch::autograd::Variable&) override { engine_->accumulated(unit_); }
+
+ private:
+  ShardedParameters* engine_;
+  size_t unit_;
+};
+
+}  // namespace
+
+ShardedParameters::ShardedParameters(const std::shared_ptr<dist::ProcessGroup>& world,
+                                     models::Model& model, const FlatLayout& layout,
+                                     const ShardedAdamW& opt, const at::Device& device)
+    : gather_pg_(dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero3-gather")),
+      reduce_pg_(dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero3-reduce")),
+      model_(model),
+      opt_(opt),
+      psi_(layout.numel()),
+      layers_(model.decoder_layers()) {
+  LVX_CHECK(layout.numel() > 0, "parallel.shard parameters: no parameter trains");
+  units_.resize(static_cast<size_t>(layers_) + 1);
+  models::StateDict& params = model.parameters();
+  const at::ScalarType dtype = params.at(layout.names.front()).scalar_type();
+  for (size_t i = 0; i < layout.names.size(); ++i) {
+    const std::string& name = layout.names[i];
+    const int64_t l = model.decoder_layer_of(name);
+    LVX_CHECK(l < layers_, "parallel.shard parameters: '", name, "' names layer ", l, " of ",
+              layers_);
+    Unit& u = units_[l < 0 ? static_cast<size_t>(layers_) : static_cast<size_t>(l)];
+    const at::Tensor& p = params.at(name);
+    LVX_CHECK(p.scalar_type() == dtype, "parallel.shard parameters: '", name, "' is ",
+              p.scalar_type(), ", the other trainable parameters ", dtype);
+    const int64_t b = layout.offsets[i], e = layout.offsets[i + 1];
+    if (!u.ranges.empty() && u.ranges.back().end == b)
+      u.ranges.back().end = e;
+    else
+      u.ranges.push_back({b, e, u.numel});
+    u.names.push_back(name);
+    u.local.push_back(u.numel);
+    u.numel += e - b;
+  }
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  for (size_t k = 0; k < units_.size(); ++k) {
+    Unit& u = units_[k];
+    if (u.numel == 0) continue;
+    u.buffer = at::empty({u.numel}, options);
+    for (size_t j = 0; j < u.names.size(); ++j) {
+      at::Tensor& slot = params.at(u.names[j]);
+      const std::vector<int64_t> sizes = slot.sizes().vec();
+      at::Tensor p = at::empty({0}, options);
+      p.set_(u.buffer.storage(), u.local[j], sizes, c10::contiguous_strides(sizes));
+      p.set_requires_grad(true);
+      torch::autograd::impl::set_post_acc_grad_hooks(p, std::make_unique<UnitGradHook>(this, k));
+      slot = p;  // the whole (or meta) tensor it replaces is released here
+    }
+    free_storage(u.buffer);
+  }
+  for (int64_t l = layers_ - 1; l >= 0; --l) order_.push_back(static_cast<size_t>(l));
+  order_.push_back(static_cast<size_t>(layers_));
+  worker_ = std::thread([this] { worker_loop(); });
+}
+
+ShardedParameters::~ShardedParameters() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+  models::StateDict& params = model_.parameters();
+  for (const Unit& u : units_)
+    for (const std::string& name : u.names) {
+      auto it = params.find(name);
+      if (it != params.end()) torch::autograd::impl::set_post_acc_grad_hooks(it->second, nullptr);
+    }
+}
+
+void ShardedParameters::gather(size_t k) {
+  Unit& u = units_[k];
+  if (u.gathered) return;
+  u.gathered = true;
+  if (u.numel == 0) return;
+  at::AutoGradMode no_grad(false);
+  allocate_storage(u.buffer, static_cast<size_t>(u.numel) * u.buffer.element_size());
+  const int n = gather_pg_->world_size();
+  const at::Tensor& master = opt_.master();
+  for (const Range& r : u.ranges) {
+    std::vector<int64_t> sizes(static_cast<size_t>(n));
+    int64_t mine_b = 0, mine_e = 0;
+    for (int q = 0; q < n; ++q) {
+      const auto [b, e] = dist::shard_range(psi_, n, q);
+      const int64_t lo = std::clamp(b, r.begin, r.end), hi = std::clamp(e, r.begin, r.end);
+      sizes[static_cast<size_t>(q)] = hi - lo;
+      if (q == gather_pg_->rank()) mine_b = lo, mine_e = hi;
+    }
+    // This rank's piece of the run (empty where its shard lies elsewhere).
+    const at::Tensor mine =
+        master.narrow(0, mine_e > mine_b ? mine_b - opt_.begin() : 0, mine_e - mine_b)
+            .to(u.buffer.scalar_type());
+    u.buffer.narrow(0, r.local, r.end - r.begin).copy_(gather_pg_->all_gather(mine, sizes));
+  }
+}
+
+void ShardedParameters::release(size_t k) {
+  Unit& u = units_[k];
+  if (!u.gathered) return;
+  u.gathered = false;
+  if (u.numel > 0) free_storage(u.buffer);
+}
+
+void ShardedParameters::begin_sample(at::Tensor shard) {
+  LVX_CHECK(shard.numel() == opt_.end() - opt_.begin(), "parallel.shard parameters: gradient ",
+            "shard has ", shard.numel(), " elements, this rank owns ", opt_.end() - opt_.begin());
+  shard_ = std::move(shard);
+  next_post_ = 0;
+  next_backward_ = layers_ - 1;
+  for (Unit& u : units_) u.prepared = u.completed = false;
+  // The root unit runs first (embeddings) and last (head): gathered for the whole sample, its
+  // gradient buffer ready from the start.
+  const size_t root = static_cast<size_t>(layers_);
+  gather(root);
+  Unit& r = units_[root];
+  r.prepared = true;
+  if (r.numel > 0) {
+    r.grad = at::zeros({r.numel}, r.buffer.options());
+    models::StateDict& params = model_.parameters();
+    for (size_t j = 0; j < r.names.size(); ++j) {
+      at::Tensor& p = params.at(r.names[j]);
+      p.mutable_grad() = r.grad.narrow(0, r.local[j], p.numel()).view(p.sizes());
+    }
+    r.pending = r.names.size();
+  }
+}
+
+void ShardedParameters::enter_layer(int64_t layer, const at::Tensor& hidden) {
+  if (layer > 0) release(static_cast<size_t>(layer - 1));
+  gather(static_cast<size_t>(layer));
+  if (layer > 0 && hidden.requires_grad())
+    hidden.register_hook([this, layer](const at::Tensor&) { reach_backward(layer - 1); });
+}
+
+void ShardedParameters::leave_layers(const at::Tensor& hidden) {
+  // The last layer stays gathered: its backward comes first.
+  if (hidden.requires_grad())
+    hidden.register_hook([this](const at::Tensor&) { reach_backward(layers_ - 1); });
+}
+
+void ShardedParameters::reach_backward(int64_t layer) {
+  models::StateDict& params = model_.parameters();
+  for (; next_backward_ >= layer && next_backward_ >= 0; --next_backward_) {
+    const size_t k = static_cast<size_t>(next_backward_);
+    Unit& u = units_[k];
+    gather(k);
+    u.prepared = true;
+    if (u.numel == 0) {
+      complete(k);
+      continue;
+    }
+    u.grad = at::zeros({u.numel}, u.buffer.options());
+    for (size_t j = 0; j < u.names.size(); ++j) {
+      at::Tensor& p = params.at(u.names[j]);
+      p.mutable_grad() = u.grad.narrow(0, u.local[j], p.numel()).view(p.sizes());
+    }
+    u.pending = u.names.size();
+  }
+}
+
+void ShardedParameters::accumulated(size_t k) {
+  Unit& u = units_[k];
+  if (!u.prepared || u.completed || u.pending == 0) return;
+  if (--u.pending == 0) complete(k);
+}
+
+void ShardedParameters::complete(size_t k) {
+  Unit& u = units_[k];
+  u.completed = true;
+  models::StateDict& params = model_.parameters();
+  for (const std::string& name : u.names) params.at(name).mutable_grad() = at::Tensor();
+  if (k != static_cast<size_t>(layers_)) release(k);
+  post_ready();
+}
+
+void ShardedParameters::post_ready() {
+  while (next_post_ < order_.size() && units_[order_[next_post_]].completed) {
+    Unit& u = units_[order_[next_post_++]];
+    if (u.numel == 0) continue;
+    at::Tensor g = std::move(u.grad);
+    u.grad = at::Tensor();
+    if (!g.defined()) g = at::zeros({u.numel}, u.buffer.options());  // never reached
+    post([this, &u, g]() mutable {
+      at::AutoGradMode no_grad(false);
+      at::Tensor g32 = g.to(at::kFloat);
+      g = at::Tensor();
+      for (const Range& r : u.ranges) {
+        at::Tensor part = g32.narrow(0, r.local, r.end - r.begin);
+        reduce_into_shard(*reduce_pg_, psi_, r.begin, part, shard_, opt_.begin());
+      }
+    });
+  }
+}
+
+void ShardedParameters::end_sample() {
+  // Layers the backward never reached are gathered too, so every rank runs the same gathers.
+  reach_backward(0);
+  for (size_t k : order_)
+    if (!units_[k].completed) complete(k);
+  drain();
+  for (size_t k = 0; k < units_.size(); ++k) release(k);
+  shard_ = at::Tensor();
+}
+
+std::map<std::string, at::Tensor> ShardedParameters::consolidated(int root) {
+  std::map<std::string, at::Tensor> out;
+  models::StateDict& params = model_.parameters();
+  for (size_t k = 0; k < units_.size(); ++k) {
+    gather(k);
+    if (gather_pg_->rank() == root)
+      for (const std::string& name : units_[k].names)
+        out[name] = params.at(name).detach().to(at::kCPU).clone();
+    release(k);
+  }
+  return out;
+}
+
+int64_t ShardedParameters::bytes_sent() const {
+  return gather_pg_->counters_snapshot().total_sent() +
+         reduce_pg_->counters_snapshot().total_sent();
+}
+
+int64_t ShardedParameters::max_layer_numel() const {
+  int64_t m = 0;
+  for (int64_t l = 0; l < layers_; ++l) m = std::max(m, units_[static_cast<size_t>(l)].numel);
+  return m;
+}
+
+int64_t ShardedParameters::root_numel() const { return units_.back().numel; }
+
+// ---- the reduction thread ----------------------------------------------------------------------
+
+void ShardedParameters::post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_all();
+}
+
+void ShardedParameters::worker_loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping, nothing left
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+      ++running_;
+    }
+    try {
+      if (!error_) task();  // after a failure the rest is dropped; end_sample rethrows
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_) error_ = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --running_;
+    }
+    cv_.notify_all();
+  }
+}
+
+void ShardedParameters::drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return tasks_.empty() && running_ == 0; });
+  if (error_) {
+    std::exception_ptr e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+}  // namespace lvx::runtime

@@ -1,0 +1,143 @@
+// ZeRO stage 3 for `lvx finetune` (parallel.shard: parameters): the trainable parameters exist
+// whole only while the layer that uses them runs. After "ZeRO: Memory Optimizations Toward
+// Training Trillion Parameter Models" (Rajbhandari et al., 2020, §5.3, P_os+g+p) and PyTorch
+// FSDP's FULL_SHARD (Zhao et al., 2023: one unit per layer, storage freed after its forward and
+// refilled before its backward, the root unit kept for the whole step).
+//
+// Units. Decoder layer l (Model::decoder_layer_of) is one unit; every other trainable parameter
+// (embeddings, final norm, head, projector or resampler) forms the root unit. Each unit has one
+// buffer in the parameters' dtype on the device; the model's parameters are tensors over it
+// (leaves of their own, not views, so writing the buffer never bumps their version). Between
+// uses the buffer's storage is freed (0 bytes); the parameters keep their shapes.
+//
+// Where the values live. Only in ShardedAdamW's fp32 masters (src/runtime/sharded_state.h: rank r
+// owns the flat elements shard_range(Ψ, n, r) of the trainable parameters in name order). A
+// gather all-gathers, per contiguous range of the unit in that flat order, every rank's overlap
+// with it (uneven sizes: a layer usually lies in one or two ranks' shards) cast to the dtype —
+// exactly what stages 1 and 2 all-gather after each update, so the parameters are the same.
+//
+// One sample (begin_sample, the model's forward, the backward, end_sample):
+//   forward   the root unit is gathered first; enter_layer(i) frees layer i−1 and gathers
+//             layer i; the last layer stays gathered (its backward comes first);
+//   backward  a hook on the gradient of each layer's output gathers the layer again (in the
+//             fixed order L−1, …, 0: a request for layer j first gathers every later one still
+//             missing) and zeroes its gradient buffer, which the parameters' .grad view; when
+//             every parameter of a unit has accumulated (post-accumulate-grad hooks), the unit is
+//             freed and its gradients reduce-scattered onto their owners' fp32 shard;
+//   end       units that never completed (a layer the sample skipped) are reduced as they are;
+//             then everything is freed.
+// Reductions run in the fixed order L−1, …, 0, root on a thread and a process group of their own,
+// so the backward never waits for them: data-parallel groups whose samples take different paths
+// (a layer skipped for a sample without images) reach them in the same order, and no rank's
+// gather can wait on another's reduction. Gathers run on the autograd thread over a second group
+// of their own, in the fixed order root, 0, …, L−1, L−2, …, 0 per sample on every rank.
+//
+// Memory per rank (elements: Ψ trainable, Ψ_u a unit's, s_p bytes per parameter element):
+// 12Ψ/n + 4Ψ/n of optimizer state and gradient shard; whole: the root unit and at most two
+// layers (the running one and the next gathered, or the last layer kept) with their gradients
+// while their backward runs (s_p + 4 bytes per element during the reduction).
+//
+// Not done: prefetching the next layer's gather on a side stream (gathers are synchronous here,
+// so on a GPU they do not overlap compute), and sharding the frozen parameters (the vision tower
+// stays replicated).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "models/model.h"
+#include "models/parallel.h"
+#include "src/dist/process_group.h"
+#include "src/runtime/sharded_state.h"
+
+namespace lvx::runtime {
+
+class ShardedParameters final : public models::LayerHooks {
+ public:
+  // Replaces each trainable parameter (`layout`'s names; meta or whole) of `model` by a tensor of
+  // its shape over its unit's buffer on `device`, and frees the buffers. `opt` holds the values
+  // (its masters, initialised). Collective over `world` (creates the engine's two groups).
+  ShardedParameters(const std::shared_ptr<dist::ProcessGroup>& world, models::Model& model,
+                    const FlatLayout& layout, const ShardedAdamW& opt, const at::Device& device);
+  ~ShardedParameters() override;
+  ShardedParameters(const ShardedParameters&) = delete;
+  ShardedParameters& operator=(const ShardedParameters&) = delete;
+
+  // Before a sample's forward: gathers the root unit. `shard` (fp32, this rank's elements
+  // [opt.begin(), opt.end())) receives every gradient reduced for this sample.
+  void begin_sample(at::Tensor shard);
+  void enter_layer(int64_t layer, const at::Tensor& hidden) override;
+  void leave_layers(const at::Tensor& hidden) override;
+  // After the backward: reduces what is left, waits for every reduction (rethrowing its error),
+  // frees every unit. Collective.
+  void end_sample();
+
+  // The trainable parameters whole, gathered unit by unit and copied to the host on `root` (the
+  // other ranks get an empty map). Collective.
+  std::map<std::string, at::Tensor> consolidated(int root);
+
+  // Bytes this rank sent on the engine's groups (gathers and reductions) since construction.
+  int64_t bytes_sent() const;
+  // Elements of the largest decoder layer unit and of the root unit.
+  int64_t max_layer_numel() const;
+  int64_t root_numel() const;
+
+  // Called by the parameters' post-accumulate-grad hooks.
+  void accumulated(size_t unit);
+
+ private:
+  struct Range {
+    int64_t begin, end, local;  // flat elements [begin, end) at buffer offset `local`
+  };
+  struct Unit {
+    std::vector<std::string> names;
+    std::vector<int64_t> local;  // each name's buffer offset
+    std::vector<Range> ranges;
+    int64_t numel = 0;
+    at::Tensor buffer;  // storage freed while not gathered
+    at::Tensor grad;    // during the unit's backward
+    size_t pending = 0;
+    bool gathered = false, prepared = false, completed = false;
+  };
+
+  void gather(size_t u);
+  void release(size_t u);
+  void reach_backward(int64_t layer);  // the backward reached layer `layer`'s output
+  void complete(size_t u);
+  void post_ready();
+  void post(std::function<void()> task);
+  void worker_loop();
+  void drain();
+
+  std::shared_ptr<dist::ProcessGroup> gather_pg_, reduce_pg_;
+  models::Model& model_;
+  const ShardedAdamW& opt_;
+  int64_t psi_;
+  int64_t layers_;
+  std::vector<Unit> units_;                // [0, layers_): decoder layers; layers_: the root
+  std::vector<size_t> order_;              // reductions: layers_ − 1, …, 0, root
+  size_t next_post_ = 0;                   // index into order_
+  int64_t next_backward_ = -1;             // the next layer the backward gathers
+  at::Tensor shard_;                       // this sample's gradient shard (fp32)
+
+  std::thread worker_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  size_t running_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+};
+
+}  // namespace lvx::runtime
