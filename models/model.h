@@ -103,7 +103,7 @@ at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positio
 // from the tensor it relates to.
 //
 // `defer` (optional) leaves the parameters it selects on the `meta` device, unread: ZeRO stage 3
-// reads them one tensor at a time into its shards (src/runtime/sharded_params.h), so no rank
+// reads them one tensor at a time into its shards (src/runtime/layer_sharding.h), so no rank
 // ever holds them whole. Such a load reads tensors one at a time on the CPU too.
 using DeferParameter = std::function<bool(const Model& model, const std::string& name)>;
 std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype,

@@ -33,7 +33,7 @@ struct LayerStrategies {
 // What runs around each decoder layer. Every family's decoder loop calls enter_layer(i, hidden)
 // before layer i (hidden: its input) and leave_layers(hidden) after the last one (hidden: the
 // last layer's output), also for a layer it then skips. ZeRO stage 3 (src/runtime/
-// sharded_params.h) gathers a layer's parameters there, frees the previous layer's, and hooks the
+// layer_sharding.h) gathers a layer's parameters there, frees the previous layer's, and hooks the
 // hidden states' gradients to gather them again for the backward.
 class LayerHooks {
  public:

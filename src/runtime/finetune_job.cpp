@@ -33,7 +33,7 @@
 #include "src/runtime/finetune_lora.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/optimizer.h"
-#include "src/runtime/sharded_params.h"
+#include "src/runtime/layer_sharding.h"
 #include "src/runtime/sharded_state.h"
 #include "src/runtime/train_checkpoint.h"
 #include "src/runtime/train_step.h"
@@ -79,13 +79,6 @@ int64_t sample_at(const TrainConfig::Data& d, int64_t n, int64_t k) {
     it = orders.emplace(key, at::randperm(n, g, at::kLong)).first;
   }
   return it->second[pos].item<int64_t>();
-}
-
-// Elements of one gradient bucket of parallel.shard=gradients: 2^24 (64 MiB of fp32), or
-// LVX_GRAD_BUCKET (tests: many buckets on a tiny model).
-int64_t gradient_bucket() {
-  const char* env = std::getenv("LVX_GRAD_BUCKET");
-  return env && std::atoll(env) > 0 ? std::atoll(env) : int64_t{1} << 24;
 }
 
 // LVX_FAULT_KILL=RANK@STEP: this rank kills itself with SIGKILL as optimizer step STEP begins
@@ -548,11 +541,12 @@ int run_finetune_rank(const FinetuneJob& job) {
     }
     if (r == 0) std::cout << "resumed from " << ckpt << " at step " << start << "\n";
   }
-  // Stage 3: the trainable parameters become tensors over per-layer buffers that exist only
-  // while their layer runs (src/runtime/sharded_params.h).
-  std::unique_ptr<ShardedParameters> zero3;
-  if (stage3) {
-    zero3 = std::make_unique<ShardedParameters>(pg, *model, layout, sopt, device);
+  // Stages 2 and 3 go layer by layer (src/runtime/layer_sharding.h): each layer's gradients are
+  // reduce-scattered once complete; at stage 3 the trainable parameters also become tensors over
+  // per-layer buffers that exist only while their layer runs.
+  std::unique_ptr<LayerSharding> layered;
+  if (stage == ShardStage::kGradients || stage3) {
+    layered = std::make_unique<LayerSharding>(pg, *model, layout, sopt, device, stage3);
     for (auto& [name, t] : trainable) t = model->parameters().at(name);
   }
   if (r == 0) {
@@ -588,7 +582,7 @@ int run_finetune_rank(const FinetuneJob& job) {
       f();
       state_bytes += pg->counters_snapshot().total_sent() - before;
     };
-    const int64_t zero3_sent0 = zero3 ? zero3->bytes_sent() : 0;
+    const int64_t layered_sent0 = layered ? layered->bytes_sent() : 0;
     double loss = 0;
     int64_t tokens = 0, frames = 0;
     for (int64_t a = 0; a < cfg.optimizer.grad_accum; ++a) {
@@ -642,26 +636,21 @@ int run_finetune_rank(const FinetuneJob& job) {
       if ((stage == ShardStage::kGradients || stage3) && !acc.defined())
         acc = at::zeros({sopt.end() - sopt.begin()},
                         at::TensorOptions().dtype(at::kFloat).device(device));
-      if (zero3) {
-        zero3->begin_sample(acc);
-        par.hooks = zero3.get();
+      if (layered) {
+        layered->begin_sample(acc);
+        par.hooks = layered.get();
       }
       const models::ModelOutputs out =
           model->forward({ids, pixels, /*pixels_local=*/true, {}}, par);
       // The gradients of the sample summed over the world (the sequence-parallel ranks' parts
-      // and the other groups' samples), whole (none) or this rank's shard (gradients: bucket by
-      // bucket, each bucket reduce-scattered onto the ranks whose shards it overlaps); the
-      // optimizer stage sums locally and reduce-scatters once per step.
-      const GradBucketFn take = [&](int64_t offset, at::Tensor& flat) {
-        counted([&] { reduce_into_shard(*pg, layout.numel(), offset, flat, acc, sopt.begin()); });
-      };
-      // Stage 3: the gradients go to `acc` layer by layer from the engine's hooks.
-      LocalBackward lb = backward_local(
-          *sp_pg, *model, labels, out, stage3 ? std::vector<std::string>{} : layout.names,
-          stage == ShardStage::kGradients ? gradient_bucket() : 0, take);
-      if (zero3) zero3->end_sample();
+      // and the other groups' samples): whole (none), summed locally and reduce-scattered once
+      // per step (optimizer), or this rank's shard, layer by layer from the engine's hooks
+      // (gradients, parameters).
+      LocalBackward lb = backward_local(*sp_pg, *model, labels, out,
+                                        layered ? std::vector<std::string>{} : layout.names);
+      if (layered) layered->end_sample();
       loss += lb.loss.item<double>();
-      if (stage != ShardStage::kGradients && !stage3) {
+      if (!layered) {
         if (stage == ShardStage::kNone) counted([&] { pg->all_reduce(lb.flat); });
         if (acc.defined())
           acc.add_(lb.flat);
@@ -708,7 +697,7 @@ int run_finetune_rank(const FinetuneJob& job) {
     }
     acc = at::Tensor();
     grads.clear();
-    if (zero3) state_bytes += zero3->bytes_sent() - zero3_sent0;
+    if (layered) state_bytes += layered->bytes_sent() - layered_sent0;
     if (const std::string bad = sharded ? sopt.non_finite_master(*pg) : opt.non_finite_master();
         !bad.empty())
       diverge(str("the update made parameter '", bad, "' non-finite (optimizer.lr ",
@@ -757,9 +746,9 @@ int run_finetune_rank(const FinetuneJob& job) {
       std::vector<std::string> shard_files;
       // Stage 3: the consolidated weights are gathered layer by layer onto rank 0's host.
       std::map<std::string, at::Tensor> whole;
-      if (zero3) {
+      if (stage3) {
         whole = model->parameters();
-        for (auto& [name, t] : zero3->consolidated(0)) whole[name] = t;
+        for (auto& [name, t] : layered->consolidated(0)) whole[name] = t;
       }
       if (sharded) {
         if (r == 0) begin_train_checkpoint(cfg.checkpoint.dir, step + 1);
@@ -790,7 +779,7 @@ int run_finetune_rank(const FinetuneJob& job) {
                 ? save_lora_checkpoint(*model, cfg, step + 1, opt.state_tensors(), state)
                 : save_train_checkpoint(
                       cfg.checkpoint.dir, step + 1, model_files,
-                      zero3 ? whole : model->parameters(),
+                      stage3 ? whole : model->parameters(),
                       sharded ? std::map<std::string, at::Tensor>{} : opt.state_tensors(), state,
                       cfg.checkpoint.keep, shard_files);
         if (plain) std::cout << "checkpoint " << dir << "\n" << std::flush;

@@ -11,7 +11,7 @@
 //   parameters (stage 3, FSDP's FULL_SHARD) as gradients, but the parameters too are kept only as
 //              this rank's masters: each decoder layer's are gathered just before it runs and
 //              freed after it, gathered again when the backward reaches it, and its gradients
-//              reduce-scattered as soon as they are complete (src/runtime/sharded_params.h).
+//              reduce-scattered as soon as they are complete (src/runtime/layer_sharding.h).
 // The trainable parameters form one flat fp32 vector in name order (FlatLayout); rank r of w owns
 // elements dist::shard_range(numel, w, r). Bytes each rank sends per optimizer step, for Ψ
 // trainable elements, n ranks, A samples per rank per step, s_p bytes per parameter element:

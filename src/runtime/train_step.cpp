@@ -33,13 +33,12 @@ LocalLoss local_loss(dist::ProcessGroup& pg, const at::Tensor& all_labels,
 
 LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
                              const at::Tensor& all_labels, const models::ModelOutputs& out,
-                             const std::vector<std::string>& names, int64_t bucket,
-                             const GradBucketFn& take) {
+                             const std::vector<std::string>& names) {
   const auto [local_sum, count] = local_loss(pg, all_labels, out);
   LocalBackward r;
   // Every parameter's .grad is a view of one zeroed flat buffer, so autograd accumulates into it
   // in place (0 + g = g exactly) and the gradients exist once, already flat. No names: the
-  // gradients are the hooks' business (ZeRO stage 3, src/runtime/sharded_params.h).
+  // gradients are the hooks' business (ZeRO stage 3, src/runtime/layer_sharding.h).
   at::Tensor flat;
   if (!names.empty()) {
     int64_t total = 0;
@@ -56,26 +55,7 @@ LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
   }
   (local_sum / count.item<double>()).backward();
   for (const auto& n : names) model.parameters().at(n).mutable_grad() = at::Tensor();
-  if (flat.defined()) {
-    flat = flat.to(at::kFloat);  // no copy for fp32 parameters
-    if (bucket > 0 && take) {
-      // Buckets of whole consecutive parameters, views of the flat vector.
-      size_t first = 0;
-      int64_t offset = 0;
-      while (first < names.size()) {
-        int64_t size = 0;
-        size_t last = first;
-        while (last < names.size() && size < bucket)
-          size += model.parameters().at(names[last++]).numel();
-        at::Tensor part = flat.narrow(0, offset, size);
-        take(offset, part);
-        offset += size;
-        first = last;
-      }
-    } else {
-      r.flat = flat;
-    }
-  }
+  if (flat.defined()) r.flat = flat.to(at::kFloat);  // no copy for fp32 parameters
   at::Tensor sum = local_sum.detach().to(at::kDouble).reshape({1});
   pg.all_reduce(sum);
   r.loss = (sum / count).to(at::kFloat).reshape({});

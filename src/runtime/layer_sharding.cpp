@@ -1,4 +1,4 @@
-#include "src/runtime/sharded_params.h"
+#include "src/runtime/layer_sharding.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/core/StorageImpl.h>
@@ -34,21 +34,25 @@ void allocate_storage(const at::Tensor& t, size_t nbytes) {
 
 class UnitGradHook final : public torch::autograd::PostAccumulateGradHook {
  public:
-  UnitGradHook(ShardedParameters* engine, size_t unit) : engine_(engine), unit_(unit) {}
+  UnitGradHook(LayerSharding* engine, size_t unit) : engine_(engine), unit_(unit) {}
   void operator()(const torch::autograd::Variable&) override { engine_->accumulated(unit_); }
 
  private:
-  ShardedParameters* engine_;
+  LayerSharding* engine_;
   size_t unit_;
 };
 
 }  // namespace
 
-ShardedParameters::ShardedParameters(const std::shared_ptr<dist::ProcessGroup>& world,
-                                     models::Model& model, const FlatLayout& layout,
-                                     const ShardedAdamW& opt, const at::Device& device)
-    : gather_pg_(dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero3-gather")),
-      reduce_pg_(dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero3-reduce")),
+LayerSharding::LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world,
+                             models::Model& model, const FlatLayout& layout,
+                             const ShardedAdamW& opt, const at::Device& device,
+                             bool shard_parameters)
+    : shard_parameters_(shard_parameters),
+      gather_pg_(shard_parameters
+                     ? dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero-gather")
+                     : nullptr),
+      reduce_pg_(dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero-reduce")),
       model_(model),
       opt_(opt),
       psi_(layout.numel()),
@@ -76,9 +80,16 @@ ShardedParameters::ShardedParameters(const std::shared_ptr<dist::ProcessGroup>& 
     u.numel += e - b;
   }
   const auto options = at::TensorOptions().dtype(dtype).device(device);
+  grad_options_ = options;
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = units_[k];
     if (u.numel == 0) continue;
+    if (!shard_parameters_) {
+      for (const std::string& name : u.names)
+        torch::autograd::impl::set_post_acc_grad_hooks(params.at(name),
+                                                       std::make_unique<UnitGradHook>(this, k));
+      continue;
+    }
     u.buffer = at::empty({u.numel}, options);
     for (size_t j = 0; j < u.names.size(); ++j) {
       at::Tensor& slot = params.at(u.names[j]);
@@ -96,7 +107,7 @@ ShardedParameters::ShardedParameters(const std::shared_ptr<dist::ProcessGroup>& 
   worker_ = std::thread([this] { worker_loop(); });
 }
 
-ShardedParameters::~ShardedParameters() {
+LayerSharding::~LayerSharding() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -111,11 +122,11 @@ ShardedParameters::~ShardedParameters() {
     }
 }
 
-void ShardedParameters::gather(size_t k) {
+void LayerSharding::gather(size_t k) {
   Unit& u = units_[k];
   if (u.gathered) return;
   u.gathered = true;
-  if (u.numel == 0) return;
+  if (u.numel == 0 || !shard_parameters_) return;
   at::AutoGradMode no_grad(false);
   allocate_storage(u.buffer, static_cast<size_t>(u.numel) * u.buffer.element_size());
   const int n = gather_pg_->world_size();
@@ -137,14 +148,14 @@ void ShardedParameters::gather(size_t k) {
   }
 }
 
-void ShardedParameters::release(size_t k) {
+void LayerSharding::release(size_t k) {
   Unit& u = units_[k];
   if (!u.gathered) return;
   u.gathered = false;
-  if (u.numel > 0) free_storage(u.buffer);
+  if (u.numel > 0 && shard_parameters_) free_storage(u.buffer);
 }
 
-void ShardedParameters::begin_sample(at::Tensor shard) {
+void LayerSharding::begin_sample(at::Tensor shard) {
   LVX_CHECK(shard.numel() == opt_.end() - opt_.begin(), "parallel.shard parameters: gradient ",
             "shard has ", shard.numel(), " elements, this rank owns ", opt_.end() - opt_.begin());
   shard_ = std::move(shard);
@@ -158,7 +169,7 @@ void ShardedParameters::begin_sample(at::Tensor shard) {
   Unit& r = units_[root];
   r.prepared = true;
   if (r.numel > 0) {
-    r.grad = at::zeros({r.numel}, r.buffer.options());
+    r.grad = at::zeros({r.numel}, grad_options_);
     models::StateDict& params = model_.parameters();
     for (size_t j = 0; j < r.names.size(); ++j) {
       at::Tensor& p = params.at(r.names[j]);
@@ -168,20 +179,20 @@ void ShardedParameters::begin_sample(at::Tensor shard) {
   }
 }
 
-void ShardedParameters::enter_layer(int64_t layer, const at::Tensor& hidden) {
+void LayerSharding::enter_layer(int64_t layer, const at::Tensor& hidden) {
   if (layer > 0) release(static_cast<size_t>(layer - 1));
   gather(static_cast<size_t>(layer));
   if (layer > 0 && hidden.requires_grad())
     hidden.register_hook([this, layer](const at::Tensor&) { reach_backward(layer - 1); });
 }
 
-void ShardedParameters::leave_layers(const at::Tensor& hidden) {
+void LayerSharding::leave_layers(const at::Tensor& hidden) {
   // The last layer stays gathered: its backward comes first.
   if (hidden.requires_grad())
     hidden.register_hook([this](const at::Tensor&) { reach_backward(layers_ - 1); });
 }
 
-void ShardedParameters::reach_backward(int64_t layer) {
+void LayerSharding::reach_backward(int64_t layer) {
   models::StateDict& params = model_.parameters();
   for (; next_backward_ >= layer && next_backward_ >= 0; --next_backward_) {
     const size_t k = static_cast<size_t>(next_backward_);
@@ -192,7 +203,7 @@ void ShardedParameters::reach_backward(int64_t layer) {
       complete(k);
       continue;
     }
-    u.grad = at::zeros({u.numel}, u.buffer.options());
+    u.grad = at::zeros({u.numel}, grad_options_);
     for (size_t j = 0; j < u.names.size(); ++j) {
       at::Tensor& p = params.at(u.names[j]);
       p.mutable_grad() = u.grad.narrow(0, u.local[j], p.numel()).view(p.sizes());
@@ -201,13 +212,13 @@ void ShardedParameters::reach_backward(int64_t layer) {
   }
 }
 
-void ShardedParameters::accumulated(size_t k) {
+void LayerSharding::accumulated(size_t k) {
   Unit& u = units_[k];
   if (!u.prepared || u.completed || u.pending == 0) return;
   if (--u.pending == 0) complete(k);
 }
 
-void ShardedParameters::complete(size_t k) {
+void LayerSharding::complete(size_t k) {
   Unit& u = units_[k];
   u.completed = true;
   models::StateDict& params = model_.parameters();
@@ -216,13 +227,13 @@ void ShardedParameters::complete(size_t k) {
   post_ready();
 }
 
-void ShardedParameters::post_ready() {
+void LayerSharding::post_ready() {
   while (next_post_ < order_.size() && units_[order_[next_post_]].completed) {
     Unit& u = units_[order_[next_post_++]];
     if (u.numel == 0) continue;
     at::Tensor g = std::move(u.grad);
     u.grad = at::Tensor();
-    if (!g.defined()) g = at::zeros({u.numel}, u.buffer.options());  // never reached
+    if (!g.defined()) g = at::zeros({u.numel}, grad_options_);  // never reached
     post([this, &u, g]() mutable {
       at::AutoGradMode no_grad(false);
       at::Tensor g32 = g.to(at::kFloat);
@@ -235,7 +246,7 @@ void ShardedParameters::post_ready() {
   }
 }
 
-void ShardedParameters::end_sample() {
+void LayerSharding::end_sample() {
   // Layers the backward never reached are gathered too, so every rank runs the same gathers.
   reach_backward(0);
   for (size_t k : order_)
@@ -245,7 +256,8 @@ void ShardedParameters::end_sample() {
   shard_ = at::Tensor();
 }
 
-std::map<std::string, at::Tensor> ShardedParameters::consolidated(int root) {
+std::map<std::string, at::Tensor> LayerSharding::consolidated(int root) {
+  LVX_CHECK(shard_parameters_, "consolidated: the parameters are whole (stage 2)");
   std::map<std::string, at::Tensor> out;
   models::StateDict& params = model_.parameters();
   for (size_t k = 0; k < units_.size(); ++k) {
@@ -258,22 +270,22 @@ std::map<std::string, at::Tensor> ShardedParameters::consolidated(int root) {
   return out;
 }
 
-int64_t ShardedParameters::bytes_sent() const {
-  return gather_pg_->counters_snapshot().total_sent() +
+int64_t LayerSharding::bytes_sent() const {
+  return (gather_pg_ ? gather_pg_->counters_snapshot().total_sent() : 0) +
          reduce_pg_->counters_snapshot().total_sent();
 }
 
-int64_t ShardedParameters::max_layer_numel() const {
+int64_t LayerSharding::max_layer_numel() const {
   int64_t m = 0;
   for (int64_t l = 0; l < layers_; ++l) m = std::max(m, units_[static_cast<size_t>(l)].numel);
   return m;
 }
 
-int64_t ShardedParameters::root_numel() const { return units_.back().numel; }
+int64_t LayerSharding::root_numel() const { return units_.back().numel; }
 
 // ---- the reduction thread ----------------------------------------------------------------------
 
-void ShardedParameters::post(std::function<void()> task) {
+void LayerSharding::post(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     tasks_.push_back(std::move(task));
@@ -281,7 +293,7 @@ void ShardedParameters::post(std::function<void()> task) {
   cv_.notify_all();
 }
 
-void ShardedParameters::worker_loop() {
+void LayerSharding::worker_loop() {
   for (;;) {
     std::function<void()> task;
     {
@@ -306,7 +318,7 @@ void ShardedParameters::worker_loop() {
   }
 }
 
-void ShardedParameters::drain() {
+void LayerSharding::drain() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return tasks_.empty() && running_ == 0; });
   if (error_) {

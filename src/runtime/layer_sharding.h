@@ -1,5 +1,8 @@
-// ZeRO stage 3 for `lvx finetune` (parallel.shard: parameters): the trainable parameters exist
-// whole only while the layer that uses them runs. After "ZeRO: Memory Optimizations Toward
+// Layer-by-layer sharding for `lvx finetune`: ZeRO stages 2 and 3 (parallel.shard: gradients,
+// parameters). Stage 3: the trainable parameters exist whole only while the layer that uses them
+// runs. Stage 2 uses the same machinery without the parameters' part (they stay whole and
+// replicated): each layer's gradients exist whole only from the moment the backward reaches the
+// layer until they are complete and reduce-scattered. After "ZeRO: Memory Optimizations Toward
 // Training Trillion Parameter Models" (Rajbhandari et al., 2020, §5.3, P_os+g+p) and PyTorch
 // FSDP's FULL_SHARD (Zhao et al., 2023: one unit per layer, storage freed after its forward and
 // refilled before its backward, the root unit kept for the whole step).
@@ -37,6 +40,9 @@
 // layers (the running one and the next gathered, or the last layer kept) with their gradients
 // while their backward runs (s_p + 4 bytes per element during the reduction).
 //
+// Stage 2 (shard_parameters false) skips every gather and free: the units only give the
+// gradients their per-layer buffers and reductions (e·Ψ_root + e·(two layers) instead of e·Ψt).
+//
 // Not done: prefetching the next layer's gather on a side stream (gathers are synchronous here,
 // so on a GPU they do not overlap compute), and sharding the frozen parameters (the vision tower
 // stays replicated).
@@ -63,16 +69,19 @@
 
 namespace lvx::runtime {
 
-class ShardedParameters final : public models::LayerHooks {
+class LayerSharding final : public models::LayerHooks {
  public:
-  // Replaces each trainable parameter (`layout`'s names; meta or whole) of `model` by a tensor of
-  // its shape over its unit's buffer on `device`, and frees the buffers. `opt` holds the values
-  // (its masters, initialised). Collective over `world` (creates the engine's two groups).
-  ShardedParameters(const std::shared_ptr<dist::ProcessGroup>& world, models::Model& model,
-                    const FlatLayout& layout, const ShardedAdamW& opt, const at::Device& device);
-  ~ShardedParameters() override;
-  ShardedParameters(const ShardedParameters&) = delete;
-  ShardedParameters& operator=(const ShardedParameters&) = delete;
+  // shard_parameters (stage 3): replaces each trainable parameter (`layout`'s names; meta or
+  // whole) of `model` by a tensor of its shape over its unit's buffer on `device`, and frees the
+  // buffers; `opt` holds the values (its masters, initialised). Otherwise (stage 2) the
+  // parameters stay as they are (whole, on `device`). Collective over `world` (creates the
+  // engine's groups).
+  LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world, models::Model& model,
+                const FlatLayout& layout, const ShardedAdamW& opt, const at::Device& device,
+                bool shard_parameters);
+  ~LayerSharding() override;
+  LayerSharding(const LayerSharding&) = delete;
+  LayerSharding& operator=(const LayerSharding&) = delete;
 
   // Before a sample's forward: gathers the root unit. `shard` (fp32, this rank's elements
   // [opt.begin(), opt.end())) receives every gradient reduced for this sample.
@@ -83,8 +92,8 @@ class ShardedParameters final : public models::LayerHooks {
   // frees every unit. Collective.
   void end_sample();
 
-  // The trainable parameters whole, gathered unit by unit and copied to the host on `root` (the
-  // other ranks get an empty map). Collective.
+  // Stage 3: the trainable parameters whole, gathered unit by unit and copied to the host on
+  // `root` (the other ranks get an empty map). Collective.
   std::map<std::string, at::Tensor> consolidated(int root);
 
   // Bytes this rank sent on the engine's groups (gathers and reductions) since construction.
@@ -120,7 +129,9 @@ class ShardedParameters final : public models::LayerHooks {
   void worker_loop();
   void drain();
 
-  std::shared_ptr<dist::ProcessGroup> gather_pg_, reduce_pg_;
+  bool shard_parameters_;
+  std::shared_ptr<dist::ProcessGroup> gather_pg_, reduce_pg_;  // gather_pg_: stage 3 only
+  at::TensorOptions grad_options_;  // the parameters' dtype, on the device
   models::Model& model_;
   const ShardedAdamW& opt_;
   int64_t psi_;
