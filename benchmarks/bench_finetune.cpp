@@ -127,13 +127,18 @@ int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string
           j.at("peak_rss_bytes").get<double>() - j.at("base_rss_bytes").get<double>();
       const planner::TrainMemory t =
           planner::train_memory(m, counts, frames, tokens, m.visual_tokens_per_frame, o, 0);
-      // sharded_state.h at one sample per step: none 2(n−1)/n·4Ψ (all-reduce); the stages
-      // (n−1)/n·4Ψ reduce-scatter + (n−1)/n·4Ψ parameter all-gather, the same volume (the
-      // measured adds uneven chunks and the norm's all-reduce).
+      // sharded_state.h at one sample per step: none 2(n−1)/n·4Ψ (all-reduce); stages 1 and 2
+      // (n−1)/n·4Ψ reduce-scatter + (n−1)/n·4Ψ parameter all-gather, the same volume; stage 3
+      // the reduce-scatter and every unit gathered for the forward, all but the root and the
+      // last layer again for the backward (the measured adds uneven chunks and the norm's
+      // all-reduce).
       const double psi = lora ? static_cast<double>(planner::lora_parameters(m, 16))
                               : static_cast<double>(counts.trainable),
                    f = (w - 1.0) / w;
-      const double formula = 2 * f * 4 * psi;
+      const double formula =
+          stage == "parameters"
+              ? f * 4 * (3 * psi - static_cast<double>(counts.root + counts.max_block))
+              : 2 * f * 4 * psi;
       std::printf("| %s | %d | %.3f | %.2f | %.2f | %.3f | %.4g | %.4g |\n", stage.c_str(), w,
                   j.at("samples_per_second").get<double>(), measured / gib, t.total / gib,
                   measured / t.total, j.at("state_bytes_sent").get<double>(), formula);
@@ -155,7 +160,7 @@ int bench(int argc, char** argv) {
   p.add_option("steps", 0, "4", "optimizer steps per mode (the first is a warm-up)");
   p.add_flag("memory", 0, "sharded state: measured peak RSS per rank vs lvx plan's prediction");
   p.add_option("worlds", 0, "1,2,3,4", "--memory: rank counts");
-  p.add_option("stages", 0, "none,optimizer,gradients",
+  p.add_option("stages", 0, "none,optimizer,gradients,parameters",
                "--memory: parallel.shard values, and lora (lora.r=16)");
   p.add_option("host-gib", 0, "18", "--memory: skip runs predicted to need more host memory");
   if (!p.parse(argc, argv)) return 0;

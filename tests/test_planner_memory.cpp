@@ -38,6 +38,7 @@ TEST(TrainMemory, ParameterCountsByHand) {
   EXPECT_EQ(p.total, 776);
   EXPECT_EQ(p.trainable, 776);
   EXPECT_EQ(p.max_block, 608);
+  EXPECT_EQ(p.root, 168);
   // LoRA r=2 on q (8→8), k, v (8→4), o (8→8), gate, up (8→16), down (16→8): 2·128.
   EXPECT_EQ(lora_parameters(tiny(), 2), 256);
 }
@@ -59,15 +60,23 @@ TEST(TrainMemory, BreakdownByHand) {
   // Two K/V blocks in flight 2·10·(2·4)·4, fp32 accumulators 10·(8·4 + 8·4 + 2·4·4).
   EXPECT_DOUBLE_EQ(t.attention, 640 + 960);
   EXPECT_DOUBLE_EQ(t.total, 3104 + 9312 + 6080 + 1600 + 3104);
-  // Stage gradients over 4 ranks: optimizer state /4; gradients at the reduction: the flat
-  // buffer 4·776, this rank's shard 776, one bucket (here all of Ψ) 4·776.
+  // Stage gradients over 4 ranks: optimizer state /4; gradients layer by layer: the root's
+  // buffer 4·168 and the one layer's 4·608 (two layers at most, here there is one), this rank's
+  // shard 776 (fp32: no copy); at the update the shard and the gathered parameters 4·776.
   o.shard = "gradients";
   o.ranks = 4;
   o.sp_size = 1;  // 4 data-parallel ranks: activations of the whole sample on each
   t = train_memory(m, p, 0, 10, 0, o, 0);
   EXPECT_DOUBLE_EQ(t.optimizer, 12 * 776 / 4.0);
-  EXPECT_DOUBLE_EQ(t.gradients, 4 * 776 + 776 + 4 * 776);
-  EXPECT_DOUBLE_EQ(t.total, 3104 + 2328 + 6080 + 1600 + 6984);
+  EXPECT_DOUBLE_EQ(t.gradients, 4 * (168 + 608) + 776);
+  EXPECT_DOUBLE_EQ(t.total, 3104 + 2328 + 6080 + 1600 + 3880);
+  // Stage parameters: the same gradients at the reduction, weights the root and the layer (all
+  // of them here: one layer), nothing gathered at the update.
+  o.shard = "parameters";
+  t = train_memory(m, p, 0, 10, 0, o, 0);
+  EXPECT_DOUBLE_EQ(t.weights, 4 * (168 + 608));
+  EXPECT_DOUBLE_EQ(t.gradients, 4 * (168 + 608) + 776);
+  o.shard = "gradients";
   // Sequence parallel over the 4 ranks: a quarter of the tokens' activations.
   o.sp_size = 4;
   EXPECT_DOUBLE_EQ(train_memory(m, p, 0, 10, 0, o, 0).activations, 10 / 4.0 * (384 + 104 + 120));

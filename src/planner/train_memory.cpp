@@ -58,12 +58,22 @@ ParamCounts estimate_parameters(const ModelConfig& m, int64_t vocab_size,
   const int64_t projector = m.vision.hidden_size * m.visual_feature_dim + m.visual_feature_dim;
   const int64_t embeddings = 2 * vocab_size * h + h;  // input embeddings, untied head, final norm
   p.total = blocks + cross + vision + projector + embeddings;
-  if (freeze == "none")
+  int64_t max_cross = 0;  // a decoder layer holds its block and, if it has one, its cross part
+  for (const auto& l : m.layers)
+    if (l.kind != LayerKind::kSelf)
+      max_cross = std::max(max_cross, cross_parameters(l, m.visual_feature_dim));
+  if (freeze == "none") {
     p.trainable = p.total;
-  else if (freeze == "cross_only")
+    p.root = vision + projector + embeddings;
+    p.max_block += max_cross;
+  } else if (freeze == "cross_only") {
     p.trainable = cross;
-  else
+    p.max_block = max_cross;
+  } else {
     p.trainable = p.total - vision;
+    p.root = projector + embeddings;
+    p.max_block += max_cross;
+  }
   p.vocab = vocab_size;
   return p;
 }
@@ -100,6 +110,9 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   const double psi_t =
       lora ? static_cast<double>(lora_parameters(m, o.lora_r)) : static_cast<double>(pc.trainable);
   const double block = static_cast<double>(pc.max_block);
+  const double root = static_cast<double>(pc.root);
+  // Whole at once in stages gradients and parameters: the root unit and two layers at most.
+  const double b2 = std::max(0.0, std::min(2 * block, psi_t - root));
   const std::string& s = o.shard;
   LVX_CHECK(s == "none" || s == "optimizer" || s == "gradients" || s == "parameters",
             "--shard: expected none | optimizer | gradients | parameters, got '", s, "'");
@@ -107,13 +120,12 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   TrainMemory t;
   t.device = device_bytes;
   // Weights and optimizer state.
-  t.weights = s == "parameters" ? e * (psi - psi_t) + e * psi_t / n + 2 * e * block : e * psi;
+  t.weights = s == "parameters" ? e * (psi - psi_t) + e * (root + b2) : e * psi;
   t.optimizer = 12 * psi_t / (sharded ? n : 1);
   // Gradients: the flat buffer the parameters' .grad view during the backward (e·Ψt; its fp32
   // copy when e != 4), then the reduction and the update.
   const double convert = e != 4 ? 4 * psi_t : 0;
   const double accumulate = o.grad_accum > 1 ? 4 * psi_t : 0;
-  const double bucket = std::min(psi_t, static_cast<double>(o.bucket)) * 4;
   double g_reduce = 0, g_update = 0;
   if (s == "none") {
     g_reduce = e * psi_t + convert + accumulate + (o.ranks > 1 ? 4 * psi_t / n : 0);
@@ -121,12 +133,13 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   } else if (s == "optimizer") {
     g_reduce = e * psi_t + convert + accumulate + 4 * psi_t / n;
     g_update = 4 * psi_t / n + e * psi_t;
-  } else if (s == "gradients") {
-    g_reduce = e * psi_t + convert + 4 * psi_t / n + bucket;
-    g_update = 4 * psi_t / n + e * psi_t;
   } else {
-    g_reduce = 2 * e * block + bucket + 4 * psi_t / n;
-    g_update = 4 * psi_t / n;
+    // Layer by layer (src/runtime/layer_sharding.h).
+    g_reduce = e * (root + b2) + (e != 4 ? 4 * std::max(root, block) : 0) + 4 * psi_t / n;
+    // The update: the gradient shard and AdamW's one shard-sized temporary (the denominator);
+    // then stage 2 gathers the new values into the parameters a unit's run at a time (the
+    // shard released first).
+    g_update = std::max(8 * psi_t / n, s == "gradients" ? e * std::max(root, block) : 0.0);
   }
   // Activations saved for the backward (this rank's L/S text tokens).
   const double l_rank = static_cast<double>(text_tokens) / S;

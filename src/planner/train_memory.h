@@ -9,17 +9,24 @@
 // e bytes per parameter/activation element (the model dtype), Ψ parameters, Ψt trainable ones,
 // n ranks (state sharded over all of them), S ranks per sequence-parallel group, A samples per
 // rank per step:
-//   weights     e·Ψ; stage parameters: e·(Ψ−Ψt) + e·Ψt/n + 2·e·(largest block) (one block
-//               gathered, the next prefetched)
+//   weights     e·Ψ; stage parameters: e·(Ψ−Ψt) + e·(Ψr + b2) with Ψr the trainable
+//               parameters outside the decoder layers (the root unit, gathered for the whole
+//               sample) and b2 = min(2·block, Ψt − Ψr) (the running layer and the next one, or
+//               the last layer kept for the backward), src/runtime/layer_sharding.h
 //   optimizer   12·Ψt fp32 masters and two moments; /n from stage optimizer on
 //   gradients   the larger of two moments of a step (the parameters' .grad are views of one
 //               flat buffer of e·Ψt, plus its fp32 copy when e != 4: "conv"):
 //                 reduction  none: e·Ψt + conv + 4·Ψt/n (the ring's receive buffer, n > 1)
 //                            (+4·Ψt accumulator when A > 1); optimizer: e·Ψt + conv (+4·Ψt)
 //                            + 4·Ψt/n (the shard, copied out of the flat buffer);
-//                            gradients: e·Ψt + conv + 4·Ψt/n + one bucket;
-//                            parameters: 2 blocks + one bucket + 4·Ψt/n
-//                 update     none: 4·Ψt; sharded: 4·Ψt/n + e·Ψt gathered (parameters: 4·Ψt/n)
+//                            gradients and parameters (layer by layer): e·(Ψr + b2) (the
+//                            gradient buffers of the root and of the layers in their backward)
+//                            + conv_u + 4·Ψt/n, conv_u = 4·max(Ψr, block) when e != 4 (a unit's
+//                            fp32 copy while it is reduced)
+//                 update     none: 4·Ψt; optimizer: 4·Ψt/n + e·Ψt gathered; gradients and
+//                            parameters: 8·Ψt/n (the gradient shard and AdamW's denominator),
+//                            stage 2 then e·max(Ψr, block) (the new values gathered a unit's run
+//                            at a time, the shard released)
 //   activations saved for the backward, per LM block and text token on this rank (L/S):
 //               (4h + 4m)·e (norms, residuals, MLP), remat: h·e (the block input only); per
 //               attention layer q, k, v, o and lse; per cross layer x, o, lse and, without
@@ -47,7 +54,8 @@ struct ParamCounts {
   int64_t total = 0;
   int64_t trainable = 0;  // under the freeze policy (LoRA: the adapters only)
   int64_t vocab = 0;      // rows of the output projection (logits per token)
-  int64_t max_block = 0;  // parameters of the largest decoder block
+  int64_t max_block = 0;  // trainable parameters of the largest decoder layer
+  int64_t root = 0;       // trainable parameters outside the decoder layers (embeddings, head, …)
   bool exact = false;
 };
 
@@ -70,7 +78,6 @@ struct TrainMemoryOptions {
   bool remat = false;
   int64_t grad_accum = 1;
   int64_t elem_bytes = 2;             // e: the model dtype's
-  int64_t bucket = int64_t{1} << 24;  // gradient bucket elements (stage gradients)
 };
 
 struct TrainMemory {

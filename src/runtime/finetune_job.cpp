@@ -689,13 +689,15 @@ int run_finetune_rank(const FinetuneJob& job) {
     double norm = 0;
     try {
       counted([&] {
-        norm = sharded ? sopt.step(*pg, acc, stage3 ? nullptr : &model->parameters())
+        norm = sharded ? sopt.step(*pg, acc, layered ? nullptr : &model->parameters())
                        : opt.step(grads, model->parameters());
       });
     } catch (const NonFiniteGradient& e) {
       diverge(e.what());
     }
     acc = at::Tensor();
+    // Stage 2: the new values into the whole parameters, a layer's run at a time.
+    if (stage == ShardStage::kGradients) layered->refresh_parameters();
     grads.clear();
     if (layered) state_bytes += layered->bytes_sent() - layered_sent0;
     if (const std::string bad = sharded ? sopt.non_finite_master(*pg) : opt.non_finite_master();

@@ -49,9 +49,7 @@ LayerSharding::LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world,
                              const ShardedAdamW& opt, const at::Device& device,
                              bool shard_parameters)
     : shard_parameters_(shard_parameters),
-      gather_pg_(shard_parameters
-                     ? dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero-gather")
-                     : nullptr),
+      gather_pg_(dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero-gather")),
       reduce_pg_(dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero-reduce")),
       model_(model),
       opt_(opt),
@@ -76,6 +74,7 @@ LayerSharding::LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world,
     else
       u.ranges.push_back({b, e, u.numel});
     u.names.push_back(name);
+    u.global.push_back(b);
     u.local.push_back(u.numel);
     u.numel += e - b;
   }
@@ -129,22 +128,41 @@ void LayerSharding::gather(size_t k) {
   if (u.numel == 0 || !shard_parameters_) return;
   at::AutoGradMode no_grad(false);
   allocate_storage(u.buffer, static_cast<size_t>(u.numel) * u.buffer.element_size());
+  for (const Range& r : u.ranges)
+    u.buffer.narrow(0, r.local, r.end - r.begin).copy_(gather_run(r));
+}
+
+at::Tensor LayerSharding::gather_run(const Range& r) const {
   const int n = gather_pg_->world_size();
-  const at::Tensor& master = opt_.master();
-  for (const Range& r : u.ranges) {
-    std::vector<int64_t> sizes(static_cast<size_t>(n));
-    int64_t mine_b = 0, mine_e = 0;
-    for (int q = 0; q < n; ++q) {
-      const auto [b, e] = dist::shard_range(psi_, n, q);
-      const int64_t lo = std::clamp(b, r.begin, r.end), hi = std::clamp(e, r.begin, r.end);
-      sizes[static_cast<size_t>(q)] = hi - lo;
-      if (q == gather_pg_->rank()) mine_b = lo, mine_e = hi;
+  std::vector<int64_t> sizes(static_cast<size_t>(n));
+  int64_t mine_b = 0, mine_e = 0;
+  for (int q = 0; q < n; ++q) {
+    const auto [b, e] = dist::shard_range(psi_, n, q);
+    const int64_t lo = std::clamp(b, r.begin, r.end), hi = std::clamp(e, r.begin, r.end);
+    sizes[static_cast<size_t>(q)] = hi - lo;
+    if (q == gather_pg_->rank()) mine_b = lo, mine_e = hi;
+  }
+  // This rank's piece of the run (empty where its shard lies elsewhere), in the parameters' dtype.
+  const at::Tensor mine =
+      opt_.master()
+          .narrow(0, mine_e > mine_b ? mine_b - opt_.begin() : 0, mine_e - mine_b)
+          .to(grad_options_.dtype());
+  return gather_pg_->all_gather(mine, sizes);
+}
+
+void LayerSharding::refresh_parameters() {
+  LVX_CHECK(!shard_parameters_, "refresh_parameters: stage 3 gathers per layer");
+  at::AutoGradMode no_grad(false);
+  models::StateDict& params = model_.parameters();
+  for (const Unit& u : units_) {
+    size_t j = 0;
+    for (const Range& r : u.ranges) {
+      const at::Tensor run = gather_run(r);  // one run at a time
+      for (; j < u.names.size() && u.global[j] < r.end; ++j) {
+        at::Tensor p = params.at(u.names[j]).detach();
+        p.copy_(run.narrow(0, u.global[j] - r.begin, p.numel()).view(p.sizes()));
+      }
     }
-    // This rank's piece of the run (empty where its shard lies elsewhere).
-    const at::Tensor mine =
-        master.narrow(0, mine_e > mine_b ? mine_b - opt_.begin() : 0, mine_e - mine_b)
-            .to(u.buffer.scalar_type());
-    u.buffer.narrow(0, r.local, r.end - r.begin).copy_(gather_pg_->all_gather(mine, sizes));
   }
 }
 

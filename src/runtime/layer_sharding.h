@@ -41,7 +41,9 @@
 // while their backward runs (s_p + 4 bytes per element during the reduction).
 //
 // Stage 2 (shard_parameters false) skips every gather and free: the units only give the
-// gradients their per-layer buffers and reductions (e·Ψ_root + e·(two layers) instead of e·Ψt).
+// gradients their per-layer buffers and reductions (e·Ψ_root + e·(two layers) instead of e·Ψt),
+// and after the update refresh_parameters gathers the new values into the whole parameters one
+// run at a time.
 //
 // Not done: prefetching the next layer's gather on a side stream (gathers are synchronous here,
 // so on a GPU they do not overlap compute), and sharding the frozen parameters (the vision tower
@@ -92,6 +94,10 @@ class LayerSharding final : public models::LayerHooks {
   // frees every unit. Collective.
   void end_sample();
 
+  // Stage 2, after the optimizer's step: the updated masters into every rank's (whole)
+  // parameters, one run of a unit at a time (not the whole flat vector at once). Collective.
+  void refresh_parameters();
+
   // Stage 3: the trainable parameters whole, gathered unit by unit and copied to the host on
   // `root` (the other ranks get an empty map). Collective.
   std::map<std::string, at::Tensor> consolidated(int root);
@@ -111,7 +117,8 @@ class LayerSharding final : public models::LayerHooks {
   };
   struct Unit {
     std::vector<std::string> names;
-    std::vector<int64_t> local;  // each name's buffer offset
+    std::vector<int64_t> global;  // each name's first flat element
+    std::vector<int64_t> local;   // each name's buffer offset
     std::vector<Range> ranges;
     int64_t numel = 0;
     at::Tensor buffer;  // storage freed while not gathered
@@ -121,6 +128,7 @@ class LayerSharding final : public models::LayerHooks {
   };
 
   void gather(size_t u);
+  at::Tensor gather_run(const Range& r) const;  // every rank's piece of a run, in the dtype
   void release(size_t u);
   void reach_backward(int64_t layer);  // the backward reached layer `layer`'s output
   void complete(size_t u);
@@ -130,7 +138,7 @@ class LayerSharding final : public models::LayerHooks {
   void drain();
 
   bool shard_parameters_;
-  std::shared_ptr<dist::ProcessGroup> gather_pg_, reduce_pg_;  // gather_pg_: stage 3 only
+  std::shared_ptr<dist::ProcessGroup> gather_pg_, reduce_pg_;
   at::TensorOptions grad_options_;  // the parameters' dtype, on the device
   models::Model& model_;
   const ShardedAdamW& opt_;

@@ -28,16 +28,16 @@ planner::ParamCounts count_parameters(const std::string& path, const planner::Mo
   const auto model = models::load_model(path, at::kFloat, at::Device(at::kMeta));
   planner::ParamCounts p;
   p.exact = true;
-  std::map<std::string, int64_t> blocks;  // "....layers.<i>." → parameters
+  std::map<int64_t, int64_t> blocks;  // decoder layer → trainable parameters
   for (const auto& [name, t] : model->parameters()) {
     p.total += t.numel();
-    if (trains_under(freeze, *model, name))
-      p.trainable += t.numel();
-    const size_t at = name.find("layers.");
-    if (at != std::string::npos && name.find("vision") == std::string::npos) {
-      const size_t dot = name.find('.', at + 7);
-      blocks[name.substr(0, dot)] += t.numel();
-    }
+    if (!trains_under(freeze, *model, name)) continue;
+    p.trainable += t.numel();
+    const int64_t layer = model->decoder_layer_of(name);
+    if (layer >= 0)
+      blocks[layer] += t.numel();
+    else
+      p.root += t.numel();
   }
   for (const auto& [b, k] : blocks) p.max_block = std::max(p.max_block, k);
   const nlohmann::json c = read_json_file(path + "/config.json", "model config");
