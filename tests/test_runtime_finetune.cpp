@@ -657,6 +657,21 @@ TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
     std::cout << fs::path(ck).filename().string() << " vs world 2 grad_accum 4: " << d << "\n";
     EXPECT_LE(d, kShardTol);
   }
+  // The same under a launcher that says the 4 ranks are 2 nodes of 2 (lvx launch --nodes 2, as
+  // torchrun on two machines): each sequence-parallel group is one node; stage 3 over all 4.
+  {
+    const std::string ckn = (dir() / "ck_dp_nodes").string();
+    fs::remove_all(ckn);
+    const std::string log = run_command(
+        lvx_binary() + " launch --nproc 4 --nodes 2 -- " + lvx_binary() + " finetune --config " +
+        write_config("dp_nodes", ckn, 3) +
+        " optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=4 parallel.sp_size=2 "
+        "parallel.shard=parameters");
+    ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
+    const double d = state_diff(latest(two), latest(ckn));
+    std::cout << "2 nodes x 2 ranks (stage 3) vs world 2 grad_accum 4: " << d << "\n";
+    EXPECT_LE(d, kShardTol);
+  }
   // The recorded data position counts every group's samples: 3 steps × 2 × 2 groups.
   const nlohmann::json st =
       nlohmann::json::parse(lvx::read_file(latest(dp4) + "/trainer_state.json", "t"));
