@@ -1,6 +1,7 @@
 #include "src/runtime/layer_sharding.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -49,6 +50,7 @@ LayerSharding::LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world,
                              const ShardedAdamW& opt, const at::Device& device,
                              bool shard_parameters)
     : shard_parameters_(shard_parameters),
+      device_(device),
       gather_pg_(dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero-gather")),
       reduce_pg_(dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero-reduce")),
       model_(model),
@@ -103,16 +105,14 @@ LayerSharding::LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world,
   }
   for (int64_t l = layers_ - 1; l >= 0; --l) order_.push_back(static_cast<size_t>(l));
   order_.push_back(static_cast<size_t>(layers_));
-  worker_ = std::thread([this] { worker_loop(); });
 }
 
 LayerSharding::~LayerSharding() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-  }
-  cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  // Tasks still queued (a failed sample) finish or fail by the process groups' timeout.
+  for (auto& f : reductions_)
+    if (f.valid()) f.wait();
+  for (Unit& u : units_)
+    if (u.ready.valid()) u.ready.wait();
   models::StateDict& params = model_.parameters();
   for (const Unit& u : units_)
     for (const std::string& name : u.names) {
@@ -121,15 +121,28 @@ LayerSharding::~LayerSharding() {
     }
 }
 
-void LayerSharding::gather(size_t k) {
+void LayerSharding::request(size_t k) {
   Unit& u = units_[k];
   if (u.gathered) return;
   u.gathered = true;
   if (u.numel == 0 || !shard_parameters_) return;
-  at::AutoGradMode no_grad(false);
-  allocate_storage(u.buffer, static_cast<size_t>(u.numel) * u.buffer.element_size());
-  for (const Range& r : u.ranges)
-    u.buffer.narrow(0, r.local, r.end - r.begin).copy_(gather_run(r));
+  u.ready = gatherer_.post([this, &u] {
+    const c10::DeviceGuard on(device_);  // the device's allocator and streams on this thread
+    at::AutoGradMode no_grad(false);
+    allocate_storage(u.buffer, static_cast<size_t>(u.numel) * u.buffer.element_size());
+    for (const Range& r : u.ranges)
+      u.buffer.narrow(0, r.local, r.end - r.begin).copy_(gather_run(r));
+  });
+}
+
+void LayerSharding::wait_ready(size_t k) {
+  Unit& u = units_[k];
+  if (u.ready.valid()) u.ready.get();
+}
+
+void LayerSharding::gather(size_t k) {
+  request(k);
+  wait_ready(k);
 }
 
 at::Tensor LayerSharding::gather_run(const Range& r) const {
@@ -169,6 +182,8 @@ void LayerSharding::refresh_parameters() {
 void LayerSharding::release(size_t k) {
   Unit& u = units_[k];
   if (!u.gathered) return;
+  wait_ready(k);
+  u.ready = std::shared_future<void>();
   u.gathered = false;
   if (u.numel > 0 && shard_parameters_) free_storage(u.buffer);
 }
@@ -199,7 +214,9 @@ void LayerSharding::begin_sample(at::Tensor shard) {
 
 void LayerSharding::enter_layer(int64_t layer, const at::Tensor& hidden) {
   if (layer > 0) release(static_cast<size_t>(layer - 1));
-  gather(static_cast<size_t>(layer));
+  request(static_cast<size_t>(layer));
+  if (layer + 1 < layers_) request(static_cast<size_t>(layer + 1));  // prefetch
+  wait_ready(static_cast<size_t>(layer));
   if (layer > 0 && hidden.requires_grad())
     hidden.register_hook([this, layer](const at::Tensor&) { reach_backward(layer - 1); });
 }
@@ -228,6 +245,7 @@ void LayerSharding::reach_backward(int64_t layer) {
     }
     u.pending = u.names.size();
   }
+  if (next_backward_ >= 0) request(static_cast<size_t>(next_backward_));  // prefetch
 }
 
 void LayerSharding::accumulated(size_t k) {
@@ -252,7 +270,8 @@ void LayerSharding::post_ready() {
     at::Tensor g = std::move(u.grad);
     u.grad = at::Tensor();
     if (!g.defined()) g = at::zeros({u.numel}, grad_options_);  // never reached
-    post([this, &u, g]() mutable {
+    reductions_.push_back(reducer_.post([this, &u, g]() mutable {
+      const c10::DeviceGuard on(device_);
       at::AutoGradMode no_grad(false);
       at::Tensor g32 = g.to(at::kFloat);
       g = at::Tensor();
@@ -260,7 +279,7 @@ void LayerSharding::post_ready() {
         at::Tensor part = g32.narrow(0, r.local, r.end - r.begin);
         reduce_into_shard(*reduce_pg_, psi_, r.begin, part, shard_, opt_.begin());
       }
-    });
+    }));
   }
 }
 
@@ -269,7 +288,9 @@ void LayerSharding::end_sample() {
   reach_backward(0);
   for (size_t k : order_)
     if (!units_[k].completed) complete(k);
-  drain();
+  std::vector<std::shared_future<void>> done = std::move(reductions_);
+  reductions_.clear();
+  for (auto& f : done) f.get();  // rethrows a reduction's error
   for (size_t k = 0; k < units_.size(); ++k) release(k);
   shard_ = at::Tensor();
 }
@@ -301,49 +322,42 @@ int64_t LayerSharding::max_layer_numel() const {
 
 int64_t LayerSharding::root_numel() const { return units_.back().numel; }
 
-// ---- the reduction thread ----------------------------------------------------------------------
+// ---- TaskThread ---------------------------------------------------------------------------------
 
-void LayerSharding::post(std::function<void()> task) {
+TaskThread::TaskThread() {
+  thread_ = std::thread([this] {
+    for (;;) {
+      std::packaged_task<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;  // stopping, nothing left
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();  // its error goes to its future
+    }
+  });
+}
+
+TaskThread::~TaskThread() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back(std::move(task));
+    stopping_ = true;
   }
   cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
 }
 
-void LayerSharding::worker_loop() {
-  for (;;) {
-    std::function<void()> task;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;  // stopping, nothing left
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
-      ++running_;
-    }
-    try {
-      if (!error_) task();  // after a failure the rest is dropped; end_sample rethrows
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!error_) error_ = std::current_exception();
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      --running_;
-    }
-    cv_.notify_all();
+std::shared_future<void> TaskThread::post(std::function<void()> task) {
+  std::packaged_task<void()> t(std::move(task));
+  std::shared_future<void> f = t.get_future().share();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(t));
   }
-}
-
-void LayerSharding::drain() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [this] { return tasks_.empty() && running_ == 0; });
-  if (error_) {
-    std::exception_ptr e = error_;
-    error_ = nullptr;
-    std::rethrow_exception(e);
-  }
+  cv_.notify_all();
+  return f;
 }
 
 }  // namespace lvx::runtime

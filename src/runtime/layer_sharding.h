@@ -32,22 +32,25 @@
 // Reductions run in the fixed order L−1, …, 0, root on a thread and a process group of their own,
 // so the backward never waits for them: data-parallel groups whose samples take different paths
 // (a layer skipped for a sample without images) reach them in the same order, and no rank's
-// gather can wait on another's reduction. Gathers run on the autograd thread over a second group
-// of their own, in the fixed order root, 0, …, L−1, L−2, …, 0 per sample on every rank.
+// gather can wait on another's reduction. Gathers run on a second thread over a second group of
+// their own, in the fixed order root, 0, …, L−1, L−2, …, 0 per sample on every rank, each posted
+// one layer ahead (layer i+1's while layer i runs forward, layer j−1's while layer j runs
+// backward), so its communication overlaps the layer's compute.
 //
 // Memory per rank (elements: Ψ trainable, Ψ_u a unit's, s_p bytes per parameter element):
 // 12Ψ/n + 4Ψ/n of optimizer state and gradient shard; whole: the root unit and at most two
 // layers (the running one and the next gathered, or the last layer kept) with their gradients
-// while their backward runs (s_p + 4 bytes per element during the reduction).
+// while their backward runs (s_p + 4 bytes per element during the reduction); with the prefetch,
+// a third layer for as long as the next layer's gather overlaps.
 //
 // Stage 2 (shard_parameters false) skips every gather and free: the units only give the
 // gradients their per-layer buffers and reductions (e·Ψ_root + e·(two layers) instead of e·Ψt),
 // and after the update refresh_parameters gathers the new values into the whole parameters one
 // run at a time.
 //
-// Not done: prefetching the next layer's gather on a side stream (gathers are synchronous here,
-// so on a GPU they do not overlap compute), and sharding the frozen parameters (the vision tower
-// stays replicated).
+// On a GPU the threads' work is ordered against compute by the process group's waits (NCCL work
+// makes the current stream wait, ProcessGroup::Work); not run on a GPU yet. Not done: sharding
+// the frozen parameters (the vision tower stays replicated).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -57,6 +60,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -70,6 +74,24 @@
 #include "src/runtime/sharded_state.h"
 
 namespace lvx::runtime {
+
+// One thread that runs the tasks posted to it in order (the engine's gathers, its reductions).
+// A task's future rethrows its error. The destructor finishes what was posted.
+class TaskThread {
+ public:
+  TaskThread();
+  ~TaskThread();
+  TaskThread(const TaskThread&) = delete;
+  TaskThread& operator=(const TaskThread&) = delete;
+  std::shared_future<void> post(std::function<void()> task);
+
+ private:
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::packaged_task<void()>> tasks_;
+  bool stopping_ = false;
+};
 
 class LayerSharding final : public models::LayerHooks {
  public:
@@ -124,20 +146,22 @@ class LayerSharding final : public models::LayerHooks {
     at::Tensor buffer;  // storage freed while not gathered
     at::Tensor grad;    // during the unit's backward
     size_t pending = 0;
-    bool gathered = false, prepared = false, completed = false;
+    bool gathered = false;             // requested (the gather may still run: `ready`)
+    std::shared_future<void> ready;    // the gather on the gathering thread
+    bool prepared = false, completed = false;
   };
 
-  void gather(size_t u);
+  void request(size_t u);     // posts the unit's gather (in the fixed order, on every rank)
+  void wait_ready(size_t u);  // until its gather is done (rethrows its error)
+  void gather(size_t u);      // request + wait_ready
   at::Tensor gather_run(const Range& r) const;  // every rank's piece of a run, in the dtype
   void release(size_t u);
   void reach_backward(int64_t layer);  // the backward reached layer `layer`'s output
   void complete(size_t u);
   void post_ready();
-  void post(std::function<void()> task);
-  void worker_loop();
-  void drain();
 
   bool shard_parameters_;
+  at::Device device_;
   std::shared_ptr<dist::ProcessGroup> gather_pg_, reduce_pg_;
   at::TensorOptions grad_options_;  // the parameters' dtype, on the device
   models::Model& model_;
@@ -149,14 +173,11 @@ class LayerSharding final : public models::LayerHooks {
   size_t next_post_ = 0;                   // index into order_
   int64_t next_backward_ = -1;             // the next layer the backward gathers
   at::Tensor shard_;                       // this sample's gradient shard (fp32)
+  std::vector<std::shared_future<void>> reductions_;  // this sample's
 
-  std::thread worker_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  size_t running_ = 0;
-  bool stopping_ = false;
-  std::exception_ptr error_;
+  // Declared last: destroyed first, finishing their tasks while the rest still exists.
+  TaskThread reducer_;   // reductions over reduce_pg_
+  TaskThread gatherer_;  // gathers over gather_pg_ (stage 3; prefetched one layer ahead)
 };
 
 }  // namespace lvx::runtime
