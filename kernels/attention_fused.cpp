@@ -5,6 +5,8 @@
 // the natural-log lse in fp32, and its backward takes the final global O and lse, which is the
 // ring backward's contract, NOTES.md §7.2); fp64 and LVX_CPU_ATTENTION=kernel stay on lvx's own
 // kernels (attention_{fwd,bwd}_cpu.cpp). The CUDA table is attention_fused_cuda.cpp.
+#include "kernels/attention_fused.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -15,7 +17,6 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/attention_fused.h"
 #include "kernels/mask.h"
 #include "kernels/registry.h"
 
@@ -196,8 +197,8 @@ std::vector<Piece> pieces(const Group& gr, const Run& r, const AttentionMask& ma
 
 // The one piece that covers the whole block when batch = 1 and Hq = Hkv and the plan is one
 // call (no mask, or top-left causal): its outputs become lvx's without any copy for fp32.
-std::optional<Piece> whole_piece(const Plan& plan, const PreparedMask& pm, int64_t batch,
-                                 int64_t g, int64_t sq, int64_t skv) {
+std::optional<Piece> whole_piece(const Plan& plan, const PreparedMask& pm, int64_t batch, int64_t g,
+                                 int64_t sq, int64_t skv) {
   if (batch != 1 || g != 1 || plan.groups.size() != 1) return std::nullopt;
   const Group& gr = plan.groups.front();
   if (gr.qt0 != 0 || gr.qt1 != pm.n_q_tiles || gr.runs.size() != 1) return std::nullopt;
@@ -236,8 +237,8 @@ std::optional<at::Tensor> bias_arg(const FusedCall& c) {
 }
 
 std::tuple<at::Tensor, at::Tensor> cpu_forward(const FusedOps&, const FusedCall& c) {
-  return at::_scaled_dot_product_flash_attention_for_cpu(c.q, c.k, c.v, 0.0, c.causal,
-                                                         bias_arg(c), c.scale);
+  return at::_scaled_dot_product_flash_attention_for_cpu(c.q, c.k, c.v, 0.0, c.causal, bias_arg(c),
+                                                         c.scale);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_backward(const FusedOps&, const FusedCall& c,
@@ -298,9 +299,8 @@ AttentionOutput attention_forward_fused(const FusedOps& ops, const at::Tensor& q
         const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
         const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
         for (int64_t gi = 0; gi < g; ++gi) {
-          auto [o, lse] =
-              ops.forward(ops, make_call(head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, p,
-                                         scale));
+          auto [o, lse] = ops.forward(
+              ops, make_call(head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, p, scale));
           at::Tensor l32 = lse.to(at::kFloat);
           // A row with no visible key: lse −inf whatever the op gave (CPU: 0; CUDA: −inf).
           if (p.rows.defined()) l32 = at::where(p.rows, l32, at::full_like(l32, -kInf));
