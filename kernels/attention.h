@@ -12,22 +12,29 @@
 //   P = exp(S − lse), dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ∘ (dP − delta), dQ = scale·dS·K,
 //   dK = scale·dSᵀ·Q, with dK/dV summed over the query heads of each K/V head group.
 // Who computes what (kernels/registry.cpp picks by q's device):
-//   CPU, bf16/fp16/fp32: ATen's fused attention, at::_scaled_dot_product_flash_attention_for_cpu
-//     and its _backward (kernels/attention_fused.cpp). The visible key range of each query tile
-//     is found from per-tile mask metadata on the host; runs of fully visible tiles are one
-//     fused call without a mask, the other runs a fused call with an additive −inf mask (or
-//     is_causal when the run is exactly top-left causal), tiles outside the range are skipped.
-//     Runs merge in fp32; the op rounds a run's O once to the input dtype; lse is fp32 (ln).
-//     GQA: one call per query head of a K/V group on strided K/V views (the op has no
-//     enable_gqa; K/V are never copied per head).
-//   CPU, fp64 (and any dtype with LVX_CPU_ATTENTION=kernel): lvx's own blockwise kernels
-//     (attention_{fwd,bwd}_cpu.cpp). ATen's CPU op accepts fp64 too, but lvx keeps fp64 on its
-//     own kernel, the exact path the gate's fp64 numbers are taken through.
-//   CUDA: lvx's GEMM path / hand-written kernels (attention_gemm.cpp, attention_{fwd,bwd}.cu)
-//     by default; they stay for fp64, fp32 and masked blocks (ATen's CUDA flash takes no
-//     per-token mask). LVX_CUDA_ATTENTION=fused sends unmasked bf16/fp16 blocks to
-//     at::_scaled_dot_product_flash_attention and its backward (attention_fused.cpp), written
-//     without a GPU and opt-in until the GPU kernel gate has passed on it.
+//   bf16/fp16/fp32, CPU and CUDA: ONE plan for both devices (kernels/attention_fused.{h,cpp}) on
+//     ATen's fused attention, which returns the natural-log lse in fp32. The visible key range
+//     of each query tile is found from per-tile mask metadata on the host (no .item()); runs of
+//     fully visible tiles are one fused call without a mask, the other runs a fused call with
+//     an additive −inf mask (or is_causal when the run is exactly top-left causal), tiles
+//     outside the range are skipped. Runs merge in fp32; the op rounds a run's O once to the
+//     input dtype. GQA: one call per query head of a K/V group on strided K/V views (K/V are
+//     never copied per head). Backward: the op derives delta from the O it is given; lvx passes
+//     O' with rowsum(dO ∘ O') = delta. Only the op call differs per device (FusedOps):
+//       CPU:  at::_scaled_dot_product_flash_attention_for_cpu and its _backward, every call.
+//       CUDA: at::_scaled_dot_product_flash_attention (+ _backward) for bf16/fp16 calls without
+//             a mask (is_causal only when square); at::_scaled_dot_product_efficient_attention
+//             (+ _backward) for fp32, masked (attn_bias) and non-square causal calls.
+//     The CUDA fused path has compiled but NOT yet run on a GPU (none was available when it was
+//     written); tests/gpu/run.sh is its gate (fp64 references, and the GEMM path beside it).
+//   CUDA blocks ATen's kernels cannot take (head dim not a multiple of 8 or above 256, an
+//     unaligned q/k/v, bf16 below sm80, a GPU outside sm50–sm121: cuda_fused_unsupported), and
+//     every block with LVX_CUDA_ATTENTION=gemm: lvx's GEMM path (attention_gemm.cpp: cuBLAS
+//     products, lvx's chunked mask and fused softmax passes, softmax_chunk.cu).
+//   lvx's own blockwise kernels still serve fp64 on both devices (the exact path the gate's
+//     fp64 numbers are taken through; ATen's CPU op accepts fp64 too, its CUDA ops do not),
+//     empty blocks on CUDA, and any dtype with LVX_CPU_ATTENTION=kernel (CPU,
+//     attention_{fwd,bwd}_cpu.cpp) or LVX_CUDA_ATTENTION=kernel (CUDA, attention_{fwd,bwd}.cu).
 // The CPU kernel never materializes more than one tile of scores per thread, so 1k queries
 // against 1M keys run in a few GB; tiles whose every entry is masked are skipped.
 #pragma once

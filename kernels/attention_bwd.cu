@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "kernels/attention_cuda.cuh"
+#include "kernels/attention_fused.h"
 #include "kernels/attention_gemm.h"
 
 namespace lvx::kernels {
@@ -259,8 +260,16 @@ AttentionGrads attention_backward_cuda(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& lse, const at::Tensor& delta, double scale,
                                        const AttentionMask& mask, AttentionStats* stats) {
   c10::cuda::CUDAGuard guard(q.device());
-  if (cuda_uses_gemm_path(q.scalar_type()) && q.size(1) > 0 && k.size(1) > 0)
-    return attention_backward_gemm(q, k, v, dout, lse, delta, scale, mask, stats);
+  const int sm = cuda_sm(q);
+  switch (cuda_attention_path(q, k, v, sm)) {
+    case CudaAttentionPath::kFused:
+      return attention_backward_fused(cuda_fused_ops(sm, merge_attention_states_cuda), q, k, v,
+                                      dout, lse, delta, scale, mask, stats);
+    case CudaAttentionPath::kGemm:
+      return attention_backward_gemm(q, k, v, dout, lse, delta, scale, mask, stats);
+    case CudaAttentionPath::kKernel:
+      break;
+  }
   const auto acc = accumulation_dtype(q.scalar_type());
   AttentionGrads g{at::zeros(q.sizes(), q.options().dtype(acc)),
                    at::zeros(k.sizes(), k.options().dtype(acc)),

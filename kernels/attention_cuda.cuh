@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime.h>
 
 #include "kernels/mask.h"
@@ -59,6 +60,12 @@ DeviceTileSummaries device_tile_summaries(const PreparedMask& pm);
 inline bool rows_aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
          (t.size(3) * t.element_size()) % 16 == 0;
+}
+
+// Compute capability of q's GPU as major * 10 + minor (what ATen's SDPA checks compare against).
+inline int cuda_sm(const at::Tensor& q) {
+  const cudaDeviceProp* p = at::cuda::getDeviceProperties(q.device().index());
+  return p->major * 10 + p->minor;
 }
 
 AttentionOutput attention_forward_cuda(const at::Tensor& q, const at::Tensor& k,

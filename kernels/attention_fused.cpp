@@ -1,27 +1,20 @@
-// Local attention on ATen's fused kernels (issue 21, "Local attention on ATen's fused kernels").
-// The CPU entry of the device table: bf16/fp16/fp32 blocks go to
-// at::_scaled_dot_product_flash_attention_for_cpu (FlashAttention-2 tiling, Dao 2023, Alg. 1/2;
-// it returns the natural-log lse in fp32, and its backward takes the final global O and lse,
-// which is the ring backward's contract, NOTES.md §7.2); fp64 and LVX_CPU_ATTENTION=kernel stay
-// on lvx's own kernels (attention_{fwd,bwd}_cpu.cpp).
-//
-// Plan (host only, from the per-tile min/max summaries of kernels/mask.h, never by scanning
-// entries, no .item()): for each batch row and query tile, the key tiles are classified
-// none / partial / full; the tiles between the first and the last visible one are cut into
-// maximal runs of full tiles (one fused call without a mask) and of the rest (one fused call
-// with an additive −inf mask, or is_causal when the run is exactly top-left causal). Key tiles
-// outside that range are skipped; query tiles with the same runs are grouped into one call.
-// Results of the runs of one group are merged in fp32 (pure-LSE merge, NOTES.md §0).
-// GQA without copying K/V: one call per query head of a K/V head group, on strided views.
-// Backward: the op derives delta = rowsum(dO ∘ O) from the O it is given; lvx's backward gets
-// delta, so it passes O' = dO · delta / |dO|² (rowsum(dO ∘ O') = delta; O' = 0 where dO = 0,
-// where every gradient is 0 anyway), rounded once to the input dtype like the op's own O.
+// The shared plan of the fused path and its CPU table (issue 21, "Local attention on ATen's fused
+// kernels"; the plan, the O' trick of the backward and the per-device op choice are stated in
+// kernels/attention_fused.h). The CPU table calls at::_scaled_dot_product_flash_attention_for_cpu
+// and its backward for bf16/fp16/fp32 (FlashAttention-2 tiling, Dao 2023, Alg. 1/2; it returns
+// the natural-log lse in fp32, and its backward takes the final global O and lse, which is the
+// ring backward's contract, NOTES.md §7.2); fp64 and LVX_CPU_ATTENTION=kernel stay on lvx's own
+// kernels (attention_{fwd,bwd}_cpu.cpp). The CUDA table is attention_fused_cuda.cpp.
+#include "kernels/attention_fused.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/mask.h"
@@ -176,20 +169,25 @@ struct Piece {
   at::Tensor rows;  // [1, 1, n] bool: the row sees some key of the piece (masked pieces only)
 };
 
-// Cuts run `r` of group `gr` into pieces with bounded masks.
+// Cuts run `r` of group `gr` into pieces with bounded masks. `mask` is on the inputs' device
+// (the bias is built there); `view` is the host copy the plan was made from. Bias rows start at
+// multiples of `align` elements (the last dim is padded, then narrowed back).
 std::vector<Piece> pieces(const Group& gr, const Run& r, const AttentionMask& mask,
-                          const MaskView& view, int64_t sq, int64_t skv, at::ScalarType dtype) {
+                          const MaskView& view, int64_t sq, int64_t skv, at::ScalarType dtype,
+                          int64_t align) {
   const int64_t i0 = gr.qt0 * kCpuQTile, i1 = std::min(sq, gr.qt1 * kCpuQTile);
   const int64_t j0 = r.kt0 * kCpuKTile, j1 = std::min(skv, r.kt1 * kCpuKTile);
   if (r.full) return {{i0, i1, j0, j1, false, {}, {}}};
   if (top_left_causal(view, i0, i1, j0, j1)) return {{i0, i1, j0, j1, true, {}, {}}};
   const int64_t step = std::max<int64_t>(
       kCpuQTile, kMaskElems / std::max<int64_t>(1, j1 - j0) / kCpuQTile * kCpuQTile);
+  const int64_t m = j1 - j0, m_pad = (m + align - 1) / align * align;
   std::vector<Piece> out;
   for (int64_t a = i0; a < i1; a += step) {
     const int64_t e = std::min(i1, a + step);
-    at::Tensor vis = mask_matrix(sub_mask(mask, gr.b, a, e, j0, j1), 1, e - a, j1 - j0);
-    at::Tensor bias = at::zeros(vis.sizes(), at::TensorOptions().dtype(dtype))
+    at::Tensor vis = mask_matrix(sub_mask(mask, gr.b, a, e, j0, j1), 1, e - a, m);
+    at::Tensor bias = at::zeros({1, e - a, m_pad}, vis.options().dtype(dtype))
+                          .narrow(2, 0, m)
                           .masked_fill_(vis.logical_not(), -kInf)
                           .unsqueeze(1);
     out.push_back({a, e, j0, j1, false, bias, vis.any(-1).unsqueeze(1)});
@@ -199,17 +197,16 @@ std::vector<Piece> pieces(const Group& gr, const Run& r, const AttentionMask& ma
 
 // The one piece that covers the whole block when batch = 1 and Hq = Hkv and the plan is one
 // call (no mask, or top-left causal): its outputs become lvx's without any copy for fp32.
-std::optional<Piece> whole_piece(const Plan& plan, const AttentionMask& mask,
-                                 const PreparedMask& pm, int64_t batch, int64_t g, int64_t sq,
-                                 int64_t skv, at::ScalarType dtype) {
+std::optional<Piece> whole_piece(const Plan& plan, const PreparedMask& pm, int64_t batch, int64_t g,
+                                 int64_t sq, int64_t skv) {
   if (batch != 1 || g != 1 || plan.groups.size() != 1) return std::nullopt;
   const Group& gr = plan.groups.front();
   if (gr.qt0 != 0 || gr.qt1 != pm.n_q_tiles || gr.runs.size() != 1) return std::nullopt;
   const Run& r = gr.runs.front();
-  if (r.kt0 != 0 || r.kt1 != pm.n_k_tiles || !(r.full || top_left_causal(pm.view, 0, sq, 0, skv))) {
-    return std::nullopt;
-  }
-  return pieces(gr, r, mask, pm.view, sq, skv, dtype).front();
+  if (r.kt0 != 0 || r.kt1 != pm.n_k_tiles) return std::nullopt;
+  if (r.full) return Piece{0, sq, 0, skv, false, {}, {}};
+  if (top_left_causal(pm.view, 0, sq, 0, skv)) return Piece{0, sq, 0, skv, true, {}, {}};
+  return std::nullopt;
 }
 
 void add_stats(const Plan& plan, int64_t hq, AttentionStats* stats) {
@@ -220,7 +217,44 @@ void add_stats(const Plan& plan, int64_t hq, AttentionStats* stats) {
   stats->tiles_fused += plan.fused * hq;
 }
 
+// The mask with its metadata on `dev` (the biases are built there; a no-op where it already is).
+AttentionMask mask_on(const AttentionMask& m, const at::Device& dev) {
+  AttentionMask r = m;
+  for (at::Tensor* t : {&r.q_pos, &r.k_pos, &r.q_media, &r.kv_media, &r.kv_valid}) {
+    if (t->defined()) *t = t->to(dev);
+  }
+  return r;
+}
+
+FusedCall make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Piece& p,
+                    double scale) {
+  return {q, k, v, p.causal, p.bias, p.rows, scale};
+}
+
+// ---- the CPU table: at::_scaled_dot_product_flash_attention_for_cpu for every call -----------
+std::optional<at::Tensor> bias_arg(const FusedCall& c) {
+  return c.bias.defined() ? std::optional<at::Tensor>(c.bias) : std::nullopt;
+}
+
+std::tuple<at::Tensor, at::Tensor> cpu_forward(const FusedOps&, const FusedCall& c) {
+  return at::_scaled_dot_product_flash_attention_for_cpu(c.q, c.k, c.v, 0.0, c.causal, bias_arg(c),
+                                                         c.scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_backward(const FusedOps&, const FusedCall& c,
+                                                            const at::Tensor& dout,
+                                                            const at::Tensor& out,
+                                                            const at::Tensor& lse) {
+  return at::_scaled_dot_product_flash_attention_for_cpu_backward(
+      dout, c.q, c.k, c.v, out, lse, 0.0, c.causal, bias_arg(c), c.scale);
+}
+
 }  // namespace
+
+const FusedOps& cpu_fused_ops() {
+  static const FusedOps ops{"cpu", cpu_forward, cpu_backward, merge_attention_states_cpu, 1, 0};
+  return ops;
+}
 
 bool cpu_uses_fused_path(at::ScalarType dtype) {
   static const bool kernel = [] {
@@ -230,9 +264,9 @@ bool cpu_uses_fused_path(at::ScalarType dtype) {
   return dtype != at::kDouble && !kernel;
 }
 
-AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tensor& k,
-                                            const at::Tensor& v, double scale,
-                                            const AttentionMask& mask, AttentionStats* stats) {
+AttentionOutput attention_forward_fused(const FusedOps& ops, const at::Tensor& q,
+                                        const at::Tensor& k, const at::Tensor& v, double scale,
+                                        const AttentionMask& mask, AttentionStats* stats) {
   const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
   const int64_t skv = k.size(1), hkv = k.size(2), g = hq / hkv;
   const auto f32 = q.options().dtype(at::kFloat);
@@ -243,19 +277,20 @@ AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tenso
   Plan plan = make_plan(pm, batch);
   whole_block_if_causal(plan, pm, batch, sq, skv);
   add_stats(plan, hq, stats);
-  if (auto p = whole_piece(plan, mask, pm, batch, g, sq, skv, q.scalar_type())) {
-    auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, p->causal, std::nullopt,
-        scale);
+  if (auto p = whole_piece(plan, pm, batch, g, sq, skv)) {
+    auto [o, lse] = ops.forward(
+        ops, make_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *p, scale));
     return {o.transpose(1, 2).to(at::kFloat).contiguous(), lse.to(at::kFloat).contiguous()};
   }
+  const AttentionMask dmask = mask_on(mask, q.device());
   AttentionOutput out{at::zeros({batch, sq, hq, d}, f32), at::full({batch, hq, sq}, -kInf, f32)};
   // Every piece's result merges into o/lse in fp32; a piece whose query tiles nothing has
   // written yet is copied in directly.
   std::vector<char> written(batch * pm.n_q_tiles, 0);
   for (const Group& gr : plan.groups) {
     for (const Run& r : gr.runs) {
-      for (const Piece& p : pieces(gr, r, mask, pm.view, sq, skv, q.scalar_type())) {
+      for (const Piece& p :
+           pieces(gr, r, dmask, pm.view, sq, skv, q.scalar_type(), ops.bias_align)) {
         const int64_t m = p.j1 - p.j0, rows = p.i1 - p.i0;
         const int64_t t0 = p.i0 / kCpuQTile, t1 = (p.i1 + kCpuQTile - 1) / kCpuQTile;
         char* w = written.data() + gr.b * pm.n_q_tiles;
@@ -264,11 +299,10 @@ AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tenso
         const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
         const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
         for (int64_t gi = 0; gi < g; ++gi) {
-          auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
-              head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, 0.0, p.causal,
-              p.bias.defined() ? std::optional<at::Tensor>(p.bias) : std::nullopt, scale);
+          auto [o, lse] = ops.forward(
+              ops, make_call(head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, p, scale));
           at::Tensor l32 = lse.to(at::kFloat);
-          // The op gives a row with no visible key o = 0 and lse = 0: make it −inf.
+          // A row with no visible key: lse −inf whatever the op gave (CPU: 0; CUDA: −inf).
           if (p.rows.defined()) l32 = at::where(p.rows, l32, at::full_like(l32, -kInf));
           at::Tensor o_dst = head_view(out.o, gr.b, p.i0, rows, hkv, g, gi).transpose(1, 2);
           at::Tensor l_dst = stat_view(out.lse, gr.b, p.i0, rows, hkv, g, gi);
@@ -278,8 +312,7 @@ AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tenso
             continue;
           }
           at::Tensor os = o_dst.contiguous(), ls = l_dst.contiguous();  // [1, rows, Hkv, D]
-          merge_attention_states_cpu(os, ls, o.transpose(1, 2).to(at::kFloat).contiguous(),
-                                     l32.contiguous());
+          ops.merge(os, ls, o.transpose(1, 2).to(at::kFloat).contiguous(), l32.contiguous());
           o_dst.copy_(os);
           l_dst.copy_(ls);
         }
@@ -289,11 +322,11 @@ AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tenso
   return out;
 }
 
-AttentionGrads attention_backward_fused_cpu(const at::Tensor& q, const at::Tensor& k,
-                                            const at::Tensor& v, const at::Tensor& dout,
-                                            const at::Tensor& lse, const at::Tensor& delta,
-                                            double scale, const AttentionMask& mask,
-                                            AttentionStats* stats) {
+AttentionGrads attention_backward_fused(const FusedOps& ops, const at::Tensor& q,
+                                        const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& dout, const at::Tensor& lse,
+                                        const at::Tensor& delta, double scale,
+                                        const AttentionMask& mask, AttentionStats* stats) {
   const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2);
   const int64_t skv = k.size(1), hkv = k.size(2), g = hq / hkv;
   const auto f32 = q.options().dtype(at::kFloat);
@@ -314,29 +347,30 @@ AttentionGrads attention_backward_fused_cpu(const at::Tensor& q, const at::Tenso
                                         at::where(den.gt(0), den, at::ones_like(den)),
                                     at::zeros_like(den));
   const at::Tensor o_fake = (do32 * coef).to(q.scalar_type()).contiguous();
-  if (auto p = whole_piece(plan, mask, pm, batch, g, sq, skv, q.scalar_type())) {
-    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        o_fake.transpose(1, 2), lse_p, 0.0, p->causal, std::nullopt, scale);
+  if (auto p = whole_piece(plan, pm, batch, g, sq, skv)) {
+    auto [gq, gk, gv] = ops.backward(
+        ops, make_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *p, scale),
+        dout.transpose(1, 2), o_fake.transpose(1, 2), lse_p);
     return {gq.transpose(1, 2).to(at::kFloat).contiguous(),
             gk.transpose(1, 2).to(at::kFloat).contiguous(),
             gv.transpose(1, 2).to(at::kFloat).contiguous()};
   }
+  const AttentionMask dmask = mask_on(mask, q.device());
   AttentionGrads grads{at::zeros(q.sizes(), f32), at::zeros(k.sizes(), f32),
                        at::zeros(v.sizes(), f32)};
   for (const Group& gr : plan.groups) {
     for (const Run& r : gr.runs) {
-      for (const Piece& p : pieces(gr, r, mask, pm.view, sq, skv, q.scalar_type())) {
+      for (const Piece& p :
+           pieces(gr, r, dmask, pm.view, sq, skv, q.scalar_type(), ops.bias_align)) {
         const int64_t m = p.j1 - p.j0, rows = p.i1 - p.i0;
         const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
         const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
         for (int64_t gi = 0; gi < g; ++gi) {
-          auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          auto [gq, gk, gv] = ops.backward(
+              ops, make_call(head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, p, scale),
               head_view(dout, gr.b, p.i0, rows, hkv, g, gi),
-              head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg,
               head_view(o_fake, gr.b, p.i0, rows, hkv, g, gi),
-              stat_view(lse_p, gr.b, p.i0, rows, hkv, g, gi).contiguous(), 0.0, p.causal,
-              p.bias.defined() ? std::optional<at::Tensor>(p.bias) : std::nullopt, scale);
+              stat_view(lse_p, gr.b, p.i0, rows, hkv, g, gi).contiguous());
           head_view(grads.dq, gr.b, p.i0, rows, hkv, g, gi).add_(gq);
           grads.dk.narrow(0, gr.b, 1).narrow(1, p.j0, m).add_(gk.transpose(1, 2));
           grads.dv.narrow(0, gr.b, 1).narrow(1, p.j0, m).add_(gv.transpose(1, 2));
@@ -347,88 +381,11 @@ AttentionGrads attention_backward_fused_cpu(const at::Tensor& q, const at::Tenso
   return grads;
 }
 
-// ---- CUDA, opt-in (LVX_CUDA_ATTENTION=fused): unmasked bf16/fp16 blocks on ATen's flash
-// attention (at::_scaled_dot_product_flash_attention and its backward; lse fp32 [B, H, Sq]).
-// Compiled in every build (the ops are dispatcher ops), called only for CUDA tensors from
-// attention_gemm.cpp. Not yet run on a GPU: tests/gpu (kernel gate) must pass before it becomes
-// the default. Masked blocks and fp32 stay on lvx's GEMM path.
-bool cuda_uses_fused_path(const at::Tensor& q, const AttentionMask& mask) {
-  static const bool on = [] {
-    const char* e = std::getenv("LVX_CUDA_ATTENTION");
-    return e != nullptr && std::string(e) == "fused";
-  }();
-  const auto t = q.scalar_type();
-  return on && q.is_cuda() && (t == at::kBFloat16 || t == at::kHalf) &&
-         mask.kind == MaskKind::kNone && !mask.kv_valid.defined() && q.size(1) > 0 &&
-         q.size(3) <= 256;
-}
-
-namespace {
-// x [B, S, Hq, D] → [B, Hkv, S, D] view of query head gi of every K/V head group.
-at::Tensor group_view(const at::Tensor& x, int64_t hkv, int64_t g, int64_t gi) {
-  return x.view({x.size(0), x.size(1), hkv, g, x.size(3)}).select(3, gi).transpose(1, 2);
-}
-// s [B, Hq, Sq] → [B, Hkv, Sq] of query head gi of every group.
-at::Tensor group_stat(const at::Tensor& s, int64_t hkv, int64_t g, int64_t gi) {
-  return s.view({s.size(0), hkv, g, s.size(2)}).select(2, gi);
-}
-}  // namespace
-
-AttentionOutput attention_forward_fused_cuda(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& v, double scale,
-                                             AttentionStats* stats) {
-  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
-  const int64_t hkv = k.size(2), g = hq / hkv;
-  const auto f32 = q.options().dtype(at::kFloat);
-  AttentionOutput out{at::empty({batch, sq, hq, d}, f32), at::empty({batch, hq, sq}, f32)};
-  const at::Tensor kt = k.transpose(1, 2), vt = v.transpose(1, 2);
-  for (int64_t gi = 0; gi < g; ++gi) {
-    auto r = at::_scaled_dot_product_flash_attention(group_view(q, hkv, g, gi), kt, vt, 0.0, false,
-                                                     false, scale);
-    group_view(out.o, hkv, g, gi).copy_(std::get<0>(r));
-    group_stat(out.lse, hkv, g, gi).copy_(std::get<1>(r).narrow(2, 0, sq));
-  }
-  if (stats != nullptr) stats->tiles_fused += hq * cpu_tiles(sq, k.size(1)) * batch;
-  return out;
-}
-
-AttentionGrads attention_backward_fused_cuda(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& v, const at::Tensor& dout,
-                                             const at::Tensor& lse, const at::Tensor& delta,
-                                             double scale, AttentionStats* stats) {
-  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), skv = k.size(1);
-  const int64_t hkv = k.size(2), g = hq / hkv;
-  const auto f32 = q.options().dtype(at::kFloat);
-  AttentionGrads grads{at::empty(q.sizes(), f32), at::zeros(k.sizes(), f32),
-                       at::zeros(v.sizes(), f32)};
-  const at::Tensor lse_p = at::where(lse.isneginf(), at::full_like(lse, kInf), lse).contiguous();
-  const at::Tensor do32 = dout.to(at::kFloat);
-  const at::Tensor den = at::linalg_vector_norm(do32, 2, {-1}, true).square_();
-  const at::Tensor coef = at::where(den.gt(0),
-                                    delta.transpose(1, 2).unsqueeze(-1).to(at::kFloat) /
-                                        at::where(den.gt(0), den, at::ones_like(den)),
-                                    at::zeros_like(den));
-  const at::Tensor o_fake = (do32 * coef).to(q.scalar_type()).contiguous();
-  const at::Tensor kt = k.transpose(1, 2), vt = v.transpose(1, 2);
-  const auto no_seed = at::empty({}, at::TensorOptions().dtype(at::kLong));
-  for (int64_t gi = 0; gi < g; ++gi) {
-    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_backward(
-        group_view(dout, hkv, g, gi), group_view(q, hkv, g, gi), kt, vt,
-        group_view(o_fake, hkv, g, gi), group_stat(lse_p, hkv, g, gi).contiguous(), at::Tensor(),
-        at::Tensor(), sq, skv, 0.0, false, no_seed, no_seed, scale);
-    group_view(grads.dq, hkv, g, gi).copy_(gq);
-    grads.dk.add_(gk.transpose(1, 2));
-    grads.dv.add_(gv.transpose(1, 2));
-  }
-  if (stats != nullptr) stats->tiles_fused += hq * cpu_tiles(sq, skv) * batch;
-  return grads;
-}
-
 AttentionOutput attention_forward_dispatch_cpu(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, double scale,
                                                const AttentionMask& mask, AttentionStats* stats) {
   return cpu_uses_fused_path(q.scalar_type())
-             ? attention_forward_fused_cpu(q, k, v, scale, mask, stats)
+             ? attention_forward_fused(cpu_fused_ops(), q, k, v, scale, mask, stats)
              : attention_forward_cpu(q, k, v, scale, mask, stats);
 }
 
@@ -438,7 +395,8 @@ AttentionGrads attention_backward_dispatch_cpu(const at::Tensor& q, const at::Te
                                                double scale, const AttentionMask& mask,
                                                AttentionStats* stats) {
   return cpu_uses_fused_path(q.scalar_type())
-             ? attention_backward_fused_cpu(q, k, v, dout, lse, delta, scale, mask, stats)
+             ? attention_backward_fused(cpu_fused_ops(), q, k, v, dout, lse, delta, scale, mask,
+                                        stats)
              : attention_backward_cpu(q, k, v, dout, lse, delta, scale, mask, stats);
 }
 

@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "kernels/attention_cuda.cuh"
+#include "kernels/attention_fused.h"
 #include "kernels/attention_gemm.h"
 #include "kernels/mask.h"
 #include "kernels/registry.h"
@@ -428,8 +429,16 @@ AttentionOutput attention_forward_cuda(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, double scale, const AttentionMask& mask,
                                        AttentionStats* stats) {
   c10::cuda::CUDAGuard guard(q.device());
-  if (cuda_uses_gemm_path(q.scalar_type()) && q.size(1) > 0 && k.size(1) > 0)
-    return attention_forward_gemm(q, k, v, scale, mask, stats);
+  const int sm = cuda_sm(q);
+  switch (cuda_attention_path(q, k, v, sm)) {
+    case CudaAttentionPath::kFused:
+      return attention_forward_fused(cuda_fused_ops(sm, merge_attention_states_cuda), q, k, v,
+                                     scale, mask, stats);
+    case CudaAttentionPath::kGemm:
+      return attention_forward_gemm(q, k, v, scale, mask, stats);
+    case CudaAttentionPath::kKernel:
+      break;
+  }
   const auto acc = accumulation_dtype(q.scalar_type());
   auto opts = q.options().dtype(acc);
   const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);

@@ -1,9 +1,7 @@
 #include "kernels/attention_gemm.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <limits>
-#include <string>
 #include <vector>
 
 #include "kernels/mask.h"
@@ -117,18 +115,9 @@ Rows dims(const at::Tensor& q, const at::Tensor& k) {
 
 }  // namespace
 
-bool cuda_uses_gemm_path(at::ScalarType dtype) {
-  static const bool kernel = [] {
-    const char* e = std::getenv("LVX_CUDA_ATTENTION");
-    return e != nullptr && std::string(e) == "kernel";
-  }();
-  return dtype != at::kDouble && !kernel;
-}
-
 AttentionOutput attention_forward_gemm(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, double scale, const AttentionMask& mask,
                                        AttentionStats* stats) {
-  if (cuda_uses_fused_path(q, mask)) return attention_forward_fused_cuda(q, k, v, scale, stats);
   const Rows r = dims(q, k);
   const auto f32 = q.options().dtype(at::kFloat);
   const at::Tensor qh = to_rows(q, r), kh = kv_rows(k, r), vh = kv_rows(v, r);
@@ -181,9 +170,6 @@ AttentionGrads attention_backward_gemm(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& dout,
                                        const at::Tensor& lse, const at::Tensor& delta, double scale,
                                        const AttentionMask& mask, AttentionStats* stats) {
-  if (cuda_uses_fused_path(q, mask)) {
-    return attention_backward_fused_cuda(q, k, v, dout, lse, delta, scale, stats);
-  }
   const Rows r = dims(q, k);
   const auto f32 = q.options().dtype(at::kFloat);
   const auto dt = q.scalar_type();

@@ -1,5 +1,7 @@
 // Blockwise attention on GEMMs (FlashAttention-2's algorithm at key-chunk granularity, NOTES.md
-// §0): the CUDA path for bf16/fp16/fp32, where cuBLAS tensor cores do QKᵀ and PV. Scores, the
+// §0): a CUDA path for bf16/fp16/fp32 (LVX_CUDA_ATTENTION=gemm, and the fallback for blocks
+// ATen's fused kernels cannot take: kernels/attention_fused.h), where cuBLAS tensor cores do QKᵀ
+// and PV. Scores, the
 // running (m, l), O and every gradient accumulator are fp32; only the operands of the second
 // GEMMs (P, dS) are rounded to the input dtype, as FlashAttention does. GQA without expanding
 // K/V: the query heads of one K/V head are stacked as rows of one GEMM. Chunks with no visible
@@ -13,10 +15,6 @@
 #include "kernels/attention.h"
 
 namespace lvx::kernels {
-
-// Which CUDA path serves `dtype`: the GEMM path for bf16/fp16/fp32 unless LVX_CUDA_ATTENTION=kernel
-// selects the hand-written kernel (kernels/attention_{fwd,bwd}.cu, which also serves fp64).
-bool cuda_uses_gemm_path(at::ScalarType dtype);
 
 AttentionOutput attention_forward_gemm(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, double scale,

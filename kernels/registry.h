@@ -53,18 +53,10 @@ AttentionGrads attention_backward_cpu(const at::Tensor& q, const at::Tensor& k, 
                                       const AttentionMask& mask, AttentionStats* stats);
 void merge_attention_states_cpu(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Tensor& o_new,
                                 const at::Tensor& lse_new);
-// kernels/attention_fused.cpp: the CPU entry. bf16/fp16/fp32 go to ATen's fused attention
-// (at::_scaled_dot_product_flash_attention_for_cpu), fp64 (and every dtype with
-// LVX_CPU_ATTENTION=kernel) to lvx's own kernels above.
+// kernels/attention_fused.cpp: the CPU entry. bf16/fp16/fp32 go to the fused plan
+// (kernels/attention_fused.h) on at::_scaled_dot_product_flash_attention_for_cpu, fp64 (and
+// every dtype with LVX_CPU_ATTENTION=kernel) to lvx's own kernels above.
 bool cpu_uses_fused_path(at::ScalarType dtype);
-AttentionOutput attention_forward_fused_cpu(const at::Tensor& q, const at::Tensor& k,
-                                            const at::Tensor& v, double scale,
-                                            const AttentionMask& mask, AttentionStats* stats);
-AttentionGrads attention_backward_fused_cpu(const at::Tensor& q, const at::Tensor& k,
-                                            const at::Tensor& v, const at::Tensor& dout,
-                                            const at::Tensor& lse, const at::Tensor& delta,
-                                            double scale, const AttentionMask& mask,
-                                            AttentionStats* stats);
 AttentionOutput attention_forward_dispatch_cpu(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, double scale,
                                                const AttentionMask& mask, AttentionStats* stats);
@@ -73,16 +65,8 @@ AttentionGrads attention_backward_dispatch_cpu(const at::Tensor& q, const at::Te
                                                const at::Tensor& lse, const at::Tensor& delta,
                                                double scale, const AttentionMask& mask,
                                                AttentionStats* stats);
-// CUDA, opt-in with LVX_CUDA_ATTENTION=fused (attention_fused.cpp, called from
-// attention_gemm.cpp): unmasked bf16/fp16 blocks on at::_scaled_dot_product_flash_attention.
-bool cuda_uses_fused_path(const at::Tensor& q, const AttentionMask& mask);
-AttentionOutput attention_forward_fused_cuda(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& v, double scale,
-                                             AttentionStats* stats);
-AttentionGrads attention_backward_fused_cuda(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& v, const at::Tensor& dout,
-                                             const at::Tensor& lse, const at::Tensor& delta,
-                                             double scale, AttentionStats* stats);
+// CUDA: the same fused plan on ATen's flash / memory-efficient attention by default, lvx's GEMM
+// path or hand-written kernels otherwise (cuda_attention_path, kernels/attention_fused.h).
 AttentionImpl cuda_attention_impl();  // defined in attention_fwd.cu when LVX_WITH_CUDA
 // Shape-only twins for the `meta` device (attention_meta.cpp): the placement check.
 AttentionOutput attention_forward_meta(const at::Tensor& q, const at::Tensor& k,

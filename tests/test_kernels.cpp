@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <iostream>
 #include <limits>
 #include <string>
 
@@ -194,9 +195,10 @@ AttentionMask mask_to(const AttentionMask& m, const at::Device& dev) {
   return r;
 }
 
-// Runs forward and backward on `dev` and gates o, lse, dq, dk, dv against CPU fp64.
+// Runs forward and backward on `dev` and gates o, lse, dq, dk, dv against CPU fp64; adds what
+// the forward did to *stats (when not null).
 void check_against_reference(const at::Device& dev, at::ScalarType dtype, MaskCase mask_case,
-                             const Shape& s) {
+                             const Shape& s, AttentionStats* stats = nullptr) {
   at::manual_seed(1234);
   auto q = at::randn({s.batch, s.sq, s.hq, s.d}).to(dtype);
   auto k = at::randn({s.batch, s.skv, s.hkv, s.d}).to(dtype);
@@ -207,7 +209,7 @@ void check_against_reference(const at::Device& dev, at::ScalarType dtype, MaskCa
 
   AttentionParams pd = p;
   pd.mask = mask_to(p.mask, dev);
-  auto out = attention_forward(q.to(dev), k.to(dev), v.to(dev), pd);
+  auto out = attention_forward(q.to(dev), k.to(dev), v.to(dev), pd, stats);
   const auto acc = accumulation_dtype(dtype);
   ASSERT_EQ(out.o.scalar_type(), acc);
   ASSERT_EQ(out.lse.sizes(), at::IntArrayRef({s.batch, s.hq, s.sq}));
@@ -239,17 +241,33 @@ TEST_P(AttentionKernel, ForwardAndBackwardMatchFp64Reference) {
 }
 
 // The CUDA twins under the same gate (skipped where no GPU is present; the build machine has
-// none: benchmarks/bench_kernels.cpp runs the full sweep on a GPU).
+// none: tests/gpu/run.sh runs this on a GPU, once on the default path, ATen's fused kernels
+// through the shared plan, and once with LVX_CUDA_ATTENTION=gemm; benchmarks/bench_kernels.cpp
+// runs the full sweep). Which path ran is read from the stats: only the fused plan counts
+// tiles_fused.
 TEST(AttentionKernelCuda, MatchesFp64ReferenceOnEveryMask) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+  const char* env = std::getenv("LVX_CUDA_ATTENTION");
+  const std::string path = env != nullptr && *env != 0 ? env : "fused";
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    AttentionStats st;
     for (auto m : {MaskCase::kNone, MaskCase::kCausal, MaskCase::kMediaImmediate,
                    MaskCase::kMediaUpTo, MaskCase::kPadding, MaskCase::kMediaSeesAll,
                    MaskCase::kMediaUpToSeesAll}) {
       for (const Shape& s : {Shape{2, 37, 1100, 4, 2, 32}, Shape{1, 200, 70, 4, 1, 16}}) {
         SCOPED_TRACE(dtype_name(dtype) + "_" + mask_name(m) + "_" + shape_name(s));
-        check_against_reference(at::Device(at::kCUDA, 0), dtype, m, s);
+        check_against_reference(at::Device(at::kCUDA, 0), dtype, m, s, &st);
       }
+    }
+    std::cout << "[cuda path] LVX_CUDA_ATTENTION=" << path << " " << dtype_name(dtype)
+              << ": tiles fused " << st.tiles_fused << " of " << st.tiles_total << "\n";
+    // fp32 and fp16 take ATen's memory-efficient kernel on every GPU it is built for (sm50+),
+    // so the default must have fused them (bf16 needs sm80+); the other paths never fuse.
+    if (path == "fused" && dtype != at::kBFloat16) {
+      EXPECT_GT(st.tiles_fused, 0);
+    }
+    if (path != "fused") {
+      EXPECT_EQ(st.tiles_fused, 0);
     }
   }
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # lvx on a GPU machine, one command (issue 21, "Ready for the first GPU"): builds the CUDA parts,
-# runs the kernel gate against fp64 on the GPU, the distributed suite and every attention
+# runs the kernel gate against fp64 on the GPU (the default ATen fused path and lvx's GEMM path),
+# the distributed suite and every attention
 # strategy at world 1-4 with the ranks sharing the one GPU, `lvx forward/qa/finetune` of a tiny
 # model on the GPU when the full build is possible, and bench_kernels; prints one table.
 #
@@ -26,7 +27,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --bring) bring=${2:?--bring needs a folder}; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (expected --dry-run or --bring DIR)" >&2; exit 2 ;;
   esac
   shift
@@ -142,12 +143,24 @@ step "build ${targets[*]}" "$logs/build.log" -- \
   cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" || { print_table; exit 1; }
 
 # ---- the kernel gate against fp64 (CPU and CUDA twins; the CUDA cases run now) ---------------
+# Twice on the GPU: the default (ATen's flash / memory-efficient attention through the shared
+# plan, kernels/attention_fused.h; compiled but never run on a GPU before this script) and lvx's
+# GEMM path (LVX_CUDA_ATTENTION=gemm). AttentionKernelCuda prints which path ran per dtype
+# ("[cuda path] ...": tiles the fused plan computed) and fails if the default did not fuse.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-step "kernel gate vs fp64 (lvx_test_kernels)" "$logs/kernels.log" -- "$build/tests/lvx_test_kernels"
+paths_row() {  # the "[cuda path]" lines of a gate log, one table row
+  [ $dry = 1 ] && return 0
+  row "  ...paths" "info" "-" "$(grep -o '\[cuda path\].*' "$1" | sed 's/\[cuda path\] //; s/LVX_CUDA_ATTENTION=//' | tr '\n' ';' | cut -c1-120)"
+}
+step "kernel gate vs fp64, default: ATen fused" "$logs/kernels.log" -- "$build/tests/lvx_test_kernels"
+paths_row "$logs/kernels.log"
 # A CUDA case skipped here would mean the GPU was not used: say so.
 if [ $dry = 0 ] && grep -q '\[  SKIPPED \]' "$logs/kernels.log"; then
   row "  ...of which skipped" "WARN" "-" "$(grep -c '\[  SKIPPED \]' "$logs/kernels.log") cases (see log)"
 fi
+step "kernel gate vs fp64, LVX_CUDA_ATTENTION=gemm" "$logs/kernels_gemm.log" -- \
+  env LVX_CUDA_ATTENTION=gemm "$build/tests/lvx_test_kernels" --gtest_filter='AttentionKernelCuda.*'
+paths_row "$logs/kernels_gemm.log"
 
 # ---- distributed suite and every strategy at world 1-4, ranks sharing the one GPU ------------
 # NCCL refuses two ranks on one GPU, so the shared-GPU runs use Gloo (host staging). The CLI

@@ -1,0 +1,392 @@
+// The fused path's shared plan (kernels/attention_fused.h) driven through a fake device table
+// that records every call and computes it with a dense fp64 reference written here. It pins, on
+// CPU, what the CUDA table does with each call (CUDA itself cannot run here):
+//   - which key ranges are called, with no mask / is_causal / an additive bias, and that the
+//     calls cover every visible (query, key) pair exactly once per query head, that no call but
+//     an is_causal one (whose kernel skips them itself) spans a tile with no visible entry, and
+//     that each bias equals the independent reference mask;
+//   - which ATen kernel the CUDA table would take per call (cuda_fused_kernel): bf16/fp16
+//     full -> flash, fp32 full -> memory-efficient, bias -> memory-efficient, causal square
+//     bf16 -> flash, non-square causal -> memory-efficient;
+//   - that the recorded calls' results, merged by the plan, equal the fp64 reference (forward
+//     and, through the O' trick, backward) within fp32 round-off (2e-5, as the CPU gate).
+// Also the CUDA constraints predicate (cuda_fused_unsupported), one case per constraint.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels/attention.h"
+#include "kernels/attention_fused.h"
+#include "kernels/registry.h"
+#include "tests/reference_mask.h"
+
+namespace lvx::kernels {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr int kFakeSm = 90;  // the fake table stands for an H100
+
+// One recorded call: the box of batch row b, queries [i0, i0 + n), keys [j0, j0 + m), query
+// head gi of each K/V group (h heads per call), and what the CUDA table would do with it.
+struct Call {
+  bool backward;
+  int64_t b, i0, n, j0, m, gi, h;
+  bool causal;
+  at::Tensor bias;  // [1, 1, n, m] or undefined
+  at::ScalarType dtype;
+  FusedKernel kernel;
+  bool kv_aliases_input;  // K/V are views of the caller's tensors (GQA without copies)
+};
+
+struct Recorder {
+  at::Tensor q, k;  // the block's inputs, [B, S, H, D] contiguous
+  std::vector<Call> calls;
+};
+Recorder* g_rec = nullptr;
+
+int64_t elem_offset(const at::Tensor& view, const at::Tensor& base) {
+  return (static_cast<const char*>(view.data_ptr()) - static_cast<const char*>(base.data_ptr())) /
+         base.element_size();
+}
+
+void record(const FusedOps& ops, const FusedCall& c, bool backward) {
+  const at::Tensor& q = g_rec->q;
+  const at::Tensor& k = g_rec->k;
+  const int64_t sq = q.size(1), hq = q.size(2), d = q.size(3), skv = k.size(1), hkv = k.size(2);
+  const int64_t qo = elem_offset(c.q, q), ko = elem_offset(c.k, k);
+  Call r{backward,
+         qo / (sq * hq * d),
+         qo % (sq * hq * d) / (hq * d),
+         c.q.size(2),
+         ko % (skv * hkv * d) / (hkv * d),
+         c.k.size(2),
+         qo % (hq * d) / d,
+         c.q.size(1),
+         c.causal,
+         c.bias,
+         c.q.scalar_type(),
+         cuda_fused_kernel(c.q.scalar_type(), c.causal, c.bias.defined(), c.q.size(2), c.k.size(2),
+                           d, ops.sm),
+         c.k.storage().is_alias_of(k.storage())};
+  g_rec->calls.push_back(r);
+}
+
+// Dense fp64 scores of a call, masked entries −inf: top-left causal (key c > query r) or bias.
+at::Tensor scores(const FusedCall& c) {
+  at::Tensor s = at::matmul(c.q.to(at::kDouble), c.k.to(at::kDouble).transpose(-1, -2)) * c.scale;
+  if (c.causal) {
+    s = s.masked_fill(at::ones({s.size(2), s.size(3)}, at::kBool).triu(1), -kInf);
+  }
+  if (c.bias.defined()) s = s + c.bias.to(at::kDouble);
+  return s;
+}
+
+std::tuple<at::Tensor, at::Tensor> fake_forward(const FusedOps& ops, const FusedCall& c) {
+  record(ops, c, false);
+  const at::Tensor s = scores(c);
+  const at::Tensor lse = at::logsumexp(s, -1);  // −inf for a row that sees nothing here
+  const at::Tensor p = at::exp(s - lse.unsqueeze(-1)).nan_to_num(0);
+  return {at::matmul(p, c.v.to(at::kDouble)).to(c.q.scalar_type()), lse.to(at::kFloat)};
+}
+
+// What the ATen ops compute from (dout, out, lse): P = exp(S − lse), delta = rowsum(dO ∘ out).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_backward(const FusedOps& ops,
+                                                             const FusedCall& c,
+                                                             const at::Tensor& dout,
+                                                             const at::Tensor& out,
+                                                             const at::Tensor& lse) {
+  record(ops, c, true);
+  const at::Tensor p = at::exp(scores(c) - lse.to(at::kDouble).unsqueeze(-1)).nan_to_num(0);
+  const at::Tensor d_o = dout.to(at::kDouble), v = c.v.to(at::kDouble);
+  const at::Tensor delta = (d_o * out.to(at::kDouble)).sum(-1, true);
+  const at::Tensor ds = p * (at::matmul(d_o, v.transpose(-1, -2)) - delta);
+  const auto t = c.q.scalar_type();
+  return {(at::matmul(ds, c.k.to(at::kDouble)) * c.scale).to(t),
+          (at::matmul(ds.transpose(-1, -2), c.q.to(at::kDouble)) * c.scale).to(t),
+          at::matmul(p.transpose(-1, -2), d_o).to(t)};
+}
+
+// Rows of a bias start at multiples of 16 elements, as on CUDA.
+const FusedOps kFake{"fake", fake_forward, fake_backward, merge_attention_states_cpu, 16, kFakeSm};
+
+struct Grads {
+  at::Tensor dq, dk, dv;
+};
+
+// Dense fp64 reference through autograd (the reference of tests/test_kernels.cpp).
+Grads reference_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& dout, const at::Tensor& visible) {
+  auto qd = q.to(at::kDouble).detach().requires_grad_(true);
+  auto kd = k.to(at::kDouble).detach().requires_grad_(true);
+  auto vd = v.to(at::kDouble).detach().requires_grad_(true);
+  auto ref = attention_reference(qd, kd, vd, visible, 0, at::kDouble);
+  (ref.o * dout.to(at::kDouble)).sum().backward();
+  return {qd.grad(), kd.grad(), vd.grad()};
+}
+
+// max |x − ref| over entries, −inf matching −inf, normalized by max(1, max |ref|).
+double error(const at::Tensor& x, const at::Tensor& ref) {
+  auto a = x.to(at::kDouble), r = ref.to(at::kDouble);
+  auto both = a.isneginf() & r.isneginf();
+  auto diff = at::where(both, at::zeros_like(a), a - r);
+  if (!diff.isfinite().all().item<bool>()) return kInf;
+  const double scale =
+      std::max(1.0, at::where(both, at::zeros_like(r), r).abs().max().item<double>());
+  return diff.abs().max().item<double>() / scale;
+}
+
+struct Block {
+  int64_t batch, sq, skv, hq, hkv, d;
+  AttentionMask mask;
+};
+
+// The recorded forward calls against the reference visibility `vis` [B, Sq, Skv]: every box is
+// what its mask says, every visible pair is covered once per query head, and no empty tile is
+// called except inside an is_causal call (the ATen kernels skip those tiles themselves).
+void check_coverage(const Block& blk, const std::vector<Call>& calls, const at::Tensor& vis) {
+  const int64_t g = blk.hq / blk.hkv;
+  std::vector<at::Tensor> cov(g);
+  std::vector<at::Tensor> spanned(g);  // pairs inside a call without is_causal
+  for (int64_t gi = 0; gi < g; ++gi) {
+    cov[gi] = at::zeros({blk.batch, blk.sq, blk.skv}, at::kInt);
+    spanned[gi] = at::zeros({blk.batch, blk.sq, blk.skv}, at::kBool);
+  }
+  for (const Call& c : calls) {
+    if (c.backward) continue;
+    SCOPED_TRACE("call b" + std::to_string(c.b) + " q[" + std::to_string(c.i0) + "+" +
+                 std::to_string(c.n) + ") k[" + std::to_string(c.j0) + "+" + std::to_string(c.m) +
+                 ") head " + std::to_string(c.gi));
+    EXPECT_EQ(c.h, blk.hkv);
+    EXPECT_TRUE(c.kv_aliases_input) << "K/V were copied";
+    ASSERT_LT(c.gi, g);
+    const at::Tensor box = vis[c.b].narrow(0, c.i0, c.n).narrow(1, c.j0, c.m);
+    if (c.bias.defined()) {
+      EXPECT_FALSE(c.causal);
+      EXPECT_EQ(c.bias.scalar_type(), c.dtype);
+      EXPECT_EQ(c.bias.stride(2) % 16, 0) << "bias rows must start at multiples of 16";
+      EXPECT_TRUE(at::equal(c.bias[0][0].eq(0), box)) << "bias differs from the reference mask";
+      EXPECT_TRUE(at::equal(c.bias[0][0].isneginf(), box.logical_not()));
+    } else if (c.causal) {
+      EXPECT_TRUE(at::equal(box, at::ones({c.n, c.m}, at::kBool).tril()));
+    } else {
+      EXPECT_TRUE(box.all().item<bool>()) << "a call without a mask covers an invisible pair";
+    }
+    cov[c.gi][c.b].narrow(0, c.i0, c.n).narrow(1, c.j0, c.m).add_(1);
+    if (!c.causal) spanned[c.gi][c.b].narrow(0, c.i0, c.n).narrow(1, c.j0, c.m).fill_(true);
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {
+    EXPECT_TRUE(
+        at::equal(cov[gi].masked_select(vis), at::ones({vis.sum().item<int64_t>()}, at::kInt)))
+        << "head " << gi << ": some visible pair is not covered exactly once";
+    for (int64_t b = 0; b < blk.batch; ++b) {
+      for (int64_t i = 0; i < blk.sq; i += kCpuQTile) {
+        for (int64_t j = 0; j < blk.skv; j += kCpuKTile) {
+          const int64_t n = std::min(kCpuQTile, blk.sq - i), m = std::min(kCpuKTile, blk.skv - j);
+          if (vis[b].narrow(0, i, n).narrow(1, j, m).any().item<bool>()) continue;
+          EXPECT_FALSE(spanned[gi][b].narrow(0, i, n).narrow(1, j, m).any().item<bool>())
+              << "empty tile (b" << b << ", q" << i << ", k" << j << ") was called";
+        }
+      }
+    }
+  }
+}
+
+// Runs the block through the fake table in `dtype`; returns the recorded calls. In fp32 also
+// gates o, lse, dq, dk, dv against the fp64 reference.
+std::vector<Call> run_block(const Block& blk, at::ScalarType dtype, uint64_t seed) {
+  at::manual_seed(seed);
+  const at::Tensor q = at::randn({blk.batch, blk.sq, blk.hq, blk.d}).to(dtype);
+  const at::Tensor k = at::randn({blk.batch, blk.skv, blk.hkv, blk.d}).to(dtype);
+  const at::Tensor v = at::randn({blk.batch, blk.skv, blk.hkv, blk.d}).to(dtype);
+  const at::Tensor dout = at::randn({blk.batch, blk.sq, blk.hq, blk.d}).to(dtype);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(blk.d));
+  Recorder rec{q, k, {}};
+  g_rec = &rec;
+  AttentionStats st;
+  auto out = attention_forward_fused(kFake, q, k, v, scale, blk.mask, &st);
+  auto delta = attention_delta(dout, out.o);
+  auto g = attention_backward_fused(kFake, q, k, v, dout, out.lse, delta, scale, blk.mask, nullptr);
+  g_rec = nullptr;
+  const at::Tensor vis = lvx::testing::reference_visibility(blk.mask, blk.batch, blk.sq, blk.skv);
+  check_coverage(blk, rec.calls, vis);
+  // The backward makes the forward's calls again (one plan for both).
+  std::vector<std::string> fwd, bwd;
+  for (const Call& c : rec.calls) {
+    (c.backward ? bwd : fwd)
+        .push_back(std::to_string(c.b) + ":" + std::to_string(c.i0) + "+" + std::to_string(c.n) +
+                   "x" + std::to_string(c.j0) + "+" + std::to_string(c.m) + "/" +
+                   std::to_string(c.gi) + (c.causal ? "c" : "") + (c.bias.defined() ? "b" : ""));
+  }
+  EXPECT_EQ(fwd, bwd);
+  EXPECT_EQ(st.tiles_fused + st.tiles_skipped, st.tiles_total);
+  if (dtype == at::kFloat) {
+    auto exact = attention_reference(q, k, v, vis, scale, at::kDouble);
+    EXPECT_LE(error(out.o, exact.o), 2e-5);
+    EXPECT_LE(error(out.lse, exact.lse), 2e-5);
+    auto gx = reference_grads(q, k, v, dout, vis);
+    EXPECT_LE(error(g.dq, gx.dq), 2e-5);
+    EXPECT_LE(error(g.dk, gx.dk), 2e-5);
+    EXPECT_LE(error(g.dv, gx.dv), 2e-5);
+  }
+  return rec.calls;
+}
+
+AttentionMask causal(int64_t sq, int64_t skv) {  // aligned at the end, as a ring's last block
+  AttentionMask m;
+  m.kind = MaskKind::kCausal;
+  m.q_pos = at::arange(sq, at::kLong) + (skv - sq);
+  m.k_pos = at::arange(skv, at::kLong);
+  return m;
+}
+
+// A square causal block (a ring's diagonal) with GQA: one is_causal call per query head of a
+// group; bf16/fp16 take flash (square), fp32 the memory-efficient kernel.
+TEST(FusedPlan, CausalSquareGqaIsOneCausalCallPerGroupHead) {
+  const Block blk{1, 700, 700, 4, 2, 16, causal(700, 700)};
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto calls = run_block(blk, dtype, 11);
+    ASSERT_EQ(calls.size(), 4u);  // 2 group heads, forward and backward
+    for (const Call& c : calls) {
+      EXPECT_TRUE(c.causal && !c.bias.defined() && c.n == 700 && c.m == 700);
+      EXPECT_EQ(c.kernel, dtype == at::kFloat ? FusedKernel::kEfficient : FusedKernel::kFlash)
+          << fused_kernel_name(c.kernel);
+    }
+  }
+}
+
+// Causal with Sq < Skv, aligned at the end: the keys every query sees are one call without a
+// mask (flash for bf16/fp16, memory-efficient for fp32), the diagonal part calls with a bias
+// (memory-efficient).
+TEST(FusedPlan, CausalEndAlignedFullRunWithoutMaskAndDiagonalWithBias) {
+  const Block blk{1, 300, 1500, 4, 2, 16, causal(300, 1500)};
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto calls = run_block(blk, dtype, 12);
+    int full = 0, masked = 0;
+    for (const Call& c : calls) {
+      if (c.backward) continue;
+      if (!c.bias.defined() && !c.causal) {
+        ++full;
+        EXPECT_EQ(c.n, 300);  // every query at once
+        EXPECT_EQ(c.j0, 0);
+        EXPECT_EQ(c.m, 2 * kCpuKTile);
+        EXPECT_EQ(c.kernel, dtype == at::kFloat ? FusedKernel::kEfficient : FusedKernel::kFlash);
+      } else {
+        ++masked;
+        EXPECT_TRUE(c.bias.defined());
+        EXPECT_EQ(c.kernel, FusedKernel::kEfficient);
+      }
+    }
+    EXPECT_EQ(full, 2);  // one per group head
+    EXPECT_GT(masked, 0);
+  }
+}
+
+// Media up-to with rows that see nothing (q_media −1) and key tiles nobody in a query tile sees:
+// no call touches an empty tile, empty rows end with o = 0 and lse = −inf.
+TEST(FusedPlan, MediaMaskSkipsEmptyTilesAndMergesToReference) {
+  const int64_t sq = 400, skv = 2600;
+  Block blk{2, sq, skv, 2, 2, 16, {}};
+  blk.mask.kind = MaskKind::kMedia;
+  blk.mask.media_rule = MediaRule::kUpTo;
+  blk.mask.q_media = at::clamp_max(at::floor_divide(at::arange(sq, at::kLong) - 50, 90), 3)
+                         .to(at::kInt)
+                         .unsqueeze(0)
+                         .repeat({2, 1})
+                         .contiguous();
+  blk.mask.kv_media =
+      at::floor_divide(at::arange(skv, at::kLong), 700).to(at::kInt).unsqueeze(0).repeat({2, 1});
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto calls = run_block(blk, dtype, 13);
+    bool any_full = false, any_bias = false;
+    for (const Call& c : calls) {
+      if (c.bias.defined()) {
+        any_bias = true;
+        EXPECT_EQ(c.kernel, FusedKernel::kEfficient);
+      } else if (!c.causal) {
+        any_full = true;
+        EXPECT_EQ(c.kernel, dtype == at::kFloat ? FusedKernel::kEfficient : FusedKernel::kFlash);
+      }
+    }
+    EXPECT_TRUE(any_full && any_bias);
+  }
+  // The rows before the first media: nothing visible.
+  Recorder rec;
+  at::manual_seed(14);
+  auto q = at::randn({2, sq, 2, 16}), k = at::randn({2, skv, 2, 16}),
+       v = at::randn({2, skv, 2, 16});
+  rec.q = q;
+  rec.k = k;
+  g_rec = &rec;
+  auto out = attention_forward_fused(kFake, q, k, v, 0.25, blk.mask, nullptr);
+  g_rec = nullptr;
+  EXPECT_TRUE(at::equal(out.lse.narrow(2, 0, 50), at::full({2, 2, 50}, -kInf)));
+  EXPECT_TRUE(at::equal(out.o.narrow(1, 0, 50), at::zeros({2, 50, 2, 16})));
+}
+
+// GQA (4 query heads per K/V head) with padding and a media-immediate mask: each box is called
+// once per query head of a group on views of K/V, and the merge is the reference's.
+TEST(FusedPlan, GqaMediaImmediateWithPaddingCallsEachGroupHeadOnKvViews) {
+  const int64_t sq = 260, skv = 1300;
+  Block blk{2, sq, skv, 8, 2, 16, {}};
+  blk.mask.kind = MaskKind::kMedia;
+  blk.mask.media_rule = MediaRule::kImmediate;
+  at::manual_seed(15);
+  blk.mask.q_media = std::get<0>(at::randint(-1, 3, {2, sq}, at::kInt).sort(1)).contiguous();
+  blk.mask.kv_media =
+      (at::arange(skv, at::kLong) * 3 / skv).to(at::kInt).unsqueeze(0).repeat({2, 1});
+  blk.mask.kv_valid = at::rand({2, skv}) > 0.1;
+  const auto calls = run_block(blk, at::kFloat, 16);
+  std::vector<int> per_head(4, 0);
+  for (const Call& c : calls) {
+    if (!c.backward) ++per_head[c.gi];
+  }
+  EXPECT_GT(per_head[0], 0);
+  for (int gi = 1; gi < 4; ++gi) EXPECT_EQ(per_head[gi], per_head[0]);
+}
+
+// ---- the CUDA table's choices, without a GPU ------------------------------------------------
+TEST(FusedCudaChoice, KernelPerCallFollowsAtenConstraints) {
+  using K = FusedKernel;
+  // bf16/fp16 without a mask: flash on sm80-121; fp32: memory-efficient.
+  EXPECT_EQ(cuda_fused_kernel(at::kBFloat16, false, false, 100, 900, 128, 90), K::kFlash);
+  EXPECT_EQ(cuda_fused_kernel(at::kHalf, false, false, 100, 900, 128, 80), K::kFlash);
+  EXPECT_EQ(cuda_fused_kernel(at::kFloat, false, false, 100, 900, 128, 90), K::kEfficient);
+  // a bias: memory-efficient; causal: flash only when square (its causal is bottom-right).
+  EXPECT_EQ(cuda_fused_kernel(at::kBFloat16, false, true, 100, 900, 128, 90), K::kEfficient);
+  EXPECT_EQ(cuda_fused_kernel(at::kBFloat16, true, false, 512, 512, 128, 90), K::kFlash);
+  EXPECT_EQ(cuda_fused_kernel(at::kBFloat16, true, false, 300, 512, 128, 90), K::kEfficient);
+  // flash is not built below sm80; head dim > 192 fails its backward on sm86-89 and sm120.
+  EXPECT_EQ(cuda_fused_kernel(at::kHalf, false, false, 100, 900, 128, 75), K::kEfficient);
+  EXPECT_EQ(cuda_fused_kernel(at::kBFloat16, false, false, 100, 900, 256, 86), K::kEfficient);
+  EXPECT_EQ(cuda_fused_kernel(at::kBFloat16, false, false, 100, 900, 256, 90), K::kFlash);
+  EXPECT_EQ(cuda_fused_kernel(at::kBFloat16, false, false, 100, 900, 192, 89), K::kFlash);
+}
+
+TEST(FusedCudaChoice, UnsupportedBlocksFallBackWithAReason) {
+  auto t = [](at::ScalarType dt, int64_t d) { return at::zeros({1, 16, 2, d}, dt); };
+  const auto q = t(at::kBFloat16, 64);
+  EXPECT_EQ(cuda_fused_unsupported(q, q, q, 90), nullptr);
+  EXPECT_EQ(cuda_fused_unsupported(t(at::kFloat, 64), t(at::kFloat, 64), t(at::kFloat, 64), 75),
+            nullptr);
+  const auto d64 = t(at::kDouble, 64);
+  EXPECT_NE(cuda_fused_unsupported(d64, d64, d64, 90), nullptr);  // fp64: lvx's kernels
+  EXPECT_NE(cuda_fused_unsupported(q, q, q, 75), nullptr);        // bf16 below sm80
+  EXPECT_NE(cuda_fused_unsupported(q, q, q, 37), nullptr);        // below sm50
+  const auto d12 = t(at::kHalf, 12);
+  EXPECT_NE(cuda_fused_unsupported(d12, d12, d12, 90), nullptr);  // head dim % 8
+  const auto d264 = t(at::kHalf, 264);
+  EXPECT_NE(cuda_fused_unsupported(d264, d264, d264, 90), nullptr);  // head dim > 256
+  // One element past an aligned base: not 16-byte aligned.
+  const auto off =
+      at::zeros({1 + 16 * 2 * 64}, at::kBFloat16).narrow(0, 1, 16 * 2 * 64).view({1, 16, 2, 64});
+  EXPECT_NE(cuda_fused_unsupported(off, q, q, 90), nullptr);
+}
+
+}  // namespace
+}  // namespace lvx::kernels
