@@ -154,6 +154,8 @@ class Server {
   bool authorized(const httplib::Request& req, httplib::Response& res);
   void send_error(httplib::Response& res, const ApiError& e);
   void chat(const httplib::Request& req, httplib::Response& res);
+  // Throws a 400 when the family's template refuses the request's conversation.
+  void check_conversation(const ChatRequest& r) const;
   std::string metrics_text();
   // Every queued job ends with `e` (a failed rank, or shutting down).
   void fail_queued(const ApiError& e);
@@ -185,7 +187,10 @@ json Server::describe(const Job& job, std::vector<std::string>& blobs) const {
   };
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };
   json d{{"id", job.id},
+         {"system", r.system},
+         {"earlier", r.earlier},
          {"question", r.question},
+         {"return_prompt_ids", r.return_prompt_ids},
          {"fps", opt(r.fps)},
          {"num_frames", opt(r.num_frames)},
          {"start", opt(r.start)},
@@ -228,6 +233,9 @@ json Server::answer(const Command& c, const std::function<void(const std::string
   runtime::QaRequest q;
   q.item.id = d["id"].get<std::string>();
   q.item.question = d["question"].get<std::string>();
+  q.system = d["system"].get<std::string>();
+  q.earlier = d["earlier"].get<std::vector<std::pair<std::string, std::string>>>();
+  q.return_prompt_ids = d["return_prompt_ids"].get<bool>();
   if (d.contains("video")) q.item.video = file_of(d["video"], "video");
   for (size_t i = 0; i < d["frames"].size(); ++i)
     q.image_files.push_back(file_of(d["frames"][i], "frame" + std::to_string(i)));
@@ -288,6 +296,29 @@ void Server::fail_queued(const ApiError& e) {
   for (auto& j : q) j->fail(e);
 }
 
+void Server::check_conversation(const ChatRequest& r) const {
+  // The template's refusals (a system message it has no place for, a conversation it cannot
+  // continue) before the request is queued; the frames' count does not change them.
+  runtime::QaRequest q;
+  q.item.question = r.question;
+  q.earlier = r.earlier;
+  q.system = r.system;
+  try {
+    (void)session_.prompt(q, 1);
+  } catch (const Error& e) {
+    std::string param = "messages";
+    if (!r.system.empty()) {
+      q.system.clear();
+      try {
+        (void)session_.prompt(q, 1);
+        param = r.system_param;  // the system message alone is refused
+      } catch (const Error&) {
+      }
+    }
+    throw bad_request(std::string(e.what()) + " (" + param + ")", param);
+  }
+}
+
 void Server::chat(const httplib::Request& req, httplib::Response& res) {
   if (!authorized(req, res)) return;
   if (failed_) {
@@ -304,6 +335,7 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
   job->id = "chatcmpl-lvx-" + std::to_string(next_id_++);
   try {
     job->req = parse_chat_request(req.body, api_);
+    check_conversation(job->req);
   } catch (const ApiError& e) {
     send_error(res, e);
     return;
@@ -349,6 +381,7 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
     out["lvx"] = {{"frames", row["frames"]},
                   {"timings", row["timings"]},
                   {"visual_cache", row.value("visual_cache", json())}};
+    if (row.contains("prompt_ids")) out["lvx"]["prompt_ids"] = row["prompt_ids"];
     res.set_content(out.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
     metrics_.count(200);
     return;

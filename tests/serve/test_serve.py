@@ -261,6 +261,105 @@ def case_cache_hits_and_changed_file(fx, srv, ranks):
     assert hits(m5) - hits(m4) == ranks
 
 
+def tokenizer_ids(fx, text):
+    """The tokenizers package's ids of a whole chat string (its special tokens as ids)."""
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(fx.model / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
+
+
+def chatml(system, turns, question, frames):
+    """mPLUG-Owl3's chat as text (the processor's build_text_qwen), the last question open."""
+    text = "<|im_start|>system\n%s<|im_end|>" % system
+    for i, (q, a) in enumerate(turns + [(question, None)]):
+        text += "\n<|im_start|>user\n" + ("<|image|>" * frames + "\n" if i == 0 else "") + q
+        text += "<|im_end|>\n<|im_start|>assistant\n" + ("" if a is None else a + "<|im_end|>")
+    return text
+
+
+def rgb_frames(d, count, size):
+    """`count` PNG frames of `size` x `size` (the vision tower's size: preprocessing does not
+    resample them) and their RGB bytes as ffmpeg reads them back."""
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-f", "lavfi", "-i",
+                    "testsrc2=size=%dx%d:rate=4" % (size, size), "-frames:v", str(count),
+                    str(d / "g%03d.png")], check=True)
+    pngs = sorted(d.glob("g*.png"))
+    raw = [subprocess.run(["ffmpeg", "-loglevel", "error", "-i", str(p), "-f", "rawvideo",
+                           "-pix_fmt", "rgb24", "-"], check=True, capture_output=True).stdout
+           for p in pngs]
+    return pngs, raw
+
+
+def forward_greedy(fx, ids, raw, size, tokens, ranks):
+    """lvx forward --generate on the same ids and frames (SigLIP's (x / 255 - 0.5) / 0.5)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+    d = Path(tempfile.mkdtemp(dir=fx.root))
+    pix = np.stack([np.frombuffer(b, np.uint8).reshape(size, size, 3) for b in raw])
+    pix = torch.from_numpy(pix.copy()).permute(0, 3, 1, 2).contiguous().float()
+    pix = (pix / 255.0 - 0.5) / 0.5
+    save_file({"input_ids": torch.tensor([ids], dtype=torch.int64), "pixel_values": pix},
+              str(d / "in.safetensors"))
+    subprocess.run([LVX, "forward", "--model", str(fx.model), "--input", str(d / "in.safetensors"),
+                    "--output", str(d / "out.safetensors"), "--generate", str(tokens),
+                    "--nproc", str(ranks)], check=True, capture_output=True, timeout=60)
+    return load_file(str(d / "out.safetensors"))["tokens"][0].tolist()
+
+
+def case_conversation_template(fx, srv, ranks):
+    # A one-turn conversation is lvx qa's prompt; earlier turns and a system message are the
+    # chat template's own turns (the tokenizers package encodes the chat text written out), and
+    # the answer is the model's greedy answer to those tokens (lvx forward --generate).
+    def ask_ids(msgs, **kw):
+        status, text = srv.http("POST", "/v1/chat/completions", json.dumps(
+            {"model": "model", "messages": msgs, "max_tokens": TOKENS, "return_prompt_ids": True,
+             **kw}))
+        assert status == 200, text
+        return json.loads(text)
+
+    clip = video_part(file_url(fx.clip))
+    one = ask_ids(messages(clip))
+    want = qa_json(fx, fx.clip, ranks)
+    assert one["lvx"]["prompt_ids"] == tokenizer_ids(fx, chatml("", [], QUESTION, FRAMES))
+    assert one["usage"]["prompt_tokens"] == want["prompt_tokens"] == len(one["lvx"]["prompt_ids"])
+    assert one["choices"][0]["message"]["content"] == want["response"]
+
+    size = 32  # the tiny SigLIP's image_size
+    pngs, raw = rgb_frames(Path(tempfile.mkdtemp(dir=fx.root)), 4, size)
+    frames = [{"type": "image_url", "image_url": {"url": data_url(p, "image/png")}} for p in pngs]
+    convo = [{"role": "system", "content": "the shape"},
+             {"role": "user", "content": [*frames, {"type": "text", "text": QUESTION}]},
+             {"role": "assistant", "content": "red"},
+             {"role": "user", "content": "and now?"}]
+    two = ask_ids(convo)
+    ids = two["lvx"]["prompt_ids"]
+    assert ids == tokenizer_ids(fx, chatml("the shape", [(QUESTION, "red")], "and now?", 4))
+    assert two["usage"]["prompt_tokens"] == len(ids)
+    # The model's greedy tokens for the same prompt and frames, cut at the stop token.
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(fx.model / "tokenizer.json"))
+    stops = {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
+    gen = forward_greedy(fx, ids, raw, size, TOKENS, ranks)
+    print("  2 turns: %d prompt tokens, greedy %s" % (len(ids), gen))
+    cut = next((i for i, t in enumerate(gen) if t in stops), len(gen))
+    assert two["usage"]["completion_tokens"] == cut, (two["usage"], gen)
+    assert two["choices"][0]["message"]["content"] == tok.decode(gen[:cut]), (two, gen)
+    # Split user messages (frames in one, the text in the next) are one turn.
+    split = [{"role": "user", "content": frames}, {"role": "user", "content": QUESTION}]
+    assert ask_ids(split)["lvx"]["prompt_ids"] == tokenizer_ids(fx, chatml("", [], QUESTION, 4))
+    # What the template cannot take is a 400 naming the message.
+    late = convo + [{"role": "assistant", "content": "x"}, {"role": "system", "content": "late"},
+                    {"role": "user", "content": "?"}]
+    assert expect_error(srv, 400, json.dumps({"model": "model", "messages": late}))[
+        "param"] == "messages[5].role"
+    first = [{"role": "assistant", "content": "hi"}] + messages(clip)
+    assert expect_error(srv, 400, json.dumps({"model": "model", "messages": first}))[
+        "param"] == "messages[0].role"
+    blank = [convo[1], convo[2], {"role": "user", "content": " "}]
+    expect_error(srv, 400, json.dumps({"model": "model", "messages": blank}))
+
+
 def case_error_codes(fx, srv, ranks):
     ok = json.dumps({"model": "model", "messages": messages(video_part(file_url(fx.clip)))})
     expect_error(srv, 400, "{not json")
@@ -400,6 +499,7 @@ CASES = [
     (case_answers_equal_lvx_qa, [], {}, 1, False),
     (case_streaming, [], {}, 1, False),
     (case_image_frames, [], {}, 1, False),
+    (case_conversation_template, [], {}, 1, False),
     (case_cache_hits_and_changed_file, [], {}, 1, False),
     (case_error_codes, ["--max-body-bytes", str(200 << 10)], {}, 1, False),
     (case_queue_full_429, ["--max-queue", "1"], {}, 1, False),
