@@ -1,17 +1,25 @@
 #include "src/serve/server.h"
 
+#include <dirent.h>
 #include <httplib.h>
+#include <netdb.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -42,6 +50,54 @@ int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
+}
+
+// The socket of `req`'s connection: cpp-httplib 0.11 hands a handler no socket, so it is found
+// among this process's descriptors by its two ends (local and remote address and port, unique
+// while the connection is open). -1 when none matches.
+int connection_fd(const httplib::Request& req) {
+  auto ends = [](int fd, bool peer, std::string& host, int& port) {
+    sockaddr_storage a{};
+    socklen_t n = sizeof(a);
+    auto* sa = reinterpret_cast<sockaddr*>(&a);
+    if ((peer ? ::getpeername(fd, sa, &n) : ::getsockname(fd, sa, &n)) != 0) return false;
+    char h[NI_MAXHOST], p[NI_MAXSERV];
+    if (::getnameinfo(sa, n, h, sizeof(h), p, sizeof(p), NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+      return false;
+    host = h;
+    port = std::atoi(p);
+    return true;
+  };
+  DIR* d = ::opendir("/proc/self/fd");
+  if (!d) return -1;
+  int found = -1;
+  while (const dirent* e = ::readdir(d)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const int fd = std::atoi(e->d_name);
+    struct stat st {};
+    if (fd == ::dirfd(d) || ::fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    std::string lh, rh;
+    int lp = -1, rp = -1;
+    if (ends(fd, false, lh, lp) && lp == req.local_port && ends(fd, true, rh, rp) &&
+        rp == req.remote_port && rh == req.remote_addr) {
+      found = fd;
+      break;
+    }
+  }
+  ::closedir(d);
+  return found;
+}
+
+// Whether the client at the other end of `fd` closed its side (an end of file waits to be read,
+// or the socket failed). A client that sent more bytes (a pipelined request) is still there.
+bool client_gone(int fd) {
+  if (fd < 0) return false;
+  pollfd p{fd, POLLIN | POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLERR | POLLHUP | POLLNVAL | POLLRDHUP)) return true;
+  char c = 0;
+  const ssize_t n = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
 // One request from the HTTP thread that received it to the main thread that runs it, and its
@@ -125,6 +181,7 @@ struct Metrics {
   std::vector<double> ttft_buckets{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
   std::vector<int64_t> ttft_counts = std::vector<int64_t>(10, 0);
   int64_t cache_hits = 0, cache_misses = 0, cache_bytes = 0;  // over every rank
+  int64_t cancelled = 0;  // requests whose client went away before the answer ended
   void count(int status) {
     std::lock_guard<std::mutex> lock(mu);
     ++requests[status];
@@ -352,10 +409,24 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
     queue_.push_back(job);
   }
   qcv_.notify_all();
-  // Wait for the first text (or the end), so that an error before it gets its own status.
+  // Wait for the first text (or the end), so that an error before it gets its own status; a
+  // non-streaming answer waits for its end. Meanwhile the client may leave (cpp-httplib says
+  // nothing until a write fails): its socket is looked at every 100 ms, and a client gone
+  // cancels the job (not run if still queued; stopped at its next token if running).
+  const int fd = connection_fd(req);
+  auto wait_for = [&](const std::function<bool()>& ready) {
+    std::unique_lock<std::mutex> lock(job->mu);
+    while (!job->cv.wait_for(lock, std::chrono::milliseconds(100), ready)) {
+      if (client_gone(fd)) {
+        job->cancelled = true;
+        return false;
+      }
+    }
+    return true;
+  };
+  if (!wait_for([&] { return job->first; })) return;
   {
     std::unique_lock<std::mutex> lock(job->mu);
-    job->cv.wait(lock, [&] { return job->first; });
     if (job->error) {
       const ApiError e = *job->error;
       lock.unlock();
@@ -365,8 +436,8 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
   }
   const std::string model = o_.model_name;
   if (!job->req.stream) {
+    if (!wait_for([&] { return job->done; })) return;
     std::unique_lock<std::mutex> lock(job->mu);
-    job->cv.wait(lock, [&] { return job->done; });
     if (job->error) {
       const ApiError e = *job->error;
       lock.unlock();
@@ -486,6 +557,10 @@ std::string Server::metrics_text() {
     << "\n"
     << "# TYPE lvx_visual_cache_capacity_bytes gauge\nlvx_visual_cache_capacity_bytes{rank=\"0\"} "
     << own.capacity << "\n"
+    << "# HELP lvx_requests_cancelled_total Requests whose client went away before the answer "
+       "ended (their generation stopped, or never ran).\n"
+    << "# TYPE lvx_requests_cancelled_total counter\nlvx_requests_cancelled_total "
+    << metrics_.cancelled << "\n"
     << "# TYPE lvx_queue_depth gauge\nlvx_queue_depth " << depth << "\n"
     << "# TYPE lvx_requests_running gauge\nlvx_requests_running " << running_.load() << "\n"
     << "# TYPE lvx_ranks gauge\nlvx_ranks " << pg_.world_size() << "\n";
@@ -596,6 +671,12 @@ int Server::run_rank0() {
         draining_ = true;
         std::cerr << "lvx serve: stopping: finishing the requests in flight" << std::endl;
       }
+      if (job && job->cancelled) {  // its client left while it waited
+        running_ = 0;
+        std::lock_guard<std::mutex> lock(metrics_.mu);
+        ++metrics_.cancelled;
+        continue;
+      }
       if (!job) {
         if (draining_) break;
         if (seconds_since(last_command) >= heartbeat_s) {
@@ -632,6 +713,10 @@ int Server::run_rank0() {
           [&] { return job->cancelled.load() || job->stop_hit; });
       last_command = clock::now();
       running_ = 0;
+      if (job->cancelled) {
+        std::lock_guard<std::mutex> lock(metrics_.mu);
+        ++metrics_.cancelled;
+      }
       if (row.contains("error")) {
         job->fail(bad_request(row["error"].get<std::string>()));
         continue;

@@ -7,12 +7,14 @@
 // description (the fields and the media bytes sent inline, src/serve/wire.h) to every rank,
 // every rank answers it as `lvx qa` does (per-rank frames, the plan's strategies, pass-Q
 // decoding), and rank 0 streams the text to the client as tokens arrive. A client that goes
-// away mid-stream stops its generation (the stop flag travels with the next token).
+// away (a stream that can no longer be written; a non-streaming client's socket closed, looked at
+// every 100 ms while it waits) cancels its request: not run if queued, stopped at its next token
+// if running (the stop flag travels with the token).
 //
 // Endpoints: POST /v1/chat/completions, GET /v1/models (with --api-key: both need
 // "Authorization: Bearer K", else 401), GET /health (200, or 503 once a rank failed or while
 // shutting down), GET /metrics (Prometheus text: requests by status, tokens, time to first token,
-// visual cache hits/misses/bytes, queue depth).
+// visual cache hits/misses/bytes, cancelled requests, queue depth).
 //
 // Faults: while idle rank 0 sends a heartbeat command (a broadcast and a barrier) every quarter
 // of LVX_DIST_TIMEOUT_S (at most 5 s), so a rank that dies is found within about one timeout

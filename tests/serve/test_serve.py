@@ -440,6 +440,60 @@ def case_stop_and_disconnect(fx, srv, ranks):
     assert used < 400, used
 
 
+def case_nonstreaming_client_leaves(fx, srv, ranks):
+    # A non-streaming client that closes its socket while its answer runs (20,000 tokens: far
+    # longer than the case may take) or waits in the queue: its generation stops, the cancelled
+    # counter says so, and the next request is answered at once.
+    import socket
+
+    def leave(max_tokens, wait_s):
+        body = json.dumps({"model": "model", "max_tokens": max_tokens,
+                           "messages": messages(video_part(file_url(fx.clip)))}).encode()
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+                  KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: " +
+                  str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(wait_s)
+        s.close()
+
+    def counter(name):
+        return srv.metrics().get(name, 0)
+
+    ask(srv, video_part(file_url(fx.clip)), max_tokens=1)  # the video cached: a quick prefill
+    m0 = srv.metrics()
+    leave(20000, 1.0)  # running when it leaves
+    deadline = time.time() + 10
+    while counter("lvx_requests_cancelled_total") < m0["lvx_requests_cancelled_total"] + 1:
+        assert time.time() < deadline, "the departed client's request was not cancelled"
+        time.sleep(0.05)
+    t0 = time.time()
+    r = ask(srv, video_part(file_url(fx.clip)), max_tokens=4)
+    took = time.time() - t0
+    m1 = srv.metrics()
+    used = m1["lvx_generated_tokens_total"] - m0["lvx_generated_tokens_total"]
+    print("  cancelled after %d tokens; the next request took %.2f s" % (used - 4, took))
+    assert r.choices[0].message.content is not None and took < 10, took
+    assert used < 20000, used
+    # One that leaves while another runs: it never runs.
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        first = ex.submit(lambda: srv.http("POST", "/v1/chat/completions", json.dumps(
+            {"model": "model", "max_tokens": 300,
+             "messages": messages(video_part(file_url(fx.clip)))})))
+        time.sleep(0.3)
+        leave(20000, 0.3)
+        status, text = first.result()
+        assert status == 200, text
+    deadline = time.time() + 10
+    while counter("lvx_requests_cancelled_total") < m1["lvx_requests_cancelled_total"] + 1:
+        assert time.time() < deadline, "the request that left the queue was not cancelled"
+        time.sleep(0.05)
+    # Only the first one's prompt was run.
+    assert srv.metrics()["lvx_prompt_tokens_total"] - m1["lvx_prompt_tokens_total"] == \
+        json.loads(text)["usage"]["prompt_tokens"]
+    assert ask(srv, video_part(file_url(fx.clip)), max_tokens=1).choices[0].message.content \
+        is not None
+
+
 def case_sigterm_finishes_in_flight(fx, srv, ranks):
     got = {}
 
@@ -504,6 +558,7 @@ CASES = [
     (case_error_codes, ["--max-body-bytes", str(200 << 10)], {}, 1, False),
     (case_queue_full_429, ["--max-queue", "1"], {}, 1, False),
     (case_stop_and_disconnect, [], {}, 1, False),
+    (case_nonstreaming_client_leaves, [], {}, 1, False),
     (case_sigterm_finishes_in_flight, [], {}, 1, True),
     (case_killed_rank_503, [], {"LVX_DIST_TIMEOUT_S": "4"}, 2, True),
     (case_port_in_use_fails_every_rank_at_once, None, {}, 1, True),
