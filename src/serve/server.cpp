@@ -171,6 +171,14 @@ struct Job {
   }
 };
 
+// What a request's tokens depend on: its description as broadcast (src/serve/wire.h) without
+// its id. Two requests with equal keys and equal inline media get the same tokens.
+std::string generation_key(const json& desc) {
+  json d = desc;
+  d.erase("id");
+  return d.dump();
+}
+
 // Prometheus counters (rank 0).
 struct Metrics {
   std::mutex mu;
@@ -182,6 +190,7 @@ struct Metrics {
   std::vector<int64_t> ttft_counts = std::vector<int64_t>(10, 0);
   int64_t cache_hits = 0, cache_misses = 0, cache_bytes = 0;  // over every rank
   int64_t cancelled = 0;  // requests whose client went away before the answer ended
+  int64_t merged = 0;     // requests answered by an identical request's generation
   void count(int status) {
     std::lock_guard<std::mutex> lock(mu);
     ++requests[status];
@@ -561,6 +570,10 @@ std::string Server::metrics_text() {
        "ended (their generation stopped, or never ran).\n"
     << "# TYPE lvx_requests_cancelled_total counter\nlvx_requests_cancelled_total "
     << metrics_.cancelled << "\n"
+    << "# HELP lvx_requests_merged_total Requests answered by the generation of an identical "
+       "request queued with them.\n"
+    << "# TYPE lvx_requests_merged_total counter\nlvx_requests_merged_total " << metrics_.merged
+    << "\n"
     << "# TYPE lvx_queue_depth gauge\nlvx_queue_depth " << depth << "\n"
     << "# TYPE lvx_requests_running gauge\nlvx_requests_running " << running_.load() << "\n"
     << "# TYPE lvx_ranks gauge\nlvx_ranks " << pg_.world_size() << "\n";
@@ -654,7 +667,8 @@ int Server::run_rank0() {
   const double heartbeat_s = std::clamp(timeout_s / 4, 0.2, 5.0);
   auto last_command = clock::now();
   int code = 0;
-  std::shared_ptr<Job> job;  // the one running
+  std::shared_ptr<Job> job;                 // the one taken from the queue
+  std::vector<std::shared_ptr<Job>> group;  // it and the identical ones sharing its generation
   try {
     for (;;) {
       job.reset();
@@ -689,12 +703,32 @@ int Server::run_rank0() {
       Command c;
       c.op = Op::kAnswer;
       c.desc = describe(*job, c.blobs);
+      // Queued requests identical to this one in everything their tokens depend on (media,
+      // sampling and seed, conversation, max_tokens) share its generation: the same inputs give
+      // the same tokens, so each gets exactly the answer it would get alone. What only their own
+      // responses use (stop strings, streaming, usage) stays theirs.
+      group = {job};
+      if (o_.merge_identical) {
+        const std::string key = generation_key(c.desc);
+        std::lock_guard<std::mutex> lock(qmu_);
+        for (auto it = queue_.begin(); it != queue_.end();) {
+          std::vector<std::string> blobs;
+          if (!(*it)->cancelled && generation_key(describe(**it, blobs)) == key &&
+              blobs == c.blobs) {
+            group.push_back(*it);
+            it = queue_.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        running_ = static_cast<int64_t>(group.size());
+      }
       exchange(pg_, c);
-      bool first_seen = false;
-      auto note_first = [&] {
-        if (first_seen) return;
-        first_seen = true;
-        const double t = seconds_since(job->received);
+      std::vector<bool> first_seen(group.size(), false);
+      auto note_first = [&](size_t k) {
+        if (first_seen[k]) return;
+        first_seen[k] = true;
+        const double t = seconds_since(group[k]->received);
         std::lock_guard<std::mutex> lock(metrics_.mu);
         metrics_.ttft_sum += t;
         ++metrics_.ttft_count;
@@ -707,37 +741,48 @@ int Server::run_rank0() {
       const json row = answer(
           c,
           [&](const std::string& piece) {
-            note_first();
-            job->push_text(piece);
+            for (size_t k = 0; k < group.size(); ++k) {
+              note_first(k);
+              group[k]->push_text(piece);
+            }
           },
-          [&] { return job->cancelled.load() || job->stop_hit; });
+          [&] {  // every client of the generation left or has its stop string
+            return std::all_of(group.begin(), group.end(), [](const std::shared_ptr<Job>& j) {
+              return j->cancelled.load() || j->stop_hit;
+            });
+          });
       last_command = clock::now();
       running_ = 0;
-      if (job->cancelled) {
-        std::lock_guard<std::mutex> lock(metrics_.mu);
-        ++metrics_.cancelled;
-      }
-      if (row.contains("error")) {
-        job->fail(bad_request(row["error"].get<std::string>()));
-        continue;
-      }
-      note_first();
       {
         std::lock_guard<std::mutex> lock(metrics_.mu);
-        metrics_.prompt_tokens += row["prompt_tokens"].get<int64_t>();
-        metrics_.completion_tokens += row["completion_tokens"].get<int64_t>();
-        metrics_.latency_sum += seconds_since(job->received);
-        ++metrics_.latency_count;
-        if (row.contains("visual_cache")) {
+        metrics_.merged += static_cast<int64_t>(group.size()) - 1;
+        for (const auto& j : group) metrics_.cancelled += j->cancelled ? 1 : 0;
+        if (!row.contains("error") && row.contains("visual_cache")) {
           metrics_.cache_hits += row["visual_cache"]["hits"].get<int64_t>();
           metrics_.cache_misses += row["visual_cache"]["misses"].get<int64_t>();
           metrics_.cache_bytes = row["visual_cache"]["bytes"].get<int64_t>();
         }
       }
-      std::string finish = row["finish_reason"].get<std::string>();
-      if (job->stop_hit) finish = "stop";
-      // The text as lvx qa gives it, unless a stop string cut it.
-      job->finish(row, finish, job->stop_hit ? job->text : row["response"].get<std::string>());
+      for (size_t k = 0; k < group.size(); ++k) {
+        Job& j = *group[k];
+        if (row.contains("error")) {
+          j.fail(bad_request(row["error"].get<std::string>()));
+          continue;
+        }
+        note_first(k);
+        {
+          std::lock_guard<std::mutex> lock(metrics_.mu);
+          metrics_.prompt_tokens += row["prompt_tokens"].get<int64_t>();
+          metrics_.completion_tokens += row["completion_tokens"].get<int64_t>();
+          metrics_.latency_sum += seconds_since(j.received);
+          ++metrics_.latency_count;
+        }
+        std::string finish = row["finish_reason"].get<std::string>();
+        if (j.stop_hit) finish = "stop";
+        // The text as lvx qa gives it, unless a stop string cut it.
+        j.finish(row, finish, j.stop_hit ? j.text : row["response"].get<std::string>());
+      }
+      group.clear();
     }
     Command bye;
     bye.op = Op::kShutdown;
@@ -750,7 +795,8 @@ int Server::run_rank0() {
     std::cerr << "lvx serve: " << e.what() << "\nlvx serve: answering 503 and stopping"
               << std::endl;
     const ApiError unavailable(503, "server_error", "a rank failed: " + failure_);
-    if (job) job->fail(unavailable);
+    for (const auto& j : group) j->fail(unavailable);
+    if (group.empty() && job) job->fail(unavailable);
     fail_queued(unavailable);
   }
   // Let the responses in flight reach their clients (bounded), then stop listening.

@@ -42,6 +42,8 @@ struct ServeOptions {
   int64_t max_queue = 64;
   int64_t max_body_bytes = int64_t{512} << 20;
   int64_t default_max_tokens = 256;
+  // Queued requests identical in everything their tokens depend on share one generation.
+  bool merge_identical = true;
 };
 
 // Runs this rank of the server (rendezvous from the environment) until SIGTERM (0) or a failure

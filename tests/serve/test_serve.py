@@ -494,6 +494,48 @@ def case_nonstreaming_client_leaves(fx, srv, ranks):
         is not None
 
 
+def case_identical_requests_share_generation(fx, srv, ranks):
+    # Requests queued behind a long one: the identical ones (media, question, sampling,
+    # max_tokens) are answered by one generation, each exactly as alone (lvx qa's answer), each
+    # with its own stop strings; a different question is not merged.
+    want = qa_json(fx, fx.clip, ranks)
+    clip = video_part(file_url(fx.clip))
+    other_q = "What shape was the colour?"
+    alone_other = srv.client.chat.completions.create(
+        model="model", messages=messages(clip, question=other_q), temperature=0,
+        max_tokens=TOKENS).choices[0].message.content
+    full = want["response"]
+    stop = full[2:4] if len(full) > 5 else None
+    m0 = srv.metrics()
+
+    def post(question=QUESTION, **kw):
+        status, text = srv.http("POST", "/v1/chat/completions", json.dumps(
+            {"model": "model", "max_tokens": TOKENS, "messages": messages(clip, question=question),
+             **kw}))
+        assert status == 200, text
+        return json.loads(text)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        blocker = ex.submit(post, max_tokens=300)
+        time.sleep(0.3)
+        same = [ex.submit(post) for _ in range(4)]
+        cut = ex.submit(post, stop=[stop]) if stop else None
+        different = ex.submit(post, question=other_q)
+        assert blocker.result()["choices"][0]["finish_reason"] in ("length", "stop")
+        for f in same:
+            r = f.result()
+            assert r["choices"][0]["message"]["content"] == full, (r, want)
+            assert r["usage"]["completion_tokens"] == want["completion_tokens"]
+            assert r["usage"]["prompt_tokens"] == want["prompt_tokens"]
+        if cut:
+            assert cut.result()["choices"][0]["message"]["content"] == full[:full.index(stop)]
+        assert different.result()["choices"][0]["message"]["content"] == alone_other
+    merged = srv.metrics()["lvx_requests_merged_total"] - m0["lvx_requests_merged_total"]
+    print("  %d of %d identical requests answered by another's generation" % (
+        merged, 4 + (cut is not None)))
+    assert merged >= 2, merged
+
+
 def case_sigterm_finishes_in_flight(fx, srv, ranks):
     got = {}
 
@@ -559,6 +601,7 @@ CASES = [
     (case_queue_full_429, ["--max-queue", "1"], {}, 1, False),
     (case_stop_and_disconnect, [], {}, 1, False),
     (case_nonstreaming_client_leaves, [], {}, 1, False),
+    (case_identical_requests_share_generation, [], {}, 1, False),
     (case_sigterm_finishes_in_flight, [], {}, 1, True),
     (case_killed_rank_503, [], {"LVX_DIST_TIMEOUT_S": "4"}, 2, True),
     (case_port_in_use_fails_every_rank_at_once, None, {}, 1, True),
