@@ -301,7 +301,9 @@ TEST(MllamaTemplate, ConversationIsTheChatTemplatesTokens) {
   EXPECT_EQ(p.labels, std::vector<int64_t>(p.ids.size(), -100));
   // One turn: exactly lvx qa's prompt.
   EXPECT_EQ(f.prompt_chat(tok, "", {}, q1, 3).ids, ml::prompt(tok, q1, 3, nullptr).ids);
-  // The release's template refuses a system message with images; lvx names it.
+  // The release's template refuses a system message with images (one blank once trimmed is
+  // none); lvx names it.
+  EXPECT_EQ(f.prompt_chat(tok, " \n", {}, q1, 3).ids, ml::prompt(tok, q1, 3, nullptr).ids);
   try {
     f.prompt_chat(tok, "Be brief.", {}, q1, 1);
     ADD_FAILURE() << "a system message was accepted";
