@@ -113,6 +113,7 @@ struct Job {
   std::condition_variable cv;
   std::deque<std::string> pieces;  // text not yet sent (stop strings already cut)
   bool first = false;              // the first text (or the end) arrived
+  bool ttft_counted = false;       // its time to first text is in the metrics (main thread)
   bool done = false;
   json row;                       // when done without error
   std::optional<ApiError> error;  // when done with one
@@ -222,6 +223,11 @@ class Server {
   void chat(const httplib::Request& req, httplib::Response& res);
   // Throws a 400 when the family's template refuses the request's conversation.
   void check_conversation(const ChatRequest& r) const;
+  // Joins `job` to the running generation when it is identical to it and still open: the text
+  // so far is handed to it at once. Returns whether it joined.
+  bool join_running(const std::shared_ptr<Job>& job);
+  // Counts `j`'s time to first text once.
+  void note_first(Job& j);
   std::string metrics_text();
   // Every queued job ends with `e` (a failed rank, or shutting down).
   void fail_queued(const ApiError& e);
@@ -234,7 +240,16 @@ class Server {
   std::mutex qmu_;
   std::condition_variable qcv_;
   std::deque<std::shared_ptr<Job>> queue_;
-  std::atomic<int64_t> running_{0};   // 1 while the main thread answers a job
+  std::atomic<int64_t> running_{0};  // requests the running generation answers
+  // The running generation (gmu_): the requests it answers, what their tokens depend on, the text
+  // so far; open while identical requests arriving may still join it (until it ends or stops).
+  std::mutex gmu_;
+  std::vector<std::shared_ptr<Job>> running_group_;
+  std::string running_key_;
+  std::vector<std::string> running_blobs_;
+  std::vector<std::string> running_pieces_;
+  bool running_open_ = false;
+  int64_t joined_ = 0;  // requests that joined it while it ran (they count against --max-queue)
   std::atomic<int64_t> handlers_{0};  // chat handlers still writing a response
   std::atomic<bool> draining_{false}, failed_{false};
   std::string failure_;
@@ -385,6 +400,42 @@ void Server::check_conversation(const ChatRequest& r) const {
   }
 }
 
+void Server::note_first(Job& j) {
+  if (j.ttft_counted) return;
+  j.ttft_counted = true;
+  const double t = seconds_since(j.received);
+  std::lock_guard<std::mutex> lock(metrics_.mu);
+  metrics_.ttft_sum += t;
+  ++metrics_.ttft_count;
+  for (size_t i = 0; i < metrics_.ttft_buckets.size(); ++i)
+    if (t <= metrics_.ttft_buckets[i]) {
+      ++metrics_.ttft_counts[i];
+      break;
+    }
+}
+
+bool Server::join_running(const std::shared_ptr<Job>& job) {
+  if (!o_.merge_identical) return false;
+  std::vector<std::string> blobs;
+  const std::string key = generation_key(describe(*job, blobs));
+  std::lock_guard<std::mutex> lock(gmu_);
+  if (!running_open_ || key != running_key_ || blobs != running_blobs_) return false;
+  {
+    // A request waiting on a generation, queued or joined, is one of --max-queue: the HTTP
+    // threads (max_queue + 8) stay enough for the others. Full: the queue's 429.
+    std::lock_guard<std::mutex> qlock(qmu_);
+    if (static_cast<int64_t>(queue_.size()) + joined_ >= o_.max_queue) return false;
+    ++joined_;
+  }
+  for (const std::string& piece : running_pieces_) {
+    note_first(*job);
+    job->push_text(piece);
+  }
+  running_group_.push_back(job);
+  ++running_;
+  return true;
+}
+
 void Server::chat(const httplib::Request& req, httplib::Response& res) {
   if (!authorized(req, res)) return;
   if (failed_) {
@@ -406,9 +457,9 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
     send_error(res, e);
     return;
   }
-  {
+  if (!join_running(job)) {
     std::lock_guard<std::mutex> lock(qmu_);
-    if (static_cast<int64_t>(queue_.size()) >= o_.max_queue) {
+    if (static_cast<int64_t>(queue_.size()) + joined_ >= o_.max_queue) {
       send_error(res, ApiError(429, "rate_limit_error",
                                "the queue is full (" + std::to_string(o_.max_queue) +
                                    " requests waiting, --max-queue): try again later",
@@ -723,34 +774,44 @@ int Server::run_rank0() {
         }
         running_ = static_cast<int64_t>(group.size());
       }
+      {
+        // Identical requests that arrive while it runs join it (join_running), until it ends
+        // or every client of it has stopped it (a joiner would get a cut answer).
+        std::lock_guard<std::mutex> lock(gmu_);
+        running_group_ = group;
+        running_key_ = generation_key(c.desc);
+        running_blobs_ = c.blobs;
+        running_pieces_.clear();
+        running_open_ = o_.merge_identical;
+      }
       exchange(pg_, c);
-      std::vector<bool> first_seen(group.size(), false);
-      auto note_first = [&](size_t k) {
-        if (first_seen[k]) return;
-        first_seen[k] = true;
-        const double t = seconds_since(group[k]->received);
-        std::lock_guard<std::mutex> lock(metrics_.mu);
-        metrics_.ttft_sum += t;
-        ++metrics_.ttft_count;
-        for (size_t i = 0; i < metrics_.ttft_buckets.size(); ++i)
-          if (t <= metrics_.ttft_buckets[i]) {
-            ++metrics_.ttft_counts[i];
-            break;
-          }
-      };
       const json row = answer(
           c,
           [&](const std::string& piece) {
-            for (size_t k = 0; k < group.size(); ++k) {
-              note_first(k);
-              group[k]->push_text(piece);
+            std::lock_guard<std::mutex> lock(gmu_);
+            running_pieces_.push_back(piece);
+            for (const auto& j : running_group_) {
+              note_first(*j);
+              j->push_text(piece);
             }
           },
           [&] {  // every client of the generation left or has its stop string
-            return std::all_of(group.begin(), group.end(), [](const std::shared_ptr<Job>& j) {
-              return j->cancelled.load() || j->stop_hit;
-            });
+            std::lock_guard<std::mutex> lock(gmu_);
+            const bool all = std::all_of(
+                running_group_.begin(), running_group_.end(),
+                [](const std::shared_ptr<Job>& j) { return j->cancelled.load() || j->stop_hit; });
+            if (all) running_open_ = false;
+            return all;
           });
+      {
+        std::lock_guard<std::mutex> lock(gmu_);
+        running_open_ = false;
+        group = std::move(running_group_);
+        running_group_.clear();
+        running_pieces_.clear();
+        std::lock_guard<std::mutex> qlock(qmu_);
+        joined_ = 0;
+      }
       last_command = clock::now();
       running_ = 0;
       {
@@ -769,7 +830,7 @@ int Server::run_rank0() {
           j.fail(bad_request(row["error"].get<std::string>()));
           continue;
         }
-        note_first(k);
+        note_first(j);
         {
           std::lock_guard<std::mutex> lock(metrics_.mu);
           metrics_.prompt_tokens += row["prompt_tokens"].get<int64_t>();
@@ -795,6 +856,12 @@ int Server::run_rank0() {
     std::cerr << "lvx serve: " << e.what() << "\nlvx serve: answering 503 and stopping"
               << std::endl;
     const ApiError unavailable(503, "server_error", "a rank failed: " + failure_);
+    {
+      std::lock_guard<std::mutex> lock(gmu_);
+      running_open_ = false;
+      if (!running_group_.empty()) group = std::move(running_group_);
+      running_group_.clear();
+    }
     for (const auto& j : group) j->fail(unavailable);
     if (group.empty() && job) job->fail(unavailable);
     fail_queued(unavailable);

@@ -3,10 +3,12 @@
 // Every rank loads the model once (src/runtime/qa_job.h QaSession) and keeps its share of each
 // video's encoded frames (src/runtime/visual_cache.h). Rank 0 also serves HTTP (cpp-httplib):
 // it reads and checks each request (src/serve/openai_api.h), queues it (at most max_queue
-// waiting: 429 beyond), and its main thread takes requests one at a time: it broadcasts a compact
-// description (the fields and the media bytes sent inline, src/serve/wire.h) to every rank,
-// every rank answers it as `lvx qa` does (per-rank frames, the plan's strategies, pass-Q
-// decoding), and rank 0 streams the text to the client as tokens arrive. A client that goes
+// waiting: 429 beyond), and its main thread takes requests one at a time (requests identical in
+// what their tokens depend on share one generation, queued or arriving while it runs): it
+// broadcasts a compact description (the fields and the media bytes sent inline,
+// src/serve/wire.h) to every rank, every rank answers it as `lvx qa` does (per-rank frames, the
+// plan's strategies, pass-Q decoding), and rank 0 streams the text to the client as tokens
+// arrive. A client that goes
 // away (a stream that can no longer be written; a non-streaming client's socket closed, looked at
 // every 100 ms while it waits) cancels its request: not run if queued, stopped at its next token
 // if running (the stop flag travels with the token).

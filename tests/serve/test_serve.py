@@ -474,10 +474,11 @@ def case_nonstreaming_client_leaves(fx, srv, ranks):
     print("  cancelled after %d tokens; the next request took %.2f s" % (used - 4, took))
     assert r.choices[0].message.content is not None and took < 10, took
     assert used < 20000, used
-    # One that leaves while another runs (a stream held open until then): it never runs.
+    # One that leaves while another runs (a stream held open until then, not identical: it does
+    # not join it): it never runs.
     blocker = srv.client.chat.completions.create(
         model="model", messages=messages(video_part(file_url(fx.clip))), temperature=0,
-        max_tokens=20000, stream=True)
+        max_tokens=19999, stream=True)
     next(iter(blocker))  # running
     leave(20000, 0.3)
     time.sleep(0.5)  # its departure seen while it waits (every 100 ms)
@@ -540,6 +541,25 @@ def case_identical_requests_share_generation(fx, srv, ranks):
     print("  %d of %d identical requests answered by another's generation" % (
         merged, 4 + (cut is not None)))
     assert merged == 3 + (cut is not None), merged
+    # One that arrives while an identical generation runs joins it: the text so far at once, then
+    # the rest, cut by its own stop string. The first client leaves once it joined; the joiner's
+    # stop string then ends the generation (2,000 tokens asked).
+    assert stop, "the answer is too short for a stop string: %r" % full
+    m1 = srv.metrics()
+    leader = srv.client.chat.completions.create(
+        model="model", messages=messages(clip), temperature=0, max_tokens=2000, stream=True)
+    next(iter(leader))
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        joiner = ex.submit(post, max_tokens=2000, stop=[stop])
+        deadline = time.time() + 20
+        while srv.metrics()["lvx_requests_running"] < 2:
+            assert time.time() < deadline, "the identical request did not join"
+            time.sleep(0.02)
+        leader.close()
+        j = joiner.result()
+    assert j["choices"][0]["message"]["content"] == full[:full.index(stop)], (j, full)
+    assert j["choices"][0]["finish_reason"] == "stop"
+    assert srv.metrics()["lvx_requests_merged_total"] - m1["lvx_requests_merged_total"] == 1
 
 
 def case_sigterm_finishes_in_flight(fx, srv, ranks):
