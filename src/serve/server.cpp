@@ -246,7 +246,7 @@ class Server {
   std::mutex gmu_;
   std::vector<std::shared_ptr<Job>> running_group_;
   std::string running_key_;
-  std::vector<std::string> running_blobs_;
+  const std::vector<std::string>* running_blobs_ = nullptr;  // its command's, while it runs
   std::vector<std::string> running_pieces_;
   bool running_open_ = false;
   int64_t joined_ = 0;  // requests that joined it while it ran (they count against --max-queue)
@@ -419,7 +419,8 @@ bool Server::join_running(const std::shared_ptr<Job>& job) {
   std::vector<std::string> blobs;
   const std::string key = generation_key(describe(*job, blobs));
   std::lock_guard<std::mutex> lock(gmu_);
-  if (!running_open_ || key != running_key_ || blobs != running_blobs_) return false;
+  if (!running_open_ || key != running_key_ || !running_blobs_ || blobs != *running_blobs_)
+    return false;
   {
     // A request waiting on a generation, queued or joined, is one of --max-queue: the HTTP
     // threads (max_queue + 8) stay enough for the others. Full: the queue's 429.
@@ -622,7 +623,7 @@ std::string Server::metrics_text() {
     << "# TYPE lvx_requests_cancelled_total counter\nlvx_requests_cancelled_total "
     << metrics_.cancelled << "\n"
     << "# HELP lvx_requests_merged_total Requests answered by the generation of an identical "
-       "request queued with them.\n"
+       "request (queued with them, or running when they arrived).\n"
     << "# TYPE lvx_requests_merged_total counter\nlvx_requests_merged_total " << metrics_.merged
     << "\n"
     << "# TYPE lvx_queue_depth gauge\nlvx_queue_depth " << depth << "\n"
@@ -720,6 +721,7 @@ int Server::run_rank0() {
   int code = 0;
   std::shared_ptr<Job> job;                 // the one taken from the queue
   std::vector<std::shared_ptr<Job>> group;  // it and the identical ones sharing its generation
+  Command c;  // the running generation's (outlives a failure: running_blobs_ points into it)
   try {
     for (;;) {
       job.reset();
@@ -751,7 +753,7 @@ int Server::run_rank0() {
         }
         continue;
       }
-      Command c;
+      c = Command{};  // running_blobs_ is null between generations
       c.op = Op::kAnswer;
       c.desc = describe(*job, c.blobs);
       // Queued requests identical to this one in everything their tokens depend on (media,
@@ -780,7 +782,7 @@ int Server::run_rank0() {
         std::lock_guard<std::mutex> lock(gmu_);
         running_group_ = group;
         running_key_ = generation_key(c.desc);
-        running_blobs_ = c.blobs;
+        running_blobs_ = &c.blobs;
         running_pieces_.clear();
         running_open_ = o_.merge_identical;
       }
@@ -809,6 +811,7 @@ int Server::run_rank0() {
         group = std::move(running_group_);
         running_group_.clear();
         running_pieces_.clear();
+        running_blobs_ = nullptr;
         std::lock_guard<std::mutex> qlock(qmu_);
         joined_ = 0;
       }
@@ -859,6 +862,7 @@ int Server::run_rank0() {
     {
       std::lock_guard<std::mutex> lock(gmu_);
       running_open_ = false;
+      running_blobs_ = nullptr;
       if (!running_group_.empty()) group = std::move(running_group_);
       running_group_.clear();
     }
