@@ -14,8 +14,12 @@ video, frames and question, or the run stops. Time to first token is the client'
 forced by a fresh video_id each (the file is the same, so the OS page cache is warm for all but the
 very first), "repeat" runs hit (keyed by the file's content hash: hashing is included).
 Throughput: every client sends its requests back to back (the cached video, greedy, --tokens new
-tokens, no streaming); requests run one at a time across the ranks, so latency grows with the
-queue.
+tokens, no streaming); generations run one at a time across the ranks, so latency grows with the
+queue. Two workloads, each against a server that merges identical queued requests into one
+generation (the default) and one that does not (--no-merge-identical), side by side in one run:
+"same" (every client asks the same question: merging applies) and "distinct" (request i asks its
+own question, same length class: merging never applies). Every answer of one question must be the
+same with and without merging (and lvx qa's for the benchmark's question).
 """
 import argparse
 import json
@@ -40,11 +44,11 @@ def sh(*cmd, **kw):
 
 
 class Server:
-    def __init__(self, lvx, model, nproc, media, sample_fps, tokens):
+    def __init__(self, lvx, model, nproc, media, sample_fps, tokens, flags=()):
         self.proc = subprocess.Popen(
             [lvx, "serve", "--model", model, "--nproc", str(nproc), "--port", "0",
              "--allowed-local-media-path", media, "--fps", str(sample_fps),
-             "--max-new-tokens", str(tokens), "--max-queue", "256"],
+             "--max-new-tokens", str(tokens), "--max-queue", "256", *flags],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.port = None
         t0 = time.time()
@@ -163,18 +167,35 @@ def main():
             for name, t in (("miss", miss["timings"]), ("hit", hit["timings"])):
                 row[name] = {k: t[k] for k in ("video_decode_s", "encode_s", "prefill_s", "ttft_s")}
             row["load"] = {}
-            for c in [int(x) for x in a.clients.split(",")]:
-                n = max(a.requests, c)
-                lat = []
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(c) as ex:
-                    outs = list(ex.map(lambda _: srv.post(body(str(video), a.tokens)), range(n)))
-                wall = time.perf_counter() - t0
-                for o in outs:
-                    assert o[2] == want["response"], "answer differs under load"
-                    lat.append(o[1])
-                row["load"][c] = {"requests": n, "req_per_s": n / wall,
-                                  "p50_s": statistics.median(lat), "p99_s": pct(lat, 99)}
+            plain = Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens,
+                           ["--no-merge-identical"])
+            try:
+                plain.post(body(str(video), a.tokens))  # its cache: the video encoded once
+                answers = {}  # question -> the answer, the same on both servers
+                for c in [int(x) for x in a.clients.split(",")]:
+                    n = max(a.requests, c)
+                    for work in ("same", "distinct"):
+                        for merge, s in (("off", plain), ("on", srv)):
+                            q = (lambda i: QUESTION) if work == "same" else (
+                                lambda i: "%s (%d)" % (QUESTION, i))
+                            lat = []
+                            t0 = time.perf_counter()
+                            with ThreadPoolExecutor(c) as ex:
+                                outs = list(ex.map(lambda i: (q(i), s.post(
+                                    body(str(video), a.tokens, question=q(i)))), range(n)))
+                            wall = time.perf_counter() - t0
+                            for question, o in outs:
+                                if question == QUESTION:
+                                    assert o[2] == want["response"], "answer differs under load"
+                                assert answers.setdefault(question, o[2]) == o[2], (
+                                    "an answer differs with merging " + merge, question)
+                                lat.append(o[1])
+                            row["load"]["%d %s %s" % (c, work, merge)] = {
+                                "clients": c, "workload": work, "merge": merge, "requests": n,
+                                "req_per_s": n / wall, "p50_s": statistics.median(lat),
+                                "p99_s": pct(lat, 99)}
+            finally:
+                plain.stop()
             results.append(row)
         finally:
             srv.stop()
@@ -198,12 +219,17 @@ def main():
             print("| %d | %s | %.3f | %.3f | %.3f | %.3f |" % (
                 r["ranks"], name, t["video_decode_s"], t["encode_s"], t["prefill_s"], t["ttft_s"]))
     print()
-    print("| ranks | clients | requests | requests/s | p50 s | p99 s |")
-    print("|---|---|---|---|---|---|")
+    print("| ranks | clients | questions | requests | requests/s unmerged | requests/s merged | "
+          "p50 s unmerged | p50 s merged | p99 s unmerged | p99 s merged |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        for c, l in r["load"].items():
-            print("| %d | %d | %d | %.2f | %.3f | %.3f |" % (r["ranks"], c, l["requests"],
-                                                          l["req_per_s"], l["p50_s"], l["p99_s"]))
+        for key, off in r["load"].items():
+            if off["merge"] != "off":
+                continue
+            on = r["load"][key[:-3] + "on"]
+            print("| %d | %d | %s | %d | %.2f | %.2f | %.3f | %.3f | %.3f | %.3f |" % (
+                r["ranks"], off["clients"], off["workload"], off["requests"], off["req_per_s"],
+                on["req_per_s"], off["p50_s"], on["p50_s"], off["p99_s"], on["p99_s"]))
     print("\n(load average at the end: %.1f)" % load)
 
 

@@ -27,6 +27,17 @@ PromptTokens Family::prompt_turns(const Tokenizer& tok,
   return prompt(tok, turns[0].first, frames, &turns[0].second);
 }
 
+PromptTokens Family::prompt_chat(const Tokenizer& tok, const std::string& system,
+                                 const std::vector<std::pair<std::string, std::string>>& earlier,
+                                 const std::string& question, int64_t frames) const {
+  LVX_CHECK(system.empty(), display_name(), "'s prompt template has no system message");
+  LVX_CHECK(earlier.empty(), display_name(), "'s prompt template takes one question; ",
+            "a conversation of ", earlier.size() + 1, " turns is not supported for it");
+  PromptTokens p = prompt(tok, question, frames);
+  p.labels.assign(p.ids.size(), -100);
+  return p;
+}
+
 std::string supported_model_types() {
   std::string s;
   for (const Family* f : families()) s += (s.empty() ? "" : ", ") + f->model_type();

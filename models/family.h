@@ -81,6 +81,16 @@ class Family {
   virtual PromptTokens prompt_turns(const Tokenizer& tok,
                                     const std::vector<std::pair<std::string, std::string>>& turns,
                                     int64_t frames) const;
+  // A conversation's prompt for generation (lvx serve): `system` (empty: none), the earlier
+  // (question, answer) turns as the template's own turns (as prompt_turns writes them), then
+  // `question` left open: the prompt ends where its answer begins, exactly where prompt(tok,
+  // question, frames) ends, so no system message and no earlier turns give prompt()'s ids. The
+  // frames go with the first question. Nothing is labelled. The default takes no earlier turns
+  // and no system message and refuses either, naming the family; a template with no place for a
+  // system message refuses one the same way.
+  virtual PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
+                                   const std::vector<std::pair<std::string, std::string>>& earlier,
+                                   const std::string& question, int64_t frames) const;
   // Every token that stops generation (the end of the assistant's turn first, then end of text).
   virtual std::vector<int64_t> stop_tokens(const Tokenizer& tok) const = 0;
   // The image preprocessing preset of the family's vision tower (a video::PreprocessConfig

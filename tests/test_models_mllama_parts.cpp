@@ -284,6 +284,34 @@ TEST(MllamaTemplate, PromptIsTheChatTemplatesTokens) {
   EXPECT_THROW(ml::prompt(tok, "  ", 1, nullptr), lvx::Error);
 }
 
+TEST(MllamaTemplate, ConversationIsTheChatTemplatesTokens) {
+  // lvx serve's conversations (Family::prompt_chat): the release's chat_template written out for
+  // user, assistant, user (images in the first message, generation prompt at the end), encoded
+  // whole by the tokenizers package.
+  const lvx::models::Tokenizer tok =
+      lvx::models::Tokenizer::from_file(parts().model + "/tokenizer.json");
+  const lvx::models::Family& f = lvx::models::family_of("mllama", "test");
+  const std::string q1 = "What happens in the video?", a1 = "The man rides a bicycle.",
+                    q2 = "And then?";
+  const std::string head = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n";
+  const std::string mid = "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n";
+  const std::string user = "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n";
+  const lvx::models::PromptTokens p = f.prompt_chat(tok, "", {{q1, a1}}, q2, 2);
+  EXPECT_EQ(p.ids, tokenizers_ids(head + "<|image|><|image|>" + q1 + mid + a1 + user + q2 + mid));
+  EXPECT_EQ(p.labels, std::vector<int64_t>(p.ids.size(), -100));
+  // One turn: exactly lvx qa's prompt.
+  EXPECT_EQ(f.prompt_chat(tok, "", {}, q1, 3).ids, ml::prompt(tok, q1, 3, nullptr).ids);
+  // The release's template refuses a system message with images (one blank once trimmed is
+  // none); lvx names it.
+  EXPECT_EQ(f.prompt_chat(tok, " \n", {}, q1, 3).ids, ml::prompt(tok, q1, 3, nullptr).ids);
+  try {
+    f.prompt_chat(tok, "Be brief.", {}, q1, 1);
+    ADD_FAILURE() << "a system message was accepted";
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("system message"), std::string::npos) << e.what();
+  }
+}
+
 TEST(MllamaTemplate, StopTokensAndCrossOnlyRecipe) {
   const lvx::models::Tokenizer tok =
       lvx::models::Tokenizer::from_file(parts().model + "/tokenizer.json");

@@ -187,6 +187,43 @@ TEST(TrainingRows, MultiTurnChatmlEqualsTheTokenizersPackage) {
             f.prompt(tok, "What colour was the shape?", 2, &answer).ids);
 }
 
+TEST(TrainingRows, ChatPromptEndsWhereTheAnswerBegins) {
+  // lvx serve's conversations (Family::prompt_chat): the chatml text written out (a system
+  // message as the processor's build_text_qwen writes it, an answered turn, the open question),
+  // encoded whole by the tokenizers package.
+  const std::string tok_path = tiny_model() + "/tokenizer.json";
+  const std::string text =
+      "<|im_start|>system\nthe shape<|im_end|>\n<|im_start|>user\n<|image|><|image|>\nWhat "
+      "colour was the shape?<|im_end|>\n<|im_start|>assistant\nred<|im_end|>\n<|im_start|>user\n"
+      "and now?<|im_end|>\n<|im_start|>assistant\n";
+  const std::string script = write(
+      "encode_chat.py",
+      "import json, sys\nfrom tokenizers import Tokenizer\nt = Tokenizer.from_file(sys.argv[1])\n"
+      "print(json.dumps(t.encode(sys.argv[2], add_special_tokens=False).ids))\n");
+  const json want = json::parse(
+      run_command(testing::python() + " " + script + " " + tok_path + " '" + text + "'"));
+  const models::Tokenizer tok = models::Tokenizer::from_file(tok_path);
+  const models::Family& f = models::family_of("mplugowl3", "test");
+  const PromptTokens p =
+      f.prompt_chat(tok, "the shape", {{"What colour was the shape?", "red"}}, "and now?", 2);
+  EXPECT_EQ(json(p.ids), want);
+  EXPECT_EQ(p.labels, std::vector<int64_t>(p.ids.size(), -100));
+  // No system message and no earlier turn: exactly lvx qa's prompt.
+  EXPECT_EQ(f.prompt_chat(tok, "", {}, "What colour was the shape?", 3).ids,
+            f.prompt(tok, "What colour was the shape?", 3).ids);
+  // The conversation's prompt is the training prompt of the same turns without the last answer.
+  QaItem item;
+  item.question = "What colour was the shape?";
+  item.answer = "red";
+  item.turns = {{"and now?", "green"}};
+  const std::vector<int64_t> trained = training_prompt(f, tok, item, 2).ids;
+  const std::vector<int64_t> asked =
+      f.prompt_chat(tok, "", {{"What colour was the shape?", "red"}}, "and now?", 2).ids;
+  ASSERT_LT(asked.size(), trained.size());
+  EXPECT_EQ(asked, std::vector<int64_t>(trained.begin(), trained.begin() + asked.size()));
+  EXPECT_THROW(f.prompt_chat(tok, "", {{"What colour?", "red"}}, " ", 2), Error);
+}
+
 TEST(TrainingRows, MultiTurnOpenFlamingoChainsQuestions) {
   // OpenFlamingo's template chains turns as its few-shot prompts chain examples; the pieces are
   // encoded by the tokenizers package (lvx encodes each piece alone, as its template does).
@@ -234,6 +271,23 @@ TEST(TrainingRows, MultiTurnOpenFlamingoChainsQuestions) {
       got.push_back(p.labels[t]);
     }
   EXPECT_EQ(got, learned);
+  // lvx serve's conversation (Family::prompt_chat): the same chain, then the open question; no
+  // system message (the evaluation prompt has none: refused, named).
+  const models::Family& f = models::family_of("openflamingo", "test");
+  const PromptTokens chat = f.prompt_chat(tok, "", {{"q one", "a one"}}, "q two", 2);
+  std::vector<int64_t> open(
+      want.begin(), want.begin() + 3 + static_cast<int64_t>(ids(0).size() + ids(1).size() + 1));
+  for (int64_t id : ids(2)) open.push_back(id);
+  EXPECT_EQ(chat.ids, open);
+  EXPECT_EQ(f.prompt_chat(tok, "", {}, "q one", 2).ids, f.prompt(tok, "q one", 2).ids);
+  try {
+    f.prompt_chat(tok, "Be brief.", {}, "q one", 2);
+    ADD_FAILURE() << "a system message was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("OpenFlamingo's prompt template has no system message"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(TrainingRows, FinetuneReadsSwiftJsonlAndLlavaJson) {

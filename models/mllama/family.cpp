@@ -25,6 +25,11 @@ class MllamaFamily : public Family {
                       const std::string* answer) const override {
     return mllama::prompt(tok, question, frames, answer);
   }
+  PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
+                           const std::vector<std::pair<std::string, std::string>>& earlier,
+                           const std::string& question, int64_t frames) const override {
+    return mllama::prompt_chat(tok, system, earlier, question, frames);
+  }
   std::vector<int64_t> stop_tokens(const Tokenizer& tok) const override {
     return mllama::stop_tokens(tok);
   }

@@ -74,6 +74,47 @@ PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t f
   return p;
 }
 
+PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
+                         const std::vector<std::pair<std::string, std::string>>& earlier,
+                         const std::string& question, int64_t frames) {
+  // The release's chat_template raises "Prompting with images is incompatible with system
+  // messages." for a system message that is not blank once trimmed (and writes no system header
+  // when there are images).
+  LVX_CHECK(blank(system),
+            "Llama-3.2-Vision's chat template refuses a system message in a prompt with images");
+  if (earlier.empty()) return prompt(tok, question, frames, nullptr);
+  PromptTokens p = prompt(tok, earlier[0].first, frames, &earlier[0].second);
+  auto text = [&](const std::string& s) {
+    const std::vector<int64_t> ids = tok.encode(s, /*add_special_tokens=*/false,
+                                                /*split_special_tokens=*/true);
+    p.ids.insert(p.ids.end(), ids.begin(), ids.end());
+  };
+  auto special = [&](const std::string& s) { p.ids.push_back(special_id(tok, s)); };
+  // Each later message: <|start_header_id|>{role}<|end_header_id|> then "\n\n" + its text as one
+  // piece of the chat string, then <|eot_id|>; the last question ends with the assistant's
+  // header and "\n\n", as prompt() does.
+  for (size_t i = 1; i <= earlier.size(); ++i) {
+    const std::string& q = i < earlier.size() ? earlier[i].first : question;
+    LVX_CHECK(!blank(q), "the question is empty");
+    special("<|start_header_id|>");
+    text("user");
+    special("<|end_header_id|>");
+    text("\n\n" + q);
+    special("<|eot_id|>");
+    special("<|start_header_id|>");
+    text("assistant");
+    special("<|end_header_id|>");
+    if (i < earlier.size()) {
+      text("\n\n" + earlier[i].second);
+      special("<|eot_id|>");
+    } else {
+      text("\n\n");
+    }
+  }
+  p.labels.assign(p.ids.size(), -100);
+  return p;
+}
+
 std::vector<int64_t> stop_tokens(const Tokenizer& tok) {
   std::vector<int64_t> stop{special_id(tok, "<|eot_id|>")};
   // The release's generation_config eos_token_id: <|end_of_text|>, <|eom_id|>, <|eot_id|>.

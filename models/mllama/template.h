@@ -1,4 +1,5 @@
-// Llama-3.2-Vision's chat template (the release's chat_template, one user turn):
+// Llama-3.2-Vision's chat template (the release's chat_template; one user turn, or a conversation
+// for generation, prompt_chat):
 //   <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>…<|image|>QUESTION
 //   <|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n[ANSWER<|eot_id|>]
 // one <|image|> per frame; the special tokens go in as ids, the user's text never yields one.
@@ -7,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "models/family.h"
@@ -19,6 +21,13 @@ namespace lvx::models::mllama {
 // tokenizer lacks.
 PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t frames,
                     const std::string* answer);
+// A conversation for generation (Family::prompt_chat): the earlier (question, answer) turns as
+// the chat template's user and assistant messages, the frames with the first question, then
+// `question` open after the assistant's header. A system message is refused (the release's
+// template refuses one in a prompt with images).
+PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
+                         const std::vector<std::pair<std::string, std::string>>& earlier,
+                         const std::string& question, int64_t frames);
 // <|eot_id|> (end of the assistant's turn), then <|end_of_text|> (those the tokenizer has;
 // <|eot_id|> is required).
 std::vector<int64_t> stop_tokens(const Tokenizer& tok);

@@ -37,7 +37,7 @@ class MplugOwl3Family final : public Family {
   PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t frames,
                       const std::string* answer) const override {
     PromptBuilder p(tok);
-    first_turn(p, question, frames, answer);
+    first_turn(p, "", question, frames, answer);
     return std::move(p).finish();
   }
 
@@ -49,27 +49,38 @@ class MplugOwl3Family final : public Family {
                             int64_t frames) const override {
     LVX_CHECK(!turns.empty(), "a conversation needs at least one turn");
     PromptBuilder p(tok);
-    first_turn(p, turns[0].first, frames, &turns[0].second);
-    for (size_t i = 1; i < turns.size(); ++i) {
-      check_prompt_request(turns[i].first, frames);
-      p.text("\n");
-      p.special("<|im_start|>");
-      p.text("user\n" + turns[i].first);
-      p.special("<|im_end|>");
-      p.text("\n");
-      p.special("<|im_start|>");
-      p.text("assistant\n");
-      p.text(turns[i].second, true);
-      p.special("<|im_end|>", true);
-    }
+    first_turn(p, "", turns[0].first, frames, &turns[0].second);
+    for (size_t i = 1; i < turns.size(); ++i)
+      later_turn(p, turns[i].first, frames, &turns[i].second);
     return std::move(p).finish();
   }
 
-  void first_turn(PromptBuilder& p, const std::string& question, int64_t frames,
-                  const std::string* answer) const {
+  // The same turns, the last question open; a system message is the processor's
+  // (build_text_qwen): <|im_start|>system\n{system}<|im_end|>.
+  PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
+                           const std::vector<std::pair<std::string, std::string>>& earlier,
+                           const std::string& question, int64_t frames) const override {
+    PromptBuilder p(tok);
+    for (size_t i = 0; i < earlier.size(); ++i) {
+      if (i == 0)
+        first_turn(p, system, earlier[i].first, frames, &earlier[i].second);
+      else
+        later_turn(p, earlier[i].first, frames, &earlier[i].second);
+    }
+    if (earlier.empty())
+      first_turn(p, system, question, frames, nullptr);
+    else
+      later_turn(p, question, frames, nullptr);
+    PromptTokens out = std::move(p).finish();
+    out.labels.assign(out.ids.size(), -100);
+    return out;
+  }
+
+  void first_turn(PromptBuilder& p, const std::string& system, const std::string& question,
+                  int64_t frames, const std::string* answer) const {
     check_prompt_request(question, frames);
     p.special("<|im_start|>");
-    p.text("system\n");
+    p.text("system\n" + system);
     p.special("<|im_end|>");
     p.text("\n");
     p.special("<|im_start|>");
@@ -79,6 +90,20 @@ class MplugOwl3Family final : public Family {
     for (int64_t f = 0; f < frames; ++f) p.special("<|image|>");
     if (bracket) p.special("<|end_video_frame|>");
     p.text("\n" + question);
+    assistant(p, answer);
+  }
+
+  void later_turn(PromptBuilder& p, const std::string& question, int64_t frames,
+                  const std::string* answer) const {
+    check_prompt_request(question, frames);
+    p.text("\n");
+    p.special("<|im_start|>");
+    p.text("user\n" + question);
+    assistant(p, answer);
+  }
+
+  // The end of the user's turn, the assistant's header and, given, its answer (labelled).
+  static void assistant(PromptBuilder& p, const std::string* answer) {
     p.special("<|im_end|>");
     p.text("\n");
     p.special("<|im_start|>");

@@ -67,6 +67,27 @@ class OpenFlamingoFamily final : public Family {
     return all;
   }
 
+  // The same chain, the last question open ("Question:{question} Short answer:"). The
+  // evaluation prompt has no system message: one is refused.
+  PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
+                           const std::vector<std::pair<std::string, std::string>>& earlier,
+                           const std::string& question, int64_t frames) const override {
+    LVX_CHECK(system.empty(), display_name(), "'s prompt template has no system message");
+    PromptTokens all;
+    if (earlier.empty()) {
+      all = prompt(tok, question, frames, nullptr);
+    } else {
+      all = prompt_turns(tok, earlier, frames);
+      check_prompt_request(question, frames);
+      PromptBuilder p(tok);
+      p.text("Question:" + question + " Short answer:");
+      const PromptTokens open = std::move(p).finish();
+      all.ids.insert(all.ids.end(), open.ids.begin(), open.ids.end());
+    }
+    all.labels.assign(all.ids.size(), -100);
+    return all;
+  }
+
   std::vector<int64_t> stop_tokens(const Tokenizer& tok) const override {
     std::vector<int64_t> stop{special_token_id(tok, "<|endofchunk|>")};
     if (auto eos = tok.token_to_id("<|endoftext|>")) stop.push_back(*eos);

@@ -38,6 +38,9 @@ int cmd_serve(int argc, char** argv) {
   p.add_option("max-queue", 0, "64", "requests that may wait (beyond: 429)");
   p.add_option("max-body-bytes", 0, "536870912", "largest request body (beyond: 413)");
   p.add_option("max-new-tokens", 't', "256", "tokens to generate when a request names none");
+  p.add_flag("no-merge-identical", 0,
+             "answer queued requests that are identical (media, question, sampling, max_tokens)\n"
+             "one by one instead of with one shared generation (benchmarks)");
   p.add_option("fps", 0, "", "default sampling: frames per second");
   p.add_option("num-frames", 'f', "", "default sampling: N frames over the range (default 16)");
   lvx::cli::add_nproc_options(p, "1", "local ranks to start");
@@ -71,6 +74,7 @@ int cmd_serve(int argc, char** argv) {
   o.max_queue = p.get_int("max-queue", 0, 1 << 20);
   o.max_body_bytes = p.get_int("max-body-bytes", 1, INT64_MAX);
   o.default_max_tokens = job.generation.max_new_tokens;
+  o.merge_identical = !p.flag("no-merge-identical");
   if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
     lvx::cli::apply_threads(p);
     lvx::runtime::validate_qa_settings(job);

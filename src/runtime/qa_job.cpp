@@ -301,6 +301,11 @@ QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, i
 }
 
 QaSession::~QaSession() = default;
+
+PromptTokens QaSession::prompt(const QaRequest& req, int64_t frames) const {
+  return s_->model->family().prompt_chat(*s_->tok, req.system, req.earlier, question_text(req.item),
+                                         frames);
+}
 dist::ProcessGroup& QaSession::group() { return *s_->pg; }
 const QaJob& QaSession::job() const { return s_->job; }
 VisualCacheStats QaSession::cache_stats() const { return s_->cache->stats(); }
@@ -358,7 +363,7 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
   // (invalid UTF-8) or does not fit together.
   PromptTokens prompt;
   try {
-    prompt = cx.model->family().prompt(*cx.tok, question_text(item), m);
+    prompt = this->prompt(req, m);
   } catch (const Error& e) {
     row["error"] = e.what();
     return row;
@@ -457,6 +462,7 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
   row["pts_seconds"] =
       std::vector<double>(pts.data_ptr<double>(), pts.data_ptr<double>() + pts.numel());
   row["prompt_tokens"] = static_cast<int64_t>(prompt.ids.size());
+  if (req.return_prompt_ids) row["prompt_ids"] = prompt.ids;
   row["new_tokens"] = out.tokens.size(1);
   row["completion_tokens"] = completion_tokens;
   row["finish_reason"] = stop_token || out.stopped ? "stop" : "length";

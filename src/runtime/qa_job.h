@@ -2,10 +2,11 @@
 //
 // Per question, each rank samples the video's frames (the same rule on every rank), decodes and
 // preprocesses only its own share (video::ShardSpec: the model's key layout) and encodes only
-// those; the prompt follows the family's template (models/family.h: Family::prompt); the
-// prefill runs with the plan's per-layer strategies for this prompt; generation decodes with the
-// KV cache by pass-Q (models/decode.h): no rank ever holds all visual K/V. Rank 0 streams the
-// answer's text as tokens arrive (single question without --json) and writes the results.
+// those; the prompt follows the family's template (models/family.h: Family::prompt_chat, which
+// for one question is Family::prompt); the prefill runs with the plan's per-layer strategies for
+// this prompt; generation decodes with the KV cache by pass-Q (models/decode.h): no rank ever
+// holds all visual K/V. Rank 0 streams the answer's text as tokens arrive (single question
+// without --json) and writes the results.
 //
 // Batch mode reads JSONL questions and appends one JSON row per question to the output as soon
 // as it is answered (flushed): a line that fails (missing video, bad range, a bad row) gets a row
@@ -34,8 +35,10 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "models/family.h"
 #include "src/runtime/generate.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/qa_rows.h"
@@ -91,6 +94,12 @@ struct QaRequest {
   std::optional<GenerateOptions> generation;  // override the job's (max_new_tokens, sampling)
   std::string
       video_id;  // the caller's name for the media: the visual cache's key instead of a hash
+  // A conversation (lvx serve): a system message and the answered (question, answer) turns
+  // before item.question, in the family's chat template (models/family.h Family::prompt_chat).
+  // Both empty: lvx qa's prompt.
+  std::string system;
+  std::vector<std::pair<std::string, std::string>> earlier;
+  bool return_prompt_ids = false;  // the row gets "prompt_ids"
 };
 
 // Rank 0's view of an answer as it is generated.
@@ -115,6 +124,10 @@ class QaSession {
   // cache}. Errors of the video or the prompt (on any rank) become the row's "error"; a failure
   // of the process group throws.
   nlohmann::json answer(const QaRequest& request, const AnswerHooks& hooks = {});
+  // The prompt of `request` about `frames` frames (what answer() builds); a question or
+  // conversation the family's template refuses throws lvx::Error. Touches no other rank and
+  // only reads the tokenizer: lvx serve checks requests with it on its HTTP threads.
+  models::PromptTokens prompt(const QaRequest& request, int64_t frames) const;
   dist::ProcessGroup& group();
   const QaJob& job() const;              // plan.dtype resolved
   VisualCacheStats cache_stats() const;  // this rank's

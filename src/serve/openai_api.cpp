@@ -199,7 +199,13 @@ ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
     throw bad_request("'messages' (a non-empty array) is required", "messages");
   ChatRequest r;
   const json& messages = body["messages"];
-  std::vector<std::pair<std::string, std::string>> turns;  // (role, text)
+  // The conversation: system messages first, then user and assistant turns alternating from a
+  // user turn (consecutive messages of one role are one turn, their texts joined by "\n").
+  struct Turn {
+    std::string role, text;
+    size_t first_message = 0;
+  };
+  std::vector<Turn> turns;
   for (size_t i = 0; i < messages.size(); ++i) {
     const json& m = messages[i];
     const std::string param = "messages[" + std::to_string(i) + "]";
@@ -244,12 +250,37 @@ ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
       throw bad_request(param + ".content must be a string or an array of parts",
                         param + ".content");
     }
-    turns.emplace_back(role, text);
+    if (role == "system" || role == "developer") {
+      if (!turns.empty())
+        throw bad_request(param + ": a " + role +
+                              " message after the conversation began; the chat template takes "
+                              "system messages first",
+                          param + ".role");
+      if (!text.empty()) {
+        r.system += (r.system.empty() ? "" : "\n") + text;
+        if (r.system_param.empty()) r.system_param = param;
+      }
+      continue;
+    }
+    if (turns.empty() && role != "user")
+      throw bad_request(param + ": the conversation must begin with a user message",
+                        param + ".role");
+    if (!turns.empty() && turns.back().role == role) {
+      if (!text.empty()) turns.back().text += (turns.back().text.empty() ? "" : "\n") + text;
+    } else {
+      turns.push_back({role, text, i});
+    }
   }
-  if (turns.back().first != "user")
+  if (turns.empty() || turns.back().role != "user")
     throw bad_request("the last message must be the user's question", "messages");
-  if (turns.back().second.find_first_not_of(" \t\r\n") == std::string::npos)
-    throw bad_request("the last user message has no text (the question)", "messages");
+  for (const Turn& t : turns)
+    if (t.role == "user" && t.text.find_first_not_of(" \t\r\n") == std::string::npos)
+      throw bad_request(
+          turns.size() == 1 || &t == &turns.back()
+              ? "the last user message has no text (the question)"
+              : "messages[" + std::to_string(t.first_message) +
+                    "]: a user turn has no text (every question of a conversation needs one)",
+          "messages");
   if (r.video && !r.frames.empty())
     throw bad_request("give a video_url part or image_url frames, not both", "messages");
   if (!r.video && r.frames.empty())
@@ -258,19 +289,9 @@ ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
     throw bad_request("at most " + std::to_string(o.max_frames) + " image_url frames, got " +
                           std::to_string(r.frames.size()),
                       "messages");
-  if (turns.size() == 1) {
-    r.question = turns[0].second;
-  } else {
-    for (size_t i = 0; i + 1 < turns.size(); ++i) {
-      if (turns[i].second.empty()) continue;
-      const std::string& role = turns[i].first;
-      r.question += (role == "user"        ? "User: "
-                     : role == "assistant" ? "Assistant: "
-                                           : "System: ") +
-                    turns[i].second + "\n";
-    }
-    r.question += r.question.empty() ? turns.back().second : "User: " + turns.back().second;
-  }
+  for (size_t i = 0; i + 1 < turns.size(); i += 2)
+    r.earlier.emplace_back(turns[i].text, turns[i + 1].text);
+  r.question = turns.back().text;
 
   if (const auto n = integer(body, "n", 1, 1); n && *n != 1)
     throw bad_request("'n' must be 1", "n");
@@ -312,6 +333,11 @@ ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
   r.end = number(body, "end", 0, 1e9);
   if (r.start && r.end && *r.start >= *r.end)
     throw bad_request("'start' must be before 'end'", "start");
+  if (body.contains("return_prompt_ids") && !body["return_prompt_ids"].is_null()) {
+    if (!body["return_prompt_ids"].is_boolean())
+      throw bad_request("'return_prompt_ids' must be a boolean", "return_prompt_ids");
+    r.return_prompt_ids = body["return_prompt_ids"].get<bool>();
+  }
   if (body.contains("video_id") && !body["video_id"].is_null()) {
     if (!body["video_id"].is_string() || body["video_id"].get<std::string>().empty())
       throw bad_request("'video_id' must be a non-empty string", "video_id");

@@ -8,14 +8,17 @@
 //   user's question), max_tokens | max_completion_tokens, temperature (default 0: greedy, lvx
 //   qa's default, so that an answer equals lvx qa's), top_p, seed, stop (a string or up to 4),
 //   stream, stream_options.include_usage, n (1 only); lvx extensions: num_frames | fps, start,
-//   end (seconds), video_id (the visual cache's key instead of a content hash).
+//   end (seconds), video_id (the visual cache's key instead of a content hash),
+//   return_prompt_ids (the prompt's token ids in the response's lvx object).
 // Media, in the content parts of user messages: one video_url ({"url": "file:///abs/path"} under
 // --allowed-local-media-path, or "data:video/<type>;base64,<bytes>"), or image_url parts, each
 // one frame ("data:image/<type>;base64,..." or a file:// URL): a list of frames as lmms-eval's
 // openai_compatible_chat sends a video, all used in order (no sampling).
-// Conversations: the family's template (models/family.h, Family::prompt) has one user turn;
-// earlier turns (system, user and assistant text) go before the last user text as a transcript
-// ("System: ...\nUser: ...\nAssistant: ...\nUser: <question>").
+// Conversations go through the family's chat template (models/family.h, Family::prompt_chat):
+// system (or developer) messages first (their texts joined by "\n"; a template without a system
+// message refuses one), then user and assistant turns alternating from a user turn and ending
+// with the user's question; consecutive messages of one role are one turn (texts joined by
+// "\n"). The frames go with the first question, wherever the media parts were.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +26,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lvx::serve {
@@ -54,13 +58,17 @@ struct MediaRef {
 };
 
 struct ChatRequest {
-  std::string question;  // the user turn as Family::prompt receives it
+  std::string system;        // the system messages' text ("": none)
+  std::string system_param;  // the first system message ("messages[0]"), for errors
+  std::vector<std::pair<std::string, std::string>> earlier;  // answered (question, answer) turns
+  std::string question;  // the last user turn, open for the answer
   std::optional<MediaRef> video;
   std::vector<MediaRef> frames;  // image_url parts, in order
   std::optional<double> fps;
   std::optional<int64_t> num_frames;
   std::optional<double> start, end;
   std::string video_id;
+  bool return_prompt_ids = false;  // lvx extension: the response's lvx.prompt_ids
   int64_t max_tokens = 0;
   double temperature = 0, top_p = 1;
   uint64_t seed = 0;

@@ -1,17 +1,25 @@
 #include "src/serve/server.h"
 
+#include <dirent.h>
 #include <httplib.h>
+#include <netdb.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -44,6 +52,54 @@ int64_t unix_now() {
       .count();
 }
 
+// The socket of `req`'s connection: cpp-httplib 0.11 hands a handler no socket, so it is found
+// among this process's descriptors by its two ends (local and remote address and port, unique
+// while the connection is open). -1 when none matches.
+int connection_fd(const httplib::Request& req) {
+  auto ends = [](int fd, bool peer, std::string& host, int& port) {
+    sockaddr_storage a{};
+    socklen_t n = sizeof(a);
+    auto* sa = reinterpret_cast<sockaddr*>(&a);
+    if ((peer ? ::getpeername(fd, sa, &n) : ::getsockname(fd, sa, &n)) != 0) return false;
+    char h[NI_MAXHOST], p[NI_MAXSERV];
+    if (::getnameinfo(sa, n, h, sizeof(h), p, sizeof(p), NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+      return false;
+    host = h;
+    port = std::atoi(p);
+    return true;
+  };
+  DIR* d = ::opendir("/proc/self/fd");
+  if (!d) return -1;
+  int found = -1;
+  while (const dirent* e = ::readdir(d)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const int fd = std::atoi(e->d_name);
+    struct stat st {};
+    if (fd == ::dirfd(d) || ::fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    std::string lh, rh;
+    int lp = -1, rp = -1;
+    if (ends(fd, false, lh, lp) && lp == req.local_port && ends(fd, true, rh, rp) &&
+        rp == req.remote_port && rh == req.remote_addr) {
+      found = fd;
+      break;
+    }
+  }
+  ::closedir(d);
+  return found;
+}
+
+// Whether the client at the other end of `fd` closed its side (an end of file waits to be read,
+// or the socket failed). A client that sent more bytes (a pipelined request) is still there.
+bool client_gone(int fd) {
+  if (fd < 0) return false;
+  pollfd p{fd, POLLIN | POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLERR | POLLHUP | POLLNVAL | POLLRDHUP)) return true;
+  char c = 0;
+  const ssize_t n = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 // One request from the HTTP thread that received it to the main thread that runs it, and its
 // answer back: text pieces as they come, then the end (a row, or an error).
 struct Job {
@@ -57,6 +113,7 @@ struct Job {
   std::condition_variable cv;
   std::deque<std::string> pieces;  // text not yet sent (stop strings already cut)
   bool first = false;              // the first text (or the end) arrived
+  bool ttft_counted = false;       // its time to first text is in the metrics (main thread)
   bool done = false;
   json row;                       // when done without error
   std::optional<ApiError> error;  // when done with one
@@ -115,6 +172,14 @@ struct Job {
   }
 };
 
+// What a request's tokens depend on: its description as broadcast (src/serve/wire.h) without
+// its id. Two requests with equal keys and equal inline media get the same tokens.
+std::string generation_key(const json& desc) {
+  json d = desc;
+  d.erase("id");
+  return d.dump();
+}
+
 // Prometheus counters (rank 0).
 struct Metrics {
   std::mutex mu;
@@ -125,6 +190,8 @@ struct Metrics {
   std::vector<double> ttft_buckets{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
   std::vector<int64_t> ttft_counts = std::vector<int64_t>(10, 0);
   int64_t cache_hits = 0, cache_misses = 0, cache_bytes = 0;  // over every rank
+  int64_t cancelled = 0;  // requests whose client went away before the answer ended
+  int64_t merged = 0;     // requests answered by an identical request's generation
   void count(int status) {
     std::lock_guard<std::mutex> lock(mu);
     ++requests[status];
@@ -154,6 +221,13 @@ class Server {
   bool authorized(const httplib::Request& req, httplib::Response& res);
   void send_error(httplib::Response& res, const ApiError& e);
   void chat(const httplib::Request& req, httplib::Response& res);
+  // Throws a 400 when the family's template refuses the request's conversation.
+  void check_conversation(const ChatRequest& r) const;
+  // Joins `job` to the running generation when it is identical to it and still open: the text
+  // so far is handed to it at once. Returns whether it joined.
+  bool join_running(const std::shared_ptr<Job>& job);
+  // Counts `j`'s time to first text once.
+  void note_first(Job& j);
   std::string metrics_text();
   // Every queued job ends with `e` (a failed rank, or shutting down).
   void fail_queued(const ApiError& e);
@@ -166,7 +240,16 @@ class Server {
   std::mutex qmu_;
   std::condition_variable qcv_;
   std::deque<std::shared_ptr<Job>> queue_;
-  std::atomic<int64_t> running_{0};   // 1 while the main thread answers a job
+  std::atomic<int64_t> running_{0};  // requests the running generation answers
+  // The running generation (gmu_): the requests it answers, what their tokens depend on, the text
+  // so far; open while identical requests arriving may still join it (until it ends or stops).
+  std::mutex gmu_;
+  std::vector<std::shared_ptr<Job>> running_group_;
+  std::string running_key_;
+  const std::vector<std::string>* running_blobs_ = nullptr;  // its command's, while it runs
+  std::vector<std::string> running_pieces_;
+  bool running_open_ = false;
+  int64_t joined_ = 0;  // requests that joined it while it ran (they count against --max-queue)
   std::atomic<int64_t> handlers_{0};  // chat handlers still writing a response
   std::atomic<bool> draining_{false}, failed_{false};
   std::string failure_;
@@ -185,7 +268,10 @@ json Server::describe(const Job& job, std::vector<std::string>& blobs) const {
   };
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };
   json d{{"id", job.id},
+         {"system", r.system},
+         {"earlier", r.earlier},
          {"question", r.question},
+         {"return_prompt_ids", r.return_prompt_ids},
          {"fps", opt(r.fps)},
          {"num_frames", opt(r.num_frames)},
          {"start", opt(r.start)},
@@ -228,6 +314,9 @@ json Server::answer(const Command& c, const std::function<void(const std::string
   runtime::QaRequest q;
   q.item.id = d["id"].get<std::string>();
   q.item.question = d["question"].get<std::string>();
+  q.system = d["system"].get<std::string>();
+  q.earlier = d["earlier"].get<std::vector<std::pair<std::string, std::string>>>();
+  q.return_prompt_ids = d["return_prompt_ids"].get<bool>();
   if (d.contains("video")) q.item.video = file_of(d["video"], "video");
   for (size_t i = 0; i < d["frames"].size(); ++i)
     q.image_files.push_back(file_of(d["frames"][i], "frame" + std::to_string(i)));
@@ -288,6 +377,66 @@ void Server::fail_queued(const ApiError& e) {
   for (auto& j : q) j->fail(e);
 }
 
+void Server::check_conversation(const ChatRequest& r) const {
+  // The template's refusals (a system message it has no place for, a conversation it cannot
+  // continue) before the request is queued; the frames' count does not change them.
+  runtime::QaRequest q;
+  q.item.question = r.question;
+  q.earlier = r.earlier;
+  q.system = r.system;
+  try {
+    (void)session_.prompt(q, 1);
+  } catch (const Error& e) {
+    std::string param = "messages";
+    if (!r.system.empty()) {
+      q.system.clear();
+      try {
+        (void)session_.prompt(q, 1);
+        param = r.system_param;  // the system message alone is refused
+      } catch (const Error&) {
+      }
+    }
+    throw bad_request(std::string(e.what()) + " (" + param + ")", param);
+  }
+}
+
+void Server::note_first(Job& j) {
+  if (j.ttft_counted) return;
+  j.ttft_counted = true;
+  const double t = seconds_since(j.received);
+  std::lock_guard<std::mutex> lock(metrics_.mu);
+  metrics_.ttft_sum += t;
+  ++metrics_.ttft_count;
+  for (size_t i = 0; i < metrics_.ttft_buckets.size(); ++i)
+    if (t <= metrics_.ttft_buckets[i]) {
+      ++metrics_.ttft_counts[i];
+      break;
+    }
+}
+
+bool Server::join_running(const std::shared_ptr<Job>& job) {
+  if (!o_.merge_identical) return false;
+  std::vector<std::string> blobs;
+  const std::string key = generation_key(describe(*job, blobs));
+  std::lock_guard<std::mutex> lock(gmu_);
+  if (!running_open_ || key != running_key_ || !running_blobs_ || blobs != *running_blobs_)
+    return false;
+  {
+    // A request waiting on a generation, queued or joined, is one of --max-queue: the HTTP
+    // threads (max_queue + 8) stay enough for the others. Full: the queue's 429.
+    std::lock_guard<std::mutex> qlock(qmu_);
+    if (static_cast<int64_t>(queue_.size()) + joined_ >= o_.max_queue) return false;
+    ++joined_;
+  }
+  for (const std::string& piece : running_pieces_) {
+    note_first(*job);
+    job->push_text(piece);
+  }
+  running_group_.push_back(job);
+  ++running_;
+  return true;
+}
+
 void Server::chat(const httplib::Request& req, httplib::Response& res) {
   if (!authorized(req, res)) return;
   if (failed_) {
@@ -304,13 +453,14 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
   job->id = "chatcmpl-lvx-" + std::to_string(next_id_++);
   try {
     job->req = parse_chat_request(req.body, api_);
+    check_conversation(job->req);
   } catch (const ApiError& e) {
     send_error(res, e);
     return;
   }
-  {
+  if (!join_running(job)) {
     std::lock_guard<std::mutex> lock(qmu_);
-    if (static_cast<int64_t>(queue_.size()) >= o_.max_queue) {
+    if (static_cast<int64_t>(queue_.size()) + joined_ >= o_.max_queue) {
       send_error(res, ApiError(429, "rate_limit_error",
                                "the queue is full (" + std::to_string(o_.max_queue) +
                                    " requests waiting, --max-queue): try again later",
@@ -320,10 +470,24 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
     queue_.push_back(job);
   }
   qcv_.notify_all();
-  // Wait for the first text (or the end), so that an error before it gets its own status.
+  // Wait for the first text (or the end), so that an error before it gets its own status; a
+  // non-streaming answer waits for its end. Meanwhile the client may leave (cpp-httplib says
+  // nothing until a write fails): its socket is looked at every 100 ms, and a client gone
+  // cancels the job (not run if still queued; stopped at its next token if running).
+  const int fd = connection_fd(req);
+  auto wait_for = [&](const std::function<bool()>& ready) {
+    std::unique_lock<std::mutex> lock(job->mu);
+    while (!job->cv.wait_for(lock, std::chrono::milliseconds(100), ready)) {
+      if (client_gone(fd)) {
+        job->cancelled = true;
+        return false;
+      }
+    }
+    return true;
+  };
+  if (!wait_for([&] { return job->first; })) return;
   {
     std::unique_lock<std::mutex> lock(job->mu);
-    job->cv.wait(lock, [&] { return job->first; });
     if (job->error) {
       const ApiError e = *job->error;
       lock.unlock();
@@ -333,8 +497,8 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
   }
   const std::string model = o_.model_name;
   if (!job->req.stream) {
+    if (!wait_for([&] { return job->done; })) return;
     std::unique_lock<std::mutex> lock(job->mu);
-    job->cv.wait(lock, [&] { return job->done; });
     if (job->error) {
       const ApiError e = *job->error;
       lock.unlock();
@@ -349,6 +513,7 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
     out["lvx"] = {{"frames", row["frames"]},
                   {"timings", row["timings"]},
                   {"visual_cache", row.value("visual_cache", json())}};
+    if (row.contains("prompt_ids")) out["lvx"]["prompt_ids"] = row["prompt_ids"];
     res.set_content(out.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
     metrics_.count(200);
     return;
@@ -453,6 +618,14 @@ std::string Server::metrics_text() {
     << "\n"
     << "# TYPE lvx_visual_cache_capacity_bytes gauge\nlvx_visual_cache_capacity_bytes{rank=\"0\"} "
     << own.capacity << "\n"
+    << "# HELP lvx_requests_cancelled_total Requests whose client went away before the answer "
+       "ended (their generation stopped, or never ran).\n"
+    << "# TYPE lvx_requests_cancelled_total counter\nlvx_requests_cancelled_total "
+    << metrics_.cancelled << "\n"
+    << "# HELP lvx_requests_merged_total Requests answered by the generation of an identical "
+       "request (queued with them, or running when they arrived).\n"
+    << "# TYPE lvx_requests_merged_total counter\nlvx_requests_merged_total " << metrics_.merged
+    << "\n"
     << "# TYPE lvx_queue_depth gauge\nlvx_queue_depth " << depth << "\n"
     << "# TYPE lvx_requests_running gauge\nlvx_requests_running " << running_.load() << "\n"
     << "# TYPE lvx_ranks gauge\nlvx_ranks " << pg_.world_size() << "\n";
@@ -546,7 +719,9 @@ int Server::run_rank0() {
   const double heartbeat_s = std::clamp(timeout_s / 4, 0.2, 5.0);
   auto last_command = clock::now();
   int code = 0;
-  std::shared_ptr<Job> job;  // the one running
+  std::shared_ptr<Job> job;                 // the one taken from the queue
+  std::vector<std::shared_ptr<Job>> group;  // it and the identical ones sharing its generation
+  Command c;  // the running generation's (outlives a failure: running_blobs_ points into it)
   try {
     for (;;) {
       job.reset();
@@ -563,6 +738,12 @@ int Server::run_rank0() {
         draining_ = true;
         std::cerr << "lvx serve: stopping: finishing the requests in flight" << std::endl;
       }
+      if (job && job->cancelled) {  // its client left while it waited
+        running_ = 0;
+        std::lock_guard<std::mutex> lock(metrics_.mu);
+        ++metrics_.cancelled;
+        continue;
+      }
       if (!job) {
         if (draining_) break;
         if (seconds_since(last_command) >= heartbeat_s) {
@@ -572,54 +753,100 @@ int Server::run_rank0() {
         }
         continue;
       }
-      Command c;
+      c = Command{};  // running_blobs_ is null between generations
       c.op = Op::kAnswer;
       c.desc = describe(*job, c.blobs);
-      exchange(pg_, c);
-      bool first_seen = false;
-      auto note_first = [&] {
-        if (first_seen) return;
-        first_seen = true;
-        const double t = seconds_since(job->received);
-        std::lock_guard<std::mutex> lock(metrics_.mu);
-        metrics_.ttft_sum += t;
-        ++metrics_.ttft_count;
-        for (size_t i = 0; i < metrics_.ttft_buckets.size(); ++i)
-          if (t <= metrics_.ttft_buckets[i]) {
-            ++metrics_.ttft_counts[i];
-            break;
+      // Queued requests identical to this one in everything their tokens depend on (media,
+      // sampling and seed, conversation, max_tokens) share its generation: the same inputs give
+      // the same tokens, so each gets exactly the answer it would get alone. What only their own
+      // responses use (stop strings, streaming, usage) stays theirs.
+      group = {job};
+      if (o_.merge_identical) {
+        const std::string key = generation_key(c.desc);
+        std::lock_guard<std::mutex> lock(qmu_);
+        for (auto it = queue_.begin(); it != queue_.end();) {
+          std::vector<std::string> blobs;
+          if (!(*it)->cancelled && generation_key(describe(**it, blobs)) == key &&
+              blobs == c.blobs) {
+            group.push_back(*it);
+            it = queue_.erase(it);
+          } else {
+            ++it;
           }
-      };
+        }
+        running_ = static_cast<int64_t>(group.size());
+      }
+      {
+        // Identical requests that arrive while it runs join it (join_running), until it ends
+        // or every client of it has stopped it (a joiner would get a cut answer).
+        std::lock_guard<std::mutex> lock(gmu_);
+        running_group_ = group;
+        running_key_ = generation_key(c.desc);
+        running_blobs_ = &c.blobs;
+        running_pieces_.clear();
+        running_open_ = o_.merge_identical;
+      }
+      exchange(pg_, c);
       const json row = answer(
           c,
           [&](const std::string& piece) {
-            note_first();
-            job->push_text(piece);
+            std::lock_guard<std::mutex> lock(gmu_);
+            running_pieces_.push_back(piece);
+            for (const auto& j : running_group_) {
+              note_first(*j);
+              j->push_text(piece);
+            }
           },
-          [&] { return job->cancelled.load() || job->stop_hit; });
+          [&] {  // every client of the generation left or has its stop string
+            std::lock_guard<std::mutex> lock(gmu_);
+            const bool all = std::all_of(
+                running_group_.begin(), running_group_.end(),
+                [](const std::shared_ptr<Job>& j) { return j->cancelled.load() || j->stop_hit; });
+            if (all) running_open_ = false;
+            return all;
+          });
+      {
+        std::lock_guard<std::mutex> lock(gmu_);
+        running_open_ = false;
+        group = std::move(running_group_);
+        running_group_.clear();
+        running_pieces_.clear();
+        running_blobs_ = nullptr;
+        std::lock_guard<std::mutex> qlock(qmu_);
+        joined_ = 0;
+      }
       last_command = clock::now();
       running_ = 0;
-      if (row.contains("error")) {
-        job->fail(bad_request(row["error"].get<std::string>()));
-        continue;
-      }
-      note_first();
       {
         std::lock_guard<std::mutex> lock(metrics_.mu);
-        metrics_.prompt_tokens += row["prompt_tokens"].get<int64_t>();
-        metrics_.completion_tokens += row["completion_tokens"].get<int64_t>();
-        metrics_.latency_sum += seconds_since(job->received);
-        ++metrics_.latency_count;
-        if (row.contains("visual_cache")) {
+        metrics_.merged += static_cast<int64_t>(group.size()) - 1;
+        for (const auto& j : group) metrics_.cancelled += j->cancelled ? 1 : 0;
+        if (!row.contains("error") && row.contains("visual_cache")) {
           metrics_.cache_hits += row["visual_cache"]["hits"].get<int64_t>();
           metrics_.cache_misses += row["visual_cache"]["misses"].get<int64_t>();
           metrics_.cache_bytes = row["visual_cache"]["bytes"].get<int64_t>();
         }
       }
-      std::string finish = row["finish_reason"].get<std::string>();
-      if (job->stop_hit) finish = "stop";
-      // The text as lvx qa gives it, unless a stop string cut it.
-      job->finish(row, finish, job->stop_hit ? job->text : row["response"].get<std::string>());
+      for (size_t k = 0; k < group.size(); ++k) {
+        Job& j = *group[k];
+        if (row.contains("error")) {
+          j.fail(bad_request(row["error"].get<std::string>()));
+          continue;
+        }
+        note_first(j);
+        {
+          std::lock_guard<std::mutex> lock(metrics_.mu);
+          metrics_.prompt_tokens += row["prompt_tokens"].get<int64_t>();
+          metrics_.completion_tokens += row["completion_tokens"].get<int64_t>();
+          metrics_.latency_sum += seconds_since(j.received);
+          ++metrics_.latency_count;
+        }
+        std::string finish = row["finish_reason"].get<std::string>();
+        if (j.stop_hit) finish = "stop";
+        // The text as lvx qa gives it, unless a stop string cut it.
+        j.finish(row, finish, j.stop_hit ? j.text : row["response"].get<std::string>());
+      }
+      group.clear();
     }
     Command bye;
     bye.op = Op::kShutdown;
@@ -632,7 +859,15 @@ int Server::run_rank0() {
     std::cerr << "lvx serve: " << e.what() << "\nlvx serve: answering 503 and stopping"
               << std::endl;
     const ApiError unavailable(503, "server_error", "a rank failed: " + failure_);
-    if (job) job->fail(unavailable);
+    {
+      std::lock_guard<std::mutex> lock(gmu_);
+      running_open_ = false;
+      running_blobs_ = nullptr;
+      if (!running_group_.empty()) group = std::move(running_group_);
+      running_group_.clear();
+    }
+    for (const auto& j : group) j->fail(unavailable);
+    if (group.empty() && job) job->fail(unavailable);
     fail_queued(unavailable);
   }
   // Let the responses in flight reach their clients (bounded), then stop listening.

@@ -3,16 +3,20 @@
 // Every rank loads the model once (src/runtime/qa_job.h QaSession) and keeps its share of each
 // video's encoded frames (src/runtime/visual_cache.h). Rank 0 also serves HTTP (cpp-httplib):
 // it reads and checks each request (src/serve/openai_api.h), queues it (at most max_queue
-// waiting: 429 beyond), and its main thread takes requests one at a time: it broadcasts a compact
-// description (the fields and the media bytes sent inline, src/serve/wire.h) to every rank,
-// every rank answers it as `lvx qa` does (per-rank frames, the plan's strategies, pass-Q
-// decoding), and rank 0 streams the text to the client as tokens arrive. A client that goes
-// away mid-stream stops its generation (the stop flag travels with the next token).
+// waiting: 429 beyond), and its main thread takes requests one at a time (requests identical in
+// what their tokens depend on share one generation, queued or arriving while it runs): it
+// broadcasts a compact description (the fields and the media bytes sent inline,
+// src/serve/wire.h) to every rank, every rank answers it as `lvx qa` does (per-rank frames, the
+// plan's strategies, pass-Q decoding), and rank 0 streams the text to the client as tokens
+// arrive. A client that goes
+// away (a stream that can no longer be written; a non-streaming client's socket closed, looked at
+// every 100 ms while it waits) cancels its request: not run if queued, stopped at its next token
+// if running (the stop flag travels with the token).
 //
 // Endpoints: POST /v1/chat/completions, GET /v1/models (with --api-key: both need
 // "Authorization: Bearer K", else 401), GET /health (200, or 503 once a rank failed or while
 // shutting down), GET /metrics (Prometheus text: requests by status, tokens, time to first token,
-// visual cache hits/misses/bytes, queue depth).
+// visual cache hits/misses/bytes, cancelled requests, queue depth).
 //
 // Faults: while idle rank 0 sends a heartbeat command (a broadcast and a barrier) every quarter
 // of LVX_DIST_TIMEOUT_S (at most 5 s), so a rank that dies is found within about one timeout
@@ -40,6 +44,8 @@ struct ServeOptions {
   int64_t max_queue = 64;
   int64_t max_body_bytes = int64_t{512} << 20;
   int64_t default_max_tokens = 256;
+  // Queued requests identical in everything their tokens depend on share one generation.
+  bool merge_identical = true;
 };
 
 // Runs this rank of the server (rendezvous from the environment) until SIGTERM (0) or a failure

@@ -261,6 +261,105 @@ def case_cache_hits_and_changed_file(fx, srv, ranks):
     assert hits(m5) - hits(m4) == ranks
 
 
+def tokenizer_ids(fx, text):
+    """The tokenizers package's ids of a whole chat string (its special tokens as ids)."""
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(fx.model / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
+
+
+def chatml(system, turns, question, frames):
+    """mPLUG-Owl3's chat as text (the processor's build_text_qwen), the last question open."""
+    text = "<|im_start|>system\n%s<|im_end|>" % system
+    for i, (q, a) in enumerate(turns + [(question, None)]):
+        text += "\n<|im_start|>user\n" + ("<|image|>" * frames + "\n" if i == 0 else "") + q
+        text += "<|im_end|>\n<|im_start|>assistant\n" + ("" if a is None else a + "<|im_end|>")
+    return text
+
+
+def rgb_frames(d, count, size):
+    """`count` PNG frames of `size` x `size` (the vision tower's size: preprocessing does not
+    resample them) and their RGB bytes as ffmpeg reads them back."""
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-f", "lavfi", "-i",
+                    "testsrc2=size=%dx%d:rate=4" % (size, size), "-frames:v", str(count),
+                    str(d / "g%03d.png")], check=True)
+    pngs = sorted(d.glob("g*.png"))
+    raw = [subprocess.run(["ffmpeg", "-loglevel", "error", "-i", str(p), "-f", "rawvideo",
+                           "-pix_fmt", "rgb24", "-"], check=True, capture_output=True).stdout
+           for p in pngs]
+    return pngs, raw
+
+
+def forward_greedy(fx, ids, raw, size, tokens, ranks):
+    """lvx forward --generate on the same ids and frames (SigLIP's (x / 255 - 0.5) / 0.5)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+    d = Path(tempfile.mkdtemp(dir=fx.root))
+    pix = np.stack([np.frombuffer(b, np.uint8).reshape(size, size, 3) for b in raw])
+    pix = torch.from_numpy(pix.copy()).permute(0, 3, 1, 2).contiguous().float()
+    pix = (pix / 255.0 - 0.5) / 0.5
+    save_file({"input_ids": torch.tensor([ids], dtype=torch.int64), "pixel_values": pix},
+              str(d / "in.safetensors"))
+    subprocess.run([LVX, "forward", "--model", str(fx.model), "--input", str(d / "in.safetensors"),
+                    "--output", str(d / "out.safetensors"), "--generate", str(tokens),
+                    "--nproc", str(ranks)], check=True, capture_output=True, timeout=60)
+    return load_file(str(d / "out.safetensors"))["tokens"][0].tolist()
+
+
+def case_conversation_template(fx, srv, ranks):
+    # A one-turn conversation is lvx qa's prompt; earlier turns and a system message are the
+    # chat template's own turns (the tokenizers package encodes the chat text written out), and
+    # the answer is the model's greedy answer to those tokens (lvx forward --generate).
+    def ask_ids(msgs, **kw):
+        status, text = srv.http("POST", "/v1/chat/completions", json.dumps(
+            {"model": "model", "messages": msgs, "max_tokens": TOKENS, "return_prompt_ids": True,
+             **kw}))
+        assert status == 200, text
+        return json.loads(text)
+
+    clip = video_part(file_url(fx.clip))
+    one = ask_ids(messages(clip))
+    want = qa_json(fx, fx.clip, ranks)
+    assert one["lvx"]["prompt_ids"] == tokenizer_ids(fx, chatml("", [], QUESTION, FRAMES))
+    assert one["usage"]["prompt_tokens"] == want["prompt_tokens"] == len(one["lvx"]["prompt_ids"])
+    assert one["choices"][0]["message"]["content"] == want["response"]
+
+    size = 32  # the tiny SigLIP's image_size
+    pngs, raw = rgb_frames(Path(tempfile.mkdtemp(dir=fx.root)), 4, size)
+    frames = [{"type": "image_url", "image_url": {"url": data_url(p, "image/png")}} for p in pngs]
+    convo = [{"role": "system", "content": "the shape"},
+             {"role": "user", "content": [*frames, {"type": "text", "text": QUESTION}]},
+             {"role": "assistant", "content": "red"},
+             {"role": "user", "content": "and now?"}]
+    two = ask_ids(convo)
+    ids = two["lvx"]["prompt_ids"]
+    assert ids == tokenizer_ids(fx, chatml("the shape", [(QUESTION, "red")], "and now?", 4))
+    assert two["usage"]["prompt_tokens"] == len(ids)
+    # The model's greedy tokens for the same prompt and frames, cut at the stop token.
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(fx.model / "tokenizer.json"))
+    stops = {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
+    gen = forward_greedy(fx, ids, raw, size, TOKENS, ranks)
+    print("  2 turns: %d prompt tokens, greedy %s" % (len(ids), gen))
+    cut = next((i for i, t in enumerate(gen) if t in stops), len(gen))
+    assert two["usage"]["completion_tokens"] == cut, (two["usage"], gen)
+    assert two["choices"][0]["message"]["content"] == tok.decode(gen[:cut]), (two, gen)
+    # Split user messages (frames in one, the text in the next) are one turn.
+    split = [{"role": "user", "content": frames}, {"role": "user", "content": QUESTION}]
+    assert ask_ids(split)["lvx"]["prompt_ids"] == tokenizer_ids(fx, chatml("", [], QUESTION, 4))
+    # What the template cannot take is a 400 naming the message.
+    late = convo + [{"role": "assistant", "content": "x"}, {"role": "system", "content": "late"},
+                    {"role": "user", "content": "?"}]
+    assert expect_error(srv, 400, json.dumps({"model": "model", "messages": late}))[
+        "param"] == "messages[5].role"
+    first = [{"role": "assistant", "content": "hi"}] + messages(clip)
+    assert expect_error(srv, 400, json.dumps({"model": "model", "messages": first}))[
+        "param"] == "messages[0].role"
+    blank = [convo[1], convo[2], {"role": "user", "content": " "}]
+    expect_error(srv, 400, json.dumps({"model": "model", "messages": blank}))
+
+
 def case_error_codes(fx, srv, ranks):
     ok = json.dumps({"model": "model", "messages": messages(video_part(file_url(fx.clip)))})
     expect_error(srv, 400, "{not json")
@@ -341,6 +440,128 @@ def case_stop_and_disconnect(fx, srv, ranks):
     assert used < 400, used
 
 
+def case_nonstreaming_client_leaves(fx, srv, ranks):
+    # A non-streaming client that closes its socket while its answer runs (20,000 tokens: far
+    # longer than the case may take) or waits in the queue: its generation stops, the cancelled
+    # counter says so, and the next request is answered at once.
+    import socket
+
+    def leave(max_tokens, wait_s):
+        body = json.dumps({"model": "model", "max_tokens": max_tokens,
+                           "messages": messages(video_part(file_url(fx.clip)))}).encode()
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+                  KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: " +
+                  str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(wait_s)
+        s.close()
+
+    def counter(name):
+        return srv.metrics().get(name, 0)
+
+    ask(srv, video_part(file_url(fx.clip)), max_tokens=1)  # the video cached: a quick prefill
+    m0 = srv.metrics()
+    leave(20000, 1.0)  # running when it leaves
+    deadline = time.time() + 10
+    while counter("lvx_requests_cancelled_total") < m0["lvx_requests_cancelled_total"] + 1:
+        assert time.time() < deadline, "the departed client's request was not cancelled"
+        time.sleep(0.05)
+    t0 = time.time()
+    r = ask(srv, video_part(file_url(fx.clip)), max_tokens=4)
+    took = time.time() - t0
+    m1 = srv.metrics()
+    used = m1["lvx_generated_tokens_total"] - m0["lvx_generated_tokens_total"]
+    print("  cancelled after %d tokens; the next request took %.2f s" % (used - 4, took))
+    assert r.choices[0].message.content is not None and took < 10, took
+    assert used < 20000, used
+    # One that leaves while another runs (a stream held open until then, not identical: it does
+    # not join it): it never runs.
+    blocker = srv.client.chat.completions.create(
+        model="model", messages=messages(video_part(file_url(fx.clip))), temperature=0,
+        max_tokens=19999, stream=True)
+    next(iter(blocker))  # running
+    leave(20000, 0.3)
+    time.sleep(0.5)  # its departure seen while it waits (every 100 ms)
+    blocker.close()
+    deadline = time.time() + 10
+    while counter("lvx_requests_cancelled_total") < m1["lvx_requests_cancelled_total"] + 2:
+        assert time.time() < deadline, "the request that left the queue was not cancelled"
+        time.sleep(0.05)
+    # Only the blocker's prompt was run.
+    assert srv.metrics()["lvx_prompt_tokens_total"] - m1["lvx_prompt_tokens_total"] == \
+        r.usage.prompt_tokens
+    assert ask(srv, video_part(file_url(fx.clip)), max_tokens=1).choices[0].message.content \
+        is not None
+
+
+def case_identical_requests_share_generation(fx, srv, ranks):
+    # Requests queued behind a long one: the identical ones (media, question, sampling,
+    # max_tokens) are answered by one generation, each exactly as alone (lvx qa's answer), each
+    # with its own stop strings; a different question is not merged.
+    want = qa_json(fx, fx.clip, ranks)
+    clip = video_part(file_url(fx.clip))
+    other_q = "What shape was the colour?"
+    alone_other = srv.client.chat.completions.create(
+        model="model", messages=messages(clip, question=other_q), temperature=0,
+        max_tokens=TOKENS).choices[0].message.content
+    full = want["response"]
+    stop = full[2:4] if len(full) > 5 else None
+    m0 = srv.metrics()
+
+    def post(question=QUESTION, **kw):
+        status, text = srv.http("POST", "/v1/chat/completions", json.dumps(
+            {"model": "model", "max_tokens": TOKENS, "messages": messages(clip, question=question),
+             **kw}))
+        assert status == 200, text
+        return json.loads(text)
+
+    # A stream held open keeps the generation busy until all of them wait in the queue.
+    blocker = srv.client.chat.completions.create(
+        model="model", messages=messages(clip), temperature=0, max_tokens=20000, stream=True)
+    next(iter(blocker))
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        same = [ex.submit(post) for _ in range(4)]
+        cut = ex.submit(post, stop=[stop]) if stop else None
+        different = ex.submit(post, question=other_q)
+        queued = 5 + (cut is not None)
+        deadline = time.time() + 20
+        while srv.metrics()["lvx_queue_depth"] < queued:
+            assert time.time() < deadline, "the requests did not queue"
+            time.sleep(0.05)
+        blocker.close()
+        for f in same:
+            r = f.result()
+            assert r["choices"][0]["message"]["content"] == full, (r, want)
+            assert r["usage"]["completion_tokens"] == want["completion_tokens"]
+            assert r["usage"]["prompt_tokens"] == want["prompt_tokens"]
+        if cut:
+            assert cut.result()["choices"][0]["message"]["content"] == full[:full.index(stop)]
+        assert different.result()["choices"][0]["message"]["content"] == alone_other
+    merged = srv.metrics()["lvx_requests_merged_total"] - m0["lvx_requests_merged_total"]
+    print("  %d of %d identical requests answered by another's generation" % (
+        merged, 4 + (cut is not None)))
+    assert merged == 3 + (cut is not None), merged
+    # One that arrives while an identical generation runs joins it: the text so far at once, then
+    # the rest, cut by its own stop string. The first client leaves once it joined; the joiner's
+    # stop string then ends the generation (2,000 tokens asked).
+    assert stop, "the answer is too short for a stop string: %r" % full
+    m1 = srv.metrics()
+    leader = srv.client.chat.completions.create(
+        model="model", messages=messages(clip), temperature=0, max_tokens=2000, stream=True)
+    next(iter(leader))
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        joiner = ex.submit(post, max_tokens=2000, stop=[stop])
+        deadline = time.time() + 20
+        while srv.metrics()["lvx_requests_running"] < 2:
+            assert time.time() < deadline, "the identical request did not join"
+            time.sleep(0.02)
+        leader.close()
+        j = joiner.result()
+    assert j["choices"][0]["message"]["content"] == full[:full.index(stop)], (j, full)
+    assert j["choices"][0]["finish_reason"] == "stop"
+    assert srv.metrics()["lvx_requests_merged_total"] - m1["lvx_requests_merged_total"] == 1
+
+
 def case_sigterm_finishes_in_flight(fx, srv, ranks):
     got = {}
 
@@ -400,10 +621,13 @@ CASES = [
     (case_answers_equal_lvx_qa, [], {}, 1, False),
     (case_streaming, [], {}, 1, False),
     (case_image_frames, [], {}, 1, False),
+    (case_conversation_template, [], {}, 1, False),
     (case_cache_hits_and_changed_file, [], {}, 1, False),
     (case_error_codes, ["--max-body-bytes", str(200 << 10)], {}, 1, False),
     (case_queue_full_429, ["--max-queue", "1"], {}, 1, False),
     (case_stop_and_disconnect, [], {}, 1, False),
+    (case_nonstreaming_client_leaves, [], {}, 1, False),
+    (case_identical_requests_share_generation, [], {}, 1, False),
     (case_sigterm_finishes_in_flight, [], {}, 1, True),
     (case_killed_rank_503, [], {"LVX_DIST_TIMEOUT_S": "4"}, 2, True),
     (case_port_in_use_fails_every_rank_at_once, None, {}, 1, True),
