@@ -504,8 +504,8 @@ int64_t trainable_numel(const std::string& ckpt) {
 // Stage 3's bytes per sample for rank 0 of `w` (fp32 parameters): the model's units are its
 // decoder layers (names with ".layers.<l>.") and the rest (the root, gathered once per sample);
 // each layer's runs of consecutive elements in the flat layout are all-gathered for the forward
-// and, but for the last layer's, again for the backward (ring: rank 0 sends every rank's piece of a run but rank 1's), and
-// reduce-scattered once (rank 0 sends every piece but its own).
+// and, but for the last layer's, again for the backward (ring: rank 0 sends every rank's piece
+// of a run but rank 1's), and reduce-scattered once (rank 0 sends every piece but its own).
 int64_t stage3_bytes_per_sample(const std::string& ckpt, int w) {
   if (w == 1) return 0;
   const nlohmann::json st =
@@ -610,32 +610,22 @@ TEST(FinetuneShard, ResumeAtAnotherWorldSizeReshards) {
     EXPECT_LE(d, kShardTol);
   }
   // Kill -9 of one rank after the step-2 checkpoint, then --resume at the same rank count and
-  // stage: bitwise the uninterrupted run (the same arithmetic repeats).
-  const std::string ck = (dir() / "ck_rs_kill").string();
-  fs::remove_all(ck);
-  const std::string config = write_config("rs_kill", ck, 3);
-  const std::string flags =
-      "optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=2 "
-      "parallel.shard=gradients";
-  const std::string killed = finetune(config, flags, "LVX_FAULT_KILL=1@2");
-  EXPECT_NE(killed.find("exit status"), std::string::npos) << killed;
-  ASSERT_EQ(fs::path(latest(ck)).filename(), "step-000002");
-  const std::string resumed = finetune(config, "--resume " + flags);
-  ASSERT_EQ(resumed.find("exit status"), std::string::npos) << resumed;
-  EXPECT_EQ(state_diff(latest(full), latest(ck)), 0.0) << "not bitwise equal";
-  // The same at stage 3, against its own uninterrupted run.
+  // stage: bitwise the uninterrupted run (the same arithmetic repeats). Stages 2 and 3.
   const std::string full3 = shard_run("rs_full3", 2, "parallel.shard=parameters");
-  const std::string ck3 = (dir() / "ck_rs_kill3").string();
-  fs::remove_all(ck3);
-  const std::string config3 = write_config("rs_kill3", ck3, 3);
-  const std::string flags3 =
-      "optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=2 parallel.shard=parameters";
-  const std::string killed3 = finetune(config3, flags3, "LVX_FAULT_KILL=1@2");
-  EXPECT_NE(killed3.find("exit status"), std::string::npos) << killed3;
-  ASSERT_EQ(fs::path(latest(ck3)).filename(), "step-000002");
-  const std::string resumed3 = finetune(config3, "--resume " + flags3);
-  ASSERT_EQ(resumed3.find("exit status"), std::string::npos) << resumed3;
-  EXPECT_EQ(state_diff(latest(full3), latest(ck3)), 0.0) << "stage 3: not bitwise equal";
+  for (const auto& [stage, uninterrupted] : std::vector<std::pair<std::string, std::string>>{
+           {"gradients", full}, {"parameters", full3}}) {
+    const std::string ck = (dir() / ("ck_rs_kill_" + stage)).string();
+    fs::remove_all(ck);
+    const std::string config = write_config("rs_kill_" + stage, ck, 3);
+    const std::string flags =
+        "optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=2 parallel.shard=" + stage;
+    const std::string killed = finetune(config, flags, "LVX_FAULT_KILL=1@2");
+    EXPECT_NE(killed.find("exit status"), std::string::npos) << killed;
+    ASSERT_EQ(fs::path(latest(ck)).filename(), "step-000002");
+    const std::string resumed = finetune(config, "--resume " + flags);
+    ASSERT_EQ(resumed.find("exit status"), std::string::npos) << resumed;
+    EXPECT_EQ(state_diff(latest(uninterrupted), latest(ck)), 0.0) << stage << ": not bitwise equal";
+  }
 }
 
 TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {

@@ -476,7 +476,8 @@ int run_finetune_rank(const FinetuneJob& job) {
     // Resuming: the masters come from the checkpoint's optimizer state below.
     std::function<at::Tensor(const std::string&)> read;
     if (ckpt.empty()) {
-      auto index = std::make_shared<models::CheckpointIndex>(models::load_checkpoint_index(model_dir));
+      auto index =
+          std::make_shared<models::CheckpointIndex>(models::load_checkpoint_index(model_dir));
       read = [index, device, dtype](const std::string& name) {
         return models::read_tensor(*index, name).to(device, dtype);
       };
