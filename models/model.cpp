@@ -16,6 +16,11 @@ at::Tensor Model::decode_step(const at::Tensor&, const Parallel&, DecodeCache&) 
            " family yet (lvx qa needs it)");
 }
 
+at::Tensor Model::extend(const at::Tensor&, const Parallel&, DecodeCache&) const {
+  LVX_FAIL("extending a kept prompt is not implemented for the ", family().display_name(),
+           " family");
+}
+
 at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positions, int64_t length,
                              const at::Tensor& head, dist::ProcessGroup& pg) {
   const int64_t B = hidden.size(0);

@@ -79,6 +79,13 @@ class Model {
   virtual at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const;
   virtual at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,
                                  DecodeCache& cache) const;
+  // extend: several prompt tokens of every sample (int64 [B, T] on the host, the same on every
+  // rank) after a prefill, in one pass through the layers against the cache, as decode_step
+  // takes one (pass-Q for the cached keys, causal among the new ones); returns the last one's
+  // logits [B, V] and leaves their K/V in the cache. What a kept prompt prefix needs
+  // (src/runtime/generate.h). Families without it say can_extend() false.
+  virtual bool can_extend() const { return false; }
+  virtual at::Tensor extend(const at::Tensor& tokens, const Parallel& par, DecodeCache& cache) const;
 };
 
 // Refuses every named input (ModelInputs::named) not in `known`, naming it and `model`'s inputs

@@ -396,6 +396,82 @@ at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
   return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
 }
 
+at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
+                             DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const MplugOwl3Config& c = cfg_;
+  const int64_t B = cache.batch, hq = c.heads, hkv = c.kv_heads, d = c.head_dim, g = hq / hkv;
+  LVX_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1,
+            "extend: expected [", B, ", T >= 1] tokens, got ", tokens.sizes());
+  const int64_t T = tokens.size(1);
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong));  // [B, T, H]
+  const RotaryTables rope = rotary_tables(
+      at::arange(cache.length, cache.length + T, emb.options().dtype(at::kLong)), c.head_dim,
+      c.rope_theta);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  // The T queries of a row as extra query heads of their K/V head ([B, Hkv·T·g, D]: head
+  // j·T·g + t·g + i reads K/V head j under the kernels' GQA mapping), so the cached keys take all
+  // of them in one call per rank and one pass-Q message per layer; and back to [B, T, Hq, ·].
+  auto fold = [&](const at::Tensor& q) {
+    return q.view({B, T, hkv, g, d}).permute({0, 2, 1, 3, 4}).reshape({B, hkv * T * g, d});
+  };
+  auto unfold = [&](const Partial& p) {
+    return Partial{p.o.view({B, hkv, T, g, d}).permute({0, 2, 1, 3, 4}).reshape({B, T, hq, d}),
+                   p.lse.view({B, hkv, T, g}).permute({0, 2, 1, 3}).reshape({B, T, hq})};
+  };
+  auto at_t = [](const Partial& p, int64_t t) {
+    return Partial{p.o.select(1, t), p.lse.select(1, t)};
+  };
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const size_t li = static_cast<size_t>(i);
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
+    at::Tensor q = linear(x, w_, l + "self_attn.q_proj", true).view({B, T, hq, d});
+    at::Tensor k = linear(x, w_, l + "self_attn.k_proj", true).view({B, T, hkv, d});
+    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({B, T, hkv, d});
+    q = apply_rotary(q, rope);
+    k = apply_rotary(k, rope);
+    int64_t before = 0;
+    for (const at::Tensor& nk : cache.new_k[li]) before += nk.size(1);
+    cache.new_k[li].push_back(k);
+    cache.new_v[li].push_back(v);
+    const at::Tensor qf = fold(q);
+    std::vector<Partial> local{partial_attention(qf, cache.prompt[li].k, cache.prompt[li].v,
+                                                 cache.prompt[li].visible, scale)};
+    const KVShard& vis = cache.visual[li];
+    const bool cross = c.is_hyper(i) && vis.k.defined();
+    if (cross) local.push_back(partial_attention(qf, vis.k, vis.v, vis.visible, scale));
+    std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
+    for (Partial& p : merged) p = unfold(p);
+    const at::Tensor nk = at::cat(cache.new_k[li], 1), nv = at::cat(cache.new_v[li], 1);
+    std::vector<at::Tensor> ctx_t;
+    for (int64_t t = 0; t < T; ++t) {
+      // The new keys up to this token's own (causal), on every rank.
+      const Partial generated = partial_attention(q.select(1, t), nk.narrow(1, 0, before + t + 1),
+                                                  nv.narrow(1, 0, before + t + 1), {}, scale);
+      const Partial self = merge_partials({at_t(merged[0], t), generated});
+      at::Tensor ctx;
+      if (!cross) {
+        ctx = self.o;
+      } else if (c.variant == "240728") {
+        const at::Tensor gate = at::sigmoid(param(w_, l + "self_attn.gate")).to(at::kFloat);
+        const at::Tensor xo = merged[1].o.select(1, t).reshape({B, hq * d});
+        const at::Tensor so = self.o.reshape({B, hq * d});
+        ctx = at::where(cache.sees_media.unsqueeze(1), so * (1 - gate) + xo * gate, so);
+      } else {  // one softmax over [visual | text] keys
+        ctx = merge_partials({at_t(merged[1], t), self}).o;
+      }
+      ctx_t.push_back(ctx.reshape({B, hq * d}));
+    }
+    const at::Tensor ctx = at::stack(ctx_t, 1).to(h.scalar_type());  // [B, T, Hq·D]
+    h = post_attention(i, h, ctx, /*remat=*/false);
+  }
+  cache.length += T;
+  h = rms_norm(h.select(1, T - 1), param(w_, kLm + "norm.weight"), c.rms_eps);
+  return at::linear(h, lm_head()).to(at::kFloat);
+}
+
 int64_t MplugOwl3::decoder_layer_of(const std::string& name) const {
   return layer_number_after(name, kLm + "layers.");
 }

@@ -115,6 +115,9 @@ class MplugOwl3 : public Model {
   at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const override;
   at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,
                          DecodeCache& cache) const override;
+  bool can_extend() const override { return true; }
+  at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
+                    DecodeCache& cache) const override;
 
  private:
   // The forward; with a cache (prefill) it also keeps this rank's K/V there and returns the

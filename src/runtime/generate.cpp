@@ -35,6 +35,20 @@ at::Tensor pick_tokens(const at::Tensor& logits, const SamplingOptions& s, at::G
   return order.gather(-1, choice).squeeze(-1);
 }
 
+int64_t prompt_prefix(const at::Tensor& ids, int64_t media_token) {
+  const at::Tensor host = ids.to(at::kCPU).to(at::kLong).contiguous();
+  const int64_t B = host.size(0), L = host.size(1);
+  const int64_t* p = host.data_ptr<int64_t>();
+  int64_t last = -1;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = L - 1; t > last; --t)
+      if (p[b * L + t] == media_token) {
+        last = t;
+        break;
+      }
+  return last < 0 || last + 1 >= L ? 0 : last + 1;
+}
+
 GenerateResult generate(const models::Model& model, const models::ModelInputs& in,
                         const models::Parallel& par, const GenerateOptions& o,
                         const std::function<void(const at::Tensor&)>& on_token) {
@@ -60,7 +74,31 @@ GenerateResult generate(const models::Model& model, const models::ModelInputs& i
 
   int64_t sent0 = pg.counters().total_sent();
   auto t0 = clock::now();
-  at::Tensor logits = model.prefill(in, par, cache);
+  at::Tensor logits;
+  // Processor inputs along the sequence (OpenFlamingo's attention_mask, Mllama's
+  // cross_attention_mask) would have to be cut too: such a batch runs whole.
+  const int64_t split = in.named.empty() && model.can_extend()
+                            ? prompt_prefix(in.input_ids, model.media_token_id())
+                            : 0;
+  if (split == 0) {
+    logits = model.prefill(in, par, cache);
+  } else {
+    // The prefix as a prefill (or its state reused), then the rest as decode steps.
+    const models::DecodeCache* reused = o.cached_prefix ? o.cached_prefix() : nullptr;
+    if (reused != nullptr) {
+      cache = *reused;  // the tensors are shared and never written; the lists are copied
+      cache.encode_seconds = 0;
+      r.prefix_reused = true;
+    } else {
+      models::ModelInputs head = in;
+      head.input_ids = in.input_ids.narrow(1, 0, split);
+      model.prefill(head, par, cache);
+      if (o.store_prefix) o.store_prefix(cache);
+    }
+    r.prefix_tokens = split;
+    logits = model.extend(in.input_ids.to(at::kCPU).to(at::kLong).narrow(1, split, prompt - split),
+                          par, cache);
+  }
   r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   r.prefill_bytes_sent = pg.counters().total_sent() - sent0;
   r.encode_seconds = cache.encode_seconds;

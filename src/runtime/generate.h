@@ -33,12 +33,29 @@ struct GenerateOptions {
   // travels with the token's broadcast). Set it on every rank or on none; only rank 0's answer
   // counts.
   std::function<bool()> stop_requested;
+  // The prompt prefix (lvx serve's per-video reuse): every prompt with images runs as a prefill
+  // of its prefix — up to and including the last image token of any row, which no question
+  // changes — then its remaining tokens (the question and the template's tail) in one
+  // Model::extend against that prefill's cache (prompt_prefix), for every caller alike, so an
+  // answer does not depend on whether its prefix was reused. A family without extend, or a batch
+  // with processor inputs along the sequence (ModelInputs::named, e.g. lvx forward --input of a
+  // processor's output), runs its prompt whole.
+  // cached_prefix: this rank's state after that prefill of the same prefix, or null; every rank
+  // must answer alike (the caller agrees). store_prefix: offered the state after a prefill.
+  std::function<const models::DecodeCache*()> cached_prefix;
+  std::function<void(const models::DecodeCache&)> store_prefix;
 };
+
+// The prefix length of `ids` (int64 [B, L] on the host) for GenerateOptions: one past the last
+// `media_token` of any row; 0 when no row has one or it is the last token (no split).
+int64_t prompt_prefix(const at::Tensor& ids, int64_t media_token);
 
 struct GenerateResult {
   at::Tensor tokens;       // int64 [B, T]: after a sample's stop token, that stop token again
   at::Tensor step_logits;  // float32 [B, T, V] with keep_logits
-  double prefill_seconds = 0;
+  double prefill_seconds = 0;  // the prompt: its prefix's prefill and the rest's decode steps
+  int64_t prefix_tokens = 0;    // the prefix that ran as a prefill (0: the whole prompt did)
+  bool prefix_reused = false;   // GenerateOptions::cached_prefix gave it
   double encode_seconds = 0;  // the part of prefill_seconds spent encoding this rank's frames
   std::vector<double> token_seconds;  // each decode step (the first token comes from prefill)
   // This rank's bytes sent by the prefill and by the decode steps (not the token broadcasts).

@@ -393,6 +393,27 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
   g.max_length = cx.context;
   if (!cx.job.ignore_stop) g.stop = cx.stop;
   g.stop_requested = hooks.stop_requested;
+  // The prompt prefix (up to its last image token) is kept with the video's entry: a later
+  // question whose prompt starts the same, run with the same plan, starts from its state on every
+  // rank (all ranks must have it: one flag, all-reduced).
+  const int64_t split = prompt_prefix(ids, cx.model->media_token_id());
+  const std::vector<int64_t> prefix_ids(prompt.ids.begin(), prompt.ids.begin() + split);
+  const std::string plan_key = describe(par);
+  std::shared_ptr<const VisualEntry::Prefix> reuse, made;
+  if (split > 0 && cx.cache->enabled()) {
+    const bool mine = cached && cached->prefix && cached->prefix->ids == prefix_ids &&
+                      cached->prefix->plan == plan_key;
+    at::Tensor all = at::full({1}, mine ? 1 : 0, at::kLong);
+    pg.all_reduce(all, dist::ReduceOp::kMin);
+    if (all.item<int64_t>() == 1) reuse = cached->prefix;
+    g.cached_prefix = [&reuse]() -> const models::DecodeCache* {
+      return reuse ? &reuse->state : nullptr;
+    };
+    g.store_prefix = [&](const models::DecodeCache& state) {
+      made = std::make_shared<const VisualEntry::Prefix>(
+          VisualEntry::Prefix{prefix_ids, plan_key, state});
+    };
+  }
   // Frames go to the device once, after preprocessing; the prompt's ids stay host metadata.
   models::ModelInputs in{ids, at::Tensor(), /*pixels_local=*/true, {}};
   models::LocalMedia encoded;  // filled by the prefill on a cache miss
@@ -415,6 +436,13 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
     entry->indices = frames.indices;
     entry->pts = frames.pts;
     entry->events = frames.report.events;
+    entry->prefix = made;
+    cx.cache->put(key, std::move(entry));
+  } else if (cached && made) {
+    // Another prefix of a cached video (another system message, plan or frame count): it
+    // replaces the entry's.
+    auto entry = std::make_shared<VisualEntry>(*cached);
+    entry->prefix = made;
     cx.cache->put(key, std::move(entry));
   }
   std::vector<int64_t> answer_ids;
@@ -487,7 +515,9 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
   if (cx.cache->enabled())
     row["visual_cache"] = {{"hits", bytes[2].item<int64_t>()},
                            {"misses", bytes[3].item<int64_t>()},
-                           {"bytes", bytes[4].item<int64_t>()}};
+                           {"bytes", bytes[4].item<int64_t>()},
+                           {"prefix_tokens", out.prefix_tokens},
+                           {"prefix_reused", out.prefix_reused}};
   return row;
 }
 

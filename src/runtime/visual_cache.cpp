@@ -7,6 +7,13 @@ int64_t VisualEntry::bytes() const {
   for (const at::Tensor* t : {&media.features, &indices, &pts})
     if (t->defined()) b += static_cast<int64_t>(t->nbytes());
   for (const std::string& e : events) b += static_cast<int64_t>(e.size());
+  if (prefix) {
+    b += static_cast<int64_t>(prefix->ids.size() * sizeof(int64_t) + prefix->plan.size());
+    for (const auto* list : {&prefix->state.prompt, &prefix->state.visual})
+      for (const models::KVShard& s : *list)
+        for (const at::Tensor* t : {&s.k, &s.v, &s.visible})
+          if (t->defined()) b += static_cast<int64_t>(t->nbytes());
+  }
   return b;
 }
 

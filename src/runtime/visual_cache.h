@@ -22,6 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "models/decode.h"
 #include "models/parallel.h"
 
 namespace lvx::runtime {
@@ -31,7 +32,16 @@ struct VisualEntry {
   int64_t sampled_total = 0;        // frames sampled over all ranks (the prompt's image count)
   at::Tensor indices, pts;          // this rank's frames: int64 index, float64 seconds (host)
   std::vector<std::string> events;  // the decode report's lines (said again on a hit)
-  // Bytes held: the features and the frame metadata.
+  // The prompt prefix's state on this rank after its prefill (runtime/generate.h: the prompt up
+  // to its last image token, which no question changes): its K/V shards, self and visual. It
+  // applies to a prompt with the same prefix ids run with the same plan.
+  struct Prefix {
+    std::vector<int64_t> ids;
+    std::string plan;
+    models::DecodeCache state;
+  };
+  std::shared_ptr<const Prefix> prefix;
+  // Bytes held: the features, the frame metadata and the prefix's state.
   int64_t bytes() const;
 };
 

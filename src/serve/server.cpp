@@ -190,6 +190,7 @@ struct Metrics {
   std::vector<double> ttft_buckets{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
   std::vector<int64_t> ttft_counts = std::vector<int64_t>(10, 0);
   int64_t cache_hits = 0, cache_misses = 0, cache_bytes = 0;  // over every rank
+  int64_t prefix_reuses = 0;  // requests whose prompt prefix state was reused
   int64_t cancelled = 0;  // requests whose client went away before the answer ended
   int64_t merged = 0;     // requests answered by an identical request's generation
   void count(int status) {
@@ -611,6 +612,11 @@ std::string Server::metrics_text() {
     << metrics_.cache_hits << "\n"
     << "# TYPE lvx_visual_cache_misses_total counter\nlvx_visual_cache_misses_total "
     << metrics_.cache_misses << "\n"
+    << "# HELP lvx_prefix_reuses_total Requests whose prompt prefix (up to its last image token) "
+       "started from the state a previous request's prefill left (every rank's, kept with the "
+       "video's visual features).\n"
+    << "# TYPE lvx_prefix_reuses_total counter\nlvx_prefix_reuses_total " << metrics_.prefix_reuses
+    << "\n"
     << "# HELP lvx_visual_cache_bytes Bytes held by the visual caches of every rank.\n"
     << "# TYPE lvx_visual_cache_bytes gauge\nlvx_visual_cache_bytes " << metrics_.cache_bytes
     << "\n"
@@ -824,6 +830,7 @@ int Server::run_rank0() {
         if (!row.contains("error") && row.contains("visual_cache")) {
           metrics_.cache_hits += row["visual_cache"]["hits"].get<int64_t>();
           metrics_.cache_misses += row["visual_cache"]["misses"].get<int64_t>();
+          metrics_.prefix_reuses += row["visual_cache"].value("prefix_reused", false) ? 1 : 0;
           metrics_.cache_bytes = row["visual_cache"]["bytes"].get<int64_t>();
         }
       }

@@ -61,9 +61,9 @@ class Fixtures:
         return path
 
 
-def qa_json(fx, video, ranks, extra=()):
+def qa_json(fx, video, ranks, extra=(), question=QUESTION):
     out = subprocess.run([LVX, "qa", "--model", str(fx.model), "--video", str(video), "--question",
-                          QUESTION, "--num-frames", str(FRAMES), "--max-new-tokens", str(TOKENS),
+                          question, "--num-frames", str(FRAMES), "--max-new-tokens", str(TOKENS),
                           "--json", "--nproc", str(ranks), *extra],
                          check=True, capture_output=True, text=True, timeout=60).stdout
     return json.loads(out)
@@ -244,7 +244,11 @@ def case_cache_hits_and_changed_file(fx, srv, ranks):
     assert hits(m2) - hits(m1) == ranks and misses(m2) == misses(m1), (m1, m2)
     # A hit decodes and encodes nothing: the slowest rank's encoding time is the lookup's.
     lvx = b.model_extra["lvx"]
-    assert lvx["visual_cache"] == {"hits": ranks, "misses": 0, "bytes": lvx["visual_cache"]["bytes"]}
+    vc = lvx["visual_cache"]
+    assert {k: vc[k] for k in ("hits", "misses")} == {"hits": ranks, "misses": 0}, vc
+    # The prompt prefix (up to the last frame token) ran once: the repeat starts from its state.
+    assert vc["prefix_reused"] is True and vc["prefix_tokens"] > 0, vc
+    assert m2["lvx_prefix_reuses_total"] - m1["lvx_prefix_reuses_total"] == 1, (m1, m2)
     assert lvx["timings"]["encode_s"] < 0.01, lvx
     assert m2["lvx_visual_cache_bytes"] > 0
     # The file changes in place (same name): no rank may use the old features.
@@ -259,6 +263,13 @@ def case_cache_hits_and_changed_file(fx, srv, ranks):
     ask(srv, video_part(file_url(fx.clip)), extra_body={"video_id": "clip-1"})
     m5 = srv.metrics()
     assert hits(m5) - hits(m4) == ranks
+    # Another question about the same video reuses it too, and still answers as `lvx qa` does.
+    q2 = "What is shown in the video?"
+    d = srv.client.chat.completions.create(
+        model="model", messages=messages(video_part(file_url(fx.clip)), question=q2),
+        temperature=0, max_tokens=TOKENS)
+    assert d.model_extra["lvx"]["visual_cache"]["prefix_reused"] is True
+    assert d.choices[0].message.content == qa_json(fx, fx.clip, ranks, question=q2)["response"]
 
 
 def tokenizer_ids(fx, text):
