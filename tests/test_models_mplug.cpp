@@ -15,6 +15,9 @@
 #include <map>
 
 #include "models/checkpoint.h"
+#include "models/model.h"
+#include "models/parallel.h"
+#include "src/dist/process_group.h"
 #include "src/common/safetensors.h"
 #include "tests/model_conformance.h"
 
@@ -121,6 +124,58 @@ TEST_P(MplugGeneration, GreedyTokensEqualTheReferenceLoop) {
   // B = 2, Hq = 4, D = 16; 4 layers of which 2 have a cross-attention.
   const int64_t formula = int64_t{c.nproc - 1} * 6 * 2 * 4 * 17 * 4;
   EXPECT_EQ(std::stoll(meta.at("decode_bytes_sent_per_token")), formula);
+  // The prompt ran as a prefill of its prefix (up to the last image token) and one extend of the
+  // rest (src/runtime/generate.h), the path lvx serve's kept prefixes take; 241101's batch ends
+  // with an image, so its prompt runs whole.
+  EXPECT_EQ(std::stoll(meta.at("prefix_tokens")), c.variant == "240728" ? 6 : 0);
+}
+
+// Model::extend: a prefill of the prompt up to its last image token, then the rest in one extend,
+// gives the last token's logits of a prefill of the whole prompt, and of the rest token by token
+// through decode steps. fp32 within 1e-5 (the same sums in another order; a wrong position,
+// mask or merge moves them by far more). Both variants (gated and one-softmax cross-attention);
+// the batch gets 3 text tokens appended so that both rows end in text.
+TEST(MplugExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
+  for (const std::string variant : {"240728", "241101"}) {
+    const Reference& ref = reference(variant);
+    const auto batch = lvx::load_safetensors(ref.batch).tensors;
+    const auto model = lvx::models::load_model(ref.model, at::kFloat);
+    ASSERT_TRUE(model->can_extend());
+    lvx::models::Parallel par;
+    par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
+    const at::Tensor ids0 = batch.at("input_ids");
+    const int64_t B = ids0.size(0);
+    const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
+    const at::Tensor pixels = batch.at("pixel_values");
+    const at::Tensor media = ids.eq(model->media_token_id());
+    int64_t split = 0;
+    for (int64_t t = 0; t < ids.size(1); ++t)
+      if (media.select(1, t).any().item<bool>()) split = t + 1;
+    ASSERT_GT(split, 0);
+    ASSERT_LT(split, ids.size(1));
+    lvx::models::DecodeCache whole_c, ext_c, step_c;
+    const at::Tensor whole = model->prefill({ids, pixels, false, {}}, par, whole_c);
+    model->prefill({ids.narrow(1, 0, split), pixels, false, {}}, par, ext_c);
+    const at::Tensor ext = model->extend(ids.narrow(1, split, ids.size(1) - split), par, ext_c);
+    model->prefill({ids.narrow(1, 0, split), pixels, false, {}}, par, step_c);
+    at::Tensor step;
+    for (int64_t t = split; t < ids.size(1); ++t)
+      step = model->decode_step(ids.select(1, t).contiguous(), par, step_c);
+    const double d_whole = (ext - whole).abs().max().item<double>();
+    const double d_step = (ext - step).abs().max().item<double>();
+    std::cout << variant << ": split " << split << " of " << ids.size(1) << ", |extend − whole| "
+              << d_whole << ", |extend − decode steps| " << d_step << "\n";
+    EXPECT_LE(d_whole, 1e-5) << variant;
+    EXPECT_LE(d_step, 1e-5) << variant;
+    // The cache continues as after the whole prefill: the next decode step agrees.
+    const at::Tensor next = at::tensor({9}, at::kLong).expand({B}).contiguous();
+    EXPECT_LE((model->decode_step(next, par, ext_c) - model->decode_step(next, par, whole_c))
+                  .abs()
+                  .max()
+                  .item<double>(),
+              1e-5)
+        << variant;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MplugGeneration,

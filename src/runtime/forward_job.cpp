@@ -154,7 +154,8 @@ int run_forward_rank(const ForwardJob& job) {
            {"prefill_seconds", std::to_string(out.prefill_seconds)},
            {"decode_seconds_per_token", std::to_string(per_token)},
            {"prefill_bytes_sent", std::to_string(out.prefill_bytes_sent)},
-           {"decode_bytes_sent_per_token", std::to_string(out.decode_bytes_sent / steps)}});
+           {"decode_bytes_sent_per_token", std::to_string(out.decode_bytes_sent / steps)},
+           {"prefix_tokens", std::to_string(out.prefix_tokens)}});
     pg->barrier();
     return 0;
   }
