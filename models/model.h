@@ -111,10 +111,13 @@ at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positio
 //
 // `defer` (optional) leaves the parameters it selects on the `meta` device, unread: ZeRO stage 3
 // reads them one tensor at a time into its shards (src/runtime/layer_sharding.h), so no rank
-// ever holds them whole. Such a load reads tensors one at a time on the CPU too.
+// ever holds them whole. Such a load reads tensors one at a time on the CPU too. `index`
+// (optional) receives the checkpoint's index the load used (read_tensor reads the deferred
+// ones from it; the manifest is not verified twice).
 using DeferParameter = std::function<bool(const Model& model, const std::string& name)>;
 std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype,
-                                  at::Device device = at::kCPU, const DeferParameter& defer = {});
+                                  at::Device device = at::kCPU, const DeferParameter& defer = {},
+                                  std::shared_ptr<const CheckpointIndex>* index = nullptr);
 // `name` within the model's layer-numbered parameters: the integer right after `prefix` and
 // before the next '.', or -1 when `name` does not start with prefix + digits + '.'.
 int64_t layer_number_after(const std::string& name, const std::string& prefix);

@@ -143,6 +143,17 @@ TEST(TrainingRows, BadRowsNameFileLineAndField) {
       << a[1].error;
 }
 
+// The ids the tokenizers package (PyPI) gives `text` with the tokenizer at `tok_path`, no
+// special tokens added: the independent reference of the chat templates below.
+json tokenizers_ids(const std::string& tok_path, const std::string& text) {
+  const std::string script = write(
+      "encode.py",
+      "import json, sys\nfrom tokenizers import Tokenizer\nt = Tokenizer.from_file(sys.argv[1])\n"
+      "print(json.dumps(t.encode(sys.argv[2], add_special_tokens=False).ids))\n");
+  return json::parse(
+      run_command(testing::python() + " " + script + " " + tok_path + " '" + text + "'"));
+}
+
 TEST(TrainingRows, MultiTurnChatmlEqualsTheTokenizersPackage) {
   // The conversation as text (Qwen chatml, continued turn by turn): the tokenizers package
   // encodes it, lvx builds it from pieces; the loss is on both answers and their <|im_end|>.
@@ -151,12 +162,7 @@ TEST(TrainingRows, MultiTurnChatmlEqualsTheTokenizersPackage) {
       "<|im_start|>system\n<|im_end|>\n<|im_start|>user\n<|image|><|image|>\nWhat colour was the "
       "shape?<|im_end|>\n<|im_start|>assistant\nred<|im_end|>\n<|im_start|>user\nand "
       "now?<|im_end|>\n<|im_start|>assistant\ngreen blue<|im_end|>";
-  const std::string script = write(
-      "encode.py",
-      "import json, sys\nfrom tokenizers import Tokenizer\nt = Tokenizer.from_file(sys.argv[1])\n"
-      "print(json.dumps(t.encode(sys.argv[2], add_special_tokens=False).ids))\n");
-  const json want = json::parse(
-      run_command(testing::python() + " " + script + " " + tok_path + " '" + text + "'"));
+  const json want = tokenizers_ids(tok_path, text);
   const models::Tokenizer tok = models::Tokenizer::from_file(tok_path);
   QaItem item;
   item.question = "What colour was the shape?";
@@ -196,12 +202,7 @@ TEST(TrainingRows, ChatPromptEndsWhereTheAnswerBegins) {
       "<|im_start|>system\nthe shape<|im_end|>\n<|im_start|>user\n<|image|><|image|>\nWhat "
       "colour was the shape?<|im_end|>\n<|im_start|>assistant\nred<|im_end|>\n<|im_start|>user\n"
       "and now?<|im_end|>\n<|im_start|>assistant\n";
-  const std::string script = write(
-      "encode_chat.py",
-      "import json, sys\nfrom tokenizers import Tokenizer\nt = Tokenizer.from_file(sys.argv[1])\n"
-      "print(json.dumps(t.encode(sys.argv[2], add_special_tokens=False).ids))\n");
-  const json want = json::parse(
-      run_command(testing::python() + " " + script + " " + tok_path + " '" + text + "'"));
+  const json want = tokenizers_ids(tok_path, text);
   const models::Tokenizer tok = models::Tokenizer::from_file(tok_path);
   const models::Family& f = models::family_of("mplugowl3", "test");
   const PromptTokens p =

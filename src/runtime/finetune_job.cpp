@@ -439,12 +439,14 @@ int run_finetune_rank(const FinetuneJob& job) {
   // Stage 3 never holds the trainable parameters whole: they stay unread (meta) here and each
   // rank reads, one tensor at a time, only what its shard of the masters needs.
   const bool stage3 = stage == ShardStage::kParameters;
+  std::shared_ptr<const models::CheckpointIndex> index;  // stage 3: where the deferred ones are
   std::unique_ptr<models::Model> model = models::load_model(
       model_dir, dtype, device,
       stage3 ? models::DeferParameter([&](const models::Model& m, const std::string& name) {
         return trains_under(cfg.freeze.policy, m, name);
       })
-             : models::DeferParameter());
+             : models::DeferParameter(),
+      stage3 ? &index : nullptr);
   model = with_lora(std::move(model), cfg, ckpt);  // LoRA (src/runtime/finetune_lora.h)
   const models::Tokenizer tok = models::Tokenizer::from_file(model_dir + "/tokenizer.json");
   const models::Family& family = model->family();
@@ -475,13 +477,10 @@ int run_finetune_rank(const FinetuneJob& job) {
   if (stage3) {
     // Resuming: the masters come from the checkpoint's optimizer state below.
     std::function<at::Tensor(const std::string&)> read;
-    if (ckpt.empty()) {
-      auto index =
-          std::make_shared<models::CheckpointIndex>(models::load_checkpoint_index(model_dir));
+    if (ckpt.empty())
       read = [index, device, dtype](const std::string& name) {
         return models::read_tensor(*index, name).to(device, dtype);
       };
-    }
     sopt.init(read, device);
   } else if (sharded) {
     sopt.init(trainable);
@@ -634,10 +633,10 @@ int run_finetune_rank(const FinetuneJob& job) {
       }
       // Frames go to the device once, after preprocessing; ids and labels are host metadata.
       const at::Tensor pixels = fb.frames.defined() ? fb.frames.to(device) : at::Tensor();
-      if ((stage == ShardStage::kGradients || stage3) && !acc.defined())
-        acc = at::zeros({sopt.end() - sopt.begin()},
-                        at::TensorOptions().dtype(at::kFloat).device(device));
       if (layered) {
+        if (!acc.defined())
+          acc = at::zeros({sopt.end() - sopt.begin()},
+                          at::TensorOptions().dtype(at::kFloat).device(device));
         layered->begin_sample(acc);
         par.hooks = layered.get();
       }

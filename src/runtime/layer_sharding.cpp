@@ -85,23 +85,21 @@ LayerSharding::LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world,
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = units_[k];
     if (u.numel == 0) continue;
-    if (!shard_parameters_) {
-      for (const std::string& name : u.names)
-        torch::autograd::impl::set_post_acc_grad_hooks(params.at(name),
-                                                       std::make_unique<UnitGradHook>(this, k));
-      continue;
+    if (shard_parameters_) {
+      u.buffer = at::empty({u.numel}, options);
+      for (size_t j = 0; j < u.names.size(); ++j) {
+        at::Tensor& slot = params.at(u.names[j]);
+        const std::vector<int64_t> sizes = slot.sizes().vec();
+        at::Tensor p = at::empty({0}, options);
+        p.set_(u.buffer.storage(), u.local[j], sizes, c10::contiguous_strides(sizes));
+        p.set_requires_grad(true);
+        slot = p;  // the whole (or meta) tensor it replaces is released here
+      }
+      free_storage(u.buffer);
     }
-    u.buffer = at::empty({u.numel}, options);
-    for (size_t j = 0; j < u.names.size(); ++j) {
-      at::Tensor& slot = params.at(u.names[j]);
-      const std::vector<int64_t> sizes = slot.sizes().vec();
-      at::Tensor p = at::empty({0}, options);
-      p.set_(u.buffer.storage(), u.local[j], sizes, c10::contiguous_strides(sizes));
-      p.set_requires_grad(true);
-      torch::autograd::impl::set_post_acc_grad_hooks(p, std::make_unique<UnitGradHook>(this, k));
-      slot = p;  // the whole (or meta) tensor it replaces is released here
-    }
-    free_storage(u.buffer);
+    for (const std::string& name : u.names)
+      torch::autograd::impl::set_post_acc_grad_hooks(params.at(name),
+                                                     std::make_unique<UnitGradHook>(this, k));
   }
   for (int64_t l = layers_ - 1; l >= 0; --l) order_.push_back(static_cast<size_t>(l));
   order_.push_back(static_cast<size_t>(layers_));
@@ -197,19 +195,24 @@ void LayerSharding::begin_sample(at::Tensor shard) {
   for (Unit& u : units_) u.prepared = u.completed = false;
   // The root unit runs first (embeddings) and last (head): gathered for the whole sample, its
   // gradient buffer ready from the start.
-  const size_t root = static_cast<size_t>(layers_);
-  gather(root);
-  Unit& r = units_[root];
-  r.prepared = true;
-  if (r.numel > 0) {
-    r.grad = at::zeros({r.numel}, grad_options_);
-    models::StateDict& params = model_.parameters();
-    for (size_t j = 0; j < r.names.size(); ++j) {
-      at::Tensor& p = params.at(r.names[j]);
-      p.mutable_grad() = r.grad.narrow(0, r.local[j], p.numel()).view(p.sizes());
-    }
-    r.pending = r.names.size();
+  prepare(static_cast<size_t>(layers_));
+}
+
+void LayerSharding::prepare(size_t k) {
+  Unit& u = units_[k];
+  gather(k);
+  u.prepared = true;
+  if (u.numel == 0) {
+    complete(k);
+    return;
   }
+  u.grad = at::zeros({u.numel}, grad_options_);
+  models::StateDict& params = model_.parameters();
+  for (size_t j = 0; j < u.names.size(); ++j) {
+    at::Tensor& p = params.at(u.names[j]);
+    p.mutable_grad() = u.grad.narrow(0, u.local[j], p.numel()).view(p.sizes());
+  }
+  u.pending = u.names.size();
 }
 
 void LayerSharding::enter_layer(int64_t layer, const at::Tensor& hidden) {
@@ -228,23 +231,8 @@ void LayerSharding::leave_layers(const at::Tensor& hidden) {
 }
 
 void LayerSharding::reach_backward(int64_t layer) {
-  models::StateDict& params = model_.parameters();
-  for (; next_backward_ >= layer && next_backward_ >= 0; --next_backward_) {
-    const size_t k = static_cast<size_t>(next_backward_);
-    Unit& u = units_[k];
-    gather(k);
-    u.prepared = true;
-    if (u.numel == 0) {
-      complete(k);
-      continue;
-    }
-    u.grad = at::zeros({u.numel}, grad_options_);
-    for (size_t j = 0; j < u.names.size(); ++j) {
-      at::Tensor& p = params.at(u.names[j]);
-      p.mutable_grad() = u.grad.narrow(0, u.local[j], p.numel()).view(p.sizes());
-    }
-    u.pending = u.names.size();
-  }
+  for (; next_backward_ >= layer && next_backward_ >= 0; --next_backward_)
+    prepare(static_cast<size_t>(next_backward_));
   if (next_backward_ >= 0) request(static_cast<size_t>(next_backward_));  // prefetch
 }
 
@@ -267,9 +255,8 @@ void LayerSharding::post_ready() {
   while (next_post_ < order_.size() && units_[order_[next_post_]].completed) {
     Unit& u = units_[order_[next_post_++]];
     if (u.numel == 0) continue;
-    at::Tensor g = std::move(u.grad);
+    at::Tensor g = std::move(u.grad);  // every unit is prepared before it completes
     u.grad = at::Tensor();
-    if (!g.defined()) g = at::zeros({u.numel}, grad_options_);  // never reached
     reductions_.push_back(reducer_.post([this, &u, g]() mutable {
       const c10::DeviceGuard on(device_);
       at::AutoGradMode no_grad(false);
@@ -314,13 +301,6 @@ int64_t LayerSharding::bytes_sent() const {
          reduce_pg_->counters_snapshot().total_sent();
 }
 
-int64_t LayerSharding::max_layer_numel() const {
-  int64_t m = 0;
-  for (int64_t l = 0; l < layers_; ++l) m = std::max(m, units_[static_cast<size_t>(l)].numel);
-  return m;
-}
-
-int64_t LayerSharding::root_numel() const { return units_.back().numel; }
 
 // ---- TaskThread ---------------------------------------------------------------------------------
 

@@ -126,9 +126,6 @@ class LayerSharding final : public models::LayerHooks {
 
   // Bytes this rank sent on the engine's groups (gathers and reductions) since construction.
   int64_t bytes_sent() const;
-  // Elements of the largest decoder layer unit and of the root unit.
-  int64_t max_layer_numel() const;
-  int64_t root_numel() const;
 
   // Called by the parameters' post-accumulate-grad hooks.
   void accumulated(size_t unit);
@@ -157,6 +154,8 @@ class LayerSharding final : public models::LayerHooks {
   at::Tensor gather_run(const Range& r) const;  // every rank's piece of a run, in the dtype
   void release(size_t u);
   void reach_backward(int64_t layer);  // the backward reached layer `layer`'s output
+  // Gathers the unit and zeroes its gradient buffer, which its parameters' .grad view.
+  void prepare(size_t u);
   void complete(size_t u);
   void post_ready();
 

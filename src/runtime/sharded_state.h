@@ -108,9 +108,6 @@ class ShardedAdamW {
   // consolidated optimizer.safetensors), written with layout `saved`.
   void load(const std::string& ckpt, const FlatLayout& saved, int64_t step);
 
-  // Bytes of the state this rank keeps (masters and moments).
-  int64_t state_bytes() const { return 3 * (end_ - begin_) * 4; }
-
  private:
   TrainConfig::Optimizer opt_;
   TrainConfig::Schedule schedule_;
