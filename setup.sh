@@ -25,6 +25,7 @@ apt_packages=(
   libopencv-core-dev libopencv-imgproc-dev
   libyaml-cpp-dev nlohmann-json3-dev libgtest-dev libgloo-dev libpcre2-dev libicu-dev libxxhash-dev
   libcpp-httplib-dev
+  patchelf
 )
 missing=()
 for p in "${apt_packages[@]}"; do

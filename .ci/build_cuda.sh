@@ -6,6 +6,7 @@
 # flags, same relative paths); the time it adds is the nvcc compiles, the CUDA-specific C++
 # files and the links.
 #
+# Usage: .ci/build_cuda.sh [TARGET ...]   (default: every target; tests/gpu/pack.sh names its own)
 # Environment: LVX_VENV (as setup.sh), LVX_CUDA_BUILD_DIR (default build-cuda),
 #              LVX_CUDA_ARCHITECTURES (default "80;90"), LVX_WERROR.
 set -euo pipefail
@@ -27,8 +28,13 @@ export CCACHE_NOHASHDIR=1
 export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLVX_PYTHON="$venv/bin/python" \
   -DLVX_CUDA=ON -DLVX_CUDA_ARCHITECTURES="$archs" -DLVX_WERROR="${LVX_WERROR:-OFF}" >/dev/null
-log "compiling and linking every target with CUDA (architectures $archs) in $build"
-cmake --build "$build" -j "$(nproc)"
-# The link that used to fail: CUDA objects inside the Python op library must be PIC.
-test -f "$build/python/lvx/_lvx_ops.so" || { log "python/lvx/_lvx_ops.so was not linked"; exit 1; }
+if [ $# -gt 0 ]; then
+  log "compiling and linking $* with CUDA (architectures $archs) in $build"
+  cmake --build "$build" -j "$(nproc)" --target "$@"
+else
+  log "compiling and linking every target with CUDA (architectures $archs) in $build"
+  cmake --build "$build" -j "$(nproc)"
+  # The link that used to fail: CUDA objects inside the Python op library must be PIC.
+  test -f "$build/python/lvx/_lvx_ops.so" || { log "python/lvx/_lvx_ops.so was not linked"; exit 1; }
+fi
 log "CUDA build done in $(( $(date +%s) - t0 )) s"

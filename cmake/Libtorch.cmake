@@ -27,7 +27,12 @@ set(LVX_TORCH_HAS_CUDA OFF)
 if(EXISTS ${LVX_TORCH_DIR}/lib/libtorch_cuda.so)
   set(LVX_TORCH_HAS_CUDA ON)
 endif()
-target_link_libraries(lvx_torch INTERFACE ${_libs})
+# libtorch.so itself defines almost nothing we call: it is the library whose NEEDED entries load
+# libtorch_cuda.so, whose static initialisers register the CUDA kernels and hooks. Kept whatever
+# the linker's --as-needed says (lvx-core links --as-needed, src/CMakeLists.txt), as torch's own
+# CMake config keeps libtorch_cuda.
+target_link_libraries(lvx_torch INTERFACE "-Wl,--push-state,--no-as-needed" ${_libs}
+                      "-Wl,--pop-state")
 # c10d's Gloo process group is compiled into libtorch_cpu; its header needs this define and
 # the gloo headers (Debian's libgloo-dev; only declarations are used, the code is libtorch's).
 target_compile_definitions(lvx_torch INTERFACE USE_C10D_GLOO)

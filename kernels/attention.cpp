@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "kernels/registry.h"
+#include "src/common/device_index.h"
 #include "src/common/error.h"
 
 namespace lvx::kernels {
@@ -47,7 +48,7 @@ Dims check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   LVX_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
             "attention: q, k and v must share a dtype, got q ", at::toString(q.scalar_type()),
             ", k ", at::toString(k.scalar_type()), ", v ", at::toString(v.scalar_type()));
-  LVX_CHECK(k.device() == q.device() && v.device() == q.device(),
+  LVX_CHECK(same_device(k.device(), q.device()) && same_device(v.device(), q.device()),
             "attention: q, k and v must be on one device, got q on ", q.device(), ", k on ",
             k.device(), ", v on ", v.device());
   LVX_CHECK(k.size(0) == d.b, "attention: k has batch ", k.size(0), ", expected q's batch ", d.b);
@@ -73,7 +74,7 @@ at::Tensor stat_arg(const at::Tensor& t, const char* name, const Dims& d, at::Sc
   LVX_CHECK(t.dim() == 3 && t.size(0) == d.b && t.size(1) == d.hq && t.size(2) == d.sq,
             "attention_backward: ", name, " must have shape [B, Hq, Sq] = [", d.b, ", ", d.hq, ", ",
             d.sq, "], got ", shape_str(t));
-  LVX_CHECK(t.device() == dev, "attention_backward: ", name, " must be on ", dev, ", got ",
+  LVX_CHECK(same_device(t.device(), dev), "attention_backward: ", name, " must be on ", dev, ", got ",
             t.device());
   return t.to(acc).contiguous();
 }
@@ -111,7 +112,7 @@ AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, cons
   check_4d(dout, "dout", "[B, Sq, Hq, D]");
   LVX_CHECK(dout.sizes() == q.sizes(), "attention_backward: dout must have q's shape ",
             shape_str(q), ", got ", shape_str(dout));
-  LVX_CHECK(dout.device() == q.device(), "attention_backward: dout must be on ", q.device(),
+  LVX_CHECK(same_device(dout.device(), q.device()), "attention_backward: dout must be on ", q.device(),
             ", got ", dout.device());
   const auto acc = accumulation_dtype(q.scalar_type());
   const double scale = resolve_scale(params, d.d);
@@ -157,7 +158,7 @@ void merge_attention_states(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Te
       "merge_attention_states: lse_new must have shape [B, H, Sq] = ", at::IntArrayRef(lse_shape),
       ", got ", lse_new.defined() ? shape_str(lse_new) : "undefined");
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&lse_acc), &o_new, &lse_new}) {
-    LVX_CHECK(t->device() == o_acc.device(), "merge_attention_states: all tensors must be on ",
+    LVX_CHECK(same_device(t->device(), o_acc.device()), "merge_attention_states: all tensors must be on ",
               o_acc.device(), ", got one on ", t->device());
   }
   const AttentionImpl& impl = impl_for(o_acc);

@@ -100,6 +100,9 @@ struct AttentionStats {
   int64_t tiles_full = 0;     // pairs every entry of which is visible (lvx's kernels build no
                               // mask for them; the fused path calls ATen without a mask)
   int64_t tiles_fused = 0;    // pairs computed by ATen's fused attention (0 on lvx's kernels)
+  // Forward calls of the CUDA fused path by the ATen kernel that served them (0 elsewhere):
+  // _scaled_dot_product_flash_attention and _scaled_dot_product_efficient_attention.
+  int64_t calls_flash = 0, calls_efficient = 0;
 };
 
 // Accumulation dtype for an input dtype: float64 → float64, anything else → float32.

@@ -231,6 +231,18 @@ FusedCall make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   return {q, k, v, p.causal, p.bias, p.rows, scale};
 }
 
+// ops.forward(call), counting which of ATen's CUDA kernels served it (a CUDA table only: ops.sm
+// > 0; the choice is the table's own, cuda_fused_kernel).
+std::tuple<at::Tensor, at::Tensor> forward_call(const FusedOps& ops, const FusedCall& c,
+                                                AttentionStats* stats) {
+  if (stats != nullptr && ops.sm > 0) {
+    const FusedKernel k = cuda_fused_kernel(c.q.scalar_type(), c.causal, c.bias.defined(),
+                                            c.q.size(2), c.k.size(2), c.q.size(3), ops.sm);
+    ++(k == FusedKernel::kFlash ? stats->calls_flash : stats->calls_efficient);
+  }
+  return ops.forward(ops, c);
+}
+
 // ---- the CPU table: at::_scaled_dot_product_flash_attention_for_cpu for every call -----------
 std::optional<at::Tensor> bias_arg(const FusedCall& c) {
   return c.bias.defined() ? std::optional<at::Tensor>(c.bias) : std::nullopt;
@@ -278,8 +290,8 @@ AttentionOutput attention_forward_fused(const FusedOps& ops, const at::Tensor& q
   whole_block_if_causal(plan, pm, batch, sq, skv);
   add_stats(plan, hq, stats);
   if (auto p = whole_piece(plan, pm, batch, g, sq, skv)) {
-    auto [o, lse] = ops.forward(
-        ops, make_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *p, scale));
+    auto [o, lse] = forward_call(
+        ops, make_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *p, scale), stats);
     return {o.transpose(1, 2).to(at::kFloat).contiguous(), lse.to(at::kFloat).contiguous()};
   }
   const AttentionMask dmask = mask_on(mask, q.device());
@@ -299,8 +311,8 @@ AttentionOutput attention_forward_fused(const FusedOps& ops, const at::Tensor& q
         const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
         const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
         for (int64_t gi = 0; gi < g; ++gi) {
-          auto [o, lse] = ops.forward(
-              ops, make_call(head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, p, scale));
+          auto [o, lse] = forward_call(
+              ops, make_call(head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, p, scale), stats);
           at::Tensor l32 = lse.to(at::kFloat);
           // A row with no visible key: lse −inf whatever the op gave (CPU: 0; CUDA: −inf).
           if (p.rows.defined()) l32 = at::where(p.rows, l32, at::full_like(l32, -kInf));

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include "kernels/registry.h"
+#include "src/common/device_index.h"
 #include "src/common/error.h"
 
 namespace lvx::kernels {
@@ -17,7 +18,7 @@ void check_mask_device(const AttentionMask& mask, const at::Tensor& q, const cha
   for (const auto& [t, name] :
        {std::pair{&mask.q_media, "q_media"}, std::pair{&mask.kv_media, "kv_media"},
         std::pair{&mask.kv_valid, "kv_valid"}})
-    LVX_CHECK(!t->defined() || t->device() == q.device(), op, ": mask ", name, " must be on ",
+    LVX_CHECK(!t->defined() || same_device(t->device(), q.device()), op, ": mask ", name, " must be on ",
               q.device(), " (q's device), got ", t->device());
 }
 

@@ -38,6 +38,12 @@ at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positio
   return logits;
 }
 
+bool trains_under(const std::string& policy, const Model& model, const std::string& name) {
+  if (policy == "none") return true;
+  if (policy == "vision") return model.trainable(name);
+  return model.trains_cross_only(name);
+}
+
 namespace {
 
 std::unique_ptr<Model> make_model(const Checkpoint& ck, at::ScalarType dtype, at::Device device) {

@@ -98,6 +98,11 @@ void check_named_inputs(const ModelInputs& in, const std::vector<std::string>& k
 at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positions, int64_t length,
                              const at::Tensor& head, dist::ProcessGroup& pg);
 
+// Which parameters of `model` train under freeze policy `policy` (vision | cross_only | none):
+// none trains everything, vision all but the frozen vision tower (Model::trainable), cross_only
+// the family's own recipe (Model::trains_cross_only).
+bool trains_under(const std::string& policy, const Model& model, const std::string& name);
+
 // Loads the family of `dir` (config.json's model_type) with its tokenizer.json, its weights in
 // `dtype` on `device` (src/runtime/device.h picks it); errors name the file and the field, or
 // list the supported model types.

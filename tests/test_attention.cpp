@@ -12,6 +12,7 @@
 #include <iostream>
 
 #include "src/attention/strategy.h"
+#include "src/common/device_index.h"
 #include "src/common/error.h"
 #include "tests/multirank.h"
 
@@ -27,7 +28,7 @@ namespace {
 // tests/gpu/run.sh sets "cuda", so the same cases run on a GPU against the same CPU references).
 at::Device test_device() {
   const char* e = std::getenv("LVX_TEST_DEVICE");
-  return at::Device(e != nullptr && *e != 0 ? std::string(e) : std::string("cpu"));
+  return resolve_device(at::Device(e != nullptr && *e != 0 ? std::string(e) : std::string("cpu")));
 }
 
 struct Dense {
@@ -178,7 +179,7 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
   const std::vector<int64_t> fwd_to = pg.counters().sent;
   auto grads = strategy->backward(pg, s, in.mask, saved, on_dev(ql.shard(dout, 1, r)));
   for (at::Tensor* t : {&out.o, &out.lse, &grads.dq, &grads.dk, &grads.dv}) {
-    if (t->device() != dev) {
+    if (!same_device(t->device(), dev)) {
       std::cerr << "rank " << r << " " << c.name() << ": a result is on " << t->device()
                 << ", the inputs on " << dev << "\n";
       return 1;

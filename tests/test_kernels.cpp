@@ -13,6 +13,7 @@
 #include "kernels/attention.h"
 #include "kernels/mask.h"
 #include "kernels/registry.h"
+#include "src/common/device_index.h"
 #include "src/common/error.h"
 #include "tests/reference_mask.h"
 
@@ -154,8 +155,10 @@ std::string dtype_name(at::ScalarType t) {
 double max_abs(const at::Tensor& t) { return t.numel() == 0 ? 0.0 : t.abs().max().item<double>(); }
 
 // max |x - ref| over finite entries, normalized by max(1, max |ref|); -inf must match -inf.
+// Both sides move to the CPU in fp64 first: the kernel's result may be on a GPU, the fp64
+// reference never is.
 double error(const at::Tensor& x, const at::Tensor& ref) {
-  auto a = x.to(at::kDouble), r = ref.to(at::kDouble);
+  auto a = x.to(at::kCPU, at::kDouble), r = ref.to(at::kCPU, at::kDouble);
   EXPECT_EQ(a.isnan().sum().item<int64_t>(), 0) << "NaN in kernel output";
   auto both_ninf = a.isneginf() & r.isneginf();
   auto diff = at::where(both_ninf, at::zeros_like(a), a - r);
@@ -243,33 +246,56 @@ TEST_P(AttentionKernel, ForwardAndBackwardMatchFp64Reference) {
 // The CUDA twins under the same gate (skipped where no GPU is present; the build machine has
 // none: tests/gpu/run.sh runs this on a GPU, once on the default path, ATen's fused kernels
 // through the shared plan, and once with LVX_CUDA_ATTENTION=gemm; benchmarks/bench_kernels.cpp
-// runs the full sweep). Which path ran is read from the stats: only the fused plan counts
-// tiles_fused.
+// runs the full sweep). Which path and which ATen kernel ran is read from the stats (only the
+// fused plan counts tiles_fused and its calls per kernel) and printed per dtype and mask as
+// "[cuda path] ..." lines, which run.sh puts in its table. On the default path bf16/fp16 blocks
+// without a mask must reach flash: every GPU the archive is built for (sm80, sm90) has it.
 TEST(AttentionKernelCuda, MatchesFp64ReferenceOnEveryMask) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const char* env = std::getenv("LVX_CUDA_ATTENTION");
   const std::string path = env != nullptr && *env != 0 ? env : "fused";
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    AttentionStats st;
     for (auto m : {MaskCase::kNone, MaskCase::kCausal, MaskCase::kMediaImmediate,
                    MaskCase::kMediaUpTo, MaskCase::kPadding, MaskCase::kMediaSeesAll,
                    MaskCase::kMediaUpToSeesAll}) {
-      for (const Shape& s : {Shape{2, 37, 1100, 4, 2, 32}, Shape{1, 200, 70, 4, 1, 16}}) {
+      AttentionStats st;
+      for (const Shape& s : {Shape{2, 37, 1100, 4, 2, 32}, Shape{1, 200, 70, 4, 1, 16},
+                             Shape{1, 256, 256, 4, 4, 64}}) {
         SCOPED_TRACE(dtype_name(dtype) + "_" + mask_name(m) + "_" + shape_name(s));
         check_against_reference(at::Device(at::kCUDA, 0), dtype, m, s, &st);
       }
-    }
-    std::cout << "[cuda path] LVX_CUDA_ATTENTION=" << path << " " << dtype_name(dtype)
-              << ": tiles fused " << st.tiles_fused << " of " << st.tiles_total << "\n";
-    // fp32 and fp16 take ATen's memory-efficient kernel on every GPU it is built for (sm50+),
-    // so the default must have fused them (bf16 needs sm80+); the other paths never fuse.
-    if (path == "fused" && dtype != at::kBFloat16) {
-      EXPECT_GT(st.tiles_fused, 0);
-    }
-    if (path != "fused") {
-      EXPECT_EQ(st.tiles_fused, 0);
+      std::cout << "[cuda path] " << path << " " << dtype_name(dtype) << " " << mask_name(m)
+                << ": tiles fused " << st.tiles_fused << "/" << st.tiles_total << ", calls flash "
+                << st.calls_flash << " efficient " << st.calls_efficient << "\n";
+      if (path == "fused") {
+        EXPECT_GT(st.tiles_fused, 0);
+        if (dtype != at::kFloat && m == MaskCase::kNone) {
+          EXPECT_GT(st.calls_flash, 0) << "bf16/fp16 blocks without a mask did not reach flash";
+        }
+      } else {
+        EXPECT_EQ(st.tiles_fused, 0);
+      }
     }
   }
+}
+
+// A device written without an index is the current one of its type: "cuda" and "cuda:0" are the
+// same GPU (no GPU needed: resolution falls back to index 0 where CUDA is absent), while c10's
+// operator== tells them apart. The strategy suite (LVX_TEST_DEVICE=cuda) compares its results'
+// devices through same_device().
+TEST(DeviceIndex, UnindexedDeviceIsTheCurrentOne) {
+  EXPECT_NE(at::Device("cuda"), at::Device("cuda:0"));  // why the helper exists
+  EXPECT_TRUE(same_device(at::Device("cuda"), at::Device("cuda:0")));
+  EXPECT_TRUE(same_device(at::Device("cuda:0"), at::Device("cuda")));
+  EXPECT_FALSE(same_device(at::Device("cuda:0"), at::Device("cuda:1")));
+  EXPECT_FALSE(same_device(at::Device("cpu"), at::Device("cuda:0")));
+  EXPECT_TRUE(same_device(at::Device("cpu"), at::zeros({1}).device()));
+  EXPECT_TRUE(same_device(at::Device("meta"), at::empty({1}, at::kMeta).device()));
+  EXPECT_TRUE(resolve_device(at::Device("cuda")).has_index());
+  // Without CUDA the unindexed device is cuda:0 (the first use would make it current); with it,
+  // the current device, which nothing in this binary changes from 0.
+  EXPECT_EQ(resolve_device(at::Device("cuda")), at::Device("cuda:0"));
+  EXPECT_EQ(resolve_device(at::Device("cuda:1")), at::Device("cuda:1"));
 }
 
 std::vector<Shape> shapes() {

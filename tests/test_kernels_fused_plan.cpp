@@ -222,6 +222,12 @@ std::vector<Call> run_block(const Block& blk, at::ScalarType dtype, uint64_t see
   }
   EXPECT_EQ(fwd, bwd);
   EXPECT_EQ(st.tiles_fused + st.tiles_skipped, st.tiles_total);
+  // The stats name the kernel of every forward call, as the CUDA table chooses it.
+  int64_t flash = 0, efficient = 0;
+  for (const Call& c : rec.calls)
+    if (!c.backward) ++(c.kernel == FusedKernel::kFlash ? flash : efficient);
+  EXPECT_EQ(st.calls_flash, flash);
+  EXPECT_EQ(st.calls_efficient, efficient);
   if (dtype == at::kFloat) {
     auto exact = attention_reference(q, k, v, vis, scale, at::kDouble);
     EXPECT_LE(error(out.o, exact.o), 2e-5);

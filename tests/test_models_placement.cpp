@@ -21,6 +21,7 @@
 #include "models/init.h"
 #include "models/model.h"
 #include "models/openflamingo/model.h"
+#include "src/common/device_index.h"
 #include "src/common/error.h"
 #include "src/dist/process_group.h"
 #include "tests/model_conformance.h"
@@ -32,7 +33,7 @@
 namespace {
 
 void same_device(const at::Tensor& a, const at::Tensor& b, const char* op, const char* arg) {
-  TORCH_CHECK(a.device() == b.device(),
+  TORCH_CHECK(lvx::same_device(a.device(), b.device()),
               "Expected all tensors to be on the same device, but found at least two devices, ",
               a.device(), " and ", b.device(), "! (when checking argument ", arg, " of ", op, ")");
 }

@@ -31,10 +31,23 @@ TEST(Device, AutoIsCudaLocalRankWhenThereAreGpusElseCpu) {
   EXPECT_EQ(choose_device("cpu", 2, 4, 4), at::Device(at::kCPU));
 }
 
+// auto with fewer GPUs than local ranks runs on the CPU and says why; cuda refuses, naming the
+// --nproc that fits.
+TEST(Device, AutoFallsBackToCpuWhenGpusAreFewerThanLocalRanks) {
+  EXPECT_EQ(choose_device("auto", 0, 4, 2), at::Device(at::kCPU));
+  EXPECT_EQ(choose_device("auto", 1, 2, 1), at::Device(at::kCPU));
+  EXPECT_EQ(auto_device_note(2, 1),
+            "--device auto: 2 local ranks but 1 GPU(s), and ranks never share a GPU: running on "
+            "the CPU (--nproc 1 runs on the GPUs)");
+  EXPECT_EQ(auto_device_note(2, 2), "");
+  EXPECT_EQ(auto_device_note(2, 0), "");  // no GPU: the CPU is no fallback
+}
+
 TEST(Device, RefusesFewerGpusThanLocalRanksAndCudaWithoutOne) {
-  const std::string few = error_of([] { choose_device("auto", 0, 4, 2); });
+  const std::string few = error_of([] { choose_device("cuda", 0, 4, 2); });
   EXPECT_NE(few.find("4 local ranks need one GPU each but this machine has 2"), std::string::npos)
       << few;
+  EXPECT_NE(few.find("use --nproc 2"), std::string::npos) << few;
   EXPECT_NE(error_of([] { choose_device("cuda", 0, 2, 1); }).find("has 1"), std::string::npos);
   EXPECT_NE(error_of([] { choose_device("cuda", 0, 1, 0); }).find("no CUDA device"),
             std::string::npos);

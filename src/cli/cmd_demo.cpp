@@ -90,6 +90,20 @@ std::string human_bytes(double b) {
   return o.str();
 }
 
+// --nproc auto: two ranks (the demo shows sequence parallelism), one where they would be on a
+// one-GPU machine (--device auto or cuda), since ranks never share a GPU.
+int64_t demo_ranks(const cli::ArgParser& p) {
+  if (p.get("nproc") != "auto") return cli::checked_nproc(p);
+  const std::string device = p.get("device");
+  runtime::check_device_option(device);
+  const int gpus = device == "cpu" ? 0 : runtime::cuda_device_count();
+  if (gpus == 1) {
+    std::cout << "lvx demo: one GPU: 1 rank on it (--nproc 2 --device cpu shows two ranks)\n";
+    return 1;
+  }
+  return 2;
+}
+
 int cmd_demo(int argc, char** argv) {
   cli::ArgParser p(
       "lvx demo [options]",
@@ -97,7 +111,9 @@ int cmd_demo(int argc, char** argv) {
       "and a tiny random model, fine-tunes it with lvx finetune on local ranks, answers\n"
       "held-out videos with lvx qa, and prints the accuracy beside a baseline that\n"
       "sees the wrong videos, the per-layer plan and the bytes each strategy moved.");
-  cli::add_nproc_options(p, "2", "local ranks (sequence parallel)");
+  cli::add_nproc_options(p, "auto",
+                         "local ranks (sequence parallel); auto: 2, or one per GPU where --device\n"
+                         "puts the ranks on a machine with a single GPU (ranks never share one)");
   cli::add_threads_option(p);
   cli::add_device_option(p);
   p.add_option("videos", 0, "160", "videos in the task (a quarter held out)");
@@ -110,7 +126,7 @@ int cmd_demo(int argc, char** argv) {
   p.add_flag("fresh", 0, "start over (do not reuse an earlier task or checkpoint)");
   if (!p.parse(argc, argv)) return 0;
   const auto t_start = clock_type::now();
-  const int64_t nproc = cli::checked_nproc(p), frames = p.get_int("frames", 1, 100000);
+  const int64_t nproc = demo_ranks(p), frames = p.get_int("frames", 1, 100000);
   cli::apply_threads(p, static_cast<int>(nproc));
   runtime::check_local_devices(p.get("device"), static_cast<int>(nproc));  // before any work
   const std::string device_arg = " --device " + p.get("device");

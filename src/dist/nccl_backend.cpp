@@ -21,7 +21,7 @@ bool spans_nodes(const RendezvousInfo& info) {
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                     const RendezvousInfo& info,
                                                     std::chrono::milliseconds timeout,
-                                                    const std::string& prefix, bool eager) {
+                                                    const std::string& prefix) {
 #ifdef LVX_WITH_CUDA
   if (c10::cuda::device_count() == 0) return {};
   // Ranks sharing a GPU (more local ranks than GPUs): NCCL refuses two ranks on one device, so
@@ -41,14 +41,17 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
   opts->group_name = prefix;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
   auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, info.rank, info.world_size, opts);
-  if (eager) pg->eagerConnectSingleDevice(at::Device(at::kCUDA, dev));
+  // Every communicator is created now, collectively (every rank of the group constructs its
+  // ProcessGroup at the same point), never lazily on a first message: a lazy creation inside a
+  // message that not every rank posts at the same point, or on threads whose order differs
+  // between ranks (ZeRO stage 3's gather and reduction threads), could deadlock.
+  pg->eagerConnectSingleDevice(at::Device(at::kCUDA, dev));
   return pg;
 #else
   (void)store;
   (void)info;
   (void)timeout;
   (void)prefix;
-  (void)eager;
   return {};
 #endif
 }

@@ -24,14 +24,14 @@
 namespace lvx::dist {
 
 // One NCCL process group over all ranks, its keys under `prefix` in `store` (each communicator
-// lvx makes has a prefix of its own). `eager`: create the communicator now, collectively (every
-// rank constructs its ProcessGroup at the same point), instead of on the first message: needed
-// for a communicator that not every rank's first message uses (the inter-node one).
+// lvx makes has a prefix of its own). The communicator is created now, collectively (every rank
+// constructs its ProcessGroup at the same point, in the same order of groups), not on the first
+// message: lazy creation from threads or messages whose order differs between ranks could
+// deadlock.
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                     const RendezvousInfo& info,
                                                     std::chrono::milliseconds timeout,
-                                                    const std::string& prefix = "lvx/nccl",
-                                                    bool eager = false);
+                                                    const std::string& prefix = "lvx/nccl");
 
 // True when the run spans several nodes of info.local_world_size ranks each (consecutive ranks
 // share a node, as launchers number them): inter-node pairs then get a communicator, hence a

@@ -201,7 +201,7 @@ ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options, bool con
   if (engine_->nccl && spans_nodes(info_)) {
     engine_->node_size = info_.local_world_size;
     engine_->nccl_inter = make_nccl_backend(engine_->store, info_, options_.timeout,
-                                            "lvx/nccl-inter", /*eager=*/true);
+                                            "lvx/nccl-inter");
   }
 
   start_heartbeat();
@@ -410,6 +410,12 @@ void ProcessGroup::linger_for_peers() {
     }
   } catch (...) {
   }
+}
+
+std::string ProcessGroup::cuda_engine() const {
+  if (world_size_ == 1 || !engine_) return "none";
+  if (engine_->nccl) return engine_->nccl_inter ? "nccl+inter" : "nccl";
+  return "gloo-host-staged";
 }
 
 std::string ProcessGroup::failure() const {

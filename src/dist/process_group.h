@@ -199,6 +199,10 @@ class ProcessGroup {
   // Internal: turns an engine failure into an error naming the operation and the failed rank,
   // and fails the group (aborts every pending request; later operations throw at once).
   [[noreturn]] void fail(const std::string& what, const std::string& cause);
+  // How this group moves CUDA tensors: "nccl" (lvx built with CUDA, one GPU per local rank),
+  // "nccl+inter" (the same, with a second communicator for inter-node pairs), "gloo-host-staged"
+  // (ranks sharing a GPU, LVX_DIST_CUDA_ENGINE=gloo, or no CUDA build), "none" (world size 1).
+  std::string cuda_engine() const;
   // The first failure of this group, or empty while it is healthy.
   std::string failure() const;
 

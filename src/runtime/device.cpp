@@ -3,6 +3,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 
 #include <algorithm>
+#include <iostream>
 #include <cstdlib>
 #include <string>
 
@@ -29,13 +30,14 @@ at::Device choose_device(const std::string& spec, int local_rank, int local_worl
             "--device: expected auto, cuda or cpu, got '", spec, "'");
   LVX_CHECK(local_world >= 1 && local_rank >= 0 && local_rank < local_world,
             "--device: local rank ", local_rank, " is outside the ", local_world, " local ranks");
-  if (spec == "cpu" || (spec == "auto" && gpus <= 0)) return at::Device(at::kCPU);
+  if (spec == "cpu" || (spec == "auto" && !gpus_suffice(local_world, gpus)))
+    return at::Device(at::kCPU);
   LVX_CHECK(gpus > 0, "--device cuda: this machine has no CUDA device (or this lvx was built ",
             "without CUDA and its libtorch sees none); use --device cpu or auto");
-  LVX_CHECK(local_world <= gpus, "--device ", spec, ": ", local_world,
+  LVX_CHECK(local_world <= gpus, "--device cuda: ", local_world,
             " local ranks need one GPU each but this machine has ", gpus,
-            " (CUDA_VISIBLE_DEVICES); start at most ", gpus,
-            " ranks per node, or use --device cpu");
+            " (CUDA_VISIBLE_DEVICES); use --nproc ", gpus, " (with torchrun, mpirun or lvx ",
+            "launch: at most ", gpus, " ranks per node), or --device cpu");
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
 }
 
@@ -44,11 +46,24 @@ int cuda_device_count() {
   return static_cast<int>(at::detail::getCUDAHooks().deviceCount());
 }
 
+bool gpus_suffice(int local_ranks, int gpus) { return gpus > 0 && local_ranks <= gpus; }
+
+std::string auto_device_note(int local_ranks, int gpus) {
+  if (gpus <= 0 || gpus_suffice(local_ranks, gpus)) return "";
+  return str("--device auto: ", local_ranks, " local ranks but ", gpus,
+             " GPU(s), and ranks never share a GPU: running on the CPU (--nproc ", gpus,
+             " runs on the GPUs)");
+}
+
 at::Device choose_device(const std::string& spec) {
   const int world = env_int("LOCAL_WORLD_SIZE", 1);
   const int rank = env_int("LOCAL_RANK", 0);
   // Counting devices initialises CUDA: only when asked for it (cpu never touches the driver).
-  const at::Device d = choose_device(spec, rank, world, spec == "cpu" ? 0 : cuda_device_count());
+  const int gpus = spec == "cpu" ? 0 : cuda_device_count();
+  const at::Device d = choose_device(spec, rank, world, gpus);
+  if (spec == "auto" && rank == 0)  // once per node
+    if (const std::string note = auto_device_note(world, gpus); !note.empty())
+      std::cerr << "lvx: " << note << "\n";
   if (d.is_cuda()) at::detail::getCUDAHooks().setCurrentDevice(d.index());
   return d;
 }

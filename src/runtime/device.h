@@ -1,11 +1,12 @@
 // Where a job's tensors live: one rule for every command that computes (lvx qa, finetune,
 // forward, demo, calibrate: their --device option, src/cli/args.h add_device_option).
-//   auto  cuda:LOCAL_RANK when this lvx sees CUDA devices, else cpu;
+//   auto  cuda:LOCAL_RANK when this lvx sees at least one CUDA device per local rank, else cpu
+//         (with a note on stderr when GPUs are there but fewer than the local ranks);
 //   cuda  cuda:LOCAL_RANK, an error when there is no CUDA device;
 //   cpu   cpu.
-// Each local rank gets a GPU of its own: fewer GPUs than local ranks is refused with a message
-// naming both counts (NCCL refuses two ranks on one GPU, and sharing one silently would also
-// share its memory), never wrapped round.
+// Each local rank gets a GPU of its own: with --device cuda, fewer GPUs than local ranks is
+// refused with a message naming both counts and the --nproc that fits (NCCL refuses two ranks
+// on one GPU, and sharing one silently would also share its memory), never wrapped round.
 //
 // Weights take the checkpoint's dtype on a GPU (config.json torch_dtype, bf16 when absent) and
 // fp32 on the CPU (--dtype auto); everything a job creates takes its device and dtype from the
@@ -37,6 +38,12 @@ void check_device_option(const std::string& spec);
 
 // CUDA devices this process can use (0 without CUDA).
 int cuda_device_count();
+
+// Whether `gpus` GPUs give each of `local_ranks` ranks one of its own (what auto needs for cuda).
+bool gpus_suffice(int local_ranks, int gpus);
+// What --device auto says when it falls back to the CPU because the GPUs are fewer than the
+// local ranks ("" when it does not).
+std::string auto_device_note(int local_ranks, int gpus);
 
 // --dtype: fp32 | bf16 | auto (fp32 on the CPU; on a GPU the checkpoint's torch_dtype,
 // `checkpoint_dtype` as config.json spells it, bf16 when empty). Returns "fp32" or "bf16"

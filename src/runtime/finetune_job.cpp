@@ -247,12 +247,6 @@ int64_t step_of_name(const std::string& dir) {
 
 }  // namespace
 
-bool trains_under(const std::string& policy, const models::Model& model, const std::string& name) {
-  if (policy == "none") return true;
-  if (policy == "vision") return model.trainable(name);
-  return model.trains_cross_only(name);
-}
-
 std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos,
                                        std::vector<int64_t>* lines) {
   const std::string& path = cfg.data.train;
@@ -443,7 +437,7 @@ int run_finetune_rank(const FinetuneJob& job) {
   std::unique_ptr<models::Model> model = models::load_model(
       model_dir, dtype, device,
       stage3 ? models::DeferParameter([&](const models::Model& m, const std::string& name) {
-        return trains_under(cfg.freeze.policy, m, name);
+        return models::trains_under(cfg.freeze.policy, m, name);
       })
              : models::DeferParameter(),
       stage3 ? &index : nullptr);
@@ -457,7 +451,7 @@ int run_finetune_rank(const FinetuneJob& job) {
   // What trains, and the optimizer over it.
   ParamFilter trains = [&](const std::string& name) {
     if (cfg.lora.r > 0) return model->trainable(name);  // LoRA: the adapter only
-    return trains_under(cfg.freeze.policy, *model, name);
+    return models::trains_under(cfg.freeze.policy, *model, name);
   };
   std::map<std::string, at::Tensor> trainable;
   int64_t trainable_numel = 0, total_numel = 0;

@@ -49,11 +49,6 @@ struct ResumeState {
 ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, int64_t samples,
                                bool accept_config_changes);
 
-// Which parameters of `model` train under `policy` (vision | cross_only | none): none trains
-// everything, vision all but the frozen vision tower (Model::trainable), cross_only the family's
-// own recipe (Model::trains_cross_only).
-bool trains_under(const std::string& policy, const models::Model& model, const std::string& name);
-
 // Checks everything before ranks start and before anything is written: the config, the model
 // directory (config.json, tokenizer.json), the data, and the checkpoint directory (a fresh run
 // refuses a directory that already holds checkpoints; --resume verifies the latest one). Returns

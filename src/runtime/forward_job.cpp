@@ -20,7 +20,6 @@
 #include "src/runtime/generate.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/model_description.h"
-#include "src/runtime/qa_job.h"
 #include "src/runtime/train_step.h"
 
 namespace lvx::runtime {
@@ -81,12 +80,6 @@ at::Tensor gather_logits(dist::ProcessGroup& pg, attention::LayoutKind layout,
 }
 
 }  // namespace
-
-// The checkpoint's torch_dtype as config.json spells it (from the planner's reading of it).
-std::string checkpoint_dtype(const std::string& dir) {
-  const std::string d = planner_model(dir).dtype;
-  return d == "fp32" ? "float32" : d == "fp16" ? "float16" : "bfloat16";
-}
 
 void validate_forward_job(const ForwardJob& job) {
   resolve_dtype(job.dtype, at::Device(at::kCPU), "");

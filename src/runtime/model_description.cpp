@@ -10,8 +10,10 @@
 
 namespace lvx::runtime {
 
+namespace fs = std::filesystem;
+using nlohmann::json;
+
 planner::ModelConfig planner_model(const std::string& path) {
-  namespace fs = std::filesystem;
   if (!fs::is_directory(path)) return planner::load_model_config(path);
   const fs::path cfg = fs::path(path) / "config.json";
   LVX_CHECK(fs::exists(cfg), path, ": no config.json (expected a checkpoint directory or a YAML)");
@@ -21,9 +23,39 @@ planner::ModelConfig planner_model(const std::string& path) {
   return m;
 }
 
+void check_model_files(const std::string& model_dir) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(model_dir, ec)) {
+    const std::string ext = e.path().extension().string();
+    if (ext == ".safetensors" || ext == ".json" || ext == ".bin")
+      check_regular_file(e.path().string(), "model file");
+  }
+}
+
+int64_t model_context_length(const std::string& model_dir) {
+  const json c =
+      read_json_file((fs::path(model_dir) / "config.json").string(), "model config", 64 << 20);
+  int64_t best = 0;
+  auto scan = [&](const json& o) {
+    if (!o.is_object()) return;
+    for (const char* k : {"max_position_embeddings", "max_seq_len", "n_positions", "seq_length"})
+      if (o.contains(k) && o[k].is_number_integer() && o[k].get<int64_t>() > 0) {
+        best = best ? std::min(best, o[k].get<int64_t>()) : o[k].get<int64_t>();
+        return;
+      }
+  };
+  scan(c);
+  if (best == 0 && c.is_object() && c.contains("text_config")) scan(c["text_config"]);
+  return best;
+}
+
+std::string checkpoint_dtype(const std::string& dir) {
+  const std::string d = planner_model(dir).dtype;
+  return d == "fp32" ? "float32" : d == "fp16" ? "float16" : "bfloat16";
+}
+
 planner::ParamCounts count_parameters(const std::string& path, const planner::ModelConfig& m,
                                       const std::string& freeze) {
-  namespace fs = std::filesystem;
   if (!fs::is_directory(path)) return planner::estimate_parameters(m, m.vocab_size, freeze);
   const auto model = models::load_model(path, at::kFloat, at::Device(at::kMeta));
   planner::ParamCounts p;
@@ -31,7 +63,7 @@ planner::ParamCounts count_parameters(const std::string& path, const planner::Mo
   std::map<int64_t, int64_t> blocks;  // decoder layer → trainable parameters
   for (const auto& [name, t] : model->parameters()) {
     p.total += t.numel();
-    if (!trains_under(freeze, *model, name)) continue;
+    if (!models::trains_under(freeze, *model, name)) continue;
     p.trainable += t.numel();
     const int64_t layer = model->decoder_layer_of(name);
     if (layer >= 0)

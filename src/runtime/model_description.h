@@ -15,6 +15,19 @@ namespace lvx::runtime {
 // a planner YAML file.
 planner::ModelConfig planner_model(const std::string& path);
 
+// Refuses a checkpoint directory holding a FIFO, a directory or a device where a weights, config
+// or tokenizer file (*.safetensors, *.json, *.bin) should be: reading one would block or fail
+// late. Errors name the file.
+void check_model_files(const std::string& model_dir);
+
+// The model's context length from its config.json (max_position_embeddings, max_seq_len,
+// n_positions or seq_length, at the top level or in text_config); 0 when it names none.
+int64_t model_context_length(const std::string& model_dir);
+
+// The checkpoint directory's torch_dtype as config.json spells it (float32 | float16 | bfloat16,
+// bfloat16 when absent), for resolve_dtype (src/runtime/device.h).
+std::string checkpoint_dtype(const std::string& dir);
+
 // Parameter counts for the memory plan: a checkpoint directory's exactly (its tensors built on
 // the meta device; trainable under `freeze` as lvx finetune decides it; vocab from config.json);
 // a YAML's estimated from its shapes (planner::estimate_parameters).

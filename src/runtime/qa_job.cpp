@@ -544,32 +544,6 @@ json qa_settings(const QaJob& job) {
   return s;
 }
 
-void check_model_files(const std::string& model_dir) {
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(model_dir, ec)) {
-    const std::string ext = e.path().extension().string();
-    if (ext == ".safetensors" || ext == ".json" || ext == ".bin")
-      check_regular_file(e.path().string(), "model file");
-  }
-}
-
-int64_t model_context_length(const std::string& model_dir) {
-  const json c =
-      read_json_file((fs::path(model_dir) / "config.json").string(), "model config", 64 << 20);
-  int64_t best = 0;
-  auto scan = [&](const json& o) {
-    if (!o.is_object()) return;
-    for (const char* k : {"max_position_embeddings", "max_seq_len", "n_positions", "seq_length"})
-      if (o.contains(k) && o[k].is_number_integer() && o[k].get<int64_t>() > 0) {
-        best = best ? std::min(best, o[k].get<int64_t>()) : o[k].get<int64_t>();
-        return;
-      }
-  };
-  scan(c);
-  if (best == 0 && c.is_object() && c.contains("text_config")) scan(c["text_config"]);
-  return best;
-}
-
 void validate_qa_settings(const QaJob& job) {
   resolve_dtype(job.plan.dtype, at::Device(at::kCPU), "");
   check_device_option(job.device);  // counts: by the launcher and on each rank

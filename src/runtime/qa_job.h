@@ -73,15 +73,6 @@ struct QaJob {
 // What the batch output's answers depend on, as written to `<output>.settings.json`.
 nlohmann::json qa_settings(const QaJob& job);
 
-// Refuses a checkpoint directory holding a FIFO, a directory or a device where a weights, config
-// or tokenizer file (*.safetensors, *.json, *.bin) should be: reading one would block or fail
-// late. Errors name the file.
-void check_model_files(const std::string& model_dir);
-
-// The model's context length from its config.json (max_position_embeddings, max_seq_len,
-// n_positions or seq_length, at the top level or in text_config); 0 when it names none.
-int64_t model_context_length(const std::string& model_dir);
-
 // One question as a session answers it: a QaItem (id, question text, options, answer, its own
 // start/end; video: a file path) and what a request may set beyond lvx qa's flags.
 struct QaRequest {
