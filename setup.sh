@@ -25,7 +25,7 @@ apt_packages=(
   libopencv-core-dev libopencv-imgproc-dev
   libyaml-cpp-dev nlohmann-json3-dev libgtest-dev libgloo-dev libpcre2-dev libicu-dev libxxhash-dev
   libcpp-httplib-dev
-  patchelf
+  patchelf iproute2
 )
 missing=()
 for p in "${apt_packages[@]}"; do

@@ -30,6 +30,8 @@ function(lvx_library name folder)
     list(APPEND _srcs ${_cu})
   endif()
   list(FILTER _srcs EXCLUDE REGEX ".*/main\\.cpp$")
+  # preload/: libraries loaded into other processes (LD_PRELOAD), never linked into ours.
+  list(FILTER _srcs EXCLUDE REGEX ".*/preload/.*")
   if(_srcs)
     add_library(${name} STATIC ${_srcs})
     target_include_directories(${name} PUBLIC ${PROJECT_SOURCE_DIR})

@@ -126,6 +126,20 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
   LVX_CHECK(opts.nproc >= 1, "launch: --nproc must be at least 1, got ", opts.nproc);
   LVX_CHECK(opts.nodes >= 1 && opts.nproc % opts.nodes == 0, "launch: --nodes ", opts.nodes,
             " must be at least 1 and divide --nproc ", opts.nproc);
+  const int local = opts.nproc / opts.nodes;
+  std::string master_addr = opts.master_addr;
+  if (opts.links.enabled()) {
+    const std::string links = enter_emulated_cluster(opts.nodes, local, opts.links);
+    if (!opts.capture) std::cerr << "lvx launch: " << links << "\n" << std::flush;
+    master_addr = node_address(0, 0);
+  }
+  // Each rank's emulated-node variables, made before forking (a child must not throw).
+  std::vector<std::map<std::string, std::string>> node_env(opts.nproc);
+  if (opts.links.enabled()) {
+    const char* preload = std::getenv("LD_PRELOAD");
+    for (int r = 0; r < opts.nproc; ++r)
+      node_env[r] = emulated_rank_env(r / local, r % local, preload ? preload : "");
+  }
   const int port = opts.master_port > 0 ? opts.master_port : free_port();
   LaunchResult result;
   result.ranks.resize(opts.nproc);
@@ -154,7 +168,6 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
       auto set = [](const std::string& k, const std::string& v) {
         ::setenv(k.c_str(), v.c_str(), 1);
       };
-      const int local = opts.nproc / std::max(1, opts.nodes);
       if (opts.openmpi_style) {
         for (const char* k : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"})
           ::unsetenv(k);
@@ -169,7 +182,8 @@ LaunchResult launch_local(const std::vector<std::string>& argv, const LaunchOpti
         set("LOCAL_WORLD_SIZE", std::to_string(local));
         set("GROUP_RANK", std::to_string(r / local));  // torchrun's node index
       }
-      set("MASTER_ADDR", opts.master_addr);
+      set("MASTER_ADDR", master_addr);
+      for (const auto& [k, v] : node_env[r]) set(k, v);
       set("MASTER_PORT", std::to_string(port));
       // As torchrun does: ranks sharing a machine split its cores instead of each spinning up
       // one OpenMP thread per core (which oversubscribes and can be 30x slower).

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "src/dist/emulated_cluster.h"
+
 namespace lvx::dist {
 
 struct LaunchOptions {
@@ -51,6 +53,10 @@ struct LaunchOptions {
   // them to end as they choose (a server finishing its requests); without it the launcher dies
   // of the signal and its ranks with it.
   bool forward_signals = false;
+  // Emulated links between the `nodes` (src/dist/emulated_cluster.h): with an inter-node rate the
+  // ranks run in a private network namespace whose links are shaped to these rates, each rank on
+  // its node's addresses; the launching process moves into that namespace for good.
+  LinkRates links;
 };
 
 // 2 × LVX_DIST_TIMEOUT_S, read from `env` (the ranks' extra variables) or else this process's

@@ -149,6 +149,39 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const RendezvousInfo& info, boo
   }
 }
 
+// Gloo's options with this rank's devices: LVX_BIND_ADDRESS (an emulated cluster's node address,
+// emulated_cluster.h), else the interface GLOO_SOCKET_IFNAME names, else loopback when the store
+// is on this machine's loopback, else the address this host's name resolves to.
+//
+// Two devices, so two contexts: c10d picks a message's context by its tag (getContext: tag %
+// contexts), and lvx's tags (gloo_tag) put each direction of a pair on its own context, hence on
+// its own TCP connection and event loop. Over one connection Gloo moves a pair's two directions
+// by turns: through an emulated 10 MB/s link an exchange ran at 5.0 MB/s each way (one way:
+// 10.0), torch.distributed's own Gloo group likewise.
+c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options(const RendezvousInfo& info,
+                                                                 std::chrono::milliseconds timeout) {
+  auto o = c10d::ProcessGroupGloo::Options::create(timeout);
+  const std::string& m = info.master_addr;
+  for (int direction = 0; direction < 2; ++direction) {
+    if (const char* addr = std::getenv("LVX_BIND_ADDRESS"); addr != nullptr && *addr != 0) {
+      o->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(addr));
+    } else if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+      o->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    } else if (m.rfind("127.", 0) == 0 || m == "localhost") {
+      o->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    } else {
+      o->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
+  }
+  return o;
+}
+
+// The Gloo tag of message number `seq` from rank `from` to rank `to` (both sides compute the same):
+// its low bit is the direction, so that each direction has a context of its own (gloo_options).
+int gloo_tag(uint32_t base, uint32_t mask, uint32_t seq, int from, int to) {
+  return static_cast<int>(base | (((seq << 1) | (from < to ? 0u : 1u)) & mask));
+}
+
 }  // namespace
 
 ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options, bool connect)
@@ -181,14 +214,7 @@ ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options, bool con
     }
   }
 
-  auto gloo_opts = c10d::ProcessGroupGloo::Options::create(options_.timeout);
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
-    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-  } else if (info_.master_addr == "127.0.0.1" || info_.master_addr == "localhost") {
-    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  } else {
-    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  }
+  auto gloo_opts = gloo_options(info_, options_.timeout);
   auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("lvx/gloo", engine_->store);
   try {
     engine_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, rank_, world_size_,
@@ -315,14 +341,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::subgroup(const std::shared_ptr<Proce
     base = parent->engine_->store;
   }
   e.store = c10::make_intrusive<c10d::PrefixStore>(prefix, base);
-  auto gloo_opts = c10d::ProcessGroupGloo::Options::create(pg->options_.timeout);
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
-    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-  } else if (info.master_addr == "127.0.0.1" || info.master_addr == "localhost") {
-    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  } else {
-    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  }
+  auto gloo_opts = gloo_options(info, pg->options_.timeout);
   try {
     e.gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
         c10::make_intrusive<c10d::PrefixStore>("gloo", e.store), info.rank, size, gloo_opts);
@@ -717,8 +736,9 @@ Work ProcessGroup::batch_isend_irecv(std::vector<P2POp> ops, const char* what) {
           if (n == 0) continue;
           std::vector<at::Tensor> ts{op.tensor};
           auto& seq = op.kind == P2POp::kSend ? engine_->send_seq : engine_->recv_seq;
-          const int tag =
-              static_cast<int>(engine_->tag_base | (seq[op.peer]++ & engine_->tag_mask));
+          const bool send = op.kind == P2POp::kSend;
+          const int tag = gloo_tag(engine_->tag_base, engine_->tag_mask, seq[op.peer]++,
+                                   send ? rank_ : op.peer, send ? op.peer : rank_);
           auto w = op.kind == P2POp::kSend ? engine.send(ts, op.peer, tag)
                                            : engine.recv(ts, op.peer, tag);
           if (coalesce) {
