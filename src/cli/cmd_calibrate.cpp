@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "src/cli/args.h"
+#include "src/cli/cluster_options.h"
 #include "src/cli/command.h"
 #include "src/common/dtype.h"
 #include "src/common/error.h"
@@ -33,26 +34,73 @@ std::vector<int64_t> sweep(int64_t max_bytes) {
   return s;
 }
 
-// One rank of the communication sweep; rank 0 writes {"sizes": [...], "seconds": [...]}.
-int comm_worker(const std::string& out, int64_t max_bytes, const std::string& device, int reps) {
+// One rank of the communication sweep; rank 0 writes {"sizes", "seconds",
+// "collective_after_compute"} for one node, and over `nodes` nodes also "intra" and "inter":
+// pair exchanges inside each node (local ranks 2i and 2i+1) and between nodes (each rank with the
+// same local rank of the next node, all at once: a node's ranks share its link).
+int comm_worker(const std::string& out, int64_t max_bytes, int64_t intra_max_bytes,
+                const std::string& device, int reps) {
   auto pg = lvx::dist::ProcessGroup::from_env();
   const at::Device dev = lvx::runtime::choose_device(device);  // cuda:LOCAL_RANK or cpu
+  const int n = pg->world_size(), r = pg->rank();
+  const int local = pg->info().local_world_size, node = r / local, l = r % local;
   std::vector<int64_t> sizes = sweep(max_bytes);
-  std::vector<double> sec = lvx::planner::measure_ring_steps(*pg, sizes, dev, reps);
+  nlohmann::json j;
+  if (local < n) {
+    const int intra_peer = (l ^ 1) < local ? node * local + (l ^ 1) : -1;
+    const std::vector<int64_t> intra_sizes = sweep(intra_max_bytes);
+    j["intra"] = {{"sizes", intra_sizes},
+                  {"seconds", lvx::planner::measure_pair_exchanges(*pg, intra_peer, intra_sizes,
+                                                                    dev, reps)},
+                  {"flows_per_link", 1}};
+    const int nodes = n / local;
+    const int inter_peer = nodes == 2 ? (r + local) % n
+                           : node % 2 == 0 ? (node + 1 < nodes ? r + local : -1)
+                                           : r - local;
+    j["inter"] = {{"sizes", sizes},
+                  {"seconds", lvx::planner::measure_pair_exchanges(*pg, inter_peer, sizes, dev,
+                                                                    reps)},
+                  {"flows_per_link", local}};
+  } else {
+    j["sizes"] = sizes;
+    j["seconds"] = lvx::planner::measure_ring_steps(*pg, sizes, dev, reps);
+  }
   // A blocking collective right after compute (ulysses' all-to-alls): 10 ms of matmuls first.
-  const double collective =
+  j["collective_after_compute"] =
       lvx::planner::measure_collective_after_compute(*pg, dev, std::max(reps, 9), 0.01);
-  if (pg->rank() == 0) {
+  if (r == 0) {
     std::ofstream f(out);
-    f << nlohmann::json{{"sizes", sizes},
-                        {"seconds", sec},
-                        {"collective_after_compute", collective}}
-             .dump()
-      << "\n";
+    f << j.dump() << "\n";
     LVX_CHECK(f.good(), "calibrate worker: cannot write '", out, "'");
   }
   pg->barrier();
   return 0;
+}
+
+// The link a pair sweep measured: per flow from the samples, times the flows that shared it.
+lvx::planner::Link fitted(const nlohmann::json& j) {
+  auto link = lvx::planner::fit_link(j["sizes"].get<std::vector<int64_t>>(),
+                                     j["seconds"].get<std::vector<double>>());
+  link.bandwidth_bytes_per_s *= j.value("flows_per_link", 1);
+  return link;
+}
+
+// How close the measured cluster `c` came to the one --emulate named: attention FLOP per link
+// byte for both link kinds, measured against target (fp32 here, the target's bf16).
+std::string emulation_check(const ClusterConfig& c, const std::string& target_path) {
+  const ClusterConfig t = lvx::planner::load_cluster_config(target_path);
+  const double f_here = c.attention_for("fp32").forward_flops;
+  const double f_there = t.attention_for("bf16").forward_flops;
+  std::ostringstream o;
+  o << "emulation of " << t.name << ", attention FLOP per link byte (here / there):\n";
+  for (const auto& [name, here, there] :
+       {std::tuple{"inter_node", c.inter_node, t.inter_node},
+        std::tuple{"intra_node", c.intra_node, t.intra_node}}) {
+    const double a = f_here / here.bandwidth_bytes_per_s, b = f_there / there.bandwidth_bytes_per_s;
+    o << "  " << name << ": " << a << " / " << b << " = " << a / b << "\n";
+  }
+  std::cerr << "calibrate: " << o.str();
+  return o.str();
 }
 
 int cmd_calibrate(int argc, char** argv) {
@@ -60,8 +108,13 @@ int cmd_calibrate(int argc, char** argv) {
       "lvx calibrate [--nproc N] [--device auto|cuda|cpu] [--output C.yaml]",
       "Measure this machine's attention throughput (forward, backward) and matmul throughput per\n"
       "dtype, and the latency and bandwidth of a ring step between N local ranks, and write a\n"
-      "cluster config for `lvx plan`. One machine: intra_node is measured, inter_node repeats it.");
+      "cluster config for `lvx plan`. One node: intra_node is measured, inter_node repeats it;\n"
+      "with --nodes K (and --inter-node/--emulate, an emulated cluster) both are measured.");
   lvx::cli::add_nproc_options(p, "2", "local ranks for the communication sweep");
+  p.add_option("nodes", 0, "1",
+               "as lvx launch: the ranks as this many (emulated) nodes; intra_node and\n"
+               "inter_node are then measured apart (pair exchanges inside and between nodes)");
+  lvx::cli::add_link_options(p);
   lvx::cli::add_threads_option(p);
   lvx::cli::add_device_option(p);
   p.add_option("name", 0, "local", "name of the cluster config");
@@ -72,13 +125,18 @@ int cmd_calibrate(int argc, char** argv) {
   p.add_option("max-bytes", 0, "16777216", "largest ring message of the sweep");
   p.add_option("reps", 'r', "5", "timed repetitions per measurement (median)");
   p.add_option("comm-worker", 0, "", "internal: run one rank of the sweep, rank 0 writes here");
+  p.add_option("intra-max-bytes", 0, "16777216", "internal: the intra-node sweep's largest message");
   if (!p.parse(argc, argv)) return 0;
   const int reps = static_cast<int>(p.get_int("reps", 1, 100000));
   if (!p.get("comm-worker").empty()) {
-    return comm_worker(p.get("comm-worker"), p.get_int("max-bytes"), p.get("device"), reps);
+    return comm_worker(p.get("comm-worker"), p.get_int("max-bytes"), p.get_int("intra-max-bytes"),
+                       p.get("device"), reps);
   }
   const int nproc = lvx::cli::checked_nproc(p);
   LVX_CHECK(nproc >= 2, "--nproc: the sweep needs at least 2 ranks, got ", nproc);
+  const int nodes = static_cast<int>(p.get_int("nodes", 1, nproc));
+  LVX_CHECK(nproc % nodes == 0, "--nodes ", nodes, " must divide --nproc ", nproc);
+  const lvx::dist::LinkRates links = lvx::cli::link_rates(p, nproc);
   // This process times on local rank 0's device; the sweep's ranks each take their own.
   const std::string spec = p.get("device");
   const at::Device dev = lvx::runtime::choose_device(
@@ -135,12 +193,27 @@ int cmd_calibrate(int argc, char** argv) {
                         .string();
   lvx::dist::LaunchOptions lo;
   lo.nproc = nproc;
+  lo.nodes = nodes;
   lo.capture = true;
-  lo.timeout_s = 300;
-  std::cerr << "calibrate: ring-step sweep on " << nproc << " local ranks\n";
+  lo.timeout_s = 600;
+  lo.links = links;
+  // Over a shaped link each sweep's largest message takes about 0.3 s, not minutes.
+  int64_t max_bytes = p.get_int("max-bytes"), intra_max_bytes = max_bytes;
+  auto cap = [](int64_t b, double rate) {
+    return rate > 0 ? std::min<int64_t>(b, std::max<int64_t>(1 << 16, rate * 0.3)) : b;
+  };
+  if (links.enabled()) {
+    max_bytes = cap(max_bytes, links.inter_node_bytes_per_s / (nproc / nodes));
+    intra_max_bytes = cap(intra_max_bytes, links.intra_node_bytes_per_s);
+  }
+  std::cerr << "calibrate: " << (nodes > 1 ? "pair exchanges inside and between " +
+                                                 std::to_string(nodes) + " nodes"
+                                           : std::string("ring-step sweep"))
+            << " on " << nproc << " local ranks\n";
   auto r = lvx::dist::launch_local(
       {lvx::dist::self_executable(), "calibrate", "--comm-worker", tmp, "--max-bytes",
-       p.get("max-bytes"), "--device", p.get("device"), "--reps", p.get("reps")},
+       std::to_string(max_bytes), "--intra-max-bytes", std::to_string(intra_max_bytes),
+       "--device", p.get("device"), "--reps", p.get("reps")},
       lo);
   if (r.exit_code != 0) {
     for (const auto& rk : r.ranks) std::cerr << "[rank " << rk.rank << "] " << rk.output;
@@ -154,24 +227,49 @@ int cmd_calibrate(int argc, char** argv) {
     f >> j;
   }
   std::filesystem::remove(tmp);
-  std::vector<int64_t> sizes = j["sizes"].get<std::vector<int64_t>>();
-  std::vector<double> sec = j["seconds"].get<std::vector<double>>();
-  c.intra_node = lvx::planner::fit_link(sizes, sec);
   const double collective = j["collective_after_compute"].get<double>();
+  auto sweep_log = [&](const std::string& title, const nlohmann::json& k) {
+    const auto sizes = k["sizes"].get<std::vector<int64_t>>();
+    const auto sec = k["seconds"].get<std::vector<double>>();
+    log << title << ":\n";
+    for (size_t i = 0; i < sizes.size(); ++i)
+      log << "  " << sizes[i] << " B: " << sec[i] * 1e6 << " us ("
+          << double(sizes[i]) / sec[i] / 1e9 << " GB/s)\n";
+  };
+  if (nodes > 1) {
+    c.gpus_per_node = nproc / nodes;
+    c.nodes = nodes;
+    c.intra_node = c.gpus_per_node > 1 ? fitted(j["intra"]) : fitted(j["inter"]);
+    c.inter_node = fitted(j["inter"]);
+    sweep_log("pair exchange inside a node (one flow per rank's link)", j["intra"]);
+    sweep_log("pair exchange between nodes (" + std::to_string(c.gpus_per_node) +
+                  " flows share each node's link)",
+              j["inter"]);
+    if (links.enabled())
+      log << "emulated links: inter-node " << lvx::dist::format_rate(links.inter_node_bytes_per_s)
+          << " per node, intra-node "
+          << (links.intra_node_bytes_per_s > 0
+                  ? lvx::dist::format_rate(links.intra_node_bytes_per_s) + " per rank"
+                  : std::string("unshaped"))
+          << "\n";
+  } else {
+    c.intra_node = lvx::planner::fit_link(j["sizes"].get<std::vector<int64_t>>(),
+                                          j["seconds"].get<std::vector<double>>());
+    c.inter_node = c.intra_node;
+    sweep_log("ring step (send to next, receive from previous), " + std::to_string(nproc) +
+                  " ranks",
+              j);
+  }
+  if (!p.get("emulate").empty()) log << emulation_check(c, p.get("emulate"));
   // Where ranks share cores, a collective after compute waits for peers' time slices.
   c.intra_node.sync_s = std::max(0.0, collective - c.intra_node.latency_s);
-  c.inter_node = c.intra_node;
+  c.inter_node.sync_s = std::max(0.0, collective - c.inter_node.latency_s);
   log << "all_to_all right after 10 ms of compute: " << collective * 1e6 << " us (sync_us: the "
       << "part above the latency)\n";
-  log << "ring step (send to next, receive from previous), " << nproc << " ranks:\n";
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    log << "  " << sizes[i] << " B: " << sec[i] * 1e6 << " us (" << double(sizes[i]) / sec[i] / 1e9
-        << " GB/s)\n";
-  }
   std::string yaml = lvx::planner::cluster_config_yaml(
-      c, "written by `lvx calibrate --nproc " + std::to_string(nproc) + " --device " +
-             p.get("device") + "`\n" + log.str() +
-             "one machine: inter_node repeats the measured intra_node link");
+      c, "written by `lvx calibrate --nproc " + std::to_string(nproc) + " --nodes " +
+             std::to_string(nodes) + " --device " + p.get("device") + "`\n" + log.str() +
+             (nodes > 1 ? "" : "one node: inter_node repeats the measured intra_node link"));
   std::cout << yaml;
   if (!p.get("output").empty()) {
     std::ofstream f(p.get("output"));

@@ -1,34 +1,11 @@
 // `lvx launch --nproc N -- <command ...>`: N local ranks with torchrun's variables.
-#include <iostream>
-
 #include "src/cli/args.h"
+#include "src/cli/cluster_options.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
 #include "src/dist/launcher.h"
-#include "src/planner/cluster_config.h"
-#include "src/planner/emulation.h"
 
 namespace {
-
-// --inter-node / --intra-node, or --emulate's rates for `nproc` ranks of this machine.
-lvx::dist::LinkRates link_rates(const lvx::cli::ArgParser& p, int nproc) {
-  lvx::dist::LinkRates r;
-  if (!p.get("emulate").empty()) {
-    LVX_CHECK(p.get("inter-node").empty() && p.get("intra-node").empty(),
-              "--emulate sets both rates: give it alone, or --inter-node/--intra-node");
-    const auto target = lvx::planner::load_cluster_config(p.get("emulate"));
-    const auto e = lvx::planner::emulate_cluster(target, lvx::planner::rank_attention_flops(nproc));
-    std::cerr << "lvx launch: " << e.summary << "\n";
-    return e.rates;
-  }
-  if (!p.get("inter-node").empty())
-    r.inter_node_bytes_per_s = lvx::dist::parse_rate(p.get("inter-node"), "--inter-node");
-  if (!p.get("intra-node").empty()) {
-    LVX_CHECK(r.enabled(), "--intra-node needs --inter-node (the links between nodes)");
-    r.intra_node_bytes_per_s = lvx::dist::parse_rate(p.get("intra-node"), "--intra-node");
-  }
-  return r;
-}
 
 int cmd_launch(int argc, char** argv) {
   lvx::cli::ArgParser p("lvx launch --nproc N [options] -- <command> [args...]",
@@ -55,15 +32,7 @@ int cmd_launch(int argc, char** argv) {
                "once a rank has exited, stop the ranks still running after this many seconds, "
                "exit 124 (auto: 2 x LVX_DIST_TIMEOUT_S, 120 s when unset; 0: wait forever)");
   p.add_option("grace", 0, "5", "seconds between SIGTERM and SIGKILL when stopping ranks");
-  p.add_option("inter-node", 0, "",
-               "emulate links between the --nodes: each node's link to the others at this rate,\n"
-               "as tc writes it (200mbit, 10gbit). The ranks run in a private network namespace;\n"
-               "needs CAP_NET_ADMIN (or user namespaces) and tc (docs/cluster.md)");
-  p.add_option("intra-node", 0, "",
-               "with --inter-node: each rank's link to the others of its node (default unshaped)");
-  p.add_option("emulate", 0, "",
-               "cluster config (configs/clusters/*.yaml): set both rates so that this machine's\n"
-               "attention FLOP/s per link byte/s equals that cluster's (docs/cluster.md)");
+  lvx::cli::add_link_options(p);
   if (!p.parse(argc, argv)) return 0;
   LVX_CHECK(!p.rest().empty(), "no command given after -- (usage: lvx launch --nproc N -- cmd)");
   lvx::dist::LaunchOptions o;
@@ -81,7 +50,7 @@ int cmd_launch(int argc, char** argv) {
             p.get("exit-wait"));
   o.grace_s = p.get_double("grace");
   LVX_CHECK(o.grace_s >= 0, "--grace must be seconds >= 0, got ", o.grace_s);
-  o.links = link_rates(p, o.nproc);
+  o.links = lvx::cli::link_rates(p, o.nproc);
   auto r = lvx::dist::launch_local(p.rest(), o);
   return r.exit_code;
 }

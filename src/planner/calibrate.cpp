@@ -176,6 +176,31 @@ std::vector<double> measure_ring_steps(dist::ProcessGroup& pg, const std::vector
   return out;
 }
 
+std::vector<double> measure_pair_exchanges(dist::ProcessGroup& pg, int peer,
+                                           const std::vector<int64_t>& sizes,
+                                           const at::Device& device, int reps) {
+  std::vector<double> out;
+  auto opt = at::TensorOptions().dtype(at::kByte).device(device);
+  for (int64_t bytes : sizes) {
+    at::Tensor send = at::ones({bytes}, opt), recv = at::empty({bytes}, opt);
+    std::vector<double> t;
+    for (int r = 0; r < reps + 1; ++r) {
+      pg.barrier();  // every pair starts together: pairs that share a link share it throughout
+      const double t0 = now_s();
+      if (peer >= 0)
+        pg.batch_isend_irecv({dist::P2POp::send(send, peer), dist::P2POp::recv(recv, peer)},
+                             "calibrate")
+            .wait();
+      sync(device);
+      pg.barrier();  // until the last pair is done: flows sharing a link finish unevenly
+      if (r > 0) t.push_back(now_s() - t0);  // the first is a warm-up
+    }
+    std::sort(t.begin(), t.end());
+    out.push_back(t[t.size() / 2]);
+  }
+  return out;
+}
+
 double measure_collective_after_compute(dist::ProcessGroup& pg, const at::Device& device,
                                         int reps, double compute_s) {
   const int n = pg.world_size();
@@ -211,6 +236,13 @@ Link fit_link(const std::vector<int64_t>& sizes, const std::vector<double>& seco
   l.latency_s = seconds[idx.front()];
   for (size_t i = 0; i < idx.size() / 2; ++i) l.latency_s = std::min(l.latency_s, seconds[idx[i]]);
   l.latency_s = std::max(l.latency_s, 1e-9);
+  // When the largest message takes far longer than the latency (a slow or shaped link), it alone
+  // gives the bandwidth: the slope between the two largest would add both samples' noise (on a
+  // shared host, ±20 % through a shaped link). Otherwise the slope, where α no longer matters.
+  if (seconds[b] > 20 * l.latency_s) {
+    l.bandwidth_bytes_per_s = double(sizes[b]) / (seconds[b] - l.latency_s);
+    return l;
+  }
   const double dt = seconds[b] - seconds[a];
   const double db = double(sizes[b] - sizes[a]);
   // If timing noise flattens the top of the curve, fall back to the largest message alone.

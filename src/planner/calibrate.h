@@ -50,6 +50,14 @@ KernelCostFit fit_kernel_cost(const std::vector<KernelSample>& samples, int64_t 
 std::vector<double> measure_ring_steps(dist::ProcessGroup& pg, const std::vector<int64_t>& sizes,
                                        const at::Device& device, int reps);
 
+// Times an exchange with `peer` (send and receive `bytes` at once) of each size, every rank at the
+// same moment (a barrier before each repetition) until every pair is done (a barrier after it:
+// pairs sharing a link finish unevenly), median of `reps` after a warm-up; a rank with no peer
+// (-1) only joins the barriers. Collective. Returns seconds per exchange, the same on every rank.
+std::vector<double> measure_pair_exchanges(dist::ProcessGroup& pg, int peer,
+                                           const std::vector<int64_t>& sizes,
+                                           const at::Device& device, int reps);
+
 // Time of a small all_to_all entered right after `compute_s` of matmuls on every rank (all
 // ranks start together after a barrier), median of `reps`: with more ranks than cores it
 // includes waiting for peers that still hold a core (Link::sync_s is this minus the latency).
@@ -57,8 +65,8 @@ double measure_collective_after_compute(dist::ProcessGroup& pg, const at::Device
                                         int reps, double compute_s);
 
 // Latency and bandwidth of comm(B) = α + B/β from (bytes, seconds) samples: α is the least time
-// among the smaller half of the sizes, β the slope between the two largest (where α no longer
-// matters).
+// among the smaller half of the sizes; β is the largest message's bytes over its time less α when
+// that time exceeds 20 α (slow or shaped links), else the slope between the two largest.
 Link fit_link(const std::vector<int64_t>& sizes, const std::vector<double>& seconds);
 
 }  // namespace lvx::planner
