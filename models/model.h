@@ -24,8 +24,9 @@ namespace lvx::models {
 struct ModelInputs {
   at::Tensor input_ids;     // int64 [B, L], the family's media token where each image sits
   at::Tensor pixel_values;  // float [N_img, 3, H, W], preprocessed, images in prompt order
-  // pixel_values holds only this rank's images (its whole slots of the key layout, in prompt
-  // order): each rank decoded its own share of the frames (video::ShardSpec is the same split).
+  // pixel_values holds only this rank's images (its slots of media_layout, models/parallel.h, in
+  // prompt order): each rank decoded its own share of the frames (video::ShardSpec is the same
+  // split).
   bool pixels_local = false;
   // Inputs a family's processor adds, by the names that processor gives them (Mllama:
   // aspect_ratio_ids, aspect_ratio_mask, cross_attention_mask); lvx forward passes every tensor

@@ -6,10 +6,14 @@ namespace lvx::models {
 
 Parallel resolve_layouts(Parallel p) {
   using attention::StrategyKind;
+  // Any striped choice, self or cross, stripes the text (every layer's queries), as the planner
+  // prices it (planner::CostOptions::text_layout); the keys of a cross layer are striped whole
+  // images anyway (media_layout).
   bool striped = false;
   for (const auto& l : p.layers)
-    striped = striped || l.self.forward == StrategyKind::kStriped ||
-              l.self.backward == StrategyKind::kStriped;
+    for (const attention::StrategyChoice& c : {l.self, l.cross})
+      striped = striped || c.forward == StrategyKind::kStriped ||
+                c.backward == StrategyKind::kStriped;
   if (striped) p.text_layout = attention::LayoutKind::kStriped;
   auto as_ring = [](attention::StrategyChoice c) {
     if (c.forward == StrategyKind::kStriped) c.forward = StrategyKind::kRing;
@@ -61,9 +65,26 @@ attention::AttentionSpec cross_attention_spec(int64_t batch, int64_t length, int
   s.mask = kernels::MaskKind::kMedia;
   s.media_rule = mm.rule;
   s.unmatched_sees_all = mm.unmatched_sees_all;
-  s.kv_layout = attention::LayoutKind::kContiguous;
+  s.kv_layout = media_layout(mm.slots, mm.tokens_per_media, par.world()).kind;
   s.kv_unit = mm.tokens_per_media;
   return s;
+}
+
+attention::Layout media_layout(int64_t slots, int64_t tokens_per_media, int world) {
+  return attention::Layout{attention::LayoutKind::kStriped, slots * tokens_per_media, world,
+                           tokens_per_media};
+}
+
+std::vector<int64_t> media_slots(int64_t slots, int rank, int world) {
+  const at::Tensor s = media_layout(slots, 1, world).positions(rank);
+  return std::vector<int64_t>(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
+}
+
+at::Tensor LocalMedia::slot_index() const { return at::tensor(slots, at::kLong); }
+
+at::Tensor LocalMedia::key_index(int64_t tokens_per_media) const {
+  const int64_t T = tokens_per_media;
+  return (slot_index().unsqueeze(1) * T + at::arange(T, at::kLong).unsqueeze(0)).reshape({-1});
 }
 
 LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& pixel_values,
@@ -72,31 +93,28 @@ LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& 
                               const at::TensorOptions& options, const std::string& model,
                               LocalMedia* media) {
   const int64_t B = mm.q_media.size(0), T = mm.tokens_per_media;
-  const attention::Layout keys{attention::LayoutKind::kContiguous, mm.slots * T, par.world(), T};
-  const at::Tensor pos = keys.positions(par.rank());
   LocalMedia out;
-  out.first_slot = pos.numel() ? pos[0].item<int64_t>() / T : 0;
-  out.slots = pos.numel() / T;
+  out.slots = media_slots(mm.slots, par.rank(), par.world());
+  const int64_t S = static_cast<int64_t>(out.slots.size());
   if (media && media->features.defined()) {
-    LVX_CHECK(media->first_slot == out.first_slot && media->slots == out.slots &&
-                  media->features.dim() == 3 && media->features.size(0) == B &&
-                  media->features.size(1) == out.slots * T && media->features.size(2) == width,
-              model, ": precomputed media features of slots [", media->first_slot, ", ",
-              media->first_slot + media->slots, ") ", media->features.sizes(), " do not fit rank ",
-              par.rank(), "'s slots [", out.first_slot, ", ", out.first_slot + out.slots, ") of ",
-              B, " x ", out.slots * T, " x ", width);
+    LVX_CHECK(media->slots == out.slots && media->features.dim() == 3 &&
+                  media->features.size(0) == B && media->features.size(1) == S * T &&
+                  media->features.size(2) == width,
+              model, ": precomputed media features of ", media->slots.size(), " slots ",
+              media->features.sizes(), " do not fit rank ", par.rank(), "'s ", S, " slots of ",
+              B, " x ", S * T, " x ", width);
     return *media;
   }
   const at::Tensor present = mm.media_starts >= 0;  // [B, slots]
   const at::Tensor counts = present.sum(1);         // images per sample
   const at::Tensor first = at::cumsum(counts, 0) - counts;  // each sample's first image
-  std::vector<int64_t> images, rows;  // image index in pixel_values, row (b·slots + slot) it fills
+  std::vector<int64_t> images, rows;  // image index in pixel_values, row (b·S + i) it fills
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t s = out.first_slot; s < out.first_slot + out.slots; ++s)
-      if (present[b][s].item<bool>()) {
+    for (int64_t i = 0; i < S; ++i)
+      if (present[b][out.slots[i]].item<bool>()) {
         images.push_back(local ? static_cast<int64_t>(images.size())
-                               : first[b].item<int64_t>() + s);
-        rows.push_back(b * out.slots + (s - out.first_slot));
+                               : first[b].item<int64_t>() + out.slots[i]);
+        rows.push_back(b * S + i);
       }
   const int64_t expected = local ? static_cast<int64_t>(images.size()) : counts.sum().item<int64_t>();
   LVX_CHECK(pixel_values.defined() && pixel_values.dim() == 4 && pixel_values.size(0) == expected,
@@ -104,14 +122,14 @@ LocalMedia encode_local_media(const attention::MediaMask& mm, const at::Tensor& 
             local ? str(" in rank ", par.rank(), "'s share") : std::string(),
             " but pixel_values has ",
             pixel_values.defined() ? str(pixel_values.sizes()) : std::string("none"));
-  at::Tensor feats = at::zeros({B * out.slots, T, width}, options);
+  at::Tensor feats = at::zeros({B * S, T, width}, options);
   if (!images.empty()) {
     // Host-made indices, moved to the tensors they index.
     const at::Tensor image_index = at::tensor(images, at::kLong).to(pixel_values.device());
     const at::Tensor row_index = at::tensor(rows, at::kLong).to(feats.device());
     feats = feats.index_copy(0, row_index, encode(pixel_values.index_select(0, image_index)));
   }
-  out.features = feats.view({B, out.slots * T, width});
+  out.features = feats.view({B, S * T, width});
   if (media) *media = out;
   return out;
 }

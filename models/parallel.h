@@ -2,9 +2,14 @@
 //   - text: every rank holds the tokens of `text_layout` (contiguous, or striped when the plan
 //     runs striped ring attention) for every layer; norms, MLPs and projections run on that
 //     shard;
-//   - frames: the visual keys are split in whole images (attention::AttentionSpec::kv_unit), so
-//     each rank decodes, encodes and projects only its own frames and keeps those visual tokens
-//     for every cross layer; they are never gathered;
+//   - frames: the visual keys are split in whole images (attention::AttentionSpec::kv_unit)
+//     striped across the ranks (media_layout: rank r holds images r, r + n, r + 2n, …), so each
+//     rank decodes, encodes and projects only its own frames and keeps those visual tokens for
+//     every cross layer; they are never gathered. Striped, not contiguous: under every family's
+//     rule a text token sees the images before it (or its latest one), so with a contiguous
+//     split the rank holding the first frames serves nearly every query and the last rank far
+//     fewer (the busiest rank did 1.31x the average cross-attention work in LV-XAttn's headline
+//     configuration); striped, each rank's keys are seen by about as many queries as any other's;
 //   - attention layers run the strategy chosen for them (the planner's, or the user's), through
 //     attention::dist_attention, forward and backward;
 //   - gradients of the (replicated) parameters are summed across ranks after the backward.
@@ -70,12 +75,23 @@ struct Parallel {
   }
 };
 
-// This rank's share of the media: whole image slots [first_slot, first_slot + slots) of every
-// sample's key sequence (the key layout is contiguous in units of tokens_per_media), encoded
-// here and nowhere else.
+// The media keys' layout: `slots` images of `tokens_per_media` keys per sample, whole images
+// striped across `world` ranks (rank r holds slots r, r + world, …). The one rule of the model's
+// cross-attention specs, of the frames each rank decodes (video::ShardSpec) and of the planner's
+// pricing.
+attention::Layout media_layout(int64_t slots, int64_t tokens_per_media, int world);
+// The image slots (ascending) that rank `rank` of `world` holds under media_layout.
+std::vector<int64_t> media_slots(int64_t slots, int rank, int world);
+
+// This rank's share of the media: whole image slots `slots` (media_slots) of every sample's key
+// sequence, encoded here and nowhere else.
 struct LocalMedia {
-  at::Tensor features;  // [B, slots · tokens_per_media, width]; zero for slots a sample lacks
-  int64_t first_slot = 0, slots = 0;
+  at::Tensor features;          // [B, slots · tokens_per_media, width]; zero for absent slots
+  std::vector<int64_t> slots;   // global slot indices, ascending
+  // Host int64 indices of these slots ([S_r]) and of their keys ([S_r · tokens_per_media]), for
+  // selecting this rank's part of per-slot and per-key tensors.
+  at::Tensor slot_index() const;
+  at::Tensor key_index(int64_t tokens_per_media) const;
 };
 
 // Picks this rank's images out of pixel_values (every image of the batch, in prompt order:
@@ -120,9 +136,10 @@ attention::AttentionSpec cross_attention_spec(int64_t batch, int64_t length, int
                                               const attention::MediaMask& mm, const Parallel& par);
 
 // The text layout a set of per-layer choices runs on, and the choices as they run on it: a
-// striped self-attention choice makes the whole text striped, and is then ring attention over
-// that layout (Striped Attention is ring attention over striped tokens). Every other strategy
-// takes the layout from the attention spec.
+// striped choice (of a self or a cross layer) makes the whole text striped, and is then ring
+// attention over that layout (Striped Attention is ring attention over striped tokens; a cross
+// layer's keys are striped whole images in any case). Every other strategy takes the layout from
+// the attention spec.
 Parallel resolve_layouts(Parallel p);
 
 }  // namespace lvx::models

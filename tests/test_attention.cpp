@@ -99,7 +99,8 @@ struct Case {
   int64_t hq, hkv, sq, skv;
   at::ScalarType dtype;
   bool padded = false;  // some keys are padding (kv_valid false), differently per batch row
-  bool layouts = false;  // queries striped, keys split in whole blocks of 4 (a model's layouts)
+  bool layouts = false;  // queries striped, keys in whole blocks of 4 striped across the ranks
+                         // (a model's layouts: models::media_layout)
   int node_size = 0;     // > 0: ranks per node, so that the ring strategies run the double ring
   bool sees_all = false;  // media: unmatched_sees_all (rows of media −1 see every key)
   std::string name() const {
@@ -144,6 +145,7 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
   s.node_size = c.node_size;
   if (c.layouts) {
     s.q_layout = attention::LayoutKind::kStriped;
+    s.kv_layout = attention::LayoutKind::kStriped;
     s.kv_unit = 4;
   }
   // Same inputs for every strategy of a case (the cross-strategy comparison needs them).
@@ -315,7 +317,7 @@ std::vector<Case> all_cases(int world) {
           for (auto dt : {at::kFloat, at::kBFloat16})
             cases.push_back({strat, mask, rule, hq, hkv, sq, skv, dt});
           if (sq == 13) cases.push_back({strat, mask, rule, hq, hkv, sq, skv, at::kFloat, true});
-          if (sq == 13 && std::string(strat) != "striped")  // 20 keys: 5 blocks of 4
+          if (sq == 13)  // 20 keys: 5 blocks of 4
             cases.push_back({strat, mask, rule, hq, hkv, sq, 20, at::kFloat, false, true});
           // Two nodes of two ranks: the double ring (ring strategies; the others ignore it).
           if (world == 4 && sq != 1)
@@ -326,7 +328,7 @@ std::vector<Case> all_cases(int world) {
             Case a{strat, mask, rule, hq, hkv, sq, skv, at::kFloat, sq == 13};
             a.sees_all = true;
             cases.push_back(a);
-            if (sq == 13 && std::string(strat) != "striped") {
+            if (sq == 13) {
               Case l{strat, mask, rule, hq, hkv, sq, 20, at::kFloat, true, true};
               l.sees_all = true;
               cases.push_back(l);

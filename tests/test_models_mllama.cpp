@@ -311,7 +311,8 @@ TEST(MllamaVisualCache, PrefillFromKeptFeaturesEqualsEncoding) {
   lvx::models::DecodeCache c1, c2;
   const at::Tensor first = model->prefill(miss, par, c1);
   ASSERT_TRUE(kept.features.defined());
-  EXPECT_EQ(kept.slots, batch.at("input_ids").eq(model->media_token_id()).sum(1).max().item<int64_t>());
+  EXPECT_EQ(static_cast<int64_t>(kept.slots.size()),
+            batch.at("input_ids").eq(model->media_token_id()).sum(1).max().item<int64_t>());
   lvx::models::ModelInputs hit{batch.at("input_ids"), at::Tensor(), false, {}};
   hit.media = &kept;
   EXPECT_TRUE(at::equal(model->prefill(hit, par, c2), first));

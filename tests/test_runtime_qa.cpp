@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/init.h"
+#include "models/parallel.h"
 #include "models/tokenizer/tokenizer.h"
 #include "src/attention/layout.h"
 #include "src/common/error.h"
@@ -131,17 +132,17 @@ TEST(QaAnswers, LettersAndFreeFormAreExtractedAsLmmsEvalDoes) {
 }
 
 TEST(QaFrames, EachRankDecodesExactlyTheImagesItsKeysHold) {
-  // video::shard_range and the model's key layout (whole images) are one split.
+  // video::shard_positions and the model's key layout (models::media_layout, whole images) are
+  // one split.
   for (int64_t m = 0; m < 30; ++m)
     for (int n = 1; n <= 5; ++n)
       for (int r = 0; r < n; ++r) {
-        const auto [b, e] = video::shard_range(m, {r, n});
-        const attention::Layout keys{attention::LayoutKind::kContiguous, m * 4, n, 4};
-        const at::Tensor pos = keys.positions(r);
-        ASSERT_EQ(pos.numel(), (e - b) * 4) << m << " " << n << " " << r;
-        if (pos.numel()) {
-          EXPECT_EQ(pos[0].item<int64_t>(), b * 4);
-        }
+        const std::vector<int64_t> frames = video::shard_positions(m, {r, n});
+        const at::Tensor keys = models::media_layout(m, 4, n).positions(r);
+        ASSERT_EQ(keys.numel(), static_cast<int64_t>(frames.size()) * 4) << m << " " << n << " " << r;
+        for (size_t i = 0; i < frames.size(); ++i)
+          EXPECT_EQ(keys[static_cast<int64_t>(i) * 4].item<int64_t>(), frames[i] * 4);
+        EXPECT_EQ(models::media_slots(m, r, n), frames);
       }
 }
 

@@ -74,11 +74,11 @@ TEST(VisualCache, EncodeLocalMediaTakesGivenFeaturesAndHandsBackEncodedOnes) {
       mm, at::Tensor(), true, par, 3, encode, pixels.options(), "test", &kept);
   EXPECT_EQ(calls, 1);
   EXPECT_TRUE(at::equal(again.features, first.features));
-  EXPECT_EQ(again.first_slot, first.first_slot);
   EXPECT_EQ(again.slots, first.slots);
+  EXPECT_EQ(first.slots, (std::vector<int64_t>{0, 1, 2, 3}));
   // Features of another layout are refused, naming the slots.
   models::LocalMedia wrong = kept;
-  wrong.slots = 3;
+  wrong.slots = {0, 2};
   try {
     models::encode_local_media(mm, at::Tensor(), true, par, 3, encode, pixels.options(), "test",
                                &wrong);

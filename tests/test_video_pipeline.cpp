@@ -338,7 +338,7 @@ TEST(VideoCli, DecodeWritesFramesIndicesPtsAndShardsUnion) {
   const nlohmann::json j = nlohmann::json::parse(json_line);
   EXPECT_EQ(j.at("frames").get<int64_t>(), 9);
   EXPECT_EQ(j.at("num_frames").get<int64_t>(), 50);
-  EXPECT_EQ(j.at("shard"), nlohmann::json({0, 9}));
+  EXPECT_EQ(j.at("shard"), nlohmann::json({0, 1, 2, 3, 4, 5, 6, 7, 8}));
   std::vector<at::Tensor> parts, idx;
   for (int r = 0; r < 4; ++r) {
     const std::string out = (temp_dir() / ("r" + std::to_string(r) + ".safetensors")).string();
@@ -348,8 +348,14 @@ TEST(VideoCli, DecodeWritesFramesIndicesPtsAndShardsUnion) {
     parts.push_back(part.tensors.at("frames"));
     idx.push_back(part.tensors.at("indices"));
   }
-  EXPECT_TRUE(at::equal(at::cat(parts), lib.frames));
-  EXPECT_TRUE(at::equal(at::cat(idx), lib.indices));
+  // Rank r holds sampled positions r, r + 4, …: interleaved back, they are the whole.
+  auto interleave = [](const std::vector<at::Tensor>& shards) {
+    std::vector<at::Tensor> rows;
+    for (int64_t p = 0; p < 9; ++p) rows.push_back(shards[p % 4][p / 4]);
+    return at::stack(rows);
+  };
+  EXPECT_TRUE(at::equal(interleave(parts), lib.frames));
+  EXPECT_TRUE(at::equal(interleave(idx), lib.indices));
 }
 
 TEST(VideoCli, PresetSizeAndNormalize) {

@@ -121,20 +121,20 @@ TEST(VideoSampler, UniformIncludesBothEndsAndRoundsHalfToEven) {
   EXPECT_EQ(sample_frames(cfr(7, 1), spec).indices, (std::vector<int64_t>{0, 2, 3, 4, 6}));
 }
 
-TEST(VideoSampler, ShardsAreContiguousBalancedAndCoverEverythingOnce) {
+TEST(VideoSampler, ShardsAreStripedBalancedAndCoverEverythingOnce) {
   for (int64_t m = 0; m < 40; ++m) {
     for (int64_t n = 1; n <= 9; ++n) {
-      int64_t next = 0;
+      std::vector<int> seen(static_cast<size_t>(m), 0);
       for (int64_t r = 0; r < n; ++r) {
-        const auto [b, e] = shard_range(m, {r, n});
-        EXPECT_EQ(b, next) << "m " << m << " n " << n << " r " << r;  // no gap, no overlap
-        EXPECT_LE(e - b, m / n + 1);
-        EXPECT_GE(e - b, m / n);
-        EXPECT_EQ(e - b,
-                  m / n + (r < m % n ? 1 : 0));  // the model's key layout: first ranks larger
-        next = e;
+        const std::vector<int64_t> mine = shard_positions(m, {r, n});
+        EXPECT_LE(static_cast<int64_t>(mine.size()), m / n + 1);
+        EXPECT_GE(static_cast<int64_t>(mine.size()), m / n);
+        for (size_t i = 0; i < mine.size(); ++i) {
+          EXPECT_EQ(mine[i], r + static_cast<int64_t>(i) * n) << "m " << m << " n " << n;
+          ++seen[static_cast<size_t>(mine[i])];
+        }
       }
-      EXPECT_EQ(next, m);
+      for (int c : seen) EXPECT_EQ(c, 1) << "m " << m << " n " << n;  // no gap, no overlap
     }
   }
 }
@@ -163,7 +163,7 @@ TEST(VideoSampler, BadSpecsAreErrorsThatSayWhy) {
   inverted.start = 0.5;
   inverted.end = 0.2;
   EXPECT_THROW(sample_frames(tl, inverted), lvx::Error);
-  EXPECT_THROW(shard_range(10, {3, 3}), lvx::Error);
+  EXPECT_THROW(shard_positions(10, {3, 3}), lvx::Error);
   EXPECT_EQ(round_div_half_even(5, 2), 2);
   EXPECT_EQ(round_div_half_even(7, 2), 4);
   EXPECT_EQ(round_div_half_even(8, 3), 3);

@@ -64,9 +64,9 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
                                 timeline.end, " s): sampling up to the end"));
   const SampledFrames sampled = sample_frames(timeline, spec);
   report.sampled_total = static_cast<int64_t>(sampled.indices.size());
-  std::tie(report.shard_begin, report.shard_end) = shard_range(report.sampled_total, shard);
-  const std::vector<int64_t> wanted(sampled.indices.begin() + report.shard_begin,
-                                    sampled.indices.begin() + report.shard_end);
+  report.shard = shard_positions(report.sampled_total, shard);
+  std::vector<int64_t> wanted;  // ascending, as the sampled indices are
+  for (int64_t p : report.shard) wanted.push_back(sampled.indices[static_cast<size_t>(p)]);
   const int64_t n = static_cast<int64_t>(wanted.size());
   std::vector<int64_t> targets = wanted;  // sorted already; decode each distinct frame once
   targets.erase(std::unique(targets.begin(), targets.end()), targets.end());

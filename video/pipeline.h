@@ -1,5 +1,5 @@
 // The whole per-rank video path: open and index the video, sample frame indices, keep this
-// rank's contiguous share, decode them on a decoder thread through a bounded queue, and
+// rank's share (video::shard_positions), decode them on a decoder thread through a bounded queue, and
 // preprocess each into its slot of the output batch. Peak memory: the output batch, at most
 // DecodeOptions::queue_capacity decoded RGB frames, one GOP of decoder state and the frame index
 // (32 bytes per frame of the video) — independent of video length for a fixed number of frames.
@@ -22,7 +22,7 @@ struct DecodeReport {
   int64_t repeated = 0;                    // frames replaced under CorruptPolicy::kRepeat
   bool truncated = false;                  // the container ended early (see FrameIndex::truncated)
   int64_t sampled_total = 0;               // frames sampled over all ranks
-  int64_t shard_begin = 0, shard_end = 0;  // this rank's positions in the sampled list
+  std::vector<int64_t> shard;              // this rank's positions in the sampled list
   DecodeStats stats;
 };
 

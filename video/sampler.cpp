@@ -74,15 +74,14 @@ SampledFrames sample_frames(const Timeline& tl, const SampleSpec& spec) {
   return out;
 }
 
-std::pair<int64_t, int64_t> shard_range(int64_t count, const ShardSpec& shard) {
+std::vector<int64_t> shard_positions(int64_t count, const ShardSpec& shard) {
   LVX_CHECK(shard.world >= 1, "shard: world size must be >= 1, got ", shard.world);
   LVX_CHECK(shard.rank >= 0 && shard.rank < shard.world, "shard: rank must be in [0, ", shard.world,
             "), got ", shard.rank);
-  // The first count % world ranks take one more: the model's key layout (attention::Layout,
-  // contiguous in whole images), so the frames a rank decodes are the image slots it attends to.
-  const int64_t base = count / shard.world, extra = count % shard.world;
-  const int64_t begin = shard.rank * base + std::min(shard.rank, extra);
-  return {begin, begin + base + (shard.rank < extra ? 1 : 0)};
+  LVX_CHECK(count >= 0, "shard: count must be >= 0, got ", count);
+  std::vector<int64_t> out;
+  for (int64_t p = shard.rank; p < count; p += shard.world) out.push_back(p);
+  return out;
 }
 
 }  // namespace lvx::video

@@ -13,11 +13,12 @@
 //                   index_k = first + round(k * (last - first) / (N - 1)), k = 0..N-1, computed in
 //                   exact integer arithmetic and rounded half to even (as torch.linspace(...)
 //                   .round() in qwen-vl-utils); N = 1 gives first. Both ends are always included.
-//   Shard         = rank r of n takes a contiguous run of the M sampled positions, the first
-//                   M mod n ranks one more than the others (M div n): sizes differ by at most one,
-//                   the union is exactly all M, and the split is the model's key layout
-//                   (attention::Layout, contiguous in whole images), so rank r decodes exactly the
-//                   frames whose visual tokens it holds.
+//   Shard         = rank r of n takes the sampled positions r, r + n, r + 2n, … (striped): sizes
+//                   differ by at most one, the union is exactly all M, and the split is the
+//                   model's key layout (models::media_layout, whole images striped across the
+//                   ranks), so rank r decodes exactly the frames whose visual tokens it holds.
+//                   Striped and not contiguous so that every rank's frames are seen by about as
+//                   many text tokens (models/parallel.h).
 #pragma once
 
 #include <cstdint>
@@ -53,8 +54,9 @@ struct SampledFrames {
 // before allocating, for more samples than kMaxSamplesPerFrame per frame of the range.
 SampledFrames sample_frames(const Timeline& tl, const SampleSpec& spec);
 
-// Positions [begin, end) of `count` sampled frames that rank `shard.rank` of `shard.world` takes.
-std::pair<int64_t, int64_t> shard_range(int64_t count, const ShardSpec& shard);
+// The positions (ascending) of `count` sampled frames that rank `shard.rank` of `shard.world`
+// takes: shard.rank, shard.rank + shard.world, …
+std::vector<int64_t> shard_positions(int64_t count, const ShardSpec& shard);
 
 // round(num / den) for num >= 0, den > 0, ties to even (exact; no floating point).
 int64_t round_div_half_even(int64_t num, int64_t den);

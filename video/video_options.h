@@ -55,7 +55,7 @@ constexpr int64_t kMaxSamplesPerFrame = 64;
 // Largest output side of preprocessing (PreprocessConfig::image_size).
 constexpr int64_t kMaxImageSize = 8192;
 
-// Rank r of `world` takes a contiguous share of the sampled frames (see sampler.h).
+// Rank r of `world` takes the sampled frames r, r + world, … (see sampler.h).
 struct ShardSpec {
   int64_t rank = 0;
   int64_t world = 1;

@@ -36,10 +36,16 @@ struct Images {
   at::Tensor aspect_ratio_mask;     // int64 [B, images (or slots), tiles]
   at::Tensor cross_attention_mask;  // int64 [B, L, images, tiles] (host)
   int64_t images = 0;               // image slots per sample
-  // The slot of the first entry of pixel_values / of the aspect ratio tensors (this rank's
-  // first slot where they hold only its share).
-  int64_t pixels_first = 0, ratios_first = 0;
+  // Whether pixel_values / the aspect ratio tensors hold only this rank's slots (media_slots,
+  // ascending) instead of every slot.
+  bool pixels_local = false, ratios_local = false;
 };
+
+// The entries of `t` (slots in dimension 1) of this rank's `slots`: all of t when it holds only
+// them, else those slots picked out.
+at::Tensor rank_slots(const at::Tensor& t, bool local, const std::vector<int64_t>& slots) {
+  return local ? t : t.index_select(1, at::tensor(slots, at::kLong).to(t.device()));
+}
 
 const at::Tensor* named(const ModelInputs& in, const std::string& name) {
   auto it = in.named.find(name);
@@ -77,14 +83,11 @@ Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par)
               " images per sample, aspect_ratio_ids ", im.images);
     im.pixel_values = px;
     if (in.pixels_local) {
-      const int64_t T = c.tokens_per_image();
-      const attention::Layout keys{attention::LayoutKind::kContiguous, im.images * T, par.world(),
-                                   T};
-      const at::Tensor pos = keys.positions(par.rank());
-      im.pixels_first = pos.numel() ? pos[0].item<int64_t>() / T : 0;
-      LVX_CHECK(px.size(1) == pos.numel() / T, kName, ": rank ", par.rank(),
-                "'s pixel_values (pixels_local) must hold its ", pos.numel() / T,
-                " image slots, got ", px.size(1));
+      const size_t mine = media_slots(im.images, par.rank(), par.world()).size();
+      im.pixels_local = true;
+      LVX_CHECK(px.size(1) == static_cast<int64_t>(mine), kName, ": rank ", par.rank(),
+                "'s pixel_values (pixels_local) must hold its ", mine, " image slots, got ",
+                px.size(1));
     }
     im.aspect_ratio_ids = ids->to(at::kLong);
     im.aspect_ratio_mask = mask->to(at::kLong);
@@ -103,15 +106,16 @@ Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par)
   // Video frames, one single-tile image each, in prompt order.
   const at::Tensor counts = (host_ids == c.image_token_id).sum(1);  // images per sample
   im.images = counts.numel() ? counts.max().item<int64_t>() : 0;
-  const attention::Layout keys{attention::LayoutKind::kContiguous, im.images * c.tokens_per_image(),
-                               par.world(), c.tokens_per_image()};
-  const at::Tensor pos = keys.positions(par.rank());
-  const int64_t first = pos.numel() ? pos[0].item<int64_t>() / c.tokens_per_image() : 0;
-  const int64_t slots = in.pixels_local ? pos.numel() / c.tokens_per_image() : im.images;
-  const int64_t lo = in.pixels_local ? first : 0;
+  // The slots the frames fill: this rank's (pixels_local) or all of them.
+  std::vector<int64_t> filled = media_slots(im.images, par.rank(), par.world());
+  if (!in.pixels_local) {
+    filled.resize(static_cast<size_t>(im.images));
+    for (int64_t s = 0; s < im.images; ++s) filled[static_cast<size_t>(s)] = s;
+  }
+  const int64_t slots = static_cast<int64_t>(filled.size());
   int64_t expected = 0;
   for (int64_t b = 0; b < B; ++b)
-    expected += std::clamp<int64_t>(counts[b].item<int64_t>() - lo, 0, slots);
+    for (int64_t s : filled) expected += s < counts[b].item<int64_t>() ? 1 : 0;
   // Features given (lvx serve's visual cache, ModelInputs::media) replace the frames.
   const bool encoded = in.media != nullptr && in.media->features.defined();
   LVX_CHECK(
@@ -127,15 +131,16 @@ Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par)
   im.aspect_ratio_ids = at::zeros({B, slots}, opts.dtype(at::kLong));
   im.aspect_ratio_mask = at::zeros({B, slots, K}, opts.dtype(at::kLong));
   im.aspect_ratio_mask.select(2, 0).fill_(1);  // the processor's padding images: tile 0 set
-  im.pixels_first = im.ratios_first = lo;
+  im.pixels_local = im.ratios_local = in.pixels_local;
   if (expected > 0 && !encoded) {
     const Tiled t = frames_as_images(c, px);
     int64_t next = 0;
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t s = 0; s < slots && lo + s < counts[b].item<int64_t>(); ++s, ++next) {
-        im.pixel_values[b][s].copy_(t.pixel_values[next]);
-        im.aspect_ratio_ids[b][s].copy_(t.aspect_ratio_ids[next]);
-        im.aspect_ratio_mask[b][s].copy_(t.aspect_ratio_mask[next]);
+      for (int64_t i = 0; i < slots && filled[static_cast<size_t>(i)] < counts[b].item<int64_t>();
+           ++i, ++next) {
+        im.pixel_values[b][i].copy_(t.pixel_values[next]);
+        im.aspect_ratio_ids[b][i].copy_(t.aspect_ratio_ids[next]);
+        im.aspect_ratio_mask[b][i].copy_(t.aspect_ratio_mask[next]);
       }
   }
   im.cross_attention_mask = cross_attention_mask_from_ids(
@@ -242,38 +247,36 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
   const auto encode_start = std::chrono::steady_clock::now();
   const Images im = batch_images(cfg_, in, par);
   const CrossMask cm = cross_mask(im.cross_attention_mask, cfg_.vision.tokens_per_tile(), kName);
-  const attention::Layout keys{attention::LayoutKind::kContiguous, im.images * T, par.world(), T};
-  const at::Tensor kpos = keys.positions(par.rank());
-  const int64_t first = kpos.numel() ? kpos[0].item<int64_t>() / T : 0, slots = kpos.numel() / T;
+  const std::vector<int64_t> mine = media_slots(im.images, par.rank(), par.world());
+  const int64_t slots = static_cast<int64_t>(mine.size());
   at::Tensor features;  // [B, slots·T, hidden]
   if (!cm.calls.empty() && in.media != nullptr && in.media->features.defined()) {
     // This rank's images encoded before (lvx serve's visual cache): nothing decoded or encoded.
     const LocalMedia& m = *in.media;
-    LVX_CHECK(m.first_slot == first && m.slots == slots && m.features.dim() == 3 &&
-                  m.features.size(0) == B && m.features.size(1) == slots * T &&
-                  m.features.size(2) == t.hidden,
-              kName, ": precomputed media features of slots [", m.first_slot, ", ",
-              m.first_slot + m.slots, ") ", m.features.sizes(), " do not fit rank ", par.rank(),
-              "'s slots [", first, ", ", first + slots, ") of ", B, " x ", slots * T, " x ",
-              t.hidden);
+    LVX_CHECK(m.slots == mine && m.features.dim() == 3 && m.features.size(0) == B &&
+                  m.features.size(1) == slots * T && m.features.size(2) == t.hidden,
+              kName, ": precomputed media features of ", m.slots.size(), " slots ",
+              m.features.sizes(), " do not fit rank ", par.rank(), "'s ", slots, " slots of ", B,
+              " x ", slots * T, " x ", t.hidden);
     features = m.features;
   } else if (!cm.calls.empty()) {
-    const at::Tensor px = im.pixel_values.narrow(1, first - im.pixels_first, slots);
+    const at::Tensor px = rank_slots(im.pixel_values, im.pixels_local, mine);
     auto flat = [&](const at::Tensor& x) {
       std::vector<int64_t> s{B * slots};
       for (int64_t d = 2; d < x.dim(); ++d) s.push_back(x.size(d));
       return x.reshape(s);
     };
     if (slots > 0) {
-      const int64_t r0 = first - im.ratios_first;
-      const at::Tensor ar_ids = im.aspect_ratio_ids.narrow(1, r0, slots).to(emb.device());
-      const at::Tensor ar_mask = im.aspect_ratio_mask.narrow(1, r0, slots).to(emb.device());
+      const at::Tensor ar_ids =
+          rank_slots(im.aspect_ratio_ids, im.ratios_local, mine).to(emb.device());
+      const at::Tensor ar_mask =
+          rank_slots(im.aspect_ratio_mask, im.ratios_local, mine).to(emb.device());
       features = encode_images(w_, cfg_, flat(px.to(emb.device(), dt)), flat(ar_ids), flat(ar_mask))
                      .reshape({B, slots * T, t.hidden});
     } else {
       features = at::zeros({B, 0, t.hidden}, h.options());
     }
-    if (in.media != nullptr) *in.media = LocalMedia{features, first, slots};  // for the cache
+    if (in.media != nullptr) *in.media = LocalMedia{features, mine};  // for the cache
   }
   std::vector<attention::MaskInputs> call_masks;
   std::vector<attention::AttentionSpec> call_specs;
@@ -347,7 +350,8 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
       }
       if (cache) {
         cache->visual[static_cast<size_t>(i)] = {
-            k, v, cm.last_row_keys.narrow(1, first * T, slots * T).to(h.device())};
+            k, v,
+            cm.last_row_keys.index_select(1, LocalMedia{{}, mine}.key_index(T)).to(h.device())};
       }
     }
     h = cross_block(i, h, o.reshape({B, lr, Hq * D}), sees, par.remat);

@@ -238,10 +238,11 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
     vis.features = media.features;
     // MI-RoPE: every key of image j at its token's index (+1 for 240728/241014).
     const int64_t shift = c.variant == "241101" ? 0 : 1;
+    const int64_t S = static_cast<int64_t>(media.slots.size());
     const at::Tensor starts =
-        mmd.media_starts.narrow(1, media.first_slot, media.slots).clamp_min(0) + shift;
-    vis.key_positions = starts.unsqueeze(2).expand({B, media.slots, T}).reshape({B, -1});
-    vis.kv_media = mmd.kv_media.narrow(1, media.first_slot * T, media.slots * T);
+        mmd.media_starts.index_select(1, media.slot_index().to(h.device())).clamp_min(0) + shift;
+    vis.key_positions = starts.unsqueeze(2).expand({B, S, T}).reshape({B, -1});
+    vis.kv_media = mmd.kv_media.index_select(1, media.key_index(T).to(h.device()));
   }
   if (cache) {
     *cache = DecodeCache{};

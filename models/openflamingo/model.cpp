@@ -619,7 +619,7 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
     const at::Tensor images = host_ids(ids).eq(c.media_token_id).sum(1).to(x.device());  // [B]
     cache->sees_media = images.gt(0);
     if (mm.slots > 0) {
-      const at::Tensor local = mmd.kv_media.narrow(1, media.first_slot * T, media.slots * T);
+      const at::Tensor local = mmd.kv_media.index_select(1, media.key_index(T).to(x.device()));
       last_image = local.ge(0) & local.eq((images - 1).unsqueeze(1).to(local.scalar_type()));
     }
   }

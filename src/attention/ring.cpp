@@ -94,8 +94,10 @@ class StripedStrategy : public RingStrategy {
   Layout q_layout(const AttentionSpec& s, int world) const override {
     return Layout{LayoutKind::kStriped, s.sq, world};
   }
+  // Keys in whole blocks (a model's visual keys, kv_unit tokens per image) stay in whole blocks,
+  // striped by block: striping splits the tokens, never an image.
   Layout kv_layout(const AttentionSpec& s, int world) const override {
-    return Layout{LayoutKind::kStriped, s.skv, world};
+    return Layout{LayoutKind::kStriped, s.skv, world, s.kv_unit};
   }
 };
 

@@ -55,7 +55,8 @@ int cmd_decode(int argc, char** argv) {
       "lvx decode --video V (--fps F | --num-frames N) [--start S] [--end E]\n"
       "           [--preset siglip|clip] [--size P] [--normalize] [--rank r --world n]\n"
       "           [--threads T] [--on-corrupt error|skip|repeat] --output frames.safetensors",
-      "Decode this rank's contiguous share of the frames sampled from a video and write\n"
+      "Decode this rank's share of the frames sampled from a video (positions rank,\n"
+      "rank + world, ...: the model's layout of whole images) and write\n"
       "frames [N,3,H,W] (uint8 RGB, or float32 with --normalize), int64 indices, float64\n"
       "pts (seconds since the first displayed frame, as players count) and stream_pts (the\n"
       "stream's own pts, seconds). Frames are shown as a player shows them (rotation applied). "
@@ -144,8 +145,7 @@ int cmd_decode(int argc, char** argv) {
       {"rank", std::to_string(shard.rank)},
       {"world", std::to_string(shard.world)},
       {"sampled_total", std::to_string(b.report.sampled_total)},
-      {"shard_begin", std::to_string(b.report.shard_begin)},
-      {"shard_end", std::to_string(b.report.shard_end)},
+      {"shard_positions", nlohmann::json(b.report.shard).dump()},
       {"skipped", std::to_string(b.report.skipped)},
       {"repeated", std::to_string(b.report.repeated)},
       {"truncated", b.report.truncated ? "true" : "false"},
@@ -170,7 +170,7 @@ int cmd_decode(int argc, char** argv) {
                          {"world", shard.world},
                          {"frames", b.frames.size(0)},
                          {"sampled_total", b.report.sampled_total},
-                         {"shard", {b.report.shard_begin, b.report.shard_end}},
+                         {"shard", b.report.shard},
                          {"num_frames", i.num_frames},
                          {"average_fps", i.average_fps},
                          {"duration_seconds", i.duration_seconds},

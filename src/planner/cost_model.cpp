@@ -155,8 +155,13 @@ attention::AttentionSpec layer_spec(const LayerWorkload& w, const CostOptions& o
   s.media_rule =
       w.mask == MaskRule::kMediaUpTo ? kernels::MediaRule::kUpTo : kernels::MediaRule::kImmediate;
   // A cross layer's queries are the text, in the text's layout (strategies that choose their own
-  // layouts, striped and distflash, override it).
-  if (w.kind == LayerKind::kCross) s.q_layout = opt.text_layout;
+  // layouts, striped and distflash, override it); its keys are whole frames striped across the
+  // ranks, as the runtime holds them (models::media_layout).
+  if (w.kind == LayerKind::kCross) {
+    s.q_layout = opt.text_layout;
+    s.kv_layout = attention::LayoutKind::kStriped;
+    s.kv_unit = w.kv_unit;
+  }
   return s;
 }
 

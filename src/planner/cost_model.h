@@ -104,6 +104,9 @@ struct LayerWorkload {
   LayerKind kind = LayerKind::kSelf;
   int64_t sq = 0;   // query tokens (text)
   int64_t skv = 0;  // key/value tokens (text for self, frames·tokens for cross)
+  // Cross layers: visual tokens per frame. The runtime splits the visual keys in whole frames
+  // striped across the ranks (models::media_layout); the planner prices that layout.
+  int64_t kv_unit = 1;
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
   int64_t hidden_size = 0;         // width of x (queries' input), for saved activations
   int64_t visual_feature_dim = 0;  // width of y (cross layers), for recomputation

@@ -100,9 +100,9 @@ video::FrameBatch decode_images(const std::vector<std::string>& files,
                                 const video::ShardSpec& shard,
                                 const video::PreprocessConfig& preprocess) {
   const int64_t m = static_cast<int64_t>(files.size());
-  const auto [b, e] = video::shard_range(m, shard);
+  const std::vector<int64_t> mine = video::shard_positions(m, shard);
   std::vector<at::Tensor> frames;
-  for (int64_t i = b; i < e; ++i) {
+  for (int64_t i : mine) {
     check_regular_file(files[static_cast<size_t>(i)], "frame image");
     video::SampleSpec one;
     one.num_frames = 1;
@@ -117,12 +117,11 @@ video::FrameBatch decode_images(const std::vector<std::string>& files,
     frames.push_back(f.frames);
   }
   video::FrameBatch out;
-  out.indices = at::arange(b, e, at::kLong);
+  out.indices = at::tensor(mine, at::kLong);
   out.pts = out.indices.to(at::kDouble);
   out.frames = frames.empty() ? at::Tensor() : at::cat(frames, 0);
   out.report.sampled_total = m;
-  out.report.shard_begin = b;
-  out.report.shard_end = e;
+  out.report.shard = mine;
   return out;
 }
 
@@ -472,14 +471,14 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
                   int64_t{!cached && cx.cache->enabled()}, cs.bytes},
                  at::kLong);
   pg.all_reduce(bytes);
-  const std::vector<int64_t> sizes = [&] {
-    std::vector<int64_t> s(n);
-    for (int k = 0; k < n; ++k)
-      s[k] = video::shard_range(m, {k, n}).second - video::shard_range(m, {k, n}).first;
-    return s;
-  }();
-  const at::Tensor indices = pg.all_gather(local_indices, sizes);
-  const at::Tensor pts = pg.all_gather(local_pts, sizes);
+  // Every rank's frames (striped: rank k holds sampled positions k, k + n, …) back in order.
+  const attention::Layout frames_layout{attention::LayoutKind::kStriped, m, n};
+  auto in_order = [&](const at::Tensor& local) {
+    const at::Tensor all = pg.all_gather(local, frames_layout.sizes());
+    return all.index_select(0, at::argsort(frames_layout.gathered_positions()));
+  };
+  const at::Tensor indices = in_order(local_indices);
+  const at::Tensor pts = in_order(local_pts);
 
   row["response"] = response;
   row["parsed_answer"] = parse_answer(item, response);
