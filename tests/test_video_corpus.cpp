@@ -253,8 +253,8 @@ TEST(VideoIndexCache, RanksShareOneIndexBuiltOnce) {
     pts.push_back(b.pts);
   }
   EXPECT_EQ(scanned, 1) << "one rank scans, the others read its index";
-  EXPECT_TRUE(at::equal(at::cat(idx), all.indices));
-  EXPECT_TRUE(at::equal(at::cat(pts), all.pts));
+  EXPECT_TRUE(at::equal(lvx::video::testing::interleave(idx), all.indices));
+  EXPECT_TRUE(at::equal(lvx::video::testing::interleave(pts), all.pts));
 }
 
 TEST(VideoIndexCache, ChangedOrCorruptEntriesAreRebuilt) {

@@ -60,9 +60,9 @@ TEST(VideoPipeline, ShardsTogetherAreExactlyTheSingleRankResult) {
       indices.push_back(b.indices);
       pts.push_back(b.pts);
     }
-    EXPECT_TRUE(at::equal(at::cat(frames), all.frames)) << "world " << world;
-    EXPECT_TRUE(at::equal(at::cat(indices), all.indices)) << "world " << world;
-    EXPECT_TRUE(at::equal(at::cat(pts), all.pts)) << "world " << world;
+    EXPECT_TRUE(at::equal(lvx::video::testing::interleave(frames), all.frames)) << "world " << world;
+    EXPECT_TRUE(at::equal(lvx::video::testing::interleave(indices), all.indices)) << "world " << world;
+    EXPECT_TRUE(at::equal(lvx::video::testing::interleave(pts), all.pts)) << "world " << world;
   }
 }
 
@@ -349,13 +349,8 @@ TEST(VideoCli, DecodeWritesFramesIndicesPtsAndShardsUnion) {
     idx.push_back(part.tensors.at("indices"));
   }
   // Rank r holds sampled positions r, r + 4, …: interleaved back, they are the whole.
-  auto interleave = [](const std::vector<at::Tensor>& shards) {
-    std::vector<at::Tensor> rows;
-    for (int64_t p = 0; p < 9; ++p) rows.push_back(shards[p % 4][p / 4]);
-    return at::stack(rows);
-  };
-  EXPECT_TRUE(at::equal(interleave(parts), lib.frames));
-  EXPECT_TRUE(at::equal(interleave(idx), lib.indices));
+  EXPECT_TRUE(at::equal(lvx::video::testing::interleave(parts), lib.frames));
+  EXPECT_TRUE(at::equal(lvx::video::testing::interleave(idx), lib.indices));
 }
 
 TEST(VideoCli, PresetSizeAndNormalize) {

@@ -2,6 +2,8 @@
 // reference frames and timestamps from ffmpeg/ffprobe (tools nobody here wrote).
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -55,6 +57,17 @@ inline ::testing::Environment* const kTempDirCleanup =
     ::testing::AddGlobalTestEnvironment(new TempDirCleanup);
 
 // Encodes `filters` (a lavfi source graph) with `args` into temp_dir()/name, once per process.
+// The ranks' shards of a sampled list (video::shard_positions: rank r holds positions r, r + n,
+// …) interleaved back into the list's order, along dimension 0.
+inline at::Tensor interleave(const std::vector<at::Tensor>& shards) {
+  std::vector<at::Tensor> rows;
+  int64_t total = 0;
+  for (const auto& s : shards) total += s.size(0);
+  const int64_t n = static_cast<int64_t>(shards.size());
+  for (int64_t p = 0; p < total; ++p) rows.push_back(shards[p % n][p / n]);
+  return rows.empty() ? at::cat(shards) : at::stack(rows);
+}
+
 inline std::string make_video(const std::string& name, const std::string& source,
                               const std::string& args) {
   const std::string path = (temp_dir() / name).string();
