@@ -260,10 +260,19 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
   // time per (first round, span).
   std::map<std::pair<int, int>, double> spanned;
   PassCost out;
+  // A node's inter-node link is shared by its ranks (cluster_config.h: inter_node bandwidth is per
+  // node): the bytes every rank of a node sends across nodes in a round (or a span) go through it
+  // together. Measured on an emulated cluster (docs/cluster.md): pricing each rank as if it had
+  // the node's link to itself predicted ring at 0.41x its time on 2 nodes x 2 ranks.
+  const int64_t nodes = (n + per_node - 1) / per_node;
+  std::vector<std::vector<double>> f(n), intra_bytes(n), node_inter(nodes);
+  std::vector<std::map<std::pair<int, int>, double>> long_intra(n), long_inter(nodes);
   for (int r = 0; r < n; ++r) {
     const attention::PassSchedule& p = sched[r];
-    // Bytes per round on each link class: a rank drives its intra- and inter-node links at once.
-    std::vector<double> f(rounds + 1, 0), intra_bytes(rounds + 1, 0), inter_bytes(rounds + 1, 0);
+    const int64_t node = r / per_node;
+    f[r].assign(rounds + 1, 0);
+    intra_bytes[r].assign(rounds + 1, 0);
+    node_inter[node].resize(rounds + 1, 0);
     for (size_t t = 0; t < rounds; ++t) {
       const attention::Block& b = p.rounds[t];
       if (b.idle()) continue;
@@ -275,14 +284,13 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
       const double heads = static_cast<double>(spec.hq / p.head_divisor);
       PairCounter::Tiles tl;
       if (tile_s > 0 || mask_s > 0) tl = w.counter().tiles(ql, b.q, kl, b.kv);
-      f[t] = pairs * heads * flops_per_pair / rate +
-             heads * (static_cast<double>(tl.full + tl.partial) * tile_s +
-                      static_cast<double>(tl.partial) * mask_s) +
-             (q_len > 0 && k_len > 0 ? call_s : 0.0);
-      rank_compute[r] += f[t];
+      f[r][t] = pairs * heads * flops_per_pair / rate +
+                heads * (static_cast<double>(tl.full + tl.partial) * tile_s +
+                         static_cast<double>(tl.partial) * mask_s) +
+                (q_len > 0 && k_len > 0 ? call_s : 0.0);
+      rank_compute[r] += f[r][t];
     }
     double sequential = 0;
-    std::map<std::pair<int, int>, std::pair<double, double>> long_bytes;  // (intra, inter)
     for (const attention::Message& m : p.messages) {
       if (m.round < 0) {
         sequential += message_time(m, c, n, link);
@@ -293,25 +301,36 @@ PassCost pass_cost(const attention::Strategy& st, const attention::AttentionSpec
       const bool intra = m.peer >= 0 ? same_node(r, m.peer) : n <= per_node;
       const double bytes = static_cast<double>(m.sent);
       if (m.span > 1) {
-        auto& lb = long_bytes[{m.round, m.span}];
-        (intra ? lb.first : lb.second) += bytes;
+        (intra ? long_intra[r] : long_inter[node])[{m.round, m.span}] += bytes;
+      } else if (intra) {
+        intra_bytes[r][static_cast<size_t>(m.round)] += bytes;
       } else {
-        (intra ? intra_bytes : inter_bytes)[static_cast<size_t>(m.round)] += bytes;
+        node_inter[node][static_cast<size_t>(m.round)] += bytes;
       }
-    }
-    for (const auto& [key, b] : long_bytes) {
-      const double tm =
-          std::max(transfer_time(c.intra_node, b.first), transfer_time(c.inter_node, b.second));
-      spanned[key] = std::max(spanned[key], tm);
-    }
-    for (size_t t = 0; t <= rounds; ++t) {
-      const double comm = std::max(transfer_time(c.intra_node, intra_bytes[t]),
-                                   transfer_time(c.inter_node, inter_bytes[t]));
-      round_time[t] = std::max(round_time[t], std::max(f[t], comm));
-      round_comm[t] = std::max(round_comm[t], comm);
     }
     out.comm_s = std::max(out.comm_s, sequential);  // collectives: every rank's are alike
     out.bytes_sent = std::max(out.bytes_sent, static_cast<double>(p.volume().sent));
+  }
+  // Per round: the slowest rank's max(compute, its intra-node link, its node's shared link).
+  for (int r = 0; r < n; ++r) {
+    const int64_t node = r / per_node;
+    for (size_t t = 0; t <= rounds; ++t) {
+      const double comm = std::max(transfer_time(c.intra_node, intra_bytes[r][t]),
+                                   transfer_time(c.inter_node, node_inter[node][t]));
+      round_time[t] = std::max(round_time[t], std::max(f[r][t], comm));
+      round_comm[t] = std::max(round_comm[t], comm);
+    }
+    std::map<std::pair<int, int>, double> keys = long_intra[r];
+    for (const auto& [key, bytes] : long_inter[node]) keys[key] += 0;
+    for (const auto& [key, unused] : keys) {
+      const auto in = long_intra[r].find(key);
+      const auto across = long_inter[node].find(key);
+      const double tm =
+          std::max(transfer_time(c.intra_node, in == long_intra[r].end() ? 0 : in->second),
+                   transfer_time(c.inter_node,
+                                 across == long_inter[node].end() ? 0 : across->second));
+      spanned[key] = std::max(spanned[key], tm);
+    }
   }
   const bool overlapped = std::any_of(sched[0].messages.begin(), sched[0].messages.end(),
                                       [](const attention::Message& m) { return m.round >= 0; }) ||
