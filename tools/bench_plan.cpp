@@ -122,11 +122,20 @@ AttentionRunStats measure(Bench& b, const std::string& key, const std::string& i
   // the fastest).
   const std::string stats = (b.dir / (key + "." + name + ".json")).string();
   std::string out;
-  int rc = run(
-      {b.self, "attention", "--strategy", name, "--nproc", std::to_string(nproc), "--input", in,
-       "--output", (b.dir / (key + ".out.safetensors")).string(), "--mask", attention_mask_flag(w),
-       "--backward", "--repeat", std::to_string(b.reps), "--stats", stats},
-      &out);
+  std::vector<std::string> argv{b.self, "attention", "--strategy", name};
+  if (b.links.empty()) {
+    argv.insert(argv.end(), {"--nproc", std::to_string(nproc)});
+  } else {  // the ranks of an emulated cluster, each running `lvx attention` as one rank
+    std::vector<std::string> launch{b.self, "launch", "--nproc", std::to_string(nproc)};
+    launch.insert(launch.end(), b.links.begin(), b.links.end());
+    launch.push_back("--");
+    argv.insert(argv.begin(), launch.begin(), launch.end());
+  }
+  argv.insert(argv.end(), {"--input", in, "--output",
+                           (b.dir / (key + ".out.safetensors")).string(), "--mask",
+                           attention_mask_flag(w), "--backward", "--repeat",
+                           std::to_string(b.reps), "--stats", stats});
+  int rc = run(argv, &out);
   LVX_CHECK(rc == 0, "bench-plan: lvx attention --strategy ", name, " failed (exit ", rc, "):\n",
             out);
   return read_attention_stats(stats);
@@ -215,11 +224,16 @@ void measure_plan(Bench& b, const std::vector<LayerPlan>& plan, const ClusterCon
   }
 }
 
-std::string calibrate(const std::string& self, int64_t nproc, const fs::path& dir) {
-  const std::string path = (dir / ("calibrated_" + std::to_string(nproc) + ".yaml")).string();
-  std::cerr << "bench-plan: calibrating this machine (lvx calibrate --nproc " << nproc << ")\n";
+std::string calibrate(const Bench& b, int64_t nproc) {
+  const std::string path = (b.dir / ("calibrated_" + std::to_string(nproc) + ".yaml")).string();
+  std::vector<std::string> argv{b.self, "calibrate", "--nproc", std::to_string(nproc), "--output",
+                                path};
+  argv.insert(argv.end(), b.links.begin(), b.links.end());
+  std::string line;
+  for (size_t i = 1; i < argv.size(); ++i) line += " " + argv[i];
+  std::cerr << "bench-plan: calibrating (lvx" << line << ")\n";
   std::string out;
-  int rc = run({self, "calibrate", "--nproc", std::to_string(nproc), "--output", path}, &out);
+  int rc = run(argv, &out);
   LVX_CHECK(rc == 0, "bench-plan: lvx calibrate failed (exit ", rc, "):\n", out);
   return path;
 }

@@ -59,6 +59,10 @@ double regret(const std::map<std::string, double>& measured, const std::string& 
 struct Bench {
   std::string self;
   std::filesystem::path dir;
+  // An emulated cluster (src/dist/emulated_cluster.h): `lvx launch` options (--nodes K
+  // --inter-node R [--intra-node R]) every `lvx attention` run goes through, and `lvx calibrate`
+  // takes too. Empty: plain local ranks.
+  std::vector<std::string> links;
   int reps = 3;
   int rounds = 2;
   at::ScalarType dtype = at::kFloat;
@@ -79,8 +83,9 @@ void measure_plan(Bench& b, const std::vector<planner::LayerPlan>& plan,
                   const planner::ClusterConfig& cluster, const planner::CostOptions& opt,
                   int64_t nproc, const std::string& prefix);
 
-// Runs `lvx calibrate --nproc nproc` into `dir`; returns the cluster YAML's path.
-std::string calibrate(const std::string& self, int64_t nproc, const std::filesystem::path& dir);
+// Runs `lvx calibrate --nproc nproc` (with b.links: on that emulated cluster) into b.dir;
+// returns the cluster YAML's path.
+std::string calibrate(const Bench& b, int64_t nproc);
 
 // The grid of single layers `--grid` measures: causal self-attention (short, long) and
 // cross-attention with few and many queries against many keys.

@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "src/cli/args.h"
+#include "src/cli/cluster_options.h"
 #include "src/cli/command.h"
 #include "src/common/dtype.h"
 #include "src/common/error.h"
@@ -31,6 +32,25 @@ namespace {
 namespace fs = std::filesystem;
 using namespace lvx::planner;
 using namespace lvx::tools;
+
+// The emulated cluster's launch options, the rates fixed once (--emulate times this machine
+// here, so that every run and the calibration see the same links).
+std::vector<std::string> link_args(const lvx::cli::ArgParser& p) {
+  const int64_t nodes = p.get_int("nodes", 1, 254);
+  const std::vector<int64_t> procs = p.get_int_list("nproc");
+  const lvx::dist::LinkRates r = lvx::cli::link_rates(p, static_cast<int>(procs.front()));
+  if (!r.enabled()) {
+    LVX_CHECK(nodes == 1, "--nodes needs --inter-node or --emulate (emulated links)");
+    return {};
+  }
+  auto bits = [](double bytes_per_s) {
+    return std::to_string(static_cast<int64_t>(bytes_per_s * 8)) + "bit";
+  };
+  std::vector<std::string> a{"--nodes", std::to_string(nodes), "--inter-node",
+                             bits(r.inter_node_bytes_per_s)};
+  if (r.intra_node_bytes_per_s > 0) a.insert(a.end(), {"--intra-node", bits(r.intra_node_bytes_per_s)});
+  return a;
+}
 
 int cmd_bench_plan(int argc, char** argv) {
   lvx::cli::ArgParser p(
@@ -59,6 +79,9 @@ int cmd_bench_plan(int argc, char** argv) {
   p.add_option("json", 'j', "", "write the results as JSON here");
   p.add_option("plot", 0, "", "draw predicted against measured time per layer and strategy (SVG)");
   p.add_option("workdir", 0, "", "keep inputs and stats here (default: a temporary directory)");
+  p.add_option("nodes", 0, "1",
+               "with --inter-node or --emulate: measure on this many emulated nodes (lvx launch)");
+  lvx::cli::add_link_options(p);
   if (!p.parse(argc, argv)) return 0;
   const bool grid = p.flag("grid");
   LVX_CHECK(grid || !p.get("model").empty(),
@@ -69,6 +92,7 @@ int cmd_bench_plan(int argc, char** argv) {
               ? fs::temp_directory_path() / ("lvx_bench_plan_" + std::to_string(getpid()))
               : fs::path(p.get("workdir"));
   fs::create_directories(b.dir);
+  b.links = link_args(p);
   b.reps = static_cast<int>(p.get_int("reps"));
   b.rounds = static_cast<int>(p.get_int("rounds"));
   LVX_CHECK(b.rounds >= 1 && b.reps >= 1, "--rounds and --reps must be at least 1");
@@ -87,7 +111,7 @@ int cmd_bench_plan(int argc, char** argv) {
     const std::vector<LayerWorkload> layers = grid_layers();
     for (int64_t nproc : procs) {
       const std::string cluster_path =
-          p.get("cluster").empty() ? calibrate(b.self, nproc, b.dir) : p.get("cluster");
+          p.get("cluster").empty() ? calibrate(b, nproc) : p.get("cluster");
       ClusterConfig cluster = load_cluster_config(cluster_path);
       LVX_CHECK(nproc <= cluster.world_size(), "--nproc: cluster '", cluster.name, "' has ",
                 cluster.world_size(), " ranks, got ", nproc);
@@ -106,7 +130,7 @@ int cmd_bench_plan(int argc, char** argv) {
   } else {
     const int64_t nproc = p.get_int("nproc");
     const std::string cluster_path =
-        p.get("cluster").empty() ? calibrate(b.self, nproc, b.dir) : p.get("cluster");
+        p.get("cluster").empty() ? calibrate(b, nproc) : p.get("cluster");
     ModelConfig model = lvx::runtime::planner_model(p.get("model"));
     ClusterConfig cluster = load_cluster_config(cluster_path);
     LVX_CHECK(nproc <= cluster.world_size(), "--nproc: cluster '", cluster.name, "' has ",
