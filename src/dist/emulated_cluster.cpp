@@ -138,10 +138,14 @@ void name_the_nodes(int nodes, int ranks_per_node) {
     std::ifstream in("/etc/hosts");
     hosts.assign(std::istreambuf_iterator<char>(in), {});
   }
+  // Each address also as IPv6-mapped (the store's server socket is dual-stack and sees its
+  // clients as ::ffff:127.0.k.l), and ::1, which some hosts files lack.
+  hosts += "::1 localhost\n";
   for (int k = 0; k < nodes; ++k)
     for (int l = 0; l < ranks_per_node; ++l)
-      hosts += node_address(k, l) + " lvx-node" + std::to_string(k) + "-rank" +
-               std::to_string(l) + "\n";
+      for (const char* prefix : {"", "::ffff:"})
+        hosts += prefix + node_address(k, l) + " lvx-node" + std::to_string(k) + "-rank" +
+                 std::to_string(l) + "\n";
   char path[] = "/tmp/lvx-hosts.XXXXXX";
   const int fd = ::mkstemp(path);
   if (fd < 0) return;

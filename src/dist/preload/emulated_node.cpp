@@ -7,7 +7,8 @@
 // helpers.h, ConnectOperation: socket, then connect, no bind), nor c10d's store client, nor
 // torch.distributed's own Gloo group in a Python rank take a source address. This library binds
 // for them, without changing any of them:
-//   connect()  an IPv4 socket not yet bound, connecting to 127.0.0.0/8, is first bound to
+//   connect()  a socket not yet bound, connecting to 127.0.0.0/8 (IPv4, or IPv6-mapped
+//              ::ffff:127.x.y.z as c10d's store client does), is first bound to
 //              LVX_BIND_ADDRESS (port chosen at connect: IP_BIND_ADDRESS_NO_PORT);
 //   bind()     an IPv4 bind to 127.0.0.1 or 0.0.0.0 with port 0 (an ephemeral listener, such as
 //              Gloo's device listener when torch resolved no address but loopback) binds to
@@ -43,29 +44,52 @@ in_addr_t node_address() {
 
 bool is_loopback(in_addr_t a) { return (ntohl(a) >> 24) == 127; }
 
+// An IPv6 address that maps an IPv4 loopback one (::ffff:127.x.y.z): c10d's store client
+// resolves MASTER_ADDR to that on a dual-stack socket.
+bool is_mapped_loopback(const in6_addr& a) {
+  return IN6_IS_ADDR_V4MAPPED(&a) && a.s6_addr[12] == 127;
+}
+
+// Binds an unbound socket to this rank's address before it connects to `addr`.
+void bind_before_connect(int fd, const sockaddr* addr, socklen_t len, in_addr_t self) {
+  using bind_fn_t = int (*)(int, const sockaddr*, socklen_t);
+  static const auto real_bind = reinterpret_cast<bind_fn_t>(dlsym(RTLD_NEXT, "bind"));
+  const int one = 1;
+  if (addr->sa_family == AF_INET && len >= static_cast<socklen_t>(sizeof(sockaddr_in)) &&
+      is_loopback(reinterpret_cast<const sockaddr_in*>(addr)->sin_addr.s_addr)) {
+    sockaddr_in cur{};
+    socklen_t cl = sizeof(cur);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&cur), &cl) != 0 ||
+        cur.sin_family != AF_INET || cur.sin_addr.s_addr != htonl(INADDR_ANY) || cur.sin_port != 0)
+      return;
+    setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
+    sockaddr_in b{};
+    b.sin_family = AF_INET;
+    b.sin_addr.s_addr = self;
+    real_bind(fd, reinterpret_cast<const sockaddr*>(&b), sizeof(b));  // failure: as before
+  } else if (addr->sa_family == AF_INET6 && len >= static_cast<socklen_t>(sizeof(sockaddr_in6)) &&
+             is_mapped_loopback(reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr)) {
+    sockaddr_in6 cur{};
+    socklen_t cl = sizeof(cur);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&cur), &cl) != 0 ||
+        cur.sin6_family != AF_INET6 || !IN6_IS_ADDR_UNSPECIFIED(&cur.sin6_addr) ||
+        cur.sin6_port != 0)
+      return;
+    setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
+    sockaddr_in6 b{};
+    b.sin6_family = AF_INET6;
+    b.sin6_addr.s6_addr[10] = b.sin6_addr.s6_addr[11] = 0xff;
+    memcpy(&b.sin6_addr.s6_addr[12], &self, 4);
+    real_bind(fd, reinterpret_cast<const sockaddr*>(&b), sizeof(b));
+  }
+}
+
 }  // namespace
 
 extern "C" int connect(int fd, const sockaddr* addr, socklen_t len) {
   static const auto real = reinterpret_cast<connect_fn>(dlsym(RTLD_NEXT, "connect"));
   const in_addr_t self = node_address();
-  if (self != 0 && addr != nullptr && addr->sa_family == AF_INET &&
-      len >= static_cast<socklen_t>(sizeof(sockaddr_in)) &&
-      is_loopback(reinterpret_cast<const sockaddr_in*>(addr)->sin_addr.s_addr)) {
-    sockaddr_in cur{};
-    socklen_t cl = sizeof(cur);
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&cur), &cl) == 0 &&
-        cur.sin_family == AF_INET && cur.sin_addr.s_addr == htonl(INADDR_ANY) &&
-        cur.sin_port == 0) {
-      const int one = 1;
-      setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
-      sockaddr_in b{};
-      b.sin_family = AF_INET;
-      b.sin_addr.s_addr = self;
-      b.sin_port = 0;
-      static const auto real_bind = reinterpret_cast<bind_fn>(dlsym(RTLD_NEXT, "bind"));
-      real_bind(fd, reinterpret_cast<const sockaddr*>(&b), sizeof(b));  // failure: as before
-    }
-  }
+  if (self != 0 && addr != nullptr) bind_before_connect(fd, addr, len, self);
   return real(fd, addr, len);
 }
 
