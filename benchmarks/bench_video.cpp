@@ -9,6 +9,8 @@
 //      the ffmpeg CLI's `fps` filter, which must decode the whole file.
 //   3. One index per video: the same 60 frames on 1 and on 4 ranks (processes), frame index
 //      cache cold and warm, and the ratio of the 1-hour time to the 1-minute time.
+//   4. The striped layout's cost: 60 frames of the 1-hour video on 4 ranks, each rank's share
+//      striped over the hour (lvx's) or a contiguous quarter, slowest rank and frames decoded.
 // Videos are generated into /tmp/lvx_bench_video (kept between runs). Usage:
 //   bench_video [--repeat 3] [--threads 1] [--preprocess-threads 1] [-o md|jsonl]
 #include <sys/resource.h>
@@ -96,7 +98,10 @@ double peak_rss_mib() {
 
 // Child mode: sample 60 frames (SigLIP 384) from `path`; prints "decoded total peak_mib
 // seconds" (the time of decode_video alone, without process start-up).
-int sample60_child(const std::string& path, int threads, int rank = 0, int world = 1) {
+// contiguous: the rank's share is a contiguous run of the 60 sampled positions (the layout lvx
+// used before frames were striped) instead of positions rank, rank + world, … (lvx's).
+int sample60_child(const std::string& path, int threads, int rank = 0, int world = 1,
+                   bool contiguous = false) {
   PreprocessConfig siglip = PreprocessConfig::siglip();
   double decoded = 0, total = 0, seconds = 0;
   const auto a = Clock::now();
@@ -105,7 +110,10 @@ int sample60_child(const std::string& path, int threads, int rank = 0, int world
     sixty.num_frames = 60;
     DecodeOptions opt;
     opt.threads = threads;
-    const FrameBatch b = decode_video(path, sixty, {rank, world}, siglip, opt);
+    std::vector<int64_t> run;
+    for (int64_t p = 60 * rank / world; p < 60 * (rank + 1) / world; ++p) run.push_back(p);
+    const FrameBatch b = contiguous ? decode_positions(path, sixty, run, siglip, opt)
+                                    : decode_video(path, sixty, {rank, world}, siglip, opt);
     decoded = static_cast<double>(b.report.stats.frames_decoded);
     total = static_cast<double>(b.info.num_frames);
   }
@@ -153,7 +161,8 @@ int main(int argc, char** argv) {
   std::string fmt = "md";
   if (argc >= 2 && !std::strcmp(argv[1], "--child-sample60"))
     return sample60_child(argc >= 3 ? argv[2] : "", argc >= 4 ? std::atoi(argv[3]) : 1,
-                          argc >= 5 ? std::atoi(argv[4]) : 0, argc >= 6 ? std::atoi(argv[5]) : 1);
+                          argc >= 5 ? std::atoi(argv[4]) : 0, argc >= 6 ? std::atoi(argv[5]) : 1,
+                          argc >= 7 && !std::strcmp(argv[6], "contiguous"));
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--repeat") && i + 1 < argc)
       repeat = std::atoi(argv[++i]);
@@ -349,23 +358,27 @@ int main(int argc, char** argv) {
         "|\n|---|---|---|---|---|\n");
     const std::string cache = kDir + "/index_cache";
     ::setenv("LVX_INDEX_CACHE", cache.c_str(), 1);
-    auto ranks_run = [&](const std::string& path, int world, bool cold) {
+    double decoded_frames = 0;  // of the last run, summed over its ranks
+    auto ranks_run = [&](const std::string& path, int world, bool cold,
+                         const std::string& layout = "striped") {
       std::vector<double> t;
       for (int i = 0; i < repeat; ++i) {
         if (cold) sh("rm -rf '" + cache + "'");
         std::string cmd = "(";
         for (int r = 0; r < world; ++r)
           cmd += "'" + self_exe() + "' --child-sample60 '" + path + "' " + std::to_string(threads) +
-                 " " + std::to_string(r) + " " + std::to_string(world) + " & ";
+                 " " + std::to_string(r) + " " + std::to_string(world) + " " + layout + " & ";
         cmd += "wait)";
         const std::string out = sh(cmd);
         double slowest = 0, d = 0, n = 0, m = 0, s = 0;
         size_t at = 0;
+        decoded_frames = 0;
         for (int r = 0; r < world; ++r) {
           const size_t nl = out.find('\n', at);
           if (nl == std::string::npos) throw std::runtime_error("a rank failed on " + path);
           std::sscanf(out.c_str() + at, "%lf %lf %lf %lf", &d, &n, &m, &s);
           slowest = std::max(slowest, s);
+          decoded_frames += d;
           at = nl + 1;
         }
         t.push_back(slowest);
@@ -380,6 +393,17 @@ int main(int argc, char** argv) {
         std::printf("| %d | %s | %.3f | %.3f | %.2f |\n", world,
                     cold ? "cold (built once per run)" : "warm", m, h, h / m);
       }
+    // 4: what the striped layout costs. The same 60 frames of the 1-hour video on 4 ranks,
+    // warm index: each rank's 15 frames striped over the hour (positions r, r + 4, …: lvx's
+    // layout, models::media_layout) or one contiguous quarter (the layout before).
+    std::printf(
+        "\n| 60 frames of the 1-hour video on 4 ranks | slowest rank s | frames decoded (all ranks) "
+        "|\n|---|---|---|\n");
+    ranks_run(hour, 4, true);  // fill the index cache
+    for (const std::string layout : {"contiguous", "striped"}) {
+      const double t = ranks_run(hour, 4, false, layout);
+      std::printf("| %s | %.3f | %.0f |\n", layout.c_str(), t, decoded_frames);
+    }
   } catch (const std::exception& e) {
     std::cerr << "bench_video: error: " << e.what() << "\n";
     return 1;

@@ -35,8 +35,32 @@ std::string describe(const FrameIndex& index, int64_t i) {
 
 }  // namespace
 
+namespace {
+
+// The sampled positions `positions` of the video, or `shard`'s when it is given (the sampled
+// count is known only once the video is indexed).
+FrameBatch decode_share(const std::string& path, const SampleSpec& spec,
+                        const std::vector<int64_t>& positions, const PreprocessConfig& preprocess,
+                        const DecodeOptions& options, const ShardSpec* shard);
+
+}  // namespace
+
 FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const ShardSpec& shard,
                         const PreprocessConfig& preprocess, const DecodeOptions& options) {
+  return decode_share(path, spec, std::vector<int64_t>{}, preprocess, options, &shard);
+}
+
+FrameBatch decode_positions(const std::string& path, const SampleSpec& spec,
+                            const std::vector<int64_t>& positions,
+                            const PreprocessConfig& preprocess, const DecodeOptions& options) {
+  return decode_share(path, spec, positions, preprocess, options, nullptr);
+}
+
+namespace {
+
+FrameBatch decode_share(const std::string& path, const SampleSpec& spec,
+                        const std::vector<int64_t>& positions, const PreprocessConfig& preprocess,
+                        const DecodeOptions& options, const ShardSpec* shard) {
   LVX_CHECK(options.queue_capacity >= 1 && options.queue_capacity <= kMaxQueueCapacity,
             "decode queue capacity must be in [1, ", kMaxQueueCapacity, "], got ",
             options.queue_capacity);
@@ -64,7 +88,12 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
                                 timeline.end, " s): sampling up to the end"));
   const SampledFrames sampled = sample_frames(timeline, spec);
   report.sampled_total = static_cast<int64_t>(sampled.indices.size());
-  report.shard = shard_positions(report.sampled_total, shard);
+  report.shard = shard ? shard_positions(report.sampled_total, *shard) : positions;
+  for (size_t i = 0; i < report.shard.size(); ++i)
+    LVX_CHECK(report.shard[i] >= 0 && report.shard[i] < report.sampled_total &&
+                  (i == 0 || report.shard[i] > report.shard[i - 1]),
+              "video '", path, "': positions must be ascending in [0, ", report.sampled_total,
+              "), got ", report.shard[i], " at ", i);
   std::vector<int64_t> wanted;  // ascending, as the sampled indices are
   for (int64_t p : report.shard) wanted.push_back(sampled.indices[static_cast<size_t>(p)]);
   const int64_t n = static_cast<int64_t>(wanted.size());
@@ -200,5 +229,7 @@ FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const S
   report.stats = decoder.stats();
   return batch;
 }
+
+}  // namespace
 
 }  // namespace lvx::video

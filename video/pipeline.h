@@ -42,5 +42,11 @@ struct FrameBatch {
 // an error under CorruptPolicy::kError and a report entry under kSkip / kRepeat.
 FrameBatch decode_video(const std::string& path, const SampleSpec& spec, const ShardSpec& shard,
                         const PreprocessConfig& preprocess, const DecodeOptions& options = {});
+// The same for explicit positions of the sampled list (ascending; each must exist): what a
+// shard takes (shard_positions), or any other share (benchmarks/bench_video.cpp decodes a
+// contiguous one to price the striped layout).
+FrameBatch decode_positions(const std::string& path, const SampleSpec& spec,
+                            const std::vector<int64_t>& positions,
+                            const PreprocessConfig& preprocess, const DecodeOptions& options = {});
 
 }  // namespace lvx::video
