@@ -1,18 +1,30 @@
-// Communication benchmark in nccl-tests' spirit: a size sweep of ring exchange (sendrecv),
-// all-to-all, all-gather and all-reduce through lvx's ProcessGroup, each checked for exact
-// results first, then timed (warm-up, median of repeats). Reports algorithm bandwidth
-// (bytes / time) and bus bandwidth (nccl-tests doc/PERFORMANCE.md: sendrecv 1, all-to-all and
-// all-gather (n−1)/n, all-reduce 2(n−1)/n times algbw), and the per-rank bytes counted.
-//   bench_comm [--nproc N] [--sizes 1K,64K,1M,16M] [--iters 20] [-o md|json]
-// Run without RANK/WORLD_SIZE it starts N local ranks of itself (Gloo on CPU tensors; pass
-// --cuda on a GPU build for NCCL).
+// Communication benchmark in nccl-tests' spirit: a size sweep of lvx's collectives, side by side in
+// one run on the same ranks for each implementation (--impl):
+//   engine  ProcessGroup's collectives, on the engine's own algorithms (c10d: Gloo on CPU, NCCL on
+//           CUDA tensors; src/dist/collectives.cpp), reduce_scatter included (on Gloo lvx itself
+//           runs its ring by default: Gloo's is an all-reduce)
+//   p2p     the same algorithms as lvx ran them before: rings of batched point-to-point messages,
+//           one host-driven step after another (the reference implementations below)
+// plus the point-to-point operations (sendrecv, all_to_all), which have one implementation. Each
+// op is checked for exact results first, on data exactly representable in fp32 (small integers,
+// so that no order of summation rounds), then timed (warm-up, median of repeats; each repeat's
+// time is its slowest rank's). Reports algorithm bandwidth (bytes / time) and bus bandwidth
+// (nccl-tests doc/PERFORMANCE.md: sendrecv 1, all-to-all, all-gather and reduce-scatter (n−1)/n,
+// all-reduce 2(n−1)/n, broadcast 1 times algbw), the per-rank bytes counted, and engine / p2p
+// time.
+//   bench_comm [--nproc N] [--sizes 1M,4M,16M,64M] [--impl engine,p2p] [--iters 10] [-o md|json]
+// Run without RANK/WORLD_SIZE it starts N local ranks of itself (Gloo on CPU tensors; pass --cuda
+// on a GPU build for NCCL); under `lvx launch --nodes K --inter-node R` it measures an emulated
+// cluster.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
+#include <map>
 
 #include "src/cli/args.h"
 #include "src/common/error.h"
@@ -20,6 +32,8 @@
 #include "src/dist/process_group.h"
 
 using namespace lvx;
+using dist::P2POp;
+using dist::ProcessGroup;
 
 namespace {
 
@@ -37,83 +51,202 @@ std::string human(double bytes) {
   return b;
 }
 
+// ---- the point-to-point reference implementations (the algorithms lvx ran before) ---------
+
+// Chunk c of n elements split over w ranks: [n·c/w, n·(c+1)/w).
+at::Tensor chunk_of(const at::Tensor& flat, int c, int w) {
+  const auto [b, e] = dist::shard_range(flat.numel(), w, c);
+  return flat.narrow(0, b, e - b);
+}
+
+void p2p_all_reduce(ProcessGroup& pg, at::Tensor& t) {
+  const int w = pg.world_size(), r = pg.rank();
+  if (w == 1) return;
+  at::Tensor flat = t.view({-1});
+  at::Tensor tmp = at::empty({flat.numel() / w + 1}, flat.options());
+  for (int s = 0; s + 1 < w; ++s) {  // reduce-scatter: rank r ends with chunk r + 1 reduced
+    const int send_c = (r - s + w) % w, recv_c = (r - s - 1 + 2 * w) % w;
+    at::Tensor dst = chunk_of(flat, recv_c, w), buf = tmp.narrow(0, 0, dst.numel());
+    pg.batch_isend_irecv({P2POp::send(chunk_of(flat, send_c, w), pg.next()),
+                          P2POp::recv(buf, pg.prev())}, "p2p all_reduce").wait();
+    dst.add_(buf);
+  }
+  for (int s = 0; s + 1 < w; ++s) {  // all-gather of the reduced chunks
+    const int send_c = (r + 1 - s + w) % w, recv_c = (r - s + w) % w;
+    pg.batch_isend_irecv({P2POp::send(chunk_of(flat, send_c, w), pg.next()),
+                          P2POp::recv(chunk_of(flat, recv_c, w), pg.prev())}, "p2p all_reduce")
+        .wait();
+  }
+}
+
+at::Tensor p2p_reduce_scatter(ProcessGroup& pg, at::Tensor& flat) {
+  const int w = pg.world_size(), r = pg.rank();
+  if (w == 1) return flat;
+  at::Tensor tmp = at::empty({flat.numel() / w + 1}, flat.options());
+  for (int s = 0; s + 1 < w; ++s) {
+    const int send_c = (r - s - 1 + 2 * w) % w, recv_c = (r - s - 2 + 3 * w) % w;
+    at::Tensor dst = chunk_of(flat, recv_c, w), buf = tmp.narrow(0, 0, dst.numel());
+    pg.batch_isend_irecv({P2POp::send(chunk_of(flat, send_c, w), pg.next()),
+                          P2POp::recv(buf, pg.prev())}, "p2p reduce_scatter").wait();
+    dst.add_(buf);
+  }
+  return chunk_of(flat, r, w);
+}
+
+at::Tensor p2p_all_gather(ProcessGroup& pg, const at::Tensor& in) {
+  const int w = pg.world_size(), r = pg.rank();
+  at::Tensor out = at::empty({in.numel() * w}, in.options());
+  auto part = [&](int c) { return out.narrow(0, c * in.numel(), in.numel()); };
+  part(r).copy_(in);
+  for (int s = 0; s + 1 < w; ++s) {
+    const int send_c = (r - s + w) % w, recv_c = (r - s - 1 + 2 * w) % w;
+    pg.batch_isend_irecv({P2POp::send(part(send_c), pg.next()), P2POp::recv(part(recv_c), pg.prev())},
+                         "p2p all_gather").wait();
+  }
+  return out;
+}
+
+void p2p_broadcast(ProcessGroup& pg, at::Tensor& t, int root) {
+  std::vector<P2POp> ops;
+  if (pg.rank() == root) {
+    for (int r = 0; r < pg.world_size(); ++r)
+      if (r != root) ops.push_back(P2POp::send(t, r));
+  } else {
+    ops.push_back(P2POp::recv(t, root));
+  }
+  pg.batch_isend_irecv(std::move(ops), "p2p broadcast").wait();
+}
+
+// ---- the sweep -----------------------------------------------------------------------------
+
+struct Case {
+  std::function<at::Tensor()> run;
+  at::Tensor want;
+  double algbytes = 0, bus_factor = 1;
+};
+
+// One op on one implementation: data exactly representable (integers below 2^12 per rank, so
+// sums of up to 4096 ranks stay exact in fp32) and its known result.
+Case make_case(ProcessGroup& pg, const std::string& op, const std::string& impl, int64_t elems,
+               const at::TensorOptions& opts) {
+  const int n = pg.world_size(), r = pg.rank();
+  const at::Tensor base = at::remainder(at::arange(elems, at::kFloat), 4096.0);
+  const at::Tensor x = (base + static_cast<double>(r)).to(opts.device());
+  const bool engine = impl == "engine";
+  Case c;
+  c.algbytes = elems * 4.0;
+  if (op == "sendrecv") {
+    at::Tensor recv = at::empty_like(x);
+    c.run = [&pg, x, recv]() mutable { pg.ring_exchange(x, recv).wait(); return recv; };
+    c.want = base + pg.prev();
+  } else if (op == "all_to_all") {
+    std::vector<int64_t> splits(n, elems / n);
+    c.run = [&pg, x, splits] { return pg.all_to_all(x, splits, splits); };
+    std::vector<at::Tensor> parts;
+    for (int j = 0; j < n; ++j) parts.push_back(base.narrow(0, r * (elems / n), elems / n) + j);
+    c.want = at::cat(parts);
+    c.bus_factor = (n - 1.0) / n;
+  } else if (op == "all_gather") {
+    c.run = [&pg, x, engine] { return engine ? pg.all_gather(x) : p2p_all_gather(pg, x); };
+    std::vector<at::Tensor> parts;
+    for (int j = 0; j < n; ++j) parts.push_back(base + j);
+    c.want = at::cat(parts);
+    c.algbytes *= n;
+    c.bus_factor = (n - 1.0) / n;
+  } else if (op == "all_reduce") {
+    c.run = [&pg, x, engine] {
+      at::Tensor y = x.clone();
+      if (engine) pg.all_reduce(y); else p2p_all_reduce(pg, y);
+      return y;
+    };
+    c.want = base * n + n * (n - 1) / 2.0;
+    c.bus_factor = 2.0 * (n - 1) / n;
+  } else if (op == "reduce_scatter") {
+    c.run = [&pg, x, engine] {
+      at::Tensor y = x.clone();
+      if (!engine) return p2p_reduce_scatter(pg, y).clone();
+      pg.set_gloo_reduce_scatter(true);  // the engine's own on Gloo too (lvx's default: the ring)
+      at::Tensor out = pg.reduce_scatter(y).clone();
+      pg.set_gloo_reduce_scatter(false);
+      return out;
+    };
+    c.want = chunk_of(base * n + n * (n - 1) / 2.0, r, n);
+    c.bus_factor = (n - 1.0) / n;
+  } else {  // broadcast from rank 0
+    c.run = [&pg, x, engine] {
+      at::Tensor y = x.clone();
+      if (engine) pg.broadcast(y, 0); else p2p_broadcast(pg, y, 0);
+      return y;
+    };
+    c.want = base;
+  }
+  return c;
+}
+
+double slowest_median(ProcessGroup& pg, std::vector<double> times) {
+  std::sort(times.begin(), times.end());
+  at::Tensor t = at::full({1}, times[times.size() / 2], at::kDouble);
+  pg.all_reduce(t, dist::ReduceOp::kMax);
+  return t.item<double>();
+}
+
 int run_rank(const cli::ArgParser& p) {
   auto pg = dist::ProcessGroup::from_env();
   const int n = pg->world_size(), r = pg->rank();
-  const int iters = static_cast<int>(p.get_int("iters"));
+  const int iters = static_cast<int>(p.get_int("iters", 1, 100000));
   const bool json = p.get("output-format") == "json";
   const auto dev = p.flag("cuda") ? at::Device(at::kCUDA) : at::Device(at::kCPU);
-  auto opts = at::TensorOptions().dtype(at::kFloat).device(dev);
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(dev);
+  const std::vector<std::string> impls = p.get_list("impl");
   if (r == 0 && !json)
-    std::printf("%-12s %8s %10s %10s %10s %12s %6s\n", "op", "size", "time us", "algbw GB/s",
-                "busbw GB/s", "sent/rank", "wrong");
-  for (const std::string op : {"sendrecv", "all_to_all", "all_gather", "all_reduce"}) {
+    std::printf("| op | impl | size | time us | algbw GB/s | busbw GB/s | sent/rank | engine / p2p | "
+                "wrong |\n|---|---|---|---|---|---|---|---|---|\n");
+  for (const std::string op :
+       {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "sendrecv", "all_to_all"}) {
+    const bool both = op != "sendrecv" && op != "all_to_all";
     for (const auto& size_s : p.get_list("sizes")) {
-      const int64_t bytes = parse_size(size_s);           // per-rank buffer size
-      const int64_t elems = std::max<int64_t>(n, bytes / 4 / n * n);
-      at::Tensor x = at::arange(elems, opts) + r * 1000.0f;
-      std::function<at::Tensor()> run;
-      double bus_factor = 1;
-      if (op == "sendrecv") {
-        at::Tensor recv = at::empty_like(x);
-        run = [&, recv]() mutable { pg->ring_exchange(x, recv).wait(); return recv; };
-      } else if (op == "all_to_all") {
-        std::vector<int64_t> splits(n, elems / n);
-        run = [&, splits] { return pg->all_to_all(x, splits, splits); };
-        bus_factor = (n - 1.0) / n;
-      } else if (op == "all_gather") {
-        run = [&] { return pg->all_gather(x); };
-        bus_factor = (n - 1.0) / n;
-      } else {
-        run = [&] { at::Tensor y = x.clone(); pg->all_reduce(y); return y; };
-        bus_factor = 2.0 * (n - 1) / n;
-      }
-      // Correctness first (known answers), then timing.
-      at::Tensor got = run().cpu();
-      at::Tensor base = at::arange(elems, at::kFloat);
-      at::Tensor want;
-      if (op == "sendrecv") want = base + ((r + n - 1) % n) * 1000.0f;
-      else if (op == "all_to_all") {
-        std::vector<at::Tensor> parts;
-        for (int j = 0; j < n; ++j) parts.push_back(base.narrow(0, r * (elems / n), elems / n) + j * 1000.0f);
-        want = at::cat(parts);
-      } else if (op == "all_gather") {
-        std::vector<at::Tensor> parts;
-        for (int j = 0; j < n; ++j) parts.push_back(base + j * 1000.0f);
-        want = at::cat(parts);
-      } else want = base * n + 1000.0f * n * (n - 1) / 2;
-      const int64_t wrong = got.ne(want).sum().item<int64_t>();
-      for (int i = 0; i < 2; ++i) run();
-      std::vector<double> times;
-      pg->counters().reset();
-      for (int i = 0; i < iters; ++i) {
-        pg->barrier();
-        auto t0 = std::chrono::steady_clock::now();
-        run();
-        if (dev.is_cuda()) at::empty({1}, opts).cpu();  // ordered after the op's stream work
-        times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      }
-      // The slowest rank's median is the operation's time.
-      at::Tensor t = at::full({1}, [&] { std::sort(times.begin(), times.end()); return times[times.size() / 2]; }(),
-                              at::kDouble);
-      pg->all_reduce(t, dist::ReduceOp::kMax);
-      const double secs = t.item<double>();
-      const double algbytes = op == "all_gather" ? static_cast<double>(elems) * 4 * n : elems * 4.0;
-      const double algbw = algbytes / secs / 1e9;
-      const double sent = static_cast<double>(pg->counters().total_sent()) / iters;
-      if (r == 0) {
-        if (json) {
-          nlohmann::json j{{"op", op}, {"bytes", elems * 4}, {"ranks", n}, {"time_us", secs * 1e6},
-                           {"algbw_GBps", algbw}, {"busbw_GBps", algbw * bus_factor},
-                           {"bytes_sent_per_rank", sent}, {"wrong", wrong}};
-          std::cout << j.dump() << std::endl;
-        } else {
-          std::printf("%-12s %8s %10.1f %10.3f %10.3f %12s %6lld\n", op.c_str(),
-                      human(elems * 4.0).c_str(), secs * 1e6, algbw, algbw * bus_factor,
-                      human(sent).c_str(), static_cast<long long>(wrong));
+      const int64_t elems = std::max<int64_t>(n, parse_size(size_s) / 4 / n * n);
+      std::map<std::string, double> time_of;
+      for (const std::string& impl : both ? impls : std::vector<std::string>{"engine"}) {
+        Case c = make_case(*pg, op, impl, elems, opts);
+        const at::Tensor got = c.run().cpu();
+        const int64_t wrong = got.ne(c.want).sum().item<int64_t>();
+        c.run();  // warm-up
+        std::vector<double> times;
+        pg->counters().reset();
+        for (int i = 0; i < iters; ++i) {
+          pg->barrier();
+          const auto t0 = std::chrono::steady_clock::now();
+          c.run();
+          if (dev.is_cuda()) at::empty({1}, opts).cpu();  // ordered after the op's stream work
+          times.push_back(
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
+        const double secs = slowest_median(*pg, times);
+        time_of[impl] = secs;
+        const double algbw = c.algbytes / secs / 1e9;
+        const double sent = static_cast<double>(pg->counters().total_sent()) / iters;
+        const std::string vs =
+            impl == "p2p" && time_of.count("engine")
+                ? std::to_string(time_of["engine"] / secs).substr(0, 4)
+                : "-";
+        if (r == 0) {
+          if (json) {
+            std::cout << nlohmann::json{{"op", op}, {"impl", impl}, {"bytes", elems * 4},
+                                        {"ranks", n}, {"time_us", secs * 1e6},
+                                        {"algbw_GBps", algbw}, {"busbw_GBps", algbw * c.bus_factor},
+                                        {"bytes_sent_per_rank", sent}, {"wrong", wrong}}
+                             .dump()
+                      << std::endl;
+          } else {
+            std::printf("| %s | %s | %s | %.1f | %.3f | %.3f | %s | %s | %lld |\n", op.c_str(),
+                        impl.c_str(), human(elems * 4.0).c_str(), secs * 1e6, algbw,
+                        algbw * c.bus_factor, human(sent).c_str(), vs.c_str(),
+                        static_cast<long long>(wrong));
+          }
+        }
+        if (wrong) return 1;
       }
-      if (wrong) return 1;
     }
   }
   return 0;
@@ -122,16 +255,20 @@ int run_rank(const cli::ArgParser& p) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cli::ArgParser p("bench_comm [--nproc N] [--sizes 1K,64K,1M,16M] [--iters 20] [-o md|json]",
-                   "Ring exchange, all-to-all, all-gather and all-reduce bandwidth through lvx's\n"
-                   "ProcessGroup, checked for exact results before timing.");
+  cli::ArgParser p("bench_comm [--nproc N] [--sizes 1M,4M,16M,64M] [--impl engine,p2p] "
+                   "[--iters 10] [-o md|json]",
+                   "lvx's collectives on the engines' algorithms against rings of point-to-point\n"
+                   "messages, side by side, checked for exact results before timing.");
   p.add_option("nproc", 'n', "2", "local ranks to start (when not launched already)");
-  p.add_option("sizes", 's', "1K,64K,1M,16M", "per-rank buffer sizes");
-  p.add_option("iters", 0, "20", "timed repetitions (median reported)");
+  p.add_option("sizes", 's', "1M,4M,16M,64M", "per-rank buffer sizes");
+  p.add_option("impl", 0, "engine,p2p", "implementations of the collectives: engine, p2p");
+  p.add_option("iters", 0, "10", "timed repetitions (median reported)");
   p.add_option("output-format", 'o', "md", "md | json (one JSON line per measurement)");
   p.add_flag("cuda", 0, "use CUDA tensors (NCCL) instead of CPU tensors (Gloo)");
   try {
     if (!p.parse(argc, argv)) return 0;
+    for (const auto& i : p.get_list("impl"))
+      LVX_CHECK(i == "engine" || i == "p2p", "--impl: expected engine and/or p2p, got '", i, "'");
     const int rc = dist::relaunch_self_as_ranks(static_cast<int>(p.get_int("nproc")), argc, argv);
     return rc >= 0 ? rc : run_rank(p);
   } catch (const std::exception& e) {

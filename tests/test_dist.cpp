@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -44,6 +45,16 @@ void expect_bytes(int64_t got, int64_t want, const std::string& what) {
   }
 }
 
+// How many times rank r sends in a binomial-tree broadcast from `root` over w ranks (Gloo's
+// gloo/broadcast.cc): in step i the virtual ranks v = r − root below 2^i send to v + 2^i (when
+// that is a rank), so v sends once for every 2^i above it; the root ⌈log2 w⌉ times.
+int tree_sends(int r, int root, int w) {
+  const int v = (r - root + w) % w;
+  int sends = 0;
+  for (int i = 0; (1 << i) < w; ++i) sends += v < (1 << i) && v + (1 << i) < w ? 1 : 0;
+  return sends;
+}
+
 // Rows of a distinct, exactly representable value per (source rank, row, column).
 at::Tensor rows(int src, int64_t n, int64_t cols, int tag) {
   auto r = at::arange(n, at::kDouble).unsqueeze(1) * 10 + at::arange(cols, at::kDouble);
@@ -80,24 +91,33 @@ LVX_WORKER(all_ops) {
         .wait();
     expect_equal(recv, rows(pg->prev(), 2, cols, 2), "batch recv-first");
   }
-  // All-gather, even and uneven (rank j contributes j+1 rows; rank 0 may contribute 0).
-  for (int uneven = 0; uneven < 2; ++uneven) {
+  // All-gather: even (4 rows each), nearly even (3 or 2 rows: shard_range's chunks, padded) and
+  // uneven (rank j contributes 2j rows; rank 0 none).
+  for (int uneven = 0; uneven < 3; ++uneven) {
     pg->counters().reset();
     std::vector<int64_t> sizes(w);
-    for (int j = 0; j < w; ++j) sizes[j] = uneven ? j : 4;
+    for (int j = 0; j < w; ++j) sizes[j] = uneven == 2 ? 2 * j : uneven == 1 ? (j < 2 ? 3 : 2) : 4;
     at::Tensor got = pg->all_gather(rows(r, sizes[r], cols, 3), uneven ? sizes : std::vector<int64_t>{});
     std::vector<at::Tensor> parts;
     for (int j = 0; j < w; ++j) parts.push_back(rows(j, sizes[j], cols, 3));
-    expect_equal(got, at::cat(parts), uneven ? "all_gather uneven" : "all_gather");
-    // Ring all-gather: every chunk but the next rank's own passes through this rank.
-    int64_t want = 0;
-    for (int j = 0; j < w; ++j)
-      if (j != pg->next() || w == 1) want += sizes[j] * cols * fb;
-    if (w == 1) want = 0;
-    expect_bytes(pg->counters().total_sent(), want, "all_gather sent");
-    expect_bytes(pg->counters().total_received(), want - (w > 1 ? sizes[r] * cols * fb : 0) +
-                                                       (w > 1 ? sizes[pg->next()] * cols * fb : 0),
-                 "all_gather received");
+    expect_equal(got, at::cat(parts), uneven == 2 ? "all_gather uneven" : "all_gather");
+    int64_t sent = 0, received = 0;
+    const int64_t most = *std::max_element(sizes.begin(), sizes.end());
+    if (w > 1 && uneven < 2) {
+      // Ring all-gather (allgather_into_tensor) of chunks padded to the largest: (w − 1) of them
+      // pass through this rank each way.
+      sent = received = (w - 1) * most * cols * fb;
+    } else if (w > 1) {
+      // Uneven: each owner broadcasts its piece over Gloo's binomial tree.
+      for (int j = 0; j < w; ++j) {
+        sent += tree_sends(r, j, w) * sizes[j] * cols * fb;
+        if (j != r) received += sizes[j] * cols * fb;
+      }
+    }
+    expect_bytes(pg->counters().total_sent(), sent, "all_gather sent");
+    expect_bytes(pg->counters().total_received(), received, "all_gather received");
+    // An engine collective: every byte of it is formula-counted.
+    expect_bytes(pg->counters().formula_sent, sent, "all_gather formula-counted");
   }
   // All-reduce: x_r[i] = r * i + 1 → Σ = i·w(w−1)/2 + w, max = (w−1)·i + 1, min = 1.
   {
@@ -108,6 +128,8 @@ LVX_WORKER(all_ops) {
     pg->all_reduce(s, ReduceOp::kSum);
     expect_equal(s, i * (w * (w - 1) / 2) + w, "all_reduce sum");
     expect_bytes(pg->counters().total_sent(), 2 * (w - 1) * (n / w) * fb, "all_reduce sent");
+    expect_bytes(pg->counters().formula_received, 2 * (w - 1) * (n / w) * fb,
+                 "all_reduce formula-counted");
     expect_bytes(pg->counters().total_received(), 2 * (w - 1) * (n / w) * fb, "all_reduce recv");
     at::Tensor m = i * r + 1;
     pg->all_reduce(m, ReduceOp::kMax);
@@ -165,8 +187,11 @@ LVX_WORKER(all_ops) {
     at::Tensor t = r == w - 1 ? rows(r, 3, cols, 4) : at::zeros({3, cols});
     pg->broadcast(t, w - 1);
     expect_equal(t, rows(w - 1, 3, cols, 4), "broadcast");
-    expect_bytes(pg->counters().total_sent(), r == w - 1 ? (w - 1) * 3 * cols * fb : 0,
+    // Gloo's binomial tree: the root sends to ⌈log2 w⌉ peers at most, the others forward.
+    expect_bytes(pg->counters().total_sent(), tree_sends(r, w - 1, w) * 3 * cols * fb,
                  "broadcast sent");
+    expect_bytes(pg->counters().total_received(), r == w - 1 ? 0 : 3 * cols * fb,
+                 "broadcast received");
   }
   pg->barrier();
   if (g_wrong) std::cerr << "rank " << r << ": " << g_wrong << " wrong\n";

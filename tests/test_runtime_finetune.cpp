@@ -506,34 +506,85 @@ int64_t trainable_numel(const std::string& ckpt) {
 // each layer's runs of consecutive elements in the flat layout are all-gathered for the forward
 // and, but for the last layer's, again for the backward (ring: rank 0 sends every rank's piece
 // of a run but rank 1's), and reduce-scattered once (rank 0 sends every piece but its own).
-int64_t stage3_bytes_per_sample(const std::string& ckpt, int w) {
-  if (w == 1) return 0;
+// How many times rank 0 sends a broadcast from `root` over w ranks on Gloo's binomial tree: its
+// virtual rank v = −root mod w sends to v + 2^i for each 2^i above v while v + 2^i < w
+// (gloo/broadcast.cc).
+int64_t tree_sends0(int root, int w) {
+  const int v = (w - root) % w;
+  int64_t sends = 0;
+  for (int i = 0; (1 << i) < w; ++i) sends += v < (1 << i) && v + (1 << i) < w ? 1 : 0;
+  return sends;
+}
+
+// Rank 0's fp32 bytes for all-gathering a vector whose ranks hold `pieces` elements: a ring over
+// chunks padded to the largest when they are one element apart at most, else a broadcast from
+// each owner (process_group.h).
+int64_t gather_bytes0(const std::vector<int64_t>& pieces) {
+  const int w = static_cast<int>(pieces.size());
+  const int64_t most = *std::max_element(pieces.begin(), pieces.end());
+  const int64_t least = *std::min_element(pieces.begin(), pieces.end());
+  if (most - least <= 1) return 4 * (w - 1) * most;
+  int64_t b = 0;
+  for (int j = 0; j < w; ++j) b += 4 * tree_sends0(j, w) * pieces[static_cast<size_t>(j)];
+  return b;
+}
+
+// The runs of each unit (decoder layer, or -1: the rest) of a run's flat trainable layout, and
+// each rank's piece of a run.
+struct Runs {
+  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> by_unit;
+  int64_t psi = 0;
+  std::vector<int64_t> pieces(int64_t b, int64_t e, int w) const {
+    std::vector<int64_t> p;
+    for (int q = 0; q < w; ++q) {
+      const auto [sb, se] = lvx::dist::shard_range(psi, w, q);
+      p.push_back(std::max<int64_t>(0, std::min(e, se) - std::max(b, sb)));
+    }
+    return p;
+  }
+};
+
+Runs layout_runs(const std::string& ckpt) {
   const nlohmann::json st =
       nlohmann::json::parse(lvx::read_file(latest(ckpt) + "/trainer_state.json", "t"));
   const auto layout = lvx::runtime::FlatLayout::from_json(st["optimizer"]["layout"], "t");
-  const int64_t psi = layout.numel();
+  Runs r;
+  r.psi = layout.numel();
   const std::regex layer_re(R"(\.layers\.(\d+)\.)");
-  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> runs;  // unit -> [b, e)
   for (size_t i = 0; i < layout.names.size(); ++i) {
     std::smatch m;
     const int64_t unit = std::regex_search(layout.names[i], m, layer_re) ? std::stoll(m[1]) : -1;
-    auto& r = runs[unit];
-    if (!r.empty() && r.back().second == layout.offsets[i])
-      r.back().second = layout.offsets[i + 1];
+    auto& v = r.by_unit[unit];
+    if (!v.empty() && v.back().second == layout.offsets[i])
+      v.back().second = layout.offsets[i + 1];
     else
-      r.push_back({layout.offsets[i], layout.offsets[i + 1]});
+      v.push_back({layout.offsets[i], layout.offsets[i + 1]});
   }
-  auto piece = [&](int q, int64_t b, int64_t e) {
-    const auto [sb, se] = lvx::dist::shard_range(psi, w, q);
-    return std::max<int64_t>(0, std::min(e, se) - std::max(b, sb));
-  };
-  const int64_t last = runs.rbegin()->first;
+  return r;
+}
+
+// Stage 3, rank 0, per sample: every run of every unit gathered for the forward and, but for the
+// last layer's (kept), again for the backward, and reduce-scattered (every piece but rank 0's).
+int64_t stage3_bytes_per_sample(const std::string& ckpt, int w) {
+  if (w == 1) return 0;
+  const Runs runs = layout_runs(ckpt);
+  const int64_t last = runs.by_unit.rbegin()->first;
   int64_t bytes = 0;
-  for (const auto& [unit, rs] : runs)
+  for (const auto& [unit, rs] : runs.by_unit)
     for (const auto& [b, e] : rs) {
-      const int64_t gather = 4 * (e - b - piece(1, b, e));
-      bytes += gather * (unit == last || unit < 0 ? 1 : 2) + 4 * (e - b - piece(0, b, e));
+      const auto p = runs.pieces(b, e, w);
+      bytes += gather_bytes0(p) * (unit == last || unit < 0 ? 1 : 2) + 4 * (e - b - p[0]);
     }
+  return bytes;
+}
+
+// Stage 2 after the update: the new values gathered run by run (refresh_parameters).
+int64_t stage2_gather_bytes(const std::string& ckpt, int w) {
+  if (w == 1) return 0;
+  const Runs runs = layout_runs(ckpt);
+  int64_t bytes = 0;
+  for (const auto& [unit, rs] : runs.by_unit)
+    for (const auto& [b, e] : rs) bytes += gather_bytes0(runs.pieces(b, e, w));
   return bytes;
 }
 
@@ -550,14 +601,15 @@ TEST(FinetuneShard, EveryStageEqualsNoneAtWorlds1To4WithFormulaBytes) {
     // Rank 0's bytes per step (fp32 gradients and parameters, A = 2 samples per step): none
     // all-reduces each sample (every chunk but chunk 1, then every chunk but chunk 2); the
     // stages reduce-scatter (all chunks but rank 0's own) once per step (optimizer) or per sample
-    // (gradients), then all-gather the parameters (all chunks but chunk 1), plus the norm's
-    // all-reduce of one double (at most 16 bytes).
-    const int64_t rs = 4 * (psi - chunk(0)), ag = 4 * (psi - chunk(1));
+    // (gradients), then all-gather the parameters: at once, (w − 1) chunks padded to the largest
+    // (optimizer), or run by run (gradients), plus the norm's all-reduce of one double (at most
+    // 16 bytes).
+    const int64_t rs = 4 * (psi - chunk(0)), ag = 4 * (w - 1) * chunk(0);
     const int64_t ar = w == 1 ? 0 : 4 * (2 * psi - chunk(1) - chunk(2));
     const std::map<std::string, int64_t> want = {
         {"none", 2 * ar},
         {"optimizer", w == 1 ? 0 : rs + ag},
-        {"gradients", w == 1 ? 0 : 2 * rs + ag},
+        {"gradients", w == 1 ? 0 : 2 * rs + stage2_gather_bytes(none, w)},
         {"parameters", 2 * stage3_bytes_per_sample(none, w)}};
     for (const std::string stage : {"none", "optimizer", "gradients", "parameters"}) {
       // Stages 2 and 3 reduce layer by layer: most layers lie in one rank's shard, some cross

@@ -3,6 +3,8 @@
 // (pairwise all-to-all, then a local sum) — Llama-3-style context parallelism (anchors A9).
 // The forward saves the gathered K/V for the backward (SavedForm::kGatheredKV: memory traded
 // for communication).
+#include <algorithm>
+
 #include "src/attention/strategy.h"
 #include "src/common/error.h"
 
@@ -13,10 +15,22 @@ class AllGatherStrategy : public Strategy {
  public:
   StrategyKind kind() const override { return StrategyKind::kAllGather; }
 
-  // [B, S_r, H, D] → [B, S, H, D] gathered along the sequence.
+  // [B, S_r, H, D] → [B, S, H, D] gathered along the sequence: one ring all-gather of shards
+  // padded to the largest (shards of whole frames differ by up to a frame), the padding dropped.
   static at::Tensor gather_seq(dist::ProcessGroup& pg, const at::Tensor& x,
                                const std::vector<int64_t>& sizes) {
-    return pg.all_gather(x.transpose(0, 1).contiguous(), sizes).transpose(0, 1).contiguous();
+    const int64_t most = *std::max_element(sizes.begin(), sizes.end());
+    at::Tensor rows = x.transpose(0, 1).contiguous();  // [S_r, B, H, D]
+    if (rows.size(0) < most) {
+      auto shape = rows.sizes().vec();
+      shape[0] = most - rows.size(0);
+      rows = at::cat({rows, at::zeros(shape, rows.options())});
+    }
+    at::Tensor all = pg.all_gather(rows);  // [n·most, B, H, D]
+    std::vector<at::Tensor> pieces;
+    for (size_t j = 0; j < sizes.size(); ++j)
+      pieces.push_back(all.narrow(0, static_cast<int64_t>(j) * most, sizes[j]));
+    return at::cat(pieces).transpose(0, 1).contiguous();
   }
 
   SavedForm saved_form() const override { return SavedForm::kGatheredKV; }
@@ -78,6 +92,8 @@ class AllGatherStrategy : public Strategy {
     const auto ks = kv_layout(s, n).sizes();
     const int64_t e = element_bytes(dtype), a = element_bytes(kernels::accumulation_dtype(dtype));
     auto block = [&](int j, int64_t bytes) { return s.batch * ks[j] * s.hkv * s.head_dim * bytes; };
+    const int64_t most = *std::max_element(ks.begin(), ks.end());
+    auto most_block = [&](int64_t bytes) { return s.batch * most * s.hkv * s.head_dim * bytes; };
     PassSchedule p;
     p.rounds = {Block{r, -1}};
     if (n == 1) return p;
@@ -85,10 +101,10 @@ class AllGatherStrategy : public Strategy {
                                      : std::vector<const char*>{"K", "V"}) {
       Message m{what, backward ? Message::kAllToAll : Message::kAllGatherRing, -1, 0, 0};
       for (int j = 0; j < n; ++j) {
-        if (!backward) {  // ring all-gather: every block but next's passes through me; all but
-                          // mine arrive
-          if (j != (r + 1) % n) m.sent += block(j, e);
-          if (j != r) m.received += block(j, e);
+        if (!backward) {  // ring all-gather of blocks padded to the largest: n − 1 of them pass
+                          // through me each way
+          if (j != (r + 1) % n) m.sent += most_block(e);
+          if (j != r) m.received += most_block(e);
         } else if (j != r) {  // reduce-scatter: my partial of j's block out, everyone's of mine in
           m.sent += block(j, a);
           m.received += block(r, a);

@@ -1,8 +1,8 @@
-// ProcessGroup on c10d engines: Gloo for CPU tensors, NCCL for CUDA tensors (nccl_backend.cpp).
-// Collectives are ring / pairwise algorithms over batched point-to-point messages (see the
-// header for their volumes), so byte counters are exact per peer on every engine. Faults fail the
-// whole group: the first failed request aborts every other pending one (c10d Work::abort), so a
-// rank never waits a second timeout while unwinding past requests it still had in flight.
+// ProcessGroup on c10d engines: Gloo for CPU tensors, NCCL for CUDA tensors (nccl_backend.cpp):
+// set-up, point-to-point messages (counted per peer as they complete), waiting and faults; the
+// collectives are collectives.cpp. Faults fail the whole group: the first failed request aborts
+// every other pending one (c10d Work::abort), so a rank never waits a second timeout while
+// unwinding past requests it still had in flight.
 #include "src/dist/process_group.h"
 
 #include <algorithm>
@@ -22,10 +22,9 @@
 
 #include "src/common/error.h"
 #include "src/dist/nccl_backend.h"
+#include "src/dist/process_group_state.h"
 
 namespace lvx::dist {
-
-using c10d::Backend;
 
 int64_t ByteCounters::total_sent() const {
   return std::accumulate(sent.begin(), sent.end(), int64_t{0});
@@ -43,6 +42,7 @@ int64_t ByteCounters::total_received() const {
 void ByteCounters::reset() {
   std::fill(sent.begin(), sent.end(), 0);
   std::fill(received.begin(), received.end(), 0);
+  formula_sent = formula_received = 0;
   wait_seconds = 0;
 }
 
@@ -55,12 +55,16 @@ Options options_from_env() {
     o.heartbeat = std::min(o.heartbeat, std::chrono::milliseconds(std::max<int64_t>(
                                             100, static_cast<int64_t>(s * 1000) / 5)));
   }
+  if (const char* g = std::getenv("LVX_GLOO_REDUCE_SCATTER")) {
+    const std::string v = g;
+    LVX_CHECK(v == "ring" || v == "engine", "LVX_GLOO_REDUCE_SCATTER='", v,
+              "' must be ring (lvx's ring of messages, the default) or engine (Gloo's own)");
+    o.gloo_reduce_scatter = v == "engine";
+  }
   return o;
 }
 
 namespace {
-
-int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
 const char* kStorePrefix = "lvx/";
 const std::vector<uint8_t> kOne{1};  // a store flag
@@ -68,67 +72,6 @@ const std::vector<uint8_t> kOne{1};  // a store flag
 }  // namespace
 
 // ---- engine ------------------------------------------------------------------------------
-
-// What a Work holds of its group: the group while it lives. ~ProcessGroup clears `pg` (no new
-// wait starts) and waits for the waits in progress (`waiting`) to end.
-struct ProcessGroup::Handle {
-  std::mutex mu;
-  std::condition_variable cv;
-  ProcessGroup* pg = nullptr;
-  int waiting = 0;
-};
-
-struct ProcessGroup::Engine {
-  // Owned groups: the TCP store rank 0 hosts. Adopted torch.distributed groups: that group's
-  // store (its own prefix), when it has one.
-  c10::intrusive_ptr<c10d::Store> store;
-  bool adopted = false;  // the engines belong to a torch.distributed group (ProcessGroup::adopt)
-  // Gloo tags of lvx's messages: per-peer sequence numbers, from 2^30 up in an adopted group so
-  // that they never match the tags of the user's own torch.distributed send/recv (small numbers).
-  uint32_t tag_base = 0, tag_mask = 0x7fffffff;
-  c10::intrusive_ptr<Backend> gloo;
-  c10::intrusive_ptr<Backend> nccl;  // created on the first CUDA tensor (same point on all ranks)
-  // Multi-node runs (nccl_backend.h, spans_nodes): messages between ranks of different nodes go on
-  // a communicator of their own, whose NCCL stream runs beside `nccl`'s, so that a double ring's
-  // inter-node hop overlaps the intra-node hops posted after it. Null otherwise (and for adopted
-  // torch.distributed groups): every CUDA message goes on `nccl`.
-  c10::intrusive_ptr<Backend> nccl_inter;
-  int node_size = 1;  // ranks per node (LOCAL_WORLD_SIZE): pairs with different r / node_size
-  // Per-peer message numbers: the Gloo tags. Taken and posted under post_mu, so that threads
-  // posting at once (autograd's backward thread and the main thread) never share a tag, and a
-  // batch's messages keep consecutive tags (NCCL: one coalesced group call per batch).
-  std::mutex post_mu;
-  std::vector<uint32_t> send_seq, recv_seq;
-  std::atomic<int64_t> agreement_seq{0};
-  // Heartbeat: a second store client bumps lvx/hb/<rank> so that a failure can name the rank
-  // that stopped.
-  std::thread heartbeat;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool stopping = false;
-  // Fault state, guarded by fault_mu. `pending` holds every posted engine request not yet waited;
-  // after the first failure they move to `aborted`, which keeps them (and the tensors they
-  // reference) alive until the group is destroyed, since the engine may still touch them.
-  mutable std::mutex fault_mu;
-  std::string failure;  // the first failure; empty while the group is healthy
-  std::map<c10d::Work*, c10::intrusive_ptr<c10d::Work>> pending;
-  std::vector<c10::intrusive_ptr<c10d::Work>> aborted;
-  std::vector<int> found_dead;  // the ranks this rank's own diagnosis found unresponsive
-
-  // CUDA tensors without NCCL (lvx built without CUDA, or ranks sharing a GPU, which NCCL refuses:
-  // nccl_backend.h) go through Gloo, staged in host memory: sends are copied to the host when
-  // posted, receives land in a host buffer copied to the device when waited for.
-  bool stage_cuda() const { return !nccl && cuda_via_host; }
-  bool cuda_via_host = false;
-
-  Backend& backend_for(const at::Tensor& t) {
-    if (t.is_cuda()) {
-      LVX_CHECK(nccl, "CUDA tensor given but lvx was built without CUDA/NCCL");
-      return *nccl;
-    }
-    return *gloo;
-  }
-};
 
 namespace {
 
@@ -525,30 +468,6 @@ void ProcessGroup::fail(const std::string& what, const std::string& cause) {
 
 // ---- Work --------------------------------------------------------------------------------
 
-struct Work::Impl {
-  std::shared_ptr<ProcessGroup::Handle> group;
-  std::string what;
-  std::chrono::milliseconds timeout{0};
-  // One engine request and the messages it carries (counted once it completes).
-  struct Msg {
-    P2POp::Kind kind;
-    int peer;
-    int64_t bytes;
-  };
-  struct Posted {
-    c10::intrusive_ptr<c10d::Work> work;
-    std::vector<Msg> msgs;
-    // NCCL: waited on by the caller's CUDA stream, not the host (nccl_stream_wait); the engine's
-    // watchdog bounds it by the timeout.
-    bool stream_ordered = false;
-    // Host staging of a CUDA receive through Gloo: `staged` (host) is copied into `device` once
-    // the message is in.
-    at::Tensor staged, device;
-  };
-  std::vector<Posted> posted;
-  bool done = false;
-};
-
 Work::Work() = default;
 Work::Work(Work&&) noexcept = default;
 
@@ -652,8 +571,10 @@ void ProcessGroup::wait_work(Work::Impl& w) {
     if (p.device.defined()) p.device.copy_(p.staged);
     {
       std::lock_guard<std::mutex> lock(counters_mu_);
-      for (const auto& m : p.msgs)
+      for (const auto& m : p.msgs) {
         (m.kind == P2POp::kSend ? counters_.sent : counters_.received)[m.peer] += m.bytes;
+        if (p.formula) (m.kind == P2POp::kSend ? counters_.formula_sent : counters_.formula_received) += m.bytes;
+      }
     }
   }
   w.posted.clear();
@@ -778,175 +699,6 @@ Work ProcessGroup::ring_exchange(const at::Tensor& send, const at::Tensor& recv,
     return Work();
   }
   return batch_isend_irecv({P2POp::send(send, next()), P2POp::recv(recv, prev())}, what);
-}
-
-// ---- collectives -------------------------------------------------------------------------
-
-at::Tensor ProcessGroup::all_gather(const at::Tensor& input, const std::vector<int64_t>& sizes_in) {
-  LVX_CHECK(input.dim() >= 1, "all_gather: input must have at least one dimension");
-  std::vector<int64_t> sizes = sizes_in;
-  if (sizes.empty()) sizes.assign(world_size_, input.size(0));
-  LVX_CHECK(static_cast<int>(sizes.size()) == world_size_, "all_gather: sizes has ",
-            sizes.size(), " entries for ", world_size_, " ranks");
-  LVX_CHECK(sizes[rank_] == input.size(0), "all_gather: rank ", rank_, " passes ",
-            input.size(0), " rows but sizes says ", sizes[rank_]);
-  std::vector<int64_t> offset(world_size_ + 1, 0);
-  for (int r = 0; r < world_size_; ++r) offset[r + 1] = offset[r] + sizes[r];
-  auto shape = input.sizes().vec();
-  shape[0] = offset[world_size_];
-  at::Tensor out = at::empty(shape, input.options());
-  out.narrow(0, offset[rank_], sizes[rank_]).copy_(input);
-  // Ring: at step s, forward the chunk that originated at rank (r - s) and receive (r - s - 1).
-  for (int s = 0; s + 1 < world_size_; ++s) {
-    int send_c = (rank_ - s + world_size_) % world_size_;
-    int recv_c = (rank_ - s - 1 + 2 * world_size_) % world_size_;
-    batch_isend_irecv({P2POp::send(out.narrow(0, offset[send_c], sizes[send_c]), next()),
-                       P2POp::recv(out.narrow(0, offset[recv_c], sizes[recv_c]), prev())},
-                      "all_gather")
-        .wait();
-  }
-  return out;
-}
-
-void ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op) {
-  if (world_size_ == 1) return;
-  LVX_CHECK(tensor.is_contiguous(), "all_reduce: tensor must be contiguous");
-  at::Tensor flat = tensor.view({-1});
-  const int64_t n = flat.numel();
-  const int w = world_size_;
-  std::vector<int64_t> off(w + 1);
-  for (int c = 0; c <= w; ++c) off[c] = n * c / w;
-  auto chunk = [&](int c) { return flat.narrow(0, off[c], off[c + 1] - off[c]); };
-  auto reduce_into = [&](at::Tensor dst, const at::Tensor& src) {
-    switch (op) {
-      case ReduceOp::kSum: dst.add_(src); break;
-      case ReduceOp::kMax: at::maximum_out(dst, dst, src); break;
-      case ReduceOp::kMin: at::minimum_out(dst, dst, src); break;
-    }
-  };
-  at::Tensor tmp = at::empty({off[1] - off[0] + 1}, flat.options());
-  // Reduce-scatter: after w-1 steps rank r owns the full reduction of chunk (r + 1) % w.
-  for (int s = 0; s + 1 < w; ++s) {
-    int send_c = (rank_ - s + w) % w;
-    int recv_c = (rank_ - s - 1 + 2 * w) % w;
-    at::Tensor buf = tmp.narrow(0, 0, off[recv_c + 1] - off[recv_c]);
-    batch_isend_irecv({P2POp::send(chunk(send_c), next()), P2POp::recv(buf, prev())},
-                      "all_reduce")
-        .wait();
-    reduce_into(chunk(recv_c), buf);
-  }
-  // All-gather of the reduced chunks.
-  for (int s = 0; s + 1 < w; ++s) {
-    int send_c = (rank_ + 1 - s + w) % w;
-    int recv_c = (rank_ - s + w) % w;
-    batch_isend_irecv({P2POp::send(chunk(send_c), next()), P2POp::recv(chunk(recv_c), prev())},
-                      "all_reduce")
-        .wait();
-  }
-}
-
-at::Tensor ProcessGroup::reduce_scatter(at::Tensor& tensor, ReduceOp op) {
-  std::vector<int64_t> splits(static_cast<size_t>(world_size_));
-  for (int c = 0; c < world_size_; ++c) {
-    const auto [b, e] = shard_range(tensor.numel(), world_size_, c);
-    splits[static_cast<size_t>(c)] = e - b;
-  }
-  return reduce_scatter(tensor, splits, op);
-}
-
-at::Tensor ProcessGroup::reduce_scatter(at::Tensor& tensor, const std::vector<int64_t>& splits,
-                                        ReduceOp op) {
-  LVX_CHECK(tensor.dim() == 1 && tensor.is_contiguous(),
-            "reduce_scatter: expected a contiguous 1-D tensor, got shape ", tensor.sizes());
-  const int64_t n = tensor.numel();
-  const int w = world_size_;
-  LVX_CHECK(static_cast<int>(splits.size()) == w, "reduce_scatter: splits has ", splits.size(),
-            " entries for ", w, " ranks");
-  std::vector<int64_t> off(static_cast<size_t>(w) + 1, 0);
-  for (int c = 0; c < w; ++c) {
-    LVX_CHECK(splits[static_cast<size_t>(c)] >= 0, "reduce_scatter: negative split");
-    off[static_cast<size_t>(c) + 1] = off[static_cast<size_t>(c)] + splits[static_cast<size_t>(c)];
-  }
-  LVX_CHECK(off.back() == n, "reduce_scatter: splits sum to ", off.back(), ", the tensor has ", n,
-            " elements");
-  auto chunk = [&](int c) {
-    return tensor.narrow(0, off[static_cast<size_t>(c)], splits[static_cast<size_t>(c)]);
-  };
-  if (w == 1) return tensor;
-  auto reduce_into = [&](at::Tensor dst, const at::Tensor& src) {
-    switch (op) {
-      case ReduceOp::kSum:
-        dst.add_(src);
-        break;
-      case ReduceOp::kMax:
-        at::maximum_out(dst, dst, src);
-        break;
-      case ReduceOp::kMin:
-        at::minimum_out(dst, dst, src);
-        break;
-    }
-  };
-  at::Tensor tmp = at::empty({*std::max_element(splits.begin(), splits.end())}, tensor.options());
-  // After w−1 steps rank r holds the full reduction of chunk r: at step s it sends its partial
-  // of chunk r−s−1 and adds the previous rank's partial of chunk r−s−2.
-  for (int s = 0; s + 1 < w; ++s) {
-    const int send_c = (rank_ - s - 1 + 2 * w) % w;
-    const int recv_c = (rank_ - s - 2 + 3 * w) % w;
-    at::Tensor dst = chunk(recv_c);
-    at::Tensor buf = tmp.narrow(0, 0, dst.numel());
-    batch_isend_irecv({P2POp::send(chunk(send_c), next()), P2POp::recv(buf, prev())},
-                      "reduce_scatter")
-        .wait();
-    reduce_into(dst, buf);
-  }
-  return chunk(rank_);
-}
-
-at::Tensor ProcessGroup::all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_splits,
-                                    const std::vector<int64_t>& recv_splits) {
-  const int w = world_size_;
-  LVX_CHECK(static_cast<int>(send_splits.size()) == w && static_cast<int>(recv_splits.size()) == w,
-            "all_to_all: send_splits and recv_splits need one entry per rank (", w, "), got ",
-            send_splits.size(), " and ", recv_splits.size());
-  LVX_CHECK(input.dim() >= 1, "all_to_all: input must have at least one dimension");
-  int64_t total_send = std::accumulate(send_splits.begin(), send_splits.end(), int64_t{0});
-  LVX_CHECK(total_send == input.size(0), "all_to_all: send_splits sum to ", total_send,
-            " but input has ", input.size(0), " rows");
-  at::Tensor in = input.contiguous();
-  auto shape = in.sizes().vec();
-  shape[0] = std::accumulate(recv_splits.begin(), recv_splits.end(), int64_t{0});
-  at::Tensor out = at::empty(shape, in.options());
-  std::vector<int64_t> soff(w + 1, 0), roff(w + 1, 0);
-  for (int r = 0; r < w; ++r) {
-    soff[r + 1] = soff[r] + send_splits[r];
-    roff[r + 1] = roff[r] + recv_splits[r];
-  }
-  LVX_CHECK(send_splits[rank_] == recv_splits[rank_], "all_to_all: rank ", rank_, " keeps ",
-            send_splits[rank_], " rows for itself but expects to receive ", recv_splits[rank_]);
-  out.narrow(0, roff[rank_], recv_splits[rank_]).copy_(in.narrow(0, soff[rank_], send_splits[rank_]));
-  std::vector<P2POp> ops;
-  for (int k = 1; k < w; ++k) {  // pairwise order spreads the load over peers
-    int to = (rank_ + k) % w, from = (rank_ - k + w) % w;
-    ops.push_back(P2POp::send(in.narrow(0, soff[to], send_splits[to]), to));
-    ops.push_back(P2POp::recv(out.narrow(0, roff[from], recv_splits[from]), from));
-  }
-  batch_isend_irecv(std::move(ops), "all_to_all").wait();
-  return out;
-}
-
-void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
-  LVX_CHECK(root >= 0 && root < world_size_, "broadcast: root ", root, " is outside [0, ",
-            world_size_, ")");
-  if (world_size_ == 1) return;
-  LVX_CHECK(tensor.is_contiguous(), "broadcast: tensor must be contiguous");
-  std::vector<P2POp> ops;
-  if (rank_ == root) {
-    for (int r = 0; r < world_size_; ++r)
-      if (r != root) ops.push_back(P2POp::send(tensor, r));
-  } else {
-    ops.push_back(P2POp::recv(tensor, root));
-  }
-  batch_isend_irecv(std::move(ops), "broadcast").wait();
 }
 
 void ProcessGroup::barrier() {

@@ -9,17 +9,46 @@
 //     communicator (its own stream), so inter- and intra-node hops of a double ring overlap.
 //     Without NCCL (ranks sharing one GPU, or LVX_DIST_CUDA_ENGINE=gloo) CUDA tensors go through
 //     Gloo staged in host memory (copied to the host when posted, to the device when waited for).
-// Collectives are built from batched point-to-point messages, so that every byte is counted per
-// peer and the counters equal the analytic volume of each algorithm:
-//   ring exchange of S bytes        : sends S to next, receives S from previous
-//   all_gather of S bytes per rank  : ring, (n-1)·S sent and received per rank
+// Collectives run on the engines' own algorithms (collectives.cpp): c10d's allreduce,
+// allgather_into_tensor and broadcast, on Gloo for CPU tensors and NCCL for CUDA ones (one kernel
+// with NCCL's ring/tree/NVLS algorithms), and NCCL's reduce-scatter; not host-driven steps of
+// point-to-point messages. Gloo's reduce_scatter is an all-reduce narrowed to each rank's chunk
+// (twice the ring's bytes, measured), so on Gloo reduce_scatter stays lvx's ring of messages.
+// What the engine moves inside a collective is not visible message by message, so each rank
+// counts its share by the formula of the algorithm, attributed to the ring's neighbours or the
+// tree's peers, and also adds it to ByteCounters::formula_sent / formula_received:
+//   all_gather of S bytes per rank  : ring, every chunk but next's sent, every one but its own
+//                                     received: (n-1)·S each way; uneven pieces (one or two ranks
+//                                     own a ZeRO run): a broadcast from each owner, as below
 //   all_reduce of S bytes           : ring reduce-scatter + all-gather, 2·(n-1)/n·S each way
+//   reduce_scatter of S bytes       : ring, every chunk but its own sent: (n-1)/n·S (NCCL's;
+//                                     on Gloo lvx's own ring, the same bytes, counted per message)
+//   broadcast of S bytes            : Gloo's binomial tree (the root sends S to ⌈log2 n⌉ peers,
+//                                     each other rank receives S once and forwards it down its
+//                                     subtree); NCCL's ring chain (every rank but the one before
+//                                     the root sends S to next)
+// NCCL runs the ring for these on one node; its tree, NVLS or CollNet choices move the same
+// bytes per rank to within the ring's (n-1)/n factor. Measured on this wheel's Gloo (4 ranks,
+// 67 MB, bytes on the loopback): all_reduce 403 MB, allgather 201 MB, broadcast 202 MB, as the
+// formulas give. The point-to-point messages of the
+// attention strategies, and all_to_all (a pairwise exchange), are counted message by message:
+//   ring exchange of S bytes        : sends S to next, receives S from previous
 //   all_to_all with splits s_j      : Σ_{j≠r} s_j sent to the owners (pairwise exchange)
-//   broadcast of S bytes            : root sends S to each of the n-1 others
 // Byte counters count the payload of messages that completed: a send once the engine reports it
 // done, a receive once its data is in the tensor (both seen by Work::wait; for NCCL, once the
 // caller's stream is ordered after them, a failure later failing the whole group). Messages of a
 // request that failed or was aborted are not counted; neither are headers or transport overhead.
+// Threads and communicators (deadlock safety on NCCL, whose collectives on one communicator
+// must be issued in the same order on every rank): a group's engines (Gloo, NCCL and, across
+// nodes, the inter-node NCCL communicator) are created eagerly when the group is constructed,
+// and groups are constructed in the same order on every rank (the world, then a job's subgroups:
+// data × sequence parallel groups, stage 3's reduce group and gather group;
+// src/runtime/layer_sharding.h). Each thread that communicates owns a group of its own and
+// issues its collectives in one fixed order (stage 3: reductions L−1, …, 0, root on the reduce
+// thread; gathers root, 0, …, L−1, L−2, …, 0 on the gather thread; everything else on the main
+// thread); autograd's backward thread posts only point-to-point messages, serialised with the
+// main thread's by the group's post lock (Engine::post_mu). No two threads ever share a group's
+// collectives, so no order between them needs to agree across ranks.
 // Faults: every wait is bounded by Options::timeout; a peer that dies or stops answering turns
 // into an lvx::Error on every other rank naming the operation and the failed rank (found from
 // heartbeats kept in the rendezvous store), so no rank waits forever. The first failure (timeout
@@ -34,6 +63,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -45,6 +75,8 @@
 
 namespace c10d {
 class Store;
+class Backend;
+class Work;
 }
 
 namespace lvx::dist {
@@ -61,6 +93,9 @@ struct ByteCounters {
   // Seconds this rank spent blocked waiting for messages (Work::wait and the collectives built
   // on it): communication that compute did not hide.
   double wait_seconds = 0;
+  // Of the bytes above, those of engine collectives: counted by their algorithm's formula, not
+  // message by message (see the volumes at the top of this file).
+  int64_t formula_sent = 0, formula_received = 0;
   int64_t total_sent() const;
   int64_t total_received() const;
   // Bytes sent to ranks on other nodes than `rank`'s (consecutive ranks share a node of
@@ -74,9 +109,14 @@ struct Options {
   std::chrono::milliseconds timeout{60000};
   // How often each rank bumps its heartbeat in the store (used only to name a failed rank).
   std::chrono::milliseconds heartbeat{1000};
+  // reduce_scatter of CPU tensors on Gloo's own collective instead of lvx's ring of messages.
+  // Off by default: Gloo's reduce_scatter is an all-reduce narrowed to each rank's chunk, twice
+  // the ring's bytes (bench_comm measures both).
+  bool gloo_reduce_scatter = false;
 };
 
-// Reads LVX_DIST_TIMEOUT_S (seconds) into Options::timeout when set.
+// Reads LVX_DIST_TIMEOUT_S (seconds) into Options::timeout and LVX_GLOO_REDUCE_SCATTER
+// (ring | engine) into Options::gloo_reduce_scatter when set.
 Options options_from_env();
 
 enum class ReduceOp { kSum, kMax, kMin };
@@ -93,6 +133,7 @@ struct P2POp {
 };
 
 class ProcessGroup;
+struct CountedMessage;  // process_group_state.h
 
 // Handle for messages in flight. wait() blocks until all are done (or throws lvx::Error naming
 // the operation and the failed rank). Destroying an unwaited Work waits for it, except after its
@@ -205,6 +246,9 @@ class ProcessGroup {
   std::string cuda_engine() const;
   // The first failure of this group, or empty while it is healthy.
   std::string failure() const;
+  // Options::gloo_reduce_scatter, switched after construction (bench_comm times both). Every
+  // rank must switch it at the same point.
+  void set_gloo_reduce_scatter(bool engine) { options_.gloo_reduce_scatter = engine; }
 
  private:
   friend class Work;
@@ -220,6 +264,21 @@ class ProcessGroup {
   void wait_work(Work::Impl& w);
   // Aborts every pending request after a failure; returns at once.
   void abort_pending();
+  // One engine collective on `t` (collectives.cpp): posted by `post` on t's engine (CUDA tensors
+  // without NCCL on a host copy), waited for like a batch of messages, `msgs` counted as its
+  // formula-counted volume.
+  void run_collective(const std::string& what, at::Tensor& t, std::vector<CountedMessage> msgs,
+                      const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&,
+                                                                         at::Tensor&)>& post);
+  // This rank's share of a broadcast of `bytes` from `root` on NCCL's ring chain or Gloo's
+  // binomial tree.
+  std::vector<CountedMessage> broadcast_volume(int64_t bytes, int root, bool nccl) const;
+  // reduce_scatter on NCCL's collective, or on lvx's ring of messages (Gloo); `off` holds the
+  // chunks' offsets.
+  at::Tensor reduce_scatter_engine(at::Tensor& tensor, const std::vector<int64_t>& splits,
+                                   const std::vector<int64_t>& off, ReduceOp op);
+  at::Tensor reduce_scatter_ring(at::Tensor& tensor, const std::vector<int64_t>& splits,
+                                 const std::vector<int64_t>& off, ReduceOp op);
   void linger_for_peers();  // store host only: see ~ProcessGroup
   RendezvousInfo info_;
   Options options_;

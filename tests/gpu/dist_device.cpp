@@ -8,8 +8,8 @@
 //   values    ring_exchange, all_gather (uneven sizes), all_reduce and broadcast on exactly
 //             representable data: results equal the closed form bit for bit, on the device
 //   bytes     each operation's byte counters equal its algorithm's volume (process_group.h):
-//             ring S; all_gather every chunk but the next rank's (uneven chunks); all_reduce
-//             2(n−1)/n·S; broadcast (n−1)·S at the root
+//             ring S; all_gather of uneven pieces a broadcast from each owner; all_reduce
+//             2(n−1)/n·S; broadcast by NCCL's ring chain or Gloo's binomial tree
 //   waits     NCCL only: a ring exchange posted behind ~200 ms of GPU work on the current stream
 //             returns from wait() long before that work ends (the stream waits, not the host),
 //             and the received values are right once the stream is synchronised
@@ -55,6 +55,26 @@ std::pair<int64_t, int64_t> bytes_of(lvx::dist::ProcessGroup& pg, F f) {
   pg.counters().reset();
   f();
   return {pg.counters().total_sent(), pg.counters().total_received()};
+}
+
+// How many times rank r sends the payload of a broadcast from `root` over n ranks: NCCL's ring
+// chain (every rank but the one before the root forwards to next), Gloo's binomial tree (rank
+// v = r − root sends to v + 2^i for each i below v's lowest set bit, while v + 2^i < n).
+int broadcast_sends(int r, int root, int n, bool nccl) {
+  if (n == 1) return 0;
+  if (nccl) return (r + 1) % n != root ? 1 : 0;
+  const int v = (r - root + n) % n;
+  int dim = 0;
+  while ((1 << dim) < n) ++dim;
+  int low = dim;
+  for (int i = 0; i < dim; ++i)
+    if (v & (1 << i)) {
+      low = i;
+      break;
+    }
+  int sends = 0;
+  for (int i = 0; i < low; ++i) sends += v + (1 << i) < n ? 1 : 0;
+  return sends;
 }
 
 std::string expected_engine(const lvx::dist::ProcessGroup& pg, const at::Device& dev) {
@@ -140,11 +160,16 @@ int main() {
     std::vector<at::Tensor> rows;
     for (int j = 0; j < n; ++j) rows.push_back(at::full({j + 1, 3}, static_cast<double>(j)));
     expect_equal(all, at::cat(rows), on, r, "all_gather");
-    // The ring forwards every chunk but the next rank's, and receives every chunk but its own.
-    const int64_t own = (r + 1) * 3 * 4, total = n * (n + 1) / 2 * 3 * 4;
-    const int64_t next = (pg->next() + 1) * 3 * 4;
-    expect(s2 == total - next && r2 == total - own, r,
-           "all_gather bytes sent " + std::to_string(s2) + " received " + std::to_string(r2));
+    // Uneven pieces: each owner broadcasts its own (process_group.h's volumes).
+    const bool nccl = engine.rfind("nccl", 0) == 0;
+    int64_t want_sent = 0, want_received = 0;
+    for (int j = 0; j < n; ++j) {
+      want_sent += broadcast_sends(r, j, n, nccl) * (j + 1) * 3 * 4;
+      if (j != r) want_received += (j + 1) * 3 * 4;
+    }
+    expect(s2 == want_sent && r2 == want_received, r,
+           "all_gather bytes sent " + std::to_string(s2) + " received " + std::to_string(r2) +
+               ", expected " + std::to_string(want_sent) + " and " + std::to_string(want_received));
 
     // all_reduce of 24 floats (96 bytes, divisible into n chunks for n = 1..4).
     at::Tensor sum = at::full({24}, static_cast<double>(r + 1), f32);
@@ -156,8 +181,8 @@ int main() {
     at::Tensor b = at::full({3}, r == n - 1 ? 7.0 : -1.0, f32);
     auto [s4, r4] = bytes_of(*pg, [&] { pg->broadcast(b, n - 1); });
     expect_equal(b, at::full({3}, 7.0), on, r, "broadcast");
-    expect(s4 == (r == n - 1 ? (n - 1) * 12 : 0) && r4 == (r == n - 1 || n == 1 ? 0 : 12), r,
-           "broadcast bytes sent " + std::to_string(s4) + " received " + std::to_string(r4));
+    expect(s4 == broadcast_sends(r, n - 1, n, nccl) * 12 && r4 == (r == n - 1 || n == 1 ? 0 : 12),
+           r, "broadcast bytes sent " + std::to_string(s4) + " received " + std::to_string(r4));
 
     if (engine.rfind("nccl", 0) == 0) check_stream_ordered_wait(*pg, on);
     pg->barrier();
