@@ -1,5 +1,6 @@
-// The whole-memory model of training (src/planner/train_memory.h) against byte counts worked out
-// by hand for a tiny model, and `lvx plan --train --max-frames` end to end.
+// The whole-memory model of training (src/planner/train_memory.h) and its data-parallel traffic
+// (train_traffic.h) against byte counts and times worked out by hand for a tiny model, and `lvx
+// plan --train --max-frames` end to end.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "src/planner/train_memory.h"
+#include "src/planner/train_traffic.h"
 
 namespace {
 
@@ -41,6 +43,58 @@ TEST(TrainMemory, ParameterCountsByHand) {
   EXPECT_EQ(p.root, 168);
   // LoRA r=2 on q (8→8), k, v (8→4), o (8→8), gate, up (8→16), down (16→8): 2·128.
   EXPECT_EQ(lora_parameters(tiny(), 2), 256);
+}
+
+// 2 nodes of 4 GPUs: 100 GB/s and 10 µs inside a node, 25 GB/s per node and 20 µs between.
+ClusterConfig two_nodes() {
+  ClusterConfig c;
+  c.name = "two";
+  c.gpus_per_node = 4;
+  c.nodes = 2;
+  c.intra_node = {100e9, 10e-6};
+  c.inter_node = {25e9, 20e-6};
+  return c;
+}
+
+TEST(TrainTraffic, CollectivesPricedByHand) {
+  const ClusterConfig c = two_nodes();
+  // One node, 4 ranks, all-reduce of 1 GB: 2·3/4·1e9 / 100e9 s + 2·3 latencies of 10 µs.
+  EXPECT_NEAR(collective_seconds(CollectiveKind::kAllReduce, 1e9, 4, c), 0.015 + 6e-5, 1e-12);
+  EXPECT_DOUBLE_EQ(collective_bytes_sent(CollectiveKind::kAllReduce, 1e9, 4), 1.5e9);
+  // 8 ranks on 2 nodes, reduce-scatter: the node link's 1/2·1e9 / 25e9 = 0.02 s outweighs
+  // NVLink's 3/4·1e9 / 100e9; 7 inter-node latencies.
+  EXPECT_NEAR(collective_seconds(CollectiveKind::kReduceScatter, 1e9, 8, c), 0.02 + 7 * 20e-6,
+              1e-12);
+  EXPECT_DOUBLE_EQ(collective_bytes_sent(CollectiveKind::kAllGather, 8e6, 8), 7e6);
+  EXPECT_EQ(collective_seconds(CollectiveKind::kAllGather, 1e9, 1, c), 0);
+}
+
+TEST(TrainTraffic, StagesRunTheirCollectivesByHand) {
+  const ModelConfig m = tiny();
+  const ParamCounts p = estimate_parameters(m, 10, "vision");  // Ψ 776, Ψ_last 608
+  const ClusterConfig c = two_nodes();
+  TrainMemoryOptions o;
+  o.elem_bytes = 2;
+  o.ranks = 8;
+  o.grad_accum = 3;
+  o.shard = "none";  // 3 all-reduces of 4Ψ: 3 · 2·7/8 · 3104 bytes sent
+  TrainTraffic t = train_traffic(m, p, o, c);
+  ASSERT_EQ(t.items.size(), 1u);
+  EXPECT_EQ(t.items[0].calls, 3);
+  EXPECT_DOUBLE_EQ(t.sent, 3 * 2 * 7.0 / 8 * 3104);
+  EXPECT_DOUBLE_EQ(t.seconds, 3 * collective_seconds(CollectiveKind::kAllReduce, 3104, 8, c));
+  o.shard = "optimizer";  // one reduce-scatter of 4Ψ, one all-gather of 2Ψ
+  t = train_traffic(m, p, o, c);
+  EXPECT_DOUBLE_EQ(t.sent, 7.0 / 8 * 3104 + 7.0 / 8 * 1552);
+  o.shard = "gradients";  // 3 reduce-scatters, one all-gather
+  t = train_traffic(m, p, o, c);
+  EXPECT_DOUBLE_EQ(t.sent, 3 * 7.0 / 8 * 3104 + 7.0 / 8 * 1552);
+  o.shard = "parameters";  // 3 reduce-scatters, 3 all-gathers of 2·(2Ψ − Ψ_last) = 1888 bytes
+  t = train_traffic(m, p, o, c);
+  EXPECT_DOUBLE_EQ(t.sent, 3 * 7.0 / 8 * 3104 + 3 * 7.0 / 8 * 1888);
+  o.lora_r = 2;  // Ψ = 256 adapters, Ψ_last = 256 / 1 layer
+  t = train_traffic(m, p, o, c);
+  EXPECT_DOUBLE_EQ(t.sent, 3 * 7.0 / 8 * 1024 + 3 * 7.0 / 8 * 2 * 256);
 }
 
 TEST(TrainMemory, BreakdownByHand) {

@@ -27,6 +27,7 @@
 #include "src/attention/dist_attention.h"
 #include "src/common/error.h"
 #include "src/planner/planner.h"
+#include "src/planner/train_report.h"
 #include "src/runtime/model_description.h"
 
 namespace {
@@ -255,14 +256,12 @@ std::tuple<std::string, std::string> plan(const std::string& model, const std::s
     mo.ranks = nproc > 0 ? nproc : c.nodes * c.gpus_per_node;
     mo.elem_bytes = planner::dtype_bytes(dtype.empty() ? m.dtype : dtype, "dtype");
     const planner::ParamCounts counts = runtime::count_parameters(model, m, "vision");
-    const planner::TrainMemory tm = planner::train_memory(
-        m, counts, frames, text, tokens_per_frame > 0 ? tokens_per_frame : m.visual_tokens_per_frame,
-        mo, static_cast<double>(c.device_memory_bytes));
     nlohmann::json j = planner::to_json(p);
-    j["train_memory"] = planner::to_json(tm);
-    j["fits"] = p.fits && tm.fits;
+    const std::string report = planner::train_report(
+        m, counts, p, frames, text, tokens_per_frame > 0 ? tokens_per_frame : m.visual_tokens_per_frame,
+        mo, c, j);
     return std::make_tuple(runtime::describe_parameters(counts, "vision", m, 0) +
-                               planner::format_table(p) + planner::format_memory(tm),
+                               planner::format_table(p) + report,
                            j.dump());
   });
 }

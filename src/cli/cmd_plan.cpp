@@ -10,6 +10,7 @@
 #include "src/common/files.h"
 #include "src/planner/planner.h"
 #include "src/planner/train_memory.h"
+#include "src/planner/train_report.h"
 #include "src/runtime/model_description.h"
 
 namespace {
@@ -170,13 +171,9 @@ int cmd_plan(int argc, char** argv) {
   lvx::planner::Plan plan = lvx::planner::plan(model, cluster, w, opt);
   std::cout << lvx::planner::format_table(plan);
   nlohmann::json j = lvx::planner::to_json(plan);
-  if (p.flag("train")) {
-    const lvx::planner::TrainMemory tm =
-        lvx::planner::train_memory(model, counts, w.frames, w.text_tokens, tpf, mo, device);
-    std::cout << lvx::planner::format_memory(tm);
-    j["train_memory"] = lvx::planner::to_json(tm);
-    j["fits"] = plan.fits && tm.fits;
-  }
+  if (p.flag("train"))
+    std::cout << lvx::planner::train_report(model, counts, plan, w.frames, w.text_tokens, tpf, mo,
+                                            cluster, j);
   if (!json_path.empty()) {
     std::ofstream f(json_path);
     LVX_CHECK(f.good(), "--json: cannot write '", json_path, "'");
