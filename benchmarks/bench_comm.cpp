@@ -4,14 +4,15 @@
 //           CUDA tensors; src/dist/collectives.cpp), reduce_scatter included (on Gloo lvx itself
 //           runs its ring by default: Gloo's is an all-reduce)
 //   p2p     the same algorithms as lvx ran them before: rings of batched point-to-point messages,
-//           one host-driven step after another (the reference implementations below)
+//           one host-driven step after another (Options::collectives = kP2P,
+//           src/dist/collectives_p2p.cpp)
 // plus the point-to-point operations (sendrecv, all_to_all), which have one implementation. Each
 // op is checked for exact results first, on data exactly representable in fp32 (small integers,
 // so that no order of summation rounds), then timed (warm-up, median of repeats; each repeat's
 // time is its slowest rank's). Reports algorithm bandwidth (bytes / time) and bus bandwidth
 // (nccl-tests doc/PERFORMANCE.md: sendrecv 1, all-to-all, all-gather and reduce-scatter (n−1)/n,
-// all-reduce 2(n−1)/n, broadcast 1 times algbw), the per-rank bytes counted, and engine / p2p
-// time.
+// all-reduce 2(n−1)/n, broadcast 1 times algbw), the per-rank bytes counted, and p2p time /
+// engine time (> 1: the engine faster).
 //   bench_comm [--nproc N] [--sizes 1M,4M,16M,64M] [--impl engine,p2p] [--iters 10] [-o md|json]
 // Run without RANK/WORLD_SIZE it starts N local ranks of itself (Gloo on CPU tensors; pass --cuda
 // on a GPU build for NCCL); under `lvx launch --nodes K --inter-node R` it measures an emulated
@@ -51,70 +52,10 @@ std::string human(double bytes) {
   return b;
 }
 
-// ---- the point-to-point reference implementations (the algorithms lvx ran before) ---------
-
 // Chunk c of n elements split over w ranks: [n·c/w, n·(c+1)/w).
 at::Tensor chunk_of(const at::Tensor& flat, int c, int w) {
   const auto [b, e] = dist::shard_range(flat.numel(), w, c);
   return flat.narrow(0, b, e - b);
-}
-
-void p2p_all_reduce(ProcessGroup& pg, at::Tensor& t) {
-  const int w = pg.world_size(), r = pg.rank();
-  if (w == 1) return;
-  at::Tensor flat = t.view({-1});
-  at::Tensor tmp = at::empty({flat.numel() / w + 1}, flat.options());
-  for (int s = 0; s + 1 < w; ++s) {  // reduce-scatter: rank r ends with chunk r + 1 reduced
-    const int send_c = (r - s + w) % w, recv_c = (r - s - 1 + 2 * w) % w;
-    at::Tensor dst = chunk_of(flat, recv_c, w), buf = tmp.narrow(0, 0, dst.numel());
-    pg.batch_isend_irecv({P2POp::send(chunk_of(flat, send_c, w), pg.next()),
-                          P2POp::recv(buf, pg.prev())}, "p2p all_reduce").wait();
-    dst.add_(buf);
-  }
-  for (int s = 0; s + 1 < w; ++s) {  // all-gather of the reduced chunks
-    const int send_c = (r + 1 - s + w) % w, recv_c = (r - s + w) % w;
-    pg.batch_isend_irecv({P2POp::send(chunk_of(flat, send_c, w), pg.next()),
-                          P2POp::recv(chunk_of(flat, recv_c, w), pg.prev())}, "p2p all_reduce")
-        .wait();
-  }
-}
-
-at::Tensor p2p_reduce_scatter(ProcessGroup& pg, at::Tensor& flat) {
-  const int w = pg.world_size(), r = pg.rank();
-  if (w == 1) return flat;
-  at::Tensor tmp = at::empty({flat.numel() / w + 1}, flat.options());
-  for (int s = 0; s + 1 < w; ++s) {
-    const int send_c = (r - s - 1 + 2 * w) % w, recv_c = (r - s - 2 + 3 * w) % w;
-    at::Tensor dst = chunk_of(flat, recv_c, w), buf = tmp.narrow(0, 0, dst.numel());
-    pg.batch_isend_irecv({P2POp::send(chunk_of(flat, send_c, w), pg.next()),
-                          P2POp::recv(buf, pg.prev())}, "p2p reduce_scatter").wait();
-    dst.add_(buf);
-  }
-  return chunk_of(flat, r, w);
-}
-
-at::Tensor p2p_all_gather(ProcessGroup& pg, const at::Tensor& in) {
-  const int w = pg.world_size(), r = pg.rank();
-  at::Tensor out = at::empty({in.numel() * w}, in.options());
-  auto part = [&](int c) { return out.narrow(0, c * in.numel(), in.numel()); };
-  part(r).copy_(in);
-  for (int s = 0; s + 1 < w; ++s) {
-    const int send_c = (r - s + w) % w, recv_c = (r - s - 1 + 2 * w) % w;
-    pg.batch_isend_irecv({P2POp::send(part(send_c), pg.next()), P2POp::recv(part(recv_c), pg.prev())},
-                         "p2p all_gather").wait();
-  }
-  return out;
-}
-
-void p2p_broadcast(ProcessGroup& pg, at::Tensor& t, int root) {
-  std::vector<P2POp> ops;
-  if (pg.rank() == root) {
-    for (int r = 0; r < pg.world_size(); ++r)
-      if (r != root) ops.push_back(P2POp::send(t, r));
-  } else {
-    ops.push_back(P2POp::recv(t, root));
-  }
-  pg.batch_isend_irecv(std::move(ops), "p2p broadcast").wait();
 }
 
 // ---- the sweep -----------------------------------------------------------------------------
@@ -147,16 +88,16 @@ Case make_case(ProcessGroup& pg, const std::string& op, const std::string& impl,
     c.want = at::cat(parts);
     c.bus_factor = (n - 1.0) / n;
   } else if (op == "all_gather") {
-    c.run = [&pg, x, engine] { return engine ? pg.all_gather(x) : p2p_all_gather(pg, x); };
+    c.run = [&pg, x] { return pg.all_gather(x); };
     std::vector<at::Tensor> parts;
     for (int j = 0; j < n; ++j) parts.push_back(base + j);
     c.want = at::cat(parts);
     c.algbytes *= n;
     c.bus_factor = (n - 1.0) / n;
   } else if (op == "all_reduce") {
-    c.run = [&pg, x, engine] {
+    c.run = [&pg, x] {
       at::Tensor y = x.clone();
-      if (engine) pg.all_reduce(y); else p2p_all_reduce(pg, y);
+      pg.all_reduce(y);
       return y;
     };
     c.want = base * n + n * (n - 1) / 2.0;
@@ -164,8 +105,7 @@ Case make_case(ProcessGroup& pg, const std::string& op, const std::string& impl,
   } else if (op == "reduce_scatter") {
     c.run = [&pg, x, engine] {
       at::Tensor y = x.clone();
-      if (!engine) return p2p_reduce_scatter(pg, y).clone();
-      pg.set_gloo_reduce_scatter(true);  // the engine's own on Gloo too (lvx's default: the ring)
+      pg.set_gloo_reduce_scatter(engine);  // the engine's own on Gloo too (lvx's default: the ring)
       at::Tensor out = pg.reduce_scatter(y).clone();
       pg.set_gloo_reduce_scatter(false);
       return out;
@@ -173,9 +113,9 @@ Case make_case(ProcessGroup& pg, const std::string& op, const std::string& impl,
     c.want = chunk_of(base * n + n * (n - 1) / 2.0, r, n);
     c.bus_factor = (n - 1.0) / n;
   } else {  // broadcast from rank 0
-    c.run = [&pg, x, engine] {
+    c.run = [&pg, x] {
       at::Tensor y = x.clone();
-      if (engine) pg.broadcast(y, 0); else p2p_broadcast(pg, y, 0);
+      pg.broadcast(y, 0);
       return y;
     };
     c.want = base;
@@ -199,7 +139,7 @@ int run_rank(const cli::ArgParser& p) {
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(dev);
   const std::vector<std::string> impls = p.get_list("impl");
   if (r == 0 && !json)
-    std::printf("| op | impl | size | time us | algbw GB/s | busbw GB/s | sent/rank | engine / p2p | "
+    std::printf("| op | impl | size | time us | algbw GB/s | busbw GB/s | sent/rank | p2p / engine time | "
                 "wrong |\n|---|---|---|---|---|---|---|---|---|\n");
   for (const std::string op :
        {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "sendrecv", "all_to_all"}) {
@@ -208,6 +148,8 @@ int run_rank(const cli::ArgParser& p) {
       const int64_t elems = std::max<int64_t>(n, parse_size(size_s) / 4 / n * n);
       std::map<std::string, double> time_of;
       for (const std::string& impl : both ? impls : std::vector<std::string>{"engine"}) {
+        pg->set_collectives(impl == "p2p" ? dist::CollectiveImpl::kP2P
+                                          : dist::CollectiveImpl::kEngine);
         Case c = make_case(*pg, op, impl, elems, opts);
         const at::Tensor got = c.run().cpu();
         const int64_t wrong = got.ne(c.want).sum().item<int64_t>();
@@ -222,13 +164,14 @@ int run_rank(const cli::ArgParser& p) {
           times.push_back(
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
+        pg->set_collectives(dist::CollectiveImpl::kEngine);
         const double secs = slowest_median(*pg, times);
         time_of[impl] = secs;
         const double algbw = c.algbytes / secs / 1e9;
         const double sent = static_cast<double>(pg->counters().total_sent()) / iters;
         const std::string vs =
             impl == "p2p" && time_of.count("engine")
-                ? std::to_string(time_of["engine"] / secs).substr(0, 4)
+                ? std::to_string(secs / time_of["engine"]).substr(0, 4)
                 : "-";
         if (r == 0) {
           if (json) {

@@ -207,6 +207,47 @@ TEST_P(DistOps, EveryOperationExactWithAnalyticBytes) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, DistOps, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
+// LVX_DIST_COLLECTIVES=p2p: the collectives as lvx's rings of messages (collectives_p2p.cpp),
+// exact, every byte counted per message (none formula-counted): all_gather's ring forwards the
+// pieces as they are (rank r sends those of r, r − 1, …, r − w + 2), broadcast is a star.
+LVX_WORKER(p2p_collectives) {
+  auto pg = ProcessGroup::from_env();
+  const int r = pg->rank(), w = pg->world_size();
+  const int64_t cols = 3, fb = 4;
+  pg->counters().reset();
+  std::vector<int64_t> sizes(w);
+  for (int j = 0; j < w; ++j) sizes[j] = 2 * j + 1;
+  at::Tensor got = pg->all_gather(rows(r, sizes[r], cols, 3), sizes);
+  std::vector<at::Tensor> parts;
+  for (int j = 0; j < w; ++j) parts.push_back(rows(j, sizes[j], cols, 3));
+  expect_equal(got, at::cat(parts), "p2p all_gather");
+  int64_t sent = 0;
+  for (int s = 0; s + 1 < w; ++s) sent += sizes[(r - s + w) % w] * cols * fb;
+  expect_bytes(pg->counters().total_sent(), sent, "p2p all_gather sent");
+  at::Tensor i = at::arange(12 * w + 1, at::kFloat);
+  at::Tensor x = i * r + 1;
+  pg->all_reduce(x);
+  expect_equal(x, i * (w * (w - 1) / 2) + w, "p2p all_reduce");
+  at::Tensor y = i * r + 1;
+  const auto [b, e] = lvx::dist::shard_range(i.numel(), w, r);
+  expect_equal(pg->reduce_scatter(y), (i * (w * (w - 1) / 2) + w).narrow(0, b, e - b),
+               "p2p reduce_scatter");
+  pg->counters().reset();
+  at::Tensor t = r == 0 ? rows(0, 3, cols, 4) : at::zeros({3, cols});
+  pg->broadcast(t, 0);
+  expect_equal(t, rows(0, 3, cols, 4), "p2p broadcast");
+  expect_bytes(pg->counters().total_sent(), r == 0 ? (w - 1) * 3 * cols * fb : 0,
+               "p2p broadcast sent (star)");
+  expect_bytes(pg->counters().formula_sent, 0, "p2p: nothing formula-counted");
+  pg->barrier();
+  return g_wrong ? 1 : 0;
+}
+
+TEST(DistOps, PointToPointCollectivesExactAtWorld3) {
+  lvx::testing::expect_all_ok(
+      lvx::testing::run_ranks(3, "p2p_collectives", 120, {{"LVX_DIST_COLLECTIVES", "p2p"}}));
+}
+
 // ---- emulated links (src/dist/emulated_cluster.h) -----------------------------------------
 
 // 4 ranks as 2 emulated nodes: every rank exchanges `bytes` with its partner on the other node at

@@ -5,8 +5,9 @@
 // counted message by message, so each rank counts its share by the formula of the algorithm
 // (process_group.h) and marks it formula-counted (ByteCounters::formula_sent / _received).
 // all_to_all stays lvx's pairwise exchange of point-to-point messages (Ulysses' algorithm), and
-// reduce_scatter on Gloo lvx's ring (Gloo's own sends twice the bytes: reduce_scatter_ring),
-// both counted per message.
+// reduce_scatter on Gloo lvx's ring (Gloo's own sends twice the bytes), both counted per message.
+// With Options::collectives = kP2P every collective runs as lvx's rings of messages
+// (collectives_p2p.cpp).
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <algorithm>
@@ -33,20 +34,6 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 }
 
 using Msgs = std::vector<CountedMessage>;
-
-void reduce_into(at::Tensor dst, const at::Tensor& src, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-      dst.add_(src);
-      break;
-    case ReduceOp::kMax:
-      at::maximum_out(dst, dst, src);
-      break;
-    case ReduceOp::kMin:
-      at::minimum_out(dst, dst, src);
-      break;
-  }
-}
 
 // The ring's volume for chunk bytes `c` (rank order): in each of the n−1 steps rank r sends chunk
 // (r + send_shift − s) to next and receives chunk (r + recv_shift − s) from prev.
@@ -148,6 +135,11 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input, const std::vector<i
   shape[0] = offset[world_size_];
   at::Tensor out = at::empty(shape, input.options());
   if (world_size_ == 1) return out.copy_(input);
+  if (options_.collectives == CollectiveImpl::kP2P) {
+    out.narrow(0, offset[rank_], sizes[rank_]).copy_(input);
+    all_gather_ring(out, offset);
+    return out;
+  }
   // Bytes of one row (dimension 0) of the output.
   const int64_t row_bytes = std::accumulate(shape.begin() + 1, shape.end(), int64_t{1},
                                             std::multiplies<int64_t>()) *
@@ -203,6 +195,7 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input, const std::vector<i
 void ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op) {
   if (world_size_ == 1) return;
   LVX_CHECK(tensor.is_contiguous(), "all_reduce: tensor must be contiguous");
+  if (options_.collectives == CollectiveImpl::kP2P) return all_reduce_ring(tensor, op);
   // The ring: reduce-scatter (send chunk r − s, receive r − s − 1) then all-gather (send
   // r + 1 − s, receive r − s): 2(n−1)/n of the bytes each way.
   const auto c = ring_chunks(tensor.numel(), tensor.element_size(), world_size_);
@@ -243,7 +236,11 @@ at::Tensor ProcessGroup::reduce_scatter(at::Tensor& tensor, const std::vector<in
   LVX_CHECK(off.back() == n, "reduce_scatter: splits sum to ", off.back(), ", the tensor has ", n,
             " elements");
   if (w == 1) return tensor;
-  const bool engine = tensor.is_cuda() ? engine_->nccl != nullptr : options_.gloo_reduce_scatter;
+  // Gloo's reduce_scatter is an all-reduce narrowed to each rank's chunk (measured on this
+  // wheel, 4 ranks, 67 MB: 403 MB on the wire against the ring's 201 MB), so Gloo keeps lvx's
+  // ring unless asked (Options::gloo_reduce_scatter).
+  const bool engine = options_.collectives == CollectiveImpl::kEngine &&
+                      (tensor.is_cuda() ? engine_->nccl != nullptr : options_.gloo_reduce_scatter);
   if (engine) return reduce_scatter_engine(tensor, splits, off, op);
   return reduce_scatter_ring(tensor, splits, off, op);
 }
@@ -274,31 +271,6 @@ at::Tensor ProcessGroup::reduce_scatter_engine(at::Tensor& tensor,
   });
   mine.copy_(result);
   return mine;
-}
-
-// lvx's ring of point-to-point messages, for Gloo: Gloo's reduce_scatter is an all-reduce whose
-// result each rank narrows to its chunk (measured on this wheel, 4 ranks, 67 MB: 403 MB on the
-// wire against the ring's 201 MB), twice the bytes. After w − 1 steps rank r holds the full
-// reduction of chunk r: in step s it sends its partial of chunk r − s − 1 and adds prev's
-// partial of chunk r − s − 2 (the input is reduced into in place).
-at::Tensor ProcessGroup::reduce_scatter_ring(at::Tensor& tensor, const std::vector<int64_t>& splits,
-                                             const std::vector<int64_t>& off, ReduceOp op) {
-  const int w = world_size_;
-  auto chunk = [&](int c) {
-    return tensor.narrow(0, off[static_cast<size_t>(c)], splits[static_cast<size_t>(c)]);
-  };
-  at::Tensor tmp = at::empty({*std::max_element(splits.begin(), splits.end())}, tensor.options());
-  for (int s = 0; s + 1 < w; ++s) {
-    const int send_c = (rank_ - s - 1 + 2 * w) % w;
-    const int recv_c = (rank_ - s - 2 + 3 * w) % w;
-    at::Tensor dst = chunk(recv_c);
-    at::Tensor buf = tmp.narrow(0, 0, dst.numel());
-    batch_isend_irecv({P2POp::send(chunk(send_c), next()), P2POp::recv(buf, prev())},
-                      "reduce_scatter")
-        .wait();
-    reduce_into(dst, buf, op);
-  }
-  return chunk(rank_);
 }
 
 at::Tensor ProcessGroup::all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_splits,
@@ -338,6 +310,7 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
             world_size_, ")");
   if (world_size_ == 1) return;
   LVX_CHECK(tensor.is_contiguous(), "broadcast: tensor must be contiguous");
+  if (options_.collectives == CollectiveImpl::kP2P) return broadcast_star(tensor, root);
   const bool nccl = tensor.is_cuda() && engine_->nccl != nullptr;
   run_collective("broadcast", tensor, broadcast_volume(nbytes(tensor), root, nccl),
                  [&](c10d::Backend& e, at::Tensor& t) {

@@ -61,6 +61,13 @@ Options options_from_env() {
               "' must be ring (lvx's ring of messages, the default) or engine (Gloo's own)");
     o.gloo_reduce_scatter = v == "engine";
   }
+  if (const char* c = std::getenv("LVX_DIST_COLLECTIVES")) {
+    const std::string v = c;
+    LVX_CHECK(v == "engine" || v == "p2p", "LVX_DIST_COLLECTIVES='", v,
+              "' must be engine (the engines' own collectives, the default) or p2p (lvx's rings "
+              "of point-to-point messages)");
+    o.collectives = v == "p2p" ? CollectiveImpl::kP2P : CollectiveImpl::kEngine;
+  }
   return o;
 }
 

@@ -104,6 +104,11 @@ struct ByteCounters {
   void reset();
 };
 
+// How ProcessGroup's collectives run: on the engines' own algorithms (collectives.cpp), or as
+// lvx's rings of point-to-point messages (collectives_p2p.cpp: the algorithms lvx ran before,
+// the reference bench_comm and bench_finetune time the engines against, and a fallback).
+enum class CollectiveImpl { kEngine, kP2P };
+
 struct Options {
   // Upper bound on any single wait; a dead or silent peer fails the operation within this.
   std::chrono::milliseconds timeout{60000};
@@ -113,10 +118,12 @@ struct Options {
   // Off by default: Gloo's reduce_scatter is an all-reduce narrowed to each rank's chunk, twice
   // the ring's bytes (bench_comm measures both).
   bool gloo_reduce_scatter = false;
+  CollectiveImpl collectives = CollectiveImpl::kEngine;
 };
 
-// Reads LVX_DIST_TIMEOUT_S (seconds) into Options::timeout and LVX_GLOO_REDUCE_SCATTER
-// (ring | engine) into Options::gloo_reduce_scatter when set.
+// Reads LVX_DIST_TIMEOUT_S (seconds) into Options::timeout, LVX_GLOO_REDUCE_SCATTER
+// (ring | engine) into Options::gloo_reduce_scatter and LVX_DIST_COLLECTIVES (engine | p2p)
+// into Options::collectives when set.
 Options options_from_env();
 
 enum class ReduceOp { kSum, kMax, kMin };
@@ -249,6 +256,8 @@ class ProcessGroup {
   // Options::gloo_reduce_scatter, switched after construction (bench_comm times both). Every
   // rank must switch it at the same point.
   void set_gloo_reduce_scatter(bool engine) { options_.gloo_reduce_scatter = engine; }
+  // Options::collectives, switched after construction, likewise.
+  void set_collectives(CollectiveImpl impl) { options_.collectives = impl; }
 
  private:
   friend class Work;
@@ -279,6 +288,11 @@ class ProcessGroup {
                                    const std::vector<int64_t>& off, ReduceOp op);
   at::Tensor reduce_scatter_ring(at::Tensor& tensor, const std::vector<int64_t>& splits,
                                  const std::vector<int64_t>& off, ReduceOp op);
+  // The other collectives as rings of messages (collectives_p2p.cpp). all_gather_ring fills
+  // `out` (this rank's piece already in place; piece j at rows [offset[j], offset[j+1])).
+  void all_reduce_ring(at::Tensor& tensor, ReduceOp op);
+  void all_gather_ring(at::Tensor& out, const std::vector<int64_t>& offset);
+  void broadcast_star(at::Tensor& tensor, int root);
   void linger_for_peers();  // store host only: see ~ProcessGroup
   RendezvousInfo info_;
   Options options_;
