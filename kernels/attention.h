@@ -35,6 +35,8 @@
 //     fp64 numbers are taken through; ATen's CPU op accepts fp64 too, its CUDA ops do not),
 //     empty blocks on CUDA, and any dtype with LVX_CPU_ATTENTION=kernel (CPU,
 //     attention_{fwd,bwd}_cpu.cpp) or LVX_CUDA_ATTENTION=kernel (CUDA, attention_{fwd,bwd}.cu).
+//   On CPU, which path serves a block is chosen per shape from `lvx calibrate`'s measurement of
+//     the fused and GEMM paths (kernels/cpu_path.h).
 // The CPU kernel never materializes more than one tile of scores per thread, so 1k queries
 // against 1M keys run in a few GB; tiles whose every entry is masked are skipped.
 #pragma once

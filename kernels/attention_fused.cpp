@@ -3,8 +3,9 @@
 // kernels/attention_fused.h). The CPU table calls at::_scaled_dot_product_flash_attention_for_cpu
 // and its backward for bf16/fp16/fp32 (FlashAttention-2 tiling, Dao 2023, Alg. 1/2; it returns
 // the natural-log lse in fp32, and its backward takes the final global O and lse, which is the
-// ring backward's contract, NOTES.md §7.2); fp64 and LVX_CPU_ATTENTION=kernel stay on lvx's own
-// kernels (attention_{fwd,bwd}_cpu.cpp). The CUDA table is attention_fused_cuda.cpp.
+// ring backward's contract, NOTES.md §7.2); which CPU path serves a block (fused, lvx's GEMM
+// path, lvx's own kernels for fp64 or when chosen) is kernels/cpu_path.h's choice. The CUDA table
+// is attention_fused_cuda.cpp.
 #include "kernels/attention_fused.h"
 
 #include <ATen/Parallel.h>
@@ -17,6 +18,8 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/attention_gemm.h"
+#include "kernels/cpu_path.h"
 #include "kernels/mask.h"
 #include "kernels/registry.h"
 
@@ -269,11 +272,7 @@ const FusedOps& cpu_fused_ops() {
 }
 
 bool cpu_uses_fused_path(at::ScalarType dtype) {
-  static const bool kernel = [] {
-    const char* e = std::getenv("LVX_CPU_ATTENTION");
-    return e != nullptr && std::string(e) == "kernel";
-  }();
-  return dtype != at::kDouble && !kernel;
+  return cpu_attention_path(dtype, 1, 1) == CpuPath::kFused;
 }
 
 AttentionOutput attention_forward_fused(const FusedOps& ops, const at::Tensor& q,
@@ -396,9 +395,15 @@ AttentionGrads attention_backward_fused(const FusedOps& ops, const at::Tensor& q
 AttentionOutput attention_forward_dispatch_cpu(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, double scale,
                                                const AttentionMask& mask, AttentionStats* stats) {
-  return cpu_uses_fused_path(q.scalar_type())
-             ? attention_forward_fused(cpu_fused_ops(), q, k, v, scale, mask, stats)
-             : attention_forward_cpu(q, k, v, scale, mask, stats);
+  switch (cpu_attention_path(q.scalar_type(), q.size(1), k.size(1))) {
+    case CpuPath::kFused:
+      return attention_forward_fused(cpu_fused_ops(), q, k, v, scale, mask, stats);
+    case CpuPath::kGemm:
+      return attention_forward_gemm(q, k, v, scale, mask, stats);
+    case CpuPath::kKernel:
+      break;
+  }
+  return attention_forward_cpu(q, k, v, scale, mask, stats);
 }
 
 AttentionGrads attention_backward_dispatch_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -406,10 +411,16 @@ AttentionGrads attention_backward_dispatch_cpu(const at::Tensor& q, const at::Te
                                                const at::Tensor& lse, const at::Tensor& delta,
                                                double scale, const AttentionMask& mask,
                                                AttentionStats* stats) {
-  return cpu_uses_fused_path(q.scalar_type())
-             ? attention_backward_fused(cpu_fused_ops(), q, k, v, dout, lse, delta, scale, mask,
-                                        stats)
-             : attention_backward_cpu(q, k, v, dout, lse, delta, scale, mask, stats);
+  switch (cpu_attention_path(q.scalar_type(), q.size(1), k.size(1))) {
+    case CpuPath::kFused:
+      return attention_backward_fused(cpu_fused_ops(), q, k, v, dout, lse, delta, scale, mask,
+                                      stats);
+    case CpuPath::kGemm:
+      return attention_backward_gemm(q, k, v, dout, lse, delta, scale, mask, stats);
+    case CpuPath::kKernel:
+      break;
+  }
+  return attention_backward_cpu(q, k, v, dout, lse, delta, scale, mask, stats);
 }
 
 }  // namespace lvx::kernels

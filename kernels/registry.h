@@ -53,9 +53,11 @@ AttentionGrads attention_backward_cpu(const at::Tensor& q, const at::Tensor& k, 
                                       const AttentionMask& mask, AttentionStats* stats);
 void merge_attention_states_cpu(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Tensor& o_new,
                                 const at::Tensor& lse_new);
-// kernels/attention_fused.cpp: the CPU entry. bf16/fp16/fp32 go to the fused plan
-// (kernels/attention_fused.h) on at::_scaled_dot_product_flash_attention_for_cpu, fp64 (and
-// every dtype with LVX_CPU_ATTENTION=kernel) to lvx's own kernels above.
+// kernels/attention_fused.cpp: the CPU entry. Each block goes where kernels/cpu_path.h says:
+// bf16/fp16/fp32 to the fused plan (kernels/attention_fused.h) on
+// at::_scaled_dot_product_flash_attention_for_cpu by default, or to the GEMM path; fp64 (and any
+// dtype with LVX_CPU_ATTENTION=kernel) to lvx's own kernels above. cpu_uses_fused_path: whether
+// a block of this dtype takes the fused plan when no per-shape choice applies.
 bool cpu_uses_fused_path(at::ScalarType dtype);
 AttentionOutput attention_forward_dispatch_cpu(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, double scale,

@@ -6,9 +6,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 
 #include "kernels/attention.h"
 #include "kernels/attention_gemm.h"
+#include "kernels/cpu_path.h"
 
 namespace lvx::kernels {
 namespace {
@@ -155,3 +157,27 @@ TEST(AttentionGemmPlan, InvisibleChunksAreSkippedAndFullOnesBuildNoMask) {
 
 }  // namespace
 }  // namespace lvx::kernels
+
+// The CPU path per block shape (kernels/cpu_path.h): the choice measured at the nearest aspect
+// ratio (log scale) serves a block, and a GEMM-path block equals the fused path's to fp32
+// rounding (the same attention, another order of summation).
+TEST(CpuAttentionPath, NearestMeasuredRatioServesTheBlock) {
+  using lvx::kernels::CpuPath;
+  if (std::getenv("LVX_CPU_ATTENTION")) GTEST_SKIP() << "LVX_CPU_ATTENTION overrides the choice";
+  EXPECT_EQ(lvx::kernels::cpu_attention_path(at::kFloat, 100, 10000), CpuPath::kFused);
+  lvx::kernels::set_cpu_attention_choices({{1, CpuPath::kFused}, {64, CpuPath::kGemm}});
+  EXPECT_EQ(lvx::kernels::cpu_attention_path(at::kFloat, 1000, 1000), CpuPath::kFused);
+  EXPECT_EQ(lvx::kernels::cpu_attention_path(at::kFloat, 100, 1000), CpuPath::kGemm);  // 10: 64
+  EXPECT_EQ(lvx::kernels::cpu_attention_path(at::kFloat, 1000, 300), CpuPath::kFused);
+  EXPECT_EQ(lvx::kernels::cpu_attention_path(at::kDouble, 100, 10000), CpuPath::kKernel);
+  at::manual_seed(3);
+  const at::Tensor q = at::randn({1, 16, 2, 8}), k = at::randn({1, 256, 2, 8});
+  const at::Tensor v = at::randn({1, 256, 2, 8});
+  const lvx::kernels::AttentionParams params;
+  const auto gemm = lvx::kernels::attention_forward(q, k, v, params);  // ratio 16: gemm
+  lvx::kernels::set_cpu_attention_choices({});
+  const auto fused = lvx::kernels::attention_forward(q, k, v, params);
+  EXPECT_LT((gemm.o - fused.o).abs().max().item<double>(), 1e-5);
+  EXPECT_LT((gemm.lse - fused.lse).abs().max().item<double>(), 1e-5);
+}
+

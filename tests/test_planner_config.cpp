@@ -190,6 +190,22 @@ TEST(PlannerConfig, CalibrateOutputRoundTrips) {
   EXPECT_NEAR(d.attention_for("bf16").forward_flops, 180e12, 1e9);
   EXPECT_NEAR(d.intra_node.bandwidth_bytes_per_s, 64e9, 1e5);
   EXPECT_NEAR(d.inter_node.latency_s, 20e-6, 1e-10);
+  EXPECT_TRUE(d.cpu_attention.empty());
+  // calibrate's per-shape CPU path choice survives the round trip; a bad path is named.
+  c.cpu_attention = {{1, "fused", 10.5, 25}, {64, "gemm", 30, 20}};
+  d = load_cluster_config(write_temp("rt2.yaml", cluster_config_yaml(c, "cpu")));
+  ASSERT_EQ(d.cpu_attention.size(), 2u);
+  EXPECT_EQ(d.cpu_attention[1].path, "gemm");
+  EXPECT_DOUBLE_EQ(d.cpu_attention[1].skv_over_sq, 64);
+  EXPECT_DOUBLE_EQ(d.cpu_attention[0].gemm_ms, 25);
+  c.cpu_attention = {{8, "magic"}};
+  const std::string bad = write_temp("rt3.yaml", cluster_config_yaml(c, "bad"));
+  try {
+    load_cluster_config(bad);
+    ADD_FAILURE() << "a bad cpu_attention path was accepted";
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cpu_attention[0].path"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -77,6 +77,26 @@ int comm_worker(const std::string& out, int64_t max_bytes, int64_t intra_max_byt
   return 0;
 }
 
+// The CPU attention path per block shape (kernels/cpu_path.h): the fused and GEMM paths timed
+// forward+backward on square, 8:1 and 64:1 blocks of the same size (a self-attention block, a
+// cross block, a few queries against many keys), with one rank's threads; the faster per shape.
+std::vector<lvx::planner::CpuAttentionChoice> choose_cpu_attention(const lvx::cli::ArgParser& p,
+                                                                   int nproc, std::ostream& log) {
+  const int threads = p.get("threads") != "auto"
+                          ? static_cast<int>(p.get_int("threads", 1, 4096))
+                          : static_cast<int>(std::max<long>(1, lvx::cli::available_cores() / nproc));
+  std::cerr << "calibrate: timing the CPU attention paths (fused, GEMM) per block shape\n";
+  const auto samples = lvx::planner::measure_cpu_paths({{1024, 1024}, {512, 4096}, {128, 8192}},
+                                                       p.get_int("heads"), p.get_int("head-dim"),
+                                                       2, threads);
+  const auto choices = lvx::planner::choose_cpu_paths(samples);
+  for (size_t i = 0; i < samples.size(); ++i)
+    log << "cpu attention " << samples[i].sq << " x " << samples[i].skv << " (fwd+bwd): fused "
+        << samples[i].fused_s * 1e3 << " ms, gemm " << samples[i].gemm_s * 1e3 << " ms: "
+        << choices[i].path << "\n";
+  return choices;
+}
+
 // The link a pair sweep measured: per flow from the samples, times the flows that shared it.
 lvx::planner::Link fitted(const nlohmann::json& j) {
   auto link = lvx::planner::fit_link(j["sizes"].get<std::vector<int64_t>>(),
@@ -176,6 +196,7 @@ int cmd_calibrate(int argc, char** argv) {
         << a.forward_masked_tile_s * 1e6 << " / " << a.backward_masked_tile_s * 1e6
         << " us (forward / backward)\n";
   }
+  if (!dev.is_cuda()) c.cpu_attention = choose_cpu_attention(p, nproc, log);
   if (dev.is_cuda()) {
 #ifdef LVX_WITH_CUDA
     const cudaDeviceProp* prop = at::cuda::getDeviceProperties(dev.index());

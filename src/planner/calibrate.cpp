@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "kernels/attention.h"
+#include "kernels/cpu_path.h"
 #include "kernels/registry.h"
 #include "src/common/error.h"
 
@@ -41,6 +42,42 @@ double median_time(const at::Device& device, int reps, F fn) {
 }
 
 }  // namespace
+
+std::vector<CpuPathSample> measure_cpu_paths(const std::vector<std::pair<int64_t, int64_t>>& shapes,
+                                             int64_t heads, int64_t d, int reps, int threads) {
+  const int old_threads = at::get_num_threads();
+  if (threads > 0) at::set_num_threads(threads);
+  at::manual_seed(0);
+  const at::Device cpu(at::kCPU);
+  const kernels::AttentionParams params;
+  auto timed = [&](kernels::CpuPath path, const at::Tensor& q, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& dout) {
+    kernels::set_cpu_attention_choices({{1.0, path}});
+    return median_time(cpu, reps, [&] {
+      const kernels::AttentionOutput o = kernels::attention_forward(q, k, v, params);
+      kernels::attention_backward(q, k, v, dout, o.lse, kernels::attention_delta(dout, o.o),
+                                  params);
+    });
+  };
+  std::vector<CpuPathSample> out;
+  for (const auto& [sq, skv] : shapes) {
+    const at::Tensor q = at::randn({1, sq, heads, d}), dout = at::randn({1, sq, heads, d});
+    const at::Tensor k = at::randn({1, skv, heads, d}), v = at::randn({1, skv, heads, d});
+    out.push_back({sq, skv, timed(kernels::CpuPath::kFused, q, k, v, dout),
+                   timed(kernels::CpuPath::kGemm, q, k, v, dout)});
+  }
+  kernels::set_cpu_attention_choices({});
+  at::set_num_threads(old_threads);
+  return out;
+}
+
+std::vector<CpuAttentionChoice> choose_cpu_paths(const std::vector<CpuPathSample>& samples) {
+  std::vector<CpuAttentionChoice> out;
+  for (const CpuPathSample& s : samples)
+    out.push_back({static_cast<double>(s.skv) / static_cast<double>(s.sq),
+                   s.gemm_s < s.fused_s ? "gemm" : "fused", s.fused_s * 1e3, s.gemm_s * 1e3});
+  return out;
+}
 
 ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& device, int64_t s,
                                     int64_t heads, int64_t d, int64_t gemm_n, int reps, int threads,

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "src/dist/process_group.h"
@@ -30,6 +31,19 @@ struct ThroughputSample {
 ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& device, int64_t s,
                                     int64_t heads, int64_t d, int64_t gemm_n, int reps,
                                     int threads = 0, double share = 1.0);
+
+// The forward+backward time of one block of sq × skv on the CPU's fused and GEMM paths
+// (kernels/cpu_path.h), for choosing per shape.
+struct CpuPathSample {
+  int64_t sq = 0, skv = 0;
+  double fused_s = 0, gemm_s = 0;
+};
+// Times both paths at each (sq, skv) with `heads` heads of `d`, fp32, `threads` intra-op threads,
+// median of `reps` after a warm-up. The process-wide choice is restored afterwards.
+std::vector<CpuPathSample> measure_cpu_paths(const std::vector<std::pair<int64_t, int64_t>>& shapes,
+                                             int64_t heads, int64_t d, int reps, int threads);
+// Per measured aspect ratio, the faster path (ties to fused).
+std::vector<CpuAttentionChoice> choose_cpu_paths(const std::vector<CpuPathSample>& samples);
 
 // The per-call / per-tile / throughput model of a kernel call, time = c + T·H·t + k·Sq·Sk·H·d /
 // rate (T: tiles of the CPU kernels' grid, k: 4 forward, 10 backward), fitted exactly to three

@@ -79,6 +79,18 @@ ClusterConfig load_cluster_config(const std::string& path) {
   gemm.finish();
   c.intra_node = read_link(root.get_map("intra_node"));
   c.inter_node = read_link(root.get_map("inter_node"));
+  if (root.has("cpu_attention"))
+    for (const YamlMap& e : root.get_map_list("cpu_attention")) {
+      CpuAttentionChoice ch;
+      ch.skv_over_sq = e.get_double("skv_over_sq");
+      ch.path = e.get_string("path");
+      LVX_CHECK(ch.path == "fused" || ch.path == "gemm" || ch.path == "kernel", e.where("path"),
+                ": expected fused, gemm or kernel, got '", ch.path, "'");
+      if (e.has("fused_ms")) ch.fused_ms = e.get_double("fused_ms");
+      if (e.has("gemm_ms")) ch.gemm_ms = e.get_double("gemm_ms");
+      e.finish();
+      c.cpu_attention.push_back(ch);
+    }
   root.finish();
   return c;
 }
@@ -118,6 +130,14 @@ std::string cluster_config_yaml(const ClusterConfig& c, const std::string& comme
   };
   link("intra_node", c.intra_node);
   link("inter_node", c.inter_node);
+  if (!c.cpu_attention.empty()) {
+    os << "cpu_attention:  # per block aspect ratio, the faster CPU path measured (kernels/cpu_path.h)\n";
+    for (const CpuAttentionChoice& ch : c.cpu_attention) {
+      os << "  - {skv_over_sq: " << ch.skv_over_sq << ", path: " << ch.path;
+      if (ch.fused_ms > 0) os << ", fused_ms: " << ch.fused_ms << ", gemm_ms: " << ch.gemm_ms;
+      os << "}\n";
+    }
+  }
   return os.str();
 }
 

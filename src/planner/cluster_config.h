@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace lvx::planner {
 
@@ -34,6 +35,14 @@ struct Link {
   double sync_s = 0;
 };
 
+// `lvx calibrate`'s choice of CPU attention path for blocks of one aspect ratio Skv/Sq
+// (kernels/cpu_path.h), with the forward+backward times it measured (ms; 0 when not given).
+struct CpuAttentionChoice {
+  double skv_over_sq = 1;
+  std::string path = "fused";  // fused | gemm | kernel
+  double fused_ms = 0, gemm_ms = 0;
+};
+
 // Bounds on what a cluster config may describe (a larger value is an error naming the field).
 constexpr int64_t kMaxClusterGpus = 4096;
 constexpr double kMaxDeviceMemoryGib = 1 << 20;
@@ -48,6 +57,7 @@ struct ClusterConfig {
   std::map<std::string, double> gemm_flops;              // dense matmul FLOP/s by dtype
   Link intra_node;
   Link inter_node;
+  std::vector<CpuAttentionChoice> cpu_attention;  // optional (cpu_attention:), CPU configs only
 
   int64_t world_size() const { return gpus_per_node * nodes; }
   // Errors name the config and the missing dtype.

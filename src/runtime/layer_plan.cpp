@@ -4,6 +4,7 @@
 #include <sstream>
 #include <vector>
 
+#include "kernels/cpu_path.h"
 #include "src/common/error.h"
 #include "src/planner/cluster_config.h"
 #include "src/planner/planner.h"
@@ -58,6 +59,16 @@ std::vector<PlannerLayerSlot> planner_layer_slots(const models::Model& model,
   return slots;
 }
 
+// The CPU attention path per block shape that `lvx calibrate` measured into the config
+// (kernels/cpu_path.h); nothing when the config has none (GPU configs, nominal ones).
+void apply_cpu_attention(const planner::ClusterConfig& cluster) {
+  if (cluster.cpu_attention.empty()) return;
+  std::vector<kernels::CpuPathChoice> choices;
+  for (const planner::CpuAttentionChoice& c : cluster.cpu_attention)
+    choices.push_back({c.skv_over_sq, kernels::cpu_path_from_name(c.path, "cpu_attention.path")});
+  kernels::set_cpu_attention_choices(std::move(choices));
+}
+
 // auto: the planner's per-layer choice for this input on the cluster config; without one,
 // lv_xattn for cross layers and ring for self layers.
 models::Parallel planned_strategies(const models::Model& model, const at::Tensor& input_ids,
@@ -79,7 +90,9 @@ models::Parallel planned_strategies(const models::Model& model, const at::Tensor
   w.ranks = world;
   w.dtype = req.dtype;
   w.train = req.train;
-  const planner::Plan plan = planner::plan(m, planner::load_cluster_config(req.cluster), w);
+  const planner::ClusterConfig cluster = planner::load_cluster_config(req.cluster);
+  apply_cpu_attention(cluster);
+  const planner::Plan plan = planner::plan(m, cluster, w);
   // Each of the planner's layers is one attention of a decoder layer (Model::layer_attentions).
   std::vector<planner::LayerKind> kinds;
   for (const planner::LayerPlan& l : plan.layers) kinds.push_back(l.work.kind);
