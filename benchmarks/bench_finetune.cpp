@@ -15,6 +15,9 @@
 // predicted memory for all ranks exceeds --host-gib are skipped (named).
 //   bench_finetune --memory --hidden 1024 --layers 32 [--frames 8] [--steps 3]
 //                  [--worlds 1,2,3,4] [--stages none,optimizer,gradients] [--host-gib 18]
+//                  [--collectives engine,p2p]
+// With --collectives engine,p2p each run is made twice, the collectives on the engines' own
+// algorithms and as lvx's rings of point-to-point messages, and the samples/s ratio printed.
 #include <unistd.h>
 
 #include <algorithm>
@@ -81,71 +84,101 @@ nlohmann::json last_metrics(const std::string& ck) {
   return last;
 }
 
+// One row of --memory: the model, its parameter counts, and the run's settings.
+struct MemoryCase {
+  planner::ModelConfig m;
+  planner::ParamCounts counts;
+  std::string stage;  // a parallel.shard value, or "lora" (lora.r=16, shard none)
+  int ranks = 1;
+  int64_t frames = 0;
+  planner::TrainMemoryOptions options() const {
+    planner::TrainMemoryOptions o;
+    o.shard = stage == "lora" ? "none" : stage;
+    o.lora_r = stage == "lora" ? 16 : 0;
+    o.ranks = ranks;
+    o.elem_bytes = 4;
+    return o;
+  }
+  // sharded_state.h at one sample per step: none 2(n−1)/n·4Ψ (all-reduce); stages 1 and 2
+  // (n−1)/n·4Ψ reduce-scatter + (n−1)/n·4Ψ parameter all-gather, the same volume; stage 3 the
+  // reduce-scatter and every unit gathered for the forward, all but the root and the last layer
+  // again for the backward (the measured adds uneven chunks and the norm's all-reduce).
+  double formula_bytes() const {
+    const double psi = stage == "lora" ? static_cast<double>(planner::lora_parameters(m, 16))
+                                       : static_cast<double>(counts.trainable);
+    const double f = (ranks - 1.0) / ranks;
+    return stage == "parameters"
+               ? f * 4 * (3 * psi - static_cast<double>(counts.root + counts.max_block))
+               : 2 * f * 4 * psi;
+  }
+};
+
+// Runs one case with the collectives `impl` (engine, or p2p: LVX_DIST_COLLECTIVES=p2p, lvx's
+// rings of messages as before the engines' own, src/dist/collectives_p2p.cpp), prints its row,
+// returns its samples/s. `engine_sps` > 0: the same case's samples/s on the engines, for the ratio.
+double memory_row(const MemoryCase& c, const std::string& impl, double engine_sps,
+                  const std::string& lvx) {
+  const double gib = double(int64_t{1} << 30);
+  const std::string ck = "ck_mem_" + c.stage + std::to_string(c.ranks);
+  fs::remove_all(ck);
+  run((impl == "p2p" ? "LVX_DIST_COLLECTIVES=p2p " : "") + lvx +
+      " finetune --config run.yaml checkpoint.dir=" + ck +
+      " parallel.nproc=" + std::to_string(c.ranks) +
+      (c.stage == "lora" ? std::string(" lora.r=16") : " parallel.shard=" + c.stage));
+  const nlohmann::json j = last_metrics(ck);
+  fs::remove_all(ck);
+  const double measured =
+      j.at("peak_rss_bytes").get<double>() - j.at("base_rss_bytes").get<double>();
+  const planner::TrainMemory t = planner::train_memory(
+      c.m, c.counts, c.frames, j.at("tokens").get<int64_t>(), c.m.visual_tokens_per_frame,
+      c.options(), 0);
+  const double sps = j.at("samples_per_second").get<double>();
+  const std::string vs =
+      engine_sps > 0 ? std::to_string(engine_sps / sps).substr(0, 4) + "x" : "-";
+  std::printf("| %s | %d | %s | %.3f | %s | %.2f | %.2f | %.3f | %.4g | %.4g |\n",
+              c.stage.c_str(), c.ranks, impl.c_str(), sps, vs.c_str(), measured / gib,
+              t.total / gib, measured / t.total, j.at("state_bytes_sent").get<double>(),
+              c.formula_bytes());
+  std::fflush(stdout);
+  return sps;
+}
+
 int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string& lvx) {
   const std::string model_dir = (dir / "model").string();
-  const planner::ModelConfig m = runtime::planner_model(model_dir);
-  const planner::ParamCounts counts = runtime::count_parameters(model_dir, m, "vision");
+  MemoryCase c;
+  c.m = runtime::planner_model(model_dir);
+  c.counts = runtime::count_parameters(model_dir, c.m, "vision");
+  c.frames = p.get_int("frames");
   const double gib = double(int64_t{1} << 30);
   std::printf(
       "mPLUG-Owl3 (random) hidden %s, %s layers: %.3f B parameters, %.3f B train "
       "(freeze vision), fp32; %s frames/sample, %s steps\n\n",
-      p.get("hidden").c_str(), p.get("layers").c_str(), counts.total / 1e9, counts.trainable / 1e9,
-      p.get("frames").c_str(), p.get("steps").c_str());
+      p.get("hidden").c_str(), p.get("layers").c_str(), c.counts.total / 1e9,
+      c.counts.trainable / 1e9, p.get("frames").c_str(), p.get("steps").c_str());
   std::printf(
-      "| shard | ranks | samples/s | peak RSS/rank GiB (measured) | predicted GiB | "
-      "measured/predicted | state bytes/step/rank | formula |\n"
-      "|---|---|---|---|---|---|---|---|\n");
+      "| shard | ranks | collectives | samples/s | engine over p2p | peak RSS/rank GiB (measured) | "
+      "predicted GiB | measured/predicted | state bytes/step/rank | formula |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n");
   const double host = p.get_double("host-gib") * gib;
-  for (const std::string& stage : p.get_list("stages")) {
+  for (const std::string& stage : p.get_list("stages"))
     for (const std::string& ws : p.get_list("worlds")) {
-      const int w = std::stoi(ws);
-      // "lora": a rank-16 adapter on every LM linear layer (lora.r=16), parallel.shard none.
-      const bool lora = stage == "lora";
-      planner::TrainMemoryOptions o;
-      o.shard = lora ? "none" : stage;
-      o.lora_r = lora ? 16 : 0;
-      o.ranks = w;
-      o.elem_bytes = 4;
-      const int64_t frames = p.get_int("frames");
-      // Text tokens of the prompt: read back from the run; estimate to decide skipping.
-      const double guess =
-          planner::train_memory(m, counts, frames, frames + 64, m.visual_tokens_per_frame, o, 0)
-              .total;
-      if (guess * w > host) {
-        std::printf("| %s | %d | skipped: %.1f GiB predicted for %d ranks > --host-gib |||||\n",
-                    stage.c_str(), w, guess * w / gib, w);
-        std::fflush(stdout);
+      c.stage = stage;
+      c.ranks = std::stoi(ws);
+      // Text tokens of the prompt are read back from the run; estimated to decide skipping.
+      const double guess = planner::train_memory(c.m, c.counts, c.frames, c.frames + 64,
+                                                 c.m.visual_tokens_per_frame, c.options(), 0)
+                               .total;
+      if (guess * c.ranks > host) {
+        std::printf("| %s | %d | skipped: %.1f GiB predicted for %d ranks > --host-gib |||||||\n",
+                    stage.c_str(), c.ranks, guess * c.ranks / gib, c.ranks);
         continue;
       }
-      const std::string ck = "ck_mem_" + stage + ws;
-      fs::remove_all(ck);
-      run(lvx + " finetune --config run.yaml checkpoint.dir=" + ck + " parallel.nproc=" + ws +
-          (lora ? std::string(" lora.r=16") : " parallel.shard=" + stage));
-      const nlohmann::json j = last_metrics(ck);
-      const int64_t tokens = j.at("tokens").get<int64_t>();
-      const double measured =
-          j.at("peak_rss_bytes").get<double>() - j.at("base_rss_bytes").get<double>();
-      const planner::TrainMemory t =
-          planner::train_memory(m, counts, frames, tokens, m.visual_tokens_per_frame, o, 0);
-      // sharded_state.h at one sample per step: none 2(n−1)/n·4Ψ (all-reduce); stages 1 and 2
-      // (n−1)/n·4Ψ reduce-scatter + (n−1)/n·4Ψ parameter all-gather, the same volume; stage 3
-      // the reduce-scatter and every unit gathered for the forward, all but the root and the
-      // last layer again for the backward (the measured adds uneven chunks and the norm's
-      // all-reduce).
-      const double psi = lora ? static_cast<double>(planner::lora_parameters(m, 16))
-                              : static_cast<double>(counts.trainable),
-                   f = (w - 1.0) / w;
-      const double formula =
-          stage == "parameters"
-              ? f * 4 * (3 * psi - static_cast<double>(counts.root + counts.max_block))
-              : 2 * f * 4 * psi;
-      std::printf("| %s | %d | %.3f | %.2f | %.2f | %.3f | %.4g | %.4g |\n", stage.c_str(), w,
-                  j.at("samples_per_second").get<double>(), measured / gib, t.total / gib,
-                  measured / t.total, j.at("state_bytes_sent").get<double>(), formula);
-      std::fflush(stdout);
-      fs::remove_all(ck);
+      double engine_sps = 0;
+      for (const std::string& impl : p.get_list("collectives")) {
+        const double sps = memory_row(c, impl, impl == "p2p" ? engine_sps : 0, lvx);
+        if (impl == "engine") engine_sps = sps;
+      }
     }
-  }
   return 0;
 }
 
@@ -163,6 +196,9 @@ int bench(int argc, char** argv) {
   p.add_option("stages", 0, "none,optimizer,gradients,parameters",
                "--memory: parallel.shard values, and lora (lora.r=16)");
   p.add_option("host-gib", 0, "18", "--memory: skip runs predicted to need more host memory");
+  p.add_option("collectives", 0, "engine",
+               "--memory: engine (the engines' own collectives) and/or p2p (lvx's rings of\n"
+               "messages, LVX_DIST_COLLECTIVES=p2p), side by side per stage and rank count");
   if (!p.parse(argc, argv)) return 0;
   const bool memory = p.flag("memory");
   const fs::path dir =
