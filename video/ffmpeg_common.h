@@ -58,7 +58,9 @@ UniqueAVFrame make_av_frame();
 UniqueAVPacket make_av_packet();
 
 // Opens `path` and reads its stream info. Throws lvx::Error naming the file and FFmpeg's reason
-// ("No such file or directory", "Invalid data found when processing input", ...).
+// ("No such file or directory", "Invalid data found when processing input", ...). Only the file
+// protocol and an allow-list of video and image demuxers (kDemuxers in ffmpeg_common.cpp): a
+// playlist, concat list or SDP file is refused, never followed.
 UniqueAVFormatContext open_input(const std::string& path);
 
 // pts in stream time base → seconds.

@@ -2,10 +2,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
 
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/device.h"
 #include "src/runtime/qa_job.h"
@@ -13,23 +15,16 @@
 
 namespace {
 
-int cmd_serve(int argc, char** argv) {
-  lvx::cli::ArgParser p(
-      "lvx serve --model DIR [--nproc N] [--host 127.0.0.1] [--port 8000] [--api-key K]\n"
-      "          [--cache-bytes B] [--allowed-local-media-path DIR] [--max-queue Q]",
-      "Serves questions about videos with the OpenAI chat-completions API (POST\n"
-      "/v1/chat/completions, GET /v1/models, /health, /metrics). Every rank holds the model and\n"
-      "its share of each request's frames, as lvx qa runs one question; each rank keeps its\n"
-      "share of each video's encoded frames (--cache-bytes per rank), so a repeated question\n"
-      "about a video decodes and encodes nothing. Requests run one at a time across the ranks;\n"
-      "up to --max-queue wait (429 beyond). SIGTERM finishes the requests in flight and exits\n"
-      "0; a rank that dies makes the server answer 503 and exit non-zero.\n"
-      "Request extensions: num_frames | fps, start, end (seconds), video_id (cache key).");
+void add_serve_options(lvx::cli::ArgParser& p) {
   p.add_option("model", 'm', "", "checkpoint directory (config.json, weights, tokenizer.json)",
                true);
   p.add_option("host", 0, "127.0.0.1", "address to listen on (0.0.0.0: every interface)");
   p.add_option("port", 'p', "8000", "TCP port (0: any free one, printed)");
-  p.add_option("api-key", 0, "", "require 'Authorization: Bearer KEY' (default: none)");
+  p.add_option("api-key", 0, "",
+               "require 'Authorization: Bearer KEY' (default: none). Visible to every local user\n"
+               "in the process list: prefer LVX_API_KEY or --api-key-file");
+  p.add_option("api-key-file", 0, "", "read the API key from this file (its first line)");
+  p.add_flag("metrics-public", 0, "serve /metrics without the API key");
   p.add_option("served-model-name", 0, "", "the model's name in requests (default: DIR's name)");
   p.add_option("allowed-local-media-path", 0, "",
                "file:// media URLs must be under this folder (default: refused)");
@@ -49,7 +44,25 @@ int cmd_serve(int argc, char** argv) {
   p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
   p.add_option("dtype", 0, "auto", "fp32 | bf16 | auto (fp32 on cpu, the checkpoint's on cuda)");
   lvx::cli::add_device_option(p);
-  if (!p.parse(argc, argv)) return 0;
+}
+
+// The API key: --api-key, --api-key-file or LVX_API_KEY (how the launcher hands it to the ranks,
+// never in their argv).
+std::string api_key(const lvx::cli::ArgParser& p) {
+  LVX_CHECK(p.get("api-key").empty() || p.get("api-key-file").empty(),
+            "give --api-key or --api-key-file, not both");
+  if (!p.get("api-key-file").empty()) {
+    std::string text = lvx::read_file(p.get("api-key-file"), "--api-key-file", 1 << 16);
+    const std::string key = text.substr(0, text.find_first_of("\r\n"));
+    LVX_CHECK(!key.empty(), "--api-key-file '", p.get("api-key-file"), "': the first line is empty");
+    return key;
+  }
+  if (!p.get("api-key").empty()) return p.get("api-key");
+  const char* env = std::getenv("LVX_API_KEY");
+  return env ? env : "";
+}
+
+lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   lvx::serve::ServeOptions o;
   lvx::runtime::QaJob& job = o.job;
   job.model = p.get("model");
@@ -62,7 +75,8 @@ int cmd_serve(int argc, char** argv) {
   job.device = p.get("device");
   o.host = p.get("host");
   o.port = static_cast<int>(p.get_int("port", 0, 65535));
-  o.api_key = p.get("api-key");
+  o.api_key = api_key(p);
+  o.metrics_public = p.flag("metrics-public");
   o.model_name = p.get("served-model-name");
   if (o.model_name.empty()) {
     std::filesystem::path dir(job.model);
@@ -75,19 +89,64 @@ int cmd_serve(int argc, char** argv) {
   o.max_body_bytes = p.get_int("max-body-bytes", 1, INT64_MAX);
   o.default_max_tokens = job.generation.max_new_tokens;
   o.merge_identical = !p.flag("no-merge-identical");
+  return o;
+}
+
+// The ranks' command line: this one without the API key, which they read from LVX_API_KEY.
+std::vector<std::string> rank_command(int argc, char** argv) {
+  std::vector<std::string> cmd{lvx::dist::self_executable()};
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--api-key" || a == "--api-key-file") {
+      ++i;
+      continue;
+    }
+    if (a.rfind("--api-key=", 0) == 0 || a.rfind("--api-key-file=", 0) == 0) continue;
+    cmd.push_back(a);
+  }
+  return cmd;
+}
+
+bool loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+int cmd_serve(int argc, char** argv) {
+  lvx::cli::ArgParser p(
+      "lvx serve --model DIR [--nproc N] [--host 127.0.0.1] [--port 8000] [--api-key-file F]\n"
+      "          [--cache-bytes B] [--allowed-local-media-path DIR] [--max-queue Q]",
+      "Serves questions about videos with the OpenAI chat-completions API (POST\n"
+      "/v1/chat/completions, GET /v1/models, /health, /metrics). Every rank holds the model and\n"
+      "its share of each request's frames, as lvx qa runs one question; each rank keeps its\n"
+      "share of each video's encoded frames (--cache-bytes per rank), so a repeated question\n"
+      "about a video decodes and encodes nothing. Requests run one at a time across the ranks;\n"
+      "up to --max-queue wait (429 beyond). SIGTERM finishes the requests in flight and exits\n"
+      "0; a rank that dies makes the server answer 503 and exit non-zero.\n"
+      "Request extensions: num_frames | fps, start, end (seconds), video_id (cache key).\n"
+      "The API key may also come from LVX_API_KEY.");
+  add_serve_options(p);
+  if (!p.parse(argc, argv)) return 0;
+  lvx::serve::ServeOptions o = serve_options(p);
   if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
     lvx::cli::apply_threads(p);
-    lvx::runtime::validate_qa_settings(job);
+    lvx::runtime::validate_qa_settings(o.job);
     return lvx::serve::run_serve_rank(o);
   }
   const int nproc = lvx::cli::checked_nproc(p);
   lvx::cli::apply_threads(p, nproc);
-  lvx::runtime::validate_qa_settings(job);  // bad flags fail once, before ranks start
+  lvx::runtime::validate_qa_settings(o.job);  // bad flags fail once, before ranks start
   LVX_CHECK(o.allowed_media_path.empty() || std::filesystem::is_directory(o.allowed_media_path),
             "--allowed-local-media-path '", o.allowed_media_path, "' is not a folder");
-  lvx::runtime::check_local_devices(job.device, nproc);
-  std::vector<std::string> cmd{lvx::dist::self_executable()};
-  for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
+  lvx::runtime::check_local_devices(o.job.device, nproc);
+  if (!p.get("api-key").empty())
+    std::cerr << "lvx serve: warning: --api-key is visible to every local user in the process "
+                 "list; use LVX_API_KEY or --api-key-file\n";
+  if (o.api_key.empty() && !loopback(o.host))
+    std::cerr << "lvx serve: warning: listening on " << o.host
+              << " beyond the loopback without an API key: anyone who reaches it can use it "
+                 "(--api-key-file, LVX_API_KEY)\n";
+  if (!o.api_key.empty()) ::setenv("LVX_API_KEY", o.api_key.c_str(), 1);
+  else ::unsetenv("LVX_API_KEY");
   lvx::dist::LaunchOptions lo;
   lo.nproc = nproc;
   lo.rank0_direct = true;
@@ -96,7 +155,7 @@ int cmd_serve(int argc, char** argv) {
   lo.stop_on_failure = false;
   lo.exit_wait_s = lvx::dist::default_exit_wait_s();
   lo.forward_signals = true;
-  return lvx::dist::launch_local(cmd, lo).exit_code;
+  return lvx::dist::launch_local(rank_command(argc, argv), lo).exit_code;
 }
 
 }  // namespace

@@ -158,15 +158,20 @@ std::string content_hash(const std::string& path) {
   return hash;
 }
 
-// The visual cache's key of a request on this rank: the content (or the caller's video_id), the
-// sampling, the preprocessing, the dtype and the rank's place.
+video::DecodeOptions decode_options(const QaRequest& req) {
+  video::DecodeOptions o;
+  o.index_cache = req.cache_frame_index;
+  return o;
+}
+
+// The visual cache's key of a request on this rank: the content's hash (always: a client's
+// video_id names a video but never stands in for its bytes, so no id reaches another client's
+// features or a stale entry), the sampling, the preprocessing, the dtype and the rank's place.
 std::string visual_key(const QaRequest& req, const video::SampleSpec& spec,
                        const video::PreprocessConfig& pre, const std::string& dtype, int rank,
                        int world) {
   std::string source;
-  if (!req.video_id.empty()) {
-    source = "id:" + req.video_id + (req.image_files.empty() ? ":video" : ":frames");
-  } else if (!req.image_files.empty()) {
+  if (!req.image_files.empty()) {
     source = "frames:";
     for (const std::string& f : req.image_files) source += file_xxh3(f);
   } else {
@@ -345,7 +350,8 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
     }
     if (!cached)
       frames = req.image_files.empty()
-                   ? video::decode_video(item.video, spec, {r, n}, cx.preprocess)
+                   ? video::decode_video(item.video, spec, {r, n}, cx.preprocess,
+                                         decode_options(req))
                    : decode_images(req.image_files, {r, n}, cx.preprocess);
   } catch (const std::exception& e) {
     error = e.what();

@@ -83,8 +83,10 @@ struct QaRequest {
   std::optional<double> fps;  // override the session's sampling (both unset: the job's)
   std::optional<int64_t> num_frames;
   std::optional<GenerateOptions> generation;  // override the job's (max_new_tokens, sampling)
-  std::string
-      video_id;  // the caller's name for the media: the visual cache's key instead of a hash
+  std::string video_id;  // the caller's name for the media (logs only: the cache keys by content)
+  // Keep the video's frame index in the index cache (video/index_cache.h); lvx serve turns it off
+  // for uploads, temporary files whose index would never be read again.
+  bool cache_frame_index = true;
   // A conversation (lvx serve): a system message and the answered (question, answer) turns
   // before item.question, in the family's chat template (models/family.h Family::prompt_chat).
   // Both empty: lvx qa's prompt.

@@ -5,8 +5,9 @@
 //
 // Keys (src/runtime/qa_job.cpp visual_key) name what the features depend on: the content (XXH3 of
 // every frame image, or of the video file: hashed again whenever its inode, size, mtime or ctime
-// differ from when it was hashed, so a file changed in place never finds the old entry) or the
-// caller's video_id (the caller's promise), plus the sampling (fps or frame count, range),
+// differ from when it was hashed, so a file changed in place never finds the old entry; a
+// caller's video_id is never a key, so no client reaches another's features by naming them),
+// plus the sampling (fps or frame count, range),
 // the preprocessing, the dtype and the rank's place (rank, world size). Least recently used
 // entries go first when the entries' bytes would exceed the capacity; an entry larger than the
 // whole capacity is not kept. Thread-safe (the server's metrics read the counters).

@@ -2,6 +2,11 @@
 
 #include <cmath>
 #include <filesystem>
+#include <regex>
+#include <set>
+
+#include "src/common/error.h"
+#include "src/common/files.h"
 
 namespace lvx::serve {
 
@@ -27,6 +32,20 @@ std::string type_name(const json& v) {
   }
 }
 
+// At most 64 characters of a client's text, for error messages (never a value whole).
+std::string preview(const std::string& s) {
+  return s.size() <= 64 ? s : s.substr(0, 61) + "...";
+}
+
+// An optional boolean field (null counts as absent).
+std::optional<bool> boolean(const json& body, const char* key) {
+  if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+  if (!body[key].is_boolean())
+    throw bad_request(std::string("'") + key + "' must be a boolean, got " + type_name(body[key]),
+                      key);
+  return body[key].get<bool>();
+}
+
 // An optional number field of the body (null counts as absent).
 std::optional<double> number(const json& body, const char* key, double lo, double hi) {
   if (!body.contains(key) || body[key].is_null()) return std::nullopt;
@@ -36,7 +55,7 @@ std::optional<double> number(const json& body, const char* key, double lo, doubl
   const double x = v.get<double>();
   if (!std::isfinite(x) || x < lo || x > hi)
     throw bad_request(std::string("'") + key + "' must be in [" + json(lo).dump() + ", " +
-                          json(hi).dump() + "], got " + v.dump(),
+                          json(hi).dump() + "], got " + preview(v.dump()),
                       key);
   return x;
 }
@@ -45,13 +64,15 @@ std::optional<int64_t> integer(const json& body, const char* key, int64_t lo, in
   if (!body.contains(key) || body[key].is_null()) return std::nullopt;
   const json& v = body[key];
   if (!v.is_number_integer() && !v.is_number_unsigned())
-    throw bad_request(std::string("'") + key + "' must be an integer, got " + v.dump(), key);
+    throw bad_request(std::string("'") + key + "' must be an integer, got " +
+                          (v.is_number() ? preview(v.dump()) : type_name(v)),
+                      key);
   const int64_t x = v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)
                         ? INT64_MAX
                         : v.get<int64_t>();
   if (x < lo || x > hi)
     throw bad_request(std::string("'") + key + "' must be in [" + std::to_string(lo) + ", " +
-                          std::to_string(hi) + "], got " + v.dump(),
+                          std::to_string(hi) + "], got " + preview(v.dump()),
                       key);
   return x;
 }
@@ -138,6 +159,20 @@ MediaRef media_url(const json& part, const std::string& field, const std::string
 
 }  // namespace
 
+std::string client_error_text(const std::string& internal) {
+  static const std::regex source(R"(\s*[\(\[][^\)\]\n]*\.(cpp|cc|cu|h|hpp):[0-9]+[\)\]])");
+  static const std::regex upload(R"([^\s'"]*lvx-serve-[A-Za-z0-9]{6}/(video|frame)([0-9]*)\.[A-Za-z0-9]+)");
+  std::string t = std::regex_replace(internal, source, "");
+  t = std::regex_replace(t, upload, "the uploaded $1 $2");
+  t = std::regex_replace(t, std::regex(R"(the uploaded video )"), "the uploaded video");
+  return t;
+}
+
+std::string ApiError::body_text() const {
+  // Invalid UTF-8 in a client's text (a model name, a key) must not turn the answer into a 500.
+  return body().dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
 json ApiError::body() const {
   return {{"error",
            {{"message", what()},
@@ -179,32 +214,93 @@ std::optional<std::string> base64_decode(const std::string& text) {
   return out;
 }
 
-ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
-  json body;
+namespace {
+
+// The request fields lvx reads (openai_api.h); any other is refused by name rather than ignored.
+const std::set<std::string>& known_fields() {
+  static const std::set<std::string> k = {
+      "model",       "messages", "max_tokens",        "max_completion_tokens", "temperature",
+      "top_p",       "seed",     "stop",              "stream",                "stream_options",
+      "n",           "user",     "fps",               "num_frames",            "start",
+      "end",         "video_id", "return_prompt_ids", "media_io_kwargs",       "mm_processor_kwargs"};
+  return k;
+}
+
+// The body as JSON: nesting bounded before parsing (common/files.h), errors that quote nothing
+// of the body.
+json parse_body(const std::string& text) {
   try {
-    body = json::parse(text);
-  } catch (const std::exception& e) {
-    throw bad_request(std::string("the body is not JSON: ") + e.what());
+    return parse_json(text, "the body");
+  } catch (const lvx::Error& e) {
+    const std::string m = e.what();
+    if (m.find("nested deeper") != std::string::npos)
+      throw bad_request("the body nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
   }
-  if (!body.is_object())
-    throw bad_request("the body must be a JSON object, got " + type_name(body));
-  if (!body.contains("model") || !body["model"].is_string())
-    throw bad_request("'model' (a string) is required", "model");
-  if (body["model"].get<std::string>() != o.model_name)
-    throw ApiError(404, "invalid_request_error",
-                   "The model '" + body["model"].get<std::string>() +
-                       "' does not exist: this server serves '" + o.model_name + "'",
-                   "model", "model_not_found");
-  if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty())
-    throw bad_request("'messages' (a non-empty array) is required", "messages");
-  ChatRequest r;
-  const json& messages = body["messages"];
-  // The conversation: system messages first, then user and assistant turns alternating from a
-  // user turn (consecutive messages of one role are one turn, their texts joined by "\n").
-  struct Turn {
-    std::string role, text;
-    size_t first_message = 0;
-  };
+  try {  // parse_json's message quotes the text; find where it fails without quoting it
+    return json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw bad_request("the body is not valid JSON (error at byte " + std::to_string(e.byte) + ")");
+  } catch (const std::exception&) {
+    throw bad_request("the body is not valid JSON");
+  }
+}
+
+void check_fields(const json& body) {
+  for (const auto& [key, value] : body.items())
+    if (!known_fields().count(key))
+      throw bad_request("'" + preview(key) + "' is not supported by lvx serve (supported: model, "
+                        "messages, max_tokens, max_completion_tokens, temperature, top_p, seed, "
+                        "stop, stream, stream_options, n, user, fps, num_frames, start, end, "
+                        "video_id, return_prompt_ids, media_io_kwargs, mm_processor_kwargs)",
+                        preview(key));
+}
+
+// The text of one message's content; its media parts go into r.
+std::string read_content(const json& m, const std::string& role, const std::string& param,
+                         const ApiOptions& o, ChatRequest& r) {
+  const json content = m.contains("content") ? m["content"] : json();
+  if (content.is_string()) return content.get<std::string>();
+  if (!content.is_array()) {
+    if (role == "assistant" && content.is_null()) return "";
+    throw bad_request(param + ".content must be a string or an array of parts", param + ".content");
+  }
+  std::string text;
+  for (const json& part : content) {
+    if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
+      throw bad_request(param + ".content parts must be objects with a 'type'", param + ".content");
+    const std::string type = part["type"].get<std::string>();
+    if (type == "text") {
+      if (!part.contains("text") || !part["text"].is_string())
+        throw bad_request(param + ": a text part needs 'text' (a string)", param + ".content");
+      text += (text.empty() ? "" : "\n") + part["text"].get<std::string>();
+    } else if (type == "video_url" || type == "image_url") {
+      if (role != "user")
+        throw bad_request(param + ": media parts belong in user messages", param + ".content");
+      if (type == "video_url") {
+        if (r.video)
+          throw bad_request("one video per request: a second video_url part in " + param,
+                            param + ".content");
+        r.video = media_url(part, "video_url", "video", o);
+      } else {
+        r.frames.push_back(media_url(part, "image_url", "image", o));
+      }
+    } else {
+      throw bad_request(param + ": content part type '" + preview(type) +
+                            "' is not supported (text, video_url, image_url)",
+                        param + ".content");
+    }
+  }
+  return text;
+}
+
+struct Turn {
+  std::string role, text;
+  size_t first_message = 0;
+};
+
+// The conversation: system messages first, then user and assistant turns alternating from a
+// user turn (consecutive messages of one role are one turn, their texts joined by "\n").
+std::vector<Turn> read_turns(const json& messages, const ApiOptions& o, ChatRequest& r) {
   std::vector<Turn> turns;
   for (size_t i = 0; i < messages.size(); ++i) {
     const json& m = messages[i];
@@ -213,43 +309,10 @@ ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
       throw bad_request(param + " must be an object with a 'role'", param);
     const std::string role = m["role"].get<std::string>();
     if (role != "system" && role != "user" && role != "assistant" && role != "developer")
-      throw bad_request(param + ".role '" + role + "' is not system, developer, user or assistant",
+      throw bad_request(param + ".role '" + preview(role) +
+                            "' is not system, developer, user or assistant",
                         param + ".role");
-    std::string text;
-    const json content = m.contains("content") ? m["content"] : json();
-    if (content.is_string()) {
-      text = content.get<std::string>();
-    } else if (content.is_array()) {
-      for (const json& part : content) {
-        if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
-          throw bad_request(param + ".content parts must be objects with a 'type'",
-                            param + ".content");
-        const std::string type = part["type"].get<std::string>();
-        if (type == "text") {
-          if (!part.contains("text") || !part["text"].is_string())
-            throw bad_request(param + ": a text part needs 'text' (a string)", param + ".content");
-          text += (text.empty() ? "" : "\n") + part["text"].get<std::string>();
-        } else if (type == "video_url" || type == "image_url") {
-          if (role != "user")
-            throw bad_request(param + ": media parts belong in user messages", param + ".content");
-          if (type == "video_url") {
-            if (r.video)
-              throw bad_request("one video per request: a second video_url part in " + param,
-                                param + ".content");
-            r.video = media_url(part, "video_url", "video", o);
-          } else {
-            r.frames.push_back(media_url(part, "image_url", "image", o));
-          }
-        } else {
-          throw bad_request(param + ": content part type '" + type +
-                                "' is not supported (text, video_url, image_url)",
-                            param + ".content");
-        }
-      }
-    } else if (!(role == "assistant" && content.is_null())) {
-      throw bad_request(param + ".content must be a string or an array of parts",
-                        param + ".content");
-    }
+    const std::string text = read_content(m, role, param, o, r);
     if (role == "system" || role == "developer") {
       if (!turns.empty())
         throw bad_request(param + ": a " + role +
@@ -271,6 +334,12 @@ ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
       turns.push_back({role, text, i});
     }
   }
+  return turns;
+}
+
+// The question, the answered turns and the media checks.
+void read_conversation(const json& messages, const ApiOptions& o, ChatRequest& r) {
+  const std::vector<Turn> turns = read_turns(messages, o, r);
   if (turns.empty() || turns.back().role != "user")
     throw bad_request("the last message must be the user's question", "messages");
   for (const Turn& t : turns)
@@ -292,9 +361,10 @@ ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
   for (size_t i = 0; i + 1 < turns.size(); i += 2)
     r.earlier.emplace_back(turns[i].text, turns[i + 1].text);
   r.question = turns.back().text;
+}
 
-  if (const auto n = integer(body, "n", 1, 1); n && *n != 1)
-    throw bad_request("'n' must be 1", "n");
+void read_sampling(const json& body, const ApiOptions& o, ChatRequest& r) {
+  if (const auto n = integer(body, "n", 1, 1); n && *n != 1) throw bad_request("'n' must be 1", "n");
   const auto mt = integer(body, "max_completion_tokens", 1, 1 << 20);
   const auto mt2 = integer(body, "max_tokens", 1, 1 << 20);
   r.max_tokens = mt ? *mt : mt2 ? *mt2 : o.default_max_tokens;
@@ -317,32 +387,94 @@ ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
     for (const std::string& x : r.stop)
       if (x.empty()) throw bad_request("'stop' strings must not be empty", "stop");
   }
-  if (body.contains("stream") && !body["stream"].is_null()) {
-    if (!body["stream"].is_boolean()) throw bad_request("'stream' must be a boolean", "stream");
-    r.stream = body["stream"].get<bool>();
+  r.stream = boolean(body, "stream").value_or(false);
+  if (body.contains("stream_options") && !body["stream_options"].is_null()) {
+    const json& so = body["stream_options"];
+    if (!so.is_object()) throw bad_request("'stream_options' must be an object", "stream_options");
+    for (const auto& [key, v] : so.items())
+      if (key != "include_usage")
+        throw bad_request("'stream_options." + preview(key) + "' is not supported (include_usage)",
+                          "stream_options");
+    r.include_usage = boolean(so, "include_usage").value_or(false);
   }
-  if (body.contains("stream_options") && body["stream_options"].is_object() &&
-      body["stream_options"].contains("include_usage"))
-    r.include_usage = body["stream_options"]["include_usage"].is_boolean() &&
-                      body["stream_options"]["include_usage"].get<bool>();
+}
+
+// vLLM's per-request video settings, media_io_kwargs: {video: {num_frames | fps}} (what lmms-eval
+// sends with pass_video_url=True) and mm_processor_kwargs: {num_frames | fps}; each may be given
+// once, in one place.
+void read_frame_kwargs(const json& body, const char* field, const char* inner, const ApiOptions& o,
+                       ChatRequest& r) {
+  if (!body.contains(field) || body[field].is_null()) return;
+  const std::string name = field;
+  if (!body[field].is_object()) throw bad_request("'" + name + "' must be an object", name);
+  json settings = body[field];
+  if (inner != nullptr) {
+    for (const auto& [key, v] : settings.items())
+      if (key != inner)
+        throw bad_request("'" + name + "." + preview(key) + "' is not supported (" + inner + ")",
+                          name);
+    if (!settings.contains(inner) || settings[inner].is_null()) return;
+    if (!settings[inner].is_object())
+      throw bad_request("'" + name + "." + inner + "' must be an object", name);
+    settings = settings[inner];
+  }
+  for (const auto& [key, v] : settings.items())
+    if (key != "num_frames" && key != "fps")
+      throw bad_request("'" + name + "." + preview(key) + "' is not supported (num_frames, fps)",
+                        name);
+  const auto n = integer(settings, "num_frames", 1, o.max_frames);
+  const auto f = number(settings, "fps", 0, 1000);
+  if ((n && (r.num_frames || r.fps)) || (f && (r.num_frames || r.fps)))
+    throw bad_request("frame settings given twice ('" + name + "' and another field): give one",
+                      name);
+  if (f && *f <= 0) throw bad_request("'" + name + ".fps' must be > 0", name);
+  if (n) r.num_frames = n;
+  if (f) r.fps = f;
+}
+
+void read_media_options(const json& body, const ApiOptions& o, ChatRequest& r) {
   r.fps = number(body, "fps", 0, 1000);
   if (r.fps && *r.fps <= 0) throw bad_request("'fps' must be > 0", "fps");
   r.num_frames = integer(body, "num_frames", 1, o.max_frames);
   if (r.fps && r.num_frames) throw bad_request("give 'fps' or 'num_frames', not both", "fps");
+  read_frame_kwargs(body, "media_io_kwargs", "video", o, r);
+  read_frame_kwargs(body, "mm_processor_kwargs", nullptr, o, r);
+  if (r.fps && r.num_frames)
+    throw bad_request("give num_frames or fps, not both", "media_io_kwargs");
   r.start = number(body, "start", 0, 1e9);
   r.end = number(body, "end", 0, 1e9);
   if (r.start && r.end && *r.start >= *r.end)
     throw bad_request("'start' must be before 'end'", "start");
-  if (body.contains("return_prompt_ids") && !body["return_prompt_ids"].is_null()) {
-    if (!body["return_prompt_ids"].is_boolean())
-      throw bad_request("'return_prompt_ids' must be a boolean", "return_prompt_ids");
-    r.return_prompt_ids = body["return_prompt_ids"].get<bool>();
-  }
+  r.return_prompt_ids = boolean(body, "return_prompt_ids").value_or(false);
   if (body.contains("video_id") && !body["video_id"].is_null()) {
     if (!body["video_id"].is_string() || body["video_id"].get<std::string>().empty())
       throw bad_request("'video_id' must be a non-empty string", "video_id");
     r.video_id = body["video_id"].get<std::string>();
   }
+  if (body.contains("user") && !body["user"].is_null() && !body["user"].is_string())
+    throw bad_request("'user' must be a string", "user");
+}
+
+}  // namespace
+
+ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
+  const json body = parse_body(text);
+  if (!body.is_object())
+    throw bad_request("the body must be a JSON object, got " + type_name(body));
+  check_fields(body);
+  if (!body.contains("model") || !body["model"].is_string())
+    throw bad_request("'model' (a string) is required", "model");
+  if (body["model"].get<std::string>() != o.model_name)
+    throw ApiError(404, "invalid_request_error",
+                   "The model '" + preview(body["model"].get<std::string>()) +
+                       "' does not exist: this server serves '" + o.model_name + "'",
+                   "model", "model_not_found");
+  if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty())
+    throw bad_request("'messages' (a non-empty array) is required", "messages");
+  ChatRequest r;
+  read_conversation(body["messages"], o, r);
+  read_sampling(body, o, r);
+  read_media_options(body, o, r);
   return r;
 }
 

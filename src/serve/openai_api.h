@@ -7,9 +7,13 @@
 //   model (required, must name the served model: else 404), messages (required; the last is the
 //   user's question), max_tokens | max_completion_tokens, temperature (default 0: greedy, lvx
 //   qa's default, so that an answer equals lvx qa's), top_p, seed, stop (a string or up to 4),
-//   stream, stream_options.include_usage, n (1 only); lvx extensions: num_frames | fps, start,
-//   end (seconds), video_id (the visual cache's key instead of a content hash),
-//   return_prompt_ids (the prompt's token ids in the response's lvx object).
+//   stream, stream_options.include_usage, n (1 only), user (accepted, unused); vLLM's per-request
+//   frame settings media_io_kwargs: {video: {num_frames | fps}} and mm_processor_kwargs:
+//   {num_frames | fps}; lvx extensions: num_frames | fps, start, end (seconds), video_id (the
+//   visual cache's key instead of a content hash), return_prompt_ids (the prompt's token ids in
+//   the response's lvx object). Any other field is refused with a 400 naming it (logprobs,
+//   tools, response_format, ...), never silently ignored. The body is parsed with nesting bounded
+//   (64 levels) before it is built, and error messages quote at most 64 characters of a value.
 // Media, in the content parts of user messages: one video_url ({"url": "file:///abs/path"} under
 // --allowed-local-media-path, or "data:video/<type>;base64,<bytes>"), or image_url parts, each
 // one frame ("data:image/<type>;base64,..." or a file:// URL): a list of frames as lmms-eval's
@@ -45,6 +49,7 @@ class ApiError : public std::runtime_error {
   int status;
   std::string type, param, code;
   nlohmann::json body() const;
+  std::string body_text() const;  // body() as text, invalid UTF-8 replaced
 };
 // The usual ones.
 ApiError bad_request(const std::string& message, const std::string& param = "");
@@ -86,6 +91,11 @@ struct ApiOptions {
 // Reads a request body. Throws ApiError: 400 (malformed JSON, a missing or ill-typed field, no
 // media), 404 (another model), 403 (a file:// URL outside the allowed path, or none allowed).
 ChatRequest parse_chat_request(const std::string& body, const ApiOptions& options);
+
+// An internal error's text as a client may see it: source locations ("(../video/x.cpp:27)",
+// "[/pytorch/.../pair.cc:547]") removed, and a path in the server's upload folders named as what
+// it holds ("the uploaded video", "the uploaded frame 3"), never our files or temporary paths.
+std::string client_error_text(const std::string& internal);
 
 // Decodes standard base64 (padding optional, no whitespace inside); nullopt when malformed.
 std::optional<std::string> base64_decode(const std::string& text);

@@ -100,6 +100,15 @@ bool client_gone(int fd) {
   return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
+// Whether a client's text equals a secret, in time that depends on the secret's length only (no
+// early exit at the first differing byte, which would let a client find the key byte by byte).
+bool same_secret(const std::string& given, const std::string& secret) {
+  volatile unsigned char diff = given.size() == secret.size() ? 0 : 1;
+  for (size_t i = 0; i < secret.size(); ++i)
+    diff = diff | static_cast<unsigned char>(secret[i] ^ (i < given.size() ? given[i] : 0));
+  return diff == 0;
+}
+
 // One request from the HTTP thread that received it to the main thread that runs it, and its
 // answer back: text pieces as they come, then the end (a row, or an error).
 struct Job {
@@ -255,7 +264,6 @@ class Server {
   std::atomic<bool> draining_{false}, failed_{false};
   std::string failure_;
   std::atomic<int64_t> next_id_{0};
-  int64_t tmp_counter_ = 0;
   httplib::Server http_;
   int port_ = 0;
 };
@@ -293,9 +301,12 @@ json Server::describe(const Job& job, std::vector<std::string>& blobs) const {
 json Server::answer(const Command& c, const std::function<void(const std::string&)>& on_text,
                     const std::function<bool()>& stop_requested) {
   const json& d = c.desc;
-  const fs::path dir = fs::temp_directory_path() / ("lvx-serve-" + std::to_string(::getpid()) +
-                                                    "-" + std::to_string(tmp_counter_++));
-  fs::create_directories(dir);
+  // A folder of its own, made by mkdtemp: unpredictable and private (0700), so no other local
+  // user can plant a link in it or read the uploads.
+  std::string tmpl = (fs::temp_directory_path() / "lvx-serve-XXXXXX").string();
+  LVX_CHECK(::mkdtemp(tmpl.data()) != nullptr, "cannot make a temporary folder in ",
+            fs::temp_directory_path().string());
+  const fs::path dir = tmpl;
   struct Cleanup {
     fs::path dir;
     ~Cleanup() {
@@ -306,7 +317,7 @@ json Server::answer(const Command& c, const std::function<void(const std::string
   auto file_of = [&](const json& ref, const std::string& name) -> std::string {
     if (ref.contains("path")) return ref["path"].get<std::string>();
     const std::string path = (dir / (name + ref["ext"].get<std::string>())).string();
-    std::ofstream f(path, std::ios::binary);
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
     const std::string& b = c.blobs.at(ref["blob"].get<size_t>());
     f.write(b.data(), static_cast<std::streamsize>(b.size()));
     LVX_CHECK(f.good(), "cannot write '", path, "'");
@@ -319,6 +330,7 @@ json Server::answer(const Command& c, const std::function<void(const std::string
   q.earlier = d["earlier"].get<std::vector<std::pair<std::string, std::string>>>();
   q.return_prompt_ids = d["return_prompt_ids"].get<bool>();
   if (d.contains("video")) q.item.video = file_of(d["video"], "video");
+  q.cache_frame_index = !(d.contains("video") && d["video"].contains("blob"));  // an upload
   for (size_t i = 0; i < d["frames"].size(); ++i)
     q.image_files.push_back(file_of(d["frames"][i], "frame" + std::to_string(i)));
   if (!d["fps"].is_null()) q.fps = d["fps"].get<double>();
@@ -354,7 +366,7 @@ int Server::run_other_rank() {
 
 bool Server::authorized(const httplib::Request& req, httplib::Response& res) {
   if (o_.api_key.empty()) return true;
-  if (req.get_header_value("Authorization") == "Bearer " + o_.api_key) return true;
+  if (same_secret(req.get_header_value("Authorization"), "Bearer " + o_.api_key)) return true;
   send_error(res, ApiError(401, "invalid_request_error",
                            req.has_header("Authorization")
                                ? "Incorrect API key provided"
@@ -365,7 +377,7 @@ bool Server::authorized(const httplib::Request& req, httplib::Response& res) {
 
 void Server::send_error(httplib::Response& res, const ApiError& e) {
   res.status = e.status;
-  res.set_content(e.body().dump(), "application/json");
+  res.set_content(e.body_text(), "application/json");
   metrics_.count(e.status);
 }
 
@@ -441,7 +453,8 @@ bool Server::join_running(const std::shared_ptr<Job>& job) {
 void Server::chat(const httplib::Request& req, httplib::Response& res) {
   if (!authorized(req, res)) return;
   if (failed_) {
-    send_error(res, ApiError(503, "server_error", "a rank failed: " + failure_));
+    send_error(res,
+               ApiError(503, "server_error", "a rank failed: " + client_error_text(failure_)));
     return;
   }
   if (draining_) {
@@ -659,7 +672,8 @@ void Server::routes(httplib::Server& http) {
                         .dump(),
                     "application/json");
   });
-  http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+  http.Get("/metrics", [this](const httplib::Request& req, httplib::Response& res) {
+    if (!o_.metrics_public && !authorized(req, res)) return;
     res.set_content(metrics_text(), "text/plain; version=0.0.4");
   });
   // Errors httplib answers itself (413 for an oversized body, 404 for an unknown path) in
@@ -675,7 +689,7 @@ void Server::routes(httplib::Server& http) {
                                        "no such endpoint: " + req.method + " " + req.path)
                             : ApiError(res.status, "invalid_request_error",
                                        "HTTP error " + std::to_string(res.status));
-    res.set_content(e.body().dump(), "application/json");
+    res.set_content(e.body_text(), "application/json");
     metrics_.count(e.status);
   });
   http.set_exception_handler(
@@ -687,7 +701,7 @@ void Server::routes(httplib::Server& http) {
           what = e.what();
         } catch (...) {
         }
-        send_error(res, ApiError(500, "server_error", what));
+        send_error(res, ApiError(500, "server_error", client_error_text(what)));
       });
 }
 
@@ -837,7 +851,7 @@ int Server::run_rank0() {
       for (size_t k = 0; k < group.size(); ++k) {
         Job& j = *group[k];
         if (row.contains("error")) {
-          j.fail(bad_request(row["error"].get<std::string>()));
+          j.fail(bad_request(client_error_text(row["error"].get<std::string>())));
           continue;
         }
         note_first(j);
@@ -865,7 +879,8 @@ int Server::run_rank0() {
     code = 1;
     std::cerr << "lvx serve: " << e.what() << "\nlvx serve: answering 503 and stopping"
               << std::endl;
-    const ApiError unavailable(503, "server_error", "a rank failed: " + failure_);
+    const ApiError unavailable(503, "server_error",
+                               "a rank failed: " + client_error_text(failure_));
     {
       std::lock_guard<std::mutex> lock(gmu_);
       running_open_ = false;

@@ -37,7 +37,8 @@ struct ServeOptions {
   runtime::QaJob job;  // model, device, dtype, strategies, default sampling (num_frames, fps)
   std::string host = "127.0.0.1";
   int port = 8000;  // 0: any free port (printed)
-  std::string api_key;
+  std::string api_key;        // compared in constant time; ranks get it by environment
+  bool metrics_public = false;  // /metrics without the key (--metrics-public)
   std::string model_name;  // what requests name; default: the model folder's name
   std::string allowed_media_path;
   int64_t cache_bytes = int64_t{4} << 30;  // per rank

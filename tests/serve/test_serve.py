@@ -72,10 +72,12 @@ def qa_json(fx, video, ranks, extra=(), question=QUESTION):
 class Server:
     """`lvx serve` on a free port; its stderr kept for the checks."""
 
-    def __init__(self, fx, ranks, *flags, env=None):
+    def __init__(self, fx, ranks, *flags, env=None, key_flag=True):
+        # key_flag: the key on the command line (--api-key); else in LVX_API_KEY (env).
         self.proc = subprocess.Popen(
             [LVX, "serve", "--model", str(fx.model), "--nproc", str(ranks), "--port", "0",
-             "--api-key", KEY, "--allowed-local-media-path", str(fx.media), "--num-frames",
+             *(["--api-key", KEY] if key_flag else []),
+             "--allowed-local-media-path", str(fx.media), "--num-frames",
              str(FRAMES), "--max-new-tokens", str(TOKENS), *flags],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
             env={**os.environ, **(env or {})}, start_new_session=True)
@@ -257,12 +259,15 @@ def case_cache_hits_and_changed_file(fx, srv, ranks):
     m3 = srv.metrics()
     assert misses(m3) - misses(m2) == ranks and hits(m3) == hits(m2), (m2, m3)
     assert c.choices[0].message.content == qa_json(fx, fx.other, ranks)["response"]
-    # A caller's video_id is a key of its own.
+    # A caller's video_id names a video but never stands in for its bytes: another client's
+    # upload under the same id gets its own video's answer, not the cached one.
+    third = fx.make_clip("third.mp4", "rgbtestsrc=size=64x48:rate=4", 4)  # never asked about
     ask(srv, video_part(file_url(fx.clip)), extra_body={"video_id": "clip-1"})
     m4 = srv.metrics()
-    ask(srv, video_part(file_url(fx.clip)), extra_body={"video_id": "clip-1"})
+    spoof = ask(srv, video_part(data_url(third, "video/mp4")), extra_body={"video_id": "clip-1"})
     m5 = srv.metrics()
-    assert hits(m5) - hits(m4) == ranks
+    assert misses(m5) - misses(m4) == ranks, (m4, m5)
+    assert spoof.choices[0].message.content == qa_json(fx, third, ranks)["response"]
     # Another question about the same video reuses it too, and still answers as `lvx qa` does.
     q2 = "What is shown in the video?"
     d = srv.client.chat.completions.create(
@@ -626,6 +631,127 @@ def case_port_in_use_fails_every_rank_at_once(fx, srv, ranks):
     assert time.time() - t0 < 30, "took %.1f s: the other ranks waited" % (time.time() - t0)
 
 
+def descendants(pid):
+    """Every process under `pid` (its children, theirs, ...)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = Path("/proc/%d/task/%d/children" % (p, p)).read_text().split()
+        except OSError:
+            kids = []
+        out += [int(k) for k in kids]
+        todo += [int(k) for k in kids]
+    return out
+
+
+def case_hostile_bodies(fx, srv, ranks):
+    # Bodies a fuzzer sends: each gets a 400 with an error object that quotes nothing of the
+    # body and names no parser internals, and the server lives on.
+    good = messages(video_part(file_url(fx.clip)))
+    deep = "[" * 100000 + "]" * 100000
+    for field in ("max_tokens", "n", "seed", "num_frames"):
+        body = '{"model": "model", "%s": %s, "messages": %s}' % (field, deep, json.dumps(good))
+        err = expect_error(srv, 400, body)
+        assert "deeper than 64" in err["message"], err
+    err = expect_error(srv, 400, "{not json")
+    assert "json.exception" not in err["message"] and "not valid JSON" in err["message"], err
+    bad_utf8 = b'{"model": "\xff\xfemodel", "messages": []}'
+    got, text = srv.http("POST", "/v1/chat/completions", bad_utf8)
+    assert got == 400, (got, text)
+    json.loads(text)
+    err = expect_error(srv, 400, json.dumps({"model": "model", "max_tokens": "x" * 5000,
+                                             "messages": good}))
+    assert "x" * 100 not in err["message"] and "a string" in err["message"], err
+    for field, value in (("logprobs", True), ("top_logprobs", 2), ("tools", []),
+                         ("response_format", {"type": "json_object"}), ("frequency_penalty", 1)):
+        err = expect_error(srv, 400, json.dumps({"model": "model", field: value, "messages": good}))
+        assert err["param"] == field and field in err["message"], err
+    assert srv.http("GET", "/health", key=None)[0] == 200
+    assert ask(srv, video_part(file_url(fx.clip))).choices[0].message.content is not None
+
+
+def case_frame_settings_per_request(fx, srv, ranks):
+    # vLLM's media_io_kwargs (lmms-eval's pass_video_url=True) sets the frames of one request.
+    want = qa_json(fx, fx.clip, ranks, extra=("--num-frames", "4"))
+    for extra in ({"media_io_kwargs": {"video": {"num_frames": 4}}},
+                  {"mm_processor_kwargs": {"num_frames": 4}}, {"num_frames": 4}):
+        r = ask(srv, video_part(file_url(fx.clip)), extra_body=extra)
+        assert r.usage.prompt_tokens == want["prompt_tokens"], (extra, r.usage, want)
+        assert r.choices[0].message.content == want["response"]
+    expect_error(srv, 400, json.dumps({"model": "model", "num_frames": 4,
+                                       "media_io_kwargs": {"video": {"num_frames": 4}},
+                                       "messages": messages(video_part(file_url(fx.clip)))}))
+    err = expect_error(srv, 400, json.dumps({"model": "model",
+                                             "media_io_kwargs": {"video": {"width": 4}},
+                                             "messages": messages(video_part(file_url(fx.clip)))}))
+    assert "width" in err["message"], err
+
+
+def case_uploads_stay_private(fx, srv, ranks):
+    # Uploads go into private folders of unpredictable names: a link planted where the server
+    # used to write (/tmp/lvx-serve-<pid>-<n>) catches nothing, no upload folder stays behind,
+    # uploads leave no frame index in the index cache, and a playlist cannot reach other files.
+    victim = Path(tempfile.mkdtemp(dir=fx.root))
+    tmp = Path(tempfile.gettempdir())
+    planted = []
+    for pid in descendants(srv.proc.pid) + [srv.proc.pid]:
+        for n in range(3):
+            link = tmp / ("lvx-serve-%d-%d" % (pid, n))
+            if not os.path.lexists(link):
+                os.symlink(victim, link)
+                planted.append(link)
+    index = Path(os.environ["LVX_TEST_INDEX_DIR"])
+    before_index = sorted(index.rglob("*"))
+    before_dirs = set(tmp.glob("lvx-serve-*"))
+    try:
+        r = ask(srv, video_part(data_url(fx.clip, "video/mp4")))
+        assert r.choices[0].message.content == qa_json(fx, fx.clip, ranks)["response"]
+        assert list(victim.iterdir()) == [], list(victim.iterdir())
+        left = set(tmp.glob("lvx-serve-*")) - before_dirs
+        assert not left, left
+        assert sorted(index.rglob("*")) == before_index, "an upload left a frame index"
+        # An HLS playlist naming a file on the server is refused, not followed.
+        playlist = fx.root / "list.m3u8"
+        playlist.write_text("#EXTM3U\n#EXT-X-VERSION:3\n#EXT-X-TARGETDURATION:4\n#EXTINF:4.0,\n"
+                            "file://%s\n#EXT-X-ENDLIST\n" % fx.clip)
+        err = expect_error(srv, 400, json.dumps({"model": "model", "messages": messages(
+            video_part(data_url(playlist, "video/mp4")))}))
+        # Error texts name the client's media, never our source files or temporary paths.
+        assert ".cpp" not in err["message"] and "lvx-serve-" not in err["message"], err
+        assert "the uploaded video" in err["message"], err
+    finally:
+        for link in planted:
+            link.unlink()
+
+
+def case_api_key_stays_secret(fx, srv, ranks):
+    # The key comes by environment: no rank's command line holds it; /metrics needs it.
+    for pid in descendants(srv.proc.pid) + [srv.proc.pid]:
+        try:
+            cmdline = Path("/proc/%d/cmdline" % pid).read_bytes()
+        except OSError:
+            continue
+        assert KEY.encode() not in cmdline, (pid, cmdline)
+    assert srv.http("GET", "/metrics", key=None)[0] == 401
+    assert srv.http("GET", "/metrics")[0] == 200
+    expect_error(srv, 401, json.dumps({"model": "model", "messages": []}), key=KEY + "x")
+    assert ask(srv, video_part(file_url(fx.clip))).choices[0].message.content is not None
+
+
+def case_api_key_flag_not_in_rank_argv(fx, srv, ranks):
+    # --api-key given: the ranks still get the key by environment, never in their argv.
+    for pid in descendants(srv.proc.pid):
+        try:
+            cmdline = Path("/proc/%d/cmdline" % pid).read_bytes()
+        except OSError:
+            continue
+        assert KEY.encode() not in cmdline, (pid, cmdline)
+    assert "visible to every local user" in srv.stderr()
+    assert srv.http("GET", "/metrics", key=None)[0] == 200  # --metrics-public
+    assert ask(srv, video_part(file_url(fx.clip))).choices[0].message.content is not None
+
+
 # (case, server flags (None: the case starts what it needs), environment, ranks it needs, stops
 # the server itself)
 CASES = [
@@ -642,6 +768,11 @@ CASES = [
     (case_sigterm_finishes_in_flight, [], {}, 1, True),
     (case_killed_rank_503, [], {"LVX_DIST_TIMEOUT_S": "4"}, 2, True),
     (case_port_in_use_fails_every_rank_at_once, None, {}, 1, True),
+    (case_hostile_bodies, [], {}, 1, False),
+    (case_frame_settings_per_request, [], {}, 1, False),
+    (case_uploads_stay_private, ["--cache-bytes", "0"], {"LVX_INDEX_CACHE": "@index"}, 1, False),
+    (case_api_key_stays_secret, "env-key", {"LVX_API_KEY": KEY}, 1, False),
+    (case_api_key_flag_not_in_rank_argv, ["--metrics-public"], {}, 1, False),
 ]
 
 
@@ -660,8 +791,14 @@ def main():
         t0 = time.time()
         srv = None
         try:
+            env = {k: (str(fx.root / "index") if v == "@index" else v) for k, v in env.items()}
+            if "LVX_INDEX_CACHE" in env:
+                os.environ["LVX_TEST_INDEX_DIR"] = env["LVX_INDEX_CACHE"]
+                Path(env["LVX_INDEX_CACHE"]).mkdir(parents=True, exist_ok=True)
             if flags is None:
                 srv = None
+            elif flags == "env-key":
+                srv = Server(fx, ranks, env=env, key_flag=False)
             elif not flags and not env and not stops:
                 shared = shared or Server(fx, ranks)
                 srv = shared
