@@ -98,6 +98,10 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
   LVX_CHECK(info_.coded_width > 0 && info_.coded_height > 0, "video '", path,
             "': the video stream has no frame size (", info_.coded_width, "x", info_.coded_height,
             ")");
+  // Bounded before a frame is decoded: a 1 MB image can declare 16000 x 16000 pixels.
+  LVX_CHECK(int64_t{info_.coded_width} * info_.coded_height <= options.max_frame_pixels, "video '",
+            path, "': frames of ", info_.coded_width, "x", info_.coded_height,
+            " pixels exceed the limit of ", options.max_frame_pixels, " pixels per frame");
   info_.rotation = rotation_from_display_matrix(st);
   const bool swap = info_.rotation == 90 || info_.rotation == 270;
   info_.width = swap ? info_.coded_height : info_.coded_width;

@@ -38,6 +38,9 @@ struct DecodeOptions {
   // Read and write the frame index through the index cache (index_cache.h), so that the packet
   // scan runs once per video, not once per rank and run. LVX_INDEX_CACHE=off also disables it.
   bool index_cache = true;
+  // Largest frame (width x height) opened, checked from the stream's header before any frame is
+  // decoded: 8192 x 8192 (an 8K UHD video is 7680 x 4320).
+  int64_t max_frame_pixels = int64_t{8192} * 8192;
 };
 
 // Which frames to take. Exactly one of `fps` and `num_frames` is set. Times are seconds of player

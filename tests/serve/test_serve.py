@@ -667,8 +667,30 @@ def case_hostile_bodies(fx, srv, ranks):
                          ("response_format", {"type": "json_object"}), ("frequency_penalty", 1)):
         err = expect_error(srv, 400, json.dumps({"model": "model", field: value, "messages": good}))
         assert err["param"] == field and field in err["message"], err
+    # A small PNG declaring 16000 x 16000 pixels is refused from its header, not decoded.
+    t0 = time.time()
+    png = "data:image/png;base64," + base64.b64encode(huge_png(16000, 16000)).decode()
+    err = expect_error(srv, 400, json.dumps({"model": "model", "messages": [{"role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": png}},
+                    {"type": "text", "text": QUESTION}]}]}))
+    assert "exceed the limit" in err["message"] and time.time() - t0 < 5, err
     assert srv.http("GET", "/health", key=None)[0] == 200
     assert ask(srv, video_part(file_url(fx.clip))).choices[0].message.content is not None
+
+
+def huge_png(w, h):
+    """A grey PNG of w x h zero pixels: a few hundred KB that decode to w·h bytes."""
+    import struct
+    import zlib
+    z = zlib.compressobj(9)
+    row = b"\0" * (w + 1)
+    data = b"".join(z.compress(row) for _ in range(h)) + z.flush()
+
+    def chunk(kind, body):
+        return (struct.pack(">I", len(body)) + kind + body +
+                struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0)) +
+            chunk(b"IDAT", data) + chunk(b"IEND", b""))
 
 
 def case_frame_settings_per_request(fx, srv, ranks):
