@@ -97,6 +97,12 @@ TEST(AttentionCliErrors, BadInputIsNamedAndNothingWritten) {
                              {"v", at::zeros({1, 4, 2, 8})}});
   log = run(lvx + " --mask media_upto");
   EXPECT_NE(log.find("needs an int32 tensor 'q_media'"), std::string::npos) << log;
+  // A scale that overflows the softmax: refused on every rank, nothing written (it wrote NaN).
+  lvx::save_safetensors(in, {{"q", at::ones({1, 4, 4, 8})}, {"k", at::ones({1, 4, 2, 8})},
+                             {"v", at::ones({1, 4, 2, 8})}});
+  log = run(lvx + " --scale 1e300");
+  EXPECT_NE(log.find("the attention output is not finite"), std::string::npos) << log;
+  EXPECT_NE(log.find("exit status"), std::string::npos) << log;
   log = run(std::string(LVX_BINARY_DIR) + "/lvx attention --input /nonexistent.safetensors --output " + out);
   EXPECT_NE(log.find("/nonexistent.safetensors: cannot open"), std::string::npos) << log;
   FILE* f = std::fopen(out.c_str(), "r");

@@ -283,6 +283,16 @@ TEST(FinetuneConfig, OverridesAndDefaults) {
   EXPECT_NE(error_of({"optimizer.betas=0.9"}).find("optimizer.betas: expected a list"),
             std::string::npos);
   EXPECT_NE(error_of({"train.lr=1"}).find("unknown section 'train'"), std::string::npos);
+  // A section as a flow-style map sets each of its fields.
+  const TrainConfig l = lvx::runtime::load_train_config(path, {"lora={r: 8, alpha: 16}"});
+  EXPECT_EQ(l.lora.r, 8);
+  EXPECT_DOUBLE_EQ(l.lora.alpha, 16);
+  EXPECT_NE(error_of({"lora=8"}).find("a section takes a map"), std::string::npos);
+  // Numbers print as people write them, and read back as they were.
+  const std::string y = lvx::runtime::to_yaml(lvx::runtime::load_train_config(
+      path, {"optimizer.betas=[0.9, 0.95]", "schedule.min_lr=1e-5"}));
+  EXPECT_NE(y.find("betas: [0.9, 0.95]"), std::string::npos) << y;
+  EXPECT_NE(y.find("min_lr: 1e-05"), std::string::npos) << y;
 }
 
 // Counts that size allocations are bounded; --resume's comparison names each changed field.
@@ -300,6 +310,10 @@ TEST(FinetuneConfig, BoundsAndChangedFields) {
             std::string::npos);
   EXPECT_NE(error_of({"parallel.nproc=5000"}).find("parallel.nproc: at most 1024"),
             std::string::npos);
+  // 2^62 samples per step hung a run in its first step.
+  EXPECT_NE(error_of({"optimizer.grad_accum=4611686018427387904"})
+                .find("optimizer.grad_accum: must be at most 1048576"),
+            std::string::npos);
   const TrainConfig a = lvx::runtime::load_train_config(path, {});
   // The recorded config reads back as it was: no changes.
   const TrainConfig back = lvx::runtime::train_config_from_yaml(lvx::runtime::to_yaml(a), "state");
@@ -310,6 +324,11 @@ TEST(FinetuneConfig, BoundsAndChangedFields) {
   ASSERT_EQ(changes.size(), 2u);  // checkpoint and logging may change on resume
   EXPECT_EQ(changes[0], "optimizer.lr: 0.003 -> 0.001");
   EXPECT_EQ(changes[1], "schedule.steps: 5 -> 9");
+  // Printed as written: 30, not %g's 3e+01.
+  const std::vector<std::string> w = lvx::runtime::config_changes(
+      a, lvx::runtime::load_train_config(path, {"schedule.warmup_steps=30", "optimizer.grad_clip=30"}));
+  ASSERT_FALSE(w.empty());
+  EXPECT_NE(w[0].find("-> 30"), std::string::npos) << w[0];
 }
 
 // Step folders without a `latest` pointer are refused (a fresh start would remove them, a resume

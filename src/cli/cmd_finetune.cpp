@@ -58,7 +58,7 @@ int cmd_finetune(int argc, char** argv) {
   // Dotted overrides ("optimizer.lr=1e-3") are the arguments that are not flags.
   std::vector<std::string> overrides;
   std::vector<char*> args;
-  static const std::regex kOverride("^[A-Za-z_]+\\.[A-Za-z_]+=.*");
+  static const std::regex kOverride("^[A-Za-z_]+(\\.[A-Za-z_]+)?=.*");
   for (int i = 0; i < argc; ++i) {
     if (i > 0 && std::regex_match(argv[i], kOverride))
       overrides.push_back(argv[i]);
@@ -67,14 +67,14 @@ int cmd_finetune(int argc, char** argv) {
   }
   lvx::cli::ArgParser p(
       "lvx finetune --config run.yaml [--resume [--accept-config-changes]] [--nproc N] "
-      "[--sp-size S] [section.field=value ...]",
+      "[--sp-size S] [section.field=value | section={field: value} ...]",
       "Fine-tunes a video LLM (a checkpoint directory; model_type " +
           lvx::models::supported_model_types() +
           ") on JSONL rows\nof video, optional start/end seconds, question and answer; "
           "the loss is on the answer tokens.\n"
           "AdamW (fp32 masters), warm-up then cosine decay, gradient clipping and accumulation,\n"
           "freeze policies (vision | cross_only | none), data x sequence parallel across ranks,\n"
-          "sharded training state (parallel.shard: none | optimizer | gradients).\n"
+          "sharded training state (parallel.shard: none | optimizer | gradients | parameters).\n"
           "Checkpoints (checkpoint.dir/step-N, `latest`) load with lvx qa / lvx forward; --resume\n"
           "continues from the latest. See docs/finetune.md for every config field.");
   p.add_option("config", 'c', "", "run YAML (configs/runs/finetune_tiny.yaml)", true);

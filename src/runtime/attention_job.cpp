@@ -1,12 +1,11 @@
 #include "src/runtime/attention_job.h"
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "src/common/error.h"
@@ -30,6 +29,28 @@ kernels::MaskKind mask_kind_from_name(const std::string& name, kernels::MediaRul
 }
 
 namespace {
+
+// A scale that overflows the softmax (--scale 1e300) makes the output NaN: refused on every rank
+// at once, before anything is written. lse may be −inf (a query that sees no key), never NaN or
+// +inf.
+void check_finite(dist::ProcessGroup& pg, const std::map<std::string, at::Tensor>& part,
+                  double scale) {
+  std::string bad;
+  for (const auto& [name, t] : part) {
+    const at::Tensor f = t.to(at::kFloat);
+    const bool ok = name == "lse"
+                        ? !(at::isnan(f).any().item<bool>() || at::isposinf(f).any().item<bool>())
+                        : at::isfinite(f).all().item<bool>();
+    if (!ok) bad += (bad.empty() ? "" : ", ") + name;
+  }
+  const std::vector<std::string> errors =
+      dist::gather_errors(pg, bad.empty() ? "" : "'" + bad + "' not finite");
+  std::string what;
+  for (size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) what += str(what.empty() ? "" : "; ", "rank ", r, ": ", errors[r]);
+  LVX_CHECK(what.empty(), "the attention output is not finite (", what, "): --scale ", scale,
+            " overflows the softmax for these inputs; nothing was written");
+}
 
 std::string shape_str(const at::Tensor& t) { return str(t.sizes()); }
 
@@ -81,7 +102,8 @@ int run_attention_rank(const AttentionJob& job) {
   TensorFile f = load_safetensors(job.input);
   const AttentionSpec s = attention::with_topology(spec_from(job, f), *pg);
   const attention::StrategyChoice choice = attention::strategy_choice_from_name(job.strategy);
-  auto fwd = attention::make_strategy(choice.forward), bwd = attention::make_strategy(choice.backward);
+  auto fwd = attention::make_strategy(choice.forward),
+       bwd = attention::make_strategy(choice.backward);
   fwd->check_supported(s, n);
   if (job.backward) bwd->check_supported(s, n);
   pg->check_agreement("the attention call",
@@ -92,9 +114,9 @@ int run_attention_rank(const AttentionJob& job) {
   in.q = ql.shard(f.tensors.at("q"), 1, r);
   in.k = kl.shard(f.tensors.at("k"), 1, r);
   in.v = kl.shard(f.tensors.at("v"), 1, r);
-  for (auto [name, dst] : {std::pair{"q_media", &in.mask.q_media},
-                           std::pair{"kv_media", &in.mask.kv_media},
-                           std::pair{"kv_valid", &in.mask.kv_valid}})
+  for (auto [name, dst] :
+       {std::pair{"q_media", &in.mask.q_media}, std::pair{"kv_media", &in.mask.kv_media},
+        std::pair{"kv_valid", &in.mask.kv_valid}})
     if (f.tensors.count(name)) *dst = f.tensors.at(name);
   at::Tensor dout = job.backward ? ql.shard(f.tensors.at("do"), 1, r) : at::Tensor();
 
@@ -123,6 +145,7 @@ int run_attention_rank(const AttentionJob& job) {
     part["dk"] = grads.dk;
     part["dv"] = grads.dv;
   }
+  check_finite(*pg, part, job.scale);
   const fs::path parts = job.output + ".parts";
   fs::create_directories(parts);
   save_safetensors((parts / str("rank", r, ".safetensors")).string(), part,
@@ -173,8 +196,11 @@ int run_attention_rank(const AttentionJob& job) {
   save_safetensors(job.output, result, {{"strategy", choice.name()}, {"mask", job.mask}});
   fs::remove_all(parts);
   if (!job.stats.empty()) {
-    nlohmann::json j{{"strategy", job.strategy}, {"world_size", n}, {"mask", job.mask},
-                     {"backward", job.backward}, {"ranks", ranks},
+    nlohmann::json j{{"strategy", job.strategy},
+                     {"world_size", n},
+                     {"mask", job.mask},
+                     {"backward", job.backward},
+                     {"ranks", ranks},
                      {"step_seconds", step},  // per timed call, its slowest rank
                      {"step_seconds_min", *std::min_element(step.begin(), step.end())},
                      {"step_seconds_median", median(step)}};

@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -105,18 +106,22 @@ const std::vector<std::string> kSections = {"model",    "data",    "optimizer",
                                             "schedule", "freeze",  "checkpoint",
                                             "parallel", "logging", "lora"};
 
-// "a.b.c=value": sets root[a][b][c] to the value parsed as YAML (so numbers, booleans and lists
-// keep their types).
+// "section.field=value" sets root[section][field] to the value parsed as YAML (so numbers,
+// booleans and lists keep their types); "section={field: value, ...}" (a flow-style map) sets
+// each of its fields the same way.
 void apply_override(YAML::Node& root, const std::string& o) {
   const size_t eq = o.find('=');
   LVX_CHECK(eq != std::string::npos && eq > 0, "command line: override '", o,
-            "' must look like section.field=value");
+            "' must look like section.field=value or section={field: value}");
   const std::string key = o.substr(0, eq), value = o.substr(eq + 1);
   std::vector<std::string> parts;
   std::stringstream ss(key);
   for (std::string p; std::getline(ss, p, '.');) parts.push_back(p);
-  LVX_CHECK(parts.size() == 2 && !parts[0].empty() && !parts[1].empty(), "command line: override '",
-            o, "': the key must be section.field (e.g. optimizer.lr=1e-3)");
+  LVX_CHECK((parts.size() == 2 && !parts[0].empty() && !parts[1].empty()) ||
+                (parts.size() == 1 && !parts[0].empty()),
+            "command line: override '", o,
+            "': the key must be section.field (e.g. optimizer.lr=1e-3) or a section "
+            "(lora={r: 8, alpha: 16})");
   bool known = false;
   for (const auto& s : kSections) known = known || s == parts[0];
   LVX_CHECK(known, "command line: override '", o, "': unknown section '", parts[0], "'");
@@ -128,7 +133,13 @@ void apply_override(YAML::Node& root, const std::string& o) {
   }
   if (!root[parts[0]] || !root[parts[0]].IsMap()) root[parts[0]] = YAML::Node(YAML::NodeType::Map);
   YAML::Node section = root[parts[0]];
-  section[parts[1]] = v;
+  if (parts.size() == 2) {
+    section[parts[1]] = v;
+    return;
+  }
+  LVX_CHECK(v.IsMap(), "command line: override '", o, "': a section takes a map, e.g. ", parts[0],
+            "={field: value}");
+  for (const auto& kv : v) section[kv.first.as<std::string>()] = kv.second;
 }
 
 }  // namespace
@@ -173,20 +184,22 @@ TrainConfig train_config_from_yaml(const std::string& text, const std::string& w
 
 namespace {
 
-// A scalar as written, a number in the fewest digits that read back as the same double
-// ("0.003", not the emitter's "0.0030000000000000001").
+// The shortest text that reads back as the same double, as people write numbers: 0.9 (not the
+// emitter's 0.90000000000000002), 30 (not %g's 3e+01), 1e-05.
+std::string shortest(double v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, r.ptr);
+}
+
+// A scalar as written, a number as shortest() writes it.
 std::string shortest(const YAML::Node& v) {
   if (!v.IsScalar()) return YAML::Dump(v);
   const std::string s = v.Scalar();
   char* end = nullptr;
   const double d = std::strtod(s.c_str(), &end);
   if (s.empty() || end != s.c_str() + s.size()) return s;
-  for (int digits = 1; digits <= 17; ++digits) {
-    char buf[40];
-    std::snprintf(buf, sizeof(buf), "%.*g", digits, d);
-    if (std::strtod(buf, nullptr) == d) return buf;
-  }
-  return s;
+  return shortest(d);
 }
 
 }  // namespace
@@ -281,6 +294,10 @@ TrainConfig from_root(const YAML::Node& root, const std::string& file) {
     o.weight_decay = s.num_or("weight_decay", o.weight_decay, 0);
     o.grad_clip = s.num_or("grad_clip", o.grad_clip, 0);
     o.grad_accum = s.int_or("grad_accum", o.grad_accum, 1);
+    // One optimizer step takes grad_accum samples per data-parallel group: a count no run can
+    // reach (2^62 hung a run in its first step's sampler) is refused.
+    LVX_CHECK(o.grad_accum <= kMaxGradAccum, s.where("grad_accum"), ": must be at most ",
+              kMaxGradAccum, " samples per step, got ", o.grad_accum);
     s.finish();
   }
   {
@@ -373,19 +390,20 @@ std::string to_yaml(const TrainConfig& c) {
   e << YAML::Key << "data" << YAML::Value << YAML::BeginMap << YAML::Key << "train" << YAML::Value
     << c.data.train;
   if (c.data.num_frames) e << YAML::Key << "num_frames" << YAML::Value << *c.data.num_frames;
-  if (c.data.fps) e << YAML::Key << "fps" << YAML::Value << *c.data.fps;
+  if (c.data.fps) e << YAML::Key << "fps" << YAML::Value << shortest(*c.data.fps);
   e << YAML::Key << "shuffle" << YAML::Value << c.data.shuffle << YAML::Key << "seed" << YAML::Value
     << c.data.seed << YAML::EndMap;
   const auto& o = c.optimizer;
   e << YAML::Key << "optimizer" << YAML::Value << YAML::BeginMap << YAML::Key << "lr" << YAML::Value
-    << o.lr << YAML::Key << "betas" << YAML::Value << YAML::Flow << YAML::BeginSeq << o.betas[0]
-    << o.betas[1] << YAML::EndSeq << YAML::Key << "eps" << YAML::Value << o.eps << YAML::Key
-    << "weight_decay" << YAML::Value << o.weight_decay << YAML::Key << "grad_clip" << YAML::Value
-    << o.grad_clip << YAML::Key << "grad_accum" << YAML::Value << o.grad_accum << YAML::EndMap;
+    << shortest(o.lr) << YAML::Key << "betas" << YAML::Value << YAML::Flow << YAML::BeginSeq
+    << shortest(o.betas[0]) << shortest(o.betas[1]) << YAML::EndSeq << YAML::Key << "eps"
+    << YAML::Value << shortest(o.eps) << YAML::Key << "weight_decay" << YAML::Value
+    << shortest(o.weight_decay) << YAML::Key << "grad_clip" << YAML::Value << shortest(o.grad_clip)
+    << YAML::Key << "grad_accum" << YAML::Value << o.grad_accum << YAML::EndMap;
   e << YAML::Key << "schedule" << YAML::Value << YAML::BeginMap << YAML::Key << "steps"
     << YAML::Value << c.schedule.steps << YAML::Key << "warmup_steps" << YAML::Value
-    << c.schedule.warmup_steps << YAML::Key << "min_lr" << YAML::Value << c.schedule.min_lr
-    << YAML::EndMap;
+    << c.schedule.warmup_steps << YAML::Key << "min_lr" << YAML::Value
+    << shortest(c.schedule.min_lr) << YAML::EndMap;
   e << YAML::Key << "freeze" << YAML::Value << YAML::BeginMap << YAML::Key << "policy"
     << YAML::Value << c.freeze.policy << YAML::EndMap;
   e << YAML::Key << "checkpoint" << YAML::Value << YAML::BeginMap << YAML::Key << "dir"
@@ -402,9 +420,9 @@ std::string to_yaml(const TrainConfig& c) {
     << YAML::EndMap;
   if (c.lora.r > 0) {  // only when on: full fine-tuning's recorded configs stay as they were
     e << YAML::Key << "lora" << YAML::Value << YAML::BeginMap << YAML::Key << "r" << YAML::Value
-      << c.lora.r << YAML::Key << "alpha" << YAML::Value << c.lora.alpha << YAML::Key << "dropout"
-      << YAML::Value << c.lora.dropout << YAML::Key << "target_modules" << YAML::Value << YAML::Flow
-      << c.lora.target_modules << YAML::EndMap;
+      << c.lora.r << YAML::Key << "alpha" << YAML::Value << shortest(c.lora.alpha) << YAML::Key
+      << "dropout" << YAML::Value << shortest(c.lora.dropout) << YAML::Key << "target_modules"
+      << YAML::Value << YAML::Flow << c.lora.target_modules << YAML::EndMap;
   }
   e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";

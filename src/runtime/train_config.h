@@ -78,6 +78,7 @@ constexpr double kMaxFps = 240;                          // data.fps
 constexpr int64_t kMaxRanks = 1024;                      // parallel.nproc: local processes
 constexpr int64_t kMaxSeed = int64_t{1} << 52;           // data.seed (+ epoch must not overflow)
 constexpr uint64_t kMaxConfigBytes = uint64_t{1} << 20;  // the run YAML
+constexpr int64_t kMaxGradAccum = int64_t{1} << 20;      // optimizer.grad_accum: samples per step
 
 // Reads `path` and applies `overrides` ("section.field=value", the value parsed as YAML) in
 // order. Errors name the file (or "command line") and the field path: unknown fields, wrong
