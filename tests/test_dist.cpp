@@ -2,7 +2,6 @@
 // crafted so the exact result is known (nccl-tests style: each worker counts wrong elements),
 // byte counters against the analytic volumes, rendezvous parsing, faults and lvx launch.
 #include <gtest/gtest.h>
-
 #include <signal.h>
 #include <unistd.h>
 
@@ -17,6 +16,7 @@
 #include "src/dist/launcher.h"
 #include "src/dist/process_group.h"
 #include "src/dist/rendezvous.h"
+#include "tests/collective_volumes.h"
 #include "tests/multirank.h"
 
 using lvx::dist::P2POp;
@@ -43,16 +43,6 @@ void expect_bytes(int64_t got, int64_t want, const std::string& what) {
     std::cerr << what << ": counted " << got << " bytes, analytic volume " << want << "\n";
     ++g_wrong;
   }
-}
-
-// How many times rank r sends in a binomial-tree broadcast from `root` over w ranks (Gloo's
-// gloo/broadcast.cc): in step i the virtual ranks v = r − root below 2^i send to v + 2^i (when
-// that is a rank), so v sends once for every 2^i above it; the root ⌈log2 w⌉ times.
-int tree_sends(int r, int root, int w) {
-  const int v = (r - root + w) % w;
-  int sends = 0;
-  for (int i = 0; (1 << i) < w; ++i) sends += v < (1 << i) && v + (1 << i) < w ? 1 : 0;
-  return sends;
 }
 
 // Rows of a distinct, exactly representable value per (source rank, row, column).
@@ -87,7 +77,8 @@ LVX_WORKER(all_ops) {
   // Batched send/recv in the "wrong" order (recv posted first) must not deadlock.
   if (w > 1) {
     at::Tensor recv = at::empty({2, cols});
-    pg->batch_isend_irecv({P2POp::recv(recv, pg->prev()), P2POp::send(rows(r, 2, cols, 2), pg->next())})
+    pg->batch_isend_irecv(
+          {P2POp::recv(recv, pg->prev()), P2POp::send(rows(r, 2, cols, 2), pg->next())})
         .wait();
     expect_equal(recv, rows(pg->prev(), 2, cols, 2), "batch recv-first");
   }
@@ -97,23 +88,12 @@ LVX_WORKER(all_ops) {
     pg->counters().reset();
     std::vector<int64_t> sizes(w);
     for (int j = 0; j < w; ++j) sizes[j] = uneven == 2 ? 2 * j : uneven == 1 ? (j < 2 ? 3 : 2) : 4;
-    at::Tensor got = pg->all_gather(rows(r, sizes[r], cols, 3), uneven ? sizes : std::vector<int64_t>{});
+    at::Tensor got =
+        pg->all_gather(rows(r, sizes[r], cols, 3), uneven ? sizes : std::vector<int64_t>{});
     std::vector<at::Tensor> parts;
     for (int j = 0; j < w; ++j) parts.push_back(rows(j, sizes[j], cols, 3));
     expect_equal(got, at::cat(parts), uneven == 2 ? "all_gather uneven" : "all_gather");
-    int64_t sent = 0, received = 0;
-    const int64_t most = *std::max_element(sizes.begin(), sizes.end());
-    if (w > 1 && uneven < 2) {
-      // Ring all-gather (allgather_into_tensor) of chunks padded to the largest: (w − 1) of them
-      // pass through this rank each way.
-      sent = received = (w - 1) * most * cols * fb;
-    } else if (w > 1) {
-      // Uneven: each owner broadcasts its piece over Gloo's binomial tree.
-      for (int j = 0; j < w; ++j) {
-        sent += tree_sends(r, j, w) * sizes[j] * cols * fb;
-        if (j != r) received += sizes[j] * cols * fb;
-      }
-    }
+    const auto [sent, received] = lvx::test::all_gather_volume(r, sizes, cols * fb, false);
     expect_bytes(pg->counters().total_sent(), sent, "all_gather sent");
     expect_bytes(pg->counters().total_received(), received, "all_gather received");
     // An engine collective: every byte of it is formula-counted.
@@ -188,7 +168,7 @@ LVX_WORKER(all_ops) {
     pg->broadcast(t, w - 1);
     expect_equal(t, rows(w - 1, 3, cols, 4), "broadcast");
     // Gloo's binomial tree: the root sends to ⌈log2 w⌉ peers at most, the others forward.
-    expect_bytes(pg->counters().total_sent(), tree_sends(r, w - 1, w) * 3 * cols * fb,
+    expect_bytes(pg->counters().total_sent(), lvx::test::tree_sends(r, w - 1, w) * 3 * cols * fb,
                  "broadcast sent");
     expect_bytes(pg->counters().total_received(), r == w - 1 ? 0 : 3 * cols * fb,
                  "broadcast received");
@@ -386,9 +366,13 @@ TEST(DistThreads, WorkOutlivingItsGroupIsAnError) {
 // ---- rendezvous --------------------------------------------------------------------------
 
 TEST(Rendezvous, TorchrunVariablesFirst) {
-  auto i = lvx::dist::rendezvous_from_env({{"RANK", "2"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"},
-                                           {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"},
-                                           {"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "8"}});
+  auto i = lvx::dist::rendezvous_from_env({{"RANK", "2"},
+                                           {"WORLD_SIZE", "4"},
+                                           {"LOCAL_RANK", "0"},
+                                           {"MASTER_ADDR", "10.0.0.1"},
+                                           {"MASTER_PORT", "1234"},
+                                           {"OMPI_COMM_WORLD_RANK", "3"},
+                                           {"OMPI_COMM_WORLD_SIZE", "8"}});
   EXPECT_EQ(i.source, "torchrun");
   EXPECT_EQ(i.rank, 2);
   EXPECT_EQ(i.world_size, 4);
@@ -398,7 +382,8 @@ TEST(Rendezvous, TorchrunVariablesFirst) {
 }
 
 TEST(Rendezvous, OpenMpiVariables) {
-  auto i = lvx::dist::rendezvous_from_env({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+  auto i = lvx::dist::rendezvous_from_env({{"OMPI_COMM_WORLD_RANK", "3"},
+                                           {"OMPI_COMM_WORLD_SIZE", "8"},
                                            {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
   EXPECT_EQ(i.source, "openmpi");
   EXPECT_EQ(i.rank, 3);
@@ -571,8 +556,8 @@ TEST(Launch, PrefixesOutputAndSetsVariables) {
       {"sh", "-c", "echo rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK addr=$MASTER_ADDR"}, o);
   EXPECT_EQ(r.exit_code, 0);
   for (int i = 0; i < 3; ++i)
-    EXPECT_EQ(r.ranks[i].output, "rank=" + std::to_string(i) + " world=3 local=" +
-                                     std::to_string(i) + " addr=127.0.0.1\n");
+    EXPECT_EQ(r.ranks[i].output, "rank=" + std::to_string(i) +
+                                     " world=3 local=" + std::to_string(i) + " addr=127.0.0.1\n");
 }
 
 // Unless OMP_NUM_THREADS is set, each of N ranks gets the cores this process may use divided by N
@@ -622,11 +607,13 @@ TEST(Launch, CliExitCodeAndStopsOthers) {
   if (::access(lvx.c_str(), X_OK) != 0) GTEST_SKIP() << "lvx executable not built";
   auto t0 = std::chrono::steady_clock::now();
   int rc = std::system((lvx + " launch --nproc 3 -- sh -c 'if [ $RANK = 1 ]; then exit 3; fi; "
-                              "sleep 60' > /tmp/lvx_launch_test.txt 2>&1").c_str());
+                              "sleep 60' > /tmp/lvx_launch_test.txt 2>&1")
+                           .c_str());
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(WEXITSTATUS(rc), 3);
   EXPECT_LT(s, 30) << "the sleeping ranks were not stopped";
-  rc = std::system((lvx + " launch --nproc 2 -- sh -c 'echo hello' > /tmp/lvx_launch_ok.txt").c_str());
+  rc = std::system(
+      (lvx + " launch --nproc 2 -- sh -c 'echo hello' > /tmp/lvx_launch_ok.txt").c_str());
   EXPECT_EQ(WEXITSTATUS(rc), 0);
   std::FILE* f = std::fopen("/tmp/lvx_launch_ok.txt", "r");
   ASSERT_NE(f, nullptr);

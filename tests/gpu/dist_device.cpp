@@ -30,6 +30,7 @@
 
 #include "src/common/device_index.h"
 #include "src/dist/process_group.h"
+#include "tests/collective_volumes.h"
 
 namespace {
 
@@ -55,26 +56,6 @@ std::pair<int64_t, int64_t> bytes_of(lvx::dist::ProcessGroup& pg, F f) {
   pg.counters().reset();
   f();
   return {pg.counters().total_sent(), pg.counters().total_received()};
-}
-
-// How many times rank r sends the payload of a broadcast from `root` over n ranks: NCCL's ring
-// chain (every rank but the one before the root forwards to next), Gloo's binomial tree (rank
-// v = r − root sends to v + 2^i for each i below v's lowest set bit, while v + 2^i < n).
-int broadcast_sends(int r, int root, int n, bool nccl) {
-  if (n == 1) return 0;
-  if (nccl) return (r + 1) % n != root ? 1 : 0;
-  const int v = (r - root + n) % n;
-  int dim = 0;
-  while ((1 << dim) < n) ++dim;
-  int low = dim;
-  for (int i = 0; i < dim; ++i)
-    if (v & (1 << i)) {
-      low = i;
-      break;
-    }
-  int sends = 0;
-  for (int i = 0; i < low; ++i) sends += v + (1 << i) < n ? 1 : 0;
-  return sends;
 }
 
 std::string expected_engine(const lvx::dist::ProcessGroup& pg, const at::Device& dev) {
@@ -160,13 +141,9 @@ int main() {
     std::vector<at::Tensor> rows;
     for (int j = 0; j < n; ++j) rows.push_back(at::full({j + 1, 3}, static_cast<double>(j)));
     expect_equal(all, at::cat(rows), on, r, "all_gather");
-    // Uneven pieces: each owner broadcasts its own (process_group.h's volumes).
+    // Sizes 1..n rows: one row apart at n = 2 (the padded ring), else each owner broadcasts.
     const bool nccl = engine.rfind("nccl", 0) == 0;
-    int64_t want_sent = 0, want_received = 0;
-    for (int j = 0; j < n; ++j) {
-      want_sent += broadcast_sends(r, j, n, nccl) * (j + 1) * 3 * 4;
-      if (j != r) want_received += (j + 1) * 3 * 4;
-    }
+    const auto [want_sent, want_received] = lvx::test::all_gather_volume(r, sizes, 3 * 4, nccl);
     expect(s2 == want_sent && r2 == want_received, r,
            "all_gather bytes sent " + std::to_string(s2) + " received " + std::to_string(r2) +
                ", expected " + std::to_string(want_sent) + " and " + std::to_string(want_received));
@@ -181,7 +158,8 @@ int main() {
     at::Tensor b = at::full({3}, r == n - 1 ? 7.0 : -1.0, f32);
     auto [s4, r4] = bytes_of(*pg, [&] { pg->broadcast(b, n - 1); });
     expect_equal(b, at::full({3}, 7.0), on, r, "broadcast");
-    expect(s4 == broadcast_sends(r, n - 1, n, nccl) * 12 && r4 == (r == n - 1 || n == 1 ? 0 : 12),
+    expect(s4 == lvx::test::broadcast_sends(r, n - 1, n, nccl) * 12 &&
+               r4 == (r == n - 1 || n == 1 ? 0 : 12),
            r, "broadcast bytes sent " + std::to_string(s4) + " received " + std::to_string(r4));
 
     if (engine.rfind("nccl", 0) == 0) check_stream_ordered_wait(*pg, on);
