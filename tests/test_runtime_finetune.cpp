@@ -331,6 +331,29 @@ TEST(FinetuneConfig, BoundsAndChangedFields) {
   EXPECT_NE(w[0].find("-> 30"), std::string::npos) << w[0];
 }
 
+// qa, serve, forward, plan and merge-adapter take a run folder for its latest checkpoint; a
+// checkpoint or adapter folder is itself.
+TEST(FinetuneCheckpoint, RunFolderMeansItsLatestCheckpoint) {
+  const fs::path root = dir() / "ck_follow";
+  fs::remove_all(root);
+  fs::create_directories(root / "step-000003");
+  std::ofstream(root / "step-000003" / "config.json") << "{}";
+  std::ofstream(root / "latest") << "step-000003\n";
+  EXPECT_EQ(lvx::runtime::follow_run_folder(root.string()), (root / "step-000003").string());
+  EXPECT_EQ(lvx::runtime::follow_run_folder((root / "step-000003").string()),
+            (root / "step-000003").string());
+  EXPECT_EQ(lvx::runtime::follow_run_folder("configs/models/tiny.yaml"), "configs/models/tiny.yaml");
+  std::ofstream(root / "latest") << "step-000009\n";
+  try {
+    lvx::runtime::follow_run_folder(root.string());
+    ADD_FAILURE() << "no error for a latest naming a missing folder";
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("names step-000009, which does not exist"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // Step folders without a `latest` pointer are refused (a fresh start would remove them, a resume
 // would have to guess); leftovers of interrupted writes alone are not checkpoints.
 TEST(FinetuneCheckpoint, StepFoldersWithoutLatestAreRefused) {

@@ -246,3 +246,27 @@ int apply_threads(const ArgParser& p, int local_ranks) {
 }
 
 }  // namespace lvx::cli
+
+namespace lvx::cli {
+
+void pin_option_for_ranks(std::vector<std::string>& cmd, const std::string& name, char short_name,
+                          const std::string& value) {
+  const std::string long_form = "--" + name, short_form = std::string("-") + short_name;
+  std::vector<std::string> out;
+  for (size_t i = 0; i < cmd.size(); ++i) {
+    const std::string& a = cmd[i];
+    if (i > 0 && (a == long_form || (short_name != 0 && a == short_form))) {
+      ++i;  // and its value
+      continue;
+    }
+    if (i > 0 && a.rfind(long_form + "=", 0) == 0) continue;
+    out.push_back(a);
+  }
+  cmd = std::move(out);
+  if (value.empty())
+    ::unsetenv(env_name(name).c_str());
+  else
+    ::setenv(env_name(name).c_str(), value.c_str(), 1);
+}
+
+}  // namespace lvx::cli

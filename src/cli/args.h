@@ -60,6 +60,13 @@ class ArgParser {
 // start 1000 ranks); --force-nproc lifts the bound. Declared by add_nproc_options (with the
 // command's own default and help), read by checked_nproc.
 constexpr int kMaxRanksPerCore = 4;
+// Removes option `name` (--name V, --name=V, -s V) from a rank command line and hands its value
+// to the ranks by environment (the option's env name, LVX_<NAME>) instead: a value resolved once
+// in the launching process (a run folder's latest checkpoint) reaches every rank alike, and a
+// secret (an API key) stays out of the process list.
+void pin_option_for_ranks(std::vector<std::string>& cmd, const std::string& name, char short_name,
+                          const std::string& value);
+
 void add_nproc_options(ArgParser& p, const std::string& default_value, const std::string& help);
 int checked_nproc(const ArgParser& p);
 // The same bound for a rank count from elsewhere (a config file): `what` names it.

@@ -8,6 +8,7 @@
 #include "src/cli/command.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/device.h"
+#include "src/runtime/train_checkpoint.h"
 #include "src/runtime/forward_job.h"
 
 namespace {
@@ -53,8 +54,9 @@ int cmd_forward(int argc, char** argv) {
              "(LV-XAttn §3.2): saves x, O and lse per cross layer instead of its K/V");
   if (!p.parse(argc, argv)) return 0;
   lvx::runtime::ForwardJob job;
-  job.model = p.get("model");
-  job.adapter = p.get("adapter");
+  // A run folder means its latest checkpoint, resolved once here for every rank.
+  job.model = lvx::runtime::follow_run_folder(p.get("model"));
+  job.adapter = p.get("adapter").empty() ? "" : lvx::runtime::follow_run_folder(p.get("adapter"));
   job.input = p.get("input");
   job.output = p.get("output");
   job.strategies = p.get("strategies");
@@ -77,6 +79,8 @@ int cmd_forward(int argc, char** argv) {
   lvx::runtime::check_local_devices(job.device, nproc);
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
+  lvx::cli::pin_option_for_ranks(cmd, "model", 'm', job.model);
+  lvx::cli::pin_option_for_ranks(cmd, "adapter", 0, job.adapter);
   lvx::dist::LaunchOptions o;
   o.nproc = nproc;
   return lvx::dist::launch_local(cmd, o).exit_code;

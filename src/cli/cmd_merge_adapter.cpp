@@ -8,6 +8,7 @@
 #include "src/cli/args.h"
 #include "src/cli/command.h"
 #include "src/common/error.h"
+#include "src/runtime/train_checkpoint.h"
 #include "src/common/files.h"
 #include "src/common/safetensors.h"
 
@@ -32,7 +33,9 @@ int cmd_merge_adapter(int argc, char** argv) {
   p.add_option("adapter", 'a', "", "LoRA adapter directory (PEFT's layout)", true);
   p.add_option("output", 'o', "", "new checkpoint directory (must not exist, or be empty)", true);
   if (!p.parse(argc, argv)) return 0;
-  const std::string model = p.get("model"), adapter = p.get("adapter"), out = p.get("output");
+  // Run folders mean their latest checkpoints (a LoRA run's adapter, a full run's model).
+  const std::string model = lvx::runtime::follow_run_folder(p.get("model"));
+  const std::string adapter = lvx::runtime::follow_run_folder(p.get("adapter")), out = p.get("output");
   std::error_code ec;
   LVX_CHECK(!fs::exists(out, ec) || (fs::is_directory(out, ec) && fs::is_empty(out, ec)),
             "--output: ", out, " already exists and is not an empty directory (nothing is ",

@@ -12,6 +12,7 @@
 #include "src/planner/train_memory.h"
 #include "src/planner/train_report.h"
 #include "src/runtime/model_description.h"
+#include "src/runtime/train_checkpoint.h"
 
 namespace {
 
@@ -62,7 +63,8 @@ int cmd_plan(int argc, char** argv) {
   if (!p.parse(argc, argv)) return 0;
   const std::string json_path = p.get("json");
   if (!json_path.empty()) lvx::check_output_path(json_path, "--json");  // no FIFO, no directory
-  lvx::planner::ModelConfig model = lvx::runtime::planner_model(p.get("model"));
+  const std::string model_path = lvx::runtime::follow_run_folder(p.get("model"));
+  lvx::planner::ModelConfig model = lvx::runtime::planner_model(model_path);
   lvx::planner::ClusterConfig cluster = lvx::planner::load_cluster_config(p.get("cluster"));
   const bool max_frames = p.flag("max-frames");
   LVX_CHECK(max_frames || (!p.get("frames").empty() && !p.get("text").empty()),
@@ -85,7 +87,7 @@ int cmd_plan(int argc, char** argv) {
   const double device = static_cast<double>(cluster.device_memory_bytes);
   lvx::planner::ParamCounts counts;
   if (p.flag("train")) {
-    counts = lvx::runtime::count_parameters(p.get("model"), model, p.get("freeze"));
+    counts = lvx::runtime::count_parameters(model_path, model, p.get("freeze"));
     std::cout << lvx::runtime::describe_parameters(counts, p.get("freeze"), model, mo.lora_r);
   }
   if (max_frames) {

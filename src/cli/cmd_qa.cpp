@@ -6,6 +6,7 @@
 #include "src/cli/command.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/device.h"
+#include "src/runtime/train_checkpoint.h"
 #include "src/runtime/qa_job.h"
 
 namespace {
@@ -59,8 +60,9 @@ int cmd_qa(int argc, char** argv) {
              "(the old answers move to <output>.old)");
   if (!p.parse(argc, argv)) return 0;
   lvx::runtime::QaJob job;
-  job.model = p.get("model");
-  job.adapter = p.get("adapter");
+  // A run folder means its latest checkpoint, resolved once here for every rank.
+  job.model = lvx::runtime::follow_run_folder(p.get("model"));
+  job.adapter = p.get("adapter").empty() ? "" : lvx::runtime::follow_run_folder(p.get("adapter"));
   job.video = p.get("video");
   job.question = p.get("question");
   for (size_t b = 0, e; !p.get("options").empty() && b <= p.get("options").size(); b = e + 1) {
@@ -96,6 +98,8 @@ int cmd_qa(int argc, char** argv) {
   lvx::runtime::check_local_devices(job.device, nproc);
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
+  lvx::cli::pin_option_for_ranks(cmd, "model", 'm', job.model);
+  lvx::cli::pin_option_for_ranks(cmd, "adapter", 0, job.adapter);
   lvx::dist::LaunchOptions o;
   o.nproc = nproc;
   o.rank0_direct = true;  // the answer (or JSON) on stdout as rank 0 writes it

@@ -10,6 +10,7 @@
 #include "src/common/files.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/device.h"
+#include "src/runtime/train_checkpoint.h"
 #include "src/runtime/qa_job.h"
 #include "src/serve/server.h"
 
@@ -65,7 +66,7 @@ std::string api_key(const lvx::cli::ArgParser& p) {
 lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   lvx::serve::ServeOptions o;
   lvx::runtime::QaJob& job = o.job;
-  job.model = p.get("model");
+  job.model = lvx::runtime::follow_run_folder(p.get("model"));
   if (!p.get("fps").empty()) job.fps = p.get_double("fps");
   if (!p.get("num-frames").empty()) job.num_frames = p.get_int("num-frames");
   job.generation.max_new_tokens = p.get_int("max-new-tokens", 1, INT32_MAX);
@@ -90,21 +91,6 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   o.default_max_tokens = job.generation.max_new_tokens;
   o.merge_identical = !p.flag("no-merge-identical");
   return o;
-}
-
-// The ranks' command line: this one without the API key, which they read from LVX_API_KEY.
-std::vector<std::string> rank_command(int argc, char** argv) {
-  std::vector<std::string> cmd{lvx::dist::self_executable()};
-  for (int i = 0; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--api-key" || a == "--api-key-file") {
-      ++i;
-      continue;
-    }
-    if (a.rfind("--api-key=", 0) == 0 || a.rfind("--api-key-file=", 0) == 0) continue;
-    cmd.push_back(a);
-  }
-  return cmd;
 }
 
 bool loopback(const std::string& host) {
@@ -145,8 +131,6 @@ int cmd_serve(int argc, char** argv) {
     std::cerr << "lvx serve: warning: listening on " << o.host
               << " beyond the loopback without an API key: anyone who reaches it can use it "
                  "(--api-key-file, LVX_API_KEY)\n";
-  if (!o.api_key.empty()) ::setenv("LVX_API_KEY", o.api_key.c_str(), 1);
-  else ::unsetenv("LVX_API_KEY");
   lvx::dist::LaunchOptions lo;
   lo.nproc = nproc;
   lo.rank0_direct = true;
@@ -155,7 +139,12 @@ int cmd_serve(int argc, char** argv) {
   lo.stop_on_failure = false;
   lo.exit_wait_s = lvx::dist::default_exit_wait_s();
   lo.forward_signals = true;
-  return lvx::dist::launch_local(rank_command(argc, argv), lo).exit_code;
+  std::vector<std::string> cmd{lvx::dist::self_executable()};
+  for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
+  lvx::cli::pin_option_for_ranks(cmd, "model", 'm', o.job.model);
+  lvx::cli::pin_option_for_ranks(cmd, "api-key", 0, o.api_key);  // never in a rank's argv
+  lvx::cli::pin_option_for_ranks(cmd, "api-key-file", 0, "");
+  return lvx::dist::launch_local(cmd, lo).exit_code;
 }
 
 }  // namespace

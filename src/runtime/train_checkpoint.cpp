@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
 #include <fstream>
 #include <thread>
 #include <vector>
@@ -198,6 +199,18 @@ std::string latest_checkpoint(const std::string& root) {
   const fs::path dir = fs::path(root) / name;
   LVX_CHECK(fs::is_directory(dir), p.string(), ": names ", name, ", which does not exist");
   return dir.string();
+}
+
+std::string follow_run_folder(const std::string& path) {
+  const fs::path p(path);
+  std::error_code ec;
+  if (!fs::is_directory(p, ec) || fs::exists(p / "config.json", ec) ||
+      fs::exists(p / "adapter_config.json", ec) || !fs::exists(fs::symlink_status(p / "latest", ec)))
+    return path;
+  const std::string dir = latest_checkpoint(path);
+  LVX_CHECK(!dir.empty(), path, ": a run folder whose 'latest' names no checkpoint");
+  std::cerr << "lvx: " << path << " is a run folder: using its latest checkpoint " << dir << "\n";
+  return dir;
 }
 
 void verify_checkpoint(const std::string& dir) {

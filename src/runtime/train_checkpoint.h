@@ -64,6 +64,11 @@ std::vector<std::string> checkpoint_folders(const std::string& root);
 // wants), are errors naming the directory.
 std::string latest_checkpoint(const std::string& root);
 
+// A model or adapter folder as jobs take it: `path` itself, or, for a run folder (no
+// config.json or adapter_config.json of its own, a `latest` pointer), the checkpoint its
+// `latest` names (said once on stderr). Errors as latest_checkpoint's.
+std::string follow_run_folder(const std::string& path);
+
 // Checks every file of the manifest (present, size, checksum) with lvx::verify_manifest. Throws
 // lvx::Error naming the checkpoint and the file that is missing or corrupt, or the missing
 // manifest.
