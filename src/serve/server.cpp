@@ -28,6 +28,7 @@
 
 #include "src/common/error.h"
 #include "src/dist/process_group.h"
+#include "src/serve/http_framing.h"
 #include "src/serve/openai_api.h"
 #include "src/serve/wire.h"
 
@@ -262,6 +263,8 @@ class Server {
   int64_t joined_ = 0;  // requests that joined it while it ran (they count against --max-queue)
   std::atomic<int64_t> handlers_{0};  // chat handlers still writing a response
   std::atomic<bool> draining_{false}, failed_{false};
+  // Draining begins at the signal; draining_ is when the generation loop took note of it.
+  bool stopping() const { return draining_ || g_stop_signal; }
   std::string failure_;
   std::atomic<int64_t> next_id_{0};
   httplib::Server http_;
@@ -457,7 +460,7 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
                ApiError(503, "server_error", "a rank failed: " + client_error_text(failure_)));
     return;
   }
-  if (draining_) {
+  if (stopping()) {  // from the signal on, not from when the generation loop next looks
     send_error(res, ApiError(503, "server_error", "the server is shutting down"));
     return;
   }
@@ -652,6 +655,14 @@ std::string Server::metrics_text() {
 }
 
 void Server::routes(httplib::Server& http) {
+  // Framing is judged from the headers, before the body is read (http_framing.h).
+  http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    const auto bad = framing_error(req, o_.max_body_bytes);
+    if (!bad) return httplib::Server::HandlerResponse::Unhandled;
+    send_error(res, *bad);
+    res.set_header("Connection", "close");
+    return httplib::Server::HandlerResponse::Handled;
+  });
   http.Post("/v1/chat/completions",
             [this](const httplib::Request& req, httplib::Response& res) { chat(req, res); });
   http.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
@@ -663,11 +674,11 @@ void Server::routes(httplib::Server& http) {
     res.set_content(models.dump(), "application/json");
   });
   http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    const bool ok = !failed_ && !draining_;
+    const bool ok = !failed_ && !stopping();
     res.status = ok ? 200 : 503;
-    res.set_content(json{{"status", failed_     ? "failed"
-                                    : draining_ ? "shutting down"
-                                                : "ok"},
+    res.set_content(json{{"status", failed_      ? "failed"
+                                    : stopping() ? "shutting down"
+                                                 : "ok"},
                          {"ranks", pg_.world_size()}}
                         .dump(),
                     "application/json");

@@ -579,19 +579,38 @@ def case_identical_requests_share_generation(fx, srv, ranks):
 
 
 def case_sigterm_finishes_in_flight(fx, srv, ranks):
+    # The stream in flight completes; a request arriving during the drain gets 503 (it got 200
+    # while the generation loop had not yet looked at the signal). The drain is seen to have
+    # begun on /health (the launcher forwards the signal within 50 ms).
     got = {}
+    first = threading.Event()
 
     def run():
-        s = ask(srv, video_part(file_url(fx.clip)), max_tokens=100, stream=True)
-        got["text"] = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
-        got["done"] = True
+        s = ask(srv, video_part(file_url(fx.clip)), max_tokens=300, stream=True)
+        parts = []
+        for c in s:
+            first.set()
+            parts.append(c.choices[0].delta.content or "" if c.choices else "")
+        got["text"] = "".join(parts)
+        got["done_at"] = time.time()
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.3)
+    assert first.wait(30), "the stream sent nothing"
+    srv.proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + 5
+    while srv.http("GET", "/health", key=None)[0] != 503 and time.time() < deadline:
+        time.sleep(0.01)
+    status, text = srv.http("POST", "/v1/chat/completions",
+                            json.dumps({"model": "model", "max_tokens": 4,
+                                        "messages": messages(video_part(file_url(fx.clip)))}))
+    answered_at = time.time()
     code = srv.stop(signal.SIGTERM)
     t.join(30)
-    assert got.get("done"), "the stream in flight did not complete"
+    assert got.get("done_at"), "the stream in flight did not complete"
+    print("  drain probe: %d, stream ended %.2f s after it" % (status, got["done_at"] - answered_at))
+    assert got["done_at"] > answered_at, "the stream ended before the probe: make it longer"
+    assert status == 503 and "shutting down" in text, (status, text[:300])
     assert code == 0, "exit %s\n%s" % (code, srv.stderr())
 
 
@@ -693,6 +712,53 @@ def huge_png(w, h):
             chunk(b"IDAT", data) + chunk(b"IEND", b""))
 
 
+def raw_http(port, head, body=b"", timeout=5):
+    """(status, body, closing) of one request written byte for byte; `closing`: the answer says
+    `Connection: close`. Raises socket.timeout when no answer comes in `timeout` s."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sk:
+        sk.sendall(head.encode() + b"\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sk.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        header, _, rest = data.partition(b"\r\n\r\n")
+        m = re.search(rb"Content-Length: *(\d+)", header, re.I)
+        want = int(m.group(1)) if m else 0
+        while len(rest) < want:
+            chunk = sk.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+        closing = re.search(rb"\r\nConnection: *close", header, re.I) is not None
+        return int(header.split()[1]), rest.decode(), closing
+
+
+def case_hostile_framing(fx, srv, ranks):
+    # Malformed framing is answered from the headers at once (each of these held an HTTP thread
+    # until the 300 s read timeout, or was accepted), with `Connection: close` (cpp-httplib
+    # itself keeps the socket for its 5 s keep-alive unless the client closes it).
+    start = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n" % KEY
+    cases = [
+        ("Content-Length: 5\r\nContent-Length: 5\r\n", 400, "more than one Content-Length"),
+        ("Content-Length: -1\r\n", 400, "not a byte count"),
+        ("Content-Length: 18446744073709551616\r\n", 400, "not a byte count"),
+        ("Content-Length: %d\r\n" % (1 << 40), 413, "larger than the server's limit"),
+        ("Transfer-Encoding: gzip, chunked\r\n", 400, "Transfer-Encoding"),
+        ("Transfer-Encoding: chunked\r\nContent-Length: 5\r\n", 400, "both"),
+        ("", 411, "Content-Length"),
+    ]
+    for headers, want, words in cases:
+        t0 = time.time()
+        status, text, closing = raw_http(srv.port, start + headers)
+        assert status == want and words in json.loads(text)["error"]["message"], (headers, text)
+        assert time.time() - t0 < 2 and closing, (headers, time.time() - t0, closing)
+    assert srv.http("GET", "/health", key=None)[0] == 200
+    assert ask(srv, video_part(file_url(fx.clip))).choices[0].message.content is not None
+
+
 def case_frame_settings_per_request(fx, srv, ranks):
     # vLLM's media_io_kwargs (lmms-eval's pass_video_url=True) sets the frames of one request.
     want = qa_json(fx, fx.clip, ranks, extra=("--num-frames", "4"))
@@ -791,6 +857,7 @@ CASES = [
     (case_killed_rank_503, [], {"LVX_DIST_TIMEOUT_S": "4"}, 2, True),
     (case_port_in_use_fails_every_rank_at_once, None, {}, 1, True),
     (case_hostile_bodies, [], {}, 1, False),
+    (case_hostile_framing, [], {}, 1, False),
     (case_frame_settings_per_request, [], {}, 1, False),
     (case_uploads_stay_private, ["--cache-bytes", "0"], {"LVX_INDEX_CACHE": "@index"}, 1, False),
     (case_api_key_stays_secret, "env-key", {"LVX_API_KEY": KEY}, 1, False),
