@@ -1,19 +1,22 @@
 // Communication benchmark in nccl-tests' spirit: a size sweep of lvx's collectives, side by side in
-// one run on the same ranks for each implementation (--impl):
-//   engine  ProcessGroup's collectives, on the engine's own algorithms (c10d: Gloo on CPU, NCCL on
-//           CUDA tensors; src/dist/collectives.cpp), reduce_scatter included (on Gloo lvx itself
-//           runs its ring by default: Gloo's is an all-reduce)
-//   p2p     the same algorithms as lvx ran them before: rings of batched point-to-point messages,
-//           one host-driven step after another (Options::collectives = kP2P,
-//           src/dist/collectives_p2p.cpp)
+// one run on the same ranks for each implementation (--impl, CollectiveImpl in process_group.h):
+//   auto    lvx's default: NCCL's own collectives on CUDA tensors; on Gloo, Gloo's allreduce and
+//           broadcast and lvx's rings for reduce_scatter and all_gather
+//   engine  every collective on the engine's own algorithm (c10d: Gloo's on CPU, NCCL's on CUDA
+//           tensors; src/dist/collectives.cpp), Gloo's reduce_scatter (an all-reduce narrowed to
+//           each rank's chunk) and allgather included
+//   p2p     every collective as lvx's rings of batched point-to-point messages, one host-driven
+//           step after another (src/dist/collectives_p2p.cpp)
 // plus the point-to-point operations (sendrecv, all_to_all), which have one implementation. Each
 // op is checked for exact results first, on data exactly representable in fp32 (small integers,
 // so that no order of summation rounds), then timed (warm-up, median of repeats; each repeat's
 // time is its slowest rank's). Reports algorithm bandwidth (bytes / time) and bus bandwidth
 // (nccl-tests doc/PERFORMANCE.md: sendrecv 1, all-to-all, all-gather and reduce-scatter (n−1)/n,
-// all-reduce 2(n−1)/n, broadcast 1 times algbw), the per-rank bytes counted, and p2p time /
-// engine time (> 1: the engine faster).
-//   bench_comm [--nproc N] [--sizes 1M,4M,16M,64M] [--impl engine,p2p] [--iters 10] [-o md|json]
+// all-reduce 2(n−1)/n, broadcast 1 times algbw), the per-rank bytes counted (an engine
+// collective's by its algorithm's formula: Gloo's reduce_scatter really sends twice that), and
+// each implementation's time over auto's (> 1: auto faster).
+//   bench_comm [--nproc N] [--sizes 1M,4M,16M,64M] [--impl auto,engine,p2p] [--iters 10]
+//              [-o md|json]
 // Run without RANK/WORLD_SIZE it starts N local ranks of itself (Gloo on CPU tensors; pass --cuda
 // on a GPU build for NCCL); under `lvx launch --nodes K --inter-node R` it measures an emulated
 // cluster.
@@ -73,7 +76,6 @@ Case make_case(ProcessGroup& pg, const std::string& op, const std::string& impl,
   const int n = pg.world_size(), r = pg.rank();
   const at::Tensor base = at::remainder(at::arange(elems, at::kFloat), 4096.0);
   const at::Tensor x = (base + static_cast<double>(r)).to(opts.device());
-  const bool engine = impl == "engine";
   Case c;
   c.algbytes = elems * 4.0;
   if (op == "sendrecv") {
@@ -103,12 +105,9 @@ Case make_case(ProcessGroup& pg, const std::string& op, const std::string& impl,
     c.want = base * n + n * (n - 1) / 2.0;
     c.bus_factor = 2.0 * (n - 1) / n;
   } else if (op == "reduce_scatter") {
-    c.run = [&pg, x, engine] {
+    c.run = [&pg, x] {
       at::Tensor y = x.clone();
-      pg.set_gloo_reduce_scatter(engine);  // the engine's own on Gloo too (lvx's default: the ring)
-      at::Tensor out = pg.reduce_scatter(y).clone();
-      pg.set_gloo_reduce_scatter(false);
-      return out;
+      return pg.reduce_scatter(y).clone();
     };
     c.want = chunk_of(base * n + n * (n - 1) / 2.0, r, n);
     c.bus_factor = (n - 1.0) / n;
@@ -121,6 +120,13 @@ Case make_case(ProcessGroup& pg, const std::string& op, const std::string& impl,
     c.want = base;
   }
   return c;
+}
+
+dist::CollectiveImpl impl_of(const std::string& impl) {
+  if (impl == "p2p") return dist::CollectiveImpl::kP2P;
+  if (impl == "engine") return dist::CollectiveImpl::kEngine;
+  LVX_CHECK(impl == "auto", "bench_comm: --impl takes auto, engine and p2p, not '", impl, "'");
+  return dist::CollectiveImpl::kAuto;
 }
 
 double slowest_median(ProcessGroup& pg, std::vector<double> times) {
@@ -139,17 +145,16 @@ int run_rank(const cli::ArgParser& p) {
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(dev);
   const std::vector<std::string> impls = p.get_list("impl");
   if (r == 0 && !json)
-    std::printf("| op | impl | size | time us | algbw GB/s | busbw GB/s | sent/rank | p2p / engine time | "
+    std::printf("| op | impl | size | time us | algbw GB/s | busbw GB/s | sent/rank | time / auto's | "
                 "wrong |\n|---|---|---|---|---|---|---|---|---|\n");
   for (const std::string op :
        {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "sendrecv", "all_to_all"}) {
-    const bool both = op != "sendrecv" && op != "all_to_all";
+    const bool several = op != "sendrecv" && op != "all_to_all";
     for (const auto& size_s : p.get_list("sizes")) {
       const int64_t elems = std::max<int64_t>(n, parse_size(size_s) / 4 / n * n);
       std::map<std::string, double> time_of;
-      for (const std::string& impl : both ? impls : std::vector<std::string>{"engine"}) {
-        pg->set_collectives(impl == "p2p" ? dist::CollectiveImpl::kP2P
-                                          : dist::CollectiveImpl::kEngine);
+      for (const std::string& impl : several ? impls : std::vector<std::string>{"auto"}) {
+        pg->set_collectives(impl_of(impl));
         Case c = make_case(*pg, op, impl, elems, opts);
         const at::Tensor got = c.run().cpu();
         const int64_t wrong = got.ne(c.want).sum().item<int64_t>();
@@ -164,15 +169,14 @@ int run_rank(const cli::ArgParser& p) {
           times.push_back(
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
-        pg->set_collectives(dist::CollectiveImpl::kEngine);
+        pg->set_collectives(dist::CollectiveImpl::kAuto);
         const double secs = slowest_median(*pg, times);
         time_of[impl] = secs;
         const double algbw = c.algbytes / secs / 1e9;
         const double sent = static_cast<double>(pg->counters().total_sent()) / iters;
-        const std::string vs =
-            impl == "p2p" && time_of.count("engine")
-                ? std::to_string(secs / time_of["engine"]).substr(0, 4)
-                : "-";
+        const std::string vs = impl != "auto" && time_of.count("auto")
+                                   ? std::to_string(secs / time_of["auto"]).substr(0, 4)
+                                   : "-";
         if (r == 0) {
           if (json) {
             std::cout << nlohmann::json{{"op", op}, {"impl", impl}, {"bytes", elems * 4},
@@ -198,13 +202,14 @@ int run_rank(const cli::ArgParser& p) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cli::ArgParser p("bench_comm [--nproc N] [--sizes 1M,4M,16M,64M] [--impl engine,p2p] "
+  cli::ArgParser p("bench_comm [--nproc N] [--sizes 1M,4M,16M,64M] [--impl auto,engine,p2p] "
                    "[--iters 10] [-o md|json]",
                    "lvx's collectives on the engines' algorithms against rings of point-to-point\n"
                    "messages, side by side, checked for exact results before timing.");
   p.add_option("nproc", 'n', "2", "local ranks to start (when not launched already)");
   p.add_option("sizes", 's', "1M,4M,16M,64M", "per-rank buffer sizes");
-  p.add_option("impl", 0, "engine,p2p", "implementations of the collectives: engine, p2p");
+  p.add_option("impl", 0, "auto,engine,p2p",
+               "implementations of the collectives: auto (lvx's default), engine, p2p");
   p.add_option("iters", 0, "10", "timed repetitions (median reported)");
   p.add_option("output-format", 'o', "md", "md | json (one JSON line per measurement)");
   p.add_flag("cuda", 0, "use CUDA tensors (NCCL) instead of CPU tensors (Gloo)");

@@ -15,9 +15,10 @@
 // predicted memory for all ranks exceeds --host-gib are skipped (named).
 //   bench_finetune --memory --hidden 1024 --layers 32 [--frames 8] [--steps 3]
 //                  [--worlds 1,2,3,4] [--stages none,optimizer,gradients] [--host-gib 18]
-//                  [--collectives engine,p2p]
-// With --collectives engine,p2p each run is made twice, the collectives on the engines' own
-// algorithms and as lvx's rings of point-to-point messages, and the samples/s ratio printed.
+//                  [--collectives auto,engine,p2p]
+// With several --collectives each run is made once per value of LVX_DIST_COLLECTIVES (auto: lvx's
+// default; engine: the engines' own algorithms for every collective; p2p: lvx's rings of
+// point-to-point messages), and auto's samples/s over each other's printed.
 #include <unistd.h>
 
 #include <algorithm>
@@ -113,15 +114,16 @@ struct MemoryCase {
   }
 };
 
-// Runs one case with the collectives `impl` (engine, or p2p: LVX_DIST_COLLECTIVES=p2p, lvx's
-// rings of messages as before the engines' own, src/dist/collectives_p2p.cpp), prints its row,
-// returns its samples/s. `engine_sps` > 0: the same case's samples/s on the engines, for the ratio.
-double memory_row(const MemoryCase& c, const std::string& impl, double engine_sps,
+// Runs one case with the collectives `impl` (LVX_DIST_COLLECTIVES: auto, lvx's default; engine,
+// the engines' own for every collective; p2p, lvx's rings of messages as before the engines' own,
+// src/dist/collectives_p2p.cpp), prints its row, returns its samples/s. `auto_sps` > 0: the same
+// case's samples/s with auto, for the ratio.
+double memory_row(const MemoryCase& c, const std::string& impl, double auto_sps,
                   const std::string& lvx) {
   const double gib = double(int64_t{1} << 30);
   const std::string ck = "ck_mem_" + c.stage + std::to_string(c.ranks);
   fs::remove_all(ck);
-  run((impl == "p2p" ? "LVX_DIST_COLLECTIVES=p2p " : "") + lvx +
+  run("LVX_DIST_COLLECTIVES=" + impl + " " + lvx +
       " finetune --config run.yaml checkpoint.dir=" + ck +
       " parallel.nproc=" + std::to_string(c.ranks) +
       (c.stage == "lora" ? std::string(" lora.r=16") : " parallel.shard=" + c.stage));
@@ -133,8 +135,7 @@ double memory_row(const MemoryCase& c, const std::string& impl, double engine_sp
       c.m, c.counts, c.frames, j.at("tokens").get<int64_t>(), c.m.visual_tokens_per_frame,
       c.options(), 0);
   const double sps = j.at("samples_per_second").get<double>();
-  const std::string vs =
-      engine_sps > 0 ? std::to_string(engine_sps / sps).substr(0, 4) + "x" : "-";
+  const std::string vs = auto_sps > 0 ? std::to_string(auto_sps / sps).substr(0, 4) + "x" : "-";
   std::printf("| %s | %d | %s | %.3f | %s | %.2f | %.2f | %.3f | %.4g | %.4g |\n",
               c.stage.c_str(), c.ranks, impl.c_str(), sps, vs.c_str(), measured / gib,
               t.total / gib, measured / t.total, j.at("state_bytes_sent").get<double>(),
@@ -156,7 +157,7 @@ int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string
       p.get("hidden").c_str(), p.get("layers").c_str(), c.counts.total / 1e9,
       c.counts.trainable / 1e9, p.get("frames").c_str(), p.get("steps").c_str());
   std::printf(
-      "| shard | ranks | collectives | samples/s | engine over p2p | peak RSS/rank GiB (measured) | "
+      "| shard | ranks | collectives | samples/s | auto over this | peak RSS/rank GiB (measured) | "
       "predicted GiB | measured/predicted | state bytes/step/rank | formula |\n"
       "|---|---|---|---|---|---|---|---|---|---|\n");
   const double host = p.get_double("host-gib") * gib;
@@ -173,10 +174,10 @@ int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string
                     stage.c_str(), c.ranks, guess * c.ranks / gib, c.ranks);
         continue;
       }
-      double engine_sps = 0;
+      double auto_sps = 0;
       for (const std::string& impl : p.get_list("collectives")) {
-        const double sps = memory_row(c, impl, impl == "p2p" ? engine_sps : 0, lvx);
-        if (impl == "engine") engine_sps = sps;
+        const double sps = memory_row(c, impl, impl == "auto" ? 0 : auto_sps, lvx);
+        if (impl == "auto") auto_sps = sps;
       }
     }
   return 0;
@@ -196,9 +197,10 @@ int bench(int argc, char** argv) {
   p.add_option("stages", 0, "none,optimizer,gradients,parameters",
                "--memory: parallel.shard values, and lora (lora.r=16)");
   p.add_option("host-gib", 0, "18", "--memory: skip runs predicted to need more host memory");
-  p.add_option("collectives", 0, "engine",
-               "--memory: engine (the engines' own collectives) and/or p2p (lvx's rings of\n"
-               "messages, LVX_DIST_COLLECTIVES=p2p), side by side per stage and rank count");
+  p.add_option("collectives", 0, "auto",
+               "--memory: auto (lvx's default), engine (the engines' own collectives for every\n"
+               "op) and/or p2p (lvx's rings of messages): LVX_DIST_COLLECTIVES, side by side per\n"
+               "stage and rank count");
   if (!p.parse(argc, argv)) return 0;
   const bool memory = p.flag("memory");
   const fs::path dir =

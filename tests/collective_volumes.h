@@ -32,7 +32,8 @@ struct Volume {
   int64_t sent = 0, received = 0;
 };
 
-// all_gather of rank j's sizes[j] rows of row_bytes: the ring of chunks padded to the largest when
+// all_gather on the engine's collective (NCCL's; Gloo's with CollectiveImpl::kEngine) of rank j's
+// sizes[j] rows of row_bytes: the ring of chunks padded to the largest when
 // the sizes are at most one row apart ((w − 1) padded chunks each way), else a broadcast from each
 // owner of its piece.
 inline Volume all_gather_volume(int r, const std::vector<int64_t>& sizes, int64_t row_bytes,
@@ -48,6 +49,20 @@ inline Volume all_gather_volume(int r, const std::vector<int64_t>& sizes, int64_
   }
   for (int j = 0; j < w; ++j) {
     v.sent += broadcast_sends(r, j, w, nccl) * sizes[j] * row_bytes;
+    if (j != r) v.received += sizes[j] * row_bytes;
+  }
+  return v;
+}
+
+// all_gather as lvx's ring of messages (collectives_p2p.cpp; Gloo's default): in step s rank r
+// passes piece r − s on to next, so it sends every piece but next's and receives every one but
+// its own, unpadded.
+inline Volume ring_all_gather_volume(int r, const std::vector<int64_t>& sizes, int64_t row_bytes) {
+  const int w = static_cast<int>(sizes.size());
+  Volume v;
+  if (w <= 1) return v;
+  for (int j = 0; j < w; ++j) {
+    if (j != (r + 1) % w) v.sent += sizes[j] * row_bytes;
     if (j != r) v.received += sizes[j] * row_bytes;
   }
   return v;

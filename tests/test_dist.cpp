@@ -82,23 +82,30 @@ LVX_WORKER(all_ops) {
         .wait();
     expect_equal(recv, rows(pg->prev(), 2, cols, 2), "batch recv-first");
   }
-  // All-gather: even (4 rows each), nearly even (3 or 2 rows: shard_range's chunks, padded) and
-  // uneven (rank j contributes 2j rows; rank 0 none).
-  for (int uneven = 0; uneven < 3; ++uneven) {
-    pg->counters().reset();
-    std::vector<int64_t> sizes(w);
-    for (int j = 0; j < w; ++j) sizes[j] = uneven == 2 ? 2 * j : uneven == 1 ? (j < 2 ? 3 : 2) : 4;
-    at::Tensor got =
-        pg->all_gather(rows(r, sizes[r], cols, 3), uneven ? sizes : std::vector<int64_t>{});
-    std::vector<at::Tensor> parts;
-    for (int j = 0; j < w; ++j) parts.push_back(rows(j, sizes[j], cols, 3));
-    expect_equal(got, at::cat(parts), uneven == 2 ? "all_gather uneven" : "all_gather");
-    const auto [sent, received] = lvx::test::all_gather_volume(r, sizes, cols * fb, false);
-    expect_bytes(pg->counters().total_sent(), sent, "all_gather sent");
-    expect_bytes(pg->counters().total_received(), received, "all_gather received");
-    // An engine collective: every byte of it is formula-counted.
-    expect_bytes(pg->counters().formula_sent, sent, "all_gather formula-counted");
-  }
+  // All-gather: even (4 rows each), nearly even (3 or 2 rows: shard_range's chunks, padded on the
+  // engine) and uneven (rank j contributes 2j rows; rank 0 none), on Gloo's default (lvx's ring,
+  // counted per message) and on Gloo's own (CollectiveImpl::kEngine, formula-counted).
+  for (const auto impl : {lvx::dist::CollectiveImpl::kAuto, lvx::dist::CollectiveImpl::kEngine})
+    for (int uneven = 0; uneven < 3; ++uneven) {
+      pg->set_collectives(impl);
+      pg->counters().reset();
+      std::vector<int64_t> sizes(w);
+      for (int j = 0; j < w; ++j) sizes[j] = uneven == 2 ? 2 * j : uneven == 1 ? (j < 2 ? 3 : 2) : 4;
+      at::Tensor got =
+          pg->all_gather(rows(r, sizes[r], cols, 3), uneven ? sizes : std::vector<int64_t>{});
+      pg->set_collectives(lvx::dist::CollectiveImpl::kAuto);
+      std::vector<at::Tensor> parts;
+      for (int j = 0; j < w; ++j) parts.push_back(rows(j, sizes[j], cols, 3));
+      expect_equal(got, at::cat(parts), uneven == 2 ? "all_gather uneven" : "all_gather");
+      const bool engine = impl == lvx::dist::CollectiveImpl::kEngine;
+      const auto [sent, received] =
+          engine ? lvx::test::all_gather_volume(r, sizes, cols * fb, false)
+                 : lvx::test::ring_all_gather_volume(r, sizes, cols * fb);
+      expect_bytes(pg->counters().total_sent(), sent, "all_gather sent");
+      expect_bytes(pg->counters().total_received(), received, "all_gather received");
+      // An engine collective: every byte of it is formula-counted; the ring's none.
+      expect_bytes(pg->counters().formula_sent, engine ? sent : 0, "all_gather formula-counted");
+    }
   // All-reduce: x_r[i] = r * i + 1 → Σ = i·w(w−1)/2 + w, max = (w−1)·i + 1, min = 1.
   {
     const int64_t n = 12 * w;  // divisible by w: volume is exactly 2(w−1)/w · S each way

@@ -548,27 +548,12 @@ int64_t trainable_numel(const std::string& ckpt) {
 // each layer's runs of consecutive elements in the flat layout are all-gathered for the forward
 // and, but for the last layer's, again for the backward (ring: rank 0 sends every rank's piece
 // of a run but rank 1's), and reduce-scattered once (rank 0 sends every piece but its own).
-// How many times rank 0 sends a broadcast from `root` over w ranks on Gloo's binomial tree: its
-// virtual rank v = −root mod w sends to v + 2^i for each 2^i above v while v + 2^i < w
-// (gloo/broadcast.cc).
-int64_t tree_sends0(int root, int w) {
-  const int v = (w - root) % w;
-  int64_t sends = 0;
-  for (int i = 0; (1 << i) < w; ++i) sends += v < (1 << i) && v + (1 << i) < w ? 1 : 0;
-  return sends;
-}
-
-// Rank 0's fp32 bytes for all-gathering a vector whose ranks hold `pieces` elements: a ring over
-// chunks padded to the largest when they are one element apart at most, else a broadcast from
-// each owner (process_group.h).
+// Rank 0's fp32 bytes for all-gathering a vector whose ranks hold `pieces` elements on Gloo's
+// default, lvx's ring of messages (process_group.h): every piece but rank 1's.
 int64_t gather_bytes0(const std::vector<int64_t>& pieces) {
-  const int w = static_cast<int>(pieces.size());
-  const int64_t most = *std::max_element(pieces.begin(), pieces.end());
-  const int64_t least = *std::min_element(pieces.begin(), pieces.end());
-  if (most - least <= 1) return 4 * (w - 1) * most;
   int64_t b = 0;
-  for (int j = 0; j < w; ++j) b += 4 * tree_sends0(j, w) * pieces[static_cast<size_t>(j)];
-  return b;
+  for (size_t j = 0; j < pieces.size(); ++j) b += j == 1 ? 0 : 4 * pieces[j];
+  return pieces.size() > 1 ? b : 0;
 }
 
 // The runs of each unit (decoder layer, or -1: the rest) of a run's flat trainable layout, and
@@ -643,10 +628,10 @@ TEST(FinetuneShard, EveryStageEqualsNoneAtWorlds1To4WithFormulaBytes) {
     // Rank 0's bytes per step (fp32 gradients and parameters, A = 2 samples per step): none
     // all-reduces each sample (every chunk but chunk 1, then every chunk but chunk 2); the
     // stages reduce-scatter (all chunks but rank 0's own) once per step (optimizer) or per sample
-    // (gradients), then all-gather the parameters: at once, (w − 1) chunks padded to the largest
-    // (optimizer), or run by run (gradients), plus the norm's all-reduce of one double (at most
-    // 16 bytes).
-    const int64_t rs = 4 * (psi - chunk(0)), ag = 4 * (w - 1) * chunk(0);
+    // (gradients), then all-gather the parameters (Gloo's default, lvx's ring: every chunk but
+    // chunk 1): at once (optimizer), or run by run (gradients), plus the norm's all-reduce of one
+    // double (at most 16 bytes).
+    const int64_t rs = 4 * (psi - chunk(0)), ag = 4 * (psi - chunk(1));
     const int64_t ar = w == 1 ? 0 : 4 * (2 * psi - chunk(1) - chunk(2));
     const std::map<std::string, int64_t> want = {
         {"none", 2 * ar},

@@ -4,10 +4,10 @@
 // of messages (the timeout, the failed rank named, the group failed). Their bytes cannot be
 // counted message by message, so each rank counts its share by the formula of the algorithm
 // (process_group.h) and marks it formula-counted (ByteCounters::formula_sent / _received).
-// all_to_all stays lvx's pairwise exchange of point-to-point messages (Ulysses' algorithm), and
-// reduce_scatter on Gloo lvx's ring (Gloo's own sends twice the bytes), both counted per message.
-// With Options::collectives = kP2P every collective runs as lvx's rings of messages
-// (collectives_p2p.cpp).
+// all_to_all stays lvx's pairwise exchange of point-to-point messages (Ulysses' algorithm), and on
+// Gloo reduce_scatter and all_gather are lvx's rings by default (CollectiveImpl::kAuto: Gloo's own
+// measured slower, process_group.h), counted per message. With Options::collectives = kP2P every
+// collective runs as lvx's rings of messages (collectives_p2p.cpp), with kEngine none does.
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <algorithm>
@@ -135,7 +135,7 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input, const std::vector<i
   shape[0] = offset[world_size_];
   at::Tensor out = at::empty(shape, input.options());
   if (world_size_ == 1) return out.copy_(input);
-  if (options_.collectives == CollectiveImpl::kP2P) {
+  if (rings_for(input)) {
     out.narrow(0, offset[rank_], sizes[rank_]).copy_(input);
     all_gather_ring(out, offset);
     return out;
@@ -238,11 +238,19 @@ at::Tensor ProcessGroup::reduce_scatter(at::Tensor& tensor, const std::vector<in
   if (w == 1) return tensor;
   // Gloo's reduce_scatter is an all-reduce narrowed to each rank's chunk (measured on this
   // wheel, 4 ranks, 67 MB: 403 MB on the wire against the ring's 201 MB), so Gloo keeps lvx's
-  // ring unless asked (Options::gloo_reduce_scatter).
-  const bool engine = options_.collectives == CollectiveImpl::kEngine &&
-                      (tensor.is_cuda() ? engine_->nccl != nullptr : options_.gloo_reduce_scatter);
+  // ring unless told otherwise (CollectiveImpl::kEngine).
+  const bool engine = !rings_for(tensor);
   if (engine) return reduce_scatter_engine(tensor, splits, off, op);
   return reduce_scatter_ring(tensor, splits, off, op);
+}
+
+bool ProcessGroup::rings_for(const at::Tensor& t) const {
+  switch (options_.collectives) {
+    case CollectiveImpl::kP2P: return true;
+    case CollectiveImpl::kEngine: return false;
+    case CollectiveImpl::kAuto: break;
+  }
+  return !(t.is_cuda() && engine_->nccl != nullptr);
 }
 
 // NCCL's reduce-scatter (one kernel, its ring): rank r sends its partial of chunk r − s − 1 and

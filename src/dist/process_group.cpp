@@ -55,18 +55,15 @@ Options options_from_env() {
     o.heartbeat = std::min(o.heartbeat, std::chrono::milliseconds(std::max<int64_t>(
                                             100, static_cast<int64_t>(s * 1000) / 5)));
   }
-  if (const char* g = std::getenv("LVX_GLOO_REDUCE_SCATTER")) {
-    const std::string v = g;
-    LVX_CHECK(v == "ring" || v == "engine", "LVX_GLOO_REDUCE_SCATTER='", v,
-              "' must be ring (lvx's ring of messages, the default) or engine (Gloo's own)");
-    o.gloo_reduce_scatter = v == "engine";
-  }
   if (const char* c = std::getenv("LVX_DIST_COLLECTIVES")) {
     const std::string v = c;
-    LVX_CHECK(v == "engine" || v == "p2p", "LVX_DIST_COLLECTIVES='", v,
-              "' must be engine (the engines' own collectives, the default) or p2p (lvx's rings "
-              "of point-to-point messages)");
-    o.collectives = v == "p2p" ? CollectiveImpl::kP2P : CollectiveImpl::kEngine;
+    LVX_CHECK(v == "auto" || v == "engine" || v == "p2p", "LVX_DIST_COLLECTIVES='", v,
+              "' must be auto (the default: NCCL's collectives; on Gloo its allreduce and "
+              "broadcast, lvx's rings for the rest), engine (the engines' own for every "
+              "collective) or p2p (lvx's rings of point-to-point messages)");
+    o.collectives = v == "p2p"      ? CollectiveImpl::kP2P
+                    : v == "engine" ? CollectiveImpl::kEngine
+                                    : CollectiveImpl::kAuto;
   }
   return o;
 }
@@ -200,7 +197,9 @@ void ProcessGroup::start_heartbeat() {
   // Heartbeat on its own store connection so that it never waits behind a blocked operation.
   c10::intrusive_ptr<c10d::Store> hb_store;
   try {
-    hb_store = store_client(std::chrono::milliseconds(5000));
+    // The group's timeout, not a shorter one: under load (2 cores, 8 ranks of two runs) rank 0's
+    // store took over 5 s to accept this second connection, and the rank failed at start.
+    hb_store = store_client(options_.timeout);
   } catch (const std::exception&) {
     if (!engine_->adopted) throw;
     return;  // an adopted group without a usable store: failures are still bounded, not named

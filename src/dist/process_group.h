@@ -104,26 +104,29 @@ struct ByteCounters {
   void reset();
 };
 
-// How ProcessGroup's collectives run: on the engines' own algorithms (collectives.cpp), or as
-// lvx's rings of point-to-point messages (collectives_p2p.cpp: the algorithms lvx ran before,
-// the reference bench_comm and bench_finetune time the engines against, and a fallback).
-enum class CollectiveImpl { kEngine, kP2P };
+// How ProcessGroup's collectives run. The engines' own algorithms (collectives.cpp) or lvx's rings
+// of point-to-point messages (collectives_p2p.cpp: the algorithms lvx ran before, also what
+// bench_comm and bench_finetune time the engines against):
+//   kAuto    (default) NCCL's own collectives for CUDA tensors; on Gloo, Gloo's allreduce and
+//            broadcast, and lvx's rings for reduce_scatter and all_gather, because Gloo's own
+//            are slower here: its reduce_scatter is an all-reduce narrowed to each rank's chunk
+//            (twice the ring's bytes on the wire) and its allgather took 1.5-2.3x the ring's time
+//            from 4 MiB per rank up at 2 and 4 ranks (bench_comm, docs/collectives.md), which cost
+//            a ZeRO-2 step 24 % at 2 ranks
+//   kEngine  the engine's own collective for every op, Gloo's reduce_scatter and allgather too
+//   kP2P     lvx's rings for every op
+enum class CollectiveImpl { kAuto, kEngine, kP2P };
 
 struct Options {
   // Upper bound on any single wait; a dead or silent peer fails the operation within this.
   std::chrono::milliseconds timeout{60000};
   // How often each rank bumps its heartbeat in the store (used only to name a failed rank).
   std::chrono::milliseconds heartbeat{1000};
-  // reduce_scatter of CPU tensors on Gloo's own collective instead of lvx's ring of messages.
-  // Off by default: Gloo's reduce_scatter is an all-reduce narrowed to each rank's chunk, twice
-  // the ring's bytes (bench_comm measures both).
-  bool gloo_reduce_scatter = false;
-  CollectiveImpl collectives = CollectiveImpl::kEngine;
+  CollectiveImpl collectives = CollectiveImpl::kAuto;
 };
 
-// Reads LVX_DIST_TIMEOUT_S (seconds) into Options::timeout, LVX_GLOO_REDUCE_SCATTER
-// (ring | engine) into Options::gloo_reduce_scatter and LVX_DIST_COLLECTIVES (engine | p2p)
-// into Options::collectives when set.
+// Reads LVX_DIST_TIMEOUT_S (seconds) into Options::timeout and LVX_DIST_COLLECTIVES
+// (auto | engine | p2p) into Options::collectives when set.
 Options options_from_env();
 
 enum class ReduceOp { kSum, kMax, kMin };
@@ -253,10 +256,8 @@ class ProcessGroup {
   std::string cuda_engine() const;
   // The first failure of this group, or empty while it is healthy.
   std::string failure() const;
-  // Options::gloo_reduce_scatter, switched after construction (bench_comm times both). Every
-  // rank must switch it at the same point.
-  void set_gloo_reduce_scatter(bool engine) { options_.gloo_reduce_scatter = engine; }
-  // Options::collectives, switched after construction, likewise.
+  // Options::collectives, switched after construction (bench_comm times each). Every rank must
+  // switch it at the same point.
   void set_collectives(CollectiveImpl impl) { options_.collectives = impl; }
 
  private:
@@ -282,7 +283,10 @@ class ProcessGroup {
   // This rank's share of a broadcast of `bytes` from `root` on NCCL's ring chain or Gloo's
   // binomial tree.
   std::vector<CountedMessage> broadcast_volume(int64_t bytes, int root, bool nccl) const;
-  // reduce_scatter on NCCL's collective, or on lvx's ring of messages (Gloo); `off` holds the
+  // Whether reduce_scatter and all_gather of `t` run as lvx's rings: kP2P, or kAuto on Gloo
+  // (CPU tensors, or CUDA tensors staged through the host).
+  bool rings_for(const at::Tensor& t) const;
+  // reduce_scatter on the engine's collective, or on lvx's ring of messages; `off` holds the
   // chunks' offsets.
   at::Tensor reduce_scatter_engine(at::Tensor& tensor, const std::vector<int64_t>& splits,
                                    const std::vector<int64_t>& off, ReduceOp op);

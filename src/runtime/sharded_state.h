@@ -22,7 +22,11 @@
 //              (per sample, every unit gathered for the forward and, but for the last layer,
 //              which stays, again for the backward; Ψ_last its elements; no gather after the
 //              update)
-// (plus a few scalars: the loss, the label count and the gradient norm). Each stage computes
+// (plus a few scalars: the loss, the label count and the gradient norm). These are the ring's
+// volumes. On Gloo they are the volumes sent (lvx's rings for reduce_scatter and all_gather); NCCL's
+// own collectives (src/dist/collectives.cpp) pad shard_range's chunks (at most one element apart)
+// to the largest, and gather a layer's run that lies in one or two ranks' shards as a broadcast
+// from each owner (its bytes then follow NCCL's chain, process_group.h). Each stage computes
 // the same update as `none` elementwise; only the gradient sums (order of additions across ranks
 // and samples) and the global norm (the shards' fp32 norms squared and summed in fp64, instead of
 // a norm of per-tensor fp32 norms) round differently, so parameters agree with `none` to fp32
