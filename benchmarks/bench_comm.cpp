@@ -216,7 +216,8 @@ int main(int argc, char** argv) {
   try {
     if (!p.parse(argc, argv)) return 0;
     for (const auto& i : p.get_list("impl"))
-      LVX_CHECK(i == "engine" || i == "p2p", "--impl: expected engine and/or p2p, got '", i, "'");
+      LVX_CHECK(i == "auto" || i == "engine" || i == "p2p",
+                "--impl: expected auto, engine and/or p2p, got '", i, "'");
     const int rc = dist::relaunch_self_as_ranks(static_cast<int>(p.get_int("nproc")), argc, argv);
     return rc >= 0 ? rc : run_rank(p);
   } catch (const std::exception& e) {

@@ -120,6 +120,8 @@ struct MemoryCase {
 // case's samples/s with auto, for the ratio.
 double memory_row(const MemoryCase& c, const std::string& impl, double auto_sps,
                   const std::string& lvx) {
+  LVX_CHECK(impl == "auto" || impl == "engine" || impl == "p2p",
+            "--collectives: expected auto, engine and/or p2p, got '", impl, "'");
   const double gib = double(int64_t{1} << 30);
   const std::string ck = "ck_mem_" + c.stage + std::to_string(c.ranks);
   fs::remove_all(ck);
