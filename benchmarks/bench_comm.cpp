@@ -9,8 +9,9 @@
 //           step after another (src/dist/collectives_p2p.cpp)
 // plus the point-to-point operations (sendrecv, all_to_all), which have one implementation. Each
 // op is checked for exact results first, on data exactly representable in fp32 (small integers,
-// so that no order of summation rounds), then timed (warm-up, median of repeats; each repeat's
-// time is its slowest rank's). Reports algorithm bandwidth (bytes / time) and bus bandwidth
+// so that no order of summation rounds), then timed (a warm-up each, then the implementations'
+// repeats interleaved, so that drift falls on all alike; the median of repeats, each repeat's time
+// its slowest rank's). Reports algorithm bandwidth (bytes / time) and bus bandwidth
 // (nccl-tests doc/PERFORMANCE.md: sendrecv 1, all-to-all, all-gather and reduce-scatter (n−1)/n,
 // all-reduce 2(n−1)/n, broadcast 1 times algbw), the per-rank bytes counted (an engine
 // collective's by its algorithm's formula: Gloo's reduce_scatter really sends twice that), and
@@ -136,6 +137,65 @@ double slowest_median(ProcessGroup& pg, std::vector<double> times) {
   return t.item<double>();
 }
 
+// One implementation's measurement of one op and size.
+struct Timed {
+  std::string impl;
+  Case c;
+  int64_t wrong = 0;
+  std::vector<double> times;
+  int64_t sent = 0;
+};
+
+// Checks every implementation's result, warms each up, then times them interleaved, repeat by
+// repeat (impl A, B, C, A, B, C, ...), so that what drifts during the run (other processes, the
+// allocator, the caches) falls on all of them alike.
+std::vector<Timed> measure(ProcessGroup& pg, const std::string& op, int64_t elems,
+                           const std::vector<std::string>& impls, int iters,
+                           const at::TensorOptions& opts) {
+  std::vector<Timed> ts;
+  for (const std::string& impl : impls) {
+    pg.set_collectives(impl_of(impl));
+    Timed t{impl, make_case(pg, op, impl, elems, opts)};
+    t.wrong = t.c.run().cpu().ne(t.c.want).sum().item<int64_t>();
+    t.c.run();  // warm-up
+    ts.push_back(std::move(t));
+  }
+  for (int i = 0; i < iters; ++i)
+    for (Timed& t : ts) {
+      pg.set_collectives(impl_of(t.impl));
+      pg.barrier();
+      pg.counters().reset();
+      const auto t0 = std::chrono::steady_clock::now();
+      t.c.run();
+      if (opts.device().is_cuda()) at::empty({1}, opts).cpu();  // after the op's stream work
+      t.times.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      t.sent = pg.counters().total_sent();
+    }
+  pg.set_collectives(dist::CollectiveImpl::kAuto);
+  return ts;
+}
+
+void print_row(const std::string& op, int n, int64_t elems, const Timed& t, double secs,
+               double auto_secs, bool json) {
+  const double algbw = t.c.algbytes / secs / 1e9;
+  const std::string vs =
+      t.impl != "auto" && auto_secs > 0 ? std::to_string(secs / auto_secs).substr(0, 4) : "-";
+  if (json) {
+    std::cout << nlohmann::json{{"op", op}, {"impl", t.impl}, {"bytes", elems * 4}, {"ranks", n},
+                                {"time_us", secs * 1e6}, {"algbw_GBps", algbw},
+                                {"busbw_GBps", algbw * t.c.bus_factor},
+                                {"bytes_sent_per_rank", t.sent}, {"wrong", t.wrong}}
+                     .dump()
+              << std::endl;
+  } else {
+    std::printf("| %s | %s | %s | %.1f | %.3f | %.3f | %s | %s | %lld |\n", op.c_str(),
+                t.impl.c_str(), human(elems * 4.0).c_str(), secs * 1e6, algbw,
+                algbw * t.c.bus_factor, human(static_cast<double>(t.sent)).c_str(), vs.c_str(),
+                static_cast<long long>(t.wrong));
+  }
+}
+
 int run_rank(const cli::ArgParser& p) {
   auto pg = dist::ProcessGroup::from_env();
   const int n = pg->world_size(), r = pg->rank();
@@ -152,48 +212,17 @@ int run_rank(const cli::ArgParser& p) {
     const bool several = op != "sendrecv" && op != "all_to_all";
     for (const auto& size_s : p.get_list("sizes")) {
       const int64_t elems = std::max<int64_t>(n, parse_size(size_s) / 4 / n * n);
-      std::map<std::string, double> time_of;
-      for (const std::string& impl : several ? impls : std::vector<std::string>{"auto"}) {
-        pg->set_collectives(impl_of(impl));
-        Case c = make_case(*pg, op, impl, elems, opts);
-        const at::Tensor got = c.run().cpu();
-        const int64_t wrong = got.ne(c.want).sum().item<int64_t>();
-        c.run();  // warm-up
-        std::vector<double> times;
-        pg->counters().reset();
-        for (int i = 0; i < iters; ++i) {
-          pg->barrier();
-          const auto t0 = std::chrono::steady_clock::now();
-          c.run();
-          if (dev.is_cuda()) at::empty({1}, opts).cpu();  // ordered after the op's stream work
-          times.push_back(
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        }
-        pg->set_collectives(dist::CollectiveImpl::kAuto);
-        const double secs = slowest_median(*pg, times);
-        time_of[impl] = secs;
-        const double algbw = c.algbytes / secs / 1e9;
-        const double sent = static_cast<double>(pg->counters().total_sent()) / iters;
-        const std::string vs = impl != "auto" && time_of.count("auto")
-                                   ? std::to_string(secs / time_of["auto"]).substr(0, 4)
-                                   : "-";
-        if (r == 0) {
-          if (json) {
-            std::cout << nlohmann::json{{"op", op}, {"impl", impl}, {"bytes", elems * 4},
-                                        {"ranks", n}, {"time_us", secs * 1e6},
-                                        {"algbw_GBps", algbw}, {"busbw_GBps", algbw * c.bus_factor},
-                                        {"bytes_sent_per_rank", sent}, {"wrong", wrong}}
-                             .dump()
-                      << std::endl;
-          } else {
-            std::printf("| %s | %s | %s | %.1f | %.3f | %.3f | %s | %s | %lld |\n", op.c_str(),
-                        impl.c_str(), human(elems * 4.0).c_str(), secs * 1e6, algbw,
-                        algbw * c.bus_factor, human(sent).c_str(), vs.c_str(),
-                        static_cast<long long>(wrong));
-          }
-        }
-        if (wrong) return 1;
+      const auto ts =
+          measure(*pg, op, elems, several ? impls : std::vector<std::string>{"auto"}, iters, opts);
+      double auto_secs = 0;
+      int64_t wrong = 0;
+      for (const Timed& t : ts) {
+        const double secs = slowest_median(*pg, t.times);
+        if (t.impl == "auto") auto_secs = secs;
+        if (r == 0) print_row(op, n, elems, t, secs, auto_secs, json);
+        wrong += t.wrong;
       }
+      if (wrong) return 1;
     }
   }
   return 0;

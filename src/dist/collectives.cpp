@@ -8,10 +8,9 @@
 // Gloo reduce_scatter and all_gather are lvx's rings by default (CollectiveImpl::kAuto: Gloo's own
 // measured slower, process_group.h), counted per message. With Options::collectives = kP2P every
 // collective runs as lvx's rings of messages (collectives_p2p.cpp), with kEngine none does.
-#include <torch/csrc/distributed/c10d/Types.hpp>
-
 #include <algorithm>
 #include <numeric>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include "src/dist/nccl_backend.h"
 #include "src/dist/process_group.h"
@@ -87,9 +86,9 @@ Msgs ProcessGroup::broadcast_volume(int64_t bytes, int root, bool nccl) const {
   return m;
 }
 
-void ProcessGroup::run_collective(const std::string& what, at::Tensor& t, Msgs msgs,
-                                  const std::function<c10::intrusive_ptr<c10d::Work>(
-                                      c10d::Backend&, at::Tensor&)>& post) {
+void ProcessGroup::run_collective(
+    const std::string& what, at::Tensor& t, Msgs msgs,
+    const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&, at::Tensor&)>& post) {
   check_not_failed(what);
   Work work;
   work.impl_ = std::make_unique<Work::Impl>();
@@ -125,10 +124,10 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input, const std::vector<i
   LVX_CHECK(input.dim() >= 1, "all_gather: input must have at least one dimension");
   std::vector<int64_t> sizes = sizes_in;
   if (sizes.empty()) sizes.assign(world_size_, input.size(0));
-  LVX_CHECK(static_cast<int>(sizes.size()) == world_size_, "all_gather: sizes has ",
-            sizes.size(), " entries for ", world_size_, " ranks");
-  LVX_CHECK(sizes[rank_] == input.size(0), "all_gather: rank ", rank_, " passes ",
-            input.size(0), " rows but sizes says ", sizes[rank_]);
+  LVX_CHECK(static_cast<int>(sizes.size()) == world_size_, "all_gather: sizes has ", sizes.size(),
+            " entries for ", world_size_, " ranks");
+  LVX_CHECK(sizes[rank_] == input.size(0), "all_gather: rank ", rank_, " passes ", input.size(0),
+            " rows but sizes says ", sizes[rank_]);
   std::vector<int64_t> offset(world_size_ + 1, 0);
   for (int r = 0; r < world_size_; ++r) offset[r + 1] = offset[r] + sizes[r];
   auto shape = input.sizes().vec();
@@ -141,9 +140,9 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input, const std::vector<i
     return out;
   }
   // Bytes of one row (dimension 0) of the output.
-  const int64_t row_bytes = std::accumulate(shape.begin() + 1, shape.end(), int64_t{1},
-                                            std::multiplies<int64_t>()) *
-                            static_cast<int64_t>(input.element_size());
+  const int64_t row_bytes =
+      std::accumulate(shape.begin() + 1, shape.end(), int64_t{1}, std::multiplies<int64_t>()) *
+      static_cast<int64_t>(input.element_size());
   const int64_t most = *std::max_element(sizes.begin(), sizes.end());
   const int64_t least = *std::min_element(sizes.begin(), sizes.end());
   if (most - least <= 1) {
@@ -195,7 +194,7 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input, const std::vector<i
 void ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op) {
   if (world_size_ == 1) return;
   LVX_CHECK(tensor.is_contiguous(), "all_reduce: tensor must be contiguous");
-  if (options_.collectives == CollectiveImpl::kP2P) return all_reduce_ring(tensor, op);
+  if (ring_all_reduce(tensor)) return all_reduce_ring(tensor, op);
   // The ring: reduce-scatter (send chunk r − s, receive r − s − 1) then all-gather (send
   // r + 1 − s, receive r − s): 2(n−1)/n of the bytes each way.
   const auto c = ring_chunks(tensor.numel(), tensor.element_size(), world_size_);
@@ -246,11 +245,20 @@ at::Tensor ProcessGroup::reduce_scatter(at::Tensor& tensor, const std::vector<in
 
 bool ProcessGroup::rings_for(const at::Tensor& t) const {
   switch (options_.collectives) {
-    case CollectiveImpl::kP2P: return true;
-    case CollectiveImpl::kEngine: return false;
-    case CollectiveImpl::kAuto: break;
+    case CollectiveImpl::kP2P:
+      return true;
+    case CollectiveImpl::kEngine:
+      return false;
+    case CollectiveImpl::kAuto:
+      break;
   }
   return !(t.is_cuda() && engine_->nccl != nullptr);
+}
+
+bool ProcessGroup::ring_all_reduce(const at::Tensor& t) const {
+  if (options_.collectives != CollectiveImpl::kAuto)
+    return options_.collectives == CollectiveImpl::kP2P;
+  return world_size_ == 2 && rings_for(t);
 }
 
 // NCCL's reduce-scatter (one kernel, its ring): rank r sends its partial of chunk r − s − 1 and
@@ -264,7 +272,8 @@ at::Tensor ProcessGroup::reduce_scatter_engine(at::Tensor& tensor,
     bytes[static_cast<size_t>(c)] = splits[static_cast<size_t>(c)] * tensor.element_size();
   Msgs m;
   ring_steps(bytes, rank_, next(), prev(), -1, -2, &m);
-  at::Tensor mine = tensor.narrow(0, off[static_cast<size_t>(rank_)], splits[static_cast<size_t>(rank_)]);
+  at::Tensor mine =
+      tensor.narrow(0, off[static_cast<size_t>(rank_)], splits[static_cast<size_t>(rank_)]);
   at::Tensor result = at::empty_like(mine);  // the engine's output must not alias its input
   run_collective("reduce_scatter", result, std::move(m), [&](c10d::Backend& e, at::Tensor& out) {
     std::vector<at::Tensor> ins;
@@ -281,7 +290,8 @@ at::Tensor ProcessGroup::reduce_scatter_engine(at::Tensor& tensor,
   return mine;
 }
 
-at::Tensor ProcessGroup::all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_splits,
+at::Tensor ProcessGroup::all_to_all(const at::Tensor& input,
+                                    const std::vector<int64_t>& send_splits,
                                     const std::vector<int64_t>& recv_splits) {
   const int w = world_size_;
   LVX_CHECK(static_cast<int>(send_splits.size()) == w && static_cast<int>(recv_splits.size()) == w,
@@ -302,7 +312,8 @@ at::Tensor ProcessGroup::all_to_all(const at::Tensor& input, const std::vector<i
   }
   LVX_CHECK(send_splits[rank_] == recv_splits[rank_], "all_to_all: rank ", rank_, " keeps ",
             send_splits[rank_], " rows for itself but expects to receive ", recv_splits[rank_]);
-  out.narrow(0, roff[rank_], recv_splits[rank_]).copy_(in.narrow(0, soff[rank_], send_splits[rank_]));
+  out.narrow(0, roff[rank_], recv_splits[rank_])
+      .copy_(in.narrow(0, soff[rank_], send_splits[rank_]));
   std::vector<P2POp> ops;
   for (int k = 1; k < w; ++k) {  // pairwise order spreads the load over peers
     int to = (rank_ + k) % w, from = (rank_ - k + w) % w;

@@ -107,12 +107,13 @@ struct ByteCounters {
 // How ProcessGroup's collectives run. The engines' own algorithms (collectives.cpp) or lvx's rings
 // of point-to-point messages (collectives_p2p.cpp: the algorithms lvx ran before, also what
 // bench_comm and bench_finetune time the engines against):
-//   kAuto    (default) NCCL's own collectives for CUDA tensors; on Gloo, Gloo's allreduce and
-//            broadcast, and lvx's rings for reduce_scatter and all_gather, because Gloo's own
-//            are slower here: its reduce_scatter is an all-reduce narrowed to each rank's chunk
-//            (twice the ring's bytes on the wire) and its allgather took 1.5-2.3x the ring's time
-//            from 4 MiB per rank up at 2 and 4 ranks (bench_comm, docs/collectives.md), which cost
-//            a ZeRO-2 step 24 % at 2 ranks
+//   kAuto    (default) NCCL's own collectives for CUDA tensors; on Gloo, Gloo's allreduce (from 3
+//            ranks) and broadcast, and lvx's rings for reduce_scatter, all_gather and the
+//            all_reduce of 2 ranks, because Gloo's own are slower there: its reduce_scatter is an
+//            all-reduce narrowed to each rank's chunk (twice the ring's bytes on the wire), its
+//            allgather took 1.5-2x the ring's time from 4 MiB per rank up at 2 and 4 ranks, its
+//            allreduce of 2 ranks 1.5-3x up to 4 MiB
+//            (bench_comm, docs/collectives.md); from 3 ranks its allreduce is as fast or faster
 //   kEngine  the engine's own collective for every op, Gloo's reduce_scatter and allgather too
 //   kP2P     lvx's rings for every op
 enum class CollectiveImpl { kAuto, kEngine, kP2P };
@@ -286,6 +287,8 @@ class ProcessGroup {
   // Whether reduce_scatter and all_gather of `t` run as lvx's rings: kP2P, or kAuto on Gloo
   // (CPU tensors, or CUDA tensors staged through the host).
   bool rings_for(const at::Tensor& t) const;
+  // Whether all_reduce of `t` runs as lvx's ring: kP2P, or kAuto on Gloo at 2 ranks.
+  bool ring_all_reduce(const at::Tensor& t) const;
   // reduce_scatter on the engine's collective, or on lvx's ring of messages; `off` holds the
   // chunks' offsets.
   at::Tensor reduce_scatter_engine(at::Tensor& tensor, const std::vector<int64_t>& splits,
