@@ -136,6 +136,12 @@ TEST(TrainMemory, BreakdownByHand) {
   EXPECT_DOUBLE_EQ(train_memory(m, p, 0, 10, 0, o, 0).activations, 10 / 4.0 * (384 + 104 + 120));
   // fits compares the peak with the device's memory.
   EXPECT_FALSE(train_memory(m, p, 0, 10, 0, o, 100).fits);
+  // A peak that fits the device but not the device less the default reserve does not fit.
+  const double peak = train_memory(m, p, 0, 10, 0, o, 0).total;
+  const double device = (peak + 1.5 * double(int64_t{1} << 30)) / 0.92 - 1;
+  EXPECT_FALSE(train_memory(m, p, 0, 10, 0, o, device).fits);
+  o.reserve_bytes = 0;
+  EXPECT_TRUE(train_memory(m, p, 0, 10, 0, o, peak).fits);
   EXPECT_TRUE(train_memory(m, p, 0, 10, 0, o, 1e9).fits);
 }
 
@@ -182,7 +188,16 @@ TEST(TrainMemory, PlanMaxFramesSaysWhatFitsFor7B) {
   const int64_t stage2 = j["max_frames"].get<int64_t>();
   EXPECT_GT(stage2, 1000);
   j = plan("--nproc 16 --grad-accum 4 --recompute --remat --shard parameters");
-  EXPECT_GT(j["max_frames"].get<int64_t>(), stage2);
+  const int64_t stage3 = j["max_frames"].get<int64_t>();
+  EXPECT_GT(stage3, stage2);
+  // The default reserve keeps 1.5 GiB + 8 % of the 80 GiB device free (7.9 GiB); without it
+  // the peak may fill the device to the byte, so more frames "fit".
+  const double gib = double(int64_t{1} << 30);
+  EXPECT_NEAR(j["reserve_bytes"].get<double>(), 1.5 * gib + 0.08 * 80 * gib, 1e6);
+  j = plan("--nproc 16 --grad-accum 4 --recompute --remat --shard parameters "
+           "--memory-reserve-gib 0");
+  EXPECT_EQ(j["reserve_bytes"].get<double>(), 0);
+  EXPECT_GT(j["max_frames"].get<int64_t>(), stage3);
 }
 
 }  // namespace

@@ -16,6 +16,91 @@
 
 namespace {
 
+// --memory-reserve-gib: "auto" (TrainMemoryOptions' default reserve, -1) or GiB >= 0.
+double memory_reserve(const std::string& v) {
+  if (v == "auto") return -1;
+  double gib = -1;
+  try {
+    size_t used = 0;
+    gib = std::stod(v, &used);
+    if (used != v.size()) gib = -1;
+  } catch (const std::exception&) {
+  }
+  LVX_CHECK(std::isfinite(gib) && gib >= 0 && gib <= 1e6,
+            "--memory-reserve-gib: expected auto or a number of GiB >= 0, got '", v, "'");
+  return gib * double(int64_t{1} << 30);
+}
+
+// --max-frames: the most frames whose whole training memory fits the device less its reserve,
+// by bisection (memory grows with frames), for the given settings and for every shard stage ×
+// recompute × remat; prints them, names the best, writes --json.
+int print_max_frames(const lvx::planner::ModelConfig& model,
+                     const lvx::planner::ParamCounts& counts,
+                     const lvx::planner::TrainMemoryOptions& mo, int64_t tpf, double device,
+                     int64_t question, const std::string& json_path) {
+  auto most = [&](const lvx::planner::TrainMemoryOptions& o) {
+    auto fits = [&](int64_t f) {
+      return lvx::planner::train_memory(model, counts, f, f + question, tpf, o, device).fits;
+    };
+    int64_t lo = 0, hi = lvx::planner::kMaxPlanVisualTokens / std::max<int64_t>(1, tpf);
+    if (!fits(0)) return int64_t{-1};
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (fits(mid))
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    return lo;
+  };
+  nlohmann::json rows = nlohmann::json::array();
+  const int64_t given = most(mo);
+  const double reserve = lvx::planner::train_memory(model, counts, 0, 0, tpf, mo, device).reserve;
+  std::cout << "memory reserve: " << reserve / double(int64_t{1} << 30) << " GiB of the device's "
+            << device / double(int64_t{1} << 30) << " GiB kept free (--memory-reserve-gib)\n";
+  std::cout << "max frames (shard " << mo.shard << ", sp-size "
+            << (mo.sp_size ? mo.sp_size : mo.ranks) << ", recompute " << mo.recompute << ", remat "
+            << mo.remat << "): "
+            << (given < 0 ? std::string("none fit (the state alone exceeds the device)")
+                          : std::to_string(given))
+            << "\n";
+  lvx::planner::TrainMemoryOptions best = mo;
+  int64_t best_frames = given;
+  for (const char* stage : {"none", "optimizer", "gradients", "parameters"})
+    for (int rc = 0; rc < 2; ++rc)
+      for (int rm = 0; rm < 2; ++rm) {
+        lvx::planner::TrainMemoryOptions o = mo;
+        o.shard = stage;
+        o.recompute = rc;
+        o.remat = rm;
+        const int64_t f = most(o);
+        rows.push_back(
+            {{"shard", stage}, {"recompute", bool(rc)}, {"remat", bool(rm)}, {"max_frames", f}});
+        if (f > best_frames) best_frames = f, best = o;
+      }
+  std::cout << "best: " << best_frames << " frames with shard " << best.shard
+            << (best.recompute ? ", recompute" : "") << (best.remat ? ", remat" : "") << "\n";
+  if (best_frames >= 0)
+    std::cout << lvx::planner::format_memory(lvx::planner::train_memory(
+        model, counts, best_frames, best_frames + question, tpf, best, device));
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    f << nlohmann::json{{"max_frames", given},
+                        {"reserve_bytes", reserve},
+                        {"best",
+                         {{"max_frames", best_frames},
+                          {"shard", best.shard},
+                          {"recompute", best.recompute},
+                          {"remat", best.remat}}},
+                        {"choices", rows},
+                        {"fits", given >= 0}}
+             .dump(2)
+      << "\n";
+    LVX_CHECK(f.good(), "--json: cannot write '", json_path, "'");
+  }
+  return 0;
+}
+
 int cmd_plan(int argc, char** argv) {
   lvx::cli::ArgParser p(
       "lvx plan --model M.yaml --cluster C.yaml --frames F --text T [options]",
@@ -57,6 +142,9 @@ int cmd_plan(int argc, char** argv) {
   p.add_option("grad-accum", 0, "1", "training: optimizer.grad_accum");
   p.add_flag("recompute", 0, "training memory: LV-XAttn K/V recomputation (parallel.recompute)");
   p.add_flag("remat", 0, "training memory: rematerialization (parallel.remat)");
+  p.add_option("memory-reserve-gib", 0, "auto",
+               "training: device memory kept free of the model's peak (CUDA context, NCCL\n"
+               "buffers, allocator fragmentation); auto: 1.5 GiB + 8 % of the device");
   p.add_flag("max-frames", 0,
              "training: the most frames whose whole memory fits the device, for the given\n"
              "settings and for the best shard stage / recompute / remat choice");
@@ -80,6 +168,7 @@ int cmd_plan(int argc, char** argv) {
   mo.grad_accum = p.get_int("grad-accum", 1, 1 << 20);
   mo.recompute = p.flag("recompute");
   mo.remat = p.flag("remat");
+  mo.reserve_bytes = memory_reserve(p.get("memory-reserve-gib"));
   const std::string dtype = p.get("dtype").empty() ? model.dtype : p.get("dtype");
   mo.elem_bytes = lvx::planner::dtype_bytes(dtype, "--dtype");
   const int64_t tpf = p.get_int("tokens-per-frame") > 0 ? p.get_int("tokens-per-frame")
@@ -90,68 +179,9 @@ int cmd_plan(int argc, char** argv) {
     counts = lvx::runtime::count_parameters(model_path, model, p.get("freeze"));
     std::cout << lvx::runtime::describe_parameters(counts, p.get("freeze"), model, mo.lora_r);
   }
-  if (max_frames) {
-    const int64_t question = p.get("text").empty() ? 64 : p.get_int("text");
-    // The most frames with the whole memory within the device, by bisection (memory grows
-    // with frames).
-    auto most = [&](const lvx::planner::TrainMemoryOptions& o) {
-      auto fits = [&](int64_t f) {
-        return lvx::planner::train_memory(model, counts, f, f + question, tpf, o, device).fits;
-      };
-      int64_t lo = 0, hi = lvx::planner::kMaxPlanVisualTokens / std::max<int64_t>(1, tpf);
-      if (!fits(0)) return int64_t{-1};
-      while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) / 2;
-        if (fits(mid))
-          lo = mid;
-        else
-          hi = mid - 1;
-      }
-      return lo;
-    };
-    nlohmann::json rows = nlohmann::json::array();
-    const int64_t given = most(mo);
-    std::cout << "max frames (shard " << mo.shard << ", sp-size "
-              << (mo.sp_size ? mo.sp_size : mo.ranks) << ", recompute " << mo.recompute
-              << ", remat " << mo.remat << "): "
-              << (given < 0 ? std::string("none fit (the state alone exceeds the device)")
-                            : std::to_string(given))
-              << "\n";
-    lvx::planner::TrainMemoryOptions best = mo;
-    int64_t best_frames = given;
-    for (const char* stage : {"none", "optimizer", "gradients", "parameters"})
-      for (int rc = 0; rc < 2; ++rc)
-        for (int rm = 0; rm < 2; ++rm) {
-          lvx::planner::TrainMemoryOptions o = mo;
-          o.shard = stage;
-          o.recompute = rc;
-          o.remat = rm;
-          const int64_t f = most(o);
-          rows.push_back(
-              {{"shard", stage}, {"recompute", bool(rc)}, {"remat", bool(rm)}, {"max_frames", f}});
-          if (f > best_frames) best_frames = f, best = o;
-        }
-    std::cout << "best: " << best_frames << " frames with shard " << best.shard
-              << (best.recompute ? ", recompute" : "") << (best.remat ? ", remat" : "") << "\n";
-    if (best_frames >= 0)
-      std::cout << lvx::planner::format_memory(lvx::planner::train_memory(
-          model, counts, best_frames, best_frames + question, tpf, best, device));
-    if (!json_path.empty()) {
-      std::ofstream f(json_path);
-      f << nlohmann::json{{"max_frames", given},
-                          {"best",
-                           {{"max_frames", best_frames},
-                            {"shard", best.shard},
-                            {"recompute", best.recompute},
-                            {"remat", best.remat}}},
-                          {"choices", rows},
-                          {"fits", given >= 0}}
-               .dump(2)
-        << "\n";
-      LVX_CHECK(f.good(), "--json: cannot write '", json_path, "'");
-    }
-    return 0;
-  }
+  if (max_frames)
+    return print_max_frames(model, counts, mo, tpf, device,
+                            p.get("text").empty() ? 64 : p.get_int("text"), json_path);
   lvx::planner::Workload w;
   w.frames = p.get_int("frames");
   w.text_tokens = p.get_int("text");

@@ -177,8 +177,13 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   // Activation memory freed in the backward stays with the allocator (glibc's heap on the CPU,
   // the caching allocator on a GPU), so it adds to the gradients' largest moment.
   t.total = t.weights + t.optimizer + t.activations + t.attention + t.visual + t.gradients;
-  t.fits = device_bytes <= 0 || t.total <= device_bytes;
+  t.reserve = o.reserve_bytes >= 0 ? o.reserve_bytes : default_reserve_bytes(device_bytes);
+  t.fits = device_bytes <= 0 || t.total <= device_bytes - t.reserve;
   return t;
+}
+
+double default_reserve_bytes(double device_bytes) {
+  return device_bytes > 0 ? 1.5 * double(int64_t{1} << 30) + 0.08 * device_bytes : 0;
 }
 
 nlohmann::json to_json(const TrainMemory& t) {
@@ -190,6 +195,7 @@ nlohmann::json to_json(const TrainMemory& t) {
           {"visual_bytes", t.visual},
           {"peak_bytes", t.total},
           {"device_bytes", t.device},
+          {"reserve_bytes", t.reserve},
           {"fits", t.fits}};
 }
 
@@ -199,7 +205,9 @@ std::string format_memory(const TrainMemory& t) {
      << " (at their largest), optimizer state " << gib(t.optimizer) << ", saved activations "
      << gib(t.activations) << ", attention working set " << gib(t.attention) << ", visual features "
      << gib(t.visual) << "; peak " << gib(t.total);
-  if (t.device > 0) os << " of " << gib(t.device) << (t.fits ? " (fits)" : " (DOES NOT FIT)");
+  if (t.device > 0)
+    os << " of " << gib(t.device) << " less " << gib(t.reserve) << " reserved"
+       << (t.fits ? " (fits)" : " (DOES NOT FIT)");
   os << "\n";
   return os.str();
 }

@@ -78,12 +78,22 @@ struct TrainMemoryOptions {
   bool remat = false;
   int64_t grad_accum = 1;
   int64_t elem_bytes = 2;             // e: the model dtype's
+  // Device memory the model above does not see and a run cannot use: the CUDA context and the
+  // kernels' modules, NCCL's buffers, the caching allocator's fragmentation. A peak fits when it
+  // is at most the device less this. Negative: default_reserve_bytes(device).
+  double reserve_bytes = -1;
 };
+
+// The default reserve: 1.5 GiB (the CUDA context with libtorch's kernels loaded, about 0.5-1 GiB,
+// and NCCL's buffers, a few hundred MiB for a few communicators) plus 8 % of the device (the
+// caching allocator's fragmentation, typically 5-10 % of what it holds). 0 for no device.
+double default_reserve_bytes(double device_bytes);
 
 struct TrainMemory {
   double weights = 0, gradients = 0, optimizer = 0, activations = 0, attention = 0, visual = 0;
   double total = 0;  // the peak, as above
   double device = 0;
+  double reserve = 0;  // of the device, unusable (TrainMemoryOptions::reserve_bytes)
   bool fits = true;
 };
 
