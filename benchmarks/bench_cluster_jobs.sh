@@ -76,7 +76,7 @@ import sys
 f, inter, intra, qa_auto, qa_ring, ft_auto, ft_ring, plan, ans = sys.argv[1:]
 print(f"emulated: 2 nodes x 2 ranks, inter-node {inter} per node, intra-node {intra} per rank; "
       f"{f} frames x 16 visual tokens")
-print(f"plan (auto): {plan}; answer '{ans}' under both")
+print(f"plan (auto): {plan}; the same answer under both ({len(ans)} characters)")
 print("| job | planner's plan s | ring everywhere s | ring / plan |")
 print("|---|---|---|---|")
 print(f"| lvx qa, prefill | {float(qa_auto):.3f} | {float(qa_ring):.3f} | {float(qa_ring) / float(qa_auto):.2f}x |")
