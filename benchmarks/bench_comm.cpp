@@ -155,7 +155,9 @@ std::vector<Timed> measure(ProcessGroup& pg, const std::string& op, int64_t elem
   std::vector<Timed> ts;
   for (const std::string& impl : impls) {
     pg.set_collectives(impl_of(impl));
-    Timed t{impl, make_case(pg, op, impl, elems, opts)};
+    Timed t;
+    t.impl = impl;
+    t.c = make_case(pg, op, impl, elems, opts);
     t.wrong = t.c.run().cpu().ne(t.c.want).sum().item<int64_t>();
     t.c.run();  // warm-up
     ts.push_back(std::move(t));
