@@ -111,9 +111,9 @@ struct ByteCounters {
 //            ranks) and broadcast, and lvx's rings for reduce_scatter, all_gather and the
 //            all_reduce of 2 ranks, because Gloo's own are slower there: its reduce_scatter is an
 //            all-reduce narrowed to each rank's chunk (twice the ring's bytes on the wire), its
-//            allgather took 1.5-2x the ring's time from 4 MiB per rank up at 2 and 4 ranks, its
-//            allreduce of 2 ranks 1.5-3x up to 4 MiB
-//            (bench_comm, docs/collectives.md); from 3 ranks its allreduce is as fast or faster
+//            allgather took 1.2-1.9x the ring's time at 2 and 4 ranks, its allreduce of 2 ranks
+//            up to 1.26x (bench_comm, docs/collectives.md); from 3 ranks its allreduce is as
+//            fast or faster
 //   kEngine  the engine's own collective for every op, Gloo's reduce_scatter and allgather too
 //   kP2P     lvx's rings for every op
 enum class CollectiveImpl { kAuto, kEngine, kP2P };
