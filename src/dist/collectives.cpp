@@ -101,7 +101,7 @@ void ProcessGroup::run_collective(
   std::optional<std::string> engine_error;
   try {
     c10::intrusive_ptr<c10d::Work> w = post(engine_->backend_for(on), on);
-    Work::Impl::Posted p{w, std::move(msgs), on.is_cuda() && engine_->nccl != nullptr, {}, {}};
+    Work::Impl::Posted p{w, std::move(msgs), on_nccl(on), {}, {}};
     p.formula = true;
     if (staged) p.staged = on, p.device = t;
     {
@@ -178,15 +178,7 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input, const std::vector<i
   for (int root = 0; root < world_size_; ++root) {
     if (sizes[root] == 0) continue;
     at::Tensor piece = out.narrow(0, offset[root], sizes[root]);  // contiguous rows
-    const bool nccl = piece.is_cuda() && engine_->nccl != nullptr;
-    run_collective("all_gather", piece, broadcast_volume(sizes[root] * row_bytes, root, nccl),
-                   [&](c10d::Backend& e, at::Tensor& t) {
-                     std::vector<at::Tensor> ts{t};
-                     c10d::BroadcastOptions o;
-                     o.rootRank = root;
-                     o.timeout = options_.timeout;
-                     return e.broadcast(ts, o);
-                   });
+    broadcast_engine("all_gather", piece, root);
   }
   return out;
 }
@@ -252,7 +244,7 @@ bool ProcessGroup::rings_for(const at::Tensor& t) const {
     case CollectiveImpl::kAuto:
       break;
   }
-  return !(t.is_cuda() && engine_->nccl != nullptr);
+  return !on_nccl(t);
 }
 
 bool ProcessGroup::ring_all_reduce(const at::Tensor& t) const {
@@ -330,8 +322,11 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
   if (world_size_ == 1) return;
   LVX_CHECK(tensor.is_contiguous(), "broadcast: tensor must be contiguous");
   if (options_.collectives == CollectiveImpl::kP2P) return broadcast_star(tensor, root);
-  const bool nccl = tensor.is_cuda() && engine_->nccl != nullptr;
-  run_collective("broadcast", tensor, broadcast_volume(nbytes(tensor), root, nccl),
+  broadcast_engine("broadcast", tensor, root);
+}
+
+void ProcessGroup::broadcast_engine(const char* what, at::Tensor& tensor, int root) {
+  run_collective(what, tensor, broadcast_volume(nbytes(tensor), root, on_nccl(tensor)),
                  [&](c10d::Backend& e, at::Tensor& t) {
                    std::vector<at::Tensor> ts{t};
                    c10d::BroadcastOptions o;
@@ -339,6 +334,10 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
                    o.timeout = options_.timeout;
                    return e.broadcast(ts, o);
                  });
+}
+
+bool ProcessGroup::on_nccl(const at::Tensor& t) const {
+  return t.is_cuda() && engine_->nccl != nullptr;
 }
 
 }  // namespace lvx::dist

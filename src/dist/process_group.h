@@ -287,6 +287,11 @@ class ProcessGroup {
   // Whether reduce_scatter and all_gather of `t` run as lvx's rings: kP2P, or kAuto on Gloo
   // (CPU tensors, or CUDA tensors staged through the host).
   bool rings_for(const at::Tensor& t) const;
+  // Whether NCCL carries `t` (a CUDA tensor and a NCCL engine), else Gloo.
+  bool on_nccl(const at::Tensor& t) const;
+  // Broadcast of `t` from `root` on the engine's collective, counted by its tree or chain;
+  // `what` names the operation in errors (broadcast, or all_gather's per-owner pieces).
+  void broadcast_engine(const char* what, at::Tensor& t, int root);
   // Whether all_reduce of `t` runs as lvx's ring: kP2P, or kAuto on Gloo at 2 ranks.
   bool ring_all_reduce(const at::Tensor& t) const;
   // reduce_scatter on the engine's collective, or on lvx's ring of messages; `off` holds the

@@ -1,3 +1,4 @@
+// Over 600 lines: split with the serve scheduler in issue 33 (structure), which both share.
 #include "src/runtime/qa_job.h"
 
 #include <sys/stat.h>

@@ -10,6 +10,9 @@ the text and the token counts); image_url frames against lvx qa on the video the
 shape; the visual cache by the hit counters of /metrics (every rank hits on a repeat, none after
 the file changed); a killed rank by the 503 and the server's non-zero exit; SIGTERM by a stream
 that still completes and an exit code of 0. Ends with the summary line "N passed, N failed".
+
+Over 600 lines: one case per defect, sharing one fixture set and server harness; it splits with
+src/serve/server.cpp in issue 31.
 """
 import base64
 import concurrent.futures
