@@ -1,6 +1,7 @@
 #include "src/runtime/device.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
 #include <iostream>
@@ -64,7 +65,10 @@ at::Device choose_device(const std::string& spec) {
   if (spec == "auto" && rank == 0)  // once per node
     if (const std::string note = auto_device_note(world, gpus); !note.empty())
       std::cerr << "lvx: " << note << "\n";
-  if (d.is_cuda()) at::detail::getCUDAHooks().setCurrentDevice(d.index());
+  // Through the device guard's implementation, which c10_cuda registers (what c10::DeviceGuard
+  // calls): torch 2.11's CUDAHooks does not override setCurrentDevice, whose default throws
+  // "Backend doesn't support setCurrentDevice()" (found by the first GPU run of lvx-gpu/run.sh).
+  if (d.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(d);
   return d;
 }
 
