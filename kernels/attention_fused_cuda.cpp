@@ -3,7 +3,8 @@
 // Rabe & Staats 2021 "Self-attention Does Not Need O(n²) Memory") for fp32, masked and non-square
 // causal calls; both return the natural-log lse in fp32. Only dispatcher ops: compiled in every
 // build, so the choice of kernel and the constraints are unit-tested on CPU; called only for
-// CUDA tensors (attention_{fwd,bwd}.cu). Not yet run on a GPU: tests/gpu/run.sh is its gate.
+// CUDA tensors (attention_{fwd,bwd}.cu). Passed its gate, tests/gpu/run.sh, on an H200
+// (docs/kernels.md).
 //
 // Where ATen states what these ops take (PyTorch 2.11 source, aten/src/ATen/native/transformers/):
 //   sdp_utils.cpp (cuda/)      which GPUs, dtypes and head dims each backend serves;
