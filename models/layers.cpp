@@ -2,13 +2,19 @@
 
 #include <cmath>
 
+#include "models/lora.h"
 #include "src/common/error.h"
 
 namespace lvx::models {
 
 at::Tensor linear(const at::Tensor& x, const StateDict& w, const std::string& prefix, bool bias) {
-  return at::linear(x, param(w, prefix + ".weight"),
-                    bias ? c10::optional<at::Tensor>(param(w, prefix + ".bias")) : c10::nullopt);
+  return lora_linear(x, param(w, prefix + ".weight"),
+                     bias ? c10::optional<at::Tensor>(param(w, prefix + ".bias")) : c10::nullopt);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const c10::optional<at::Tensor>& bias) {
+  return lora_linear(x, weight, bias);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

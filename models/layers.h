@@ -14,8 +14,12 @@
 
 namespace lvx::models {
 
-// x·Wᵀ (+ b): `prefix.weight` [out, in] and, when `bias`, `prefix.bias` [out].
+// x·Wᵀ (+ b): `prefix.weight` [out, in] and, when `bias`, `prefix.bias` [out]. Every linear of
+// every family goes through one of these two, so a LoRA adapter of the weight adds its branch
+// on the activation path (models/lora.h, lora_linear).
 at::Tensor linear(const at::Tensor& x, const StateDict& w, const std::string& prefix, bool bias);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const c10::optional<at::Tensor>& bias = c10::nullopt);
 
 // RMSNorm (Qwen2, Llama): x / sqrt(mean(x²) + eps) · weight, computed in fp32 and cast back.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

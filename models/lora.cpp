@@ -3,11 +3,14 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <regex>
 #include <set>
+#include <shared_mutex>
+#include <unordered_map>
 
 #include "src/common/error.h"
 #include "src/common/files.h"
@@ -443,32 +446,49 @@ void merge_adapter(Model& model, const std::string& dir) {
   merge_lora(model.parameters(), load_lora(dir, model));
 }
 
-// ---- LoraModel -----------------------------------------------------------------------------
+// ---- the activation path --------------------------------------------------------------------
 
 namespace {
 
-// Puts W_eff in place of the adapted weights of `base` for one call, and the weights back after.
-class EffectiveWeights {
- public:
-  EffectiveWeights(Model& base, const LoraAdapter& ad) : w_(base.parameters()) {
-    for (const auto& [name, l] : ad.layers) {
-      at::Tensor& slot = w_.at(name);
-      saved_.emplace_back(name, slot);
-      slot = lora_weight(slot, l);
-    }
-  }
-  ~EffectiveWeights() {
-    for (auto& [name, t] : saved_) w_.at(name) = t;
-  }
-  EffectiveWeights(const EffectiveWeights&) = delete;
-  EffectiveWeights& operator=(const EffectiveWeights&) = delete;
-
- private:
-  StateDict& w_;
-  std::vector<std::pair<std::string, at::Tensor>> saved_;
+// Which weights alive LoraModels adapt, by the weight's TensorImpl (the base model's tensors are
+// never replaced while a LoraModel wraps it), with where that model keeps A and B.
+struct Route {
+  const StateDict* params = nullptr;
+  std::string a, b;
+  double scale = 1;
 };
 
+struct Routes {
+  std::shared_mutex mu;
+  std::unordered_map<const c10::TensorImpl*, Route> by_weight;
+  std::atomic<size_t> size{0};  // read without the lock: no LoRA model, no lookup
+};
+
+Routes& routes() {
+  static Routes r;
+  return r;
+}
+
 }  // namespace
+
+at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w,
+                       const c10::optional<at::Tensor>& bias) {
+  at::Tensor y = at::linear(x, w, bias);
+  Routes& rs = routes();
+  if (rs.size.load(std::memory_order_acquire) == 0) return y;
+  Route r;
+  {
+    std::shared_lock lock(rs.mu);
+    auto it = rs.by_weight.find(w.unsafeGetTensorImpl());
+    if (it == rs.by_weight.end()) return y;
+    r = it->second;
+  }
+  const auto dt = x.scalar_type();
+  const at::Tensor a = r.params->at(r.a).to(dt), b = r.params->at(r.b).to(dt);
+  return y + at::linear(at::linear(x, a), b) * r.scale;
+}
+
+// ---- LoraModel -----------------------------------------------------------------------------
 
 LoraModel::LoraModel(std::unique_ptr<Model> base, LoraAdapter adapter)
     : base_(std::move(base)), adapter_(std::move(adapter)) {
@@ -478,6 +498,22 @@ LoraModel::LoraModel(std::unique_ptr<Model> base, LoraAdapter adapter)
     params_[lora_a_name(name)] = l.a;
     params_[lora_b_name(name)] = l.b;
   }
+  Routes& rs = routes();
+  std::unique_lock lock(rs.mu);
+  for (const auto& [name, l] : adapter_.layers) {
+    const c10::TensorImpl* w = base_->parameters().at(name).unsafeGetTensorImpl();
+    LVX_CHECK(rs.by_weight.count(w) == 0, "LoRA: ", name, " is already adapted by another model");
+    rs.by_weight[w] = Route{&params_, lora_a_name(name), lora_b_name(name), l.scale};
+  }
+  rs.size.store(rs.by_weight.size(), std::memory_order_release);
+}
+
+LoraModel::~LoraModel() {
+  Routes& rs = routes();
+  std::unique_lock lock(rs.mu);
+  for (const auto& [name, l] : adapter_.layers)
+    rs.by_weight.erase(base_->parameters().at(name).unsafeGetTensorImpl());
+  rs.size.store(rs.by_weight.size(), std::memory_order_release);
 }
 
 bool LoraModel::trainable(const std::string& name) const {
@@ -485,19 +521,16 @@ bool LoraModel::trainable(const std::string& name) const {
 }
 
 ModelOutputs LoraModel::forward(const ModelInputs& in, const Parallel& par) const {
-  const EffectiveWeights w(*base_, adapter_);
   return base_->forward(in, par);
 }
 
 at::Tensor LoraModel::prefill(const ModelInputs& in, const Parallel& par,
                               DecodeCache& cache) const {
-  const EffectiveWeights w(*base_, adapter_);
   return base_->prefill(in, par, cache);
 }
 
 at::Tensor LoraModel::decode_step(const at::Tensor& tokens, const Parallel& par,
                                   DecodeCache& cache) const {
-  const EffectiveWeights w(*base_, adapter_);
   return base_->decode_step(tokens, par, cache);
 }
 

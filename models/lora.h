@@ -16,9 +16,8 @@
 //                              base_model.model.<module path>.lora_B.weight [out, r], fp32
 // where <module path> is the weight's checkpoint name without ".weight".
 //
-// Costs (docs/finetune.md): r·(in + out) parameters per adapted weight; in training, every
-// adapted W_eff exists beside W (one more copy of the adapted weights in the compute dtype) from
-// the forward until the backward has passed it.
+// Costs (docs/finetune.md): r·(in + out) parameters per adapted weight (fp32, with their
+// gradients and AdamW's state); saved for the backward, r elements per token per adapted weight.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -106,13 +105,23 @@ void merge_lora(StateDict& weights, const LoraAdapter& adapter);
 // load_lora(dir, model) merged into model's weights (lvx qa --adapter).
 void merge_adapter(Model& model, const std::string& dir);
 
+// x·Wᵀ (+ b), plus s·(x·Aᵀ)·Bᵀ when `w` is a weight tensor that an alive LoraModel adapts (looked
+// up by the tensor's storage identity; A and B read from that model's parameters() at the call,
+// so an optimizer that replaces them is followed). models::linear's tensor form calls this.
+at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w,
+                       const c10::optional<at::Tensor>& bias);
+
 // A model that trains an adapter: parameters() are the base model's weights (shared, frozen)
 // and the adapter's A and B under "<module path>.lora_A.weight" / ".lora_B.weight" (float32);
-// trainable() is true for those only. Each forward (and prefill) reads W_eff = lora_weight(W, ·)
-// for the adapted weights; the base model's own weights are unchanged outside the call.
+// trainable() is true for those only. From construction to destruction, every linear over an
+// adapted weight of the base model adds the LoRA branch (lora_linear): its forwards are the
+// base model's own, and so are backward recomputations that run after a forward has returned.
 class LoraModel : public Model {
  public:
   LoraModel(std::unique_ptr<Model> base, LoraAdapter adapter);
+  ~LoraModel() override;
+  LoraModel(const LoraModel&) = delete;
+  LoraModel& operator=(const LoraModel&) = delete;
 
   // The adapter with the current A and B (they are the tensors of parameters()).
   const LoraAdapter& adapter() const { return adapter_; }

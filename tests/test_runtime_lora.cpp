@@ -12,9 +12,11 @@
 //     PEFT adapter on the resampler, the gated cross-attention blocks and the decoder gives PEFT's
 //     logits, loss and gradients in lvx; an all-linear lvx finetune writes an adapter PEFT places
 //     completely, with lvx's logits;
+//   - an adapter on every linear of each family applied on the activation path gives the logits
+//     of its merged weights (no linear bypasses the branch);
 //   - target selection, the config section, and what is refused.
-// Tolerances: logits and loss within 1e-4 absolute (outputs are O(1–10); measured ≈5e-6: lvx
-// computes x·(W + s·B·A)ᵀ, PEFT x·Wᵀ + s·(x·Aᵀ)·Bᵀ, equal but summed in another order), gradients
+// Tolerances: logits and loss within 1e-4 absolute (outputs are O(1–10); measured ≈3e-6: lvx
+// computes x·Wᵀ + s·(x·Aᵀ)·Bᵀ as PEFT does, on ATen's CPU GEMMs rather than PyTorch's), gradients
 // within 1e-4 of their largest element (measured ≈2e-6). The adapters move the logits by O(1)
 // (checked), so a LoRA that was not applied cannot pass.
 #include <gtest/gtest.h>
@@ -195,6 +197,49 @@ TEST(Lora, PeftAdapterOnOpenFlamingoWithImages) {
   EXPECT_LE(worst, 1e-4);
   std::cout << "PEFT adapter on OpenFlamingo (resampler, gated blocks, decoder): logits " << e
             << ", gradients " << worst << " (" << grads << " tensors)\n";
+}
+
+// Every linear of every family goes through the LoRA branch (models::linear): an adapter on
+// EVERY linear weight of the language model (and OpenFlamingo's resampler), applied on the
+// activation path (lvx forward --adapter), gives the logits of its merged weights W + s·B·A
+// (lvx merge-adapter, then lvx forward). A linear that skipped the branch leaves its adapter
+// out of the first and not of the second: the adapters move the logits by O(1) (checked), the
+// tolerance is 1e-4 (fp32, the two sum in different orders; measured below 1e-5).
+TEST(Lora, ActivationPathEqualsMergedWeightsInEveryFamily) {
+  const Reference mllama =
+      reference_model("mllama", std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py",
+                      script_stamp(std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py"),
+                      "", "--length 24");
+  struct Case {
+    std::string family, model, batch, under;
+  };
+  const std::vector<Case> cases{
+      {"mplug_owl3", made().model, made().batch, "language_model."},
+      {"openflamingo", made_flamingo().model, made_flamingo().batch, "lang_encoder.,perceiver."},
+      {"mllama", mllama.model, mllama.batch, "language_model."}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.family);
+    const fs::path d = workdir() / ("lora_every_linear_" + c.family);
+    fs::remove_all(d);
+    const std::string ad = (d / "ad").string(), merged = (d / "merged").string();
+    const std::string log = run_command(python() + " " + lora_script() + " random-adapter " +
+                                        c.model + " " + ad + " --under " + c.under + " --seed 7");
+    ASSERT_TRUE(fs::exists(ad + "/adapter_model.safetensors")) << log;
+    const std::string mlog = run_command(lvx_binary() + " merge-adapter --model " + c.model +
+                                         " --adapter " + ad + " --output " + merged);
+    ASSERT_TRUE(fs::exists(merged + "/config.json")) << mlog;
+    const std::string on_path =
+        lvx_forward(c.model, c.family + "_path", "--adapter " + ad, c.batch);
+    const std::string on_merged = lvx_forward(merged, c.family + "_merged", "", c.batch);
+    const std::string base = lvx_forward(c.model, c.family + "_base", "", c.batch);
+    ASSERT_FALSE(on_path.empty() || on_merged.empty() || base.empty());
+    const at::Tensor got = tensors(on_path).at("logits"), want = tensors(on_merged).at("logits");
+    EXPECT_GT(max_abs(want, tensors(base).at("logits")), 0.5) << "the adapter must matter";
+    const double e = max_abs(got, want);
+    EXPECT_LE(e, 1e-4);
+    std::cout << c.family << ": LoRA on every linear, activation path vs merged weights: " << e
+              << "\n";
+  }
 }
 
 TEST(Lora, RsLoraAdapterOnTwoModules) {

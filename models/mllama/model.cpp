@@ -203,9 +203,10 @@ at::Tensor Mllama::self_block(int64_t layer, const at::Tensor& h, const at::Tens
   const std::string act = cfg_.text.act;
   auto block = [eps, act](const std::vector<at::Tensor>& in,
                           const std::vector<at::Tensor>& w) -> std::vector<at::Tensor> {
-    const at::Tensor a = in[0] + at::linear(in[1], w[0]);
+    const at::Tensor a = in[0] + models::linear(in[1], w[0]);
     const at::Tensor x = rms_norm(a, w[1], eps);
-    return {a + at::linear(activation(at::linear(x, w[2]), act) * at::linear(x, w[3]), w[4])};
+    return {a + models::linear(activation(models::linear(x, w[2]), act) * models::linear(x, w[3]),
+                               w[4])};
   };
   return remat ? checkpoint_segment(block, {h, ctx}, p)[0] : block({h, ctx}, p)[0];
 }
@@ -224,10 +225,10 @@ at::Tensor Mllama::cross_block(int64_t layer, const at::Tensor& h, const at::Ten
   const std::string act = cfg_.text.act;
   auto block = [eps, act, sees](const std::vector<at::Tensor>& in,
                                 const std::vector<at::Tensor>& w) -> std::vector<at::Tensor> {
-    const at::Tensor a = in[0] + w[1].tanh() * at::linear(in[1], w[0]);
+    const at::Tensor a = in[0] + w[1].tanh() * models::linear(in[1], w[0]);
     const at::Tensor x = rms_norm(a, w[2], eps);
     const at::Tensor m =
-        at::linear(activation(at::linear(x, w[3]), act) * at::linear(x, w[4]), w[5]);
+        models::linear(activation(models::linear(x, w[3]), act) * models::linear(x, w[4]), w[5]);
     return {a + w[6].tanh() * (sees * m)};
   };
   return remat ? checkpoint_segment(block, {h, ctx}, p)[0] : block({h, ctx}, p)[0];
@@ -326,8 +327,9 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
     q = rms_norm(q, param(w_, l + "cross_attn.q_norm.weight"), eps);
     KVFunction kv_fn = [Hkv, D, eps](const at::Tensor& y, const std::vector<at::Tensor>& p) {
       const int64_t n = y.size(1);
-      const at::Tensor k = rms_norm(at::linear(y, p[0]).view({y.size(0), n, Hkv, D}), p[2], eps);
-      return std::make_pair(k, at::linear(y, p[1]).view({y.size(0), n, Hkv, D}));
+      const at::Tensor k =
+          rms_norm(models::linear(y, p[0]).view({y.size(0), n, Hkv, D}), p[2], eps);
+      return std::make_pair(k, models::linear(y, p[1]).view({y.size(0), n, Hkv, D}));
     };
     const std::vector<at::Tensor> kv_params{param(w_, l + "cross_attn.k_proj.weight"),
                                             param(w_, l + "cross_attn.v_proj.weight"),

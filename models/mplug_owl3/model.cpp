@@ -198,9 +198,10 @@ at::Tensor MplugOwl3::post_attention(int64_t layer, const at::Tensor& h, const a
   const std::string act = cfg_.act;
   auto block = [eps, act](const std::vector<at::Tensor>& in,
                           const std::vector<at::Tensor>& p) -> std::vector<at::Tensor> {
-    const at::Tensor a = in[0] + at::linear(in[1], p[0]);
+    const at::Tensor a = in[0] + models::linear(in[1], p[0]);
     const at::Tensor x2 = rms_norm(a, p[1], eps);
-    return {a + at::linear(activation(at::linear(x2, p[2]), act) * at::linear(x2, p[3]), p[4])};
+    return {a + models::linear(activation(models::linear(x2, p[2]), act) * models::linear(x2, p[3]),
+                               p[4])};
   };
   return remat ? checkpoint_segment(block, {h, ctx}, block_params)[0]
                : block({h, ctx}, block_params)[0];
@@ -291,8 +292,8 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
       const double eps = c.rms_eps;
       KVFunction kv_fn = [mi_rope, hkv, d, eps](const at::Tensor& y,
                                                 const std::vector<at::Tensor>& p) {
-        const at::Tensor kv =
-            at::linear(rms_norm(y, p[0], eps), p[1], p[2]).view({y.size(0), y.size(1), hkv, 2, d});
+        const at::Tensor kv = models::linear(rms_norm(y, p[0], eps), p[1], p[2])
+                                  .view({y.size(0), y.size(1), hkv, 2, d});
         return std::make_pair(apply_rotary(kv.select(3, 0), mi_rope), kv.select(3, 1));
       };
       const std::vector<at::Tensor> kv_params{norm_w, param(w_, l + "self_attn.v_kv_proj.weight"),
@@ -402,14 +403,14 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
   c10::AutoGradMode no_grad(false);
   const MplugOwl3Config& c = cfg_;
   const int64_t B = cache.batch, hq = c.heads, hkv = c.kv_heads, d = c.head_dim, g = hq / hkv;
-  LVX_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1,
-            "extend: expected [", B, ", T >= 1] tokens, got ", tokens.sizes());
+  LVX_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1, "extend: expected [",
+            B, ", T >= 1] tokens, got ", tokens.sizes());
   const int64_t T = tokens.size(1);
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
   at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong));  // [B, T, H]
-  const RotaryTables rope = rotary_tables(
-      at::arange(cache.length, cache.length + T, emb.options().dtype(at::kLong)), c.head_dim,
-      c.rope_theta);
+  const RotaryTables rope =
+      rotary_tables(at::arange(cache.length, cache.length + T, emb.options().dtype(at::kLong)),
+                    c.head_dim, c.rope_theta);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   // The T queries of a row as extra query heads of their K/V head ([B, Hkv·T·g, D]: head
   // j·T·g + t·g + i reads K/V head j under the kernels' GQA mapping), so the cached keys take all

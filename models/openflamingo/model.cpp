@@ -503,10 +503,10 @@ at::Tensor OpenFlamingo::post_attention(int64_t layer, const at::Tensor& x, cons
       p.push_back(param(w_, l + n));
     post = [eps, act = c.act, parallel = c.parallel_residual](const std::vector<at::Tensor>& in,
                                                               const std::vector<at::Tensor>& w) {
-      const at::Tensor attn = at::linear(in[1], w[0], w[1]);
+      const at::Tensor attn = models::linear(in[1], w[0], w[1]);
       auto mlp = [&](const at::Tensor& t) {
-        return at::linear(
-            activation(at::linear(at::layer_norm(t, {t.size(-1)}, w[2], w[3], eps), w[4], w[5]),
+        return models::linear(
+            activation(models::linear(at::layer_norm(t, {t.size(-1)}, w[2], w[3], eps), w[4], w[5]),
                        act),
             w[6], w[7]);
       };
@@ -519,19 +519,20 @@ at::Tensor OpenFlamingo::post_attention(int64_t layer, const at::Tensor& x, cons
                           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"})
       p.push_back(param(w_, l + n));
     post = [eps, act = c.act](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& w) {
-      const at::Tensor r = in[0] + at::linear(in[1], w[0]);
+      const at::Tensor r = in[0] + models::linear(in[1], w[0]);
       const at::Tensor h2 = rms_norm(r, w[1], eps);
       return std::vector<at::Tensor>{
-          r + at::linear(activation(at::linear(h2, w[2]), act) * at::linear(h2, w[3]), w[4])};
+          r + models::linear(activation(models::linear(h2, w[2]), act) * models::linear(h2, w[3]),
+                             w[4])};
     };
   } else {
     for (const char* n :
          {"attn.out_proj.weight", "norm_2.weight", "ffn.up_proj.weight", "ffn.down_proj.weight"})
       p.push_back(param(w_, l + n));
     post = [eps](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& w) {
-      const at::Tensor r = in[0] + at::linear(in[1], w[0]);
+      const at::Tensor r = in[0] + models::linear(in[1], w[0]);
       const at::Tensor h2 = at::layer_norm(r, {r.size(-1)}, w[1], {}, eps);
-      return std::vector<at::Tensor>{r + at::linear(at::gelu(at::linear(h2, w[2])), w[3])};
+      return std::vector<at::Tensor>{r + models::linear(at::gelu(models::linear(h2, w[2])), w[3])};
     };
   }
   return remat ? checkpoint_segment(post, {x, a}, p)[0] : post({x, a}, p)[0];

@@ -31,6 +31,12 @@ on the batch WITH its images (openflamingo_ref.py make-batch). PEFT saves the ga
 blocks under both of their paths (an alias list on lang_encoder); the placement check counts every path.
 
 merged-logits: a merged checkpoint (lvx merge-adapter) loaded by transformers alone, its logits.
+
+random-adapter MODEL_DIR ADAPTER_DIR --under PREFIX[,PREFIX] [--r 2] [--seed S]: an adapter in
+PEFT's file layout written without PEFT, on EVERY linear weight of the checkpoint under the
+prefixes (2-D
+"<module>.weight" tensors, embeddings and output heads left out), A and B both N(0, 0.1²): what
+the activation-path test needs to see that no linear of a family bypasses the LoRA branch.
 """
 import argparse
 import json
@@ -152,9 +158,44 @@ def cmd_merged_logits(args):
     print(f"wrote {args.out_file}")
 
 
+def cmd_random_adapter(args):
+    names = []
+    for f in sorted(os.listdir(args.model_dir)):
+        if f.endswith(".safetensors"):
+            names += [(k, v.shape) for k, v in load_file(os.path.join(args.model_dir, f)).items()]
+    skip = ("embed_tokens", "embed_in", "wte", "wpe", "lm_head", "embed_out")
+    gen = torch.Generator().manual_seed(args.seed)
+    tensors, modules = {}, set()
+    for name, shape in sorted(names):
+        if not name.startswith(tuple(args.under.split(","))) or not name.endswith(".weight") or len(shape) != 2:
+            continue
+        module = name[:-len(".weight")]
+        if module.rsplit(".", 1)[-1] in skip:
+            continue
+        modules.add(module.rsplit(".", 1)[-1])
+        out, inp = shape
+        tensors[f"base_model.model.{module}.lora_A.weight"] = 0.1 * torch.randn(args.r, inp, generator=gen)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = 0.1 * torch.randn(out, args.r, generator=gen)
+    assert tensors, f"no linear weight under {args.under}"
+    os.makedirs(args.adapter_dir, exist_ok=True)
+    save_file(tensors, os.path.join(args.adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = {"peft_type": "LORA", "r": args.r, "lora_alpha": 2 * args.r, "lora_dropout": 0.0, "bias": "none",
+           "target_modules": sorted(modules), "use_rslora": False, "fan_in_fan_out": False,
+           "base_model_name_or_path": args.model_dir, "task_type": None}
+    with open(os.path.join(args.adapter_dir, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    print(f"wrote {args.adapter_dir}: {len(tensors) // 2} LoRA pairs under {args.under}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("random-adapter")
+    p.add_argument("model_dir")
+    p.add_argument("adapter_dir")
+    p.add_argument("--under", required=True)
+    p.add_argument("--r", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("make-adapter")
     p.add_argument("model_dir")
     p.add_argument("adapter_dir")
@@ -177,7 +218,7 @@ def main():
     p.add_argument("out_file")
     args = ap.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    {"make-adapter": cmd_make_adapter, "logits": cmd_logits, "merged-logits": cmd_merged_logits}[args.cmd](args)
+    {"make-adapter": cmd_make_adapter, "random-adapter": cmd_random_adapter, "logits": cmd_logits, "merged-logits": cmd_merged_logits}[args.cmd](args)
 
 
 if __name__ == "__main__":
