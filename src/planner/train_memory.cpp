@@ -78,13 +78,9 @@ ParamCounts estimate_parameters(const ModelConfig& m, int64_t vocab_size,
   return p;
 }
 
-int64_t lora_adapted_weights(const ModelConfig& m) {
+int64_t lora_projections(const ModelConfig& m) {
   int64_t n = 0;
-  for (const auto& l : m.layers) {
-    if (l.kind != LayerKind::kSelf) continue;
-    const int64_t h = l.hidden_size, q = l.heads * l.head_dim, kv = l.kv_heads * l.head_dim;
-    n += h * q + 2 * h * kv + q * h + 3 * h * l.mlp_size;
-  }
+  for (const auto& l : m.layers) n += l.kind == LayerKind::kSelf ? 7 : 0;
   return n;
 }
 
@@ -119,8 +115,10 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   const bool sharded = s != "none";
   TrainMemory t;
   t.device = device_bytes;
-  // Weights and optimizer state.
-  t.weights = s == "parameters" ? e * (psi - psi_t) + e * (root + b2) : e * psi;
+  // Weights and optimizer state (a LoRA adapter is fp32 beside the frozen base).
+  const double pe = lora ? 4 : e;  // bytes per trainable element as held
+  t.weights =
+      s == "parameters" ? e * (psi - psi_t) + pe * (root + b2) : e * (psi - psi_t) + pe * psi_t;
   t.optimizer = 12 * psi_t / (sharded ? n : 1);
   // Gradients: the flat buffer the parameters' .grad view during the backward (e·Ψt; its fp32
   // copy when e != 4), then the reduction and the update.
@@ -163,10 +161,13 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
     }
   }
   saved += l_rank * (e + 8) * static_cast<double>(pc.vocab);  // logits, fp32 copy, log-softmax
-  // LoRA (models/lora.h) reads W_eff = W + s·B·A: per adapted weight its W_eff (kept until the
-  // backward passes it), the product s·B·A it was made from, and its gradient in the backward,
-  // each a weight-sized tensor the allocator keeps.
-  if (lora) saved += 3 * e * static_cast<double>(lora_adapted_weights(m));
+  // LoRA on the activation path (models/lora.h): per adapted projection and token its x·Aᵀ (r
+  // elements), and, in a compute dtype other than fp32, A and B cast to it (saved by the branch's
+  // two products: the adapter once more, in e bytes).
+  if (lora) {
+    saved += l_rank * e * static_cast<double>(o.lora_r) * static_cast<double>(lora_projections(m));
+    if (e != 4) saved += e * psi_t;
+  }
   t.activations = saved;
   t.attention = working;
   // The visual features y of this rank's frames, and the vision tower's largest transient while
@@ -187,16 +188,11 @@ double default_reserve_bytes(double device_bytes) {
 }
 
 nlohmann::json to_json(const TrainMemory& t) {
-  return {{"weights_bytes", t.weights},
-          {"gradients_bytes", t.gradients},
-          {"optimizer_bytes", t.optimizer},
-          {"activations_bytes", t.activations},
-          {"attention_bytes", t.attention},
-          {"visual_bytes", t.visual},
-          {"peak_bytes", t.total},
-          {"device_bytes", t.device},
-          {"reserve_bytes", t.reserve},
-          {"fits", t.fits}};
+  return {{"weights_bytes", t.weights},     {"gradients_bytes", t.gradients},
+          {"optimizer_bytes", t.optimizer}, {"activations_bytes", t.activations},
+          {"attention_bytes", t.attention}, {"visual_bytes", t.visual},
+          {"peak_bytes", t.total},          {"device_bytes", t.device},
+          {"reserve_bytes", t.reserve},     {"fits", t.fits}};
 }
 
 std::string format_memory(const TrainMemory& t) {

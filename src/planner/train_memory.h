@@ -9,7 +9,8 @@
 // e bytes per parameter/activation element (the model dtype), Ψ parameters, Ψt trainable ones,
 // n ranks (state sharded over all of them), S ranks per sequence-parallel group, A samples per
 // rank per step:
-//   weights     e·Ψ; stage parameters: e·(Ψ−Ψt) + e·(Ψr + b2) with Ψr the trainable
+//   weights     e·Ψ (LoRA: the frozen base, and the adapter's Ψt in fp32); stage parameters:
+//   e·(Ψ−Ψt) + e·(Ψr + b2) with Ψr the trainable
 //               parameters outside the decoder layers (the root unit, gathered for the whole
 //               sample) and b2 = min(2·block, Ψt − Ψr) (the running layer and the next one, or
 //               the last layer kept for the backward), src/runtime/layer_sharding.h
@@ -31,7 +32,8 @@
 //               (4h + 4m)·e (norms, residuals, MLP), remat: h·e (the block input only); per
 //               attention layer q, k, v, o and lse; per cross layer x, o, lse and, without
 //               recompute, its K/V of this rank's visual tokens; logits (e + 8)·V per token;
-//               LoRA: 3·e per adapted weight element (W_eff, s·B·A, and W_eff's gradient)
+//               LoRA (on the activation path, no W_eff): r·e per token per adapted
+//               projection (x·Aᵀ), and A, B cast to the compute dtype when e != 4
 //   attention   the largest layer's working set: its K/V blocks in flight (two ring buffers) and
 //               the fp32 output/gradient accumulators of its queries
 //   visual      this rank's visual features y (F·T/S tokens × feature width), kept once, and the
@@ -65,9 +67,9 @@ struct ParamCounts {
 ParamCounts estimate_parameters(const ModelConfig& m, int64_t vocab_size,
                                 const std::string& freeze);
 // LoRA adapters of rank r on every projection of every LM block (q, k, v, o, gate, up, down):
-// r·(in + out) each; lora_adapted_weights: the elements of those projections' weights.
+// r·(in + out) each.
 int64_t lora_parameters(const ModelConfig& m, int64_t r);
-int64_t lora_adapted_weights(const ModelConfig& m);
+int64_t lora_projections(const ModelConfig& m);  // adapted projections: 7 per LM block
 
 struct TrainMemoryOptions {
   std::string shard = "none";  // none | optimizer | gradients | parameters
@@ -77,7 +79,7 @@ struct TrainMemoryOptions {
   bool recompute = false;
   bool remat = false;
   int64_t grad_accum = 1;
-  int64_t elem_bytes = 2;             // e: the model dtype's
+  int64_t elem_bytes = 2;  // e: the model dtype's
   // Device memory the model above does not see and a run cannot use: the CUDA context and the
   // kernels' modules, NCCL's buffers, the caching allocator's fragmentation. A peak fits when it
   // is at most the device less this. Negative: default_reserve_bytes(device).
