@@ -89,13 +89,17 @@ nlohmann::json last_metrics(const std::string& ck) {
 struct MemoryCase {
   planner::ModelConfig m;
   planner::ParamCounts counts;
-  std::string stage;  // a parallel.shard value, or "lora" (lora.r=16, shard none)
+  std::string stage;  // a parallel.shard value, or "lora" / "lora-<shard>" (lora.r=16)
   int ranks = 1;
   int64_t frames = 0;
+  bool lora() const { return stage.rfind("lora", 0) == 0; }
+  std::string shard() const {
+    return !lora() ? stage : stage == "lora" ? "none" : stage.substr(5);
+  }
   planner::TrainMemoryOptions options() const {
     planner::TrainMemoryOptions o;
-    o.shard = stage == "lora" ? "none" : stage;
-    o.lora_r = stage == "lora" ? 16 : 0;
+    o.shard = shard();
+    o.lora_r = lora() ? 16 : 0;
     o.ranks = ranks;
     o.elem_bytes = 4;
     return o;
@@ -105,10 +109,13 @@ struct MemoryCase {
   // reduce-scatter and every unit gathered for the forward, all but the root and the last layer
   // again for the backward (the measured adds uneven chunks and the norm's all-reduce).
   double formula_bytes() const {
-    const double psi = stage == "lora" ? static_cast<double>(planner::lora_parameters(m, 16))
-                                       : static_cast<double>(counts.trainable);
+    const double psi = lora() ? static_cast<double>(planner::lora_parameters(m, 16))
+                              : static_cast<double>(counts.trainable);
     const double f = (ranks - 1.0) / ranks;
-    return stage == "parameters"
+    if (lora() && shard() == "parameters")  // and the frozen layers, gathered twice but the last
+      return f * 4 * 3 * psi +
+             f * 4 * (2 * static_cast<double>(counts.layers) - static_cast<double>(counts.max_layer));
+    return shard() == "parameters"
                ? f * 4 * (3 * psi - static_cast<double>(counts.root + counts.max_block))
                : 2 * f * 4 * psi;
   }
@@ -128,7 +135,7 @@ double memory_row(const MemoryCase& c, const std::string& impl, double auto_sps,
   run("LVX_DIST_COLLECTIVES=" + impl + " " + lvx +
       " finetune --config run.yaml checkpoint.dir=" + ck +
       " parallel.nproc=" + std::to_string(c.ranks) +
-      (c.stage == "lora" ? std::string(" lora.r=16") : " parallel.shard=" + c.stage));
+      (c.lora() ? std::string(" lora.r=16") : std::string()) + " parallel.shard=" + c.shard());
   const nlohmann::json j = last_metrics(ck);
   fs::remove_all(ck);
   const double measured =
@@ -197,7 +204,7 @@ int bench(int argc, char** argv) {
   p.add_flag("memory", 0, "sharded state: measured peak RSS per rank vs lvx plan's prediction");
   p.add_option("worlds", 0, "1,2,3,4", "--memory: rank counts");
   p.add_option("stages", 0, "none,optimizer,gradients,parameters",
-               "--memory: parallel.shard values, and lora (lora.r=16)");
+               "--memory: parallel.shard values, and lora or lora-<shard> (lora.r=16)");
   p.add_option("host-gib", 0, "18", "--memory: skip runs predicted to need more host memory");
   p.add_option("collectives", 0, "auto",
                "--memory: auto (lvx's default), engine (the engines' own collectives for every\n"

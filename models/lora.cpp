@@ -63,9 +63,19 @@ bool peft_matches(const std::string& module, const std::string& target) {
 std::vector<std::string> linear_weights(Model& model) {
   std::vector<std::string> out;
   for (const auto& [name, t] : model.parameters())
-    if (ends_with(name, kWeight) && t.dim() == 2 && !is_embedding(module_of(name)))
+    if (ends_with(name, kWeight) && t.dim() == 2 && !is_embedding(module_of(name)) &&
+        name.find(".lora_") == std::string::npos)
       out.push_back(name);
   return out;
+}
+
+// Where an adapter of weight `w` lives: w's device, or, for a weight not read yet (meta: stage 3
+// reads each rank's piece later), the device of the model's other weights.
+at::Device placement(const StateDict& weights, const at::Tensor& w) {
+  if (!w.is_meta()) return w.device();
+  for (const auto& [name, t] : weights)
+    if (!t.is_meta()) return t.device();
+  return at::kCPU;
 }
 
 std::string regex_escape(const std::string& s) {
@@ -198,10 +208,11 @@ LoraAdapter init_lora(Model& model, const LoraConfig& cfg, uint64_t seed,
     const int64_t out = w.size(0), in = w.size(1);
     // kaiming_uniform_(a=√5) on [r, in]: gain √(2 / (1 + 5)), bound gain·√(3 / in) = 1/√in.
     const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    const at::Device dev = placement(model.parameters(), w);
     LoraLayer l;
     l.a = (at::rand({cfg.r, in}, gen, at::TensorOptions().dtype(at::kFloat)) * (2 * bound) - bound)
-              .to(w.device());
-    l.b = at::zeros({out, cfg.r}, w.options().dtype(at::kFloat));
+              .to(dev);
+    l.b = at::zeros({out, cfg.r}, at::TensorOptions().dtype(at::kFloat).device(dev));
     l.scale = cfg.scale(cfg.r);
     ad.layers.emplace(name, std::move(l));
   }
@@ -325,8 +336,8 @@ LoraAdapter load_lora(const std::string& dir, const StateDict& w) {
     LVX_CHECK(at::isFloatingType(a.scalar_type()) && at::isFloatingType(b.scalar_type()), st_path,
               ": module '", path, "': lora tensors must be floating point");
     LoraLayer l;
-    l.a = a.to(wt.device(), at::kFloat).contiguous();
-    l.b = b.to(wt.device(), at::kFloat).contiguous();
+    l.a = a.to(placement(w, wt), at::kFloat).contiguous();
+    l.b = b.to(placement(w, wt), at::kFloat).contiguous();
     l.scale = ad.config.scale(a.size(0));
     ad.layers.emplace(name, std::move(l));
   }
@@ -492,18 +503,26 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w,
 
 LoraModel::LoraModel(std::unique_ptr<Model> base, LoraAdapter adapter)
     : base_(std::move(base)), adapter_(std::move(adapter)) {
-  params_ = base_->parameters();
+  StateDict& params = base_->parameters();
   for (auto& [name, l] : adapter_.layers) {
-    LVX_CHECK(params_.count(name), "LoRA: the model has no weight ", name);
-    params_[lora_a_name(name)] = l.a;
-    params_[lora_b_name(name)] = l.b;
+    LVX_CHECK(params.count(name), "LoRA: the model has no weight ", name);
+    params[lora_a_name(name)] = l.a;
+    params[lora_b_name(name)] = l.b;
   }
+  route();
+}
+
+void LoraModel::route() const {
   Routes& rs = routes();
+  const StateDict& params = base_->parameters();
   std::unique_lock lock(rs.mu);
+  for (const c10::TensorImpl* w : routed_) rs.by_weight.erase(w);
+  routed_.clear();
   for (const auto& [name, l] : adapter_.layers) {
-    const c10::TensorImpl* w = base_->parameters().at(name).unsafeGetTensorImpl();
+    const c10::TensorImpl* w = params.at(name).unsafeGetTensorImpl();
     LVX_CHECK(rs.by_weight.count(w) == 0, "LoRA: ", name, " is already adapted by another model");
-    rs.by_weight[w] = Route{&params_, lora_a_name(name), lora_b_name(name), l.scale};
+    rs.by_weight[w] = Route{&params, lora_a_name(name), lora_b_name(name), l.scale};
+    routed_.push_back(w);
   }
   rs.size.store(rs.by_weight.size(), std::memory_order_release);
 }
@@ -511,8 +530,7 @@ LoraModel::LoraModel(std::unique_ptr<Model> base, LoraAdapter adapter)
 LoraModel::~LoraModel() {
   Routes& rs = routes();
   std::unique_lock lock(rs.mu);
-  for (const auto& [name, l] : adapter_.layers)
-    rs.by_weight.erase(base_->parameters().at(name).unsafeGetTensorImpl());
+  for (const c10::TensorImpl* w : routed_) rs.by_weight.erase(w);
   rs.size.store(rs.by_weight.size(), std::memory_order_release);
 }
 
@@ -521,16 +539,19 @@ bool LoraModel::trainable(const std::string& name) const {
 }
 
 ModelOutputs LoraModel::forward(const ModelInputs& in, const Parallel& par) const {
+  route();
   return base_->forward(in, par);
 }
 
 at::Tensor LoraModel::prefill(const ModelInputs& in, const Parallel& par,
                               DecodeCache& cache) const {
+  route();
   return base_->prefill(in, par, cache);
 }
 
 at::Tensor LoraModel::decode_step(const at::Tensor& tokens, const Parallel& par,
                                   DecodeCache& cache) const {
+  route();
   return base_->decode_step(tokens, par, cache);
 }
 

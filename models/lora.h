@@ -111,8 +111,9 @@ void merge_adapter(Model& model, const std::string& dir);
 at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w,
                        const c10::optional<at::Tensor>& bias);
 
-// A model that trains an adapter: parameters() are the base model's weights (shared, frozen)
-// and the adapter's A and B under "<module path>.lora_A.weight" / ".lora_B.weight" (float32);
+// A model that trains an adapter: parameters() are the base model's weights (frozen) and, added
+// to the same map, the adapter's A and B under "<module path>.lora_A.weight" / ".lora_B.weight"
+// (float32), so a tensor replaced there (an optimizer's, a sharding engine's) is the one used;
 // trainable() is true for those only. From construction to destruction, every linear over an
 // adapted weight of the base model adds the LoRA branch (lora_linear): its forwards are the
 // base model's own, and so are backward recomputations that run after a forward has returned.
@@ -123,12 +124,12 @@ class LoraModel : public Model {
   LoraModel(const LoraModel&) = delete;
   LoraModel& operator=(const LoraModel&) = delete;
 
-  // The adapter with the current A and B (they are the tensors of parameters()).
+  // The adapter as made or loaded; the current A and B are parameters()'s (by lora_a_name).
   const LoraAdapter& adapter() const { return adapter_; }
   Model& base() { return *base_; }
 
   const Family& family() const override { return base_->family(); }
-  StateDict& parameters() override { return params_; }
+  StateDict& parameters() override { return base_->parameters(); }
   bool trainable(const std::string& name) const override;
   int64_t decoder_layers() const override { return base_->decoder_layers(); }
   int64_t decoder_layer_of(const std::string& name) const override {
@@ -148,7 +149,10 @@ class LoraModel : public Model {
  private:
   std::unique_ptr<Model> base_;
   LoraAdapter adapter_;
-  StateDict params_;
+  // Points the activation path at the base model's current weight tensors (a sharding engine
+  // may have replaced them since the last call): at construction and before each forward.
+  void route() const;
+  mutable std::vector<const c10::TensorImpl*> routed_;
 };
 
 // "<module path>.lora_A.weight" of an adapted weight's checkpoint name (LoraModel's names).

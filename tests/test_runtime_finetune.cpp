@@ -502,7 +502,11 @@ struct TrainState {
 
 TrainState train_state(const std::string& ckpt) {
   TrainState s;
-  s.weights = lvx::load_safetensors(ckpt + "/model.safetensors").tensors;
+  // A LoRA run's checkpoint holds the adapter instead of the weights.
+  const bool lora = !fs::exists(ckpt + "/model.safetensors");
+  s.weights =
+      lvx::load_safetensors(ckpt + (lora ? "/adapter_model.safetensors" : "/model.safetensors"))
+          .tensors;
   const nlohmann::json st =
       nlohmann::json::parse(lvx::read_file(ckpt + "/trainer_state.json", "t"));
   const auto layout =
@@ -617,6 +621,28 @@ int64_t stage2_gather_bytes(const std::string& ckpt, int w) {
   return bytes;
 }
 
+// Stage 3 with LoRA also gathers each decoder layer's frozen weights (fp32 here), split evenly
+// (shard_range over the layer's frozen elements): rank 0's bytes per sample, every layer twice
+// (forward, backward) but the last (kept).
+int64_t frozen_bytes_per_sample(int w) {
+  if (w == 1) return 0;
+  const auto model = lvx::models::load_model(tiny_model(), at::kFloat, at::Device(at::kMeta));
+  std::map<int64_t, int64_t> frozen;  // layer -> elements
+  for (const auto& [name, t] : model->parameters())
+    if (const int64_t l = model->decoder_layer_of(name); l >= 0) frozen[l] += t.numel();
+  const int64_t last = frozen.rbegin()->first;
+  int64_t bytes = 0;
+  for (const auto& [l, f] : frozen) {
+    std::vector<int64_t> pieces;
+    for (int q = 0; q < w; ++q) {
+      const auto [b, e] = lvx::dist::shard_range(f, w, q);
+      pieces.push_back(e - b);
+    }
+    bytes += gather_bytes0(pieces) * (l == last ? 1 : 2);
+  }
+  return bytes;
+}
+
 }  // namespace
 
 TEST(FinetuneShard, EveryStageEqualsNoneAtWorlds1To4WithFormulaBytes) {
@@ -707,6 +733,46 @@ TEST(FinetuneShard, ResumeAtAnotherWorldSizeReshards) {
     ASSERT_EQ(resumed.find("exit status"), std::string::npos) << resumed;
     EXPECT_EQ(state_diff(latest(uninterrupted), latest(ck)), 0.0) << stage << ": not bitwise equal";
   }
+}
+
+// LoRA under every parallel.shard stage: the adapter's state sharded like any trainable state,
+// and at stage 3 the frozen base model too (each decoder layer's weights 1/n per rank, gathered
+// while the layer runs and its backward passes). Same adapter and optimizer state as LoRA without
+// sharding (fp32 rounding of the sums apart), and kill -9 + --resume at stage 3 is bitwise.
+TEST(FinetuneShard, LoraUnderEveryStageEqualsUnshardedAndResumes) {
+  const std::string lora = "lora.r=4 lora.alpha=8 ";
+  for (int w : {2, 3}) {
+    const std::string none = shard_run(lvx::str("lora_none", w), w, lora);
+    ASSERT_TRUE(fs::exists(latest(none) + "/adapter_model.safetensors"));
+    for (const std::string stage : {"optimizer", "gradients", "parameters"}) {
+      const std::string ck =
+          shard_run(lvx::str("lora_", stage, w), w, lora + "parallel.shard=" + stage);
+      const double d = state_diff(latest(none), latest(ck));
+      std::cout << "LoRA world " << w << " shard " << stage << ": max |diff| vs none " << d << "\n";
+      EXPECT_LE(d, kShardTol) << "world " << w << " " << stage;
+      if (stage == "parameters") {  // the adapter's units and the frozen base, 2 samples a step
+        const int64_t want = 2 * (stage3_bytes_per_sample(ck, w) + frozen_bytes_per_sample(w));
+        for (const auto& m : metrics(ck + "/metrics.jsonl")) {
+          EXPECT_GE(m["state_bytes_sent"].get<int64_t>(), want) << "world " << w;
+          EXPECT_LE(m["state_bytes_sent"].get<int64_t>(), want + 16) << "world " << w;
+        }
+      }
+      for (int q = 0; q < w; ++q)
+        EXPECT_TRUE(fs::exists(latest(ck) + "/" + lvx::runtime::optimizer_shard_name(q, w)));
+    }
+  }
+  const std::string full = shard_run("lora_full3", 2, lora + "parallel.shard=parameters");
+  const std::string ck = (dir() / "ck_lora_kill").string();
+  fs::remove_all(ck);
+  const std::string config = write_config("lora_kill", ck, 3);
+  const std::string flags = lora +
+                            "optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=2 "
+                            "parallel.shard=parameters";
+  EXPECT_NE(finetune(config, flags, "LVX_FAULT_KILL=1@2").find("exit status"), std::string::npos);
+  ASSERT_EQ(fs::path(latest(ck)).filename(), "step-000002");
+  const std::string resumed = finetune(config, "--resume " + flags);
+  ASSERT_EQ(resumed.find("exit status"), std::string::npos) << resumed;
+  EXPECT_EQ(state_diff(latest(full), latest(ck)), 0.0) << "LoRA stage 3: not bitwise equal";
 }
 
 TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {

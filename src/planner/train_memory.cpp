@@ -53,6 +53,7 @@ ParamCounts estimate_parameters(const ModelConfig& m, int64_t vocab_size,
       cross += cross_parameters(l, m.visual_feature_dim);
     }
   }
+  p.layers = blocks + cross;
   const int64_t vision = vision_parameters(m);
   // The projector from the vision width to the visual features (one linear layer).
   const int64_t projector = m.vision.hidden_size * m.visual_feature_dim + m.visual_feature_dim;
@@ -62,6 +63,7 @@ ParamCounts estimate_parameters(const ModelConfig& m, int64_t vocab_size,
   for (const auto& l : m.layers)
     if (l.kind != LayerKind::kSelf)
       max_cross = std::max(max_cross, cross_parameters(l, m.visual_feature_dim));
+  p.max_layer = p.max_block + max_cross;  // p.max_block: the largest block, before the policy
   if (freeze == "none") {
     p.trainable = p.total;
     p.root = vision + projector + embeddings;
@@ -105,8 +107,16 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   const double psi = static_cast<double>(pc.total) + (lora ? lora_parameters(m, o.lora_r) : 0);
   const double psi_t =
       lora ? static_cast<double>(lora_parameters(m, o.lora_r)) : static_cast<double>(pc.trainable);
-  const double block = static_cast<double>(pc.max_block);
-  const double root = static_cast<double>(pc.root);
+  // A LoRA adapter: every piece in the decoder layers (7 projections per block), none in the root.
+  const double self_layers = std::max<double>(1, static_cast<double>(lora_projections(m)) / 7);
+  const double block = lora ? psi_t / self_layers : static_cast<double>(pc.max_block);
+  const double root = lora ? 0 : static_cast<double>(pc.root);
+  // The decoder layers' frozen parameters (stage 3 shards them too): all of a LoRA run's layers;
+  // under a freeze policy what the layers hold beyond their trainable part.
+  const double layers = static_cast<double>(pc.layers);
+  const double frozen = lora ? layers : std::max(0.0, layers - (psi_t - root));
+  const double frozen_max = lora ? static_cast<double>(pc.max_layer)
+                                 : std::max(0.0, static_cast<double>(pc.max_layer) - block);
   // Whole at once in stages gradients and parameters: the root unit and two layers at most.
   const double b2 = std::max(0.0, std::min(2 * block, psi_t - root));
   const std::string& s = o.shard;
@@ -117,27 +127,28 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   t.device = device_bytes;
   // Weights and optimizer state (a LoRA adapter is fp32 beside the frozen base).
   const double pe = lora ? 4 : e;  // bytes per trainable element as held
-  t.weights =
-      s == "parameters" ? e * (psi - psi_t) + pe * (root + b2) : e * (psi - psi_t) + pe * psi_t;
+  t.weights = s == "parameters" ? e * (psi - psi_t - frozen) + pe * (root + b2) + e * frozen / n +
+                                      (frozen > 0 ? e * std::min(frozen, 2 * frozen_max) : 0)
+                                : e * (psi - psi_t) + pe * psi_t;
   t.optimizer = 12 * psi_t / (sharded ? n : 1);
   // Gradients: the flat buffer the parameters' .grad view during the backward (e·Ψt; its fp32
   // copy when e != 4), then the reduction and the update.
-  const double convert = e != 4 ? 4 * psi_t : 0;
+  const double convert = pe != 4 ? 4 * psi_t : 0;
   const double accumulate = o.grad_accum > 1 ? 4 * psi_t : 0;
   double g_reduce = 0, g_update = 0;
   if (s == "none") {
-    g_reduce = e * psi_t + convert + accumulate + (o.ranks > 1 ? 4 * psi_t / n : 0);
+    g_reduce = pe * psi_t + convert + accumulate + (o.ranks > 1 ? 4 * psi_t / n : 0);
     g_update = 4 * psi_t;
   } else if (s == "optimizer") {
-    g_reduce = e * psi_t + convert + accumulate + 4 * psi_t / n;
-    g_update = 4 * psi_t / n + e * psi_t;
+    g_reduce = pe * psi_t + convert + accumulate + 4 * psi_t / n;
+    g_update = 4 * psi_t / n + pe * psi_t;
   } else {
     // Layer by layer (src/runtime/layer_sharding.h).
-    g_reduce = e * (root + b2) + (e != 4 ? 4 * std::max(root, block) : 0) + 4 * psi_t / n;
+    g_reduce = pe * (root + b2) + (pe != 4 ? 4 * std::max(root, block) : 0) + 4 * psi_t / n;
     // The update: the gradient shard and AdamW's one shard-sized temporary (the denominator);
     // then stage 2 gathers the new values into the parameters a unit's run at a time (the
     // shard released first).
-    g_update = std::max(8 * psi_t / n, s == "gradients" ? e * std::max(root, block) : 0.0);
+    g_update = std::max(8 * psi_t / n, s == "gradients" ? pe * std::max(root, block) : 0.0);
   }
   // Activations saved for the backward (this rank's L/S text tokens).
   const double l_rank = static_cast<double>(text_tokens) / S;

@@ -10,10 +10,12 @@
 // n ranks (state sharded over all of them), S ranks per sequence-parallel group, A samples per
 // rank per step:
 //   weights     e·Ψ (LoRA: the frozen base, and the adapter's Ψt in fp32); stage parameters:
-//   e·(Ψ−Ψt) + e·(Ψr + b2) with Ψr the trainable
+//               e·(Ψ−Ψt−Ψf) + e·(Ψr + b2) + e·Ψf/n + e·2·f_max, with Ψr the trainable
 //               parameters outside the decoder layers (the root unit, gathered for the whole
-//               sample) and b2 = min(2·block, Ψt − Ψr) (the running layer and the next one, or
-//               the last layer kept for the backward), src/runtime/layer_sharding.h
+//               sample), b2 = min(2·block, Ψt − Ψr) (the running layer and the next one, or
+//               the last layer kept for the backward), Ψf the decoder layers' frozen
+//               parameters (a LoRA run's whole base in the layers) sharded 1/n, of which two
+//               layers (f_max the largest's) are whole at a time, src/runtime/layer_sharding.h
 //   optimizer   12·Ψt fp32 masters and two moments; /n from stage optimizer on
 //   gradients   the larger of two moments of a step (the parameters' .grad are views of one
 //               flat buffer of e·Ψt, plus its fp32 copy when e != 4: "conv"):
@@ -58,6 +60,8 @@ struct ParamCounts {
   int64_t vocab = 0;      // rows of the output projection (logits per token)
   int64_t max_block = 0;  // trainable parameters of the largest decoder layer
   int64_t root = 0;       // trainable parameters outside the decoder layers (embeddings, head, …)
+  int64_t layers = 0;     // every parameter of the decoder layers, trainable or not
+  int64_t max_layer = 0;  // every parameter of the largest decoder layer
   bool exact = false;
 };
 

@@ -404,10 +404,6 @@ int run_finetune_rank(const FinetuneJob& job) {
   std::shared_ptr<dist::ProcessGroup> sp_pg =
       sp == n ? pg : dist::ProcessGroup::subgroup(pg, group * sp, sp);
   const ShardStage stage = shard_stage_from_string(cfg.parallel.shard, "parallel.shard");
-  // An adapter's state is small (2·r·(in+out) per target): sharding it is not implemented.
-  LVX_CHECK(cfg.lora.r == 0 || stage == ShardStage::kNone, "parallel.shard: '", cfg.parallel.shard,
-            "' with lora (r ", cfg.lora.r, ") is not supported: LoRA trains and saves the adapter ",
-            "replicated; use parallel.shard: none");
   if (r == 0) std::cout << "effective config:\n" << to_yaml(cfg) << std::flush;
   std::vector<int64_t> lines;
   const std::vector<QaItem> items = load_training_data(cfg, /*probe_videos=*/false, &lines);
@@ -430,14 +426,17 @@ int run_finetune_rank(const FinetuneJob& job) {
   check_model_dir(model_dir, ckpt.empty() ? "model.path" : "checkpoint");
   const at::Device device = choose_device(job.device);
   const at::ScalarType dtype = dtype_of(cfg.model.dtype, "model.dtype");
-  // Stage 3 never holds the trainable parameters whole: they stay unread (meta) here and each
-  // rank reads, one tensor at a time, only what its shard of the masters needs.
+  // Stage 3 never holds the trainable parameters whole, nor the decoder layers' frozen ones (a
+  // LoRA run's base model): they stay unread (meta) here and each rank reads, one tensor at a
+  // time, only what its shard needs (the masters; LayerSharding's frozen pieces).
   const bool stage3 = stage == ShardStage::kParameters;
+  const bool lora = cfg.lora.r > 0;
   std::shared_ptr<const models::CheckpointIndex> index;  // stage 3: where the deferred ones are
   std::unique_ptr<models::Model> model = models::load_model(
       model_dir, dtype, device,
       stage3 ? models::DeferParameter([&](const models::Model& m, const std::string& name) {
-        return models::trains_under(cfg.freeze.policy, m, name);
+        return m.decoder_layer_of(name) >= 0 ||
+               (!lora && models::trains_under(cfg.freeze.policy, m, name));
       })
              : models::DeferParameter(),
       stage3 ? &index : nullptr);
@@ -468,7 +467,7 @@ int run_finetune_rank(const FinetuneJob& job) {
   const bool sharded = stage != ShardStage::kNone;
   AdamW opt(cfg.optimizer, cfg.schedule);
   ShardedAdamW sopt(cfg.optimizer, cfg.schedule, layout, n, r);
-  if (stage3) {
+  if (stage3 && !lora) {
     // Resuming: the masters come from the checkpoint's optimizer state below.
     std::function<at::Tensor(const std::string&)> read;
     if (ckpt.empty())
@@ -540,7 +539,14 @@ int run_finetune_rank(const FinetuneJob& job) {
   // per-layer buffers that exist only while their layer runs.
   std::unique_ptr<LayerSharding> layered;
   if (stage == ShardStage::kGradients || stage3) {
-    layered = std::make_unique<LayerSharding>(pg, *model, layout, sopt, device, stage3);
+    LayerSharding::FrozenReader read_frozen;
+    if (index)
+      read_frozen = [index, device, dtype](const std::string& name) {
+        const at::Tensor t = models::read_tensor(*index, name);
+        return t.is_floating_point() ? t.to(device, dtype) : t.to(device);
+      };
+    layered =
+        std::make_unique<LayerSharding>(pg, *model, layout, sopt, device, stage3, read_frozen);
     for (auto& [name, t] : trainable) t = model->parameters().at(name);
   }
   if (r == 0) {
@@ -772,7 +778,8 @@ int run_finetune_rank(const FinetuneJob& job) {
             {"config", to_yaml(cfg)}};
         const std::string dir =
             cfg.lora.r > 0  // LoRA: the adapter in PEFT's layout (src/runtime/finetune_lora.h)
-                ? save_lora_checkpoint(*model, cfg, step + 1, opt.state_tensors(), state)
+                ? save_lora_checkpoint(*model, cfg, step + 1, opt.state_tensors(), state,
+                                       shard_files, stage3 ? &whole : nullptr)
                 : save_train_checkpoint(
                       cfg.checkpoint.dir, step + 1, model_files,
                       stage3 ? whole : model->parameters(),

@@ -33,14 +33,22 @@ std::unique_ptr<models::Model> with_lora(std::unique_ptr<models::Model> model,
 
 std::string save_lora_checkpoint(models::Model& model, const TrainConfig& cfg, int64_t step,
                                  const std::map<std::string, at::Tensor>& optimizer,
-                                 const nlohmann::json& state) {
+                                 const nlohmann::json& state,
+                                 const std::vector<std::string>& shard_files,
+                                 const std::map<std::string, at::Tensor>* whole) {
   auto* lora = dynamic_cast<models::LoraModel*>(&model);
   LVX_CHECK(lora != nullptr, "save_lora_checkpoint: the model has no LoRA adapter");
-  const models::LoraAdapter& ad = lora->adapter();
+  // The adapter as it is now: A and B by name (an engine may have replaced the tensors).
+  models::LoraAdapter ad = lora->adapter();
+  const std::map<std::string, at::Tensor>& source = whole ? *whole : model.parameters();
+  for (auto& [name, l] : ad.layers) {
+    l.a = source.at(models::lora_a_name(name));
+    l.b = source.at(models::lora_b_name(name));
+  }
   return save_train_checkpoint(
       cfg.checkpoint.dir, step,
       {{"adapter_config.json", models::adapter_config_json(ad, lora->base()).dump(2) + "\n"}},
-      models::adapter_tensors(ad), optimizer, state, cfg.checkpoint.keep, {},
+      models::adapter_tensors(ad), optimizer, state, cfg.checkpoint.keep, shard_files,
       "adapter_model.safetensors");
 }
 

@@ -9,6 +9,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "models/model.h"
 #include "src/runtime/train_config.h"
@@ -21,9 +22,13 @@ std::unique_ptr<models::Model> with_lora(std::unique_ptr<models::Model> model,
                                          const TrainConfig& cfg, const std::string& ckpt);
 
 // The checkpoint of a LoRA run (`model` from with_lora): the adapter in PEFT's layout, with the
-// optimizer state and trainer state as save_train_checkpoint writes them. Returns its path.
+// optimizer state and trainer state as save_train_checkpoint writes them (with parallel.shard,
+// the ranks' optimizer shard files already written, `shard_files`). A and B come from `whole`
+// when given (stage 3: gathered), else from the model's parameters. Returns its path.
 std::string save_lora_checkpoint(models::Model& model, const TrainConfig& cfg, int64_t step,
                                  const std::map<std::string, at::Tensor>& optimizer,
-                                 const nlohmann::json& state);
+                                 const nlohmann::json& state,
+                                 const std::vector<std::string>& shard_files = {},
+                                 const std::map<std::string, at::Tensor>* whole = nullptr);
 
 }  // namespace lvx::runtime

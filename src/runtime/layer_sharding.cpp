@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <set>
 #include <utility>
 
 #include "src/common/error.h"
@@ -48,7 +49,7 @@ class UnitGradHook final : public torch::autograd::PostAccumulateGradHook {
 LayerSharding::LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world,
                              models::Model& model, const FlatLayout& layout,
                              const ShardedAdamW& opt, const at::Device& device,
-                             bool shard_parameters)
+                             bool shard_parameters, const FrozenReader& read_frozen)
     : shard_parameters_(shard_parameters),
       device_(device),
       gather_pg_(dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero-gather")),
@@ -79,6 +80,19 @@ LayerSharding::LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world,
     u.global.push_back(b);
     u.local.push_back(u.numel);
     u.numel += e - b;
+  }
+  if (shard_parameters_) {
+    std::set<std::string> trains(layout.names.begin(), layout.names.end());
+    for (const auto& [name, t] : params) {
+      const int64_t l = model.decoder_layer_of(name);
+      if (trains.count(name) || l < 0 || l >= layers_) continue;
+      Unit& u = units_[static_cast<size_t>(l)];
+      u.frozen_names.push_back(name);
+      u.frozen_local.push_back(u.frozen_numel);
+      u.frozen_numel += t.numel();
+    }
+    for (Unit& u : units_)
+      if (u.frozen_numel > 0) shard_frozen(u, read_frozen);
   }
   const auto options = at::TensorOptions().dtype(dtype).device(device);
   grad_options_ = options;
@@ -119,17 +133,69 @@ LayerSharding::~LayerSharding() {
     }
 }
 
+void LayerSharding::shard_frozen(Unit& u, const FrozenReader& read) {
+  models::StateDict& params = model_.parameters();
+  const at::Tensor& first = params.at(u.frozen_names.front());
+  const auto options = at::TensorOptions().dtype(first.scalar_type()).device(device_);
+  const int n = gather_pg_->world_size();
+  const auto [b, e] = dist::shard_range(u.frozen_numel, n, gather_pg_->rank());
+  u.frozen_shard = at::empty({e - b}, options);
+  at::AutoGradMode no_grad(false);
+  for (size_t j = 0; j < u.frozen_names.size(); ++j) {
+    const std::string& name = u.frozen_names[j];
+    at::Tensor& slot = params.at(name);
+    LVX_CHECK(slot.scalar_type() == first.scalar_type(), "parallel.shard parameters: frozen '",
+              name, "' is ", slot.scalar_type(), ", the layer's other frozen parameters ",
+              first.scalar_type());
+    const int64_t lo = std::max(b, u.frozen_local[j]);
+    const int64_t hi = std::min(e, u.frozen_local[j] + slot.numel());
+    if (hi > lo) {  // this rank's piece of the tensor: read whole (one at a time), cut
+      LVX_CHECK(!slot.is_meta() || read, "parallel.shard parameters: '", name,
+                "' was not read and no reader was given");
+      const at::Tensor whole = slot.is_meta() ? read(name) : slot;
+      u.frozen_shard.narrow(0, lo - b, hi - lo)
+          .copy_(whole.reshape({-1}).narrow(0, lo - u.frozen_local[j], hi - lo));
+    }
+  }
+  u.frozen_buffer = at::empty({u.frozen_numel}, options);
+  for (size_t j = 0; j < u.frozen_names.size(); ++j) {
+    at::Tensor& slot = params.at(u.frozen_names[j]);
+    const std::vector<int64_t> sizes = slot.sizes().vec();
+    at::Tensor p = at::empty({0}, options);
+    p.set_(u.frozen_buffer.storage(), u.frozen_local[j], sizes, c10::contiguous_strides(sizes));
+    slot = p;  // the whole (or meta) tensor is released here
+  }
+  free_storage(u.frozen_buffer);
+}
+
+at::Tensor LayerSharding::gather_frozen(const Unit& u) const {
+  const int n = gather_pg_->world_size();
+  std::vector<int64_t> sizes;
+  for (int q = 0; q < n; ++q) {
+    const auto [b, e] = dist::shard_range(u.frozen_numel, n, q);
+    sizes.push_back(e - b);
+  }
+  return gather_pg_->all_gather(u.frozen_shard, sizes);
+}
+
 void LayerSharding::request(size_t k) {
   Unit& u = units_[k];
   if (u.gathered) return;
   u.gathered = true;
-  if (u.numel == 0 || !shard_parameters_) return;
+  if ((u.numel == 0 && u.frozen_numel == 0) || !shard_parameters_) return;
   u.ready = gatherer_.post([this, &u] {
     const c10::DeviceGuard on(device_);  // the device's allocator and streams on this thread
     at::AutoGradMode no_grad(false);
-    allocate_storage(u.buffer, static_cast<size_t>(u.numel) * u.buffer.element_size());
-    for (const Range& r : u.ranges)
-      u.buffer.narrow(0, r.local, r.end - r.begin).copy_(gather_run(r));
+    if (u.numel > 0) {
+      allocate_storage(u.buffer, static_cast<size_t>(u.numel) * u.buffer.element_size());
+      for (const Range& r : u.ranges)
+        u.buffer.narrow(0, r.local, r.end - r.begin).copy_(gather_run(r));
+    }
+    if (u.frozen_numel > 0) {
+      allocate_storage(u.frozen_buffer,
+                       static_cast<size_t>(u.frozen_numel) * u.frozen_buffer.element_size());
+      u.frozen_buffer.copy_(gather_frozen(u));
+    }
   });
 }
 
@@ -184,6 +250,13 @@ void LayerSharding::release(size_t k) {
   u.ready = std::shared_future<void>();
   u.gathered = false;
   if (u.numel > 0 && shard_parameters_) free_storage(u.buffer);
+  if (u.frozen_numel > 0) free_storage(u.frozen_buffer);
+}
+
+void LayerSharding::free_trainable(size_t k) {
+  Unit& u = units_[k];
+  wait_ready(k);
+  if (u.numel > 0 && shard_parameters_) free_storage(u.buffer);
 }
 
 void LayerSharding::begin_sample(at::Tensor shard) {
@@ -231,6 +304,10 @@ void LayerSharding::leave_layers(const at::Tensor& hidden) {
 }
 
 void LayerSharding::reach_backward(int64_t layer) {
+  // The backward has passed every layer above `layer`: their frozen parameters can go.
+  for (int64_t l = layer + 1; l < layers_; ++l)
+    if (units_[static_cast<size_t>(l)].frozen_numel > 0 && units_[static_cast<size_t>(l)].completed)
+      release(static_cast<size_t>(l));
   for (; next_backward_ >= layer && next_backward_ >= 0; --next_backward_)
     prepare(static_cast<size_t>(next_backward_));
   if (next_backward_ >= 0) request(static_cast<size_t>(next_backward_));  // prefetch
@@ -247,7 +324,14 @@ void LayerSharding::complete(size_t k) {
   u.completed = true;
   models::StateDict& params = model_.parameters();
   for (const std::string& name : u.names) params.at(name).mutable_grad() = at::Tensor();
-  if (k != static_cast<size_t>(layers_)) release(k);
+  // A unit with frozen parameters stays gathered until the backward has passed its layer
+  // (reach_backward); only its trainable buffer goes now.
+  if (k != static_cast<size_t>(layers_)) {
+    if (u.frozen_numel > 0)
+      free_trainable(k);
+    else
+      release(k);
+  }
   post_ready();
 }
 
@@ -288,9 +372,12 @@ std::map<std::string, at::Tensor> LayerSharding::consolidated(int root) {
   models::StateDict& params = model_.parameters();
   for (size_t k = 0; k < units_.size(); ++k) {
     gather(k);
-    if (gather_pg_->rank() == root)
+    if (gather_pg_->rank() == root) {
       for (const std::string& name : units_[k].names)
         out[name] = params.at(name).detach().to(at::kCPU).clone();
+      for (const std::string& name : units_[k].frozen_names)
+        out[name] = params.at(name).detach().to(at::kCPU).clone();
+    }
     release(k);
   }
   return out;

@@ -49,8 +49,17 @@
 // run at a time.
 //
 // On a GPU the threads' work is ordered against compute by the process group's waits (NCCL work
-// makes the current stream wait, ProcessGroup::Work); not run on a GPU yet. Not done: sharding
-// the frozen parameters (the vision tower stays replicated).
+// makes the current stream wait, ProcessGroup::Work); not run on a GPU yet.
+//
+// Frozen parameters (stage 3). A decoder layer's parameters that do not train (a LoRA run's whole
+// base model, a freeze policy's frozen layers) are sharded too, as FSDP shards a frozen base: the
+// unit keeps 1/n of their flat vector (in their dtype, shard_range over the unit's frozen
+// elements), all-gathers it into a second buffer with the trainable part, and frees it only once
+// the backward has passed the whole layer (the hook on the layer's input gradient), since a
+// frozen weight is still read for the input's gradient after the unit's trainable gradients have
+// all accumulated (LoRA's A and B come before the base product in the backward). Frozen
+// parameters outside the decoder layers (the vision tower, the embeddings of a LoRA run) stay
+// replicated.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -100,9 +109,12 @@ class LayerSharding final : public models::LayerHooks {
   // buffers; `opt` holds the values (its masters, initialised). Otherwise (stage 2) the
   // parameters stay as they are (whole, on `device`). Collective over `world` (creates the
   // engine's groups).
+  // Stage 3 also shards the decoder layers' frozen parameters (whole, or meta and then read
+  // with `read_frozen`, which returns one whole tensor by name).
+  using FrozenReader = std::function<at::Tensor(const std::string&)>;
   LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world, models::Model& model,
                 const FlatLayout& layout, const ShardedAdamW& opt, const at::Device& device,
-                bool shard_parameters);
+                bool shard_parameters, const FrozenReader& read_frozen = {});
   ~LayerSharding() override;
   LayerSharding(const LayerSharding&) = delete;
   LayerSharding& operator=(const LayerSharding&) = delete;
@@ -120,8 +132,8 @@ class LayerSharding final : public models::LayerHooks {
   // parameters, one run of a unit at a time (not the whole flat vector at once). Collective.
   void refresh_parameters();
 
-  // Stage 3: the trainable parameters whole, gathered unit by unit and copied to the host on
-  // `root` (the other ranks get an empty map). Collective.
+  // Stage 3: the sharded parameters whole (trainable and frozen), gathered unit by unit and
+  // copied to the host on `root` (the other ranks get an empty map). Collective.
   std::map<std::string, at::Tensor> consolidated(int root);
 
   // Bytes this rank sent on the engine's groups (gathers and reductions) since construction.
@@ -146,6 +158,12 @@ class LayerSharding final : public models::LayerHooks {
     bool gathered = false;             // requested (the gather may still run: `ready`)
     std::shared_future<void> ready;    // the gather on the gathering thread
     bool prepared = false, completed = false;
+    // Frozen parameters (stage 3): names, buffer offsets, this rank's piece of their flat vector.
+    std::vector<std::string> frozen_names;
+    std::vector<int64_t> frozen_local;
+    int64_t frozen_numel = 0;
+    at::Tensor frozen_buffer;  // storage freed while not gathered
+    at::Tensor frozen_shard;   // elements dist::shard_range(frozen_numel, n, rank)
   };
 
   void request(size_t u);     // posts the unit's gather (in the fixed order, on every rank)
@@ -153,6 +171,9 @@ class LayerSharding final : public models::LayerHooks {
   void gather(size_t u);      // request + wait_ready
   at::Tensor gather_run(const Range& r) const;  // every rank's piece of a run, in the dtype
   void release(size_t u);
+  void free_trainable(size_t u);  // the unit's trainable buffer only (its frozen one stays)
+  void shard_frozen(Unit& u, const FrozenReader& read);  // construction: the piece, the buffer
+  at::Tensor gather_frozen(const Unit& u) const;         // every rank's piece, whole
   void reach_backward(int64_t layer);  // the backward reached layer `layer`'s output
   // Gathers the unit and zeroes its gradient buffer, which its parameters' .grad view.
   void prepare(size_t u);

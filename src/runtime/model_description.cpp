@@ -60,9 +60,13 @@ planner::ParamCounts count_parameters(const std::string& path, const planner::Mo
   const auto model = models::load_model(path, at::kFloat, at::Device(at::kMeta));
   planner::ParamCounts p;
   p.exact = true;
-  std::map<int64_t, int64_t> blocks;  // decoder layer → trainable parameters
+  std::map<int64_t, int64_t> blocks, whole;  // decoder layer → trainable / all parameters
   for (const auto& [name, t] : model->parameters()) {
     p.total += t.numel();
+    if (const int64_t l = model->decoder_layer_of(name); l >= 0) {
+      whole[l] += t.numel();
+      p.layers += t.numel();
+    }
     if (!models::trains_under(freeze, *model, name)) continue;
     p.trainable += t.numel();
     const int64_t layer = model->decoder_layer_of(name);
@@ -72,6 +76,7 @@ planner::ParamCounts count_parameters(const std::string& path, const planner::Mo
       p.root += t.numel();
   }
   for (const auto& [b, k] : blocks) p.max_block = std::max(p.max_block, k);
+  for (const auto& [b, k] : whole) p.max_layer = std::max(p.max_layer, k);
   const nlohmann::json c = read_json_file(path + "/config.json", "model config");
   for (const nlohmann::json* j :
        {&c, c.is_object() && c.contains("text_config") ? &c["text_config"] : nullptr})
@@ -83,7 +88,8 @@ planner::ParamCounts count_parameters(const std::string& path, const planner::Mo
 std::string describe_parameters(const planner::ParamCounts& counts, const std::string& freeze,
                                 const planner::ModelConfig& m, int64_t lora_r) {
   std::string s;
-  if (counts.vocab == 0) s += "note: the model has no vocab_size: the logits' memory is not counted\n";
+  if (counts.vocab == 0)
+    s += "note: the model has no vocab_size: the logits' memory is not counted\n";
   s += str("parameters: ", counts.total, " (", counts.trainable, " train under freeze ", freeze,
            counts.exact ? ", counted" : ", estimated", ")");
   if (lora_r > 0)
