@@ -82,7 +82,16 @@ TrainTraffic train_traffic(const ModelConfig& m, const ParamCounts& params,
   for (const auto& l : m.layers) blocks += l.kind == LayerKind::kSelf ? 1 : 0;
   const double last = lora ? psi / static_cast<double>(std::max<int64_t>(1, blocks))
                            : static_cast<double>(params.max_block);
-  const double grads = 4 * psi, weights = static_cast<double>(o.elem_bytes) * psi;
+  const double e = static_cast<double>(o.elem_bytes);
+  const double pe = lora ? 4 : e;  // a LoRA adapter is fp32
+  const double grads = 4 * psi, weights = pe * psi;
+  // Stage 3 also gathers the decoder layers' frozen parameters (a LoRA run's base model), every
+  // layer for the forward and the backward but the last (kept): src/runtime/layer_sharding.h.
+  const double root = lora ? 0 : static_cast<double>(params.root);
+  const double frozen = lora ? static_cast<double>(params.layers)
+                             : std::max(0.0, static_cast<double>(params.layers) - (psi - root));
+  const double frozen_last = lora ? static_cast<double>(params.max_layer)
+                                  : std::max(0.0, static_cast<double>(params.max_layer) - last);
   const int64_t a = o.grad_accum, n = o.ranks;
   TrainTraffic t;
   if (o.shard == "none") {
@@ -97,8 +106,10 @@ TrainTraffic train_traffic(const ModelConfig& m, const ParamCounts& params,
               o.shard, "'");
     t.items.push_back(item("fp32 gradients", CollectiveKind::kReduceScatter, grads, a, n, c));
     t.items.push_back(item("parameters for forward and backward", CollectiveKind::kAllGather,
-                           static_cast<double>(o.elem_bytes) * std::max(0.0, 2 * psi - last), a,
-                           n, c));
+                           pe * std::max(0.0, 2 * psi - last), a, n, c));
+    if (frozen > 0)
+      t.items.push_back(item("frozen layers for forward and backward", CollectiveKind::kAllGather,
+                             e * std::max(0.0, 2 * frozen - frozen_last), a, n, c));
   }
   for (const TrafficItem& i : t.items) {
     t.sent += i.sent;
