@@ -92,9 +92,15 @@ TEST(TrainTraffic, StagesRunTheirCollectivesByHand) {
   o.shard = "parameters";  // 3 reduce-scatters, 3 all-gathers of 2·(2Ψ − Ψ_last) = 1888 bytes
   t = train_traffic(m, p, o, c);
   EXPECT_DOUBLE_EQ(t.sent, 3 * 7.0 / 8 * 3104 + 3 * 7.0 / 8 * 1888);
-  o.lora_r = 2;  // Ψ = 256 adapters, Ψ_last = 256 / 1 layer
+  // LoRA r 2: Ψ = 256 adapter elements in fp32, Ψ_last = 256 / 1 layer: 3 reduce-scatters of
+  // 4Ψ, 3 all-gathers of 4·(2Ψ − Ψ_last) = 1024; and the layer's 608 frozen elements (2 bytes
+  // each), gathered for the forward and the backward but the last layer's once: 2·(2·608 − 608).
+  o.lora_r = 2;
   t = train_traffic(m, p, o, c);
-  EXPECT_DOUBLE_EQ(t.sent, 3 * 7.0 / 8 * 1024 + 3 * 7.0 / 8 * 2 * 256);
+  ASSERT_EQ(t.items.size(), 3u);
+  EXPECT_DOUBLE_EQ(t.sent, 3 * 7.0 / 8 * 1024 + 3 * 7.0 / 8 * 1024 + 3 * 7.0 / 8 * 1216);
+  o.shard = "gradients";  // nothing frozen moves below stage 3
+  EXPECT_EQ(train_traffic(m, p, o, c).items.size(), 2u);
 }
 
 TEST(TrainMemory, BreakdownByHand) {
@@ -143,6 +149,40 @@ TEST(TrainMemory, BreakdownByHand) {
   o.reserve_bytes = 0;
   EXPECT_TRUE(train_memory(m, p, 0, 10, 0, o, peak).fits);
   EXPECT_TRUE(train_memory(m, p, 0, 10, 0, o, 1e9).fits);
+}
+
+// LoRA on the activation path: the frozen base in the model dtype, the adapter in fp32, r·e per
+// token per adapted projection; at stage parameters the layer's frozen weights 1/n per rank plus
+// the layers gathered at a time (here the one layer, whole).
+TEST(TrainMemory, LoraByHand) {
+  const ModelConfig m = tiny();
+  const ParamCounts p = estimate_parameters(m, 10, "vision");  // Ψ 776: layer 608, root 168
+  EXPECT_EQ(p.layers, 608);
+  EXPECT_EQ(p.max_layer, 608);
+  TrainMemoryOptions o;
+  o.elem_bytes = 4;
+  o.ranks = 4;
+  o.sp_size = 1;
+  o.lora_r = 2;  // 256 adapter elements
+  TrainMemory t = train_memory(m, p, 0, 10, 0, o, 0);
+  EXPECT_DOUBLE_EQ(t.weights, 4 * 776 + 4 * 256);
+  EXPECT_DOUBLE_EQ(t.optimizer, 12 * 256);
+  // Per token: the block's 608 bytes as in BreakdownByHand, and x·Aᵀ of 7 projections, 2·4 each.
+  EXPECT_DOUBLE_EQ(t.activations, 10 * (384 + 104 + 120) + 10 * 7 * 2 * 4);
+  o.shard = "parameters";
+  t = train_memory(m, p, 0, 10, 0, o, 0);
+  // Root 168 replicated, the adapter's units (no root; b2 = all 256), the frozen layer 608/4
+  // kept and 608 gathered.
+  EXPECT_DOUBLE_EQ(t.weights, 4 * 168 + 4 * 256 + 4 * 608 / 4.0 + 4 * 608);
+  EXPECT_DOUBLE_EQ(t.optimizer, 12 * 256 / 4.0);
+  // bf16: the frozen base in 2 bytes, the adapter still 4, and A, B cast to bf16 (2 · 256).
+  o.elem_bytes = 2;
+  o.shard = "none";
+  t = train_memory(m, p, 0, 10, 0, o, 0);
+  EXPECT_DOUBLE_EQ(t.weights, 2 * 776 + 4 * 256);
+  EXPECT_DOUBLE_EQ(t.activations,
+                   10 * ((4 * 8 + 4 * 16) * 2 + (8 + 4 + 4 + 8) * 2 + 2 * 4 + (2 + 8) * 10) +
+                       10 * 7 * 2 * 2 + 2 * 256);
 }
 
 int run(const std::string& cmd, std::string* out) {
