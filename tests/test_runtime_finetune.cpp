@@ -782,6 +782,45 @@ TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
   const double d1 = state_diff(latest(one), latest(dp2));
   std::cout << "2x1 vs world 1 grad_accum 4: " << d1 << "\n";
   EXPECT_LE(d1, kShardTol);
+  // The metrics are the whole run's: the two groups' tokens and frames of a step are the one
+  // group's tokens and frames of the same 4 samples, and the groups are said.
+  const auto m1 = metrics(one + "/metrics.jsonl"), m2 = metrics(dp2 + "/metrics.jsonl");
+  ASSERT_EQ(m1.size(), m2.size());
+  for (size_t i = 0; i < m1.size(); ++i) {
+    EXPECT_EQ(m2[i]["tokens"], m1[i]["tokens"]) << "step " << i + 1;
+    EXPECT_EQ(m2[i]["frames"], m1[i]["frames"]) << "step " << i + 1;
+    EXPECT_EQ(m2[i]["data_parallel_groups"].get<int64_t>(), 2);
+    EXPECT_EQ(m2[i]["ranks"].get<int64_t>(), 2);
+    EXPECT_DOUBLE_EQ(m2[i]["samples_per_second_per_rank"].get<double>(),
+                     m2[i]["samples_per_second"].get<double>() / 2);
+  }
+  // Resuming the 2-group run at 1 rank keeps its global batch of 4 samples (grad_accum 2 -> 4,
+  // said), so it continues as the world-1 run with grad_accum 4 would; 3 groups cannot keep it
+  // and are refused by name.
+  {
+    const std::string ck = (dir() / "ck_dp_resume").string();
+    fs::remove_all(ck);
+    fs::create_directories(ck);
+    fs::copy(dp2 + "/step-000002", ck + "/step-000002", fs::copy_options::recursive);
+    std::ofstream(ck + "/latest") << "step-000002\n";
+    fs::copy(dp2 + "/metrics.jsonl", ck + "/metrics.jsonl");
+    const std::string config = write_config("dp_resume", ck, 3);
+    const std::string three = finetune(
+        config, "--resume optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=3 "
+                "parallel.sp_size=1");
+    EXPECT_NE(three.find("the run's global batch is 4 samples per step"), std::string::npos)
+        << three;
+    EXPECT_EQ(fs::path(latest(ck)).filename(), "step-000002");
+    const std::string log = finetune(
+        config, "--resume optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=1");
+    ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
+    EXPECT_NE(log.find("optimizer.grad_accum 2 -> 4 keeps the global batch of 4"),
+              std::string::npos)
+        << log;
+    const double d = state_diff(latest(one), latest(ck));
+    std::cout << "2 groups resumed at 1 rank vs world 1 grad_accum 4: " << d << "\n";
+    EXPECT_LE(d, kShardTol);
+  }
   // World 4 as 2 × 2 == world 2 (one sequence-parallel group) with grad_accum 4; with sharded
   // gradients too.
   const std::string two = shard_run("dp_two", 2, "optimizer.grad_accum=4");

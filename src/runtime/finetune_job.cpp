@@ -299,6 +299,38 @@ std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos
   return items;
 }
 
+namespace {
+
+// A resume keeps the recorded run's global batch (`batch` samples per step over `groups`
+// data-parallel groups): optimizer.grad_accum follows from it and the groups this resume has,
+// and a change is said; a number of groups that cannot keep it is refused by name. With
+// --accept-config-changes a configured optimizer.grad_accum other than the recorded one sets a
+// new batch (listed as a change). Returns the config the resume compares with the recorded one.
+TrainConfig keep_global_batch(const TrainConfig& before, int64_t batch, int64_t groups,
+                              const TrainConfig& cfg, bool accept, ResumeState& r) {
+  TrainConfig compared = cfg;
+  compared.optimizer.grad_accum = before.optimizer.grad_accum;  // the batch decides it
+  if (accept && cfg.optimizer.grad_accum != before.optimizer.grad_accum) {
+    compared.optimizer.grad_accum = cfg.optimizer.grad_accum;
+    return compared;
+  }
+  const int64_t sp = cfg.parallel.sp_size > 0 ? cfg.parallel.sp_size : cfg.parallel.nproc;
+  const int64_t dp = std::max<int64_t>(1, cfg.parallel.nproc / std::max<int64_t>(1, sp));
+  if (cfg.optimizer.grad_accum * dp == batch) return compared;
+  LVX_CHECK(batch % dp == 0, "--resume: the run's global batch is ", batch, " samples per step (",
+            "optimizer.grad_accum ", before.optimizer.grad_accum, " x ", groups,
+            " data-parallel group(s)); ", dp, " groups (parallel.nproc ", cfg.parallel.nproc,
+            " / sp_size ", sp, ") cannot keep it: use a number of groups that divides ", batch,
+            ", or set optimizer.grad_accum and pass --accept-config-changes to change the batch");
+  r.grad_accum = batch / dp;
+  r.note = str("--resume: ", dp, " data-parallel group(s), the run had ", groups,
+               ": optimizer.grad_accum ", cfg.optimizer.grad_accum, " -> ", r.grad_accum,
+               " keeps the global batch of ", batch, " samples per step");
+  return compared;
+}
+
+}  // namespace
+
 ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, int64_t samples,
                                bool accept_config_changes) {
   const std::string where = ckpt + "/trainer_state.json";
@@ -349,11 +381,13 @@ ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, 
   LVX_CHECK(integer(data, "seed", "data.seed", 0) == before.data.seed, where,
             ": field 'data.seed' differs from its config's data.seed ", before.data.seed);
   r.metrics = before.logging.metrics;
+  const TrainConfig now = keep_global_batch(before, per_step, world_before / sp_before, cfg,
+                                            accept_config_changes, r);
   // The default file lives with the checkpoints: a run folder that was moved or copied keeps it.
   if (before.logging.metrics == before.checkpoint.dir + "/metrics.jsonl" &&
       cfg.logging.metrics == cfg.checkpoint.dir + "/metrics.jsonl")
     r.metrics = cfg.logging.metrics;
-  const std::vector<std::string> changes = config_changes(before, cfg);
+  const std::vector<std::string> changes = config_changes(before, now);
   if (!changes.empty() && !accept_config_changes) {
     std::string list;
     for (const auto& c : changes) list += "\n  " + c;
@@ -384,7 +418,9 @@ TrainConfig validate_finetune_job(const FinetuneJob& job) {
               "that run, or choose another checkpoint.dir (nothing is overwritten)");
   } else if (!latest.empty()) {
     verify_checkpoint(latest);
-    recorded_metrics = check_resume_state(cfg, latest, samples, job.accept_config_changes).metrics;
+    const ResumeState resumed = check_resume_state(cfg, latest, samples, job.accept_config_changes);
+    recorded_metrics = resumed.metrics;
+    if (!resumed.note.empty()) std::cout << resumed.note << "\n" << std::flush;
   }
   check_metrics_file(cfg, recorded_metrics);
   return cfg;
@@ -394,7 +430,7 @@ int run_finetune_rank(const FinetuneJob& job) {
   const int64_t base_rss = peak_rss_bytes();  // the process before the model (libraries)
   auto pg = dist::ProcessGroup::from_env();
   const int n = pg->world_size(), r = pg->rank();
-  const TrainConfig cfg = load_train_config(job.config, job.overrides);
+  TrainConfig cfg = load_train_config(job.config, job.overrides);
   // Data × sequence parallel: consecutive ranks form the sequence-parallel groups (a node's
   // ranks are consecutive, so a group stays inside a node when sp_size divides its size).
   const int sp = cfg.parallel.sp_size > 0 ? static_cast<int>(cfg.parallel.sp_size) : n;
@@ -420,6 +456,7 @@ int run_finetune_rank(const FinetuneJob& job) {
   // included) are verified against its manifest by models::load_model below.
   ResumeState resumed;
   if (!ckpt.empty()) resumed = check_resume_state(cfg, ckpt, samples, job.accept_config_changes);
+  if (resumed.grad_accum > 0) cfg.optimizer.grad_accum = resumed.grad_accum;  // the global batch
   if (r == 0) check_metrics_file(cfg, resumed.metrics);
   // A LoRA checkpoint holds the adapter only: the weights come from model.path.
   const std::string model_dir = ckpt.empty() || cfg.lora.r > 0 ? cfg.model.path : ckpt;
@@ -706,6 +743,14 @@ int run_finetune_rank(const FinetuneJob& job) {
                   cfg.optimizer.lr, ", optimizer.eps ", cfg.optimizer.eps, ")"));
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // The run's figures are global: every data-parallel group's tokens and frames (counted once,
+    // by its first rank), samples over all groups; per-rank figures divide them by the world.
+    if (dp > 1) {
+      at::Tensor tf = at::tensor({sp_rank == 0 ? tokens : 0, sp_rank == 0 ? frames : 0}, at::kLong);
+      pg->all_reduce(tf);
+      tokens = tf[0].item<int64_t>();
+      frames = tf[1].item<int64_t>();
+    }
     tokens_run += tokens;
     // The largest peak RSS of any rank so far, and its process's footprint before the model.
     at::Tensor rss = at::tensor({peak_rss_bytes(), base_rss}, at::kLong);
@@ -715,6 +760,8 @@ int run_finetune_rank(const FinetuneJob& job) {
     const int64_t done = step + 1 - start;
     const double eta =
         elapsed / static_cast<double>(done) * static_cast<double>(cfg.schedule.steps - step - 1);
+    const double samples_per_second =
+        static_cast<double>(done * cfg.optimizer.grad_accum * dp) / elapsed;
     if (r == 0) {
       nlohmann::json m = {
           {"step", step + 1},
@@ -728,15 +775,21 @@ int run_finetune_rank(const FinetuneJob& job) {
           {"peak_rss_bytes", rss[0].item<int64_t>()},
           {"base_rss_bytes", rss[1].item<int64_t>()},
           {"tokens_per_second", tokens_run / elapsed},
-          {"samples_per_second", static_cast<double>(done * cfg.optimizer.grad_accum) / elapsed},
+          {"samples_per_second", samples_per_second},
+          {"tokens_per_second_per_rank", tokens_run / elapsed / n},
+          {"samples_per_second_per_rank", samples_per_second / n},
+          {"data_parallel_groups", dp},
+          {"ranks", n},
           {"eta_seconds", eta},
           {"total_steps", cfg.schedule.steps}};
       metrics << m.dump() << "\n" << std::flush;
       if (plain && (done % cfg.logging.every == 0 || step + 1 == cfg.schedule.steps)) {
-        std::printf("step %lld/%lld  loss %.4f  lr %.3g  grad norm %.3g  %.0f tok/s  ETA %s\n",
-                    static_cast<long long>(step + 1), static_cast<long long>(cfg.schedule.steps),
-                    loss, sharded ? sopt.last_lr() : opt.last_lr(), norm, tokens_run / elapsed,
-                    hms(eta).c_str());
+        std::printf(
+            "step %lld/%lld  loss %.4f  lr %.3g  grad norm %.3g  %.0f tok/s (%.0f per rank)  "
+            "%.3g samples/s  ETA %s\n",
+            static_cast<long long>(step + 1), static_cast<long long>(cfg.schedule.steps), loss,
+            sharded ? sopt.last_lr() : opt.last_lr(), norm, tokens_run / elapsed,
+            tokens_run / elapsed / n, samples_per_second, hms(eta).c_str());
         std::fflush(stdout);
       }
     }

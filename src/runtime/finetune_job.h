@@ -45,6 +45,10 @@ struct ResumeState {
   int64_t step = 0;
   int64_t samples_seen = 0;  // data position: samples taken by every data-parallel group together
   std::string metrics;       // the recorded run's logging.metrics
+  // With another number of data-parallel groups than the recorded run: the optimizer.grad_accum
+  // that keeps its global batch (0: unchanged), and the sentence that says so.
+  int64_t grad_accum = 0;
+  std::string note;
 };
 ResumeState check_resume_state(const TrainConfig& cfg, const std::string& ckpt, int64_t samples,
                                bool accept_config_changes);
