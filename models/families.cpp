@@ -19,9 +19,14 @@ const std::vector<const Family*>& families() {
   return all;
 }
 
-PromptTokens Family::prompt_turns(const Tokenizer& tok,
+void Family::refuse_system(const std::string& system) const {
+  LVX_CHECK(system.empty(), display_name(), "'s prompt template has no system message");
+}
+
+PromptTokens Family::prompt_turns(const Tokenizer& tok, const std::string& system,
                                   const std::vector<std::pair<std::string, std::string>>& turns,
                                   int64_t frames) const {
+  refuse_system(system);
   LVX_CHECK(turns.size() == 1, display_name(), "'s prompt template takes one question and answer; ",
             "a conversation of ", turns.size(), " turns is not supported for it");
   return prompt(tok, turns[0].first, frames, &turns[0].second);
@@ -30,7 +35,7 @@ PromptTokens Family::prompt_turns(const Tokenizer& tok,
 PromptTokens Family::prompt_chat(const Tokenizer& tok, const std::string& system,
                                  const std::vector<std::pair<std::string, std::string>>& earlier,
                                  const std::string& question, int64_t frames) const {
-  LVX_CHECK(system.empty(), display_name(), "'s prompt template has no system message");
+  refuse_system(system);
   LVX_CHECK(earlier.empty(), display_name(), "'s prompt template takes one question; ",
             "a conversation of ", earlier.size() + 1, " turns is not supported for it");
   PromptTokens p = prompt(tok, question, frames);

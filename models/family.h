@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "models/checkpoint.h"
 #include "src/attention/media_mask.h"
 #include "src/planner/model_config.h"
 
@@ -67,6 +68,10 @@ class Family {
   // The planner's description of a checkpoint from its config.json alone (no weights read).
   virtual planner::ModelConfig planner_model(const nlohmann::json& config,
                                              const std::string& where) const = 0;
+  // Every parameter's shape from config.json alone: what load() checks a checkpoint against
+  // (sizing a model before its weights are downloaded: load_model_shapes).
+  virtual ShapeSpec parameter_shapes(const nlohmann::json& config,
+                                     const std::string& where) const = 0;
 
   // The chat/prompt template: the ids of a question about `frames` video frames (one image per
   // frame, in order), and with `answer` the labelled answer and end of turn (fine-tuning).
@@ -75,10 +80,11 @@ class Family {
   virtual PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t frames,
                               const std::string* answer = nullptr) const = 0;
   // A conversation of (question, answer) turns about `frames` frames, every answer labelled
-  // (fine-tuning rows in ms-swift's or LLaVA's shape): the frames go with the first question, as
-  // in prompt(). The default takes one turn (prompt()) and refuses more, naming the family; a
-  // template that continues a conversation overrides it.
-  virtual PromptTokens prompt_turns(const Tokenizer& tok,
+  // (fine-tuning rows in ms-swift's or LLaVA's shape): `system` (empty: none) placed as
+  // prompt_chat places it, the frames with the first question, as in prompt(). The default takes
+  // one turn (prompt()) and no system message and refuses more, naming the family; a template
+  // that continues a conversation or has a system message overrides it.
+  virtual PromptTokens prompt_turns(const Tokenizer& tok, const std::string& system,
                                     const std::vector<std::pair<std::string, std::string>>& turns,
                                     int64_t frames) const;
   // A conversation's prompt for generation (lvx serve): `system` (empty: none), the earlier
@@ -101,6 +107,11 @@ class Family {
   // The media mask rules of the family's releases by name, canonical names first, then aliases
   // (none by default: its rules are still reachable by meaning).
   virtual std::vector<NamedMediaMaskRule> media_mask_rules() const { return {}; }
+
+ protected:
+  // The refusal of a template with no place for a system message: a non-empty `system` is an
+  // error naming the family (prompt_turns and prompt_chat refuse it alike).
+  void refuse_system(const std::string& system) const;
 };
 
 // The registered families (models/families.cpp), in registration order.

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 
+#include "models/family.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
 
 namespace lvx::models {
 
@@ -66,6 +68,23 @@ std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, 
     if (!defer || !defer(*model, name)) t = read_tensor(*index, name).to(device, dtype).contiguous();
   if (index_out != nullptr) *index_out = std::move(index);
   return model;
+}
+
+std::unique_ptr<Model> load_model_shapes(const std::string& dir) {
+  const std::string where = dir + "/config.json";
+  return model_from_config(read_json_file(where, "model config", uint64_t{16} << 20), where, dir);
+}
+
+std::unique_ptr<Model> model_from_config(const nlohmann::json& config, const std::string& where,
+                                         const std::string& dir) {
+  Checkpoint ck;
+  ck.dir = dir;
+  ck.config = config;
+  const Family& family = family_of_config(ck.config, where);
+  const auto meta = at::TensorOptions().dtype(at::kFloat).device(at::kMeta);
+  for (const auto& [name, shape] : family.parameter_shapes(ck.config, where))
+    ck.tensors[name] = at::empty(shape, meta);
+  return family.load(ck, at::kFloat, at::kMeta);
 }
 
 int64_t layer_number_after(const std::string& name, const std::string& prefix) {

@@ -124,6 +124,14 @@ using DeferParameter = std::function<bool(const Model& model, const std::string&
 std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype,
                                   at::Device device = at::kCPU, const DeferParameter& defer = {},
                                   std::shared_ptr<const CheckpointIndex>* index = nullptr);
+// The model of `dir` built on `meta` from its config.json alone (Family::parameter_shapes; no
+// weight file, index or tokenizer needed): parameter names, shapes, trainability and layers, for
+// sizing a model before downloading it (lvx plan --model DIR).
+std::unique_ptr<Model> load_model_shapes(const std::string& dir);
+// The same from a config.json already read (`where` names it in errors; `dir` is where a
+// tokenizer.json would be, if any).
+std::unique_ptr<Model> model_from_config(const nlohmann::json& config, const std::string& where,
+                                         const std::string& dir);
 // `name` within the model's layer-numbered parameters: the integer right after `prefix` and
 // before the next '.', or -1 when `name` does not start with prefix + digits + '.'.
 int64_t layer_number_after(const std::string& name, const std::string& prefix);

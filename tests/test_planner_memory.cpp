@@ -195,6 +195,64 @@ int run(const std::string& cmd, std::string* out) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
+// "parameters: N (M train under freeze vision, counted)" of `lvx plan`'s output: {N, M}.
+std::pair<int64_t, int64_t> planned_counts(const std::string& out) {
+  const std::string key = "parameters: ";
+  size_t at = out.rfind(key, 0) == 0 ? 0 : out.find("\n" + key);
+  if (at == std::string::npos) return {-1, -1};
+  at = out.find(key, at) + key.size();
+  const long long n = std::stoll(out.substr(at));
+  const size_t open = out.find('(', at);
+  return {n, std::stoll(out.substr(open + 1))};
+}
+
+// Every shipped model YAML that names its release's config.json is sized exactly: lvx's counts
+// (the family's shapes from config.json, nothing downloaded) equal the reference packages' on the
+// meta device (tests/reference/param_count_ref.py: transformers' Mllama, Qwen2 and SigLIP; the
+// mPLUG-Owl3 tensors the release never runs, its last SigLIP layer, post-LayerNorm and pooling
+// head, are left out of what a runtime holds), and a folder holding that config.json alone gives
+// the same. Tolerance 0.1 % (measured: equal).
+TEST(TrainMemory, CountsFromConfigJsonEqualTheReferencePackages) {
+  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  if (!std::filesystem::exists(lvx)) GTEST_SKIP() << "build the lvx target first";
+  const std::string src = LVX_SOURCE_DIR;
+  for (const std::string name :
+       {"llama32_vision_11b", "mplug_owl3_1b", "mplug_owl3_2b", "mplug_owl3_7b"}) {
+    SCOPED_TRACE(name);
+    const std::string cfg = src + "/configs/models/" + name + ".config.json";
+    std::string ref;
+    ASSERT_EQ(run(std::string(LVX_PYTHON) + " " + src +
+                      "/tests/reference/param_count_ref.py count " + cfg,
+                  &ref),
+              0)
+        << ref;
+    const nlohmann::json r = nlohmann::json::parse(ref.substr(ref.rfind('{')));
+    const double held = r["total"].get<double>() - r["unused"].get<double>();
+    const double trains = r["total"].get<double>() - r["vision"].get<double>();
+    const std::string dir = (std::filesystem::temp_directory_path() /
+                             ("lvx_counts_" + std::to_string(::getpid()) + "_" + name))
+                                .string();
+    std::filesystem::create_directories(dir);
+    std::filesystem::copy_file(cfg, dir + "/config.json",
+                               std::filesystem::copy_options::overwrite_existing);
+    for (const std::string model : {src + "/configs/models/" + name + ".yaml", dir}) {
+      std::string out;
+      ASSERT_EQ(run(lvx + " plan --model " + model + " --cluster " + src +
+                        "/configs/clusters/h100_80g_16.yaml --train --frames 8 --text 64 --nproc 8",
+                    &out),
+                0)
+          << out;
+      const auto [total, train] = planned_counts(out);
+      std::cout << name << " (" << (model == dir ? "config.json alone" : "YAML") << "): lvx "
+                << total << " / " << train << " train, reference " << held << " / " << trains
+                << "\n";
+      EXPECT_NEAR(total, held, 1e-3 * held);
+      EXPECT_NEAR(train, trains, 1e-3 * trains);
+    }
+    std::filesystem::remove_all(dir);
+  }
+}
+
 TEST(TrainMemory, PlanMaxFramesSaysWhatFitsFor7B) {
   const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
   if (!std::filesystem::exists(lvx)) GTEST_SKIP() << "build the lvx target first";

@@ -1,12 +1,17 @@
 // Training rows in the formats people bring (src/runtime/qa_rows.h): ms-swift JSONL
 // ({"messages", "videos"}) and LLaVA/VILA ({"video", "conversations"}) as JSONL or one JSON
 // array, multi-turn, with the loss on every assistant turn (Family::prompt_turns): the chatml
-// conversation against the tokenizers package encoding the template written out by hand; every
-// bad row named by file, line and field; lvx finetune end to end on both formats.
+// conversation against the tokenizers package encoding the template written out by hand; a
+// system message placed by the family's template, the prompt of a row the prompt lvx serve
+// renders for the same conversation (serve::parse_chat_request); every bad row named by file,
+// line and field; lvx finetune end to end on both formats.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -14,8 +19,11 @@
 #include "models/init.h"
 #include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
+#include "src/dist/process_group.h"
+#include "src/runtime/qa_job.h"
 #include "src/runtime/qa_rows.h"
 #include "src/runtime/video_qa.h"
+#include "src/serve/openai_api.h"
 #include "tests/model_conformance.h"
 
 namespace lvx::runtime {
@@ -66,6 +74,7 @@ TEST(TrainingRows, SwiftAndLlavaRowsBecomeConversations) {
   EXPECT_EQ(a.id, "s1");
   EXPECT_EQ(a.video, (dir() / "clip.mp4").string());  // relative to the file's folder
   EXPECT_EQ(a.question, "What colour?");              // the tag is removed
+  EXPECT_EQ(a.system, "");                            // an empty system message is none
   EXPECT_EQ(a.answer, "red");
   ASSERT_EQ(a.turns.size(), 1u);
   EXPECT_EQ(a.turns[0], (std::pair<std::string, std::string>{"And now?", "blue"}));
@@ -102,8 +111,12 @@ TEST(TrainingRows, BadRowsNameFileLineAndField) {
        "field 'messages[2].content': a <video> tag outside the first user turn"},
       {R"({"messages": [{"role": "user", "content": "<video>q"}, {"role": "assistant", "content": "a"}], "videos": ["v.mp4", "w.mp4"]})",
        "field 'videos' must hold one video path"},
-      {R"({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "videos": ["v.mp4"]})",
-       "field 'messages[0].content': a system message is not supported"},
+      {R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "system", "content": "be brief"}, {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}], "videos": ["v.mp4"]})",
+       "field 'messages[2].role': a system message after the first message"},
+      {R"({"messages": [{"role": "system", "content": "be brief"}, {"role": "system", "content": "and kind"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "videos": ["v.mp4"]})",
+       "field 'messages[1].role': a system message after the first message"},
+      {R"({"video": "v.mp4", "conversations": [{"from": "human", "value": "q"}, {"from": "system", "value": "be brief"}, {"from": "gpt", "value": "a"}]})",
+       "field 'conversations[1].from': a system message after the first message"},
       {R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}], "videos": ["v.mp4"]})",
        "field 'messages[2].content': the conversation ends with a user turn"},
       {R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})",
@@ -111,7 +124,7 @@ TEST(TrainingRows, BadRowsNameFileLineAndField) {
       {R"({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "a"}], "videos": ["v.mp4"]})",
        "field 'messages[1].role': expected user, assistant or system, got 'tool'"},
       {R"({"video": "v.mp4", "conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]})",
-       "field 'conversations[1].from': expected human or gpt, got 'bot'"},
+       "field 'conversations[1].from': expected human, gpt or system, got 'bot'"},
       {R"({"video": "v.mp4", "conversations": [{"from": "human", "value": "<video>"}, {"from": "gpt", "value": "a"}]})",
        "field 'conversations[0].value' is empty"},
       {R"({"video": "v.mp4", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " "}]})",
@@ -291,6 +304,189 @@ TEST(TrainingRows, MultiTurnOpenFlamingoChainsQuestions) {
   }
 }
 
+// The rows file `name` holding one ms-swift row of `messages` (the <video> tag put in the first
+// user message), read as lvx finetune reads data.train.
+QaLine swift_row(const std::string& name, json messages) {
+  for (json& m : messages)
+    if (m["role"] == "user") {
+      m["content"] = "<video>" + m["content"].get<std::string>();
+      break;
+    }
+  const json row{{"messages", messages}, {"videos", {"clip.mp4"}}};
+  const auto rows = read_qa_rows(write(name, row.dump() + "\n"), "data.train", true, 1 << 20);
+  EXPECT_EQ(rows.size(), 1u);
+  return rows.at(0);
+}
+
+// lvx serve's question of an OpenAI chat request with `messages` (a video_url part put first in
+// the first user message): the body read by serve::parse_chat_request, the QaRequest filled as
+// the server fills it (Server::check_conversation, Server::answer).
+QaRequest served_request(json messages) {
+  for (json& m : messages)
+    if (m["role"] == "user") {
+      const json video{{"type", "video_url"},
+                       {"video_url", {{"url", "data:video/mp4;base64,AAAA"}}}};
+      m["content"] = json::array({video, {{"type", "text"}, {"text", m["content"]}}});
+      break;
+    }
+  serve::ApiOptions o;
+  o.model_name = "tiny";
+  const serve::ChatRequest r =
+      serve::parse_chat_request(json{{"model", "tiny"}, {"messages", messages}}.dump(), o);
+  QaRequest q;
+  q.item.question = r.question;
+  q.item.system = r.system;
+  q.earlier = r.earlier;
+  return q;
+}
+
+// The prompt QaSession::prompt renders for `q` (the family's prompt_chat), for families with no
+// tiny model to load a session on.
+PromptTokens served_prompt(const models::Family& f, const models::Tokenizer& tok,
+                           const QaRequest& q, int64_t frames) {
+  return f.prompt_chat(tok, q.item.system, q.earlier, question_text(q.item), frames);
+}
+
+// Train and serve render one prompt: the served ids (and their text) are the training ids up to
+// where the last answer begins, and the training labels start that answer right there.
+void expect_one_prompt(const PromptTokens& served, const PromptTokens& trained,
+                       const models::Tokenizer& tok) {
+  const size_t n = served.ids.size();
+  ASSERT_GE(n, 2u);
+  ASSERT_LT(n, trained.ids.size());
+  const std::vector<int64_t> head(trained.ids.begin(), trained.ids.begin() + n);
+  EXPECT_EQ(tok.decode(served.ids), tok.decode(head));
+  EXPECT_EQ(served.ids, head);
+  EXPECT_EQ(trained.labels[n - 2], -100);            // the prompt's last token is not learned...
+  EXPECT_EQ(trained.labels[n - 1], trained.ids[n]);  // ...the answer's first one is
+}
+
+// The error `f` throws ("" when it throws none).
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(TrainingRows, SystemMessageGoesWhereTheTemplatePutsIt) {
+  // An ms-swift row and a LLaVA row with a system message first: it travels with the row and
+  // mPLUG-Owl3's chatml places it in its system turn (the processor's build_text_qwen), the text
+  // written out by hand and encoded whole by the tokenizers package.
+  const std::string system = "You are a careful viewer.";
+  const QaLine s =
+      swift_row("system_swift.jsonl", json::array({{{"role", "system"}, {"content", system}},
+                                                   {{"role", "user"}, {"content", "What colour?"}},
+                                                   {{"role", "assistant"}, {"content", "red"}}}));
+  ASSERT_EQ(s.error, "");
+  EXPECT_EQ(s.item.system, system);
+  const std::string llava = write(
+      "system_llava.json",
+      R"([{"video": "v.mp4", "conversations": [{"from": "system", "value": "You are a careful viewer."}, {"from": "human", "value": "<video>\nWhat colour?"}, {"from": "gpt", "value": "red"}]}])");
+  const auto l = read_qa_rows(llava, "data.train", true, 1 << 20);
+  ASSERT_EQ(l.size(), 1u);
+  ASSERT_EQ(l[0].error, "");
+  EXPECT_EQ(l[0].item.system, system);
+
+  const std::string tok_path = tiny_model() + "/tokenizer.json";
+  const models::Tokenizer tok = models::Tokenizer::from_file(tok_path);
+  const std::string text =
+      "<|im_start|>system\nYou are a careful viewer.<|im_end|>\n<|im_start|>user\n<|image|>"
+      "<|image|>\nWhat colour?<|im_end|>\n<|im_start|>assistant\nred<|im_end|>";
+  const models::Family& f = models::family_of("mplugowl3", "test");
+  for (const QaItem& item : {s.item, l[0].item}) {
+    const PromptTokens p = training_prompt(f, tok, item, 2);
+    EXPECT_EQ(tok.decode(p.ids), text);
+    EXPECT_EQ(json(p.ids), tokenizers_ids(tok_path, text));
+  }
+}
+
+TEST(TrainingRows, TrainAndServeRenderOnePrompt) {
+  // One conversation as a training row and as an lvx serve request (the same messages, the
+  // request without the last answer): one prompt, for mPLUG-Owl3 with a system message, one
+  // turn and two, and through the QaSession that lvx serve answers with.
+  const json system = {{"role", "system"}, {"content", "You are a careful viewer."}};
+  const json q1 = {{"role", "user"}, {"content", "What colour was the shape?"}};
+  const json a1 = {{"role", "assistant"}, {"content", "red"}};
+  const json q2 = {{"role", "user"}, {"content", "and now?"}};
+  const json a2 = {{"role", "assistant"}, {"content", "green blue"}};
+  const models::Tokenizer tok = models::Tokenizer::from_file(tiny_model() + "/tokenizer.json");
+  const models::Family& f = models::family_of("mplugowl3", "test");
+  QaJob job;
+  job.model = tiny_model();
+  job.device = "cpu";
+  const QaSession session(job, std::make_shared<dist::ProcessGroup>(dist::RendezvousInfo{}));
+  const std::vector<std::pair<json, json>> convos = {
+      {json::array({system, q1}), a1},
+      {json::array({system, q1, a1, q2}), a2},
+      {json::array({q1, a1, q2}), a2},
+  };
+  for (const auto& [asked, answer] : convos) {
+    SCOPED_TRACE(asked.dump());
+    json row = asked;
+    row.push_back(answer);
+    const QaLine l = swift_row("one_prompt.jsonl", row);
+    ASSERT_EQ(l.error, "");
+    const PromptTokens trained = training_prompt(f, tok, l.item, 3);
+    const QaRequest q = served_request(asked);
+    EXPECT_EQ(q.item.system, l.item.system);
+    expect_one_prompt(session.prompt(q, 3), trained, tok);
+    EXPECT_EQ(session.prompt(q, 3).ids, served_prompt(f, tok, q, 3).ids);
+  }
+}
+
+// A tokenizer with every family's special tokens (the tiny one's words and Qwen's, then
+// Llama-3.2-Vision's and OpenFlamingo's): each family's template renders with it, no model.
+const std::string& every_family_tokenizer() {
+  static const std::string p = [] {
+    json t = json::parse(models::tiny_tokenizer_json({"red", "What", "colour", "Be", "brief"}));
+    int64_t id = 0;
+    for (const json& a : t["added_tokens"]) id = std::max(id, a["id"].get<int64_t>() + 1);
+    for (const char* s : {"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                          "<|eot_id|>", "<image>", "<|endofchunk|>"}) {
+      json a = t["added_tokens"][0];
+      a["id"] = id++;
+      a["content"] = s;
+      t["added_tokens"].push_back(a);
+    }
+    return write("every_family_tokenizer.json", t.dump());
+  }();
+  return p;
+}
+
+TEST(TrainingRows, TrainAndServeTakeOrRefuseOneSystemMessage) {
+  // OpenFlamingo and Llama-3.2-Vision: a conversation with no system message (or an empty one,
+  // or for Llama a blank one) renders one prompt; a system message their template has no place
+  // for is accepted by the row reader and refused by the template, for training and serving
+  // alike, with one message.
+  const models::Tokenizer tok = models::Tokenizer::from_file(every_family_tokenizer());
+  const json q = {{"role", "user"}, {"content", "What colour?"}};
+  const json a = {{"role", "assistant"}, {"content", "red"}};
+  for (const char* type : {"openflamingo", "mllama"}) {
+    const models::Family& f = models::family_of(type, "test");
+    const std::string blank = std::string(type) == "mllama" ? " \n" : "";
+    for (const std::string& system : {std::string(), blank, std::string("Be brief.")}) {
+      SCOPED_TRACE(std::string(type) + ", system '" + system + "'");
+      const json sys = {{"role", "system"}, {"content", system}};
+      const QaLine l = swift_row("flamingo_llama.jsonl", json::array({sys, q, a}));
+      ASSERT_EQ(l.error, "");
+      EXPECT_EQ(l.item.system, system);
+      const QaRequest r = served_request(json::array({sys, q}));
+      const std::string train_error = error_of([&] { training_prompt(f, tok, l.item, 2); });
+      const std::string serve_error = error_of([&] { served_prompt(f, tok, r, 2); });
+      EXPECT_EQ(train_error, serve_error);
+      if (system == "Be brief.") {
+        EXPECT_NE(train_error.find("system message"), std::string::npos) << train_error;
+        continue;
+      }
+      ASSERT_EQ(train_error, "");
+      expect_one_prompt(served_prompt(f, tok, r, 2), training_prompt(f, tok, l.item, 2), tok);
+    }
+  }
+}
+
 TEST(TrainingRows, FinetuneReadsSwiftJsonlAndLlavaJson) {
   const std::string video = (dir() / "clip.mp4").string();
   ASSERT_EQ(run_command("ffmpeg -loglevel error -y -f lavfi -i testsrc=size=64x64:rate=4 -t 4 "
@@ -299,7 +495,7 @@ TEST(TrainingRows, FinetuneReadsSwiftJsonlAndLlavaJson) {
             "");
   const std::string swift = write(
       "train_swift.jsonl",
-      R"({"messages": [{"role": "user", "content": "<video>What colour?"}, {"role": "assistant", "content": "red"}, {"role": "user", "content": "And now?"}, {"role": "assistant", "content": "blue"}], "videos": ["clip.mp4"]})"
+      R"({"messages": [{"role": "system", "content": "You are a careful viewer."}, {"role": "user", "content": "<video>What colour?"}, {"role": "assistant", "content": "red"}, {"role": "user", "content": "And now?"}, {"role": "assistant", "content": "blue"}], "videos": ["clip.mp4"]})"
       "\n");
   const std::string llava = write(
       "train_llava.json",

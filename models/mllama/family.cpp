@@ -21,9 +21,20 @@ class MllamaFamily : public Family {
                                      const std::string& where) const override {
     return mllama::planner_model(config_from_json(config, where));
   }
+  ShapeSpec parameter_shapes(const nlohmann::json& config,
+                             const std::string& where) const override {
+    return shapes(config_from_json(config, where));
+  }
   PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t frames,
                       const std::string* answer) const override {
     return mllama::prompt(tok, question, frames, answer);
+  }
+  // One turn (the default's), a system message refused as prompt_chat refuses it.
+  PromptTokens prompt_turns(const Tokenizer& tok, const std::string& system,
+                            const std::vector<std::pair<std::string, std::string>>& turns,
+                            int64_t frames) const override {
+    mllama::refuse_system(system);
+    return Family::prompt_turns(tok, "", turns, frames);
   }
   PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
                            const std::vector<std::pair<std::string, std::string>>& earlier,

@@ -74,14 +74,18 @@ PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t f
   return p;
 }
 
-PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
-                         const std::vector<std::pair<std::string, std::string>>& earlier,
-                         const std::string& question, int64_t frames) {
+void refuse_system(const std::string& system) {
   // The release's chat_template raises "Prompting with images is incompatible with system
   // messages." for a system message that is not blank once trimmed (and writes no system header
   // when there are images).
   LVX_CHECK(blank(system),
             "Llama-3.2-Vision's chat template refuses a system message in a prompt with images");
+}
+
+PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
+                         const std::vector<std::pair<std::string, std::string>>& earlier,
+                         const std::string& question, int64_t frames) {
+  refuse_system(system);
   if (earlier.empty()) return prompt(tok, question, frames, nullptr);
   PromptTokens p = prompt(tok, earlier[0].first, frames, &earlier[0].second);
   auto text = [&](const std::string& s) {

@@ -28,6 +28,9 @@ PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t f
 PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
                          const std::vector<std::pair<std::string, std::string>>& earlier,
                          const std::string& question, int64_t frames);
+// The release's rule for a system message in a prompt with images (prompt_chat and the
+// family's prompt_turns alike): one that is not blank once trimmed is refused.
+void refuse_system(const std::string& system);
 // <|eot_id|> (end of the assistant's turn), then <|end_of_text|> (those the tokenizer has;
 // <|eot_id|> is required).
 std::vector<int64_t> stop_tokens(const Tokenizer& tok);

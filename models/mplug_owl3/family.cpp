@@ -1,5 +1,6 @@
 // mPLUG-Owl3's answers to the runtime (models/family.h): its Qwen chatml prompt, SigLIP
 // preprocessing and the cross_only freeze recipe.
+#include <filesystem>
 #include <memory>
 
 #include "models/mplug_owl3/model.h"
@@ -18,10 +19,21 @@ class MplugOwl3Family final : public Family {
 
   std::unique_ptr<Model> load(const Checkpoint& ck, at::ScalarType dtype,
                               at::Device device) const override {
+    // Shapes only (meta) may come from config.json alone, before anything else is downloaded:
+    // without a tokenizer there is no image token to know, and none is needed to size (id 0
+    // stands in; such a model is for its parameters only).
+    if (device.is_meta() && !std::filesystem::exists(ck.dir + "/tokenizer.json"))
+      return std::make_unique<MplugOwl3>(ck, 0, dtype, device);
     const Tokenizer tok = Tokenizer::from_file(ck.dir + "/tokenizer.json");
     const auto image = tok.token_to_id("<|image|>");
     LVX_CHECK(image.has_value(), ck.dir, "/tokenizer.json: has no <|image|> token");
     return std::make_unique<MplugOwl3>(ck, *image, dtype, device);
+  }
+
+  ShapeSpec parameter_shapes(const nlohmann::json& config,
+                             const std::string& where) const override {
+    // The 240728/241014 releases' hyper layers own a gate (a few scalars); counted as present.
+    return mplug_owl3_shapes(mplug_owl3_config(config, where, /*gated=*/true, 0));
   }
 
   planner::ModelConfig planner_model(const nlohmann::json& config,
@@ -44,12 +56,13 @@ class MplugOwl3Family final : public Family {
   // Later turns continue the chatml conversation, each answer and its <|im_end|> labelled:
   //   ...{answer}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n
   //   {answer}<|im_end|>
-  PromptTokens prompt_turns(const Tokenizer& tok,
+  // A system message goes where prompt_chat puts it (first_turn, the one place for both).
+  PromptTokens prompt_turns(const Tokenizer& tok, const std::string& system,
                             const std::vector<std::pair<std::string, std::string>>& turns,
                             int64_t frames) const override {
     LVX_CHECK(!turns.empty(), "a conversation needs at least one turn");
     PromptBuilder p(tok);
-    first_turn(p, "", turns[0].first, frames, &turns[0].second);
+    first_turn(p, system, turns[0].first, frames, &turns[0].second);
     for (size_t i = 1; i < turns.size(); ++i)
       later_turn(p, turns[i].first, frames, &turns[i].second);
     return std::move(p).finish();

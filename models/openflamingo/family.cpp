@@ -26,6 +26,11 @@ class OpenFlamingoFamily final : public Family {
     return OpenFlamingo::planner_model(openflamingo_config(config, where));
   }
 
+  ShapeSpec parameter_shapes(const nlohmann::json& config,
+                             const std::string& where) const override {
+    return openflamingo_shapes(openflamingo_config(config, where));
+  }
+
   // The VQA evaluation prompt; each frame an <image> followed by <|endofchunk|>:
   //   <image><|endofchunk|>…<image>Question:{question} Short answer:{answer}<|endofchunk|>
   PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t frames,
@@ -47,9 +52,11 @@ class OpenFlamingoFamily final : public Family {
   // Later turns follow as the package's few-shot prompts chain examples, each answer and its
   // <|endofchunk|> labelled: ...{answer}<|endofchunk|>Question:{question} Short answer:{answer}
   // <|endofchunk|>
-  PromptTokens prompt_turns(const Tokenizer& tok,
+  // The evaluation prompt has no system message: one is refused, as prompt_chat refuses it.
+  PromptTokens prompt_turns(const Tokenizer& tok, const std::string& system,
                             const std::vector<std::pair<std::string, std::string>>& turns,
                             int64_t frames) const override {
+    refuse_system(system);
     LVX_CHECK(!turns.empty(), "a conversation needs at least one turn");
     PromptTokens all = prompt(tok, turns[0].first, frames, &turns[0].second);
     for (size_t i = 1; i < turns.size(); ++i) {
@@ -72,12 +79,12 @@ class OpenFlamingoFamily final : public Family {
   PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
                            const std::vector<std::pair<std::string, std::string>>& earlier,
                            const std::string& question, int64_t frames) const override {
-    LVX_CHECK(system.empty(), display_name(), "'s prompt template has no system message");
+    refuse_system(system);
     PromptTokens all;
     if (earlier.empty()) {
       all = prompt(tok, question, frames, nullptr);
     } else {
-      all = prompt_turns(tok, earlier, frames);
+      all = prompt_turns(tok, system, earlier, frames);
       check_prompt_request(question, frames);
       PromptBuilder p(tok);
       p.text("Question:" + question + " Short answer:");

@@ -50,6 +50,11 @@ ModelConfig load_model_config(const std::string& path) {
   m.visual_tokens_per_frame = root.get_int("visual_tokens_per_frame");
   m.visual_feature_dim = root.get_int("visual_feature_dim");
   m.vocab_size = root.get_int_or("vocab_size", 0);
+  m.config_json = root.get_string_or("config_json", "");
+  if (!m.config_json.empty() && m.config_json.front() != '/') {
+    const size_t slash = path.rfind('/');
+    m.config_json = (slash == std::string::npos ? "" : path.substr(0, slash + 1)) + m.config_json;
+  }
   YamlMap v = root.get_map("vision_encoder");
   m.vision.hidden_size = v.get_int("hidden_size");
   m.vision.layers = v.get_int("layers");

@@ -48,6 +48,9 @@ struct ModelConfig {
   int64_t visual_feature_dim = 0;  // width of the visual features y that cross layers project
   VisionEncoderConfig vision;
   int64_t vocab_size = 0;  // optional (`vocab_size`): embedding and output rows, for memory plans
+  // optional (`config_json`): the release's config.json (a path beside the YAML), from which the
+  // parameter counts are exact (the family's own shapes) instead of estimated from the layers
+  std::string config_json;
   std::vector<AttentionLayerConfig> layers;  // expanded (a `repeat: n` entry becomes n layers)
   int64_t count(LayerKind kind) const;
 };

@@ -54,22 +54,33 @@ std::string checkpoint_dtype(const std::string& dir) {
   return d == "fp32" ? "float32" : d == "fp16" ? "float16" : "bfloat16";
 }
 
-planner::ParamCounts count_parameters(const std::string& path, const planner::ModelConfig& m,
-                                      const std::string& freeze) {
-  if (!fs::is_directory(path)) return planner::estimate_parameters(m, m.vocab_size, freeze);
-  const auto model = models::load_model(path, at::kFloat, at::Device(at::kMeta));
+// Whether `dir` holds weights (any *.safetensors file), rather than config.json alone or with
+// its index (model.safetensors.index.json names files that are not downloaded yet).
+bool has_weight_files(const std::string& dir) {
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string f = e.path().filename().string();
+    if (f.size() > 12 && f.compare(f.size() - 12, 12, ".safetensors") == 0) return true;
+  }
+  return false;
+}
+
+namespace {
+
+// Counts of a model's parameters (built on meta), trainable as `lvx finetune` decides.
+planner::ParamCounts counts_of(const models::Model& model, models::StateDict& params,
+                               const std::string& freeze, const nlohmann::json& config) {
   planner::ParamCounts p;
   p.exact = true;
   std::map<int64_t, int64_t> blocks, whole;  // decoder layer → trainable / all parameters
-  for (const auto& [name, t] : model->parameters()) {
+  for (const auto& [name, t] : params) {
     p.total += t.numel();
-    if (const int64_t l = model->decoder_layer_of(name); l >= 0) {
+    if (const int64_t l = model.decoder_layer_of(name); l >= 0) {
       whole[l] += t.numel();
       p.layers += t.numel();
     }
-    if (!models::trains_under(freeze, *model, name)) continue;
+    if (!models::trains_under(freeze, model, name)) continue;
     p.trainable += t.numel();
-    const int64_t layer = model->decoder_layer_of(name);
+    const int64_t layer = model.decoder_layer_of(name);
     if (layer >= 0)
       blocks[layer] += t.numel();
     else
@@ -77,12 +88,32 @@ planner::ParamCounts count_parameters(const std::string& path, const planner::Mo
   }
   for (const auto& [b, k] : blocks) p.max_block = std::max(p.max_block, k);
   for (const auto& [b, k] : whole) p.max_layer = std::max(p.max_layer, k);
-  const nlohmann::json c = read_json_file(path + "/config.json", "model config");
-  for (const nlohmann::json* j :
-       {&c, c.is_object() && c.contains("text_config") ? &c["text_config"] : nullptr})
+  for (const nlohmann::json* j : {&config, config.is_object() && config.contains("text_config")
+                                               ? &config["text_config"]
+                                               : nullptr})
     if (j && j->is_object() && j->contains("vocab_size") && (*j)["vocab_size"].is_number_integer())
       p.vocab = (*j)["vocab_size"].get<int64_t>();
   return p;
+}
+
+}  // namespace
+
+planner::ParamCounts count_parameters(const std::string& path, const planner::ModelConfig& m,
+                                      const std::string& freeze) {
+  if (!fs::is_directory(path)) {
+    if (m.config_json.empty()) return planner::estimate_parameters(m, m.vocab_size, freeze);
+    // A YAML that names its release's config.json: exact, from the family's shapes.
+    const nlohmann::json c = read_json_file(m.config_json, "model config", uint64_t{16} << 20);
+    const auto model =
+        models::model_from_config(c, m.config_json, fs::path(m.config_json).parent_path());
+    return counts_of(*model, model->parameters(), freeze, c);
+  }
+  // Sized from the weight files' headers when they are there, else from config.json alone.
+  const auto model = has_weight_files(path)
+                         ? models::load_model(path, at::kFloat, at::Device(at::kMeta))
+                         : models::load_model_shapes(path);
+  return counts_of(*model, model->parameters(), freeze,
+                   read_json_file(path + "/config.json", "model config"));
 }
 
 std::string describe_parameters(const planner::ParamCounts& counts, const std::string& freeze,

@@ -308,8 +308,8 @@ QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, i
 QaSession::~QaSession() = default;
 
 PromptTokens QaSession::prompt(const QaRequest& req, int64_t frames) const {
-  return s_->model->family().prompt_chat(*s_->tok, req.system, req.earlier, question_text(req.item),
-                                         frames);
+  return s_->model->family().prompt_chat(*s_->tok, req.item.system, req.earlier,
+                                         question_text(req.item), frames);
 }
 dist::ProcessGroup& QaSession::group() { return *s_->pg; }
 const QaJob& QaSession::job() const { return s_->job; }

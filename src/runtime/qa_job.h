@@ -87,10 +87,9 @@ struct QaRequest {
   // Keep the video's frame index in the index cache (video/index_cache.h); lvx serve turns it off
   // for uploads, temporary files whose index would never be read again.
   bool cache_frame_index = true;
-  // A conversation (lvx serve): a system message and the answered (question, answer) turns
-  // before item.question, in the family's chat template (models/family.h Family::prompt_chat).
-  // Both empty: lvx qa's prompt.
-  std::string system;
+  // A conversation (lvx serve): the answered (question, answer) turns before item.question, in
+  // the family's chat template (models/family.h Family::prompt_chat) with item.system. Both
+  // empty: lvx qa's prompt.
   std::vector<std::pair<std::string, std::string>> earlier;
   bool return_prompt_ids = false;  // the row gets "prompt_ids"
 };

@@ -89,6 +89,16 @@ QaItem conversation_item(const std::vector<Turn>& turns, const std::vector<std::
   return it;
 }
 
+// The text of a system message, `field` its role (or from): only the first message may be one.
+// Its text goes as written (untrimmed, "" for none), as lvx serve takes a request's
+// (src/serve/openai_api.cpp), so that the family's template gets the same string from both.
+const std::string& system_message(size_t i, const std::string& text, const std::string& field,
+                                  const std::string& where) {
+  LVX_CHECK(i == 0, where, ": field '", field, "': a system message after the first message ",
+            "(the family's template places the system message first; only the first may be one)");
+  return text;
+}
+
 std::string id_of(const nlohmann::json& row) {
   if (row.contains("id"))
     return row["id"].is_string() ? row["id"].get<std::string>() : row["id"].dump();
@@ -101,6 +111,7 @@ QaItem parse_swift_row(const nlohmann::json& row, const std::string& where,
   const nlohmann::json& m = row["messages"];
   LVX_CHECK(m.is_array(), where, ": field 'messages' must be a list of {role, content}");
   std::vector<Turn> turns;
+  std::string system;
   for (size_t i = 0; i < m.size(); ++i) {
     const std::string f = str("messages[", i, "]");
     LVX_CHECK(m[i].is_object() && m[i].contains("role") && m[i]["role"].is_string() &&
@@ -109,8 +120,7 @@ QaItem parse_swift_row(const nlohmann::json& row, const std::string& where,
     const std::string role = m[i]["role"].get<std::string>();
     const std::string content = m[i]["content"].get<std::string>();
     if (role == "system") {
-      LVX_CHECK(i == 0 && trim(content).empty(), where, ": field '", f, ".content': a system ",
-                "message is not supported (the family's template has its own); leave it out");
+      system = system_message(i, content, f + ".role", where);
       continue;
     }
     LVX_CHECK(role == "user" || role == "assistant", where, ": field '", f, ".role': expected ",
@@ -118,6 +128,7 @@ QaItem parse_swift_row(const nlohmann::json& row, const std::string& where,
     turns.push_back({role == "user", content, f + ".content"});
   }
   QaItem it = conversation_item(turns, {"<video>"}, where, need_answer);
+  it.system = system;
   LVX_CHECK(row.contains("videos"), where, ": missing field 'videos'");
   const nlohmann::json& v = row["videos"];
   LVX_CHECK(v.is_string() || (v.is_array() && v.size() == 1 && v[0].is_string()), where,
@@ -135,17 +146,24 @@ QaItem parse_llava_row(const nlohmann::json& row, const std::string& where,
   const nlohmann::json& c = row["conversations"];
   LVX_CHECK(c.is_array(), where, ": field 'conversations' must be a list of {from, value}");
   std::vector<Turn> turns;
+  std::string system;
   for (size_t i = 0; i < c.size(); ++i) {
     const std::string f = str("conversations[", i, "]");
     LVX_CHECK(c[i].is_object() && c[i].contains("from") && c[i]["from"].is_string() &&
                   c[i].contains("value") && c[i]["value"].is_string(),
               where, ": field '", f, "' must be {\"from\": ..., \"value\": \"...\"}");
     const std::string from = c[i]["from"].get<std::string>();
-    LVX_CHECK(from == "human" || from == "gpt", where, ": field '", f, ".from': expected human ",
-              "or gpt, got '", from, "'");
-    turns.push_back({from == "human", c[i]["value"].get<std::string>(), f + ".value"});
+    const std::string value = c[i]["value"].get<std::string>();
+    if (from == "system") {
+      system = system_message(i, value, f + ".from", where);
+      continue;
+    }
+    LVX_CHECK(from == "human" || from == "gpt", where, ": field '", f, ".from': expected human, ",
+              "gpt or system, got '", from, "'");
+    turns.push_back({from == "human", value, f + ".value"});
   }
   QaItem it = conversation_item(turns, {"<video>", "<image>"}, where, need_answer);
+  it.system = system;
   LVX_CHECK(row.contains("video"), where, ": missing field 'video'");
   it.video = resolve_video(string_field(row, "video", where), base_dir);
   it.id = id_of(row);

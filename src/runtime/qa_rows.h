@@ -25,7 +25,8 @@ namespace lvx::runtime {
 //                                                   {"from": "gpt", "value": "..."}, ...]}
 // with one video per row, its tag (<video>, or LLaVA's <image>) in the first user turn or absent
 // (the family's template places the frames), user and assistant turns alternating from a user
-// turn; a system message must be empty. The first turn is (question, answer), later ones `turns`.
+// turn, after at most one system message, first (LLaVA's {"from": "system"}). The first turn is
+// (question, answer), later ones `turns`.
 struct QaItem {
   std::string id;
   std::string video;
@@ -36,6 +37,10 @@ struct QaItem {
   // Later (question, answer) turns of a multi-turn conversation: fine-tuning learns every answer
   // (models::Family::prompt_turns); lvx qa asks the first question.
   std::vector<std::pair<std::string, std::string>> turns;
+  // The conversation's system message ("": none), as written. Rows and lvx serve's requests
+  // carry it here alike, and the family's template places it (models::Family::prompt_turns for
+  // fine-tuning, prompt_chat for lvx qa and lvx serve: one placement) or refuses it.
+  std::string system;
 };
 
 // Parses one row; errors name `where` (file:line) and the field.

@@ -81,10 +81,11 @@ std::string training_target(const QaItem& item) {
 PromptTokens training_prompt(const models::Family& family, const models::Tokenizer& tok,
                              const QaItem& item, int64_t frames) {
   const std::string target = training_target(item);
-  if (item.turns.empty()) return family.prompt(tok, question_text(item), frames, &target);
+  if (item.turns.empty() && item.system.empty())
+    return family.prompt(tok, question_text(item), frames, &target);
   std::vector<std::pair<std::string, std::string>> turns{{question_text(item), target}};
   turns.insert(turns.end(), item.turns.begin(), item.turns.end());
-  return family.prompt_turns(tok, turns, frames);
+  return family.prompt_turns(tok, item.system, turns, frames);
 }
 
 std::string expected_answer(const QaItem& item) {

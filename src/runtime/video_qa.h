@@ -45,8 +45,9 @@ std::string parse_answer(const QaItem& item, const std::string& response);
 // What fine-tuning teaches the model to answer: the answer text, or for multiple choice the
 // option letter (what the instruction asks for).
 std::string training_target(const QaItem& item);
-// The prompt of a training row about `frames` frames: its question (with the options) and
-// training_target, then its later turns (Family::prompt_turns), every answer labelled.
+// The prompt of a training row about `frames` frames: its system message, its question (with the
+// options) and training_target, then its later turns (Family::prompt_turns, which places the
+// system message as prompt_chat does for lvx serve), every answer labelled.
 PromptTokens training_prompt(const models::Family& family, const models::Tokenizer& tok,
                              const QaItem& item, int64_t frames);
 // The ground truth in the same form ("A".."E" for multiple choice: the answer letter, or the

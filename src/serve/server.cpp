@@ -331,7 +331,7 @@ json Server::answer(const Command& c, const std::function<void(const std::string
   runtime::QaRequest q;
   q.item.id = d["id"].get<std::string>();
   q.item.question = d["question"].get<std::string>();
-  q.system = d["system"].get<std::string>();
+  q.item.system = d["system"].get<std::string>();
   q.earlier = d["earlier"].get<std::vector<std::pair<std::string, std::string>>>();
   q.return_prompt_ids = d["return_prompt_ids"].get<bool>();
   if (d.contains("video")) q.item.video = file_of(d["video"], "video");
@@ -401,13 +401,13 @@ void Server::check_conversation(const ChatRequest& r) const {
   runtime::QaRequest q;
   q.item.question = r.question;
   q.earlier = r.earlier;
-  q.system = r.system;
+  q.item.system = r.system;
   try {
     (void)session_.prompt(q, 1);
   } catch (const Error& e) {
     std::string param = "messages";
     if (!r.system.empty()) {
-      q.system.clear();
+      q.item.system.clear();
       try {
         (void)session_.prompt(q, 1);
         param = r.system_param;  // the system message alone is refused

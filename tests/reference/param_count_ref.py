@@ -1,0 +1,95 @@
+"""Parameter counts of a model's config.json from the reference packages, built on the meta device
+(no memory, no weights): the independent side of lvx's sizing from config.json alone.
+
+  param_count_ref.py count CONFIG.json      prints {"total": N, "vision": V, "unused": U} as JSON
+
+  mllama      transformers' MllamaForConditionalGeneration(MllamaConfig(**config)); vision = the
+              vision_model's parameters (the tower lvx freezes by default; the projector trains).
+  mplugowl3   transformers' Qwen2ForCausalLM and SiglipVisionModel (the modules the release's
+              remote code instantiates) plus the release's own tensors: the projector
+              vision2text_model (two linears) and each hyper layer's v_kv_proj and gate
+              (mplug_owl3_ref.state_dict_template, the same construction the tests' models use).
+              unused: what the release never runs, so a runtime need not hold it: mPLUG-Owl3
+              takes the SigLIP tower's next-to-last hidden states, so its last encoder layer and
+              its final LayerNorm and attention-pooling head (vision_model.post_layernorm, .head) are
+              never computed.
+
+  llama32-config OUT.json   writes Llama-3.2-11B-Vision's config.json as transformers lays it out
+              (MllamaConfig's defaults are that model; the release's rope_scaling, context and
+              560-pixel tiles set as its config.json has them).
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def count_mllama(cfg):
+    from transformers import MllamaConfig, MllamaForConditionalGeneration
+    c = MllamaConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    with torch.device("meta"):
+        m = MllamaForConditionalGeneration(c)
+    total = sum(p.numel() for p in m.parameters())
+    vision = sum(p.numel() for n, p in m.named_parameters() if "vision_model." in n)
+    return total, vision, 0
+
+
+def count_mplugowl3(cfg):
+    import mplug_owl3_ref as owl
+    with torch.device("meta"):
+        shapes = owl.state_dict_template(cfg, "240728")
+    numel = {k: int(torch.Size(v).numel()) for k, v in shapes.items()}
+    if cfg.get("tie_word_embeddings"):
+        numel.pop("language_model.lm_head.weight", None)
+    total = sum(numel.values())
+    vision = sum(n for k, n in numel.items() if k.startswith("vision_model."))
+    last = cfg["vision_config"]["num_hidden_layers"] - 1
+    unused = sum(n for k, n in numel.items()
+                 if k.startswith((f"vision_model.encoder.layers.{last}.", "vision_model.head.",
+                                  "vision_model.post_layernorm.")))
+    return total, vision, unused
+
+
+def cmd_count(args):
+    with open(args.config) as f:
+        cfg = json.load(f)
+    kind = cfg.get("model_type")
+    counter = {"mllama": count_mllama, "mplugowl3": count_mplugowl3}.get(kind)
+    if counter is None:
+        sys.exit(f"{args.config}: model_type {kind!r} has no reference count here")
+    total, vision, unused = counter(cfg)
+    print(json.dumps({"total": total, "vision": vision, "unused": unused}))
+
+
+def cmd_llama32_config(args):
+    from transformers import MllamaConfig
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    c = MllamaConfig(text_config={"rope_scaling": rope, "max_position_embeddings": 131072,
+                                  "rope_theta": 500000.0},
+                     vision_config={"image_size": 560})
+    d = c.to_dict()
+    d["torch_dtype"] = "bfloat16"
+    d["architectures"] = ["MllamaForConditionalGeneration"]
+    with open(args.out, "w") as f:
+        json.dump(d, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("count")
+    p.add_argument("config")
+    p = sub.add_parser("llama32-config")
+    p.add_argument("out")
+    args = ap.parse_args()
+    {"count": cmd_count, "llama32-config": cmd_llama32_config}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
