@@ -33,6 +33,7 @@
 #include "src/dist/process_group.h"
 #include "src/runtime/optimizer.h"
 #include "src/runtime/sharded_state.h"
+#include "src/runtime/tensorboard.h"
 #include "src/runtime/train_checkpoint.h"
 #include "src/runtime/train_config.h"
 #include "tests/model_conformance.h"
@@ -773,6 +774,30 @@ TEST(FinetuneShard, LoraUnderEveryStageEqualsUnshardedAndResumes) {
   const std::string resumed = finetune(config, "--resume " + flags);
   ASSERT_EQ(resumed.find("exit status"), std::string::npos) << resumed;
   EXPECT_EQ(state_diff(latest(full), latest(ck)), 0.0) << "LoRA stage 3: not bitwise equal";
+}
+
+// logging.tensorboard: TensorBoard's own loader reads every step's metrics from lvx's event files
+// (the loss, as written to metrics.jsonl, to float precision); CRC-32C against its check value.
+TEST(FinetuneMetrics, TensorBoardReadsTheRunsScalars) {
+  EXPECT_EQ(lvx::runtime::crc32c("123456789", 9), 0xE3069283u);  // the CRC-32C check value
+  const std::string tb = (dir() / "tb_events").string();
+  fs::remove_all(tb);
+  const std::string ck = shard_run("tb", 1, "logging.tensorboard=" + tb);
+  const std::string out = run_command(python() + " " + std::string(LVX_SOURCE_DIR) +
+                                      "/tests/reference/tensorboard_ref.py read " + tb);
+  const nlohmann::json j = nlohmann::json::parse(out.substr(out.find('{')));
+  const auto m = metrics(ck + "/metrics.jsonl");
+  ASSERT_EQ(m.size(), 3u);
+  ASSERT_TRUE(j.contains("train/loss")) << out;
+  ASSERT_EQ(j["train/loss"].size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(j["train/loss"][i][0].get<int64_t>(), static_cast<int64_t>(i + 1));
+    EXPECT_NEAR(j["train/loss"][i][1].get<double>(), m[i]["loss"].get<double>(),
+                1e-6 * std::abs(m[i]["loss"].get<double>()));
+  }
+  for (const char* tag : {"train/lr", "train/grad_norm", "train/tokens_per_second",
+                          "train/samples_per_second", "train/peak_rss_bytes"})
+    EXPECT_TRUE(j.contains(tag)) << tag;
 }
 
 TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {

@@ -31,6 +31,7 @@
 #include "src/dist/process_group.h"
 #include "src/runtime/device.h"
 #include "src/runtime/finetune_lora.h"
+#include "src/runtime/tensorboard.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/optimizer.h"
 #include "src/runtime/layer_sharding.h"
@@ -601,6 +602,10 @@ int run_finetune_rank(const FinetuneJob& job) {
     truncate_metrics(cfg.logging.metrics, start);
   }
   std::ofstream metrics;
+  // TensorBoard event files beside the metrics (logging.tensorboard), rank 0's.
+  std::unique_ptr<TensorBoardWriter> tensorboard;
+  if (r == 0 && !cfg.logging.tensorboard.empty())
+    tensorboard = std::make_unique<TensorBoardWriter>(cfg.logging.tensorboard);
   if (r == 0) metrics.open(cfg.logging.metrics, std::ios::app);
   const bool plain = std::getenv("LVX_FINETUNE_BAR") == nullptr;  // the launcher draws a bar
 
@@ -783,6 +788,7 @@ int run_finetune_rank(const FinetuneJob& job) {
           {"eta_seconds", eta},
           {"total_steps", cfg.schedule.steps}};
       metrics << m.dump() << "\n" << std::flush;
+      if (tensorboard) tensorboard->metrics(m);
       if (plain && (done % cfg.logging.every == 0 || step + 1 == cfg.schedule.steps)) {
         std::printf(
             "step %lld/%lld  loss %.4f  lr %.3g  grad norm %.3g  %.0f tok/s (%.0f per rank)  "

@@ -342,6 +342,7 @@ TrainConfig from_root(const YAML::Node& root, const std::string& file) {
     Section s(root, file, "logging");
     c.logging.metrics = s.str_or("metrics", c.checkpoint.dir + "/metrics.jsonl");
     c.logging.every = s.int_or("every", 1, 1);
+    c.logging.tensorboard = s.str_or("tensorboard", "");
     s.finish();
   }
   bool lora = false;  // a `lora:` section, even empty, turns LoRA on (models/lora.h)
@@ -416,8 +417,10 @@ std::string to_yaml(const TrainConfig& c) {
     << p.recompute << YAML::Key << "remat" << YAML::Value << p.remat << YAML::Key << "shard"
     << YAML::Value << p.shard << YAML::Key << "sp_size" << YAML::Value << p.sp_size << YAML::EndMap;
   e << YAML::Key << "logging" << YAML::Value << YAML::BeginMap << YAML::Key << "metrics"
-    << YAML::Value << c.logging.metrics << YAML::Key << "every" << YAML::Value << c.logging.every
-    << YAML::EndMap;
+    << YAML::Value << c.logging.metrics << YAML::Key << "every" << YAML::Value << c.logging.every;
+  if (!c.logging.tensorboard.empty())
+    e << YAML::Key << "tensorboard" << YAML::Value << c.logging.tensorboard;
+  e << YAML::EndMap;
   if (c.lora.r > 0) {  // only when on: full fine-tuning's recorded configs stay as they were
     e << YAML::Key << "lora" << YAML::Value << YAML::BeginMap << YAML::Key << "r" << YAML::Value
       << c.lora.r << YAML::Key << "alpha" << YAML::Value << shortest(c.lora.alpha) << YAML::Key

@@ -69,6 +69,7 @@ struct TrainConfig {
   struct Logging {
     std::string metrics;  // JSONL file (default: <checkpoint.dir>/metrics.jsonl)
     int64_t every = 1;    // steps between plain progress lines when not on a terminal
+    std::string tensorboard;  // a folder for TensorBoard event files ("": none; tensorboard.h)
   } logging;
 };
 
