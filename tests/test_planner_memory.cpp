@@ -235,7 +235,7 @@ TEST(TrainMemory, CountsFromConfigJsonEqualTheReferencePackages) {
     std::filesystem::create_directories(dir);
     std::filesystem::copy_file(cfg, dir + "/config.json",
                                std::filesystem::copy_options::overwrite_existing);
-    for (const std::string model : {src + "/configs/models/" + name + ".yaml", dir}) {
+    for (const std::string& model : {src + "/configs/models/" + name + ".yaml", dir}) {
       std::string out;
       ASSERT_EQ(run(lvx + " plan --model " + model + " --cluster " + src +
                         "/configs/clusters/h100_80g_16.yaml --train --frames 8 --text 64 --nproc 8",
