@@ -219,7 +219,9 @@ TEST(TrainMemory, CountsFromConfigJsonEqualTheReferencePackages) {
   for (const std::string name :
        {"llama32_vision_11b", "mplug_owl3_1b", "mplug_owl3_2b", "mplug_owl3_7b"}) {
     SCOPED_TRACE(name);
-    const std::string cfg = src + "/configs/models/" + name + ".config.json";
+    // The release folder holds config.json alone: sized before anything else is downloaded.
+    const std::string dir = src + "/configs/models/releases/" + name;
+    const std::string cfg = dir + "/config.json";
     std::string ref;
     ASSERT_EQ(run(std::string(LVX_PYTHON) + " " + src +
                       "/tests/reference/param_count_ref.py count " + cfg,
@@ -229,12 +231,6 @@ TEST(TrainMemory, CountsFromConfigJsonEqualTheReferencePackages) {
     const nlohmann::json r = nlohmann::json::parse(ref.substr(ref.rfind('{')));
     const double held = r["total"].get<double>() - r["unused"].get<double>();
     const double trains = r["total"].get<double>() - r["vision"].get<double>();
-    const std::string dir = (std::filesystem::temp_directory_path() /
-                             ("lvx_counts_" + std::to_string(::getpid()) + "_" + name))
-                                .string();
-    std::filesystem::create_directories(dir);
-    std::filesystem::copy_file(cfg, dir + "/config.json",
-                               std::filesystem::copy_options::overwrite_existing);
     for (const std::string& model : {src + "/configs/models/" + name + ".yaml", dir}) {
       std::string out;
       ASSERT_EQ(run(lvx + " plan --model " + model + " --cluster " + src +
@@ -249,7 +245,6 @@ TEST(TrainMemory, CountsFromConfigJsonEqualTheReferencePackages) {
       EXPECT_NEAR(total, held, 1e-3 * held);
       EXPECT_NEAR(train, trains, 1e-3 * trains);
     }
-    std::filesystem::remove_all(dir);
   }
 }
 

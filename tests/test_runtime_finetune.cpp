@@ -9,7 +9,11 @@
 //   - bad input (dataset row, video, time range, config field, model dir) is one clear error and
 //     nothing already written changes;
 //   - AdamW + warm-up/cosine + clipping matches torch.optim.AdamW and clip_grad_norm_ (PyTorch
-//     itself, the independent reference) within 1e-6 relative over 6 steps.
+//     itself, the independent reference) within 1e-6 relative over 6 steps;
+//   - every parallel.shard stage, LoRA under each, data × sequence parallel, global metrics, the
+//     global batch across a resume, and TensorBoard's loader on the event files.
+// Over 600 lines: one binary's fixtures are shared by these cases; the structure issue splits the
+// file by concern (shard stages, data parallel, metrics) with the job itself.
 //   - config bounds and the changed fields --resume names; step folders without `latest` are
 //     refused; manifests are XXH3 (old FNV-1a ones still verify); a non-finite gradient norm or
 //     master weight is caught. (Divergence, trainer_state.json damage, metrics of other runs,

@@ -535,3 +535,39 @@ TEST(TrainingRows, FinetuneReadsSwiftJsonlAndLlavaJson) {
 
 }  // namespace
 }  // namespace lvx::runtime
+
+namespace lvx::runtime {
+namespace {
+
+// A family whose template has no place for a system message (Llama-3.2-Vision) refuses a row
+// that carries one before the run starts, naming the file and line; nothing is written.
+TEST(TrainingRows, SystemMessageTheTemplateRefusesStopsTheRunFirst) {
+  const std::string ref = std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py";
+  const testing::Reference mllama =
+      testing::reference_model("mllama", ref, testing::script_stamp(ref), "", "--length 24");
+  const std::string video = (dir() / "clip_sys.mp4").string();
+  ASSERT_EQ(run_command("ffmpeg -loglevel error -y -f lavfi -i testsrc=size=64x64:rate=4 -t 2 "
+                        "-pix_fmt yuv420p " +
+                        video),
+            "");
+  const std::string rows = write(
+      "train_sys.jsonl",
+      R"({"messages": [{"role": "user", "content": "<video>What colour?"}, {"role": "assistant", "content": "red"}], "videos": ["clip_sys.mp4"]})"
+      "\n"
+      R"({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<video>What colour?"}, {"role": "assistant", "content": "red"}], "videos": ["clip_sys.mp4"]})"
+      "\n");
+  const std::string ck = (dir() / "ck_sys").string();
+  fs::remove_all(ck);
+  const std::string cfg =
+      write("sys.yaml", "model: {path: " + mllama.model + "}\ndata: {train: " + rows +
+                            ", num_frames: 1}\nschedule: {steps: 1}\ncheckpoint: {dir: " + ck +
+                            "}\n");
+  const std::string log = run_command(testing::lvx_binary() + " finetune --config " + cfg);
+  EXPECT_NE(log.find(rows + ":2: "), std::string::npos) << log;
+  EXPECT_NE(log.find("system"), std::string::npos) << log;
+  EXPECT_NE(log.find("exit status"), std::string::npos) << log;
+  EXPECT_FALSE(fs::exists(ck + "/latest"));
+}
+
+}  // namespace
+}  // namespace lvx::runtime

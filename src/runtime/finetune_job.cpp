@@ -1,3 +1,7 @@
+// `lvx finetune`: the job (finetune_job.h). Over 600 lines, and run_finetune_rank is one long
+// function: the structure issue splits it into its named steps (load the model and state, build a
+// sample, the step, metrics, checkpoints); it stays whole until then because the fine-tuning
+// issues change it meanwhile, and a split under them would be reviewed twice.
 #include "src/runtime/finetune_job.h"
 
 #include <ATen/core/grad_mode.h>
@@ -260,6 +264,24 @@ std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos
   std::string errors;
   int bad = 0;
   std::map<std::string, std::pair<double, double>> spans;  // video → [begin, end] seconds
+  // A system message is placed by the family's template, or refused by it (OpenFlamingo and
+  // Llama-3.2-Vision have no place for one): rendered once per such row before anything runs.
+  std::unique_ptr<models::Tokenizer> tok;
+  const models::Family* family = nullptr;
+  auto check_system = [&](const QaItem& it, const std::string& where) {
+    if (it.system.empty()) return;
+    if (!tok) {
+      const std::string c = cfg.model.path + "/config.json";
+      family = &models::family_of_config(read_json_file(c, "model config"), c);
+      tok = std::make_unique<models::Tokenizer>(
+          models::Tokenizer::from_file(cfg.model.path + "/tokenizer.json"));
+    }
+    try {
+      training_prompt(*family, *tok, it, 1);
+    } catch (const Error& e) {
+      LVX_FAIL(where, ": ", e.what());
+    }
+  };
   // One row at most 1 MiB (a question and its answer), nested at most 64 levels.
   for (QaLine& l : read_qa_rows(path, "data.train", /*need_answer=*/true, uint64_t{1} << 20)) {
     const std::string where = str(path, ":", l.line);
@@ -272,6 +294,7 @@ std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos
         LVX_FAIL(where, ": field 'video': ", e.what());
       }
       if (probe_videos) {
+        check_system(it, where);
         auto sp = spans.find(it.video);
         if (sp == spans.end()) {
           const video::VideoDecoder dec(it.video);
