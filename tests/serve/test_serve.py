@@ -785,6 +785,11 @@ def case_uploads_stay_private(fx, srv, ranks):
     # uploads leave no frame index in the index cache, and a playlist cannot reach other files.
     victim = Path(tempfile.mkdtemp(dir=fx.root))
     tmp = Path(tempfile.gettempdir())
+    # Every rank makes its folders in the run's own temporary folder (so the check below sees
+    # this server's, never another suite's).
+    for pid in descendants(srv.proc.pid) + [srv.proc.pid]:
+        env = Path("/proc/%s/environ" % pid).read_bytes().split(b"\0")
+        assert ("TMPDIR=%s" % tmp).encode() in env, (pid, tmp)
     planted = []
     for pid in descendants(srv.proc.pid) + [srv.proc.pid]:
         for n in range(3):
@@ -874,6 +879,13 @@ def main():
     root = Path(os.environ.get("LVX_SERVE_TEST_DIR",
                                Path(tempfile.gettempdir()) / ("lvx-serve-test-%d" % os.getuid())))
     fx = Fixtures(root)
+    # A temporary folder of this run's own, for the servers (TMPDIR) and the cases: ctest runs the
+    # 1- and 2-rank suites at once, and a case that looks for upload folders left in a shared
+    # /tmp would see the other suite's server at work.
+    tmp = fx.root / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    os.environ["TMPDIR"] = str(tmp)
+    tempfile.tempdir = str(tmp)
     passed = failed = 0
     shared = None  # cases without flags share one server
     for case, flags, env, need, stops in CASES:
