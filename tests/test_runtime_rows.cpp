@@ -48,6 +48,12 @@ std::string write(const std::string& name, const std::string& text) {
   return p;
 }
 
+// A 64×64 test video of `seconds` at 4 fps in the test folder; returns FFmpeg's complaints ("").
+std::string make_clip(const std::string& name, int seconds) {
+  return run_command("ffmpeg -loglevel error -y -f lavfi -i testsrc=size=64x64:rate=4 -t " +
+                     std::to_string(seconds) + " -pix_fmt yuv420p " + (dir() / name).string());
+}
+
 const std::string& tiny_model() {
   static const std::string d = [] {
     const std::string m = (dir() / "model").string();
@@ -488,11 +494,7 @@ TEST(TrainingRows, TrainAndServeTakeOrRefuseOneSystemMessage) {
 }
 
 TEST(TrainingRows, FinetuneReadsSwiftJsonlAndLlavaJson) {
-  const std::string video = (dir() / "clip.mp4").string();
-  ASSERT_EQ(run_command("ffmpeg -loglevel error -y -f lavfi -i testsrc=size=64x64:rate=4 -t 4 "
-                        "-pix_fmt yuv420p " +
-                        video),
-            "");
+  ASSERT_EQ(make_clip("clip.mp4", 4), "");
   const std::string swift = write(
       "train_swift.jsonl",
       R"({"messages": [{"role": "system", "content": "You are a careful viewer."}, {"role": "user", "content": "<video>What colour?"}, {"role": "assistant", "content": "red"}, {"role": "user", "content": "And now?"}, {"role": "assistant", "content": "blue"}], "videos": ["clip.mp4"]})"
@@ -533,23 +535,13 @@ TEST(TrainingRows, FinetuneReadsSwiftJsonlAndLlavaJson) {
   EXPECT_FALSE(fs::exists(dir() / "ck_bad"));
 }
 
-}  // namespace
-}  // namespace lvx::runtime
-
-namespace lvx::runtime {
-namespace {
-
 // A family whose template has no place for a system message (Llama-3.2-Vision) refuses a row
 // that carries one before the run starts, naming the file and line; nothing is written.
 TEST(TrainingRows, SystemMessageTheTemplateRefusesStopsTheRunFirst) {
   const std::string ref = std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py";
   const testing::Reference mllama =
       testing::reference_model("mllama", ref, testing::script_stamp(ref), "", "--length 24");
-  const std::string video = (dir() / "clip_sys.mp4").string();
-  ASSERT_EQ(run_command("ffmpeg -loglevel error -y -f lavfi -i testsrc=size=64x64:rate=4 -t 2 "
-                        "-pix_fmt yuv420p " +
-                        video),
-            "");
+  ASSERT_EQ(make_clip("clip_sys.mp4", 2), "");
   const std::string rows = write(
       "train_sys.jsonl",
       R"({"messages": [{"role": "user", "content": "<video>What colour?"}, {"role": "assistant", "content": "red"}], "videos": ["clip_sys.mp4"]})"
@@ -558,10 +550,9 @@ TEST(TrainingRows, SystemMessageTheTemplateRefusesStopsTheRunFirst) {
       "\n");
   const std::string ck = (dir() / "ck_sys").string();
   fs::remove_all(ck);
-  const std::string cfg =
-      write("sys.yaml", "model: {path: " + mllama.model + "}\ndata: {train: " + rows +
-                            ", num_frames: 1}\nschedule: {steps: 1}\ncheckpoint: {dir: " + ck +
-                            "}\n");
+  const std::string cfg = write(
+      "sys.yaml", "model: {path: " + mllama.model + "}\ndata: {train: " + rows +
+                      ", num_frames: 1}\nschedule: {steps: 1}\ncheckpoint: {dir: " + ck + "}\n");
   const std::string log = run_command(testing::lvx_binary() + " finetune --config " + cfg);
   EXPECT_NE(log.find(rows + ":2: "), std::string::npos) << log;
   EXPECT_NE(log.find("system"), std::string::npos) << log;

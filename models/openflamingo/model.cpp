@@ -1,3 +1,7 @@
+// OpenFlamingo (models/openflamingo/model.h): config, shapes, the vision encoder, the perceiver,
+// the three decoder kinds and the gated cross-attention blocks. Over 600 lines: the family is one
+// model whose parts share its config and tensor names; the structure issue splits it (vision and
+// perceiver, decoder blocks) with the other families, so all three follow one layout.
 #include "models/openflamingo/model.h"
 
 #include <c10/core/GradMode.h>

@@ -80,12 +80,6 @@ ParamCounts estimate_parameters(const ModelConfig& m, int64_t vocab_size,
   return p;
 }
 
-int64_t lora_projections(const ModelConfig& m) {
-  int64_t n = 0;
-  for (const auto& l : m.layers) n += l.kind == LayerKind::kSelf ? 7 : 0;
-  return n;
-}
-
 int64_t lora_parameters(const ModelConfig& m, int64_t r) {
   int64_t n = 0;
   for (const auto& l : m.layers) {
@@ -108,7 +102,7 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   const double psi_t =
       lora ? static_cast<double>(lora_parameters(m, o.lora_r)) : static_cast<double>(pc.trainable);
   // A LoRA adapter: every piece in the decoder layers (7 projections per block), none in the root.
-  const double self_layers = std::max<double>(1, static_cast<double>(lora_projections(m)) / 7);
+  const double self_layers = std::max<double>(1, static_cast<double>(m.count(LayerKind::kSelf)));
   const double block = lora ? psi_t / self_layers : static_cast<double>(pc.max_block);
   const double root = lora ? 0 : static_cast<double>(pc.root);
   // The decoder layers' frozen parameters (stage 3 shards them too): all of a LoRA run's layers;
@@ -176,7 +170,8 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   // elements), and, in a compute dtype other than fp32, A and B cast to it (saved by the branch's
   // two products: the adapter once more, in e bytes).
   if (lora) {
-    saved += l_rank * e * static_cast<double>(o.lora_r) * static_cast<double>(lora_projections(m));
+    saved += l_rank * e * static_cast<double>(o.lora_r) *
+             static_cast<double>(kLoraProjectionsPerBlock * m.count(LayerKind::kSelf));
     if (e != 4) saved += e * psi_t;
   }
   t.activations = saved;

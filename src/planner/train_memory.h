@@ -73,7 +73,8 @@ ParamCounts estimate_parameters(const ModelConfig& m, int64_t vocab_size,
 // LoRA adapters of rank r on every projection of every LM block (q, k, v, o, gate, up, down):
 // r·(in + out) each.
 int64_t lora_parameters(const ModelConfig& m, int64_t r);
-int64_t lora_projections(const ModelConfig& m);  // adapted projections: 7 per LM block
+// The projections LoRA adapts in each LM block (q, k, v, o, gate, up, down).
+constexpr int64_t kLoraProjectionsPerBlock = 7;
 
 struct TrainMemoryOptions {
   std::string shard = "none";  // none | optimizer | gradients | parameters

@@ -78,8 +78,7 @@ TrainTraffic train_traffic(const ModelConfig& m, const ParamCounts& params,
   const bool lora = o.lora_r > 0;
   const double psi = lora ? static_cast<double>(lora_parameters(m, o.lora_r))
                           : static_cast<double>(params.trainable);
-  int64_t blocks = 0;
-  for (const auto& l : m.layers) blocks += l.kind == LayerKind::kSelf ? 1 : 0;
+  const int64_t blocks = m.count(LayerKind::kSelf);
   const double last = lora ? psi / static_cast<double>(std::max<int64_t>(1, blocks))
                            : static_cast<double>(params.max_block);
   const double e = static_cast<double>(o.elem_bytes);
@@ -99,8 +98,8 @@ TrainTraffic train_traffic(const ModelConfig& m, const ParamCounts& params,
   } else if (o.shard == "optimizer" || o.shard == "gradients") {
     t.items.push_back(item("fp32 gradients", CollectiveKind::kReduceScatter, grads,
                            o.shard == "optimizer" ? 1 : a, n, c));
-    t.items.push_back(item("parameters after the update", CollectiveKind::kAllGather, weights, 1,
-                           n, c));
+    t.items.push_back(
+        item("parameters after the update", CollectiveKind::kAllGather, weights, 1, n, c));
   } else {
     LVX_CHECK(o.shard == "parameters", "shard: expected none|optimizer|gradients|parameters, got '",
               o.shard, "'");

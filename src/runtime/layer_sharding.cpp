@@ -28,10 +28,20 @@ void free_storage(const at::Tensor& t) {
 
 void allocate_storage(const at::Tensor& t, size_t nbytes) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  LVX_CHECK(s->allocator() != nullptr, "parallel.shard parameters: a unit's storage has no "
-                                       "allocator");
+  LVX_CHECK(s->allocator() != nullptr,
+            "parallel.shard parameters: a unit's storage has no "
+            "allocator");
   s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
   s->set_nbytes(nbytes);
+}
+
+// A tensor of `like`'s shape over `buffer`'s storage from element `offset` on (a leaf of its
+// own, not a view: writing the buffer never bumps its version).
+at::Tensor over_buffer(const at::Tensor& buffer, int64_t offset, const at::Tensor& like) {
+  const std::vector<int64_t> sizes = like.sizes().vec();
+  at::Tensor p = at::empty({0}, buffer.options());
+  p.set_(buffer.storage(), offset, sizes, c10::contiguous_strides(sizes));
+  return p;
 }
 
 class UnitGradHook final : public torch::autograd::PostAccumulateGradHook {
@@ -46,10 +56,10 @@ class UnitGradHook final : public torch::autograd::PostAccumulateGradHook {
 
 }  // namespace
 
-LayerSharding::LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world,
-                             models::Model& model, const FlatLayout& layout,
-                             const ShardedAdamW& opt, const at::Device& device,
-                             bool shard_parameters, const FrozenReader& read_frozen)
+LayerSharding::LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world, models::Model& model,
+                             const FlatLayout& layout, const ShardedAdamW& opt,
+                             const at::Device& device, bool shard_parameters,
+                             const FrozenReader& read_frozen)
     : shard_parameters_(shard_parameters),
       device_(device),
       gather_pg_(dist::ProcessGroup::subgroup(world, 0, world->world_size(), "zero-gather")),
@@ -103,11 +113,8 @@ LayerSharding::LayerSharding(const std::shared_ptr<dist::ProcessGroup>& world,
       u.buffer = at::empty({u.numel}, options);
       for (size_t j = 0; j < u.names.size(); ++j) {
         at::Tensor& slot = params.at(u.names[j]);
-        const std::vector<int64_t> sizes = slot.sizes().vec();
-        at::Tensor p = at::empty({0}, options);
-        p.set_(u.buffer.storage(), u.local[j], sizes, c10::contiguous_strides(sizes));
-        p.set_requires_grad(true);
-        slot = p;  // the whole (or meta) tensor it replaces is released here
+        slot = over_buffer(u.buffer, u.local[j], slot);  // the whole (or meta) one is released
+        slot.set_requires_grad(true);
       }
       free_storage(u.buffer);
     }
@@ -160,10 +167,7 @@ void LayerSharding::shard_frozen(Unit& u, const FrozenReader& read) {
   u.frozen_buffer = at::empty({u.frozen_numel}, options);
   for (size_t j = 0; j < u.frozen_names.size(); ++j) {
     at::Tensor& slot = params.at(u.frozen_names[j]);
-    const std::vector<int64_t> sizes = slot.sizes().vec();
-    at::Tensor p = at::empty({0}, options);
-    p.set_(u.frozen_buffer.storage(), u.frozen_local[j], sizes, c10::contiguous_strides(sizes));
-    slot = p;  // the whole (or meta) tensor is released here
+    slot = over_buffer(u.frozen_buffer, u.frozen_local[j], slot);  // the whole (or meta) one goes
   }
   free_storage(u.frozen_buffer);
 }
@@ -387,7 +391,6 @@ int64_t LayerSharding::bytes_sent() const {
   return (gather_pg_ ? gather_pg_->counters_snapshot().total_sent() : 0) +
          reduce_pg_->counters_snapshot().total_sent();
 }
-
 
 // ---- TaskThread ---------------------------------------------------------------------------------
 

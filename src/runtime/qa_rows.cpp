@@ -92,11 +92,40 @@ QaItem conversation_item(const std::vector<Turn>& turns, const std::vector<std::
 // The text of a system message, `field` its role (or from): only the first message may be one.
 // Its text goes as written (untrimmed, "" for none), as lvx serve takes a request's
 // (src/serve/openai_api.cpp), so that the family's template gets the same string from both.
-const std::string& system_message(size_t i, const std::string& text, const std::string& field,
-                                  const std::string& where) {
-  LVX_CHECK(i == 0, where, ": field '", field, "': a system message after the first message ",
-            "(the family's template places the system message first; only the first may be one)");
-  return text;
+// How a row format spells a conversation: ms-swift {"messages": [{"role", "content"}]} with
+// user/assistant, LLaVA {"conversations": [{"from", "value"}]} with human/gpt; both may open
+// with a system message.
+struct ConversationShape {
+  const char *list, *role, *text, *user, *assistant;
+};
+
+// The row's turns, and its system message (first only; one elsewhere is an error naming it).
+std::vector<Turn> read_turns(const nlohmann::json& row, const ConversationShape& k,
+                             const std::string& where, std::string* system) {
+  const nlohmann::json& m = row[k.list];
+  LVX_CHECK(m.is_array(), where, ": field '", k.list, "' must be a list of {", k.role, ", ", k.text,
+            "}");
+  std::vector<Turn> turns;
+  for (size_t i = 0; i < m.size(); ++i) {
+    const std::string f = str(k.list, "[", i, "]");
+    LVX_CHECK(m[i].is_object() && m[i].contains(k.role) && m[i][k.role].is_string() &&
+                  m[i].contains(k.text) && m[i][k.text].is_string(),
+              where, ": field '", f, "' must be {\"", k.role, "\": ..., \"", k.text,
+              "\": \"...\"}");
+    const std::string role = m[i][k.role].get<std::string>();
+    const std::string text = m[i][k.text].get<std::string>();
+    if (role == "system") {
+      LVX_CHECK(i == 0, where, ": field '", f, ".", k.role, "': a system message after the first ",
+                "message (the family's template places the system message first; only the first ",
+                "may be one)");
+      *system = text;
+      continue;
+    }
+    LVX_CHECK(role == k.user || role == k.assistant, where, ": field '", f, ".", k.role,
+              "': expected ", k.user, ", ", k.assistant, " or system, got '", role, "'");
+    turns.push_back({role == k.user, text, f + "." + k.text});
+  }
+  return turns;
 }
 
 std::string id_of(const nlohmann::json& row) {
@@ -108,25 +137,9 @@ std::string id_of(const nlohmann::json& row) {
 // ms-swift: {"messages": [{"role", "content"}...], "videos": ["path"]}.
 QaItem parse_swift_row(const nlohmann::json& row, const std::string& where,
                        const std::string& base_dir, bool need_answer) {
-  const nlohmann::json& m = row["messages"];
-  LVX_CHECK(m.is_array(), where, ": field 'messages' must be a list of {role, content}");
-  std::vector<Turn> turns;
   std::string system;
-  for (size_t i = 0; i < m.size(); ++i) {
-    const std::string f = str("messages[", i, "]");
-    LVX_CHECK(m[i].is_object() && m[i].contains("role") && m[i]["role"].is_string() &&
-                  m[i].contains("content") && m[i]["content"].is_string(),
-              where, ": field '", f, "' must be {\"role\": ..., \"content\": \"...\"}");
-    const std::string role = m[i]["role"].get<std::string>();
-    const std::string content = m[i]["content"].get<std::string>();
-    if (role == "system") {
-      system = system_message(i, content, f + ".role", where);
-      continue;
-    }
-    LVX_CHECK(role == "user" || role == "assistant", where, ": field '", f, ".role': expected ",
-              "user, assistant or system, got '", role, "'");
-    turns.push_back({role == "user", content, f + ".content"});
-  }
+  const std::vector<Turn> turns =
+      read_turns(row, {"messages", "role", "content", "user", "assistant"}, where, &system);
   QaItem it = conversation_item(turns, {"<video>"}, where, need_answer);
   it.system = system;
   LVX_CHECK(row.contains("videos"), where, ": missing field 'videos'");
@@ -143,25 +156,9 @@ QaItem parse_swift_row(const nlohmann::json& row, const std::string& where,
 // LLaVA / VILA: {"video": "path", "conversations": [{"from": "human"|"gpt", "value"}...]}.
 QaItem parse_llava_row(const nlohmann::json& row, const std::string& where,
                        const std::string& base_dir, bool need_answer) {
-  const nlohmann::json& c = row["conversations"];
-  LVX_CHECK(c.is_array(), where, ": field 'conversations' must be a list of {from, value}");
-  std::vector<Turn> turns;
   std::string system;
-  for (size_t i = 0; i < c.size(); ++i) {
-    const std::string f = str("conversations[", i, "]");
-    LVX_CHECK(c[i].is_object() && c[i].contains("from") && c[i]["from"].is_string() &&
-                  c[i].contains("value") && c[i]["value"].is_string(),
-              where, ": field '", f, "' must be {\"from\": ..., \"value\": \"...\"}");
-    const std::string from = c[i]["from"].get<std::string>();
-    const std::string value = c[i]["value"].get<std::string>();
-    if (from == "system") {
-      system = system_message(i, value, f + ".from", where);
-      continue;
-    }
-    LVX_CHECK(from == "human" || from == "gpt", where, ": field '", f, ".from': expected human, ",
-              "gpt or system, got '", from, "'");
-    turns.push_back({from == "human", value, f + ".value"});
-  }
+  const std::vector<Turn> turns =
+      read_turns(row, {"conversations", "from", "value", "human", "gpt"}, where, &system);
   QaItem it = conversation_item(turns, {"<video>", "<image>"}, where, need_answer);
   it.system = system;
   LVX_CHECK(row.contains("video"), where, ": missing field 'video'");
