@@ -10,6 +10,8 @@
 //                 [--hkv 8,2] [--dim 64] [--dtype fp32] [--device cpu,cuda] [--reps 3]
 //                 [--warmup 1] [-o md|json]
 //                 [--memory-demo] [--check-only]      (--help: defaults and LVX_* env mirrors)
+//                 [--profile DIR]  (instead of the table: per shape, where lvx's and the baseline's
+//                                   time goes; Chrome traces in DIR, benchmarks/kernel_profile.h)
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -24,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "benchmarks/kernel_profile.h"
 #include "kernels/attention.h"
 #include "src/cli/args.h"
 #include "src/common/dtype.h"
@@ -473,6 +476,9 @@ int main(int argc, char** argv) {
     args.add_flag("check-only", 0, "run the correctness phase only");
     args.add_flag("memory-demo", 0, "CPU forward of 1024 queries x 1M keys, peak RSS");
     args.add_flag("verbose", 'v', "print every correctness comparison");
+    args.add_option("profile", 0, "",
+                    "profile instead of timing: per shape and device, lvx vs the baseline under "
+                    "PyTorch's profiler; Chrome traces into this folder, a summary to stdout");
     if (!args.parse(argc, argv)) return 0;
     const std::string format = args.get("output");
     const int reps = static_cast<int>(args.get_int("reps"));
@@ -543,7 +549,10 @@ int main(int argc, char** argv) {
               for (int64_t d : dim_list) {
                 std::cerr << "timing " << dev << " " << dt << " Sq=" << sq << " Skv=" << skv
                           << " H=" << h << " Hkv=" << hkv << " D=" << d << "\n";
-                if (dev.is_cuda()) {
+                if (!args.get("profile").empty()) {
+                  lvx::bench::profile_attention(args.get("profile"), dev, parse_dtype(dt), sq,
+                                                skv, h, hkv, d, warmup, reps);
+                } else if (dev.is_cuda()) {
 #ifdef LVX_WITH_CUDA
                   bench_cuda(rows, sq, skv, h, hkv, d, parse_dtype(dt), warmup, reps);
 #endif
@@ -558,7 +567,7 @@ int main(int argc, char** argv) {
         }
       }
     }
-    print_rows(rows, format);
+    if (args.get("profile").empty()) print_rows(rows, format);
     if (failed_devices > 0) return 1;
   } catch (const std::exception& e) {
     std::cerr << "bench_kernels: error: " << e.what() << "\n";

@@ -15,6 +15,8 @@
 #                  against the CPU and the reference package (lvx_gpu_models through lvx-core)
 #   bench_kernels  lvx's local attention against ATen's SDPA on the GPU: square and LV-XAttn
 #                  shapes, fp16/bf16, forward and forward+backward
+#   profile        bench_kernels --profile: where lvx's time goes against flash's (per call wall,
+#                  host launch, kernel time; kernels and host operators; traces in DIR/profile)
 #   two GPUs       with 2+ GPUs: the process group on NCCL (one rank per GPU, communicators made
 #                  eagerly, NCCL_DEBUG=WARN, LVX_DIST_TIMEOUT_S=30) and the strategy suite with
 #                  NCCL at the worlds the GPUs allow; skipped with a row on one GPU
@@ -157,6 +159,18 @@ else
   step "bench_kernels (lvx vs SDPA, small, CPU)" 180 bench_kernels -- "$bin/bench_kernels" \
     --device cpu --dtype fp32 --shapes 256x1024 --masks none,causal --heads 4 --hkv 4,2 \
     --dim 32 --reps 1 --warmup 0
+fi
+# Where lvx's time goes against flash's on two of those shapes (benchmarks/kernel_profile.h):
+# per call wall, host launch and kernel time, the kernels and host operators; traces in
+# $out/profile (Chrome JSON, Perfetto opens them).
+if [ "$device" = cuda ]; then
+  step "bench_kernels --profile (lvx vs flash, bf16)" 240 profile -- "$bin/bench_kernels" \
+    --device cuda --dtype bf16 --shapes 4096x4096,256x65536 --heads 16 --hkv 16,4 --dim 128 \
+    --reps 5 --warmup 2 --profile "$out/profile"
+else
+  step "bench_kernels --profile (lvx vs SDPA, small, CPU)" 120 profile -- "$bin/bench_kernels" \
+    --device cpu --dtype fp32 --shapes 256x1024 --heads 4 --hkv 2 --dim 32 --reps 2 \
+    --warmup 1 --profile "$out/profile"
 fi
 
 # ---- two GPUs: NCCL --------------------------------------------------------------------------
