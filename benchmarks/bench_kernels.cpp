@@ -4,7 +4,8 @@
 // against at::scaled_dot_product_attention on the same tensors (masks none / causal / media,
 // MHA and GQA; ratio = SDPA time / lvx time, rate over visible pairs), on CUDA against
 // at::_scaled_dot_product_flash_attention and cuDNN attention. Warm-up, repeats, median (and
-// min/max spread); -o md|json.
+// min/max spread; CUDA forwards also back to back, one synchronisation for all repeats, as a
+// model's layers run); -o md|json.
 //
 //   bench_kernels [--shapes 2048x2048,1024x16384] [--masks none,causal,mediaUpTo] [--heads 8]
 //                 [--hkv 8,2] [--dim 64] [--dtype fp32] [--device cpu,cuda] [--reps 3]
@@ -82,6 +83,18 @@ Timing time_it(const std::function<void()>& fn, const at::Device& dev, int warmu
   }
   std::sort(t.begin(), t.end());
   return {t[t.size() / 2], t.front(), t.back()};
+}
+
+// Calls issued back to back, one synchronisation at the end (as a model's layers run): the host
+// work of one call overlaps the device work of the one before. Mean per call.
+double time_back_to_back(const std::function<void()>& fn, const at::Device& dev, int warmup,
+                         int reps) {
+  for (int i = 0; i < warmup; ++i) fn();
+  sync(dev);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) fn();
+  sync(dev);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -423,6 +436,14 @@ void bench_cuda(std::vector<Row>& rows, int64_t sq, int64_t skv, int64_t h, int6
                   "sdpa_flash", tf.max_s / tf.min_s});
   rows.push_back({"cuda", dtype_name(dt), "fwd", sq, skv, h, hkv, d, tf.median_s, rate, cudnn,
                   "sdpa_cudnn", tf.max_s / tf.min_s});
+  // Back to back (no synchronisation between calls), against flash the same way.
+  if (flash > 0) {
+    const double b2b = time_back_to_back([&] { attention_forward(q, k, v, p); }, dev, warmup, reps);
+    const double fb2b = time_back_to_back(
+        [&] { at::_scaled_dot_product_flash_attention(qh, kh, vh); }, dev, warmup, reps);
+    rows.push_back({"cuda", dtype_name(dt), "fwd back-to-back", sq, skv, h, hkv, d, b2b,
+                    flops / b2b / 1e12, flops / fb2b / 1e12, "sdpa_flash", 1.0});
+  }
   auto delta = attention_delta(dout, out.o);
   auto tb =
       time_it([&] { attention_backward(q, k, v, dout, out.lse, delta, p); }, dev, warmup, reps);

@@ -554,6 +554,40 @@ TEST(FusedDispatch, Fp32AndBf16UseAtenFusedAttentionFp64UsesLvxKernel) {
   }
 }
 
+// An unmasked block skips the host-side mask preparation (the plan is known): it must plan,
+// count and compute exactly as the prepared path does for the same visibility, here an
+// all-true key padding (which goes through prepare_mask), at several batch rows, GQA and query
+// counts over one and many tiles. Bitwise: both make the same single op calls.
+TEST(FusedDispatch, UnmaskedPlanEqualsThePreparedPlanOfAnAllVisibleMask) {
+  if (!cpu_uses_fused_path(at::kFloat)) GTEST_SKIP() << "LVX_CPU_ATTENTION=kernel";
+  for (auto [batch, sq, hkv] : {std::tuple<int64_t, int64_t, int64_t>{1, 100, 4},
+                                {2, 300, 2}, {1, 2 * kCpuQTile + 5, 1}}) {
+    SCOPED_TRACE(str("batch ", batch, " sq ", sq, " hkv ", hkv));
+    const int64_t skv = 3 * kCpuKTile + 7, d = 16;
+    auto q = at::randn({batch, sq, 4, d}), k = at::randn({batch, skv, hkv, d});
+    auto v = at::randn({batch, skv, hkv, d}), dout = at::randn({batch, sq, 4, d});
+    AttentionParams none, padded;
+    padded.mask.kv_valid = at::ones({batch, skv}, at::kBool);
+    AttentionStats fn, fp, bn, bp;
+    auto on = attention_forward(q, k, v, none, &fn), op = attention_forward(q, k, v, padded, &fp);
+    EXPECT_TRUE(at::equal(on.o, op.o));
+    EXPECT_TRUE(at::equal(on.lse, op.lse));
+    auto gn = attention_backward(q, k, v, dout, on.lse, attention_delta(dout, on.o), none, &bn);
+    auto gp = attention_backward(q, k, v, dout, op.lse, attention_delta(dout, op.o), padded, &bp);
+    EXPECT_TRUE(at::equal(gn.dq, gp.dq));
+    EXPECT_TRUE(at::equal(gn.dk, gp.dk));
+    EXPECT_TRUE(at::equal(gn.dv, gp.dv));
+    for (auto [a, b] : {std::pair{&fn, &fp}, std::pair{&bn, &bp}}) {
+      EXPECT_EQ(a->tiles_total, b->tiles_total);
+      EXPECT_EQ(a->tiles_full, b->tiles_full);
+      EXPECT_EQ(a->tiles_fused, b->tiles_fused);
+      EXPECT_EQ(a->tiles_skipped, 0);
+      EXPECT_EQ(b->tiles_skipped, 0);
+    }
+    EXPECT_EQ(fn.tiles_total, batch * 4 * ((sq + kCpuQTile - 1) / kCpuQTile) * 4);
+  }
+}
+
 // The fused path's plan on a media mask: runs of full tiles without a mask, masked runs with a
 // dense bias, key tiles outside every query tile's range skipped, rows that see nothing
 // (q_media -1) o = 0 / lse = -inf; checked against the fp64 reference with a tight fp32 bound.
