@@ -85,6 +85,7 @@ Timing time_it(const std::function<void()>& fn, const at::Device& dev, int warmu
   return {t[t.size() / 2], t.front(), t.back()};
 }
 
+#ifdef LVX_WITH_CUDA
 // Calls issued back to back, one synchronisation at the end (as a model's layers run): the host
 // work of one call overlaps the device work of the one before. Mean per call.
 double time_back_to_back(const std::function<void()>& fn, const at::Device& dev, int warmup,
@@ -96,6 +97,7 @@ double time_back_to_back(const std::function<void()>& fn, const at::Device& dev,
   sync(dev);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Correctness: the same gate as tests/test_kernels.cpp, on any device.
