@@ -891,3 +891,136 @@ TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
   EXPECT_NE(typo.find("parallel.shard"), std::string::npos) << typo;
   EXPECT_FALSE(fs::exists(ck + "/latest"));
 }
+
+// ---- evaluation during training (src/runtime/finetune_eval.h) --------------------------------
+
+namespace {
+
+// Held-out rows in the dataset's folder (the videos resolve next to it).
+std::string eval_rows(const std::string& name, const std::vector<std::string>& rows) {
+  const std::string path = (fs::path(dataset()).parent_path() / (name + ".jsonl")).string();
+  std::ofstream f(path);
+  for (const auto& r : rows) f << r << "\n";
+  return path;
+}
+
+const std::string kRow0 =
+    R"({"video": "testsrc.mp4", "question": "What pattern is shown?", "answer": "color bars"})";
+const std::string kRow1 =
+    R"({"video": "testsrc2.mp4", "question": "What moves?", "answer": "shapes", "start": 1.0, "end": 3.5})";
+
+}  // namespace
+
+// The held-out loss is the training loss without its backward: with the data in file order at
+// one group, step 3 trains on row 0 with the parameters step 2 left, so the evaluation after
+// step 2 on row 0 alone must give step 3's logged loss. The answers are lvx qa's: the last
+// evaluation's rows equal `lvx qa` on the last checkpoint, response for response. The best
+// checkpoint by eval_loss is the one best.json names, with the value of its metrics line, and it
+// outlives checkpoint.keep.
+TEST(FinetuneEval, LossIsTheTrainingLossAndAnswersAreLvxQas) {
+  const std::string rows = eval_rows("eval_row0", {kRow0});
+  const std::string ck = (dir() / "ck_eval").string();
+  fs::remove_all(ck);
+  const std::string log = finetune(
+      write_config("eval", ck, 4,
+                   "eval: {data: " + rows + ", every: 2, max_new_tokens: 6, best_metric: "
+                   "eval_loss}\n"),
+      "data.shuffle=false checkpoint.keep=1 checkpoint.every=0");
+  ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
+  EXPECT_NE(log.find("eval after step 2: loss"), std::string::npos) << log;
+  std::map<int64_t, nlohmann::json> train, eval;
+  for (const auto& m : metrics(ck + "/metrics.jsonl"))
+    (m.contains("eval_loss") ? eval : train)[m["step"].get<int64_t>()] = m;
+  ASSERT_EQ(train.size(), 4u);
+  ASSERT_EQ(eval.size(), 2u);
+  ASSERT_TRUE(eval.count(2) && eval.count(4));
+  const double held_out = eval[2]["eval_loss"].get<double>(), trained = train[3]["loss"].get<double>();
+  std::cout << "eval after step 2 on row 0: " << held_out << "; step 3's training loss: " << trained
+            << "\n";
+  EXPECT_NEAR(held_out, trained, 1e-6 * std::abs(trained));
+  EXPECT_EQ(eval[4]["eval_rows"].get<int64_t>(), 1);
+  EXPECT_EQ(eval[4]["eval_scored"].get<int64_t>(), 1);
+  // lvx qa on the step-4 checkpoint, at the run's ranks, frames and strategies.
+  const std::string out = (dir() / "eval_qa.jsonl").string();
+  fs::remove(out);
+  fs::remove(out + ".settings.json");
+  const std::string qa = run_command(lvx_binary() + " qa --model " + ck + "/step-000004" +
+                                     " --questions " + rows + " --output " + out +
+                                     " --num-frames 4 --max-new-tokens 6 --nproc 2 --dtype fp32" +
+                                     " --strategies lv_xattn,ring");
+  ASSERT_EQ(qa.find("exit status"), std::string::npos) << qa;
+  const auto mine = metrics(ck + "/eval/step-000004.jsonl"), theirs = metrics(out);
+  ASSERT_EQ(mine.size(), 1u);
+  ASSERT_EQ(theirs.size(), 1u);
+  EXPECT_EQ(mine[0]["response"], theirs[0]["response"]);
+  EXPECT_EQ(mine[0]["correct"], theirs[0]["correct"]);
+  EXPECT_EQ(eval[4]["eval_correct"].get<int64_t>(), theirs[0]["correct"].get<bool>() ? 1 : 0);
+  // Evaluations checkpoint (every: 0 would keep only the last); best.json names the lower loss.
+  const auto best = lvx::runtime::read_best_checkpoint(ck);
+  ASSERT_TRUE(best.has_value());
+  const int64_t best_step = eval[2]["eval_loss"].get<double>() < eval[4]["eval_loss"].get<double>()
+                                ? 2
+                                : 4;
+  EXPECT_EQ(best->step, best_step);
+  EXPECT_EQ(best->metric, "eval_loss");
+  EXPECT_DOUBLE_EQ(best->value, eval[best_step]["eval_loss"].get<double>());
+  EXPECT_TRUE(fs::is_directory(ck + "/" + best->checkpoint));
+  EXPECT_TRUE(fs::is_directory(ck + "/step-000004"));  // latest
+}
+
+// Stage 3 gathers each layer for the held-out forward as it does for training, and two
+// data-parallel groups split 3 rows (one group runs an uncounted forward so the gathers match):
+// the loss equals one rank's, unsharded, within the stages' tolerance on the parameters.
+TEST(FinetuneEval, ShardedDataParallelLossEqualsOneRanks) {
+  const std::string rows = eval_rows("eval_rows3", {kRow0, kRow1, kRow1});
+  const std::string flags = "'eval={data: " + rows + ", every: 1, accuracy: false}'";
+  const std::string one = shard_run("eval_one", 1, flags);
+  const std::string dp = shard_run("eval_dp", 2, flags + " parallel.sp_size=1 parallel.shard=parameters");
+  std::map<int64_t, double> a, b;
+  for (const auto& m : metrics(one + "/metrics.jsonl"))
+    if (m.contains("eval_loss")) a[m["step"].get<int64_t>()] = m["eval_loss"].get<double>();
+  for (const auto& m : metrics(dp + "/metrics.jsonl"))
+    if (m.contains("eval_loss")) {
+      b[m["step"].get<int64_t>()] = m["eval_loss"].get<double>();
+      EXPECT_EQ(m["eval_rows"].get<int64_t>(), 3);
+    }
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (const auto& [step, loss] : a) {
+    std::cout << "step " << step << ": eval_loss " << loss << " (1 rank) vs " << b[step]
+              << " (2 groups, stage 3)\n";
+    EXPECT_NEAR(b[step], loss, 1e-4 * std::abs(loss)) << "step " << step;
+  }
+  // Accuracy needs whole layers for every new token: refused at stage 3, by name.
+  const std::string log = finetune(write_config("eval_bad", (dir() / "ck_eval_bad").string(), 3),
+                                   "'eval={data: " + rows + "}' parallel.shard=parameters");
+  EXPECT_NE(log.find("eval.accuracy"), std::string::npos) << log;
+  const std::string log2 = finetune(write_config("eval_bad", (dir() / "ck_eval_bad").string(), 3),
+                                    "'eval={data: " + rows + ", accuracy: false, best_metric: "
+                                    "eval_accuracy}'");
+  EXPECT_NE(log2.find("eval.best_metric: eval_accuracy needs eval.accuracy"), std::string::npos)
+      << log2;
+}
+
+// checkpoint.keep removes old checkpoints but never the one best.json names.
+TEST(FinetuneCheckpoint, TheBestCheckpointOutlivesKeep) {
+  const std::string root = (dir() / "ck_best_keep").string();
+  fs::remove_all(root);
+  const std::map<std::string, std::string> files{{"config.json", "{}"}};
+  const std::map<std::string, at::Tensor> params{{"w", at::ones({2})}};
+  auto save = [&](int64_t step) {
+    lvx::runtime::save_train_checkpoint(root, step, files, params, {}, {{"step", step}},
+                                        /*keep=*/1);
+  };
+  save(1);
+  lvx::runtime::write_best_checkpoint(root, {"step-000001", 1, "eval_loss", 0.5});
+  save(2);
+  save(3);
+  EXPECT_TRUE(fs::is_directory(root + "/step-000001"));
+  EXPECT_FALSE(fs::exists(root + "/step-000002"));
+  EXPECT_TRUE(fs::is_directory(root + "/step-000003"));
+  const auto best = lvx::runtime::read_best_checkpoint(root);
+  ASSERT_TRUE(best.has_value());
+  EXPECT_EQ(best->checkpoint, "step-000001");
+  EXPECT_DOUBLE_EQ(best->value, 0.5);
+}

@@ -16,6 +16,7 @@
 #include "models/family.h"
 #include "src/cli/args.h"
 #include "src/cli/command.h"
+#include "src/common/error.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/device.h"
 #include "src/runtime/finetune_job.h"
@@ -34,6 +35,17 @@ void draw_bar(const std::string& metrics, std::streamoff* offset, std::string* l
     *offset = f.tellg();
     try {
       const auto m = nlohmann::json::parse(line);
+      if (m.contains("eval_loss")) {  // an evaluation (src/runtime/finetune_eval.h)
+        std::string acc;
+        if (m.contains("eval_accuracy"))
+          acc = lvx::str(", accuracy ", m.at("eval_correct").get<int64_t>(), "/",
+                         m.at("eval_scored").get<int64_t>());
+        std::fprintf(stderr, "\neval after step %lld: loss %.4f over %lld rows%s\n",
+                     static_cast<long long>(m.at("step").get<int64_t>()),
+                     m.at("eval_loss").get<double>(),
+                     static_cast<long long>(m.at("eval_rows").get<int64_t>()), acc.c_str());
+        continue;
+      }
       const int64_t step = m.at("step"), total = m.at("total_steps");
       const int width = 24, full = static_cast<int>(width * step / std::max<int64_t>(1, total));
       const int64_t eta = static_cast<int64_t>(m.at("eta_seconds").get<double>());
@@ -74,7 +86,10 @@ int cmd_finetune(int argc, char** argv) {
           "the loss is on the answer tokens.\n"
           "AdamW (fp32 masters), warm-up then cosine decay, gradient clipping and accumulation,\n"
           "freeze policies (vision | cross_only | none), data x sequence parallel across ranks,\n"
-          "sharded training state (parallel.shard: none | optimizer | gradients | parameters).\n"
+          "sharded training state (parallel.shard: none | optimizer | gradients | parameters),\n"
+          "LoRA (lora: {r, alpha, target_modules}), evaluation on held-out rows (eval: {data,\n"
+          "every, accuracy, best_metric}: loss, lvx qa's accuracy, the best checkpoint kept),\n"
+          "TensorBoard event files (logging.tensorboard).\n"
           "Checkpoints (checkpoint.dir/step-N, `latest`) load with lvx qa / lvx forward; --resume\n"
           "continues from the latest. See docs/finetune.md for every config field.");
   p.add_option("config", 'c', "", "run YAML (configs/runs/finetune_tiny.yaml)", true);

@@ -1,9 +1,10 @@
-// `lvx finetune`: supervised fine-tuning on video question answering, sequence parallel across
-// the ranks of one process group. Every rank decodes and encodes only its own share of each
-// sample's frames (the model's key layout) and holds its share of the text; the planner (or
-// parallel.strategies) picks each layer's attention strategy; gradients are summed across ranks,
-// so every rank applies the same AdamW update to its replica of the parameters. Data parallelism
-// is not implemented: all ranks work on the same sample (see docs/finetune.md).
+// `lvx finetune`: supervised fine-tuning on video question answering, data × sequence parallel.
+// Within a sequence-parallel group (parallel.sp_size ranks) every rank decodes and encodes only
+// its own share of each sample's frames (the model's key layout) and holds its share of the
+// text; the planner (or parallel.strategies) picks each layer's attention strategy; the groups
+// take different samples. Gradients are summed across all ranks and the optimizer state is
+// replicated or sharded (parallel.shard: ZeRO stages 1-3). The run's steps are in
+// finetune_rank.h; evaluation during training in finetune_eval.h (docs/finetune.md).
 //
 // Determinism: the sample of optimizer step s, micro-batch a is sample k = s · grad_accum + a of
 // the concatenated per-epoch orders (a permutation seeded with data.seed + epoch, or file order
@@ -36,6 +37,10 @@ struct FinetuneJob {
 // levels). `lines`, when given, gets each item's line number.
 std::vector<QaItem> load_training_data(const TrainConfig& cfg, bool probe_videos,
                                        std::vector<int64_t>* lines = nullptr);
+// The held-out rows of eval.data (the first eval.max_rows), checked the same way; none without
+// an `eval:` section.
+std::vector<QaItem> load_eval_data(const TrainConfig& cfg, bool probe_videos,
+                                   std::vector<int64_t>* lines = nullptr);
 
 // What --resume continues from, read from the checkpoint's trainer_state.json and checked:
 // types and ranges (step >= 1 and the folder's step, the data position consistent with it, the

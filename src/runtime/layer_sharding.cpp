@@ -370,6 +370,12 @@ void LayerSharding::end_sample() {
   shard_ = at::Tensor();
 }
 
+void LayerSharding::begin_forward_only() { gather(static_cast<size_t>(layers_)); }
+
+void LayerSharding::end_forward_only() {
+  for (size_t k = 0; k < units_.size(); ++k) release(k);
+}
+
 std::map<std::string, at::Tensor> LayerSharding::consolidated(int root) {
   LVX_CHECK(shard_parameters_, "consolidated: the parameters are whole (stage 2)");
   std::map<std::string, at::Tensor> out;

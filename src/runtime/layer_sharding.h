@@ -128,6 +128,13 @@ class LayerSharding final : public models::LayerHooks {
   // frees every unit. Collective.
   void end_sample();
 
+  // Forwards without a backward (the held-out loss of an evaluation): the root unit is gathered
+  // at begin, each forward's enter_layer gathers its layer and frees the one before as in
+  // training, end frees everything. No gradient buffers. Collective: every rank must run the
+  // same number of forwards in between (the gathers are the world's).
+  void begin_forward_only();
+  void end_forward_only();
+
   // Stage 2, after the optimizer's step: the updated masters into every rank's (whole)
   // parameters, one run of a unit at a time (not the whole flat vector at once). Collective.
   void refresh_parameters();

@@ -200,7 +200,8 @@ struct QaSession::State {
   QaJob job;  // its plan.dtype resolved (fp32 | bf16)
   std::shared_ptr<dist::ProcessGroup> pg;
   at::Device device{at::kCPU};  // the model's: frames go there once, after preprocessing
-  std::unique_ptr<models::Model> model;
+  std::unique_ptr<models::Model> owned;  // the model the session loaded, if it did
+  models::Model* model = nullptr;        // owned, or one lent by the caller (lvx finetune)
   std::unique_ptr<models::Tokenizer> tok;
   video::PreprocessConfig preprocess;
   std::vector<int64_t> stop;
@@ -284,6 +285,21 @@ void write_settings(const std::string& output, const json& settings) {
 
 }  // namespace
 
+namespace {
+
+// What every session holds beside its model: the tokenizer, preprocessing, stop tokens, context
+// and the visual cache.
+void finish_session(QaSession::State& s, int64_t cache_bytes) {
+  s.tok = std::make_unique<models::Tokenizer>(
+      models::Tokenizer::from_file(s.job.model + "/tokenizer.json"));
+  s.preprocess = family_preprocess(s.model->family(), s.model->planner_model().vision.image_size);
+  s.stop = s.model->family().stop_tokens(*s.tok);
+  s.context = model_context_length(s.job.model);
+  s.cache = std::make_unique<VisualCache>(cache_bytes);
+}
+
+}  // namespace
+
 QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, int64_t cache_bytes)
     : s_(std::make_unique<State>()) {
   State& s = *s_;
@@ -295,14 +311,24 @@ QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, i
                                    ck_dtype == "fp32"   ? "float32"
                                    : ck_dtype == "fp16" ? "float16"
                                                         : "bfloat16");
-  s.model = models::load_model(job.model, dtype_of(s.job.plan.dtype, "--dtype"), s.device);
-  if (!job.adapter.empty()) models::merge_adapter(*s.model, job.adapter);  // --adapter (LoRA)
-  s.tok = std::make_unique<models::Tokenizer>(
-      models::Tokenizer::from_file(job.model + "/tokenizer.json"));
-  s.preprocess = family_preprocess(s.model->family(), s.model->planner_model().vision.image_size);
-  s.stop = s.model->family().stop_tokens(*s.tok);
-  s.context = model_context_length(job.model);
-  s.cache = std::make_unique<VisualCache>(cache_bytes);
+  s.owned = models::load_model(job.model, dtype_of(s.job.plan.dtype, "--dtype"), s.device);
+  if (!job.adapter.empty()) models::merge_adapter(*s.owned, job.adapter);  // --adapter (LoRA)
+  s.model = s.owned.get();
+  finish_session(s, cache_bytes);
+}
+
+QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg,
+                     models::Model& model)
+    : s_(std::make_unique<State>()) {
+  State& s = *s_;
+  s.pg = std::move(pg);
+  s.device = choose_device(job.device);
+  s.job = job;
+  LVX_CHECK(job.plan.dtype == "fp32" || job.plan.dtype == "bf16", "QaSession: the lent model's ",
+            "dtype must be given as fp32 or bf16, got '", job.plan.dtype, "'");
+  LVX_CHECK(job.adapter.empty(), "QaSession: a lent model is used as it is (no --adapter)");
+  s.model = &model;
+  finish_session(s, /*cache_bytes=*/0);
 }
 
 QaSession::~QaSession() = default;
@@ -390,7 +416,7 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
   models::Parallel par = plan_layers(*cx.model, ids, n, cx.job.plan, &plan_text);
   par.pg = cx.pg;
   if (cx.job.print_plan && r == 0)
-    std::cerr << plan_text << "\n" << describe(par, cx.model.get()) << "\n";
+    std::cerr << plan_text << "\n" << describe(par, cx.model) << "\n";
 
   const std::function<void(const std::string&)> sink =
       hooks.on_text ? hooks.on_text : [](const std::string&) {};
@@ -508,7 +534,7 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
   }
   if (!events.empty()) row["video_events"] = events;
   row["ranks"] = n;
-  row["plan"] = describe(par, cx.model.get());
+  row["plan"] = describe(par, cx.model);
   const double ttft = times[0].item<double>() + times[2].item<double>();
   row["timings"] = {
       {"video_decode_s", times[0].item<double>()},     {"encode_s", times[1].item<double>()},

@@ -109,6 +109,11 @@ struct AnswerHooks {
 class QaSession {
  public:
   QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, int64_t cache_bytes = 0);
+  // A session over a model already loaded on this rank and lent for the session's life (lvx
+  // finetune's evaluation: the model being trained, its LoRA branches on the activation path);
+  // job.model names its directory (tokenizer.json, config.json), job.plan.dtype its dtype
+  // (fp32 | bf16). No visual cache.
+  QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, models::Model& model);
   ~QaSession();
   // The row of lvx qa (see the top of this file) plus finish_reason ("stop": a stop token or
   // stop_requested; "length": max_new_tokens or the context), completion_tokens (generated
@@ -124,8 +129,9 @@ class QaSession {
   const QaJob& job() const;              // plan.dtype resolved
   VisualCacheStats cache_stats() const;  // this rank's
 
+ struct State;  // (qa_job.cpp)
+
  private:
-  struct State;
   std::unique_ptr<State> s_;
 };
 

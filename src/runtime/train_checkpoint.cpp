@@ -152,10 +152,12 @@ std::string save_train_checkpoint(const std::string& root, int64_t step,
   write_text(fs::path(root) / "latest.tmp", name + "\n");
   fs::rename(fs::path(root) / "latest.tmp", fs::path(root) / "latest");
   fsync_path(root);
-  // Only now that `latest` names the new checkpoint may old ones go.
+  // Only now that `latest` names the new checkpoint may old ones go; the best one stays.
   const std::vector<std::string> steps = checkpoint_folders(root);
+  const std::optional<BestCheckpoint> best = read_best_checkpoint(root);
   for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i)
-    if (steps[i] != name) fs::remove_all(fs::path(root) / steps[i]);
+    if (steps[i] != name && !(best && steps[i] == best->checkpoint))
+      fs::remove_all(fs::path(root) / steps[i]);
   return final_dir.string();
 }
 
@@ -199,6 +201,35 @@ std::string latest_checkpoint(const std::string& root) {
   const fs::path dir = fs::path(root) / name;
   LVX_CHECK(fs::is_directory(dir), p.string(), ": names ", name, ", which does not exist");
   return dir.string();
+}
+
+std::optional<BestCheckpoint> read_best_checkpoint(const std::string& root) {
+  const fs::path p = fs::path(root) / "best.json";
+  std::error_code ec;
+  if (!fs::exists(p, ec)) return std::nullopt;
+  const nlohmann::json j = read_json_file(p.string(), "best checkpoint", 4096);
+  BestCheckpoint b;
+  try {
+    b.checkpoint = j.at("checkpoint").get<std::string>();
+    b.step = j.at("step").get<int64_t>();
+    b.metric = j.at("metric").get<std::string>();
+    b.value = j.at("value").get<double>();
+  } catch (const nlohmann::json::exception&) {
+    LVX_FAIL(p.string(), ": expected {checkpoint, step, metric, value}");
+  }
+  LVX_CHECK(!b.checkpoint.empty() && b.checkpoint.find('/') == std::string::npos, p.string(),
+            ": 'checkpoint' must name a folder of ", root);
+  return b;
+}
+
+void write_best_checkpoint(const std::string& root, const BestCheckpoint& best) {
+  const nlohmann::json j = {{"checkpoint", best.checkpoint},
+                            {"step", best.step},
+                            {"metric", best.metric},
+                            {"value", best.value}};
+  write_text(fs::path(root) / "best.json.tmp", j.dump(2) + "\n");
+  fs::rename(fs::path(root) / "best.json.tmp", fs::path(root) / "best.json");
+  fsync_path(root);
 }
 
 std::string follow_run_folder(const std::string& path) {

@@ -9,6 +9,8 @@
 //   step-000004/      a complete checkpoint
 //   step-000006.partial/   one being written (or left by a crash; never read, removed later)
 //   latest            one line: the name of the newest complete checkpoint
+//   best.json         with eval.best_metric: the best checkpoint by it (finetune_eval.h), which
+//                     `keep` never removes
 // Writes are atomic: the files go into <name>.partial, each is fsynced, manifest.json last, then
 // the folder is renamed into place and the parent fsynced, and only then is `latest` replaced
 // (write latest.tmp, fsync, rename, fsync the parent). A crash at any moment leaves `latest`
@@ -25,6 +27,7 @@
 
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,6 +71,18 @@ std::string latest_checkpoint(const std::string& root);
 // config.json or adapter_config.json of its own, a `latest` pointer), the checkpoint its
 // `latest` names (said once on stderr). Errors as latest_checkpoint's.
 std::string follow_run_folder(const std::string& path);
+
+// best.json under `root`: the best checkpoint by an evaluation metric.
+struct BestCheckpoint {
+  std::string checkpoint;  // folder name, e.g. step-000040
+  int64_t step = 0;
+  std::string metric;      // eval_loss | eval_accuracy
+  double value = 0;
+};
+// None when there is no best.json; an unreadable one is an error naming it.
+std::optional<BestCheckpoint> read_best_checkpoint(const std::string& root);
+// Atomically (best.json.tmp, fsync, rename, fsync the folder).
+void write_best_checkpoint(const std::string& root, const BestCheckpoint& best);
 
 // Checks every file of the manifest (present, size, checksum) with lvx::verify_manifest. Throws
 // lvx::Error naming the checkpoint and the file that is missing or corrupt, or the missing

@@ -104,7 +104,8 @@ class Section {
 
 const std::vector<std::string> kSections = {"model",    "data",    "optimizer",
                                             "schedule", "freeze",  "checkpoint",
-                                            "parallel", "logging", "lora"};
+                                            "parallel", "logging", "lora",
+                                            "eval"};
 
 // "section.field=value" sets root[section][field] to the value parsed as YAML (so numbers,
 // booleans and lists keep their types); "section={field: value, ...}" (a flow-style map) sets
@@ -232,119 +233,119 @@ std::vector<std::string> config_changes(const TrainConfig& before, const TrainCo
 
 namespace {
 
-TrainConfig from_root(const YAML::Node& root, const std::string& file) {
-  for (const auto& kv : root) {
-    const std::string k = kv.first.as<std::string>();
-    bool known = false;
-    for (const auto& s : kSections) known = known || s == k;
-    LVX_CHECK(known, file, ": ", k, ": unknown section (known: model, data, optimizer, schedule, ",
-              "freeze, checkpoint, parallel, logging, lora)");
+void read_model(const YAML::Node& root, const std::string& file, TrainConfig& c) {
+  Section s(root, file, "model");
+  c.model.path = s.get<std::string>("path", "a checkpoint directory");
+  c.model.dtype = s.str_or("dtype", c.model.dtype);
+  // Training keeps fp32 masters and has no loss scaling: fp16's range would overflow.
+  LVX_CHECK(dtype_of(c.model.dtype, s.where("dtype")) != at::kHalf, s.where("dtype"),
+            ": fp16 is not supported for training (no loss scaling); use bf16 or fp32");
+  s.finish();
+}
+
+void read_data(const YAML::Node& root, const std::string& file, TrainConfig& c) {
+  Section s(root, file, "data");
+  c.data.train = s.get<std::string>("train", "a JSONL file");
+  // Bounded before anything is allocated from them (frames are decoded into one batch).
+  if (s.has("num_frames")) {
+    c.data.num_frames = s.int_or("num_frames", 1, 1);
+    LVX_CHECK(*c.data.num_frames <= kMaxFrames, s.where("num_frames"), ": at most ", kMaxFrames,
+              " frames per sample, got ", *c.data.num_frames);
   }
-  TrainConfig c;
-  {
-    Section s(root, file, "model");
-    c.model.path = s.get<std::string>("path", "a checkpoint directory");
-    c.model.dtype = s.str_or("dtype", c.model.dtype);
-    // Training keeps fp32 masters and has no loss scaling: fp16's range would overflow.
-    LVX_CHECK(dtype_of(c.model.dtype, s.where("dtype")) != at::kHalf, s.where("dtype"),
-              ": fp16 is not supported for training (no loss scaling); use bf16 or fp32");
-    s.finish();
+  if (s.has("fps")) {
+    c.data.fps = s.num_or("fps", 1, 1e-9);
+    LVX_CHECK(*c.data.fps <= kMaxFps, s.where("fps"), ": at most ", kMaxFps,
+              " frames per second, got ", *c.data.fps);
   }
-  {
-    Section s(root, file, "data");
-    c.data.train = s.get<std::string>("train", "a JSONL file");
-    // Bounded before anything is allocated from them (frames are decoded into one batch).
-    if (s.has("num_frames")) {
-      c.data.num_frames = s.int_or("num_frames", 1, 1);
-      LVX_CHECK(*c.data.num_frames <= kMaxFrames, s.where("num_frames"), ": at most ", kMaxFrames,
-                " frames per sample, got ", *c.data.num_frames);
-    }
-    if (s.has("fps")) {
-      c.data.fps = s.num_or("fps", 1, 1e-9);
-      LVX_CHECK(*c.data.fps <= kMaxFps, s.where("fps"), ": at most ", kMaxFps,
-                " frames per second, got ", *c.data.fps);
-    }
-    LVX_CHECK(c.data.num_frames.has_value() != c.data.fps.has_value(), s.where("num_frames"),
-              ": give exactly one of data.num_frames and data.fps");
-    c.data.shuffle = s.bool_or("shuffle", c.data.shuffle);
-    c.data.seed = s.int_or("seed", c.data.seed, 0);
-    LVX_CHECK(c.data.seed <= kMaxSeed, s.where("seed"), ": at most ", kMaxSeed, ", got ",
-              c.data.seed);
-    s.finish();
-  }
-  {
-    Section s(root, file, "optimizer");
-    auto& o = c.optimizer;
-    o.lr = s.num_or("lr", o.lr, 0);
-    if (s.has("betas")) {
-      const YAML::Node b = s.raw("betas");
-      LVX_CHECK(b.IsSequence() && b.size() == 2, s.where("betas"),
-                ": expected a list of two numbers, got '", YAML::Dump(b), "'");
-      for (size_t i = 0; i < 2; ++i) {
-        try {
-          o.betas[i] = b[i].as<double>();
-        } catch (const YAML::Exception&) {
-          LVX_FAIL(s.where("betas"), ": expected a list of two numbers, got '", YAML::Dump(b), "'");
-        }
-        LVX_CHECK(o.betas[i] >= 0 && o.betas[i] < 1, s.where("betas"), ": each must be in [0, 1), ",
-                  "got ", o.betas[i]);
+  LVX_CHECK(c.data.num_frames.has_value() != c.data.fps.has_value(), s.where("num_frames"),
+            ": give exactly one of data.num_frames and data.fps");
+  c.data.shuffle = s.bool_or("shuffle", c.data.shuffle);
+  c.data.seed = s.int_or("seed", c.data.seed, 0);
+  LVX_CHECK(c.data.seed <= kMaxSeed, s.where("seed"), ": at most ", kMaxSeed, ", got ",
+            c.data.seed);
+  s.finish();
+}
+
+void read_optimizer(const YAML::Node& root, const std::string& file, TrainConfig& c) {
+  Section s(root, file, "optimizer");
+  auto& o = c.optimizer;
+  o.lr = s.num_or("lr", o.lr, 0);
+  if (s.has("betas")) {
+    const YAML::Node b = s.raw("betas");
+    LVX_CHECK(b.IsSequence() && b.size() == 2, s.where("betas"),
+              ": expected a list of two numbers, got '", YAML::Dump(b), "'");
+    for (size_t i = 0; i < 2; ++i) {
+      try {
+        o.betas[i] = b[i].as<double>();
+      } catch (const YAML::Exception&) {
+        LVX_FAIL(s.where("betas"), ": expected a list of two numbers, got '", YAML::Dump(b), "'");
       }
+      LVX_CHECK(o.betas[i] >= 0 && o.betas[i] < 1, s.where("betas"), ": each must be in [0, 1), ",
+                "got ", o.betas[i]);
     }
-    o.eps = s.num_or("eps", o.eps, 0);
-    o.weight_decay = s.num_or("weight_decay", o.weight_decay, 0);
-    o.grad_clip = s.num_or("grad_clip", o.grad_clip, 0);
-    o.grad_accum = s.int_or("grad_accum", o.grad_accum, 1);
-    // One optimizer step takes grad_accum samples per data-parallel group: a count no run can
-    // reach (2^62 hung a run in its first step's sampler) is refused.
-    LVX_CHECK(o.grad_accum <= kMaxGradAccum, s.where("grad_accum"), ": must be at most ",
-              kMaxGradAccum, " samples per step, got ", o.grad_accum);
-    s.finish();
   }
-  {
-    Section s(root, file, "schedule");
-    c.schedule.steps = s.int_or("steps", 0, 1);
-    LVX_CHECK(s.has("steps"), s.where("steps"), ": missing (required)");
-    c.schedule.warmup_steps = s.int_or("warmup_steps", 0, 0);
-    c.schedule.min_lr = s.num_or("min_lr", 0, 0);
-    LVX_CHECK(c.schedule.min_lr <= c.optimizer.lr, s.where("min_lr"), ": ", c.schedule.min_lr,
-              " exceeds optimizer.lr ", c.optimizer.lr);
-    s.finish();
-  }
-  {
-    Section s(root, file, "freeze");
-    c.freeze.policy = s.choice_or("policy", c.freeze.policy, {"vision", "cross_only", "none"});
-    s.finish();
-  }
-  {
-    Section s(root, file, "checkpoint");
-    c.checkpoint.dir = s.get<std::string>("dir", "a directory");
-    c.checkpoint.every = s.int_or("every", 0, 0);
-    c.checkpoint.keep = s.int_or("keep", 2, 1);
-    s.finish();
-  }
-  {
-    Section s(root, file, "parallel");
-    auto& p = c.parallel;
-    p.nproc = s.int_or("nproc", 1, 1);
-    LVX_CHECK(p.nproc <= kMaxRanks, s.where("nproc"), ": at most ", kMaxRanks, " local ranks, got ",
-              p.nproc);
-    p.strategies = s.str_or("strategies", p.strategies);
-    p.cluster = s.str_or("cluster", "");
-    p.recompute = s.bool_or("recompute", false);
-    p.remat = s.bool_or("remat", false);
-    p.shard = s.choice_or("shard", p.shard, {"none", "optimizer", "gradients", "parameters"});
-    p.sp_size = s.int_or("sp_size", 0, 0);
-    LVX_CHECK(p.sp_size <= kMaxRanks, s.where("sp_size"), ": at most ", kMaxRanks, ", got ",
-              p.sp_size);
-    s.finish();
-  }
-  {
-    Section s(root, file, "logging");
-    c.logging.metrics = s.str_or("metrics", c.checkpoint.dir + "/metrics.jsonl");
-    c.logging.every = s.int_or("every", 1, 1);
-    c.logging.tensorboard = s.str_or("tensorboard", "");
-    s.finish();
-  }
+  o.eps = s.num_or("eps", o.eps, 0);
+  o.weight_decay = s.num_or("weight_decay", o.weight_decay, 0);
+  o.grad_clip = s.num_or("grad_clip", o.grad_clip, 0);
+  o.grad_accum = s.int_or("grad_accum", o.grad_accum, 1);
+  // One optimizer step takes grad_accum samples per data-parallel group: a count no run can
+  // reach (2^62 hung a run in its first step's sampler) is refused.
+  LVX_CHECK(o.grad_accum <= kMaxGradAccum, s.where("grad_accum"), ": must be at most ",
+            kMaxGradAccum, " samples per step, got ", o.grad_accum);
+  s.finish();
+}
+
+void read_schedule(const YAML::Node& root, const std::string& file, TrainConfig& c) {
+  Section s(root, file, "schedule");
+  c.schedule.steps = s.int_or("steps", 0, 1);
+  LVX_CHECK(s.has("steps"), s.where("steps"), ": missing (required)");
+  c.schedule.warmup_steps = s.int_or("warmup_steps", 0, 0);
+  c.schedule.min_lr = s.num_or("min_lr", 0, 0);
+  LVX_CHECK(c.schedule.min_lr <= c.optimizer.lr, s.where("min_lr"), ": ", c.schedule.min_lr,
+            " exceeds optimizer.lr ", c.optimizer.lr);
+  s.finish();
+}
+
+void read_freeze(const YAML::Node& root, const std::string& file, TrainConfig& c) {
+  Section s(root, file, "freeze");
+  c.freeze.policy = s.choice_or("policy", c.freeze.policy, {"vision", "cross_only", "none"});
+  s.finish();
+}
+
+void read_checkpoint(const YAML::Node& root, const std::string& file, TrainConfig& c) {
+  Section s(root, file, "checkpoint");
+  c.checkpoint.dir = s.get<std::string>("dir", "a directory");
+  c.checkpoint.every = s.int_or("every", 0, 0);
+  c.checkpoint.keep = s.int_or("keep", 2, 1);
+  s.finish();
+}
+
+void read_parallel(const YAML::Node& root, const std::string& file, TrainConfig& c) {
+  Section s(root, file, "parallel");
+  auto& p = c.parallel;
+  p.nproc = s.int_or("nproc", 1, 1);
+  LVX_CHECK(p.nproc <= kMaxRanks, s.where("nproc"), ": at most ", kMaxRanks, " local ranks, got ",
+            p.nproc);
+  p.strategies = s.str_or("strategies", p.strategies);
+  p.cluster = s.str_or("cluster", "");
+  p.recompute = s.bool_or("recompute", false);
+  p.remat = s.bool_or("remat", false);
+  p.shard = s.choice_or("shard", p.shard, {"none", "optimizer", "gradients", "parameters"});
+  p.sp_size = s.int_or("sp_size", 0, 0);
+  LVX_CHECK(p.sp_size <= kMaxRanks, s.where("sp_size"), ": at most ", kMaxRanks, ", got ",
+            p.sp_size);
+  s.finish();
+}
+
+void read_logging(const YAML::Node& root, const std::string& file, TrainConfig& c) {
+  Section s(root, file, "logging");
+  c.logging.metrics = s.str_or("metrics", c.checkpoint.dir + "/metrics.jsonl");
+  c.logging.every = s.int_or("every", 1, 1);
+  c.logging.tensorboard = s.str_or("tensorboard", "");
+  s.finish();
+}
+
+void read_lora(const YAML::Node& root, const std::string& file, TrainConfig& c) {
   bool lora = false;  // a `lora:` section, even empty, turns LoRA on (models/lora.h)
   for (const auto& kv : root) lora = lora || kv.first.as<std::string>() == "lora";
   if (lora) {
@@ -378,6 +379,50 @@ TrainConfig from_root(const YAML::Node& root, const std::string& file) {
     }
     s.finish();
   }
+}
+void read_eval(const YAML::Node& root, const std::string& file, TrainConfig& c) {
+  if (!root["eval"]) return;
+  Section s(root, file, "eval");
+  auto& e = c.eval;
+  e.data = s.get<std::string>("data", "a JSONL file of held-out rows");
+  e.every = s.int_or("every", 0, 0);
+  e.max_rows = s.int_or("max_rows", 0, 0);
+  e.accuracy = s.bool_or("accuracy", e.accuracy);
+  e.max_new_tokens = s.int_or("max_new_tokens", e.max_new_tokens, 1);
+  LVX_CHECK(e.max_new_tokens <= kMaxEvalTokens, s.where("max_new_tokens"), ": at most ",
+            kMaxEvalTokens, ", got ", e.max_new_tokens);
+  e.best_metric = s.choice_or("best_metric", "", {"", "eval_loss", "eval_accuracy"});
+  LVX_CHECK(e.best_metric != "eval_accuracy" || e.accuracy, s.where("best_metric"),
+            ": eval_accuracy needs eval.accuracy: true");
+  // Generating needs every layer whole for each new token; stage 3 holds layers only while its
+  // forward or backward passes them.
+  LVX_CHECK(!e.accuracy || c.parallel.shard != "parameters", s.where("accuracy"),
+            ": answering questions during training is not supported with parallel.shard ",
+            "parameters (generation would gather every layer for every new token); set ",
+            "eval.accuracy: false (the held-out loss is evaluated layer by layer) and score the ",
+            "saved checkpoints with lvx qa");
+  s.finish();
+}
+
+TrainConfig from_root(const YAML::Node& root, const std::string& file) {
+  for (const auto& kv : root) {
+    const std::string k = kv.first.as<std::string>();
+    bool known = false;
+    for (const auto& s : kSections) known = known || s == k;
+    LVX_CHECK(known, file, ": ", k, ": unknown section (known: model, data, optimizer, schedule, ",
+              "freeze, checkpoint, parallel, logging, lora, eval)");
+  }
+  TrainConfig c;
+  read_model(root, file, c);
+  read_data(root, file, c);
+  read_optimizer(root, file, c);
+  read_schedule(root, file, c);
+  read_freeze(root, file, c);
+  read_checkpoint(root, file, c);
+  read_parallel(root, file, c);
+  read_logging(root, file, c);
+  read_lora(root, file, c);
+  read_eval(root, file, c);
   return c;
 }
 
@@ -421,6 +466,14 @@ std::string to_yaml(const TrainConfig& c) {
   if (!c.logging.tensorboard.empty())
     e << YAML::Key << "tensorboard" << YAML::Value << c.logging.tensorboard;
   e << YAML::EndMap;
+  if (!c.eval.data.empty()) {
+    const auto& v = c.eval;
+    e << YAML::Key << "eval" << YAML::Value << YAML::BeginMap << YAML::Key << "data" << YAML::Value
+      << v.data << YAML::Key << "every" << YAML::Value << v.every << YAML::Key << "max_rows"
+      << YAML::Value << v.max_rows << YAML::Key << "accuracy" << YAML::Value << v.accuracy
+      << YAML::Key << "max_new_tokens" << YAML::Value << v.max_new_tokens << YAML::Key
+      << "best_metric" << YAML::Value << v.best_metric << YAML::EndMap;
+  }
   if (c.lora.r > 0) {  // only when on: full fine-tuning's recorded configs stay as they were
     e << YAML::Key << "lora" << YAML::Value << YAML::BeginMap << YAML::Key << "r" << YAML::Value
       << c.lora.r << YAML::Key << "alpha" << YAML::Value << shortest(c.lora.alpha) << YAML::Key

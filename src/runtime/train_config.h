@@ -71,6 +71,20 @@ struct TrainConfig {
     int64_t every = 1;    // steps between plain progress lines when not on a terminal
     std::string tensorboard;  // a folder for TensorBoard event files ("": none; tensorboard.h)
   } logging;
+  // Evaluation during training (src/runtime/finetune_eval.h): on held-out rows every `every`
+  // steps and at the last, the loss (the training loss, no backward) and, with `accuracy`, each
+  // row's question answered as lvx qa answers it and scored; lines in logging.metrics.
+  struct Eval {
+    std::string data;            // JSONL of held-out rows, data.train's formats ("": no eval)
+    int64_t every = 0;           // steps between evaluations (0: only after the last step)
+    int64_t max_rows = 0;        // the first max_rows rows (0: all)
+    bool accuracy = true;        // also generate answers and score them (rows with an answer)
+    int64_t max_new_tokens = 32;
+    // eval_loss (lower is better) or eval_accuracy (higher): every evaluation then also saves a
+    // checkpoint, and `best.json` in checkpoint.dir names the best, which checkpoint.keep never
+    // removes. "": no best checkpoint.
+    std::string best_metric;
+  } eval;
 };
 
 // Bounds of the fields that size an allocation or a process count, checked while loading.
@@ -80,6 +94,7 @@ constexpr int64_t kMaxRanks = 1024;                      // parallel.nproc: loca
 constexpr int64_t kMaxSeed = int64_t{1} << 52;           // data.seed (+ epoch must not overflow)
 constexpr uint64_t kMaxConfigBytes = uint64_t{1} << 20;  // the run YAML
 constexpr int64_t kMaxGradAccum = int64_t{1} << 20;      // optimizer.grad_accum: samples per step
+constexpr int64_t kMaxEvalTokens = 4096;                 // eval.max_new_tokens
 
 // Reads `path` and applies `overrides` ("section.field=value", the value parsed as YAML) in
 // order. Errors name the file (or "command line") and the field path: unknown fields, wrong

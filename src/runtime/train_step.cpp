@@ -62,6 +62,14 @@ LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
   return r;
 }
 
+double mean_loss(dist::ProcessGroup& pg, const at::Tensor& all_labels,
+                 const models::ModelOutputs& out) {
+  const auto [local_sum, count] = local_loss(pg, all_labels, out);
+  at::Tensor sum = local_sum.detach().to(at::kDouble).reshape({1});
+  pg.all_reduce(sum);
+  return (sum / count).item<double>();
+}
+
 std::map<std::string, at::Tensor> backward_step(dist::ProcessGroup& pg, models::Model& model,
                                                 const at::Tensor& all_labels,
                                                 const models::ModelOutputs& out,

@@ -34,6 +34,11 @@ LocalBackward backward_local(dist::ProcessGroup& pg, models::Model& model,
                              const at::Tensor& all_labels, const models::ModelOutputs& out,
                              const std::vector<std::string>& names);
 
+// The loss backward_local reports, without a backward (evaluation): the mean cross-entropy over
+// every rank's labels != −100, identical on every rank. Collective.
+double mean_loss(dist::ProcessGroup& pg, const at::Tensor& all_labels,
+                 const models::ModelOutputs& out);
+
 // Mean cross-entropy over every rank's labels != −100 (labels int64 [B, L], global, not shifted:
 // position t's logits predict labels[t]), its backward, and the gradients of the parameters
 // `trains` selects (default: model.trainable) summed across ranks in one flat all-reduce. Returns
