@@ -208,16 +208,18 @@ std::pair<int64_t, int64_t> planned_counts(const std::string& out) {
 
 // Every shipped model YAML that names its release's config.json is sized exactly: lvx's counts
 // (the family's shapes from config.json, nothing downloaded) equal the reference packages' on the
-// meta device (tests/reference/param_count_ref.py: transformers' Mllama, Qwen2 and SigLIP; the
-// mPLUG-Owl3 tensors the release never runs, its last SigLIP layer, post-LayerNorm and pooling
-// head, are left out of what a runtime holds), and a folder holding that config.json alone gives
-// the same. Tolerance 0.1 % (measured: equal).
+// meta device (tests/reference/param_count_ref.py: transformers' Mllama, Qwen2 and SigLIP;
+// open_flamingo's Flamingo over open_clip's ViT-L-14 and transformers' MPT / GPT-NeoX; what a
+// release never runs is left out of what a runtime holds: mPLUG-Owl3's last SigLIP layer,
+// post-LayerNorm and pooling head, OpenFlamingo's ViT output projection), and a folder holding
+// that config.json alone gives the same. Tolerance 0.1 % (measured: equal).
 TEST(TrainMemory, CountsFromConfigJsonEqualTheReferencePackages) {
   const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
   if (!std::filesystem::exists(lvx)) GTEST_SKIP() << "build the lvx target first";
   const std::string src = LVX_SOURCE_DIR;
   for (const std::string name :
-       {"llama32_vision_11b", "mplug_owl3_1b", "mplug_owl3_2b", "mplug_owl3_7b"}) {
+       {"llama32_vision_11b", "mplug_owl3_1b", "mplug_owl3_2b", "mplug_owl3_7b", "openflamingo_3b",
+        "openflamingo_4b", "openflamingo_9b"}) {
     SCOPED_TRACE(name);
     // The release folder holds config.json alone: sized before anything else is downloaded.
     const std::string dir = src + "/configs/models/releases/" + name;

@@ -14,6 +14,9 @@
               its final LayerNorm and attention-pooling head (vision_model.post_layernorm, .head) are
               never computed.
 
+  openflamingo open_flamingo's Flamingo (open_clip ViT, the LM of text_config, perceiver, gated
+              cross-attention blocks) from lvx's converted config.json (count_openflamingo).
+
   llama32-config OUT.json   writes Llama-3.2-11B-Vision's config.json as transformers lays it out
               (MllamaConfig's defaults are that model; the release's rope_scaling, context and
               560-pixel tiles set as its config.json has them).
@@ -54,11 +57,71 @@ def count_mplugowl3(cfg):
     return total, vision, unused
 
 
+def count_openflamingo(cfg):
+    """open_flamingo's Flamingo as its factory builds it (create_model_and_transforms): the
+    open_clip ViT's visual tower, the LM from text_config (resized to vocab_size, as the factory
+    resizes it to the tokenizer), PerceiverResampler and a GatedCrossAttentionBlock before every
+    cross_attn_every_n_layers-th decoder layer; built from lvx's converted config.json (the layout
+    openflamingo_ref.py's converter writes), on meta. unused: the ViT's output projection
+    (visual.proj), which only the pooled embedding passes: Flamingo takes the patch tokens."""
+    import logging
+    import tempfile
+    import open_clip
+    from open_flamingo import Flamingo
+    from open_flamingo.src.flamingo_lm import FlamingoLMMixin
+    from open_flamingo.src.helpers import GatedCrossAttentionBlock, PerceiverResampler
+    from open_flamingo.src.utils import extend_instance
+    from transformers import AutoConfig, AutoModelForCausalLM
+    vc, pc, xc = cfg["vision_config"], cfg["perceiver_config"], cfg["cross_attn_config"]
+    vision_cfg = {"image_size": vc["image_size"], "layers": vc["layers"], "width": vc["width"],
+                  "patch_size": vc["patch_size"], "head_width": vc["head_width"],
+                  "mlp_ratio": vc["mlp_ratio"], "no_ln_pre": not vc["ln_pre"]}
+    name = f"lvxcount-vit-{os.getpid()}"
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, name + ".json"), "w") as f:
+            json.dump({"embed_dim": vc["output_dim"], "quick_gelu": vc["act"] == "quick_gelu",
+                       "vision_cfg": vision_cfg,
+                       "text_cfg": {"context_length": 4, "vocab_size": 8, "width": 8, "heads": 1,
+                                    "layers": 1}}, f)
+        open_clip.add_model_config(os.path.join(d, name + ".json"))
+    logging.getLogger().setLevel(logging.ERROR)
+    tc = dict(cfg["text_config"])
+    tc["vocab_size"] = cfg["vocab_size"]
+    with torch.device("meta"):
+        clip = open_clip.create_model(name, device="meta")
+        clip.visual.output_tokens = True
+        lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(tc.pop("model_type"), **tc))
+        extend_instance(lm, FlamingoLMMixin)
+        lm.set_decoder_layers_attr_name(cfg["decoder_layers_attr"])
+        model = Flamingo(clip, lm, cfg["endofchunk_token_id"], cfg["media_token_id"],
+                         vis_dim=vc["width"],
+                         cross_attn_every_n_layers=cfg["cross_attn_every_n_layers"])
+        # The factory's defaults, unless the config says otherwise (the tests' tiny models).
+        model.perceiver = PerceiverResampler(dim=pc["dim"], depth=pc["depth"],
+                                             dim_head=pc["dim_head"], heads=pc["heads"],
+                                             num_latents=pc["num_latents"], ff_mult=pc["ff_mult"],
+                                             max_num_media=pc["max_num_media"],
+                                             max_num_frames=pc["max_num_frames"])
+        lm.gated_cross_attn_layers = torch.nn.ModuleList([
+            GatedCrossAttentionBlock(dim=xc["dim"], dim_visual=xc["dim_visual"],
+                                     dim_head=xc["dim_head"], heads=xc["heads"],
+                                     ff_mult=xc["ff_mult"],
+                                     only_attend_immediate_media=xc["only_attend_immediate_media"])
+            if i in cfg["cross_attn_layers"] else None for i in range(cfg["num_decoder_layers"])])
+        lm.init_flamingo_layers(False)
+    named = dict(model.named_parameters())  # tied embeddings once
+    total = sum(p.numel() for p in named.values())
+    vision = sum(p.numel() for n, p in named.items() if n.startswith("vision_encoder."))
+    unused = sum(p.numel() for n, p in named.items() if n == "vision_encoder.proj")
+    return total, vision, unused
+
+
 def cmd_count(args):
     with open(args.config) as f:
         cfg = json.load(f)
     kind = cfg.get("model_type")
-    counter = {"mllama": count_mllama, "mplugowl3": count_mplugowl3}.get(kind)
+    counter = {"mllama": count_mllama, "mplugowl3": count_mplugowl3,
+               "openflamingo": count_openflamingo}.get(kind)
     if counter is None:
         sys.exit(f"{args.config}: model_type {kind!r} has no reference count here")
     total, vision, unused = counter(cfg)
