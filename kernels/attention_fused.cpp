@@ -235,17 +235,33 @@ std::vector<Piece> pieces(const Group& gr, const Run& r, const AttentionMask& ma
   return out;
 }
 
-// The one piece that covers the whole block when batch = 1 and Hq = Hkv and the plan is one
-// call (no mask, or top-left causal): its outputs become lvx's without any copy for fp32.
-std::optional<Piece> whole_piece(const Plan& plan, const PreparedMask& pm, int64_t batch, int64_t g,
+// The one piece that covers the whole block when batch = 1 and the plan is one call (no mask,
+// or top-left causal): its outputs become lvx's without any copy for fp32.
+std::optional<Piece> whole_piece(const Plan& plan, const PreparedMask& pm, int64_t batch,
                                  int64_t sq, int64_t skv) {
-  if (batch != 1 || g != 1 || plan.groups.size() != 1) return std::nullopt;
+  if (batch != 1 || plan.groups.size() != 1) return std::nullopt;
   const Group& gr = plan.groups.front();
   if (gr.qt0 != 0 || gr.qt1 != pm.n_q_tiles || gr.runs.size() != 1) return std::nullopt;
   const Run& r = gr.runs.front();
   if (r.kt0 != 0 || r.kt1 != pm.n_k_tiles) return std::nullopt;
   if (r.full) return Piece{0, sq, 0, skv, false, {}, {}};
   if (top_left_causal(pm.view, 0, sq, 0, skv)) return Piece{0, sq, 0, skv, true, {}, {}};
+  return std::nullopt;
+}
+
+FusedCall make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Piece& p,
+                    double scale);
+
+// The whole block as one call over every head: with equal heads, or grouped K/V heads where the
+// table takes them (FusedOps::grouped: flash), instead of one call per query head of each group.
+std::optional<FusedCall> whole_call(const FusedOps& ops, const Plan& plan, const PreparedMask& pm,
+                                    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    double scale) {
+  const int64_t g = q.size(2) / k.size(2);
+  const auto p = whole_piece(plan, pm, q.size(0), q.size(1), k.size(1));
+  if (!p) return std::nullopt;
+  FusedCall c = make_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *p, scale);
+  if (g == 1 || (ops.grouped != nullptr && ops.grouped(ops, c))) return c;
   return std::nullopt;
 }
 
@@ -323,9 +339,8 @@ AttentionOutput attention_forward_fused(const FusedOps& ops, const at::Tensor& q
   }
   const auto [pm, plan] = plan_block(mask, batch, sq, skv);
   add_stats(plan, hq, stats);
-  if (auto p = whole_piece(plan, pm, batch, g, sq, skv)) {
-    auto [o, lse] = forward_call(
-        ops, make_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *p, scale), stats);
+  if (const auto c = whole_call(ops, plan, pm, q, k, v, scale)) {
+    auto [o, lse] = forward_call(ops, *c, stats);
     return {o.transpose(1, 2).to(at::kFloat).contiguous(), lse.to(at::kFloat).contiguous()};
   }
   const AttentionMask dmask = mask_on(mask, q.device());
@@ -391,10 +406,9 @@ AttentionGrads attention_backward_fused(const FusedOps& ops, const at::Tensor& q
                                         at::where(den.gt(0), den, at::ones_like(den)),
                                     at::zeros_like(den));
   const at::Tensor o_fake = (do32 * coef).to(q.scalar_type()).contiguous();
-  if (auto p = whole_piece(plan, pm, batch, g, sq, skv)) {
-    auto [gq, gk, gv] = ops.backward(
-        ops, make_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *p, scale),
-        dout.transpose(1, 2), o_fake.transpose(1, 2), lse_p);
+  if (const auto c = whole_call(ops, plan, pm, q, k, v, scale)) {
+    auto [gq, gk, gv] =
+        ops.backward(ops, *c, dout.transpose(1, 2), o_fake.transpose(1, 2), lse_p);
     return {gq.transpose(1, 2).to(at::kFloat).contiguous(),
             gk.transpose(1, 2).to(at::kFloat).contiguous(),
             gv.transpose(1, 2).to(at::kFloat).contiguous()};

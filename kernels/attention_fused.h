@@ -31,7 +31,9 @@
 namespace lvx::kernels {
 
 // One call of a fused op: queries [1, H, n, D] and keys/values [1, H, m, D], strided views of
-// lvx's [B, S, H, D] tensors with the last dim contiguous, in the input dtype.
+// lvx's [B, S, H, D] tensors with the last dim contiguous, in the input dtype; where the table
+// takes grouped heads (FusedOps::grouped), keys/values may have H / g heads, query head h
+// reading K/V head h / g (lvx's GQA layout).
 struct FusedCall {
   at::Tensor q, k, v;
   bool causal = false;  // top-left causal: query r sees key c iff c <= r (no bias then)
@@ -63,6 +65,11 @@ struct FusedOps {
   MergeFn merge = nullptr;  // the device's merge_attention_states
   int64_t bias_align = 1;   // rows of a bias start at multiples of this many elements
   int sm = 0;               // CUDA: compute capability as major * 10 + minor; 0 elsewhere
+  // Whether a call may have fewer K/V heads than query heads (one call for a whole GQA block
+  // instead of one per query head of each group); nullptr: never. CUDA: when flash serves the
+  // call (flash_api.cpp mha_fwd/mha_bwd take num_heads_k dividing num_heads and return dK, dV
+  // summed over each group); the memory-efficient kernel needs equal heads.
+  bool (*grouped)(const FusedOps& ops, const FusedCall& call) = nullptr;
 };
 
 // The shared plan through `ops`. Same contract as the device table's ForwardFn / BackwardFn
@@ -107,5 +114,7 @@ CudaAttentionPath cuda_attention_path(const at::Tensor& q, const at::Tensor& k, 
 // The CUDA table for a GPU of compute capability `sm`; `merge` is merge_attention_states_cuda
 // (passed in: this file is compiled without the CUDA objects).
 FusedOps cuda_fused_ops(int sm, MergeFn merge);
+// FusedOps::grouped of the CUDA table: flash serves the call.
+bool cuda_takes_grouped_heads(const FusedOps& ops, const FusedCall& call);
 
 }  // namespace lvx::kernels

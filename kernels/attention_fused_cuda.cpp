@@ -177,9 +177,13 @@ CudaAttentionPath cuda_attention_path(const at::Tensor& q, const at::Tensor& k, 
                                                         : CudaAttentionPath::kGemm;
 }
 
+bool cuda_takes_grouped_heads(const FusedOps& ops, const FusedCall& c) {
+  return kernel_for(ops, c) == FusedKernel::kFlash;
+}
+
 FusedOps cuda_fused_ops(int sm, MergeFn merge) {
   // kBiasAlign: bias rows start at multiples of 16 elements (cuda_fused_unsupported).
-  return {"cuda", cuda_forward, cuda_backward, merge, kBiasAlign, sm};
+  return {"cuda", cuda_forward, cuda_backward, merge, kBiasAlign, sm, cuda_takes_grouped_heads};
 }
 
 }  // namespace lvx::kernels
