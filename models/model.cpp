@@ -23,6 +23,17 @@ at::Tensor Model::extend(const at::Tensor&, const Parallel&, DecodeCache&) const
            " family");
 }
 
+at::Tensor Model::decode_rows(const at::Tensor& tokens, const Parallel& par,
+                              const std::vector<DecodeCache*>& caches) const {
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == static_cast<int64_t>(caches.size()),
+            "decode_rows: expected one token per row (", caches.size(), "), got ", tokens.sizes());
+  std::vector<at::Tensor> logits;
+  for (size_t r = 0; r < caches.size(); ++r)
+    logits.push_back(decode_step(tokens.narrow(0, static_cast<int64_t>(r), 1).contiguous(), par,
+                                 *caches[r]));
+  return at::cat(logits, 0);
+}
+
 at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positions, int64_t length,
                              const at::Tensor& head, dist::ProcessGroup& pg) {
   const int64_t B = hidden.size(0);

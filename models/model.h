@@ -87,6 +87,15 @@ class Model {
   // (src/runtime/generate.h). Families without it say can_extend() false.
   virtual bool can_extend() const { return false; }
   virtual at::Tensor extend(const at::Tensor& tokens, const Parallel& par, DecodeCache& cache) const;
+  // decode_rows: one decode step of several independent generations at once (continuous
+  // batching, lvx serve): row r's token tokens[r] (int64 [R] on the host, identical on every
+  // rank) against caches[r], each from its own prefill of one sample at its own length; returns
+  // logits [R, V] (fp32). Equal to decode_step on each cache alone up to the batched products'
+  // rounding (bitwise for R = 1). The default runs decode_step row by row (correct, no speed-up);
+  // families that batch the step say batches_rows() true.
+  virtual bool batches_rows() const { return false; }
+  virtual at::Tensor decode_rows(const at::Tensor& tokens, const Parallel& par,
+                                 const std::vector<DecodeCache*>& caches) const;
 };
 
 // Refuses every named input (ModelInputs::named) not in `known`, naming it and `model`'s inputs

@@ -378,22 +378,87 @@ at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
     const std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
     const Partial generated =
         partial_attention(q1, at::cat(cache.new_k[li], 1), at::cat(cache.new_v[li], 1), {}, scale);
-    Partial self = merge_partials({merged[0], generated});
-    at::Tensor ctx;
-    if (!cross) {
-      ctx = self.o;
-    } else if (c.variant == "240728") {
-      const at::Tensor g = at::sigmoid(param(w_, l + "self_attn.gate")).to(at::kFloat);
-      const at::Tensor xo = merged[1].o.reshape({B, hq * d});
-      const at::Tensor so = self.o.reshape({B, hq * d});
-      ctx = at::where(cache.sees_media.unsqueeze(1), so * (1 - g) + xo * g, so);
-    } else {  // one softmax over [visual | text] keys
-      ctx = merge_partials({merged[1], self}).o;
-    }
-    ctx = ctx.reshape({B, 1, hq * d}).to(h.scalar_type());
-    h = post_attention(i, h, ctx, /*remat=*/false);
+    const Partial self = merge_partials({merged[0], generated});
+    const at::Tensor ctx = decode_mix(i, self, cross ? &merged[1] : nullptr, cache.sees_media);
+    h = post_attention(i, h, ctx.reshape({B, 1, hq * d}).to(h.scalar_type()), /*remat=*/false);
   }
   ++cache.length;
+  h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
+  return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
+}
+
+at::Tensor MplugOwl3::decode_mix(int64_t i, const Partial& self, const Partial* visual,
+                                 const at::Tensor& sees_media) const {
+  const int64_t B = self.o.size(0), hd = cfg_.heads * cfg_.head_dim;
+  if (visual == nullptr) return self.o.reshape({B, hd});
+  if (cfg_.variant == "240728") {
+    const at::Tensor g =
+        at::sigmoid(param(w_, layer_prefix(i) + "self_attn.gate")).to(at::kFloat);
+    const at::Tensor xo = visual->o.reshape({B, hd}), so = self.o.reshape({B, hd});
+    return at::where(sees_media.unsqueeze(1), so * (1 - g) + xo * g, so);
+  }
+  return merge_partials({*visual, self}).o.reshape({B, hd});  // one softmax over both
+}
+
+at::Tensor MplugOwl3::decode_rows(const at::Tensor& tokens, const Parallel& par,
+                                  const std::vector<DecodeCache*>& caches) const {
+  c10::AutoGradMode no_grad(false);
+  const MplugOwl3Config& c = cfg_;
+  const int64_t R = static_cast<int64_t>(caches.size()), hq = c.heads, hkv = c.kv_heads,
+                d = c.head_dim;
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == R, "decode_rows: expected one token per row (",
+            R, "), got ", tokens.sizes());
+  std::vector<int64_t> lengths;
+  for (const DecodeCache* k : caches) {
+    LVX_CHECK(k->batch == 1, "decode_rows: each row's cache holds one sample, got ", k->batch);
+    lengths.push_back(k->length);
+  }
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong).unsqueeze(1));  // [R, 1, H]
+  // Each row at its own position: tables [R, 1, rot].
+  const RotaryTables rope = rotary_tables(
+      at::tensor(lengths, at::kLong).to(emb.device()).unsqueeze(1), c.head_dim, c.rope_theta);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const size_t li = static_cast<size_t>(i);
+    // The projections and the MLP of every row in one product each (the weights read once).
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
+    const at::Tensor q =
+        apply_rotary(linear(x, w_, l + "self_attn.q_proj", true).view({R, 1, hq, d}), rope);
+    const at::Tensor k =
+        apply_rotary(linear(x, w_, l + "self_attn.k_proj", true).view({R, 1, hkv, d}), rope);
+    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({R, 1, hkv, d});
+    // Attention row by row against its own cache; every row's partials in one pass-Q message.
+    std::vector<Partial> local;
+    std::vector<bool> cross(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r) {
+      DecodeCache& kc = *caches[static_cast<size_t>(r)];
+      kc.new_k[li].push_back(k.narrow(0, r, 1));
+      kc.new_v[li].push_back(v.narrow(0, r, 1));
+      const at::Tensor qr = q.narrow(0, r, 1).squeeze(1);  // [1, Hq, D]
+      local.push_back(partial_attention(qr, kc.prompt[li].k, kc.prompt[li].v,
+                                        kc.prompt[li].visible, scale));
+      const KVShard& vis = kc.visual[li];
+      cross[static_cast<size_t>(r)] = c.is_hyper(i) && vis.k.defined();
+      if (cross[static_cast<size_t>(r)])
+        local.push_back(partial_attention(qr, vis.k, vis.v, vis.visible, scale));
+    }
+    const std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
+    std::vector<at::Tensor> ctx;
+    for (size_t r = 0, at = 0; r < static_cast<size_t>(R); ++r) {
+      DecodeCache& kc = *caches[r];
+      const at::Tensor qr = q.narrow(0, static_cast<int64_t>(r), 1).squeeze(1);
+      const Partial generated = partial_attention(qr, at::cat(kc.new_k[li], 1),
+                                                  at::cat(kc.new_v[li], 1), {}, scale);
+      const Partial self = merge_partials({merged[at], generated});
+      ctx.push_back(decode_mix(i, self, cross[r] ? &merged[at + 1] : nullptr, kc.sees_media));
+      at += cross[r] ? 2 : 1;
+    }
+    h = post_attention(i, h, at::cat(ctx, 0).reshape({R, 1, hq * d}).to(h.scalar_type()),
+                       /*remat=*/false);
+  }
+  for (DecodeCache* k : caches) ++k->length;
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
   return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
 }
@@ -453,18 +518,8 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
       const Partial generated = partial_attention(q.select(1, t), nk.narrow(1, 0, before + t + 1),
                                                   nv.narrow(1, 0, before + t + 1), {}, scale);
       const Partial self = merge_partials({at_t(merged[0], t), generated});
-      at::Tensor ctx;
-      if (!cross) {
-        ctx = self.o;
-      } else if (c.variant == "240728") {
-        const at::Tensor gate = at::sigmoid(param(w_, l + "self_attn.gate")).to(at::kFloat);
-        const at::Tensor xo = merged[1].o.select(1, t).reshape({B, hq * d});
-        const at::Tensor so = self.o.reshape({B, hq * d});
-        ctx = at::where(cache.sees_media.unsqueeze(1), so * (1 - gate) + xo * gate, so);
-      } else {  // one softmax over [visual | text] keys
-        ctx = merge_partials({at_t(merged[1], t), self}).o;
-      }
-      ctx_t.push_back(ctx.reshape({B, hq * d}));
+      const Partial visual = cross ? at_t(merged[1], t) : Partial{};
+      ctx_t.push_back(decode_mix(i, self, cross ? &visual : nullptr, cache.sees_media));
     }
     const at::Tensor ctx = at::stack(ctx_t, 1).to(h.scalar_type());  // [B, T, Hq·D]
     h = post_attention(i, h, ctx, /*remat=*/false);

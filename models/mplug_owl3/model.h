@@ -118,8 +118,17 @@ class MplugOwl3 : public Model {
   bool can_extend() const override { return true; }
   at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
                     DecodeCache& cache) const override;
+  bool batches_rows() const override { return true; }
+  at::Tensor decode_rows(const at::Tensor& tokens, const Parallel& par,
+                         const std::vector<DecodeCache*>& caches) const override;
 
  private:
+  // A decode step's attention output of layer i, [B, Hq·D] fp32: the self-attention partial
+  // (prompt and generated keys merged) and, in a hyper layer with images, the visual partial,
+  // mixed as the variant mixes them (240728: the gate, where the row sees an image; 241101: one
+  // softmax over both).
+  at::Tensor decode_mix(int64_t i, const Partial& self, const Partial* visual,
+                        const at::Tensor& sees_media) const;
   // The forward; with a cache (prefill) it also keeps this rank's K/V there and returns the
   // final hidden states (after the norm) instead of logits.
   ModelOutputs run(const ModelInputs& in, const Parallel& par, DecodeCache* cache) const;
