@@ -49,94 +49,157 @@ int64_t prompt_prefix(const at::Tensor& ids, int64_t media_token) {
   return last < 0 || last + 1 >= L ? 0 : last + 1;
 }
 
-GenerateResult generate(const models::Model& model, const models::ModelInputs& in,
-                        const models::Parallel& par, const GenerateOptions& o,
-                        const std::function<void(const at::Tensor&)>& on_token) {
+Generation::Generation(const models::Model& model, const models::ModelInputs& in,
+                       const models::Parallel& par, const GenerateOptions& o)
+    : o_(o) {
   LVX_CHECK(o.max_new_tokens >= 1, "--max-new-tokens must be >= 1, got ", o.max_new_tokens);
   check_sampling(o.sampling);
   const int64_t prompt = in.input_ids.size(1);
-  int64_t max_new = o.max_new_tokens;
+  max_new_ = o.max_new_tokens;
   if (o.max_length > 0) {
     LVX_CHECK(prompt < o.max_length, "the prompt has ", prompt,
               " tokens, more than the model's context of ", o.max_length,
               " tokens leaves room for (at least one new token)");
-    max_new = std::min(max_new, o.max_length - prompt);
+    max_new_ = std::min(max_new_, o.max_length - prompt);
   }
   dist::ProcessGroup& pg = *par.pg;
   using clock = std::chrono::steady_clock;
-  GenerateResult r;
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(o.sampling.seed);
-  const int64_t B = in.input_ids.size(0);
-  const at::Tensor stop = at::tensor(o.stop.empty() ? std::vector<int64_t>{-1} : o.stop, at::kLong);
-  at::Tensor done = at::zeros({B}, at::kBool), last_stop = at::zeros({B}, at::kLong);
-  std::vector<at::Tensor> tokens, logits_kept;
-  models::DecodeCache cache;
-
-  int64_t sent0 = pg.counters().total_sent();
-  auto t0 = clock::now();
-  at::Tensor logits;
+  gen_ = at::make_generator<at::CPUGeneratorImpl>(o.sampling.seed);
+  batch_ = in.input_ids.size(0);
+  stop_ = at::tensor(o.stop.empty() ? std::vector<int64_t>{-1} : o.stop, at::kLong);
+  done_ = at::zeros({batch_}, at::kBool);
+  last_stop_ = at::zeros({batch_}, at::kLong);
+  const int64_t sent0 = pg.counters().total_sent();
+  const auto t0 = clock::now();
   // Processor inputs along the sequence (OpenFlamingo's attention_mask, Mllama's
   // cross_attention_mask) would have to be cut too: such a batch runs whole.
   const int64_t split = in.named.empty() && model.can_extend()
                             ? prompt_prefix(in.input_ids, model.media_token_id())
                             : 0;
   if (split == 0) {
-    logits = model.prefill(in, par, cache);
+    logits_ = model.prefill(in, par, cache_);
   } else {
-    // The prefix as a prefill (or its state reused), then the rest as decode steps.
+    // The prefix as a prefill (or its state reused), then the rest in one extend.
     const models::DecodeCache* reused = o.cached_prefix ? o.cached_prefix() : nullptr;
     if (reused != nullptr) {
-      cache = *reused;  // the tensors are shared and never written; the lists are copied
-      cache.encode_seconds = 0;
-      r.prefix_reused = true;
+      cache_ = *reused;  // the tensors are shared and never written; the lists are copied
+      cache_.encode_seconds = 0;
+      r_.prefix_reused = true;
     } else {
       models::ModelInputs head = in;
       head.input_ids = in.input_ids.narrow(1, 0, split);
-      model.prefill(head, par, cache);
-      if (o.store_prefix) o.store_prefix(cache);
+      model.prefill(head, par, cache_);
+      if (o.store_prefix) o.store_prefix(cache_);
     }
-    r.prefix_tokens = split;
-    logits = model.extend(in.input_ids.to(at::kCPU).to(at::kLong).narrow(1, split, prompt - split),
-                          par, cache);
+    r_.prefix_tokens = split;
+    logits_ = model.extend(
+        in.input_ids.to(at::kCPU).to(at::kLong).narrow(1, split, prompt - split), par, cache_);
   }
-  r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
-  r.prefill_bytes_sent = pg.counters().total_sent() - sent0;
-  r.encode_seconds = cache.encode_seconds;
-  for (int64_t step = 0;; ++step) {
-    if (o.keep_logits) logits_kept.push_back(logits);
-    at::Tensor next = pick_tokens(logits, o.sampling, gen).to(at::kLong).contiguous();
-    if (o.stop_requested) {  // rank 0's choice and its stop flag in one message
-      const bool stop_now = pg.rank() == 0 && o.stop_requested();
-      at::Tensor msg = at::cat({next, at::full({1}, stop_now ? 1 : 0, next.options())});
-      pg.broadcast(msg, 0);
-      if (msg[B].item<int64_t>() != 0) {
-        r.stopped = true;
-        break;
-      }
-      next = msg.narrow(0, 0, B).contiguous();
-    } else {
-      pg.broadcast(next, 0);  // rank 0's choice (sampling draws on rank 0 only matter)
-    }
-    next = at::where(done, last_stop, next);
-    const at::Tensor is_stop = at::isin(next, stop);
-    last_stop = at::where(is_stop & done.logical_not(), next, last_stop);
-    done = done | is_stop;
-    tokens.push_back(next);
-    if (on_token) on_token(next);
-    if (done.all().item<bool>()) break;
-    if (step + 1 == max_new) {
-      r.hit_context = max_new < o.max_new_tokens;
-      break;
-    }
-    t0 = clock::now();
-    sent0 = pg.counters().total_sent();
-    logits = model.decode_step(next, par, cache);
-    r.decode_bytes_sent += pg.counters().total_sent() - sent0;
-    r.token_seconds.push_back(std::chrono::duration<double>(clock::now() - t0).count());
+  r_.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
+  r_.prefill_bytes_sent = pg.counters().total_sent() - sent0;
+  r_.encode_seconds = cache_.encode_seconds;
+}
+
+at::Tensor Generation::pick() {
+  if (o_.keep_logits) logits_kept_.push_back(logits_);
+  return pick_tokens(logits_, o_.sampling, gen_).to(at::kLong).contiguous();
+}
+
+bool Generation::take(at::Tensor next, bool stop_now,
+                      const std::function<void(const at::Tensor&)>& on_token) {
+  if (stop_now) {
+    r_.stopped = true;
+    finished_ = true;
+    return false;
   }
-  r.tokens = tokens.empty() ? at::zeros({B, 0}, at::kLong) : at::stack(tokens, 1);
-  if (o.keep_logits) r.step_logits = at::stack(logits_kept, 1);
+  next = at::where(done_, last_stop_, next);
+  const at::Tensor is_stop = at::isin(next, stop_);
+  last_stop_ = at::where(is_stop & done_.logical_not(), next, last_stop_);
+  done_ = done_ | is_stop;
+  tokens_.push_back(next);
+  if (on_token) on_token(next);
+  ++step_;
+  if (done_.all().item<bool>()) {
+    finished_ = true;
+  } else if (step_ == max_new_) {
+    r_.hit_context = max_new_ < o_.max_new_tokens;
+    finished_ = true;
+  }
+  return !finished_;
+}
+
+GenerateResult Generation::finish() {
+  GenerateResult r = r_;
+  r.tokens = tokens_.empty() ? at::zeros({batch_, 0}, at::kLong) : at::stack(tokens_, 1);
+  if (o_.keep_logits) r.step_logits = at::stack(logits_kept_, 1);
   return r;
+}
+
+void step_together(const std::vector<Generation*>& rows, const models::Model& model,
+                   const models::Parallel& par,
+                   const std::vector<std::function<void(const at::Tensor&)>>& on_token) {
+  dist::ProcessGroup& pg = *par.pg;
+  // Rank 0's tokens and each row's stop flag in one message: [row 0's B tokens, flag, ...].
+  std::vector<at::Tensor> parts;
+  bool any_stop_hook = false;
+  for (Generation* g : rows) {
+    LVX_CHECK(!g->done(), "step_together: a generation that is done");
+    parts.push_back(g->pick());
+    any_stop_hook = any_stop_hook || static_cast<bool>(g->o_.stop_requested);
+  }
+  if (any_stop_hook) {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto& ask = rows[i]->o_.stop_requested;
+      const bool stop_now = pg.rank() == 0 && ask && ask();
+      parts[i] = at::cat({parts[i], at::full({1}, stop_now ? 1 : 0, parts[i].options())});
+    }
+  }
+  at::Tensor msg = at::cat(parts).contiguous();
+  pg.broadcast(msg, 0);  // rank 0's choice (sampling draws on rank 0 only matter)
+  std::vector<Generation*> go_on;
+  std::vector<at::Tensor> next;
+  for (size_t i = 0, at = 0; i < rows.size(); ++i) {
+    Generation& g = *rows[i];
+    const int64_t b = g.batch_;
+    const at::Tensor tok = msg.narrow(0, static_cast<int64_t>(at), b).contiguous();
+    const bool stop_now = any_stop_hook && msg[static_cast<int64_t>(at) + b].item<int64_t>() != 0;
+    at += static_cast<size_t>(b + (any_stop_hook ? 1 : 0));
+    if (g.take(tok, stop_now, i < on_token.size() ? on_token[i] : nullptr)) {
+      go_on.push_back(&g);
+      next.push_back(g.tokens_.back());
+    }
+  }
+  if (go_on.empty()) return;
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  const int64_t sent0 = pg.counters().total_sent();
+  if (go_on.size() == 1) {
+    go_on[0]->logits_ = model.decode_step(next[0], par, go_on[0]->cache_);
+  } else {
+    std::vector<models::DecodeCache*> caches;
+    for (Generation* g : go_on) {
+      LVX_CHECK(g->batch_ == 1, "step_together: generations of one sample each, got ", g->batch_);
+      caches.push_back(&g->cache_);
+    }
+    const at::Tensor logits = model.decode_rows(at::cat(next), par, caches);
+    for (size_t i = 0; i < go_on.size(); ++i)
+      go_on[i]->logits_ = logits.narrow(0, static_cast<int64_t>(i), 1);
+  }
+  // Each row's step costs the whole step's time and bytes (what its client waited for).
+  const double secs = std::chrono::duration<double>(clock::now() - t0).count();
+  const int64_t bytes = pg.counters().total_sent() - sent0;
+  for (Generation* g : go_on) {
+    g->r_.token_seconds.push_back(secs);
+    g->r_.decode_bytes_sent += bytes;
+  }
+}
+
+GenerateResult generate(const models::Model& model, const models::ModelInputs& in,
+                        const models::Parallel& par, const GenerateOptions& o,
+                        const std::function<void(const at::Tensor&)>& on_token) {
+  Generation g(model, in, par, o);
+  while (!g.done()) step_together({&g}, model, par, {on_token});
+  return g.finish();
 }
 
 }  // namespace lvx::runtime

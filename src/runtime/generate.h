@@ -73,6 +73,50 @@ GenerateResult generate(const models::Model& model, const models::ModelInputs& i
                         const models::Parallel& par, const GenerateOptions& options,
                         const std::function<void(const at::Tensor&)>& on_token = {});
 
+// One generation in progress: what generate() keeps between tokens, so that several can step
+// together (continuous batching, lvx serve). The constructor runs the prompt (prefill, or the
+// prefix's prefill and one extend); each step_together() picks the next token and runs one
+// decode step. Every rank makes the same generations and steps them in the same order.
+class Generation {
+ public:
+  Generation(const models::Model& model, const models::ModelInputs& in, const models::Parallel& par,
+             const GenerateOptions& options);
+  bool done() const { return finished_; }
+  // The result so far (tokens stacked at the end: finish()).
+  GenerateResult finish();
+  int64_t batch() const { return batch_; }
+  const GenerateOptions& options() const { return o_; }
+
+ private:
+  friend void step_together(const std::vector<Generation*>& rows, const models::Model& model,
+                            const models::Parallel& par,
+                            const std::vector<std::function<void(const at::Tensor&)>>& on_token);
+  // The next token row from the current logits (rank 0 picks), before the broadcast.
+  at::Tensor pick();
+  // Takes the broadcast token row; returns whether the generation goes on (then it needs a
+  // decode step).
+  bool take(at::Tensor next, bool stop_now,
+            const std::function<void(const at::Tensor&)>& on_token);
+
+  GenerateOptions o_;
+  int64_t batch_ = 0, max_new_ = 0, step_ = 0;
+  bool finished_ = false;
+  at::Generator gen_;
+  at::Tensor stop_, done_, last_stop_, logits_;
+  std::vector<at::Tensor> tokens_, logits_kept_;
+  models::DecodeCache cache_;
+  GenerateResult r_;
+};
+
+// One token of every generation in `rows` (none done): rank 0 picks each row's token with its
+// own sampler and asks each its stop_requested; one broadcast carries every row's tokens and
+// flags; then the rows that go on take one decode step together (Model::decode_rows; a single
+// generation of any batch: Model::decode_step, as generate() always did). on_token[i] (or
+// none) gets row i's token.
+void step_together(const std::vector<Generation*>& rows, const models::Model& model,
+                   const models::Parallel& par,
+                   const std::vector<std::function<void(const at::Tensor&)>>& on_token = {});
+
 // The next token of every sample from logits [B, V] (fp32) under `sampling`; `gen` carries the
 // seeded state between steps.
 at::Tensor pick_tokens(const at::Tensor& logits, const SamplingOptions& sampling,
