@@ -32,6 +32,9 @@ void add_serve_options(lvx::cli::ArgParser& p) {
   p.add_option("cache-bytes", 0, "4294967296",
                "visual cache per rank, bytes (0: no cache); least recently used out first");
   p.add_option("max-queue", 0, "64", "requests that may wait (beyond: 429)");
+  p.add_option("max-batch", 0, "16",
+               "generations that run together, one decode step for all (continuous batching); "
+               "1: one at a time, each answer bit for bit lvx qa's");
   p.add_option("max-body-bytes", 0, "536870912", "largest request body (beyond: 413)");
   p.add_option("max-new-tokens", 't', "256", "tokens to generate when a request names none");
   p.add_flag("no-merge-identical", 0,
@@ -90,6 +93,7 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   o.max_body_bytes = p.get_int("max-body-bytes", 1, INT64_MAX);
   o.default_max_tokens = job.generation.max_new_tokens;
   o.merge_identical = !p.flag("no-merge-identical");
+  o.max_batch = p.get_int("max-batch", 1, 4096);
   return o;
 }
 
@@ -100,13 +104,14 @@ bool loopback(const std::string& host) {
 int cmd_serve(int argc, char** argv) {
   lvx::cli::ArgParser p(
       "lvx serve --model DIR [--nproc N] [--host 127.0.0.1] [--port 8000] [--api-key-file F]\n"
-      "          [--cache-bytes B] [--allowed-local-media-path DIR] [--max-queue Q]",
+      "          [--cache-bytes B] [--allowed-local-media-path DIR] [--max-queue Q] [--max-batch N]",
       "Serves questions about videos with the OpenAI chat-completions API (POST\n"
       "/v1/chat/completions, GET /v1/models, /health, /metrics). Every rank holds the model and\n"
       "its share of each request's frames, as lvx qa runs one question; each rank keeps its\n"
       "share of each video's encoded frames (--cache-bytes per rank), so a repeated question\n"
-      "about a video decodes and encodes nothing. Requests run one at a time across the ranks;\n"
-      "up to --max-queue wait (429 beyond). SIGTERM finishes the requests in flight and exits\n"
+      "about a video decodes and encodes nothing. Up to --max-batch generations run together\n"
+      "(one decode step for all; a new request's prefill runs between two steps); up to\n"
+      "--max-queue more wait (429 beyond). SIGTERM finishes the requests in flight and exits\n"
       "0; a rank that dies makes the server answer 503 and exit non-zero.\n"
       "Request extensions: num_frames | fps, start, end (seconds), video_id (cache key).\n"
       "The API key may also come from LVX_API_KEY.");

@@ -341,16 +341,42 @@ dist::ProcessGroup& QaSession::group() { return *s_->pg; }
 const QaJob& QaSession::job() const { return s_->job; }
 VisualCacheStats QaSession::cache_stats() const { return s_->cache->stats(); }
 
-json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
-  State& cx = *s_;
+// One question being answered (QaSession::start .. finish): what answer() keeps between the
+// prefill and the row. Heap-held, so the generation's hooks may point into it.
+struct QaAnswer {
+  QaRequest req;
+  AnswerHooks hooks;
+  json row;
+  bool failed = false;  // the row already holds its "error"
+  clock::time_point t_start;
+  double video_s = 0;
+  std::shared_ptr<const VisualEntry> cached;
+  std::string key;
+  video::FrameBatch frames;
+  int64_t m = 0;  // frames sampled over all ranks
+  std::vector<std::string> events;
+  PromptTokens prompt;
+  models::Parallel par;
+  std::vector<int64_t> prefix_ids;
+  std::string plan_key;
+  std::shared_ptr<const VisualEntry::Prefix> reuse, made;
+  models::LocalMedia encoded;  // filled by the prefill on a cache miss
+  std::unique_ptr<TextStream> text;
+  std::unique_ptr<Generation> gen;
+};
+
+void QaAnswerDeleter::operator()(QaAnswer* a) const { delete a; }
+bool QaSession::done(const QaAnswer& a) const { return a.failed || a.gen->done(); }
+
+namespace {
+
+// This rank's share of the request's frames: from the visual cache (nothing decoded or
+// encoded), or decoded here; an error of any rank becomes the row's error on every rank.
+void take_frames(QaSession::State& cx, QaAnswer& a) {
+  const QaRequest& req = a.req;
   const QaItem& item = req.item;
   dist::ProcessGroup& pg = *cx.pg;
   const int n = pg.world_size(), r = pg.rank();
-  json row{{"id", item.id}, {"video", item.video}, {"question", item.question}};
-  if (!req.image_files.empty()) row["video"] = json();
-  if (!item.options.empty()) row["options"] = item.options;
-  if (!item.answer.empty()) row["answer"] = item.answer;
-  const auto t_start = clock::now();
   video::SampleSpec spec;
   const bool own_sampling = req.fps || req.num_frames;
   const std::optional<double> fps = own_sampling ? req.fps : cx.job.fps;
@@ -360,11 +386,6 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
   spec.start = item.start ? item.start : cx.job.start;
   spec.end = item.end ? item.end : cx.job.end;
   if (!req.image_files.empty()) spec = video::SampleSpec{};  // every frame given, in order
-
-  // This rank's share: from the visual cache (nothing decoded or encoded), or decoded here.
-  std::shared_ptr<const VisualEntry> cached;
-  std::string key;
-  video::FrameBatch frames;
   std::string error;
   try {
     if (req.image_files.empty()) {
@@ -372,111 +393,167 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
       check_regular_file(item.video, "video");  // a FIFO would block FFmpeg's open
     }
     if (cx.cache->enabled()) {
-      key = visual_key(req, spec, cx.preprocess, cx.job.plan.dtype, r, n);
-      cached = cx.cache->find(key);
+      a.key = visual_key(req, spec, cx.preprocess, cx.job.plan.dtype, r, n);
+      a.cached = cx.cache->find(a.key);
     }
-    if (!cached)
-      frames = req.image_files.empty()
-                   ? video::decode_video(item.video, spec, {r, n}, cx.preprocess,
-                                         decode_options(req))
-                   : decode_images(req.image_files, {r, n}, cx.preprocess);
+    if (!a.cached)
+      a.frames = req.image_files.empty()
+                     ? video::decode_video(item.video, spec, {r, n}, cx.preprocess,
+                                           decode_options(req))
+                     : decode_images(req.image_files, {r, n}, cx.preprocess);
   } catch (const std::exception& e) {
     error = e.what();
   }
   error = agree_on_error(pg, error);
   if (!error.empty()) {
-    row["error"] = error;
-    return row;
+    a.row["error"] = error;
+    a.failed = true;
+    return;
   }
-  const double video_s = since(t_start);
-  const int64_t m = cached ? cached->sampled_total : frames.report.sampled_total;
-  const std::vector<std::string>& events = cached ? cached->events : frames.report.events;
-  // Every rank builds the same prompt: all of them skip a question that cannot be tokenized
-  // (invalid UTF-8) or does not fit together.
-  PromptTokens prompt;
-  try {
-    prompt = this->prompt(req, m);
-  } catch (const Error& e) {
-    row["error"] = e.what();
-    return row;
-  }
-  const int64_t prompt_len = static_cast<int64_t>(prompt.ids.size());
-  if (cx.context > 0 && prompt_len >= cx.context) {
-    row["error"] = str("the prompt has ", prompt_len, " tokens (", m,
-                       " frames and the question), more than the model's context of ", cx.context,
-                       " tokens leaves room for: ask a shorter question or sample "
-                       "fewer frames");
-    return row;
-  }
-  if (r == 0)
-    for (const auto& e : events)
-      std::cerr << "[qa] " << (item.video.empty() ? "frames" : item.video) << ": " << e << "\n";
-  const at::Tensor ids = at::tensor(prompt.ids, at::kLong).unsqueeze(0);
-  std::string plan_text;
-  models::Parallel par = plan_layers(*cx.model, ids, n, cx.job.plan, &plan_text);
-  par.pg = cx.pg;
-  if (cx.job.print_plan && r == 0)
-    std::cerr << plan_text << "\n" << describe(par, cx.model) << "\n";
+  a.video_s = since(a.t_start);
+  a.m = a.cached ? a.cached->sampled_total : a.frames.report.sampled_total;
+  a.events = a.cached ? a.cached->events : a.frames.report.events;
+}
 
-  const std::function<void(const std::string&)> sink =
-      hooks.on_text ? hooks.on_text : [](const std::string&) {};
-  TextStream text(*cx.tok, cx.stop, sink);
-  GenerateOptions g = req.generation ? *req.generation : cx.job.generation;
+// The prompt (every rank builds the same, so all skip one that cannot be tokenized or does not
+// fit together), and the plan for it.
+void take_prompt(QaSession& session, QaSession::State& cx, QaAnswer& a) {
+  try {
+    a.prompt = session.prompt(a.req, a.m);
+  } catch (const Error& e) {
+    a.row["error"] = e.what();
+    a.failed = true;
+    return;
+  }
+  const int64_t prompt_len = static_cast<int64_t>(a.prompt.ids.size());
+  if (cx.context > 0 && prompt_len >= cx.context) {
+    a.row["error"] = str("the prompt has ", prompt_len, " tokens (", a.m,
+                         " frames and the question), more than the model's context of ",
+                         cx.context, " tokens leaves room for: ask a shorter question or sample "
+                         "fewer frames");
+    a.failed = true;
+    return;
+  }
+  const int r = cx.pg->rank();
+  if (r == 0)
+    for (const auto& e : a.events)
+      std::cerr << "[qa] " << (a.req.item.video.empty() ? "frames" : a.req.item.video) << ": " << e
+                << "\n";
+  const at::Tensor ids = at::tensor(a.prompt.ids, at::kLong).unsqueeze(0);
+  std::string plan_text;
+  a.par = plan_layers(*cx.model, ids, cx.pg->world_size(), cx.job.plan, &plan_text);
+  a.par.pg = cx.pg;
+  if (cx.job.print_plan && r == 0)
+    std::cerr << plan_text << "\n" << describe(a.par, cx.model) << "\n";
+}
+
+// The generation's options: the request's or the job's, the context, the stop tokens, and the
+// prompt prefix kept with the video's entry (a later question whose prompt starts the same, run
+// with the same plan, starts from its state on every rank: one flag, all-reduced).
+GenerateOptions generation_options(QaSession::State& cx, QaAnswer& a) {
+  GenerateOptions g = a.req.generation ? *a.req.generation : cx.job.generation;
   g.max_length = cx.context;
   if (!cx.job.ignore_stop) g.stop = cx.stop;
-  g.stop_requested = hooks.stop_requested;
-  // The prompt prefix (up to its last image token) is kept with the video's entry: a later
-  // question whose prompt starts the same, run with the same plan, starts from its state on every
-  // rank (all ranks must have it: one flag, all-reduced).
+  g.stop_requested = a.hooks.stop_requested;
+  const at::Tensor ids = at::tensor(a.prompt.ids, at::kLong).unsqueeze(0);
   const int64_t split = prompt_prefix(ids, cx.model->media_token_id());
-  const std::vector<int64_t> prefix_ids(prompt.ids.begin(), prompt.ids.begin() + split);
-  const std::string plan_key = describe(par);
-  std::shared_ptr<const VisualEntry::Prefix> reuse, made;
+  a.prefix_ids.assign(a.prompt.ids.begin(), a.prompt.ids.begin() + split);
+  a.plan_key = describe(a.par);
   if (split > 0 && cx.cache->enabled()) {
-    const bool mine = cached && cached->prefix && cached->prefix->ids == prefix_ids &&
-                      cached->prefix->plan == plan_key;
+    const bool mine = a.cached && a.cached->prefix && a.cached->prefix->ids == a.prefix_ids &&
+                      a.cached->prefix->plan == a.plan_key;
     at::Tensor all = at::full({1}, mine ? 1 : 0, at::kLong);
-    pg.all_reduce(all, dist::ReduceOp::kMin);
-    if (all.item<int64_t>() == 1) reuse = cached->prefix;
-    g.cached_prefix = [&reuse]() -> const models::DecodeCache* {
-      return reuse ? &reuse->state : nullptr;
+    cx.pg->all_reduce(all, dist::ReduceOp::kMin);
+    if (all.item<int64_t>() == 1) a.reuse = a.cached->prefix;
+    QaAnswer* ap = &a;
+    g.cached_prefix = [ap]() -> const models::DecodeCache* {
+      return ap->reuse ? &ap->reuse->state : nullptr;
     };
-    g.store_prefix = [&](const models::DecodeCache& state) {
-      made = std::make_shared<const VisualEntry::Prefix>(
-          VisualEntry::Prefix{prefix_ids, plan_key, state});
+    g.store_prefix = [ap](const models::DecodeCache& state) {
+      ap->made = std::make_shared<const VisualEntry::Prefix>(
+          VisualEntry::Prefix{ap->prefix_ids, ap->plan_key, state});
     };
   }
-  // Frames go to the device once, after preprocessing; the prompt's ids stay host metadata.
-  models::ModelInputs in{ids, at::Tensor(), /*pixels_local=*/true, {}};
-  models::LocalMedia encoded;  // filled by the prefill on a cache miss
-  if (cached) {
-    encoded = cached->media;
-    in.media = &encoded;
-  } else {
-    in.pixel_values = frames.frames.defined() ? frames.frames.to(cx.device) : at::Tensor();
-    if (cx.cache->enabled()) in.media = &encoded;
-  }
-  const GenerateResult out = generate(*cx.model, in, par, g, [&](const at::Tensor& next) {
-    if (r == 0 && hooks.on_text) text.add(next[0].item<int64_t>());
-  });
-  at::Tensor local_indices = cached ? cached->indices : frames.indices;
-  at::Tensor local_pts = cached ? cached->pts : frames.pts;
-  if (!cached && cx.cache->enabled() && encoded.features.defined()) {
+  return g;
+}
+
+// The video's entry in the visual cache after a prefill: new on a miss, or the cached one with
+// the prefix this prompt made (another system message, plan or frame count replaces it).
+void keep_visual(QaSession::State& cx, QaAnswer& a) {
+  if (!a.cached && cx.cache->enabled() && a.encoded.features.defined()) {
     auto entry = std::make_shared<VisualEntry>();
-    entry->media = encoded;
-    entry->sampled_total = m;
-    entry->indices = frames.indices;
-    entry->pts = frames.pts;
-    entry->events = frames.report.events;
-    entry->prefix = made;
-    cx.cache->put(key, std::move(entry));
-  } else if (cached && made) {
-    // Another prefix of a cached video (another system message, plan or frame count): it
-    // replaces the entry's.
-    auto entry = std::make_shared<VisualEntry>(*cached);
-    entry->prefix = made;
-    cx.cache->put(key, std::move(entry));
+    entry->media = a.encoded;
+    entry->sampled_total = a.m;
+    entry->indices = a.frames.indices;
+    entry->pts = a.frames.pts;
+    entry->events = a.frames.report.events;
+    entry->prefix = a.made;
+    cx.cache->put(a.key, std::move(entry));
+  } else if (a.cached && a.made) {
+    auto entry = std::make_shared<VisualEntry>(*a.cached);
+    entry->prefix = a.made;
+    cx.cache->put(a.key, std::move(entry));
   }
+}
+
+}  // namespace
+
+QaAnswerPtr QaSession::start(const QaRequest& req, const AnswerHooks& hooks) {
+  State& cx = *s_;
+  QaAnswerPtr a(new QaAnswer);
+  a->req = req;
+  a->hooks = hooks;
+  const QaItem& item = req.item;
+  a->row = json{{"id", item.id}, {"video", item.video}, {"question", item.question}};
+  if (!req.image_files.empty()) a->row["video"] = json();
+  if (!item.options.empty()) a->row["options"] = item.options;
+  if (!item.answer.empty()) a->row["answer"] = item.answer;
+  a->t_start = clock::now();
+  take_frames(cx, *a);
+  if (a->failed) return a;
+  take_prompt(*this, cx, *a);
+  if (a->failed) return a;
+  const std::function<void(const std::string&)> sink =
+      hooks.on_text ? hooks.on_text : [](const std::string&) {};
+  a->text = std::make_unique<TextStream>(*cx.tok, cx.stop, sink);
+  const GenerateOptions g = generation_options(cx, *a);
+  // Frames go to the device once, after preprocessing; the prompt's ids stay host metadata.
+  models::ModelInputs in{at::tensor(a->prompt.ids, at::kLong).unsqueeze(0), at::Tensor(),
+                         /*pixels_local=*/true, {}};
+  if (a->cached) {
+    a->encoded = a->cached->media;
+    in.media = &a->encoded;
+  } else {
+    in.pixel_values = a->frames.frames.defined() ? a->frames.frames.to(cx.device) : at::Tensor();
+    if (cx.cache->enabled()) in.media = &a->encoded;
+  }
+  a->gen = std::make_unique<Generation>(*cx.model, in, a->par, g);
+  keep_visual(cx, *a);
+  return a;
+}
+
+void QaSession::step(const std::vector<QaAnswer*>& answers) {
+  State& cx = *s_;
+  const int r = cx.pg->rank();
+  std::vector<Generation*> gens;
+  std::vector<std::function<void(const at::Tensor&)>> on_token;
+  for (QaAnswer* a : answers) {
+    gens.push_back(a->gen.get());
+    TextStream* text = a->text.get();
+    const bool streams = static_cast<bool>(a->hooks.on_text);
+    on_token.push_back([text, r, streams](const at::Tensor& next) {
+      if (r == 0 && streams) text->add(next[0].item<int64_t>());
+    });
+  }
+  step_together(gens, *cx.model, answers.front()->par, on_token);
+}
+
+json QaSession::finish(QaAnswer& a) {
+  if (a.failed) return a.row;
+  State& cx = *s_;
+  dist::ProcessGroup& pg = *cx.pg;
+  const int n = pg.world_size(), r = pg.rank();
+  const GenerateResult out = a.gen->finish();
   std::vector<int64_t> answer_ids;
   int64_t completion_tokens = 0;
   bool stop_token = false;
@@ -496,33 +573,35 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
   for (double t : out.token_seconds) per_token += t;
   if (!out.token_seconds.empty()) per_token /= static_cast<double>(out.token_seconds.size());
   at::Tensor times = at::tensor(
-      {video_s, out.encode_seconds, out.prefill_seconds, per_token, since(t_start)}, at::kDouble);
+      {a.video_s, out.encode_seconds, out.prefill_seconds, per_token, since(a.t_start)},
+      at::kDouble);
   pg.all_reduce(times, dist::ReduceOp::kMax);
   const VisualCacheStats cs = cx.cache->stats();
   at::Tensor bytes =
-      at::tensor({out.prefill_bytes_sent, out.decode_bytes_sent, int64_t{cached ? 1 : 0},
-                  int64_t{!cached && cx.cache->enabled()}, cs.bytes},
+      at::tensor({out.prefill_bytes_sent, out.decode_bytes_sent, int64_t{a.cached ? 1 : 0},
+                  int64_t{!a.cached && cx.cache->enabled()}, cs.bytes},
                  at::kLong);
   pg.all_reduce(bytes);
-  // Every rank's frames (striped: rank k holds sampled positions k, k + n, …) back in order.
-  const attention::Layout frames_layout{attention::LayoutKind::kStriped, m, n};
+  const attention::Layout frames_layout{attention::LayoutKind::kStriped, a.m, n};
   auto in_order = [&](const at::Tensor& local) {
     const at::Tensor all = pg.all_gather(local, frames_layout.sizes());
     return all.index_select(0, at::argsort(frames_layout.gathered_positions()));
   };
-  const at::Tensor indices = in_order(local_indices);
-  const at::Tensor pts = in_order(local_pts);
+  const at::Tensor indices = in_order(a.cached ? a.cached->indices : a.frames.indices);
+  const at::Tensor pts = in_order(a.cached ? a.cached->pts : a.frames.pts);
 
+  json& row = a.row;
+  const QaItem& item = a.req.item;
   row["response"] = response;
   row["parsed_answer"] = parse_answer(item, response);
   if (!item.answer.empty()) row["correct"] = row["parsed_answer"] == expected_answer(item);
-  row["frames"] = m;
+  row["frames"] = a.m;
   row["frame_indices"] = std::vector<int64_t>(indices.data_ptr<int64_t>(),
                                               indices.data_ptr<int64_t>() + indices.numel());
   row["pts_seconds"] =
       std::vector<double>(pts.data_ptr<double>(), pts.data_ptr<double>() + pts.numel());
-  row["prompt_tokens"] = static_cast<int64_t>(prompt.ids.size());
-  if (req.return_prompt_ids) row["prompt_ids"] = prompt.ids;
+  row["prompt_tokens"] = static_cast<int64_t>(a.prompt.ids.size());
+  if (a.req.return_prompt_ids) row["prompt_ids"] = a.prompt.ids;
   row["new_tokens"] = out.tokens.size(1);
   row["completion_tokens"] = completion_tokens;
   row["finish_reason"] = stop_token || out.stopped ? "stop" : "length";
@@ -532,9 +611,9 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
       std::cerr << "[qa] " << item.id << ": generation stopped after " << out.tokens.size(1)
                 << " tokens: the model's context of " << cx.context << " tokens is full\n";
   }
-  if (!events.empty()) row["video_events"] = events;
+  if (!a.events.empty()) row["video_events"] = a.events;
   row["ranks"] = n;
-  row["plan"] = describe(par, cx.model);
+  row["plan"] = describe(a.par, cx.model);
   const double ttft = times[0].item<double>() + times[2].item<double>();
   row["timings"] = {
       {"video_decode_s", times[0].item<double>()},     {"encode_s", times[1].item<double>()},
@@ -551,6 +630,12 @@ json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
                            {"prefix_tokens", out.prefix_tokens},
                            {"prefix_reused", out.prefix_reused}};
   return row;
+}
+
+json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
+  const QaAnswerPtr a = start(req, hooks);
+  while (!done(*a)) step({a.get()});
+  return finish(*a);
 }
 
 json qa_settings(const QaJob& job) {

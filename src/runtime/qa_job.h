@@ -102,6 +102,13 @@ struct AnswerHooks {
   std::function<bool()> stop_requested;
 };
 
+// One question being answered, between QaSession::start and QaSession::finish (qa_job.cpp).
+struct QaAnswer;
+struct QaAnswerDeleter {
+  void operator()(QaAnswer* a) const;
+};
+using QaAnswerPtr = std::unique_ptr<QaAnswer, QaAnswerDeleter>;
+
 // A checkpoint loaded on this rank with its tokenizer, answering questions one at a time. Every
 // rank of the group makes one with the same job and calls answer() with the same requests in the
 // same order (each call runs collectives). With cache_bytes > 0 each rank keeps its share of each
@@ -121,6 +128,17 @@ class QaSession {
   // cache}. Errors of the video or the prompt (on any rank) become the row's "error"; a failure
   // of the process group throws.
   nlohmann::json answer(const QaRequest& request, const AnswerHooks& hooks = {});
+  // answer() in three parts, so that several questions generate together (lvx serve's
+  // continuous batching): start() takes the frames and runs the prompt's prefill (an error of
+  // the video or the prompt gives an answer that is done at once); step() gives every answer in
+  // `answers` (none done) its next token, one decode step for all (runtime/generate.h
+  // step_together); finish() builds the row once done() says so. Collective: every rank starts,
+  // steps and finishes the same answers in the same order. answer() is start, step until done,
+  // finish.
+  QaAnswerPtr start(const QaRequest& request, const AnswerHooks& hooks = {});
+  void step(const std::vector<QaAnswer*>& answers);
+  bool done(const QaAnswer& answer) const;
+  nlohmann::json finish(QaAnswer& answer);
   // The prompt of `request` about `frames` frames (what answer() builds); a question or
   // conversation the family's template refuses throws lvx::Error. Touches no other rank and
   // only reads the tokenizer: lvx serve checks requests with it on its HTTP threads.

@@ -205,6 +205,8 @@ struct Metrics {
   int64_t prefix_reuses = 0;  // requests whose prompt prefix state was reused
   int64_t cancelled = 0;  // requests whose client went away before the answer ended
   int64_t merged = 0;     // requests answered by an identical request's generation
+  // Continuous batching: decode steps, the generations they stepped, the most in one step.
+  int64_t steps = 0, step_rows = 0, most_rows = 0;
   void count(int status) {
     std::lock_guard<std::mutex> lock(mu);
     ++requests[status];
@@ -227,9 +229,20 @@ class Server {
   int run_other_rank();
 
  private:
+  struct Running;  // one generation of the batch (below)
   json describe(const Job& job, std::vector<std::string>& blobs) const;
-  json answer(const Command& c, const std::function<void(const std::string&)>& on_text,
-              const std::function<bool()>& stop_requested);
+  // Starts one answer command on this rank (media sent inline written to this rank's own files
+  // for the prefill): the frames and the prompt's prefill (QaSession::start).
+  runtime::QaAnswerPtr start_answer(const Command& c, const runtime::AnswerHooks& hooks);
+  // Rank 0's scheduler (continuous batching): the next job when the batch has room (waiting a
+  // little only when nothing runs); starting its generation on every rank, with the queued
+  // requests identical to it; one token of every running generation on every rank; the rows of
+  // those done, in batch order, and their clients' answers.
+  std::shared_ptr<Job> take_job();
+  void admit(const std::shared_ptr<Job>& job);
+  void step_batch();
+  void retire_done();
+  void complete(Running& r, const json& row);
   void routes(httplib::Server& http);
   bool authorized(const httplib::Request& req, httplib::Response& res);
   void send_error(httplib::Response& res, const ApiError& e);
@@ -253,16 +266,24 @@ class Server {
   std::mutex qmu_;
   std::condition_variable qcv_;
   std::deque<std::shared_ptr<Job>> queue_;
-  std::atomic<int64_t> running_{0};  // requests the running generation answers
-  // The running generation (gmu_): the requests it answers, what their tokens depend on, the text
-  // so far; open while identical requests arriving may still join it (until it ends or stops).
+  std::atomic<int64_t> running_{0};  // requests the running generations answer
+  // One generation of the batch (rank 0): the requests it answers (the first, the queued ones
+  // identical to it, those that joined it while it ran), what their tokens depend on, the text
+  // so far; open while identical requests arriving may still join it (until it ends or every
+  // client of it has stopped it: a joiner would get a cut answer). gmu_ guards group, pieces,
+  // open and the batch's list; only the main thread adds or removes entries.
+  struct Running {
+    std::vector<std::shared_ptr<Job>> group;
+    std::string key;
+    Command command;  // its description and inline media (compared in place by joiners)
+    std::vector<std::string> pieces;
+    bool open = false;
+    int64_t joined = 0;
+    runtime::QaAnswerPtr answer;
+  };
   std::mutex gmu_;
-  std::vector<std::shared_ptr<Job>> running_group_;
-  std::string running_key_;
-  const std::vector<std::string>* running_blobs_ = nullptr;  // its command's, while it runs
-  std::vector<std::string> running_pieces_;
-  bool running_open_ = false;
-  int64_t joined_ = 0;  // requests that joined it while it ran (they count against --max-queue)
+  std::vector<std::unique_ptr<Running>> batch_;
+  int64_t joined_ = 0;  // requests that joined a running generation (they count against --max-queue)
   std::atomic<int64_t> handlers_{0};  // chat handlers still writing a response
   std::atomic<bool> draining_{false}, failed_{false};
   // Draining begins at the signal; draining_ is when the generation loop took note of it.
@@ -302,9 +323,7 @@ json Server::describe(const Job& job, std::vector<std::string>& blobs) const {
   return d;
 }
 
-// Runs one answer command on this rank (media sent inline written to this rank's own files).
-json Server::answer(const Command& c, const std::function<void(const std::string&)>& on_text,
-                    const std::function<bool()>& stop_requested) {
+runtime::QaAnswerPtr Server::start_answer(const Command& c, const runtime::AnswerHooks& hooks) {
   const json& d = c.desc;
   // A folder of its own, made by mkdtemp: unpredictable and private (0700), so no other local
   // user can plant a link in it or read the uploads.
@@ -349,15 +368,16 @@ json Server::answer(const Command& c, const std::function<void(const std::string
   g.sampling.top_p = d["top_p"].get<double>();
   g.sampling.seed = d["seed"].get<uint64_t>();
   q.generation = g;
-  runtime::AnswerHooks hooks;
-  hooks.on_text = on_text;
-  hooks.stop_requested = stop_requested;
-  return session_.answer(q, hooks);
+  return session_.start(q, hooks);
 }
 
 int Server::run_other_rank() {
   ::signal(SIGTERM, SIG_IGN);  // rank 0 says when to stop
   ::signal(SIGINT, SIG_IGN);
+  // The generations rank 0 runs, in its order: started, stepped and finished as it says.
+  std::vector<runtime::QaAnswerPtr> active;
+  runtime::AnswerHooks hooks;
+  hooks.stop_requested = [] { return false; };  // set on every rank (rank 0's flag is the one)
   for (;;) {
     Command c;
     exchange(pg_, c);
@@ -365,7 +385,20 @@ int Server::run_other_rank() {
       pg_.barrier();
       return 0;
     }
-    if (c.op == Op::kAnswer) answer(c, {}, [] { return false; });
+    if (c.op == Op::kAnswer) active.push_back(start_answer(c, hooks));
+    if (c.op == Op::kStep) {
+      std::vector<runtime::QaAnswer*> step;
+      for (auto& a : active) step.push_back(a.get());
+      session_.step(step);
+    }
+    for (auto it = active.begin(); it != active.end();) {
+      if (!session_.done(**it)) {
+        ++it;
+        continue;
+      }
+      session_.finish(**it);
+      it = active.erase(it);
+    }
   }
 }
 
@@ -437,22 +470,25 @@ bool Server::join_running(const std::shared_ptr<Job>& job) {
   std::vector<std::string> blobs;
   const std::string key = generation_key(describe(*job, blobs));
   std::lock_guard<std::mutex> lock(gmu_);
-  if (!running_open_ || key != running_key_ || !running_blobs_ || blobs != *running_blobs_)
-    return false;
-  {
-    // A request waiting on a generation, queued or joined, is one of --max-queue: the HTTP
-    // threads (max_queue + 8) stay enough for the others. Full: the queue's 429.
-    std::lock_guard<std::mutex> qlock(qmu_);
-    if (static_cast<int64_t>(queue_.size()) + joined_ >= o_.max_queue) return false;
-    ++joined_;
+  for (auto& r : batch_) {
+    if (!r->open || key != r->key || blobs != r->command.blobs) continue;
+    {
+      // A request waiting on a generation, queued or joined, is one of --max-queue: the HTTP
+      // threads (max_queue + 8) stay enough for the others. Full: the queue's 429.
+      std::lock_guard<std::mutex> qlock(qmu_);
+      if (static_cast<int64_t>(queue_.size()) + joined_ >= o_.max_queue) return false;
+      ++joined_;
+    }
+    ++r->joined;
+    for (const std::string& piece : r->pieces) {
+      note_first(*job);
+      job->push_text(piece);
+    }
+    r->group.push_back(job);
+    ++running_;
+    return true;
   }
-  for (const std::string& piece : running_pieces_) {
-    note_first(*job);
-    job->push_text(piece);
-  }
-  running_group_.push_back(job);
-  ++running_;
-  return true;
+  return false;
 }
 
 void Server::chat(const httplib::Request& req, httplib::Response& res) {
@@ -650,6 +686,14 @@ std::string Server::metrics_text() {
        "request (queued with them, or running when they arrived).\n"
     << "# TYPE lvx_requests_merged_total counter\nlvx_requests_merged_total " << metrics_.merged
     << "\n"
+    << "# HELP lvx_decode_steps_total Decode steps run (each gives every running generation its "
+       "next token).\n"
+    << "# TYPE lvx_decode_steps_total counter\nlvx_decode_steps_total " << metrics_.steps << "\n"
+    << "# HELP lvx_decode_step_rows_total Generations stepped, summed over the decode steps (over "
+       "lvx_decode_steps_total: the mean batch).\n"
+    << "# TYPE lvx_decode_step_rows_total counter\nlvx_decode_step_rows_total "
+    << metrics_.step_rows << "\n"
+    << "# TYPE lvx_decode_batch_max gauge\nlvx_decode_batch_max " << metrics_.most_rows << "\n"
     << "# TYPE lvx_queue_depth gauge\nlvx_queue_depth " << depth << "\n"
     << "# TYPE lvx_requests_running gauge\nlvx_requests_running " << running_.load() << "\n"
     << "# TYPE lvx_ranks gauge\nlvx_ranks " << pg_.world_size() << "\n";
@@ -737,6 +781,141 @@ std::string Server::bind() {
   return "";
 }
 
+std::shared_ptr<Job> Server::take_job() {
+  std::unique_lock<std::mutex> lock(qmu_);
+  if (static_cast<int64_t>(batch_.size()) >= o_.max_batch) return nullptr;
+  if (batch_.empty())
+    qcv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return !queue_.empty(); });
+  if (queue_.empty()) return nullptr;
+  std::shared_ptr<Job> job = queue_.front();
+  queue_.pop_front();
+  return job;
+}
+
+void Server::admit(const std::shared_ptr<Job>& job) {
+  auto r = std::make_unique<Running>();
+  r->command.op = Op::kAnswer;
+  r->command.desc = describe(*job, r->command.blobs);
+  r->key = generation_key(r->command.desc);
+  r->group = {job};
+  // Queued requests identical to this one in everything their tokens depend on (media,
+  // sampling and seed, conversation, max_tokens) share its generation: the same inputs give
+  // the same tokens, so each gets exactly the answer it would get alone. What only their own
+  // responses use (stop strings, streaming, usage) stays theirs.
+  if (o_.merge_identical) {
+    std::lock_guard<std::mutex> lock(qmu_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      std::vector<std::string> blobs;
+      if (!(*it)->cancelled && generation_key(describe(**it, blobs)) == r->key &&
+          blobs == r->command.blobs) {
+        r->group.push_back(*it);
+        it = queue_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  Running* rp = r.get();
+  runtime::AnswerHooks hooks;
+  hooks.on_text = [this, rp](const std::string& piece) {
+    std::lock_guard<std::mutex> lock(gmu_);
+    rp->pieces.push_back(piece);
+    for (const auto& j : rp->group) {
+      note_first(*j);
+      j->push_text(piece);
+    }
+  };
+  hooks.stop_requested = [this, rp] {  // every client of the generation left or has its stop
+    std::lock_guard<std::mutex> lock(gmu_);
+    const bool all = std::all_of(rp->group.begin(), rp->group.end(), [](const auto& j) {
+      return j->cancelled.load() || j->stop_hit;
+    });
+    if (all) rp->open = false;
+    return all;
+  };
+  {
+    std::lock_guard<std::mutex> lock(gmu_);
+    r->open = o_.merge_identical;
+    running_ += static_cast<int64_t>(r->group.size());
+    batch_.push_back(std::move(r));
+  }
+  exchange(pg_, rp->command);
+  rp->answer = start_answer(rp->command, hooks);
+  retire_done();  // a video or prompt that failed: done at once
+}
+
+void Server::step_batch() {
+  Command c;
+  c.op = Op::kStep;
+  exchange(pg_, c);
+  std::vector<runtime::QaAnswer*> step;
+  for (auto& r : batch_) step.push_back(r->answer.get());
+  {
+    std::lock_guard<std::mutex> lock(metrics_.mu);
+    ++metrics_.steps;
+    metrics_.step_rows += static_cast<int64_t>(step.size());
+    metrics_.most_rows = std::max(metrics_.most_rows, static_cast<int64_t>(step.size()));
+  }
+  session_.step(step);
+  retire_done();
+}
+
+void Server::retire_done() {
+  for (size_t i = 0; i < batch_.size();) {
+    Running& r = *batch_[i];
+    if (!session_.done(*r.answer)) {
+      ++i;
+      continue;
+    }
+    const json row = session_.finish(*r.answer);
+    std::unique_ptr<Running> done;
+    {
+      std::lock_guard<std::mutex> lock(gmu_);
+      r.open = false;
+      done = std::move(batch_[i]);
+      batch_.erase(batch_.begin() + static_cast<std::ptrdiff_t>(i));
+      running_ -= static_cast<int64_t>(done->group.size());
+      std::lock_guard<std::mutex> qlock(qmu_);
+      joined_ -= done->joined;
+    }
+    complete(*done, row);
+  }
+}
+
+// The clients of a finished generation: the metrics, then each answer (or the row's error).
+void Server::complete(Running& r, const json& row) {
+  {
+    std::lock_guard<std::mutex> lock(metrics_.mu);
+    metrics_.merged += static_cast<int64_t>(r.group.size()) - 1;
+    for (const auto& j : r.group) metrics_.cancelled += j->cancelled ? 1 : 0;
+    if (!row.contains("error") && row.contains("visual_cache")) {
+      metrics_.cache_hits += row["visual_cache"]["hits"].get<int64_t>();
+      metrics_.cache_misses += row["visual_cache"]["misses"].get<int64_t>();
+      metrics_.prefix_reuses += row["visual_cache"].value("prefix_reused", false) ? 1 : 0;
+      metrics_.cache_bytes = row["visual_cache"]["bytes"].get<int64_t>();
+    }
+  }
+  for (const auto& jp : r.group) {
+    Job& j = *jp;
+    if (row.contains("error")) {
+      j.fail(bad_request(client_error_text(row["error"].get<std::string>())));
+      continue;
+    }
+    note_first(j);
+    {
+      std::lock_guard<std::mutex> lock(metrics_.mu);
+      metrics_.prompt_tokens += row["prompt_tokens"].get<int64_t>();
+      metrics_.completion_tokens += row["completion_tokens"].get<int64_t>();
+      metrics_.latency_sum += seconds_since(j.received);
+      ++metrics_.latency_count;
+    }
+    std::string finish = row["finish_reason"].get<std::string>();
+    if (j.stop_hit) finish = "stop";
+    // The text as lvx qa gives it, unless a stop string cut it.
+    j.finish(row, finish, j.stop_hit ? j.text : row["response"].get<std::string>());
+  }
+}
+
 int Server::run_rank0() {
   httplib::Server& http = http_;
   const int port = port_;
@@ -752,135 +931,41 @@ int Server::run_rank0() {
   const double heartbeat_s = std::clamp(timeout_s / 4, 0.2, 5.0);
   auto last_command = clock::now();
   int code = 0;
-  std::shared_ptr<Job> job;                 // the one taken from the queue
-  std::vector<std::shared_ptr<Job>> group;  // it and the identical ones sharing its generation
-  Command c;  // the running generation's (outlives a failure: running_blobs_ points into it)
+  std::shared_ptr<Job> job;  // the one being admitted
   try {
     for (;;) {
-      job.reset();
-      {
-        std::unique_lock<std::mutex> lock(qmu_);
-        qcv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return !queue_.empty(); });
-        if (!queue_.empty()) {
-          job = queue_.front();
-          queue_.pop_front();
-          running_ = 1;
-        }
-      }
+      job = take_job();
       if (g_stop_signal && !draining_) {
         draining_ = true;
         std::cerr << "lvx serve: stopping: finishing the requests in flight" << std::endl;
       }
       if (job && job->cancelled) {  // its client left while it waited
-        running_ = 0;
         std::lock_guard<std::mutex> lock(metrics_.mu);
         ++metrics_.cancelled;
+        job.reset();
+      }
+      if (job) {
+        admit(job);
+        job.reset();
+        last_command = clock::now();
+      }
+      if (!batch_.empty()) {
+        step_batch();
+        last_command = clock::now();
         continue;
       }
-      if (!job) {
-        if (draining_) break;
-        if (seconds_since(last_command) >= heartbeat_s) {
-          Command hb;
-          exchange(pg_, hb);
-          last_command = clock::now();
-        }
-        continue;
-      }
-      c = Command{};  // running_blobs_ is null between generations
-      c.op = Op::kAnswer;
-      c.desc = describe(*job, c.blobs);
-      // Queued requests identical to this one in everything their tokens depend on (media,
-      // sampling and seed, conversation, max_tokens) share its generation: the same inputs give
-      // the same tokens, so each gets exactly the answer it would get alone. What only their own
-      // responses use (stop strings, streaming, usage) stays theirs.
-      group = {job};
-      if (o_.merge_identical) {
-        const std::string key = generation_key(c.desc);
+      bool idle = false;
+      {
         std::lock_guard<std::mutex> lock(qmu_);
-        for (auto it = queue_.begin(); it != queue_.end();) {
-          std::vector<std::string> blobs;
-          if (!(*it)->cancelled && generation_key(describe(**it, blobs)) == key &&
-              blobs == c.blobs) {
-            group.push_back(*it);
-            it = queue_.erase(it);
-          } else {
-            ++it;
-          }
-        }
-        running_ = static_cast<int64_t>(group.size());
+        idle = queue_.empty();
       }
-      {
-        // Identical requests that arrive while it runs join it (join_running), until it ends
-        // or every client of it has stopped it (a joiner would get a cut answer).
-        std::lock_guard<std::mutex> lock(gmu_);
-        running_group_ = group;
-        running_key_ = generation_key(c.desc);
-        running_blobs_ = &c.blobs;
-        running_pieces_.clear();
-        running_open_ = o_.merge_identical;
+      if (!idle) continue;
+      if (draining_) break;
+      if (seconds_since(last_command) >= heartbeat_s) {
+        Command hb;
+        exchange(pg_, hb);
+        last_command = clock::now();
       }
-      exchange(pg_, c);
-      const json row = answer(
-          c,
-          [&](const std::string& piece) {
-            std::lock_guard<std::mutex> lock(gmu_);
-            running_pieces_.push_back(piece);
-            for (const auto& j : running_group_) {
-              note_first(*j);
-              j->push_text(piece);
-            }
-          },
-          [&] {  // every client of the generation left or has its stop string
-            std::lock_guard<std::mutex> lock(gmu_);
-            const bool all = std::all_of(
-                running_group_.begin(), running_group_.end(),
-                [](const std::shared_ptr<Job>& j) { return j->cancelled.load() || j->stop_hit; });
-            if (all) running_open_ = false;
-            return all;
-          });
-      {
-        std::lock_guard<std::mutex> lock(gmu_);
-        running_open_ = false;
-        group = std::move(running_group_);
-        running_group_.clear();
-        running_pieces_.clear();
-        running_blobs_ = nullptr;
-        std::lock_guard<std::mutex> qlock(qmu_);
-        joined_ = 0;
-      }
-      last_command = clock::now();
-      running_ = 0;
-      {
-        std::lock_guard<std::mutex> lock(metrics_.mu);
-        metrics_.merged += static_cast<int64_t>(group.size()) - 1;
-        for (const auto& j : group) metrics_.cancelled += j->cancelled ? 1 : 0;
-        if (!row.contains("error") && row.contains("visual_cache")) {
-          metrics_.cache_hits += row["visual_cache"]["hits"].get<int64_t>();
-          metrics_.cache_misses += row["visual_cache"]["misses"].get<int64_t>();
-          metrics_.prefix_reuses += row["visual_cache"].value("prefix_reused", false) ? 1 : 0;
-          metrics_.cache_bytes = row["visual_cache"]["bytes"].get<int64_t>();
-        }
-      }
-      for (size_t k = 0; k < group.size(); ++k) {
-        Job& j = *group[k];
-        if (row.contains("error")) {
-          j.fail(bad_request(client_error_text(row["error"].get<std::string>())));
-          continue;
-        }
-        note_first(j);
-        {
-          std::lock_guard<std::mutex> lock(metrics_.mu);
-          metrics_.prompt_tokens += row["prompt_tokens"].get<int64_t>();
-          metrics_.completion_tokens += row["completion_tokens"].get<int64_t>();
-          metrics_.latency_sum += seconds_since(j.received);
-          ++metrics_.latency_count;
-        }
-        std::string finish = row["finish_reason"].get<std::string>();
-        if (j.stop_hit) finish = "stop";
-        // The text as lvx qa gives it, unless a stop string cut it.
-        j.finish(row, finish, j.stop_hit ? j.text : row["response"].get<std::string>());
-      }
-      group.clear();
     }
     Command bye;
     bye.op = Op::kShutdown;
@@ -894,15 +979,16 @@ int Server::run_rank0() {
               << std::endl;
     const ApiError unavailable(503, "server_error",
                                "a rank failed: " + client_error_text(failure_));
+    std::vector<std::shared_ptr<Job>> waiting;
     {
       std::lock_guard<std::mutex> lock(gmu_);
-      running_open_ = false;
-      running_blobs_ = nullptr;
-      if (!running_group_.empty()) group = std::move(running_group_);
-      running_group_.clear();
+      for (auto& r : batch_) {
+        r->open = false;
+        waiting.insert(waiting.end(), r->group.begin(), r->group.end());
+      }
     }
-    for (const auto& j : group) j->fail(unavailable);
-    if (group.empty() && job) job->fail(unavailable);
+    if (job) waiting.push_back(job);
+    for (const auto& j : waiting) j->fail(unavailable);
     fail_queued(unavailable);
   }
   // Let the responses in flight reach their clients (bounded), then stop listening.

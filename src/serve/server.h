@@ -3,12 +3,15 @@
 // Every rank loads the model once (src/runtime/qa_job.h QaSession) and keeps its share of each
 // video's encoded frames (src/runtime/visual_cache.h). Rank 0 also serves HTTP (cpp-httplib):
 // it reads and checks each request (src/serve/openai_api.h), queues it (at most max_queue
-// waiting: 429 beyond), and its main thread takes requests one at a time (requests identical in
-// what their tokens depend on share one generation, queued or arriving while it runs): it
-// broadcasts a compact description (the fields and the media bytes sent inline,
-// src/serve/wire.h) to every rank, every rank answers it as `lvx qa` does (per-rank frames, the
-// plan's strategies, pass-Q decoding), and rank 0 streams the text to the client as tokens
-// arrive. A client that goes
+// waiting: 429 beyond), and its main thread schedules them (continuous batching): while fewer
+// than max_batch generations run, it takes the next request (requests identical in what their
+// tokens depend on share one generation, queued or arriving while it runs), broadcasts a
+// compact description (the fields and the media bytes sent inline, src/serve/wire.h) and every
+// rank starts it as `lvx qa` does (per-rank frames, the plan's strategies, the prefill); then
+// one step gives every running generation its next token (one decode step for all,
+// Model::decode_rows; pass-Q decoding), and rank 0 streams each text to its clients as tokens
+// arrive; a generation that is done leaves the batch with its row. A new request's prefill runs
+// whole between two steps (not yet cut into chunks). A client that goes
 // away (a stream that can no longer be written; a non-streaming client's socket closed, looked at
 // every 100 ms while it waits) cancels its request: not run if queued, stopped at its next token
 // if running (the stop flag travels with the token).
@@ -47,6 +50,10 @@ struct ServeOptions {
   int64_t default_max_tokens = 256;
   // Queued requests identical in everything their tokens depend on share one generation.
   bool merge_identical = true;
+  // Generations running together (continuous batching): each decode step gives every one its
+  // next token in one pass through the model (Model::decode_rows); a new request's prefill runs
+  // between two steps. 1: one generation at a time, lvx qa's answer bit for bit.
+  int64_t max_batch = 16;
 };
 
 // Runs this rank of the server (rendezvous from the environment) until SIGTERM (0) or a failure

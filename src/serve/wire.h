@@ -12,7 +12,9 @@
 
 namespace lvx::serve {
 
-enum class Op : int64_t { kHeartbeat = 1, kAnswer = 2, kShutdown = 3 };
+// kAnswer starts a generation (its description and media); kStep gives every running
+// generation its next token (no payload: every rank holds the same batch in the same order).
+enum class Op : int64_t { kHeartbeat = 1, kAnswer = 2, kShutdown = 3, kStep = 4 };
 
 struct Command {
   Op op = Op::kHeartbeat;

@@ -581,6 +581,32 @@ def case_identical_requests_share_generation(fx, srv, ranks):
     assert srv.metrics()["lvx_requests_merged_total"] - m1["lvx_requests_merged_total"] == 1
 
 
+def case_distinct_questions_batched(fx, srv, ranks):
+    # Continuous batching: distinct questions about one video sent at once run together (one
+    # decode step for all, rows joining as their prefill ends and leaving at their own end);
+    # each answer is lvx qa's for its question, token for token.
+    clip = video_part(file_url(fx.clip))
+    questions = [QUESTION, "What shape was the colour?", "Where did the shape move?",
+                 "How many shapes were there?"]
+    want = [qa_json(fx, fx.clip, ranks, question=q) for q in questions]
+    ask(srv, clip, max_tokens=1)  # the video cached: the prefills are quick, the rows overlap
+    m0 = srv.metrics()
+    with concurrent.futures.ThreadPoolExecutor(len(questions)) as ex:
+        got = list(ex.map(lambda q: srv.client.chat.completions.create(
+            model="model", messages=messages(clip, question=q), temperature=0,
+            max_tokens=TOKENS), questions))
+    for q, w, r in zip(questions, want, got):
+        assert r.choices[0].message.content == w["response"], (q, r.choices[0].message.content, w)
+        assert r.usage.completion_tokens == w["completion_tokens"], q
+    m1 = srv.metrics()
+    steps = m1["lvx_decode_steps_total"] - m0["lvx_decode_steps_total"]
+    rows = m1["lvx_decode_step_rows_total"] - m0["lvx_decode_step_rows_total"]
+    print("  %d questions: %d decode steps, %.2f generations per step, at most %d" % (
+        len(questions), steps, rows / max(steps, 1), m1["lvx_decode_batch_max"]))
+    assert m1["lvx_decode_batch_max"] >= 2, m1["lvx_decode_batch_max"]
+    assert rows > steps, (rows, steps)
+
+
 def case_sigterm_finishes_in_flight(fx, srv, ranks):
     # The stream in flight completes; a request arriving during the drain gets 503 (it got 200
     # while the generation loop had not yet looked at the signal). The drain is seen to have
@@ -857,10 +883,11 @@ CASES = [
     (case_conversation_template, [], {}, 1, False),
     (case_cache_hits_and_changed_file, [], {}, 1, False),
     (case_error_codes, ["--max-body-bytes", str(200 << 10)], {}, 1, False),
-    (case_queue_full_429, ["--max-queue", "1"], {}, 1, False),
+    (case_queue_full_429, ["--max-queue", "1", "--max-batch", "1"], {}, 1, False),
     (case_stop_and_disconnect, [], {}, 1, False),
-    (case_nonstreaming_client_leaves, [], {}, 1, False),
-    (case_identical_requests_share_generation, [], {}, 1, False),
+    (case_nonstreaming_client_leaves, ["--max-batch", "1"], {}, 1, False),
+    (case_identical_requests_share_generation, ["--max-batch", "1"], {}, 1, False),
+    (case_distinct_questions_batched, [], {}, 1, False),
     (case_sigterm_finishes_in_flight, [], {}, 1, True),
     (case_killed_rank_503, [], {"LVX_DIST_TIMEOUT_S": "4"}, 2, True),
     (case_port_in_use_fails_every_rank_at_once, None, {}, 1, True),
