@@ -2,7 +2,8 @@
 video (the visual cache), and requests/s with p50/p99 latency at several concurrent clients.
 
   python bench_serve.py [--nproc 1,2] [--minutes 60] [--video-fps 1] [--sample-fps 0.5]
-                        [--clients 1,4,16] [--requests 32] [--tokens 16] [-o md|json]
+                        [--clients 1,4,16] [--requests 32] [--tokens 16] [--max-batch 16]
+                        [--load-minutes 2] [-o md|json]
 
 Model: a tiny random mPLUG-Owl3 (tests/reference/mplug_owl3_ref.py make-model: SigLIP 32 px,
 16 visual tokens per frame), so the numbers measure lvx's video path, prefill and serving, not a
@@ -11,15 +12,21 @@ default GOP), sampled at --sample-fps (1 hour at 0.5 fps: 1800 frames, 28 800 vi
 Correctness first: the served answer (first and repeated) must equal `lvx qa --json` on the same
 video, frames and question, or the run stops. Time to first token is the client's (request sent
 → first content chunk of the stream), median of --repeats runs; "first" runs are cache misses
-forced by a fresh video_id each (the file is the same, so the OS page cache is warm for all but the
-very first), "repeat" runs hit (keyed by the file's content hash: hashing is included).
-Throughput: every client sends its requests back to back (the cached video, greedy, --tokens new
-tokens, no streaming); generations run one at a time across the ranks, so latency grows with the
-queue. Two workloads, each against a server that merges identical queued requests into one
-generation (the default) and one that does not (--no-merge-identical), side by side in one run:
-"same" (every client asks the same question: merging applies) and "distinct" (request i asks its
-own question, same length class: merging never applies). Every answer of one question must be the
-same with and without merging (and lvx qa's for the benchmark's question).
+forced by a range ending a millisecond earlier each (the cache keys by content and range; the file
+is the same, so the OS page cache is warm for all but the very first), "repeat" runs hit (keyed
+by the file's content hash: hashing is included).
+Throughput (continuous batching): every client sends its requests back to back, streamed, each
+a distinct question (request i asks its own) about one of 4 short cached videos (--load-minutes
+each, testsrc2 in 4 sizes), greedy, --tokens new tokens. Two servers side by side in one run: the
+default (up to --max-batch generations step together, one decode step for all) and --max-batch 1
+(one generation at a time: the peer a user would otherwise run). Reported: requests/s, and p50/p99
+of the client's time to first token and of the whole request. Every answer must be the same on
+both servers (the batched rows' logits differ from alone by ~1e-6; a greedy token that flipped
+would stop the run).
+Prefill under load: the time to first token of a short question about a cached video asked while
+a 1-hour video's first prefill (a cache miss) runs, against the same question asked on an idle
+server: a new request's prefill runs whole between two decode steps, so the short question waits
+for it (chunking the prefill is what would bound it).
 """
 import argparse
 import json
@@ -94,19 +101,83 @@ class Server:
         self.proc.wait(timeout=60)
 
 
-def body(video, tokens, stream=False, video_id=None, question=QUESTION):
+def body(video, tokens, stream=False, miss=None, question=QUESTION, end=None):
+    """A request; miss=k forces a visual-cache miss (the cache keys by content and range, not by
+    video_id: the range ends k+1 ms before `end`, the video's length, so its frames are the same
+    but its key is new)."""
     b = {"model": "model", "temperature": 0, "max_tokens": tokens, "stream": stream,
          "messages": [{"role": "user", "content": [
              {"type": "video_url", "video_url": {"url": "file://" + video}},
              {"type": "text", "text": question}]}]}
-    if video_id:
-        b["video_id"] = video_id
+    if miss is not None:
+        b["end"] = end - 0.001 * (miss + 1)
     return b
 
 
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))]
+
+
+def load_videos(media, minutes):
+    """Four short videos of distinct content (testsrc2 in four sizes), made once."""
+    out = []
+    for w, h in ((64, 48), (80, 48), (64, 64), (96, 48)):
+        v = media / ("load_%dx%d_%gmin.mp4" % (w, h, minutes))
+        if not v.exists():
+            sh("ffmpeg", "-loglevel", "error", "-y", "-f", "lavfi", "-i",
+               "testsrc2=size=%dx%d:rate=4" % (w, h), "-t", str(minutes * 60), "-c:v", "libx264",
+               "-preset", "ultrafast", "-pix_fmt", "yuv420p", str(v))
+        out.append(str(v))
+    return out
+
+
+def load_rows(a, lvx, model, nproc, media, videos):
+    """Requests/s and TTFT with continuous batching and with --max-batch 1, side by side."""
+    servers = {"batched": Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens,
+                                 ["--max-batch", str(a.max_batch)]),
+               "one at a time": Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens,
+                                       ["--max-batch", "1"])}
+    rows, answers = {}, {}
+    try:
+        for s in servers.values():
+            for v in videos:  # every video cached on every server first
+                s.post(body(v, 1))
+        for c in [int(x) for x in a.clients.split(",")]:
+            n = max(a.requests, c)
+            for mode, s in servers.items():
+                def one(i):
+                    q = "%s (%d)" % (QUESTION, i)
+                    return q, s.post(body(videos[i % len(videos)], a.tokens, True, question=q), True)
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(c) as ex:
+                    outs = list(ex.map(one, range(n)))
+                wall = time.perf_counter() - t0
+                for q, o in outs:
+                    assert answers.setdefault(q, o[2]) == o[2], ("an answer differs", mode, q)
+                ttft, lat = [o[0] for _, o in outs], [o[1] for _, o in outs]
+                rows["%d %s" % (c, mode)] = {
+                    "clients": c, "mode": mode, "requests": n, "req_per_s": n / wall,
+                    "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": pct(ttft, 99),
+                    "p50_s": statistics.median(lat), "p99_s": pct(lat, 99)}
+    finally:
+        for s in servers.values():
+            s.stop()
+    return rows
+
+
+def prefill_probe(srv, a, long_video, short_video, length):
+    """TTFT of a short cached question, idle and while a 1-hour video's first prefill runs."""
+    srv.post(body(short_video, 1))
+    idle = statistics.median(srv.post(body(short_video, a.tokens, True), True)[0]
+                             for _ in range(3))
+    with ThreadPoolExecutor(1) as ex:
+        miss = ex.submit(srv.post, body(long_video, a.tokens, True, 200, end=length), True)
+        time.sleep(0.3)  # the miss's decode and prefill under way
+        busy = srv.post(body(short_video, a.tokens, True), True)[0]
+        long_ttft = miss.result()[0]
+    return {"idle_ttft_s": idle, "busy_ttft_s": busy, "ratio": busy / idle,
+            "long_ttft_s": long_ttft}
 
 
 def main():
@@ -119,6 +190,9 @@ def main():
     ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-batch", type=int, default=16, help="the batched server's --max-batch")
+    ap.add_argument("--load-minutes", type=float, default=2,
+                    help="length of each of the 4 videos the load asks about")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lvx_bench_serve"))
     ap.add_argument("-o", "--output", default="md", choices=["md", "json"])
     a = ap.parse_args()
@@ -138,7 +212,9 @@ def main():
            "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p", str(video))
         print("made %s (%.1f MB) in %.1f s" % (video, video.stat().st_size / 1e6, time.time() - t0),
               file=sys.stderr)
+    videos = load_videos(media, a.load_minutes)
     results = []
+    length = a.minutes * 60  # seconds
     for nproc in [int(x) for x in a.nproc.split(",")]:
         want = json.loads(subprocess.run(
             [lvx, "qa", "--model", str(model), "--video", str(video), "--question", QUESTION,
@@ -151,7 +227,7 @@ def main():
             # The real first question (content hash, cold cache), then forced misses.
             first = [srv.post(body(str(video), a.tokens, True), True)]
             for k in range(a.repeats - 1):
-                first.append(srv.post(body(str(video), a.tokens, True, "first-%d" % k), True))
+                first.append(srv.post(body(str(video), a.tokens, True, k, end=length), True))
             repeat = [srv.post(body(str(video), a.tokens, True), True) for _ in range(a.repeats)]
             for t in first + repeat:
                 assert t[2] == want["response"], ("answer differs from lvx qa", t[2], want)
@@ -161,41 +237,13 @@ def main():
             row["repeat_over_first"] = row["ttft_repeat_s"] / row["ttft_first_s"]
             # Where a miss's time goes, and what a hit still spends (the slowest rank's, from
             # the response's lvx timings): video decode, encode, prefill (encode included).
-            miss = srv.post(body(str(video), a.tokens, video_id="breakdown"))[3]["lvx"]
-            hit = srv.post(body(str(video), a.tokens, video_id="breakdown"))[3]["lvx"]
+            miss = srv.post(body(str(video), a.tokens, miss=100, end=length))[3]["lvx"]
+            hit = srv.post(body(str(video), a.tokens, miss=100, end=length))[3]["lvx"]
             assert miss["visual_cache"]["misses"] == nproc and hit["visual_cache"]["hits"] == nproc
             for name, t in (("miss", miss["timings"]), ("hit", hit["timings"])):
                 row[name] = {k: t[k] for k in ("video_decode_s", "encode_s", "prefill_s", "ttft_s")}
-            row["load"] = {}
-            plain = Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens,
-                           ["--no-merge-identical"])
-            try:
-                plain.post(body(str(video), a.tokens))  # its cache: the video encoded once
-                answers = {}  # question -> the answer, the same on both servers
-                for c in [int(x) for x in a.clients.split(",")]:
-                    n = max(a.requests, c)
-                    for work in ("same", "distinct"):
-                        for merge, s in (("off", plain), ("on", srv)):
-                            q = (lambda i: QUESTION) if work == "same" else (
-                                lambda i: "%s (%d)" % (QUESTION, i))
-                            lat = []
-                            t0 = time.perf_counter()
-                            with ThreadPoolExecutor(c) as ex:
-                                outs = list(ex.map(lambda i: (q(i), s.post(
-                                    body(str(video), a.tokens, question=q(i)))), range(n)))
-                            wall = time.perf_counter() - t0
-                            for question, o in outs:
-                                if question == QUESTION:
-                                    assert o[2] == want["response"], "answer differs under load"
-                                assert answers.setdefault(question, o[2]) == o[2], (
-                                    "an answer differs with merging " + merge, question)
-                                lat.append(o[1])
-                            row["load"]["%d %s %s" % (c, work, merge)] = {
-                                "clients": c, "workload": work, "merge": merge, "requests": n,
-                                "req_per_s": n / wall, "p50_s": statistics.median(lat),
-                                "p99_s": pct(lat, 99)}
-            finally:
-                plain.stop()
+            row["load"] = load_rows(a, lvx, model, nproc, media, videos)
+            row["under_prefill"] = prefill_probe(srv, a, video, videos[0], length)
             results.append(row)
         finally:
             srv.stop()
@@ -219,17 +267,28 @@ def main():
             print("| %d | %s | %.3f | %.3f | %.3f | %.3f |" % (
                 r["ranks"], name, t["video_decode_s"], t["encode_s"], t["prefill_s"], t["ttft_s"]))
     print()
-    print("| ranks | clients | questions | requests | requests/s unmerged | requests/s merged | "
-          "p50 s unmerged | p50 s merged | p99 s unmerged | p99 s merged |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| ranks | clients | requests | requests/s one at a time | requests/s batched | "
+          "batched / one | TTFT p50 s one | TTFT p50 s batched | TTFT p99 s one | "
+          "TTFT p99 s batched | p99 s one | p99 s batched |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        for key, off in r["load"].items():
-            if off["merge"] != "off":
+        for key, b in r["load"].items():
+            if b["mode"] != "batched":
                 continue
-            on = r["load"][key[:-3] + "on"]
-            print("| %d | %d | %s | %d | %.2f | %.2f | %.3f | %.3f | %.3f | %.3f |" % (
-                r["ranks"], off["clients"], off["workload"], off["requests"], off["req_per_s"],
-                on["req_per_s"], off["p50_s"], on["p50_s"], off["p99_s"], on["p99_s"]))
+            o = r["load"]["%d one at a time" % b["clients"]]
+            print("| %d | %d | %d | %.2f | %.2f | %.2f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f |"
+                  % (r["ranks"], b["clients"], b["requests"], o["req_per_s"], b["req_per_s"],
+                     b["req_per_s"] / o["req_per_s"], o["ttft_p50_s"], b["ttft_p50_s"],
+                     o["ttft_p99_s"], b["ttft_p99_s"], o["p99_s"], b["p99_s"]))
+    print()
+    print("| ranks | short question TTFT idle s | during a 1-hour prefill s | ratio | "
+          "the 1-hour question's TTFT s |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        p = r["under_prefill"]
+        print("| %d | %.3f | %.3f | %.1f | %.3f |" % (r["ranks"], p["idle_ttft_s"],
+                                                      p["busy_ttft_s"], p["ratio"],
+                                                      p["long_ttft_s"]))
     print("\n(load average at the end: %.1f)" % load)
 
 
