@@ -243,7 +243,7 @@ def main():
             for name, t in (("miss", miss["timings"]), ("hit", hit["timings"])):
                 row[name] = {k: t[k] for k in ("video_decode_s", "encode_s", "prefill_s", "ttft_s")}
             row["load"] = load_rows(a, lvx, model, nproc, media, videos)
-            row["under_prefill"] = prefill_probe(srv, a, video, videos[0], length)
+            row["under_prefill"] = prefill_probe(srv, a, str(video), videos[0], length)
             results.append(row)
         finally:
             srv.stop()

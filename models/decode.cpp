@@ -24,6 +24,18 @@ Partial partial_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   return {out.o.select(1, 0), out.lse.select(2, 0)};  // [B, Hq, D], [B, Hq]
 }
 
+Partial shared_partial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& visible, double scale) {
+  const int64_t G = q.size(0);
+  if (G == 1 || k.size(1) == 0) return partial_attention(q, k, v, visible, scale);
+  // The rows as G queries of one sample (no mask among queries: each sees every key).
+  kernels::AttentionParams params;
+  params.scale = scale;
+  if (visible.defined()) params.mask.kv_valid = visible;
+  const kernels::AttentionOutput out = kernels::attention_forward(q.unsqueeze(0), k, v, params);
+  return {out.o.squeeze(0), out.lse.squeeze(0).transpose(0, 1)};  // [G, Hq, D], [G, Hq]
+}
+
 Partial merge_partials(const std::vector<Partial>& parts) {
   LVX_CHECK(!parts.empty(), "decode: nothing to merge");
   if (parts.size() == 1) return parts[0];

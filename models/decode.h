@@ -44,6 +44,13 @@ struct Partial {
 Partial partial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& visible, double scale);
 
+// partial_attention of G rows' queries q [G, Hq, D] against keys they all share (k/v [1, S, Hkv,
+// D], visible [1, S] or undefined: a video's cached prompt prefix and visual K/V, which rows
+// about one video hold as the same tensors) in one call: the rows are the G queries of one
+// sample, none masked from another key. Returns [G, Hq, D] / [G, Hq], row r's at [r].
+Partial shared_partial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& visible, double scale);
+
 // Merges partial results over disjoint key sets with the kernels' merge_attention_states, in
 // order (exact; rows without keys stay o = 0, −inf).
 Partial merge_partials(const std::vector<Partial>& parts);

@@ -2,9 +2,10 @@
 // serve's continuous batching runs. On the tiny mPLUG-Owl3 (tests/reference/mplug_owl3_ref.py),
 // prompts of different lengths about the same frames, generated greedily:
 //   - alone through generate() (lvx qa's path) and together, rows joining after others have
-//     started and leaving at their own max_new_tokens or stop token: every row's tokens are its
-//     tokens alone, and its step logits within 1e-5 (fp32; the rows' projections run as one
-//     product, measured ~1.5e-6 in MplugDecodeRows). (generate() itself is one generation
+//     started (from the first row's kept prompt prefix, as serve's rows about one video do) and
+//     leaving at their own max_new_tokens or stop token: every row's tokens are its tokens alone,
+//     and its step logits within 1e-5 (fp32; the rows' projections run as one product, the
+//     shared prefix's keys as one call, the generated keys as one padded product). (generate() itself is one generation
 //     stepped alone: every generation conformance test covers that path.)
 #include <gtest/gtest.h>
 
@@ -70,14 +71,31 @@ TEST(Generate, RowsSteppedTogetherGiveEachRowsTokensAlone) {
   for (size_t r = 0; r < 3; ++r)
     alone.push_back(lvx::runtime::generate(*f.model, prompt(extra[r]), f.par, options(max_new[r])));
   // Row 0 starts; row 1 joins after 2 steps, row 2 after 3; each leaves at its own length.
+  // Rows 1 and 2 start from row 0's prompt prefix (the frames and the text up to the last image
+  // token), as lvx serve's rows about one cached video do: the three hold the same prefix
+  // tensors, whose keys one call then serves for all (shared_partial_attention).
+  std::shared_ptr<lvx::models::DecodeCache> prefix;
+  auto keeps = [&](int64_t max_new) {
+    GenerateOptions o = options(max_new);
+    o.store_prefix = [&](const lvx::models::DecodeCache& c) {
+      prefix = std::make_shared<lvx::models::DecodeCache>(c);
+    };
+    return o;
+  };
+  auto reuses = [&](int64_t max_new) {
+    GenerateOptions o = options(max_new);
+    o.cached_prefix = [&]() -> const lvx::models::DecodeCache* { return prefix.get(); };
+    return o;
+  };
   std::vector<std::unique_ptr<Generation>> rows;
-  rows.push_back(std::make_unique<Generation>(*f.model, prompt(extra[0]), f.par, options(6)));
+  rows.push_back(std::make_unique<Generation>(*f.model, prompt(extra[0]), f.par, keeps(6)));
+  ASSERT_TRUE(prefix);
   int64_t steps = 0, most = 0;
   for (;; ++steps) {
     if (steps == 2)
-      rows.push_back(std::make_unique<Generation>(*f.model, prompt(extra[1]), f.par, options(9)));
+      rows.push_back(std::make_unique<Generation>(*f.model, prompt(extra[1]), f.par, reuses(9)));
     if (steps == 3)
-      rows.push_back(std::make_unique<Generation>(*f.model, prompt(extra[2]), f.par, options(4)));
+      rows.push_back(std::make_unique<Generation>(*f.model, prompt(extra[2]), f.par, reuses(4)));
     std::vector<Generation*> running;
     for (auto& g : rows)
       if (!g->done()) running.push_back(g.get());

@@ -400,6 +400,85 @@ at::Tensor MplugOwl3::decode_mix(int64_t i, const Partial& self, const Partial* 
   return merge_partials({*visual, self}).o.reshape({B, hd});  // one softmax over both
 }
 
+namespace {
+
+// Row r's partial over its cached prompt keys (visual: its visual keys; none where it has
+// none), rows that hold the same key tensors computed in one shared_partial_attention call.
+std::vector<Partial> shared_partials(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
+                                     size_t layer, bool visual, double scale) {
+  std::vector<Partial> out(caches.size());
+  std::vector<bool> done(caches.size(), false);
+  for (size_t r = 0; r < caches.size(); ++r) {
+    const KVShard& kv = visual ? caches[r]->visual[layer] : caches[r]->prompt[layer];
+    if (done[r] || !kv.k.defined()) continue;
+    std::vector<int64_t> group;
+    for (size_t s = r; s < caches.size(); ++s) {
+      const KVShard& o = visual ? caches[s]->visual[layer] : caches[s]->prompt[layer];
+      if (!done[s] && o.k.defined() && o.k.is_same(kv.k) && o.v.is_same(kv.v) &&
+          o.visible.defined() == kv.visible.defined() &&
+          (!kv.visible.defined() || o.visible.is_same(kv.visible))) {
+        group.push_back(static_cast<int64_t>(s));
+        done[s] = true;
+      }
+    }
+    const at::Tensor rows = at::tensor(group, at::kLong).to(q.device());
+    const Partial p = shared_partial_attention(q.index_select(0, rows), kv.k, kv.v, kv.visible,
+                                               scale);
+    for (size_t j = 0; j < group.size(); ++j)
+      out[static_cast<size_t>(group[j])] = {p.o.narrow(0, static_cast<int64_t>(j), 1),
+                                            p.lse.narrow(0, static_cast<int64_t>(j), 1)};
+  }
+  return out;
+}
+
+Partial stack_partials(const std::vector<Partial>& rows) {
+  std::vector<at::Tensor> o, lse;
+  for (const Partial& p : rows) {
+    o.push_back(p.o);
+    lse.push_back(p.lse);
+  }
+  return {at::cat(o, 0), at::cat(lse, 0)};
+}
+
+// Every row's query q [R, Hq, D] against its own generated keys (the question's tokens after a
+// kept prefix, and the answer so far): each row's keys padded to the longest row's count and the
+// padding masked, as one batched product in the accumulation dtype (a few dozen keys per row:
+// the kernels' per-row calls would cost more than the arithmetic).
+Partial generated_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
+                          size_t layer, double scale) {
+  std::vector<at::Tensor> k, v;
+  int64_t longest = 0;
+  for (DecodeCache* kc : caches) {
+    k.push_back(at::cat(kc->new_k[layer], 1));
+    v.push_back(at::cat(kc->new_v[layer], 1));
+    longest = std::max(longest, k.back().size(1));
+  }
+  if (caches.size() == 1) return partial_attention(q, k[0], v[0], {}, scale);
+  const int64_t R = static_cast<int64_t>(caches.size()), hq = q.size(1), D = q.size(2);
+  const int64_t hkv = k[0].size(2), g = hq / hkv;
+  std::vector<int64_t> lengths;
+  for (size_t r = 0; r < caches.size(); ++r) {
+    lengths.push_back(k[r].size(1));
+    if (k[r].size(1) < longest) {
+      k[r] = at::constant_pad_nd(k[r], {0, 0, 0, 0, 0, longest - k[r].size(1)});
+      v[r] = at::constant_pad_nd(v[r], {0, 0, 0, 0, 0, longest - v[r].size(1)});
+    }
+  }
+  const auto acc = kernels::accumulation_dtype(q.scalar_type());
+  const at::Tensor hidden =  // key t of row r is padding: t >= its length
+      at::arange(longest, q.options().dtype(at::kLong)).unsqueeze(0) >=
+      at::tensor(lengths, at::kLong).to(q.device()).unsqueeze(1);
+  const at::Tensor kk = at::cat(k, 0).to(acc).permute({0, 2, 3, 1});  // [R, Hkv, D, T]
+  const at::Tensor vv = at::cat(v, 0).to(acc).permute({0, 2, 1, 3});  // [R, Hkv, T, D]
+  at::Tensor sc = at::matmul(q.to(acc).view({R, hkv, g, D}), kk).mul_(scale);  // [R, Hkv, g, T]
+  sc.masked_fill_(hidden.view({R, 1, 1, longest}), -std::numeric_limits<double>::infinity());
+  const at::Tensor lse = at::logsumexp(sc, -1);  // [R, Hkv, g]
+  const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);
+  return {o.reshape({R, hq, D}), lse.reshape({R, hq})};
+}
+
+}  // namespace
+
 at::Tensor MplugOwl3::decode_rows(const at::Tensor& tokens, const Parallel& par,
                                   const std::vector<DecodeCache*>& caches) const {
   c10::AutoGradMode no_grad(false);
@@ -429,34 +508,53 @@ at::Tensor MplugOwl3::decode_rows(const at::Tensor& tokens, const Parallel& par,
     const at::Tensor k =
         apply_rotary(linear(x, w_, l + "self_attn.k_proj", true).view({R, 1, hkv, d}), rope);
     const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({R, 1, hkv, d});
-    // Attention row by row against its own cache; every row's partials in one pass-Q message.
-    std::vector<Partial> local;
+    // Each row's cached keys (its prompt prefix, its video's visual keys): rows that hold the
+    // same tensors (questions about one cached video) in one call; every row's partials in one
+    // pass-Q message, row by row.
     std::vector<bool> cross(static_cast<size_t>(R));
     for (int64_t r = 0; r < R; ++r) {
       DecodeCache& kc = *caches[static_cast<size_t>(r)];
       kc.new_k[li].push_back(k.narrow(0, r, 1));
       kc.new_v[li].push_back(v.narrow(0, r, 1));
-      const at::Tensor qr = q.narrow(0, r, 1).squeeze(1);  // [1, Hq, D]
-      local.push_back(partial_attention(qr, kc.prompt[li].k, kc.prompt[li].v,
-                                        kc.prompt[li].visible, scale));
-      const KVShard& vis = kc.visual[li];
-      cross[static_cast<size_t>(r)] = c.is_hyper(i) && vis.k.defined();
-      if (cross[static_cast<size_t>(r)])
-        local.push_back(partial_attention(qr, vis.k, vis.v, vis.visible, scale));
+      cross[static_cast<size_t>(r)] = c.is_hyper(i) && kc.visual[li].k.defined();
+    }
+    const at::Tensor q1 = q.squeeze(1);  // [R, Hq, D]
+    const std::vector<Partial> text = shared_partials(q1, caches, li, /*visual=*/false, scale);
+    const std::vector<Partial> image = shared_partials(q1, caches, li, /*visual=*/true, scale);
+    std::vector<Partial> local;
+    for (size_t r = 0; r < static_cast<size_t>(R); ++r) {
+      local.push_back(text[r]);
+      if (cross[r]) local.push_back(image[r]);
     }
     const std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
-    std::vector<at::Tensor> ctx;
+    // The rows' merged partials stacked [R, ...]; the generated keys of every row (its question
+    // and answer so far, on every rank) in one call, each row's padded to the longest.
+    std::vector<Partial> text_r, image_r;
     for (size_t r = 0, at = 0; r < static_cast<size_t>(R); ++r) {
-      DecodeCache& kc = *caches[r];
-      const at::Tensor qr = q.narrow(0, static_cast<int64_t>(r), 1).squeeze(1);
-      const Partial generated = partial_attention(qr, at::cat(kc.new_k[li], 1),
-                                                  at::cat(kc.new_v[li], 1), {}, scale);
-      const Partial self = merge_partials({merged[at], generated});
-      ctx.push_back(decode_mix(i, self, cross[r] ? &merged[at + 1] : nullptr, kc.sees_media));
+      text_r.push_back(merged[at]);
+      if (cross[r]) image_r.push_back(merged[at + 1]);
       at += cross[r] ? 2 : 1;
     }
-    h = post_attention(i, h, at::cat(ctx, 0).reshape({R, 1, hq * d}).to(h.scalar_type()),
-                       /*remat=*/false);
+    const Partial self = merge_partials({stack_partials(text_r), generated_partial(q1, caches, li,
+                                                                                   scale)});
+    at::Tensor ctx;
+    if (image_r.size() == static_cast<size_t>(R) || image_r.empty()) {
+      std::vector<at::Tensor> sees;
+      for (DecodeCache* kc : caches) sees.push_back(kc->sees_media);
+      const Partial image = image_r.empty() ? Partial{} : stack_partials(image_r);
+      ctx = decode_mix(i, self, image_r.empty() ? nullptr : &image, at::cat(sees));
+    } else {  // rows with and without images: mixed row by row
+      std::vector<at::Tensor> rows;
+      for (size_t r = 0, k = 0; r < static_cast<size_t>(R); ++r) {
+        const auto rr = static_cast<int64_t>(r);
+        const Partial own{self.o.narrow(0, rr, 1), self.lse.narrow(0, rr, 1)};
+        rows.push_back(decode_mix(i, own, cross[r] ? &image_r[k] : nullptr,
+                                  caches[r]->sees_media));
+        k += cross[r] ? 1 : 0;
+      }
+      ctx = at::cat(rows, 0);
+    }
+    h = post_attention(i, h, ctx.reshape({R, 1, hq * d}).to(h.scalar_type()), /*remat=*/false);
   }
   for (DecodeCache* k : caches) ++k->length;
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
