@@ -59,13 +59,7 @@ std::string dtype_name(at::ScalarType t) { return t == at::kDouble ? "fp64" : lv
 
 bool cuda_present() { return at::hasCUDA(); }
 
-void sync(const at::Device& dev) {
-#ifdef LVX_WITH_CUDA
-  if (dev.is_cuda()) c10::cuda::device_synchronize();
-#else
-  (void)dev;
-#endif
-}
+void sync(const at::Device& dev) { lvx::bench::sync_device(dev); }
 
 struct Timing {
   double median_s = 0, min_s = 0, max_s = 0;

@@ -31,14 +31,6 @@ using torch::profiler::impl::ActivityType;
 using torch::profiler::impl::ProfilerConfig;
 using torch::profiler::impl::ProfilerState;
 
-void sync(const at::Device& dev) {
-#ifdef LVX_WITH_CUDA
-  if (dev.is_cuda()) c10::cuda::device_synchronize();
-#else
-  (void)dev;
-#endif
-}
-
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -58,7 +50,7 @@ Measured measure(const ProfiledCall& c, const at::Device& dev, int iters) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) c.run();
   m.launch_s = seconds_since(t0);
-  sync(dev);
+  sync_device(dev);
   m.wall_s = seconds_since(t0);
   m.result = prof::disableProfiler();
   return m;
@@ -115,6 +107,14 @@ void print_summary(const std::string& tag, const ProfiledCall& c, const Measured
 
 }  // namespace
 
+void sync_device(const at::Device& dev) {
+#ifdef LVX_WITH_CUDA
+  if (dev.is_cuda()) c10::cuda::device_synchronize();
+#else
+  (void)dev;
+#endif
+}
+
 void profile_calls(const std::string& dir, const std::string& tag,
                    const std::vector<ProfiledCall>& calls, const at::Device& device, int warmup,
                    int iters) {
@@ -122,7 +122,7 @@ void profile_calls(const std::string& dir, const std::string& tag,
   std::filesystem::create_directories(dir);
   for (const auto& c : calls) {
     for (int i = 0; i < warmup; ++i) c.run();
-    sync(device);
+    sync_device(device);
     Measured m = measure(c, device, iters);
     m.result->save((std::filesystem::path(dir) / (tag + "-" + c.name + ".json")).string());
     print_summary(tag, c, m, iters);
