@@ -431,6 +431,28 @@ std::vector<Partial> shared_partials(const at::Tensor& q, const std::vector<Deco
   return out;
 }
 
+// T new queries q [B, T, Hq, D] against the generated keys nk/nv [B, before + T, Hkv, D] (the
+// tokens before them, then their own), causal: token t sees keys [0, before + t]. One product
+// in the accumulation dtype; o [B, T, Hq, D], lse [B, T, Hq].
+Partial causal_new_keys(const at::Tensor& q, const at::Tensor& nk, const at::Tensor& nv,
+                        int64_t before, double scale) {
+  const int64_t B = q.size(0), T = q.size(1), hq = q.size(2), D = q.size(3);
+  const int64_t S = nk.size(1), hkv = nk.size(2), g = hq / hkv;
+  const auto acc = kernels::accumulation_dtype(q.scalar_type());
+  const at::Tensor qq = q.to(acc).view({B, T, hkv, g, D}).permute({0, 2, 3, 1, 4});  // B,Hkv,g,T,D
+  const at::Tensor kk = nk.to(acc).permute({0, 2, 3, 1}).unsqueeze(2);  // [B, Hkv, 1, D, S]
+  const at::Tensor vv = nv.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);  // [B, Hkv, 1, S, D]
+  at::Tensor sc = at::matmul(qq, kk).mul_(scale);                        // [B, Hkv, g, T, S]
+  const at::Tensor hidden =  // key s is after token t: s > before + t
+      at::arange(S, q.options().dtype(at::kLong)).unsqueeze(0) >
+      (at::arange(T, q.options().dtype(at::kLong)) + before).unsqueeze(1);
+  sc.masked_fill_(hidden, -std::numeric_limits<double>::infinity());
+  const at::Tensor lse = at::logsumexp(sc, -1);                         // [B, Hkv, g, T]
+  const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);  // [B, Hkv, g, T, D]
+  return {o.permute({0, 3, 1, 2, 4}).reshape({B, T, hq, D}),
+          lse.permute({0, 3, 1, 2}).reshape({B, T, hq})};
+}
+
 Partial stack_partials(const std::vector<Partial>& rows) {
   std::vector<at::Tensor> o, lse;
   for (const Partial& p : rows) {
@@ -585,9 +607,6 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
     return Partial{p.o.view({B, hkv, T, g, d}).permute({0, 2, 1, 3, 4}).reshape({B, T, hq, d}),
                    p.lse.view({B, hkv, T, g}).permute({0, 2, 1, 3}).reshape({B, T, hq})};
   };
-  auto at_t = [](const Partial& p, int64_t t) {
-    return Partial{p.o.select(1, t), p.lse.select(1, t)};
-  };
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string l = layer_prefix(i);
     const size_t li = static_cast<size_t>(i);
@@ -609,17 +628,19 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
     if (cross) local.push_back(partial_attention(qf, vis.k, vis.v, vis.visible, scale));
     std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
     for (Partial& p : merged) p = unfold(p);
-    const at::Tensor nk = at::cat(cache.new_k[li], 1), nv = at::cat(cache.new_v[li], 1);
-    std::vector<at::Tensor> ctx_t;
-    for (int64_t t = 0; t < T; ++t) {
-      // The new keys up to this token's own (causal), on every rank.
-      const Partial generated = partial_attention(q.select(1, t), nk.narrow(1, 0, before + t + 1),
-                                                  nv.narrow(1, 0, before + t + 1), {}, scale);
-      const Partial self = merge_partials({at_t(merged[0], t), generated});
-      const Partial visual = cross ? at_t(merged[1], t) : Partial{};
-      ctx_t.push_back(decode_mix(i, self, cross ? &visual : nullptr, cache.sees_media));
-    }
-    const at::Tensor ctx = at::stack(ctx_t, 1).to(h.scalar_type());  // [B, T, Hq·D]
+    // The new keys up to each token's own (causal), on every rank: one masked product for the
+    // T tokens; then every token's merge and mix at once, the tokens as rows ([B·T, ...]).
+    const Partial generated = causal_new_keys(q, at::cat(cache.new_k[li], 1),
+                                              at::cat(cache.new_v[li], 1), before, scale);
+    auto flat = [&](const Partial& p) {
+      return Partial{p.o.reshape({B * T, hq, d}), p.lse.reshape({B * T, hq})};
+    };
+    const Partial self = merge_partials({flat(merged[0]), flat(generated)});
+    const Partial visual = cross ? flat(merged[1]) : Partial{};
+    const at::Tensor sees = cache.sees_media.repeat_interleave(T);
+    const at::Tensor ctx = decode_mix(i, self, cross ? &visual : nullptr, sees)
+                               .view({B, T, hq * d})
+                               .to(h.scalar_type());
     h = post_attention(i, h, ctx, /*remat=*/false);
   }
   cache.length += T;
