@@ -34,6 +34,16 @@ at::Tensor Model::decode_rows(const at::Tensor& tokens, const Parallel& par,
   return at::cat(logits, 0);
 }
 
+at::Tensor Model::extend_rows(const std::vector<at::Tensor>& tokens, const Parallel& par,
+                              const std::vector<DecodeCache*>& caches) const {
+  LVX_CHECK(tokens.size() == caches.size(), "extend_rows: ", tokens.size(), " rows of tokens for ",
+            caches.size(), " caches");
+  std::vector<at::Tensor> logits;
+  for (size_t r = 0; r < caches.size(); ++r)
+    logits.push_back(extend(tokens[r].view({1, -1}), par, *caches[r]));
+  return at::cat(logits, 0);
+}
+
 at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positions, int64_t length,
                              const at::Tensor& head, dist::ProcessGroup& pg) {
   const int64_t B = hidden.size(0);

@@ -94,6 +94,12 @@ class Model {
   // rounding (bitwise for R = 1). The default runs decode_step row by row (correct, no speed-up);
   // families that batch the step say batches_rows() true.
   virtual bool batches_rows() const { return false; }
+  // extend_rows: extend for several generations at once (lvx serve admitting several questions
+  // between two steps): row r's prompt tokens tokens[r] (int64 [T_r] on the host, identical on
+  // every rank) after its prefill, against caches[r] (one sample each); returns every row's last
+  // token's logits [R, V]. The default extends row by row.
+  virtual at::Tensor extend_rows(const std::vector<at::Tensor>& tokens, const Parallel& par,
+                                 const std::vector<DecodeCache*>& caches) const;
   virtual at::Tensor decode_rows(const at::Tensor& tokens, const Parallel& par,
                                  const std::vector<DecodeCache*>& caches) const;
 };

@@ -179,6 +179,51 @@ TEST(MplugDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   }
 }
 
+// Model::extend_rows: three questions of different lengths after one kept prompt prefix (the
+// frames and the text up to the last image token, the state rows about one cached video share in
+// lvx serve), extended together, give each row's extend alone within 1e-5 (fp32), and leave
+// caches that decode the same next token's logits. Both variants.
+TEST(MplugExtendRows, QuestionsAfterOneKeptPrefixEqualEachAlone) {
+  for (const std::string variant : {"240728", "241101"}) {
+    const Reference& ref = reference(variant);
+    const auto batch = lvx::load_safetensors(ref.batch).tensors;
+    const auto model = lvx::models::load_model(ref.model, at::kFloat);
+    lvx::models::Parallel par;
+    par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
+    const at::Tensor row0 = batch.at("input_ids").narrow(0, 0, 1);
+    const int64_t images = row0.eq(model->media_token_id()).sum().item<int64_t>();
+    const at::Tensor pixels = batch.at("pixel_values").narrow(0, 0, images);
+    int64_t split = 0;
+    for (int64_t t = 0; t < row0.size(1); ++t)
+      if (row0[0][t].item<int64_t>() == model->media_token_id()) split = t + 1;
+    lvx::models::DecodeCache prefix;
+    model->prefill({row0.narrow(1, 0, split), pixels, false, {}}, par, prefix);
+    const std::vector<at::Tensor> tails{at::tensor({5, 6, 7}, at::kLong),
+                                        at::tensor({8}, at::kLong),
+                                        at::tensor({9, 10, 11, 12, 13, 14}, at::kLong)};
+    std::vector<lvx::models::DecodeCache> alone(3, prefix), together(3, prefix);
+    std::vector<lvx::models::DecodeCache*> rows;
+    for (auto& c : together) rows.push_back(&c);
+    const at::Tensor joint = model->extend_rows(tails, par, rows);
+    double worst = 0;
+    for (size_t r = 0; r < 3; ++r) {
+      const at::Tensor own = model->extend(tails[r].view({1, -1}), par, alone[r]);
+      worst = std::max(worst,
+                       (joint.narrow(0, static_cast<int64_t>(r), 1) - own).abs().max().item<double>());
+      EXPECT_EQ(together[r].length, alone[r].length);
+      const at::Tensor next = at::tensor({21}, at::kLong);
+      worst = std::max(worst, (model->decode_step(next, par, together[r]) -
+                               model->decode_step(next, par, alone[r]))
+                                  .abs()
+                                  .max()
+                                  .item<double>());
+    }
+    std::cout << variant << ": split " << split << ", |rows extended together - each alone| "
+              << worst << "\n";
+    EXPECT_LE(worst, 1e-5) << variant;
+  }
+}
+
 // Model::extend: a prefill of the prompt up to its last image token, then the rest in one extend,
 // gives the last token's logits of a prefill of the whole prompt, and of the rest token by token
 // through decode steps. fp32 within 1e-5 (the same sums in another order; a wrong position,

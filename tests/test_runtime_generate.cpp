@@ -70,8 +70,8 @@ TEST(Generate, RowsSteppedTogetherGiveEachRowsTokensAlone) {
   std::vector<lvx::runtime::GenerateResult> alone;
   for (size_t r = 0; r < 3; ++r)
     alone.push_back(lvx::runtime::generate(*f.model, prompt(extra[r]), f.par, options(max_new[r])));
-  // Row 0 starts; row 1 joins after 2 steps, row 2 after 3; each leaves at its own length.
-  // Rows 1 and 2 start from row 0's prompt prefix (the frames and the text up to the last image
+  // Row 0 starts; rows 1 and 2 join after 2 steps; each leaves at its own length. Rows 1 and 2
+  // start from row 0's prompt prefix (the frames and the text up to the last image
   // token), as lvx serve's rows about one cached video do: the three hold the same prefix
   // tensors, whose keys one call then serves for all (shared_partial_attention).
   std::shared_ptr<lvx::models::DecodeCache> prefix;
@@ -82,9 +82,10 @@ TEST(Generate, RowsSteppedTogetherGiveEachRowsTokensAlone) {
     };
     return o;
   };
-  auto reuses = [&](int64_t max_new) {
+  auto reuses = [&](int64_t max_new) {  // its question's tokens left for the next step
     GenerateOptions o = options(max_new);
     o.cached_prefix = [&]() -> const lvx::models::DecodeCache* { return prefix.get(); };
+    o.defer_tail = true;
     return o;
   };
   std::vector<std::unique_ptr<Generation>> rows;
@@ -92,14 +93,14 @@ TEST(Generate, RowsSteppedTogetherGiveEachRowsTokensAlone) {
   ASSERT_TRUE(prefix);
   int64_t steps = 0, most = 0;
   for (;; ++steps) {
-    if (steps == 2)
+    if (steps == 2) {  // two join at once: their questions extended together (extend_rows)
       rows.push_back(std::make_unique<Generation>(*f.model, prompt(extra[1]), f.par, reuses(9)));
-    if (steps == 3)
       rows.push_back(std::make_unique<Generation>(*f.model, prompt(extra[2]), f.par, reuses(4)));
+    }
     std::vector<Generation*> running;
     for (auto& g : rows)
       if (!g->done()) running.push_back(g.get());
-    if (running.empty() && steps > 3) break;
+    if (running.empty() && steps > 2) break;
     most = std::max<int64_t>(most, static_cast<int64_t>(running.size()));
     if (!running.empty()) lvx::runtime::step_together(running, *f.model, f.par);
   }

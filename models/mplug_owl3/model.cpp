@@ -402,31 +402,38 @@ at::Tensor MplugOwl3::decode_mix(int64_t i, const Partial& self, const Partial* 
 
 namespace {
 
-// Row r's partial over its cached prompt keys (visual: its visual keys; none where it has
-// none), rows that hold the same key tensors computed in one shared_partial_attention call.
-std::vector<Partial> shared_partials(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
-                                     size_t layer, bool visual, double scale) {
+// Row r's queries q[r] ([T_r, Hq, D]) over its cached prompt keys (visual: its visual keys;
+// none where it has none): the rows that hold the same key tensors (questions about one cached
+// video) in one shared_partial_attention call, their queries side by side. Row r's partial is
+// [T_r, Hq, D] / [T_r, Hq].
+std::vector<Partial> shared_partials(const std::vector<at::Tensor>& q,
+                                     const std::vector<DecodeCache*>& caches, size_t layer,
+                                     bool visual, double scale) {
   std::vector<Partial> out(caches.size());
   std::vector<bool> done(caches.size(), false);
   for (size_t r = 0; r < caches.size(); ++r) {
     const KVShard& kv = visual ? caches[r]->visual[layer] : caches[r]->prompt[layer];
     if (done[r] || !kv.k.defined()) continue;
-    std::vector<int64_t> group;
+    std::vector<size_t> group;
+    std::vector<at::Tensor> queries;
     for (size_t s = r; s < caches.size(); ++s) {
       const KVShard& o = visual ? caches[s]->visual[layer] : caches[s]->prompt[layer];
       if (!done[s] && o.k.defined() && o.k.is_same(kv.k) && o.v.is_same(kv.v) &&
           o.visible.defined() == kv.visible.defined() &&
           (!kv.visible.defined() || o.visible.is_same(kv.visible))) {
-        group.push_back(static_cast<int64_t>(s));
+        group.push_back(s);
+        queries.push_back(q[s]);
         done[s] = true;
       }
     }
-    const at::Tensor rows = at::tensor(group, at::kLong).to(q.device());
-    const Partial p = shared_partial_attention(q.index_select(0, rows), kv.k, kv.v, kv.visible,
-                                               scale);
-    for (size_t j = 0; j < group.size(); ++j)
-      out[static_cast<size_t>(group[j])] = {p.o.narrow(0, static_cast<int64_t>(j), 1),
-                                            p.lse.narrow(0, static_cast<int64_t>(j), 1)};
+    const Partial p =
+        shared_partial_attention(at::cat(queries, 0), kv.k, kv.v, kv.visible, scale);
+    for (size_t j = 0, at = 0; j < group.size(); ++j) {
+      const int64_t t = q[group[j]].size(0);
+      out[group[j]] = {p.o.narrow(0, static_cast<int64_t>(at), t),
+                       p.lse.narrow(0, static_cast<int64_t>(at), t)};
+      at += static_cast<size_t>(t);
+    }
   }
   return out;
 }
@@ -541,8 +548,10 @@ at::Tensor MplugOwl3::decode_rows(const at::Tensor& tokens, const Parallel& par,
       cross[static_cast<size_t>(r)] = c.is_hyper(i) && kc.visual[li].k.defined();
     }
     const at::Tensor q1 = q.squeeze(1);  // [R, Hq, D]
-    const std::vector<Partial> text = shared_partials(q1, caches, li, /*visual=*/false, scale);
-    const std::vector<Partial> image = shared_partials(q1, caches, li, /*visual=*/true, scale);
+    std::vector<at::Tensor> per_row;
+    for (int64_t r = 0; r < R; ++r) per_row.push_back(q1.narrow(0, r, 1));
+    const std::vector<Partial> text = shared_partials(per_row, caches, li, /*visual=*/false, scale);
+    const std::vector<Partial> image = shared_partials(per_row, caches, li, /*visual=*/true, scale);
     std::vector<Partial> local;
     for (size_t r = 0; r < static_cast<size_t>(R); ++r) {
       local.push_back(text[r]);
@@ -645,6 +654,99 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
   }
   cache.length += T;
   h = rms_norm(h.select(1, T - 1), param(w_, kLm + "norm.weight"), c.rms_eps);
+  return at::linear(h, lm_head()).to(at::kFloat);
+}
+
+at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const Parallel& par,
+                                  const std::vector<DecodeCache*>& caches) const {
+  c10::AutoGradMode no_grad(false);
+  const MplugOwl3Config& c = cfg_;
+  const size_t R = caches.size();
+  const int64_t hq = c.heads, hkv = c.kv_heads, d = c.head_dim;
+  LVX_CHECK(tokens.size() == R, "extend_rows: ", tokens.size(), " rows of tokens for ", R,
+            " caches");
+  // Every row's tokens side by side as one sequence [1, N, H], each at its own positions.
+  std::vector<int64_t> lengths, positions;
+  for (size_t r = 0; r < R; ++r) {
+    LVX_CHECK(caches[r]->batch == 1 && tokens[r].dim() == 1 && tokens[r].size(0) >= 1,
+              "extend_rows: one sample and at least one token per row");
+    lengths.push_back(tokens[r].size(0));
+    for (int64_t t = 0; t < lengths.back(); ++t) positions.push_back(caches[r]->length + t);
+  }
+  const int64_t N = static_cast<int64_t>(positions.size());
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  at::Tensor h = at::embedding(emb, at::cat(tokens).to(emb.device(), at::kLong)).unsqueeze(0);
+  const RotaryTables rope = rotary_tables(
+      at::tensor(positions, at::kLong).to(emb.device()).unsqueeze(0), c.head_dim, c.rope_theta);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const size_t li = static_cast<size_t>(i);
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
+    const at::Tensor q =
+        apply_rotary(linear(x, w_, l + "self_attn.q_proj", true).view({1, N, hq, d}), rope);
+    const at::Tensor k =
+        apply_rotary(linear(x, w_, l + "self_attn.k_proj", true).view({1, N, hkv, d}), rope);
+    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({1, N, hkv, d});
+    std::vector<at::Tensor> q_r, own;
+    std::vector<int64_t> before(R, 0);
+    std::vector<bool> cross(R);
+    for (size_t r = 0, at = 0; r < R; ++r) {
+      DecodeCache& kc = *caches[r];
+      const int64_t t = lengths[r], a = static_cast<int64_t>(at);
+      for (const at::Tensor& nk : kc.new_k[li]) before[r] += nk.size(1);
+      kc.new_k[li].push_back(k.narrow(1, a, t));
+      kc.new_v[li].push_back(v.narrow(1, a, t));
+      q_r.push_back(q.narrow(1, a, t).squeeze(0));  // [T_r, Hq, D]
+      cross[r] = c.is_hyper(i) && kc.visual[li].k.defined();
+      at += static_cast<size_t>(t);
+    }
+    // Every row's text partials as one [N, ...] partial, the visual ones of the rows with images
+    // as another: pass-Q merges partials of one shape, so the rows (of different lengths) go
+    // side by side; one message when every row has images, two otherwise.
+    const std::vector<Partial> text = shared_partials(q_r, caches, li, false, scale);
+    const std::vector<Partial> image = shared_partials(q_r, caches, li, true, scale);
+    std::vector<Partial> with_images;
+    for (size_t r = 0; r < R; ++r)
+      if (cross[r]) with_images.push_back(image[r]);
+    std::vector<Partial> merged{stack_partials(text)};
+    if (with_images.size() == R) {
+      merged = merge_across_ranks(*par.pg, {merged[0], stack_partials(with_images)});
+    } else {
+      merged = merge_across_ranks(*par.pg, merged);
+      if (!with_images.empty())
+        merged.push_back(merge_across_ranks(*par.pg, {stack_partials(with_images)})[0]);
+    }
+    std::vector<at::Tensor> ctx;
+    for (size_t r = 0, at = 0, at_image = 0; r < R; ++r) {
+      DecodeCache& kc = *caches[r];
+      const int64_t t = lengths[r];
+      const Partial generated =
+          causal_new_keys(q_r[r].unsqueeze(0), at::cat(kc.new_k[li], 1), at::cat(kc.new_v[li], 1),
+                          before[r], scale);
+      auto rows_of = [t](const Partial& p, size_t from) {
+        return Partial{p.o.narrow(0, static_cast<int64_t>(from), t),
+                       p.lse.narrow(0, static_cast<int64_t>(from), t)};
+      };
+      const Partial self = merge_partials(
+          {rows_of(merged[0], at), {generated.o.squeeze(0), generated.lse.squeeze(0)}});
+      const Partial visual = cross[r] ? rows_of(merged[1], at_image) : Partial{};
+      ctx.push_back(decode_mix(i, self, cross[r] ? &visual : nullptr,
+                               kc.sees_media.expand({t})));
+      at += static_cast<size_t>(t);
+      if (cross[r]) at_image += static_cast<size_t>(t);
+    }
+    h = post_attention(i, h, at::cat(ctx, 0).view({1, N, hq * d}).to(h.scalar_type()),
+                       /*remat=*/false);
+  }
+  std::vector<int64_t> last;
+  for (size_t r = 0, at = 0; r < R; ++r) {
+    caches[r]->length += lengths[r];
+    at += static_cast<size_t>(lengths[r]);
+    last.push_back(static_cast<int64_t>(at) - 1);
+  }
+  h = h.squeeze(0).index_select(0, at::tensor(last, at::kLong).to(h.device()));  // [R, H]
+  h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
   return at::linear(h, lm_head()).to(at::kFloat);
 }
 

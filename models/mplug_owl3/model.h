@@ -119,6 +119,8 @@ class MplugOwl3 : public Model {
   at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
                     DecodeCache& cache) const override;
   bool batches_rows() const override { return true; }
+  at::Tensor extend_rows(const std::vector<at::Tensor>& tokens, const Parallel& par,
+                         const std::vector<DecodeCache*>& caches) const override;
   at::Tensor decode_rows(const at::Tensor& tokens, const Parallel& par,
                          const std::vector<DecodeCache*>& caches) const override;
 

@@ -92,8 +92,11 @@ Generation::Generation(const models::Model& model, const models::ModelInputs& in
       if (o.store_prefix) o.store_prefix(cache_);
     }
     r_.prefix_tokens = split;
-    logits_ = model.extend(
-        in.input_ids.to(at::kCPU).to(at::kLong).narrow(1, split, prompt - split), par, cache_);
+    const at::Tensor tail = in.input_ids.to(at::kCPU).to(at::kLong).narrow(1, split, prompt - split);
+    if (o.defer_tail && batch_ == 1)
+      tail_ = tail.contiguous();
+    else
+      logits_ = model.extend(tail, par, cache_);
   }
   r_.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   r_.prefill_bytes_sent = pg.counters().total_sent() - sent0;
@@ -135,10 +138,50 @@ GenerateResult Generation::finish() {
   return r;
 }
 
+namespace {
+
+// The prompt tails left for the first step (GenerateOptions::defer_tail), extended together.
+void extend_deferred(const models::Model& model, const models::Parallel& par,
+                     std::vector<at::Tensor>& tails,
+                     std::vector<models::DecodeCache*>& caches, std::vector<at::Tensor*>& logits,
+                     std::vector<GenerateResult*>& results) {
+  if (caches.empty()) return;
+  dist::ProcessGroup& pg = *par.pg;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t sent0 = pg.counters().total_sent();
+  const at::Tensor out = caches.size() == 1
+                             ? model.extend(tails[0].view({1, -1}), par, *caches[0])
+                             : model.extend_rows(tails, par, caches);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int64_t bytes = pg.counters().total_sent() - sent0;
+  for (size_t i = 0; i < caches.size(); ++i) {
+    *logits[i] = out.narrow(0, static_cast<int64_t>(i), 1);
+    results[i]->prefill_seconds += secs;  // the prompt's time includes its tail's
+    results[i]->prefill_bytes_sent += bytes;
+  }
+}
+
+}  // namespace
+
 void step_together(const std::vector<Generation*>& rows, const models::Model& model,
                    const models::Parallel& par,
                    const std::vector<std::function<void(const at::Tensor&)>>& on_token) {
   dist::ProcessGroup& pg = *par.pg;
+  {
+    std::vector<at::Tensor> tails;
+    std::vector<models::DecodeCache*> caches;
+    std::vector<at::Tensor*> logits;
+    std::vector<GenerateResult*> results;
+    for (Generation* g : rows)
+      if (g->tail_.defined()) {
+        tails.push_back(g->tail_.view({-1}));
+        caches.push_back(&g->cache_);
+        logits.push_back(&g->logits_);
+        results.push_back(&g->r_);
+        g->tail_ = at::Tensor();
+      }
+    extend_deferred(model, par, tails, caches, logits, results);
+  }
   // Rank 0's tokens and each row's stop flag in one message: [row 0's B tokens, flag, ...].
   std::vector<at::Tensor> parts;
   bool any_stop_hook = false;

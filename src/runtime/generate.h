@@ -44,6 +44,10 @@ struct GenerateOptions {
   // must answer alike (the caller agrees). store_prefix: offered the state after a prefill.
   std::function<const models::DecodeCache*()> cached_prefix;
   std::function<void(const models::DecodeCache&)> store_prefix;
+  // Generation (below): leave the prompt's tail (after the prefix) for the first step_together,
+  // which extends every such generation at once (Model::extend_rows): lvx serve admitting several
+  // questions between two steps. generate() does not use it.
+  bool defer_tail = false;
 };
 
 // The prefix length of `ids` (int64 [B, L] on the host) for GenerateOptions: one past the last
@@ -99,6 +103,7 @@ class Generation {
             const std::function<void(const at::Tensor&)>& on_token);
 
   GenerateOptions o_;
+  at::Tensor tail_;  // the prompt's tail left for the first step (defer_tail), int64 [B, T]
   int64_t batch_ = 0, max_new_ = 0, step_ = 0;
   bool finished_ = false;
   at::Generator gen_;

@@ -207,6 +207,7 @@ struct QaSession::State {
   std::vector<int64_t> stop;
   int64_t context = 0;  // the model's context length (0: unknown)
   std::unique_ptr<VisualCache> cache;
+  bool batch_prompts = false;  // QaSession::batch_prompts
 };
 
 namespace {
@@ -338,6 +339,7 @@ PromptTokens QaSession::prompt(const QaRequest& req, int64_t frames) const {
                                          question_text(req.item), frames);
 }
 dist::ProcessGroup& QaSession::group() { return *s_->pg; }
+void QaSession::batch_prompts(bool on) { s_->batch_prompts = on; }
 const QaJob& QaSession::job() const { return s_->job; }
 VisualCacheStats QaSession::cache_stats() const { return s_->cache->stats(); }
 
@@ -455,6 +457,7 @@ GenerateOptions generation_options(QaSession::State& cx, QaAnswer& a) {
   g.max_length = cx.context;
   if (!cx.job.ignore_stop) g.stop = cx.stop;
   g.stop_requested = a.hooks.stop_requested;
+  g.defer_tail = cx.batch_prompts;
   const at::Tensor ids = at::tensor(a.prompt.ids, at::kLong).unsqueeze(0);
   const int64_t split = prompt_prefix(ids, cx.model->media_token_id());
   a.prefix_ids.assign(a.prompt.ids.begin(), a.prompt.ids.begin() + split);

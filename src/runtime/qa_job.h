@@ -136,6 +136,10 @@ class QaSession {
   // steps and finishes the same answers in the same order. answer() is start, step until done,
   // finish.
   QaAnswerPtr start(const QaRequest& request, const AnswerHooks& hooks = {});
+  // With it on, start() leaves each prompt's question tokens (after its kept prefix) for the
+  // next step(), which runs those of every answer started since in one pass
+  // (GenerateOptions::defer_tail; lvx serve with --max-batch > 1). Off by default: lvx qa.
+  void batch_prompts(bool on);
   void step(const std::vector<QaAnswer*>& answers);
   bool done(const QaAnswer& answer) const;
   nlohmann::json finish(QaAnswer& answer);

@@ -55,22 +55,22 @@ int64_t unix_now() {
       .count();
 }
 
-// The socket of `req`'s connection: cpp-httplib 0.11 hands a handler no socket, so it is found
-// among this process's descriptors by its two ends (local and remote address and port, unique
-// while the connection is open). -1 when none matches.
-int connection_fd(const httplib::Request& req) {
-  auto ends = [](int fd, bool peer, std::string& host, int& port) {
-    sockaddr_storage a{};
-    socklen_t n = sizeof(a);
-    auto* sa = reinterpret_cast<sockaddr*>(&a);
-    if ((peer ? ::getpeername(fd, sa, &n) : ::getsockname(fd, sa, &n)) != 0) return false;
-    char h[NI_MAXHOST], p[NI_MAXSERV];
-    if (::getnameinfo(sa, n, h, sizeof(h), p, sizeof(p), NI_NUMERICHOST | NI_NUMERICSERV) != 0)
-      return false;
-    host = h;
-    port = std::atoi(p);
-    return true;
-  };
+// One end of socket `fd` (peer: the other end) as numeric host and port.
+bool socket_end(int fd, bool peer, std::string& host, int& port) {
+  sockaddr_storage a{};
+  socklen_t n = sizeof(a);
+  auto* sa = reinterpret_cast<sockaddr*>(&a);
+  if ((peer ? ::getpeername(fd, sa, &n) : ::getsockname(fd, sa, &n)) != 0) return false;
+  char h[NI_MAXHOST], p[NI_MAXSERV];
+  if (::getnameinfo(sa, n, h, sizeof(h), p, sizeof(p), NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+    return false;
+  host = h;
+  port = std::atoi(p);
+  return true;
+}
+
+// The first of this process's sockets that `match` takes, or -1.
+int find_socket(const std::function<bool(int)>& match) {
   DIR* d = ::opendir("/proc/self/fd");
   if (!d) return -1;
   int found = -1;
@@ -79,16 +79,42 @@ int connection_fd(const httplib::Request& req) {
     const int fd = std::atoi(e->d_name);
     struct stat st {};
     if (fd == ::dirfd(d) || ::fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-    std::string lh, rh;
-    int lp = -1, rp = -1;
-    if (ends(fd, false, lh, lp) && lp == req.local_port && ends(fd, true, rh, rp) &&
-        rp == req.remote_port && rh == req.remote_addr) {
+    if (match(fd)) {
       found = fd;
       break;
     }
   }
   ::closedir(d);
   return found;
+}
+
+// The socket of `req`'s connection: cpp-httplib 0.11 hands a handler no socket, so it is found
+// among this process's descriptors by its two ends (local and remote address and port, unique
+// while the connection is open). -1 when none matches.
+int connection_fd(const httplib::Request& req) {
+  return find_socket([&](int fd) {
+    std::string lh, rh;
+    int lp = -1, rp = -1;
+    return socket_end(fd, false, lh, lp) && lp == req.local_port &&
+           socket_end(fd, true, rh, rp) && rp == req.remote_port && rh == req.remote_addr;
+  });
+}
+
+// cpp-httplib listens with a backlog of 5 (CPPHTTPLIB_LISTEN_BACKLOG, fixed when Debian built its
+// shared library): clients that connect at once beyond it lose their SYN and retry a second
+// later, TCP's first retransmission (bench_serve saw 1 s time-to-first-token stalls at 16
+// clients). Listening again on the bound socket takes a new backlog (Linux), here the kernel's
+// cap, net.core.somaxconn.
+void widen_listen_backlog(int port) {
+  const int fd = find_socket([&](int fd) {
+    int listening = 0;
+    socklen_t n = sizeof(listening);
+    std::string host;
+    int p = -1;
+    return ::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &n) == 0 && listening != 0 &&
+           socket_end(fd, false, host, p) && p == port;
+  });
+  if (fd >= 0) ::listen(fd, SOMAXCONN);
 }
 
 // Whether the client at the other end of `fd` closed its side (an end of file waits to be read,
@@ -778,6 +804,7 @@ std::string Server::bind() {
     return "cannot listen on " + o_.host + ":" + std::to_string(port_) +
            " (--host, --port): the port is in use or the host is not an address of this machine";
   }
+  widen_listen_backlog(port_);
   return "";
 }
 
@@ -934,20 +961,21 @@ int Server::run_rank0() {
   std::shared_ptr<Job> job;  // the one being admitted
   try {
     for (;;) {
-      job = take_job();
-      if (g_stop_signal && !draining_) {
-        draining_ = true;
-        std::cerr << "lvx serve: stopping: finishing the requests in flight" << std::endl;
-      }
-      if (job && job->cancelled) {  // its client left while it waited
-        std::lock_guard<std::mutex> lock(metrics_.mu);
-        ++metrics_.cancelled;
-        job.reset();
-      }
-      if (job) {
+      // Every request waiting, while the batch has room: their question tokens then run in one
+      // pass at the next step.
+      while ((job = take_job())) {
+        if (job->cancelled) {  // its client left while it waited
+          std::lock_guard<std::mutex> lock(metrics_.mu);
+          ++metrics_.cancelled;
+          continue;
+        }
         admit(job);
         job.reset();
         last_command = clock::now();
+      }
+      if (g_stop_signal && !draining_) {
+        draining_ = true;
+        std::cerr << "lvx serve: stopping: finishing the requests in flight" << std::endl;
       }
       if (!batch_.empty()) {
         step_batch();
@@ -1006,6 +1034,9 @@ int Server::run_rank0() {
 int run_serve_rank(const ServeOptions& options) {
   auto pg = dist::ProcessGroup::from_env();
   runtime::QaSession session(options.job, pg, options.cache_bytes);
+  // The questions admitted between two steps run their tokens in one pass (one at a time: as
+  // lvx qa runs them).
+  session.batch_prompts(options.max_batch > 1);
   Server server(options, session);
   const std::vector<std::string> errors =
       dist::gather_errors(*pg, pg->rank() == 0 ? server.bind() : std::string());
