@@ -1,0 +1,433 @@
+// mPLUG-Owl3's generation (models/decode.h): the prefill, one decode step, several rows' steps
+// at once (continuous batching), and a kept prompt's continuation (extend, extend_rows). The
+// forward and the model's parts are model.cpp.
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "models/layers.h"
+#include "models/mplug_owl3/model.h"
+#include "models/mplug_owl3/names.h"
+#include "src/common/error.h"
+
+namespace lvx::models {
+
+using mplug_owl3_names::kLm;
+using mplug_owl3_names::layer_prefix;
+
+at::Tensor MplugOwl3::prefill(const ModelInputs& in, const Parallel& par,
+                              DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const ModelOutputs out = run(in, par, &cache);
+  return last_token_logits(out.logits, out.positions, in.input_ids.size(1), lm_head(), *par.pg);
+}
+
+at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
+                                  DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const MplugOwl3Config& c = cfg_;
+  const int64_t B = cache.batch, hq = c.heads, hkv = c.kv_heads, d = c.head_dim;
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == B, "decode: expected one token per sample (", B,
+            "), got ", tokens.sizes());
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong).unsqueeze(1));  // [B, 1, H]
+  const RotaryTables rope = rotary_tables(
+      at::full({1}, cache.length, emb.options().dtype(at::kLong)), c.head_dim, c.rope_theta);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const size_t li = static_cast<size_t>(i);
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
+    at::Tensor q = linear(x, w_, l + "self_attn.q_proj", true).view({B, 1, hq, d});
+    at::Tensor k = linear(x, w_, l + "self_attn.k_proj", true).view({B, 1, hkv, d});
+    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({B, 1, hkv, d});
+    q = apply_rotary(q, rope);
+    k = apply_rotary(k, rope);
+    cache.new_k[li].push_back(k);
+    cache.new_v[li].push_back(v);
+    const at::Tensor q1 = q.squeeze(1);  // [B, Hq, D]
+    // This rank's prompt keys (and visual keys), merged over the ranks in one message; the
+    // generated tokens' keys are on every rank and join after.
+    std::vector<Partial> local{partial_attention(q1, cache.prompt[li].k, cache.prompt[li].v,
+                                                 cache.prompt[li].visible, scale)};
+    const KVShard& vis = cache.visual[li];
+    const bool cross = c.is_hyper(i) && vis.k.defined();
+    if (cross) local.push_back(partial_attention(q1, vis.k, vis.v, vis.visible, scale));
+    const std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
+    const Partial generated =
+        partial_attention(q1, at::cat(cache.new_k[li], 1), at::cat(cache.new_v[li], 1), {}, scale);
+    const Partial self = merge_partials({merged[0], generated});
+    const at::Tensor ctx = decode_mix(i, self, cross ? &merged[1] : nullptr, cache.sees_media);
+    h = post_attention(i, h, ctx.reshape({B, 1, hq * d}).to(h.scalar_type()), /*remat=*/false);
+  }
+  ++cache.length;
+  h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
+  return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
+}
+
+at::Tensor MplugOwl3::decode_mix(int64_t i, const Partial& self, const Partial* visual,
+                                 const at::Tensor& sees_media) const {
+  const int64_t B = self.o.size(0), hd = cfg_.heads * cfg_.head_dim;
+  if (visual == nullptr) return self.o.reshape({B, hd});
+  if (cfg_.variant == "240728") {
+    const at::Tensor g =
+        at::sigmoid(param(w_, layer_prefix(i) + "self_attn.gate")).to(at::kFloat);
+    const at::Tensor xo = visual->o.reshape({B, hd}), so = self.o.reshape({B, hd});
+    return at::where(sees_media.unsqueeze(1), so * (1 - g) + xo * g, so);
+  }
+  return merge_partials({*visual, self}).o.reshape({B, hd});  // one softmax over both
+}
+
+namespace {
+
+// Row r's queries q[r] ([T_r, Hq, D]) over its cached prompt keys (visual: its visual keys;
+// none where it has none): the rows that hold the same key tensors (questions about one cached
+// video) in one shared_partial_attention call, their queries side by side. Row r's partial is
+// [T_r, Hq, D] / [T_r, Hq].
+std::vector<Partial> shared_partials(const std::vector<at::Tensor>& q,
+                                     const std::vector<DecodeCache*>& caches, size_t layer,
+                                     bool visual, double scale) {
+  std::vector<Partial> out(caches.size());
+  std::vector<bool> done(caches.size(), false);
+  for (size_t r = 0; r < caches.size(); ++r) {
+    const KVShard& kv = visual ? caches[r]->visual[layer] : caches[r]->prompt[layer];
+    if (done[r] || !kv.k.defined()) continue;
+    std::vector<size_t> group;
+    std::vector<at::Tensor> queries;
+    for (size_t s = r; s < caches.size(); ++s) {
+      const KVShard& o = visual ? caches[s]->visual[layer] : caches[s]->prompt[layer];
+      if (!done[s] && o.k.defined() && o.k.is_same(kv.k) && o.v.is_same(kv.v) &&
+          o.visible.defined() == kv.visible.defined() &&
+          (!kv.visible.defined() || o.visible.is_same(kv.visible))) {
+        group.push_back(s);
+        queries.push_back(q[s]);
+        done[s] = true;
+      }
+    }
+    const Partial p =
+        shared_partial_attention(at::cat(queries, 0), kv.k, kv.v, kv.visible, scale);
+    for (size_t j = 0, at = 0; j < group.size(); ++j) {
+      const int64_t t = q[group[j]].size(0);
+      out[group[j]] = {p.o.narrow(0, static_cast<int64_t>(at), t),
+                       p.lse.narrow(0, static_cast<int64_t>(at), t)};
+      at += static_cast<size_t>(t);
+    }
+  }
+  return out;
+}
+
+// T new queries q [B, T, Hq, D] against the generated keys nk/nv [B, before + T, Hkv, D] (the
+// tokens before them, then their own), causal: token t sees keys [0, before + t]. One product
+// in the accumulation dtype; o [B, T, Hq, D], lse [B, T, Hq].
+Partial causal_new_keys(const at::Tensor& q, const at::Tensor& nk, const at::Tensor& nv,
+                        int64_t before, double scale) {
+  const int64_t B = q.size(0), T = q.size(1), hq = q.size(2), D = q.size(3);
+  const int64_t S = nk.size(1), hkv = nk.size(2), g = hq / hkv;
+  const auto acc = kernels::accumulation_dtype(q.scalar_type());
+  const at::Tensor qq = q.to(acc).view({B, T, hkv, g, D}).permute({0, 2, 3, 1, 4});  // B,Hkv,g,T,D
+  const at::Tensor kk = nk.to(acc).permute({0, 2, 3, 1}).unsqueeze(2);  // [B, Hkv, 1, D, S]
+  const at::Tensor vv = nv.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);  // [B, Hkv, 1, S, D]
+  at::Tensor sc = at::matmul(qq, kk).mul_(scale);                        // [B, Hkv, g, T, S]
+  const at::Tensor hidden =  // key s is after token t: s > before + t
+      at::arange(S, q.options().dtype(at::kLong)).unsqueeze(0) >
+      (at::arange(T, q.options().dtype(at::kLong)) + before).unsqueeze(1);
+  sc.masked_fill_(hidden, -std::numeric_limits<double>::infinity());
+  const at::Tensor lse = at::logsumexp(sc, -1);                         // [B, Hkv, g, T]
+  const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);  // [B, Hkv, g, T, D]
+  return {o.permute({0, 3, 1, 2, 4}).reshape({B, T, hq, D}),
+          lse.permute({0, 3, 1, 2}).reshape({B, T, hq})};
+}
+
+Partial stack_partials(const std::vector<Partial>& rows) {
+  std::vector<at::Tensor> o, lse;
+  for (const Partial& p : rows) {
+    o.push_back(p.o);
+    lse.push_back(p.lse);
+  }
+  return {at::cat(o, 0), at::cat(lse, 0)};
+}
+
+// Every row's query q [R, Hq, D] against its own generated keys (the question's tokens after a
+// kept prefix, and the answer so far): each row's keys padded to the longest row's count and the
+// padding masked, as one batched product in the accumulation dtype (a few dozen keys per row:
+// the kernels' per-row calls would cost more than the arithmetic).
+Partial generated_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
+                          size_t layer, double scale) {
+  std::vector<at::Tensor> k, v;
+  int64_t longest = 0;
+  for (DecodeCache* kc : caches) {
+    k.push_back(at::cat(kc->new_k[layer], 1));
+    v.push_back(at::cat(kc->new_v[layer], 1));
+    longest = std::max(longest, k.back().size(1));
+  }
+  if (caches.size() == 1) return partial_attention(q, k[0], v[0], {}, scale);
+  const int64_t R = static_cast<int64_t>(caches.size()), hq = q.size(1), D = q.size(2);
+  const int64_t hkv = k[0].size(2), g = hq / hkv;
+  std::vector<int64_t> lengths;
+  for (size_t r = 0; r < caches.size(); ++r) {
+    lengths.push_back(k[r].size(1));
+    if (k[r].size(1) < longest) {
+      k[r] = at::constant_pad_nd(k[r], {0, 0, 0, 0, 0, longest - k[r].size(1)});
+      v[r] = at::constant_pad_nd(v[r], {0, 0, 0, 0, 0, longest - v[r].size(1)});
+    }
+  }
+  const auto acc = kernels::accumulation_dtype(q.scalar_type());
+  const at::Tensor hidden =  // key t of row r is padding: t >= its length
+      at::arange(longest, q.options().dtype(at::kLong)).unsqueeze(0) >=
+      at::tensor(lengths, at::kLong).to(q.device()).unsqueeze(1);
+  const at::Tensor kk = at::cat(k, 0).to(acc).permute({0, 2, 3, 1});  // [R, Hkv, D, T]
+  const at::Tensor vv = at::cat(v, 0).to(acc).permute({0, 2, 1, 3});  // [R, Hkv, T, D]
+  at::Tensor sc = at::matmul(q.to(acc).view({R, hkv, g, D}), kk).mul_(scale);  // [R, Hkv, g, T]
+  sc.masked_fill_(hidden.view({R, 1, 1, longest}), -std::numeric_limits<double>::infinity());
+  const at::Tensor lse = at::logsumexp(sc, -1);  // [R, Hkv, g]
+  const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);
+  return {o.reshape({R, hq, D}), lse.reshape({R, hq})};
+}
+
+}  // namespace
+
+at::Tensor MplugOwl3::decode_rows(const at::Tensor& tokens, const Parallel& par,
+                                  const std::vector<DecodeCache*>& caches) const {
+  c10::AutoGradMode no_grad(false);
+  const MplugOwl3Config& c = cfg_;
+  const int64_t R = static_cast<int64_t>(caches.size()), hq = c.heads, hkv = c.kv_heads,
+                d = c.head_dim;
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == R, "decode_rows: expected one token per row (",
+            R, "), got ", tokens.sizes());
+  std::vector<int64_t> lengths;
+  for (const DecodeCache* k : caches) {
+    LVX_CHECK(k->batch == 1, "decode_rows: each row's cache holds one sample, got ", k->batch);
+    lengths.push_back(k->length);
+  }
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong).unsqueeze(1));  // [R, 1, H]
+  // Each row at its own position: tables [R, 1, rot].
+  const RotaryTables rope = rotary_tables(
+      at::tensor(lengths, at::kLong).to(emb.device()).unsqueeze(1), c.head_dim, c.rope_theta);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const size_t li = static_cast<size_t>(i);
+    // The projections and the MLP of every row in one product each (the weights read once).
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
+    const at::Tensor q =
+        apply_rotary(linear(x, w_, l + "self_attn.q_proj", true).view({R, 1, hq, d}), rope);
+    const at::Tensor k =
+        apply_rotary(linear(x, w_, l + "self_attn.k_proj", true).view({R, 1, hkv, d}), rope);
+    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({R, 1, hkv, d});
+    // Each row's cached keys (its prompt prefix, its video's visual keys): rows that hold the
+    // same tensors (questions about one cached video) in one call; every row's partials in one
+    // pass-Q message, row by row.
+    std::vector<bool> cross(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r) {
+      DecodeCache& kc = *caches[static_cast<size_t>(r)];
+      kc.new_k[li].push_back(k.narrow(0, r, 1));
+      kc.new_v[li].push_back(v.narrow(0, r, 1));
+      cross[static_cast<size_t>(r)] = c.is_hyper(i) && kc.visual[li].k.defined();
+    }
+    const at::Tensor q1 = q.squeeze(1);  // [R, Hq, D]
+    std::vector<at::Tensor> per_row;
+    for (int64_t r = 0; r < R; ++r) per_row.push_back(q1.narrow(0, r, 1));
+    const std::vector<Partial> text = shared_partials(per_row, caches, li, /*visual=*/false, scale);
+    const std::vector<Partial> image = shared_partials(per_row, caches, li, /*visual=*/true, scale);
+    std::vector<Partial> local;
+    for (size_t r = 0; r < static_cast<size_t>(R); ++r) {
+      local.push_back(text[r]);
+      if (cross[r]) local.push_back(image[r]);
+    }
+    const std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
+    // The rows' merged partials stacked [R, ...]; the generated keys of every row (its question
+    // and answer so far, on every rank) in one call, each row's padded to the longest.
+    std::vector<Partial> text_r, image_r;
+    for (size_t r = 0, at = 0; r < static_cast<size_t>(R); ++r) {
+      text_r.push_back(merged[at]);
+      if (cross[r]) image_r.push_back(merged[at + 1]);
+      at += cross[r] ? 2 : 1;
+    }
+    const Partial self = merge_partials({stack_partials(text_r), generated_partial(q1, caches, li,
+                                                                                   scale)});
+    at::Tensor ctx;
+    if (image_r.size() == static_cast<size_t>(R) || image_r.empty()) {
+      std::vector<at::Tensor> sees;
+      for (DecodeCache* kc : caches) sees.push_back(kc->sees_media);
+      const Partial image = image_r.empty() ? Partial{} : stack_partials(image_r);
+      ctx = decode_mix(i, self, image_r.empty() ? nullptr : &image, at::cat(sees));
+    } else {  // rows with and without images: mixed row by row
+      std::vector<at::Tensor> rows;
+      for (size_t r = 0, k = 0; r < static_cast<size_t>(R); ++r) {
+        const auto rr = static_cast<int64_t>(r);
+        const Partial own{self.o.narrow(0, rr, 1), self.lse.narrow(0, rr, 1)};
+        rows.push_back(decode_mix(i, own, cross[r] ? &image_r[k] : nullptr,
+                                  caches[r]->sees_media));
+        k += cross[r] ? 1 : 0;
+      }
+      ctx = at::cat(rows, 0);
+    }
+    h = post_attention(i, h, ctx.reshape({R, 1, hq * d}).to(h.scalar_type()), /*remat=*/false);
+  }
+  for (DecodeCache* k : caches) ++k->length;
+  h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
+  return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
+}
+
+at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
+                             DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const MplugOwl3Config& c = cfg_;
+  const int64_t B = cache.batch, hq = c.heads, hkv = c.kv_heads, d = c.head_dim, g = hq / hkv;
+  LVX_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1, "extend: expected [",
+            B, ", T >= 1] tokens, got ", tokens.sizes());
+  const int64_t T = tokens.size(1);
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong));  // [B, T, H]
+  const RotaryTables rope =
+      rotary_tables(at::arange(cache.length, cache.length + T, emb.options().dtype(at::kLong)),
+                    c.head_dim, c.rope_theta);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  // The T queries of a row as extra query heads of their K/V head ([B, Hkv·T·g, D]: head
+  // j·T·g + t·g + i reads K/V head j under the kernels' GQA mapping), so the cached keys take all
+  // of them in one call per rank and one pass-Q message per layer; and back to [B, T, Hq, ·].
+  auto fold = [&](const at::Tensor& q) {
+    return q.view({B, T, hkv, g, d}).permute({0, 2, 1, 3, 4}).reshape({B, hkv * T * g, d});
+  };
+  auto unfold = [&](const Partial& p) {
+    return Partial{p.o.view({B, hkv, T, g, d}).permute({0, 2, 1, 3, 4}).reshape({B, T, hq, d}),
+                   p.lse.view({B, hkv, T, g}).permute({0, 2, 1, 3}).reshape({B, T, hq})};
+  };
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const size_t li = static_cast<size_t>(i);
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
+    at::Tensor q = linear(x, w_, l + "self_attn.q_proj", true).view({B, T, hq, d});
+    at::Tensor k = linear(x, w_, l + "self_attn.k_proj", true).view({B, T, hkv, d});
+    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({B, T, hkv, d});
+    q = apply_rotary(q, rope);
+    k = apply_rotary(k, rope);
+    int64_t before = 0;
+    for (const at::Tensor& nk : cache.new_k[li]) before += nk.size(1);
+    cache.new_k[li].push_back(k);
+    cache.new_v[li].push_back(v);
+    const at::Tensor qf = fold(q);
+    std::vector<Partial> local{partial_attention(qf, cache.prompt[li].k, cache.prompt[li].v,
+                                                 cache.prompt[li].visible, scale)};
+    const KVShard& vis = cache.visual[li];
+    const bool cross = c.is_hyper(i) && vis.k.defined();
+    if (cross) local.push_back(partial_attention(qf, vis.k, vis.v, vis.visible, scale));
+    std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
+    for (Partial& p : merged) p = unfold(p);
+    // The new keys up to each token's own (causal), on every rank: one masked product for the
+    // T tokens; then every token's merge and mix at once, the tokens as rows ([B·T, ...]).
+    const Partial generated = causal_new_keys(q, at::cat(cache.new_k[li], 1),
+                                              at::cat(cache.new_v[li], 1), before, scale);
+    auto flat = [&](const Partial& p) {
+      return Partial{p.o.reshape({B * T, hq, d}), p.lse.reshape({B * T, hq})};
+    };
+    const Partial self = merge_partials({flat(merged[0]), flat(generated)});
+    const Partial visual = cross ? flat(merged[1]) : Partial{};
+    const at::Tensor sees = cache.sees_media.repeat_interleave(T);
+    const at::Tensor ctx = decode_mix(i, self, cross ? &visual : nullptr, sees)
+                               .view({B, T, hq * d})
+                               .to(h.scalar_type());
+    h = post_attention(i, h, ctx, /*remat=*/false);
+  }
+  cache.length += T;
+  h = rms_norm(h.select(1, T - 1), param(w_, kLm + "norm.weight"), c.rms_eps);
+  return at::linear(h, lm_head()).to(at::kFloat);
+}
+
+at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const Parallel& par,
+                                  const std::vector<DecodeCache*>& caches) const {
+  c10::AutoGradMode no_grad(false);
+  const MplugOwl3Config& c = cfg_;
+  const size_t R = caches.size();
+  const int64_t hq = c.heads, hkv = c.kv_heads, d = c.head_dim;
+  LVX_CHECK(tokens.size() == R, "extend_rows: ", tokens.size(), " rows of tokens for ", R,
+            " caches");
+  // Every row's tokens side by side as one sequence [1, N, H], each at its own positions.
+  std::vector<int64_t> lengths, positions;
+  for (size_t r = 0; r < R; ++r) {
+    LVX_CHECK(caches[r]->batch == 1 && tokens[r].dim() == 1 && tokens[r].size(0) >= 1,
+              "extend_rows: one sample and at least one token per row");
+    lengths.push_back(tokens[r].size(0));
+    for (int64_t t = 0; t < lengths.back(); ++t) positions.push_back(caches[r]->length + t);
+  }
+  const int64_t N = static_cast<int64_t>(positions.size());
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  at::Tensor h = at::embedding(emb, at::cat(tokens).to(emb.device(), at::kLong)).unsqueeze(0);
+  const RotaryTables rope = rotary_tables(
+      at::tensor(positions, at::kLong).to(emb.device()).unsqueeze(0), c.head_dim, c.rope_theta);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const size_t li = static_cast<size_t>(i);
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
+    const at::Tensor q =
+        apply_rotary(linear(x, w_, l + "self_attn.q_proj", true).view({1, N, hq, d}), rope);
+    const at::Tensor k =
+        apply_rotary(linear(x, w_, l + "self_attn.k_proj", true).view({1, N, hkv, d}), rope);
+    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({1, N, hkv, d});
+    std::vector<at::Tensor> q_r, own;
+    std::vector<int64_t> before(R, 0);
+    std::vector<bool> cross(R);
+    for (size_t r = 0, at = 0; r < R; ++r) {
+      DecodeCache& kc = *caches[r];
+      const int64_t t = lengths[r], a = static_cast<int64_t>(at);
+      for (const at::Tensor& nk : kc.new_k[li]) before[r] += nk.size(1);
+      kc.new_k[li].push_back(k.narrow(1, a, t));
+      kc.new_v[li].push_back(v.narrow(1, a, t));
+      q_r.push_back(q.narrow(1, a, t).squeeze(0));  // [T_r, Hq, D]
+      cross[r] = c.is_hyper(i) && kc.visual[li].k.defined();
+      at += static_cast<size_t>(t);
+    }
+    // Every row's text partials as one [N, ...] partial, the visual ones of the rows with images
+    // as another: pass-Q merges partials of one shape, so the rows (of different lengths) go
+    // side by side; one message when every row has images, two otherwise.
+    const std::vector<Partial> text = shared_partials(q_r, caches, li, false, scale);
+    const std::vector<Partial> image = shared_partials(q_r, caches, li, true, scale);
+    std::vector<Partial> with_images;
+    for (size_t r = 0; r < R; ++r)
+      if (cross[r]) with_images.push_back(image[r]);
+    std::vector<Partial> merged{stack_partials(text)};
+    if (with_images.size() == R) {
+      merged = merge_across_ranks(*par.pg, {merged[0], stack_partials(with_images)});
+    } else {
+      merged = merge_across_ranks(*par.pg, merged);
+      if (!with_images.empty())
+        merged.push_back(merge_across_ranks(*par.pg, {stack_partials(with_images)})[0]);
+    }
+    std::vector<at::Tensor> ctx;
+    for (size_t r = 0, at = 0, at_image = 0; r < R; ++r) {
+      DecodeCache& kc = *caches[r];
+      const int64_t t = lengths[r];
+      const Partial generated =
+          causal_new_keys(q_r[r].unsqueeze(0), at::cat(kc.new_k[li], 1), at::cat(kc.new_v[li], 1),
+                          before[r], scale);
+      auto rows_of = [t](const Partial& p, size_t from) {
+        return Partial{p.o.narrow(0, static_cast<int64_t>(from), t),
+                       p.lse.narrow(0, static_cast<int64_t>(from), t)};
+      };
+      const Partial self = merge_partials(
+          {rows_of(merged[0], at), {generated.o.squeeze(0), generated.lse.squeeze(0)}});
+      const Partial visual = cross[r] ? rows_of(merged[1], at_image) : Partial{};
+      ctx.push_back(decode_mix(i, self, cross[r] ? &visual : nullptr,
+                               kc.sees_media.expand({t})));
+      at += static_cast<size_t>(t);
+      if (cross[r]) at_image += static_cast<size_t>(t);
+    }
+    h = post_attention(i, h, at::cat(ctx, 0).view({1, N, hq * d}).to(h.scalar_type()),
+                       /*remat=*/false);
+  }
+  std::vector<int64_t> last;
+  for (size_t r = 0, at = 0; r < R; ++r) {
+    caches[r]->length += lengths[r];
+    at += static_cast<size_t>(lengths[r]);
+    last.push_back(static_cast<int64_t>(at) - 1);
+  }
+  h = h.squeeze(0).index_select(0, at::tensor(last, at::kLong).to(h.device()));  // [R, H]
+  h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
+  return at::linear(h, lm_head()).to(at::kFloat);
+}
+
+}  // namespace lvx::models
