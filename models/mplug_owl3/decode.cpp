@@ -24,11 +24,25 @@ at::Tensor MplugOwl3::prefill(const ModelInputs& in, const Parallel& par,
   return last_token_logits(out.logits, out.positions, in.input_ids.size(1), lm_head(), *par.pg);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> MplugOwl3::decode_qkv(
+    int64_t i, const at::Tensor& h, const RotaryTables& rope) const {
+  const MplugOwl3Config& c = cfg_;
+  const std::string l = layer_prefix(i);
+  const int64_t B = h.size(0), L = h.size(1);
+  const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
+  return {apply_rotary(linear(x, w_, l + "self_attn.q_proj", true).view({B, L, c.heads, c.head_dim}),
+                       rope),
+          apply_rotary(
+              linear(x, w_, l + "self_attn.k_proj", true).view({B, L, c.kv_heads, c.head_dim}),
+              rope),
+          linear(x, w_, l + "self_attn.v_proj", true).view({B, L, c.kv_heads, c.head_dim})};
+}
+
 at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
                                   DecodeCache& cache) const {
   c10::AutoGradMode no_grad(false);
   const MplugOwl3Config& c = cfg_;
-  const int64_t B = cache.batch, hq = c.heads, hkv = c.kv_heads, d = c.head_dim;
+  const int64_t B = cache.batch, hq = c.heads, d = c.head_dim;
   LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == B, "decode: expected one token per sample (", B,
             "), got ", tokens.sizes());
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
@@ -37,14 +51,8 @@ at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
       at::full({1}, cache.length, emb.options().dtype(at::kLong)), c.head_dim, c.rope_theta);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string l = layer_prefix(i);
     const size_t li = static_cast<size_t>(i);
-    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
-    at::Tensor q = linear(x, w_, l + "self_attn.q_proj", true).view({B, 1, hq, d});
-    at::Tensor k = linear(x, w_, l + "self_attn.k_proj", true).view({B, 1, hkv, d});
-    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({B, 1, hkv, d});
-    q = apply_rotary(q, rope);
-    k = apply_rotary(k, rope);
+    const auto [q, k, v] = decode_qkv(i, h, rope);
     cache.new_k[li].push_back(k);
     cache.new_v[li].push_back(v);
     const at::Tensor q1 = q.squeeze(1);  // [B, Hq, D]
@@ -192,8 +200,7 @@ at::Tensor MplugOwl3::decode_rows(const at::Tensor& tokens, const Parallel& par,
                                   const std::vector<DecodeCache*>& caches) const {
   c10::AutoGradMode no_grad(false);
   const MplugOwl3Config& c = cfg_;
-  const int64_t R = static_cast<int64_t>(caches.size()), hq = c.heads, hkv = c.kv_heads,
-                d = c.head_dim;
+  const int64_t R = static_cast<int64_t>(caches.size()), hq = c.heads, d = c.head_dim;
   LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == R, "decode_rows: expected one token per row (",
             R, "), got ", tokens.sizes());
   std::vector<int64_t> lengths;
@@ -208,15 +215,9 @@ at::Tensor MplugOwl3::decode_rows(const at::Tensor& tokens, const Parallel& par,
       at::tensor(lengths, at::kLong).to(emb.device()).unsqueeze(1), c.head_dim, c.rope_theta);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string l = layer_prefix(i);
     const size_t li = static_cast<size_t>(i);
     // The projections and the MLP of every row in one product each (the weights read once).
-    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
-    const at::Tensor q =
-        apply_rotary(linear(x, w_, l + "self_attn.q_proj", true).view({R, 1, hq, d}), rope);
-    const at::Tensor k =
-        apply_rotary(linear(x, w_, l + "self_attn.k_proj", true).view({R, 1, hkv, d}), rope);
-    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({R, 1, hkv, d});
+    const auto [q, k, v] = decode_qkv(i, h, rope);
     // Each row's cached keys (its prompt prefix, its video's visual keys): rows that hold the
     // same tensors (questions about one cached video) in one call; every row's partials in one
     // pass-Q message, row by row.
@@ -297,14 +298,8 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
                    p.lse.view({B, hkv, T, g}).permute({0, 2, 1, 3}).reshape({B, T, hq})};
   };
   for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string l = layer_prefix(i);
     const size_t li = static_cast<size_t>(i);
-    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
-    at::Tensor q = linear(x, w_, l + "self_attn.q_proj", true).view({B, T, hq, d});
-    at::Tensor k = linear(x, w_, l + "self_attn.k_proj", true).view({B, T, hkv, d});
-    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({B, T, hkv, d});
-    q = apply_rotary(q, rope);
-    k = apply_rotary(k, rope);
+    const auto [q, k, v] = decode_qkv(i, h, rope);
     int64_t before = 0;
     for (const at::Tensor& nk : cache.new_k[li]) before += nk.size(1);
     cache.new_k[li].push_back(k);
@@ -342,7 +337,7 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
   c10::AutoGradMode no_grad(false);
   const MplugOwl3Config& c = cfg_;
   const size_t R = caches.size();
-  const int64_t hq = c.heads, hkv = c.kv_heads, d = c.head_dim;
+  const int64_t hq = c.heads, d = c.head_dim;
   LVX_CHECK(tokens.size() == R, "extend_rows: ", tokens.size(), " rows of tokens for ", R,
             " caches");
   // Every row's tokens side by side as one sequence [1, N, H], each at its own positions.
@@ -354,27 +349,23 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
     for (int64_t t = 0; t < lengths.back(); ++t) positions.push_back(caches[r]->length + t);
   }
   const int64_t N = static_cast<int64_t>(positions.size());
+  // Each row's tokens already past its prompt prefix (its new keys, the same count every layer).
+  std::vector<int64_t> before(R, 0);
+  for (size_t r = 0; r < R; ++r)
+    for (const at::Tensor& nk : caches[r]->new_k[0]) before[r] += nk.size(1);
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
   at::Tensor h = at::embedding(emb, at::cat(tokens).to(emb.device(), at::kLong)).unsqueeze(0);
   const RotaryTables rope = rotary_tables(
       at::tensor(positions, at::kLong).to(emb.device()).unsqueeze(0), c.head_dim, c.rope_theta);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string l = layer_prefix(i);
     const size_t li = static_cast<size_t>(i);
-    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
-    const at::Tensor q =
-        apply_rotary(linear(x, w_, l + "self_attn.q_proj", true).view({1, N, hq, d}), rope);
-    const at::Tensor k =
-        apply_rotary(linear(x, w_, l + "self_attn.k_proj", true).view({1, N, hkv, d}), rope);
-    const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", true).view({1, N, hkv, d});
-    std::vector<at::Tensor> q_r, own;
-    std::vector<int64_t> before(R, 0);
+    const auto [q, k, v] = decode_qkv(i, h, rope);
+    std::vector<at::Tensor> q_r;
     std::vector<bool> cross(R);
     for (size_t r = 0, at = 0; r < R; ++r) {
       DecodeCache& kc = *caches[r];
       const int64_t t = lengths[r], a = static_cast<int64_t>(at);
-      for (const at::Tensor& nk : kc.new_k[li]) before[r] += nk.size(1);
       kc.new_k[li].push_back(k.narrow(1, a, t));
       kc.new_v[li].push_back(v.narrow(1, a, t));
       q_r.push_back(q.narrow(1, a, t).squeeze(0));  // [T_r, Hq, D]

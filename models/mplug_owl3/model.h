@@ -20,9 +20,11 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "models/checkpoint.h"
+#include "models/layers.h"
 #include "models/model.h"
 #include "models/parallel.h"
 #include "models/vision.h"
@@ -131,6 +133,10 @@ class MplugOwl3 : public Model {
   // softmax over both).
   at::Tensor decode_mix(int64_t i, const Partial& self, const Partial* visual,
                         const at::Tensor& sees_media) const;
+  // Layer i's queries, keys and values of hidden states h [B, L, H] after its input norm, q and k
+  // rotated by `rope` ([B, L, Hq | Hkv, D]): what every generation path starts a layer with.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_qkv(int64_t i, const at::Tensor& h,
+                                                            const RotaryTables& rope) const;
   // The forward; with a cache (prefill) it also keeps this rank's K/V there and returns the
   // final hidden states (after the norm) instead of logits.
   ModelOutputs run(const ModelInputs& in, const Parallel& par, DecodeCache* cache) const;

@@ -135,7 +135,7 @@ void Evaluator::add_accuracy(Sums& sums) {
   }
 }
 
-bool Evaluator::run(int64_t step) {
+void Evaluator::run(int64_t step) {
   const auto t0 = std::chrono::steady_clock::now();
   Sums mine;
   {
@@ -158,7 +158,6 @@ bool Evaluator::run(int64_t step) {
     value_ = static_cast<double>(all.correct) / static_cast<double>(all.scored);
   write_answers(step);
   if (run_.r == 0) write_line(step, all, seconds);
-  return true;
 }
 
 // The answers of every group, in row order, as lvx qa writes its rows:

@@ -42,8 +42,8 @@ class Evaluator {
   // An evaluation follows `step` (0-based): eval.every divides step + 1, or it is the last.
   bool due(int64_t step) const;
   // Evaluates after `step` on every rank (collective); rank 0 writes the metrics line and prints
-  // a summary. Returns true.
-  bool run(int64_t step);
+  // a summary.
+  void run(int64_t step);
   bool keeps_best() const;
   // After the checkpoint of `step` is complete: best.json names it when this evaluation is the
   // best so far (rank 0 writes).

@@ -3,7 +3,6 @@
 #include "src/runtime/finetune_rank.h"
 
 #include <ATen/core/grad_mode.h>
-#include <sys/resource.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -26,13 +25,6 @@ namespace lvx::runtime {
 namespace fs = std::filesystem;
 
 namespace {
-
-// Peak resident memory of this process so far (getrusage ru_maxrss, bytes).
-int64_t peak_rss() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
-}
 
 int64_t image_size_of(const std::string& dir) {
   const std::string where = dir + "/config.json";
@@ -129,7 +121,7 @@ void load_gathered_state(RankRun& run, const FlatLayout& saved) {
 
 RankRun open_run(const FinetuneJob& job) {
   RankRun run;
-  run.base_rss = peak_rss();
+  run.base_rss = peak_rss_bytes();
   run.pg = dist::ProcessGroup::from_env();
   run.n = run.pg->world_size();
   run.r = run.pg->rank();
@@ -302,7 +294,8 @@ int run_finetune_rank(const FinetuneJob& job) {
   for (int64_t step = run.start; step < run.cfg.schedule.steps; ++step) {
     const StepResult s = train_step(run, step);
     log_step(run, step, s);
-    const bool evaluated = eval.due(step) && eval.run(step);
+    const bool evaluated = eval.due(step);
+    if (evaluated) eval.run(step);
     if (checkpoint_due(run, step) || (evaluated && eval.keeps_best())) {
       save_checkpoint(run, step);
       if (evaluated) eval.record_best(step);

@@ -108,6 +108,8 @@ void save_checkpoint(RankRun& run, int64_t step);
 bool checkpoint_due(const RankRun& run, int64_t step);
 
 // ---- shared helpers (finetune_job.cpp, finetune_step.cpp) ------------------------------------
+// Peak resident memory of this process so far (getrusage ru_maxrss), bytes.
+int64_t peak_rss_bytes();
 void check_model_dir(const std::string& dir, const std::string& field);
 void check_metrics_file(const TrainConfig& cfg, const std::string& recorded);
 // Every rank's outcome of its local work for one sample: when any failed, every rank throws at

@@ -62,12 +62,6 @@ void fault_kill(int rank, int64_t step) {
   }
 }
 
-int64_t peak_rss_bytes() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
-}
-
 std::string hms(double s) {
   const int64_t t = static_cast<int64_t>(s + 0.5);
   char buf[32];
@@ -251,6 +245,12 @@ nlohmann::json trainer_state(const RankRun& run, int64_t step) {
 }
 
 }  // namespace
+
+int64_t peak_rss_bytes() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
+}
 
 void agree_on_errors(dist::ProcessGroup& pg, const std::string& error, const std::string& what) {
   if (pg.world_size() == 1) {

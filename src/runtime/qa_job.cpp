@@ -1,4 +1,6 @@
-// Over 600 lines: split with the serve scheduler in issue 33 (structure), which both share.
+// Over 600 lines: questions answered one at a time and in parts (start / step / finish, what lvx
+// serve's scheduler drives) share State and its helpers here; issue 33 (structure) splits them
+// with src/serve/server.cpp.
 #include "src/runtime/qa_job.h"
 
 #include <sys/stat.h>
@@ -358,6 +360,7 @@ struct QaAnswer {
   int64_t m = 0;  // frames sampled over all ranks
   std::vector<std::string> events;
   PromptTokens prompt;
+  at::Tensor ids;  // prompt.ids as int64 [1, L] (host)
   models::Parallel par;
   std::vector<int64_t> prefix_ids;
   std::string plan_key;
@@ -441,9 +444,9 @@ void take_prompt(QaSession& session, QaSession::State& cx, QaAnswer& a) {
     for (const auto& e : a.events)
       std::cerr << "[qa] " << (a.req.item.video.empty() ? "frames" : a.req.item.video) << ": " << e
                 << "\n";
-  const at::Tensor ids = at::tensor(a.prompt.ids, at::kLong).unsqueeze(0);
+  a.ids = at::tensor(a.prompt.ids, at::kLong).unsqueeze(0);
   std::string plan_text;
-  a.par = plan_layers(*cx.model, ids, cx.pg->world_size(), cx.job.plan, &plan_text);
+  a.par = plan_layers(*cx.model, a.ids, cx.pg->world_size(), cx.job.plan, &plan_text);
   a.par.pg = cx.pg;
   if (cx.job.print_plan && r == 0)
     std::cerr << plan_text << "\n" << describe(a.par, cx.model) << "\n";
@@ -458,8 +461,7 @@ GenerateOptions generation_options(QaSession::State& cx, QaAnswer& a) {
   if (!cx.job.ignore_stop) g.stop = cx.stop;
   g.stop_requested = a.hooks.stop_requested;
   g.defer_tail = cx.batch_prompts;
-  const at::Tensor ids = at::tensor(a.prompt.ids, at::kLong).unsqueeze(0);
-  const int64_t split = prompt_prefix(ids, cx.model->media_token_id());
+  const int64_t split = prompt_prefix(a.ids, cx.model->media_token_id());
   a.prefix_ids.assign(a.prompt.ids.begin(), a.prompt.ids.begin() + split);
   a.plan_key = describe(a.par);
   if (split > 0 && cx.cache->enabled()) {
@@ -521,8 +523,7 @@ QaAnswerPtr QaSession::start(const QaRequest& req, const AnswerHooks& hooks) {
   a->text = std::make_unique<TextStream>(*cx.tok, cx.stop, sink);
   const GenerateOptions g = generation_options(cx, *a);
   // Frames go to the device once, after preprocessing; the prompt's ids stay host metadata.
-  models::ModelInputs in{at::tensor(a->prompt.ids, at::kLong).unsqueeze(0), at::Tensor(),
-                         /*pixels_local=*/true, {}};
+  models::ModelInputs in{a->ids, at::Tensor(), /*pixels_local=*/true, {}};
   if (a->cached) {
     a->encoded = a->cached->media;
     in.media = &a->encoded;
