@@ -30,12 +30,10 @@
 #include "benchmarks/kernel_profile.h"
 #include "kernels/attention.h"
 #include "src/cli/args.h"
+#include "src/common/device_sync.h"
 #include "src/common/dtype.h"
 #include "src/common/error.h"
 
-#ifdef LVX_WITH_CUDA
-#include <c10/cuda/CUDAFunctions.h>
-#endif
 
 using namespace lvx::kernels;
 
@@ -59,20 +57,18 @@ std::string dtype_name(at::ScalarType t) { return t == at::kDouble ? "fp64" : lv
 
 bool cuda_present() { return at::hasCUDA(); }
 
-void sync(const at::Device& dev) { lvx::bench::sync_device(dev); }
-
 struct Timing {
   double median_s = 0, min_s = 0, max_s = 0;
 };
 
 Timing time_it(const std::function<void()>& fn, const at::Device& dev, int warmup, int reps) {
   for (int i = 0; i < warmup; ++i) fn();
-  sync(dev);
+  lvx::synchronize(dev);
   std::vector<double> t;
   for (int i = 0; i < reps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     fn();
-    sync(dev);
+    lvx::synchronize(dev);
     t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(t.begin(), t.end());
@@ -85,10 +81,10 @@ Timing time_it(const std::function<void()>& fn, const at::Device& dev, int warmu
 double time_back_to_back(const std::function<void()>& fn, const at::Device& dev, int warmup,
                          int reps) {
   for (int i = 0; i < warmup; ++i) fn();
-  sync(dev);
+  lvx::synchronize(dev);
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < reps; ++i) fn();
-  sync(dev);
+  lvx::synchronize(dev);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
 }
 #endif
@@ -307,6 +303,26 @@ void print_rows(const std::vector<Row>& rows, const std::string& format) {
               << r.baseline_rate << unit << " | "
               << (r.baseline_rate > 0 ? r.rate / r.baseline_rate : 0) << " |\n";
   }
+}
+
+// A rate no device reaches means the clock did not wait for the device (a timer that reads it
+// after the launches alone): the table is refused rather than printed. The bounds are several
+// times today's peaks (an H200's dense bf16 is ~1 PFLOP/s, a B200's ~2.3; a CPU's few TFLOP/s).
+constexpr double kCudaTflopsBound = 5000, kCpuGflopsBound = 200000;
+
+// Names the first row whose lvx or baseline rate exceeds its device's bound; empty when none.
+std::string implausible_rate(const std::vector<Row>& rows) {
+  for (const auto& r : rows) {
+    const double bound = r.device == "cpu" ? kCpuGflopsBound : kCudaTflopsBound;
+    if (r.rate > bound || r.baseline_rate > bound) {
+      std::ostringstream os;
+      os << r.device << " " << r.dtype << " " << r.op << " " << r.sq << "x" << r.skv << ": "
+         << std::max(r.rate, r.baseline_rate) << (r.device == "cpu" ? " GFLOP/s" : " TFLOP/s")
+         << " exceeds " << bound << "; the timer did not wait for the device";
+      return os.str();
+    }
+  }
+  return "";
 }
 
 // The timing masks: none, causal (bottom-right aligned, as a ring block at the diagonal's end;
@@ -583,6 +599,10 @@ int main(int argc, char** argv) {
           }
         }
       }
+    }
+    if (const std::string bad = implausible_rate(rows); !bad.empty()) {
+      std::cerr << "bench_kernels: error: implausible timing: " << bad << "\n";
+      return 1;
     }
     if (args.get("profile").empty()) print_rows(rows, format);
     if (failed_devices > 0) return 1;

@@ -15,11 +15,8 @@
 
 #include <torch/csrc/autograd/profiler_kineto.h>
 
-#ifdef LVX_WITH_CUDA
-#include <c10/cuda/CUDAFunctions.h>
-#endif
-
 #include "kernels/attention.h"
+#include "src/common/device_sync.h"
 #include "src/common/dtype.h"
 #include "src/common/error.h"
 
@@ -50,7 +47,7 @@ Measured measure(const ProfiledCall& c, const at::Device& dev, int iters) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) c.run();
   m.launch_s = seconds_since(t0);
-  sync_device(dev);
+  lvx::synchronize(dev);
   m.wall_s = seconds_since(t0);
   m.result = prof::disableProfiler();
   return m;
@@ -107,14 +104,6 @@ void print_summary(const std::string& tag, const ProfiledCall& c, const Measured
 
 }  // namespace
 
-void sync_device(const at::Device& dev) {
-#ifdef LVX_WITH_CUDA
-  if (dev.is_cuda()) c10::cuda::device_synchronize();
-#else
-  (void)dev;
-#endif
-}
-
 void profile_calls(const std::string& dir, const std::string& tag,
                    const std::vector<ProfiledCall>& calls, const at::Device& device, int warmup,
                    int iters) {
@@ -122,7 +111,7 @@ void profile_calls(const std::string& dir, const std::string& tag,
   std::filesystem::create_directories(dir);
   for (const auto& c : calls) {
     for (int i = 0; i < warmup; ++i) c.run();
-    sync_device(device);
+    lvx::synchronize(device);
     Measured m = measure(c, device, iters);
     m.result->save((std::filesystem::path(dir) / (tag + "-" + c.name + ".json")).string());
     print_summary(tag, c, m, iters);

@@ -14,9 +14,6 @@
 
 namespace lvx::bench {
 
-// Waits for the device's queued work (CUDA); nothing on the CPU.
-void sync_device(const at::Device& device);
-
 struct ProfiledCall {
   std::string name;           // e.g. "lvx" or "flash"
   std::function<void()> run;  // one call

@@ -16,7 +16,6 @@
 #include "kernels/attention.h"
 #include "kernels/mask.h"
 #include "kernels/registry.h"
-#include "src/common/device_index.h"
 #include "src/common/error.h"
 #include "tests/reference_mask.h"
 
@@ -280,25 +279,6 @@ TEST(AttentionKernelCuda, MatchesFp64ReferenceOnEveryMask) {
       }
     }
   }
-}
-
-// A device written without an index is the current one of its type: "cuda" and "cuda:0" are the
-// same GPU (no GPU needed: resolution falls back to index 0 where CUDA is absent), while c10's
-// operator== tells them apart. The strategy suite (LVX_TEST_DEVICE=cuda) compares its results'
-// devices through same_device().
-TEST(DeviceIndex, UnindexedDeviceIsTheCurrentOne) {
-  EXPECT_NE(at::Device("cuda"), at::Device("cuda:0"));  // why the helper exists
-  EXPECT_TRUE(same_device(at::Device("cuda"), at::Device("cuda:0")));
-  EXPECT_TRUE(same_device(at::Device("cuda:0"), at::Device("cuda")));
-  EXPECT_FALSE(same_device(at::Device("cuda:0"), at::Device("cuda:1")));
-  EXPECT_FALSE(same_device(at::Device("cpu"), at::Device("cuda:0")));
-  EXPECT_TRUE(same_device(at::Device("cpu"), at::zeros({1}).device()));
-  EXPECT_TRUE(same_device(at::Device("meta"), at::empty({1}, at::kMeta).device()));
-  EXPECT_TRUE(resolve_device(at::Device("cuda")).has_index());
-  // Without CUDA the unindexed device is cuda:0 (the first use would make it current); with it,
-  // the current device, which nothing in this binary changes from 0.
-  EXPECT_EQ(resolve_device(at::Device("cuda")), at::Device("cuda:0"));
-  EXPECT_EQ(resolve_device(at::Device("cuda:1")), at::Device("cuda:1"));
 }
 
 std::vector<Shape> shapes() {

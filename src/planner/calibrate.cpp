@@ -9,6 +9,7 @@
 #include "kernels/attention.h"
 #include "kernels/cpu_path.h"
 #include "kernels/registry.h"
+#include "src/common/device_sync.h"
 #include "src/common/error.h"
 
 namespace lvx::planner {
@@ -19,22 +20,15 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-void sync(const at::Device& device) {
-  if (device.is_cuda()) {
-    // A tiny host copy waits for the device's queued work (no CUDA headers needed here).
-    at::zeros({1}, at::TensorOptions().device(device)).cpu();
-  }
-}
-
 template <typename F>
 double median_time(const at::Device& device, int reps, F fn) {
   fn();  // warm-up
-  sync(device);
+  lvx::synchronize(device);
   std::vector<double> t;
   for (int i = 0; i < reps; ++i) {
     double t0 = now_s();
     fn();
-    sync(device);
+    lvx::synchronize(device);
     t.push_back(now_s() - t0);
   }
   std::sort(t.begin(), t.end());
@@ -228,7 +222,7 @@ std::vector<double> measure_pair_exchanges(dist::ProcessGroup& pg, int peer,
         pg.batch_isend_irecv({dist::P2POp::send(send, peer), dist::P2POp::recv(recv, peer)},
                              "calibrate")
             .wait();
-      sync(device);
+      lvx::synchronize(device);
       pg.barrier();  // until the last pair is done: flows sharing a link finish unevenly
       if (r > 0) t.push_back(now_s() - t0);  // the first is a warm-up
     }
@@ -251,8 +245,10 @@ double measure_collective_after_compute(dist::ProcessGroup& pg, const at::Device
     while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() <
            compute_s)
       a = at::matmul(a, a).mul_(1.0 / 128);
+    lvx::synchronize(device);
     const auto t0 = std::chrono::steady_clock::now();
     pg.all_to_all(x, split, split);
+    lvx::synchronize(device);
     const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (r > 0) times.push_back(t);  // the first is a warm-up
   }

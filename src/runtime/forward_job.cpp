@@ -11,6 +11,7 @@
 #include "models/checkpoint.h"
 #include "models/lora.h"
 #include "models/model.h"
+#include "src/common/device_sync.h"
 #include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
@@ -169,12 +170,14 @@ int run_forward_rank(const ForwardJob& job) {
     pg->counters().reset();
     const auto t0 = std::chrono::steady_clock::now();
     out = model.forward({b.input_ids, b.pixel_values, false, b.named}, par);
+    synchronize(device);  // the clock reads the device's work, not its launches
     const auto t1 = std::chrono::steady_clock::now();
     // What the step holds at its peak: weights plus everything the forward saved for the
     // backward (glibc's in-use heap, small and mmapped chunks).
     const struct mallinfo2 mi = mallinfo2();
     live_after_forward = std::max(live_after_forward, static_cast<double>(mi.uordblks + mi.hblkhd));
     if (job.backward) result = backward_step(*pg, model, b.labels, out);
+    synchronize(device);
     const auto t2 = std::chrono::steady_clock::now();
     if (job.repeat > 1 && step == 0) continue;
     fwd_s.push_back(std::chrono::duration<double>(t1 - t0).count());
