@@ -68,6 +68,43 @@ std::vector<Partial> merge_across_ranks(dist::ProcessGroup& pg, const std::vecto
   return merged;
 }
 
+at::Tensor fold_tokens(const at::Tensor& q, int64_t kv_heads) {
+  const int64_t B = q.size(0), T = q.size(1), hq = q.size(2), d = q.size(3), g = hq / kv_heads;
+  return q.view({B, T, kv_heads, g, d}).permute({0, 2, 1, 3, 4}).reshape({B, kv_heads * T * g, d});
+}
+
+Partial unfold_tokens(const Partial& folded, int64_t tokens, int64_t kv_heads) {
+  const int64_t B = folded.o.size(0), d = folded.o.size(2);
+  const int64_t g = folded.o.size(1) / (kv_heads * tokens), hq = kv_heads * g;
+  return {folded.o.view({B, kv_heads, tokens, g, d}).permute({0, 2, 1, 3, 4}).reshape(
+              {B, tokens, hq, d}),
+          folded.lse.view({B, kv_heads, tokens, g}).permute({0, 2, 1, 3}).reshape({B, tokens, hq})};
+}
+
+Partial causal_new_keys(const at::Tensor& q, const at::Tensor& nk, const at::Tensor& nv,
+                        int64_t before, double scale) {
+  const int64_t B = q.size(0), T = q.size(1), hq = q.size(2), D = q.size(3);
+  const int64_t S = nk.size(1), hkv = nk.size(2), g = hq / hkv, Dv = nv.size(3);
+  const auto acc = kernels::accumulation_dtype(q.scalar_type());
+  const at::Tensor qq = q.to(acc).view({B, T, hkv, g, D}).permute({0, 2, 3, 1, 4});  // B,Hkv,g,T,D
+  const at::Tensor kk = nk.to(acc).permute({0, 2, 3, 1}).unsqueeze(2);  // [B, Hkv, 1, D, S]
+  const at::Tensor vv = nv.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);  // [B, Hkv, 1, S, Dv]
+  at::Tensor sc = at::matmul(qq, kk).mul_(scale);                        // [B, Hkv, g, T, S]
+  const at::Tensor hidden =  // key s is after token t: s > before + t
+      at::arange(S, q.options().dtype(at::kLong)).unsqueeze(0) >
+      (at::arange(T, q.options().dtype(at::kLong)) + before).unsqueeze(1);
+  sc.masked_fill_(hidden, -std::numeric_limits<double>::infinity());
+  const at::Tensor lse = at::logsumexp(sc, -1);                         // [B, Hkv, g, T]
+  const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);  // [B, Hkv, g, T, Dv]
+  return {o.permute({0, 3, 1, 2, 4}).reshape({B, T, hq, Dv}),
+          lse.permute({0, 3, 1, 2}).reshape({B, T, hq})};
+}
+
+Partial token_rows(const Partial& p) {
+  const int64_t B = p.o.size(0), T = p.o.size(1);
+  return {p.o.reshape({B * T, p.o.size(2), p.o.size(3)}), p.lse.reshape({B * T, p.lse.size(2)})};
+}
+
 int64_t pass_q_bytes(int world, int64_t attentions, int64_t batch, int64_t heads,
                      int64_t head_dim) {
   return static_cast<int64_t>(world - 1) * attentions * batch * heads * (head_dim + 1) * 4;

@@ -68,6 +68,23 @@ struct KVShard {
   at::Tensor visible;  // bool [B, S_r] for every later token, or undefined (all)
 };
 
+// extend's T new tokens per sample (models/model.h) as extra query heads: q [B, T, Hq, D] →
+// [B, Hkv·T·g, D] with g = Hq/Hkv, head j·T·g + t·g + i reading K/V head j under the kernels' GQA
+// mapping, so cached keys take all T queries in one call per rank and one pass-Q message per
+// layer. unfold_tokens turns such a partial back into o [B, T, Hq, D] and lse [B, T, Hq].
+at::Tensor fold_tokens(const at::Tensor& q, int64_t kv_heads);
+Partial unfold_tokens(const Partial& folded, int64_t tokens, int64_t kv_heads);
+
+// T new queries q [B, T, Hq, D] against the new keys nk/nv [B, before + T, Hkv, D] (the tokens
+// since the prompt's cached part, then their own), causal: token t sees keys [0, before + t].
+// One product in the accumulation dtype; o [B, T, Hq, D], lse [B, T, Hq].
+Partial causal_new_keys(const at::Tensor& q, const at::Tensor& nk, const at::Tensor& nv,
+                        int64_t before, double scale);
+
+// A partial of T tokens per sample (o [B, T, Hq, D], lse [B, T, Hq]) as B·T rows, the shape
+// merge_partials takes.
+Partial token_rows(const Partial& p);
+
 // The per-rank cache of one prompt being generated from.
 struct DecodeCache {
   std::vector<KVShard> prompt;  // per decoder layer: this rank's shard of the prompt's K/V

@@ -25,6 +25,7 @@
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
 #include "tests/model_conformance.h"
+#include "tests/model_extend.h"
 #include "tests/reference_mask.h"
 
 namespace {
@@ -327,6 +328,26 @@ TEST(MllamaVisualCache, PrefillFromKeptFeaturesEqualsEncoding) {
     EXPECT_NE(std::string(e.what()).find("precomputed media features"), std::string::npos)
         << e.what();
   }
+}
+
+// Model::extend (follow-up questions about a kept prompt, lvx serve): the frames' prompt up to
+// its last image token as a prefill, then the rest in one extend, equals the whole prompt's
+// prefill and the rest as decode steps (tests/model_extend.h); fp32 within 1e-5. 3 text tokens are
+// appended so that every row ends in text after its last image.
+TEST(MllamaExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
+  const Reference& ref = frames_reference();
+  const auto batch = lvx::load_safetensors(ref.batch).tensors;
+  const auto model = lvx::models::load_model(ref.model, at::kFloat);
+  ASSERT_TRUE(model->can_extend());
+  const at::Tensor ids0 = batch.at("input_ids");
+  const int64_t B = ids0.size(0);
+  const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
+  const ExtendDiff d = extend_against_prefill(*model, ids, batch.at("pixel_values"));
+  std::cout << "split " << d.split << " of " << d.length << ", |extend − whole| " << d.whole
+            << ", |extend − decode steps| " << d.steps << ", next step " << d.next << "\n";
+  EXPECT_LE(d.whole, 1e-5);
+  EXPECT_LE(d.steps, 1e-5);
+  EXPECT_LE(d.next, 1e-5);
 }
 
 // ---- lvx qa and lvx finetune on the tiny checkpoint ------------------------------------------

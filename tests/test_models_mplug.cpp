@@ -20,6 +20,7 @@
 #include "src/dist/process_group.h"
 #include "src/common/safetensors.h"
 #include "tests/model_conformance.h"
+#include "tests/model_extend.h"
 
 namespace {
 
@@ -235,40 +236,16 @@ TEST(MplugExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
     const auto batch = lvx::load_safetensors(ref.batch).tensors;
     const auto model = lvx::models::load_model(ref.model, at::kFloat);
     ASSERT_TRUE(model->can_extend());
-    lvx::models::Parallel par;
-    par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
     const at::Tensor ids0 = batch.at("input_ids");
     const int64_t B = ids0.size(0);
     const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
-    const at::Tensor pixels = batch.at("pixel_values");
-    const at::Tensor media = ids.eq(model->media_token_id());
-    int64_t split = 0;
-    for (int64_t t = 0; t < ids.size(1); ++t)
-      if (media.select(1, t).any().item<bool>()) split = t + 1;
-    ASSERT_GT(split, 0);
-    ASSERT_LT(split, ids.size(1));
-    lvx::models::DecodeCache whole_c, ext_c, step_c;
-    const at::Tensor whole = model->prefill({ids, pixels, false, {}}, par, whole_c);
-    model->prefill({ids.narrow(1, 0, split), pixels, false, {}}, par, ext_c);
-    const at::Tensor ext = model->extend(ids.narrow(1, split, ids.size(1) - split), par, ext_c);
-    model->prefill({ids.narrow(1, 0, split), pixels, false, {}}, par, step_c);
-    at::Tensor step;
-    for (int64_t t = split; t < ids.size(1); ++t)
-      step = model->decode_step(ids.select(1, t).contiguous(), par, step_c);
-    const double d_whole = (ext - whole).abs().max().item<double>();
-    const double d_step = (ext - step).abs().max().item<double>();
-    std::cout << variant << ": split " << split << " of " << ids.size(1) << ", |extend − whole| "
-              << d_whole << ", |extend − decode steps| " << d_step << "\n";
-    EXPECT_LE(d_whole, 1e-5) << variant;
-    EXPECT_LE(d_step, 1e-5) << variant;
-    // The cache continues as after the whole prefill: the next decode step agrees.
-    const at::Tensor next = at::tensor({9}, at::kLong).expand({B}).contiguous();
-    EXPECT_LE((model->decode_step(next, par, ext_c) - model->decode_step(next, par, whole_c))
-                  .abs()
-                  .max()
-                  .item<double>(),
-              1e-5)
-        << variant;
+    const ExtendDiff d = extend_against_prefill(*model, ids, batch.at("pixel_values"));
+    std::cout << variant << ": split " << d.split << " of " << d.length << ", |extend − whole| "
+              << d.whole << ", |extend − decode steps| " << d.steps << ", next step " << d.next
+              << "\n";
+    EXPECT_LE(d.whole, 1e-5) << variant;
+    EXPECT_LE(d.steps, 1e-5) << variant;
+    EXPECT_LE(d.next, 1e-5) << variant;  // the cache continues as after the whole prefill
   }
 }
 

@@ -421,6 +421,62 @@ at::Tensor Mllama::decode_step(const at::Tensor& tokens, const Parallel& par,
   return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
 }
 
+// The new tokens of a kept prompt (models/model.h extend), as decode_step takes one: every one of
+// them comes after the prompt's last image token (the prefix ends there), so each repeats the
+// prefix's last row of the cross-attention mask, as a generated token does; their queries go to
+// the cached keys as extra heads (fold_tokens), causal among themselves.
+at::Tensor Mllama::extend(const at::Tensor& tokens, const Parallel& par, DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const TextConfig& t = cfg_.text;
+  const int64_t B = cache.batch, Hq = t.heads, Hkv = t.kv_heads, D = t.head_dim;
+  LVX_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1, "extend: expected [",
+            B, ", T >= 1] tokens, got ", tokens.sizes());
+  const int64_t T = tokens.size(1);
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong));  // [B, T, H]
+  const RotaryTables rope =
+      llama_rotary(at::arange(cache.length, cache.length + T, emb.options().dtype(at::kLong)),
+                   rope_inv_freq(t, emb.options().dtype(at::kFloat)));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const at::Tensor sees = cache.sees_media.to(h.scalar_type()).view({B, 1, 1});
+  // The T tokens' partial over keys held across the ranks, merged (pass-Q), as [B, T, Hq, D].
+  auto over_ranks = [&](const at::Tensor& q, const KVShard& kv) {
+    const int64_t kv_heads = kv.k.size(2);
+    const Partial local = partial_attention(fold_tokens(q, kv_heads), kv.k, kv.v, kv.visible, scale);
+    return unfold_tokens(merge_across_ranks(*par.pg, {local})[0], T, kv_heads);
+  };
+  for (int64_t i = 0; i < t.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const size_t li = static_cast<size_t>(i);
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), t.rms_eps);
+    if (!t.is_cross(i)) {
+      const at::Tensor q =
+          apply_rotary(linear(x, w_, l + "self_attn.q_proj", false).view({B, T, Hq, D}), rope);
+      const at::Tensor k =
+          apply_rotary(linear(x, w_, l + "self_attn.k_proj", false).view({B, T, Hkv, D}), rope);
+      int64_t before = 0;
+      for (const at::Tensor& nk : cache.new_k[li]) before += nk.size(1);
+      cache.new_k[li].push_back(k);
+      cache.new_v[li].push_back(linear(x, w_, l + "self_attn.v_proj", false).view({B, T, Hkv, D}));
+      const Partial generated = causal_new_keys(q, at::cat(cache.new_k[li], 1),
+                                                at::cat(cache.new_v[li], 1), before, scale);
+      const at::Tensor ctx =
+          merge_partials({token_rows(over_ranks(q, cache.prompt[li])), token_rows(generated)}).o;
+      h = self_block(i, h, ctx.reshape({B, T, Hq * D}).to(h.scalar_type()), false);
+      continue;
+    }
+    const KVShard& vis = cache.visual[li];
+    if (!vis.k.defined()) continue;  // no image: the layer is skipped
+    const at::Tensor q = rms_norm(linear(x, w_, l + "cross_attn.q_proj", false).view({B, T, Hq, D}),
+                                  param(w_, l + "cross_attn.q_norm.weight"), t.rms_eps);
+    const at::Tensor ctx = over_ranks(q, vis).o.reshape({B, T, Hq * D}).to(h.scalar_type());
+    h = cross_block(i, h, ctx, sees, false);
+  }
+  cache.length += T;
+  h = rms_norm(h.select(1, T - 1), param(w_, kLm + "norm.weight"), t.rms_eps);
+  return at::linear(h, lm_head()).to(at::kFloat);
+}
+
 int64_t Mllama::decoder_layer_of(const std::string& name) const {
   return layer_number_after(name, kLm + "layers.");
 }

@@ -70,6 +70,9 @@ class Mllama : public Model {
   at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const override;
   at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,
                          DecodeCache& cache) const override;
+  bool can_extend() const override { return true; }
+  at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
+                    DecodeCache& cache) const override;
 
  private:
   ModelOutputs run(const ModelInputs& in, const Parallel& par, DecodeCache* cache) const;

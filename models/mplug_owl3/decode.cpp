@@ -126,28 +126,6 @@ std::vector<Partial> shared_partials(const std::vector<at::Tensor>& q,
   return out;
 }
 
-// T new queries q [B, T, Hq, D] against the generated keys nk/nv [B, before + T, Hkv, D] (the
-// tokens before them, then their own), causal: token t sees keys [0, before + t]. One product
-// in the accumulation dtype; o [B, T, Hq, D], lse [B, T, Hq].
-Partial causal_new_keys(const at::Tensor& q, const at::Tensor& nk, const at::Tensor& nv,
-                        int64_t before, double scale) {
-  const int64_t B = q.size(0), T = q.size(1), hq = q.size(2), D = q.size(3);
-  const int64_t S = nk.size(1), hkv = nk.size(2), g = hq / hkv;
-  const auto acc = kernels::accumulation_dtype(q.scalar_type());
-  const at::Tensor qq = q.to(acc).view({B, T, hkv, g, D}).permute({0, 2, 3, 1, 4});  // B,Hkv,g,T,D
-  const at::Tensor kk = nk.to(acc).permute({0, 2, 3, 1}).unsqueeze(2);  // [B, Hkv, 1, D, S]
-  const at::Tensor vv = nv.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);  // [B, Hkv, 1, S, D]
-  at::Tensor sc = at::matmul(qq, kk).mul_(scale);                        // [B, Hkv, g, T, S]
-  const at::Tensor hidden =  // key s is after token t: s > before + t
-      at::arange(S, q.options().dtype(at::kLong)).unsqueeze(0) >
-      (at::arange(T, q.options().dtype(at::kLong)) + before).unsqueeze(1);
-  sc.masked_fill_(hidden, -std::numeric_limits<double>::infinity());
-  const at::Tensor lse = at::logsumexp(sc, -1);                         // [B, Hkv, g, T]
-  const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);  // [B, Hkv, g, T, D]
-  return {o.permute({0, 3, 1, 2, 4}).reshape({B, T, hq, D}),
-          lse.permute({0, 3, 1, 2}).reshape({B, T, hq})};
-}
-
 Partial stack_partials(const std::vector<Partial>& rows) {
   std::vector<at::Tensor> o, lse;
   for (const Partial& p : rows) {
@@ -277,7 +255,7 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
                              DecodeCache& cache) const {
   c10::AutoGradMode no_grad(false);
   const MplugOwl3Config& c = cfg_;
-  const int64_t B = cache.batch, hq = c.heads, hkv = c.kv_heads, d = c.head_dim, g = hq / hkv;
+  const int64_t B = cache.batch, hq = c.heads, hkv = c.kv_heads, d = c.head_dim;
   LVX_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1, "extend: expected [",
             B, ", T >= 1] tokens, got ", tokens.sizes());
   const int64_t T = tokens.size(1);
@@ -287,16 +265,8 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
       rotary_tables(at::arange(cache.length, cache.length + T, emb.options().dtype(at::kLong)),
                     c.head_dim, c.rope_theta);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  // The T queries of a row as extra query heads of their K/V head ([B, Hkv·T·g, D]: head
-  // j·T·g + t·g + i reads K/V head j under the kernels' GQA mapping), so the cached keys take all
-  // of them in one call per rank and one pass-Q message per layer; and back to [B, T, Hq, ·].
-  auto fold = [&](const at::Tensor& q) {
-    return q.view({B, T, hkv, g, d}).permute({0, 2, 1, 3, 4}).reshape({B, hkv * T * g, d});
-  };
-  auto unfold = [&](const Partial& p) {
-    return Partial{p.o.view({B, hkv, T, g, d}).permute({0, 2, 1, 3, 4}).reshape({B, T, hq, d}),
-                   p.lse.view({B, hkv, T, g}).permute({0, 2, 1, 3}).reshape({B, T, hq})};
-  };
+  // The T queries of a row as extra query heads (fold_tokens, models/decode.h): the cached keys
+  // take all of them in one call per rank and one pass-Q message per layer.
   for (int64_t i = 0; i < c.layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     const auto [q, k, v] = decode_qkv(i, h, rope);
@@ -304,23 +274,20 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
     for (const at::Tensor& nk : cache.new_k[li]) before += nk.size(1);
     cache.new_k[li].push_back(k);
     cache.new_v[li].push_back(v);
-    const at::Tensor qf = fold(q);
+    const at::Tensor qf = fold_tokens(q, hkv);
     std::vector<Partial> local{partial_attention(qf, cache.prompt[li].k, cache.prompt[li].v,
                                                  cache.prompt[li].visible, scale)};
     const KVShard& vis = cache.visual[li];
     const bool cross = c.is_hyper(i) && vis.k.defined();
     if (cross) local.push_back(partial_attention(qf, vis.k, vis.v, vis.visible, scale));
     std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
-    for (Partial& p : merged) p = unfold(p);
+    for (Partial& p : merged) p = unfold_tokens(p, T, hkv);
     // The new keys up to each token's own (causal), on every rank: one masked product for the
     // T tokens; then every token's merge and mix at once, the tokens as rows ([B·T, ...]).
     const Partial generated = causal_new_keys(q, at::cat(cache.new_k[li], 1),
                                               at::cat(cache.new_v[li], 1), before, scale);
-    auto flat = [&](const Partial& p) {
-      return Partial{p.o.reshape({B * T, hq, d}), p.lse.reshape({B * T, hq})};
-    };
-    const Partial self = merge_partials({flat(merged[0]), flat(generated)});
-    const Partial visual = cross ? flat(merged[1]) : Partial{};
+    const Partial self = merge_partials({token_rows(merged[0]), token_rows(generated)});
+    const Partial visual = cross ? token_rows(merged[1]) : Partial{};
     const at::Tensor sees = cache.sees_media.repeat_interleave(T);
     const at::Tensor ctx = decode_mix(i, self, cross ? &visual : nullptr, sees)
                                .view({B, T, hq * d})

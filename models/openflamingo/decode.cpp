@@ -1,0 +1,112 @@
+// OpenFlamingo's generation (models/decode.h): the prefill, one decode step and a kept prompt's
+// continuation (extend). The forward and the model's parts are model.cpp.
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+
+#include "models/openflamingo/model.h"
+#include "src/common/error.h"
+
+namespace lvx::models {
+
+at::Tensor OpenFlamingo::prefill(const ModelInputs& in, const Parallel& par,
+                                 DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const ModelOutputs out = run(in, par, &cache);
+  return last_token_logits(out.logits, out.positions, in.input_ids.size(1), lm_head(), *par.pg);
+}
+
+at::Tensor OpenFlamingo::decode_step(const at::Tensor& tokens, const Parallel& par,
+                                     DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const OpenFlamingoConfig& c = cfg_;
+  const int64_t B = cache.batch, hd = c.head_dim;
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == B, "decode: expected one token per sample (", B,
+            "), got ", tokens.sizes());
+  at::Tensor x = at::embedding(embedding(),
+                               tokens.to(embedding().device(), at::kLong).unsqueeze(1));  // [B,1,W]
+  const at::ScalarType dt = x.scalar_type();
+  const at::Tensor position = at::full({1}, cache.length, x.options().dtype(at::kLong));
+  const double x_scale = 1.0 / std::sqrt(static_cast<double>(c.x_dim_head));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const size_t li = static_cast<size_t>(i);
+    const KVShard& vis = cache.visual[li];
+    if (c.is_cross(i) && vis.k.defined()) {
+      // The sample's last image, wherever its keys are: pass-Q over the ranks (a sample without
+      // images has no visible key anywhere: o = 0).
+      const at::Tensor q = cross_query(i, x).squeeze(1);  // [B, x_heads, x_dim_head]
+      const Partial o = merge_across_ranks(
+          *par.pg, {partial_attention(q, vis.k, vis.v, vis.visible, x_scale)})[0];
+      x = cross_output(i, x, o.o.reshape({B, 1, c.x_heads * c.x_dim_head}).to(dt));
+    }
+    const SelfQKV qkv = self_qkv(i, x, position);
+    cache.new_k[li].push_back(qkv.k);
+    cache.new_v[li].push_back(qkv.v);
+    const at::Tensor q = qkv.q.squeeze(1);  // [B, H, D']
+    // This rank's prompt keys merged over the ranks; the generated tokens' keys are on every
+    // rank and join after.
+    const KVShard& prompt = cache.prompt[li];
+    const Partial merged = merge_across_ranks(
+        *par.pg, {partial_attention(q, prompt.k, prompt.v, prompt.visible, self_scale())})[0];
+    const Partial generated = partial_attention(q, at::cat(cache.new_k[li], 1),
+                                                at::cat(cache.new_v[li], 1), {}, self_scale());
+    const at::Tensor a = merge_partials({merged, generated})
+                             .o.narrow(-1, 0, hd)
+                             .reshape({B, 1, c.heads * hd})
+                             .to(dt);
+    x = post_attention(i, x, a, /*remat=*/false);
+  }
+  ++cache.length;
+  return at::linear(final_norm(x).squeeze(1), lm_head()).to(at::kFloat);
+}
+
+
+// The new tokens of a kept prompt (models/model.h extend), as decode_step takes one: every one of
+// them comes after the prompt's last `<image>` (the prefix ends there), so each sees its sample's
+// last image, as a generated token does; their queries go to the cached keys as extra heads
+// (fold_tokens: one call per rank and one pass-Q message per attention), causal among themselves.
+at::Tensor OpenFlamingo::extend(const at::Tensor& tokens, const Parallel& par,
+                                DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const OpenFlamingoConfig& c = cfg_;
+  const int64_t B = cache.batch, hd = c.head_dim;
+  LVX_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1, "extend: expected [",
+            B, ", T >= 1] tokens, got ", tokens.sizes());
+  const int64_t T = tokens.size(1);
+  at::Tensor x = at::embedding(embedding(), tokens.to(embedding().device(), at::kLong));  // [B,T,W]
+  const at::ScalarType dt = x.scalar_type();
+  const at::Tensor positions =
+      at::arange(cache.length, cache.length + T, x.options().dtype(at::kLong));
+  const double x_scale = 1.0 / std::sqrt(static_cast<double>(c.x_dim_head));
+  // The T tokens' partial over keys held across the ranks, merged (pass-Q), as [B, T, Hq, ·].
+  auto over_ranks = [&](const at::Tensor& q, const KVShard& kv, double scale) {
+    const int64_t kv_heads = kv.k.size(2);
+    const Partial local = partial_attention(fold_tokens(q, kv_heads), kv.k, kv.v, kv.visible, scale);
+    return unfold_tokens(merge_across_ranks(*par.pg, {local})[0], T, kv_heads);
+  };
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const size_t li = static_cast<size_t>(i);
+    const KVShard& vis = cache.visual[li];
+    if (c.is_cross(i) && vis.k.defined()) {
+      const Partial o = over_ranks(cross_query(i, x), vis, x_scale);
+      x = cross_output(i, x, o.o.reshape({B, T, c.x_heads * c.x_dim_head}).to(dt));
+    }
+    const SelfQKV qkv = self_qkv(i, x, positions);
+    int64_t before = 0;
+    for (const at::Tensor& nk : cache.new_k[li]) before += nk.size(1);
+    cache.new_k[li].push_back(qkv.k);
+    cache.new_v[li].push_back(qkv.v);
+    const Partial prompt = over_ranks(qkv.q, cache.prompt[li], self_scale());
+    const Partial generated = causal_new_keys(qkv.q, at::cat(cache.new_k[li], 1),
+                                              at::cat(cache.new_v[li], 1), before, self_scale());
+    const at::Tensor a = merge_partials({token_rows(prompt), token_rows(generated)})
+                             .o.narrow(-1, 0, hd)
+                             .reshape({B, T, c.heads * hd})
+                             .to(dt);
+    x = post_attention(i, x, a, /*remat=*/false);
+  }
+  cache.length += T;
+  return at::linear(final_norm(x.select(1, T - 1)), lm_head()).to(at::kFloat);
+}
+
+}  // namespace lvx::models
