@@ -9,8 +9,8 @@
 //   qa's default, so that an answer equals lvx qa's), top_p, seed, stop (a string or up to 4),
 //   stream, stream_options.include_usage, n (1 only), user (accepted, unused); vLLM's per-request
 //   frame settings media_io_kwargs: {video: {num_frames | fps}} and mm_processor_kwargs:
-//   {num_frames | fps}; lvx extensions: num_frames | fps, start, end (seconds), video_id (the
-//   visual cache's key instead of a content hash), return_prompt_ids (the prompt's token ids in
+//   {num_frames | fps}; lvx extensions: num_frames | fps, start, end (seconds), video_id (a
+//   name for the video in the logs; the visual cache keys by content), return_prompt_ids (the prompt's token ids in
 //   the response's lvx object). Any other field is refused with a 400 naming it (logprobs,
 //   tools, response_format, ...), never silently ignored. The body is parsed with nesting bounded
 //   (64 levels) before it is built, and error messages quote at most 64 characters of a value.

@@ -1,0 +1,230 @@
+// One chat completion (POST /v1/chat/completions): read and checked on its HTTP thread, queued for
+// the scheduler or joined to an identical running generation, then answered whole or streamed as
+// chat.completion.chunk events. A client that leaves cancels it (connection.h).
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "src/common/error.h"
+#include "src/serve/connection.h"
+#include "src/serve/server_impl.h"
+
+namespace lvx::serve {
+
+namespace {
+
+int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+}  // namespace
+
+void Server::chat(const httplib::Request& req, httplib::Response& res) {
+  const std::shared_ptr<Job> job = accept(req, res);
+  if (!job) return;
+  // Wait for the first text (or the end), so that an error before it gets its own status; a
+  // non-streaming answer waits for its end. Meanwhile the client may leave (cpp-httplib says
+  // nothing until a write fails): its socket is looked at every 100 ms, and a client gone
+  // cancels the job (not run if still queued; stopped at its next token if running).
+  const int fd = connection_fd(req);
+  auto wait_for = [job, fd](const std::function<bool()>& ready) {
+    std::unique_lock<std::mutex> lock(job->mu);
+    while (!job->cv.wait_for(lock, std::chrono::milliseconds(100), ready)) {
+      if (client_gone(fd)) {
+        job->cancelled = true;
+        return false;
+      }
+    }
+    return true;
+  };
+  if (!wait_for([&] { return job->first; })) return;
+  {
+    std::unique_lock<std::mutex> lock(job->mu);
+    if (job->error) {
+      const ApiError e = *job->error;
+      lock.unlock();
+      send_error(res, e);
+      return;
+    }
+  }
+  if (job->req.stream)
+    respond_stream(job, res);
+  else
+    respond_whole(*job, wait_for, res);
+}
+
+std::shared_ptr<Job> Server::accept(const httplib::Request& req, httplib::Response& res) {
+  if (!authorized(req, res)) return nullptr;
+  if (failed_) {
+    send_error(res,
+               ApiError(503, "server_error", "a rank failed: " + client_error_text(failure_)));
+    return nullptr;
+  }
+  if (stopping()) {  // from the signal on, not from when the generation loop next looks
+    send_error(res, ApiError(503, "server_error", "the server is shutting down"));
+    return nullptr;
+  }
+  auto job = std::make_shared<Job>();
+  job->received = clock::now();
+  job->created = unix_now();
+  job->id = "chatcmpl-lvx-" + std::to_string(next_id_++);
+  try {
+    job->req = parse_chat_request(req.body, api_);
+    check_conversation(job->req);
+  } catch (const ApiError& e) {
+    send_error(res, e);
+    return nullptr;
+  }
+  if (!join_running(job)) {
+    std::lock_guard<std::mutex> lock(qmu_);
+    if (static_cast<int64_t>(queue_.size()) + joined_ >= o_.max_queue) {
+      send_error(res, ApiError(429, "rate_limit_error",
+                               "the queue is full (" + std::to_string(o_.max_queue) +
+                                   " requests waiting, --max-queue): try again later",
+                               "", "queue_full"));
+      return nullptr;
+    }
+    queue_.push_back(job);
+  }
+  qcv_.notify_all();
+  return job;
+}
+
+void Server::respond_whole(Job& job, const std::function<bool(const std::function<bool()>&)>& wait,
+                           httplib::Response& res) {
+  if (!wait([&] { return job.done; })) return;
+  std::unique_lock<std::mutex> lock(job.mu);
+  if (job.error) {
+    const ApiError e = *job.error;
+    lock.unlock();
+    send_error(res, e);
+    return;
+  }
+  const json& row = job.row;
+  json out = completion_json(job.id, job.created, o_.model_name, job.content, job.finish_reason,
+                             row["prompt_tokens"].get<int64_t>(),
+                             row["completion_tokens"].get<int64_t>());
+  out["lvx"] = {{"frames", row["frames"]},
+                {"timings", row["timings"]},
+                {"visual_cache", row.value("visual_cache", json())}};
+  if (row.contains("prompt_ids")) out["lvx"]["prompt_ids"] = row["prompt_ids"];
+  res.set_content(dump(out), "application/json");
+  metrics_.count(200);
+}
+
+void Server::respond_stream(const std::shared_ptr<Job>& job, httplib::Response& res) {
+  metrics_.count(200);
+  ++handlers_;
+  res.set_header("Cache-Control", "no-cache");
+  const std::string model = o_.model_name;
+  // Called by cpp-httplib until it returns false or the sink is done: the role first, then the
+  // pieces as they come (waiting up to 500 ms for more), then the end, usage and [DONE].
+  auto provide = [job, model, role_sent = false](size_t, httplib::DataSink& sink) mutable {
+    auto event = [&](const json& j) {
+      const std::string s = "data: " + dump(j) + "\n\n";
+      return sink.write(s.data(), s.size());
+    };
+    auto gone = [&] {
+      job->cancelled = true;
+      return false;
+    };
+    if (!role_sent) {
+      role_sent = true;
+      if (!event(chunk_json(job->id, job->created, model,
+                            {{"role", "assistant"}, {"content", ""}}, nullptr)))
+        return gone();
+    }
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait_for(lock, std::chrono::milliseconds(500),
+                     [&] { return !job->pieces.empty() || job->done; });
+    std::deque<std::string> pieces;
+    pieces.swap(job->pieces);
+    const bool done = job->done;
+    lock.unlock();
+    for (const std::string& p : pieces)
+      if (!p.empty() && !event(chunk_json(job->id, job->created, model, {{"content", p}}, nullptr)))
+        return gone();
+    if (!sink.is_writable()) return gone();
+    if (!done) return true;
+    if (job->error) {
+      event(job->error->body());
+    } else {
+      event(chunk_json(job->id, job->created, model, json::object(), job->finish_reason));
+      if (job->req.include_usage) {
+        json u = chunk_json(job->id, job->created, model, json::object(), nullptr);
+        u["choices"] = json::array();
+        u["usage"] = usage_json(job->row["prompt_tokens"].get<int64_t>(),
+                                job->row["completion_tokens"].get<int64_t>());
+        event(u);
+      }
+    }
+    const std::string end = "data: [DONE]\n\n";
+    sink.write(end.data(), end.size());
+    sink.done();
+    return true;
+  };
+  res.set_chunked_content_provider("text/event-stream", provide, [this](bool) { --handlers_; });
+}
+
+void Server::check_conversation(const ChatRequest& r) const {
+  // The template's refusals (a system message it has no place for, a conversation it cannot
+  // continue) before the request is queued; the frames' count does not change them.
+  runtime::QaRequest q;
+  q.item.question = r.question;
+  q.earlier = r.earlier;
+  q.item.system = r.system;
+  try {
+    (void)session_.prompt(q, 1);
+  } catch (const Error& e) {
+    std::string param = "messages";
+    if (!r.system.empty()) {
+      q.item.system.clear();
+      try {
+        (void)session_.prompt(q, 1);
+        param = r.system_param;  // the system message alone is refused
+      } catch (const Error&) {
+      }
+    }
+    throw bad_request(std::string(e.what()) + " (" + param + ")", param);
+  }
+}
+
+void Server::note_first(Job& j) {
+  if (j.ttft_counted) return;
+  j.ttft_counted = true;
+  metrics_.observe_ttft(seconds_since(j.received));
+}
+
+bool Server::join_running(const std::shared_ptr<Job>& job) {
+  if (!o_.merge_identical) return false;
+  std::vector<std::string> blobs;
+  const std::string key = generation_key(describe(*job, blobs));
+  std::lock_guard<std::mutex> lock(gmu_);
+  for (auto& r : batch_) {
+    if (!r->open || key != r->key || blobs != r->command.blobs) continue;
+    {
+      // A request waiting on a generation, queued or joined, is one of --max-queue: the HTTP
+      // threads (max_queue + 8) stay enough for the others. Full: the queue's 429.
+      std::lock_guard<std::mutex> qlock(qmu_);
+      if (static_cast<int64_t>(queue_.size()) + joined_ >= o_.max_queue) return false;
+      ++joined_;
+    }
+    ++r->joined;
+    for (const std::string& piece : r->pieces) {
+      note_first(*job);
+      job->push_text(piece);
+    }
+    r->group.push_back(job);
+    ++running_;
+    return true;
+  }
+  return false;
+}
+
+}  // namespace lvx::serve

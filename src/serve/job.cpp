@@ -1,0 +1,60 @@
+// A request and its answer; see job.h.
+#include "src/serve/job.h"
+
+#include <algorithm>
+
+namespace lvx::serve {
+
+void Job::push_text(const std::string& piece) {
+  if (stop_hit) return;
+  text += piece;
+  size_t safe = text.size();
+  size_t longest = 0;
+  for (const std::string& s : req.stop) {
+    const size_t at = text.find(s, sent > s.size() ? sent - s.size() : 0);
+    if (at != std::string::npos && at < safe) {
+      safe = at;
+      stop_hit = true;
+    }
+    longest = std::max(longest, s.size());
+  }
+  if (stop_hit) {
+    text.resize(safe);
+  } else if (longest > 1) {  // a stop string may begin in the last bytes: hold them back
+    safe = text.size() >= longest - 1 ? text.size() - (longest - 1) : 0;
+  }
+  if (safe > sent) {
+    std::lock_guard<std::mutex> lock(mu);
+    pieces.push_back(text.substr(sent, safe - sent));
+    sent = safe;
+    first = true;
+    cv.notify_all();
+  }
+}
+
+void Job::finish(json r, const std::string& finish, const std::string& final_text) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (final_text.size() > sent && final_text.compare(0, sent, text, 0, sent) == 0)
+    pieces.push_back(final_text.substr(sent));
+  sent = final_text.size();
+  content = final_text;
+  row = std::move(r);
+  finish_reason = finish;
+  done = first = true;
+  cv.notify_all();
+}
+
+void Job::fail(const ApiError& e) {
+  std::lock_guard<std::mutex> lock(mu);
+  error = e;
+  done = first = true;
+  cv.notify_all();
+}
+
+std::string generation_key(const json& desc) {
+  json d = desc;
+  d.erase("id");
+  return d.dump();
+}
+
+}  // namespace lvx::serve

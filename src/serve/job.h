@@ -1,0 +1,65 @@
+// One request of lvx serve, from the HTTP thread that received it to the main thread that runs it,
+// and its answer back (text pieces as they come, stop strings cut on the way, then the end); and
+// the key under which identical requests share one generation.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "src/serve/openai_api.h"
+
+namespace lvx::serve {
+
+using json = nlohmann::json;
+using clock = std::chrono::steady_clock;
+
+inline double seconds_since(clock::time_point t) {
+  return std::chrono::duration<double>(clock::now() - t).count();
+}
+
+// One request from the HTTP thread that received it to the main thread that runs it, and its
+// answer back: text pieces as they come, then the end (a row, or an error).
+struct Job {
+  ChatRequest req;
+  std::string id;
+  int64_t created = 0;
+  clock::time_point received;
+  std::atomic<bool> cancelled{false};  // the client went away
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::string> pieces;  // text not yet sent (stop strings already cut)
+  bool first = false;              // the first text (or the end) arrived
+  bool ttft_counted = false;       // its time to first text is in the metrics (main thread)
+  bool done = false;
+  json row;                       // when done without error
+  std::optional<ApiError> error;  // when done with one
+  std::string content;            // the whole answer as sent
+  std::string finish_reason;
+
+  // Rank 0's stop-string filter over the generated text (runs on the main thread).
+  std::string text;  // every piece so far
+  size_t sent = 0;   // bytes of `text` handed to the client
+  bool stop_hit = false;
+
+  // A piece of the answer's text (main thread): what a stop string may not yet cut goes to the
+  // client; a stop string found cuts the text there and ends what is sent.
+  void push_text(const std::string& piece);
+  // Ends with `r` and `final_text`, the whole answer (lvx qa's response, or the text cut at a
+  // stop string): what the pieces sent so far lack of it follows them.
+  void finish(json r, const std::string& finish, const std::string& final_text);
+  void fail(const ApiError& e);
+};
+
+// What a request's tokens depend on: its description as broadcast (src/serve/wire.h) without
+// its id. Two requests with equal keys and equal inline media get the same tokens.
+std::string generation_key(const json& desc);
+
+}  // namespace lvx::serve

@@ -1,0 +1,88 @@
+// lvx serve's counters; see metrics.h.
+#include "src/serve/metrics.h"
+
+#include <sstream>
+
+namespace lvx::serve {
+
+void Metrics::count(int status) {
+  std::lock_guard<std::mutex> lock(mu);
+  ++requests[status];
+}
+
+void Metrics::observe_ttft(double seconds) {
+  std::lock_guard<std::mutex> lock(mu);
+  ttft_sum += seconds;
+  ++ttft_count;
+  for (size_t i = 0; i < ttft_buckets.size(); ++i)
+    if (seconds <= ttft_buckets[i]) {
+      ++ttft_counts[i];
+      break;
+    }
+}
+
+std::string prometheus_text(Metrics& mx, const Gauges& g) {
+  std::ostringstream m;
+  std::lock_guard<std::mutex> lock(mx.mu);
+  m << "# HELP lvx_requests_total Chat completion requests answered, by HTTP status.\n"
+    << "# TYPE lvx_requests_total counter\n";
+  for (const auto& [status, n] : mx.requests)
+    m << "lvx_requests_total{status=\"" << status << "\"} " << n << "\n";
+  m << "# TYPE lvx_prompt_tokens_total counter\nlvx_prompt_tokens_total " << mx.prompt_tokens
+    << "\n"
+    << "# TYPE lvx_generated_tokens_total counter\nlvx_generated_tokens_total "
+    << mx.completion_tokens << "\n"
+    << "# HELP lvx_time_to_first_token_seconds From a request's arrival to its first text.\n"
+    << "# TYPE lvx_time_to_first_token_seconds histogram\n";
+  int64_t cum = 0;
+  for (size_t i = 0; i < mx.ttft_buckets.size(); ++i) {
+    cum += mx.ttft_counts[i];
+    m << "lvx_time_to_first_token_seconds_bucket{le=\"" << mx.ttft_buckets[i] << "\"} " << cum
+      << "\n";
+  }
+  m << "lvx_time_to_first_token_seconds_bucket{le=\"+Inf\"} " << mx.ttft_count << "\n"
+    << "lvx_time_to_first_token_seconds_sum " << mx.ttft_sum << "\n"
+    << "lvx_time_to_first_token_seconds_count " << mx.ttft_count << "\n"
+    << "# TYPE lvx_request_seconds summary\nlvx_request_seconds_sum " << mx.latency_sum
+    << "\nlvx_request_seconds_count " << mx.latency_count << "\n"
+    << "# HELP lvx_visual_cache_hits_total Ranks that found their share of a request's frames "
+       "encoded already (summed over ranks).\n"
+    << "# TYPE lvx_visual_cache_hits_total counter\nlvx_visual_cache_hits_total "
+    << mx.cache_hits << "\n"
+    << "# TYPE lvx_visual_cache_misses_total counter\nlvx_visual_cache_misses_total "
+    << mx.cache_misses << "\n"
+    << "# HELP lvx_prefix_reuses_total Requests whose prompt prefix (up to its last image token) "
+       "started from the state a previous request's prefill left (every rank's, kept with the "
+       "video's visual features).\n"
+    << "# TYPE lvx_prefix_reuses_total counter\nlvx_prefix_reuses_total " << mx.prefix_reuses
+    << "\n"
+    << "# HELP lvx_visual_cache_bytes Bytes held by the visual caches of every rank.\n"
+    << "# TYPE lvx_visual_cache_bytes gauge\nlvx_visual_cache_bytes " << mx.cache_bytes
+    << "\n"
+    << "# TYPE lvx_visual_cache_entries gauge\nlvx_visual_cache_entries{rank=\"0\"} " << g.cache_entries
+    << "\n"
+    << "# TYPE lvx_visual_cache_capacity_bytes gauge\nlvx_visual_cache_capacity_bytes{rank=\"0\"} "
+    << g.cache_capacity << "\n"
+    << "# HELP lvx_requests_cancelled_total Requests whose client went away before the answer "
+       "ended (their generation stopped, or never ran).\n"
+    << "# TYPE lvx_requests_cancelled_total counter\nlvx_requests_cancelled_total "
+    << mx.cancelled << "\n"
+    << "# HELP lvx_requests_merged_total Requests answered by the generation of an identical "
+       "request (queued with them, or running when they arrived).\n"
+    << "# TYPE lvx_requests_merged_total counter\nlvx_requests_merged_total " << mx.merged
+    << "\n"
+    << "# HELP lvx_decode_steps_total Decode steps run (each gives every running generation its "
+       "next token).\n"
+    << "# TYPE lvx_decode_steps_total counter\nlvx_decode_steps_total " << mx.steps << "\n"
+    << "# HELP lvx_decode_step_rows_total Generations stepped, summed over the decode steps (over "
+       "lvx_decode_steps_total: the mean batch).\n"
+    << "# TYPE lvx_decode_step_rows_total counter\nlvx_decode_step_rows_total "
+    << mx.step_rows << "\n"
+    << "# TYPE lvx_decode_batch_max gauge\nlvx_decode_batch_max " << mx.most_rows << "\n"
+    << "# TYPE lvx_queue_depth gauge\nlvx_queue_depth " << g.queue_depth << "\n"
+    << "# TYPE lvx_requests_running gauge\nlvx_requests_running " << g.running << "\n"
+    << "# TYPE lvx_ranks gauge\nlvx_ranks " << g.ranks << "\n";
+  return m.str();
+}
+
+}  // namespace lvx::serve

@@ -1,0 +1,42 @@
+// lvx serve's counters on rank 0 and their Prometheus text (GET /metrics; docs/serve.md lists
+// them).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace lvx::serve {
+
+// Prometheus counters (rank 0).
+struct Metrics {
+  std::mutex mu;
+  std::map<int, int64_t> requests;  // by HTTP status
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+  double ttft_sum = 0, latency_sum = 0;
+  int64_t ttft_count = 0, latency_count = 0;
+  std::vector<double> ttft_buckets{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+  std::vector<int64_t> ttft_counts = std::vector<int64_t>(10, 0);
+  int64_t cache_hits = 0, cache_misses = 0, cache_bytes = 0;  // over every rank
+  int64_t prefix_reuses = 0;  // requests whose prompt prefix state was reused
+  int64_t cancelled = 0;  // requests whose client went away before the answer ended
+  int64_t merged = 0;     // requests answered by an identical request's generation
+  // Continuous batching: decode steps, the generations they stepped, the most in one step.
+  int64_t steps = 0, step_rows = 0, most_rows = 0;
+  void count(int status);
+  // A request's time to first text, `seconds` (once per request).
+  void observe_ttft(double seconds);
+};
+
+// What the text reports beside the counters: read when /metrics is asked.
+struct Gauges {
+  int64_t cache_entries = 0, cache_capacity = 0;  // rank 0's visual cache
+  int64_t queue_depth = 0, running = 0, ranks = 0;
+};
+
+// The Prometheus text exposition (version 0.0.4) of `m` and `g`.
+std::string prometheus_text(Metrics& m, const Gauges& g);
+
+}  // namespace lvx::serve

@@ -1,0 +1,341 @@
+// Continuous batching on rank 0 and the other ranks' loop that follows it. Rank 0's main thread
+// takes queued requests while fewer than --max-batch generations run, broadcasts each one's
+// description (wire.h) and starts it on every rank (QaSession::start: frames, prompt, prefill);
+// then broadcasts a step and every rank gives every running generation its next token
+// (QaSession::step); generations that are done leave in batch order (QaSession::finish) and
+// their clients get their answers. The other ranks do what each broadcast says, in its order.
+#include <signal.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "src/common/error.h"
+#include "src/serve/server_impl.h"
+
+namespace lvx::serve {
+
+namespace fs = std::filesystem;
+
+json Server::describe(const Job& job, std::vector<std::string>& blobs) const {
+  const ChatRequest& r = job.req;
+  auto ref = [&](const MediaRef& m) {
+    if (!m.path.empty()) return json{{"path", m.path}};
+    blobs.push_back(m.bytes);
+    return json{{"blob", blobs.size() - 1}, {"ext", m.ext}};
+  };
+  auto opt = [](const auto& v) { return v ? json(*v) : json(); };
+  json d{{"id", job.id},
+         {"system", r.system},
+         {"earlier", r.earlier},
+         {"question", r.question},
+         {"return_prompt_ids", r.return_prompt_ids},
+         {"fps", opt(r.fps)},
+         {"num_frames", opt(r.num_frames)},
+         {"start", opt(r.start)},
+         {"end", opt(r.end)},
+         {"video_id", r.video_id},
+         {"max_tokens", r.max_tokens},
+         {"temperature", r.temperature},
+         {"top_p", r.top_p},
+         {"seed", r.seed}};
+  if (r.video) d["video"] = ref(*r.video);
+  json frames = json::array();
+  for (const MediaRef& m : r.frames) frames.push_back(ref(m));
+  d["frames"] = frames;
+  return d;
+}
+
+runtime::QaAnswerPtr Server::start_answer(const Command& c, const runtime::AnswerHooks& hooks) {
+  const json& d = c.desc;
+  // A folder of its own, made by mkdtemp: unpredictable and private (0700), so no other local
+  // user can plant a link in it or read the uploads.
+  std::string tmpl = (fs::temp_directory_path() / "lvx-serve-XXXXXX").string();
+  LVX_CHECK(::mkdtemp(tmpl.data()) != nullptr, "cannot make a temporary folder in ",
+            fs::temp_directory_path().string());
+  const fs::path dir = tmpl;
+  struct Cleanup {
+    fs::path dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{dir};
+  auto file_of = [&](const json& ref, const std::string& name) -> std::string {
+    if (ref.contains("path")) return ref["path"].get<std::string>();
+    const std::string path = (dir / (name + ref["ext"].get<std::string>())).string();
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    const std::string& b = c.blobs.at(ref["blob"].get<size_t>());
+    f.write(b.data(), static_cast<std::streamsize>(b.size()));
+    LVX_CHECK(f.good(), "cannot write '", path, "'");
+    return path;
+  };
+  runtime::QaRequest q;
+  q.item.id = d["id"].get<std::string>();
+  q.item.question = d["question"].get<std::string>();
+  q.item.system = d["system"].get<std::string>();
+  q.earlier = d["earlier"].get<std::vector<std::pair<std::string, std::string>>>();
+  q.return_prompt_ids = d["return_prompt_ids"].get<bool>();
+  if (d.contains("video")) q.item.video = file_of(d["video"], "video");
+  q.cache_frame_index = !(d.contains("video") && d["video"].contains("blob"));  // an upload
+  for (size_t i = 0; i < d["frames"].size(); ++i)
+    q.image_files.push_back(file_of(d["frames"][i], "frame" + std::to_string(i)));
+  if (!d["fps"].is_null()) q.fps = d["fps"].get<double>();
+  if (!d["num_frames"].is_null()) q.num_frames = d["num_frames"].get<int64_t>();
+  if (!d["start"].is_null()) q.item.start = d["start"].get<double>();
+  if (!d["end"].is_null()) q.item.end = d["end"].get<double>();
+  q.video_id = d["video_id"].get<std::string>();
+  runtime::GenerateOptions g = session_.job().generation;
+  g.max_new_tokens = d["max_tokens"].get<int64_t>();
+  g.sampling.temperature = d["temperature"].get<double>();
+  g.sampling.top_p = d["top_p"].get<double>();
+  g.sampling.seed = d["seed"].get<uint64_t>();
+  q.generation = g;
+  return session_.start(q, hooks);
+}
+
+int Server::run_other_rank() {
+  ::signal(SIGTERM, SIG_IGN);  // rank 0 says when to stop
+  ::signal(SIGINT, SIG_IGN);
+  // The generations rank 0 runs, in its order: started, stepped and finished as it says.
+  std::vector<runtime::QaAnswerPtr> active;
+  runtime::AnswerHooks hooks;
+  hooks.stop_requested = [] { return false; };  // set on every rank (rank 0's flag is the one)
+  for (;;) {
+    Command c;
+    exchange(pg_, c);
+    if (c.op == Op::kShutdown) {
+      pg_.barrier();
+      return 0;
+    }
+    if (c.op == Op::kAnswer) active.push_back(start_answer(c, hooks));
+    if (c.op == Op::kStep) {
+      std::vector<runtime::QaAnswer*> step;
+      for (auto& a : active) step.push_back(a.get());
+      session_.step(step);
+    }
+    for (auto it = active.begin(); it != active.end();) {
+      if (!session_.done(**it)) {
+        ++it;
+        continue;
+      }
+      session_.finish(**it);
+      it = active.erase(it);
+    }
+  }
+}
+
+std::shared_ptr<Job> Server::take_job() {
+  std::unique_lock<std::mutex> lock(qmu_);
+  if (static_cast<int64_t>(batch_.size()) >= o_.max_batch) return nullptr;
+  if (batch_.empty())
+    qcv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return !queue_.empty(); });
+  if (queue_.empty()) return nullptr;
+  std::shared_ptr<Job> job = queue_.front();
+  queue_.pop_front();
+  return job;
+}
+
+void Server::admit(const std::shared_ptr<Job>& job) {
+  auto r = std::make_unique<Running>();
+  r->command.op = Op::kAnswer;
+  r->command.desc = describe(*job, r->command.blobs);
+  r->key = generation_key(r->command.desc);
+  r->group = {job};
+  // Queued requests identical to this one in everything their tokens depend on (media,
+  // sampling and seed, conversation, max_tokens) share its generation: the same inputs give
+  // the same tokens, so each gets exactly the answer it would get alone. What only their own
+  // responses use (stop strings, streaming, usage) stays theirs.
+  if (o_.merge_identical) {
+    std::lock_guard<std::mutex> lock(qmu_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      std::vector<std::string> blobs;
+      if (!(*it)->cancelled && generation_key(describe(**it, blobs)) == r->key &&
+          blobs == r->command.blobs) {
+        r->group.push_back(*it);
+        it = queue_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  Running* rp = r.get();
+  runtime::AnswerHooks hooks;
+  hooks.on_text = [this, rp](const std::string& piece) {
+    std::lock_guard<std::mutex> lock(gmu_);
+    rp->pieces.push_back(piece);
+    for (const auto& j : rp->group) {
+      note_first(*j);
+      j->push_text(piece);
+    }
+  };
+  hooks.stop_requested = [this, rp] {  // every client of the generation left or has its stop
+    std::lock_guard<std::mutex> lock(gmu_);
+    const bool all = std::all_of(rp->group.begin(), rp->group.end(), [](const auto& j) {
+      return j->cancelled.load() || j->stop_hit;
+    });
+    if (all) rp->open = false;
+    return all;
+  };
+  {
+    std::lock_guard<std::mutex> lock(gmu_);
+    r->open = o_.merge_identical;
+    running_ += static_cast<int64_t>(r->group.size());
+    batch_.push_back(std::move(r));
+  }
+  exchange(pg_, rp->command);
+  rp->answer = start_answer(rp->command, hooks);
+  retire_done();  // a video or prompt that failed: done at once
+}
+
+void Server::step_batch() {
+  Command c;
+  c.op = Op::kStep;
+  exchange(pg_, c);
+  std::vector<runtime::QaAnswer*> step;
+  for (auto& r : batch_) step.push_back(r->answer.get());
+  {
+    std::lock_guard<std::mutex> lock(metrics_.mu);
+    ++metrics_.steps;
+    metrics_.step_rows += static_cast<int64_t>(step.size());
+    metrics_.most_rows = std::max(metrics_.most_rows, static_cast<int64_t>(step.size()));
+  }
+  session_.step(step);
+  retire_done();
+}
+
+void Server::retire_done() {
+  for (size_t i = 0; i < batch_.size();) {
+    Running& r = *batch_[i];
+    if (!session_.done(*r.answer)) {
+      ++i;
+      continue;
+    }
+    const json row = session_.finish(*r.answer);
+    std::unique_ptr<Running> done;
+    {
+      std::lock_guard<std::mutex> lock(gmu_);
+      r.open = false;
+      done = std::move(batch_[i]);
+      batch_.erase(batch_.begin() + static_cast<std::ptrdiff_t>(i));
+      running_ -= static_cast<int64_t>(done->group.size());
+      std::lock_guard<std::mutex> qlock(qmu_);
+      joined_ -= done->joined;
+    }
+    complete(*done, row);
+  }
+}
+
+// The clients of a finished generation: the metrics, then each answer (or the row's error).
+void Server::complete(Running& r, const json& row) {
+  {
+    std::lock_guard<std::mutex> lock(metrics_.mu);
+    metrics_.merged += static_cast<int64_t>(r.group.size()) - 1;
+    for (const auto& j : r.group) metrics_.cancelled += j->cancelled ? 1 : 0;
+    if (!row.contains("error") && row.contains("visual_cache")) {
+      metrics_.cache_hits += row["visual_cache"]["hits"].get<int64_t>();
+      metrics_.cache_misses += row["visual_cache"]["misses"].get<int64_t>();
+      metrics_.prefix_reuses += row["visual_cache"].value("prefix_reused", false) ? 1 : 0;
+      metrics_.cache_bytes = row["visual_cache"]["bytes"].get<int64_t>();
+    }
+  }
+  for (const auto& jp : r.group) {
+    Job& j = *jp;
+    if (row.contains("error")) {
+      j.fail(bad_request(client_error_text(row["error"].get<std::string>())));
+      continue;
+    }
+    note_first(j);
+    {
+      std::lock_guard<std::mutex> lock(metrics_.mu);
+      metrics_.prompt_tokens += row["prompt_tokens"].get<int64_t>();
+      metrics_.completion_tokens += row["completion_tokens"].get<int64_t>();
+      metrics_.latency_sum += seconds_since(j.received);
+      ++metrics_.latency_count;
+    }
+    std::string finish = row["finish_reason"].get<std::string>();
+    if (j.stop_hit) finish = "stop";
+    // The text as lvx qa gives it, unless a stop string cut it.
+    j.finish(row, finish, j.stop_hit ? j.text : row["response"].get<std::string>());
+  }
+}
+
+void Server::fail_queued(const ApiError& e) {
+  std::deque<std::shared_ptr<Job>> q;
+  {
+    std::lock_guard<std::mutex> lock(qmu_);
+    q.swap(queue_);
+  }
+  for (auto& j : q) j->fail(e);
+}
+
+void Server::serve_loop() {
+  const double timeout_s = std::chrono::duration<double>(dist::options_from_env().timeout).count();
+  const double heartbeat_s = std::clamp(timeout_s / 4, 0.2, 5.0);
+  auto last_command = clock::now();
+  for (;;) {
+    // Every request waiting, while the batch has room: their question tokens then run in one
+    // pass at the next step.
+    while ((admitting_ = take_job())) {
+      if (admitting_->cancelled) {  // its client left while it waited
+        std::lock_guard<std::mutex> lock(metrics_.mu);
+        ++metrics_.cancelled;
+        continue;
+      }
+      admit(admitting_);
+      admitting_.reset();
+      last_command = clock::now();
+    }
+    if (g_stop_signal && !draining_) {
+      draining_ = true;
+      std::cerr << "lvx serve: stopping: finishing the requests in flight" << std::endl;
+    }
+    if (!batch_.empty()) {
+      step_batch();
+      last_command = clock::now();
+      continue;
+    }
+    bool idle = false;
+    {
+      std::lock_guard<std::mutex> lock(qmu_);
+      idle = queue_.empty();
+    }
+    if (!idle) continue;
+    if (draining_) break;
+    if (seconds_since(last_command) >= heartbeat_s) {  // the other ranks' liveness
+      Command hb;
+      exchange(pg_, hb);
+      last_command = clock::now();
+    }
+  }
+  Command bye;
+  bye.op = Op::kShutdown;
+  exchange(pg_, bye);
+  pg_.barrier();
+}
+
+void Server::fail_everything(const std::exception& e) {
+  failure_ = e.what();  // before failed_: HTTP threads read it once they see failed_
+  failed_ = true;
+  std::cerr << "lvx serve: " << e.what() << "\nlvx serve: answering 503 and stopping" << std::endl;
+  const ApiError unavailable(503, "server_error", "a rank failed: " + client_error_text(failure_));
+  std::vector<std::shared_ptr<Job>> waiting;
+  {
+    std::lock_guard<std::mutex> lock(gmu_);
+    for (auto& r : batch_) {
+      r->open = false;
+      waiting.insert(waiting.end(), r->group.begin(), r->group.end());
+    }
+  }
+  if (admitting_) waiting.push_back(admitting_);
+  for (const auto& j : waiting) j->fail(unavailable);
+  fail_queued(unavailable);
+}
+
+}  // namespace lvx::serve

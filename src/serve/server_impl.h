@@ -1,0 +1,129 @@
+// lvx serve's server, as its files share it (src/serve/server.h is the entry point):
+//   server.cpp     the HTTP routes, the API key, binding, rank 0's life from listening to stopping
+//   chat.cpp       one chat completion: read, queued or joined, answered whole or streamed
+//   scheduler.cpp  continuous batching on rank 0 (take, admit, step, retire) and the other ranks'
+//                  loop that follows it; each answer's start from its broadcast description
+//   job.h          a request and its answer between the HTTP thread and the main thread
+//   metrics.h      the counters and /metrics
+//   connection.h   the client's socket (a client gone cancels its request)
+//   wire.h         what rank 0 broadcasts to the others
+#pragma once
+
+#include <httplib.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "src/dist/process_group.h"
+#include "src/runtime/qa_job.h"
+#include "src/serve/job.h"
+#include "src/serve/metrics.h"
+#include "src/serve/openai_api.h"
+#include "src/serve/server.h"
+#include "src/serve/wire.h"
+
+namespace lvx::serve {
+
+// Set by SIGTERM/SIGINT on rank 0: drain, then stop.
+extern std::atomic<bool> g_stop_signal;
+
+class Server {
+ public:
+  Server(const ServeOptions& o, runtime::QaSession& session)
+      : o_(o), session_(session), pg_(session.group()) {
+    api_.model_name = o.model_name;
+    api_.allowed_media_path = o.allowed_media_path;
+    api_.default_max_tokens = o.default_max_tokens;
+  }
+
+  // Rank 0: listens on --host:--port (before any request: a port in use fails every rank at
+  // once). Returns the error, or "".
+  std::string bind();
+  int run_rank0();
+  int run_other_rank();
+
+ private:
+  struct Running;  // one generation of the batch (below)
+  json describe(const Job& job, std::vector<std::string>& blobs) const;
+  // Starts one answer command on this rank (media sent inline written to this rank's own files
+  // for the prefill): the frames and the prompt's prefill (QaSession::start).
+  runtime::QaAnswerPtr start_answer(const Command& c, const runtime::AnswerHooks& hooks);
+  // Rank 0's scheduler (continuous batching): the next job when the batch has room (waiting a
+  // little only when nothing runs); starting its generation on every rank, with the queued
+  // requests identical to it; one token of every running generation on every rank; the rows of
+  // those done, in batch order, and their clients' answers.
+  std::shared_ptr<Job> take_job();
+  void admit(const std::shared_ptr<Job>& job);
+  void step_batch();
+  void retire_done();
+  void complete(Running& r, const json& row);
+  void routes(httplib::Server& http);
+  bool authorized(const httplib::Request& req, httplib::Response& res);
+  void send_error(httplib::Response& res, const ApiError& e);
+  // POST /v1/chat/completions (chat.cpp): the request read and queued (or joined to an identical
+  // running generation), then its answer whole or as a stream of chunks.
+  void chat(const httplib::Request& req, httplib::Response& res);
+  std::shared_ptr<Job> accept(const httplib::Request& req, httplib::Response& res);
+  void respond_whole(Job& job, const std::function<bool(const std::function<bool()>&)>& wait,
+                     httplib::Response& res);
+  void respond_stream(const std::shared_ptr<Job>& job, httplib::Response& res);
+  // Throws a 400 when the family's template refuses the request's conversation.
+  void check_conversation(const ChatRequest& r) const;
+  // Joins `job` to the running generation when it is identical to it and still open: the text
+  // so far is handed to it at once. Returns whether it joined.
+  bool join_running(const std::shared_ptr<Job>& job);
+  // Counts `j`'s time to first text once.
+  void note_first(Job& j);
+  std::string metrics_text();
+  // The main loop of rank 0 (scheduler.cpp): admit, step, retire until drained; throws what a
+  // rank's failure throws. fail_everything answers every request in flight 503 after one.
+  void serve_loop();
+  void fail_everything(const std::exception& e);
+  // Every queued job ends with `e` (a failed rank, or shutting down).
+  void fail_queued(const ApiError& e);
+
+  const ServeOptions& o_;
+  runtime::QaSession& session_;
+  dist::ProcessGroup& pg_;
+  ApiOptions api_;
+  Metrics metrics_;
+  std::mutex qmu_;
+  std::condition_variable qcv_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  std::atomic<int64_t> running_{0};  // requests the running generations answer
+  // One generation of the batch (rank 0): the requests it answers (the first, the queued ones
+  // identical to it, those that joined it while it ran), what their tokens depend on, the text
+  // so far; open while identical requests arriving may still join it (until it ends or every
+  // client of it has stopped it: a joiner would get a cut answer). gmu_ guards group, pieces,
+  // open and the batch's list; only the main thread adds or removes entries.
+  struct Running {
+    std::vector<std::shared_ptr<Job>> group;
+    std::string key;
+    Command command;  // its description and inline media (compared in place by joiners)
+    std::vector<std::string> pieces;
+    bool open = false;
+    int64_t joined = 0;
+    runtime::QaAnswerPtr answer;
+  };
+  std::mutex gmu_;
+  std::vector<std::unique_ptr<Running>> batch_;
+  int64_t joined_ = 0;  // requests that joined a running generation (they count against --max-queue)
+  std::atomic<int64_t> handlers_{0};  // chat handlers still writing a response
+  std::atomic<bool> draining_{false}, failed_{false};
+  // Draining begins at the signal; draining_ is when the generation loop took note of it.
+  bool stopping() const { return draining_ || g_stop_signal; }
+  std::string failure_;
+  std::atomic<int64_t> next_id_{0};
+  std::shared_ptr<Job> admitting_;  // the job being admitted (main thread), failed with the rest
+  httplib::Server http_;
+  int port_ = 0;
+};
+
+}  // namespace lvx::serve
