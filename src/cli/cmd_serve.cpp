@@ -3,6 +3,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "src/cli/args.h"
 #include "src/cli/command.h"
@@ -24,7 +27,9 @@ void add_serve_options(lvx::cli::ArgParser& p) {
   p.add_option("api-key", 0, "",
                "require 'Authorization: Bearer KEY' (default: none). Visible to every local user\n"
                "in the process list: prefer LVX_API_KEY or --api-key-file");
-  p.add_option("api-key-file", 0, "", "read the API key from this file (its first line)");
+  p.add_option("api-key-file", 0, "",
+               "read the API keys from this file, one per line (one per client or tenant: a\n"
+               "video's uuid is known only under the key that sent it)");
   p.add_flag("metrics-public", 0, "serve /metrics without the API key");
   p.add_option("served-model-name", 0, "", "the model's name in requests (default: DIR's name)");
   p.add_option("allowed-local-media-path", 0, "",
@@ -50,20 +55,30 @@ void add_serve_options(lvx::cli::ArgParser& p) {
   lvx::cli::add_device_option(p);
 }
 
-// The API key: --api-key, --api-key-file or LVX_API_KEY (how the launcher hands it to the ranks,
-// never in their argv).
-std::string api_key(const lvx::cli::ArgParser& p) {
+// The API keys: --api-key or its mirror LVX_API_KEY (how the launcher hands them to the ranks,
+// never in their argv), or --api-key-file; one key per line (a key cannot hold a line break: it
+// travels in a header). Empty lines are skipped.
+std::vector<std::string> api_keys(const lvx::cli::ArgParser& p) {
   LVX_CHECK(p.get("api-key").empty() || p.get("api-key-file").empty(),
             "give --api-key or --api-key-file, not both");
-  if (!p.get("api-key-file").empty()) {
-    std::string text = lvx::read_file(p.get("api-key-file"), "--api-key-file", 1 << 16);
-    const std::string key = text.substr(0, text.find_first_of("\r\n"));
-    LVX_CHECK(!key.empty(), "--api-key-file '", p.get("api-key-file"), "': the first line is empty");
-    return key;
+  const std::string text = p.get("api-key-file").empty()
+                               ? p.get("api-key")
+                               : lvx::read_file(p.get("api-key-file"), "--api-key-file", 1 << 20);
+  std::vector<std::string> keys;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (!line.empty()) keys.push_back(line);
   }
-  if (!p.get("api-key").empty()) return p.get("api-key");
-  const char* env = std::getenv("LVX_API_KEY");
-  return env ? env : "";
+  LVX_CHECK(!keys.empty() || p.get("api-key-file").empty(), "--api-key-file '",
+            p.get("api-key-file"), "' holds no key (every line is empty)");
+  return keys;
+}
+
+std::string joined_lines(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const std::string& l : lines) out += (out.empty() ? "" : "\n") + l;
+  return out;
 }
 
 lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
@@ -79,7 +94,7 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   job.device = p.get("device");
   o.host = p.get("host");
   o.port = static_cast<int>(p.get_int("port", 0, 65535));
-  o.api_key = api_key(p);
+  o.api_keys = api_keys(p);
   o.metrics_public = p.flag("metrics-public");
   o.model_name = p.get("served-model-name");
   if (o.model_name.empty()) {
@@ -113,8 +128,9 @@ int cmd_serve(int argc, char** argv) {
       "(one decode step for all; a new request's prefill runs between two steps); up to\n"
       "--max-queue more wait (429 beyond). SIGTERM finishes the requests in flight and exits\n"
       "0; a rank that dies makes the server answer 503 and exit non-zero.\n"
-      "Request extensions: num_frames | fps, start, end (seconds), video_id (cache key).\n"
-      "The API key may also come from LVX_API_KEY.");
+      "Request extensions: num_frames | fps, start, end (seconds), video_id (a name for the\n"
+      "logs); vLLM's per-part uuid names a video sent before under the same API key.\n"
+      "The API keys may also come from LVX_API_KEY (one per line).");
   add_serve_options(p);
   if (!p.parse(argc, argv)) return 0;
   lvx::serve::ServeOptions o = serve_options(p);
@@ -132,7 +148,7 @@ int cmd_serve(int argc, char** argv) {
   if (!p.get("api-key").empty())
     std::cerr << "lvx serve: warning: --api-key is visible to every local user in the process "
                  "list; use LVX_API_KEY or --api-key-file\n";
-  if (o.api_key.empty() && !loopback(o.host))
+  if (o.api_keys.empty() && !loopback(o.host))
     std::cerr << "lvx serve: warning: listening on " << o.host
               << " beyond the loopback without an API key: anyone who reaches it can use it "
                  "(--api-key-file, LVX_API_KEY)\n";
@@ -147,7 +163,7 @@ int cmd_serve(int argc, char** argv) {
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::cli::pin_option_for_ranks(cmd, "model", 'm', o.job.model);
-  lvx::cli::pin_option_for_ranks(cmd, "api-key", 0, o.api_key);  // never in a rank's argv
+  lvx::cli::pin_option_for_ranks(cmd, "api-key", 0, joined_lines(o.api_keys));  // never in a rank's argv
   lvx::cli::pin_option_for_ranks(cmd, "api-key-file", 0, "");
   return lvx::dist::launch_local(cmd, lo).exit_code;
 }

@@ -170,6 +170,11 @@ video::DecodeOptions decode_options(const QaRequest& req) {
 // The visual cache's key of a request on this rank: the content's hash (always: a client's
 // video_id names a video but never stands in for its bytes, so no id reaches another client's
 // features or a stale entry), the sampling, the preprocessing, the dtype and the rank's place.
+// The content hash of the request's video: the one it names (media_hash), or its file's.
+std::string video_hash(const QaRequest& req) {
+  return req.item.video.empty() ? req.media_hash : content_hash(req.item.video);
+}
+
 std::string visual_key(const QaRequest& req, const video::SampleSpec& spec,
                        const video::PreprocessConfig& pre, const std::string& dtype, int rank,
                        int world) {
@@ -178,7 +183,7 @@ std::string visual_key(const QaRequest& req, const video::SampleSpec& spec,
     source = "frames:";
     for (const std::string& f : req.image_files) source += file_xxh3(f);
   } else {
-    source = "video:" + content_hash(req.item.video);
+    source = "video:" + video_hash(req);
   }
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };
   const json k{{"source", source},
@@ -356,6 +361,7 @@ struct QaAnswer {
   double video_s = 0;
   std::shared_ptr<const VisualEntry> cached;
   std::string key;
+  std::string media_hash;  // the video's content hash, when the request asks for it
   video::FrameBatch frames;
   int64_t m = 0;  // frames sampled over all ranks
   std::vector<std::string> events;
@@ -393,7 +399,8 @@ void take_frames(QaSession::State& cx, QaAnswer& a) {
   if (!req.image_files.empty()) spec = video::SampleSpec{};  // every frame given, in order
   std::string error;
   try {
-    if (req.image_files.empty()) {
+    const bool named = req.image_files.empty() && item.video.empty() && !req.media_hash.empty();
+    if (req.image_files.empty() && !named) {
       LVX_CHECK(fs::exists(item.video), item.video, ": no such video file");
       check_regular_file(item.video, "video");  // a FIFO would block FFmpeg's open
     }
@@ -401,6 +408,11 @@ void take_frames(QaSession::State& cx, QaAnswer& a) {
       a.key = visual_key(req, spec, cx.preprocess, cx.job.plan.dtype, r, n);
       a.cached = cx.cache->find(a.key);
     }
+    LVX_CHECK(a.cached || !named,
+              "the video of this uuid is not in the visual cache with these frame settings (it "
+              "was evicted, asked with other frames, or the server keeps none): send the video "
+              "again with its uuid");
+    if (req.return_media_hash && req.image_files.empty()) a.media_hash = video_hash(req);
     if (!a.cached)
       a.frames = req.image_files.empty()
                      ? video::decode_video(item.video, spec, {r, n}, cx.preprocess,
@@ -606,6 +618,7 @@ json QaSession::finish(QaAnswer& a) {
       std::vector<double>(pts.data_ptr<double>(), pts.data_ptr<double>() + pts.numel());
   row["prompt_tokens"] = static_cast<int64_t>(a.prompt.ids.size());
   if (a.req.return_prompt_ids) row["prompt_ids"] = a.prompt.ids;
+  if (!a.media_hash.empty()) row["media_hash"] = a.media_hash;
   row["new_tokens"] = out.tokens.size(1);
   row["completion_tokens"] = completion_tokens;
   row["finish_reason"] = stop_token || out.stopped ? "stop" : "length";

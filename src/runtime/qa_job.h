@@ -84,6 +84,12 @@ struct QaRequest {
   std::optional<int64_t> num_frames;
   std::optional<GenerateOptions> generation;  // override the job's (max_new_tokens, sampling)
   std::string video_id;  // the caller's name for the media (logs only: the cache keys by content)
+  // Instead of item.video: the content hash of a video asked about before (lvx serve's `uuid`,
+  // resolved by the server); only the visual cache can answer it (a miss is the row's error,
+  // which says to send the video again). And whether the row gets "media_hash", the hash of
+  // its video's content (what a later request's media_hash names).
+  std::string media_hash;
+  bool return_media_hash = false;
   // Keep the video's frame index in the index cache (video/index_cache.h); lvx serve turns it off
   // for uploads, temporary files whose index would never be read again.
   bool cache_frame_index = true;

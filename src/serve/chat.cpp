@@ -60,7 +60,8 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
 }
 
 std::shared_ptr<Job> Server::accept(const httplib::Request& req, httplib::Response& res) {
-  if (!authorized(req, res)) return nullptr;
+  std::string scope;
+  if (!authorized(req, res, &scope)) return nullptr;
   if (failed_) {
     send_error(res,
                ApiError(503, "server_error", "a rank failed: " + client_error_text(failure_)));
@@ -74,9 +75,11 @@ std::shared_ptr<Job> Server::accept(const httplib::Request& req, httplib::Respon
   job->received = clock::now();
   job->created = unix_now();
   job->id = "chatcmpl-lvx-" + std::to_string(next_id_++);
+  job->scope = scope;
   try {
     job->req = parse_chat_request(req.body, api_);
     check_conversation(job->req);
+    resolve_uuid(*job);
   } catch (const ApiError& e) {
     send_error(res, e);
     return nullptr;
@@ -170,6 +173,18 @@ void Server::respond_stream(const std::shared_ptr<Job>& job, httplib::Response& 
     return true;
   };
   res.set_chunked_content_provider("text/event-stream", provide, [this](bool) { --handlers_; });
+}
+
+void Server::resolve_uuid(Job& job) const {
+  ChatRequest& r = job.req;
+  if (r.video_uuid.empty() || r.video) return;
+  const std::optional<std::string> hash = uuids_.find(job.scope, r.video_uuid);
+  if (!hash)
+    throw ApiError(400, "invalid_request_error",
+                   "uuid '" + r.video_uuid.substr(0, 64) +
+                       "' names no video sent with this API key: send the video with its uuid first",
+                   "messages", "uuid_not_found");
+  r.video_hash = *hash;
 }
 
 void Server::check_conversation(const ChatRequest& r) const {

@@ -28,6 +28,7 @@ inline double seconds_since(clock::time_point t) {
 // answer back: text pieces as they come, then the end (a row, or an error).
 struct Job {
   ChatRequest req;
+  std::string scope;  // the API key it came with ("key<i>"; "" without keys): where its uuid lives
   std::string id;
   int64_t created = 0;
   clock::time_point received;

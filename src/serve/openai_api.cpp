@@ -1,5 +1,6 @@
 #include "src/serve/openai_api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <regex>
@@ -255,6 +256,21 @@ void check_fields(const json& body) {
                         preview(key));
 }
 
+// A media part's `uuid` (vLLM's name for the media, scoped to the API key by the server): "" when
+// absent or null; 1 to 256 printable characters.
+std::string part_uuid(const json& part, const std::string& param) {
+  if (!part.contains("uuid") || part["uuid"].is_null()) return "";
+  const std::string u = part["uuid"].is_string() ? part["uuid"].get<std::string>() : "";
+  const bool printable =
+      !u.empty() && u.size() <= 256 && std::all_of(u.begin(), u.end(), [](char c) {
+        return static_cast<unsigned char>(c) >= 0x20 && c != 0x7f;
+      });
+  if (!printable)
+    throw bad_request(param + ": a uuid must be a string of 1 to 256 printable characters",
+                      param + ".uuid");
+  return u;
+}
+
 // The text of one message's content; its media parts go into r.
 std::string read_content(const json& m, const std::string& role, const std::string& param,
                          const ApiOptions& o, ChatRequest& r) {
@@ -277,11 +293,18 @@ std::string read_content(const json& m, const std::string& role, const std::stri
       if (role != "user")
         throw bad_request(param + ": media parts belong in user messages", param + ".content");
       if (type == "video_url") {
-        if (r.video)
+        if (r.video || !r.video_uuid.empty())
           throw bad_request("one video per request: a second video_url part in " + param,
                             param + ".content");
-        r.video = media_url(part, "video_url", "video", o);
+        r.video_uuid = part_uuid(part, param + ".content");
+        // vLLM's convention: the media may be left out (null) where its uuid names it.
+        if (r.video_uuid.empty() || (part.contains("video_url") && !part["video_url"].is_null()))
+          r.video = media_url(part, "video_url", "video", o);
       } else {
+        if (part.contains("uuid"))
+          throw bad_request(param + ": a uuid is taken on a video_url part only (frames sent as "
+                                    "image_url parts are found in the cache by their content)",
+                            param + ".content");
         r.frames.push_back(media_url(part, "image_url", "image", o));
       }
     } else {
@@ -350,9 +373,10 @@ void read_conversation(const json& messages, const ApiOptions& o, ChatRequest& r
               : "messages[" + std::to_string(t.first_message) +
                     "]: a user turn has no text (every question of a conversation needs one)",
           "messages");
-  if (r.video && !r.frames.empty())
+  const bool video = r.video || !r.video_uuid.empty();
+  if (video && !r.frames.empty())
     throw bad_request("give a video_url part or image_url frames, not both", "messages");
-  if (!r.video && r.frames.empty())
+  if (!video && r.frames.empty())
     throw bad_request("a request needs a video: a video_url part or image_url frames", "messages");
   if (static_cast<int64_t>(r.frames.size()) > o.max_frames)
     throw bad_request("at most " + std::to_string(o.max_frames) + " image_url frames, got " +

@@ -15,7 +15,8 @@
 //   tools, response_format, ...), never silently ignored. The body is parsed with nesting bounded
 //   (64 levels) before it is built, and error messages quote at most 64 characters of a value.
 // Media, in the content parts of user messages: one video_url ({"url": "file:///abs/path"} under
-// --allowed-local-media-path, or "data:video/<type>;base64,<bytes>"), or image_url parts, each
+// --allowed-local-media-path, or "data:video/<type>;base64,<bytes>"; with vLLM's per-part
+// "uuid", the video_url may be null to name a video sent before), or image_url parts, each
 // one frame ("data:image/<type>;base64,..." or a file:// URL): a list of frames as lmms-eval's
 // openai_compatible_chat sends a video, all used in order (no sampling).
 // Conversations go through the family's chat template (models/family.h, Family::prompt_chat):
@@ -68,6 +69,10 @@ struct ChatRequest {
   std::vector<std::pair<std::string, std::string>> earlier;  // answered (question, answer) turns
   std::string question;  // the last user turn, open for the answer
   std::optional<MediaRef> video;
+  // The video_url part's `uuid` (vLLM's convention): with the video, a name the server remembers
+  // for its content under the caller's API key; without it (video_url null), the video named
+  // (the server resolves it to video_hash before the request is queued).
+  std::string video_uuid, video_hash;
   std::vector<MediaRef> frames;  // image_url parts, in order
   std::optional<double> fps;
   std::optional<int64_t> num_frames;

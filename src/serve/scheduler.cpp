@@ -46,6 +46,8 @@ json Server::describe(const Job& job, std::vector<std::string>& blobs) const {
          {"top_p", r.top_p},
          {"seed", r.seed}};
   if (r.video) d["video"] = ref(*r.video);
+  if (!r.video && !r.video_hash.empty()) d["video"] = json{{"hash", r.video_hash}};  // by uuid
+  if (r.video && !r.video_uuid.empty()) d["return_media_hash"] = true;  // to remember its uuid
   json frames = json::array();
   for (const MediaRef& m : r.frames) frames.push_back(ref(m));
   d["frames"] = frames;
@@ -82,7 +84,11 @@ runtime::QaAnswerPtr Server::start_answer(const Command& c, const runtime::Answe
   q.item.system = d["system"].get<std::string>();
   q.earlier = d["earlier"].get<std::vector<std::pair<std::string, std::string>>>();
   q.return_prompt_ids = d["return_prompt_ids"].get<bool>();
-  if (d.contains("video")) q.item.video = file_of(d["video"], "video");
+  if (d.contains("video") && d["video"].contains("hash"))
+    q.media_hash = d["video"]["hash"].get<std::string>();  // named by its uuid: the cache's alone
+  else if (d.contains("video"))
+    q.item.video = file_of(d["video"], "video");
+  q.return_media_hash = d.value("return_media_hash", false);
   q.cache_frame_index = !(d.contains("video") && d["video"].contains("blob"));  // an upload
   for (size_t i = 0; i < d["frames"].size(); ++i)
     q.image_files.push_back(file_of(d["frames"][i], "frame" + std::to_string(i)));
@@ -247,6 +253,8 @@ void Server::complete(Running& r, const json& row) {
   }
   for (const auto& jp : r.group) {
     Job& j = *jp;
+    if (!row.contains("error") && !j.req.video_uuid.empty() && row.contains("media_hash"))
+      uuids_.remember(j.scope, j.req.video_uuid, row["media_hash"].get<std::string>());
     if (row.contains("error")) {
       j.fail(bad_request(client_error_text(row["error"].get<std::string>())));
       continue;

@@ -35,9 +35,17 @@ bool same_secret(const std::string& given, const std::string& secret) {
 
 }  // namespace
 
-bool Server::authorized(const httplib::Request& req, httplib::Response& res) {
-  if (o_.api_key.empty()) return true;
-  if (same_secret(req.get_header_value("Authorization"), "Bearer " + o_.api_key)) return true;
+bool Server::authorized(const httplib::Request& req, httplib::Response& res, std::string* scope) {
+  if (o_.api_keys.empty()) return true;
+  // Every key is compared, whichever matches: the time says nothing about which one did.
+  const std::string given = req.get_header_value("Authorization");
+  size_t match = o_.api_keys.size();
+  for (size_t i = 0; i < o_.api_keys.size(); ++i)
+    if (same_secret(given, "Bearer " + o_.api_keys[i])) match = i;
+  if (match < o_.api_keys.size()) {
+    if (scope) *scope = "key" + std::to_string(match);
+    return true;
+  }
   send_error(res, ApiError(401, "invalid_request_error",
                            req.has_header("Authorization")
                                ? "Incorrect API key provided"

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "src/runtime/qa_job.h"
 
@@ -40,7 +41,10 @@ struct ServeOptions {
   runtime::QaJob job;  // model, device, dtype, strategies, default sampling (num_frames, fps)
   std::string host = "127.0.0.1";
   int port = 8000;  // 0: any free port (printed)
-  std::string api_key;        // compared in constant time; ranks get it by environment
+  // Any one of them is required ('Authorization: Bearer KEY'); none: no key. One per client or
+  // tenant: a video's uuid is known only under the key that sent it. Compared in constant time;
+  // the ranks get them by environment.
+  std::vector<std::string> api_keys;
   bool metrics_public = false;  // /metrics without the key (--metrics-public)
   std::string model_name;  // what requests name; default: the model folder's name
   std::string allowed_media_path;

@@ -24,6 +24,7 @@
 #include "src/dist/process_group.h"
 #include "src/runtime/qa_job.h"
 #include "src/serve/job.h"
+#include "src/serve/media_uuids.h"
 #include "src/serve/metrics.h"
 #include "src/serve/openai_api.h"
 #include "src/serve/server.h"
@@ -65,7 +66,14 @@ class Server {
   void retire_done();
   void complete(Running& r, const json& row);
   void routes(httplib::Server& http);
-  bool authorized(const httplib::Request& req, httplib::Response& res);
+  // Whether the request carries one of the API keys (none configured: every request); else
+  // answers 401. `scope` receives the key's place ("key<i>"; "" without keys): what a uuid is
+  // known under.
+  bool authorized(const httplib::Request& req, httplib::Response& res,
+                  std::string* scope = nullptr);
+  // A request whose video_url part names a video by uuid alone gets its content hash (400 when
+  // its scope does not know the uuid).
+  void resolve_uuid(Job& job) const;
   void send_error(httplib::Response& res, const ApiError& e);
   // POST /v1/chat/completions (chat.cpp): the request read and queued (or joined to an identical
   // running generation), then its answer whole or as a stream of chunks.
@@ -94,6 +102,7 @@ class Server {
   dist::ProcessGroup& pg_;
   ApiOptions api_;
   Metrics metrics_;
+  MediaUuids uuids_;
   std::mutex qmu_;
   std::condition_variable qcv_;
   std::deque<std::shared_ptr<Job>> queue_;

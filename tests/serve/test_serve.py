@@ -38,6 +38,7 @@ SOURCE = HERE.parent.parent
 LVX = os.environ.get("LVX_BIN", str(SOURCE / "build" / "lvx"))
 PY = sys.executable
 KEY = "sk-test-key"
+KEY2 = "sk-other-tenant"  # a second key of --api-key-file (uuid scoping)
 QUESTION = "What colour was the shape?"
 FRAMES = 8
 TOKENS = 12
@@ -874,6 +875,50 @@ def case_api_key_flag_not_in_rank_argv(fx, srv, ranks):
     assert ask(srv, video_part(file_url(fx.clip))).choices[0].message.content is not None
 
 
+def uuid_part(uuid, url=None):
+    """vLLM's video part with a uuid; without a URL the video is left out (named by the uuid)."""
+    return {"type": "video_url", "video_url": {"url": url} if url else None, "uuid": uuid}
+
+
+def case_uuid_scoped_to_key(fx, srv, ranks):
+    # vLLM's per-part uuid: sent once with its video, it names that video's content under the API
+    # key that sent it, so a later request may leave the video out.
+    hits = lambda m: m["lvx_visual_cache_hits_total"]
+    want = qa_json(fx, fx.clip, ranks)["response"]
+    first = ask(srv, uuid_part("clip-7", data_url(fx.clip, "video/mp4")))
+    assert first.choices[0].message.content == want
+    m1 = srv.metrics()
+    named = ask(srv, uuid_part("clip-7"))
+    m2 = srv.metrics()
+    assert named.choices[0].message.content == want
+    assert hits(m2) - hits(m1) == ranks, (m1, m2)
+    body = lambda part, **kw: json.dumps(
+        {"model": "model", "messages": messages(part), "max_tokens": TOKENS, **kw})
+    # Another key (another tenant) does not know the name; nor does anyone a name never sent.
+    err = expect_error(srv, 400, body(uuid_part("clip-7")), key=KEY2)
+    assert err["code"] == "uuid_not_found" and "clip-7" in err["message"], err
+    err = expect_error(srv, 400, body(uuid_part("never-sent")))
+    assert err["code"] == "uuid_not_found", err
+    # The name sent again with other bytes names them from then on (content, never a slot).
+    other = qa_json(fx, fx.other, ranks)["response"]
+    assert ask(srv, uuid_part("clip-7", data_url(fx.other, "video/mp4"))).choices[0].message.content == other
+    assert ask(srv, uuid_part("clip-7")).choices[0].message.content == other
+    # Named, but not cached with these frame settings: refused, saying to send the video again.
+    err = expect_error(srv, 400, body(uuid_part("clip-7"), num_frames=FRAMES + 2))
+    assert "send the video again" in err["message"], err
+    # The second key names its own videos; uuids on image_url parts and malformed ones are refused.
+    srv.client.api_key = KEY2
+    try:
+        assert ask(srv, uuid_part("clip-7", file_url(fx.clip))).choices[0].message.content == want
+        assert ask(srv, uuid_part("clip-7")).choices[0].message.content == want
+    finally:
+        srv.client.api_key = KEY
+    assert ask(srv, uuid_part("clip-7")).choices[0].message.content == other  # the first key's
+    image = {"type": "image_url", "image_url": {"url": data_url(fx.clip, "image/png")}, "uuid": "x"}
+    assert "video_url part only" in expect_error(srv, 400, body(image))["message"]
+    assert "printable" in expect_error(srv, 400, body(uuid_part("", file_url(fx.clip)) | {"uuid": 7}))["message"]
+
+
 # (case, server flags (None: the case starts what it needs), environment, ranks it needs, stops
 # the server itself)
 CASES = [
@@ -897,6 +942,7 @@ CASES = [
     (case_uploads_stay_private, ["--cache-bytes", "0"], {"LVX_INDEX_CACHE": "@index"}, 1, False),
     (case_api_key_stays_secret, "env-key", {"LVX_API_KEY": KEY}, 1, False),
     (case_api_key_flag_not_in_rank_argv, ["--metrics-public"], {}, 1, False),
+    (case_uuid_scoped_to_key, "keys-file", {}, 1, False),
 ]
 
 
@@ -930,6 +976,10 @@ def main():
                 srv = None
             elif flags == "env-key":
                 srv = Server(fx, ranks, env=env, key_flag=False)
+            elif flags == "keys-file":  # two tenants' keys, one per line
+                keys = fx.root / "keys.txt"
+                keys.write_text(KEY + "\n" + KEY2 + "\n")
+                srv = Server(fx, ranks, "--api-key-file", str(keys), env=env, key_flag=False)
             elif not flags and not env and not stops:
                 shared = shared or Server(fx, ranks)
                 srv = shared
