@@ -161,6 +161,27 @@ TEST_F(TokenizerGolden, DecodeOfEncodeIsTheNormalizedText) {
   }
 }
 
+// decode_bytes (each token's own bytes, for logprobs' "bytes"): token by token they add up to the
+// text's UTF-8 exactly, characters cut between tokens included, where decoding each token alone
+// gives U+FFFD for a partial character.
+TEST_F(TokenizerGolden, EachTokensBytesAddUpToTheText) {
+  for (const char* name : {"qwen2", "neox"}) {
+    const Tokenizer t = load(name);
+    int cut = 0;
+    for (const json& c : golden(name)["cases"]) {
+      const std::string normalized = c["normalized"];
+      std::string joined;
+      for (int64_t id : t.encode(normalized)) {
+        const std::string own = t.decode_bytes({id});
+        joined += own;
+        if (t.decode({id}) != own) ++cut;  // not valid UTF-8 alone
+      }
+      EXPECT_EQ(joined, normalized) << name << " " << shown(normalized);
+    }
+    EXPECT_GT(cut, 0) << name << ": no case cuts a character between tokens";
+  }
+}
+
 TEST_F(TokenizerGolden, SpecialTokensAndLookups) {
   const Tokenizer qwen = load("qwen2");
   const auto im_start = qwen.token_to_id("<|im_start|>");

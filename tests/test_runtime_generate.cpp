@@ -118,3 +118,47 @@ TEST(Generate, RowsSteppedTogetherGiveEachRowsTokensAlone) {
 }
 
 }  // namespace
+
+// GenerateOptions::logprobs (lvx serve's logprobs / top_logprobs): each new token's
+// log-probability and its 5 most likely alternatives equal log_softmax of the logits a whole
+// prefill and then a decode step give (a path without the prompt prefix's split, the kept
+// prefix or the sampler) within 1e-5, the greedy token is the most likely one, and the list has
+// one entry per new token, alone and when rows step together.
+TEST(Generate, LogprobsAreTheModelsLogSoftmax) {
+  Fixture& f = fixture();
+  const lvx::models::ModelInputs in = prompt({5, 6, 7});
+  GenerateOptions o = options(3);
+  o.logprobs = 5;
+  const auto out = lvx::runtime::generate(*f.model, in, f.par, o);
+  ASSERT_EQ(out.logprobs.size(), 3u);
+  lvx::models::DecodeCache cache;
+  at::Tensor logits = f.model->prefill(in, f.par, cache);
+  for (size_t t = 0; t < 2; ++t) {
+    const at::Tensor lp = at::log_softmax(logits[0], -1);
+    const auto [values, ids] = at::topk(lp, 5);
+    const auto& got = out.logprobs[t];
+    EXPECT_EQ(got.token, out.tokens[0][static_cast<int64_t>(t)].item<int64_t>());
+    EXPECT_EQ(got.token, got.top[0].first);  // greedy: the most likely token
+    EXPECT_NEAR(got.logprob, lp[got.token].item<double>(), 1e-5);
+    ASSERT_EQ(got.top.size(), 5u);
+    for (int64_t i = 0; i < 5; ++i) {
+      EXPECT_EQ(got.top[static_cast<size_t>(i)].first, ids[i].item<int64_t>()) << t << " " << i;
+      EXPECT_NEAR(got.top[static_cast<size_t>(i)].second, values[i].item<double>(), 1e-5);
+    }
+    logits = f.model->decode_step(at::tensor({got.token}, at::kLong), f.par, cache);
+  }
+  // Two generations stepped together: each keeps its own entries, those it has alone.
+  Generation a(*f.model, in, f.par, o), b(*f.model, prompt({5}), f.par, o);
+  while (!a.done() || !b.done()) {
+    std::vector<Generation*> rows;
+    for (Generation* g : {&a, &b})
+      if (!g->done()) rows.push_back(g);
+    lvx::runtime::step_together(rows, *f.model, f.par);
+  }
+  ASSERT_EQ(a.logprobs().size(), 3u);
+  for (size_t t = 0; t < 3; ++t) {
+    EXPECT_EQ(a.logprobs()[t].token, out.logprobs[t].token);
+    EXPECT_NEAR(a.logprobs()[t].logprob, out.logprobs[t].logprob, 1e-5);
+  }
+  EXPECT_EQ(b.logprobs().size(), 3u);
+}

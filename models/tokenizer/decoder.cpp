@@ -7,6 +7,10 @@
 namespace lvx::models::tokenization {
 
 std::string Decoder::decode(const std::vector<const std::string*>& tokens) const {
+  return byte_level ? utf8_lossy(bytes(tokens)) : bytes(tokens);
+}
+
+std::string Decoder::bytes(const std::vector<const std::string*>& tokens) const {
   std::string out;
   if (!byte_level) {  // tokenizers without a decoder: tokens joined by spaces
     for (size_t i = 0; i < tokens.size(); ++i) {
@@ -34,7 +38,7 @@ std::string Decoder::decode(const std::vector<const std::string*>& tokens) const
     }
     bytes += all_mapped ? mapped : *tok;
   }
-  return utf8_lossy(bytes);
+  return bytes;
 }
 
 void parse_decoder(const Node& n, Decoder* out) {

@@ -16,6 +16,9 @@ struct Decoder {
 
   // The text of `tokens` (token strings as stored: byte-level characters, or added contents).
   std::string decode(const std::vector<const std::string*>& tokens) const;
+  // The same bytes before invalid UTF-8 is replaced (a token holding part of a character keeps
+  // its bytes).
+  std::string bytes(const std::vector<const std::string*>& tokens) const;
 };
 
 // Reads tokenizer.json's "decoder" (null or ByteLevel). Errors name the JSON path.

@@ -136,6 +136,15 @@ std::vector<int64_t> Tokenizer::encode(const std::string& utf8, bool add_special
 }
 
 std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special_tokens) const {
+  return impl_->decoder.decode(tokens_of(ids, skip_special_tokens));
+}
+
+std::string Tokenizer::decode_bytes(const std::vector<int64_t>& ids) const {
+  return impl_->decoder.bytes(tokens_of(ids, false));
+}
+
+std::vector<const std::string*> Tokenizer::tokens_of(const std::vector<int64_t>& ids,
+                                                     bool skip_special_tokens) const {
   const Impl& t = *impl_;
   std::vector<const std::string*> tokens;
   tokens.reserve(ids.size());
@@ -151,7 +160,7 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special
     }
     tokens.push_back(tok);
   }
-  return t.decoder.decode(tokens);
+  return tokens;
 }
 
 std::optional<int64_t> Tokenizer::token_to_id(const std::string& token) const {

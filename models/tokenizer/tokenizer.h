@@ -80,6 +80,9 @@ class Tokenizer {
   // sequences that are not valid UTF-8 (e.g. a character cut between ids) become U+FFFD, one per
   // maximal invalid subsequence, as tokenizers does. Throws lvx::Error on an unknown id.
   std::string decode(const std::vector<int64_t>& ids, bool skip_special_tokens = false) const;
+  // The bytes decode() makes text of, invalid UTF-8 kept as it is (one token's own bytes: a
+  // byte-level token may hold part of a character). Throws lvx::Error on an unknown id.
+  std::string decode_bytes(const std::vector<int64_t>& ids) const;
 
   // Token string (as stored: byte-level characters for model tokens, the content for added
   // tokens) ↔ id. Added tokens take precedence. id_to_token throws lvx::Error on an unknown id.
@@ -98,6 +101,9 @@ class Tokenizer {
 
  private:
   explicit Tokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  // The stored token strings of `ids`, special ones dropped when asked; throws on unknown ids.
+  std::vector<const std::string*> tokens_of(const std::vector<int64_t>& ids,
+                                            bool skip_special_tokens) const;
   std::shared_ptr<const Impl> impl_;
 };
 

@@ -54,6 +54,9 @@ Generation::Generation(const models::Model& model, const models::ModelInputs& in
     : o_(o) {
   LVX_CHECK(o.max_new_tokens >= 1, "--max-new-tokens must be >= 1, got ", o.max_new_tokens);
   check_sampling(o.sampling);
+  LVX_CHECK(o.logprobs < 0 || in.input_ids.size(0) == 1,
+            "log-probabilities are given for one sample at a time, got a batch of ",
+            in.input_ids.size(0));
   const int64_t prompt = in.input_ids.size(1);
   max_new_ = o.max_new_tokens;
   if (o.max_length > 0) {
@@ -119,6 +122,8 @@ bool Generation::take(at::Tensor next, bool stop_now,
   const at::Tensor is_stop = at::isin(next, stop_);
   last_stop_ = at::where(is_stop & done_.logical_not(), next, last_stop_);
   done_ = done_ | is_stop;
+  if (o_.logprobs >= 0)
+    r_.logprobs.push_back(token_logprobs(logits_[0], next[0].item<int64_t>(), o_.logprobs));
   tokens_.push_back(next);
   if (on_token) on_token(next);
   ++step_;
@@ -235,6 +240,22 @@ void step_together(const std::vector<Generation*>& rows, const models::Model& mo
     g->r_.token_seconds.push_back(secs);
     g->r_.decode_bytes_sent += bytes;
   }
+}
+
+TokenLogprobs token_logprobs(const at::Tensor& logits, int64_t token, int64_t top) {
+  const at::Tensor lp = at::log_softmax(logits.to(at::kCPU, at::kFloat), -1);
+  TokenLogprobs t;
+  t.token = token;
+  t.logprob = lp[token].item<double>();
+  if (top <= 0) return t;
+  const auto [values, ids] = at::topk(lp, std::min<int64_t>(top, lp.size(0)));
+  for (int64_t i = 0; i < values.size(0); ++i)
+    t.top.emplace_back(ids[i].item<int64_t>(), values[i].item<double>());
+  // Most likely first; equal log-probabilities by id (topk leaves their order open).
+  std::sort(t.top.begin(), t.top.end(), [](const auto& a, const auto& b) {
+    return a.second != b.second ? a.second > b.second : a.first < b.first;
+  });
+  return t;
 }
 
 GenerateResult generate(const models::Model& model, const models::ModelInputs& in,

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "models/model.h"
@@ -48,6 +49,19 @@ struct GenerateOptions {
   // which extends every such generation at once (Model::extend_rows): lvx serve admitting several
   // questions between two steps. generate() does not use it.
   bool defer_tail = false;
+  // >= 0 (one sample only): every new token's log-probability under the model and this many
+  // most likely tokens with theirs (GenerateResult::logprobs; OpenAI's logprobs/top_logprobs).
+  // From the logits as the model gives them, before temperature and top-p (vLLM's default,
+  // raw_logprobs), in fp32; every rank computes them from its identical logits.
+  int64_t logprobs = -1;
+};
+
+// One new token's log-probability and the most likely tokens' (GenerateOptions::logprobs),
+// most likely first (ties: the lower id first).
+struct TokenLogprobs {
+  int64_t token = 0;
+  double logprob = 0;
+  std::vector<std::pair<int64_t, double>> top;
 };
 
 // The prefix length of `ids` (int64 [B, L] on the host) for GenerateOptions: one past the last
@@ -66,6 +80,7 @@ struct GenerateResult {
   int64_t prefill_bytes_sent = 0, decode_bytes_sent = 0;
   bool hit_context = false;  // stopped because the context (max_length) was full
   bool stopped = false;      // ended by GenerateOptions::stop_requested
+  std::vector<TokenLogprobs> logprobs;  // per new token, with GenerateOptions::logprobs >= 0
 };
 
 // Refuses sampling settings that cannot give a distribution: a temperature that is not finite
@@ -90,6 +105,9 @@ class Generation {
   GenerateResult finish();
   int64_t batch() const { return batch_; }
   const GenerateOptions& options() const { return o_; }
+  // Each new token's so far (GenerateOptions::logprobs); the last is the newest token's when
+  // step_together's on_token sees it.
+  const std::vector<TokenLogprobs>& logprobs() const { return r_.logprobs; }
 
  private:
   friend void step_together(const std::vector<Generation*>& rows, const models::Model& model,
@@ -121,6 +139,9 @@ class Generation {
 void step_together(const std::vector<Generation*>& rows, const models::Model& model,
                    const models::Parallel& par,
                    const std::vector<std::function<void(const at::Tensor&)>>& on_token = {});
+
+// Token `token`'s log-probability under logits [V] and the `top` most likely tokens'.
+TokenLogprobs token_logprobs(const at::Tensor& logits, int64_t token, int64_t top);
 
 // The next token of every sample from logits [B, V] (fp32) under `sampling`; `gen` carries the
 // seeded state between steps.

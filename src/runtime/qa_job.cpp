@@ -22,6 +22,7 @@
 #include "src/common/files.h"
 #include "src/dist/process_group.h"
 #include "src/runtime/device.h"
+#include "src/runtime/logprobs_json.h"
 #include "src/runtime/model_description.h"
 #include "src/runtime/video_qa.h"
 #include "video/pipeline.h"
@@ -557,8 +558,17 @@ void QaSession::step(const std::vector<QaAnswer*>& answers) {
     gens.push_back(a->gen.get());
     TextStream* text = a->text.get();
     const bool streams = static_cast<bool>(a->hooks.on_text);
-    on_token.push_back([text, r, streams](const at::Tensor& next) {
-      if (r == 0 && streams) text->add(next[0].item<int64_t>());
+    const Generation* gen = a->gen.get();
+    const models::Tokenizer* tok = cx.tok.get();
+    const std::vector<int64_t>* stop = &cx.stop;
+    const auto& on_logprob = a->hooks.on_logprob;
+    on_token.push_back([text, r, streams, gen, tok, stop, &on_logprob](const at::Tensor& next) {
+      const int64_t id = next[0].item<int64_t>();
+      if (r == 0 && streams) text->add(id);
+      // The completion tokens' (the row's "logprobs"): not the stop token's.
+      const bool stops = std::find(stop->begin(), stop->end(), id) != stop->end();
+      if (r == 0 && on_logprob && !stops && !gen->logprobs().empty())
+        on_logprob(logprob_json(*tok, gen->logprobs().back()));
     });
   }
   step_together(gens, *cx.model, answers.front()->par, on_token);
@@ -619,6 +629,11 @@ json QaSession::finish(QaAnswer& a) {
   row["prompt_tokens"] = static_cast<int64_t>(a.prompt.ids.size());
   if (a.req.return_prompt_ids) row["prompt_ids"] = a.prompt.ids;
   if (!a.media_hash.empty()) row["media_hash"] = a.media_hash;
+  if (a.gen->options().logprobs >= 0) {  // the completion tokens' (before the stop token)
+    row["logprobs"] = json::array();
+    for (int64_t i = 0; i < completion_tokens; ++i)
+      row["logprobs"].push_back(logprob_json(*cx.tok, out.logprobs[static_cast<size_t>(i)]));
+  }
   row["new_tokens"] = out.tokens.size(1);
   row["completion_tokens"] = completion_tokens;
   row["finish_reason"] = stop_token || out.stopped ? "stop" : "length";

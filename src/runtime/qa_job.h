@@ -106,6 +106,9 @@ struct AnswerHooks {
   // Asked on rank 0 before each token (generate.h GenerateOptions::stop_requested): true stops
   // the answer there. Set on every rank or on none.
   std::function<bool()> stop_requested;
+  // rank 0, with the request's generation.logprobs >= 0: each new token's log-probabilities in
+  // OpenAI's shape (src/runtime/logprobs_json.h), after the token's text went to on_text.
+  std::function<void(const nlohmann::json&)> on_logprob;
 };
 
 // One question being answered, between QaSession::start and QaSession::finish (qa_job.cpp).
@@ -131,8 +134,9 @@ class QaSession {
   // The row of lvx qa (see the top of this file) plus finish_reason ("stop": a stop token or
   // stop_requested; "length": max_new_tokens or the context), completion_tokens (generated
   // tokens before the stop token) and visual_cache {hits, misses: ranks; bytes: every rank's
-  // cache}. Errors of the video or the prompt (on any rank) become the row's "error"; a failure
-  // of the process group throws.
+  // cache}, and "logprobs" when the request's generation asks for them (each completion token's,
+  // OpenAI's shape: src/runtime/logprobs_json.h). Errors of the video or the prompt (on any
+  // rank) become the row's "error"; a failure of the process group throws.
   nlohmann::json answer(const QaRequest& request, const AnswerHooks& hooks = {});
   // answer() in three parts, so that several questions generate together (lvx serve's
   // continuous batching): start() takes the frames and runs the prompt's prefill (an error of

@@ -112,7 +112,8 @@ void Server::respond_whole(Job& job, const std::function<bool(const std::functio
   const json& row = job.row;
   json out = completion_json(job.id, job.created, o_.model_name, job.content, job.finish_reason,
                              row["prompt_tokens"].get<int64_t>(),
-                             row["completion_tokens"].get<int64_t>());
+                             row["completion_tokens"].get<int64_t>(),
+                             job.req.logprobs ? row.value("logprobs", json::array()) : json());
   out["lvx"] = {{"frames", row["frames"]},
                 {"timings", row["timings"]},
                 {"visual_cache", row.value("visual_cache", json())}};
@@ -148,11 +149,22 @@ void Server::respond_stream(const std::shared_ptr<Job>& job, httplib::Response& 
                      [&] { return !job->pieces.empty() || job->done; });
     std::deque<std::string> pieces;
     pieces.swap(job->pieces);
+    json entries = json::array();
+    for (json& e : job->logprob_entries) entries.push_back(std::move(e));
+    job->logprob_entries.clear();
     const bool done = job->done;
     lock.unlock();
-    for (const std::string& p : pieces)
-      if (!p.empty() && !event(chunk_json(job->id, job->created, model, {{"content", p}}, nullptr)))
+    // The tokens' log-probabilities ride on the last piece of text sent with them (or on an
+    // empty one: a token whose text waits for the rest of its character, or for a stop string).
+    while (!pieces.empty() && pieces.back().empty()) pieces.pop_back();
+    if (pieces.empty() && !entries.empty()) pieces.push_back("");
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const bool last = i + 1 == pieces.size();
+      const json lp = last && !entries.empty() ? entries : json();
+      if ((!pieces[i].empty() || !lp.is_null()) &&
+          !event(chunk_json(job->id, job->created, model, {{"content", pieces[i]}}, nullptr, lp)))
         return gone();
+    }
     if (!sink.is_writable()) return gone();
     if (!done) return true;
     if (job->error) {
@@ -235,6 +247,7 @@ bool Server::join_running(const std::shared_ptr<Job>& job) {
       note_first(*job);
       job->push_text(piece);
     }
+    for (const json& entry : r->logprob_entries) job->push_logprob(entry);
     r->group.push_back(job);
     ++running_;
     return true;

@@ -44,6 +44,13 @@ void Job::finish(json r, const std::string& finish, const std::string& final_tex
   cv.notify_all();
 }
 
+void Job::push_logprob(const json& entry) {
+  if (stop_hit) return;
+  std::lock_guard<std::mutex> lock(mu);
+  logprob_entries.push_back(entry);
+  cv.notify_all();
+}
+
 void Job::fail(const ApiError& e) {
   std::lock_guard<std::mutex> lock(mu);
   error = e;

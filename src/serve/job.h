@@ -37,6 +37,7 @@ struct Job {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::string> pieces;  // text not yet sent (stop strings already cut)
+  std::deque<json> logprob_entries;  // tokens' log-probabilities not yet sent (logprobs asked)
   bool first = false;              // the first text (or the end) arrived
   bool ttft_counted = false;       // its time to first text is in the metrics (main thread)
   bool done = false;
@@ -56,6 +57,9 @@ struct Job {
   // Ends with `r` and `final_text`, the whole answer (lvx qa's response, or the text cut at a
   // stop string): what the pieces sent so far lack of it follows them.
   void finish(json r, const std::string& finish, const std::string& final_text);
+  // A new token's log-probabilities (main thread), for the stream's next chunk; none after a
+  // stop string cut the text.
+  void push_logprob(const json& entry);
   void fail(const ApiError& e);
 };
 

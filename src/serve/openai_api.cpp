@@ -223,7 +223,8 @@ const std::set<std::string>& known_fields() {
       "model",       "messages", "max_tokens",        "max_completion_tokens", "temperature",
       "top_p",       "seed",     "stop",              "stream",                "stream_options",
       "n",           "user",     "fps",               "num_frames",            "start",
-      "end",         "video_id", "return_prompt_ids", "media_io_kwargs",       "mm_processor_kwargs"};
+      "end",         "video_id", "return_prompt_ids", "media_io_kwargs",       "mm_processor_kwargs",
+      "logprobs",    "top_logprobs"};
   return k;
 }
 
@@ -251,8 +252,9 @@ void check_fields(const json& body) {
     if (!known_fields().count(key))
       throw bad_request("'" + preview(key) + "' is not supported by lvx serve (supported: model, "
                         "messages, max_tokens, max_completion_tokens, temperature, top_p, seed, "
-                        "stop, stream, stream_options, n, user, fps, num_frames, start, end, "
-                        "video_id, return_prompt_ids, media_io_kwargs, mm_processor_kwargs)",
+                        "stop, stream, stream_options, n, user, logprobs, top_logprobs, fps, "
+                        "num_frames, start, end, video_id, return_prompt_ids, media_io_kwargs, "
+                        "mm_processor_kwargs)",
                         preview(key));
 }
 
@@ -396,6 +398,12 @@ void read_sampling(const json& body, const ApiOptions& o, ChatRequest& r) {
   r.top_p = number(body, "top_p", 0, 1).value_or(1);
   if (r.top_p <= 0) throw bad_request("'top_p' must be > 0", "top_p");
   r.seed = static_cast<uint64_t>(integer(body, "seed", INT64_MIN, INT64_MAX).value_or(0));
+  // OpenAI's: top_logprobs (0 to 20) needs logprobs true.
+  r.logprobs = boolean(body, "logprobs").value_or(false);
+  const auto top = integer(body, "top_logprobs", 0, 20);
+  if (top && !r.logprobs)
+    throw bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs");
+  r.top_logprobs = top.value_or(0);
   if (body.contains("stop") && !body["stop"].is_null()) {
     const json& s = body["stop"];
     if (s.is_string()) {
@@ -510,7 +518,7 @@ json usage_json(int64_t prompt_tokens, int64_t completion_tokens) {
 
 json completion_json(const std::string& id, int64_t created, const std::string& model,
                      const std::string& content, const std::string& finish_reason,
-                     int64_t prompt_tokens, int64_t completion_tokens) {
+                     int64_t prompt_tokens, int64_t completion_tokens, const json& logprobs) {
   return {{"id", id},
           {"object", "chat.completion"},
           {"created", created},
@@ -518,13 +526,13 @@ json completion_json(const std::string& id, int64_t created, const std::string& 
           {"choices",
            {{{"index", 0},
              {"message", {{"role", "assistant"}, {"content", content}}},
-             {"logprobs", nullptr},
+             {"logprobs", logprobs.is_null() ? json() : json{{"content", logprobs}}},
              {"finish_reason", finish_reason}}}},
           {"usage", usage_json(prompt_tokens, completion_tokens)}};
 }
 
 json chunk_json(const std::string& id, int64_t created, const std::string& model, const json& delta,
-                const json& finish_reason) {
+                const json& finish_reason, const json& logprobs) {
   return {{"id", id},
           {"object", "chat.completion.chunk"},
           {"created", created},
@@ -532,7 +540,7 @@ json chunk_json(const std::string& id, int64_t created, const std::string& model
           {"choices",
            {{{"index", 0},
              {"delta", delta},
-             {"logprobs", nullptr},
+             {"logprobs", logprobs.is_null() ? json() : json{{"content", logprobs}}},
              {"finish_reason", finish_reason}}}}};
 }
 

@@ -7,12 +7,13 @@
 //   model (required, must name the served model: else 404), messages (required; the last is the
 //   user's question), max_tokens | max_completion_tokens, temperature (default 0: greedy, lvx
 //   qa's default, so that an answer equals lvx qa's), top_p, seed, stop (a string or up to 4),
-//   stream, stream_options.include_usage, n (1 only), user (accepted, unused); vLLM's per-request
-//   frame settings media_io_kwargs: {video: {num_frames | fps}} and mm_processor_kwargs:
-//   {num_frames | fps}; lvx extensions: num_frames | fps, start, end (seconds), video_id (a
-//   name for the video in the logs; the visual cache keys by content), return_prompt_ids (the prompt's token ids in
-//   the response's lvx object). Any other field is refused with a 400 naming it (logprobs,
-//   tools, response_format, ...), never silently ignored. The body is parsed with nesting bounded
+//   stream, stream_options.include_usage, n (1 only), user (accepted, unused), logprobs and
+//   top_logprobs (0 to 20; the model's log-probabilities before temperature and top-p, as vLLM's
+//   default); vLLM's per-request frame settings media_io_kwargs: {video: {num_frames | fps}}
+//   and mm_processor_kwargs: {num_frames | fps}; lvx extensions: num_frames | fps, start, end
+//   (seconds), video_id (a name for the video in the logs; the visual cache keys by content),
+//   return_prompt_ids (the prompt's token ids in the response's lvx object). Any other field is
+//   refused with a 400 naming it (tools, response_format, ...), never silently ignored. The body is parsed with nesting bounded
 //   (64 levels) before it is built, and error messages quote at most 64 characters of a value.
 // Media, in the content parts of user messages: one video_url ({"url": "file:///abs/path"} under
 // --allowed-local-media-path, or "data:video/<type>;base64,<bytes>"; with vLLM's per-part
@@ -84,6 +85,8 @@ struct ChatRequest {
   uint64_t seed = 0;
   std::vector<std::string> stop;
   bool stream = false, include_usage = false;
+  bool logprobs = false;     // each completion token's log-probability...
+  int64_t top_logprobs = 0;  // ...and this many most likely tokens' (0 to 20)
 };
 
 struct ApiOptions {
@@ -106,13 +109,17 @@ std::string client_error_text(const std::string& internal);
 std::optional<std::string> base64_decode(const std::string& text);
 
 // The objects sent back. `id` names the completion ("chatcmpl-..."), `created` Unix seconds.
+// `logprobs`: null, or the tokens' entries (src/runtime/logprobs_json.h), sent as the choice's
+// {"logprobs": {"content": [...]}}.
 nlohmann::json completion_json(const std::string& id, int64_t created, const std::string& model,
                                const std::string& content, const std::string& finish_reason,
-                               int64_t prompt_tokens, int64_t completion_tokens);
-// A chunk with a delta ({"role": "assistant"}, {"content": ...} or {}) and finish_reason (null
-// while generating).
+                               int64_t prompt_tokens, int64_t completion_tokens,
+                               const nlohmann::json& logprobs = nullptr);
+// A chunk with a delta ({"role": "assistant"}, {"content": ...} or {}), finish_reason (null
+// while generating) and the entries of the tokens it carries (null: none asked).
 nlohmann::json chunk_json(const std::string& id, int64_t created, const std::string& model,
-                          const nlohmann::json& delta, const nlohmann::json& finish_reason);
+                          const nlohmann::json& delta, const nlohmann::json& finish_reason,
+                          const nlohmann::json& logprobs = nullptr);
 nlohmann::json usage_json(int64_t prompt_tokens, int64_t completion_tokens);
 
 }  // namespace lvx::serve

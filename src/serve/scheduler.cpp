@@ -44,7 +44,8 @@ json Server::describe(const Job& job, std::vector<std::string>& blobs) const {
          {"max_tokens", r.max_tokens},
          {"temperature", r.temperature},
          {"top_p", r.top_p},
-         {"seed", r.seed}};
+         {"seed", r.seed},
+         {"logprobs", r.logprobs ? r.top_logprobs : -1}};
   if (r.video) d["video"] = ref(*r.video);
   if (!r.video && !r.video_hash.empty()) d["video"] = json{{"hash", r.video_hash}};  // by uuid
   if (r.video && !r.video_uuid.empty()) d["return_media_hash"] = true;  // to remember its uuid
@@ -102,6 +103,7 @@ runtime::QaAnswerPtr Server::start_answer(const Command& c, const runtime::Answe
   g.sampling.temperature = d["temperature"].get<double>();
   g.sampling.top_p = d["top_p"].get<double>();
   g.sampling.seed = d["seed"].get<uint64_t>();
+  g.logprobs = d["logprobs"].get<int64_t>();
   q.generation = g;
   return session_.start(q, hooks);
 }
@@ -181,6 +183,12 @@ void Server::admit(const std::shared_ptr<Job>& job) {
       j->push_text(piece);
     }
   };
+  if (job->req.logprobs)
+    hooks.on_logprob = [this, rp](const json& entry) {
+      std::lock_guard<std::mutex> lock(gmu_);
+      rp->logprob_entries.push_back(entry);
+      for (const auto& j : rp->group) j->push_logprob(entry);
+    };
   hooks.stop_requested = [this, rp] {  // every client of the generation left or has its stop
     std::lock_guard<std::mutex> lock(gmu_);
     const bool all = std::all_of(rp->group.begin(), rp->group.end(), [](const auto& j) {

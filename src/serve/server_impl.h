@@ -117,6 +117,7 @@ class Server {
     std::string key;
     Command command;  // its description and inline media (compared in place by joiners)
     std::vector<std::string> pieces;
+    std::vector<json> logprob_entries;  // each token's so far, when logprobs are asked
     bool open = false;
     int64_t joined = 0;
     runtime::QaAnswerPtr answer;

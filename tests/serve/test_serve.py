@@ -311,7 +311,13 @@ def rgb_frames(d, count, size):
 
 
 def forward_greedy(fx, ids, raw, size, tokens, ranks):
-    """lvx forward --generate on the same ids and frames (SigLIP's (x / 255 - 0.5) / 0.5)."""
+    """lvx forward --generate's greedy tokens on the same ids and frames."""
+    return forward_generate(fx, ids, raw, size, tokens, ranks)[0]
+
+
+def forward_generate(fx, ids, raw, size, tokens, ranks):
+    """lvx forward --generate on the same ids and frames (SigLIP's (x / 255 - 0.5) / 0.5): its
+    greedy tokens and each step's logits [T, V]."""
     import numpy as np
     import torch
     from safetensors.torch import load_file, save_file
@@ -324,7 +330,8 @@ def forward_greedy(fx, ids, raw, size, tokens, ranks):
     subprocess.run([LVX, "forward", "--model", str(fx.model), "--input", str(d / "in.safetensors"),
                     "--output", str(d / "out.safetensors"), "--generate", str(tokens),
                     "--nproc", str(ranks)], check=True, capture_output=True, timeout=60)
-    return load_file(str(d / "out.safetensors"))["tokens"][0].tolist()
+    out = load_file(str(d / "out.safetensors"))
+    return out["tokens"][0].tolist(), out["step_logits"][0]
 
 
 def case_conversation_template(fx, srv, ranks):
@@ -712,7 +719,7 @@ def case_hostile_bodies(fx, srv, ranks):
     err = expect_error(srv, 400, json.dumps({"model": "model", "max_tokens": "x" * 5000,
                                              "messages": good}))
     assert "x" * 100 not in err["message"] and "a string" in err["message"], err
-    for field, value in (("logprobs", True), ("top_logprobs", 2), ("tools", []),
+    for field, value in (("logprobs", "yes"), ("logit_bias", {"5": 1}), ("tools", []),
                          ("response_format", {"type": "json_object"}), ("frequency_penalty", 1)):
         err = expect_error(srv, 400, json.dumps({"model": "model", field: value, "messages": good}))
         assert err["param"] == field and field in err["message"], err
@@ -875,6 +882,56 @@ def case_api_key_flag_not_in_rank_argv(fx, srv, ranks):
     assert ask(srv, video_part(file_url(fx.clip))).choices[0].message.content is not None
 
 
+def case_logprobs(fx, srv, ranks):
+    # logprobs / top_logprobs: each completion token's log-probability and the 5 most likely
+    # tokens' equal (1e-4) log_softmax of lvx forward's step logits on the same prompt ids and
+    # frames (a path without the server, the prompt's split or the visual cache); streamed, the
+    # chunks carry the same entries, in order.
+    import torch
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(fx.model / "tokenizer.json"))
+    size = 32  # the tiny SigLIP's image_size: no resampling
+    pngs, raw = rgb_frames(Path(tempfile.mkdtemp(dir=fx.root)), 4, size)
+    frames = [{"type": "image_url", "image_url": {"url": data_url(p, "image/png")}} for p in pngs]
+    msgs = [{"role": "user", "content": [*frames, {"type": "text", "text": QUESTION}]}]
+    body = {"model": "model", "messages": msgs, "max_tokens": TOKENS, "logprobs": True,
+            "top_logprobs": 5}
+    status, text = srv.http("POST", "/v1/chat/completions",
+                            json.dumps(body | {"return_prompt_ids": True}))
+    assert status == 200, text
+    r = json.loads(text)
+    entries = r["choices"][0]["logprobs"]["content"]
+    assert len(entries) == r["usage"]["completion_tokens"] > 0, r
+    tokens, logits = forward_generate(fx, r["lvx"]["prompt_ids"], raw, size, TOKENS, ranks)
+    lp = torch.log_softmax(logits.double(), -1)
+    for t, e in enumerate(entries):
+        top = torch.topk(lp[t], 5)
+        assert abs(e["logprob"] - lp[t][tokens[t]].item()) < 1e-4, (t, e)
+        got = [x["logprob"] for x in e["top_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, top.values.tolist())) < 1e-4, (t, e, top)
+        want = [tok.decode([i], skip_special_tokens=False) for i in top.indices.tolist()]
+        for x, w in zip(e["top_logprobs"], want):
+            assert x["token"] == w, (x, w)  # the text of the token alone, as tokenizers gives it
+            if "\ufffd" not in w:  # else a token holding part of a character: its own bytes
+                assert x["bytes"] == list(w.encode()), (x, w)
+            assert bytes(x["bytes"]).decode("utf-8", "replace") == w, (x, w)
+        assert e["top_logprobs"][0]["token"] == e["token"]  # greedy: the most likely
+    assert r["choices"][0]["message"]["content"] == tok.decode(tokens[:len(entries)])
+    streamed = []
+    for chunk in srv.client.chat.completions.create(model="model", messages=msgs, stream=True,
+                                                    max_tokens=TOKENS, temperature=0,
+                                                    logprobs=True, top_logprobs=5):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += [c.model_dump() for c in chunk.choices[0].logprobs.content]
+    assert [(e["token"], round(e["logprob"], 5)) for e in streamed] == \
+        [(e["token"], round(e["logprob"], 5)) for e in entries]
+    # Without logprobs the choice's logprobs are null; top_logprobs needs logprobs, at most 20.
+    assert json.loads(srv.http("POST", "/v1/chat/completions", json.dumps(
+        {"model": "model", "messages": msgs, "max_tokens": 2}))[1])["choices"][0]["logprobs"] is None
+    assert expect_error(srv, 400, json.dumps(body | {"logprobs": False}))["param"] == "top_logprobs"
+    assert expect_error(srv, 400, json.dumps(body | {"top_logprobs": 21}))["param"] == "top_logprobs"
+
+
 def uuid_part(uuid, url=None):
     """vLLM's video part with a uuid; without a URL the video is left out (named by the uuid)."""
     return {"type": "video_url", "video_url": {"url": url} if url else None, "uuid": uuid}
@@ -943,6 +1000,7 @@ CASES = [
     (case_api_key_stays_secret, "env-key", {"LVX_API_KEY": KEY}, 1, False),
     (case_api_key_flag_not_in_rank_argv, ["--metrics-public"], {}, 1, False),
     (case_uuid_scoped_to_key, "keys-file", {}, 1, False),
+    (case_logprobs, [], {}, 1, False),
 ]
 
 
