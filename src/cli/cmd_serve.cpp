@@ -41,6 +41,9 @@ void add_serve_options(lvx::cli::ArgParser& p) {
                "generations that run together, one decode step for all (continuous batching); "
                "1: one at a time, each answer bit for bit lvx qa's");
   p.add_option("max-body-bytes", 0, "536870912", "largest request body (beyond: 413)");
+  p.add_option("max-inflight-bytes", 0, "1073741824",
+               "request bytes held at once over every request, from each one's headers until its\n"
+               "answer is sent (beyond: 429, or 413 for a body larger than all of it)");
   p.add_option("max-new-tokens", 't', "256", "tokens to generate when a request names none");
   p.add_flag("no-merge-identical", 0,
              "answer queued requests that are identical (media, question, sampling, max_tokens)\n"
@@ -106,6 +109,7 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   o.cache_bytes = p.get_int("cache-bytes", 0, INT64_MAX);
   o.max_queue = p.get_int("max-queue", 0, 1 << 20);
   o.max_body_bytes = p.get_int("max-body-bytes", 1, INT64_MAX);
+  o.max_inflight_bytes = p.get_int("max-inflight-bytes", 1, INT64_MAX);
   o.default_max_tokens = job.generation.max_new_tokens;
   o.merge_identical = !p.flag("no-merge-identical");
   o.max_batch = p.get_int("max-batch", 1, 4096);

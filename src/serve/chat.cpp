@@ -72,14 +72,21 @@ std::shared_ptr<Job> Server::accept(const httplib::Request& req, httplib::Respon
     return nullptr;
   }
   auto job = std::make_shared<Job>();
+  job->body = take_body_reservation();
   job->received = clock::now();
   job->created = unix_now();
   job->id = "chatcmpl-lvx-" + std::to_string(next_id_++);
   job->scope = scope;
   try {
     job->req = parse_chat_request(req.body, api_);
+    // The body's text is not needed once read, but its handler thread holds the request until
+    // the answer is sent: give its bytes back now (a 50 MB upload is 67 MB of base64 text per
+    // waiting request). cpp-httplib owns the Request as a non-const object and hands it on as
+    // const&, so writing to it is defined; nothing reads the body after this.
+    std::string().swap(const_cast<std::string&>(req.body));
     check_conversation(job->req);
     resolve_uuid(*job);
+    job->key = generation_key(describe(*job, nullptr));
   } catch (const ApiError& e) {
     send_error(res, e);
     return nullptr;
@@ -230,11 +237,9 @@ void Server::note_first(Job& j) {
 
 bool Server::join_running(const std::shared_ptr<Job>& job) {
   if (!o_.merge_identical) return false;
-  std::vector<std::string> blobs;
-  const std::string key = generation_key(describe(*job, blobs));
   std::lock_guard<std::mutex> lock(gmu_);
   for (auto& r : batch_) {
-    if (!r->open || key != r->key || blobs != r->command.blobs) continue;
+    if (!r->open || job->key != r->key || !same_media(job->req, r->group.front()->req)) continue;
     {
       // A request waiting on a generation, queued or joined, is one of --max-queue: the HTTP
       // threads (max_queue + 8) stay enough for the others. Full: the queue's 429.

@@ -65,3 +65,20 @@ std::string generation_key(const json& desc) {
 }
 
 }  // namespace lvx::serve
+
+namespace lvx::serve {
+
+bool same_media(const ChatRequest& a, const ChatRequest& b) {
+  auto same = [](const MediaRef& x, const MediaRef& y) {
+    return x.path == y.path && x.ext == y.ext && x.bytes == y.bytes;
+  };
+  if (a.video.has_value() != b.video.has_value() || a.video_hash != b.video_hash ||
+      a.frames.size() != b.frames.size())
+    return false;
+  if (a.video && !same(*a.video, *b.video)) return false;
+  for (size_t i = 0; i < a.frames.size(); ++i)
+    if (!same(a.frames[i], b.frames[i])) return false;
+  return true;
+}
+
+}  // namespace lvx::serve

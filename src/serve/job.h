@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 
+#include "src/serve/inflight_budget.h"
 #include "src/serve/openai_api.h"
 
 namespace lvx::serve {
@@ -29,6 +30,8 @@ inline double seconds_since(clock::time_point t) {
 struct Job {
   ChatRequest req;
   std::string scope;  // the API key it came with ("key<i>"; "" without keys): where its uuid lives
+  std::string key;    // generation_key of its description: what identical requests share
+  InflightBudget::Reservation body;  // its body's bytes, held until the job is gone
   std::string id;
   int64_t created = 0;
   clock::time_point received;
@@ -64,7 +67,10 @@ struct Job {
 };
 
 // What a request's tokens depend on: its description as broadcast (src/serve/wire.h) without
-// its id. Two requests with equal keys and equal inline media get the same tokens.
+// its id. Two requests with equal keys and the same media (same_media) get the same tokens.
 std::string generation_key(const json& desc);
+// Whether two requests send the same media: the same files, bytes and names, compared in place
+// (no copy per queued or joining request).
+bool same_media(const ChatRequest& a, const ChatRequest& b);
 
 }  // namespace lvx::serve

@@ -81,7 +81,12 @@ std::string prometheus_text(Metrics& mx, const Gauges& g) {
     << "# TYPE lvx_decode_batch_max gauge\nlvx_decode_batch_max " << mx.most_rows << "\n"
     << "# TYPE lvx_queue_depth gauge\nlvx_queue_depth " << g.queue_depth << "\n"
     << "# TYPE lvx_requests_running gauge\nlvx_requests_running " << g.running << "\n"
-    << "# TYPE lvx_ranks gauge\nlvx_ranks " << g.ranks << "\n";
+    << "# TYPE lvx_ranks gauge\nlvx_ranks " << g.ranks << "\n"
+    << "# HELP lvx_inflight_bytes Request bytes held now (declared bodies, from their headers "
+       "until their answers are sent).\n"
+    << "# TYPE lvx_inflight_bytes gauge\nlvx_inflight_bytes " << g.inflight_bytes << "\n"
+    << "# TYPE lvx_inflight_limit_bytes gauge\nlvx_inflight_limit_bytes " << g.inflight_limit
+    << "\n";
   return m.str();
 }
 

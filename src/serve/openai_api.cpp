@@ -111,7 +111,9 @@ MediaRef media_url(const json& part, const std::string& field, const std::string
   if (!part.contains(field) || !part[field].is_object() || !part[field].contains("url") ||
       !part[field]["url"].is_string())
     throw bad_request("a " + field + " part needs {\"" + field + "\": {\"url\": \"...\"}}", param);
-  const std::string url = part[field]["url"].get<std::string>();
+  // The URL in place: a data URL of a 50 MB video is 67 MB of text, so it is neither copied nor
+  // cut out, and its bytes move into the request once decoded.
+  const std::string& url = part[field]["url"].get_ref<const std::string&>();
   MediaRef m;
   if (url.rfind("data:", 0) == 0) {
     const size_t comma = url.find(',');
@@ -124,10 +126,10 @@ MediaRef media_url(const json& part, const std::string& field, const std::string
     if (type.rfind(kind + "/", 0) != 0 && type != "application/octet-stream")
       throw bad_request(
           field + ": a data URL of type '" + type + "' where " + kind + "/... was expected", param);
-    const std::optional<std::string> bytes = base64_decode(url.substr(comma + 1));
+    std::optional<std::string> bytes = base64_decode(std::string_view(url).substr(comma + 1));
     if (!bytes) throw bad_request(field + ": the data URL's base64 is malformed", param);
     if (bytes->empty()) throw bad_request(field + ": the data URL holds no bytes", param);
-    m.bytes = *bytes;
+    m.bytes = std::move(*bytes);
     m.ext = ext_of_media_type(type);
     return m;
   }
@@ -186,7 +188,7 @@ ApiError bad_request(const std::string& message, const std::string& param) {
   return ApiError(400, "invalid_request_error", message, param);
 }
 
-std::optional<std::string> base64_decode(const std::string& text) {
+std::optional<std::string> base64_decode(std::string_view text) {
   auto value = [](unsigned char c) -> int {
     if (c >= 'A' && c <= 'Z') return c - 'A';
     if (c >= 'a' && c <= 'z') return c - 'a' + 26;

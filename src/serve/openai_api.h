@@ -32,6 +32,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -106,7 +107,7 @@ ChatRequest parse_chat_request(const std::string& body, const ApiOptions& option
 std::string client_error_text(const std::string& internal);
 
 // Decodes standard base64 (padding optional, no whitespace inside); nullopt when malformed.
-std::optional<std::string> base64_decode(const std::string& text);
+std::optional<std::string> base64_decode(std::string_view text);
 
 // The objects sent back. `id` names the completion ("chatcmpl-..."), `created` Unix seconds.
 // `logprobs`: null, or the tokens' entries (src/runtime/logprobs_json.h), sent as the choice's

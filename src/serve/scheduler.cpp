@@ -23,12 +23,13 @@ namespace lvx::serve {
 
 namespace fs = std::filesystem;
 
-json Server::describe(const Job& job, std::vector<std::string>& blobs) const {
+json Server::describe(const Job& job, std::vector<std::string>* blobs) const {
   const ChatRequest& r = job.req;
+  size_t blob = 0;
   auto ref = [&](const MediaRef& m) {
     if (!m.path.empty()) return json{{"path", m.path}};
-    blobs.push_back(m.bytes);
-    return json{{"blob", blobs.size() - 1}, {"ext", m.ext}};
+    if (blobs) blobs->push_back(m.bytes);
+    return json{{"blob", blob++}, {"ext", m.ext}};
   };
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };
   json d{{"id", job.id},
@@ -153,8 +154,8 @@ std::shared_ptr<Job> Server::take_job() {
 void Server::admit(const std::shared_ptr<Job>& job) {
   auto r = std::make_unique<Running>();
   r->command.op = Op::kAnswer;
-  r->command.desc = describe(*job, r->command.blobs);
-  r->key = generation_key(r->command.desc);
+  r->command.desc = describe(*job, &r->command.blobs);
+  r->key = job->key;
   r->group = {job};
   // Queued requests identical to this one in everything their tokens depend on (media,
   // sampling and seed, conversation, max_tokens) share its generation: the same inputs give
@@ -163,9 +164,7 @@ void Server::admit(const std::shared_ptr<Job>& job) {
   if (o_.merge_identical) {
     std::lock_guard<std::mutex> lock(qmu_);
     for (auto it = queue_.begin(); it != queue_.end();) {
-      std::vector<std::string> blobs;
-      if (!(*it)->cancelled && generation_key(describe(**it, blobs)) == r->key &&
-          blobs == r->command.blobs) {
+      if (!(*it)->cancelled && (*it)->key == r->key && same_media((*it)->req, job->req)) {
         r->group.push_back(*it);
         it = queue_.erase(it);
       } else {
@@ -205,6 +204,9 @@ void Server::admit(const std::shared_ptr<Job>& job) {
   }
   exchange(pg_, rp->command);
   rp->answer = start_answer(rp->command, hooks);
+  // Every rank wrote the media to its files: the copy for the broadcast is done with (joiners
+  // compare with the first request's own media, same_media).
+  std::vector<std::string>().swap(rp->command.blobs);
   retire_done();  // a video or prompt that failed: done at once
 }
 

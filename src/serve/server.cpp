@@ -22,6 +22,10 @@ std::atomic<bool> g_stop_signal{false};
 
 namespace {
 
+// The reservation of the request this HTTP thread handles (cpp-httplib runs a request's
+// pre-routing handler, its handler and its logger on one thread, one request after another).
+thread_local InflightBudget::Reservation t_body;
+
 extern "C" void on_stop_signal(int) { g_stop_signal = true; }
 
 // Whether a client's text equals a secret, in time that depends on the secret's length only (no
@@ -33,7 +37,36 @@ bool same_secret(const std::string& given, const std::string& secret) {
   return diff == 0;
 }
 
+// The bytes a request will hold, from its headers: its Content-Length, or the largest body for
+// a chunked one (its size is not known before it is read).
+int64_t declared_body_bytes(const httplib::Request& req, int64_t max_body_bytes) {
+  if (req.has_header("Transfer-Encoding")) return max_body_bytes;
+  if (!req.has_header("Content-Length")) return 0;
+  return std::stoll(req.get_header_value("Content-Length"));  // a byte count: http_framing.h
+}
+
 }  // namespace
+
+InflightBudget::Reservation take_body_reservation() { return std::move(t_body); }
+
+std::optional<ApiError> Server::reserve_body(const httplib::Request& req) {
+  const int64_t bytes = declared_body_bytes(req, o_.max_body_bytes);
+  std::optional<InflightBudget::Reservation> r = budget_.reserve(bytes);
+  if (r) {
+    t_body = std::move(*r);
+    return std::nullopt;
+  }
+  if (bytes > budget_.limit())
+    return ApiError(413, "invalid_request_error",
+                    "the request body (" + std::to_string(bytes) +
+                        " bytes) is larger than all the server holds of requests at once (" +
+                        std::to_string(budget_.limit()) + " bytes, --max-inflight-bytes)");
+  return ApiError(429, "rate_limit_error",
+                  "the server holds " + std::to_string(budget_.held()) + " of its " +
+                      std::to_string(budget_.limit()) +
+                      " bytes of requests in flight (--max-inflight-bytes): try again later",
+                  "", "inflight_full");
+}
 
 bool Server::authorized(const httplib::Request& req, httplib::Response& res, std::string* scope) {
   if (o_.api_keys.empty()) return true;
@@ -70,18 +103,28 @@ std::string Server::metrics_text() {
     g.queue_depth = static_cast<int64_t>(queue_.size());
   }
   g.running = running_.load();
+  g.inflight_bytes = budget_.held();
+  g.inflight_limit = budget_.limit();
   g.ranks = pg_.world_size();
   return prometheus_text(metrics_, g);
 }
 
 void Server::routes(httplib::Server& http) {
-  // Framing is judged from the headers, before the body is read (http_framing.h).
+  // Framing is judged from the headers, before the body is read (http_framing.h); then the body's
+  // bytes are reserved from the in-flight budget, or the request refused unread.
   http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    const auto bad = framing_error(req, o_.max_body_bytes);
+    t_body = InflightBudget::Reservation();
+    std::optional<ApiError> bad = framing_error(req, o_.max_body_bytes);
+    if (!bad) bad = reserve_body(req);
     if (!bad) return httplib::Server::HandlerResponse::Unhandled;
     send_error(res, *bad);
+    if (bad->status == 429) res.set_header("Retry-After", "1");
     res.set_header("Connection", "close");
     return httplib::Server::HandlerResponse::Handled;
+  });
+  // After each response: what no job took is given back.
+  http.set_logger([](const httplib::Request&, const httplib::Response&) {
+    t_body = InflightBudget::Reservation();
   });
   http.Post("/v1/chat/completions",
             [this](const httplib::Request& req, httplib::Response& res) { chat(req, res); });

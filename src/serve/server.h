@@ -51,6 +51,9 @@ struct ServeOptions {
   int64_t cache_bytes = int64_t{4} << 30;  // per rank
   int64_t max_queue = 64;
   int64_t max_body_bytes = int64_t{512} << 20;
+  // Request bytes held at once over every request (src/serve/inflight_budget.h): beyond it a
+  // request is refused from its headers (429; 413 when larger than the whole budget).
+  int64_t max_inflight_bytes = int64_t{1} << 30;
   int64_t default_max_tokens = 256;
   // Queued requests identical in everything their tokens depend on share one generation.
   bool merge_identical = true;

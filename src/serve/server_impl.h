@@ -23,6 +23,7 @@
 
 #include "src/dist/process_group.h"
 #include "src/runtime/qa_job.h"
+#include "src/serve/inflight_budget.h"
 #include "src/serve/job.h"
 #include "src/serve/media_uuids.h"
 #include "src/serve/metrics.h"
@@ -35,10 +36,14 @@ namespace lvx::serve {
 // Set by SIGTERM/SIGINT on rank 0: drain, then stop.
 extern std::atomic<bool> g_stop_signal;
 
+// The body bytes the pre-routing handler reserved for the request this HTTP thread is handling
+// (server.cpp), handed to its job; what no job took is released after the response.
+InflightBudget::Reservation take_body_reservation();
+
 class Server {
  public:
   Server(const ServeOptions& o, runtime::QaSession& session)
-      : o_(o), session_(session), pg_(session.group()) {
+      : o_(o), session_(session), pg_(session.group()), budget_(o.max_inflight_bytes) {
     api_.model_name = o.model_name;
     api_.allowed_media_path = o.allowed_media_path;
     api_.default_max_tokens = o.default_max_tokens;
@@ -52,7 +57,9 @@ class Server {
 
  private:
   struct Running;  // one generation of the batch (below)
-  json describe(const Job& job, std::vector<std::string>& blobs) const;
+  // The job's description as broadcast; its inline media's bytes copied into `blobs` (null: only
+  // their places, for the generation key).
+  json describe(const Job& job, std::vector<std::string>* blobs) const;
   // Starts one answer command on this rank (media sent inline written to this rank's own files
   // for the prefill): the frames and the prompt's prefill (QaSession::start).
   runtime::QaAnswerPtr start_answer(const Command& c, const runtime::AnswerHooks& hooks);
@@ -75,6 +82,9 @@ class Server {
   // its scope does not know the uuid).
   void resolve_uuid(Job& job) const;
   void send_error(httplib::Response& res, const ApiError& e);
+  // Reserves the request's declared body bytes for this thread (take_body_reservation), or the
+  // error that refuses it: 429 when the budget is full now, 413 when it could never fit.
+  std::optional<ApiError> reserve_body(const httplib::Request& req);
   // POST /v1/chat/completions (chat.cpp): the request read and queued (or joined to an identical
   // running generation), then its answer whole or as a stream of chunks.
   void chat(const httplib::Request& req, httplib::Response& res);
@@ -103,6 +113,7 @@ class Server {
   ApiOptions api_;
   Metrics metrics_;
   MediaUuids uuids_;
+  InflightBudget budget_;
   std::mutex qmu_;
   std::condition_variable qcv_;
   std::deque<std::shared_ptr<Job>> queue_;

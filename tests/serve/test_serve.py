@@ -932,6 +932,42 @@ def case_logprobs(fx, srv, ranks):
     assert expect_error(srv, 400, json.dumps(body | {"top_logprobs": 21}))["param"] == "top_logprobs"
 
 
+def case_inflight_budget(fx, srv, ranks):
+    # --max-inflight-bytes 3 MB: a body is reserved from its headers, before it is read, until its
+    # answer is sent. Two slow clients declaring 1.2 MB each and sending a little hold 2.4 MB; a
+    # third is refused at once (429, Retry-After) unread, a body larger than the whole budget 413;
+    # once the slow clients leave, their bytes come back and requests are answered again.
+    import socket
+    start = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n" % KEY
+    held = lambda: srv.metrics()["lvx_inflight_bytes"]
+    assert srv.metrics()["lvx_inflight_limit_bytes"] == 3 << 20
+    slow = []
+    for _ in range(2):
+        sk = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        sk.sendall((start + "Content-Length: 1200000\r\n\r\n{\"model\"").encode())
+        slow.append(sk)
+    deadline = time.time() + 5
+    while held() != 2400000 and time.time() < deadline:
+        time.sleep(0.05)
+    assert held() == 2400000, srv.metrics()
+    t0 = time.time()
+    status, text, closing = raw_http(srv.port, start + "Content-Length: 1200000\r\n")
+    err = json.loads(text)["error"]
+    assert status == 429 and err["code"] == "inflight_full" and closing, (status, text)
+    assert "--max-inflight-bytes" in err["message"] and time.time() - t0 < 2, err
+    status, text, _ = raw_http(srv.port, start + "Content-Length: %d\r\n" % (4 << 20))
+    assert status == 413 and "--max-inflight-bytes" in json.loads(text)["error"]["message"], text
+    for sk in slow:
+        sk.close()
+    deadline = time.time() + 5
+    while held() != 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert held() == 0, srv.metrics()  # the slow clients' bytes came back
+    assert ask(srv, video_part(data_url(fx.clip, "video/mp4"))).choices[0].message.content == \
+        qa_json(fx, fx.clip, ranks)["response"]
+    assert held() == 0, srv.metrics()  # and an answered request's too
+
+
 def uuid_part(uuid, url=None):
     """vLLM's video part with a uuid; without a URL the video is left out (named by the uuid)."""
     return {"type": "video_url", "video_url": {"url": url} if url else None, "uuid": uuid}
@@ -1001,6 +1037,7 @@ CASES = [
     (case_api_key_flag_not_in_rank_argv, ["--metrics-public"], {}, 1, False),
     (case_uuid_scoped_to_key, "keys-file", {}, 1, False),
     (case_logprobs, [], {}, 1, False),
+    (case_inflight_budget, ["--max-inflight-bytes", str(3 << 20)], {}, 1, False),
 ]
 
 
