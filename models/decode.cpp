@@ -105,6 +105,98 @@ Partial token_rows(const Partial& p) {
   return {p.o.reshape({B * T, p.o.size(2), p.o.size(3)}), p.lse.reshape({B * T, p.lse.size(2)})};
 }
 
+// ---- several generations at once (continuous batching: Model::decode_rows / extend_rows) ----
+
+// Row r's queries q[r] ([T_r, Hq, D]) over its cached prompt keys (visual: its visual keys;
+// none where it has none): the rows that hold the same key tensors (questions about one cached
+// video) in one shared_partial_attention call, their queries side by side. Row r's partial is
+// [T_r, Hq, D] / [T_r, Hq].
+std::vector<Partial> shared_partials(const std::vector<at::Tensor>& q,
+                                     const std::vector<DecodeCache*>& caches, size_t layer,
+                                     bool visual, double scale) {
+  std::vector<Partial> out(caches.size());
+  std::vector<bool> done(caches.size(), false);
+  for (size_t r = 0; r < caches.size(); ++r) {
+    const KVShard& kv = visual ? caches[r]->visual[layer] : caches[r]->prompt[layer];
+    if (done[r] || !kv.k.defined()) continue;
+    std::vector<size_t> group;
+    std::vector<at::Tensor> queries;
+    for (size_t s = r; s < caches.size(); ++s) {
+      const KVShard& o = visual ? caches[s]->visual[layer] : caches[s]->prompt[layer];
+      if (!done[s] && o.k.defined() && o.k.is_same(kv.k) && o.v.is_same(kv.v) &&
+          o.visible.defined() == kv.visible.defined() &&
+          (!kv.visible.defined() || o.visible.is_same(kv.visible))) {
+        group.push_back(s);
+        queries.push_back(q[s]);
+        done[s] = true;
+      }
+    }
+    const Partial p =
+        shared_partial_attention(at::cat(queries, 0), kv.k, kv.v, kv.visible, scale);
+    for (size_t j = 0, at = 0; j < group.size(); ++j) {
+      const int64_t t = q[group[j]].size(0);
+      out[group[j]] = {p.o.narrow(0, static_cast<int64_t>(at), t),
+                       p.lse.narrow(0, static_cast<int64_t>(at), t)};
+      at += static_cast<size_t>(t);
+    }
+  }
+  return out;
+}
+
+Partial stack_partials(const std::vector<Partial>& rows) {
+  std::vector<at::Tensor> o, lse;
+  for (const Partial& p : rows) {
+    o.push_back(p.o);
+    lse.push_back(p.lse);
+  }
+  return {at::cat(o, 0), at::cat(lse, 0)};
+}
+
+// Every row's query q [R, Hq, D] against its own generated keys (the question's tokens after a
+// kept prefix, and the answer so far): each row's keys padded to the longest row's count and the
+// padding masked, as one batched product in the accumulation dtype (a few dozen keys per row:
+// the kernels' per-row calls would cost more than the arithmetic).
+Partial generated_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
+                          size_t layer, double scale) {
+  std::vector<at::Tensor> k, v;
+  int64_t longest = 0;
+  for (DecodeCache* kc : caches) {
+    k.push_back(at::cat(kc->new_k[layer], 1));
+    v.push_back(at::cat(kc->new_v[layer], 1));
+    longest = std::max(longest, k.back().size(1));
+  }
+  if (caches.size() == 1) return partial_attention(q, k[0], v[0], {}, scale);
+  const int64_t R = static_cast<int64_t>(caches.size()), hq = q.size(1), D = q.size(2);
+  const int64_t hkv = k[0].size(2), g = hq / hkv;
+  std::vector<int64_t> lengths;
+  for (size_t r = 0; r < caches.size(); ++r) {
+    lengths.push_back(k[r].size(1));
+    if (k[r].size(1) < longest) {
+      k[r] = at::constant_pad_nd(k[r], {0, 0, 0, 0, 0, longest - k[r].size(1)});
+      v[r] = at::constant_pad_nd(v[r], {0, 0, 0, 0, 0, longest - v[r].size(1)});
+    }
+  }
+  const auto acc = kernels::accumulation_dtype(q.scalar_type());
+  const at::Tensor hidden =  // key t of row r is padding: t >= its length
+      at::arange(longest, q.options().dtype(at::kLong)).unsqueeze(0) >=
+      at::tensor(lengths, at::kLong).to(q.device()).unsqueeze(1);
+  const at::Tensor kk = at::cat(k, 0).to(acc).permute({0, 2, 3, 1});  // [R, Hkv, D, T]
+  const at::Tensor vv = at::cat(v, 0).to(acc).permute({0, 2, 1, 3});  // [R, Hkv, T, D]
+  at::Tensor sc = at::matmul(q.to(acc).view({R, hkv, g, D}), kk).mul_(scale);  // [R, Hkv, g, T]
+  sc.masked_fill_(hidden.view({R, 1, 1, longest}), -std::numeric_limits<double>::infinity());
+  const at::Tensor lse = at::logsumexp(sc, -1);  // [R, Hkv, g]
+  const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);
+  return {o.reshape({R, hq, D}), lse.reshape({R, hq})};
+}
+
+Partial rows_over_cache(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
+                        bool visual, dist::ProcessGroup& pg, double scale) {
+  std::vector<at::Tensor> per_row;
+  for (int64_t r = 0; r < q.size(0); ++r) per_row.push_back(q.narrow(0, r, 1));
+  return stack_partials(merge_across_ranks(pg, shared_partials(per_row, caches, layer, visual,
+                                                               scale)));
+}
+
 int64_t pass_q_bytes(int world, int64_t attentions, int64_t batch, int64_t heads,
                      int64_t head_dim) {
   return static_cast<int64_t>(world - 1) * attentions * batch * heads * (head_dim + 1) * 4;

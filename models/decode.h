@@ -96,4 +96,25 @@ struct DecodeCache {
   double encode_seconds = 0;  // the prefill's vision encoding of this rank's frames
 };
 
+// Several generations at once (continuous batching: Model::decode_rows, extend_rows), row r with
+// its own cache caches[r] (one sample each).
+//
+// Row r's queries q[r] ([T_r, Hq, D]) over its cached prompt keys (visual: its visual keys; none
+// where it has none): the rows that hold the same key tensors (questions about one cached video)
+// in one shared_partial_attention call, their queries side by side. Row r's partial is
+// [T_r, Hq, D] / [T_r, Hq].
+std::vector<Partial> shared_partials(const std::vector<at::Tensor>& q,
+                                     const std::vector<DecodeCache*>& caches, size_t layer,
+                                     bool visual, double scale);
+// Partials of rows stacked along the first dimension.
+Partial stack_partials(const std::vector<Partial>& rows);
+// Every row's query q [R, Hq, D] against its own generated keys (the tokens after its cached
+// prompt part), each row's padded to the longest and the padding masked, in one product.
+Partial generated_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
+                          size_t layer, double scale);
+// Every row's query q [R, Hq, D] against its own cached keys (prompt, or visual) on every rank,
+// merged over the ranks: shared_partials, then one pass-Q message for all rows. [R, Hq, D].
+Partial rows_over_cache(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
+                        bool visual, dist::ProcessGroup& pg, double scale);
+
 }  // namespace lvx::models

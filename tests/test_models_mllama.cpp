@@ -26,6 +26,7 @@
 #include "src/dist/process_group.h"
 #include "tests/model_conformance.h"
 #include "tests/model_extend.h"
+#include "tests/model_rows.h"
 #include "tests/reference_mask.h"
 
 namespace {
@@ -348,6 +349,26 @@ TEST(MllamaExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
   EXPECT_LE(d.whole, 1e-5);
   EXPECT_LE(d.steps, 1e-5);
   EXPECT_LE(d.next, 1e-5);
+}
+
+// Model::decode_rows (continuous batching): three generations about the same frames at
+// different lengths and one without images (its cross layers skipped), each prefilled alone,
+// stepped together: every row's logits equal its own decode_step's within 1e-5 (fp32); one row
+// alone is decode_step bit for bit (tests/model_rows.h).
+TEST(MllamaDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
+  const Reference& ref = frames_reference();
+  const auto batch = lvx::load_safetensors(ref.batch).tensors;
+  const auto model = lvx::models::load_model(ref.model, at::kFloat);
+  ASSERT_TRUE(model->batches_rows());
+  const at::Tensor row0 = batch.at("input_ids").narrow(0, 0, 1);
+  const int64_t images = row0.eq(model->media_token_id()).sum().item<int64_t>();
+  const RowsDiff d =
+      decode_rows_against_steps(*model, row0, batch.at("pixel_values").narrow(0, 0, images),
+                                at::tensor({7, 8, 9, 10}, at::kLong).view({1, -1}));
+  std::cout << "|rows together - each alone| " << d.worst << "\n";
+  EXPECT_LE(d.worst, 1e-5);
+  EXPECT_TRUE(d.lengths_equal);
+  EXPECT_TRUE(d.one_row_bitwise);
 }
 
 // ---- lvx qa and lvx finetune on the tiny checkpoint ------------------------------------------

@@ -21,6 +21,7 @@
 #include "src/common/safetensors.h"
 #include "tests/model_conformance.h"
 #include "tests/model_extend.h"
+#include "tests/model_rows.h"
 
 namespace {
 
@@ -132,8 +133,8 @@ TEST_P(MplugGeneration, GreedyTokensEqualTheReferenceLoop) {
 }
 
 // Model::decode_rows (continuous batching): three generations of the same video at different
-// lengths (the prompt, then 2 and 5 more tokens) each prefilled alone, then stepped together for
-// 4 tokens: every row's logits equal its own decode_step's within 1e-5 (fp32; the projections
+// lengths (the prompt, then 2 and 5 more tokens) and one without images, each prefilled alone,
+// then stepped together for 4 tokens (tests/model_rows.h): every row's logits equal its own decode_step's within 1e-5 (fp32; the projections
 // run as one product over the rows, the attention per row); one row alone is bitwise
 // decode_step. Both variants (gated and one-softmax cross-attention).
 TEST(MplugDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
@@ -142,41 +143,15 @@ TEST(MplugDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
     const auto batch = lvx::load_safetensors(ref.batch).tensors;
     const auto model = lvx::models::load_model(ref.model, at::kFloat);
     ASSERT_TRUE(model->batches_rows());
-    lvx::models::Parallel par;
-    par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
     const at::Tensor row0 = batch.at("input_ids").narrow(0, 0, 1);
     const int64_t images = row0.eq(model->media_token_id()).sum().item<int64_t>();
-    const at::Tensor pixels = batch.at("pixel_values").narrow(0, 0, images);
-    const std::vector<std::vector<int64_t>> extra{{}, {5, 6}, {5, 6, 7, 8, 9}};
-    std::vector<lvx::models::DecodeCache> alone(3), together(3);
-    std::vector<lvx::models::DecodeCache*> rows;
-    for (size_t r = 0; r < 3; ++r) {
-      const at::Tensor ids =
-          at::cat({row0, at::tensor(extra[r], at::kLong).view({1, -1})}, 1).contiguous();
-      model->prefill({ids, pixels, false, {}}, par, alone[r]);
-      model->prefill({ids, pixels, false, {}}, par, together[r]);
-      rows.push_back(&together[r]);
-    }
-    double worst = 0;
-    for (int64_t step = 0; step < 4; ++step) {
-      const at::Tensor tokens = at::tensor({11 + step, 12 + step, 13 + step}, at::kLong);
-      const at::Tensor joint = model->decode_rows(tokens, par, rows);
-      for (int64_t r = 0; r < 3; ++r) {
-        const at::Tensor own = model->decode_step(tokens.narrow(0, r, 1).contiguous(), par,
-                                                  alone[static_cast<size_t>(r)]);
-        worst = std::max(worst, (joint.narrow(0, r, 1) - own).abs().max().item<double>());
-      }
-    }
-    std::cout << variant << ": |rows together - each alone| " << worst << "\n";
-    EXPECT_LE(worst, 1e-5) << variant;
-    for (size_t r = 0; r < 3; ++r) EXPECT_EQ(together[r].length, alone[r].length);
-    // One row from the same state: the same products as decode_step, bit for bit.
-    lvx::models::DecodeCache a, b;
-    model->prefill({row0, pixels, false, {}}, par, a);
-    model->prefill({row0, pixels, false, {}}, par, b);
-    const at::Tensor t = at::tensor({21}, at::kLong);
-    EXPECT_TRUE(at::equal(model->decode_rows(t, par, {&a}), model->decode_step(t, par, b)))
-        << variant;
+    const RowsDiff d = decode_rows_against_steps(*model, row0,
+                                                 batch.at("pixel_values").narrow(0, 0, images),
+                                                 at::tensor({7, 8, 9, 10}, at::kLong).view({1, -1}));
+    std::cout << variant << ": |rows together - each alone| " << d.worst << "\n";
+    EXPECT_LE(d.worst, 1e-5) << variant;
+    EXPECT_TRUE(d.lengths_equal) << variant;
+    EXPECT_TRUE(d.one_row_bitwise) << variant;  // the same products as decode_step
   }
 }
 

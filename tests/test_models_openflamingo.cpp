@@ -19,6 +19,7 @@
 #include "src/dist/process_group.h"
 #include "tests/model_conformance.h"
 #include "tests/model_extend.h"
+#include "tests/model_rows.h"
 
 namespace {
 
@@ -170,6 +171,31 @@ TEST(OpenFlamingoExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
     EXPECT_LE(d.whole, 1e-5) << lm;
     EXPECT_LE(d.steps, 1e-5) << lm;
     EXPECT_LE(d.next, 1e-5) << lm;
+  }
+}
+
+// Model::decode_rows (continuous batching): three generations about the same images at different
+// lengths and one without images (its gated blocks skipped), each prefilled alone, stepped
+// together: every row's logits equal its own decode_step's within 1e-5 (fp32), for each decoder
+// kind; one row alone is decode_step bit for bit (tests/model_rows.h).
+TEST(OpenFlamingoDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
+  for (const std::string& lm : kExtendLms) {
+    const Reference& ref = reference(lm);
+    const auto batch = lvx::load_safetensors(ref.batch).tensors;
+    const auto model = lvx::models::load_model(ref.model, at::kFloat);
+    ASSERT_TRUE(model->batches_rows());
+    const at::Tensor ids = batch.at("input_ids");
+    // Row 0's images: the batch's pixel_values are [B, images, frames, 3, S, S] or flat.
+    const at::Tensor row0 = ids.narrow(0, 0, 1);
+    const int64_t images = row0.eq(model->media_token_id()).sum().item<int64_t>();
+    const at::Tensor px = batch.at("pixel_values");
+    const at::Tensor pixels = px.dim() == 6 ? px.narrow(0, 0, 1) : px.narrow(0, 0, images);
+    const RowsDiff d = decode_rows_against_steps(*model, row0, pixels,
+                                                 at::tensor({7, 8, 9, 10}, at::kLong).view({1, -1}));
+    std::cout << lm << ": |rows together - each alone| " << d.worst << "\n";
+    EXPECT_LE(d.worst, 1e-5) << lm;
+    EXPECT_TRUE(d.lengths_equal) << lm;
+    EXPECT_TRUE(d.one_row_bitwise) << lm;
   }
 }
 

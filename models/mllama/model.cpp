@@ -21,11 +21,34 @@ const std::string kName = "Llama-3.2-Vision";
 
 std::string layer_prefix(int64_t i) { return kLm + "layers." + std::to_string(i) + "."; }
 
-// Llama's rotary tables at `positions` (int64 [S]) from the llama3-scaled inverse frequencies.
+// Llama's rotary tables at `positions` (int64 [S]; or [B, S], rows at their own positions) from
+// the llama3-scaled inverse frequencies: [1, S, D] (or [B, S, D]).
 RotaryTables llama_rotary(const at::Tensor& positions, const at::Tensor& inv_freq) {
-  const at::Tensor angles = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [S, D/2]
-  const at::Tensor both = at::cat({angles, angles}, -1).unsqueeze(0);           // [1, S, D]
+  const at::Tensor angles = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [.., S, D/2]
+  at::Tensor both = at::cat({angles, angles}, -1);
+  if (positions.dim() == 1) both = both.unsqueeze(0);
   return {both.cos(), both.sin()};
+}
+
+// The rows of `caches` whose layer `layer` has visual keys (rows without images skip the cross
+// layer), their indices on `device`, and whether that is every row.
+struct RowsWithImages {
+  std::vector<DecodeCache*> caches;
+  at::Tensor index;
+  bool all = false;
+};
+RowsWithImages rows_with_images(const std::vector<DecodeCache*>& caches, size_t layer,
+                                const at::Device& device) {
+  RowsWithImages out;
+  std::vector<int64_t> idx;
+  for (size_t r = 0; r < caches.size(); ++r)
+    if (caches[r]->visual[layer].k.defined()) {
+      out.caches.push_back(caches[r]);
+      idx.push_back(static_cast<int64_t>(r));
+    }
+  out.index = at::tensor(idx, at::kLong).to(device);
+  out.all = idx.size() == caches.size();
+  return out;
 }
 
 // The batch as the processor lays it out, on the host for the layout (ids, masks) and the
@@ -475,6 +498,71 @@ at::Tensor Mllama::extend(const at::Tensor& tokens, const Parallel& par, DecodeC
   cache.length += T;
   h = rms_norm(h.select(1, T - 1), param(w_, kLm + "norm.weight"), t.rms_eps);
   return at::linear(h, lm_head()).to(at::kFloat);
+}
+
+// Several generations' next tokens at once (Model::decode_rows): the projections and MLPs of all
+// rows in one product each, each row at its own position against its own cache; every row's
+// partials over its cached keys in one pass-Q message per layer; a cross layer runs for the rows
+// with images only (as decode_step skips it for a sample without any).
+at::Tensor Mllama::decode_rows(const at::Tensor& tokens, const Parallel& par,
+                               const std::vector<DecodeCache*>& caches) const {
+  c10::AutoGradMode no_grad(false);
+  const TextConfig& t = cfg_.text;
+  const int64_t R = static_cast<int64_t>(caches.size()), Hq = t.heads, Hkv = t.kv_heads,
+                D = t.head_dim;
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == R, "decode_rows: expected one token per row (",
+            R, "), got ", tokens.sizes());
+  std::vector<int64_t> lengths;
+  for (const DecodeCache* k : caches) {
+    LVX_CHECK(k->batch == 1, "decode_rows: each row's cache holds one sample, got ", k->batch);
+    lengths.push_back(k->length);
+  }
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong).unsqueeze(1));  // [R, 1, H]
+  const RotaryTables rope =
+      llama_rotary(at::tensor(lengths, at::kLong).to(emb.device()).unsqueeze(1),
+                   rope_inv_freq(t, emb.options().dtype(at::kFloat)));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  for (int64_t i = 0; i < t.layers; ++i) {
+    const std::string l = layer_prefix(i);
+    const size_t li = static_cast<size_t>(i);
+    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), t.rms_eps);
+    if (!t.is_cross(i)) {
+      const at::Tensor q =
+          apply_rotary(linear(x, w_, l + "self_attn.q_proj", false).view({R, 1, Hq, D}), rope);
+      const at::Tensor k =
+          apply_rotary(linear(x, w_, l + "self_attn.k_proj", false).view({R, 1, Hkv, D}), rope);
+      const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", false).view({R, 1, Hkv, D});
+      for (int64_t r = 0; r < R; ++r) {
+        caches[static_cast<size_t>(r)]->new_k[li].push_back(k.narrow(0, r, 1));
+        caches[static_cast<size_t>(r)]->new_v[li].push_back(v.narrow(0, r, 1));
+      }
+      const at::Tensor q1 = q.squeeze(1);
+      const at::Tensor ctx = merge_partials({rows_over_cache(q1, caches, li, false, *par.pg, scale),
+                                             generated_partial(q1, caches, li, scale)})
+                                 .o;
+      h = self_block(i, h, ctx.reshape({R, 1, Hq * D}).to(h.scalar_type()), false);
+      continue;
+    }
+    const RowsWithImages with = rows_with_images(caches, li, h.device());
+    if (with.caches.empty()) continue;  // no row has an image: the layer is skipped
+    const at::Tensor hs = with.all ? h : h.index_select(0, with.index);
+    const at::Tensor xs = with.all ? x : x.index_select(0, with.index);
+    const int64_t n = hs.size(0);
+    const at::Tensor q = rms_norm(linear(xs, w_, l + "cross_attn.q_proj", false).view({n, Hq, D}),
+                                  param(w_, l + "cross_attn.q_norm.weight"), t.rms_eps);
+    const at::Tensor ctx = rows_over_cache(q, with.caches, li, true, *par.pg, scale)
+                               .o.reshape({n, 1, Hq * D})
+                               .to(h.scalar_type());
+    std::vector<at::Tensor> sees;
+    for (DecodeCache* k : with.caches) sees.push_back(k->sees_media);
+    const at::Tensor out =
+        cross_block(i, hs, ctx, at::cat(sees).to(h.scalar_type()).view({n, 1, 1}), false);
+    h = with.all ? out : h.index_copy(0, with.index, out);
+  }
+  for (DecodeCache* k : caches) ++k->length;
+  h = rms_norm(h, param(w_, kLm + "norm.weight"), t.rms_eps);
+  return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
 }
 
 int64_t Mllama::decoder_layer_of(const std::string& name) const {

@@ -1,5 +1,5 @@
-// OpenFlamingo's generation (models/decode.h): the prefill, one decode step and a kept prompt's
-// continuation (extend). The forward and the model's parts are model.cpp.
+// OpenFlamingo's generation (models/decode.h): the prefill, one decode step, a kept prompt's
+// continuation (extend) and several generations' steps at once (decode_rows). The forward and the model's parts are model.cpp.
 #include <c10/core/GradMode.h>
 
 #include <cmath>
@@ -107,6 +107,69 @@ at::Tensor OpenFlamingo::extend(const at::Tensor& tokens, const Parallel& par,
   }
   cache.length += T;
   return at::linear(final_norm(x.select(1, T - 1)), lm_head()).to(at::kFloat);
+}
+
+// Several generations' next tokens at once (Model::decode_rows): the projections and MLPs of all
+// rows in one product each, each row at its own position against its own cache; every row's
+// partials over its cached keys in one pass-Q message per attention; a gated block runs for the
+// rows with images only (as decode_step skips it for a sample without any).
+at::Tensor OpenFlamingo::decode_rows(const at::Tensor& tokens, const Parallel& par,
+                                     const std::vector<DecodeCache*>& caches) const {
+  c10::AutoGradMode no_grad(false);
+  const OpenFlamingoConfig& c = cfg_;
+  const int64_t R = static_cast<int64_t>(caches.size()), hd = c.head_dim;
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == R, "decode_rows: expected one token per row (",
+            R, "), got ", tokens.sizes());
+  std::vector<int64_t> lengths;
+  for (const DecodeCache* k : caches) {
+    LVX_CHECK(k->batch == 1, "decode_rows: each row's cache holds one sample, got ", k->batch);
+    lengths.push_back(k->length);
+  }
+  at::Tensor x = at::embedding(embedding(),
+                               tokens.to(embedding().device(), at::kLong).unsqueeze(1));  // [R,1,W]
+  const at::Tensor positions = at::tensor(lengths, at::kLong).to(x.device()).unsqueeze(1);
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const size_t li = static_cast<size_t>(i);
+    if (c.is_cross(i)) x = cross_rows(i, x, par, caches);
+    const SelfQKV qkv = self_qkv(i, x, positions);
+    for (int64_t r = 0; r < R; ++r) {
+      caches[static_cast<size_t>(r)]->new_k[li].push_back(qkv.k.narrow(0, r, 1));
+      caches[static_cast<size_t>(r)]->new_v[li].push_back(qkv.v.narrow(0, r, 1));
+    }
+    const at::Tensor q = qkv.q.squeeze(1);  // [R, H, D']
+    const at::Tensor a =
+        merge_partials({rows_over_cache(q, caches, li, false, *par.pg, self_scale()),
+                        generated_partial(q, caches, li, self_scale())})
+            .o.narrow(-1, 0, hd)
+            .reshape({R, 1, c.heads * hd})
+            .to(x.scalar_type());
+    x = post_attention(i, x, a, /*remat=*/false);
+  }
+  for (DecodeCache* k : caches) ++k->length;
+  return at::linear(final_norm(x).squeeze(1), lm_head()).to(at::kFloat);
+}
+
+at::Tensor OpenFlamingo::cross_rows(int64_t layer, const at::Tensor& x, const Parallel& par,
+                                    const std::vector<DecodeCache*>& caches) const {
+  const size_t li = static_cast<size_t>(layer);
+  std::vector<DecodeCache*> with;
+  std::vector<int64_t> idx;
+  for (size_t r = 0; r < caches.size(); ++r)
+    if (caches[r]->visual[li].k.defined()) {
+      with.push_back(caches[r]);
+      idx.push_back(static_cast<int64_t>(r));
+    }
+  if (with.empty()) return x;  // no row has an image: the block is skipped
+  const bool all = with.size() == caches.size();
+  const at::Tensor index = at::tensor(idx, at::kLong).to(x.device());
+  const at::Tensor xs = all ? x : x.index_select(0, index);
+  const int64_t n = xs.size(0);
+  const double x_scale = 1.0 / std::sqrt(static_cast<double>(cfg_.x_dim_head));
+  const Partial o =
+      rows_over_cache(cross_query(layer, xs).squeeze(1), with, li, true, *par.pg, x_scale);
+  const at::Tensor out = cross_output(
+      layer, xs, o.o.reshape({n, 1, cfg_.x_heads * cfg_.x_dim_head}).to(x.scalar_type()));
+  return all ? out : x.index_copy(0, index, out);
 }
 
 }  // namespace lvx::models

@@ -475,8 +475,12 @@ OpenFlamingo::SelfQKV OpenFlamingo::self_qkv(int64_t layer, const at::Tensor& x,
   auto heads = [&](const at::Tensor& t) { return t.reshape({B, S, c.heads, hd}); };
   const int64_t n = alibi_channels(x.scalar_type());
   // In float64 on the positions' device (the activations'), split into x's dtype there.
+  // positions [S], or [B, S] (rows at their own positions: decode_rows).
+  const at::Tensor pos = positions.dim() == 1
+                             ? positions.view({1, -1, 1, 1})
+                             : positions.view({positions.size(0), positions.size(1), 1, 1});
   at::Tensor rest =
-      positions.to(at::kDouble).view({1, -1, 1, 1}) *
+      pos.to(at::kDouble) *
       alibi_slopes(c.heads, c.alibi_bias_max, positions.options()).view({1, 1, -1, 1}) /
       self_scale();
   std::vector<at::Tensor> parts;

@@ -121,6 +121,9 @@ class OpenFlamingo : public Model {
   bool can_extend() const override { return true; }
   at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
                     DecodeCache& cache) const override;
+  bool batches_rows() const override { return true; }
+  at::Tensor decode_rows(const at::Tensor& tokens, const Parallel& par,
+                         const std::vector<DecodeCache*>& caches) const override;
 
  private:
   // The self-attention's inputs of one decoder layer.
@@ -150,6 +153,11 @@ class OpenFlamingo : public Model {
   at::Tensor cross_query(int64_t layer, const at::Tensor& x) const;
   std::pair<at::Tensor, at::Tensor> cross_kv(int64_t layer, const at::Tensor& media) const;
   at::Tensor cross_output(int64_t layer, const at::Tensor& x, const at::Tensor& o) const;
+  // The gated block of layer i over several generations' rows x [R, 1, W] (decode_rows): the
+  // rows with images through it, each against its own visual keys (one pass-Q message); the
+  // others unchanged.
+  at::Tensor cross_rows(int64_t layer, const at::Tensor& x, const Parallel& par,
+                        const std::vector<DecodeCache*>& caches) const;
   // The final norm (before the head).
   at::Tensor final_norm(const at::Tensor& x) const;
   std::string layer_prefix(int64_t layer) const;
