@@ -86,9 +86,13 @@ std::shared_ptr<Job> Server::accept(const httplib::Request& req, httplib::Respon
     std::string().swap(const_cast<std::string&>(req.body));
     check_conversation(job->req);
     resolve_uuid(*job);
+    spill_uploads(job->req, job->uploads);  // a queued request holds files, not bytes
     job->key = generation_key(describe(*job, nullptr));
   } catch (const ApiError& e) {
     send_error(res, e);
+    return nullptr;
+  } catch (const Error& e) {  // the upload could not be written
+    send_error(res, ApiError(500, "server_error", client_error_text(e.what())));
     return nullptr;
   }
   if (!join_running(job)) {

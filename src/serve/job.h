@@ -15,6 +15,7 @@
 
 #include "src/serve/inflight_budget.h"
 #include "src/serve/openai_api.h"
+#include "src/serve/upload.h"
 
 namespace lvx::serve {
 
@@ -32,6 +33,7 @@ struct Job {
   std::string scope;  // the API key it came with ("key<i>"; "" without keys): where its uuid lives
   std::string key;    // generation_key of its description: what identical requests share
   InflightBudget::Reservation body;  // its body's bytes, held until the job is gone
+  UploadDir uploads;                 // its inline media as files, removed with the job
   std::string id;
   int64_t created = 0;
   clock::time_point received;

@@ -57,12 +57,14 @@ class ApiError : public std::runtime_error {
 // The usual ones.
 ApiError bad_request(const std::string& message, const std::string& param = "");
 
-// One piece of media: a file on this machine, or bytes sent in the request (written to a file
-// on each rank, named with `ext`).
+// One piece of media: a file on this machine, or bytes sent in the request (which the server
+// writes to a file at once: src/serve/upload.h; then path, hash and upload say where).
 struct MediaRef {
   std::string path;
   std::string bytes;
-  std::string ext;  // ".mp4", ".png", ... (from the data URL's media type)
+  std::string ext;   // ".mp4", ".png", ... (from the data URL's media type)
+  std::string hash;  // an upload's content hash (XXH3-64 of its bytes), once written
+  bool upload = false;
 };
 
 struct ChatRequest {

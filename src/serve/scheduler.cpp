@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "src/common/error.h"
+#include "src/common/files.h"
 #include "src/serve/server_impl.h"
 
 namespace lvx::serve {
@@ -27,8 +28,11 @@ json Server::describe(const Job& job, std::vector<std::string>* blobs) const {
   const ChatRequest& r = job.req;
   size_t blob = 0;
   auto ref = [&](const MediaRef& m) {
-    if (!m.path.empty()) return json{{"path", m.path}};
-    if (blobs) blobs->push_back(m.bytes);
+    if (m.upload && !blobs) return json{{"upload", m.hash}, {"ext", m.ext}};  // the key: content
+    if (m.upload && ranks_share_host_) return json{{"path", m.path}, {"upload", true}};
+    if (!m.path.empty() && !m.upload) return json{{"path", m.path}};
+    // Ranks on other machines get the bytes (an upload read back from its file).
+    if (blobs) blobs->push_back(m.upload ? read_file(m.path, "the upload", INT64_MAX) : m.bytes);
     return json{{"blob", blob++}, {"ext", m.ext}};
   };
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };
@@ -91,7 +95,8 @@ runtime::QaAnswerPtr Server::start_answer(const Command& c, const runtime::Answe
   else if (d.contains("video"))
     q.item.video = file_of(d["video"], "video");
   q.return_media_hash = d.value("return_media_hash", false);
-  q.cache_frame_index = !(d.contains("video") && d["video"].contains("blob"));  // an upload
+  q.cache_frame_index =  // an upload's index would never be read again
+      !(d.contains("video") && (d["video"].contains("blob") || d["video"].contains("upload")));
   for (size_t i = 0; i < d["frames"].size(); ++i)
     q.image_files.push_back(file_of(d["frames"][i], "frame" + std::to_string(i)));
   if (!d["fps"].is_null()) q.fps = d["fps"].get<double>();

@@ -4,10 +4,13 @@
 
 #include <httplib.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <fstream>
+#include <functional>
 #include <iostream>
 #include <thread>
 
@@ -224,13 +227,29 @@ int Server::run_rank0() {
   return code;
 }
 
+namespace {
+
+// Whether every rank runs on rank 0's machine (the same host name and boot): then they read
+// rank 0's upload files instead of receiving the bytes (upload.h). Collective.
+bool ranks_share_host(dist::ProcessGroup& pg) {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  const auto id = static_cast<int64_t>(std::hash<std::string>{}(std::string(host) + "/" + boot));
+  const at::Tensor all = pg.all_gather(at::full({1, 1}, id, at::kLong));
+  return all.eq(all[0][0]).all().item<bool>();
+}
+
+}  // namespace
+
 int run_serve_rank(const ServeOptions& options) {
   auto pg = dist::ProcessGroup::from_env();
   runtime::QaSession session(options.job, pg, options.cache_bytes);
   // The questions admitted between two steps run their tokens in one pass (one at a time: as
   // lvx qa runs them).
   session.batch_prompts(options.max_batch > 1);
-  Server server(options, session);
+  Server server(options, session, ranks_share_host(*pg));
   const std::vector<std::string> errors =
       dist::gather_errors(*pg, pg->rank() == 0 ? server.bind() : std::string());
   LVX_CHECK(errors[0].empty(), errors[0]);

@@ -42,8 +42,13 @@ InflightBudget::Reservation take_body_reservation();
 
 class Server {
  public:
-  Server(const ServeOptions& o, runtime::QaSession& session)
-      : o_(o), session_(session), pg_(session.group()), budget_(o.max_inflight_bytes) {
+  // ranks_share_host: every rank runs on rank 0's machine (they read its upload files).
+  Server(const ServeOptions& o, runtime::QaSession& session, bool ranks_share_host)
+      : o_(o),
+        session_(session),
+        pg_(session.group()),
+        budget_(o.max_inflight_bytes),
+        ranks_share_host_(ranks_share_host) {
     api_.model_name = o.model_name;
     api_.allowed_media_path = o.allowed_media_path;
     api_.default_max_tokens = o.default_max_tokens;
@@ -114,6 +119,7 @@ class Server {
   Metrics metrics_;
   MediaUuids uuids_;
   InflightBudget budget_;
+  bool ranks_share_host_;
   std::mutex qmu_;
   std::condition_variable qcv_;
   std::deque<std::shared_ptr<Job>> queue_;

@@ -838,6 +838,10 @@ def case_uploads_stay_private(fx, srv, ranks):
         r = ask(srv, video_part(data_url(fx.clip, "video/mp4")))
         assert r.choices[0].message.content == qa_json(fx, fx.clip, ranks)["response"]
         assert list(victim.iterdir()) == [], list(victim.iterdir())
+        # Rank 0's folder goes with the request, just after its answer is sent.
+        deadline = time.time() + 5
+        while set(tmp.glob("lvx-serve-*")) - before_dirs and time.time() < deadline:
+            time.sleep(0.05)
         left = set(tmp.glob("lvx-serve-*")) - before_dirs
         assert not left, left
         assert sorted(index.rglob("*")) == before_index, "an upload left a frame index"
@@ -968,6 +972,100 @@ def case_inflight_budget(fx, srv, ranks):
     assert held() == 0, srv.metrics()  # and an answered request's too
 
 
+def case_fuzz(fx, srv, ranks):
+    # A bounded fuzz of hostile requests by class (seeded; about 400 requests): every answer is a
+    # status the class allows with, when not 200, OpenAI's error object naming no source file or
+    # temporary path; after each class the server is alive (/health) and answers a good request.
+    import random
+    import socket
+    rng = random.Random(31)
+    good = messages(video_part(file_url(fx.clip)))
+    base = {"model": "model", "messages": good, "max_tokens": 2}
+
+    def check(status, text, allowed, what):
+        assert status in allowed, (what, status, text[:300])
+        if status != 200:
+            err = json.loads(text)["error"]
+            assert isinstance(err["message"], str) and err["message"] and "type" in err, text
+            assert ".cpp" not in text and "lvx-serve-" not in text, (what, text[:300])
+
+    def alive(cls):
+        assert srv.http("GET", "/health", key=None)[0] == 200, cls
+        status, text = srv.http("POST", "/v1/chat/completions", json.dumps(base))
+        assert status == 200, (cls, text[:300])
+
+    def post(body, allowed, what, key=KEY, headers=None):
+        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        status, text = srv.http("POST", "/v1/chat/completions", data, key=key, headers=headers)
+        check(status, text, allowed, what)
+
+    values = [None, -1, 0, 1.5, 10 ** 30, -(2 ** 63) - 1, 2 ** 64, "x", "", "\u0000", "é" * 3,
+              [], {}, True, [[[]]], {"a": {"b": [1]}}, "9" * 400]
+    fields = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+              "seed", "stop", "stream", "stream_options", "n", "user", "fps", "num_frames",
+              "start", "end", "video_id", "return_prompt_ids", "media_io_kwargs",
+              "mm_processor_kwargs", "logprobs", "top_logprobs"]
+    # 1. JSON types: every field with every hostile value (sampled), the rest of the body good.
+    for field in fields:
+        for v in rng.sample(values, 8):
+            post(dict(base, **{field: v}), {200, 400, 404}, (field, v))
+    for depth in (63, 64, 65, 1000):
+        post('{"model": "model", "n": %s1%s, "messages": []}' % ("[" * depth, "]" * depth),
+             {400}, ("depth", depth))
+    alive("json types")
+    # 2. Message shapes: roles, content kinds and parts mutated.
+    parts = [video_part(file_url(fx.clip)), {"type": "text", "text": QUESTION}]
+    shapes = [[], [{}], [{"role": 7}], [{"role": "user"}], [{"role": "user", "content": 7}],
+              [{"role": "user", "content": [7]}], [{"role": "user", "content": [{"type": 7}]}],
+              [{"role": "tool", "content": "x"}], [{"role": "user", "content": [{"type": "text"}]}],
+              [{"role": "user", "content": parts * 3}],
+              [{"role": "user", "content": [{"type": "text", "text": "x"}] * 2000}],
+              [{"role": "user", "content": parts}] * 50]
+    for m in shapes:
+        post(dict(base, messages=m), {200, 400}, ("messages", str(m)[:80]))
+    alive("message shapes")
+    # 3. Media URLs and local paths: nothing outside the allowed folder, no other scheme.
+    outside = fx.root / "outside.mp4"
+    shutil.copy(fx.clip, outside)
+    link = fx.media / "link_out.mp4"
+    if not os.path.lexists(link):
+        os.symlink(outside, link)
+    urls = ["http://127.0.0.1:%d/health" % srv.port, "ftp://x/y.mp4", "file:///etc/passwd",
+            "file://" + str(fx.media) + "/../outside.mp4", "file://%2e%2e/etc/passwd",
+            "file://" + str(link), "file:///dev/zero", "file:///proc/self/environ", "file://",
+            "file:relative.mp4", "data:video/mp4;base64,", "data:video/mp4;base64,!!!!",
+            "data:text/html;base64,PGI+", "data:video/mp4,rawbytes", "data:video/mp4;base64," +
+            base64.b64encode(os.urandom(2000)).decode(), "javascript:alert(1)", "x" * 5000]
+    for u in urls:
+        for kind in ("video_url", "image_url"):
+            part = {"type": kind, kind: {"url": u}}
+            post(dict(base, messages=messages(part)), {400, 403}, (kind, u[:80]))
+    alive("media urls")
+    # 4. Headers, methods and paths.
+    for key in (None, "", "Bearer", KEY + "\u00e9", "x" * 8000):
+        status, text = srv.http("POST", "/v1/chat/completions", json.dumps(base), key=key)
+        check(status, text, {401, 400}, ("key", str(key)[:20]))
+    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"},
+                    {"Accept": "text/html"}, {"Expect": "100-continue"},
+                    {"X-Junk": "y" * 4000}):
+        post(base, {200, 400, 415}, ("headers", headers), headers=headers)
+    for method, path in (("DELETE", "/v1/chat/completions"), ("GET", "/v1/chat/completions"),
+                         ("GET", "/../../etc/passwd"), ("GET", "/v1/models/../../x"),
+                         ("PUT", "/metrics"), ("POST", "/v1/completions")):
+        status, text = srv.http(method, path, b"{}" if method in ("POST", "PUT") else None)
+        assert status in (400, 404, 405), (method, path, status)
+    alive("headers")
+    # 5. Idle and half-sent connections hold no one else up.
+    idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(24)]
+    for i, sk in enumerate(idle[:12]):
+        sk.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"GET /he")
+    t0 = time.time()
+    alive("idle connections")
+    assert time.time() - t0 < 10, time.time() - t0
+    for sk in idle:
+        sk.close()
+
+
 def uuid_part(uuid, url=None):
     """vLLM's video part with a uuid; without a URL the video is left out (named by the uuid)."""
     return {"type": "video_url", "video_url": {"url": url} if url else None, "uuid": uuid}
@@ -1031,6 +1129,7 @@ CASES = [
     (case_port_in_use_fails_every_rank_at_once, None, {}, 1, True),
     (case_hostile_bodies, [], {}, 1, False),
     (case_hostile_framing, [], {}, 1, False),
+    (case_fuzz, [], {}, 1, False),
     (case_frame_settings_per_request, [], {}, 1, False),
     (case_uploads_stay_private, ["--cache-bytes", "0"], {"LVX_INDEX_CACHE": "@index"}, 1, False),
     (case_api_key_stays_secret, "env-key", {"LVX_API_KEY": KEY}, 1, False),
