@@ -278,7 +278,8 @@ std::string part_uuid(const json& part, const std::string& param) {
 // The text of one message's content; its media parts go into r.
 std::string read_content(const json& m, const std::string& role, const std::string& param,
                          const ApiOptions& o, ChatRequest& r) {
-  const json content = m.contains("content") ? m["content"] : json();
+  static const json none;  // a reference, never a copy: a data URL may be 67 MB of text
+  const json& content = m.contains("content") ? m["content"] : none;
   if (content.is_string()) return content.get<std::string>();
   if (!content.is_array()) {
     if (role == "assistant" && content.is_null()) return "";
@@ -491,8 +492,9 @@ void read_media_options(const json& body, const ApiOptions& o, ChatRequest& r) {
 
 }  // namespace
 
-ChatRequest parse_chat_request(const std::string& text, const ApiOptions& o) {
+ChatRequest parse_chat_request(std::string text, const ApiOptions& o) {
   const json body = parse_body(text);
+  std::string().swap(text);  // the parsed copy is all that is read from here on
   if (!body.is_object())
     throw bad_request("the body must be a JSON object, got " + type_name(body));
   check_fields(body);

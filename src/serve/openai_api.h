@@ -101,7 +101,9 @@ struct ApiOptions {
 
 // Reads a request body. Throws ApiError: 400 (malformed JSON, a missing or ill-typed field, no
 // media), 404 (another model), 403 (a file:// URL outside the allowed path, or none allowed).
-ChatRequest parse_chat_request(const std::string& body, const ApiOptions& options);
+// The body is taken by value and given back once parsed (a caller that moves it in holds one
+// copy of a large upload's text, not two).
+ChatRequest parse_chat_request(std::string body, const ApiOptions& options);
 
 // An internal error's text as a client may see it: source locations ("(../video/x.cpp:27)",
 // "[/pytorch/.../pair.cc:547]") removed, and a path in the server's upload folders named as what
