@@ -49,6 +49,9 @@ int cmd_forward(int argc, char** argv) {
   p.add_option("generate", 'g', "0",
                "> 0: prefill, then this many greedy tokens through the KV cache with pass-Q\n"
                "decoding; output tokens int64 [B,T] and step_logits float32 [B,T,V] instead");
+  p.add_flag("generate-rows", 0,
+             "with --generate: each sample its own generation, all stepped together as lvx\n"
+             "serve's continuous batching steps them (the same tokens as the batch)");
   p.add_flag("recompute", 0,
              "recompute each cross layer's K/V from the shared visual features in the backward\n"
              "(LV-XAttn §3.2): saves x, O and lse per cross layer instead of its K/V");
@@ -69,6 +72,7 @@ int cmd_forward(int argc, char** argv) {
   job.repeat = static_cast<int>(p.get_int("repeat", 1, 1000000));
   job.remat = p.flag("remat");
   job.generate = p.get_int("generate", 0, INT64_MAX);
+  job.generate_rows = p.flag("generate-rows");
   if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
     lvx::cli::apply_threads(p);
     return lvx::runtime::run_forward_rank(job);

@@ -133,8 +133,9 @@ int run_forward_rank(const ForwardJob& job) {
     g.max_new_tokens = job.generate;
     g.max_length = model_context_length(job.model);  // never past the model's context
     g.keep_logits = true;
+    const models::ModelInputs in{b.input_ids, b.pixel_values, false, b.named};
     const GenerateResult out =
-        generate(model, {b.input_ids, b.pixel_values, false, b.named}, par, g);
+        job.generate_rows ? generate_rows(model, in, par, g) : generate(model, in, par, g);
     double per_token = 0;
     for (double t : out.token_seconds)
       per_token += t / static_cast<double>(out.token_seconds.size());

@@ -38,6 +38,9 @@ struct ForwardJob {
   // (step t's logits, from which token t was chosen); metadata prefill_seconds,
   // decode_seconds_per_token, prefill_bytes_sent and decode_bytes_sent (rank 0's, per token).
   int64_t generate = 0;
+  // With generate: each sample its own generation, all stepped together as lvx serve's
+  // continuous batching steps them (runtime/generate.h generate_rows); the same outputs.
+  bool generate_rows = false;
 };
 
 // Runs on this rank (rendezvous from the environment). Returns 0 on success.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
 
 #include "src/common/error.h"
 
@@ -256,6 +257,61 @@ TokenLogprobs token_logprobs(const at::Tensor& logits, int64_t token, int64_t to
     return a.second != b.second ? a.second > b.second : a.first < b.first;
   });
   return t;
+}
+
+namespace {
+
+// Sample b of a batch as inputs of its own (generate_rows).
+models::ModelInputs sample_inputs(const models::Model& model, const models::ModelInputs& in,
+                                  int64_t b) {
+  const int64_t B = in.input_ids.size(0);
+  models::ModelInputs one{in.input_ids.narrow(0, b, 1), at::Tensor(), in.pixels_local, {}};
+  for (const auto& [name, t] : in.named)
+    one.named[name] = t.dim() > 0 && t.size(0) == B ? t.narrow(0, b, 1) : t;
+  const at::Tensor& px = in.pixel_values;
+  if (!px.defined()) return one;
+  if (px.dim() >= 5 && px.size(0) == B) {
+    one.pixel_values = px.narrow(0, b, 1);
+  } else {  // flat, in prompt order: the images of the rows before b come first
+    const at::Tensor media = in.input_ids.to(at::kCPU).eq(model.media_token_id()).sum(1);
+    const int64_t before = b == 0 ? 0 : media.narrow(0, 0, b).sum().item<int64_t>();
+    one.pixel_values = px.narrow(0, before, media[b].item<int64_t>());
+  }
+  return one;
+}
+
+}  // namespace
+
+GenerateResult generate_rows(const models::Model& model, const models::ModelInputs& in,
+                             const models::Parallel& par, const GenerateOptions& o) {
+  LVX_CHECK(!in.pixels_local, "generate_rows: the batch's whole pixel_values are needed");
+  // As lvx serve admits them: each prompt's tail (after its kept prefix) waits for the first
+  // step, which extends every row's at once (Model::extend_rows).
+  GenerateOptions each = o;
+  each.defer_tail = true;
+  std::vector<std::unique_ptr<Generation>> rows;
+  for (int64_t b = 0; b < in.input_ids.size(0); ++b)
+    rows.push_back(std::make_unique<Generation>(model, sample_inputs(model, in, b), par, each));
+  for (;;) {
+    std::vector<Generation*> running;
+    for (auto& g : rows)
+      if (!g->done()) running.push_back(g.get());
+    if (running.empty()) break;
+    step_together(running, model, par);
+  }
+  std::vector<GenerateResult> done;
+  for (auto& g : rows) done.push_back(g->finish());
+  GenerateResult r = done.front();
+  std::vector<at::Tensor> tokens, logits;
+  for (const GenerateResult& d : done) {
+    LVX_CHECK(d.tokens.size(1) == r.tokens.size(1), "generate_rows: rows generated ",
+              d.tokens.size(1), " and ", r.tokens.size(1), " tokens (a stop or the context)");
+    tokens.push_back(d.tokens);
+    if (o.keep_logits) logits.push_back(d.step_logits);
+  }
+  r.tokens = at::cat(tokens, 0);
+  if (o.keep_logits) r.step_logits = at::cat(logits, 0);
+  return r;
 }
 
 GenerateResult generate(const models::Model& model, const models::ModelInputs& in,

@@ -92,6 +92,18 @@ GenerateResult generate(const models::Model& model, const models::ModelInputs& i
                         const models::Parallel& par, const GenerateOptions& options,
                         const std::function<void(const at::Tensor&)>& on_token = {});
 
+// Each sample of `in` as a generation of its own, all stepped together (step_together: lvx
+// serve's continuous batching: the prompts' tails in one Model::extend_rows, then
+// Model::decode_rows) until each is done; the result stacks the
+// rows' tokens and step logits as generate() gives them for the batch, which it equals up to
+// the batched products' rounding (the same tokens). Sample b's inputs: its row of input_ids and
+// of every named input with the batch as first dimension; its own images, from pixel_values
+// [B, ...] (a per-sample layout of 5 or more dimensions) or from a flat [N_img, ...] in prompt
+// order (its media tokens' share). Every row must generate the same number of tokens (no stop
+// token: lvx forward --generate-rows). Timings and bytes: the first row's.
+GenerateResult generate_rows(const models::Model& model, const models::ModelInputs& in,
+                             const models::Parallel& par, const GenerateOptions& options);
+
 // One generation in progress: what generate() keeps between tokens, so that several can step
 // together (continuous batching, lvx serve). The constructor runs the prompt (prefill, or the
 // prefix's prefill and one extend); each step_together() picks the next token and runs one

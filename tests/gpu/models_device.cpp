@@ -12,6 +12,8 @@
 //                              greedy tokens equal
 //           device vs package  logits, gradients <= 1e-4 (the conformance tests' bound);
 //                              greedy tokens equal
+//         and the batch's samples as generations stepped together (--generate-rows: serve's
+//         continuous batching) on both: tokens equal to the batch's, step logits <= 1e-4
 //         TF32 is off for this (run.sh sets NVIDIA_TF32_OVERRIDE=0): fp32 means fp32 here, so
 //         the only differences left are summation orders (~1e-6).
 //   bf16  forward+backward on --device against the CPU's fp32, gated by the CPU's own bf16
@@ -104,7 +106,10 @@ class Check {
   lvx::TensorFile forward(const std::string& fam, const std::string& device,
                           const std::string& dtype, const std::string& extra) {
     const std::string dir = o_.models + "/" + fam;
-    const std::string name = fam + "." + device + "." + dtype + (extra.empty() ? ".step" : ".gen");
+    const std::string kind = extra.find("--generate-rows") != std::string::npos ? ".rows"
+                             : extra.find("--generate") != std::string::npos   ? ".gen"
+                                                                               : ".step";
+    const std::string name = fam + "." + device + "." + dtype + kind;
     const std::string out = o_.out + "/" + name + ".safetensors";
     std::string log;
     const std::string cmd = o_.lvx + " forward --model " + dir + "/model --input " + dir +
@@ -156,6 +161,17 @@ class Check {
            std::to_string(t_dev.numel()) + " tokens");
     gate(fam, "fp32 " + dev + " vs cpu: step logits",
          rel_error(gd.tensors.at("step_logits"), gc.tensors.at("step_logits")), 1e-4);
+    // The same samples as generations of their own stepped together (lvx serve's continuous
+    // batching: Model::extend_rows, Model::decode_rows).
+    const lvx::TensorFile rc = forward(fam, "cpu", "fp32", "--generate 6 --generate-rows");
+    const lvx::TensorFile rd = forward(fam, dev, "fp32", "--generate 6 --generate-rows");
+    expect(fam, "fp32 " + dev + " rows stepped together: tokens = batch's",
+           at::equal(rd.tensors.at("tokens"), t_dev) && at::equal(rc.tensors.at("tokens"), t_cpu),
+           std::to_string(t_dev.numel()) + " tokens");
+    gate(fam, "fp32 " + dev + " rows vs cpu rows: step logits",
+         rel_error(rd.tensors.at("step_logits"), rc.tensors.at("step_logits")), 1e-4);
+    gate(fam, "fp32 " + dev + " rows vs " + dev + " batch: step logits",
+         rel_error(rd.tensors.at("step_logits"), gd.tensors.at("step_logits")), 1e-4);
     // bf16 against fp32, gated by the CPU's own bf16 error.
     const lvx::TensorFile cpu16 = forward(fam, "cpu", "bf16", "--backward");
     const lvx::TensorFile on16 = forward(fam, dev, "bf16", "--backward");
