@@ -23,16 +23,14 @@ point is the harness end to end and the agreement, not the score). Videos: ffmpe
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent.parent
+from serve_setup import SOURCE, bench_paths, start_serve
+
 SOURCES = ["testsrc2", "smptebars", "rgbtestsrc", "testsrc", "mandelbrot", "cellauto"]
 
 
@@ -55,19 +53,10 @@ def make_rows(media, n):
 
 class Server:
     def __init__(self, lvx, model, media, nproc):
-        self.proc = subprocess.Popen(
+        self.proc, self.port = start_serve(
             [lvx, "serve", "--model", model, "--nproc", str(nproc), "--port", "0",
              "--allowed-local-media-path", media, "--served-model-name", "lvx-tiny",
-             "--max-new-tokens", "8"],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        self.port = None
-        for line in self.proc.stderr:
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                break
-        assert self.port, "server did not start"
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+             "--max-new-tokens", "8"])
 
     def stop(self):
         self.proc.terminate()
@@ -110,15 +99,7 @@ def main():
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lvx_bench_serve"))
     ap.add_argument("-o", "--output", default="md", choices=["md", "json"])
     a = ap.parse_args()
-    lvx = os.environ.get("LVX_BIN", str(SOURCE / "build" / "lvx"))
-    work = Path(a.workdir)
-    media = work / "media"
-    media.mkdir(parents=True, exist_ok=True)
-    model = work / "model"
-    if not (model / "config.json").exists():
-        subprocess.run([sys.executable, str(SOURCE / "tests/reference/mplug_owl3_ref.py"),
-                        "make-model", str(model), "--variant", "240728"], check=True,
-                       stdout=subprocess.DEVNULL)
+    lvx, work, media, model = bench_paths(a.workdir)
     rows = make_rows(media, a.rows)
     run = work / "lmms_eval"
     shutil.rmtree(run, ignore_errors=True)

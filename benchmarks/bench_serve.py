@@ -31,18 +31,16 @@ for it (chunking the prefill is what would bound it).
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent.parent
+from serve_setup import bench_paths, start_serve
+
 QUESTION = "What colour was the shape?"
 
 
@@ -52,23 +50,10 @@ def sh(*cmd, **kw):
 
 class Server:
     def __init__(self, lvx, model, nproc, media, sample_fps, tokens, flags=()):
-        self.proc = subprocess.Popen(
+        self.proc, self.port = start_serve(
             [lvx, "serve", "--model", model, "--nproc", str(nproc), "--port", "0",
              "--allowed-local-media-path", media, "--fps", str(sample_fps),
-             "--max-new-tokens", str(tokens), "--max-queue", "256", *flags],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        self.port = None
-        t0 = time.time()
-        while time.time() - t0 < 120:
-            line = self.proc.stderr.readline()
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                break
-            if not line:
-                break
-        assert self.port, "server did not start"
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+             "--max-new-tokens", str(tokens), "--max-queue", "256", *flags])
 
     def post(self, body, stream=False):
         """(seconds to the first content, seconds in all, text, response JSON or None)."""
@@ -196,14 +181,7 @@ def main():
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lvx_bench_serve"))
     ap.add_argument("-o", "--output", default="md", choices=["md", "json"])
     a = ap.parse_args()
-    lvx = os.environ.get("LVX_BIN", str(SOURCE / "build" / "lvx"))
-    work = Path(a.workdir)
-    media = work / "media"
-    media.mkdir(parents=True, exist_ok=True)
-    model = work / "model"
-    if not (model / "config.json").exists():
-        sh(sys.executable, str(SOURCE / "tests/reference/mplug_owl3_ref.py"), "make-model",
-           str(model), "--variant", "240728", stdout=subprocess.DEVNULL)
+    lvx, work, media, model = bench_paths(a.workdir)
     video = media / ("long_%gmin_%gfps.mp4" % (a.minutes, a.video_fps))
     if not video.exists():
         t0 = time.time()

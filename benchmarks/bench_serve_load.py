@@ -24,14 +24,14 @@ import re
 import select
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent.parent
+from serve_setup import bench_paths, start_serve
+
 QUESTION = "What colour was the shape?"
 
 
@@ -59,20 +59,11 @@ def tree_rss(pid):
 
 class Server:
     def __init__(self, lvx, model, media, nproc, budget):
-        self.proc = subprocess.Popen(
+        self.proc, self.port = start_serve(
             [lvx, "serve", "--model", model, "--nproc", str(nproc), "--port", "0",
              "--allowed-local-media-path", media, "--num-frames", "4", "--max-new-tokens", "8",
              "--max-inflight-bytes", str(budget), "--max-queue", "128",
-             "--max-body-bytes", str(1 << 30)],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        self.port = None
-        for line in self.proc.stderr:
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                break
-        assert self.port, "server did not start"
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+             "--max-body-bytes", str(1 << 30)])
 
     def get(self, path):
         with urllib.request.urlopen("http://127.0.0.1:%d%s" % (self.port, path), timeout=60) as r:
@@ -156,15 +147,7 @@ def main():
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lvx_bench_serve"))
     ap.add_argument("-o", "--output", default="md", choices=["md", "json"])
     a = ap.parse_args()
-    lvx = os.environ.get("LVX_BIN", str(SOURCE / "build" / "lvx"))
-    work = Path(a.workdir)
-    media = work / "media"
-    media.mkdir(parents=True, exist_ok=True)
-    model = work / "model"
-    if not (model / "config.json").exists():
-        subprocess.run([sys.executable, str(SOURCE / "tests/reference/mplug_owl3_ref.py"),
-                        "make-model", str(model), "--variant", "240728"], check=True,
-                       stdout=subprocess.DEVNULL)
+    lvx, work, media, model = bench_paths(a.workdir)
     clip = media / "load_clip.mp4"
     if not clip.exists():
         subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-f", "lavfi", "-i",

@@ -111,6 +111,19 @@ Partial token_rows(const Partial& p) {
 // none where it has none): the rows that hold the same key tensors (questions about one cached
 // video) in one shared_partial_attention call, their queries side by side. Row r's partial is
 // [T_r, Hq, D] / [T_r, Hq].
+at::Tensor row_positions(const at::Tensor& tokens, const std::vector<DecodeCache*>& caches,
+                         const at::Device& device) {
+  const auto R = static_cast<int64_t>(caches.size());
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == R, "decode_rows: expected one token per row (",
+            R, "), got ", tokens.sizes());
+  std::vector<int64_t> lengths;
+  for (const DecodeCache* k : caches) {
+    LVX_CHECK(k->batch == 1, "decode_rows: each row's cache holds one sample, got ", k->batch);
+    lengths.push_back(k->length);
+  }
+  return at::tensor(lengths, at::kLong).to(device).unsqueeze(1);
+}
+
 std::vector<Partial> shared_partials(const std::vector<at::Tensor>& q,
                                      const std::vector<DecodeCache*>& caches, size_t layer,
                                      bool visual, double scale) {

@@ -99,6 +99,11 @@ struct DecodeCache {
 // Several generations at once (continuous batching: Model::decode_rows, extend_rows), row r with
 // its own cache caches[r] (one sample each).
 //
+// decode_rows' arguments checked (one token per row, int64 [R]; each cache one sample) and the
+// rows' positions, each cache's length: int64 [R, 1] on `device`.
+at::Tensor row_positions(const at::Tensor& tokens, const std::vector<DecodeCache*>& caches,
+                         const at::Device& device);
+
 // Row r's queries q[r] ([T_r, Hq, D]) over its cached prompt keys (visual: its visual keys; none
 // where it has none): the rows that hold the same key tensors (questions about one cached video)
 // in one shared_partial_attention call, their queries side by side. Row r's partial is

@@ -510,17 +510,11 @@ at::Tensor Mllama::decode_rows(const at::Tensor& tokens, const Parallel& par,
   const TextConfig& t = cfg_.text;
   const int64_t R = static_cast<int64_t>(caches.size()), Hq = t.heads, Hkv = t.kv_heads,
                 D = t.head_dim;
-  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == R, "decode_rows: expected one token per row (",
-            R, "), got ", tokens.sizes());
-  std::vector<int64_t> lengths;
-  for (const DecodeCache* k : caches) {
-    LVX_CHECK(k->batch == 1, "decode_rows: each row's cache holds one sample, got ", k->batch);
-    lengths.push_back(k->length);
-  }
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  const at::Tensor positions = row_positions(tokens, caches, emb.device());  // [R, 1]
   at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong).unsqueeze(1));  // [R, 1, H]
   const RotaryTables rope =
-      llama_rotary(at::tensor(lengths, at::kLong).to(emb.device()).unsqueeze(1),
+      llama_rotary(positions,
                    rope_inv_freq(t, emb.options().dtype(at::kFloat)));
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   for (int64_t i = 0; i < t.layers; ++i) {

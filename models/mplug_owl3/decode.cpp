@@ -93,18 +93,11 @@ at::Tensor MplugOwl3::decode_rows(const at::Tensor& tokens, const Parallel& par,
   c10::AutoGradMode no_grad(false);
   const MplugOwl3Config& c = cfg_;
   const int64_t R = static_cast<int64_t>(caches.size()), hq = c.heads, d = c.head_dim;
-  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == R, "decode_rows: expected one token per row (",
-            R, "), got ", tokens.sizes());
-  std::vector<int64_t> lengths;
-  for (const DecodeCache* k : caches) {
-    LVX_CHECK(k->batch == 1, "decode_rows: each row's cache holds one sample, got ", k->batch);
-    lengths.push_back(k->length);
-  }
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  const at::Tensor positions = row_positions(tokens, caches, emb.device());  // [R, 1]
   at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong).unsqueeze(1));  // [R, 1, H]
   // Each row at its own position: tables [R, 1, rot].
-  const RotaryTables rope = rotary_tables(
-      at::tensor(lengths, at::kLong).to(emb.device()).unsqueeze(1), c.head_dim, c.rope_theta);
+  const RotaryTables rope = rotary_tables(positions, c.head_dim, c.rope_theta);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   for (int64_t i = 0; i < c.layers; ++i) {
     const size_t li = static_cast<size_t>(i);

@@ -118,16 +118,9 @@ at::Tensor OpenFlamingo::decode_rows(const at::Tensor& tokens, const Parallel& p
   c10::AutoGradMode no_grad(false);
   const OpenFlamingoConfig& c = cfg_;
   const int64_t R = static_cast<int64_t>(caches.size()), hd = c.head_dim;
-  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == R, "decode_rows: expected one token per row (",
-            R, "), got ", tokens.sizes());
-  std::vector<int64_t> lengths;
-  for (const DecodeCache* k : caches) {
-    LVX_CHECK(k->batch == 1, "decode_rows: each row's cache holds one sample, got ", k->batch);
-    lengths.push_back(k->length);
-  }
+  const at::Tensor positions = row_positions(tokens, caches, embedding().device());  // [R, 1]
   at::Tensor x = at::embedding(embedding(),
                                tokens.to(embedding().device(), at::kLong).unsqueeze(1));  // [R,1,W]
-  const at::Tensor positions = at::tensor(lengths, at::kLong).to(x.device()).unsqueeze(1);
   for (int64_t i = 0; i < c.layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     if (c.is_cross(i)) x = cross_rows(i, x, par, caches);
