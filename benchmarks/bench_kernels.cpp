@@ -1,3 +1,6 @@
+// Over 600 lines: the correctness sweep, the CPU and CUDA timings and the table share the case
+// lists and the gate of one binary, the one the GPU archive ships; the profile is already apart
+// (kernel_profile.cpp). Issue 33 splits the timing from the checks.
 // Local attention kernels: correctness first (every mask x dtype x head layout against the fp64
 // dense reference with the dual-reference gate, on CPU and, when present, CUDA), then timing
 // side by side with a baseline in the same run: on CPU lvx's local forward and forward+backward

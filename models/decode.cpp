@@ -111,6 +111,19 @@ Partial token_rows(const Partial& p) {
 // none where it has none): the rows that hold the same key tensors (questions about one cached
 // video) in one shared_partial_attention call, their queries side by side. Row r's partial is
 // [T_r, Hq, D] / [T_r, Hq].
+Partial tokens_over_ranks(const at::Tensor& q, const KVShard& kv, dist::ProcessGroup& pg,
+                          double scale) {
+  const int64_t kv_heads = kv.k.size(2);
+  const Partial local = partial_attention(fold_tokens(q, kv_heads), kv.k, kv.v, kv.visible, scale);
+  return unfold_tokens(merge_across_ranks(pg, {local})[0], q.size(1), kv_heads);
+}
+
+int64_t new_key_count(const DecodeCache& cache, size_t layer) {
+  int64_t n = 0;
+  for (const at::Tensor& k : cache.new_k[layer]) n += k.size(1);
+  return n;
+}
+
 at::Tensor row_positions(const at::Tensor& tokens, const std::vector<DecodeCache*>& caches,
                          const at::Device& device) {
   const auto R = static_cast<int64_t>(caches.size());

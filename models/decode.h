@@ -99,6 +99,16 @@ struct DecodeCache {
 // Several generations at once (continuous batching: Model::decode_rows, extend_rows), row r with
 // its own cache caches[r] (one sample each).
 //
+// extend's T new tokens q [B, T, Hq, D] against keys held across the ranks (the cached prompt's
+// or the visual ones): folded into heads, one call per rank, merged over the ranks (pass-Q);
+// o [B, T, Hq, D], lse [B, T, Hq].
+Partial tokens_over_ranks(const at::Tensor& q, const KVShard& kv, dist::ProcessGroup& pg,
+                          double scale);
+
+// The tokens layer `layer` of `cache` holds past its cached prompt part (extend's and decode's
+// keys on every rank).
+int64_t new_key_count(const DecodeCache& cache, size_t layer);
+
 // decode_rows' arguments checked (one token per row, int64 [R]; each cache one sample) and the
 // rows' positions, each cache's length: int64 [R, 1] on `device`.
 at::Tensor row_positions(const at::Tensor& tokens, const std::vector<DecodeCache*>& caches,

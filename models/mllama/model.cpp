@@ -462,12 +462,6 @@ at::Tensor Mllama::extend(const at::Tensor& tokens, const Parallel& par, DecodeC
                    rope_inv_freq(t, emb.options().dtype(at::kFloat)));
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const at::Tensor sees = cache.sees_media.to(h.scalar_type()).view({B, 1, 1});
-  // The T tokens' partial over keys held across the ranks, merged (pass-Q), as [B, T, Hq, D].
-  auto over_ranks = [&](const at::Tensor& q, const KVShard& kv) {
-    const int64_t kv_heads = kv.k.size(2);
-    const Partial local = partial_attention(fold_tokens(q, kv_heads), kv.k, kv.v, kv.visible, scale);
-    return unfold_tokens(merge_across_ranks(*par.pg, {local})[0], T, kv_heads);
-  };
   for (int64_t i = 0; i < t.layers; ++i) {
     const std::string l = layer_prefix(i);
     const size_t li = static_cast<size_t>(i);
@@ -477,14 +471,13 @@ at::Tensor Mllama::extend(const at::Tensor& tokens, const Parallel& par, DecodeC
           apply_rotary(linear(x, w_, l + "self_attn.q_proj", false).view({B, T, Hq, D}), rope);
       const at::Tensor k =
           apply_rotary(linear(x, w_, l + "self_attn.k_proj", false).view({B, T, Hkv, D}), rope);
-      int64_t before = 0;
-      for (const at::Tensor& nk : cache.new_k[li]) before += nk.size(1);
+      const int64_t before = new_key_count(cache, li);
       cache.new_k[li].push_back(k);
       cache.new_v[li].push_back(linear(x, w_, l + "self_attn.v_proj", false).view({B, T, Hkv, D}));
       const Partial generated = causal_new_keys(q, at::cat(cache.new_k[li], 1),
                                                 at::cat(cache.new_v[li], 1), before, scale);
       const at::Tensor ctx =
-          merge_partials({token_rows(over_ranks(q, cache.prompt[li])), token_rows(generated)}).o;
+          merge_partials({token_rows(tokens_over_ranks(q, cache.prompt[li], *par.pg, scale)), token_rows(generated)}).o;
       h = self_block(i, h, ctx.reshape({B, T, Hq * D}).to(h.scalar_type()), false);
       continue;
     }
@@ -492,7 +485,7 @@ at::Tensor Mllama::extend(const at::Tensor& tokens, const Parallel& par, DecodeC
     if (!vis.k.defined()) continue;  // no image: the layer is skipped
     const at::Tensor q = rms_norm(linear(x, w_, l + "cross_attn.q_proj", false).view({B, T, Hq, D}),
                                   param(w_, l + "cross_attn.q_norm.weight"), t.rms_eps);
-    const at::Tensor ctx = over_ranks(q, vis).o.reshape({B, T, Hq * D}).to(h.scalar_type());
+    const at::Tensor ctx = tokens_over_ranks(q, vis, *par.pg, scale).o.reshape({B, T, Hq * D}).to(h.scalar_type());
     h = cross_block(i, h, ctx, sees, false);
   }
   cache.length += T;

@@ -177,8 +177,7 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
   for (int64_t i = 0; i < c.layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     const auto [q, k, v] = decode_qkv(i, h, rope);
-    int64_t before = 0;
-    for (const at::Tensor& nk : cache.new_k[li]) before += nk.size(1);
+    const int64_t before = new_key_count(cache, li);
     cache.new_k[li].push_back(k);
     cache.new_v[li].push_back(v);
     const at::Tensor qf = fold_tokens(q, hkv);
@@ -224,9 +223,8 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
   }
   const int64_t N = static_cast<int64_t>(positions.size());
   // Each row's tokens already past its prompt prefix (its new keys, the same count every layer).
-  std::vector<int64_t> before(R, 0);
-  for (size_t r = 0; r < R; ++r)
-    for (const at::Tensor& nk : caches[r]->new_k[0]) before[r] += nk.size(1);
+  std::vector<int64_t> before;
+  for (const DecodeCache* kc : caches) before.push_back(new_key_count(*kc, 0));
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
   at::Tensor h = at::embedding(emb, at::cat(tokens).to(emb.device(), at::kLong)).unsqueeze(0);
   const RotaryTables rope = rotary_tables(

@@ -78,25 +78,18 @@ at::Tensor OpenFlamingo::extend(const at::Tensor& tokens, const Parallel& par,
   const at::Tensor positions =
       at::arange(cache.length, cache.length + T, x.options().dtype(at::kLong));
   const double x_scale = 1.0 / std::sqrt(static_cast<double>(c.x_dim_head));
-  // The T tokens' partial over keys held across the ranks, merged (pass-Q), as [B, T, Hq, ·].
-  auto over_ranks = [&](const at::Tensor& q, const KVShard& kv, double scale) {
-    const int64_t kv_heads = kv.k.size(2);
-    const Partial local = partial_attention(fold_tokens(q, kv_heads), kv.k, kv.v, kv.visible, scale);
-    return unfold_tokens(merge_across_ranks(*par.pg, {local})[0], T, kv_heads);
-  };
   for (int64_t i = 0; i < c.layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     const KVShard& vis = cache.visual[li];
     if (c.is_cross(i) && vis.k.defined()) {
-      const Partial o = over_ranks(cross_query(i, x), vis, x_scale);
+      const Partial o = tokens_over_ranks(cross_query(i, x), vis, *par.pg, x_scale);
       x = cross_output(i, x, o.o.reshape({B, T, c.x_heads * c.x_dim_head}).to(dt));
     }
     const SelfQKV qkv = self_qkv(i, x, positions);
-    int64_t before = 0;
-    for (const at::Tensor& nk : cache.new_k[li]) before += nk.size(1);
+    const int64_t before = new_key_count(cache, li);
     cache.new_k[li].push_back(qkv.k);
     cache.new_v[li].push_back(qkv.v);
-    const Partial prompt = over_ranks(qkv.q, cache.prompt[li], self_scale());
+    const Partial prompt = tokens_over_ranks(qkv.q, cache.prompt[li], *par.pg, self_scale());
     const Partial generated = causal_new_keys(qkv.q, at::cat(cache.new_k[li], 1),
                                               at::cat(cache.new_v[li], 1), before, self_scale());
     const at::Tensor a = merge_partials({token_rows(prompt), token_rows(generated)})

@@ -1,6 +1,6 @@
 // Over 600 lines: questions answered one at a time and in parts (start / step / finish, what lvx
-// serve's scheduler drives) share State and its helpers here; issue 33 (structure) splits them
-// with src/serve/server.cpp.
+// serve's scheduler drives) share State and its helpers here; issue 33 (structure) splits the
+// media (frames, cache keys), the answer's parts and the batch mode into files of their own.
 #include "src/runtime/qa_job.h"
 
 #include <sys/stat.h>
@@ -563,11 +563,12 @@ void QaSession::step(const std::vector<QaAnswer*>& answers) {
     const std::vector<int64_t>* stop = &cx.stop;
     const auto& on_logprob = a->hooks.on_logprob;
     on_token.push_back([text, r, streams, gen, tok, stop, &on_logprob](const at::Tensor& next) {
+      if (r != 0) return;  // rank 0 streams the text and the log-probabilities
       const int64_t id = next[0].item<int64_t>();
-      if (r == 0 && streams) text->add(id);
+      if (streams) text->add(id);
       // The completion tokens' (the row's "logprobs"): not the stop token's.
       const bool stops = std::find(stop->begin(), stop->end(), id) != stop->end();
-      if (r == 0 && on_logprob && !stops && !gen->logprobs().empty())
+      if (on_logprob && !stops && !gen->logprobs().empty())
         on_logprob(logprob_json(*tok, gen->logprobs().back()));
     });
   }

@@ -5,12 +5,9 @@
 // (QaSession::step); generations that are done leave in batch order (QaSession::finish) and
 // their clients get their answers. The other ranks do what each broadcast says, in its order.
 #include <signal.h>
-#include <stdlib.h>
 
 #include <algorithm>
 #include <chrono>
-#include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -19,10 +16,9 @@
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/serve/server_impl.h"
+#include "src/serve/upload.h"
 
 namespace lvx::serve {
-
-namespace fs = std::filesystem;
 
 json Server::describe(const Job& job, std::vector<std::string>* blobs) const {
   const ChatRequest& r = job.req;
@@ -62,27 +58,14 @@ json Server::describe(const Job& job, std::vector<std::string>* blobs) const {
 
 runtime::QaAnswerPtr Server::start_answer(const Command& c, const runtime::AnswerHooks& hooks) {
   const json& d = c.desc;
-  // A folder of its own, made by mkdtemp: unpredictable and private (0700), so no other local
-  // user can plant a link in it or read the uploads.
-  std::string tmpl = (fs::temp_directory_path() / "lvx-serve-XXXXXX").string();
-  LVX_CHECK(::mkdtemp(tmpl.data()) != nullptr, "cannot make a temporary folder in ",
-            fs::temp_directory_path().string());
-  const fs::path dir = tmpl;
-  struct Cleanup {
-    fs::path dir;
-    ~Cleanup() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
-  } cleanup{dir};
+  // Media sent as bytes (ranks on another machine than rank 0) go into a private folder of this
+  // rank's (upload.h), made only when there are any and removed once the answer has started
+  // (its frames are read during the start).
+  UploadDir uploads;
   auto file_of = [&](const json& ref, const std::string& name) -> std::string {
     if (ref.contains("path")) return ref["path"].get<std::string>();
-    const std::string path = (dir / (name + ref["ext"].get<std::string>())).string();
-    std::ofstream f(path, std::ios::binary | std::ios::trunc);
-    const std::string& b = c.blobs.at(ref["blob"].get<size_t>());
-    f.write(b.data(), static_cast<std::streamsize>(b.size()));
-    LVX_CHECK(f.good(), "cannot write '", path, "'");
-    return path;
+    return uploads.write(c.blobs.at(ref["blob"].get<size_t>()),
+                         name + ref["ext"].get<std::string>());
   };
   runtime::QaRequest q;
   q.item.id = d["id"].get<std::string>();

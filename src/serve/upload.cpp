@@ -20,8 +20,7 @@ UploadDir::~UploadDir() {
   fs::remove_all(dir_, ec);
 }
 
-void UploadDir::spill(MediaRef& m, const std::string& name) {
-  if (m.bytes.empty()) return;
+std::string UploadDir::write(const std::string& bytes, const std::string& file) {
   if (dir_.empty()) {
     // The name client_error_text recognises (openai_api.h): errors say "the uploaded video".
     std::string tmpl = (fs::temp_directory_path() / "lvx-serve-XXXXXX").string();
@@ -29,16 +28,19 @@ void UploadDir::spill(MediaRef& m, const std::string& name) {
               fs::temp_directory_path().string());
     dir_ = tmpl;
   }
-  const std::string path = (fs::path(dir_) / (name + m.ext)).string();
-  {
-    std::ofstream f(path, std::ios::binary | std::ios::trunc);
-    f.write(m.bytes.data(), static_cast<std::streamsize>(m.bytes.size()));
-    LVX_CHECK(f.good(), "cannot write the upload (", m.bytes.size(), " bytes) to ", path);
-  }
+  const std::string path = (fs::path(dir_) / file).string();
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  LVX_CHECK(f.good(), "cannot write the upload (", bytes.size(), " bytes) to ", path);
+  return path;
+}
+
+void UploadDir::spill(MediaRef& m, const std::string& name) {
+  if (m.bytes.empty()) return;
+  m.path = write(m.bytes, name + m.ext);
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx",
                 static_cast<unsigned long long>(XXH3_64bits(m.bytes.data(), m.bytes.size())));
-  m.path = path;
   m.hash = hex;
   m.upload = true;
   std::string().swap(m.bytes);

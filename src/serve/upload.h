@@ -17,9 +17,11 @@ class UploadDir {
   UploadDir(const UploadDir&) = delete;
   UploadDir& operator=(const UploadDir&) = delete;
   ~UploadDir();
+  // Writes `bytes` to the file `file` in the folder (made on first use); returns its path.
+  // Throws lvx::Error naming what failed (the folder, the write).
+  std::string write(const std::string& bytes, const std::string& file);
   // Writes `m`'s inline bytes to `name` + its extension in the folder (made on first use), then
   // holds the file instead: m.path, m.hash (XXH3-64 of the bytes), m.upload; m.bytes emptied.
-  // Throws lvx::Error naming what failed (the folder, the write).
   void spill(MediaRef& m, const std::string& name);
 
  private:
