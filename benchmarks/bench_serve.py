@@ -23,10 +23,11 @@ default (up to --max-batch generations step together, one decode step for all) a
 of the client's time to first token and of the whole request. Every answer must be the same on
 both servers (the batched rows' logits differ from alone by ~1e-6; a greedy token that flipped
 would stop the run).
-Prefill under load: the time to first token of a short question about a cached video asked while
-a 1-hour video's first prefill (a cache miss) runs, against the same question asked on an idle
-server: a new request's prefill runs whole between two decode steps, so the short question waits
-for it (chunking the prefill is what would bound it).
+Prefill under load: the time to first token of a short question about a cached video asked (back
+to back) while a 1-hour video's first prefill (a cache miss) runs, against the same question on
+the idle server, for several --max-batch-tokens (--probe-chunks; 0: the prompt whole, which the
+short questions wait for): the miss's frames are decoded and encoded on a worker thread of each
+rank, and its prompt runs one chunk between two decode steps.
 """
 import argparse
 import json
@@ -151,18 +152,50 @@ def load_rows(a, lvx, model, nproc, media, videos):
     return rows
 
 
-def prefill_probe(srv, a, long_video, short_video, length):
-    """TTFT of a short cached question, idle and while a 1-hour video's first prefill runs."""
-    srv.post(body(short_video, 1))
-    idle = statistics.median(srv.post(body(short_video, a.tokens, True), True)[0]
-                             for _ in range(3))
-    with ThreadPoolExecutor(1) as ex:
-        miss = ex.submit(srv.post, body(long_video, a.tokens, True, 200, end=length), True)
-        time.sleep(0.3)  # the miss's decode and prefill under way
-        busy = srv.post(body(short_video, a.tokens, True), True)[0]
-        long_ttft = miss.result()[0]
-    return {"idle_ttft_s": idle, "busy_ttft_s": busy, "ratio": busy / idle,
-            "long_ttft_s": long_ttft}
+def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
+    """TTFT of a short question about a cached video, idle and while a 1-hour video's first
+    prefill (a cache miss) runs, for each --max-batch-tokens of --probe-chunks (0: the prompt
+    whole), one server each, side by side. Every short question asked back to back from 50 ms
+    after the miss was sent until the miss's first token counts. The miss's answer must equal
+    lvx qa's with the same --max-batch-tokens."""
+    rows = []
+    for chunk in [int(x) for x in a.probe_chunks.split(",")]:
+        want = qa_answer(a, lvx, model, long_video, nproc, chunk)
+        srv = Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens,
+                     ["--max-batch-tokens", str(chunk)])
+        try:
+            srv.post(body(short_video, 1))
+            idle = [srv.post(body(short_video, a.tokens, True), True)[0] for _ in range(5)]
+            spans = []
+            with ThreadPoolExecutor(1) as ex:
+                t0 = time.perf_counter()
+                miss = ex.submit(srv.post, body(long_video, a.tokens, True, 300, end=length), True)
+                time.sleep(0.05)
+                while not miss.done():
+                    s = time.perf_counter() - t0
+                    ttft = srv.post(body(short_video, a.tokens, True), True)[0]
+                    spans.append((s, s + ttft, ttft))
+                long_ttft, _, long_text, _ = miss.result()
+            assert long_text == want["response"], ("the 1-hour answer differs from lvx qa's",
+                                                   chunk, long_text, want["response"])
+            busy = [t for s, e, t in spans if e < long_ttft] or [float("nan")]
+            rows.append({"max_batch_tokens": chunk, "idle_ttft_s": statistics.median(idle),
+                         "busy_ttft_p50_s": statistics.median(busy), "busy_ttft_max_s": max(busy),
+                         "busy_samples": len(busy),
+                         "ratio": statistics.median(busy) / statistics.median(idle),
+                         "long_ttft_s": long_ttft})
+        finally:
+            srv.stop()
+    return rows
+
+
+def qa_answer(a, lvx, model, video, nproc, chunk):
+    """lvx qa --json of the benchmark's question about `video` with --max-batch-tokens chunk."""
+    return json.loads(subprocess.run(
+        [lvx, "qa", "--model", str(model), "--video", str(video), "--question", QUESTION,
+         "--fps", str(a.sample_fps), "--max-new-tokens", str(a.tokens), "--json", "--nproc",
+         str(nproc), "--max-batch-tokens", str(chunk)],
+        check=True, capture_output=True, text=True).stdout)
 
 
 def main():
@@ -176,6 +209,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-batch", type=int, default=16, help="the batched server's --max-batch")
+    ap.add_argument("--max-batch-tokens", type=int, default=256,
+                    help="the servers' --max-batch-tokens (lvx serve's default)")
+    ap.add_argument("--probe-chunks", default="0,256,16",
+                    help="--max-batch-tokens of the prefill-under-load servers (0: whole)")
     ap.add_argument("--load-minutes", type=float, default=2,
                     help="length of each of the 4 videos the load asks about")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lvx_bench_serve"))
@@ -194,11 +231,9 @@ def main():
     results = []
     length = a.minutes * 60  # seconds
     for nproc in [int(x) for x in a.nproc.split(",")]:
-        want = json.loads(subprocess.run(
-            [lvx, "qa", "--model", str(model), "--video", str(video), "--question", QUESTION,
-             "--fps", str(a.sample_fps), "--max-new-tokens", str(a.tokens), "--json", "--nproc",
-             str(nproc)], check=True, capture_output=True, text=True).stdout)
-        srv = Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens)
+        want = qa_answer(a, lvx, model, video, nproc, a.max_batch_tokens)
+        srv = Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens,
+                     ["--max-batch-tokens", str(a.max_batch_tokens)])
         try:
             row = {"ranks": nproc, "frames": want["frames"], "prompt_tokens": want["prompt_tokens"],
                    "qa_ttft_s": want["timings"]["ttft_s"]}
@@ -221,10 +256,11 @@ def main():
             for name, t in (("miss", miss["timings"]), ("hit", hit["timings"])):
                 row[name] = {k: t[k] for k in ("video_decode_s", "encode_s", "prefill_s", "ttft_s")}
             row["load"] = load_rows(a, lvx, model, nproc, media, videos)
-            row["under_prefill"] = prefill_probe(srv, a, str(video), videos[0], length)
             results.append(row)
         finally:
             srv.stop()
+        row["under_prefill"] = prefill_probe(a, lvx, model, nproc, media, str(video), videos[0],
+                                             length)
     load = os.getloadavg()[0]
     if a.output == "json":
         print(json.dumps({"results": results, "loadavg_1min_at_end": load}, indent=1))
@@ -259,14 +295,15 @@ def main():
                      b["req_per_s"] / o["req_per_s"], o["ttft_p50_s"], b["ttft_p50_s"],
                      o["ttft_p99_s"], b["ttft_p99_s"], o["p99_s"], b["p99_s"]))
     print()
-    print("| ranks | short question TTFT idle s | during a 1-hour prefill s | ratio | "
-          "the 1-hour question's TTFT s |")
-    print("|---|---|---|---|---|")
+    print("| ranks | --max-batch-tokens | short question TTFT idle s | during a 1-hour prefill: "
+          "p50 s | max s | samples | p50 / idle | the 1-hour question's TTFT s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        p = r["under_prefill"]
-        print("| %d | %.3f | %.3f | %.1f | %.3f |" % (r["ranks"], p["idle_ttft_s"],
-                                                      p["busy_ttft_s"], p["ratio"],
-                                                      p["long_ttft_s"]))
+        for p in r["under_prefill"]:
+            print("| %d | %s | %.3f | %.3f | %.3f | %d | %.1f | %.3f |" % (
+                r["ranks"], p["max_batch_tokens"] or "0 (whole)", p["idle_ttft_s"],
+                p["busy_ttft_p50_s"], p["busy_ttft_max_s"], p["busy_samples"], p["ratio"],
+                p["long_ttft_s"]))
     print("\n(load average at the end: %.1f)" % load)
 
 

@@ -105,6 +105,52 @@ Partial token_rows(const Partial& p) {
   return {p.o.reshape({B * T, p.o.size(2), p.o.size(3)}), p.lse.reshape({B * T, p.lse.size(2)})};
 }
 
+// ---- a prompt prefilled in chunks (Model::prefill_media, then extend per chunk) ----
+
+Partial media_partial(const at::Tensor& q, const KVShard& vis, const at::Tensor& kv_media,
+                      const at::Tensor& q_media, kernels::MediaRule rule, bool unmatched_sees_all,
+                      double scale) {
+  const int64_t B = q.size(0), T = q.size(1), hq = q.size(2), D = q.size(3);
+  if (vis.k.size(1) == 0) {  // no image on this rank (the kernels take at least one key)
+    const auto acc = q.options().dtype(kernels::accumulation_dtype(q.scalar_type()));
+    return {at::zeros({B, T, hq, D}, acc),
+            at::full({B, T, hq}, -std::numeric_limits<double>::infinity(), acc)};
+  }
+  kernels::AttentionParams params;
+  params.scale = scale;
+  params.mask.kind = kernels::MaskKind::kMedia;
+  params.mask.media_rule = rule;
+  params.mask.q_media = q_media.to(vis.k.device(), at::kInt).contiguous();
+  params.mask.kv_media = kv_media.to(at::kInt).contiguous();
+  params.mask.unmatched_sees_all = unmatched_sees_all;
+  const kernels::AttentionOutput out = kernels::attention_forward(q, vis.k, vis.v, params);
+  return {out.o, out.lse.transpose(1, 2)};  // [B, T, Hq, D], [B, T, Hq]
+}
+
+Partial fold_partial(const Partial& p, int64_t kv_heads) {
+  return {fold_tokens(p.o.contiguous(), kv_heads),
+          fold_tokens(p.lse.contiguous().unsqueeze(-1), kv_heads).squeeze(-1)};
+}
+
+void seal_chunked_prompt(DecodeCache& cache, int rank, int world) {
+  for (size_t i = 0; i < cache.new_k.size(); ++i) {
+    const at::Tensor k = at::cat(cache.new_k[i], 1), v = at::cat(cache.new_v[i], 1);
+    const int64_t L = k.size(1), lo = L * rank / world, hi = L * (rank + 1) / world;
+    // A copy of the slice: the whole prompt's K/V (on every rank until now) are freed.
+    cache.prompt[i] = {k.narrow(1, lo, hi - lo).clone(), v.narrow(1, lo, hi - lo).clone(),
+                       at::Tensor()};
+    cache.new_k[i].clear();
+    cache.new_v[i].clear();
+  }
+  cache.prompt_media = cache.visual_media = at::Tensor();
+}
+
+KVShard no_prompt_keys(int64_t batch, int64_t kv_heads, int64_t head_dim,
+                       const at::TensorOptions& like) {
+  return {at::empty({batch, 0, kv_heads, head_dim}, like),
+          at::empty({batch, 0, kv_heads, head_dim}, like), at::Tensor()};
+}
+
 // ---- several generations at once (continuous batching: Model::decode_rows / extend_rows) ----
 
 // Row r's queries q[r] ([T_r, Hq, D]) over its cached prompt keys (visual: its visual keys;

@@ -28,6 +28,7 @@
 
 #include <vector>
 
+#include "kernels/attention.h"
 #include "src/dist/process_group.h"
 
 namespace lvx::models {
@@ -94,7 +95,37 @@ struct DecodeCache {
   int64_t length = 0;     // tokens so far (prompt + generated): the next position
   int64_t batch = 0;
   double encode_seconds = 0;  // the prefill's vision encoding of this rank's frames
+  // While a prompt is prefilled in chunks (Model::prefill_media, then extend per chunk): each
+  // prompt position's newest visible image (int32 [B, L], −1: none yet; the family's media
+  // rule), so a chunk's tokens see the images before them, not all of them; visual_media: the
+  // image of each of this rank's visual keys (int32 [B, S_r], −1: padding; the same in every
+  // cross layer). Undefined once the prompt is whole (seal_chunked_prompt) and for a whole
+  // prefill.
+  at::Tensor prompt_media, visual_media;
 };
+
+// Queries q [B, T, Hq, D] of T prompt tokens being prefilled in chunks against this rank's
+// visual keys `vis` (their images kv_media, int32 [B, S_r]), each token seeing the images its
+// q_media (int32 [B, T]) allows under `rule` (kernels/attention.h; unmatched_sees_all as
+// Llama-3.2-Vision's rows without an image): one kernel call with the media mask.
+// o [B, T, Hq, D], lse [B, T, Hq].
+Partial media_partial(const at::Tensor& q, const KVShard& vis, const at::Tensor& kv_media,
+                      const at::Tensor& q_media, kernels::MediaRule rule, bool unmatched_sees_all,
+                      double scale);
+
+// A partial of T tokens per sample (o [B, T, Hq, D], lse [B, T, Hq]) in fold_tokens' layout
+// ([B, Hkv·T·g, D] / [B, Hkv·T·g]), to travel in one pass-Q message with folded ones.
+Partial fold_partial(const Partial& p, int64_t kv_heads);
+
+// The end of a prompt prefilled in chunks: the K/V its chunks left on every rank (extend's new
+// keys) become this rank's shard of the prompt's K/V (a contiguous 1/n of the tokens, as a whole
+// prefill leaves a shard), so decoding, extending and keeping the prefix work as after a whole
+// prefill; prompt_media is dropped.
+void seal_chunked_prompt(DecodeCache& cache, int rank, int world);
+
+// The prompt's keys before any chunk: none ([B, 0, Hkv, D] in `like`'s options), one per layer.
+KVShard no_prompt_keys(int64_t batch, int64_t kv_heads, int64_t head_dim,
+                       const at::TensorOptions& like);
 
 // Several generations at once (continuous batching: Model::decode_rows, extend_rows), row r with
 // its own cache caches[r] (one sample each).

@@ -23,6 +23,11 @@ at::Tensor Model::extend(const at::Tensor&, const Parallel&, DecodeCache&) const
            " family");
 }
 
+void Model::prefill_media(const ModelInputs&, const Parallel&, DecodeCache&) const {
+  LVX_FAIL("prefilling a prompt in chunks is not implemented for the ", family().display_name(),
+           " family");
+}
+
 at::Tensor Model::decode_rows(const at::Tensor& tokens, const Parallel& par,
                               const std::vector<DecodeCache*>& caches) const {
   LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == static_cast<int64_t>(caches.size()),

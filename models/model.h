@@ -87,6 +87,15 @@ class Model {
   // (src/runtime/generate.h). Families without it say can_extend() false.
   virtual bool can_extend() const { return false; }
   virtual at::Tensor extend(const at::Tensor& tokens, const Parallel& par, DecodeCache& cache) const;
+  // Chunked prefill (lvx serve's --max-batch-tokens): prefill_media encodes this rank's images
+  // of the prompt in.input_ids [B, L] (or takes in.media's features) and leaves their visual
+  // K/V in `cache` with no text (length 0, prompt_media set: models/decode.h); no collective, so
+  // it may run on another thread than the ranks' lockstep. Then extend runs the prompt's tokens
+  // in chunks, each token seeing the images before it by the family's media rule, and
+  // seal_chunked_prompt ends it: the cache is then a whole prefill's up to rounding. Families
+  // without it say can_prefill_in_chunks() false (their prompts run whole).
+  virtual bool can_prefill_in_chunks() const { return false; }
+  virtual void prefill_media(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const;
   // decode_rows: one decode step of several independent generations at once (continuous
   // batching, lvx serve): row r's token tokens[r] (int64 [R] on the host, identical on every
   // rank) against caches[r], each from its own prefill of one sample at its own length; returns

@@ -143,13 +143,21 @@ inline Diff forward_against(const Reference& ref, const std::string& tag, int np
   return d;
 }
 
+// A gtest parameter name: letters and digits kept, everything else '_'.
+inline std::string test_name(std::string s) {
+  for (char& ch : s)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return s;
+}
+
 // Greedy generation against a reference script's `generate` subcommand (a cache-less greedy loop,
 // made once per generator version under build/tests/<name>): `lvx forward --generate` of
 // `tokens` tokens on the reference's batch must give the same tokens and every step's logits
 // within 1e-4. Returns the output's metadata (decode_bytes_sent_per_token, ...); empty on failure.
 inline std::map<std::string, std::string> generate_against(
     const Reference& ref, const std::string& name, const std::string& script,
-    const std::string& stamp, int nproc, const std::string& strategies, int tokens) {
+    const std::string& stamp, int nproc, const std::string& strategies, int tokens,
+    const std::string& flags = "") {
   std::string log;
   const std::string dir = generated(
       name, stamp,
@@ -161,11 +169,12 @@ inline std::map<std::string, std::string> generate_against(
   EXPECT_FALSE(dir.empty()) << log;
   if (dir.empty()) return {};
   const std::string out =
-      (workdir() / (name + "_n" + std::to_string(nproc) + ".safetensors")).string();
+      (workdir() / (name + "_n" + std::to_string(nproc) + test_name(flags) + ".safetensors"))
+          .string();
   fs::remove(out);
   log = run_command(lvx_binary() + " forward --model " + ref.model + " --input " + ref.batch +
                     " --output " + out + " --nproc " + std::to_string(nproc) + " --strategies " +
-                    strategies + " --generate " + std::to_string(tokens));
+                    strategies + " --generate " + std::to_string(tokens) + " " + flags);
   EXPECT_TRUE(fs::exists(out)) << log;
   if (!fs::exists(out)) return {};
   const lvx::TensorFile got = lvx::load_safetensors(out);
@@ -182,12 +191,6 @@ inline std::map<std::string, std::string> generate_against(
   return got.metadata;
 }
 
-// A gtest parameter name: letters and digits kept, everything else '_'.
-inline std::string test_name(std::string s) {
-  for (char& ch : s)
-    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  return s;
-}
 
 // Asserts a conformance run: logits and loss within `atol`, every gradient within `rtol` of its
 // largest element, and at least `min_grads` gradients compared.

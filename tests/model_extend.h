@@ -56,4 +56,37 @@ inline ExtendDiff extend_against_prefill(const models::Model& model, const at::T
   return d;
 }
 
+// Chunked prefill (Model::prefill_media, then extend per chunk of `chunk` tokens, then
+// seal_chunked_prompt: lvx serve's --max-batch-tokens) of the prefix of `ids` (up to its last
+// image token) against its whole prefill: the rest of the prompt extended after either must give
+// the same logits, and the next decode step too. Returns the largest |Δ logits| of the two.
+inline double chunked_against_prefill(const models::Model& model, const at::Tensor& ids,
+                                      const at::Tensor& pixels, int64_t chunk,
+                                      std::shared_ptr<dist::ProcessGroup> pg = nullptr) {
+  models::Parallel par;
+  par.pg = pg ? pg : std::make_shared<dist::ProcessGroup>(dist::RendezvousInfo{});
+  int64_t split = 0;
+  const at::Tensor media = ids.eq(model.media_token_id()).any(0);
+  for (int64_t t = 0; t < ids.size(1); ++t)
+    if (media[t].item<bool>()) split = t + 1;
+  EXPECT_GT(split, chunk);  // more than one chunk
+  const at::Tensor prefix = ids.narrow(1, 0, split), tail = ids.narrow(1, split, ids.size(1) - split);
+  models::DecodeCache whole, chunked;
+  model.prefill({prefix, pixels, false, {}}, par, whole);
+  const at::Tensor want = model.extend(tail, par, whole);
+  model.prefill_media({prefix, pixels, false, {}}, par, chunked);
+  for (int64_t at = 0; at < split; at += chunk)
+    model.extend(prefix.narrow(1, at, std::min(chunk, split - at)).contiguous(), par, chunked);
+  models::seal_chunked_prompt(chunked, par.pg->rank(), par.pg->world_size());
+  EXPECT_EQ(chunked.length, split);
+  const at::Tensor got = model.extend(tail, par, chunked);
+  EXPECT_EQ(chunked.length, whole.length);
+  const at::Tensor next = at::full({ids.size(0)}, 9, at::kLong);
+  const double step = (model.decode_step(next, par, chunked) - model.decode_step(next, par, whole))
+                          .abs()
+                          .max()
+                          .item<double>();
+  return std::max((got - want).abs().max().item<double>(), step);
+}
+
 }  // namespace lvx::testing

@@ -105,14 +105,17 @@ INSTANTIATE_TEST_SUITE_P(Cases, MplugConformance, ::testing::ValuesIn(cases()),
 // for token, at world sizes 1–4 and for several prefill plans; every step's logits within 1e-4
 // (measured ≈1.5e-6). Each decode step sends exactly the pass-Q formula's bytes (models/decode.h):
 // (n−1)·A·B·Hq·(D+1)·4 per rank, A = 4 self + 2 cross attentions in the tiny model.
+// With --max-batch-tokens the prefix is prefilled in chunks (lvx serve's chunked prefill) and
+// must give the reference's tokens too.
 struct GenCase {
   std::string variant;
   int nproc;
   std::string strategies;
+  std::string flags;
 };
 
 void PrintTo(const GenCase& c, std::ostream* os) {
-  *os << c.variant << " on " << c.nproc << " ranks, " << c.strategies;
+  *os << c.variant << " on " << c.nproc << " ranks, " << c.strategies << " " << c.flags;
 }
 
 class MplugGeneration : public ::testing::TestWithParam<GenCase> {};
@@ -121,7 +124,8 @@ TEST_P(MplugGeneration, GreedyTokensEqualTheReferenceLoop) {
   const GenCase& c = GetParam();
   const Reference& ref = reference(c.variant);
   const auto meta = generate_against(ref, "mplug_generate_" + c.variant, ref_script(),
-                                     script_stamp(ref_script()), c.nproc, c.strategies, 6);
+                                     script_stamp(ref_script()), c.nproc, c.strategies, 6,
+                                     c.flags);
   ASSERT_FALSE(meta.empty());
   // B = 2, Hq = 4, D = 16; 4 layers of which 2 have a cross-attention.
   const int64_t formula = int64_t{c.nproc - 1} * 6 * 2 * 4 * 17 * 4;
@@ -130,6 +134,9 @@ TEST_P(MplugGeneration, GreedyTokensEqualTheReferenceLoop) {
   // rest (src/runtime/generate.h), the path lvx serve's kept prefixes take; 241101's batch ends
   // with an image, so its prompt runs whole.
   EXPECT_EQ(std::stoll(meta.at("prefix_tokens")), c.variant == "240728" ? 6 : 0);
+  // Chunks of 2 and 4 of those 6 tokens: 3 and 2 chunks; none without the flag.
+  const int64_t chunks = c.flags.empty() ? 0 : c.flags.back() == '2' ? 3 : 2;
+  EXPECT_EQ(std::stoll(meta.at("prefill_chunks")), chunks);
 }
 
 // Model::decode_rows (continuous batching): three generations of the same video at different
@@ -224,16 +231,42 @@ TEST(MplugExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
   }
 }
 
+// Chunked prefill (lvx serve's --max-batch-tokens): the prompt prefix prefilled in chunks of 1, 2
+// and 5 tokens, each token seeing only the images before it (241101's batch interleaves images
+// and text), then the question extended: within 1e-5 of the whole prefill's logits and next
+// step (fp32; the text keys merge in another order). Both variants.
+TEST(MplugChunkedPrefill, ChunksEqualTheWholePrefill) {
+  for (const std::string variant : {"240728", "241101"}) {
+    const Reference& ref = reference(variant);
+    const auto batch = lvx::load_safetensors(ref.batch).tensors;
+    const auto model = lvx::models::load_model(ref.model, at::kFloat);
+    ASSERT_TRUE(model->can_prefill_in_chunks());
+    const at::Tensor ids0 = batch.at("input_ids");
+    const int64_t B = ids0.size(0);
+    const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
+    for (int64_t chunk : {1, 2, 5}) {
+      const double d = chunked_against_prefill(*model, ids, batch.at("pixel_values"), chunk);
+      std::cout << variant << " chunks of " << chunk << ": |chunked − whole| " << d << "\n";
+      EXPECT_LE(d, 1e-5) << variant << " chunk " << chunk;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, MplugGeneration,
-                         ::testing::Values(GenCase{"240728", 1, "lv_xattn,ring"},
-                                           GenCase{"240728", 2, "lv_xattn,ring"},
-                                           GenCase{"240728", 3, "all_gather,striped"},
-                                           GenCase{"241101", 2, "lv_xattn,striped"},
-                                           GenCase{"241101", 4, "lv_xattn,ring"}),
+                         ::testing::Values(GenCase{"240728", 1, "lv_xattn,ring", ""},
+                                           GenCase{"240728", 2, "lv_xattn,ring", ""},
+                                           GenCase{"240728", 3, "all_gather,striped", ""},
+                                           GenCase{"241101", 2, "lv_xattn,striped", ""},
+                                           GenCase{"241101", 4, "lv_xattn,ring", ""},
+                                           GenCase{"240728", 2, "lv_xattn,ring",
+                                                   "--max-batch-tokens 2"},
+                                           GenCase{"240728", 3, "lv_xattn,ring",
+                                                   "--max-batch-tokens 4"}),
                          [](const auto& info) {
                            return "v" + info.param.variant + "_n" +
                                   std::to_string(info.param.nproc) + "_" +
-                                  test_name(info.param.strategies);
+                                  test_name(info.param.strategies) +
+                                  test_name(info.param.flags);
                          });
 
 // Bad checkpoints and inputs give one clear error naming what is wrong.

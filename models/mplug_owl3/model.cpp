@@ -183,6 +183,55 @@ struct LocalVisual {
   at::Tensor kv_media;  // int32 [B, slots_r·T]: the image of each local key, −1 for padding
 };
 
+// This rank's images of the prompt (mask mm on the host, mmd on the weights' device) encoded:
+// SigLIP's hidden_states[-2], then the projector (or in.media's features), with the MI-RoPE
+// position and the image of every key. No collective.
+LocalVisual local_visual(const MplugOwl3Config& c, const StateDict& w, const ModelInputs& in,
+                         const Parallel& par, const attention::MediaMask& mm,
+                         const attention::MediaMask& mmd, const at::TensorOptions& options) {
+  const int64_t B = in.input_ids.size(0), T = c.vision.tokens();
+  const at::ScalarType dt = options.dtype().toScalarType();
+  const LocalMedia media = encode_local_media(
+      mm, in.pixel_values, in.pixels_local, par, c.hidden,
+      [&](const at::Tensor& px) {
+        const at::Tensor v = siglip_forward(w, kVision, c.vision, px.to(dt), c.vision.layers - 1);
+        return linear(at::gelu(linear(v, w, "vision2text_model.0", true)), w,
+                      "vision2text_model.2", true);
+      },
+      options, "mPLUG-Owl3", in.media);
+  LocalVisual vis;
+  vis.features = media.features;
+  // MI-RoPE: every key of image j at its token's index (+1 for 240728/241014).
+  const int64_t shift = c.variant == "241101" ? 0 : 1;
+  const int64_t S = static_cast<int64_t>(media.slots.size());
+  const at::Device dev = options.device();
+  const at::Tensor starts =
+      mmd.media_starts.index_select(1, media.slot_index().to(dev)).clamp_min(0) + shift;
+  vis.key_positions = starts.unsqueeze(2).expand({B, S, T}).reshape({B, -1});
+  vis.kv_media = mmd.kv_media.index_select(1, media.key_index(T).to(dev));
+  return vis;
+}
+
+// Layer `layer`'s visual K/V from the shared features: the text's input RMSNorm weights, then
+// v_kv_proj with head-major channels (per K/V head: its K block, then its V block), keys rotated
+// by MI-RoPE. Captures by value: with recomputation it runs again in the backward.
+KVFunction visual_kv_function(const MplugOwl3Config& c, const LocalVisual& vis) {
+  const RotaryTables mi_rope = rotary_tables(vis.key_positions, c.head_dim, c.rope_theta);
+  const int64_t hkv = c.kv_heads, d = c.head_dim;
+  const double eps = c.rms_eps;
+  return [mi_rope, hkv, d, eps](const at::Tensor& y, const std::vector<at::Tensor>& p) {
+    const at::Tensor kv = models::linear(rms_norm(y, p[0], eps), p[1], p[2])
+                              .view({y.size(0), y.size(1), hkv, 2, d});
+    return std::make_pair(apply_rotary(kv.select(3, 0), mi_rope), kv.select(3, 1));
+  };
+}
+
+std::vector<at::Tensor> visual_kv_params(const StateDict& w, int64_t layer) {
+  const std::string l = layer_prefix(layer);
+  return {param(w, l + "input_layernorm.weight"), param(w, l + "self_attn.v_kv_proj.weight"),
+          param(w, l + "self_attn.v_kv_proj.bias")};
+}
+
 }  // namespace
 
 ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) const {
@@ -228,25 +277,7 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
   const int64_t slots = mm.slots;
   LocalVisual vis;
   const auto encode_start = std::chrono::steady_clock::now();
-  if (slots > 0) {
-    const LocalMedia media = encode_local_media(
-        mm, in.pixel_values, in.pixels_local, par, c.hidden,
-        [&](const at::Tensor& px) {  // SigLIP hidden_states[-2], then the projector
-          const at::Tensor v =
-              siglip_forward(w_, kVision, c.vision, px.to(dt), c.vision.layers - 1);
-          return linear(at::gelu(linear(v, w_, "vision2text_model.0", true)), w_,
-                        "vision2text_model.2", true);
-        },
-        h.options(), "mPLUG-Owl3", in.media);
-    vis.features = media.features;
-    // MI-RoPE: every key of image j at its token's index (+1 for 240728/241014).
-    const int64_t shift = c.variant == "241101" ? 0 : 1;
-    const int64_t S = static_cast<int64_t>(media.slots.size());
-    const at::Tensor starts =
-        mmd.media_starts.index_select(1, media.slot_index().to(h.device())).clamp_min(0) + shift;
-    vis.key_positions = starts.unsqueeze(2).expand({B, S, T}).reshape({B, -1});
-    vis.kv_media = mmd.kv_media.index_select(1, media.key_index(T).to(h.device()));
-  }
+  if (slots > 0) vis = local_visual(c, w_, in, par, mm, mmd, h.options());
   if (cache) {
     *cache = DecodeCache{};
     cache->encode_seconds =
@@ -285,21 +316,8 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
     const auto self = attention::dist_attention(q, k, v, par.pg, st.self, self_spec);
     at::Tensor ctx = self.o.reshape({B, lr, c.heads * c.head_dim});
     if (c.is_hyper(i) && slots > 0) {
-      // The visual K/V of this layer from the shared features: the text's RMSNorm weights,
-      // then v_kv_proj with head-major channels (per K/V head: its K block, then its V block),
-      // keys rotated by MI-RoPE. Captures by value: with recomputation it runs again in the
-      // backward.
-      const RotaryTables mi_rope = rotary_tables(vis.key_positions, c.head_dim, c.rope_theta);
-      const int64_t hkv = c.kv_heads, d = c.head_dim;
-      const double eps = c.rms_eps;
-      KVFunction kv_fn = [mi_rope, hkv, d, eps](const at::Tensor& y,
-                                                const std::vector<at::Tensor>& p) {
-        const at::Tensor kv = models::linear(rms_norm(y, p[0], eps), p[1], p[2])
-                                  .view({y.size(0), y.size(1), hkv, 2, d});
-        return std::make_pair(apply_rotary(kv.select(3, 0), mi_rope), kv.select(3, 1));
-      };
-      const std::vector<at::Tensor> kv_params{norm_w, param(w_, l + "self_attn.v_kv_proj.weight"),
-                                              param(w_, l + "self_attn.v_kv_proj.bias")};
+      const KVFunction kv_fn = visual_kv_function(c, vis);
+      const std::vector<at::Tensor> kv_params = visual_kv_params(w_, i);
       const attention::AttentionSpec cross_spec =
           cross_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, mm, par);
       attention::DistAttentionResult cross;
@@ -332,6 +350,39 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
   if (cache) return {h, shard.host_positions};
   return {at::linear(h, lm_head()), shard.host_positions};
+}
+
+void MplugOwl3::prefill_media(const ModelInputs& in, const Parallel& par,
+                              DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const MplugOwl3Config& c = cfg_;
+  check_named_inputs(in, {}, "mPLUG-Owl3");
+  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  const int64_t B = in.input_ids.size(0), L = in.input_ids.size(1);
+  const attention::MediaMask mm =
+      attention::media_mask(c.media_rule(), host_ids(in.input_ids), c.image_token_id,
+                            c.vision.tokens());
+  LVX_CHECK(mm.slots > 0, "prefill_media: the prompt has no image");
+  const attention::MediaMask mmd = media_mask_on(mm, emb.device());
+  const auto encode_start = std::chrono::steady_clock::now();
+  const LocalVisual vis = local_visual(c, w_, in, par, mm, mmd, emb.options());
+  cache = DecodeCache{};
+  const auto layers = static_cast<size_t>(c.layers);
+  cache.prompt.assign(layers, no_prompt_keys(B, c.kv_heads, c.head_dim, emb.options()));
+  cache.visual.resize(layers);
+  cache.new_k.resize(layers);
+  cache.new_v.resize(layers);
+  cache.batch = B;
+  cache.sees_media = (mmd.media_starts >= 0).any(1);
+  cache.prompt_media = mmd.q_media.narrow(1, 0, L);
+  cache.visual_media = vis.kv_media;
+  for (int64_t i = 0; i < c.layers; ++i) {
+    if (!c.is_hyper(i)) continue;
+    const auto [k, v] = visual_kv_function(c, vis)(vis.features, visual_kv_params(w_, i));
+    cache.visual[static_cast<size_t>(i)] = {k, v, vis.kv_media.ge(0)};
+  }
+  cache.encode_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
 }
 
 const at::Tensor& MplugOwl3::lm_head() const {

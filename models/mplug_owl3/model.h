@@ -120,6 +120,9 @@ class MplugOwl3 : public Model {
   bool can_extend() const override { return true; }
   at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
                     DecodeCache& cache) const override;
+  bool can_prefill_in_chunks() const override { return true; }
+  void prefill_media(const ModelInputs& in, const Parallel& par,
+                     DecodeCache& cache) const override;
   bool batches_rows() const override { return true; }
   at::Tensor extend_rows(const std::vector<at::Tensor>& tokens, const Parallel& par,
                          const std::vector<DecodeCache*>& caches) const override;

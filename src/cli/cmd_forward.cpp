@@ -52,6 +52,9 @@ int cmd_forward(int argc, char** argv) {
   p.add_flag("generate-rows", 0,
              "with --generate: each sample its own generation, all stepped together as lvx\n"
              "serve's continuous batching steps them (the same tokens as the batch)");
+  p.add_option("max-batch-tokens", 0, "0",
+               "with --generate: prefill each prompt's prefix in chunks of at most this many\n"
+               "tokens, as lvx serve does (0: whole)");
   p.add_flag("recompute", 0,
              "recompute each cross layer's K/V from the shared visual features in the backward\n"
              "(LV-XAttn §3.2): saves x, O and lse per cross layer instead of its K/V");
@@ -73,6 +76,7 @@ int cmd_forward(int argc, char** argv) {
   job.remat = p.flag("remat");
   job.generate = p.get_int("generate", 0, INT64_MAX);
   job.generate_rows = p.flag("generate-rows");
+  job.prefill_chunk = p.get_int("max-batch-tokens", 0, INT32_MAX);
   if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
     lvx::cli::apply_threads(p);
     return lvx::runtime::run_forward_rank(job);

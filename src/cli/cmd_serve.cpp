@@ -40,6 +40,10 @@ void add_serve_options(lvx::cli::ArgParser& p) {
   p.add_option("max-batch", 0, "16",
                "generations that run together, one decode step for all (continuous batching); "
                "1: one at a time, each answer bit for bit lvx qa's");
+  p.add_option("max-batch-tokens", 0, "256",
+               "a new request's prompt is prefilled in chunks of at most this many tokens, one\n"
+               "chunk between two decode steps (chunked prefill; 0: whole; with --max-batch 1\n"
+               "always whole); lvx qa --max-batch-tokens N gives the same answers bit for bit");
   p.add_option("max-body-bytes", 0, "536870912", "largest request body (beyond: 413)");
   p.add_option("max-inflight-bytes", 0, "1073741824",
                "request bytes held at once over every request, from each one's headers until its\n"
@@ -113,6 +117,9 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   o.default_max_tokens = job.generation.max_new_tokens;
   o.merge_identical = !p.flag("no-merge-identical");
   o.max_batch = p.get_int("max-batch", 1, 4096);
+  // One generation at a time has nothing to step between chunks: its prompt runs whole.
+  job.generation.prefill_chunk =
+      o.max_batch > 1 ? p.get_int("max-batch-tokens", 0, INT32_MAX) : 0;
   return o;
 }
 

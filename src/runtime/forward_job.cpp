@@ -133,6 +133,7 @@ int run_forward_rank(const ForwardJob& job) {
     g.max_new_tokens = job.generate;
     g.max_length = model_context_length(job.model);  // never past the model's context
     g.keep_logits = true;
+    g.prefill_chunk = job.prefill_chunk;
     const models::ModelInputs in{b.input_ids, b.pixel_values, false, b.named};
     const GenerateResult out =
         job.generate_rows ? generate_rows(model, in, par, g) : generate(model, in, par, g);
@@ -150,7 +151,8 @@ int run_forward_rank(const ForwardJob& job) {
            {"decode_seconds_per_token", std::to_string(per_token)},
            {"prefill_bytes_sent", std::to_string(out.prefill_bytes_sent)},
            {"decode_bytes_sent_per_token", std::to_string(out.decode_bytes_sent / steps)},
-           {"prefix_tokens", std::to_string(out.prefix_tokens)}});
+           {"prefix_tokens", std::to_string(out.prefix_tokens)},
+           {"prefill_chunks", std::to_string(out.prefill_chunks)}});
     pg->barrier();
     return 0;
   }

@@ -41,6 +41,8 @@ struct ForwardJob {
   // With generate: each sample its own generation, all stepped together as lvx serve's
   // continuous batching steps them (runtime/generate.h generate_rows); the same outputs.
   bool generate_rows = false;
+  // With generate: GenerateOptions::prefill_chunk (--max-batch-tokens).
+  int64_t prefill_chunk = 0;
 };
 
 // Runs on this rank (rendezvous from the environment). Returns 0 on success.

@@ -83,28 +83,69 @@ Generation::Generation(const models::Model& model, const models::ModelInputs& in
   if (split == 0) {
     logits_ = model.prefill(in, par, cache_);
   } else {
-    // The prefix as a prefill (or its state reused), then the rest in one extend.
+    // The prefix as a prefill (or its state reused, or its chunks to come), then the rest.
     const models::DecodeCache* reused = o.cached_prefix ? o.cached_prefix() : nullptr;
+    const at::Tensor host = in.input_ids.to(at::kCPU).to(at::kLong);
+    const at::Tensor tail = host.narrow(1, split, prompt - split);
+    r_.prefix_tokens = split;
     if (reused != nullptr) {
       cache_ = *reused;  // the tensors are shared and never written; the lists are copied
       cache_.encode_seconds = 0;
       r_.prefix_reused = true;
+      start_tail(model, par, tail);
+    } else if (prefills_in_chunks(model, o, split)) {
+      models::ModelInputs head = in;
+      head.input_ids = in.input_ids.narrow(1, 0, split);
+      if (o.prefilled_media)
+        cache_ = *o.prefilled_media;
+      else
+        model.prefill_media(head, par, cache_);
+      pending_ = host.narrow(1, 0, split).contiguous();
+      pending_tail_ = tail;
     } else {
       models::ModelInputs head = in;
       head.input_ids = in.input_ids.narrow(1, 0, split);
       model.prefill(head, par, cache_);
       if (o.store_prefix) o.store_prefix(cache_);
+      start_tail(model, par, tail);
     }
-    r_.prefix_tokens = split;
-    const at::Tensor tail = in.input_ids.to(at::kCPU).to(at::kLong).narrow(1, split, prompt - split);
-    if (o.defer_tail && batch_ == 1)
-      tail_ = tail.contiguous();
-    else
-      logits_ = model.extend(tail, par, cache_);
   }
   r_.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   r_.prefill_bytes_sent = pg.counters().total_sent() - sent0;
   r_.encode_seconds = cache_.encode_seconds;
+}
+
+bool prefills_in_chunks(const models::Model& model, const GenerateOptions& o, int64_t split) {
+  return o.prefill_chunk > 0 && split > o.prefill_chunk && model.can_prefill_in_chunks();
+}
+
+void Generation::start_tail(const models::Model& model, const models::Parallel& par,
+                            const at::Tensor& tail) {
+  if (o_.defer_tail && batch_ == 1)
+    tail_ = tail.contiguous();
+  else
+    logits_ = model.extend(tail, par, cache_);
+}
+
+void Generation::prefill_next(const models::Model& model, const models::Parallel& par) {
+  LVX_CHECK(prefilling(), "prefill_next: no prompt is being prefilled in chunks");
+  dist::ProcessGroup& pg = *par.pg;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t sent0 = pg.counters().total_sent();
+  const int64_t split = pending_.size(1), n = std::min(o_.prefill_chunk, split - pending_at_);
+  logits_ = model.extend(pending_.narrow(1, pending_at_, n), par, cache_);
+  pending_at_ += n;
+  ++r_.prefill_chunks;
+  if (pending_at_ == split) {
+    models::seal_chunked_prompt(cache_, pg.rank(), pg.world_size());
+    pending_ = at::Tensor();
+    if (o_.store_prefix) o_.store_prefix(cache_);
+    start_tail(model, par, pending_tail_);
+    pending_tail_ = at::Tensor();
+  }
+  r_.prefill_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r_.prefill_bytes_sent += pg.counters().total_sent() - sent0;
 }
 
 at::Tensor Generation::pick() {
@@ -192,7 +233,8 @@ void step_together(const std::vector<Generation*>& rows, const models::Model& mo
   std::vector<at::Tensor> parts;
   bool any_stop_hook = false;
   for (Generation* g : rows) {
-    LVX_CHECK(!g->done(), "step_together: a generation that is done");
+    LVX_CHECK(!g->done() && !g->prefilling(),
+              "step_together: a generation that is done or still prefilling");
     parts.push_back(g->pick());
     any_stop_hook = any_stop_hook || static_cast<bool>(g->o_.stop_requested);
   }
@@ -292,6 +334,8 @@ GenerateResult generate_rows(const models::Model& model, const models::ModelInpu
   std::vector<std::unique_ptr<Generation>> rows;
   for (int64_t b = 0; b < in.input_ids.size(0); ++b)
     rows.push_back(std::make_unique<Generation>(model, sample_inputs(model, in, b), par, each));
+  for (auto& g : rows)
+    while (g->prefilling()) g->prefill_next(model, par);
   for (;;) {
     std::vector<Generation*> running;
     for (auto& g : rows)
@@ -318,6 +362,7 @@ GenerateResult generate(const models::Model& model, const models::ModelInputs& i
                         const models::Parallel& par, const GenerateOptions& o,
                         const std::function<void(const at::Tensor&)>& on_token) {
   Generation g(model, in, par, o);
+  while (g.prefilling()) g.prefill_next(model, par);
   while (!g.done()) step_together({&g}, model, par, {on_token});
   return g.finish();
 }

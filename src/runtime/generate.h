@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -49,6 +50,16 @@ struct GenerateOptions {
   // which extends every such generation at once (Model::extend_rows): lvx serve admitting several
   // questions between two steps. generate() does not use it.
   bool defer_tail = false;
+  // > 0: a prompt prefix longer than this many tokens is prefilled in chunks of at most this
+  // many (lvx serve's --max-batch-tokens): Model::prefill_media, then one Model::extend per
+  // Generation::prefill_next, so other generations step between the chunks. Its logits equal
+  // the whole prefill's up to rounding; the chunks do not depend on what runs between them, so
+  // the same chunk size gives the same answer bit for bit. 0, or a family without chunked
+  // prefill (Model::can_prefill_in_chunks): the prefix runs whole.
+  int64_t prefill_chunk = 0;
+  // With prefill_chunk: this rank's Model::prefill_media of the prefix, made already (lvx serve
+  // makes it on a worker thread, off the ranks' lockstep); null: the constructor makes it.
+  std::shared_ptr<const models::DecodeCache> prefilled_media;
   // >= 0 (one sample only): every new token's log-probability under the model and this many
   // most likely tokens with theirs (GenerateResult::logprobs; OpenAI's logprobs/top_logprobs).
   // From the logits as the model gives them, before temperature and top-p (vLLM's default,
@@ -74,6 +85,7 @@ struct GenerateResult {
   double prefill_seconds = 0;  // the prompt: its prefix's prefill and the rest's decode steps
   int64_t prefix_tokens = 0;    // the prefix that ran as a prefill (0: the whole prompt did)
   bool prefix_reused = false;   // GenerateOptions::cached_prefix gave it
+  int64_t prefill_chunks = 0;   // the chunks the prefix ran in (GenerateOptions::prefill_chunk)
   double encode_seconds = 0;  // the part of prefill_seconds spent encoding this rank's frames
   std::vector<double> token_seconds;  // each decode step (the first token comes from prefill)
   // This rank's bytes sent by the prefill and by the decode steps (not the token broadcasts).
@@ -91,6 +103,9 @@ void check_sampling(const SamplingOptions& sampling);
 GenerateResult generate(const models::Model& model, const models::ModelInputs& in,
                         const models::Parallel& par, const GenerateOptions& options,
                         const std::function<void(const at::Tensor&)>& on_token = {});
+
+// Whether Generation prefills a prompt whose prefix is `split` tokens in chunks.
+bool prefills_in_chunks(const models::Model& model, const GenerateOptions& options, int64_t split);
 
 // Each sample of `in` as a generation of its own, all stepped together (step_together: lvx
 // serve's continuous batching: the prompts' tails in one Model::extend_rows, then
@@ -113,6 +128,12 @@ class Generation {
   Generation(const models::Model& model, const models::ModelInputs& in, const models::Parallel& par,
              const GenerateOptions& options);
   bool done() const { return finished_; }
+  // A prompt prefilled in chunks (GenerateOptions::prefill_chunk) has chunks left: run them
+  // (prefill_next, every rank in the same order) before the generation steps.
+  bool prefilling() const { return pending_.defined(); }
+  // The next chunk of the prefix (one Model::extend); after the last, the prefix is sealed and
+  // offered to store_prefix, and the tail runs (or waits for the first step: defer_tail).
+  void prefill_next(const models::Model& model, const models::Parallel& par);
   // The result so far (tokens stacked at the end: finish()).
   GenerateResult finish();
   int64_t batch() const { return batch_; }
@@ -132,8 +153,14 @@ class Generation {
   bool take(at::Tensor next, bool stop_now,
             const std::function<void(const at::Tensor&)>& on_token);
 
+  // The prompt's tail after its prefix: extended now, or left for the first step (defer_tail).
+  void start_tail(const models::Model& model, const models::Parallel& par, const at::Tensor& tail);
+
   GenerateOptions o_;
   at::Tensor tail_;  // the prompt's tail left for the first step (defer_tail), int64 [B, T]
+  at::Tensor pending_;       // a prefix prefilled in chunks, int64 [B, split] (host), until done
+  int64_t pending_at_ = 0;   // its tokens that ran
+  at::Tensor pending_tail_;  // the tail after it
   int64_t batch_ = 0, max_new_ = 0, step_ = 0;
   bool finished_ = false;
   at::Generator gen_;

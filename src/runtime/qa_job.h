@@ -138,13 +138,27 @@ class QaSession {
   // OpenAI's shape: src/runtime/logprobs_json.h). Errors of the video or the prompt (on any
   // rank) become the row's "error"; a failure of the process group throws.
   nlohmann::json answer(const QaRequest& request, const AnswerHooks& hooks = {});
-  // answer() in three parts, so that several questions generate together (lvx serve's
-  // continuous batching): start() takes the frames and runs the prompt's prefill (an error of
-  // the video or the prompt gives an answer that is done at once); step() gives every answer in
-  // `answers` (none done) its next token, one decode step for all (runtime/generate.h
-  // step_together); finish() builds the row once done() says so. Collective: every rank starts,
-  // steps and finishes the same answers in the same order. answer() is start, step until done,
-  // finish.
+  // answer() in parts, so that several questions generate together (lvx serve's continuous
+  // batching) and a long prompt does not hold the others (its chunked prefill; qa_answer.cpp):
+  //   begin()   this rank alone: the video looked up in the visual cache; on a miss its frames
+  //             decoded, the prompt built and, when the prompt is prefilled in chunks
+  //             (GenerateOptions::prefill_chunk), the frames encoded with their visual K/V, all
+  //             on a worker thread of this rank (prepared() says when it is done, never blocks);
+  //   advance() collective: waits for that worker, agrees on errors (an error of the video or
+  //             the prompt gives an answer that is done at once) and starts the generation: its
+  //             prompt whole, or chunks to come while prefilling() (prefill_next(), collective);
+  //   step()    collective: every answer in `answers` (advanced, not prefilling, none done) its
+  //             next token, one decode step for all (runtime/generate.h step_together);
+  //   finish()  collective: the row once done() says so.
+  // Every rank begins, advances, prefills, steps and finishes the same answers in the same order.
+  // start() is begin then advance; answer() is start, the chunks, steps until done, finish.
+  QaAnswerPtr begin(const QaRequest& request, const AnswerHooks& hooks = {});
+  bool prepared(const QaAnswer& answer) const;
+  void advance(QaAnswer& answer);
+  bool advanced(const QaAnswer& answer) const;
+  bool prefilling(const QaAnswer& answer) const;
+  const std::string& answer_id(const QaAnswer& answer) const;  // its request's item.id
+  void prefill_next(QaAnswer& answer);
   QaAnswerPtr start(const QaRequest& request, const AnswerHooks& hooks = {});
   // With it on, start() leaves each prompt's question tokens (after its kept prefix) for the
   // next step(), which runs those of every answer started since in one pass

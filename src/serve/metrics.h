@@ -25,6 +25,8 @@ struct Metrics {
   int64_t merged = 0;     // requests answered by an identical request's generation
   // Continuous batching: decode steps, the generations they stepped, the most in one step.
   int64_t steps = 0, step_rows = 0, most_rows = 0;
+  // Chunked prefill: prompt chunks run, and decode steps run while a prompt had chunks left.
+  int64_t prefill_chunks = 0, steps_while_prefilling = 0;
   void count(int status);
   // A request's time to first text, `seconds` (once per request).
   void observe_ttft(double seconds);

@@ -1,9 +1,13 @@
 // Continuous batching on rank 0 and the other ranks' loop that follows it. Rank 0's main thread
 // takes queued requests while fewer than --max-batch generations run, broadcasts each one's
-// description (wire.h) and starts it on every rank (QaSession::start: frames, prompt, prefill);
-// then broadcasts a step and every rank gives every running generation its next token
-// (QaSession::step); generations that are done leave in batch order (QaSession::finish) and
-// their clients get their answers. The other ranks do what each broadcast says, in its order.
+// description (wire.h) and every rank begins it (QaSession::begin: a cache hit at once; a miss's
+// frames decoded, and its media encoded for a chunked prefill, on a worker thread of each rank);
+// an answer whose frames are ready on rank 0 is started on every rank (kAdvance); one chunk of
+// the oldest prompt prefilled in chunks runs (kChunk, at most --max-batch-tokens tokens); then a
+// step gives every running generation its next token (QaSession::step); generations that are
+// done leave in batch order (QaSession::finish) and their clients get their answers. So a long
+// prompt holds the others for one chunk at a time, never for its whole prefill. The other ranks
+// do what each broadcast says, in its order.
 #include <signal.h>
 
 #include <algorithm>
@@ -56,16 +60,17 @@ json Server::describe(const Job& job, std::vector<std::string>* blobs) const {
   return d;
 }
 
-runtime::QaAnswerPtr Server::start_answer(const Command& c, const runtime::AnswerHooks& hooks) {
+Server::Begun Server::begin_answer(const Command& c, const runtime::AnswerHooks& hooks) {
   const json& d = c.desc;
   // Media sent as bytes (ranks on another machine than rank 0) go into a private folder of this
-  // rank's (upload.h), made only when there are any and removed once the answer has started
-  // (its frames are read during the start).
-  UploadDir uploads;
+  // rank's (upload.h), made only when there are any and removed once the answer has advanced
+  // (its frames are read by then).
+  Begun begun;
+  begun.uploads = std::make_unique<UploadDir>();
   auto file_of = [&](const json& ref, const std::string& name) -> std::string {
     if (ref.contains("path")) return ref["path"].get<std::string>();
-    return uploads.write(c.blobs.at(ref["blob"].get<size_t>()),
-                         name + ref["ext"].get<std::string>());
+    return begun.uploads->write(c.blobs.at(ref["blob"].get<size_t>()),
+                                name + ref["ext"].get<std::string>());
   };
   runtime::QaRequest q;
   q.item.id = d["id"].get<std::string>();
@@ -94,16 +99,24 @@ runtime::QaAnswerPtr Server::start_answer(const Command& c, const runtime::Answe
   g.sampling.seed = d["seed"].get<uint64_t>();
   g.logprobs = d["logprobs"].get<int64_t>();
   q.generation = g;
-  return session_.start(q, hooks);
+  begun.answer = session_.begin(q, hooks);
+  return begun;
 }
 
 int Server::run_other_rank() {
   ::signal(SIGTERM, SIG_IGN);  // rank 0 says when to stop
   ::signal(SIGINT, SIG_IGN);
-  // The generations rank 0 runs, in its order: started, stepped and finished as it says.
-  std::vector<runtime::QaAnswerPtr> active;
+  // The generations rank 0 runs, in its order: begun, advanced, prefilled, stepped and finished
+  // as it says.
+  std::vector<Begun> active;
   runtime::AnswerHooks hooks;
   hooks.stop_requested = [] { return false; };  // set on every rank (rank 0's flag is the one)
+  auto named = [&](const Command& c) -> Begun& {
+    const std::string id = c.desc.at("id").get<std::string>();
+    for (Begun& b : active)
+      if (session_.answer_id(*b.answer) == id) return b;
+    LVX_FAIL("serve: rank 0 named answer '", id, "', which this rank does not run");
+  };
   for (;;) {
     Command c;
     exchange(pg_, c);
@@ -111,21 +124,32 @@ int Server::run_other_rank() {
       pg_.barrier();
       return 0;
     }
-    if (c.op == Op::kAnswer) active.push_back(start_answer(c, hooks));
+    if (c.op == Op::kAnswer) active.push_back(begin_answer(c, hooks));
+    if (c.op == Op::kAdvance) {
+      Begun& b = named(c);
+      session_.advance(*b.answer);
+      b.uploads.reset();
+    }
+    if (c.op == Op::kChunk) session_.prefill_next(*named(c).answer);
     if (c.op == Op::kStep) {
       std::vector<runtime::QaAnswer*> step;
-      for (auto& a : active) step.push_back(a.get());
+      for (Begun& b : active)
+        if (steps(*b.answer)) step.push_back(b.answer.get());
       session_.step(step);
     }
     for (auto it = active.begin(); it != active.end();) {
-      if (!session_.done(**it)) {
+      if (!session_.done(*it->answer)) {
         ++it;
         continue;
       }
-      session_.finish(**it);
+      session_.finish(*it->answer);
       it = active.erase(it);
     }
   }
+}
+
+bool Server::steps(const runtime::QaAnswer& a) const {
+  return session_.advanced(a) && !session_.prefilling(a) && !session_.done(a);
 }
 
 std::shared_ptr<Job> Server::take_job() {
@@ -191,27 +215,83 @@ void Server::admit(const std::shared_ptr<Job>& job) {
     batch_.push_back(std::move(r));
   }
   exchange(pg_, rp->command);
-  rp->answer = start_answer(rp->command, hooks);
+  Begun begun = begin_answer(rp->command, hooks);
+  rp->answer = std::move(begun.answer);
+  rp->uploads = std::move(begun.uploads);
   // Every rank wrote the media to its files: the copy for the broadcast is done with (joiners
   // compare with the first request's own media, same_media).
   std::vector<std::string>().swap(rp->command.blobs);
-  retire_done();  // a video or prompt that failed: done at once
+  advance_prepared();  // a cache hit starts at once
 }
 
-void Server::step_batch() {
+bool Server::advance_prepared() {
+  bool sent = false;
+  for (bool again = true; again;) {  // the batch changes as failures retire: look again
+    again = false;
+    for (auto& r : batch_) {
+      if (session_.advanced(*r->answer) || !session_.prepared(*r->answer)) continue;
+      Command c;
+      c.op = Op::kAdvance;
+      c.desc = json{{"id", session_.answer_id(*r->answer)}};
+      exchange(pg_, c);
+      session_.advance(*r->answer);
+      r->uploads.reset();
+      retire_done();  // a video or prompt that failed: done at once
+      sent = again = true;
+      break;
+    }
+  }
+  return sent;
+}
+
+bool Server::prefill_chunk() {
+  for (auto& r : batch_) {
+    if (!session_.prefilling(*r->answer)) continue;
+    Command c;
+    c.op = Op::kChunk;
+    c.desc = json{{"id", session_.answer_id(*r->answer)}};
+    exchange(pg_, c);
+    session_.prefill_next(*r->answer);
+    std::lock_guard<std::mutex> lock(metrics_.mu);
+    ++metrics_.prefill_chunks;
+    return true;
+  }
+  return false;
+}
+
+void Server::wait_for_work(clock::time_point& last_command, double heartbeat_s) {
+  {
+    std::unique_lock<std::mutex> lock(qmu_);
+    qcv_.wait_for(lock, std::chrono::milliseconds(1), [&] { return !queue_.empty(); });
+  }
+  if (seconds_since(last_command) >= heartbeat_s) {  // the other ranks' liveness
+    Command hb;
+    exchange(pg_, hb);
+    last_command = clock::now();
+  }
+}
+
+bool Server::step_batch() {
+  std::vector<runtime::QaAnswer*> step;
+  for (auto& r : batch_)
+    if (steps(*r->answer)) step.push_back(r->answer.get());
+  if (step.empty()) return false;
+  const bool prefilling = std::any_of(batch_.begin(), batch_.end(), [&](const auto& r) {
+    return session_.prefilling(*r->answer);
+  });
   Command c;
   c.op = Op::kStep;
   exchange(pg_, c);
-  std::vector<runtime::QaAnswer*> step;
-  for (auto& r : batch_) step.push_back(r->answer.get());
   {
     std::lock_guard<std::mutex> lock(metrics_.mu);
     ++metrics_.steps;
+    metrics_.steps_while_prefilling += prefilling ? 1 : 0;
     metrics_.step_rows += static_cast<int64_t>(step.size());
     metrics_.most_rows = std::max(metrics_.most_rows, static_cast<int64_t>(step.size()));
   }
   session_.step(step);
   retire_done();
+  return true;
 }
 
 void Server::retire_done() {
@@ -302,9 +382,15 @@ void Server::serve_loop() {
       draining_ = true;
       std::cerr << "lvx serve: stopping: finishing the requests in flight" << std::endl;
     }
-    if (!batch_.empty()) {
-      step_batch();
+    bool sent = advance_prepared();
+    sent = prefill_chunk() || sent;
+    sent = step_batch() || sent;
+    if (sent) {
       last_command = clock::now();
+      continue;
+    }
+    if (!batch_.empty()) {  // only frames being decoded
+      wait_for_work(last_command, heartbeat_s);
       continue;
     }
     bool idle = false;

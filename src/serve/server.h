@@ -10,8 +10,10 @@
 // rank starts it as `lvx qa` does (per-rank frames, the plan's strategies, the prefill); then
 // one step gives every running generation its next token (one decode step for all,
 // Model::decode_rows; pass-Q decoding), and rank 0 streams each text to its clients as tokens
-// arrive; a generation that is done leaves the batch with its row. A new request's prefill runs
-// whole between two steps (not yet cut into chunks). A client that goes
+// arrive; a generation that is done leaves the batch with its row. A new request's frames are
+// decoded (and, on a cache miss with a long prompt, encoded) on a worker thread of each rank, and
+// its prompt is prefilled in chunks of --max-batch-tokens, one chunk between two steps (chunked
+// prefill), so a long video's first question holds the others one chunk at a time. A client that goes
 // away (a stream that can no longer be written; a non-streaming client's socket closed, looked at
 // every 100 ms while it waits) cancels its request: not run if queued, stopped at its next token
 // if running (the stop flag travels with the token).
@@ -59,7 +61,8 @@ struct ServeOptions {
   bool merge_identical = true;
   // Generations running together (continuous batching): each decode step gives every one its
   // next token in one pass through the model (Model::decode_rows); a new request's prefill runs
-  // between two steps. 1: one generation at a time, lvx qa's answer bit for bit.
+  // between two steps, in chunks of job.generation.prefill_chunk tokens (--max-batch-tokens).
+  // 1: one generation at a time, its prompt whole: lvx qa's answer bit for bit.
   int64_t max_batch = 16;
 };
 

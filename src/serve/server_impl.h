@@ -65,17 +65,32 @@ class Server {
   // The job's description as broadcast; its inline media's bytes copied into `blobs` (null: only
   // their places, for the generation key).
   json describe(const Job& job, std::vector<std::string>* blobs) const;
-  // Starts one answer command on this rank (media sent inline written to this rank's own files
-  // for the prefill): the frames and the prompt's prefill (QaSession::start).
-  runtime::QaAnswerPtr start_answer(const Command& c, const runtime::AnswerHooks& hooks);
-  // Rank 0's scheduler (continuous batching): the next job when the batch has room (waiting a
-  // little only when nothing runs); starting its generation on every rank, with the queued
-  // requests identical to it; one token of every running generation on every rank; the rows of
-  // those done, in batch order, and their clients' answers.
+  // An answer begun on this rank, and the files of its media sent inline (kept until it has
+  // advanced: its worker reads them).
+  struct Begun {
+    runtime::QaAnswerPtr answer;
+    std::unique_ptr<UploadDir> uploads;
+  };
+  // Begins one answer command on this rank (QaSession::begin: its frames decoded on a worker of
+  // this rank); media sent inline written to this rank's own files first.
+  Begun begin_answer(const Command& c, const runtime::AnswerHooks& hooks);
+  // Rank 0's scheduler (continuous batching), each turn: the next jobs while the batch has room
+  // (waiting a little only when nothing runs), begun on every rank with the queued requests
+  // identical to them; those whose frames are ready started (advance); one chunk of the oldest
+  // prompt being prefilled in chunks; one token of every running generation; after each
+  // command, the rows of those done, in batch order, and their clients' answers. The advance,
+  // chunk and step return whether they sent a command.
   std::shared_ptr<Job> take_job();
   void admit(const std::shared_ptr<Job>& job);
-  void step_batch();
+  bool advance_prepared();
+  bool prefill_chunk();
+  bool step_batch();
+  // Only answers whose frames are being decoded: waits a little for them or a new request, and
+  // keeps the other ranks' liveness (a heartbeat when due).
+  void wait_for_work(clock::time_point& last_command, double heartbeat_s);
   void retire_done();
+  // Whether `a` takes the next step: advanced, not prefilling, not done (the same on every rank).
+  bool steps(const runtime::QaAnswer& a) const;
   void complete(Running& r, const json& row);
   void routes(httplib::Server& http);
   // Whether the request carries one of the API keys (none configured: every request); else
@@ -138,6 +153,7 @@ class Server {
     bool open = false;
     int64_t joined = 0;
     runtime::QaAnswerPtr answer;
+    std::unique_ptr<UploadDir> uploads;  // rank 0's files of media sent inline, until advanced
   };
   std::mutex gmu_;
   std::vector<std::unique_ptr<Running>> batch_;

@@ -12,9 +12,19 @@
 
 namespace lvx::serve {
 
-// kAnswer starts a generation (its description and media); kStep gives every running
-// generation its next token (no payload: every rank holds the same batch in the same order).
-enum class Op : int64_t { kHeartbeat = 1, kAnswer = 2, kShutdown = 3, kStep = 4 };
+// kAnswer begins a generation (its description and media: QaSession::begin); kAdvance starts it
+// once its frames (and, for a prompt prefilled in chunks, its media) are ready on rank 0
+// (QaSession::advance); kChunk runs the next chunk of its prompt (QaSession::prefill_next); both
+// name it by its id ({"id": ...}). kStep gives every generation that runs its next token (no
+// payload: every rank holds the same batch in the same order).
+enum class Op : int64_t {
+  kHeartbeat = 1,
+  kAnswer = 2,
+  kShutdown = 3,
+  kStep = 4,
+  kAdvance = 5,
+  kChunk = 6
+};
 
 struct Command {
   Op op = Op::kHeartbeat;

@@ -616,6 +616,37 @@ def case_distinct_questions_batched(fx, srv, ranks):
     assert rows > steps, (rows, steps)
 
 
+def case_chunked_prefill(fx, srv, ranks):
+    # --max-batch-tokens 4: a cache miss's prompt prefix runs in chunks of 4 tokens (its frames
+    # decoded and encoded on a worker thread of each rank), one chunk between two decode steps,
+    # while questions about a cached video run. Every answer equals lvx qa's with the same chunks
+    # token for token (the same chunk size gives the same bits), the miss's also lvx qa's whole
+    # prefill's, and /metrics counts the miss's chunks: ceil(prefix tokens / 4).
+    chunks = ("--max-batch-tokens", "4")
+    clip, other = video_part(file_url(fx.clip)), video_part(file_url(fx.other))
+    questions = ["What shape was the colour?", "Where did the shape move?"]
+    want = [qa_json(fx, fx.clip, ranks, chunks, question=q) for q in questions]
+    want_miss = qa_json(fx, fx.other, ranks, chunks)
+    assert want_miss["response"] == qa_json(fx, fx.other, ranks)["response"]
+    ask(srv, clip, max_tokens=1)  # cached (its prefix in chunks too)
+    m0 = srv.metrics()
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        miss = ex.submit(ask, srv, other, max_tokens=TOKENS)
+        got = list(ex.map(lambda q: srv.client.chat.completions.create(
+            model="model", messages=messages(clip, question=q), temperature=0,
+            max_tokens=TOKENS), questions))
+        miss = miss.result()
+    for q, w, r in zip(questions, want, got):
+        assert r.choices[0].message.content == w["response"], (q, r.choices[0].message.content, w)
+    assert miss.choices[0].message.content == want_miss["response"], (miss, want_miss)
+    prefix = miss.model_extra["lvx"]["visual_cache"]["prefix_tokens"]
+    m1 = srv.metrics()
+    ran = m1["lvx_prefill_chunks_total"] - m0["lvx_prefill_chunks_total"]
+    print("  the miss's prefix of %d tokens in %d chunks; %d decode steps ran between chunks" % (
+        prefix, ran, m1["lvx_decode_steps_during_prefill_total"]))
+    assert prefix > 8 and ran == -(-prefix // 4), (prefix, ran)
+
+
 def case_sigterm_finishes_in_flight(fx, srv, ranks):
     # The stream in flight completes; a request arriving during the drain gets 503 (it got 200
     # while the generation loop had not yet looked at the signal). The drain is seen to have
@@ -1125,6 +1156,7 @@ CASES = [
     (case_nonstreaming_client_leaves, ["--max-batch", "1"], {}, 1, False),
     (case_identical_requests_share_generation, ["--max-batch", "1"], {}, 1, False),
     (case_distinct_questions_batched, [], {}, 1, False),
+    (case_chunked_prefill, ["--max-batch-tokens", "4"], {}, 1, False),
     (case_sigterm_finishes_in_flight, [], {}, 1, True),
     (case_killed_rank_503, [], {"LVX_DIST_TIMEOUT_S": "4"}, 2, True),
     (case_port_in_use_fails_every_rank_at_once, None, {}, 1, True),

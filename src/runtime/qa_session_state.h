@@ -1,0 +1,31 @@
+// What a QaSession holds (qa_job.h): shared by the session's files (qa_job.cpp: the session and
+// lvx qa's batch; qa_answer.cpp: one question's answer in parts).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "models/model.h"
+#include "models/tokenizer/tokenizer.h"
+#include "src/dist/process_group.h"
+#include "src/runtime/qa_job.h"
+#include "src/runtime/visual_cache.h"
+#include "video/pipeline.h"
+
+namespace lvx::runtime {
+
+struct QaSession::State {
+  QaJob job;  // its plan.dtype resolved (fp32 | bf16)
+  std::shared_ptr<dist::ProcessGroup> pg;
+  at::Device device{at::kCPU};  // the model's: frames go there once, after preprocessing
+  std::unique_ptr<models::Model> owned;  // the model the session loaded, if it did
+  models::Model* model = nullptr;        // owned, or one lent by the caller (lvx finetune)
+  std::unique_ptr<models::Tokenizer> tok;
+  video::PreprocessConfig preprocess;
+  std::vector<int64_t> stop;
+  int64_t context = 0;  // the model's context length (0: unknown)
+  std::unique_ptr<VisualCache> cache;
+  bool batch_prompts = false;  // QaSession::batch_prompts
+};
+
+}  // namespace lvx::runtime
