@@ -156,7 +156,8 @@ def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
     """TTFT of a short question about a cached video, idle and while a 1-hour video's first
     prefill (a cache miss) runs, for each --max-batch-tokens of --probe-chunks (0: the prompt
     whole), one server each, side by side. Every short question asked back to back from 50 ms
-    after the miss was sent until the miss's first token counts. The miss's answer must equal
+    after the miss was sent until the miss's first token counts (one token each). The miss's answer
+must equal
     lvx qa's with the same --max-batch-tokens."""
     rows = []
     for chunk in [int(x) for x in a.probe_chunks.split(",")]:
@@ -165,7 +166,9 @@ def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
                      ["--max-batch-tokens", str(chunk)])
         try:
             srv.post(body(short_video, 1))
-            idle = [srv.post(body(short_video, a.tokens, True), True)[0] for _ in range(5)]
+            # One token each: the time to it is what is measured, and a short question's later
+            # tokens would space the samples one chunk apart per token.
+            idle = [srv.post(body(short_video, 1, True), True)[0] for _ in range(5)]
             spans = []
             with ThreadPoolExecutor(1) as ex:
                 t0 = time.perf_counter()
@@ -173,7 +176,7 @@ def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
                 time.sleep(0.05)
                 while not miss.done():
                     s = time.perf_counter() - t0
-                    ttft = srv.post(body(short_video, a.tokens, True), True)[0]
+                    ttft = srv.post(body(short_video, 1, True), True)[0]
                     spans.append((s, s + ttft, ttft))
                 long_ttft, _, long_text, _ = miss.result()
             assert long_text == want["response"], ("the 1-hour answer differs from lvx qa's",

@@ -127,6 +127,15 @@ Partial media_partial(const at::Tensor& q, const KVShard& vis, const at::Tensor&
   return {out.o, out.lse.transpose(1, 2)};  // [B, T, Hq, D], [B, T, Hq]
 }
 
+Partial media_over_ranks(const at::Tensor& q, const KVShard& vis, const at::Tensor& kv_media,
+                         const at::Tensor& q_media, kernels::MediaRule rule,
+                         bool unmatched_sees_all, dist::ProcessGroup& pg, double scale) {
+  const int64_t kv_heads = vis.k.size(2);
+  const Partial local = media_partial(q, vis, kv_media, q_media, rule, unmatched_sees_all, scale);
+  return unfold_tokens(merge_across_ranks(pg, {fold_partial(local, kv_heads)})[0], q.size(1),
+                       kv_heads);
+}
+
 Partial fold_partial(const Partial& p, int64_t kv_heads) {
   return {fold_tokens(p.o.contiguous(), kv_heads),
           fold_tokens(p.lse.contiguous().unsqueeze(-1), kv_heads).squeeze(-1)};

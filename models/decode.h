@@ -113,6 +113,11 @@ Partial media_partial(const at::Tensor& q, const KVShard& vis, const at::Tensor&
                       const at::Tensor& q_media, kernels::MediaRule rule, bool unmatched_sees_all,
                       double scale);
 
+// media_partial merged over the ranks (pass-Q, one message): o [B, T, Hq, D], lse [B, T, Hq].
+Partial media_over_ranks(const at::Tensor& q, const KVShard& vis, const at::Tensor& kv_media,
+                         const at::Tensor& q_media, kernels::MediaRule rule,
+                         bool unmatched_sees_all, dist::ProcessGroup& pg, double scale);
+
 // A partial of T tokens per sample (o [B, T, Hq, D], lse [B, T, Hq]) in fold_tokens' layout
 // ([B, Hkv·T·g, D] / [B, Hkv·T·g]), to travel in one pass-Q message with folded ones.
 Partial fold_partial(const Partial& p, int64_t kv_heads);

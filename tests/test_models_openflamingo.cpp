@@ -165,6 +165,29 @@ ExtendDiff of_extend(const std::string& lm, std::shared_ptr<lvx::dist::ProcessGr
 
 const std::vector<std::string> kExtendLms{"gpt_neox", "gpt_neox-variant", "mpt", "llama"};
 
+// Chunked prefill (lvx serve's --max-batch-tokens, tests/model_extend.h): the prefix in chunks of
+// 1 and 3 tokens, each token seeing its most recent image only (none before the first), sealed,
+// then the question: the largest |Δ logits| against the whole prefill over both chunk sizes.
+double of_chunked(const std::string& lm, std::shared_ptr<lvx::dist::ProcessGroup> pg) {
+  const Reference& ref = reference(lm);
+  const auto batch = lvx::load_safetensors(ref.batch).tensors;
+  const auto model = lvx::models::load_model(ref.model, at::kFloat);
+  EXPECT_TRUE(model->can_prefill_in_chunks());
+  const at::Tensor ids0 = batch.at("input_ids");
+  const int64_t B = ids0.size(0);
+  const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
+  double worst = 0;
+  for (int64_t chunk : {1, 3})
+    worst = std::max(worst, chunked_against_prefill(*model, ids, batch.at("pixel_values"), chunk, pg));
+  std::cout << lm << ": |chunked − whole| " << worst << "\n";
+  return worst;
+}
+
+// Both within 1e-5 (fp32) for every decoder kind; on 3 ranks below.
+TEST(OpenFlamingoChunkedPrefill, ChunksEqualTheWholePrefill) {
+  for (const std::string& lm : kExtendLms) EXPECT_LE(of_chunked(lm, nullptr), 1e-5) << lm;
+}
+
 TEST(OpenFlamingoExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
   for (const std::string& lm : kExtendLms) {
     const ExtendDiff d = of_extend(lm, nullptr);
@@ -200,12 +223,13 @@ TEST(OpenFlamingoDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
 }
 
 // The same on 3 ranks: the prompt's K/V and the images spread over the ranks, the tail's queries
-// sent to them (pass-Q) and merged.
+// sent to them (pass-Q) and merged; a prefix prefilled in chunks sealed into 3 prompt shards.
 LVX_WORKER(of_extend_ranks) {
   const auto pg = lvx::dist::ProcessGroup::from_env();
   for (const std::string& lm : kExtendLms) {
     const ExtendDiff d = of_extend(lm, pg);
     if (!(d.whole <= 1e-5 && d.steps <= 1e-5 && d.next <= 1e-5)) return 1;
+    if (!(of_chunked(lm, pg) <= 1e-5)) return 1;  // chunks sealed into 3 prompt shards
   }
   return 0;
 }

@@ -2,6 +2,7 @@
 // continuation (extend) and several generations' steps at once (decode_rows). The forward and the model's parts are model.cpp.
 #include <c10/core/GradMode.h>
 
+#include <chrono>
 #include <cmath>
 
 #include "models/openflamingo/model.h"
@@ -14,6 +15,46 @@ at::Tensor OpenFlamingo::prefill(const ModelInputs& in, const Parallel& par,
   c10::AutoGradMode no_grad(false);
   const ModelOutputs out = run(in, par, &cache);
   return last_token_logits(out.logits, out.positions, in.input_ids.size(1), lm_head(), *par.pg);
+}
+
+void OpenFlamingo::prefill_media(const ModelInputs& in, const Parallel& par,
+                                 DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const OpenFlamingoConfig& c = cfg_;
+  check_named_inputs(in, {}, "OpenFlamingo");
+  const at::Tensor& ids = in.input_ids;
+  const int64_t B = ids.size(0), L = ids.size(1), T = c.p_latents;
+  const at::TensorOptions options = embedding().options();
+  const attention::MediaMask mm =
+      attention::media_mask(kMediaMaskImmediate, host_ids(ids), c.media_token_id, T);
+  LVX_CHECK(mm.slots > 0, "prefill_media: the prompt has no image");
+  const attention::MediaMask mmd = media_mask_on(mm, options.device());
+  const auto encode_start = std::chrono::steady_clock::now();
+  const LocalMedia media = local_media(in, par, mm, options);
+  cache = DecodeCache{};
+  const auto layers = static_cast<size_t>(c.layers);
+  // The self K/V's width: MPT's carry the ALiBi channels.
+  const int64_t width = c.head_dim + (c.lm == "mpt" ? alibi_channels(options.dtype().toScalarType()) : 0);
+  cache.prompt.assign(layers, no_prompt_keys(B, c.kv_heads, width, options));
+  cache.visual.resize(layers);
+  cache.new_k.resize(layers);
+  cache.new_v.resize(layers);
+  cache.batch = B;
+  // As the whole prefill leaves it (run): later tokens see their sample's last image only.
+  const at::Tensor images = host_ids(ids).eq(c.media_token_id).sum(1).to(options.device());
+  cache.sees_media = images.gt(0);
+  cache.prompt_media = mmd.q_media.narrow(1, 0, L);
+  cache.visual_media = mmd.kv_media.index_select(1, media.key_index(T).to(options.device()));
+  const at::Tensor last_image =
+      cache.visual_media.ge(0) &
+      cache.visual_media.eq((images - 1).unsqueeze(1).to(cache.visual_media.scalar_type()));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    if (!c.is_cross(i)) continue;
+    const auto [k, v] = cross_kv(i, media.features);
+    cache.visual[static_cast<size_t>(i)] = {k, v, last_image};
+  }
+  cache.encode_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
 }
 
 at::Tensor OpenFlamingo::decode_step(const at::Tensor& tokens, const Parallel& par,
@@ -78,11 +119,25 @@ at::Tensor OpenFlamingo::extend(const at::Tensor& tokens, const Parallel& par,
   const at::Tensor positions =
       at::arange(cache.length, cache.length + T, x.options().dtype(at::kLong));
   const double x_scale = 1.0 / std::sqrt(static_cast<double>(c.x_dim_head));
+  // A chunk of a prompt prefilled in chunks (prefill_media): each token sees its most recent
+  // image (none before the first), where a token after the whole prompt sees the last one.
+  const bool chunk = cache.prompt_media.defined();
+  at::Tensor q_media;
+  if (chunk) {
+    LVX_CHECK(cache.length + T <= cache.prompt_media.size(1), "extend: tokens ", cache.length,
+              "..", cache.length + T, " run past the prompt being prefilled (",
+              cache.prompt_media.size(1), " tokens)");
+    q_media = cache.prompt_media.narrow(1, cache.length, T);
+  }
   for (int64_t i = 0; i < c.layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     const KVShard& vis = cache.visual[li];
     if (c.is_cross(i) && vis.k.defined()) {
-      const Partial o = tokens_over_ranks(cross_query(i, x), vis, *par.pg, x_scale);
+      const at::Tensor q = cross_query(i, x);
+      const Partial o =
+          chunk ? media_over_ranks(q, vis, cache.visual_media, q_media,
+                                   kMediaMaskImmediate.kernel_rule(), false, *par.pg, x_scale)
+                : tokens_over_ranks(q, vis, *par.pg, x_scale);
       x = cross_output(i, x, o.o.reshape({B, T, c.x_heads * c.x_dim_head}).to(dt));
     }
     const SelfQKV qkv = self_qkv(i, x, positions);

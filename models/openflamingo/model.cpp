@@ -1,7 +1,6 @@
-// OpenFlamingo (models/openflamingo/model.h): config, shapes, the vision encoder, the perceiver,
-// the three decoder kinds and the gated cross-attention blocks. Over 600 lines: the family is one
-// model whose parts share its config and tensor names; the structure issue splits it (vision and
-// perceiver, decoder blocks) with the other families, so all three follow one layout.
+// OpenFlamingo (models/openflamingo/model.h): config, shapes, the three decoder kinds and the
+// gated cross-attention blocks; the vision encoder and the perceiver are vision.cpp, generation
+// decode.cpp.
 #include "models/openflamingo/model.h"
 
 #include <c10/core/GradMode.h>
@@ -12,6 +11,7 @@
 
 #include "models/checkpoint.h"
 #include "models/layers.h"
+#include "models/openflamingo/vision.h"
 #include "models/recompute.h"
 #include "src/attention/dist_attention.h"
 #include "src/common/error.h"
@@ -19,8 +19,6 @@
 namespace lvx::models {
 
 namespace {
-
-const std::string kVis = "vision_encoder.";
 
 std::string json_str(const nlohmann::json& j, const std::string& field,
                      const std::string& fallback) {
@@ -337,60 +335,6 @@ planner::ModelConfig OpenFlamingo::planner_model(const OpenFlamingoConfig& c) {
   return m;
 }
 
-namespace {
-
-// open_clip ViT token outputs without the class token: [N, g², W].
-at::Tensor clip_tokens(const StateDict& w, const OpenFlamingoConfig& c, const at::Tensor& px) {
-  const at::Tensor& conv = param(w, kVis + "conv1.weight");
-  const std::vector<int64_t> stride{c.patch_size, c.patch_size};
-  at::Tensor x = at::conv2d(px.to(conv.scalar_type()), conv, {}, stride).flatten(2).transpose(1, 2);
-  const int64_t n = x.size(0), width = c.v_width, hd = width / c.v_heads;
-  x = at::cat({param(w, kVis + "class_embedding").expand({n, 1, width}), x}, 1) +
-      param(w, kVis + "positional_embedding");
-  if (c.v_ln_pre) x = layer_norm(x, w, kVis + "ln_pre", c.v_eps);
-  const std::string act = c.v_act == "gelu_tanh" ? "gelu_pytorch_tanh" : c.v_act;
-  for (int64_t i = 0; i < c.v_layers; ++i) {
-    const std::string b = kVis + "transformer.resblocks." + std::to_string(i) + ".";
-    const at::Tensor h = layer_norm(x, w, b + "ln_1", c.v_eps);
-    const auto qkv =
-        at::linear(h, param(w, b + "attn.in_proj_weight"), param(w, b + "attn.in_proj_bias"))
-            .chunk(3, -1);  // rows q | k | v
-    auto heads = [&](const at::Tensor& t) { return t.reshape({n, -1, c.v_heads, hd}); };
-    const at::Tensor o = local_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), false,
-                                         1.0 / std::sqrt(static_cast<double>(hd)));
-    x = x + linear(o.reshape({n, -1, width}), w, b + "attn.out_proj", true);
-    x = x + linear(activation(
-                       linear(layer_norm(x, w, b + "ln_2", c.v_eps), w, b + "mlp.c_fc", true), act),
-                   w, b + "mlp.c_proj", true);
-  }
-  if (c.v_tokens_ln_post) x = layer_norm(x, w, kVis + "ln_post", c.v_eps);
-  return x.narrow(1, 1, x.size(1) - 1);
-}
-
-// Perceiver resampler, each image independently: [N, v, W] → [N, latents, W].
-at::Tensor perceiver(const StateDict& w, const OpenFlamingoConfig& c, const at::Tensor& x) {
-  const int64_t n = x.size(0), width = c.v_width, inner = c.p_heads * c.p_dim_head;
-  at::Tensor lat = param(w, "perceiver.latents").unsqueeze(0).expand({n, c.p_latents, width});
-  auto heads = [&](const at::Tensor& t) {
-    return t.reshape({n, t.size(1), c.p_heads, c.p_dim_head});
-  };
-  for (int64_t l = 0; l < c.p_depth; ++l) {
-    const std::string b = "perceiver.layers." + std::to_string(l) + ".";
-    const at::Tensor xn = layer_norm(x, w, b + "0.norm_media", c.p_eps);
-    const at::Tensor ln = layer_norm(lat, w, b + "0.norm_latents", c.p_eps);
-    const at::Tensor q = linear(ln, w, b + "0.to_q", false);
-    const auto kv = linear(at::cat({xn, ln}, 1), w, b + "0.to_kv", false).chunk(2, -1);
-    const at::Tensor o = local_attention(heads(q), heads(kv[0]), heads(kv[1]), false,
-                                         1.0 / std::sqrt(static_cast<double>(c.p_dim_head)));
-    lat = linear(o.reshape({n, c.p_latents, inner}), w, b + "0.to_out", false) + lat;
-    lat = linear(at::gelu(linear(layer_norm(lat, w, b + "1.0", c.p_eps), w, b + "1.1", false)), w,
-                 b + "1.3", false) +
-          lat;
-  }
-  return layer_norm(lat, w, "perceiver.norm", c.p_eps);
-}
-
-}  // namespace
 
 int64_t alibi_channels(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kDouble ? 1 : 3;
@@ -571,6 +515,16 @@ at::Tensor OpenFlamingo::cross_output(int64_t layer, const at::Tensor& x,
              at::tanh(param(w_, g + "ff_gate"));
 }
 
+LocalMedia OpenFlamingo::local_media(const ModelInputs& in, const Parallel& par,
+                                      const attention::MediaMask& mm,
+                                      const at::TensorOptions& options) const {
+  const at::ScalarType dt = options.dtype().toScalarType();
+  return encode_local_media(
+      mm, in.pixel_values, in.pixels_local, par, cfg_.v_width,
+      [&](const at::Tensor& px) { return perceiver(w_, cfg_, clip_tokens(w_, cfg_, px.to(dt))); },
+      options, "OpenFlamingo", in.media);
+}
+
 ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) const {
   return run(in, par, nullptr);
 }
@@ -608,11 +562,7 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
   const attention::MediaMask mmd = media_mask_on(mm, x.device());
   LocalMedia media;
   const auto encode_start = std::chrono::steady_clock::now();
-  if (mm.slots > 0)
-    media = encode_local_media(
-        mm, in.pixel_values, in.pixels_local, par, c.v_width,
-        [&](const at::Tensor& px) { return perceiver(w_, c, clip_tokens(w_, c, px.to(dt))); },
-        x.options(), "OpenFlamingo", in.media);
+  if (mm.slots > 0) media = local_media(in, par, mm, x.options());
   const attention::MaskInputs cross_mask{mmd.q_media, mmd.kv_media, {}};
   at::Tensor last_image;  // bool [B, slots_r·T]: this rank's keys of each sample's last image
   if (cache) {

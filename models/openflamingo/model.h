@@ -121,6 +121,9 @@ class OpenFlamingo : public Model {
   bool can_extend() const override { return true; }
   at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
                     DecodeCache& cache) const override;
+  bool can_prefill_in_chunks() const override { return true; }
+  void prefill_media(const ModelInputs& in, const Parallel& par,
+                     DecodeCache& cache) const override;
   bool batches_rows() const override { return true; }
   at::Tensor decode_rows(const at::Tensor& tokens, const Parallel& par,
                          const std::vector<DecodeCache*>& caches) const override;
@@ -134,6 +137,10 @@ class OpenFlamingo : public Model {
   // The forward; with a cache (prefill) it also keeps this rank's K/V there and returns the
   // final hidden states (after the norm) instead of logits.
   ModelOutputs run(const ModelInputs& in, const Parallel& par, DecodeCache* cache) const;
+  // This rank's images of the prompt (media mask mm) through the ViT and the perceiver (or
+  // in.media's features): no collective.
+  LocalMedia local_media(const ModelInputs& in, const Parallel& par,
+                         const attention::MediaMask& mm, const at::TensorOptions& options) const;
   const at::Tensor& embedding() const;
   const at::Tensor& lm_head() const;
   // q/k/v of decoder layer i from the residual stream x [B, S, W] at global positions [S]:

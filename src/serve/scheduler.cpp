@@ -382,9 +382,11 @@ void Server::serve_loop() {
       draining_ = true;
       std::cerr << "lvx serve: stopping: finishing the requests in flight" << std::endl;
     }
+    // A request admitted and started now takes its first step before the next chunk: it waits
+    // for one chunk at most.
     bool sent = advance_prepared();
-    sent = prefill_chunk() || sent;
     sent = step_batch() || sent;
+    sent = prefill_chunk() || sent;
     if (sent) {
       last_command = clock::now();
       continue;
