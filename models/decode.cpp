@@ -107,8 +107,15 @@ Partial token_rows(const Partial& p) {
 
 // ---- a prompt prefilled in chunks (Model::prefill_media, then extend per chunk) ----
 
-Partial media_partial(const at::Tensor& q, const KVShard& vis, const at::Tensor& kv_media,
-                      const at::Tensor& q_media, kernels::MediaRule rule, bool unmatched_sees_all,
+bool prefilling_chunks(const DecodeCache& cache, int64_t tokens) {
+  if (cache.prompt_media.empty()) return false;
+  const int64_t L = cache.prompt_media[0].q_media.size(1);
+  LVX_CHECK(cache.length + tokens <= L, "extend: tokens ", cache.length, "..",
+            cache.length + tokens, " run past the prompt being prefilled (", L, " tokens)");
+  return true;
+}
+
+Partial media_partial(const at::Tensor& q, const KVShard& vis, const PromptMedia& m, int64_t from,
                       double scale) {
   const int64_t B = q.size(0), T = q.size(1), hq = q.size(2), D = q.size(3);
   if (vis.k.size(1) == 0) {  // no image on this rank (the kernels take at least one key)
@@ -119,21 +126,26 @@ Partial media_partial(const at::Tensor& q, const KVShard& vis, const at::Tensor&
   kernels::AttentionParams params;
   params.scale = scale;
   params.mask.kind = kernels::MaskKind::kMedia;
-  params.mask.media_rule = rule;
-  params.mask.q_media = q_media.to(vis.k.device(), at::kInt).contiguous();
-  params.mask.kv_media = kv_media.to(at::kInt).contiguous();
-  params.mask.unmatched_sees_all = unmatched_sees_all;
+  params.mask.media_rule = m.rule;
+  params.mask.q_media = m.q_media.narrow(1, from, T).to(vis.k.device(), at::kInt).contiguous();
+  params.mask.kv_media = m.kv_media.to(at::kInt).contiguous();
+  params.mask.unmatched_sees_all = m.unmatched_sees_all;
   const kernels::AttentionOutput out = kernels::attention_forward(q, vis.k, vis.v, params);
   return {out.o, out.lse.transpose(1, 2)};  // [B, T, Hq, D], [B, T, Hq]
 }
 
-Partial media_over_ranks(const at::Tensor& q, const KVShard& vis, const at::Tensor& kv_media,
-                         const at::Tensor& q_media, kernels::MediaRule rule,
-                         bool unmatched_sees_all, dist::ProcessGroup& pg, double scale) {
+at::Tensor media_over_ranks(const at::Tensor& q, const KVShard& vis, const DecodeCache& cache,
+                            dist::ProcessGroup& pg, double scale) {
   const int64_t kv_heads = vis.k.size(2);
-  const Partial local = media_partial(q, vis, kv_media, q_media, rule, unmatched_sees_all, scale);
-  return unfold_tokens(merge_across_ranks(pg, {fold_partial(local, kv_heads)})[0], q.size(1),
-                       kv_heads);
+  std::vector<Partial> local;
+  for (const PromptMedia& m : cache.prompt_media)
+    local.push_back(fold_partial(media_partial(q, vis, m, cache.length, scale), kv_heads));
+  at::Tensor o;
+  for (const Partial& p : merge_across_ranks(pg, local)) {
+    const at::Tensor call = unfold_tokens(p, q.size(1), kv_heads).o;
+    o = o.defined() ? o + call : call;
+  }
+  return o;
 }
 
 Partial fold_partial(const Partial& p, int64_t kv_heads) {
@@ -143,6 +155,10 @@ Partial fold_partial(const Partial& p, int64_t kv_heads) {
 
 void seal_chunked_prompt(DecodeCache& cache, int rank, int world) {
   for (size_t i = 0; i < cache.new_k.size(); ++i) {
+    if (cache.new_k[i].empty()) {  // a layer without self-attention (Llama-3.2-Vision's cross)
+      cache.prompt[i] = KVShard{};
+      continue;
+    }
     const at::Tensor k = at::cat(cache.new_k[i], 1), v = at::cat(cache.new_v[i], 1);
     const int64_t L = k.size(1), lo = L * rank / world, hi = L * (rank + 1) / world;
     // A copy of the slice: the whole prompt's K/V (on every rank until now) are freed.
@@ -151,7 +167,8 @@ void seal_chunked_prompt(DecodeCache& cache, int rank, int world) {
     cache.new_k[i].clear();
     cache.new_v[i].clear();
   }
-  cache.prompt_media = cache.visual_media = at::Tensor();
+  cache.prompt_media.clear();
+  cache.prompt_sees = at::Tensor();
 }
 
 KVShard no_prompt_keys(int64_t batch, int64_t kv_heads, int64_t head_dim,

@@ -86,6 +86,17 @@ Partial causal_new_keys(const at::Tensor& q, const at::Tensor& nk, const at::Ten
 // merge_partials takes.
 Partial token_rows(const Partial& p);
 
+// One cross-attention call's visibility while a prompt is prefilled in chunks
+// (Model::prefill_media; kernels/attention.h's media mask): a family has one call, or several
+// where one comparison cannot say which keys a row sees (Llama-3.2-Vision's nested tile sets,
+// models/mllama/mask.h: every row sees keys in one call only, the others give o = 0).
+struct PromptMedia {
+  at::Tensor q_media;   // int32 [B, L]: each prompt position's newest visible image (−1: none)
+  at::Tensor kv_media;  // int32 [B, S_r]: the image of each of this rank's visual keys (−1: pad)
+  kernels::MediaRule rule = kernels::MediaRule::kUpTo;
+  bool unmatched_sees_all = false;
+};
+
 // The per-rank cache of one prompt being generated from.
 struct DecodeCache {
   std::vector<KVShard> prompt;  // per decoder layer: this rank's shard of the prompt's K/V
@@ -95,28 +106,29 @@ struct DecodeCache {
   int64_t length = 0;     // tokens so far (prompt + generated): the next position
   int64_t batch = 0;
   double encode_seconds = 0;  // the prefill's vision encoding of this rank's frames
-  // While a prompt is prefilled in chunks (Model::prefill_media, then extend per chunk): each
-  // prompt position's newest visible image (int32 [B, L], −1: none yet; the family's media
-  // rule), so a chunk's tokens see the images before them, not all of them; visual_media: the
-  // image of each of this rank's visual keys (int32 [B, S_r], −1: padding; the same in every
-  // cross layer). Undefined once the prompt is whole (seal_chunked_prompt) and for a whole
-  // prefill.
-  at::Tensor prompt_media, visual_media;
+  // While a prompt is prefilled in chunks (Model::prefill_media, then extend per chunk): which
+  // images each prompt position sees, per cross-attention call (the same in every cross layer),
+  // so a chunk's tokens see the images before them, not all of them; prompt_sees: bool [B, L],
+  // whether each position sees an image at all (a family's gate or masked-out rows). Empty once
+  // the prompt is whole (seal_chunked_prompt) and for a whole prefill.
+  std::vector<PromptMedia> prompt_media;
+  at::Tensor prompt_sees;
 };
 
-// Queries q [B, T, Hq, D] of T prompt tokens being prefilled in chunks against this rank's
-// visual keys `vis` (their images kv_media, int32 [B, S_r]), each token seeing the images its
-// q_media (int32 [B, T]) allows under `rule` (kernels/attention.h; unmatched_sees_all as
-// Llama-3.2-Vision's rows without an image): one kernel call with the media mask.
-// o [B, T, Hq, D], lse [B, T, Hq].
-Partial media_partial(const at::Tensor& q, const KVShard& vis, const at::Tensor& kv_media,
-                      const at::Tensor& q_media, kernels::MediaRule rule, bool unmatched_sees_all,
+// Whether `cache` holds a prompt being prefilled in chunks; checks that T tokens from its length
+// stay inside it.
+bool prefilling_chunks(const DecodeCache& cache, int64_t tokens);
+
+// Queries q [B, T, Hq, D] of the prompt tokens at positions [from, from + T) being prefilled in
+// chunks against this rank's visual keys `vis`, each token seeing the keys call `m` allows it:
+// one kernel call with the media mask. o [B, T, Hq, D], lse [B, T, Hq].
+Partial media_partial(const at::Tensor& q, const KVShard& vis, const PromptMedia& m, int64_t from,
                       double scale);
 
-// media_partial merged over the ranks (pass-Q, one message): o [B, T, Hq, D], lse [B, T, Hq].
-Partial media_over_ranks(const at::Tensor& q, const KVShard& vis, const at::Tensor& kv_media,
-                         const at::Tensor& q_media, kernels::MediaRule rule,
-                         bool unmatched_sees_all, dist::ProcessGroup& pg, double scale);
+// The same for every call of `cache` (one pass-Q message), summed over the calls (each token
+// sees keys in one call only): o [B, T, Hq, D] of the tokens at the cache's length.
+at::Tensor media_over_ranks(const at::Tensor& q, const KVShard& vis, const DecodeCache& cache,
+                            dist::ProcessGroup& pg, double scale);
 
 // A partial of T tokens per sample (o [B, T, Hq, D], lse [B, T, Hq]) in fold_tokens' layout
 // ([B, Hkv·T·g, D] / [B, Hkv·T·g]), to travel in one pass-Q message with folded ones.

@@ -27,6 +27,7 @@
 #include "tests/model_conformance.h"
 #include "tests/model_extend.h"
 #include "tests/model_rows.h"
+#include "tests/multirank.h"
 #include "tests/reference_mask.h"
 
 namespace {
@@ -349,6 +350,37 @@ TEST(MllamaExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
   EXPECT_LE(d.whole, 1e-5);
   EXPECT_LE(d.steps, 1e-5);
   EXPECT_LE(d.next, 1e-5);
+}
+
+// Chunked prefill (lvx serve's --max-batch-tokens, tests/model_extend.h): the frames prompt's
+// prefix in chunks of 1 and 3 tokens, each token seeing the tiles its row of the processor's
+// cross-attention mask gives it (every cross-attention call of mask.h; rows before the first
+// image attend to every key and have their branch zeroed), sealed, then the question: within
+// 1e-5 (fp32) of the whole prefill, at 1 rank and on 3 (the keys and prompt shards spread).
+double mllama_chunked(std::shared_ptr<lvx::dist::ProcessGroup> pg) {
+  const Reference& ref = frames_reference();
+  const auto batch = lvx::load_safetensors(ref.batch).tensors;
+  const auto model = lvx::models::load_model(ref.model, at::kFloat);
+  EXPECT_TRUE(model->can_prefill_in_chunks());
+  const at::Tensor ids0 = batch.at("input_ids");
+  const int64_t B = ids0.size(0);
+  const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
+  double worst = 0;
+  for (int64_t chunk : {1, 3})
+    worst = std::max(worst, chunked_against_prefill(*model, ids, batch.at("pixel_values"), chunk, pg));
+  std::cout << "|chunked − whole| " << worst << "\n";
+  return worst;
+}
+
+TEST(MllamaChunkedPrefill, ChunksEqualTheWholePrefill) { EXPECT_LE(mllama_chunked(nullptr), 1e-5); }
+
+LVX_WORKER(mllama_chunked_ranks) {
+  return mllama_chunked(lvx::dist::ProcessGroup::from_env()) <= 1e-5 ? 0 : 1;
+}
+
+TEST(MllamaChunkedPrefill, OnThreeRanksEqualsTheWholePrefill) {
+  frames_reference();  // made once, before the ranks read it
+  expect_all_ok(run_ranks(3, "mllama_chunked_ranks"));
 }
 
 // Model::decode_rows (continuous batching): three generations about the same frames at

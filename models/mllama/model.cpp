@@ -171,6 +171,63 @@ Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par)
   return im;
 }
 
+
+// This rank's image features [B, slots·T, hidden] (T keys per image): in.media's (lvx serve's
+// visual cache) or its slots `mine` encoded (handed back in in.media); undefined when the batch
+// has no image. No collective.
+at::Tensor local_features(const Config& cfg, const StateDict& w, const ModelInputs& in,
+                          const Images& im, const CrossMask& cm, const std::vector<int64_t>& mine,
+                          const Parallel& par, const at::TensorOptions& options) {
+  const int64_t B = in.input_ids.size(0), T = cfg.tokens_per_image(), hidden = cfg.text.hidden;
+  const int64_t slots = static_cast<int64_t>(mine.size());
+  if (cm.calls.empty()) return at::Tensor();
+  if (in.media != nullptr && in.media->features.defined()) {
+    // This rank's images encoded before (lvx serve's visual cache): nothing decoded or encoded.
+    const LocalMedia& m = *in.media;
+    LVX_CHECK(m.slots == mine && m.features.dim() == 3 && m.features.size(0) == B &&
+                  m.features.size(1) == slots * T && m.features.size(2) == hidden,
+              kName, ": precomputed media features of ", m.slots.size(), " slots ",
+              m.features.sizes(), " do not fit rank ", par.rank(), "'s ", slots, " slots of ", B,
+              " x ", slots * T, " x ", hidden);
+    return m.features;
+  }
+  at::Tensor features = at::zeros({B, 0, hidden}, options);
+  if (slots > 0) {
+    const at::Tensor px = rank_slots(im.pixel_values, im.pixels_local, mine);
+    auto flat = [&](const at::Tensor& x) {
+      std::vector<int64_t> s{B * slots};
+      for (int64_t d = 2; d < x.dim(); ++d) s.push_back(x.size(d));
+      return x.reshape(s);
+    };
+    const at::Device dev = options.device();
+    const at::Tensor ar_ids = rank_slots(im.aspect_ratio_ids, im.ratios_local, mine).to(dev);
+    const at::Tensor ar_mask = rank_slots(im.aspect_ratio_mask, im.ratios_local, mine).to(dev);
+    features = encode_images(w, cfg, flat(px.to(dev, options.dtype().toScalarType())),
+                             flat(ar_ids), flat(ar_mask))
+                   .reshape({B, slots * T, hidden});
+  }
+  if (in.media != nullptr) *in.media = LocalMedia{features, mine};  // for the cache
+  return features;
+}
+
+// A cross layer's K/V from the shared features: k_proj with k_norm (RMSNorm over each head's
+// channels), v_proj. By value: with recomputation it runs again in the backward.
+KVFunction cross_kv_function(const TextConfig& t) {
+  const int64_t Hkv = t.kv_heads, D = t.head_dim;
+  const double eps = t.rms_eps;
+  return [Hkv, D, eps](const at::Tensor& y, const std::vector<at::Tensor>& p) {
+    const int64_t n = y.size(1);
+    const at::Tensor k = rms_norm(models::linear(y, p[0]).view({y.size(0), n, Hkv, D}), p[2], eps);
+    return std::make_pair(k, models::linear(y, p[1]).view({y.size(0), n, Hkv, D}));
+  };
+}
+
+std::vector<at::Tensor> cross_kv_params(const StateDict& w, int64_t layer) {
+  const std::string l = layer_prefix(layer);
+  return {param(w, l + "cross_attn.k_proj.weight"), param(w, l + "cross_attn.v_proj.weight"),
+          param(w, l + "cross_attn.k_norm.weight")};
+}
+
 }  // namespace
 
 Mllama::Mllama(const Checkpoint& ck, at::ScalarType dtype, at::Device device)
@@ -272,36 +329,7 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
   const Images im = batch_images(cfg_, in, par);
   const CrossMask cm = cross_mask(im.cross_attention_mask, cfg_.vision.tokens_per_tile(), kName);
   const std::vector<int64_t> mine = media_slots(im.images, par.rank(), par.world());
-  const int64_t slots = static_cast<int64_t>(mine.size());
-  at::Tensor features;  // [B, slots·T, hidden]
-  if (!cm.calls.empty() && in.media != nullptr && in.media->features.defined()) {
-    // This rank's images encoded before (lvx serve's visual cache): nothing decoded or encoded.
-    const LocalMedia& m = *in.media;
-    LVX_CHECK(m.slots == mine && m.features.dim() == 3 && m.features.size(0) == B &&
-                  m.features.size(1) == slots * T && m.features.size(2) == t.hidden,
-              kName, ": precomputed media features of ", m.slots.size(), " slots ",
-              m.features.sizes(), " do not fit rank ", par.rank(), "'s ", slots, " slots of ", B,
-              " x ", slots * T, " x ", t.hidden);
-    features = m.features;
-  } else if (!cm.calls.empty()) {
-    const at::Tensor px = rank_slots(im.pixel_values, im.pixels_local, mine);
-    auto flat = [&](const at::Tensor& x) {
-      std::vector<int64_t> s{B * slots};
-      for (int64_t d = 2; d < x.dim(); ++d) s.push_back(x.size(d));
-      return x.reshape(s);
-    };
-    if (slots > 0) {
-      const at::Tensor ar_ids =
-          rank_slots(im.aspect_ratio_ids, im.ratios_local, mine).to(emb.device());
-      const at::Tensor ar_mask =
-          rank_slots(im.aspect_ratio_mask, im.ratios_local, mine).to(emb.device());
-      features = encode_images(w_, cfg_, flat(px.to(emb.device(), dt)), flat(ar_ids), flat(ar_mask))
-                     .reshape({B, slots * T, t.hidden});
-    } else {
-      features = at::zeros({B, 0, t.hidden}, h.options());
-    }
-    if (in.media != nullptr) *in.media = LocalMedia{features, mine};  // for the cache
-  }
+  const at::Tensor features = local_features(cfg_, w_, in, im, cm, mine, par, h.options());
   std::vector<attention::MaskInputs> call_masks;
   std::vector<attention::AttentionSpec> call_specs;
   for (const attention::MediaMask& mm : cm.calls) {
@@ -343,20 +371,11 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
       continue;
     }
     if (cm.calls.empty()) continue;  // no image in the batch: transformers skips the layer
-    // q_norm / k_norm: RMSNorm over each head's channels; K/V from the shared features (by
-    // value: with recomputation this runs again in the backward).
-    const double eps = t.rms_eps;
+    // q_norm / k_norm: RMSNorm over each head's channels; K/V from the shared features.
     at::Tensor q = linear(x, w_, l + "cross_attn.q_proj", false).view({B, lr, Hq, D});
-    q = rms_norm(q, param(w_, l + "cross_attn.q_norm.weight"), eps);
-    KVFunction kv_fn = [Hkv, D, eps](const at::Tensor& y, const std::vector<at::Tensor>& p) {
-      const int64_t n = y.size(1);
-      const at::Tensor k =
-          rms_norm(models::linear(y, p[0]).view({y.size(0), n, Hkv, D}), p[2], eps);
-      return std::make_pair(k, models::linear(y, p[1]).view({y.size(0), n, Hkv, D}));
-    };
-    const std::vector<at::Tensor> kv_params{param(w_, l + "cross_attn.k_proj.weight"),
-                                            param(w_, l + "cross_attn.v_proj.weight"),
-                                            param(w_, l + "cross_attn.k_norm.weight")};
+    q = rms_norm(q, param(w_, l + "cross_attn.q_norm.weight"), t.rms_eps);
+    const KVFunction kv_fn = cross_kv_function(t);
+    const std::vector<at::Tensor> kv_params = cross_kv_params(w_, i);
     // One call per family of nested tile sets (mask.h); each row has keys in one call only, and
     // o = 0 in the others, so the attention is their sum.
     at::Tensor o;
@@ -385,6 +404,45 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
   h = rms_norm(h, param(w_, kLm + "norm.weight"), t.rms_eps);
   if (cache) return {h, shard.host_positions};
   return {at::linear(h, lm_head()), shard.host_positions};
+}
+
+void Mllama::prefill_media(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const {
+  c10::AutoGradMode no_grad(false);
+  const TextConfig& t = cfg_.text;
+  const at::TensorOptions options = param(w_, kLm + "embed_tokens.weight").options();
+  const at::Device dev = options.device();
+  const int64_t B = in.input_ids.size(0), L = in.input_ids.size(1), T = cfg_.tokens_per_image();
+  const auto encode_start = std::chrono::steady_clock::now();
+  const Images im = batch_images(cfg_, in, par);
+  const CrossMask cm = cross_mask(im.cross_attention_mask, cfg_.vision.tokens_per_tile(), kName);
+  LVX_CHECK(!cm.calls.empty(), "prefill_media: the prompt has no image");
+  const std::vector<int64_t> mine = media_slots(im.images, par.rank(), par.world());
+  const at::Tensor features = local_features(cfg_, w_, in, im, cm, mine, par, options);
+  cache = DecodeCache{};
+  const auto layers = static_cast<size_t>(t.layers);
+  cache.prompt.assign(layers, no_prompt_keys(B, t.kv_heads, t.head_dim, options));
+  cache.visual.resize(layers);
+  cache.new_k.resize(layers);
+  cache.new_v.resize(layers);
+  cache.batch = B;
+  cache.sees_media = cm.last_row_sees_media.to(dev);
+  // Each call's rows and this rank's keys of it (mask.h): the calls the whole prefill makes.
+  const at::Tensor keys = LocalMedia{{}, mine}.key_index(T).to(dev);
+  for (const attention::MediaMask& mm : cm.calls) {
+    const attention::MediaMask d = media_mask_on(mm, dev);
+    cache.prompt_media.push_back(
+        {d.q_media.narrow(1, 0, L), d.kv_media.index_select(1, keys), mm.rule,
+         mm.unmatched_sees_all});
+  }
+  cache.prompt_sees = cm.sees_media.to(dev).narrow(1, 0, L);
+  const at::Tensor visible = cm.last_row_keys.index_select(1, keys.cpu()).to(dev);
+  for (int64_t i = 0; i < t.layers; ++i) {
+    if (!t.is_cross(i)) continue;
+    const auto [k, v] = cross_kv_function(t)(features, cross_kv_params(w_, i));
+    cache.visual[static_cast<size_t>(i)] = {k, v, visible};
+  }
+  cache.encode_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
 }
 
 at::Tensor Mllama::prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const {
@@ -461,7 +519,13 @@ at::Tensor Mllama::extend(const at::Tensor& tokens, const Parallel& par, DecodeC
       llama_rotary(at::arange(cache.length, cache.length + T, emb.options().dtype(at::kLong)),
                    rope_inv_freq(t, emb.options().dtype(at::kFloat)));
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const at::Tensor sees = cache.sees_media.to(h.scalar_type()).view({B, 1, 1});
+  // A chunk of a prompt prefilled in chunks (prefill_media): each token sees the tiles its row of
+  // the cross-attention mask gives it, where a token after the whole prompt repeats the last row.
+  const bool chunk = prefilling_chunks(cache, T);
+  const at::Tensor sees = chunk ? cache.prompt_sees.narrow(1, cache.length, T)
+                                      .to(h.scalar_type())
+                                      .unsqueeze(-1)
+                                : cache.sees_media.to(h.scalar_type()).view({B, 1, 1});
   for (int64_t i = 0; i < t.layers; ++i) {
     const std::string l = layer_prefix(i);
     const size_t li = static_cast<size_t>(i);
@@ -485,7 +549,9 @@ at::Tensor Mllama::extend(const at::Tensor& tokens, const Parallel& par, DecodeC
     if (!vis.k.defined()) continue;  // no image: the layer is skipped
     const at::Tensor q = rms_norm(linear(x, w_, l + "cross_attn.q_proj", false).view({B, T, Hq, D}),
                                   param(w_, l + "cross_attn.q_norm.weight"), t.rms_eps);
-    const at::Tensor ctx = tokens_over_ranks(q, vis, *par.pg, scale).o.reshape({B, T, Hq * D}).to(h.scalar_type());
+    const at::Tensor o = chunk ? media_over_ranks(q, vis, cache, *par.pg, scale)
+                               : tokens_over_ranks(q, vis, *par.pg, scale).o;
+    const at::Tensor ctx = o.reshape({B, T, Hq * D}).to(h.scalar_type());
     h = cross_block(i, h, ctx, sees, false);
   }
   cache.length += T;

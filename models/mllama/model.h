@@ -73,6 +73,9 @@ class Mllama : public Model {
   bool can_extend() const override { return true; }
   at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
                     DecodeCache& cache) const override;
+  bool can_prefill_in_chunks() const override { return true; }
+  void prefill_media(const ModelInputs& in, const Parallel& par,
+                     DecodeCache& cache) const override;
   bool batches_rows() const override { return true; }
   at::Tensor decode_rows(const at::Tensor& tokens, const Parallel& par,
                          const std::vector<DecodeCache*>& caches) const override;

@@ -174,14 +174,7 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   // A chunk of a prompt prefilled in chunks (prefill_media): each token sees the images before
   // it (q_media), where a token after the whole prompt sees all of them.
-  const bool chunk = cache.prompt_media.defined();
-  at::Tensor q_media;
-  if (chunk) {
-    LVX_CHECK(cache.length + T <= cache.prompt_media.size(1), "extend: tokens ", cache.length,
-              "..", cache.length + T, " run past the prompt being prefilled (",
-              cache.prompt_media.size(1), " tokens)");
-    q_media = cache.prompt_media.narrow(1, cache.length, T);
-  }
+  const bool chunk = prefilling_chunks(cache, T);
   // The T queries of a row as extra query heads (fold_tokens, models/decode.h): the cached keys
   // take all of them in one call per rank and one pass-Q message per layer.
   for (int64_t i = 0; i < c.layers; ++i) {
@@ -196,11 +189,10 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
     const KVShard& vis = cache.visual[li];
     const bool cross = c.is_hyper(i) && vis.k.defined();
     if (cross)
-      local.push_back(chunk ? fold_partial(media_partial(q, vis, cache.visual_media, q_media,
-                                                         c.media_rule().kernel_rule(), false,
-                                                         scale),
-                                           hkv)
-                            : partial_attention(qf, vis.k, vis.v, vis.visible, scale));
+      local.push_back(
+          chunk ? fold_partial(media_partial(q, vis, cache.prompt_media[0], cache.length, scale),
+                               hkv)
+                : partial_attention(qf, vis.k, vis.v, vis.visible, scale));
     std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
     for (Partial& p : merged) p = unfold_tokens(p, T, hkv);
     // The new keys up to each token's own (causal), on every rank: one masked product for the
@@ -210,7 +202,8 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
     const Partial self = merge_partials({token_rows(merged[0]), token_rows(generated)});
     const Partial visual = cross ? token_rows(merged[1]) : Partial{};
     const at::Tensor sees =
-        chunk ? q_media.ge(0).reshape({B * T}) : cache.sees_media.repeat_interleave(T);
+        chunk ? cache.prompt_sees.narrow(1, cache.length, T).reshape({B * T})
+              : cache.sees_media.repeat_interleave(T);
     const at::Tensor ctx = decode_mix(i, self, cross ? &visual : nullptr, sees)
                                .view({B, T, hq * d})
                                .to(h.scalar_type());

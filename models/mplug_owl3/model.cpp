@@ -374,8 +374,8 @@ void MplugOwl3::prefill_media(const ModelInputs& in, const Parallel& par,
   cache.new_v.resize(layers);
   cache.batch = B;
   cache.sees_media = (mmd.media_starts >= 0).any(1);
-  cache.prompt_media = mmd.q_media.narrow(1, 0, L);
-  cache.visual_media = vis.kv_media;
+  cache.prompt_media = {{mmd.q_media.narrow(1, 0, L), vis.kv_media, c.media_rule().kernel_rule()}};
+  cache.prompt_sees = mmd.q_media.narrow(1, 0, L).ge(0);
   for (int64_t i = 0; i < c.layers; ++i) {
     if (!c.is_hyper(i)) continue;
     const auto [k, v] = visual_kv_function(c, vis)(vis.features, visual_kv_params(w_, i));

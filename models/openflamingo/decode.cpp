@@ -43,11 +43,10 @@ void OpenFlamingo::prefill_media(const ModelInputs& in, const Parallel& par,
   // As the whole prefill leaves it (run): later tokens see their sample's last image only.
   const at::Tensor images = host_ids(ids).eq(c.media_token_id).sum(1).to(options.device());
   cache.sees_media = images.gt(0);
-  cache.prompt_media = mmd.q_media.narrow(1, 0, L);
-  cache.visual_media = mmd.kv_media.index_select(1, media.key_index(T).to(options.device()));
+  const at::Tensor keys = mmd.kv_media.index_select(1, media.key_index(T).to(options.device()));
+  cache.prompt_media = {{mmd.q_media.narrow(1, 0, L), keys, kMediaMaskImmediate.kernel_rule()}};
   const at::Tensor last_image =
-      cache.visual_media.ge(0) &
-      cache.visual_media.eq((images - 1).unsqueeze(1).to(cache.visual_media.scalar_type()));
+      keys.ge(0) & keys.eq((images - 1).unsqueeze(1).to(keys.scalar_type()));
   for (int64_t i = 0; i < c.layers; ++i) {
     if (!c.is_cross(i)) continue;
     const auto [k, v] = cross_kv(i, media.features);
@@ -121,24 +120,15 @@ at::Tensor OpenFlamingo::extend(const at::Tensor& tokens, const Parallel& par,
   const double x_scale = 1.0 / std::sqrt(static_cast<double>(c.x_dim_head));
   // A chunk of a prompt prefilled in chunks (prefill_media): each token sees its most recent
   // image (none before the first), where a token after the whole prompt sees the last one.
-  const bool chunk = cache.prompt_media.defined();
-  at::Tensor q_media;
-  if (chunk) {
-    LVX_CHECK(cache.length + T <= cache.prompt_media.size(1), "extend: tokens ", cache.length,
-              "..", cache.length + T, " run past the prompt being prefilled (",
-              cache.prompt_media.size(1), " tokens)");
-    q_media = cache.prompt_media.narrow(1, cache.length, T);
-  }
+  const bool chunk = prefilling_chunks(cache, T);
   for (int64_t i = 0; i < c.layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     const KVShard& vis = cache.visual[li];
     if (c.is_cross(i) && vis.k.defined()) {
       const at::Tensor q = cross_query(i, x);
-      const Partial o =
-          chunk ? media_over_ranks(q, vis, cache.visual_media, q_media,
-                                   kMediaMaskImmediate.kernel_rule(), false, *par.pg, x_scale)
-                : tokens_over_ranks(q, vis, *par.pg, x_scale);
-      x = cross_output(i, x, o.o.reshape({B, T, c.x_heads * c.x_dim_head}).to(dt));
+      const at::Tensor o = chunk ? media_over_ranks(q, vis, cache, *par.pg, x_scale)
+                                 : tokens_over_ranks(q, vis, *par.pg, x_scale).o;
+      x = cross_output(i, x, o.reshape({B, T, c.x_heads * c.x_dim_head}).to(dt));
     }
     const SelfQKV qkv = self_qkv(i, x, positions);
     const int64_t before = new_key_count(cache, li);
