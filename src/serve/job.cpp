@@ -72,7 +72,7 @@ bool same_media(const ChatRequest& a, const ChatRequest& b) {
   auto same = [](const MediaRef& x, const MediaRef& y) {
     if (x.upload || y.upload)  // each request's own file: the same content
       return x.upload && y.upload && x.hash == y.hash && x.ext == y.ext;
-    return x.path == y.path && x.ext == y.ext && x.bytes == y.bytes;
+    return x.path == y.path && x.ext == y.ext;  // files named (data URLs are uploads)
   };
   if (a.video.has_value() != b.video.has_value() || a.video_hash != b.video_hash ||
       a.frames.size() != b.frames.size())

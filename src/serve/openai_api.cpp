@@ -112,8 +112,9 @@ MediaRef media_url(const json& part, const std::string& field, const std::string
       !part[field]["url"].is_string())
     throw bad_request("a " + field + " part needs {\"" + field + "\": {\"url\": \"...\"}}", param);
   // The URL in place: a data URL of a 50 MB video is 67 MB of text, so it is neither copied nor
-  // cut out, and its bytes move into the request once decoded.
-  const std::string& url = part[field]["url"].get_ref<const std::string&>();
+  // cut out; its base64 moves into the request (the body is done with), decoded later straight
+  // into its file (upload.h).
+  std::string& url = const_cast<std::string&>(part[field]["url"].get_ref<const std::string&>());
   MediaRef m;
   if (url.rfind("data:", 0) == 0) {
     const size_t comma = url.find(',');
@@ -126,11 +127,16 @@ MediaRef media_url(const json& part, const std::string& field, const std::string
     if (type.rfind(kind + "/", 0) != 0 && type != "application/octet-stream")
       throw bad_request(
           field + ": a data URL of type '" + type + "' where " + kind + "/... was expected", param);
-    std::optional<std::string> bytes = base64_decode(std::string_view(url).substr(comma + 1));
-    if (!bytes) throw bad_request(field + ": the data URL's base64 is malformed", param);
-    if (bytes->empty()) throw bad_request(field + ": the data URL holds no bytes", param);
-    m.bytes = std::move(*bytes);
+    const std::string_view text = std::string_view(url).substr(comma + 1);
+    const size_t unpadded = text.find_last_not_of('=');
+    if (unpadded == std::string_view::npos)
+      throw bad_request(field + ": the data URL holds no bytes", param);
+    if (text.size() - unpadded - 1 > 2 || (unpadded + 1) % 4 == 1)
+      throw bad_request(field + ": the data URL's base64 is malformed", param);
     m.ext = ext_of_media_type(type);
+    m.field = field;
+    url.erase(0, comma + 1);  // the base64 alone, in place (no copy)
+    m.base64 = std::move(url);
     return m;
   }
   if (url.rfind("file://", 0) == 0) {
@@ -188,7 +194,7 @@ ApiError bad_request(const std::string& message, const std::string& param) {
   return ApiError(400, "invalid_request_error", message, param);
 }
 
-std::optional<std::string> base64_decode(std::string_view text) {
+bool base64_decode(std::string_view text, const std::function<void(std::string_view)>& sink) {
   auto value = [](unsigned char c) -> int {
     if (c >= 'A' && c <= 'Z') return c - 'A';
     if (c >= 'a' && c <= 'z') return c - 'a' + 26;
@@ -199,22 +205,28 @@ std::optional<std::string> base64_decode(std::string_view text) {
   };
   size_t n = text.size();
   while (n > 0 && text[n - 1] == '=') --n;
-  if (text.size() - n > 2 || n % 4 == 1) return std::nullopt;
+  if (text.size() - n > 2 || n % 4 == 1) return false;
+  constexpr size_t kPiece = size_t{1} << 20;
   std::string out;
-  out.reserve(n * 3 / 4);
+  out.reserve(std::min(kPiece, n * 3 / 4));
   uint32_t acc = 0;
   int bits = 0;
   for (size_t i = 0; i < n; ++i) {
     const int v = value(static_cast<unsigned char>(text[i]));
-    if (v < 0) return std::nullopt;
+    if (v < 0) return false;
     acc = (acc << 6) | static_cast<uint32_t>(v);
     bits += 6;
     if (bits >= 8) {
       bits -= 8;
       out += static_cast<char>((acc >> bits) & 0xFF);
+      if (out.size() == kPiece) {
+        sink(out);
+        out.clear();
+      }
     }
   }
-  return out;
+  if (!out.empty()) sink(out);
+  return true;
 }
 
 namespace {
@@ -493,7 +505,7 @@ void read_media_options(const json& body, const ApiOptions& o, ChatRequest& r) {
 }  // namespace
 
 ChatRequest parse_chat_request(std::string text, const ApiOptions& o) {
-  const json body = parse_body(text);
+  json body = parse_body(text);  // not const: media_url moves data URLs' base64 out of it
   std::string().swap(text);  // the parsed copy is all that is read from here on
   if (!body.is_object())
     throw bad_request("the body must be a JSON object, got " + type_name(body));

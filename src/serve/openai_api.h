@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -57,12 +58,14 @@ class ApiError : public std::runtime_error {
 // The usual ones.
 ApiError bad_request(const std::string& message, const std::string& param = "");
 
-// One piece of media: a file on this machine, or bytes sent in the request (which the server
-// writes to a file at once: src/serve/upload.h; then path, hash and upload say where).
+// One piece of media: a file on this machine, or bytes sent in the request as a data URL: its
+// base64 text, moved out of the parsed body (never copied, never held decoded), which the server
+// decodes straight into a file at once (src/serve/upload.h; then path, hash and upload say where).
 struct MediaRef {
   std::string path;
-  std::string bytes;
-  std::string ext;   // ".mp4", ".png", ... (from the data URL's media type)
+  std::string base64;
+  std::string field;  // the part's field ("video_url", "image_url"): what its errors name
+  std::string ext;    // ".mp4", ".png", ... (from the data URL's media type)
   std::string hash;  // an upload's content hash (XXH3-64 of its bytes), once written
   bool upload = false;
 };
@@ -110,8 +113,10 @@ ChatRequest parse_chat_request(std::string body, const ApiOptions& options);
 // it holds ("the uploaded video", "the uploaded frame 3"), never our files or temporary paths.
 std::string client_error_text(const std::string& internal);
 
-// Decodes standard base64 (padding optional, no whitespace inside); nullopt when malformed.
-std::optional<std::string> base64_decode(std::string_view text);
+// Decodes standard base64 (or base64url; padding optional, no whitespace inside) into `sink`,
+// piece by piece (at most 1 MiB decoded at a time); false when malformed (the pieces before the
+// fault were given).
+bool base64_decode(std::string_view text, const std::function<void(std::string_view)>& sink);
 
 // The objects sent back. `id` names the completion ("chatcmpl-..."), `created` Unix seconds.
 // `logprobs`: null, or the tokens' entries (src/runtime/logprobs_json.h), sent as the choice's

@@ -32,7 +32,7 @@ json Server::describe(const Job& job, std::vector<std::string>* blobs) const {
     if (m.upload && ranks_share_host_) return json{{"path", m.path}, {"upload", true}};
     if (!m.path.empty() && !m.upload) return json{{"path", m.path}};
     // Ranks on other machines get the bytes (an upload read back from its file).
-    if (blobs) blobs->push_back(m.upload ? read_file(m.path, "the upload", INT64_MAX) : m.bytes);
+    if (blobs) blobs->push_back(read_file(m.path, "the upload", INT64_MAX));
     return json{{"blob", blob++}, {"ext", m.ext}};
   };
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };

@@ -20,7 +20,7 @@ UploadDir::~UploadDir() {
   fs::remove_all(dir_, ec);
 }
 
-std::string UploadDir::write(const std::string& bytes, const std::string& file) {
+std::string UploadDir::path_of(const std::string& file) {
   if (dir_.empty()) {
     // The name client_error_text recognises (openai_api.h): errors say "the uploaded video".
     std::string tmpl = (fs::temp_directory_path() / "lvx-serve-XXXXXX").string();
@@ -28,7 +28,11 @@ std::string UploadDir::write(const std::string& bytes, const std::string& file) 
               fs::temp_directory_path().string());
     dir_ = tmpl;
   }
-  const std::string path = (fs::path(dir_) / file).string();
+  return (fs::path(dir_) / file).string();
+}
+
+std::string UploadDir::write(const std::string& bytes, const std::string& file) {
+  const std::string path = path_of(file);
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   LVX_CHECK(f.good(), "cannot write the upload (", bytes.size(), " bytes) to ", path);
@@ -36,14 +40,29 @@ std::string UploadDir::write(const std::string& bytes, const std::string& file) 
 }
 
 void UploadDir::spill(MediaRef& m, const std::string& name) {
-  if (m.bytes.empty()) return;
-  m.path = write(m.bytes, name + m.ext);
+  if (m.base64.empty()) return;
+  const std::string path = path_of(name + m.ext);
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  XXH3_state_t* state = XXH3_createState();
+  LVX_CHECK(state != nullptr && XXH3_64bits_reset(state) == XXH_OK, "cannot hash the upload");
+  int64_t bytes = 0;
+  const bool ok = base64_decode(m.base64, [&](std::string_view piece) {
+    f.write(piece.data(), static_cast<std::streamsize>(piece.size()));
+    XXH3_64bits_update(state, piece.data(), piece.size());
+    bytes += static_cast<int64_t>(piece.size());
+  });
+  const auto hash = static_cast<unsigned long long>(XXH3_64bits_digest(state));
+  XXH3_freeState(state);
+  std::string().swap(m.base64);  // the text is done with, written or not
+  if (!ok)
+    throw bad_request(m.field + ": the data URL's base64 is malformed",
+                      "messages[].content[]." + m.field);
+  LVX_CHECK(f.good(), "cannot write the upload (", bytes, " bytes) to ", path);
   char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx",
-                static_cast<unsigned long long>(XXH3_64bits(m.bytes.data(), m.bytes.size())));
+  std::snprintf(hex, sizeof hex, "%016llx", hash);
+  m.path = path;
   m.hash = hex;
   m.upload = true;
-  std::string().swap(m.bytes);
 }
 
 void spill_uploads(ChatRequest& r, UploadDir& dir) {

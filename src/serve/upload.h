@@ -20,11 +20,14 @@ class UploadDir {
   // Writes `bytes` to the file `file` in the folder (made on first use); returns its path.
   // Throws lvx::Error naming what failed (the folder, the write).
   std::string write(const std::string& bytes, const std::string& file);
-  // Writes `m`'s inline bytes to `name` + its extension in the folder (made on first use), then
-  // holds the file instead: m.path, m.hash (XXH3-64 of the bytes), m.upload; m.bytes emptied.
+  // Decodes `m`'s data URL (its base64) straight into `name` + its extension in the folder (made
+  // on first use), hashing the bytes as they go, then holds the file instead: m.path, m.hash
+  // (XXH3-64 of the bytes), m.upload; m.base64 emptied. Malformed base64: a 400 (ApiError).
   void spill(MediaRef& m, const std::string& name);
 
  private:
+  // The path of `file` in the folder, made on first use.
+  std::string path_of(const std::string& file);
   std::string dir_;
 };
 

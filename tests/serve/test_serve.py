@@ -762,6 +762,13 @@ def case_hostile_bodies(fx, srv, ranks):
         "content": [{"type": "image_url", "image_url": {"url": png}},
                     {"type": "text", "text": QUESTION}]}]}))
     assert "exceed the limit" in err["message"] and time.time() - t0 < 5, err
+    # A data URL whose base64 goes wrong after 3 MB of good text (decoded straight into its
+    # file, so the fault is found while writing): 400 naming the part.
+    bad = "data:video/mp4;base64," + base64.b64encode(b"\0" * (3 << 20)).decode() + "*AAA"
+    err = expect_error(srv, 400, json.dumps({"model": "model", "messages": [{"role": "user",
+        "content": [{"type": "video_url", "video_url": {"url": bad}},
+                    {"type": "text", "text": QUESTION}]}]}))
+    assert "video_url: the data URL's base64 is malformed" in err["message"], err
     assert srv.http("GET", "/health", key=None)[0] == 200
     assert ask(srv, video_part(file_url(fx.clip))).choices[0].message.content is not None
 
