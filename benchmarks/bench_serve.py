@@ -155,10 +155,10 @@ def load_rows(a, lvx, model, nproc, media, videos):
 def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
     """TTFT of a short question about a cached video, idle and while a 1-hour video's first
     prefill (a cache miss) runs, for each --max-batch-tokens of --probe-chunks (0: the prompt
-    whole), one server each, side by side. Every short question asked back to back from 50 ms
-    after the miss was sent until the miss's first token counts (one token each). The miss's answer
-must equal
-    lvx qa's with the same --max-batch-tokens."""
+    whole), one server each, side by side. A short question (one token) is sent every
+    --probe-every seconds from 50 ms after the miss (open loop: each on its own connection); those
+    sent before the miss's first token count. The miss's answer must equal lvx qa's with the same
+    --max-batch-tokens."""
     rows = []
     for chunk in [int(x) for x in a.probe_chunks.split(",")]:
         want = qa_answer(a, lvx, model, long_video, nproc, chunk)
@@ -169,19 +169,34 @@ must equal
             # One token each: the time to it is what is measured, and a short question's later
             # tokens would space the samples one chunk apart per token.
             idle = [srv.post(body(short_video, 1, True), True)[0] for _ in range(5)]
+            # Open loop: a short question every --probe-every seconds from 50 ms after the miss
+            # was sent, each on its own connection (none waits for another's answer), so every
+            # moment of the prefill is sampled alike, its stalls included.
             spans = []
-            with ThreadPoolExecutor(1) as ex:
+            with ThreadPoolExecutor(1) as long_ex, ThreadPoolExecutor(16) as ex:
                 t0 = time.perf_counter()
-                miss = ex.submit(srv.post, body(long_video, a.tokens, True, 300, end=length), True)
-                time.sleep(0.05)
-                while not miss.done():
+                miss = long_ex.submit(srv.post, body(long_video, a.tokens, True, 300, end=length),
+                                      True)
+
+                def short(s):
+                    time.sleep(max(0.0, s - (time.perf_counter() - t0)))
                     s = time.perf_counter() - t0
                     ttft = srv.post(body(short_video, 1, True), True)[0]
-                    spans.append((s, s + ttft, ttft))
+                    return s, s + ttft, ttft
+                shorts = []
+                k = 0
+                while not miss.done():
+                    s = 0.05 + k * a.probe_every
+                    if s > time.perf_counter() - t0 + 0.5:  # keep a little ahead
+                        time.sleep(0.01)
+                        continue
+                    shorts.append(ex.submit(short, s))
+                    k += 1
                 long_ttft, _, long_text, _ = miss.result()
+                spans = [f.result() for f in shorts]
             assert long_text == want["response"], ("the 1-hour answer differs from lvx qa's",
                                                    chunk, long_text, want["response"])
-            busy = [t for s, e, t in spans if e < long_ttft] or [float("nan")]
+            busy = [t for s, e, t in spans if s < long_ttft] or [float("nan")]
             rows.append({"max_batch_tokens": chunk, "idle_ttft_s": statistics.median(idle),
                          "busy_ttft_p50_s": statistics.median(busy), "busy_ttft_max_s": max(busy),
                          "busy_samples": len(busy),
@@ -212,10 +227,12 @@ def main():
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-batch", type=int, default=16, help="the batched server's --max-batch")
-    ap.add_argument("--max-batch-tokens", type=int, default=256,
+    ap.add_argument("--max-batch-tokens", type=int, default=32,
                     help="the servers' --max-batch-tokens (lvx serve's default)")
-    ap.add_argument("--probe-chunks", default="0,256,16",
+    ap.add_argument("--probe-chunks", default="0,256,64,32,16",
                     help="--max-batch-tokens of the prefill-under-load servers (0: whole)")
+    ap.add_argument("--probe-every", type=float, default=0.05,
+                    help="seconds between the short questions asked during the 1-hour prefill")
     ap.add_argument("--load-minutes", type=float, default=2,
                     help="length of each of the 4 videos the load asks about")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lvx_bench_serve"))

@@ -40,7 +40,7 @@ void add_serve_options(lvx::cli::ArgParser& p) {
   p.add_option("max-batch", 0, "16",
                "generations that run together, one decode step for all (continuous batching); "
                "1: one at a time, each answer bit for bit lvx qa's");
-  p.add_option("max-batch-tokens", 0, "256",
+  p.add_option("max-batch-tokens", 0, "32",
                "a new request's prompt is prefilled in chunks of at most this many tokens, one\n"
                "chunk between two decode steps (chunked prefill; 0: whole; with --max-batch 1\n"
                "always whole); lvx qa --max-batch-tokens N gives the same answers bit for bit");
