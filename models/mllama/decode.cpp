@@ -131,8 +131,13 @@ at::Tensor Mllama::extend(const at::Tensor& tokens, const Parallel& par, DecodeC
       cache.new_v[li].push_back(linear(x, w_, l + "self_attn.v_proj", false).view({B, T, Hkv, D}));
       const Partial generated = causal_new_keys(q, at::cat(cache.new_k[li], 1),
                                                 at::cat(cache.new_v[li], 1), before, scale);
+      // A chunk has no cached prompt keys (its prompt's are all new keys, on every rank): no
+      // message for them.
       const at::Tensor ctx =
-          merge_partials({token_rows(tokens_over_ranks(q, cache.prompt[li], *par.pg, scale)), token_rows(generated)}).o;
+          chunk ? token_rows(generated).o
+                : merge_partials({token_rows(tokens_over_ranks(q, cache.prompt[li], *par.pg, scale)),
+                                  token_rows(generated)})
+                      .o;
       h = self_block(i, h, ctx.reshape({B, T, Hq * D}).to(h.scalar_type()), false);
       continue;
     }

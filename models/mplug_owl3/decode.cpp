@@ -184,8 +184,12 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
     cache.new_k[li].push_back(k);
     cache.new_v[li].push_back(v);
     const at::Tensor qf = fold_tokens(q, hkv);
-    std::vector<Partial> local{partial_attention(qf, cache.prompt[li].k, cache.prompt[li].v,
-                                                 cache.prompt[li].visible, scale)};
+    // A chunk has no cached prompt keys (all of its prompt's are new keys, on every rank): only
+    // its visual partial travels, and a layer without one sends nothing.
+    std::vector<Partial> local;
+    if (!chunk)
+      local.push_back(partial_attention(qf, cache.prompt[li].k, cache.prompt[li].v,
+                                        cache.prompt[li].visible, scale));
     const KVShard& vis = cache.visual[li];
     const bool cross = c.is_hyper(i) && vis.k.defined();
     if (cross)
@@ -193,14 +197,15 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
           chunk ? fold_partial(media_partial(q, vis, cache.prompt_media[0], cache.length, scale),
                                hkv)
                 : partial_attention(qf, vis.k, vis.v, vis.visible, scale));
-    std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
+    std::vector<Partial> merged = local.empty() ? local : merge_across_ranks(*par.pg, local);
     for (Partial& p : merged) p = unfold_tokens(p, T, hkv);
     // The new keys up to each token's own (causal), on every rank: one masked product for the
     // T tokens; then every token's merge and mix at once, the tokens as rows ([B·T, ...]).
-    const Partial generated = causal_new_keys(q, at::cat(cache.new_k[li], 1),
-                                              at::cat(cache.new_v[li], 1), before, scale);
-    const Partial self = merge_partials({token_rows(merged[0]), token_rows(generated)});
-    const Partial visual = cross ? token_rows(merged[1]) : Partial{};
+    const Partial generated = token_rows(causal_new_keys(q, at::cat(cache.new_k[li], 1),
+                                                         at::cat(cache.new_v[li], 1), before,
+                                                         scale));
+    const Partial self = chunk ? generated : merge_partials({token_rows(merged[0]), generated});
+    const Partial visual = cross ? token_rows(merged.back()) : Partial{};
     const at::Tensor sees =
         chunk ? cache.prompt_sees.narrow(1, cache.length, T).reshape({B * T})
               : cache.sees_media.repeat_interleave(T);

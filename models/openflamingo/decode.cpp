@@ -134,11 +134,16 @@ at::Tensor OpenFlamingo::extend(const at::Tensor& tokens, const Parallel& par,
     const int64_t before = new_key_count(cache, li);
     cache.new_k[li].push_back(qkv.k);
     cache.new_v[li].push_back(qkv.v);
-    const Partial prompt = tokens_over_ranks(qkv.q, cache.prompt[li], *par.pg, self_scale());
-    const Partial generated = causal_new_keys(qkv.q, at::cat(cache.new_k[li], 1),
-                                              at::cat(cache.new_v[li], 1), before, self_scale());
-    const at::Tensor a = merge_partials({token_rows(prompt), token_rows(generated)})
-                             .o.narrow(-1, 0, hd)
+    const Partial generated = token_rows(causal_new_keys(
+        qkv.q, at::cat(cache.new_k[li], 1), at::cat(cache.new_v[li], 1), before, self_scale()));
+    // A chunk has no cached prompt keys (its prompt's are all new keys, on every rank): no
+    // message for them.
+    const Partial self =
+        chunk ? generated
+              : merge_partials({token_rows(tokens_over_ranks(qkv.q, cache.prompt[li], *par.pg,
+                                                             self_scale())),
+                                generated});
+    const at::Tensor a = self.o.narrow(-1, 0, hd)
                              .reshape({B, T, c.heads * hd})
                              .to(dt);
     x = post_attention(i, x, a, /*remat=*/false);

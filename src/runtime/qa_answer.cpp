@@ -238,11 +238,35 @@ void prepare_media(QaSession::State& cx, QaAnswer& a) {
     auto state = std::make_shared<models::DecodeCache>();
     cx.model->prefill_media(head, a.par, *state);
     a.media_state = std::move(state);
+    a.frames.frames = at::Tensor();  // encoded: the pixels are done with
   } catch (const std::exception& e) {
     a.error = e.what();
   }
   a.media_s = since(t0);
 }
+
+// This rank's workers take turns (State::worker_busy): held for a worker's life, given back
+// however it ends.
+class WorkerTurn {
+ public:
+  explicit WorkerTurn(QaSession::State& cx) : cx_(cx) {
+    std::unique_lock<std::mutex> lock(cx_.worker_mu);
+    cx_.worker_cv.wait(lock, [&] { return !cx_.worker_busy; });
+    cx_.worker_busy = true;
+  }
+  ~WorkerTurn() {
+    {
+      std::lock_guard<std::mutex> lock(cx_.worker_mu);
+      cx_.worker_busy = false;
+    }
+    cx_.worker_cv.notify_one();
+  }
+  WorkerTurn(const WorkerTurn&) = delete;
+  WorkerTurn& operator=(const WorkerTurn&) = delete;
+
+ private:
+  QaSession::State& cx_;
+};
 
 // What begin leaves to this rank alone after the look-up: the frames, the prompt and, for a
 // prompt prefilled in chunks, its media.
@@ -320,6 +344,7 @@ void start_generation(QaSession::State& cx, QaAnswer& a) {
     if (cx.cache->enabled()) in.media = &a.encoded;
   }
   a.gen = std::make_unique<Generation>(*cx.model, in, a.par, g);
+  a.frames.frames = at::Tensor();  // encoded by now (or by the worker): the pixels are done with
   if (!a.gen->prefilling()) keep_visual(cx, a);
 }
 
@@ -346,6 +371,7 @@ QaAnswerPtr QaSession::begin(const QaRequest& req, const AnswerHooks& hooks) {
   a->work = std::async(std::launch::async, [&cx, ap, device] {
     c10::OptionalDeviceGuard guard;
     if (device.is_cuda()) guard.reset_device(device);
+    WorkerTurn turn(cx);
     prepare(cx, *ap);
   });
   return a;

@@ -2,7 +2,9 @@
 // lvx qa's batch; qa_answer.cpp: one question's answer in parts).
 #pragma once
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "models/model.h"
@@ -26,6 +28,11 @@ struct QaSession::State {
   int64_t context = 0;  // the model's context length (0: unknown)
   std::unique_ptr<VisualCache> cache;
   bool batch_prompts = false;  // QaSession::batch_prompts
+  // The answers' workers (qa_answer.cpp) take turns: one decodes and encodes at a time on this
+  // rank, as the scheduler's thread did, so many misses at once hold one video's frames, not all.
+  std::mutex worker_mu;
+  std::condition_variable worker_cv;
+  bool worker_busy = false;
 };
 
 }  // namespace lvx::runtime
