@@ -10,7 +10,11 @@
 //   prefill_next (collective) one chunk of a prompt prefilled in chunks;
 //   step     (collective) one token of several answers, one decode step for all;
 //   finish   (collective) the row.
+// Each part runs under c10::InferenceMode (the worker too): its tensors carry no autograd
+// bookkeeping (version counters, view tracking), which on the small per-token ops of a decode
+// step is a measurable part of the time; they are only ever read by later parts, also in it.
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <chrono>
@@ -351,6 +355,7 @@ void start_generation(QaSession::State& cx, QaAnswer& a) {
 }  // namespace
 
 QaAnswerPtr QaSession::begin(const QaRequest& req, const AnswerHooks& hooks) {
+  c10::InferenceMode inference;
   State& cx = *s_;
   QaAnswerPtr a(new QaAnswer);
   a->req = req;
@@ -369,6 +374,7 @@ QaAnswerPtr QaSession::begin(const QaRequest& req, const AnswerHooks& hooks) {
   QaAnswer* ap = a.get();
   const at::Device device = cx.device;
   a->work = std::async(std::launch::async, [&cx, ap, device] {
+    c10::InferenceMode inference;
     c10::OptionalDeviceGuard guard;
     if (device.is_cuda()) guard.reset_device(device);
     WorkerTurn turn(cx);
@@ -383,6 +389,7 @@ bool QaSession::prepared(const QaAnswer& a) const {
 }
 
 void QaSession::advance(QaAnswer& a) {
+  c10::InferenceMode inference;
   State& cx = *s_;
   LVX_CHECK(!a.advanced, "QaSession::advance: the answer was advanced already");
   if (a.work.valid()) a.work.get();  // an exception of the worker is this rank's failure
@@ -405,6 +412,7 @@ bool QaSession::prefilling(const QaAnswer& a) const {
 }
 
 void QaSession::prefill_next(QaAnswer& a) {
+  c10::InferenceMode inference;
   State& cx = *s_;
   a.gen->prefill_next(*cx.model, a.par);
   if (!a.gen->prefilling()) keep_visual(cx, a);
@@ -421,6 +429,7 @@ QaAnswerPtr QaSession::start(const QaRequest& req, const AnswerHooks& hooks) {
 }
 
 void QaSession::step(const std::vector<QaAnswer*>& answers) {
+  c10::InferenceMode inference;
   State& cx = *s_;
   const int r = cx.pg->rank();
   std::vector<Generation*> gens;
@@ -447,6 +456,7 @@ void QaSession::step(const std::vector<QaAnswer*>& answers) {
 }
 
 json QaSession::finish(QaAnswer& a) {
+  c10::InferenceMode inference;
   if (a.failed) return a.row;
   State& cx = *s_;
   dist::ProcessGroup& pg = *cx.pg;
