@@ -172,7 +172,6 @@ def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
             # Open loop: a short question every --probe-every seconds from 50 ms after the miss
             # was sent, each on its own connection (none waits for another's answer), so every
             # moment of the prefill is sampled alike, its stalls included.
-            spans = []
             with ThreadPoolExecutor(1) as long_ex, ThreadPoolExecutor(16) as ex:
                 t0 = time.perf_counter()
                 miss = long_ex.submit(srv.post, body(long_video, a.tokens, True, 300, end=length),

@@ -7,14 +7,22 @@
 
 namespace lvx::models {
 
+namespace {
+
+// The partial of queries that see no key: o = 0 of shape `o` and lse = −inf over all but its
+// last dimension, in q's accumulation dtype.
+Partial no_keys(const at::Tensor& q, at::IntArrayRef o) {
+  const auto acc = q.options().dtype(kernels::accumulation_dtype(q.scalar_type()));
+  return {at::zeros(o, acc),
+          at::full(o.slice(0, o.size() - 1), -std::numeric_limits<double>::infinity(), acc)};
+}
+
+}  // namespace
+
 Partial partial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& visible, double scale) {
   const int64_t B = q.size(0), hq = q.size(1), D = q.size(2), S = k.size(1);
-  if (S == 0) {  // no key on this rank (the kernels take at least one)
-    const auto acc = q.options().dtype(kernels::accumulation_dtype(q.scalar_type()));
-    return {at::zeros({B, hq, D}, acc),
-            at::full({B, hq}, -std::numeric_limits<double>::infinity(), acc)};
-  }
+  if (S == 0) return no_keys(q, {B, hq, D});  // no key on this rank (the kernels take one)
   // One query per row: q [B, 1, Hq, D] against the keys, the GQA mapping and the padding mask
   // (kv_valid) as the kernels have them; o and lse come back in the accumulation dtype.
   kernels::AttentionParams params;
@@ -118,11 +126,7 @@ bool prefilling_chunks(const DecodeCache& cache, int64_t tokens) {
 Partial media_partial(const at::Tensor& q, const KVShard& vis, const PromptMedia& m, int64_t from,
                       double scale) {
   const int64_t B = q.size(0), T = q.size(1), hq = q.size(2), D = q.size(3);
-  if (vis.k.size(1) == 0) {  // no image on this rank (the kernels take at least one key)
-    const auto acc = q.options().dtype(kernels::accumulation_dtype(q.scalar_type()));
-    return {at::zeros({B, T, hq, D}, acc),
-            at::full({B, T, hq}, -std::numeric_limits<double>::infinity(), acc)};
-  }
+  if (vis.k.size(1) == 0) return no_keys(q, {B, T, hq, D});  // no image on this rank
   kernels::AttentionParams params;
   params.scale = scale;
   params.mask.kind = kernels::MaskKind::kMedia;
@@ -171,10 +175,23 @@ void seal_chunked_prompt(DecodeCache& cache, int rank, int world) {
   cache.prompt_sees = at::Tensor();
 }
 
-KVShard no_prompt_keys(int64_t batch, int64_t kv_heads, int64_t head_dim,
-                       const at::TensorOptions& like) {
-  return {at::empty({batch, 0, kv_heads, head_dim}, like),
-          at::empty({batch, 0, kv_heads, head_dim}, like), at::Tensor()};
+DecodeCache chunked_prompt_cache(int64_t layers, int64_t batch, int64_t kv_heads,
+                                 int64_t head_dim, const at::TensorOptions& like) {
+  DecodeCache cache;
+  const auto n = static_cast<size_t>(layers);
+  const at::Tensor none = at::empty({batch, 0, kv_heads, head_dim}, like);
+  cache.prompt.assign(n, KVShard{none, none, at::Tensor()});
+  cache.visual.resize(n);
+  cache.new_k.resize(n);
+  cache.new_v.resize(n);
+  cache.batch = batch;
+  return cache;
+}
+
+int64_t extend_length(const at::Tensor& tokens, const DecodeCache& cache) {
+  LVX_CHECK(tokens.dim() == 2 && tokens.size(0) == cache.batch && tokens.size(1) >= 1,
+            "extend: expected [", cache.batch, ", T >= 1] tokens, got ", tokens.sizes());
+  return tokens.size(1);
 }
 
 // ---- several generations at once (continuous batching: Model::decode_rows / extend_rows) ----

@@ -140,9 +140,13 @@ Partial fold_partial(const Partial& p, int64_t kv_heads);
 // prefill; prompt_media is dropped.
 void seal_chunked_prompt(DecodeCache& cache, int rank, int world);
 
-// The prompt's keys before any chunk: none ([B, 0, Hkv, D] in `like`'s options), one per layer.
-KVShard no_prompt_keys(int64_t batch, int64_t kv_heads, int64_t head_dim,
-                       const at::TensorOptions& like);
+// The cache Model::prefill_media starts from: `layers` layers with no prompt keys yet ([B, 0,
+// Hkv, D] in `like`'s options; the chunks' keys are new keys), no visual keys, length 0.
+DecodeCache chunked_prompt_cache(int64_t layers, int64_t batch, int64_t kv_heads,
+                                 int64_t head_dim, const at::TensorOptions& like);
+
+// extend's tokens checked (int64 [B, T >= 1] for the cache's B samples): returns T.
+int64_t extend_length(const at::Tensor& tokens, const DecodeCache& cache);
 
 // Several generations at once (continuous batching: Model::decode_rows, extend_rows), row r with
 // its own cache caches[r] (one sample each).

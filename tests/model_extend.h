@@ -7,10 +7,13 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "models/model.h"
+#include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
 
 namespace lvx::testing {
@@ -87,6 +90,27 @@ inline double chunked_against_prefill(const models::Model& model, const at::Tens
                           .max()
                           .item<double>();
   return std::max((got - want).abs().max().item<double>(), step);
+}
+
+// A reference batch's input_ids with 3 text tokens appended, so that every row ends in text (a
+// prefix up to its last image, then a question).
+inline at::Tensor with_text_tail(const at::Tensor& ids) {
+  return at::cat({ids, at::tensor({5, 6, 7}, at::kLong).expand({ids.size(0), 3})}, 1);
+}
+
+// chunked_against_prefill of a reference checkpoint's batch (its ids with_text_tail) for each
+// chunk size: the largest |Δ logits|.
+inline double worst_chunked(const std::string& model_dir, const std::string& batch_file,
+                            const std::vector<int64_t>& chunks,
+                            std::shared_ptr<dist::ProcessGroup> pg = nullptr) {
+  const auto batch = load_safetensors(batch_file).tensors;
+  const auto model = models::load_model(model_dir, at::kFloat);
+  EXPECT_TRUE(model->can_prefill_in_chunks());
+  double worst = 0;
+  for (int64_t chunk : chunks)
+    worst = std::max(worst, chunked_against_prefill(*model, with_text_tail(batch.at("input_ids")),
+                                                    batch.at("pixel_values"), chunk, pg));
+  return worst;
 }
 
 }  // namespace lvx::testing

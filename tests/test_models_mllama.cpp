@@ -341,9 +341,7 @@ TEST(MllamaExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
   const auto batch = lvx::load_safetensors(ref.batch).tensors;
   const auto model = lvx::models::load_model(ref.model, at::kFloat);
   ASSERT_TRUE(model->can_extend());
-  const at::Tensor ids0 = batch.at("input_ids");
-  const int64_t B = ids0.size(0);
-  const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
+  const at::Tensor ids = with_text_tail(batch.at("input_ids"));
   const ExtendDiff d = extend_against_prefill(*model, ids, batch.at("pixel_values"));
   std::cout << "split " << d.split << " of " << d.length << ", |extend − whole| " << d.whole
             << ", |extend − decode steps| " << d.steps << ", next step " << d.next << "\n";
@@ -359,15 +357,7 @@ TEST(MllamaExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
 // 1e-5 (fp32) of the whole prefill, at 1 rank and on 3 (the keys and prompt shards spread).
 double mllama_chunked(std::shared_ptr<lvx::dist::ProcessGroup> pg) {
   const Reference& ref = frames_reference();
-  const auto batch = lvx::load_safetensors(ref.batch).tensors;
-  const auto model = lvx::models::load_model(ref.model, at::kFloat);
-  EXPECT_TRUE(model->can_prefill_in_chunks());
-  const at::Tensor ids0 = batch.at("input_ids");
-  const int64_t B = ids0.size(0);
-  const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
-  double worst = 0;
-  for (int64_t chunk : {1, 3})
-    worst = std::max(worst, chunked_against_prefill(*model, ids, batch.at("pixel_values"), chunk, pg));
+  const double worst = worst_chunked(ref.model, ref.batch, {1, 3}, pg);
   std::cout << "|chunked − whole| " << worst << "\n";
   return worst;
 }

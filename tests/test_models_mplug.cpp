@@ -218,9 +218,7 @@ TEST(MplugExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
     const auto batch = lvx::load_safetensors(ref.batch).tensors;
     const auto model = lvx::models::load_model(ref.model, at::kFloat);
     ASSERT_TRUE(model->can_extend());
-    const at::Tensor ids0 = batch.at("input_ids");
-    const int64_t B = ids0.size(0);
-    const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
+    const at::Tensor ids = with_text_tail(batch.at("input_ids"));
     const ExtendDiff d = extend_against_prefill(*model, ids, batch.at("pixel_values"));
     std::cout << variant << ": split " << d.split << " of " << d.length << ", |extend − whole| "
               << d.whole << ", |extend − decode steps| " << d.steps << ", next step " << d.next
@@ -241,9 +239,7 @@ TEST(MplugChunkedPrefill, ChunksEqualTheWholePrefill) {
     const auto batch = lvx::load_safetensors(ref.batch).tensors;
     const auto model = lvx::models::load_model(ref.model, at::kFloat);
     ASSERT_TRUE(model->can_prefill_in_chunks());
-    const at::Tensor ids0 = batch.at("input_ids");
-    const int64_t B = ids0.size(0);
-    const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
+    const at::Tensor ids = with_text_tail(batch.at("input_ids"));
     for (int64_t chunk : {1, 2, 5}) {
       const double d = chunked_against_prefill(*model, ids, batch.at("pixel_values"), chunk);
       std::cout << variant << " chunks of " << chunk << ": |chunked − whole| " << d << "\n";

@@ -153,9 +153,7 @@ ExtendDiff of_extend(const std::string& lm, std::shared_ptr<lvx::dist::ProcessGr
   const auto batch = lvx::load_safetensors(ref.batch).tensors;
   const auto model = lvx::models::load_model(ref.model, at::kFloat);
   EXPECT_TRUE(model->can_extend());
-  const at::Tensor ids0 = batch.at("input_ids");
-  const int64_t B = ids0.size(0);
-  const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
+  const at::Tensor ids = with_text_tail(batch.at("input_ids"));
   const ExtendDiff d = extend_against_prefill(*model, ids, batch.at("pixel_values"), pg);
   std::cout << lm << ": split " << d.split << " of " << d.length << ", |extend − whole| "
             << d.whole << ", |extend − decode steps| " << d.steps << ", next step " << d.next
@@ -170,15 +168,7 @@ const std::vector<std::string> kExtendLms{"gpt_neox", "gpt_neox-variant", "mpt",
 // then the question: the largest |Δ logits| against the whole prefill over both chunk sizes.
 double of_chunked(const std::string& lm, std::shared_ptr<lvx::dist::ProcessGroup> pg) {
   const Reference& ref = reference(lm);
-  const auto batch = lvx::load_safetensors(ref.batch).tensors;
-  const auto model = lvx::models::load_model(ref.model, at::kFloat);
-  EXPECT_TRUE(model->can_prefill_in_chunks());
-  const at::Tensor ids0 = batch.at("input_ids");
-  const int64_t B = ids0.size(0);
-  const at::Tensor ids = at::cat({ids0, at::tensor({5, 6, 7}, at::kLong).expand({B, 3})}, 1);
-  double worst = 0;
-  for (int64_t chunk : {1, 3})
-    worst = std::max(worst, chunked_against_prefill(*model, ids, batch.at("pixel_values"), chunk, pg));
+  const double worst = worst_chunked(ref.model, ref.batch, {1, 3}, pg);
   std::cout << lm << ": |chunked − whole| " << worst << "\n";
   return worst;
 }

@@ -385,13 +385,7 @@ void Mllama::prefill_media(const ModelInputs& in, const Parallel& par, DecodeCac
   LVX_CHECK(!cm.calls.empty(), "prefill_media: the prompt has no image");
   const std::vector<int64_t> mine = media_slots(im.images, par.rank(), par.world());
   const at::Tensor features = local_features(cfg_, w_, in, im, cm, mine, par, options);
-  cache = DecodeCache{};
-  const auto layers = static_cast<size_t>(t.layers);
-  cache.prompt.assign(layers, no_prompt_keys(B, t.kv_heads, t.head_dim, options));
-  cache.visual.resize(layers);
-  cache.new_k.resize(layers);
-  cache.new_v.resize(layers);
-  cache.batch = B;
+  cache = chunked_prompt_cache(t.layers, B, t.kv_heads, t.head_dim, options);
   cache.sees_media = cm.last_row_sees_media.to(dev);
   // Each call's rows and this rank's keys of it (mask.h): the calls the whole prefill makes.
   const at::Tensor keys = LocalMedia{{}, mine}.key_index(T).to(dev);

@@ -163,9 +163,7 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
   c10::AutoGradMode no_grad(false);
   const MplugOwl3Config& c = cfg_;
   const int64_t B = cache.batch, hq = c.heads, hkv = c.kv_heads, d = c.head_dim;
-  LVX_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1, "extend: expected [",
-            B, ", T >= 1] tokens, got ", tokens.sizes());
-  const int64_t T = tokens.size(1);
+  const int64_t T = extend_length(tokens, cache);
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
   at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong));  // [B, T, H]
   const RotaryTables rope =

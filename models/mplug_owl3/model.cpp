@@ -366,13 +366,7 @@ void MplugOwl3::prefill_media(const ModelInputs& in, const Parallel& par,
   const attention::MediaMask mmd = media_mask_on(mm, emb.device());
   const auto encode_start = std::chrono::steady_clock::now();
   const LocalVisual vis = local_visual(c, w_, in, par, mm, mmd, emb.options());
-  cache = DecodeCache{};
-  const auto layers = static_cast<size_t>(c.layers);
-  cache.prompt.assign(layers, no_prompt_keys(B, c.kv_heads, c.head_dim, emb.options()));
-  cache.visual.resize(layers);
-  cache.new_k.resize(layers);
-  cache.new_v.resize(layers);
-  cache.batch = B;
+  cache = chunked_prompt_cache(c.layers, B, c.kv_heads, c.head_dim, emb.options());
   cache.sees_media = (mmd.media_starts >= 0).any(1);
   cache.prompt_media = {{mmd.q_media.narrow(1, 0, L), vis.kv_media, c.media_rule().kernel_rule()}};
   cache.prompt_sees = mmd.q_media.narrow(1, 0, L).ge(0);

@@ -31,15 +31,10 @@ void OpenFlamingo::prefill_media(const ModelInputs& in, const Parallel& par,
   const attention::MediaMask mmd = media_mask_on(mm, options.device());
   const auto encode_start = std::chrono::steady_clock::now();
   const LocalMedia media = local_media(in, par, mm, options);
-  cache = DecodeCache{};
-  const auto layers = static_cast<size_t>(c.layers);
   // The self K/V's width: MPT's carry the ALiBi channels.
-  const int64_t width = c.head_dim + (c.lm == "mpt" ? alibi_channels(options.dtype().toScalarType()) : 0);
-  cache.prompt.assign(layers, no_prompt_keys(B, c.kv_heads, width, options));
-  cache.visual.resize(layers);
-  cache.new_k.resize(layers);
-  cache.new_v.resize(layers);
-  cache.batch = B;
+  const int64_t width =
+      c.head_dim + (c.lm == "mpt" ? alibi_channels(options.dtype().toScalarType()) : 0);
+  cache = chunked_prompt_cache(c.layers, B, c.kv_heads, width, options);
   // As the whole prefill leaves it (run): later tokens see their sample's last image only.
   const at::Tensor images = host_ids(ids).eq(c.media_token_id).sum(1).to(options.device());
   cache.sees_media = images.gt(0);
@@ -110,9 +105,7 @@ at::Tensor OpenFlamingo::extend(const at::Tensor& tokens, const Parallel& par,
   c10::AutoGradMode no_grad(false);
   const OpenFlamingoConfig& c = cfg_;
   const int64_t B = cache.batch, hd = c.head_dim;
-  LVX_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) >= 1, "extend: expected [",
-            B, ", T >= 1] tokens, got ", tokens.sizes());
-  const int64_t T = tokens.size(1);
+  const int64_t T = extend_length(tokens, cache);
   at::Tensor x = at::embedding(embedding(), tokens.to(embedding().device(), at::kLong));  // [B,T,W]
   const at::ScalarType dt = x.scalar_type();
   const at::Tensor positions =

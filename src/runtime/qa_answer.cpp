@@ -199,8 +199,7 @@ void decode_frames(QaSession::State& cx, QaAnswer& a) {
 // fit together), and the plan for it.
 void take_prompt(QaSession::State& cx, QaAnswer& a) {
   try {
-    a.prompt = cx.model->family().prompt_chat(*cx.tok, a.req.item.system, a.req.earlier,
-                                              question_text(a.req.item), a.m);
+    a.prompt = chat_prompt(cx, a.req, a.m);
   } catch (const Error& e) {
     a.row["error"] = e.what();
     a.failed = true;

@@ -162,8 +162,7 @@ QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg,
 QaSession::~QaSession() = default;
 
 PromptTokens QaSession::prompt(const QaRequest& req, int64_t frames) const {
-  return s_->model->family().prompt_chat(*s_->tok, req.item.system, req.earlier,
-                                         question_text(req.item), frames);
+  return chat_prompt(*s_, req, frames);
 }
 dist::ProcessGroup& QaSession::group() { return *s_->pg; }
 void QaSession::batch_prompts(bool on) { s_->batch_prompts = on; }

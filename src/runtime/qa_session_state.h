@@ -11,6 +11,7 @@
 #include "models/tokenizer/tokenizer.h"
 #include "src/dist/process_group.h"
 #include "src/runtime/qa_job.h"
+#include "src/runtime/video_qa.h"
 #include "src/runtime/visual_cache.h"
 #include "video/pipeline.h"
 
@@ -34,5 +35,13 @@ struct QaSession::State {
   std::condition_variable worker_cv;
   bool worker_busy = false;
 };
+
+// The prompt of `request` about `frames` frames (QaSession::prompt; the answers' take_prompt):
+// the family's chat template over the system message, earlier turns and the question.
+inline models::PromptTokens chat_prompt(const QaSession::State& s, const QaRequest& request,
+                                        int64_t frames) {
+  return s.model->family().prompt_chat(*s.tok, request.item.system, request.earlier,
+                                       question_text(request.item), frames);
+}
 
 }  // namespace lvx::runtime
