@@ -1,5 +1,6 @@
 #include "models/decode.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "kernels/attention.h"
@@ -84,8 +85,9 @@ at::Tensor fold_tokens(const at::Tensor& q, int64_t kv_heads) {
 Partial unfold_tokens(const Partial& folded, int64_t tokens, int64_t kv_heads) {
   const int64_t B = folded.o.size(0), d = folded.o.size(2);
   const int64_t g = folded.o.size(1) / (kv_heads * tokens), hq = kv_heads * g;
-  return {folded.o.view({B, kv_heads, tokens, g, d}).permute({0, 2, 1, 3, 4}).reshape(
-              {B, tokens, hq, d}),
+  return {folded.o.view({B, kv_heads, tokens, g, d})
+              .permute({0, 2, 1, 3, 4})
+              .reshape({B, tokens, hq, d}),
           folded.lse.view({B, kv_heads, tokens, g}).permute({0, 2, 1, 3}).reshape({B, tokens, hq})};
 }
 
@@ -97,12 +99,12 @@ Partial causal_new_keys(const at::Tensor& q, const at::Tensor& nk, const at::Ten
   const at::Tensor qq = q.to(acc).view({B, T, hkv, g, D}).permute({0, 2, 3, 1, 4});  // B,Hkv,g,T,D
   const at::Tensor kk = nk.to(acc).permute({0, 2, 3, 1}).unsqueeze(2);  // [B, Hkv, 1, D, S]
   const at::Tensor vv = nv.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);  // [B, Hkv, 1, S, Dv]
-  at::Tensor sc = at::matmul(qq, kk).mul_(scale);                        // [B, Hkv, g, T, S]
+  at::Tensor sc = at::matmul(qq, kk).mul_(scale);                       // [B, Hkv, g, T, S]
   const at::Tensor hidden =  // key s is after token t: s > before + t
       at::arange(S, q.options().dtype(at::kLong)).unsqueeze(0) >
       (at::arange(T, q.options().dtype(at::kLong)) + before).unsqueeze(1);
   sc.masked_fill_(hidden, -std::numeric_limits<double>::infinity());
-  const at::Tensor lse = at::logsumexp(sc, -1);                         // [B, Hkv, g, T]
+  const at::Tensor lse = at::logsumexp(sc, -1);                          // [B, Hkv, g, T]
   const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);  // [B, Hkv, g, T, Dv]
   return {o.permute({0, 3, 1, 2, 4}).reshape({B, T, hq, Dv}),
           lse.permute({0, 3, 1, 2}).reshape({B, T, hq})};
@@ -175,8 +177,8 @@ void seal_chunked_prompt(DecodeCache& cache, int rank, int world) {
   cache.prompt_sees = at::Tensor();
 }
 
-DecodeCache chunked_prompt_cache(int64_t layers, int64_t batch, int64_t kv_heads,
-                                 int64_t head_dim, const at::TensorOptions& like) {
+DecodeCache chunked_prompt_cache(int64_t layers, int64_t batch, int64_t kv_heads, int64_t head_dim,
+                                 const at::TensorOptions& like) {
   DecodeCache cache;
   const auto n = static_cast<size_t>(layers);
   const at::Tensor none = at::empty({batch, 0, kv_heads, head_dim}, like);
@@ -213,6 +215,14 @@ int64_t new_key_count(const DecodeCache& cache, size_t layer) {
   return n;
 }
 
+std::pair<at::Tensor, at::Tensor> new_keys(DecodeCache& cache, size_t layer) {
+  auto one = [](std::vector<at::Tensor>& pieces) {
+    if (pieces.size() > 1) pieces = {at::cat(pieces, 1)};
+    return pieces.front();
+  };
+  return {one(cache.new_k[layer]), one(cache.new_v[layer])};
+}
+
 at::Tensor row_positions(const at::Tensor& tokens, const std::vector<DecodeCache*>& caches,
                          const at::Device& device) {
   const auto R = static_cast<int64_t>(caches.size());
@@ -226,90 +236,207 @@ at::Tensor row_positions(const at::Tensor& tokens, const std::vector<DecodeCache
   return at::tensor(lengths, at::kLong).to(device).unsqueeze(1);
 }
 
-std::vector<Partial> shared_partials(const std::vector<at::Tensor>& q,
-                                     const std::vector<DecodeCache*>& caches, size_t layer,
-                                     bool visual, double scale) {
-  std::vector<Partial> out(caches.size());
-  std::vector<bool> done(caches.size(), false);
-  for (size_t r = 0; r < caches.size(); ++r) {
-    const KVShard& kv = visual ? caches[r]->visual[layer] : caches[r]->prompt[layer];
-    if (done[r] || !kv.k.defined()) continue;
-    std::vector<size_t> group;
-    std::vector<at::Tensor> queries;
-    for (size_t s = r; s < caches.size(); ++s) {
-      const KVShard& o = visual ? caches[s]->visual[layer] : caches[s]->prompt[layer];
-      if (!done[s] && o.k.defined() && o.k.is_same(kv.k) && o.v.is_same(kv.v) &&
-          o.visible.defined() == kv.visible.defined() &&
-          (!kv.visible.defined() || o.visible.is_same(kv.visible))) {
-        group.push_back(s);
-        queries.push_back(q[s]);
-        done[s] = true;
-      }
-    }
-    const Partial p =
-        shared_partial_attention(at::cat(queries, 0), kv.k, kv.v, kv.visible, scale);
-    for (size_t j = 0, at = 0; j < group.size(); ++j) {
-      const int64_t t = q[group[j]].size(0);
-      out[group[j]] = {p.o.narrow(0, static_cast<int64_t>(at), t),
-                       p.lse.narrow(0, static_cast<int64_t>(at), t)};
-      at += static_cast<size_t>(t);
-    }
-  }
-  return out;
+namespace {
+
+// Row r's key tensors in `layer` (prompt, or visual), and whether two rows hold the same ones.
+const KVShard& row_keys(const DecodeCache& c, size_t layer, bool visual) {
+  return visual ? c.visual[layer] : c.prompt[layer];
+}
+bool same_keys(const KVShard& a, const KVShard& b) {
+  return a.k.is_same(b.k) && a.v.is_same(b.v) && a.visible.defined() == b.visible.defined() &&
+         (!a.visible.defined() || a.visible.is_same(b.visible));
 }
 
-Partial stack_partials(const std::vector<Partial>& rows) {
+at::Tensor index_on(const std::vector<int64_t>& v, const at::Device& device) {
+  return at::tensor(v, at::kLong).to(device);
+}
+
+}  // namespace
+
+Partial rows_cached_partial(const at::Tensor& q, const std::vector<int64_t>& lengths,
+                            const std::vector<DecodeCache*>& caches, size_t layer, bool visual,
+                            double scale) {
+  const size_t R = caches.size();
+  std::vector<int64_t> start(R + 1, 0);
+  for (size_t r = 0; r < R; ++r) start[r + 1] = start[r] + lengths[r];
+  // The rows with keys, grouped by the tensors they hold (in order of each group's first row).
+  std::vector<std::vector<size_t>> groups;
+  std::vector<bool> grouped(R, false);
+  size_t with_keys = 0;
+  for (size_t r = 0; r < R; ++r) {
+    const KVShard& kv = row_keys(*caches[r], layer, visual);
+    if (grouped[r] || !kv.k.defined()) continue;
+    groups.emplace_back();
+    for (size_t s = r; s < R; ++s)
+      if (!grouped[s] && row_keys(*caches[s], layer, visual).k.defined() &&
+          same_keys(row_keys(*caches[s], layer, visual), kv)) {
+        groups.back().push_back(s);
+        grouped[s] = true;
+        ++with_keys;
+      }
+  }
+  if (groups.empty()) return {};
+  auto call = [&](const at::Tensor& queries, size_t g) {
+    const KVShard& kv = row_keys(*caches[groups[g].front()], layer, visual);
+    return shared_partial_attention(queries, kv.k, kv.v, kv.visible, scale);
+  };
+  if (groups.size() == 1 && with_keys == R) return call(q, 0);  // every row, in order
+  // Each group's tokens gathered (one call each); the outputs put back in row order.
   std::vector<at::Tensor> o, lse;
-  for (const Partial& p : rows) {
+  std::vector<int64_t> at_of(R, -1);  // where row r's first output sits in the groups' order
+  int64_t out = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<int64_t> tokens;
+    for (size_t r : groups[g]) {
+      at_of[r] = out;
+      out += lengths[r];
+      for (int64_t t = start[r]; t < start[r + 1]; ++t) tokens.push_back(t);
+    }
+    const Partial p = call(q.index_select(0, index_on(tokens, q.device())), g);
     o.push_back(p.o);
     lse.push_back(p.lse);
   }
-  return {at::cat(o, 0), at::cat(lse, 0)};
+  std::vector<int64_t> order;  // rows with keys, in row order
+  for (size_t r = 0; r < R; ++r)
+    for (int64_t t = 0; t < (at_of[r] < 0 ? 0 : lengths[r]); ++t) order.push_back(at_of[r] + t);
+  const at::Tensor back = index_on(order, q.device());
+  return {at::cat(o, 0).index_select(0, back), at::cat(lse, 0).index_select(0, back)};
 }
 
-// Every row's query q [R, Hq, D] against its own generated keys (the question's tokens after a
-// kept prefix, and the answer so far): each row's keys padded to the longest row's count and the
-// padding masked, as one batched product in the accumulation dtype (a few dozen keys per row:
-// the kernels' per-row calls would cost more than the arithmetic).
+namespace {
+
+// The padded layout of `rows` (a part of a rows forward whose tokens start at `start`).
+RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& lengths,
+                             const std::vector<int64_t>& before, const at::Device& device) {
+  RowsLayout::Part p;
+  p.rows = rows;
+  for (size_t r : rows) {
+    p.longest = std::max(p.longest, lengths[r]);
+    p.keys = std::max(p.keys, before[r] + lengths[r]);
+  }
+  const auto R = static_cast<int64_t>(rows.size());
+  const int64_t T = p.longest, L = p.keys;
+  std::vector<int64_t> to_padded, to_part, key_slots;
+  std::vector<uint8_t> hidden(static_cast<size_t>(R * T * L));
+  int64_t key0 = 0;
+  for (int64_t i = 0; i < R; ++i) {
+    const size_t r = rows[static_cast<size_t>(i)];
+    const int64_t n = lengths[r], b = before[r];
+    for (int64_t t = 0; t < T; ++t) {
+      to_padded.push_back(start[r] + std::min(t, n - 1));  // padding: the row's last token
+      if (t < n) to_part.push_back(i * T + t);
+      for (int64_t j = 0; j < L; ++j)  // causal; a padding slot sees what the row's last does
+        hidden[static_cast<size_t>((i * T + t) * L + j)] = j > b + std::min(t, n - 1);
+    }
+    for (int64_t j = 0; j < L; ++j) key_slots.push_back(key0 + std::min(j, b + n - 1));
+    key0 += b + n;
+  }
+  auto on_device = [&](const std::vector<int64_t>& v) {
+    return at::tensor(v, at::kLong).to(device);
+  };
+  p.to_padded = on_device(to_padded);
+  p.to_part = on_device(to_part);
+  p.key_slots = on_device(key_slots);
+  p.hidden = at::from_blob(hidden.data(), {R, 1, 1, T, L}, at::kByte).to(device, at::kBool);
+  return p;
+}
+
+// One part's tokens against their rows' new keys: [N_part, Hq, D] / [N_part, Hq], row order.
+Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
+                      const RowsLayout::Part& part, double scale) {
+  // The part's rows' pieces (one per step) in one concatenation; a row's list is merged into
+  // one piece now and then, not at every step.
+  std::vector<at::Tensor> k, v;
+  for (size_t r : part.rows) {
+    DecodeCache& kc = *caches[r];
+    if (kc.new_k[layer].size() > 16) new_keys(kc, layer);
+    k.insert(k.end(), kc.new_k[layer].begin(), kc.new_k[layer].end());
+    v.insert(v.end(), kc.new_v[layer].begin(), kc.new_v[layer].end());
+  }
+  const auto R = static_cast<int64_t>(part.rows.size());
+  const int64_t T = part.longest, L = part.keys;
+  const int64_t hq = q.size(1), D = q.size(2), hkv = k[0].size(2), g = hq / hkv;
+  const auto acc = kernels::accumulation_dtype(q.scalar_type());
+  auto slots = [&](const std::vector<at::Tensor>& x) {  // [R, L_max] slots: one gather, no pads
+    const at::Tensor all = x.size() == 1 ? x[0] : at::cat(x, 1);
+    return all.index_select(1, part.key_slots).view({R, L, hkv, -1}).to(acc);
+  };
+  const at::Tensor kk = slots(k).permute({0, 2, 3, 1}).unsqueeze(2);  // [R, Hkv, 1, D, L]
+  const at::Tensor vv = slots(v).permute({0, 2, 1, 3}).unsqueeze(2);  // [R, Hkv, 1, L, Dv]
+  const at::Tensor qq = q.index_select(0, part.to_padded)
+                            .to(acc)
+                            .view({R, T, hkv, g, D})
+                            .permute({0, 2, 3, 1, 4});  // [R, Hkv, g, T, D]
+  at::Tensor sc = at::matmul(qq, kk).mul_(scale);       // [R, Hkv, g, T, L]
+  sc.masked_fill_(part.hidden, -std::numeric_limits<double>::infinity());
+  const at::Tensor lse = at::logsumexp(sc, -1);  // [R, Hkv, g, T]
+  const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);
+  const int64_t Dv = o.size(-1);
+  return {o.permute({0, 3, 1, 2, 4}).reshape({R * T, hq, Dv}).index_select(0, part.to_part),
+          lse.permute({0, 3, 1, 2}).reshape({R * T, hq}).index_select(0, part.to_part)};
+}
+
+}  // namespace
+
+RowsLayout rows_layout(const std::vector<int64_t>& lengths, const std::vector<int64_t>& before,
+                       const at::Device& device) {
+  RowsLayout l;
+  l.lengths = lengths;
+  l.before = before;
+  const size_t R = lengths.size();
+  std::vector<int64_t> start(R + 1, 0);
+  for (size_t r = 0; r < R; ++r) start[r + 1] = start[r] + lengths[r];
+  l.tokens = start[R];
+  // One-token rows (decode steps) and longer ones (questions) padded apart: a question's length
+  // would pad every decode row's one query to it.
+  std::vector<size_t> one, longer;
+  for (size_t r = 0; r < R; ++r) (lengths[r] == 1 ? one : longer).push_back(r);
+  for (const std::vector<size_t>* rows : {&one, &longer})
+    if (!rows->empty()) l.parts.push_back(layout_part(*rows, start, lengths, before, device));
+  if (!one.empty() && !longer.empty()) {  // the parts' outputs side by side, back in row order
+    std::vector<int64_t> at(R), to_flat;
+    int64_t out = 0;
+    for (const RowsLayout::Part& p : l.parts)
+      for (size_t r : p.rows) {
+        at[r] = out;
+        out += lengths[r];
+      }
+    for (size_t r = 0; r < R; ++r)
+      for (int64_t t = 0; t < lengths[r]; ++t) to_flat.push_back(at[r] + t);
+    l.to_flat = at::tensor(to_flat, at::kLong).to(device);
+  }
+  return l;
+}
+
+Partial rows_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
+                      const RowsLayout& layout, double scale) {
+  if (layout.parts.size() == 1) return part_new_keys(q, caches, layer, layout.parts[0], scale);
+  std::vector<at::Tensor> o, lse;
+  for (const RowsLayout::Part& part : layout.parts) {
+    const Partial p = part_new_keys(q, caches, layer, part, scale);
+    o.push_back(p.o);
+    lse.push_back(p.lse);
+  }
+  return {at::cat(o, 0).index_select(0, layout.to_flat),
+          at::cat(lse, 0).index_select(0, layout.to_flat)};
+}
+
 Partial generated_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
                           size_t layer, double scale) {
-  std::vector<at::Tensor> k, v;
-  int64_t longest = 0;
-  for (DecodeCache* kc : caches) {
-    k.push_back(at::cat(kc->new_k[layer], 1));
-    v.push_back(at::cat(kc->new_v[layer], 1));
-    longest = std::max(longest, k.back().size(1));
+  if (caches.size() == 1) {  // decode_step's products, bit for bit
+    const auto [nk, nv] = new_keys(*caches[0], layer);
+    return partial_attention(q, nk, nv, {}, scale);
   }
-  if (caches.size() == 1) return partial_attention(q, k[0], v[0], {}, scale);
-  const int64_t R = static_cast<int64_t>(caches.size()), hq = q.size(1), D = q.size(2);
-  const int64_t hkv = k[0].size(2), g = hq / hkv;
-  std::vector<int64_t> lengths;
-  for (size_t r = 0; r < caches.size(); ++r) {
-    lengths.push_back(k[r].size(1));
-    if (k[r].size(1) < longest) {
-      k[r] = at::constant_pad_nd(k[r], {0, 0, 0, 0, 0, longest - k[r].size(1)});
-      v[r] = at::constant_pad_nd(v[r], {0, 0, 0, 0, 0, longest - v[r].size(1)});
-    }
-  }
-  const auto acc = kernels::accumulation_dtype(q.scalar_type());
-  const at::Tensor hidden =  // key t of row r is padding: t >= its length
-      at::arange(longest, q.options().dtype(at::kLong)).unsqueeze(0) >=
-      at::tensor(lengths, at::kLong).to(q.device()).unsqueeze(1);
-  const at::Tensor kk = at::cat(k, 0).to(acc).permute({0, 2, 3, 1});  // [R, Hkv, D, T]
-  const at::Tensor vv = at::cat(v, 0).to(acc).permute({0, 2, 1, 3});  // [R, Hkv, T, D]
-  at::Tensor sc = at::matmul(q.to(acc).view({R, hkv, g, D}), kk).mul_(scale);  // [R, Hkv, g, T]
-  sc.masked_fill_(hidden.view({R, 1, 1, longest}), -std::numeric_limits<double>::infinity());
-  const at::Tensor lse = at::logsumexp(sc, -1);  // [R, Hkv, g]
-  const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);
-  return {o.reshape({R, hq, D}), lse.reshape({R, hq})};
+  std::vector<int64_t> ones(caches.size(), 1), before;
+  for (const DecodeCache* kc : caches) before.push_back(new_key_count(*kc, layer) - 1);
+  return rows_new_keys(q, caches, layer, rows_layout(ones, before, q.device()), scale);
 }
 
 Partial rows_over_cache(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
                         bool visual, dist::ProcessGroup& pg, double scale) {
-  std::vector<at::Tensor> per_row;
-  for (int64_t r = 0; r < q.size(0); ++r) per_row.push_back(q.narrow(0, r, 1));
-  return stack_partials(merge_across_ranks(pg, shared_partials(per_row, caches, layer, visual,
-                                                               scale)));
+  const std::vector<int64_t> ones(caches.size(), 1);
+  return merge_across_ranks(pg, {rows_cached_partial(q, ones, caches, layer, visual, scale)})[0];
 }
 
 int64_t pass_q_bytes(int world, int64_t attentions, int64_t batch, int64_t heads,

@@ -142,8 +142,8 @@ void seal_chunked_prompt(DecodeCache& cache, int rank, int world);
 
 // The cache Model::prefill_media starts from: `layers` layers with no prompt keys yet ([B, 0,
 // Hkv, D] in `like`'s options; the chunks' keys are new keys), no visual keys, length 0.
-DecodeCache chunked_prompt_cache(int64_t layers, int64_t batch, int64_t kv_heads,
-                                 int64_t head_dim, const at::TensorOptions& like);
+DecodeCache chunked_prompt_cache(int64_t layers, int64_t batch, int64_t kv_heads, int64_t head_dim,
+                                 const at::TensorOptions& like);
 
 // extend's tokens checked (int64 [B, T >= 1] for the cache's B samples): returns T.
 int64_t extend_length(const at::Tensor& tokens, const DecodeCache& cache);
@@ -161,26 +161,57 @@ Partial tokens_over_ranks(const at::Tensor& q, const KVShard& kv, dist::ProcessG
 // keys on every rank).
 int64_t new_key_count(const DecodeCache& cache, size_t layer);
 
+// Those tokens' keys and values ([B, T, Hkv, D] each). Their list (one piece per step or chunk)
+// is replaced by the one tensor, so a decode step concatenates two pieces, not one per earlier
+// step (at 16 rows of a small model, those concatenations were a tenth of a step).
+std::pair<at::Tensor, at::Tensor> new_keys(DecodeCache& cache, size_t layer);
+
 // decode_rows' arguments checked (one token per row, int64 [R]; each cache one sample) and the
 // rows' positions, each cache's length: int64 [R, 1] on `device`.
 at::Tensor row_positions(const at::Tensor& tokens, const std::vector<DecodeCache*>& caches,
                          const at::Device& device);
 
-// Row r's queries q[r] ([T_r, Hq, D]) over its cached prompt keys (visual: its visual keys; none
-// where it has none): the rows that hold the same key tensors (questions about one cached video)
-// in one shared_partial_attention call, their queries side by side. Row r's partial is
-// [T_r, Hq, D] / [T_r, Hq].
-std::vector<Partial> shared_partials(const std::vector<at::Tensor>& q,
-                                     const std::vector<DecodeCache*>& caches, size_t layer,
-                                     bool visual, double scale);
-// Partials of rows stacked along the first dimension.
-Partial stack_partials(const std::vector<Partial>& rows);
-// Every row's query q [R, Hq, D] against its own generated keys (the tokens after its cached
-// prompt part), each row's padded to the longest and the padding masked, in one product.
+// Every row's tokens q [N, Hq, D] (row r's lengths[r] tokens side by side) over its cached keys
+// (prompt, or visual): the rows that hold the same key tensors (questions about one cached video)
+// in one shared_partial_attention call, their tokens gathered. Returns the partial of the rows
+// that have keys (visual: the rows with images), their tokens in row order, [N', Hq, D] /
+// [N', Hq]; none (undefined) when no row has any. No per-row operation: a few per group.
+Partial rows_cached_partial(const at::Tensor& q, const std::vector<int64_t>& lengths,
+                            const std::vector<DecodeCache*>& caches, size_t layer, bool visual,
+                            double scale);
+// Where the N tokens of a rows forward (extend_rows: row r's T_r tokens side by side, a decode
+// step's one each) sit in the padded [R, T_max] layout of the batched product over each row's
+// own new keys, and which keys each sees (causal among its row's new keys). The same in every
+// layer: built once per forward.
+struct RowsLayout {
+  // Rows padded together: the one-token rows (decode steps), and the longer ones (questions).
+  struct Part {
+    std::vector<size_t> rows;
+    int64_t longest = 0, keys = 0;  // T_max, L_max
+    at::Tensor to_padded;  // int64 [R·T_max]: the flat token in slot (r, t) (padding: r's last)
+    at::Tensor to_part;    // int64 [N_part]: the slot of each of the part's tokens, row order
+    at::Tensor key_slots;  // int64 [R·L_max]: among its rows' new keys side by side (clamped)
+    at::Tensor hidden;     // bool [R, 1, 1, T_max, L_max]: key j not seen by slot (r, t)
+  };
+  std::vector<int64_t> lengths;  // T_r: row r's tokens in this forward
+  std::vector<int64_t> before;   // its new keys before them (its question and answer so far)
+  int64_t tokens = 0;            // N
+  std::vector<Part> parts;
+  at::Tensor to_flat;  // int64 [N]: each token's place in the parts' outputs (two parts only)
+};
+RowsLayout rows_layout(const std::vector<int64_t>& lengths, const std::vector<int64_t>& before,
+                       const at::Device& device);
+// Every token's query q [N, Hq, D] (rows side by side as `layout` says) against its own row's
+// new keys up to its own (their K/V pushed for this forward): each row's queries and keys padded
+// to the longest and the padding masked, in one product. o [N, Hq, D], lse [N, Hq].
+Partial rows_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
+                      const RowsLayout& layout, double scale);
+// Every row's one query q [R, Hq, D] (a decode step) against its own generated keys (the tokens
+// after its cached prompt part): rows_new_keys with one token per row.
 Partial generated_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
                           size_t layer, double scale);
 // Every row's query q [R, Hq, D] against its own cached keys (prompt, or visual) on every rank,
-// merged over the ranks: shared_partials, then one pass-Q message for all rows. [R, Hq, D].
+// merged over the ranks: rows_cached_partial, then one pass-Q message for all rows. [R, Hq, D].
 Partial rows_over_cache(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
                         bool visual, dist::ProcessGroup& pg, double scale);
 

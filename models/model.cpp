@@ -34,8 +34,8 @@ at::Tensor Model::decode_rows(const at::Tensor& tokens, const Parallel& par,
             "decode_rows: expected one token per row (", caches.size(), "), got ", tokens.sizes());
   std::vector<at::Tensor> logits;
   for (size_t r = 0; r < caches.size(); ++r)
-    logits.push_back(decode_step(tokens.narrow(0, static_cast<int64_t>(r), 1).contiguous(), par,
-                                 *caches[r]));
+    logits.push_back(
+        decode_step(tokens.narrow(0, static_cast<int64_t>(r), 1).contiguous(), par, *caches[r]));
   return at::cat(logits, 0);
 }
 
@@ -43,9 +43,23 @@ at::Tensor Model::extend_rows(const std::vector<at::Tensor>& tokens, const Paral
                               const std::vector<DecodeCache*>& caches) const {
   LVX_CHECK(tokens.size() == caches.size(), "extend_rows: ", tokens.size(), " rows of tokens for ",
             caches.size(), " caches");
-  std::vector<at::Tensor> logits;
+  // The one-token rows (decode steps) in one decode_rows call, the others each extended alone.
+  std::vector<at::Tensor> logits(caches.size()), one_token;
+  std::vector<DecodeCache*> stepping;
+  std::vector<size_t> at;
   for (size_t r = 0; r < caches.size(); ++r)
-    logits.push_back(extend(tokens[r].view({1, -1}), par, *caches[r]));
+    if (tokens[r].numel() == 1) {
+      one_token.push_back(tokens[r].view({1}));
+      stepping.push_back(caches[r]);
+      at.push_back(r);
+    }
+  if (!stepping.empty()) {
+    const at::Tensor l = stepping.size() == 1 ? decode_step(one_token[0], par, *stepping[0])
+                                              : decode_rows(at::cat(one_token), par, stepping);
+    for (size_t i = 0; i < at.size(); ++i) logits[at[i]] = l.narrow(0, static_cast<int64_t>(i), 1);
+  }
+  for (size_t r = 0; r < caches.size(); ++r)
+    if (tokens[r].numel() != 1) logits[r] = extend(tokens[r].view({1, -1}), par, *caches[r]);
   return at::cat(logits, 0);
 }
 
@@ -91,7 +105,8 @@ std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, 
   auto index = std::make_shared<const CheckpointIndex>(load_checkpoint_index(dir));
   std::unique_ptr<Model> model = make_model(index->meta, dtype, at::kMeta);
   for (auto& [name, t] : model->parameters())
-    if (!defer || !defer(*model, name)) t = read_tensor(*index, name).to(device, dtype).contiguous();
+    if (!defer || !defer(*model, name))
+      t = read_tensor(*index, name).to(device, dtype).contiguous();
   if (index_out != nullptr) *index_out = std::move(index);
   return model;
 }

@@ -86,7 +86,8 @@ class Model {
   // logits [B, V] and leaves their K/V in the cache. What a kept prompt prefix needs
   // (src/runtime/generate.h). Families without it say can_extend() false.
   virtual bool can_extend() const { return false; }
-  virtual at::Tensor extend(const at::Tensor& tokens, const Parallel& par, DecodeCache& cache) const;
+  virtual at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
+                            DecodeCache& cache) const;
   // Chunked prefill (lvx serve's --max-batch-tokens): prefill_media encodes this rank's images
   // of the prompt in.input_ids [B, L] (or takes in.media's features) and leaves their visual
   // K/V in `cache` with no text (length 0, prompt_media set: models/decode.h); no collective, so
@@ -103,10 +104,12 @@ class Model {
   // rounding (bitwise for R = 1). The default runs decode_step row by row (correct, no speed-up);
   // families that batch the step say batches_rows() true.
   virtual bool batches_rows() const { return false; }
-  // extend_rows: extend for several generations at once (lvx serve admitting several questions
-  // between two steps): row r's prompt tokens tokens[r] (int64 [T_r] on the host, identical on
-  // every rank) after its prefill, against caches[r] (one sample each); returns every row's last
-  // token's logits [R, V]. The default extends row by row.
+  // extend_rows: extend for several generations at once (lvx serve's step: the running rows'
+  // next tokens, one each, beside the questions of the rows joining): row r's tokens tokens[r]
+  // (int64 [T_r] on the host, identical on every rank) after its prefill, against caches[r]
+  // (one sample each); returns every row's last token's logits [R, V]. The default runs the
+  // one-token rows through decode_rows and extends the others row by row; a family that batches
+  // both (mPLUG-Owl3) runs every row's tokens in one forward.
   virtual at::Tensor extend_rows(const std::vector<at::Tensor>& tokens, const Parallel& par,
                                  const std::vector<DecodeCache*>& caches) const;
   virtual at::Tensor decode_rows(const at::Tensor& tokens, const Parallel& par,

@@ -17,8 +17,8 @@
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/parallel.h"
-#include "src/dist/process_group.h"
 #include "src/common/safetensors.h"
+#include "src/dist/process_group.h"
 #include "tests/model_conformance.h"
 #include "tests/model_extend.h"
 #include "tests/model_rows.h"
@@ -124,8 +124,7 @@ TEST_P(MplugGeneration, GreedyTokensEqualTheReferenceLoop) {
   const GenCase& c = GetParam();
   const Reference& ref = reference(c.variant);
   const auto meta = generate_against(ref, "mplug_generate_" + c.variant, ref_script(),
-                                     script_stamp(ref_script()), c.nproc, c.strategies, 6,
-                                     c.flags);
+                                     script_stamp(ref_script()), c.nproc, c.strategies, 6, c.flags);
   ASSERT_FALSE(meta.empty());
   // B = 2, Hq = 4, D = 16; 4 layers of which 2 have a cross-attention.
   const int64_t formula = int64_t{c.nproc - 1} * 6 * 2 * 4 * 17 * 4;
@@ -141,8 +140,9 @@ TEST_P(MplugGeneration, GreedyTokensEqualTheReferenceLoop) {
 
 // Model::decode_rows (continuous batching): three generations of the same video at different
 // lengths (the prompt, then 2 and 5 more tokens) and one without images, each prefilled alone,
-// then stepped together for 4 tokens (tests/model_rows.h): every row's logits equal its own decode_step's within 1e-5 (fp32; the projections
-// run as one product over the rows, the attention per row); one row alone is bitwise
+// then stepped together for 4 tokens (tests/model_rows.h): every row's logits equal its own
+// decode_step's within 1e-5 (fp32; the projections run as one product over the rows, the cached
+// keys per video, the rows' own keys in one masked product); one row alone is bitwise
 // decode_step. Both variants (gated and one-softmax cross-attention).
 TEST(MplugDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   for (const std::string variant : {"240728", "241101"}) {
@@ -152,9 +152,9 @@ TEST(MplugDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
     ASSERT_TRUE(model->batches_rows());
     const at::Tensor row0 = batch.at("input_ids").narrow(0, 0, 1);
     const int64_t images = row0.eq(model->media_token_id()).sum().item<int64_t>();
-    const RowsDiff d = decode_rows_against_steps(*model, row0,
-                                                 batch.at("pixel_values").narrow(0, 0, images),
-                                                 at::tensor({7, 8, 9, 10}, at::kLong).view({1, -1}));
+    const RowsDiff d =
+        decode_rows_against_steps(*model, row0, batch.at("pixel_values").narrow(0, 0, images),
+                                  at::tensor({7, 8, 9, 10}, at::kLong).view({1, -1}));
     std::cout << variant << ": |rows together - each alone| " << d.worst << "\n";
     EXPECT_LE(d.worst, 1e-5) << variant;
     EXPECT_TRUE(d.lengths_equal) << variant;
@@ -191,8 +191,8 @@ TEST(MplugExtendRows, QuestionsAfterOneKeptPrefixEqualEachAlone) {
     double worst = 0;
     for (size_t r = 0; r < 3; ++r) {
       const at::Tensor own = model->extend(tails[r].view({1, -1}), par, alone[r]);
-      worst = std::max(worst,
-                       (joint.narrow(0, static_cast<int64_t>(r), 1) - own).abs().max().item<double>());
+      worst = std::max(
+          worst, (joint.narrow(0, static_cast<int64_t>(r), 1) - own).abs().max().item<double>());
       EXPECT_EQ(together[r].length, alone[r].length);
       const at::Tensor next = at::tensor({21}, at::kLong);
       worst = std::max(worst, (model->decode_step(next, par, together[r]) -
@@ -203,6 +203,64 @@ TEST(MplugExtendRows, QuestionsAfterOneKeptPrefixEqualEachAlone) {
     }
     std::cout << variant << ": split " << split << ", |rows extended together - each alone| "
               << worst << "\n";
+    EXPECT_LE(worst, 1e-5) << variant;
+  }
+}
+
+// Model::extend_rows as lvx serve's step runs it: the running rows' next token (one each) beside
+// the questions of rows joining, in one forward; rows about two videos interleaved (two kept
+// prefixes: the rows of each hold the same tensors, the groups not side by side). Each row's
+// logits, and the next decode step's from the caches it leaves, equal the row's own extend or
+// decode_step alone within 1e-5 (fp32). Both variants.
+TEST(MplugExtendRows, DecodeTokensBesideQuestionsEqualEachAlone) {
+  for (const std::string variant : {"240728", "241101"}) {
+    const Reference& ref = reference(variant);
+    const auto batch = lvx::load_safetensors(ref.batch).tensors;
+    const auto model = lvx::models::load_model(ref.model, at::kFloat);
+    lvx::models::Parallel par;
+    par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
+    const at::Tensor row0 = batch.at("input_ids").narrow(0, 0, 1);
+    const int64_t images = row0.eq(model->media_token_id()).sum().item<int64_t>();
+    int64_t split = 0;
+    for (int64_t t = 0; t < row0.size(1); ++t)
+      if (row0[0][t].item<int64_t>() == model->media_token_id()) split = t + 1;
+    const lvx::models::ModelInputs head{
+        row0.narrow(1, 0, split), batch.at("pixel_values").narrow(0, 0, images), false, {}};
+    lvx::models::DecodeCache video_a, video_b;  // two prefixes: tensors of their own
+    model->prefill(head, par, video_a);
+    model->prefill(head, par, video_b);
+    auto asked = [&](const lvx::models::DecodeCache& prefix, std::vector<int64_t> question) {
+      lvx::models::DecodeCache c = prefix;
+      model->extend(at::tensor(question, at::kLong).view({1, -1}), par, c);
+      return c;
+    };
+    // Rows: a question joining about A; a running row about B; another joining about A; a
+    // running row about A.
+    std::vector<lvx::models::DecodeCache> alone{video_a, asked(video_b, {8, 9}), video_a,
+                                                asked(video_a, {12, 13, 14})};
+    std::vector<lvx::models::DecodeCache> together = alone;
+    const std::vector<at::Tensor> tokens{
+        at::tensor({5, 6, 7}, at::kLong), at::tensor({10}, at::kLong),
+        at::tensor({15, 16}, at::kLong), at::tensor({17}, at::kLong)};
+    std::vector<lvx::models::DecodeCache*> rows;
+    for (auto& c : together) rows.push_back(&c);
+    const at::Tensor joint = model->extend_rows(tokens, par, rows);
+    double worst = 0;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const at::Tensor own = tokens[r].numel() == 1
+                                 ? model->decode_step(tokens[r], par, alone[r])
+                                 : model->extend(tokens[r].view({1, -1}), par, alone[r]);
+      const auto i = static_cast<int64_t>(r);
+      worst = std::max(worst, (joint.narrow(0, i, 1) - own).abs().max().item<double>());
+      EXPECT_EQ(together[r].length, alone[r].length);
+      const at::Tensor next = at::tensor({21}, at::kLong);
+      worst = std::max(worst, (model->decode_step(next, par, together[r]) -
+                               model->decode_step(next, par, alone[r]))
+                                  .abs()
+                                  .max()
+                                  .item<double>());
+    }
+    std::cout << variant << ": |decode tokens beside questions - each alone| " << worst << "\n";
     EXPECT_LE(worst, 1e-5) << variant;
   }
 }
@@ -248,22 +306,19 @@ TEST(MplugChunkedPrefill, ChunksEqualTheWholePrefill) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, MplugGeneration,
-                         ::testing::Values(GenCase{"240728", 1, "lv_xattn,ring", ""},
-                                           GenCase{"240728", 2, "lv_xattn,ring", ""},
-                                           GenCase{"240728", 3, "all_gather,striped", ""},
-                                           GenCase{"241101", 2, "lv_xattn,striped", ""},
-                                           GenCase{"241101", 4, "lv_xattn,ring", ""},
-                                           GenCase{"240728", 2, "lv_xattn,ring",
-                                                   "--max-batch-tokens 2"},
-                                           GenCase{"240728", 3, "lv_xattn,ring",
-                                                   "--max-batch-tokens 4"}),
-                         [](const auto& info) {
-                           return "v" + info.param.variant + "_n" +
-                                  std::to_string(info.param.nproc) + "_" +
-                                  test_name(info.param.strategies) +
-                                  test_name(info.param.flags);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Cases, MplugGeneration,
+    ::testing::Values(GenCase{"240728", 1, "lv_xattn,ring", ""},
+                      GenCase{"240728", 2, "lv_xattn,ring", ""},
+                      GenCase{"240728", 3, "all_gather,striped", ""},
+                      GenCase{"241101", 2, "lv_xattn,striped", ""},
+                      GenCase{"241101", 4, "lv_xattn,ring", ""},
+                      GenCase{"240728", 2, "lv_xattn,ring", "--max-batch-tokens 2"},
+                      GenCase{"240728", 3, "lv_xattn,ring", "--max-batch-tokens 4"}),
+    [](const auto& info) {
+      return "v" + info.param.variant + "_n" + std::to_string(info.param.nproc) + "_" +
+             test_name(info.param.strategies) + test_name(info.param.flags);
+    });
 
 // Bad checkpoints and inputs give one clear error naming what is wrong.
 class MplugBadInput : public ::testing::Test {

@@ -73,8 +73,8 @@ at::Tensor Mllama::decode_step(const at::Tensor& tokens, const Parallel& par,
       const std::vector<Partial> merged =
           merge_across_ranks(*par.pg, {partial_attention(q1, cache.prompt[li].k, cache.prompt[li].v,
                                                          cache.prompt[li].visible, scale)});
-      const Partial generated = partial_attention(q1, at::cat(cache.new_k[li], 1),
-                                                  at::cat(cache.new_v[li], 1), {}, scale);
+      const auto [nk, nv] = new_keys(cache, li);
+      const Partial generated = partial_attention(q1, nk, nv, {}, scale);
       const at::Tensor ctx = merge_partials({merged[0], generated}).o;
       h = self_block(i, h, ctx.reshape({B, 1, Hq * D}).to(h.scalar_type()), false);
       continue;
@@ -111,10 +111,9 @@ at::Tensor Mllama::extend(const at::Tensor& tokens, const Parallel& par, DecodeC
   // A chunk of a prompt prefilled in chunks (prefill_media): each token sees the tiles its row of
   // the cross-attention mask gives it, where a token after the whole prompt repeats the last row.
   const bool chunk = prefilling_chunks(cache, T);
-  const at::Tensor sees = chunk ? cache.prompt_sees.narrow(1, cache.length, T)
-                                      .to(h.scalar_type())
-                                      .unsqueeze(-1)
-                                : cache.sees_media.to(h.scalar_type()).view({B, 1, 1});
+  const at::Tensor sees =
+      chunk ? cache.prompt_sees.narrow(1, cache.length, T).to(h.scalar_type()).unsqueeze(-1)
+            : cache.sees_media.to(h.scalar_type()).view({B, 1, 1});
   for (int64_t i = 0; i < t.layers; ++i) {
     const std::string l = layer_prefix(i);
     const size_t li = static_cast<size_t>(i);
@@ -127,15 +126,16 @@ at::Tensor Mllama::extend(const at::Tensor& tokens, const Parallel& par, DecodeC
       const int64_t before = new_key_count(cache, li);
       cache.new_k[li].push_back(k);
       cache.new_v[li].push_back(linear(x, w_, l + "self_attn.v_proj", false).view({B, T, Hkv, D}));
-      const Partial generated = causal_new_keys(q, at::cat(cache.new_k[li], 1),
-                                                at::cat(cache.new_v[li], 1), before, scale);
+      const auto [nk, nv] = new_keys(cache, li);
+      const Partial generated = causal_new_keys(q, nk, nv, before, scale);
       // A chunk has no cached prompt keys (its prompt's are all new keys, on every rank): no
       // message for them.
       const at::Tensor ctx =
-          chunk ? token_rows(generated).o
-                : merge_partials({token_rows(tokens_over_ranks(q, cache.prompt[li], *par.pg, scale)),
-                                  token_rows(generated)})
-                      .o;
+          chunk
+              ? token_rows(generated).o
+              : merge_partials({token_rows(tokens_over_ranks(q, cache.prompt[li], *par.pg, scale)),
+                                token_rows(generated)})
+                    .o;
       h = self_block(i, h, ctx.reshape({B, T, Hq * D}).to(h.scalar_type()), false);
       continue;
     }
@@ -164,11 +164,10 @@ at::Tensor Mllama::decode_rows(const at::Tensor& tokens, const Parallel& par,
   const int64_t R = static_cast<int64_t>(caches.size()), Hq = t.heads, Hkv = t.kv_heads,
                 D = t.head_dim;
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
-  const at::Tensor positions = row_positions(tokens, caches, emb.device());  // [R, 1]
+  const at::Tensor positions = row_positions(tokens, caches, emb.device());            // [R, 1]
   at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong).unsqueeze(1));  // [R, 1, H]
   const RotaryTables rope =
-      llama_rotary(positions,
-                   rope_inv_freq(t, emb.options().dtype(at::kFloat)));
+      llama_rotary(positions, rope_inv_freq(t, emb.options().dtype(at::kFloat)));
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   for (int64_t i = 0; i < t.layers; ++i) {
     const std::string l = layer_prefix(i);

@@ -30,12 +30,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> MplugOwl3::decode_qkv(
   const std::string l = layer_prefix(i);
   const int64_t B = h.size(0), L = h.size(1);
   const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), c.rms_eps);
-  return {apply_rotary(linear(x, w_, l + "self_attn.q_proj", true).view({B, L, c.heads, c.head_dim}),
-                       rope),
-          apply_rotary(
-              linear(x, w_, l + "self_attn.k_proj", true).view({B, L, c.kv_heads, c.head_dim}),
-              rope),
-          linear(x, w_, l + "self_attn.v_proj", true).view({B, L, c.kv_heads, c.head_dim})};
+  return {
+      apply_rotary(linear(x, w_, l + "self_attn.q_proj", true).view({B, L, c.heads, c.head_dim}),
+                   rope),
+      apply_rotary(linear(x, w_, l + "self_attn.k_proj", true).view({B, L, c.kv_heads, c.head_dim}),
+                   rope),
+      linear(x, w_, l + "self_attn.v_proj", true).view({B, L, c.kv_heads, c.head_dim})};
 }
 
 at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
@@ -64,8 +64,8 @@ at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
     const bool cross = c.is_hyper(i) && vis.k.defined();
     if (cross) local.push_back(partial_attention(q1, vis.k, vis.v, vis.visible, scale));
     const std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
-    const Partial generated =
-        partial_attention(q1, at::cat(cache.new_k[li], 1), at::cat(cache.new_v[li], 1), {}, scale);
+    const auto [nk, nv] = new_keys(cache, li);
+    const Partial generated = partial_attention(q1, nk, nv, {}, scale);
     const Partial self = merge_partials({merged[0], generated});
     const at::Tensor ctx = decode_mix(i, self, cross ? &merged[1] : nullptr, cache.sees_media);
     h = post_attention(i, h, ctx.reshape({B, 1, hq * d}).to(h.scalar_type()), /*remat=*/false);
@@ -80,8 +80,7 @@ at::Tensor MplugOwl3::decode_mix(int64_t i, const Partial& self, const Partial* 
   const int64_t B = self.o.size(0), hd = cfg_.heads * cfg_.head_dim;
   if (visual == nullptr) return self.o.reshape({B, hd});
   if (cfg_.variant == "240728") {
-    const at::Tensor g =
-        at::sigmoid(param(w_, layer_prefix(i) + "self_attn.gate")).to(at::kFloat);
+    const at::Tensor g = at::sigmoid(param(w_, layer_prefix(i) + "self_attn.gate")).to(at::kFloat);
     const at::Tensor xo = visual->o.reshape({B, hd}), so = self.o.reshape({B, hd});
     return at::where(sees_media.unsqueeze(1), so * (1 - g) + xo * g, so);
   }
@@ -90,72 +89,10 @@ at::Tensor MplugOwl3::decode_mix(int64_t i, const Partial& self, const Partial* 
 
 at::Tensor MplugOwl3::decode_rows(const at::Tensor& tokens, const Parallel& par,
                                   const std::vector<DecodeCache*>& caches) const {
-  c10::AutoGradMode no_grad(false);
-  const MplugOwl3Config& c = cfg_;
-  const int64_t R = static_cast<int64_t>(caches.size()), hq = c.heads, d = c.head_dim;
-  const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
-  const at::Tensor positions = row_positions(tokens, caches, emb.device());  // [R, 1]
-  at::Tensor h = at::embedding(emb, tokens.to(emb.device(), at::kLong).unsqueeze(1));  // [R, 1, H]
-  // Each row at its own position: tables [R, 1, rot].
-  const RotaryTables rope = rotary_tables(positions, c.head_dim, c.rope_theta);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const size_t li = static_cast<size_t>(i);
-    // The projections and the MLP of every row in one product each (the weights read once).
-    const auto [q, k, v] = decode_qkv(i, h, rope);
-    // Each row's cached keys (its prompt prefix, its video's visual keys): rows that hold the
-    // same tensors (questions about one cached video) in one call; every row's partials in one
-    // pass-Q message, row by row.
-    std::vector<bool> cross(static_cast<size_t>(R));
-    for (int64_t r = 0; r < R; ++r) {
-      DecodeCache& kc = *caches[static_cast<size_t>(r)];
-      kc.new_k[li].push_back(k.narrow(0, r, 1));
-      kc.new_v[li].push_back(v.narrow(0, r, 1));
-      cross[static_cast<size_t>(r)] = c.is_hyper(i) && kc.visual[li].k.defined();
-    }
-    const at::Tensor q1 = q.squeeze(1);  // [R, Hq, D]
-    std::vector<at::Tensor> per_row;
-    for (int64_t r = 0; r < R; ++r) per_row.push_back(q1.narrow(0, r, 1));
-    const std::vector<Partial> text = shared_partials(per_row, caches, li, /*visual=*/false, scale);
-    const std::vector<Partial> image = shared_partials(per_row, caches, li, /*visual=*/true, scale);
-    std::vector<Partial> local;
-    for (size_t r = 0; r < static_cast<size_t>(R); ++r) {
-      local.push_back(text[r]);
-      if (cross[r]) local.push_back(image[r]);
-    }
-    const std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
-    // The rows' merged partials stacked [R, ...]; the generated keys of every row (its question
-    // and answer so far, on every rank) in one call, each row's padded to the longest.
-    std::vector<Partial> text_r, image_r;
-    for (size_t r = 0, at = 0; r < static_cast<size_t>(R); ++r) {
-      text_r.push_back(merged[at]);
-      if (cross[r]) image_r.push_back(merged[at + 1]);
-      at += cross[r] ? 2 : 1;
-    }
-    const Partial self = merge_partials({stack_partials(text_r), generated_partial(q1, caches, li,
-                                                                                   scale)});
-    at::Tensor ctx;
-    if (image_r.size() == static_cast<size_t>(R) || image_r.empty()) {
-      std::vector<at::Tensor> sees;
-      for (DecodeCache* kc : caches) sees.push_back(kc->sees_media);
-      const Partial image = image_r.empty() ? Partial{} : stack_partials(image_r);
-      ctx = decode_mix(i, self, image_r.empty() ? nullptr : &image, at::cat(sees));
-    } else {  // rows with and without images: mixed row by row
-      std::vector<at::Tensor> rows;
-      for (size_t r = 0, k = 0; r < static_cast<size_t>(R); ++r) {
-        const auto rr = static_cast<int64_t>(r);
-        const Partial own{self.o.narrow(0, rr, 1), self.lse.narrow(0, rr, 1)};
-        rows.push_back(decode_mix(i, own, cross[r] ? &image_r[k] : nullptr,
-                                  caches[r]->sees_media));
-        k += cross[r] ? 1 : 0;
-      }
-      ctx = at::cat(rows, 0);
-    }
-    h = post_attention(i, h, ctx.reshape({R, 1, hq * d}).to(h.scalar_type()), /*remat=*/false);
-  }
-  for (DecodeCache* k : caches) ++k->length;
-  h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
-  return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
+  row_positions(tokens, caches, tokens.device());  // the arguments' checks
+  if (caches.size() == 1) return decode_step(tokens, par, *caches[0]);
+  const std::vector<at::Tensor> one_each = tokens.to(at::kLong).split(1);
+  return extend_rows(one_each, par, caches);
 }
 
 at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
@@ -192,21 +129,19 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
     const bool cross = c.is_hyper(i) && vis.k.defined();
     if (cross)
       local.push_back(
-          chunk ? fold_partial(media_partial(q, vis, cache.prompt_media[0], cache.length, scale),
-                               hkv)
-                : partial_attention(qf, vis.k, vis.v, vis.visible, scale));
+          chunk
+              ? fold_partial(media_partial(q, vis, cache.prompt_media[0], cache.length, scale), hkv)
+              : partial_attention(qf, vis.k, vis.v, vis.visible, scale));
     std::vector<Partial> merged = local.empty() ? local : merge_across_ranks(*par.pg, local);
     for (Partial& p : merged) p = unfold_tokens(p, T, hkv);
     // The new keys up to each token's own (causal), on every rank: one masked product for the
     // T tokens; then every token's merge and mix at once, the tokens as rows ([B·T, ...]).
-    const Partial generated = token_rows(causal_new_keys(q, at::cat(cache.new_k[li], 1),
-                                                         at::cat(cache.new_v[li], 1), before,
-                                                         scale));
+    const auto [nk, nv] = new_keys(cache, li);
+    const Partial generated = token_rows(causal_new_keys(q, nk, nv, before, scale));
     const Partial self = chunk ? generated : merge_partials({token_rows(merged[0]), generated});
     const Partial visual = cross ? token_rows(merged.back()) : Partial{};
-    const at::Tensor sees =
-        chunk ? cache.prompt_sees.narrow(1, cache.length, T).reshape({B * T})
-              : cache.sees_media.repeat_interleave(T);
+    const at::Tensor sees = chunk ? cache.prompt_sees.narrow(1, cache.length, T).reshape({B * T})
+                                  : cache.sees_media.repeat_interleave(T);
     const at::Tensor ctx = decode_mix(i, self, cross ? &visual : nullptr, sees)
                                .view({B, T, hq * d})
                                .to(h.scalar_type());
@@ -217,6 +152,12 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
   return at::linear(h, lm_head()).to(at::kFloat);
 }
 
+// Several rows' tokens in one forward: a decode step's one token each, a new question's tail,
+// or both in one step (lvx serve: the running rows' next tokens beside the joining rows'
+// questions). The projections and MLPs of all tokens in one product each; each row's cached
+// prompt and visual keys shared by the rows holding the same tensors (rows_cached_partial), every
+// row's partials in one pass-Q message per layer; the rows' own new keys in one masked product
+// (rows_new_keys); the mix in one call unless rows with and without images meet in a batch.
 at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const Parallel& par,
                                   const std::vector<DecodeCache*>& caches) const {
   c10::AutoGradMode no_grad(false);
@@ -225,74 +166,59 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
   const int64_t hq = c.heads, d = c.head_dim;
   LVX_CHECK(tokens.size() == R, "extend_rows: ", tokens.size(), " rows of tokens for ", R,
             " caches");
-  // Every row's tokens side by side as one sequence [1, N, H], each at its own positions.
-  std::vector<int64_t> lengths, positions;
+  std::vector<int64_t> lengths, positions, before;
   for (size_t r = 0; r < R; ++r) {
     LVX_CHECK(caches[r]->batch == 1 && tokens[r].dim() == 1 && tokens[r].size(0) >= 1,
               "extend_rows: one sample and at least one token per row");
     lengths.push_back(tokens[r].size(0));
+    before.push_back(new_key_count(*caches[r], 0));
     for (int64_t t = 0; t < lengths.back(); ++t) positions.push_back(caches[r]->length + t);
   }
-  const int64_t N = static_cast<int64_t>(positions.size());
-  // Each row's tokens already past its prompt prefix (its new keys, the same count every layer).
-  std::vector<int64_t> before;
-  for (const DecodeCache* kc : caches) before.push_back(new_key_count(*kc, 0));
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
+  const RowsLayout layout = rows_layout(lengths, before, emb.device());
+  const int64_t N = layout.tokens;
   at::Tensor h = at::embedding(emb, at::cat(tokens).to(emb.device(), at::kLong)).unsqueeze(0);
   const RotaryTables rope = rotary_tables(
       at::tensor(positions, at::kLong).to(emb.device()).unsqueeze(0), c.head_dim, c.rope_theta);
+  std::vector<at::Tensor> sees;
+  for (size_t r = 0; r < R; ++r) sees.push_back(caches[r]->sees_media.expand({lengths[r]}));
+  const at::Tensor sees_media = at::cat(sees);  // [N]
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   for (int64_t i = 0; i < c.layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     const auto [q, k, v] = decode_qkv(i, h, rope);
-    std::vector<at::Tensor> q_r;
     std::vector<bool> cross(R);
+    size_t crossing = 0;
     for (size_t r = 0, at = 0; r < R; ++r) {
       DecodeCache& kc = *caches[r];
       const int64_t t = lengths[r], a = static_cast<int64_t>(at);
       kc.new_k[li].push_back(k.narrow(1, a, t));
       kc.new_v[li].push_back(v.narrow(1, a, t));
-      q_r.push_back(q.narrow(1, a, t).squeeze(0));  // [T_r, Hq, D]
       cross[r] = c.is_hyper(i) && kc.visual[li].k.defined();
+      crossing += cross[r] ? 1 : 0;
       at += static_cast<size_t>(t);
     }
-    // Every row's text partials as one [N, ...] partial, the visual ones of the rows with images
-    // as another: pass-Q merges partials of one shape, so the rows (of different lengths) go
-    // side by side; one message when every row has images, two otherwise.
-    const std::vector<Partial> text = shared_partials(q_r, caches, li, false, scale);
-    const std::vector<Partial> image = shared_partials(q_r, caches, li, true, scale);
-    std::vector<Partial> with_images;
-    for (size_t r = 0; r < R; ++r)
-      if (cross[r]) with_images.push_back(image[r]);
-    std::vector<Partial> merged{stack_partials(text)};
-    if (with_images.size() == R) {
-      merged = merge_across_ranks(*par.pg, {merged[0], stack_partials(with_images)});
+    const at::Tensor qn = q.squeeze(0);  // [N, Hq, D]
+    // Every row's text partial as one [N, ...] partial, the visual one of the rows with images
+    // as another: one pass-Q message when every row has images, two otherwise.
+    std::vector<Partial> merged{rows_cached_partial(qn, lengths, caches, li, false, scale)};
+    if (crossing > 0) {
+      const Partial image = rows_cached_partial(qn, lengths, caches, li, true, scale);
+      if (crossing == R) {
+        merged = merge_across_ranks(*par.pg, {merged[0], image});
+      } else {
+        merged = merge_across_ranks(*par.pg, merged);
+        merged.push_back(merge_across_ranks(*par.pg, {image})[0]);
+      }
     } else {
       merged = merge_across_ranks(*par.pg, merged);
-      if (!with_images.empty())
-        merged.push_back(merge_across_ranks(*par.pg, {stack_partials(with_images)})[0]);
     }
-    std::vector<at::Tensor> ctx;
-    for (size_t r = 0, at = 0, at_image = 0; r < R; ++r) {
-      DecodeCache& kc = *caches[r];
-      const int64_t t = lengths[r];
-      const Partial generated =
-          causal_new_keys(q_r[r].unsqueeze(0), at::cat(kc.new_k[li], 1), at::cat(kc.new_v[li], 1),
-                          before[r], scale);
-      auto rows_of = [t](const Partial& p, size_t from) {
-        return Partial{p.o.narrow(0, static_cast<int64_t>(from), t),
-                       p.lse.narrow(0, static_cast<int64_t>(from), t)};
-      };
-      const Partial self = merge_partials(
-          {rows_of(merged[0], at), {generated.o.squeeze(0), generated.lse.squeeze(0)}});
-      const Partial visual = cross[r] ? rows_of(merged[1], at_image) : Partial{};
-      ctx.push_back(decode_mix(i, self, cross[r] ? &visual : nullptr,
-                               kc.sees_media.expand({t})));
-      at += static_cast<size_t>(t);
-      if (cross[r]) at_image += static_cast<size_t>(t);
-    }
-    h = post_attention(i, h, at::cat(ctx, 0).view({1, N, hq * d}).to(h.scalar_type()),
-                       /*remat=*/false);
+    const Partial self = merge_partials({merged[0], rows_new_keys(qn, caches, li, layout, scale)});
+    const at::Tensor ctx =
+        crossing == R || crossing == 0
+            ? decode_mix(i, self, crossing == 0 ? nullptr : &merged[1], sees_media)
+            : mix_rows(i, self, merged[1], cross, lengths, caches);
+    h = post_attention(i, h, ctx.reshape({1, N, hq * d}).to(h.scalar_type()), /*remat=*/false);
   }
   std::vector<int64_t> last;
   for (size_t r = 0, at = 0; r < R; ++r) {
@@ -303,6 +229,27 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
   h = h.squeeze(0).index_select(0, at::tensor(last, at::kLong).to(h.device()));  // [R, H]
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
   return at::linear(h, lm_head()).to(at::kFloat);
+}
+
+// Rows with and without images in one batch: each row's tokens mixed on their own (the
+// images' partial holds the rows with images only, in row order).
+at::Tensor MplugOwl3::mix_rows(int64_t i, const Partial& self, const Partial& image,
+                               const std::vector<bool>& cross, const std::vector<int64_t>& lengths,
+                               const std::vector<DecodeCache*>& caches) const {
+  std::vector<at::Tensor> ctx;
+  for (size_t r = 0, at = 0, at_image = 0; r < caches.size(); ++r) {
+    const int64_t t = lengths[r];
+    auto rows_of = [t](const Partial& p, size_t from) {
+      return Partial{p.o.narrow(0, static_cast<int64_t>(from), t),
+                     p.lse.narrow(0, static_cast<int64_t>(from), t)};
+    };
+    const Partial visual = cross[r] ? rows_of(image, at_image) : Partial{};
+    ctx.push_back(decode_mix(i, rows_of(self, at), cross[r] ? &visual : nullptr,
+                             caches[r]->sees_media.expand({t})));
+    at += static_cast<size_t>(t);
+    if (cross[r]) at_image += static_cast<size_t>(t);
+  }
+  return at::cat(ctx, 0);
 }
 
 }  // namespace lvx::models

@@ -121,8 +121,7 @@ class MplugOwl3 : public Model {
   at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
                     DecodeCache& cache) const override;
   bool can_prefill_in_chunks() const override { return true; }
-  void prefill_media(const ModelInputs& in, const Parallel& par,
-                     DecodeCache& cache) const override;
+  void prefill_media(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const override;
   bool batches_rows() const override { return true; }
   at::Tensor extend_rows(const std::vector<at::Tensor>& tokens, const Parallel& par,
                          const std::vector<DecodeCache*>& caches) const override;
@@ -136,6 +135,10 @@ class MplugOwl3 : public Model {
   // softmax over both).
   at::Tensor decode_mix(int64_t i, const Partial& self, const Partial* visual,
                         const at::Tensor& sees_media) const;
+  // decode_mix row by row, for a batch of rows with and without images (extend_rows).
+  at::Tensor mix_rows(int64_t i, const Partial& self, const Partial& image,
+                      const std::vector<bool>& cross, const std::vector<int64_t>& lengths,
+                      const std::vector<DecodeCache*>& caches) const;
   // Layer i's queries, keys and values of hidden states h [B, L, H] after its input norm, q and k
   // rotated by `rope` ([B, L, Hq | Hkv, D]): what every generation path starts a layer with.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_qkv(int64_t i, const at::Tensor& h,

@@ -1,5 +1,6 @@
 // OpenFlamingo's generation (models/decode.h): the prefill, one decode step, a kept prompt's
-// continuation (extend) and several generations' steps at once (decode_rows). The forward and the model's parts are model.cpp.
+// continuation (extend) and several generations' steps at once (decode_rows). The forward and the
+// model's parts are model.cpp.
 #include <c10/core/GradMode.h>
 
 #include <chrono>
@@ -83,8 +84,8 @@ at::Tensor OpenFlamingo::decode_step(const at::Tensor& tokens, const Parallel& p
     const KVShard& prompt = cache.prompt[li];
     const Partial merged = merge_across_ranks(
         *par.pg, {partial_attention(q, prompt.k, prompt.v, prompt.visible, self_scale())})[0];
-    const Partial generated = partial_attention(q, at::cat(cache.new_k[li], 1),
-                                                at::cat(cache.new_v[li], 1), {}, self_scale());
+    const auto [nk, nv] = new_keys(cache, li);
+    const Partial generated = partial_attention(q, nk, nv, {}, self_scale());
     const at::Tensor a = merge_partials({merged, generated})
                              .o.narrow(-1, 0, hd)
                              .reshape({B, 1, c.heads * hd})
@@ -94,7 +95,6 @@ at::Tensor OpenFlamingo::decode_step(const at::Tensor& tokens, const Parallel& p
   ++cache.length;
   return at::linear(final_norm(x).squeeze(1), lm_head()).to(at::kFloat);
 }
-
 
 // The new tokens of a kept prompt (models/model.h extend), as decode_step takes one: every one of
 // them comes after the prompt's last `<image>` (the prefix ends there), so each sees its sample's
@@ -127,18 +127,16 @@ at::Tensor OpenFlamingo::extend(const at::Tensor& tokens, const Parallel& par,
     const int64_t before = new_key_count(cache, li);
     cache.new_k[li].push_back(qkv.k);
     cache.new_v[li].push_back(qkv.v);
-    const Partial generated = token_rows(causal_new_keys(
-        qkv.q, at::cat(cache.new_k[li], 1), at::cat(cache.new_v[li], 1), before, self_scale()));
+    const auto [nk, nv] = new_keys(cache, li);
+    const Partial generated = token_rows(causal_new_keys(qkv.q, nk, nv, before, self_scale()));
     // A chunk has no cached prompt keys (its prompt's are all new keys, on every rank): no
     // message for them.
     const Partial self =
         chunk ? generated
-              : merge_partials({token_rows(tokens_over_ranks(qkv.q, cache.prompt[li], *par.pg,
-                                                             self_scale())),
-                                generated});
-    const at::Tensor a = self.o.narrow(-1, 0, hd)
-                             .reshape({B, T, c.heads * hd})
-                             .to(dt);
+              : merge_partials(
+                    {token_rows(tokens_over_ranks(qkv.q, cache.prompt[li], *par.pg, self_scale())),
+                     generated});
+    const at::Tensor a = self.o.narrow(-1, 0, hd).reshape({B, T, c.heads * hd}).to(dt);
     x = post_attention(i, x, a, /*remat=*/false);
   }
   cache.length += T;

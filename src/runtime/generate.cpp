@@ -160,16 +160,23 @@ bool Generation::take(at::Tensor next, bool stop_now,
     finished_ = true;
     return false;
   }
-  next = at::where(done_, last_stop_, next);
-  const at::Tensor is_stop = at::isin(next, stop_);
-  last_stop_ = at::where(is_stop & done_.logical_not(), next, last_stop_);
-  done_ = done_ | is_stop;
+  bool all_done = false;
+  if (batch_ == 1) {  // one sample (lvx serve's rows): the stop check on the host, no tensor ops
+    const int64_t id = next.data_ptr<int64_t>()[0];
+    all_done = std::find(o_.stop.begin(), o_.stop.end(), id) != o_.stop.end();
+  } else {  // a sample that stopped repeats its stop token while the others go on
+    next = at::where(done_, last_stop_, next);
+    const at::Tensor is_stop = at::isin(next, stop_);
+    last_stop_ = at::where(is_stop & done_.logical_not(), next, last_stop_);
+    done_ = done_ | is_stop;
+    all_done = done_.all().item<bool>();
+  }
   if (o_.logprobs >= 0)
     r_.logprobs.push_back(token_logprobs(logits_[0], next[0].item<int64_t>(), o_.logprobs));
   tokens_.push_back(next);
   if (on_token) on_token(next);
   ++step_;
-  if (done_.all().item<bool>()) {
+  if (all_done) {
     finished_ = true;
   } else if (step_ == max_new_) {
     r_.hit_context = max_new_ < o_.max_new_tokens;
@@ -185,104 +192,122 @@ GenerateResult Generation::finish() {
   return r;
 }
 
-namespace {
+// step_together's two parts, friends of Generation.
+struct RowsStep {
+  // Rank 0's tokens of the rows that have logits, and each one's stop flag, in one broadcast:
+  // [row 0's B tokens, flag, ...]; each row takes its token. The rows that go on, with their
+  // tokens (they need a decode step).
+  static std::vector<std::pair<Generation*, at::Tensor>> pick(
+      const std::vector<Generation*>& rows, dist::ProcessGroup& pg,
+      const std::vector<std::function<void(const at::Tensor&)>>& on_token);
+  // One forward of every row's tokens (pairs: a decode step's token, or a joining row's prompt
+  // tail); each row's logits kept for its next pick.
+  static void forward(const std::vector<std::pair<Generation*, at::Tensor>>& rows, size_t joining,
+                      const models::Model& model, const models::Parallel& par);
+  // The prompt tails waiting for this step (defer_tail), appended to `forward`; how many.
+  static size_t add_tails(const std::vector<Generation*>& rows,
+                          std::vector<std::pair<Generation*, at::Tensor>>& forward);
+};
 
-// The prompt tails left for the first step (GenerateOptions::defer_tail), extended together.
-void extend_deferred(const models::Model& model, const models::Parallel& par,
-                     std::vector<at::Tensor>& tails,
-                     std::vector<models::DecodeCache*>& caches, std::vector<at::Tensor*>& logits,
-                     std::vector<GenerateResult*>& results) {
-  if (caches.empty()) return;
+size_t RowsStep::add_tails(const std::vector<Generation*>& rows,
+                           std::vector<std::pair<Generation*, at::Tensor>>& forward) {
+  size_t n = 0;
+  for (Generation* g : rows)
+    if (g->tail_.defined()) {
+      forward.emplace_back(g, g->tail_);
+      ++n;
+    }
+  return n;
+}
+
+std::vector<std::pair<Generation*, at::Tensor>> RowsStep::pick(
+    const std::vector<Generation*>& rows, dist::ProcessGroup& pg,
+    const std::vector<std::function<void(const at::Tensor&)>>& on_token) {
+  std::vector<at::Tensor> picked;
+  std::vector<size_t> picking;
+  bool any_stop_hook = false;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i]->tail_.defined()) continue;  // its logits come from this step's forward
+    picking.push_back(i);
+    picked.push_back(rows[i]->pick());
+    any_stop_hook = any_stop_hook || static_cast<bool>(rows[i]->o_.stop_requested);
+  }
+  if (picking.empty()) return {};
+  // The message is built and read on the host (a few values per row, no tensor op per row).
+  std::vector<int64_t> values;
+  for (size_t p = 0; p < picking.size(); ++p) {
+    const int64_t* ids = picked[p].data_ptr<int64_t>();
+    values.insert(values.end(), ids, ids + picked[p].numel());
+    if (!any_stop_hook) continue;
+    const auto& ask = rows[picking[p]]->o_.stop_requested;
+    values.push_back(pg.rank() == 0 && ask && ask() ? 1 : 0);
+  }
+  at::Tensor msg = at::tensor(values, at::kLong);
+  pg.broadcast(msg, 0);  // rank 0's choice (sampling draws on rank 0 only matter)
+  const int64_t* got = msg.data_ptr<int64_t>();
+  std::vector<std::pair<Generation*, at::Tensor>> go_on;
+  for (size_t p = 0, at = 0; p < picking.size(); ++p) {
+    const size_t i = picking[p];
+    Generation& g = *rows[i];
+    const int64_t b = g.batch_;
+    const at::Tensor tok = msg.narrow(0, static_cast<int64_t>(at), b);
+    const bool stop_now = any_stop_hook && got[static_cast<int64_t>(at) + b] != 0;
+    at += static_cast<size_t>(b + (any_stop_hook ? 1 : 0));
+    if (g.take(tok, stop_now, i < on_token.size() ? on_token[i] : nullptr))
+      go_on.emplace_back(&g, g.tokens_.back());
+  }
+  return go_on;
+}
+
+void RowsStep::forward(const std::vector<std::pair<Generation*, at::Tensor>>& rows, size_t joining,
+                       const models::Model& model, const models::Parallel& par) {
   dist::ProcessGroup& pg = *par.pg;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t sent0 = pg.counters().total_sent();
-  const at::Tensor out = caches.size() == 1
-                             ? model.extend(tails[0].view({1, -1}), par, *caches[0])
-                             : model.extend_rows(tails, par, caches);
+  at::Tensor logits;
+  if (rows.size() == 1 && joining == 0) {  // one generation of any batch: as generate() steps
+    logits = model.decode_step(rows[0].second, par, rows[0].first->cache_);
+  } else if (rows.size() == 1) {
+    logits = model.extend(rows[0].second, par, rows[0].first->cache_);
+  } else {
+    std::vector<at::Tensor> tokens;
+    std::vector<models::DecodeCache*> caches;
+    for (const auto& [g, t] : rows) {
+      LVX_CHECK(g->batch_ == 1, "step_together: generations of one sample each, got ", g->batch_);
+      tokens.push_back(t.view({-1}));
+      caches.push_back(&g->cache_);
+    }
+    logits = model.extend_rows(tokens, par, caches);
+  }
+  // Each row's step costs the whole forward's time and bytes (what its client waited for); a
+  // joining row's prompt time includes its tail's.
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const int64_t bytes = pg.counters().total_sent() - sent0;
-  for (size_t i = 0; i < caches.size(); ++i) {
-    *logits[i] = out.narrow(0, static_cast<int64_t>(i), 1);
-    results[i]->prefill_seconds += secs;  // the prompt's time includes its tail's
-    results[i]->prefill_bytes_sent += bytes;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    Generation& g = *rows[i].first;
+    g.logits_ = logits.narrow(0, static_cast<int64_t>(i) * g.batch_, g.batch_);
+    if (i + joining < rows.size()) {
+      g.r_.token_seconds.push_back(secs);
+      g.r_.decode_bytes_sent += bytes;
+    } else {
+      g.tail_ = at::Tensor();
+      g.r_.prefill_seconds += secs;
+      g.r_.prefill_bytes_sent += bytes;
+    }
   }
 }
-
-}  // namespace
 
 void step_together(const std::vector<Generation*>& rows, const models::Model& model,
                    const models::Parallel& par,
                    const std::vector<std::function<void(const at::Tensor&)>>& on_token) {
-  dist::ProcessGroup& pg = *par.pg;
-  {
-    std::vector<at::Tensor> tails;
-    std::vector<models::DecodeCache*> caches;
-    std::vector<at::Tensor*> logits;
-    std::vector<GenerateResult*> results;
-    for (Generation* g : rows)
-      if (g->tail_.defined()) {
-        tails.push_back(g->tail_.view({-1}));
-        caches.push_back(&g->cache_);
-        logits.push_back(&g->logits_);
-        results.push_back(&g->r_);
-        g->tail_ = at::Tensor();
-      }
-    extend_deferred(model, par, tails, caches, logits, results);
-  }
-  // Rank 0's tokens and each row's stop flag in one message: [row 0's B tokens, flag, ...].
-  std::vector<at::Tensor> parts;
-  bool any_stop_hook = false;
-  for (Generation* g : rows) {
+  for (const Generation* g : rows)
     LVX_CHECK(!g->done() && !g->prefilling(),
               "step_together: a generation that is done or still prefilling");
-    parts.push_back(g->pick());
-    any_stop_hook = any_stop_hook || static_cast<bool>(g->o_.stop_requested);
-  }
-  if (any_stop_hook) {
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const auto& ask = rows[i]->o_.stop_requested;
-      const bool stop_now = pg.rank() == 0 && ask && ask();
-      parts[i] = at::cat({parts[i], at::full({1}, stop_now ? 1 : 0, parts[i].options())});
-    }
-  }
-  at::Tensor msg = at::cat(parts).contiguous();
-  pg.broadcast(msg, 0);  // rank 0's choice (sampling draws on rank 0 only matter)
-  std::vector<Generation*> go_on;
-  std::vector<at::Tensor> next;
-  for (size_t i = 0, at = 0; i < rows.size(); ++i) {
-    Generation& g = *rows[i];
-    const int64_t b = g.batch_;
-    const at::Tensor tok = msg.narrow(0, static_cast<int64_t>(at), b).contiguous();
-    const bool stop_now = any_stop_hook && msg[static_cast<int64_t>(at) + b].item<int64_t>() != 0;
-    at += static_cast<size_t>(b + (any_stop_hook ? 1 : 0));
-    if (g.take(tok, stop_now, i < on_token.size() ? on_token[i] : nullptr)) {
-      go_on.push_back(&g);
-      next.push_back(g.tokens_.back());
-    }
-  }
-  if (go_on.empty()) return;
-  using clock = std::chrono::steady_clock;
-  const auto t0 = clock::now();
-  const int64_t sent0 = pg.counters().total_sent();
-  if (go_on.size() == 1) {
-    go_on[0]->logits_ = model.decode_step(next[0], par, go_on[0]->cache_);
-  } else {
-    std::vector<models::DecodeCache*> caches;
-    for (Generation* g : go_on) {
-      LVX_CHECK(g->batch_ == 1, "step_together: generations of one sample each, got ", g->batch_);
-      caches.push_back(&g->cache_);
-    }
-    const at::Tensor logits = model.decode_rows(at::cat(next), par, caches);
-    for (size_t i = 0; i < go_on.size(); ++i)
-      go_on[i]->logits_ = logits.narrow(0, static_cast<int64_t>(i), 1);
-  }
-  // Each row's step costs the whole step's time and bytes (what its client waited for).
-  const double secs = std::chrono::duration<double>(clock::now() - t0).count();
-  const int64_t bytes = pg.counters().total_sent() - sent0;
-  for (Generation* g : go_on) {
-    g->r_.token_seconds.push_back(secs);
-    g->r_.decode_bytes_sent += bytes;
-  }
+  std::vector<std::pair<Generation*, at::Tensor>> forward = RowsStep::pick(rows, *par.pg, on_token);
+  // Rows whose prompt tail waited for this step (defer_tail) run it in the same forward as the
+  // others' next tokens, after them.
+  const size_t joining = RowsStep::add_tails(rows, forward);
+  if (!forward.empty()) RowsStep::forward(forward, joining, model, par);
 }
 
 TokenLogprobs token_logprobs(const at::Tensor& logits, int64_t token, int64_t top) {

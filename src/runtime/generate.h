@@ -80,18 +80,18 @@ struct TokenLogprobs {
 int64_t prompt_prefix(const at::Tensor& ids, int64_t media_token);
 
 struct GenerateResult {
-  at::Tensor tokens;       // int64 [B, T]: after a sample's stop token, that stop token again
-  at::Tensor step_logits;  // float32 [B, T, V] with keep_logits
+  at::Tensor tokens;           // int64 [B, T]: after a sample's stop token, that stop token again
+  at::Tensor step_logits;      // float32 [B, T, V] with keep_logits
   double prefill_seconds = 0;  // the prompt: its prefix's prefill and the rest's decode steps
-  int64_t prefix_tokens = 0;    // the prefix that ran as a prefill (0: the whole prompt did)
-  bool prefix_reused = false;   // GenerateOptions::cached_prefix gave it
-  int64_t prefill_chunks = 0;   // the chunks the prefix ran in (GenerateOptions::prefill_chunk)
-  double encode_seconds = 0;  // the part of prefill_seconds spent encoding this rank's frames
+  int64_t prefix_tokens = 0;   // the prefix that ran as a prefill (0: the whole prompt did)
+  bool prefix_reused = false;  // GenerateOptions::cached_prefix gave it
+  int64_t prefill_chunks = 0;  // the chunks the prefix ran in (GenerateOptions::prefill_chunk)
+  double encode_seconds = 0;   // the part of prefill_seconds spent encoding this rank's frames
   std::vector<double> token_seconds;  // each decode step (the first token comes from prefill)
   // This rank's bytes sent by the prefill and by the decode steps (not the token broadcasts).
   int64_t prefill_bytes_sent = 0, decode_bytes_sent = 0;
-  bool hit_context = false;  // stopped because the context (max_length) was full
-  bool stopped = false;      // ended by GenerateOptions::stop_requested
+  bool hit_context = false;             // stopped because the context (max_length) was full
+  bool stopped = false;                 // ended by GenerateOptions::stop_requested
   std::vector<TokenLogprobs> logprobs;  // per new token, with GenerateOptions::logprobs >= 0
 };
 
@@ -137,27 +137,26 @@ class Generation {
   // The result so far (tokens stacked at the end: finish()).
   GenerateResult finish();
   int64_t batch() const { return batch_; }
+  // Tokens taken so far (0: the first is still to come).
+  int64_t tokens_taken() const { return step_; }
   const GenerateOptions& options() const { return o_; }
   // Each new token's so far (GenerateOptions::logprobs); the last is the newest token's when
   // step_together's on_token sees it.
   const std::vector<TokenLogprobs>& logprobs() const { return r_.logprobs; }
 
  private:
-  friend void step_together(const std::vector<Generation*>& rows, const models::Model& model,
-                            const models::Parallel& par,
-                            const std::vector<std::function<void(const at::Tensor&)>>& on_token);
+  friend struct RowsStep;  // step_together's parts (generate.cpp)
   // The next token row from the current logits (rank 0 picks), before the broadcast.
   at::Tensor pick();
   // Takes the broadcast token row; returns whether the generation goes on (then it needs a
   // decode step).
-  bool take(at::Tensor next, bool stop_now,
-            const std::function<void(const at::Tensor&)>& on_token);
+  bool take(at::Tensor next, bool stop_now, const std::function<void(const at::Tensor&)>& on_token);
 
   // The prompt's tail after its prefix: extended now, or left for the first step (defer_tail).
   void start_tail(const models::Model& model, const models::Parallel& par, const at::Tensor& tail);
 
   GenerateOptions o_;
-  at::Tensor tail_;  // the prompt's tail left for the first step (defer_tail), int64 [B, T]
+  at::Tensor tail_;          // the prompt's tail left for the first step (defer_tail), int64 [B, T]
   at::Tensor pending_;       // a prefix prefilled in chunks, int64 [B, split] (host), until done
   int64_t pending_at_ = 0;   // its tokens that ran
   at::Tensor pending_tail_;  // the tail after it
@@ -170,11 +169,12 @@ class Generation {
   GenerateResult r_;
 };
 
-// One token of every generation in `rows` (none done): rank 0 picks each row's token with its
-// own sampler and asks each its stop_requested; one broadcast carries every row's tokens and
-// flags; then the rows that go on take one decode step together (Model::decode_rows; a single
-// generation of any batch: Model::decode_step, as generate() always did). on_token[i] (or
-// none) gets row i's token.
+// One token of every generation in `rows` (none done) that has logits: rank 0 picks each row's
+// token with its own sampler and asks each its stop_requested; one broadcast carries every row's
+// tokens and flags. Then one forward runs the tokens of the rows that go on beside the prompt
+// tails of the rows joining (defer_tail: they take their first token at the next step)
+// (Model::extend_rows; a single generation of any batch: Model::decode_step, as generate()
+// always did). on_token[i] (or none) gets row i's token.
 void step_together(const std::vector<Generation*>& rows, const models::Model& model,
                    const models::Parallel& par,
                    const std::vector<std::function<void(const at::Tensor&)>>& on_token = {});

@@ -97,7 +97,6 @@ class TextStream {
   bool done_ = false;
 };
 
-
 }  // namespace
 
 // One question being answered (QaSession::begin .. finish): what answer() keeps between the
@@ -106,9 +105,9 @@ struct QaAnswer {
   QaRequest req;
   AnswerHooks hooks;
   json row;
-  bool failed = false;    // the row already holds its "error" (the same on every rank)
-  bool advanced = false;  // QaSession::advance ran: the ranks agree on it from then on
-  std::string error;      // this rank's error of the media, before the ranks agree (advance)
+  bool failed = false;     // the row already holds its "error" (the same on every rank)
+  bool advanced = false;   // QaSession::advance ran: the ranks agree on it from then on
+  std::string error;       // this rank's error of the media, before the ranks agree (advance)
   std::future<void> work;  // this rank's worker (begin), when it has one
   clock::time_point t_start;
   double video_s = 0;
@@ -126,7 +125,7 @@ struct QaAnswer {
   std::vector<int64_t> prefix_ids;
   std::string plan_key;
   std::shared_ptr<const VisualEntry::Prefix> reuse, made;
-  models::LocalMedia encoded;  // filled by the prefill on a cache miss
+  models::LocalMedia encoded;                              // filled by the prefill on a cache miss
   std::shared_ptr<const models::DecodeCache> media_state;  // the worker's prefill_media
   std::unique_ptr<TextStream> text;
   std::unique_ptr<Generation> gen;
@@ -208,8 +207,8 @@ void take_prompt(QaSession::State& cx, QaAnswer& a) {
   const int64_t prompt_len = static_cast<int64_t>(a.prompt.ids.size());
   if (cx.context > 0 && prompt_len >= cx.context) {
     a.row["error"] = str("the prompt has ", prompt_len, " tokens (", a.m,
-                         " frames and the question), more than the model's context of ",
-                         cx.context, " tokens leaves room for: ask a shorter question or sample "
+                         " frames and the question), more than the model's context of ", cx.context,
+                         " tokens leaves room for: ask a shorter question or sample "
                          "fewer frames");
     a.failed = true;
     return;
@@ -383,8 +382,7 @@ QaAnswerPtr QaSession::begin(const QaRequest& req, const AnswerHooks& hooks) {
 }
 
 bool QaSession::prepared(const QaAnswer& a) const {
-  return !a.work.valid() ||
-         a.work.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  return !a.work.valid() || a.work.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
 }
 
 void QaSession::advance(QaAnswer& a) {
@@ -417,8 +415,11 @@ void QaSession::prefill_next(QaAnswer& a) {
   if (!a.gen->prefilling()) keep_visual(cx, a);
 }
 
-bool QaSession::done(const QaAnswer& a) const {
-  return a.advanced && (a.failed || a.gen->done());
+bool QaSession::done(const QaAnswer& a) const { return a.advanced && (a.failed || a.gen->done()); }
+
+bool QaSession::awaits_first_token(const QaAnswer& a) const {
+  return a.advanced && !a.failed && !a.gen->prefilling() && !a.gen->done() &&
+         a.gen->tokens_taken() == 0;
 }
 
 QaAnswerPtr QaSession::start(const QaRequest& req, const AnswerHooks& hooks) {
@@ -480,8 +481,7 @@ json QaSession::finish(QaAnswer& a) {
   for (double t : out.token_seconds) per_token += t;
   if (!out.token_seconds.empty()) per_token /= static_cast<double>(out.token_seconds.size());
   at::Tensor times = at::tensor(
-      {a.video_s, out.encode_seconds, out.prefill_seconds + a.media_s, per_token,
-       since(a.t_start)},
+      {a.video_s, out.encode_seconds, out.prefill_seconds + a.media_s, per_token, since(a.t_start)},
       at::kDouble);
   pg.all_reduce(times, dist::ReduceOp::kMax);
   const VisualCacheStats cs = cx.cache->stats();

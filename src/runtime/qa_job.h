@@ -161,11 +161,14 @@ class QaSession {
   void prefill_next(QaAnswer& answer);
   QaAnswerPtr start(const QaRequest& request, const AnswerHooks& hooks = {});
   // With it on, start() leaves each prompt's question tokens (after its kept prefix) for the
-  // next step(), which runs those of every answer started since in one pass
-  // (GenerateOptions::defer_tail; lvx serve with --max-batch > 1). Off by default: lvx qa.
+  // next step(), which runs those of every answer started since in the same forward as the
+  // running answers' next tokens (GenerateOptions::defer_tail; lvx serve with --max-batch > 1);
+  // such an answer takes its first token at the step after. Off by default: lvx qa.
   void batch_prompts(bool on);
   void step(const std::vector<QaAnswer*>& answers);
   bool done(const QaAnswer& answer) const;
+  // Steps, and has no token yet (its prompt ran: the next step gives its first).
+  bool awaits_first_token(const QaAnswer& answer) const;
   nlohmann::json finish(QaAnswer& answer);
   // The prompt of `request` about `frames` frames (what answer() builds); a question or
   // conversation the family's template refuses throws lvx::Error. Touches no other rank and
@@ -175,7 +178,7 @@ class QaSession {
   const QaJob& job() const;              // plan.dtype resolved
   VisualCacheStats cache_stats() const;  // this rank's
 
- struct State;  // (qa_job.cpp)
+  struct State;  // (qa_job.cpp)
 
  private:
   std::unique_ptr<State> s_;

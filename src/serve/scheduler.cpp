@@ -148,6 +148,11 @@ int Server::run_other_rank() {
   }
 }
 
+bool Server::awaits_first_token() const {
+  return std::any_of(batch_.begin(), batch_.end(),
+                     [&](const auto& r) { return session_.awaits_first_token(*r->answer); });
+}
+
 bool Server::steps(const runtime::QaAnswer& a) const {
   return session_.advanced(a) && !session_.prefilling(a) && !session_.done(a);
 }
@@ -202,9 +207,8 @@ void Server::admit(const std::shared_ptr<Job>& job) {
     };
   hooks.stop_requested = [this, rp] {  // every client of the generation left or has its stop
     std::lock_guard<std::mutex> lock(gmu_);
-    const bool all = std::all_of(rp->group.begin(), rp->group.end(), [](const auto& j) {
-      return j->cancelled.load() || j->stop_hit;
-    });
+    const bool all = std::all_of(rp->group.begin(), rp->group.end(),
+                                 [](const auto& j) { return j->cancelled.load() || j->stop_hit; });
     if (all) rp->open = false;
     return all;
   };
@@ -276,9 +280,8 @@ bool Server::step_batch() {
   for (auto& r : batch_)
     if (steps(*r->answer)) step.push_back(r->answer.get());
   if (step.empty()) return false;
-  const bool prefilling = std::any_of(batch_.begin(), batch_.end(), [&](const auto& r) {
-    return session_.prefilling(*r->answer);
-  });
+  const bool prefilling = std::any_of(
+      batch_.begin(), batch_.end(), [&](const auto& r) { return session_.prefilling(*r->answer); });
   Command c;
   c.op = Op::kStep;
   exchange(pg_, c);
@@ -382,10 +385,12 @@ void Server::serve_loop() {
       draining_ = true;
       std::cerr << "lvx serve: stopping: finishing the requests in flight" << std::endl;
     }
-    // A request admitted and started now takes its first step before the next chunk: it waits
-    // for one chunk at most.
+    // A request admitted and started now takes its first token before the next chunk: its
+    // question runs in this step's forward, its first token comes at the next step, then the
+    // chunk. It waits for one chunk at most.
     bool sent = advance_prepared();
     sent = step_batch() || sent;
+    if (awaits_first_token()) sent = step_batch() || sent;
     sent = prefill_chunk() || sent;
     if (sent) {
       last_command = clock::now();

@@ -91,6 +91,8 @@ class Server {
   void retire_done();
   // Whether `a` takes the next step: advanced, not prefilling, not done (the same on every rank).
   bool steps(const runtime::QaAnswer& a) const;
+  // A running generation has no token yet: the loop steps again before the next chunk.
+  bool awaits_first_token() const;
   void complete(Running& r, const json& row);
   void routes(httplib::Server& http);
   // Whether the request carries one of the API keys (none configured: every request); else
@@ -157,7 +159,8 @@ class Server {
   };
   std::mutex gmu_;
   std::vector<std::unique_ptr<Running>> batch_;
-  int64_t joined_ = 0;  // requests that joined a running generation (they count against --max-queue)
+  int64_t joined_ =
+      0;  // requests that joined a running generation (they count against --max-queue)
   std::atomic<int64_t> handlers_{0};  // chat handlers still writing a response
   std::atomic<bool> draining_{false}, failed_{false};
   // Draining begins at the signal; draining_ is when the generation loop took note of it.
