@@ -1,6 +1,7 @@
 // Internal to src/dist/: the state behind ProcessGroup and Work, shared by the files that
-// implement them (process_group.cpp: set-up, point to point, faults; collectives.cpp: the
-// collectives on the engines' own algorithms).
+// implement them (process_group.cpp: set-up; process_group_p2p.cpp: point to point and waits;
+// process_group_faults.cpp: heartbeat and faults; collectives.cpp: the collectives on the engines'
+// own algorithms).
 #pragma once
 
 #include <atomic>
@@ -20,6 +21,10 @@
 namespace lvx::dist {
 
 using c10d::Backend;
+
+// The rendezvous store's keys of lvx (joined/, hb/, exit/, done/, agree/, sub/) and a flag value.
+inline constexpr const char* kStorePrefix = "lvx/";
+inline const std::vector<uint8_t> kOne{1};
 
 inline int64_t nbytes(const at::Tensor& t) {
   return t.numel() * static_cast<int64_t>(t.element_size());
@@ -42,6 +47,12 @@ struct ProcessGroup::Engine {
   // Gloo tags of lvx's messages: per-peer sequence numbers, from 2^30 up in an adopted group so
   // that they never match the tags of the user's own torch.distributed send/recv (small numbers).
   uint32_t tag_base = 0, tag_mask = 0x7fffffff;
+  // An adopted or sub group: its store is shared, never hosted, and its tags start at 2^30.
+  void share_store() {
+    adopted = true;
+    tag_base = 1u << 30;
+    tag_mask = (1u << 30) - 1;
+  }
   c10::intrusive_ptr<Backend> gloo;
   c10::intrusive_ptr<Backend> nccl;  // created on the first CUDA tensor (same point on all ranks)
   // Multi-node runs (nccl_backend.h, spans_nodes): messages between ranks of different nodes go on
@@ -76,6 +87,12 @@ struct ProcessGroup::Engine {
   // posted, receives land in a host buffer copied to the device when waited for.
   bool stage_cuda() const { return !nccl && cuda_via_host; }
   bool cuda_via_host = false;
+
+  // Posts `batch` (rank `rank`'s messages) on `engine` under post_mu, each request tracked in
+  // `pending` and `work`; coalesce: one NCCL group call, waited on by the stream. `staged`: the
+  // device tensor of each host receive buffer (stage_cuda). process_group_p2p.cpp.
+  void post(Backend& engine, std::vector<P2POp>& batch, bool coalesce, int rank, Work::Impl& work,
+            const std::map<const at::TensorImpl*, at::Tensor>& staged);
 
   Backend& backend_for(const at::Tensor& t) {
     if (t.is_cuda()) {
