@@ -22,6 +22,8 @@ namespace lvx::testing {
 namespace fs = std::filesystem;
 
 inline std::string lvx_binary() { return std::string(LVX_BINARY_DIR) + "/lvx"; }
+// lvx with the fault-injection hooks (tests/support/fault_injection.cpp): LVX_FAULT_* act.
+inline std::string lvx_faults_binary() { return std::string(LVX_BINARY_DIR) + "/lvx-faults"; }
 inline std::string python() { return LVX_PYTHON; }
 
 inline fs::path workdir() {
@@ -190,7 +192,6 @@ inline std::map<std::string, std::string> generate_against(
             << ", prefill bytes " << got.metadata.at("prefill_bytes_sent") << "\n";
   return got.metadata;
 }
-
 
 // Asserts a conformance run: logits and loss within `atol`, every gradient within `rtol` of its
 // largest element, and at least `min_grads` gradients compared.

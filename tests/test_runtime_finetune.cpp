@@ -26,8 +26,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <regex>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <string>
 
 #include "models/model.h"
@@ -109,9 +109,13 @@ std::string write_config(const std::string& name, const std::string& ck, int64_t
   return path;
 }
 
+// A fault (LVX_FAULT_* in `env`) needs lvx-faults: lvx with the test seam's hooks installed
+// (src/runtime/train_faults.h, tests/support/fault_injection.cpp).
 std::string finetune(const std::string& config, const std::string& flags = "",
                      const std::string& env = "") {
-  return run_command(env + " " + lvx_binary() + " finetune --config " + config + " " + flags);
+  const std::string bin =
+      env.find("LVX_FAULT_") == std::string::npos ? lvx_binary() : lvx_faults_binary();
+  return run_command(env + " " + bin + " finetune --config " + config + " " + flags);
 }
 
 std::string latest(const std::string& ck) { return lvx::runtime::latest_checkpoint(ck); }
@@ -333,7 +337,8 @@ TEST(FinetuneConfig, BoundsAndChangedFields) {
   EXPECT_EQ(changes[1], "schedule.steps: 5 -> 9");
   // Printed as written: 30, not %g's 3e+01.
   const std::vector<std::string> w = lvx::runtime::config_changes(
-      a, lvx::runtime::load_train_config(path, {"schedule.warmup_steps=30", "optimizer.grad_clip=30"}));
+      a, lvx::runtime::load_train_config(path,
+                                         {"schedule.warmup_steps=30", "optimizer.grad_clip=30"}));
   ASSERT_FALSE(w.empty());
   EXPECT_NE(w[0].find("-> 30"), std::string::npos) << w[0];
 }
@@ -349,7 +354,8 @@ TEST(FinetuneCheckpoint, RunFolderMeansItsLatestCheckpoint) {
   EXPECT_EQ(lvx::runtime::follow_run_folder(root.string()), (root / "step-000003").string());
   EXPECT_EQ(lvx::runtime::follow_run_folder((root / "step-000003").string()),
             (root / "step-000003").string());
-  EXPECT_EQ(lvx::runtime::follow_run_folder("configs/models/tiny.yaml"), "configs/models/tiny.yaml");
+  EXPECT_EQ(lvx::runtime::follow_run_folder("configs/models/tiny.yaml"),
+            "configs/models/tiny.yaml");
   std::ofstream(root / "latest") << "step-000009\n";
   try {
     lvx::runtime::follow_run_folder(root.string());
@@ -699,8 +705,7 @@ TEST(FinetuneShard, EveryStageEqualsNoneAtWorlds1To4WithFormulaBytes) {
 TEST(FinetuneShard, ResumeAtAnotherWorldSizeReshards) {
   // Uninterrupted: gradients at 2 ranks, 3 steps (checkpoints at 2 and 3).
   const std::string full = shard_run("rs_full", 2, "parallel.shard=gradients");
-  for (const auto& [ranks, stage] :
-       std::vector<std::pair<int, std::string>>{
+  for (const auto& [ranks, stage] : std::vector<std::pair<int, std::string>>{
            {3, "gradients"}, {1, "none"}, {4, "optimizer"}, {3, "parameters"}}) {
     const std::string ck = (dir() / lvx::str("ck_rs_", ranks, stage)).string();
     fs::remove_all(ck);
@@ -834,14 +839,15 @@ TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
     std::ofstream(ck + "/latest") << "step-000002\n";
     fs::copy(dp2 + "/metrics.jsonl", ck + "/metrics.jsonl");
     const std::string config = write_config("dp_resume", ck, 3);
-    const std::string three = finetune(
-        config, "--resume optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=3 "
-                "parallel.sp_size=1");
+    const std::string three =
+        finetune(config,
+                 "--resume optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=3 "
+                 "parallel.sp_size=1");
     EXPECT_NE(three.find("the run's global batch is 4 samples per step"), std::string::npos)
         << three;
     EXPECT_EQ(fs::path(latest(ck)).filename(), "step-000002");
-    const std::string log = finetune(
-        config, "--resume optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=1");
+    const std::string log =
+        finetune(config, "--resume optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=1");
     ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
     EXPECT_NE(log.find("optimizer.grad_accum 2 -> 4 keeps the global batch of 4"),
               std::string::npos)
@@ -855,8 +861,7 @@ TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
   const std::string two = shard_run("dp_two", 2, "optimizer.grad_accum=4");
   const std::string dp4 = shard_run("dp_2x2", 4, "parallel.sp_size=2");
   const std::string dp4g = shard_run("dp_2x2g", 4, "parallel.sp_size=2 parallel.shard=gradients");
-  const std::string dp4p =
-      shard_run("dp_2x2p", 4, "parallel.sp_size=2 parallel.shard=parameters");
+  const std::string dp4p = shard_run("dp_2x2p", 4, "parallel.sp_size=2 parallel.shard=parameters");
   for (const std::string& ck : {dp4, dp4g, dp4p}) {
     const double d = state_diff(latest(two), latest(ck));
     std::cout << fs::path(ck).filename().string() << " vs world 2 grad_accum 4: " << d << "\n";
@@ -921,11 +926,11 @@ TEST(FinetuneEval, LossIsTheTrainingLossAndAnswersAreLvxQas) {
   const std::string rows = eval_rows("eval_row0", {kRow0});
   const std::string ck = (dir() / "ck_eval").string();
   fs::remove_all(ck);
-  const std::string log = finetune(
-      write_config("eval", ck, 4,
-                   "eval: {data: " + rows + ", every: 2, max_new_tokens: 6, best_metric: "
-                   "eval_loss}\n"),
-      "data.shuffle=false checkpoint.keep=1 checkpoint.every=0");
+  const std::string log = finetune(write_config("eval", ck, 4,
+                                                "eval: {data: " + rows +
+                                                    ", every: 2, max_new_tokens: 6, best_metric: "
+                                                    "eval_loss}\n"),
+                                   "data.shuffle=false checkpoint.keep=1 checkpoint.every=0");
   ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
   EXPECT_NE(log.find("eval after step 2: loss"), std::string::npos) << log;
   std::map<int64_t, nlohmann::json> train, eval;
@@ -934,7 +939,8 @@ TEST(FinetuneEval, LossIsTheTrainingLossAndAnswersAreLvxQas) {
   ASSERT_EQ(train.size(), 4u);
   ASSERT_EQ(eval.size(), 2u);
   ASSERT_TRUE(eval.count(2) && eval.count(4));
-  const double held_out = eval[2]["eval_loss"].get<double>(), trained = train[3]["loss"].get<double>();
+  const double held_out = eval[2]["eval_loss"].get<double>(),
+               trained = train[3]["loss"].get<double>();
   std::cout << "eval after step 2 on row 0: " << held_out << "; step 3's training loss: " << trained
             << "\n";
   EXPECT_NEAR(held_out, trained, 1e-6 * std::abs(trained));
@@ -944,10 +950,10 @@ TEST(FinetuneEval, LossIsTheTrainingLossAndAnswersAreLvxQas) {
   const std::string out = (dir() / "eval_qa.jsonl").string();
   fs::remove(out);
   fs::remove(out + ".settings.json");
-  const std::string qa = run_command(lvx_binary() + " qa --model " + ck + "/step-000004" +
-                                     " --questions " + rows + " --output " + out +
-                                     " --num-frames 4 --max-new-tokens 6 --nproc 2 --dtype fp32" +
-                                     " --strategies lv_xattn,ring");
+  const std::string qa =
+      run_command(lvx_binary() + " qa --model " + ck + "/step-000004" + " --questions " + rows +
+                  " --output " + out + " --num-frames 4 --max-new-tokens 6 --nproc 2 --dtype fp32" +
+                  " --strategies lv_xattn,ring");
   ASSERT_EQ(qa.find("exit status"), std::string::npos) << qa;
   const auto mine = metrics(ck + "/eval/step-000004.jsonl"), theirs = metrics(out);
   ASSERT_EQ(mine.size(), 1u);
@@ -958,9 +964,8 @@ TEST(FinetuneEval, LossIsTheTrainingLossAndAnswersAreLvxQas) {
   // Evaluations checkpoint (every: 0 would keep only the last); best.json names the lower loss.
   const auto best = lvx::runtime::read_best_checkpoint(ck);
   ASSERT_TRUE(best.has_value());
-  const int64_t best_step = eval[2]["eval_loss"].get<double>() < eval[4]["eval_loss"].get<double>()
-                                ? 2
-                                : 4;
+  const int64_t best_step =
+      eval[2]["eval_loss"].get<double>() < eval[4]["eval_loss"].get<double>() ? 2 : 4;
   EXPECT_EQ(best->step, best_step);
   EXPECT_EQ(best->metric, "eval_loss");
   EXPECT_DOUBLE_EQ(best->value, eval[best_step]["eval_loss"].get<double>());
@@ -975,7 +980,8 @@ TEST(FinetuneEval, ShardedDataParallelLossEqualsOneRanks) {
   const std::string rows = eval_rows("eval_rows3", {kRow0, kRow1, kRow1});
   const std::string flags = "'eval={data: " + rows + ", every: 1, accuracy: false}'";
   const std::string one = shard_run("eval_one", 1, flags);
-  const std::string dp = shard_run("eval_dp", 2, flags + " parallel.sp_size=1 parallel.shard=parameters");
+  const std::string dp =
+      shard_run("eval_dp", 2, flags + " parallel.sp_size=1 parallel.shard=parameters");
   std::map<int64_t, double> a, b;
   for (const auto& m : metrics(one + "/metrics.jsonl"))
     if (m.contains("eval_loss")) a[m["step"].get<int64_t>()] = m["eval_loss"].get<double>();
@@ -996,8 +1002,9 @@ TEST(FinetuneEval, ShardedDataParallelLossEqualsOneRanks) {
                                    "'eval={data: " + rows + "}' parallel.shard=parameters");
   EXPECT_NE(log.find("eval.accuracy"), std::string::npos) << log;
   const std::string log2 = finetune(write_config("eval_bad", (dir() / "ck_eval_bad").string(), 3),
-                                    "'eval={data: " + rows + ", accuracy: false, best_metric: "
-                                    "eval_accuracy}'");
+                                    "'eval={data: " + rows +
+                                        ", accuracy: false, best_metric: "
+                                        "eval_accuracy}'");
   EXPECT_NE(log2.find("eval.best_metric: eval_accuracy needs eval.accuracy"), std::string::npos)
       << log2;
 }

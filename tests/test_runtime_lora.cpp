@@ -480,7 +480,7 @@ TEST(Lora, FinetuneWritesAnAdapterPeftLoads) {
   const std::string ck2 = (workdir() / "lora_ft" / "ck2").string();
   fs::remove_all(ck2);
   const std::string cfg2 = finetune_config("resume", ck2, 4);
-  EXPECT_NE(run_command("LVX_FAULT_KILL=0@2 " + lvx_binary() + " finetune --config " + cfg2)
+  EXPECT_NE(run_command("LVX_FAULT_KILL=0@2 " + lvx_faults_binary() + " finetune --config " + cfg2)
                 .find("exit status"),
             std::string::npos);
   ASSERT_TRUE(fs::exists(ck2 + "/step-000002/adapter_model.safetensors"));

@@ -1,7 +1,6 @@
 // One optimizer step of `lvx finetune` on one rank, its metrics line and its checkpoint
 // (finetune_rank.h).
 #include <ATen/core/grad_mode.h>
-#include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -22,6 +21,7 @@
 #include "src/runtime/finetune_rank.h"
 #include "src/runtime/layer_plan.h"
 #include "src/runtime/train_checkpoint.h"
+#include "src/runtime/train_faults.h"
 #include "src/runtime/train_step.h"
 #include "src/runtime/video_qa.h"
 #include "video/pipeline.h"
@@ -44,22 +44,6 @@ int64_t sample_at(const TrainConfig::Data& d, int64_t n, int64_t k) {
     it = orders.emplace(key, at::randperm(n, g, at::kLong)).first;
   }
   return it->second[pos].item<int64_t>();
-}
-
-// LVX_FAULT_KILL=RANK@STEP: this rank kills itself with SIGKILL as optimizer step STEP begins
-// (tests of kill-and-resume; the same as `kill -9` from outside at that moment).
-void fault_kill(int rank, int64_t step) {
-  const char* env = std::getenv("LVX_FAULT_KILL");
-  if (!env) return;
-  const std::string s = env;
-  const size_t at = s.find('@');
-  if (at == std::string::npos) return;
-  if (std::atoi(s.substr(0, at).c_str()) == rank && std::atoll(s.c_str() + at + 1) == step) {
-    std::fprintf(stderr, "LVX_FAULT_KILL=%s: SIGKILL at step %lld\n", env,
-                 static_cast<long long>(step));
-    std::fflush(stderr);
-    ::kill(::getpid(), SIGKILL);
-  }
 }
 
 std::string hms(double s) {
@@ -122,9 +106,9 @@ double run_sample(RankRun& run, int64_t step, int64_t a, at::Tensor& acc, StepRe
       run.seen0 + ((step - run.start) * cfg.optimizer.grad_accum + a) * run.dp + run.group;
   const size_t row = static_cast<size_t>(sample_at(cfg.data, run.samples, k));
   const QaItem& item = run.items[row];
-  const SampleInputs in = sample_inputs(
-      run, item,
-      str("step ", step + 1, ", sample '", item.id, "' (", cfg.data.train, ":", run.lines[row], ")"));
+  const SampleInputs in = sample_inputs(run, item,
+                                        str("step ", step + 1, ", sample '", item.id, "' (",
+                                            cfg.data.train, ":", run.lines[row], ")"));
   std::string plan_text;
   models::Parallel par = plan_layers(
       *run.model, in.ids, run.sp,
@@ -177,8 +161,7 @@ double apply_update(RankRun& run, int64_t step, at::Tensor& acc,
   if (!run.sharded)
     for (size_t i = 0; i < run.layout.names.size(); ++i) {
       const at::Tensor& p = run.trainable.at(run.layout.names[i]);
-      grads[run.layout.names[i]] =
-          acc.narrow(0, run.layout.offsets[i], p.numel()).view(p.sizes());
+      grads[run.layout.names[i]] = acc.narrow(0, run.layout.offsets[i], p.numel()).view(p.sizes());
     }
   double norm = 0;
   try {
@@ -309,7 +292,7 @@ SampleInputs sample_inputs(const RankRun& run, const QaItem& item, const std::st
 }
 
 StepResult train_step(RankRun& run, int64_t step) {
-  fault_kill(run.r, step);
+  if (TrainFaults* f = train_faults()) f->step_begins(run.r, step);  // tests only
   const TrainConfig& cfg = run.cfg;
   const auto t0 = std::chrono::steady_clock::now();
   StepResult res;

@@ -8,14 +8,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <iostream>
 #include <fstream>
+#include <iostream>
 #include <thread>
 #include <vector>
 
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/common/safetensors.h"
+#include "src/runtime/train_faults.h"
 
 namespace lvx::runtime {
 
@@ -40,29 +41,9 @@ void write_text(const fs::path& p, const std::string& text) {
   fsync_path(p);
 }
 
-// LVX_FAULT_CHECKPOINT=<point>[@step]: dies here, as kill -9 would, so tests can check that an
-// interrupted write never costs the last good checkpoint.
+// A test's fault hook at `point` of the checkpoint of `step` (train_faults.h); none in lvx.
 void fault_point(const char* point, int64_t step) {
-  const char* env = std::getenv("LVX_FAULT_CHECKPOINT");
-  if (!env) return;
-  std::string spec = env;
-  const size_t at = spec.find('@');
-  if (at != std::string::npos) {
-    if (std::atoll(spec.c_str() + at + 1) != step) return;
-    spec = spec.substr(0, at);
-  }
-  if (spec == point && spec == "slow") {
-    // A slow disk: the others must wait for the write however long it takes (not a timeout).
-    const char* secs = std::getenv("LVX_FAULT_SLOW_S");
-    std::this_thread::sleep_for(std::chrono::duration<double>(secs ? std::atof(secs) : 5.0));
-    return;
-  }
-  if (spec == point) {
-    std::fprintf(stderr, "LVX_FAULT_CHECKPOINT=%s: exiting during the checkpoint of step %lld\n",
-                 env, static_cast<long long>(step));
-    std::fflush(stderr);
-    ::_exit(137);
-  }
+  if (TrainFaults* f = train_faults()) f->in_checkpoint(point, step);
 }
 
 bool is_weights_file(const std::string& name) {
@@ -236,7 +217,8 @@ std::string follow_run_folder(const std::string& path) {
   const fs::path p(path);
   std::error_code ec;
   if (!fs::is_directory(p, ec) || fs::exists(p / "config.json", ec) ||
-      fs::exists(p / "adapter_config.json", ec) || !fs::exists(fs::symlink_status(p / "latest", ec)))
+      fs::exists(p / "adapter_config.json", ec) ||
+      !fs::exists(fs::symlink_status(p / "latest", ec)))
     return path;
   const std::string dir = latest_checkpoint(path);
   LVX_CHECK(!dir.empty(), path, ": a run folder whose 'latest' names no checkpoint");

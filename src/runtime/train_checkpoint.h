@@ -17,10 +17,9 @@
 // naming a complete checkpoint (or absent before the first one). Old checkpoints beyond `keep`
 // are removed only after `latest` names the new one.
 //
-// Fault injection for tests: LVX_FAULT_CHECKPOINT=after_first_file[@STEP] makes the writer
-// _exit(137) right after the first file of the checkpoint of step STEP (any step when omitted)
-// is written, and before_latest[@STEP] right after the rename, before `latest` is updated;
-// slow[@STEP] sleeps LVX_FAULT_SLOW_S seconds (default 5) before writing (a slow disk).
+// Fault injection for tests goes through train_faults.h: a test's hooks may act before the first
+// file ("slow"), after it ("after_first_file") and after the rename, before `latest` is updated
+// ("before_latest").
 #pragma once
 
 #include <ATen/ATen.h>

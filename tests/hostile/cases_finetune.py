@@ -309,7 +309,7 @@ CASES = [
                        r".*rank 1:")),
     Case("slow_checkpoint_write_outlasts_the_timeout", slow_write, rc=0, timeout=120,
          env={"LVX_DIST_TIMEOUT_S": "3", "LVX_FAULT_CHECKPOINT": "slow@2",
-              "LVX_FAULT_SLOW_S": "6"}, check=slow_write_done),
+              "LVX_FAULT_SLOW_S": "6"}, faults=True, check=slow_write_done),
     Case("num_frames_unbounded", lambda ctx: ["finetune", "--config", config(ctx),
                                               "data.num_frames=1000000000"],
          stderr=r"data\.num_frames: at most 4096 frames per sample, got 1000000000", timeout=30),

@@ -50,6 +50,7 @@ class Case:
     check: Optional[Callable[["Ctx", Result], None]] = None
     stdin: Optional[str] = None
     env: Optional[dict] = None
+    faults: bool = False             # run lvx-faults (LVX_FAULT_* act), lvx's sibling
 
 
 class Ctx:
@@ -125,7 +126,8 @@ def run_case(case: Case, root: Path) -> (bool, str):
     case_dir.mkdir(parents=True)
     ctx = Ctx(root, case_dir)
     argv = case.argv(ctx) if callable(case.argv) else list(case.argv)
-    cmd = [ctx.lvx] + [str(a) for a in argv]
+    lvx = os.path.join(os.path.dirname(ctx.lvx), "lvx-faults") if case.faults else ctx.lvx
+    cmd = [lvx] + [str(a) for a in argv]
     env = dict(os.environ)
     env.setdefault("LVX_DIST_TIMEOUT_S", "20")
     env["OMP_NUM_THREADS"] = "1"
