@@ -269,4 +269,18 @@ void pin_option_for_ranks(std::vector<std::string>& cmd, const std::string& name
     ::setenv(env_name(name).c_str(), value.c_str(), 1);
 }
 
+bool inside_rank() { return std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"); }
+
+int launch_model_job(int argc, char** argv, int nproc, const std::string& model,
+                     const std::string& adapter, bool rank0_direct) {
+  std::vector<std::string> cmd{dist::self_executable()};
+  for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
+  pin_option_for_ranks(cmd, "model", 'm', model);
+  pin_option_for_ranks(cmd, "adapter", 0, adapter);
+  dist::LaunchOptions o;
+  o.nproc = nproc;
+  o.rank0_direct = rank0_direct;
+  return dist::launch_local(cmd, o).exit_code;
+}
+
 }  // namespace lvx::cli

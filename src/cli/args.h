@@ -69,6 +69,15 @@ void pin_option_for_ranks(std::vector<std::string>& cmd, const std::string& name
 
 void add_nproc_options(ArgParser& p, const std::string& default_value, const std::string& help);
 int checked_nproc(const ArgParser& p);
+
+// Whether this process is one rank of a launched job (WORLD_SIZE set, or OMPI_COMM_WORLD_SIZE
+// under mpirun): a command then runs its rank's part instead of launching.
+bool inside_rank();
+// A model job (forward, qa) on `nproc` local ranks: this command line again, its --model and
+// --adapter pinned to what the launcher resolved (a hub name or relative path means the same on
+// every rank); rank0_direct: rank 0 writes the launcher's stdout itself. The launch's exit code.
+int launch_model_job(int argc, char** argv, int nproc, const std::string& model,
+                     const std::string& adapter, bool rank0_direct);
 // The same bound for a rank count from elsewhere (a config file): `what` names it.
 int check_nproc(int64_t n, bool force, const std::string& what = "--nproc");
 

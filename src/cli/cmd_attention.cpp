@@ -50,7 +50,7 @@ int cmd_attention(int argc, char** argv) {
   LVX_CHECK(job.scale >= 0, "--scale must be >= 0 (0: 1/sqrt(head_dim)), got ", job.scale);
   job.repeat = static_cast<int>(p.get_int("repeat", 1, 1000000));
 
-  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
+  if (lvx::cli::inside_rank()) {
     lvx::cli::apply_threads(p);
     return lvx::runtime::run_attention_rank(job);
   }

@@ -113,7 +113,7 @@ int cmd_finetune(int argc, char** argv) {
     job.overrides.push_back("parallel.nproc=" + p.get("nproc"));
   if (p.has("sp-size") && !p.get("sp-size").empty())
     job.overrides.push_back("parallel.sp_size=" + p.get("sp-size"));
-  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"))
+  if (lvx::cli::inside_rank())
     return lvx::cli::apply_threads(p), lvx::runtime::run_finetune_rank(job);
   // Bad input fails once, clearly, before ranks start and before anything is written.
   const lvx::runtime::TrainConfig cfg = lvx::runtime::validate_finetune_job(job);

@@ -8,8 +8,8 @@
 #include "src/cli/command.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/device.h"
-#include "src/runtime/train_checkpoint.h"
 #include "src/runtime/forward_job.h"
+#include "src/runtime/train_checkpoint.h"
 
 namespace {
 
@@ -77,7 +77,7 @@ int cmd_forward(int argc, char** argv) {
   job.generate = p.get_int("generate", 0, INT64_MAX);
   job.generate_rows = p.flag("generate-rows");
   job.prefill_chunk = p.get_int("max-batch-tokens", 0, INT32_MAX);
-  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
+  if (lvx::cli::inside_rank()) {
     lvx::cli::apply_threads(p);
     return lvx::runtime::run_forward_rank(job);
   }
@@ -85,13 +85,8 @@ int cmd_forward(int argc, char** argv) {
   lvx::cli::apply_threads(p, nproc);
   lvx::runtime::validate_forward_job(job);  // bad input fails once, clearly, before ranks start
   lvx::runtime::check_local_devices(job.device, nproc);
-  std::vector<std::string> cmd{lvx::dist::self_executable()};
-  for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
-  lvx::cli::pin_option_for_ranks(cmd, "model", 'm', job.model);
-  lvx::cli::pin_option_for_ranks(cmd, "adapter", 0, job.adapter);
-  lvx::dist::LaunchOptions o;
-  o.nproc = nproc;
-  return lvx::dist::launch_local(cmd, o).exit_code;
+  return lvx::cli::launch_model_job(argc, argv, nproc, job.model, job.adapter,
+                                    /*rank0_direct=*/false);
 }
 
 }  // namespace

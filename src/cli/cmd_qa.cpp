@@ -6,8 +6,8 @@
 #include "src/cli/command.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/device.h"
-#include "src/runtime/train_checkpoint.h"
 #include "src/runtime/qa_job.h"
+#include "src/runtime/train_checkpoint.h"
 
 namespace {
 
@@ -92,7 +92,7 @@ int cmd_qa(int argc, char** argv) {
   job.print_plan = p.flag("print-plan");
   job.ignore_stop = p.flag("ignore-stop");
   job.overwrite = p.flag("overwrite");
-  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
+  if (lvx::cli::inside_rank()) {
     lvx::cli::apply_threads(p);
     return lvx::runtime::run_qa_rank(job);
   }
@@ -100,14 +100,9 @@ int cmd_qa(int argc, char** argv) {
   lvx::cli::apply_threads(p, nproc);
   lvx::runtime::validate_qa_job(job);  // bad input fails once, clearly, before ranks start
   lvx::runtime::check_local_devices(job.device, nproc);
-  std::vector<std::string> cmd{lvx::dist::self_executable()};
-  for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
-  lvx::cli::pin_option_for_ranks(cmd, "model", 'm', job.model);
-  lvx::cli::pin_option_for_ranks(cmd, "adapter", 0, job.adapter);
-  lvx::dist::LaunchOptions o;
-  o.nproc = nproc;
-  o.rank0_direct = true;  // the answer (or JSON) on stdout as rank 0 writes it
-  return lvx::dist::launch_local(cmd, o).exit_code;
+  // the answer (or JSON) on stdout as rank 0 writes it
+  return lvx::cli::launch_model_job(argc, argv, nproc, job.model, job.adapter,
+                                    /*rank0_direct=*/true);
 }
 
 }  // namespace

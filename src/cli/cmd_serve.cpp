@@ -13,8 +13,8 @@
 #include "src/common/files.h"
 #include "src/dist/launcher.h"
 #include "src/runtime/device.h"
-#include "src/runtime/train_checkpoint.h"
 #include "src/runtime/qa_job.h"
+#include "src/runtime/train_checkpoint.h"
 #include "src/serve/server.h"
 
 namespace {
@@ -118,8 +118,7 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   o.merge_identical = !p.flag("no-merge-identical");
   o.max_batch = p.get_int("max-batch", 1, 4096);
   // One generation at a time has nothing to step between chunks: its prompt runs whole.
-  job.generation.prefill_chunk =
-      o.max_batch > 1 ? p.get_int("max-batch-tokens", 0, INT32_MAX) : 0;
+  job.generation.prefill_chunk = o.max_batch > 1 ? p.get_int("max-batch-tokens", 0, INT32_MAX) : 0;
   return o;
 }
 
@@ -130,7 +129,8 @@ bool loopback(const std::string& host) {
 int cmd_serve(int argc, char** argv) {
   lvx::cli::ArgParser p(
       "lvx serve --model DIR [--nproc N] [--host 127.0.0.1] [--port 8000] [--api-key-file F]\n"
-      "          [--cache-bytes B] [--allowed-local-media-path DIR] [--max-queue Q] [--max-batch N]",
+      "          [--cache-bytes B] [--allowed-local-media-path DIR] [--max-queue Q] [--max-batch "
+      "N]",
       "Serves questions about videos with the OpenAI chat-completions API (POST\n"
       "/v1/chat/completions, GET /v1/models, /health, /metrics). Every rank holds the model and\n"
       "its share of each request's frames, as lvx qa runs one question; each rank keeps its\n"
@@ -145,7 +145,7 @@ int cmd_serve(int argc, char** argv) {
   add_serve_options(p);
   if (!p.parse(argc, argv)) return 0;
   lvx::serve::ServeOptions o = serve_options(p);
-  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) {
+  if (lvx::cli::inside_rank()) {
     lvx::cli::apply_threads(p);
     lvx::runtime::validate_qa_settings(o.job);
     return lvx::serve::run_serve_rank(o);
@@ -174,7 +174,8 @@ int cmd_serve(int argc, char** argv) {
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::cli::pin_option_for_ranks(cmd, "model", 'm', o.job.model);
-  lvx::cli::pin_option_for_ranks(cmd, "api-key", 0, joined_lines(o.api_keys));  // never in a rank's argv
+  lvx::cli::pin_option_for_ranks(cmd, "api-key", 0,
+                                 joined_lines(o.api_keys));  // never in a rank's argv
   lvx::cli::pin_option_for_ranks(cmd, "api-key-file", 0, "");
   return lvx::dist::launch_local(cmd, lo).exit_code;
 }
