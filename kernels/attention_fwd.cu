@@ -466,7 +466,12 @@ AttentionOutput attention_forward_cuda(const at::Tensor& q, const at::Tensor& k,
 }
 
 AttentionImpl cuda_attention_impl() {
-  return {"cuda", attention_forward_cuda, attention_backward_cuda, merge_attention_states_cuda};
+  return {"cuda",
+          attention_forward_cuda,
+          attention_backward_cuda,
+          merge_attention_states_cuda,
+          softmax_chunk_forward_cuda,
+          softmax_chunk_backward_cuda};
 }
 
 }  // namespace lvx::kernels

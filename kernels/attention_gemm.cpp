@@ -113,7 +113,63 @@ Rows dims(const at::Tensor& q, const at::Tensor& k) {
   return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(2) / k.size(2), q.size(3), k.size(1)};
 }
 
+// The key chunks of a block, in order: [k0, k1), the chunk's kind and, for a masked one, its
+// visibility. Every chunk is counted in `stats`; skipped ones never reach `body`.
+template <typename Body>
+void for_each_chunk(const AttentionMask& mask, const Rows& r, const at::Device& device,
+                    AttentionStats* stats, Body&& body) {
+  const int64_t c = chunk_size(r);
+  const std::vector<ChunkKind> kinds = plan_chunks(mask, r, c);
+  const AttentionMask dmask = chunk_mask(mask, 0, r.skv, device);  // metadata moved once
+  for (int64_t k0 = 0; k0 < r.skv; k0 += c) {
+    const int64_t k1 = std::min(r.skv, k0 + c);
+    const ChunkKind kind = kinds[static_cast<size_t>(k0 / c)];
+    if (stats) {
+      ++stats->tiles_total;
+      stats->tiles_skipped += kind == ChunkKind::kSkip;
+      stats->tiles_full += kind == ChunkKind::kFull;
+    }
+    if (kind == ChunkKind::kSkip) continue;
+    body(k0, k1,
+         kind == ChunkKind::kMasked ? chunk_visibility(dmask, r, k0, k1, device) : at::Tensor());
+  }
+}
+
+// The device's chunk passes (kernels/registry.h: the CPU's below, CUDA's fused kernels).
+const AttentionImpl& chunk_passes(const at::Tensor& q) {
+  const AttentionImpl* impl = find_attention_impl(q.device().type());
+  LVX_CHECK(impl && impl->chunk_forward && impl->chunk_backward,
+            "attention (gemm path): no chunk passes for device ", q.device());
+  return *impl;
+}
+
 }  // namespace
+
+void softmax_chunk_forward_cpu(const at::Tensor& s, double scale, at::Tensor& m, at::Tensor& l,
+                               at::Tensor& alpha, at::Tensor& p) {
+  const at::Tensor scaled = s * scale;
+  const at::Tensor m_new = at::maximum(m, std::get<0>(scaled.max(-1)));
+  // Rows with nothing visible yet keep m = −inf: shift by 0 there so exp() gives 0, not NaN.
+  const at::Tensor shift = at::where(at::isinf(m_new), at::zeros_like(m_new), m_new);
+  const at::Tensor e = at::exp(scaled.sub_(shift.unsqueeze(-1)));
+  alpha = at::exp(m - shift);
+  l.mul_(alpha).add_(e.sum(-1));
+  m.copy_(m_new);
+  p = e.to(p.scalar_type());
+}
+
+void softmax_chunk_backward_cpu(const at::Tensor& s, const at::Tensor& dp, double scale,
+                                const at::Tensor& lse, const at::Tensor& delta, at::Tensor& p,
+                                at::Tensor& ds) {
+  // Empty rows (lse = ±inf) contribute nothing: P = 0 there.
+  const at::Tensor row_ok = at::isfinite(lse).unsqueeze(-1);
+  const at::Tensor lse_r = at::where(at::isfinite(lse), lse, at::zeros_like(lse)).unsqueeze(-1);
+  at::Tensor e = at::exp((s * scale).sub_(lse_r));
+  e = at::where(row_ok, e, at::zeros_like(e));
+  const auto dt = p.scalar_type();
+  ds = (e * (dp - delta.unsqueeze(-1))).to(dt);  // P∘(dP − δ)
+  p = e.to(dt);
+}
 
 AttentionOutput attention_forward_gemm(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, double scale, const AttentionMask& mask,
@@ -124,42 +180,15 @@ AttentionOutput attention_forward_gemm(const at::Tensor& q, const at::Tensor& k,
   at::Tensor acc = at::zeros({r.b * r.hkv, r.g * r.sq, r.d}, f32);
   at::Tensor m = at::full({r.b * r.hkv, r.g * r.sq}, -kInf, f32);
   at::Tensor l = at::zeros({r.b * r.hkv, r.g * r.sq}, f32);
-  const int64_t c = chunk_size(r);
-  const std::vector<ChunkKind> kinds = plan_chunks(mask, r, c);
-  const AttentionMask dmask = chunk_mask(mask, 0, r.skv, q.device());  // metadata moved once
-  for (int64_t k0 = 0; k0 < r.skv; k0 += c) {
-    const int64_t k1 = std::min(r.skv, k0 + c);
-    const ChunkKind kind = kinds[static_cast<size_t>(k0 / c)];
-    const at::Tensor vis =
-        kind == ChunkKind::kMasked ? chunk_visibility(dmask, r, k0, k1, q.device()) : at::Tensor();
-    if (stats) {
-      ++stats->tiles_total;
-      stats->tiles_skipped += kind == ChunkKind::kSkip;
-      stats->tiles_full += kind == ChunkKind::kFull;
-    }
-    if (kind == ChunkKind::kSkip) continue;
-#ifdef LVX_WITH_CUDA
-    if (q.is_cuda()) {  // fused softmax passes (kernels/softmax_chunk.cu)
-      at::Tensor s = gemm32(qh, kh.narrow(1, k0, k1 - k0).transpose(1, 2));
-      if (kind == ChunkKind::kMasked) s.masked_fill_(vis.logical_not(), -kInf);
-      at::Tensor p = at::empty(s.sizes(), s.options().dtype(q.scalar_type()));
-      at::Tensor alpha = at::empty_like(m);
-      softmax_chunk_forward_cuda(s, scale, m, l, alpha, p);
-      acc.mul_(alpha.unsqueeze(-1)).add_(gemm32(p, vh.narrow(1, k0, k1 - k0)));
-      continue;
-    }
-#endif
-    at::Tensor s = gemm32(qh, kh.narrow(1, k0, k1 - k0).transpose(1, 2)).mul_(scale);
-    if (kind == ChunkKind::kMasked) s.masked_fill_(vis.logical_not(), -kInf);
-    at::Tensor m_new = at::maximum(m, std::get<0>(s.max(-1)));
-    // Rows with nothing visible yet keep m = −inf: shift by 0 there so exp() gives 0, not NaN.
-    at::Tensor shift = at::where(at::isinf(m_new), at::zeros_like(m_new), m_new);
-    at::Tensor p = at::exp(s.sub_(shift.unsqueeze(-1)));
-    at::Tensor alpha = at::exp(m - shift);
-    l.mul_(alpha).add_(p.sum(-1));
-    acc.mul_(alpha.unsqueeze(-1)).add_(gemm32(p.to(q.scalar_type()), vh.narrow(1, k0, k1 - k0)));
-    m = m_new;
-  }
+  const AttentionImpl& passes = chunk_passes(q);
+  for_each_chunk(mask, r, q.device(), stats, [&](int64_t k0, int64_t k1, const at::Tensor& vis) {
+    at::Tensor s = gemm32(qh, kh.narrow(1, k0, k1 - k0).transpose(1, 2));
+    if (vis.defined()) s.masked_fill_(vis.logical_not(), -kInf);
+    at::Tensor p = at::empty(s.sizes(), s.options().dtype(q.scalar_type()));
+    at::Tensor alpha = at::empty_like(m);
+    passes.chunk_forward(s, scale, m, l, alpha, p);
+    acc.mul_(alpha.unsqueeze(-1)).add_(gemm32(p, vh.narrow(1, k0, k1 - k0)));
+  });
   at::Tensor empty = l.eq(0);
   at::Tensor o = acc.div_(at::where(empty, at::ones_like(l), l).unsqueeze(-1));
   at::Tensor lse = at::where(empty, at::full_like(l, -kInf), m + at::log(l));
@@ -175,52 +204,24 @@ AttentionGrads attention_backward_gemm(const at::Tensor& q, const at::Tensor& k,
   const auto dt = q.scalar_type();
   const at::Tensor qh = to_rows(q, r), kh = kv_rows(k, r), vh = kv_rows(v, r);
   const at::Tensor doh = to_rows(dout.to(dt), r);
-  // Empty rows (lse = ±inf) contribute nothing: P = 0 there.
-  const at::Tensor lse_raw = stat_rows(lse.to(at::kFloat), r).contiguous();
-  const at::Tensor delta_flat = stat_rows(delta.to(at::kFloat), r).contiguous();
-  at::Tensor lse_r = lse_raw;
-  at::Tensor row_ok = at::isfinite(lse_r).unsqueeze(-1);
-  lse_r = at::where(at::isfinite(lse_r), lse_r, at::zeros_like(lse_r)).unsqueeze(-1);
-  const at::Tensor delta_r = stat_rows(delta.to(at::kFloat), r).unsqueeze(-1);
+  const at::Tensor lse_rows = stat_rows(lse.to(at::kFloat), r).contiguous();
+  const at::Tensor delta_rows = stat_rows(delta.to(at::kFloat), r).contiguous();
   at::Tensor dq = at::zeros({r.b * r.hkv, r.g * r.sq, r.d}, f32);
   at::Tensor dk = at::zeros({r.b * r.hkv, r.skv, r.d}, f32);
   at::Tensor dv = at::zeros({r.b * r.hkv, r.skv, r.d}, f32);
-  const int64_t c = chunk_size(r);
-  const std::vector<ChunkKind> kinds = plan_chunks(mask, r, c);
-  const AttentionMask dmask = chunk_mask(mask, 0, r.skv, q.device());  // metadata moved once
-  for (int64_t k0 = 0; k0 < r.skv; k0 += c) {
-    const int64_t k1 = std::min(r.skv, k0 + c), n = k1 - k0;
-    const ChunkKind kind = kinds[static_cast<size_t>(k0 / c)];
-    const at::Tensor vis =
-        kind == ChunkKind::kMasked ? chunk_visibility(dmask, r, k0, k1, q.device()) : at::Tensor();
-    if (stats) {
-      ++stats->tiles_total;
-      stats->tiles_skipped += kind == ChunkKind::kSkip;
-      stats->tiles_full += kind == ChunkKind::kFull;
-    }
-    if (kind == ChunkKind::kSkip) continue;
+  const AttentionImpl& passes = chunk_passes(q);
+  for_each_chunk(mask, r, q.device(), stats, [&](int64_t k0, int64_t k1, const at::Tensor& vis) {
+    const int64_t n = k1 - k0;
     const at::Tensor kc = kh.narrow(1, k0, n), vc = vh.narrow(1, k0, n);
-#ifdef LVX_WITH_CUDA
-    if (q.is_cuda()) {  // fused: P and dS in one pass (kernels/softmax_chunk.cu)
-      at::Tensor s = gemm32(qh, kc.transpose(1, 2));
-      if (kind == ChunkKind::kMasked) s.masked_fill_(vis.logical_not(), -kInf);
-      at::Tensor dp = gemm32(doh, vc.transpose(1, 2));
-      at::Tensor p = at::empty(s.sizes(), s.options().dtype(dt)), ds = at::empty_like(p);
-      softmax_chunk_backward_cuda(s, dp, scale, lse_raw, delta_flat, p, ds);
-      dv.narrow(1, k0, n).add_(gemm32(p.transpose(1, 2), doh));
-      dq.add_(gemm32(ds, kc), scale);
-      dk.narrow(1, k0, n).add_(gemm32(ds.transpose(1, 2), qh), scale);
-      continue;
-    }
-#endif
-    at::Tensor p = at::exp(gemm32(qh, kc.transpose(1, 2)).mul_(scale).sub_(lse_r));
-    at::Tensor keep = kind == ChunkKind::kMasked ? vis.logical_and(row_ok) : row_ok;
-    p = at::where(keep, p, at::zeros_like(p));
-    dv.narrow(1, k0, n).add_(gemm32(p.to(dt).transpose(1, 2), doh));
-    at::Tensor ds = p.mul_(gemm32(doh, vc.transpose(1, 2)).sub_(delta_r)).to(dt);  // P∘(dP − δ)
+    at::Tensor s = gemm32(qh, kc.transpose(1, 2));
+    if (vis.defined()) s.masked_fill_(vis.logical_not(), -kInf);
+    const at::Tensor dp = gemm32(doh, vc.transpose(1, 2));
+    at::Tensor p = at::empty(s.sizes(), s.options().dtype(dt)), ds = at::empty_like(p);
+    passes.chunk_backward(s, dp, scale, lse_rows, delta_rows, p, ds);
+    dv.narrow(1, k0, n).add_(gemm32(p.transpose(1, 2), doh));
     dq.add_(gemm32(ds, kc), scale);
     dk.narrow(1, k0, n).add_(gemm32(ds.transpose(1, 2), qh), scale);
-  }
+  });
   return {from_rows(dq, r).contiguous(), kv_from_rows(dk, r).contiguous(),
           kv_from_rows(dv, r).contiguous()};
 }

@@ -32,11 +32,20 @@ using BackwardFn = AttentionGrads (*)(const at::Tensor& q, const at::Tensor& k, 
 using MergeFn = void (*)(at::Tensor& o_acc, at::Tensor& lse_acc, const at::Tensor& o_new,
                          const at::Tensor& lse_new);
 
+// The GEMM path's softmax passes of one key chunk (kernels/attention_gemm.h).
+using ChunkForwardFn = void (*)(const at::Tensor& s, double scale, at::Tensor& m, at::Tensor& l,
+                                at::Tensor& alpha, at::Tensor& p);
+using ChunkBackwardFn = void (*)(const at::Tensor& s, const at::Tensor& dp, double scale,
+                                 const at::Tensor& lse, const at::Tensor& delta, at::Tensor& p,
+                                 at::Tensor& ds);
+
 struct AttentionImpl {
   const char* name = nullptr;
   ForwardFn forward = nullptr;
   BackwardFn backward = nullptr;
   MergeFn merge = nullptr;
+  ChunkForwardFn chunk_forward = nullptr;  // none on meta (shapes only)
+  ChunkBackwardFn chunk_backward = nullptr;
 };
 
 // The implementation for a device type, or null when none was compiled in.
