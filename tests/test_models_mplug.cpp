@@ -162,6 +162,45 @@ TEST(MplugDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   }
 }
 
+// Row 0 of `batch` up to its last image token, with its images: the prompt prefix lvx serve keeps
+// per cached video (split: its length).
+lvx::models::ModelInputs kept_prefix(const lvx::models::Model& model, const at::Tensor& input_ids,
+                                     const at::Tensor& pixel_values, int64_t* split) {
+  const at::Tensor row0 = input_ids.narrow(0, 0, 1);
+  const int64_t images = row0.eq(model.media_token_id()).sum().item<int64_t>();
+  *split = 0;
+  for (int64_t t = 0; t < row0.size(1); ++t)
+    if (row0[0][t].item<int64_t>() == model.media_token_id()) *split = t + 1;
+  return {row0.narrow(1, 0, *split), pixel_values.narrow(0, 0, images), false, {}};
+}
+
+// Model::extend_rows of `tokens` on the caches `together` against each row alone on `alone` (its
+// extend, or its decode_step for one token), then the next decode step from the caches each
+// leaves: the largest difference. The rows' lengths must agree.
+double rows_against_alone(const lvx::models::Model& model, const lvx::models::Parallel& par,
+                          const std::vector<at::Tensor>& tokens,
+                          std::vector<lvx::models::DecodeCache>& together,
+                          std::vector<lvx::models::DecodeCache>& alone) {
+  std::vector<lvx::models::DecodeCache*> rows;
+  for (auto& c : together) rows.push_back(&c);
+  const at::Tensor joint = model.extend_rows(tokens, par, rows);
+  double worst = 0;
+  auto diff = [](const at::Tensor& a, const at::Tensor& b) {
+    return (a - b).abs().max().item<double>();
+  };
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const at::Tensor own = tokens[r].numel() == 1
+                               ? model.decode_step(tokens[r], par, alone[r])
+                               : model.extend(tokens[r].view({1, -1}), par, alone[r]);
+    worst = std::max(worst, diff(joint.narrow(0, static_cast<int64_t>(r), 1), own));
+    EXPECT_EQ(together[r].length, alone[r].length);
+    const at::Tensor next = at::tensor({21}, at::kLong);
+    worst = std::max(worst, diff(model.decode_step(next, par, together[r]),
+                                 model.decode_step(next, par, alone[r])));
+  }
+  return worst;
+}
+
 // Model::extend_rows: three questions of different lengths after one kept prompt prefix (the
 // frames and the text up to the last image token, the state rows about one cached video share in
 // lvx serve), extended together, give each row's extend alone within 1e-5 (fp32), and leave
@@ -173,34 +212,15 @@ TEST(MplugExtendRows, QuestionsAfterOneKeptPrefixEqualEachAlone) {
     const auto model = lvx::models::load_model(ref.model, at::kFloat);
     lvx::models::Parallel par;
     par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
-    const at::Tensor row0 = batch.at("input_ids").narrow(0, 0, 1);
-    const int64_t images = row0.eq(model->media_token_id()).sum().item<int64_t>();
-    const at::Tensor pixels = batch.at("pixel_values").narrow(0, 0, images);
     int64_t split = 0;
-    for (int64_t t = 0; t < row0.size(1); ++t)
-      if (row0[0][t].item<int64_t>() == model->media_token_id()) split = t + 1;
     lvx::models::DecodeCache prefix;
-    model->prefill({row0.narrow(1, 0, split), pixels, false, {}}, par, prefix);
+    model->prefill(kept_prefix(*model, batch.at("input_ids"), batch.at("pixel_values"), &split),
+                   par, prefix);
     const std::vector<at::Tensor> tails{at::tensor({5, 6, 7}, at::kLong),
                                         at::tensor({8}, at::kLong),
                                         at::tensor({9, 10, 11, 12, 13, 14}, at::kLong)};
     std::vector<lvx::models::DecodeCache> alone(3, prefix), together(3, prefix);
-    std::vector<lvx::models::DecodeCache*> rows;
-    for (auto& c : together) rows.push_back(&c);
-    const at::Tensor joint = model->extend_rows(tails, par, rows);
-    double worst = 0;
-    for (size_t r = 0; r < 3; ++r) {
-      const at::Tensor own = model->extend(tails[r].view({1, -1}), par, alone[r]);
-      worst = std::max(
-          worst, (joint.narrow(0, static_cast<int64_t>(r), 1) - own).abs().max().item<double>());
-      EXPECT_EQ(together[r].length, alone[r].length);
-      const at::Tensor next = at::tensor({21}, at::kLong);
-      worst = std::max(worst, (model->decode_step(next, par, together[r]) -
-                               model->decode_step(next, par, alone[r]))
-                                  .abs()
-                                  .max()
-                                  .item<double>());
-    }
+    const double worst = rows_against_alone(*model, par, tails, together, alone);
     std::cout << variant << ": split " << split << ", |rows extended together - each alone| "
               << worst << "\n";
     EXPECT_LE(worst, 1e-5) << variant;
@@ -219,13 +239,9 @@ TEST(MplugExtendRows, DecodeTokensBesideQuestionsEqualEachAlone) {
     const auto model = lvx::models::load_model(ref.model, at::kFloat);
     lvx::models::Parallel par;
     par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
-    const at::Tensor row0 = batch.at("input_ids").narrow(0, 0, 1);
-    const int64_t images = row0.eq(model->media_token_id()).sum().item<int64_t>();
     int64_t split = 0;
-    for (int64_t t = 0; t < row0.size(1); ++t)
-      if (row0[0][t].item<int64_t>() == model->media_token_id()) split = t + 1;
-    const lvx::models::ModelInputs head{
-        row0.narrow(1, 0, split), batch.at("pixel_values").narrow(0, 0, images), false, {}};
+    const lvx::models::ModelInputs head =
+        kept_prefix(*model, batch.at("input_ids"), batch.at("pixel_values"), &split);
     lvx::models::DecodeCache video_a, video_b;  // two prefixes: tensors of their own
     model->prefill(head, par, video_a);
     model->prefill(head, par, video_b);
@@ -242,24 +258,7 @@ TEST(MplugExtendRows, DecodeTokensBesideQuestionsEqualEachAlone) {
     const std::vector<at::Tensor> tokens{
         at::tensor({5, 6, 7}, at::kLong), at::tensor({10}, at::kLong),
         at::tensor({15, 16}, at::kLong), at::tensor({17}, at::kLong)};
-    std::vector<lvx::models::DecodeCache*> rows;
-    for (auto& c : together) rows.push_back(&c);
-    const at::Tensor joint = model->extend_rows(tokens, par, rows);
-    double worst = 0;
-    for (size_t r = 0; r < rows.size(); ++r) {
-      const at::Tensor own = tokens[r].numel() == 1
-                                 ? model->decode_step(tokens[r], par, alone[r])
-                                 : model->extend(tokens[r].view({1, -1}), par, alone[r]);
-      const auto i = static_cast<int64_t>(r);
-      worst = std::max(worst, (joint.narrow(0, i, 1) - own).abs().max().item<double>());
-      EXPECT_EQ(together[r].length, alone[r].length);
-      const at::Tensor next = at::tensor({21}, at::kLong);
-      worst = std::max(worst, (model->decode_step(next, par, together[r]) -
-                               model->decode_step(next, par, alone[r]))
-                                  .abs()
-                                  .max()
-                                  .item<double>());
-    }
+    const double worst = rows_against_alone(*model, par, tokens, together, alone);
     std::cout << variant << ": |decode tokens beside questions - each alone| " << worst << "\n";
     EXPECT_LE(worst, 1e-5) << variant;
   }
