@@ -58,9 +58,7 @@ FrameBatch decode_positions(const std::string& path, const SampleSpec& spec,
 
 namespace {
 
-FrameBatch decode_share(const std::string& path, const SampleSpec& spec,
-                        const std::vector<int64_t>& positions, const PreprocessConfig& preprocess,
-                        const DecodeOptions& options, const ShardSpec* shard) {
+void check_options(const PreprocessConfig& preprocess, const DecodeOptions& options) {
   LVX_CHECK(options.queue_capacity >= 1 && options.queue_capacity <= kMaxQueueCapacity,
             "decode queue capacity must be in [1, ", kMaxQueueCapacity, "], got ",
             options.queue_capacity);
@@ -69,11 +67,14 @@ FrameBatch decode_share(const std::string& path, const SampleSpec& spec,
             options.preprocess_threads);
   LVX_CHECK(preprocess.image_size <= kMaxImageSize, "preprocessing size ", preprocess.image_size,
             " is larger than ", kMaxImageSize, " pixels a side");
-  VideoDecoder decoder(path, options);
-  const FrameIndex& index = decoder.index();
-  FrameBatch batch;
-  batch.info = decoder.info();
-  DecodeReport& report = batch.report;
+}
+
+// The frames this call decodes: the sampled positions of its share (report.shard, checked), as
+// frame indices in ascending order.
+std::vector<int64_t> wanted_frames(const std::string& path, const FrameIndex& index,
+                                   const SampleSpec& spec, const std::vector<int64_t>& positions,
+                                   const DecodeOptions& options, const ShardSpec* shard,
+                                   DecodeReport& report) {
   if (index.truncated) {
     LVX_CHECK(options.on_corrupt != CorruptPolicy::kError, "video '", path,
               "': truncated or damaged container: ", index.truncation_reason,
@@ -96,43 +97,59 @@ FrameBatch decode_share(const std::string& path, const SampleSpec& spec,
               "), got ", report.shard[i], " at ", i);
   std::vector<int64_t> wanted;  // ascending, as the sampled indices are
   for (int64_t p : report.shard) wanted.push_back(sampled.indices[static_cast<size_t>(p)]);
-  const int64_t n = static_cast<int64_t>(wanted.size());
-  std::vector<int64_t> targets = wanted;  // sorted already; decode each distinct frame once
-  targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
+  return wanted;
+}
 
-  const auto [out_h, out_w] = preprocessed_size(preprocess, batch.info.height, batch.info.width);
-  // The output is allocated at once: refuse what this machine cannot hold (a huge --size).
+// Where each decoded frame goes: the distinct targets (each decoded once) and, since `wanted` is
+// sorted, target u's output positions [span[u], span[u + 1]).
+struct Slots {
+  std::vector<int64_t> targets, span;
+  std::vector<uint8_t> done;        // target u preprocessed into its slots
+  std::vector<std::string> failed;  // why target u could not be decoded
+};
+
+Slots slots_of(const std::vector<int64_t>& wanted) {
+  Slots s;
+  const auto n = static_cast<int64_t>(wanted.size());
+  s.targets = wanted;
+  s.targets.erase(std::unique(s.targets.begin(), s.targets.end()), s.targets.end());
+  s.span.assign(s.targets.size() + 1, n);
+  for (int64_t p = 0, u = 0; u < static_cast<int64_t>(s.targets.size()); ++u) {
+    s.span[u] = p;
+    while (p < n && wanted[p] == s.targets[u]) ++p;
+  }
+  s.done.assign(s.targets.size(), 0);
+  s.failed.assign(s.targets.size(), "");
+  return s;
+}
+
+// The output tensor, allocated at once: what this machine cannot hold (a huge --size) is refused.
+at::Tensor allocate_frames(const std::string& path, int64_t n, int64_t out_h, int64_t out_w,
+                           bool normalize) {
   const double out_bytes = static_cast<double>(n) * 3.0 * static_cast<double>(out_h) *
-                           static_cast<double>(out_w) * (preprocess.normalize ? 4.0 : 1.0);
+                           static_cast<double>(out_w) * (normalize ? 4.0 : 1.0);
   const double ram =
       static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
   LVX_CHECK(ram <= 0 || out_bytes <= ram / 2, "video '", path, "': ", n, " frames of 3 x ", out_h,
             " x ", out_w, " need ", out_bytes / (1 << 20),
             " MiB, more than half of this machine's ", ram / (1 << 20),
             " MiB: sample fewer frames or a smaller size");
-  batch.frames = at::empty({n, 3, out_h, out_w}, preprocess.normalize ? at::kFloat : at::kByte);
-  // wanted is sorted, so distinct target u fills output positions [span[u], span[u + 1]).
-  std::vector<int64_t> span(targets.size() + 1, n);
-  for (int64_t p = 0, u = 0; u < static_cast<int64_t>(targets.size()); ++u) {
-    span[u] = p;
-    while (p < n && wanted[p] == targets[u]) ++p;
-  }
-  std::vector<int64_t> out_index(wanted);
-  std::vector<double> out_pts(n), out_stream_pts(n);
-  for (int64_t p = 0; p < n; ++p) {
-    out_pts[p] = index.time_seconds(wanted[p]);
-    out_stream_pts[p] = index.pts_seconds(wanted[p]);
-  }
-  std::vector<uint8_t> done(targets.size(), 0);     // target u preprocessed into its slots
-  std::vector<std::string> failed(targets.size());  // why target u could not be decoded
+  return at::empty({n, 3, out_h, out_w}, normalize ? at::kFloat : at::kByte);
+}
 
+// The decoder thread feeds a bounded queue; consumers (this thread and preprocess_threads − 1
+// helpers) preprocess frames in whatever order they take them: each target owns its slots, so
+// they never write the same memory. Policies that look at neighbours run afterwards.
+void decode_into(VideoDecoder& decoder, const std::string& path, const PreprocessConfig& preprocess,
+                 const DecodeOptions& options, Slots& slots, at::Tensor& frames) {
+  const FrameIndex& index = decoder.index();
   BoundedQueue<QueueItem> queue(static_cast<size_t>(options.queue_capacity));
   std::thread producer([&] {
     try {
-      for (size_t u = 0; u < targets.size(); ++u) {
+      for (size_t u = 0; u < slots.targets.size(); ++u) {
         QueueItem item;
         item.ordinal = static_cast<int64_t>(u);
-        item.ok = decoder.decode_frame(targets[u], &item.frame, &item.why);
+        item.ok = decoder.decode_frame(slots.targets[u], &item.frame, &item.why);
         if (!queue.push(std::move(item))) return;  // the consumers gave up
       }
     } catch (...) {
@@ -142,9 +159,6 @@ FrameBatch decode_share(const std::string& path, const SampleSpec& spec,
     }
     queue.close();
   });
-
-  // Consumers preprocess frames in whatever order they take them: each target owns its slots,
-  // so they never write the same memory. Policies that look at neighbours run afterwards.
   std::mutex error_mu;
   std::exception_ptr error;
   auto consume = [&] {
@@ -153,16 +167,16 @@ FrameBatch decode_share(const std::string& path, const SampleSpec& spec,
         if (item->error) std::rethrow_exception(item->error);
         const int64_t u = item->ordinal;
         if (!item->ok) {
-          failed[u] = item->why;
+          slots.failed[u] = item->why;
           LVX_CHECK(options.on_corrupt != CorruptPolicy::kError, "video '", path,
-                    "': ", describe(index, targets[u]), ": ", item->why,
+                    "': ", describe(index, slots.targets[u]), ": ", item->why,
                     " (use --on-corrupt skip|repeat to continue past damaged frames)");
           continue;
         }
-        preprocess_frame(item->frame.rgb, preprocess, batch.frames[span[u]]);
-        for (int64_t p = span[u] + 1; p < span[u + 1]; ++p)
-          batch.frames[p].copy_(batch.frames[span[u]]);
-        done[u] = 1;
+        preprocess_frame(item->frame.rgb, preprocess, frames[slots.span[u]]);
+        for (int64_t p = slots.span[u] + 1; p < slots.span[u + 1]; ++p)
+          frames[p].copy_(frames[slots.span[u]]);
+        slots.done[u] = 1;
       }
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mu);
@@ -176,57 +190,91 @@ FrameBatch decode_share(const std::string& path, const SampleSpec& spec,
   for (auto& t : helpers) t.join();
   producer.join();
   if (error) std::rethrow_exception(error);
+}
 
-  // Damaged frames, in order: skip drops them; repeat copies the previous good sampled frame
-  // (the next good one when none precedes).
+// Damaged frames, in order: skip drops them; repeat copies the previous good sampled frame (the
+// next good one when none precedes). Returns which output positions stay.
+std::vector<uint8_t> apply_corrupt_policy(const std::string& path, const FrameIndex& index,
+                                          const DecodeOptions& options, const Slots& slots,
+                                          int64_t n, at::Tensor& frames, DecodeReport& report) {
   std::vector<uint8_t> keep(n, 1);
   int64_t last_good = -1;
   std::vector<int64_t> owed;
-  for (int64_t u = 0; u < static_cast<int64_t>(targets.size()); ++u) {
-    if (done[u]) {
-      for (int64_t p : owed) batch.frames[p].copy_(batch.frames[span[u]]);
+  for (int64_t u = 0; u < static_cast<int64_t>(slots.targets.size()); ++u) {
+    if (slots.done[u]) {
+      for (int64_t p : owed) frames[p].copy_(frames[slots.span[u]]);
       owed.clear();
-      last_good = span[u];
+      last_good = slots.span[u];
       continue;
     }
-    LVX_CHECK(!failed[u].empty(), "video '", path,
-              "': internal error: ", describe(index, targets[u]),
+    LVX_CHECK(!slots.failed[u].empty(), "video '", path,
+              "': internal error: ", describe(index, slots.targets[u]),
               " was neither decoded nor reported");
-    for (int64_t p = span[u]; p < span[u + 1]; ++p) {
+    for (int64_t p = slots.span[u]; p < slots.span[u + 1]; ++p) {
       if (options.on_corrupt == CorruptPolicy::kSkip) {
         keep[p] = 0;
         ++report.skipped;
       } else {
         ++report.repeated;
         if (last_good >= 0)
-          batch.frames[p].copy_(batch.frames[last_good]);
+          frames[p].copy_(frames[last_good]);
         else
           owed.push_back(p);
       }
     }
-    report.events.push_back(describe(index, targets[u]) + ": " + failed[u] +
+    report.events.push_back(describe(index, slots.targets[u]) + ": " + slots.failed[u] +
                             (options.on_corrupt == CorruptPolicy::kSkip
                                  ? "; skipped"
                                  : "; replaced by the nearest good sampled frame"));
   }
   LVX_CHECK(owed.empty(), "video '", path, "': none of the sampled frames could be decoded");
-  // Repeated frames report the index and pts of the frame that was asked for; the pixels are
-  // the neighbour's. Skipped frames are removed.
-  batch.indices = at::from_blob(out_index.data(), {n}, at::kLong).clone();
+  return keep;
+}
+
+// Each output frame's index and times: repeated frames report the index and pts of the frame
+// that was asked for (the pixels are the neighbour's); skipped frames are removed.
+void label_frames(const FrameIndex& index, std::vector<int64_t> wanted,
+                  const std::vector<uint8_t>& keep, FrameBatch& batch) {
+  const auto n = static_cast<int64_t>(wanted.size());
+  std::vector<double> out_pts(n), out_stream_pts(n);
+  for (int64_t p = 0; p < n; ++p) {
+    out_pts[p] = index.time_seconds(wanted[p]);
+    out_stream_pts[p] = index.pts_seconds(wanted[p]);
+  }
+  batch.indices = at::from_blob(wanted.data(), {n}, at::kLong).clone();
   batch.pts = at::from_blob(out_pts.data(), {n}, at::kDouble).clone();
   batch.stream_pts = at::from_blob(out_stream_pts.data(), {n}, at::kDouble).clone();
-  if (report.skipped > 0) {
-    std::vector<int64_t> kept;
-    for (int64_t p = 0; p < n; ++p)
-      if (keep[p]) kept.push_back(p);
-    const at::Tensor sel =
-        at::from_blob(kept.data(), {static_cast<int64_t>(kept.size())}, at::kLong).clone();
-    batch.frames = batch.frames.index_select(0, sel);
-    batch.indices = batch.indices.index_select(0, sel);
-    batch.pts = batch.pts.index_select(0, sel);
-    batch.stream_pts = batch.stream_pts.index_select(0, sel);
-  }
-  report.stats = decoder.stats();
+  if (batch.report.skipped == 0) return;
+  std::vector<int64_t> kept;
+  for (int64_t p = 0; p < n; ++p)
+    if (keep[p]) kept.push_back(p);
+  const at::Tensor sel =
+      at::from_blob(kept.data(), {static_cast<int64_t>(kept.size())}, at::kLong).clone();
+  batch.frames = batch.frames.index_select(0, sel);
+  batch.indices = batch.indices.index_select(0, sel);
+  batch.pts = batch.pts.index_select(0, sel);
+  batch.stream_pts = batch.stream_pts.index_select(0, sel);
+}
+
+FrameBatch decode_share(const std::string& path, const SampleSpec& spec,
+                        const std::vector<int64_t>& positions, const PreprocessConfig& preprocess,
+                        const DecodeOptions& options, const ShardSpec* shard) {
+  check_options(preprocess, options);
+  VideoDecoder decoder(path, options);
+  const FrameIndex& index = decoder.index();
+  FrameBatch batch;
+  batch.info = decoder.info();
+  const std::vector<int64_t> wanted =
+      wanted_frames(path, index, spec, positions, options, shard, batch.report);
+  const auto n = static_cast<int64_t>(wanted.size());
+  Slots slots = slots_of(wanted);
+  const auto [out_h, out_w] = preprocessed_size(preprocess, batch.info.height, batch.info.width);
+  batch.frames = allocate_frames(path, n, out_h, out_w, preprocess.normalize);
+  decode_into(decoder, path, preprocess, options, slots, batch.frames);
+  const std::vector<uint8_t> keep =
+      apply_corrupt_policy(path, index, options, slots, n, batch.frames, batch.report);
+  label_frames(index, wanted, keep, batch);
+  batch.report.stats = decoder.stats();
   return batch;
 }
 

@@ -102,116 +102,159 @@ void validate_forward_job(const ForwardJob& job) {
       check_regular_file((fs::path(job.adapter) / f).string(), "LoRA adapter file (--adapter)");
 }
 
-int run_forward_rank(const ForwardJob& job) {
-  auto pg = dist::ProcessGroup::from_env();
-  const int n = pg->world_size(), r = pg->rank();
-  const at::Device device = choose_device(job.device);
-  const std::string dtype = resolve_dtype(job.dtype, device, checkpoint_dtype(job.model));
-  Batch b = read_batch(job.input);
-  // Frames go to the device once; input_ids and labels are host metadata (models/model.h).
-  if (b.pixel_values.defined()) b.pixel_values = b.pixel_values.to(device);
-  std::unique_ptr<models::Model> loaded = models::load_model(job.model, dtype_of(dtype, "--dtype"), device);
-  if (!job.adapter.empty()) {  // --adapter: the model with its LoRA adapter (models/lora.h)
-    models::LoraAdapter ad = models::load_lora(job.adapter, *loaded);
-    loaded = std::make_unique<models::LoraModel>(std::move(loaded), std::move(ad));
-  }
-  models::Model& model = *loaded;
-  std::string plan_text;
-  models::Parallel par = plan_layers(
-      model, b.input_ids, n, {job.strategies, job.cluster, dtype, job.backward}, &plan_text);
-  par.pg = pg;
-  par.recompute_cross_kv = job.recompute_cross_kv;
-  par.remat = job.remat;
-  // Every rank must run the same plan on the same inputs.
-  pg->check_agreement("the model step",
-                      str(describe(par), " input_ids=", b.input_ids.sizes(),
-                          " backward=", job.backward, " dtype=", dtype, " device=", device.type()));
-  if (job.print_plan && r == 0) std::cout << plan_text << "\n" << describe(par, &model) << "\n";
+namespace {
 
-  if (job.generate > 0) {
-    GenerateOptions g;
-    g.max_new_tokens = job.generate;
-    g.max_length = model_context_length(job.model);  // never past the model's context
-    g.keep_logits = true;
-    g.prefill_chunk = job.prefill_chunk;
-    const models::ModelInputs in{b.input_ids, b.pixel_values, false, b.named};
-    const GenerateResult out =
-        job.generate_rows ? generate_rows(model, in, par, g) : generate(model, in, par, g);
-    double per_token = 0;
-    for (double t : out.token_seconds)
-      per_token += t / static_cast<double>(out.token_seconds.size());
-    const int64_t steps = std::max<int64_t>(1, out.tokens.size(1) - 1);
-    if (r == 0)
-      save_safetensors(
-          job.output, {{"tokens", out.tokens}, {"step_logits", out.step_logits}},
-          {{"model", job.model},
-           {"plan", describe(par)},
-           {"ranks", std::to_string(n)},
-           {"prefill_seconds", std::to_string(out.prefill_seconds)},
-           {"decode_seconds_per_token", std::to_string(per_token)},
-           {"prefill_bytes_sent", std::to_string(out.prefill_bytes_sent)},
-           {"decode_bytes_sent_per_token", std::to_string(out.decode_bytes_sent / steps)},
-           {"prefix_tokens", std::to_string(out.prefix_tokens)},
-           {"prefill_chunks", std::to_string(out.prefill_chunks)}});
-    pg->barrier();
-    return 0;
+// What a rank's forward job works on: the model (with its adapter), the batch on the device, the
+// layer plan.
+struct ForwardRun {
+  std::shared_ptr<dist::ProcessGroup> pg;
+  at::Device device = at::kCPU;
+  std::string dtype;
+  Batch batch;
+  std::unique_ptr<models::Model> model;
+  models::Parallel par;
+};
+
+ForwardRun prepare_forward(const ForwardJob& job) {
+  ForwardRun run;
+  run.pg = dist::ProcessGroup::from_env();
+  run.device = choose_device(job.device);
+  run.dtype = resolve_dtype(job.dtype, run.device, checkpoint_dtype(job.model));
+  run.batch = read_batch(job.input);
+  Batch& b = run.batch;
+  // Frames go to the device once; input_ids and labels are host metadata (models/model.h).
+  if (b.pixel_values.defined()) b.pixel_values = b.pixel_values.to(run.device);
+  run.model = models::load_model(job.model, dtype_of(run.dtype, "--dtype"), run.device);
+  if (!job.adapter.empty()) {  // --adapter: the model with its LoRA adapter (models/lora.h)
+    models::LoraAdapter ad = models::load_lora(job.adapter, *run.model);
+    run.model = std::make_unique<models::LoraModel>(std::move(run.model), std::move(ad));
   }
+  std::string plan_text;
+  run.par = plan_layers(*run.model, b.input_ids, run.pg->world_size(),
+                        {job.strategies, job.cluster, run.dtype, job.backward}, &plan_text);
+  run.par.pg = run.pg;
+  run.par.recompute_cross_kv = job.recompute_cross_kv;
+  run.par.remat = job.remat;
+  // Every rank must run the same plan on the same inputs.
+  run.pg->check_agreement("the model step",
+                          str(describe(run.par), " input_ids=", b.input_ids.sizes(), " backward=",
+                              job.backward, " dtype=", run.dtype, " device=", run.device.type()));
+  if (job.print_plan && run.pg->rank() == 0)
+    std::cout << plan_text << "\n" << describe(run.par, run.model.get()) << "\n";
+  return run;
+}
+
+// --generate N: greedy tokens and each step's logits, with the prefill's and decode's times and
+// bytes (rank 0 writes them).
+void generate_tokens(const ForwardJob& job, ForwardRun& run) {
+  GenerateOptions g;
+  g.max_new_tokens = job.generate;
+  g.max_length = model_context_length(job.model);  // never past the model's context
+  g.keep_logits = true;
+  g.prefill_chunk = job.prefill_chunk;
+  const Batch& b = run.batch;
+  const models::ModelInputs in{b.input_ids, b.pixel_values, false, b.named};
+  const GenerateResult out = job.generate_rows ? generate_rows(*run.model, in, run.par, g)
+                                               : generate(*run.model, in, run.par, g);
+  double per_token = 0;
+  for (double t : out.token_seconds) per_token += t / static_cast<double>(out.token_seconds.size());
+  const int64_t steps = std::max<int64_t>(1, out.tokens.size(1) - 1);
+  if (run.pg->rank() == 0)
+    save_safetensors(
+        job.output, {{"tokens", out.tokens}, {"step_logits", out.step_logits}},
+        {{"model", job.model},
+         {"plan", describe(run.par)},
+         {"ranks", std::to_string(run.pg->world_size())},
+         {"prefill_seconds", std::to_string(out.prefill_seconds)},
+         {"decode_seconds_per_token", std::to_string(per_token)},
+         {"prefill_bytes_sent", std::to_string(out.prefill_bytes_sent)},
+         {"decode_bytes_sent_per_token", std::to_string(out.decode_bytes_sent / steps)},
+         {"prefix_tokens", std::to_string(out.prefix_tokens)},
+         {"prefill_chunks", std::to_string(out.prefill_chunks)}});
+}
+
+// The timed steps' medians (forward, backward, communication wait), the peak resident set, the
+// bytes sent and the live heap after the forward: this rank's, then the slowest rank's.
+struct StepTimes {
+  std::vector<double> fwd_s, bwd_s, wait_s;
+  double live_after_forward = 0;  // heap bytes in use between forward and backward
+  at::Tensor slowest(dist::ProcessGroup& pg) const {
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    struct rusage ru {};
+    getrusage(RUSAGE_SELF, &ru);
+    at::Tensor stats = at::tensor(
+        {median(fwd_s), median(bwd_s), median(wait_s), static_cast<double>(ru.ru_maxrss) * 1024.0,
+         static_cast<double>(pg.counters().total_sent()), live_after_forward},
+        at::kDouble);
+    pg.all_reduce(stats, dist::ReduceOp::kMax);
+    return stats;
+  }
+};
+
+// The model step (forward, and the backward with --backward), --repeat times after a warm-up;
+// rank 0 writes the logits, the gradients and the step's measurements.
+void run_steps(const ForwardJob& job, ForwardRun& run) {
+  models::Model& model = *run.model;
+  dist::ProcessGroup& pg = *run.pg;
+  const Batch& b = run.batch;
   if (job.backward) {
     LVX_CHECK(b.labels.defined(), job.input, ": --backward needs 'labels' (int64 [B, L])");
     for (auto& [name, t] : model.parameters())
       if (model.trainable(name)) t.requires_grad_(true);
   }
   // Timed steps: the first is a warm-up when --repeat > 1; the medians are reported.
-  std::vector<double> fwd_s, bwd_s, wait_s;
-  double live_after_forward = 0;  // heap bytes in use between forward and backward
+  StepTimes times;
   models::ModelOutputs out;
   std::map<std::string, at::Tensor> result;
   for (int step = 0; step < std::max(1, job.repeat) + (job.repeat > 1 ? 1 : 0); ++step) {
     for (auto& [name, t] : model.parameters())
       if (t.grad().defined()) t.mutable_grad() = at::Tensor();
-    pg->barrier();
-    pg->counters().reset();
+    pg.barrier();
+    pg.counters().reset();
     const auto t0 = std::chrono::steady_clock::now();
-    out = model.forward({b.input_ids, b.pixel_values, false, b.named}, par);
-    synchronize(device);  // the clock reads the device's work, not its launches
+    out = model.forward({b.input_ids, b.pixel_values, false, b.named}, run.par);
+    synchronize(run.device);  // the clock reads the device's work, not its launches
     const auto t1 = std::chrono::steady_clock::now();
     // What the step holds at its peak: weights plus everything the forward saved for the
     // backward (glibc's in-use heap, small and mmapped chunks).
     const struct mallinfo2 mi = mallinfo2();
-    live_after_forward = std::max(live_after_forward, static_cast<double>(mi.uordblks + mi.hblkhd));
-    if (job.backward) result = backward_step(*pg, model, b.labels, out);
-    synchronize(device);
+    times.live_after_forward =
+        std::max(times.live_after_forward, static_cast<double>(mi.uordblks + mi.hblkhd));
+    if (job.backward) result = backward_step(pg, model, b.labels, out);
+    synchronize(run.device);
     const auto t2 = std::chrono::steady_clock::now();
     if (job.repeat > 1 && step == 0) continue;
-    fwd_s.push_back(std::chrono::duration<double>(t1 - t0).count());
-    bwd_s.push_back(std::chrono::duration<double>(t2 - t1).count());
-    wait_s.push_back(pg->counters().wait_seconds);
+    times.fwd_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+    times.bwd_s.push_back(std::chrono::duration<double>(t2 - t1).count());
+    times.wait_s.push_back(pg.counters().wait_seconds);
   }
-  // The slowest rank's medians and the largest peak memory (resident set) and bytes sent.
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  at::Tensor stats = at::tensor(
-      {median(fwd_s), median(bwd_s), median(wait_s), static_cast<double>(ru.ru_maxrss) * 1024.0,
-       static_cast<double>(pg->counters().total_sent()), live_after_forward},
-      at::kDouble);
-  pg->all_reduce(stats, dist::ReduceOp::kMax);
-  result["logits"] = gather_logits(*pg, par.text_layout, out.logits);
-  if (r == 0)
+  const at::Tensor stats = times.slowest(pg);
+  result["logits"] = gather_logits(pg, run.par.text_layout, out.logits);
+  if (pg.rank() == 0)
     save_safetensors(job.output, result,
                      {{"model", job.model},
-                      {"plan", describe(par)},
-                      {"ranks", std::to_string(n)},
+                      {"plan", describe(run.par)},
+                      {"ranks", std::to_string(pg.world_size())},
                       {"forward_seconds", std::to_string(stats[0].item<double>())},
                       {"backward_seconds", std::to_string(stats[1].item<double>())},
                       {"comm_wait_seconds", std::to_string(stats[2].item<double>())},
                       {"peak_rss_bytes", std::to_string(stats[3].item<double>())},
                       {"bytes_sent", std::to_string(stats[4].item<double>())},
                       {"live_bytes_after_forward", std::to_string(stats[5].item<double>())}});
-  pg->barrier();
+}
+
+}  // namespace
+
+int run_forward_rank(const ForwardJob& job) {
+  ForwardRun run = prepare_forward(job);
+  if (job.generate > 0)
+    generate_tokens(job, run);
+  else
+    run_steps(job, run);
+  run.pg->barrier();
   return 0;
 }
 

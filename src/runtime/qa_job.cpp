@@ -145,8 +145,7 @@ QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, i
   finish_session(s, cache_bytes);
 }
 
-QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg,
-                     models::Model& model)
+QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, models::Model& model)
     : s_(std::make_unique<State>()) {
   State& s = *s_;
   s.pg = std::move(pg);
@@ -245,71 +244,108 @@ void validate_qa_job(const QaJob& job) {
   LVX_CHECK(job.question.find_first_not_of(" \t\r\n") != std::string::npos, "--question is empty");
 }
 
-int run_qa_rank(const QaJob& job) {
-  validate_qa_job(job);  // also under an outer launcher (torchrun, lvx launch): every rank alike
-  auto pg = dist::ProcessGroup::from_env();
-  const int r = pg->rank();
-  QaSession session(job, pg);
-  // A single question's answer streams to stdout as it is generated (rank 0).
+namespace {
+
+// One question (--video, --question): its answer streamed to stdout as it is generated, or its
+// row as JSON (--json), on rank 0.
+int answer_one(const QaJob& job, QaSession& session, dist::ProcessGroup& pg) {
+  const int r = pg.rank();
   AnswerHooks print;
   print.on_text = [](const std::string& piece) { std::cout << piece << std::flush; };
+  QaRequest req;
+  req.item.id = "question";
+  req.item.video = job.video;
+  req.item.question = job.question;
+  req.item.options = job.options;
+  const json row = session.answer(req, job.json ? AnswerHooks{} : print);
+  if (!job.json && r == 0 && !row.contains("error")) std::cout << "\n" << std::flush;
+  LVX_CHECK(!row.contains("error"), row["error"].get<std::string>());
+  if (r == 0 && job.json) std::cout << dump(row) << std::endl;
+  if (r == 0 && !job.json)
+    std::cerr << "[qa] " << row["frames"] << " frames on " << pg.world_size()
+              << " ranks, time to first token " << row["timings"]["ttft_s"] << " s, "
+              << row["timings"]["decode_per_token_s"] << " s per token, decode bytes/token "
+              << row["bytes"]["decode_per_token"] << "\n";
+  pg.barrier();
+  return 0;
+}
 
-  if (job.questions.empty()) {  // one question
-    QaItem item;
-    item.id = "question";
-    item.video = job.video;
-    item.question = job.question;
-    item.options = job.options;
-    QaRequest req;
-    req.item = item;
-    const json row = session.answer(req, job.json ? AnswerHooks{} : print);
-    if (!job.json && r == 0 && !row.contains("error")) std::cout << "\n" << std::flush;
-    LVX_CHECK(!row.contains("error"), row["error"].get<std::string>());
-    if (r == 0 && job.json) std::cout << dump(row) << std::endl;
-    if (r == 0 && !job.json)
-      std::cerr << "[qa] " << row["frames"] << " frames on " << pg->world_size()
-                << " ranks, time to first token " << row["timings"]["ttft_s"] << " s, "
-                << row["timings"]["decode_per_token_s"] << " s per token, decode bytes/token "
-                << row["bytes"]["decode_per_token"] << "\n";
-    pg->barrier();
-    return 0;
+// The answers file before a batch (rank 0): an earlier one moved aside (--overwrite), a torn last
+// line repaired, the run's settings written.
+void prepare_answers_file(const QaJob& job, const json& settings, bool had_rows) {
+  if (job.overwrite && had_rows) {
+    // Never over an earlier .old: the first free of .old, .old.1, .old.2, ...
+    std::string old = job.output + ".old";
+    for (int k = 1; fs::exists(old); ++k) old = str(job.output, ".old.", k);
+    fs::rename(job.output, old);
+    std::cerr << "lvx qa: --overwrite: the previous answers moved to " << old << "\n";
   }
+  const std::string torn = repair_torn_jsonl(job.output);
+  if (!torn.empty())
+    std::cerr << "lvx qa: " << job.output << ": its last line was torn (a run killed while "
+              << "writing it): " << torn.size() << " bytes moved to " << job.output
+              << ".torn; that question is asked again\n";
+  write_settings(job.output, settings);
+}
 
+// A batch's counts, as rank 0 reports them at the end.
+struct BatchTally {
+  int64_t answered = 0, failed = 0, skipped = 0, scored = 0, correct = 0;
+  void add(const json& row) {
+    if (row.contains("error")) {
+      ++failed;
+      return;
+    }
+    ++answered;
+    if (!row.contains("correct")) return;
+    ++scored;
+    correct += row["correct"].get<bool>() ? 1 : 0;
+  }
+  void report(const std::string& output) const {
+    std::cerr << "[qa] answered " << answered << ", failed " << failed;
+    if (skipped) std::cerr << ", already in " << output << " " << skipped;
+    if (scored)
+      std::cerr << "; accuracy " << correct << "/" << scored << " = "
+                << 100.0 * static_cast<double>(correct) / static_cast<double>(scored) << "%";
+    std::cerr << "\n";
+  }
+};
+
+// Rank 0's line for one row: the answer (or error), and whether it was right.
+void report_row(size_t i, size_t n, const QaLine& l, const json& row) {
+  std::cerr << "[qa " << i + 1 << "/" << n << "] " << l.item.id << ": "
+            << (row.contains("error") ? "error: " + row["error"].get<std::string>()
+                                      : dump(row["response"]))
+            << (row.contains("correct") ? (row["correct"].get<bool>() ? " (correct)" : " (wrong)")
+                                        : "")
+            << "\n";
+}
+
+// A batch (--questions FILE): every row not yet in the answers file answered in order and
+// appended (rank 0), a row that cannot be read answered with its error.
+int answer_batch(const QaJob& job, QaSession& session, dist::ProcessGroup& pg) {
+  const int r = pg.rank();
   // A question (and its options) may be long: rows up to 64 MiB.
   const std::vector<QaLine> lines = read_qa_rows(job.questions, "questions file",
                                                  /*need_answer=*/false, uint64_t{64} << 20);
   check_output_path(job.output, "answers file (--output)");
   const json settings = qa_settings(job);
   const bool had_rows = check_output_settings(job, settings);  // every rank, before any write
-  pg->barrier();
-  if (r == 0) {
-    if (job.overwrite && had_rows) {
-      // Never over an earlier .old: the first free of .old, .old.1, .old.2, ...
-      std::string old = job.output + ".old";
-      for (int k = 1; fs::exists(old); ++k) old = str(job.output, ".old.", k);
-      fs::rename(job.output, old);
-      std::cerr << "lvx qa: --overwrite: the previous answers moved to " << old << "\n";
-    }
-    const std::string torn = repair_torn_jsonl(job.output);
-    if (!torn.empty())
-      std::cerr << "lvx qa: " << job.output << ": its last line was torn (a run killed while "
-                << "writing it): " << torn.size() << " bytes moved to " << job.output
-                << ".torn; that question is asked again\n";
-    write_settings(job.output, settings);
-  }
-  pg->barrier();
+  pg.barrier();
+  if (r == 0) prepare_answers_file(job, settings, had_rows);
+  pg.barrier();
   const std::set<std::string> done = answered_ids(job.output, r);
-  pg->barrier();
+  pg.barrier();
   std::ofstream out;
   if (r == 0) {
     out.open(job.output, std::ios::app);
     LVX_CHECK(out.good(), job.output, ": cannot open for writing");
   }
-  int64_t answered = 0, failed = 0, skipped = 0, scored = 0, correct = 0;
+  BatchTally tally;
   for (size_t i = 0; i < lines.size(); ++i) {
     const QaLine& l = lines[i];
     if (done.count(l.item.id)) {
-      ++skipped;
+      ++tally.skipped;
       continue;
     }
     json row;
@@ -320,36 +356,23 @@ int run_qa_rank(const QaJob& job) {
       req.item = l.item;
       row = session.answer(req);
     }
-    if (row.contains("error")) {
-      ++failed;
-    } else {
-      ++answered;
-      if (row.contains("correct")) {
-        ++scored;
-        correct += row["correct"].get<bool>() ? 1 : 0;
-      }
-    }
-    if (r == 0) {
-      out << dump(row) << "\n" << std::flush;
-      std::cerr << "[qa " << i + 1 << "/" << lines.size() << "] " << l.item.id << ": "
-                << (row.contains("error") ? "error: " + row["error"].get<std::string>()
-                                          : dump(row["response"]))
-                << (row.contains("correct")
-                        ? (row["correct"].get<bool>() ? " (correct)" : " (wrong)")
-                        : "")
-                << "\n";
-    }
+    tally.add(row);
+    if (r != 0) continue;
+    out << dump(row) << "\n" << std::flush;
+    report_row(i, lines.size(), l, row);
   }
-  if (r == 0) {
-    std::cerr << "[qa] answered " << answered << ", failed " << failed;
-    if (skipped) std::cerr << ", already in " << job.output << " " << skipped;
-    if (scored)
-      std::cerr << "; accuracy " << correct << "/" << scored << " = "
-                << 100.0 * static_cast<double>(correct) / static_cast<double>(scored) << "%";
-    std::cerr << "\n";
-  }
-  pg->barrier();
+  if (r == 0) tally.report(job.output);
+  pg.barrier();
   return 0;
+}
+
+}  // namespace
+
+int run_qa_rank(const QaJob& job) {
+  validate_qa_job(job);  // also under an outer launcher (torchrun, lvx launch): every rank alike
+  auto pg = dist::ProcessGroup::from_env();
+  QaSession session(job, pg);
+  return job.questions.empty() ? answer_one(job, session, *pg) : answer_batch(job, session, *pg);
 }
 
 }  // namespace lvx::runtime
