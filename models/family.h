@@ -17,7 +17,7 @@
 
 #include "models/checkpoint.h"
 #include "src/attention/media_mask.h"
-#include "src/planner/model_config.h"
+#include "src/common/model_config.h"
 
 namespace lvx::models {
 
@@ -66,7 +66,7 @@ class Family {
   virtual std::unique_ptr<Model> load(const Checkpoint& ck, at::ScalarType dtype,
                                       at::Device device) const = 0;
   // The planner's description of a checkpoint from its config.json alone (no weights read).
-  virtual planner::ModelConfig planner_model(const nlohmann::json& config,
+  virtual ModelConfig planner_model(const nlohmann::json& config,
                                              const std::string& where) const = 0;
   // Every parameter's shape from config.json alone: what load() checks a checkpoint against
   // (sizing a model before its weights are downloaded: load_model_shapes).

@@ -140,7 +140,7 @@ class LoraModel : public Model {
   }
   int64_t media_token_id() const override { return base_->media_token_id(); }
   int64_t tokens_per_media() const override { return base_->tokens_per_media(); }
-  planner::ModelConfig planner_model() const override { return base_->planner_model(); }
+  ModelConfig planner_model() const override { return base_->planner_model(); }
   ModelOutputs forward(const ModelInputs& in, const Parallel& par) const override;
   at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const override;
   at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,

@@ -146,9 +146,9 @@ void check_named_inputs(const ModelInputs& in, const std::vector<std::string>& k
               ": unknown input '", name, "' (this family reads ", reads, ")");
 }
 
-planner::ModelConfig planner_model_from_config(const nlohmann::json& j, const std::string& where) {
+ModelConfig planner_model_from_config(const nlohmann::json& j, const std::string& where) {
   LVX_CHECK(j.is_object(), where, ": expected a JSON object, got ", j.type_name());
-  planner::ModelConfig m = family_of_config(j, where).planner_model(j, where);
+  ModelConfig m = family_of_config(j, where).planner_model(j, where);
   const std::string dt = config_string_or(j, "torch_dtype", where, "bfloat16");
   m.dtype = dt == "float32" ? "fp32" : dt == "float16" ? "fp16" : "bf16";
   return m;

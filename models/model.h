@@ -16,7 +16,7 @@
 #include "models/decode.h"
 #include "models/family.h"
 #include "models/parallel.h"
-#include "src/planner/model_config.h"
+#include "src/common/model_config.h"
 
 namespace lvx::models {
 
@@ -69,7 +69,7 @@ class Model {
   virtual int64_t media_token_id() const = 0;
   virtual int64_t tokens_per_media() const = 0;  // keys per image in the cross-attention
   // The attention layers as they run, for the planner.
-  virtual planner::ModelConfig planner_model() const = 0;
+  virtual ModelConfig planner_model() const = 0;
   virtual ModelOutputs forward(const ModelInputs& in, const Parallel& par) const = 0;
 
   // Generation (models/decode.h). prefill: the distributed forward of the prompt, leaving this
@@ -164,7 +164,7 @@ std::unique_ptr<Model> model_from_config(const nlohmann::json& config, const std
 int64_t layer_number_after(const std::string& name, const std::string& prefix);
 
 // The planner's description of a checkpoint from its config.json alone (no weights read).
-planner::ModelConfig planner_model_from_config(const nlohmann::json& config,
+ModelConfig planner_model_from_config(const nlohmann::json& config,
                                                const std::string& where);
 
 }  // namespace lvx::models

@@ -169,14 +169,14 @@ TEST(MllamaConfig, RopeInvFreqIsTransformers) {
 
 TEST(MllamaConfig, PlannerModelHasOneAttentionPerDecoderLayer) {
   const ml::Config c = ml::config_from_json(ref_config(), "config.json");
-  const lvx::planner::ModelConfig m = ml::planner_model(c);
+  const lvx::ModelConfig m = ml::planner_model(c);
   ASSERT_EQ(m.layers.size(), 5u);
   for (int64_t i = 0; i < 5; ++i) {
     const bool cross = i == 1 || i == 3;
     EXPECT_EQ(m.layers[i].kind,
-              cross ? lvx::planner::LayerKind::kCross : lvx::planner::LayerKind::kSelf);
+              cross ? lvx::LayerKind::kCross : lvx::LayerKind::kSelf);
     EXPECT_EQ(m.layers[i].mask,
-              cross ? lvx::planner::MaskRule::kMediaUpTo : lvx::planner::MaskRule::kCausal);
+              cross ? lvx::MaskRule::kMediaUpTo : lvx::MaskRule::kCausal);
     EXPECT_EQ(m.layers[i].kv_heads, 2);
   }
   EXPECT_EQ(m.visual_tokens_per_frame, 34);

@@ -379,7 +379,7 @@ TEST_F(MplugBadInput, ImagesThatDoNotMatchTheImageTokensAreNamed) {
 // One model description: the planner's shipped YAMLs equal what the runtime derives from the
 // releases' config.json (fields as published for mPLUG-Owl3-7B-240728 and 1B-241014).
 #include "models/mplug_owl3/model.h"
-#include "src/planner/model_config.h"
+#include "src/planner/model_yaml.h"
 
 namespace {
 

@@ -8,7 +8,7 @@
 
 #include "src/common/error.h"
 #include "src/planner/cluster_config.h"
-#include "src/planner/model_config.h"
+#include "src/planner/model_yaml.h"
 
 namespace lvx::planner {
 namespace {

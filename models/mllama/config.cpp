@@ -269,8 +269,8 @@ at::Tensor rope_inv_freq(const TextConfig& c, const at::TensorOptions& o) {
   return at::where(medium, smoothed, llama);
 }
 
-planner::ModelConfig planner_model(const Config& c) {
-  planner::ModelConfig m;
+ModelConfig planner_model(const Config& c) {
+  ModelConfig m;
   m.name = "mllama";
   m.family = "mllama";
   m.dtype = "bf16";
@@ -280,18 +280,18 @@ planner::ModelConfig planner_model(const Config& c) {
               c.vision.heads,      c.vision.intermediate,
               c.vision.image_size, c.vision.patch_size};
   for (int64_t i = 0; i < c.text.layers; ++i) {
-    planner::AttentionLayerConfig l;
+    AttentionLayerConfig l;
     l.hidden_size = c.text.hidden;
     l.heads = c.text.heads;
     l.kv_heads = c.text.kv_heads;
     l.head_dim = c.text.head_dim;
     l.mlp_size = c.text.intermediate;
     // A cross layer replaces the decoder layer: no self-attention in it.
-    l.kind = c.text.is_cross(i) ? planner::LayerKind::kCross : planner::LayerKind::kSelf;
+    l.kind = c.text.is_cross(i) ? LayerKind::kCross : LayerKind::kSelf;
     // The planner prices a video prompt: the frames' <|image|> tokens are one run, so each token
     // sees the images up to its own and the text after the run sees them all (the processor's
     // group rule, models/mllama/mask.h; the runtime runs it as one up-to call).
-    l.mask = c.text.is_cross(i) ? planner::MaskRule::kMediaUpTo : planner::MaskRule::kCausal;
+    l.mask = c.text.is_cross(i) ? MaskRule::kMediaUpTo : MaskRule::kCausal;
     m.layers.push_back(l);
   }
   return m;

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "models/checkpoint.h"
-#include "src/planner/model_config.h"
+#include "src/common/model_config.h"
 
 namespace lvx::models::mllama {
 
@@ -75,6 +75,6 @@ at::Tensor rope_inv_freq(const TextConfig& c, const at::TensorOptions& o);
 // self layer, a cross layer (kMediaImmediate) for a cross layer; the vision tower and the
 // visual token count per image (tokens_per_image) and feature width (text hidden: the
 // projector's output is what the cross layers read).
-planner::ModelConfig planner_model(const Config& c);
+ModelConfig planner_model(const Config& c);
 
 }  // namespace lvx::models::mllama

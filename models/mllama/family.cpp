@@ -17,7 +17,7 @@ class MllamaFamily : public Family {
                               at::Device device) const override {
     return std::make_unique<Mllama>(ck, dtype, device);
   }
-  planner::ModelConfig planner_model(const nlohmann::json& config,
+  ModelConfig planner_model(const nlohmann::json& config,
                                      const std::string& where) const override {
     return mllama::planner_model(config_from_json(config, where));
   }

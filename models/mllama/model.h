@@ -64,7 +64,7 @@ class Mllama : public Model {
   std::vector<DecoderLayerAttention> layer_attentions() const override;
   int64_t media_token_id() const override { return cfg_.image_token_id; }
   int64_t tokens_per_media() const override { return cfg_.tokens_per_image(); }
-  planner::ModelConfig planner_model() const override { return mllama::planner_model(cfg_); }
+  ModelConfig planner_model() const override { return mllama::planner_model(cfg_); }
 
   ModelOutputs forward(const ModelInputs& in, const Parallel& par) const override;
   at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const override;

@@ -36,7 +36,7 @@ class MplugOwl3Family final : public Family {
     return mplug_owl3_shapes(mplug_owl3_config(config, where, /*gated=*/true, 0));
   }
 
-  planner::ModelConfig planner_model(const nlohmann::json& config,
+  ModelConfig planner_model(const nlohmann::json& config,
                                      const std::string& where) const override {
     // Shapes only: both releases run a cross layer beside each hyper layer.
     return MplugOwl3::planner_model(mplug_owl3_config(config, where, /*gated=*/true, 0));

@@ -146,8 +146,8 @@ std::vector<DecoderLayerAttention> MplugOwl3::layer_attentions() const {
   return a;
 }
 
-planner::ModelConfig MplugOwl3::planner_model(const MplugOwl3Config& c) {
-  planner::ModelConfig m;
+ModelConfig MplugOwl3::planner_model(const MplugOwl3Config& c) {
+  ModelConfig m;
   m.name = "mplug_owl3_" + c.variant;
   m.family = "mplug_owl3";
   m.dtype = "bf16";
@@ -156,18 +156,18 @@ planner::ModelConfig MplugOwl3::planner_model(const MplugOwl3Config& c) {
   m.vision = {c.vision.hidden,     c.vision.layers - 1, c.vision.heads, c.vision.mlp,  // layers run
               c.vision.image_size, c.vision.patch_size};
   for (int64_t i = 0; i < c.layers; ++i) {
-    planner::AttentionLayerConfig l;
+    AttentionLayerConfig l;
     l.hidden_size = c.hidden;
     l.heads = c.heads;
     l.kv_heads = c.kv_heads;
     l.head_dim = c.head_dim;
     l.mlp_size = c.intermediate;
-    l.kind = planner::LayerKind::kSelf;
-    l.mask = planner::MaskRule::kCausal;
+    l.kind = LayerKind::kSelf;
+    l.mask = MaskRule::kCausal;
     m.layers.push_back(l);
     if (c.is_hyper(i)) {  // the same queries against the visual keys, beside the self layer
-      l.kind = planner::LayerKind::kCross;
-      l.mask = planner::MaskRule::kMediaUpTo;
+      l.kind = LayerKind::kCross;
+      l.mask = MaskRule::kMediaUpTo;
       m.layers.push_back(l);
     }
   }

@@ -29,7 +29,7 @@
 #include "models/parallel.h"
 #include "models/vision.h"
 #include "src/attention/media_mask.h"
-#include "src/planner/model_config.h"
+#include "src/common/model_config.h"
 
 namespace lvx::models {
 
@@ -109,9 +109,9 @@ class MplugOwl3 : public Model {
   int64_t media_token_id() const override { return cfg_.image_token_id; }
   int64_t tokens_per_media() const override { return cfg_.vision.tokens(); }
   // The attention layers as they run, for the planner (one description: derived, not copied).
-  planner::ModelConfig planner_model() const override { return planner_model(cfg_); }
+  ModelConfig planner_model() const override { return planner_model(cfg_); }
   // The same from a configuration alone (lvx plan --model DIR reads config.json, no weights).
-  static planner::ModelConfig planner_model(const MplugOwl3Config& c);
+  static ModelConfig planner_model(const MplugOwl3Config& c);
 
   ModelOutputs forward(const ModelInputs& in, const Parallel& par) const override;
   at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const override;

@@ -21,7 +21,7 @@ class OpenFlamingoFamily final : public Family {
     return std::make_unique<OpenFlamingo>(ck, dtype, device);
   }
 
-  planner::ModelConfig planner_model(const nlohmann::json& config,
+  ModelConfig planner_model(const nlohmann::json& config,
                                      const std::string& where) const override {
     return OpenFlamingo::planner_model(openflamingo_config(config, where));
   }

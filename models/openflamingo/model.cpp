@@ -142,8 +142,8 @@ std::vector<DecoderLayerAttention> OpenFlamingo::layer_attentions() const {
   return a;
 }
 
-planner::ModelConfig OpenFlamingo::planner_model(const OpenFlamingoConfig& c) {
-  planner::ModelConfig m;
+ModelConfig OpenFlamingo::planner_model(const OpenFlamingoConfig& c) {
+  ModelConfig m;
   m.name = "openflamingo_" + c.lm;
   m.family = "openflamingo";
   m.dtype = "bf16";
@@ -151,22 +151,22 @@ planner::ModelConfig OpenFlamingo::planner_model(const OpenFlamingoConfig& c) {
   m.visual_feature_dim = c.v_width;
   m.vision = {c.v_width, c.v_layers, c.v_heads, c.v_mlp, c.image_size, c.patch_size};
   for (int64_t i = 0; i < c.layers; ++i) {
-    planner::AttentionLayerConfig l;
+    AttentionLayerConfig l;
     l.hidden_size = c.hidden;
     if (c.is_cross(i)) {  // the gated block runs before the decoder layer
-      l.kind = planner::LayerKind::kCross;
+      l.kind = LayerKind::kCross;
       l.heads = l.kv_heads = c.x_heads;
       l.head_dim = c.x_dim_head;
       l.mlp_size = c.x_ff;
-      l.mask = planner::MaskRule::kMediaImmediate;
+      l.mask = MaskRule::kMediaImmediate;
       m.layers.push_back(l);
     }
-    l.kind = planner::LayerKind::kSelf;
+    l.kind = LayerKind::kSelf;
     l.heads = c.heads;
     l.kv_heads = c.kv_heads;
     l.head_dim = c.head_dim;
     l.mlp_size = c.mlp;
-    l.mask = planner::MaskRule::kCausal;
+    l.mask = MaskRule::kCausal;
     m.layers.push_back(l);
   }
   return m;

@@ -112,8 +112,8 @@ class OpenFlamingo : public Model {
   std::vector<DecoderLayerAttention> layer_attentions() const override;
   int64_t media_token_id() const override { return cfg_.media_token_id; }
   int64_t tokens_per_media() const override { return cfg_.p_latents; }
-  planner::ModelConfig planner_model() const override { return planner_model(cfg_); }
-  static planner::ModelConfig planner_model(const OpenFlamingoConfig& c);
+  ModelConfig planner_model() const override { return planner_model(cfg_); }
+  static ModelConfig planner_model(const OpenFlamingoConfig& c);
   ModelOutputs forward(const ModelInputs& in, const Parallel& par) const override;
   at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const override;
   at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,

@@ -3,7 +3,7 @@
 #include <sstream>
 
 #include "src/common/error.h"
-#include "src/planner/model_config.h"
+#include "src/planner/model_yaml.h"
 #include "src/planner/yaml_fields.h"
 
 namespace lvx::planner {

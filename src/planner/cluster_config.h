@@ -1,6 +1,6 @@
 // Cluster configs (configs/clusters/*.yaml): how many GPUs, how much memory, how fast attention
 // runs per dtype, and the two link classes (inside a node, between nodes). Strict loading as in
-// model_config.h; `lvx calibrate` writes one for the machine it runs on. Fields: docs/planner.md.
+// model_yaml.h; `lvx calibrate` writes one for the machine it runs on. Fields: docs/planner.md.
 #pragma once
 
 #include <cstdint>

@@ -52,7 +52,7 @@
 
 #include "src/attention/strategy.h"
 #include "src/planner/cluster_config.h"
-#include "src/planner/model_config.h"
+#include "src/planner/model_yaml.h"
 
 namespace lvx::planner {
 

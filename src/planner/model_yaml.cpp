@@ -1,44 +1,10 @@
-#include "src/planner/model_config.h"
+#include "src/planner/model_yaml.h"
 
 #include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/planner/yaml_fields.h"
 
 namespace lvx::planner {
-
-const char* to_string(LayerKind kind) { return kind == LayerKind::kSelf ? "self" : "cross"; }
-
-const char* to_string(MaskRule rule) {
-  switch (rule) {
-    case MaskRule::kNone:
-      return "none";
-    case MaskRule::kCausal:
-      return "causal";
-    case MaskRule::kMediaImmediate:
-      return "media_immediate";
-    case MaskRule::kMediaUpTo:
-      return "media_upto";
-  }
-  return "?";
-}
-
-MaskRule mask_rule_from_string(const std::string& s, const std::string& where) {
-  if (s == "none") return MaskRule::kNone;
-  if (s == "causal") return MaskRule::kCausal;
-  if (s == "media_immediate") return MaskRule::kMediaImmediate;
-  if (s == "media_upto") return MaskRule::kMediaUpTo;
-  LVX_FAIL(where, ": expected none|causal|media_immediate|media_upto, got '", s, "'");
-}
-
-int64_t dtype_bytes(const std::string& dtype, const std::string& where) {
-  return static_cast<int64_t>(c10::elementSize(dtype_of(dtype, where)));
-}
-
-int64_t ModelConfig::count(LayerKind kind) const {
-  int64_t n = 0;
-  for (const auto& l : layers) n += l.kind == kind;
-  return n;
-}
 
 ModelConfig load_model_config(const std::string& path) {
   YamlMap root = load_yaml_map(path);

@@ -10,7 +10,7 @@
 
 #include "src/planner/cluster_config.h"
 #include "src/planner/cost_model.h"
-#include "src/planner/model_config.h"
+#include "src/planner/model_yaml.h"
 
 namespace lvx::planner {
 

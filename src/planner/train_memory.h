@@ -48,7 +48,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "src/planner/model_config.h"
+#include "src/planner/model_yaml.h"
 
 namespace lvx::planner {
 

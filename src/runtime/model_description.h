@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "src/planner/model_config.h"
+#include "src/planner/model_yaml.h"
 #include "src/planner/train_memory.h"
 
 namespace lvx::runtime {
