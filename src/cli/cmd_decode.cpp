@@ -50,19 +50,7 @@ std::array<float, 3> three_floats(const lvx::cli::ArgParser& p, const std::strin
   return v;
 }
 
-int cmd_decode(int argc, char** argv) {
-  lvx::cli::ArgParser p(
-      "lvx decode --video V (--fps F | --num-frames N) [--start S] [--end E]\n"
-      "           [--preset siglip|clip] [--size P] [--normalize] [--rank r --world n]\n"
-      "           [--threads T] [--on-corrupt error|skip|repeat] --output frames.safetensors",
-      "Decode this rank's share of the frames sampled from a video (positions rank,\n"
-      "rank + world, ...: the model's layout of whole images) and write\n"
-      "frames [N,3,H,W] (uint8 RGB, or float32 with --normalize), int64 indices, float64\n"
-      "pts (seconds since the first displayed frame, as players count) and stream_pts (the\n"
-      "stream's own pts, seconds). Frames are shown as a player shows them (rotation applied). "
-      "Without\n"
-      "--size or --preset they keep their displayed size. Rank and world default to torchrun's\n"
-      "RANK and WORLD_SIZE.");
+void add_decode_options(lvx::cli::ArgParser& p) {
   p.add_option("video", 'v', "", "input video file", true);
   p.add_option("output", 'o', "", "output .safetensors file (written atomically)", true);
   p.add_option("fps", 'f', "", "sample at this many frames per second (timestamps start + k/F)");
@@ -87,8 +75,9 @@ int cmd_decode(int argc, char** argv) {
   p.add_flag("no-index-cache", 0,
              "scan the packets instead of reading/writing the frame index cache "
              "($LVX_INDEX_CACHE, else ~/.cache/lvx/index)");
-  if (!p.parse(argc, argv)) return 0;
+}
 
+SampleSpec sample_spec_of(const lvx::cli::ArgParser& p) {
   SampleSpec spec;
   LVX_CHECK(p.get("fps").empty() != p.get("num-frames").empty(),
             "give exactly one of --fps and --num-frames");
@@ -96,7 +85,10 @@ int cmd_decode(int argc, char** argv) {
   if (!p.get("num-frames").empty()) spec.num_frames = p.get_int("num-frames");
   if (!p.get("start").empty()) spec.start = p.get_double("start");
   if (!p.get("end").empty()) spec.end = p.get_double("end");
+  return spec;
+}
 
+PreprocessConfig preprocess_of(const lvx::cli::ArgParser& p) {
   PreprocessConfig pre;
   pre.image_size = 0;  // keep the displayed size unless asked
   pre.mean = {0.5f, 0.5f, 0.5f};
@@ -108,40 +100,41 @@ int cmd_decode(int argc, char** argv) {
   if (!p.get("std").empty()) pre.std = three_floats(p, "std");
   for (float s : pre.std) LVX_CHECK(s > 0, "--std values must be > 0, got ", s);
   pre.normalize = p.flag("normalize");
+  return pre;
+}
 
-  ShardSpec shard;
-  shard.rank = rank_setting(p, "rank", "RANK", 0);
-  shard.world = rank_setting(p, "world", "WORLD_SIZE", 1);
-
+DecodeOptions decode_options_of(const lvx::cli::ArgParser& p) {
   DecodeOptions opt;
   opt.threads = static_cast<int>(p.get_int("threads", 0, kMaxDecodeThreads));
   opt.queue_capacity = static_cast<int>(p.get_int("queue", 1, kMaxQueueCapacity));
   opt.preprocess_threads = static_cast<int>(p.get_int("preprocess-threads", 1, kMaxDecodeThreads));
   opt.on_corrupt = parse_corrupt_policy(p.get("on-corrupt"));
   opt.index_cache = !p.flag("no-index-cache");
+  return opt;
+}
 
-  const std::string video = p.get("video");
-  lvx::check_output_path(p.get("output"), "output file (--output)");
-  FrameBatch b = decode_video(video, spec, shard, pre, opt);
-  for (const auto& e : b.report.events) std::cerr << "lvx decode: " << video << ": " << e << "\n";
+std::string exact(double x) {
+  std::ostringstream o;
+  o << std::setprecision(17) << x;
+  return o.str();
+}
 
+// The file's metadata: the video, the share and how it was decoded.
+std::map<std::string, std::string> frames_metadata(const std::string& video, const FrameBatch& b,
+                                                   const ShardSpec& shard,
+                                                   const PreprocessConfig& pre,
+                                                   const DecodeOptions& opt) {
   const VideoInfo& i = b.info;
-  std::ostringstream fps;
-  fps << std::setprecision(17) << i.average_fps;
-  std::ostringstream dur;
-  dur << std::setprecision(17) << i.duration_seconds;
-  std::ostringstream start;
-  start << std::setprecision(17) << i.begin_seconds;
-  std::map<std::string, std::string> meta = {
+  return {
       {"video", video},
       {"codec", i.codec},
       {"width", std::to_string(i.width)},
       {"height", std::to_string(i.height)},
       {"rotation", std::to_string(i.rotation)},
       {"num_frames", std::to_string(i.num_frames)},
-      {"average_fps", fps.str()},
-      {"duration_seconds", dur.str()},
-      {"start_pts_seconds", start.str()},
+      {"average_fps", exact(i.average_fps)},
+      {"duration_seconds", exact(i.duration_seconds)},
+      {"start_pts_seconds", exact(i.begin_seconds)},
       {"rank", std::to_string(shard.rank)},
       {"world", std::to_string(shard.world)},
       {"sampled_total", std::to_string(b.report.sampled_total)},
@@ -154,38 +147,70 @@ int cmd_decode(int argc, char** argv) {
                                         : std::string("none")},
       {"normalized", pre.normalize ? "true" : "false"},
   };
+}
+
+// One machine-readable line on stdout (progress and problems went to stderr).
+nlohmann::json summary_line(const std::string& video, const std::string& output,
+                            const FrameBatch& b, const ShardSpec& shard) {
+  const VideoInfo& i = b.info;
+  return {{"video", video},
+          {"output", output},
+          {"rank", shard.rank},
+          {"world", shard.world},
+          {"frames", b.frames.size(0)},
+          {"sampled_total", b.report.sampled_total},
+          {"shard", b.report.shard},
+          {"num_frames", i.num_frames},
+          {"average_fps", i.average_fps},
+          {"duration_seconds", i.duration_seconds},
+          {"start_pts_seconds", i.begin_seconds},
+          {"index_from_cache", i.index_from_cache},
+          {"width", i.width},
+          {"height", i.height},
+          {"rotation", i.rotation},
+          {"frames_decoded", b.report.stats.frames_decoded},
+          {"seeks", b.report.stats.seeks},
+          {"skipped", b.report.skipped},
+          {"repeated", b.report.repeated},
+          {"truncated", b.report.truncated},
+          {"events", b.report.events}};
+}
+
+int cmd_decode(int argc, char** argv) {
+  lvx::cli::ArgParser p(
+      "lvx decode --video V (--fps F | --num-frames N) [--start S] [--end E]\n"
+      "           [--preset siglip|clip] [--size P] [--normalize] [--rank r --world n]\n"
+      "           [--threads T] [--on-corrupt error|skip|repeat] --output frames.safetensors",
+      "Decode this rank's share of the frames sampled from a video (positions rank,\n"
+      "rank + world, ...: the model's layout of whole images) and write\n"
+      "frames [N,3,H,W] (uint8 RGB, or float32 with --normalize), int64 indices, float64\n"
+      "pts (seconds since the first displayed frame, as players count) and stream_pts (the\n"
+      "stream's own pts, seconds). Frames are shown as a player shows them (rotation applied). "
+      "Without\n"
+      "--size or --preset they keep their displayed size. Rank and world default to torchrun's\n"
+      "RANK and WORLD_SIZE.");
+  add_decode_options(p);
+  if (!p.parse(argc, argv)) return 0;
+  const SampleSpec spec = sample_spec_of(p);
+  const PreprocessConfig pre = preprocess_of(p);
+  ShardSpec shard;
+  shard.rank = rank_setting(p, "rank", "RANK", 0);
+  shard.world = rank_setting(p, "world", "WORLD_SIZE", 1);
+  const DecodeOptions opt = decode_options_of(p);
+
+  const std::string video = p.get("video"), output = p.get("output");
+  lvx::check_output_path(output, "output file (--output)");
+  FrameBatch b = decode_video(video, spec, shard, pre, opt);
+  for (const auto& e : b.report.events) std::cerr << "lvx decode: " << video << ": " << e << "\n";
   lvx::save_safetensors(
-      p.get("output"),
+      output,
       {{"frames", b.frames}, {"indices", b.indices}, {"pts", b.pts}, {"stream_pts", b.stream_pts}},
-      meta);
+      frames_metadata(video, b, shard, pre, opt));
   std::cerr << "lvx decode: " << video << ": rank " << shard.rank << "/" << shard.world << " wrote "
             << b.frames.size(0) << " of " << b.report.sampled_total << " sampled frames "
-            << b.frames.sizes() << " to " << p.get("output") << " (decoded "
-            << b.report.stats.frames_decoded << " of " << i.num_frames << " frames, "
-            << b.report.stats.seeks << " seeks)\n";
-  // One machine-readable line on stdout (progress and problems went to stderr).
-  nlohmann::json line = {{"video", video},
-                         {"output", p.get("output")},
-                         {"rank", shard.rank},
-                         {"world", shard.world},
-                         {"frames", b.frames.size(0)},
-                         {"sampled_total", b.report.sampled_total},
-                         {"shard", b.report.shard},
-                         {"num_frames", i.num_frames},
-                         {"average_fps", i.average_fps},
-                         {"duration_seconds", i.duration_seconds},
-                         {"start_pts_seconds", i.begin_seconds},
-                         {"index_from_cache", i.index_from_cache},
-                         {"width", i.width},
-                         {"height", i.height},
-                         {"rotation", i.rotation},
-                         {"frames_decoded", b.report.stats.frames_decoded},
-                         {"seeks", b.report.stats.seeks},
-                         {"skipped", b.report.skipped},
-                         {"repeated", b.report.repeated},
-                         {"truncated", b.report.truncated},
-                         {"events", b.report.events}};
-  std::cout << line.dump() << std::endl;
+            << b.frames.sizes() << " to " << output << " (decoded " << b.report.stats.frames_decoded
+            << " of " << b.info.num_frames << " frames, " << b.report.stats.seeks << " seeks)\n";
+  std::cout << summary_line(video, output, b, shard).dump() << std::endl;
   return 0;
 }
 

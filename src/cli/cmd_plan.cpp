@@ -101,14 +101,7 @@ int print_max_frames(const lvx::planner::ModelConfig& model,
   return 0;
 }
 
-int cmd_plan(int argc, char** argv) {
-  lvx::cli::ArgParser p(
-      "lvx plan --model M.yaml --cluster C.yaml --frames F --text T [options]",
-      "Predict forward/backward time and memory per rank of every attention layer under each\n"
-      "strategy (lv_xattn, ring, striped, ulysses, all_gather), choose the fastest that fits per\n"
-      "layer (in training possibly a forward+backward pair the runtime can run, e.g.\n"
-      "lv_xattn+ring), and explain the choice. Mask work is counted from the prompt layout.\n"
-      "Formulas: docs/planner.md.");
+void add_plan_options(lvx::cli::ArgParser& p) {
   p.add_option("model", 'm', "", "model config (configs/models/*.yaml) or a checkpoint directory",
                true);
   p.add_option("cluster", 'c', "", "cluster config (configs/clusters/*.yaml)", true);
@@ -148,16 +141,12 @@ int cmd_plan(int argc, char** argv) {
   p.add_flag("max-frames", 0,
              "training: the most frames whose whole memory fits the device, for the given\n"
              "settings and for the best shard stage / recompute / remat choice");
-  if (!p.parse(argc, argv)) return 0;
-  const std::string json_path = p.get("json");
-  if (!json_path.empty()) lvx::check_output_path(json_path, "--json");  // no FIFO, no directory
-  const std::string model_path = lvx::runtime::follow_run_folder(p.get("model"));
-  lvx::planner::ModelConfig model = lvx::runtime::planner_model(model_path);
-  lvx::planner::ClusterConfig cluster = lvx::planner::load_cluster_config(p.get("cluster"));
-  const bool max_frames = p.flag("max-frames");
-  LVX_CHECK(max_frames || (!p.get("frames").empty() && !p.get("text").empty()),
-            "--frames and --text are required (or --train --max-frames)");
-  LVX_CHECK(!max_frames || p.flag("train"), "--max-frames plans training memory: add --train");
+}
+
+// The whole memory of training's settings (src/planner/train_memory.h), from the flags.
+lvx::planner::TrainMemoryOptions memory_options_of(const lvx::cli::ArgParser& p,
+                                                   const lvx::planner::ClusterConfig& cluster,
+                                                   const std::string& dtype) {
   lvx::planner::TrainMemoryOptions mo;
   mo.shard = p.get("shard");
   mo.ranks = p.get_int("nproc") > 0 ? p.get_int("nproc") : cluster.nodes * cluster.gpus_per_node;
@@ -169,8 +158,64 @@ int cmd_plan(int argc, char** argv) {
   mo.recompute = p.flag("recompute");
   mo.remat = p.flag("remat");
   mo.reserve_bytes = memory_reserve(p.get("memory-reserve-gib"));
-  const std::string dtype = p.get("dtype").empty() ? model.dtype : p.get("dtype");
   mo.elem_bytes = lvx::planner::dtype_bytes(dtype, "--dtype");
+  return mo;
+}
+
+lvx::planner::Workload workload_of(const lvx::cli::ArgParser& p) {
+  lvx::planner::Workload w;
+  w.frames = p.get_int("frames");
+  w.text_tokens = p.get_int("text");
+  w.tokens_per_frame = p.get_int("tokens-per-frame");
+  w.ranks = p.get_int("nproc");
+  w.dtype = p.get("dtype");
+  w.train = p.flag("train");
+  w.layout = lvx::planner::prompt_layout_from_string(p.get("layout"));
+  for (const std::string& s : p.get_list("strategies"))
+    w.strategies.push_back(lvx::attention::strategy_from_name(s));
+  return w;
+}
+
+lvx::planner::CostOptions cost_options_of(const lvx::cli::ArgParser& p) {
+  lvx::planner::CostOptions opt;
+  opt.recompute_cross_kv = !p.flag("no-recompute");
+  const double reserve_gib = p.get_double("reserve-gib");
+  LVX_CHECK(std::isfinite(reserve_gib) && reserve_gib >= 0,
+            "--reserve-gib: expected a finite number >= 0, got ", reserve_gib);
+  opt.reserved_bytes = reserve_gib * double(1LL << 30);
+  if (p.flag("paper-accounting")) opt = lvx::planner::paper_accounting(opt);
+  return opt;
+}
+
+void write_plan_json(const std::string& json_path, const nlohmann::json& j) {
+  std::ofstream f(json_path);
+  LVX_CHECK(f.good(), "--json: cannot write '", json_path, "'");
+  f << j.dump(2) << "\n";
+  f.close();
+  LVX_CHECK(!f.fail(), "--json: writing '", json_path, "' failed (disk full?)");
+}
+
+int cmd_plan(int argc, char** argv) {
+  lvx::cli::ArgParser p(
+      "lvx plan --model M.yaml --cluster C.yaml --frames F --text T [options]",
+      "Predict forward/backward time and memory per rank of every attention layer under each\n"
+      "strategy (lv_xattn, ring, striped, ulysses, all_gather), choose the fastest that fits per\n"
+      "layer (in training possibly a forward+backward pair the runtime can run, e.g.\n"
+      "lv_xattn+ring), and explain the choice. Mask work is counted from the prompt layout.\n"
+      "Formulas: docs/planner.md.");
+  add_plan_options(p);
+  if (!p.parse(argc, argv)) return 0;
+  const std::string json_path = p.get("json");
+  if (!json_path.empty()) lvx::check_output_path(json_path, "--json");  // no FIFO, no directory
+  const std::string model_path = lvx::runtime::follow_run_folder(p.get("model"));
+  lvx::planner::ModelConfig model = lvx::runtime::planner_model(model_path);
+  lvx::planner::ClusterConfig cluster = lvx::planner::load_cluster_config(p.get("cluster"));
+  const bool max_frames = p.flag("max-frames");
+  LVX_CHECK(max_frames || (!p.get("frames").empty() && !p.get("text").empty()),
+            "--frames and --text are required (or --train --max-frames)");
+  LVX_CHECK(!max_frames || p.flag("train"), "--max-frames plans training memory: add --train");
+  const std::string dtype = p.get("dtype").empty() ? model.dtype : p.get("dtype");
+  const lvx::planner::TrainMemoryOptions mo = memory_options_of(p, cluster, dtype);
   const int64_t tpf = p.get_int("tokens-per-frame") > 0 ? p.get_int("tokens-per-frame")
                                                         : model.visual_tokens_per_frame;
   const double device = static_cast<double>(cluster.device_memory_bytes);
@@ -182,37 +227,14 @@ int cmd_plan(int argc, char** argv) {
   if (max_frames)
     return print_max_frames(model, counts, mo, tpf, device,
                             p.get("text").empty() ? 64 : p.get_int("text"), json_path);
-  lvx::planner::Workload w;
-  w.frames = p.get_int("frames");
-  w.text_tokens = p.get_int("text");
-  w.tokens_per_frame = p.get_int("tokens-per-frame");
-  w.ranks = p.get_int("nproc");
-  w.dtype = p.get("dtype");
-  w.train = p.flag("train");
-  w.layout = lvx::planner::prompt_layout_from_string(p.get("layout"));
-  for (const std::string& s : p.get_list("strategies")) {
-    w.strategies.push_back(lvx::attention::strategy_from_name(s));
-  }
-  lvx::planner::CostOptions opt;
-  opt.recompute_cross_kv = !p.flag("no-recompute");
-  const double reserve_gib = p.get_double("reserve-gib");
-  LVX_CHECK(std::isfinite(reserve_gib) && reserve_gib >= 0,
-            "--reserve-gib: expected a finite number >= 0, got ", reserve_gib);
-  opt.reserved_bytes = reserve_gib * double(1LL << 30);
-  if (p.flag("paper-accounting")) opt = lvx::planner::paper_accounting(opt);
-  lvx::planner::Plan plan = lvx::planner::plan(model, cluster, w, opt);
+  const lvx::planner::Workload w = workload_of(p);
+  const lvx::planner::Plan plan = lvx::planner::plan(model, cluster, w, cost_options_of(p));
   std::cout << lvx::planner::format_table(plan);
   nlohmann::json j = lvx::planner::to_json(plan);
   if (p.flag("train"))
     std::cout << lvx::planner::train_report(model, counts, plan, w.frames, w.text_tokens, tpf, mo,
                                             cluster, j);
-  if (!json_path.empty()) {
-    std::ofstream f(json_path);
-    LVX_CHECK(f.good(), "--json: cannot write '", json_path, "'");
-    f << j.dump(2) << "\n";
-    f.close();
-    LVX_CHECK(!f.fail(), "--json: writing '", json_path, "' failed (disk full?)");
-  }
+  if (!json_path.empty()) write_plan_json(json_path, j);
   return 0;
 }
 
