@@ -162,16 +162,28 @@ TEST(MplugDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   }
 }
 
-// Row 0 of `batch` up to its last image token, with its images: the prompt prefix lvx serve keeps
-// per cached video (split: its length).
-lvx::models::ModelInputs kept_prefix(const lvx::models::Model& model, const at::Tensor& input_ids,
-                                     const at::Tensor& pixel_values, int64_t* split) {
-  const at::Tensor row0 = input_ids.narrow(0, 0, 1);
-  const int64_t images = row0.eq(model.media_token_id()).sum().item<int64_t>();
-  *split = 0;
+// A variant's model on one rank, and row 0 of its batch up to its last image token with its
+// images: the prompt prefix lvx serve keeps per cached video (split: its length).
+struct KeptPrefix {
+  std::unique_ptr<lvx::models::Model> model;
+  lvx::models::Parallel par;
+  lvx::models::ModelInputs head;
+  int64_t split = 0;
+};
+
+KeptPrefix kept_prefix(const std::string& variant) {
+  const Reference& ref = reference(variant);
+  const auto batch = lvx::load_safetensors(ref.batch).tensors;
+  KeptPrefix k;
+  k.model = lvx::models::load_model(ref.model, at::kFloat);
+  k.par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
+  const at::Tensor row0 = batch.at("input_ids").narrow(0, 0, 1);
+  const int64_t media = k.model->media_token_id();
+  const int64_t images = row0.eq(media).sum().item<int64_t>();
   for (int64_t t = 0; t < row0.size(1); ++t)
-    if (row0[0][t].item<int64_t>() == model.media_token_id()) *split = t + 1;
-  return {row0.narrow(1, 0, *split), pixel_values.narrow(0, 0, images), false, {}};
+    if (row0[0][t].item<int64_t>() == media) k.split = t + 1;
+  k.head = {row0.narrow(1, 0, k.split), batch.at("pixel_values").narrow(0, 0, images), false, {}};
+  return k;
 }
 
 // Model::extend_rows of `tokens` on the caches `together` against each row alone on `alone` (its
@@ -207,21 +219,16 @@ double rows_against_alone(const lvx::models::Model& model, const lvx::models::Pa
 // caches that decode the same next token's logits. Both variants.
 TEST(MplugExtendRows, QuestionsAfterOneKeptPrefixEqualEachAlone) {
   for (const std::string variant : {"240728", "241101"}) {
-    const Reference& ref = reference(variant);
-    const auto batch = lvx::load_safetensors(ref.batch).tensors;
-    const auto model = lvx::models::load_model(ref.model, at::kFloat);
-    lvx::models::Parallel par;
-    par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
-    int64_t split = 0;
+    const KeptPrefix k = kept_prefix(variant);
+    const lvx::models::Parallel& par = k.par;
     lvx::models::DecodeCache prefix;
-    model->prefill(kept_prefix(*model, batch.at("input_ids"), batch.at("pixel_values"), &split),
-                   par, prefix);
+    k.model->prefill(k.head, par, prefix);
     const std::vector<at::Tensor> tails{at::tensor({5, 6, 7}, at::kLong),
                                         at::tensor({8}, at::kLong),
                                         at::tensor({9, 10, 11, 12, 13, 14}, at::kLong)};
     std::vector<lvx::models::DecodeCache> alone(3, prefix), together(3, prefix);
-    const double worst = rows_against_alone(*model, par, tails, together, alone);
-    std::cout << variant << ": split " << split << ", |rows extended together - each alone| "
+    const double worst = rows_against_alone(*k.model, par, tails, together, alone);
+    std::cout << variant << ": split " << k.split << ", |rows extended together - each alone| "
               << worst << "\n";
     EXPECT_LE(worst, 1e-5) << variant;
   }
@@ -234,20 +241,15 @@ TEST(MplugExtendRows, QuestionsAfterOneKeptPrefixEqualEachAlone) {
 // decode_step alone within 1e-5 (fp32). Both variants.
 TEST(MplugExtendRows, DecodeTokensBesideQuestionsEqualEachAlone) {
   for (const std::string variant : {"240728", "241101"}) {
-    const Reference& ref = reference(variant);
-    const auto batch = lvx::load_safetensors(ref.batch).tensors;
-    const auto model = lvx::models::load_model(ref.model, at::kFloat);
-    lvx::models::Parallel par;
-    par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
-    int64_t split = 0;
-    const lvx::models::ModelInputs head =
-        kept_prefix(*model, batch.at("input_ids"), batch.at("pixel_values"), &split);
+    const KeptPrefix k = kept_prefix(variant);
+    const lvx::models::Model& model = *k.model;
+    const lvx::models::Parallel& par = k.par;
     lvx::models::DecodeCache video_a, video_b;  // two prefixes: tensors of their own
-    model->prefill(head, par, video_a);
-    model->prefill(head, par, video_b);
+    model.prefill(k.head, par, video_a);
+    model.prefill(k.head, par, video_b);
     auto asked = [&](const lvx::models::DecodeCache& prefix, std::vector<int64_t> question) {
       lvx::models::DecodeCache c = prefix;
-      model->extend(at::tensor(question, at::kLong).view({1, -1}), par, c);
+      model.extend(at::tensor(question, at::kLong).view({1, -1}), par, c);
       return c;
     };
     // Rows: a question joining about A; a running row about B; another joining about A; a
@@ -258,7 +260,7 @@ TEST(MplugExtendRows, DecodeTokensBesideQuestionsEqualEachAlone) {
     const std::vector<at::Tensor> tokens{
         at::tensor({5, 6, 7}, at::kLong), at::tensor({10}, at::kLong),
         at::tensor({15, 16}, at::kLong), at::tensor({17}, at::kLong)};
-    const double worst = rows_against_alone(*model, par, tokens, together, alone);
+    const double worst = rows_against_alone(model, par, tokens, together, alone);
     std::cout << variant << ": |decode tokens beside questions - each alone| " << worst << "\n";
     EXPECT_LE(worst, 1e-5) << variant;
   }

@@ -12,14 +12,13 @@
 //     itself, the independent reference) within 1e-6 relative over 6 steps;
 //   - every parallel.shard stage, LoRA under each, data × sequence parallel, global metrics, the
 //     global batch across a resume, and TensorBoard's loader on the event files.
-// Over 600 lines: one binary's fixtures are shared by these cases; the structure issue splits the
-// file by concern (shard stages, data parallel, metrics) with the job itself.
 //   - config bounds and the changed fields --resume names; step folders without `latest` are
 //     refused; manifests are XXH3 (old FNV-1a ones still verify); a non-finite gradient norm or
 //     master weight is caught. (Divergence, trainer_state.json damage, metrics of other runs,
 //     one rank's failure and a slow write end to end: tests/hostile/cases_finetune.py.)
-// Over 600 lines: one binary per area keeps CI's link count low; the split into per-concept test
-// files is issue 33.
+// Over 600 lines: these cases share one binary's fixtures (the tiny model, the videos, the
+// uninterrupted reference run, each built once) and one binary per area keeps CI's link count
+// low; splitting the file by concern (shard stages, data parallel, metrics) is left to issue 33.
 #include <gtest/gtest.h>
 
 #include <cmath>

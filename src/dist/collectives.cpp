@@ -98,8 +98,7 @@ void ProcessGroup::run_collective(
   // CUDA tensors without NCCL (ranks sharing a GPU) go through Gloo on a host copy.
   const bool staged = t.is_cuda() && engine_->stage_cuda();
   at::Tensor on = staged ? t.to(at::kCPU) : t;
-  std::optional<std::string> engine_error;
-  try {
+  const std::optional<std::string> engine_error = engine_error_of([&] {
     c10::intrusive_ptr<c10d::Work> w = post(engine_->backend_for(on), on);
     Work::Impl::Posted p{w, std::move(msgs), on_nccl(on), {}, {}};
     p.formula = true;
@@ -109,13 +108,7 @@ void ProcessGroup::run_collective(
       engine_->pending[w.get()] = w;
     }
     work.impl_->posted.push_back(std::move(p));
-  } catch (const lvx::Error&) {
-    throw;
-  } catch (const c10::Error& e) {
-    engine_error = e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    engine_error = e.what();
-  }
+  });
   if (engine_error) fail(what, *engine_error);
   work.wait();
 }

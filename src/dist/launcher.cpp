@@ -165,7 +165,13 @@ namespace {
 class Launch {
  public:
   Launch(const std::vector<std::string>& argv, const LaunchOptions& opts)
-      : argv_(argv), opts_(opts), local_(opts.nproc / opts.nodes), kids_(opts.nproc) {
+      : argv_(argv),
+        opts_(opts),
+        local_(opts.nproc / opts.nodes),
+        exit_wait_s_(opts.exit_wait_s >= 0  ? opts.exit_wait_s
+                     : opts.stop_on_failure ? default_exit_wait_s(opts.env)
+                                            : 0),
+        kids_(opts.nproc) {
     result_.ranks.resize(opts.nproc);
   }
   void spawn_all();
@@ -186,6 +192,7 @@ class Launch {
   const std::vector<std::string>& argv_;
   const LaunchOptions& opts_;
   const int local_;
+  const double exit_wait_s_;  // --exit-wait: how long the others may run after the first exit
   std::vector<Child> kids_;
   LaunchResult result_;
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
@@ -357,18 +364,15 @@ void Launch::check_deadlines() {
     forwarded_ = true;
     stop_all(g_launcher_signal);
   }
-  const double exit_wait_s = opts_.exit_wait_s >= 0  ? opts_.exit_wait_s
-                             : opts_.stop_on_failure ? default_exit_wait_s(opts_.env)
-                                                     : 0;
   const auto now = std::chrono::steady_clock::now();
   auto since = [&](std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(now - t).count();
   };
   if (opts_.timeout_s > 0 && !stopping_ && running_ > 0 && since(t0_) > opts_.timeout_s)
     stop_for_time(str("time limit of ", opts_.timeout_s, " s (--timeout) reached"));
-  if (exit_wait_s > 0 && !stopping_ && running_ > 0 && first_exit_ >= 0 &&
-      since(first_exit_at_) > exit_wait_s)
-    stop_for_time(str("still running ", exit_wait_s, " s after rank ", first_exit_, " ",
+  if (exit_wait_s_ > 0 && !stopping_ && running_ > 0 && first_exit_ >= 0 &&
+      since(first_exit_at_) > exit_wait_s_)
+    stop_for_time(str("still running ", exit_wait_s_, " s after rank ", first_exit_, " ",
                       describe_exit(result_.ranks[first_exit_].exit_code),
                       " (--exit-wait, default 2 × LVX_DIST_TIMEOUT_S): lvx ranks fail any ",
                       "communication wait within LVX_DIST_TIMEOUT_S, so these are stuck"));

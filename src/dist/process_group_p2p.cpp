@@ -235,21 +235,12 @@ Work ProcessGroup::batch_isend_irecv(std::vector<P2POp> ops, const char* what) {
   // NCCL: one group call per communicator; Gloo: one request per message (unbound buffers never
   // block). An engine error while posting fails the group, after post_mu is released (the
   // diagnosis takes seconds, and other threads must see the failure rather than wait behind it).
-  std::optional<std::string> engine_error;
-  {
+  const std::optional<std::string> engine_error = engine_error_of([&] {
     std::lock_guard<std::mutex> post_lock(engine_->post_mu);
-    try {
-      engine_->post(backend, ops, any_cuda, rank_, *work.impl_, staged);
-      if (!inter_ops.empty())
-        engine_->post(*engine_->nccl_inter, inter_ops, any_cuda, rank_, *work.impl_, staged);
-    } catch (const lvx::Error&) {
-      throw;
-    } catch (const c10::Error& e) {
-      engine_error = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      engine_error = e.what();
-    }
-  }
+    engine_->post(backend, ops, any_cuda, rank_, *work.impl_, staged);
+    if (!inter_ops.empty())
+      engine_->post(*engine_->nccl_inter, inter_ops, any_cuda, rank_, *work.impl_, staged);
+  });
   if (engine_error) fail(work.impl_->what, *engine_error);
   return work;
 }

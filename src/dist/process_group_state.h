@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -25,6 +26,22 @@ using c10d::Backend;
 // The rendezvous store's keys of lvx (joined/, hb/, exit/, done/, agree/, sub/) and a flag value.
 inline constexpr const char* kStorePrefix = "lvx/";
 inline const std::vector<uint8_t> kOne{1};
+
+// Runs `post` (calls into an engine); the engine's exception becomes its message, for the caller
+// to fail the group with once its locks are released (lvx's own errors pass through).
+template <typename F>
+std::optional<std::string> engine_error_of(F&& post) {
+  try {
+    post();
+  } catch (const lvx::Error&) {
+    throw;
+  } catch (const c10::Error& e) {
+    return std::string(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return std::string(e.what());
+  }
+  return std::nullopt;
+}
 
 inline int64_t nbytes(const at::Tensor& t) {
   return t.numel() * static_cast<int64_t>(t.element_size());
