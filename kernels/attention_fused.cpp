@@ -115,9 +115,7 @@ Plan make_plan(const PreparedMask& pm, int64_t batch) {
 // one full run per batch row, known without the host-side mask summaries (prepare_mask's ~20
 // small tensor ops, about 0.1 ms of host time per call before the GPU gets its kernel: the
 // profile in docs/kernels.md).
-bool unmasked(const AttentionMask& m) {
-  return m.kind == MaskKind::kNone && !m.kv_valid.defined();
-}
+bool unmasked(const AttentionMask& m) { return m.kind == MaskKind::kNone && !m.kv_valid.defined(); }
 
 // What prepare_mask and make_plan (with whole_block_if_causal) give an unmasked block, built
 // directly: the tile counts, a view of kind none, and one full run per batch row.
@@ -235,16 +233,23 @@ std::vector<Piece> pieces(const Group& gr, const Run& r, const AttentionMask& ma
   return out;
 }
 
-// The one piece that covers the whole block when batch = 1 and the plan is one call (no mask,
-// or top-left causal): its outputs become lvx's without any copy for fp32.
+// The one piece that covers the whole block when the plan is one call: every batch row one run
+// over all tiles, fully visible (no mask, or a mask that hides nothing) or top-left causal. Its
+// outputs become lvx's without any copy for fp32 (one query head per K/V head).
 std::optional<Piece> whole_piece(const Plan& plan, const PreparedMask& pm, int64_t batch,
                                  int64_t sq, int64_t skv) {
-  if (batch != 1 || plan.groups.size() != 1) return std::nullopt;
-  const Group& gr = plan.groups.front();
-  if (gr.qt0 != 0 || gr.qt1 != pm.n_q_tiles || gr.runs.size() != 1) return std::nullopt;
-  const Run& r = gr.runs.front();
-  if (r.kt0 != 0 || r.kt1 != pm.n_k_tiles) return std::nullopt;
-  if (r.full) return Piece{0, sq, 0, skv, false, {}, {}};
+  if (plan.groups.size() != static_cast<size_t>(batch)) return std::nullopt;
+  bool full = true;
+  for (size_t b = 0; b < plan.groups.size(); ++b) {
+    const Group& gr = plan.groups[b];
+    if (gr.b != static_cast<int64_t>(b) || gr.qt0 != 0 || gr.qt1 != pm.n_q_tiles ||
+        gr.runs.size() != 1)
+      return std::nullopt;
+    const Run& r = gr.runs.front();
+    if (r.kt0 != 0 || r.kt1 != pm.n_k_tiles) return std::nullopt;
+    full = full && r.full;
+  }
+  if (full) return Piece{0, sq, 0, skv, false, {}, {}};
   if (top_left_causal(pm.view, 0, sq, 0, skv)) return Piece{0, sq, 0, skv, true, {}, {}};
   return std::nullopt;
 }
@@ -252,17 +257,39 @@ std::optional<Piece> whole_piece(const Plan& plan, const PreparedMask& pm, int64
 FusedCall make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Piece& p,
                     double scale);
 
-// The whole block as one call over every head: with equal heads, or grouped K/V heads where the
-// table takes them (FusedOps::grouped: flash), instead of one call per query head of each group.
-std::optional<FusedCall> whole_call(const FusedOps& ops, const Plan& plan, const PreparedMask& pm,
+// x [B, S, H, D] as a call's [B, H / f, f·S, D]: the f query heads that read one K/V head side by
+// side along the sequence (head h·f + i at rows i·S ..). f = 1 is a transposed view; f > 1 copies
+// (a few queries: decode rows, a question's tokens).
+at::Tensor fold_heads(const at::Tensor& x, int64_t f) {
+  const int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
+  return x.view({B, S, H / f, f, D}).permute({0, 2, 3, 1, 4}).reshape({B, H / f, f * S, D});
+}
+// The inverse: a call's y [B, Hc, f·S, D] as [B, S, Hc·f, D].
+at::Tensor unfold_heads(const at::Tensor& y, int64_t f) {
+  const int64_t B = y.size(0), Hc = y.size(1), S = y.size(2) / f, D = y.size(3);
+  return y.reshape({B, Hc, f, S, D}).permute({0, 3, 1, 2, 4}).reshape({B, S, Hc * f, D});
+}
+
+// The whole block as one call over every head (and every batch row): with equal heads, grouped
+// K/V heads where the table takes them (FusedOps::grouped: flash), or else, with no causal
+// order among the queries, each K/V head's g query heads folded along the sequence (fold_heads;
+// a decode step's few queries then make one call, not g), instead of one call per query head of
+// each group and batch row.
+struct WholeCall {
+  FusedCall call;
+  int64_t fold = 1;  // query heads folded along the sequence (fold_heads)
+};
+std::optional<WholeCall> whole_call(const FusedOps& ops, const Plan& plan, const PreparedMask& pm,
                                     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     double scale) {
   const int64_t g = q.size(2) / k.size(2);
   const auto p = whole_piece(plan, pm, q.size(0), q.size(1), k.size(1));
   if (!p) return std::nullopt;
-  FusedCall c = make_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *p, scale);
-  if (g == 1 || (ops.grouped != nullptr && ops.grouped(ops, c))) return c;
-  return std::nullopt;
+  const at::Tensor kt = k.transpose(1, 2), vt = v.transpose(1, 2);
+  FusedCall c = make_call(q.transpose(1, 2), kt, vt, *p, scale);
+  if (g == 1 || (ops.grouped != nullptr && ops.grouped(ops, c))) return WholeCall{c, 1};
+  if (p->causal) return std::nullopt;  // folded, a head's queries would follow another's
+  return WholeCall{make_call(fold_heads(q, g), kt, vt, *p, scale), g};
 }
 
 void add_stats(const Plan& plan, int64_t hq, AttentionStats* stats) {
@@ -339,9 +366,10 @@ AttentionOutput attention_forward_fused(const FusedOps& ops, const at::Tensor& q
   }
   const auto [pm, plan] = plan_block(mask, batch, sq, skv);
   add_stats(plan, hq, stats);
-  if (const auto c = whole_call(ops, plan, pm, q, k, v, scale)) {
-    auto [o, lse] = forward_call(ops, *c, stats);
-    return {o.transpose(1, 2).to(at::kFloat).contiguous(), lse.to(at::kFloat).contiguous()};
+  if (const auto w = whole_call(ops, plan, pm, q, k, v, scale)) {
+    auto [o, lse] = forward_call(ops, w->call, stats);
+    return {unfold_heads(o, w->fold).to(at::kFloat).contiguous(),
+            lse.reshape({batch, hq, sq}).to(at::kFloat).contiguous()};
   }
   const AttentionMask dmask = mask_on(mask, q.device());
   AttentionOutput out{at::zeros({batch, sq, hq, d}, f32), at::full({batch, hq, sq}, -kInf, f32)};
@@ -406,10 +434,11 @@ AttentionGrads attention_backward_fused(const FusedOps& ops, const at::Tensor& q
                                         at::where(den.gt(0), den, at::ones_like(den)),
                                     at::zeros_like(den));
   const at::Tensor o_fake = (do32 * coef).to(q.scalar_type()).contiguous();
-  if (const auto c = whole_call(ops, plan, pm, q, k, v, scale)) {
-    auto [gq, gk, gv] =
-        ops.backward(ops, *c, dout.transpose(1, 2), o_fake.transpose(1, 2), lse_p);
-    return {gq.transpose(1, 2).to(at::kFloat).contiguous(),
+  if (const auto w = whole_call(ops, plan, pm, q, k, v, scale)) {
+    const int64_t f = w->fold;
+    auto [gq, gk, gv] = ops.backward(ops, w->call, fold_heads(dout, f), fold_heads(o_fake, f),
+                                     lse_p.view({batch, hq / f, f * sq}));
+    return {unfold_heads(gq, f).to(at::kFloat).contiguous(),
             gk.transpose(1, 2).to(at::kFloat).contiguous(),
             gv.transpose(1, 2).to(at::kFloat).contiguous()};
   }

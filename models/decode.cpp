@@ -20,6 +20,11 @@ Partial no_keys(const at::Tensor& q, at::IntArrayRef o) {
 
 }  // namespace
 
+at::Tensor shard_visible(const at::Tensor& valid) {
+  if (valid.is_meta()) return valid;  // no values to read (the placement check): kept as a mask
+  return valid.all().item<bool>() ? at::Tensor() : valid;
+}
+
 Partial partial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& visible, double scale) {
   const int64_t B = q.size(0), hq = q.size(1), D = q.size(2), S = k.size(1);

@@ -69,6 +69,12 @@ struct KVShard {
   at::Tensor visible;  // bool [B, S_r] for every later token, or undefined (all)
 };
 
+// A shard's `visible` from its keys' validity `valid` (bool [B, S_r]): undefined when every key
+// is valid, so that the kernels plan its calls without a mask (a mask's plan is ~20 small host
+// ops per call, at every decode step); else `valid` (and on meta). One host read, when the
+// shard is cached.
+at::Tensor shard_visible(const at::Tensor& valid);
+
 // extend's T new tokens per sample (models/model.h) as extra query heads: q [B, T, Hq, D] →
 // [B, Hkv·T·g, D] with g = Hq/Hkv, head j·T·g + t·g + i reading K/V head j under the kernels' GQA
 // mapping, so cached keys take all T queries in one call per rank and one pass-Q message per

@@ -257,9 +257,9 @@ TEST(AttentionKernelCuda, MatchesFp64ReferenceOnEveryMask) {
   const char* env = std::getenv("LVX_CUDA_ATTENTION");
   const std::string path = env != nullptr && *env != 0 ? env : "fused";
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    for (auto m : {MaskCase::kNone, MaskCase::kCausal, MaskCase::kMediaImmediate,
-                   MaskCase::kMediaUpTo, MaskCase::kPadding, MaskCase::kMediaSeesAll,
-                   MaskCase::kMediaUpToSeesAll}) {
+    for (auto m :
+         {MaskCase::kNone, MaskCase::kCausal, MaskCase::kMediaImmediate, MaskCase::kMediaUpTo,
+          MaskCase::kPadding, MaskCase::kMediaSeesAll, MaskCase::kMediaUpToSeesAll}) {
       AttentionStats st;
       for (const Shape& s : {Shape{2, 37, 1100, 4, 2, 32}, Shape{1, 200, 70, 4, 1, 16},
                              Shape{1, 256, 256, 4, 4, 64}}) {
@@ -543,8 +543,8 @@ TEST(FusedDispatch, Fp32AndBf16UseAtenFusedAttentionFp64UsesLvxKernel) {
 // counts over one and many tiles. Bitwise: both make the same single op calls.
 TEST(FusedDispatch, UnmaskedPlanEqualsThePreparedPlanOfAnAllVisibleMask) {
   if (!cpu_uses_fused_path(at::kFloat)) GTEST_SKIP() << "LVX_CPU_ATTENTION=kernel";
-  for (auto [batch, sq, hkv] : {std::tuple<int64_t, int64_t, int64_t>{1, 100, 4},
-                                {2, 300, 2}, {1, 2 * kCpuQTile + 5, 1}}) {
+  for (auto [batch, sq, hkv] :
+       {std::tuple<int64_t, int64_t, int64_t>{1, 100, 4}, {2, 300, 2}, {1, 2 * kCpuQTile + 5, 1}}) {
     SCOPED_TRACE(str("batch ", batch, " sq ", sq, " hkv ", hkv));
     const int64_t skv = 3 * kCpuKTile + 7, d = 16;
     auto q = at::randn({batch, sq, 4, d}), k = at::randn({batch, skv, hkv, d});
@@ -608,31 +608,41 @@ TEST(FusedDispatch, MediaUpToRunsMergeAndEmptyRowsMatchReference) {
   EXPECT_LE(error(g.dv, gx.dv), 2e-5);
 }
 
-// Batch 1, MHA, no mask or a top-left causal block: the fused path makes one call for the whole
-// block and hands its outputs back without merging; still the fp64 reference's, fwd and bwd.
+// No mask or a top-left causal block: the fused path makes one call for the whole block and
+// hands its outputs back without merging; still the fp64 reference's, fwd and bwd. Batch 1 with
+// as many K/V heads as query heads; and several batch rows of a few queries with 4 query heads
+// per K/V head (decode rows over a video's keys: unmasked, the group's heads folded along the
+// sequence in one call; causal, a call per group head).
 TEST(FusedDispatch, WholeBlockCallMatchesReference) {
-  for (MaskCase mc : {MaskCase::kNone, MaskCase::kCausal}) {
-    SCOPED_TRACE(mask_name(mc));
-    at::manual_seed(9);
-    const int64_t s = 700, h = 2, d = 32;
-    auto q = at::randn({1, s, h, d}), k = at::randn({1, s, h, d}), v = at::randn({1, s, h, d});
-    auto dout = at::randn({1, s, h, d});
-    AttentionParams p;
-    p.mask = make_mask(mc, 1, s, s);
-    AttentionStats st;
-    auto out = attention_forward(q, k, v, p, &st);
-    auto exact = attention_reference(q, k, v, vis(p, q, k), p.scale, at::kDouble);
-    EXPECT_LE(error(out.o, exact.o), 2e-5);
-    EXPECT_LE(error(out.lse, exact.lse), 2e-5);
-    EXPECT_TRUE(out.o.is_contiguous() && out.lse.is_contiguous());
-    auto g = attention_backward(q, k, v, dout, out.lse, attention_delta(dout, out.o), p);
-    auto gx = reference_grads(q, k, v, dout, p, at::kDouble);
-    EXPECT_LE(error(g.dq, gx.dq), 2e-5);
-    EXPECT_LE(error(g.dk, gx.dk), 2e-5);
-    EXPECT_LE(error(g.dv, gx.dv), 2e-5);
-    EXPECT_TRUE(g.dq.is_contiguous() && g.dk.is_contiguous() && g.dv.is_contiguous());
-    if (cpu_uses_fused_path(at::kFloat)) {
-      EXPECT_GT(st.tiles_fused, 0);
+  struct Shape {
+    int64_t batch, sq, skv, hq, hkv;
+  };
+  for (const Shape& sh : {Shape{1, 700, 700, 2, 2}, Shape{3, 5, 700, 8, 2}}) {
+    for (MaskCase mc : {MaskCase::kNone, MaskCase::kCausal}) {
+      SCOPED_TRACE(std::string(mask_name(mc)) + " batch " + std::to_string(sh.batch));
+      at::manual_seed(9);
+      const int64_t d = 32;
+      auto q = at::randn({sh.batch, sh.sq, sh.hq, d}),
+           dout = at::randn({sh.batch, sh.sq, sh.hq, d});
+      auto k = at::randn({sh.batch, sh.skv, sh.hkv, d}),
+           v = at::randn({sh.batch, sh.skv, sh.hkv, d});
+      AttentionParams p;
+      p.mask = make_mask(mc, sh.batch, sh.sq, sh.skv);
+      AttentionStats st;
+      auto out = attention_forward(q, k, v, p, &st);
+      auto exact = attention_reference(q, k, v, vis(p, q, k), p.scale, at::kDouble);
+      EXPECT_LE(error(out.o, exact.o), 2e-5);
+      EXPECT_LE(error(out.lse, exact.lse), 2e-5);
+      EXPECT_TRUE(out.o.is_contiguous() && out.lse.is_contiguous());
+      auto g = attention_backward(q, k, v, dout, out.lse, attention_delta(dout, out.o), p);
+      auto gx = reference_grads(q, k, v, dout, p, at::kDouble);
+      EXPECT_LE(error(g.dq, gx.dq), 2e-5);
+      EXPECT_LE(error(g.dk, gx.dk), 2e-5);
+      EXPECT_LE(error(g.dv, gx.dv), 2e-5);
+      EXPECT_TRUE(g.dq.is_contiguous() && g.dk.is_contiguous() && g.dv.is_contiguous());
+      if (cpu_uses_fused_path(at::kFloat)) {
+        EXPECT_GT(st.tiles_fused, 0);
+      }
     }
   }
 }

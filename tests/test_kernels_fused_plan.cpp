@@ -11,8 +11,9 @@
 //   - that the recorded calls' results, merged by the plan, equal the fp64 reference (forward
 //     and, through the O' trick, backward) within fp32 round-off (2e-5, as the CPU gate), or
 //     bf16/fp16's (3e-2);
-//   - that a GQA block flash serves is one grouped call (K/V with fewer heads), others one call
-//     per query head of each group.
+//   - that a GQA block flash serves is one grouped call (K/V with fewer heads); an unmasked one
+//     another kernel serves, one call with each group's query heads folded along the sequence;
+//     others one call per query head of each group.
 // Also the CUDA constraints predicate (cuda_fused_unsupported), one case per constraint.
 #include <gtest/gtest.h>
 
@@ -32,11 +33,14 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int kFakeSm = 90;  // the fake table stands for an H100
 
-// One recorded call: the box of batch row b, queries [i0, i0 + n), keys [j0, j0 + m), query
-// head gi of each K/V group (h heads per call), and what the CUDA table would do with it.
+// One recorded call: the box of batch rows [b, b + nb), queries [i0, i0 + n), keys [j0, j0 + m),
+// query head gi of each K/V group (h heads per call), and what the CUDA table would do with it.
+// A folded call (each K/V head's g query heads side by side along its sequence: a copy of q, not
+// a view) holds every query head of rows [0, n).
 struct Call {
   bool backward;
-  int64_t b, i0, n, j0, m, gi, h;
+  int64_t b, nb, i0, n, j0, m, gi, h;
+  bool folded;
   bool causal;
   at::Tensor bias;  // [1, 1, n, m] or undefined
   at::ScalarType dtype;
@@ -59,15 +63,18 @@ void record(const FusedOps& ops, const FusedCall& c, bool backward) {
   const at::Tensor& q = g_rec->q;
   const at::Tensor& k = g_rec->k;
   const int64_t sq = q.size(1), hq = q.size(2), d = q.size(3), skv = k.size(1), hkv = k.size(2);
-  const int64_t qo = elem_offset(c.q, q), ko = elem_offset(c.k, k);
+  const bool folded = !c.q.storage().is_alias_of(q.storage());
+  const int64_t qo = folded ? 0 : elem_offset(c.q, q), ko = elem_offset(c.k, k);
   Call r{backward,
          qo / (sq * hq * d),
+         c.q.size(0),
          qo % (sq * hq * d) / (hq * d),
-         c.q.size(2),
+         folded ? c.q.size(2) / (hq / c.q.size(1)) : c.q.size(2),
          ko % (skv * hkv * d) / (hkv * d),
          c.k.size(2),
          qo % (hq * d) / d,
          c.q.size(1),
+         folded,
          c.causal,
          c.bias,
          c.q.scalar_type(),
@@ -120,7 +127,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_backward(const FusedOps& ops
   // Grouped: dK and dV of each K/V head summed over its group's query heads (as flash's mha_bwd).
   const int64_t hkv = c.k.size(1), g = c.q.size(1) / hkv;
   auto per_kv_head = [&](const at::Tensor& x) {
-    return g == 1 ? x : x.view({1, hkv, g, x.size(2), x.size(3)}).sum(2);
+    return g == 1 ? x : x.view({x.size(0), hkv, g, x.size(2), x.size(3)}).sum(2);
   };
   return {(at::matmul(ds, per_query_head(c, c.k).to(at::kDouble)) * c.scale).to(t),
           per_kv_head(at::matmul(ds.transpose(-1, -2), c.q.to(at::kDouble)) * c.scale).to(t),
@@ -129,8 +136,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_backward(const FusedOps& ops
 
 // Rows of a bias start at multiples of 16 elements, as on CUDA.
 // Grouped K/V heads where the CUDA table takes them (flash).
-const FusedOps kFake{"fake", fake_forward, fake_backward, merge_attention_states_cpu, 16, kFakeSm,
-                     cuda_takes_grouped_heads};
+const FusedOps kFake{"fake", fake_forward, fake_backward,           merge_attention_states_cpu,
+                     16,     kFakeSm,      cuda_takes_grouped_heads};
 
 struct Grads {
   at::Tensor dq, dk, dv;
@@ -179,9 +186,13 @@ void check_coverage(const Block& blk, const std::vector<Call>& calls, const at::
     SCOPED_TRACE("call b" + std::to_string(c.b) + " q[" + std::to_string(c.i0) + "+" +
                  std::to_string(c.n) + ") k[" + std::to_string(c.j0) + "+" + std::to_string(c.m) +
                  ") head " + std::to_string(c.gi));
-    // One call per query head of each group, or one grouped call for every head (flash).
+    // One call per query head of each group, one grouped call for every head (flash), or one
+    // folded call for every head (without a mask).
     const bool grouped = g > 1 && c.h == blk.hq;
-    if (grouped) {
+    if (c.folded) {
+      EXPECT_TRUE(g > 1 && c.h == blk.hkv && !c.causal && !c.bias.defined());
+      EXPECT_EQ(c.gi, 0);
+    } else if (grouped) {
       EXPECT_EQ(c.kernel, FusedKernel::kFlash) << "only flash takes grouped K/V heads";
       EXPECT_EQ(c.gi, 0);
     } else {
@@ -189,21 +200,24 @@ void check_coverage(const Block& blk, const std::vector<Call>& calls, const at::
     }
     EXPECT_TRUE(c.kv_aliases_input) << "K/V were copied";
     ASSERT_LT(c.gi, g);
-    const at::Tensor box = vis[c.b].narrow(0, c.i0, c.n).narrow(1, c.j0, c.m);
+    const at::Tensor box = vis.narrow(0, c.b, c.nb).narrow(1, c.i0, c.n).narrow(2, c.j0, c.m);
     if (c.bias.defined()) {
       EXPECT_FALSE(c.causal);
       EXPECT_EQ(c.bias.scalar_type(), c.dtype);
       EXPECT_EQ(c.bias.stride(2) % 16, 0) << "bias rows must start at multiples of 16";
-      EXPECT_TRUE(at::equal(c.bias[0][0].eq(0), box)) << "bias differs from the reference mask";
-      EXPECT_TRUE(at::equal(c.bias[0][0].isneginf(), box.logical_not()));
+      EXPECT_EQ(c.nb, 1);
+      EXPECT_TRUE(at::equal(c.bias[0][0].eq(0), box[0])) << "bias differs from the reference mask";
+      EXPECT_TRUE(at::equal(c.bias[0][0].isneginf(), box[0].logical_not()));
     } else if (c.causal) {
-      EXPECT_TRUE(at::equal(box, at::ones({c.n, c.m}, at::kBool).tril()));
+      EXPECT_TRUE(at::equal(box, at::ones({c.n, c.m}, at::kBool).tril().expand({c.nb, c.n, c.m})));
     } else {
       EXPECT_TRUE(box.all().item<bool>()) << "a call without a mask covers an invisible pair";
     }
-    for (int64_t gi = grouped ? 0 : c.gi; gi < (grouped ? g : c.gi + 1); ++gi) {
-      cov[gi][c.b].narrow(0, c.i0, c.n).narrow(1, c.j0, c.m).add_(1);
-      if (!c.causal) spanned[gi][c.b].narrow(0, c.i0, c.n).narrow(1, c.j0, c.m).fill_(true);
+    const bool every_head = grouped || c.folded;
+    for (int64_t gi = every_head ? 0 : c.gi; gi < (every_head ? g : c.gi + 1); ++gi) {
+      cov[gi].narrow(0, c.b, c.nb).narrow(1, c.i0, c.n).narrow(2, c.j0, c.m).add_(1);
+      if (!c.causal)
+        spanned[gi].narrow(0, c.b, c.nb).narrow(1, c.i0, c.n).narrow(2, c.j0, c.m).fill_(true);
     }
   }
   for (int64_t gi = 0; gi < g; ++gi) {
@@ -245,9 +259,10 @@ std::vector<Call> run_block(const Block& blk, at::ScalarType dtype, uint64_t see
   std::vector<std::string> fwd, bwd;
   for (const Call& c : rec.calls) {
     (c.backward ? bwd : fwd)
-        .push_back(std::to_string(c.b) + ":" + std::to_string(c.i0) + "+" + std::to_string(c.n) +
-                   "x" + std::to_string(c.j0) + "+" + std::to_string(c.m) + "/" +
-                   std::to_string(c.gi) + (c.causal ? "c" : "") + (c.bias.defined() ? "b" : ""));
+        .push_back(std::to_string(c.b) + "+" + std::to_string(c.nb) + (c.folded ? "f" : "") + ":" +
+                   std::to_string(c.i0) + "+" + std::to_string(c.n) + "x" + std::to_string(c.j0) +
+                   "+" + std::to_string(c.m) + "/" + std::to_string(c.gi) + (c.causal ? "c" : "") +
+                   (c.bias.defined() ? "b" : ""));
   }
   EXPECT_EQ(fwd, bwd);
   EXPECT_EQ(st.tiles_fused + st.tiles_skipped, st.tiles_total);
@@ -298,6 +313,35 @@ TEST(FusedPlan, CausalSquareGqaIsOneCausalCallPerGroupHeadOrOneGroupedFlashCall)
           << fused_kernel_name(c.kernel);
     }
   }
+}
+
+// An unmasked GQA block of several batch rows and few queries (lvx serve's decode rows over a
+// video's keys), and one whose padding mask hides nothing: one call for the whole block forward
+// and one backward. fp32 (memory-efficient on CUDA, flash on CPU: neither takes fewer K/V heads)
+// folds each K/V head's 4 query heads along the sequence; bf16 takes flash's grouped heads.
+// A mask that hides a key keeps the per-row calls, one per query head of a group.
+TEST(FusedPlan, UnmaskedGqaBlockIsOneCallFoldedOrGrouped) {
+  Block blk{3, 5, 700, 8, 2, 16, {}};
+  for (const bool padded : {false, true}) {
+    if (padded) blk.mask.kv_valid = at::ones({3, 700}, at::kBool);
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (padded ? " all-valid mask" : " no mask"));
+      const auto calls = run_block(blk, dtype, 17);
+      ASSERT_EQ(calls.size(), 2u);
+      for (const Call& c : calls) {
+        EXPECT_EQ(c.nb, 3);
+        EXPECT_EQ(c.n, 5);
+        EXPECT_EQ(c.m, 700);
+        EXPECT_EQ(c.folded, dtype == at::kFloat);
+        EXPECT_EQ(c.h, dtype == at::kFloat ? 2 : 8);
+      }
+    }
+  }
+  at::manual_seed(18);
+  blk.mask.kv_valid = at::rand({3, 700}) > 0.2;
+  const auto calls = run_block(blk, at::kFloat, 19);
+  EXPECT_EQ(calls.size(), 2u * 3 * 4);  // forward and backward, per batch row and group head
+  for (const Call& c : calls) EXPECT_TRUE(c.nb == 1 && !c.folded && c.h == 2);
 }
 
 // Causal with Sq < Skv, aligned at the end: the keys every query sees are one call without a

@@ -1,5 +1,4 @@
 #include "models/mplug_owl3/model.h"
-#include "models/mplug_owl3/names.h"
 
 #include <c10/core/GradMode.h>
 
@@ -8,6 +7,7 @@
 #include <cmath>
 
 #include "models/layers.h"
+#include "models/mplug_owl3/names.h"
 #include "models/recompute.h"
 #include "src/attention/dist_attention.h"
 #include "src/common/error.h"
@@ -20,7 +20,6 @@ using mplug_owl3_names::layer_prefix;
 namespace {
 
 const std::string kVision = "vision_model.";
-
 
 }  // namespace
 
@@ -195,8 +194,8 @@ LocalVisual local_visual(const MplugOwl3Config& c, const StateDict& w, const Mod
       mm, in.pixel_values, in.pixels_local, par, c.hidden,
       [&](const at::Tensor& px) {
         const at::Tensor v = siglip_forward(w, kVision, c.vision, px.to(dt), c.vision.layers - 1);
-        return linear(at::gelu(linear(v, w, "vision2text_model.0", true)), w,
-                      "vision2text_model.2", true);
+        return linear(at::gelu(linear(v, w, "vision2text_model.0", true)), w, "vision2text_model.2",
+                      true);
       },
       options, "mPLUG-Owl3", in.media);
   LocalVisual vis;
@@ -220,8 +219,8 @@ KVFunction visual_kv_function(const MplugOwl3Config& c, const LocalVisual& vis) 
   const int64_t hkv = c.kv_heads, d = c.head_dim;
   const double eps = c.rms_eps;
   return [mi_rope, hkv, d, eps](const at::Tensor& y, const std::vector<at::Tensor>& p) {
-    const at::Tensor kv = models::linear(rms_norm(y, p[0], eps), p[1], p[2])
-                              .view({y.size(0), y.size(1), hkv, 2, d});
+    const at::Tensor kv =
+        models::linear(rms_norm(y, p[0], eps), p[1], p[2]).view({y.size(0), y.size(1), hkv, 2, d});
     return std::make_pair(apply_rotary(kv.select(3, 0), mi_rope), kv.select(3, 1));
   };
 }
@@ -327,7 +326,8 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
       } else {
         const auto [kv_k, kv_v] = kv_fn(vis.features, kv_params);
         cross = attention::dist_attention(q, kv_k, kv_v, par.pg, st.cross, cross_spec, cross_mask);
-        if (cache) cache->visual[static_cast<size_t>(i)] = {kv_k, kv_v, vis.kv_media.ge(0)};
+        if (cache)
+          cache->visual[static_cast<size_t>(i)] = {kv_k, kv_v, shard_visible(vis.kv_media.ge(0))};
       }
       if (c.variant == "240728") {
         const at::Tensor g = at::sigmoid(param(w_, l + "self_attn.gate"));
@@ -359,9 +359,8 @@ void MplugOwl3::prefill_media(const ModelInputs& in, const Parallel& par,
   check_named_inputs(in, {}, "mPLUG-Owl3");
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
   const int64_t B = in.input_ids.size(0), L = in.input_ids.size(1);
-  const attention::MediaMask mm =
-      attention::media_mask(c.media_rule(), host_ids(in.input_ids), c.image_token_id,
-                            c.vision.tokens());
+  const attention::MediaMask mm = attention::media_mask(c.media_rule(), host_ids(in.input_ids),
+                                                        c.image_token_id, c.vision.tokens());
   LVX_CHECK(mm.slots > 0, "prefill_media: the prompt has no image");
   const attention::MediaMask mmd = media_mask_on(mm, emb.device());
   const auto encode_start = std::chrono::steady_clock::now();
@@ -373,7 +372,7 @@ void MplugOwl3::prefill_media(const ModelInputs& in, const Parallel& par,
   for (int64_t i = 0; i < c.layers; ++i) {
     if (!c.is_hyper(i)) continue;
     const auto [k, v] = visual_kv_function(c, vis)(vis.features, visual_kv_params(w_, i));
-    cache.visual[static_cast<size_t>(i)] = {k, v, vis.kv_media.ge(0)};
+    cache.visual[static_cast<size_t>(i)] = {k, v, shard_visible(vis.kv_media.ge(0))};
   }
   cache.encode_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
