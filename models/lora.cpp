@@ -141,6 +141,143 @@ void refuse_feature(const nlohmann::json& c, const std::string& field, const std
             " is not supported by lvx (only plain LoRA on linear weights)");
 }
 
+// adapter_config.json is a PEFT LoRA config with no feature lvx does not apply.
+void check_adapter_config(const nlohmann::json& c, const std::string& cfg_path) {
+  LVX_CHECK(c.is_object(), cfg_path, ": expected a JSON object");
+  LVX_CHECK(c.value("peft_type", std::string()) == "LORA", cfg_path, ": field 'peft_type' is ",
+            c.contains("peft_type") ? c["peft_type"].dump() : "missing", ", expected \"LORA\"");
+  refuse_feature(c, "use_dora", cfg_path, "DoRA");
+  refuse_feature(c, "fan_in_fan_out", cfg_path, "fan_in_fan_out (Conv1D weights)");
+  refuse_feature(c, "alpha_pattern", cfg_path, "a per-module alpha");
+  refuse_feature(c, "modules_to_save", cfg_path, "modules_to_save (fully trained modules)");
+  refuse_feature(c, "layer_replication", cfg_path, "layer_replication");
+  refuse_feature(c, "lora_bias", cfg_path, "a LoRA bias");
+  refuse_feature(c, "trainable_token_indices", cfg_path, "trainable tokens");
+  refuse_feature(c, "target_parameters", cfg_path, "LoRA on parameters");
+  refuse_feature(c, "use_qalora", cfg_path, "QALoRA");
+  LVX_CHECK(!c.contains("bias") || c["bias"] == "none", cfg_path, ": field 'bias' is ",
+            c.contains("bias") ? c["bias"].dump() : "", ": only \"none\" is supported");
+}
+
+// An adapter with no layers yet: its config (alpha, dropout, r, target modules) and base model.
+LoraAdapter adapter_from_config(const nlohmann::json& c, const std::string& cfg_path) {
+  LoraAdapter ad;
+  ad.config.alpha = json_number(c, "lora_alpha", cfg_path, 8);
+  ad.config.dropout = json_number(c, "lora_dropout", cfg_path, 0);
+  ad.config.r = static_cast<int64_t>(json_number(c, "r", cfg_path, 8));
+  ad.config.use_rslora = c.value("use_rslora", false);
+  ad.config.target_modules.clear();
+  if (c.contains("target_modules") && c["target_modules"].is_array())
+    for (const auto& t : c["target_modules"])
+      if (t.is_string()) ad.config.target_modules.push_back(t.get<std::string>());
+  if (c.contains("target_modules") && c["target_modules"].is_string())
+    ad.config.target_modules.push_back(c["target_modules"].get<std::string>());
+  if (c.contains("base_model_name_or_path") && c["base_model_name_or_path"].is_string())
+    ad.base_model = c["base_model_name_or_path"].get<std::string>();
+  LVX_CHECK(std::isfinite(ad.config.alpha) && ad.config.alpha > 0, cfg_path,
+            ": field 'lora_alpha' must be > 0, got ", ad.config.alpha);
+  return ad;
+}
+
+// (lora_A, lora_B) of each module, by module path as saved.
+using LoraPairs = std::map<std::string, std::pair<at::Tensor, at::Tensor>>;
+
+// The adapter file's tensors paired by module path as saved; anything but lora_A/lora_B refused.
+LoraPairs pair_lora_tensors(const TensorFile& f, const std::string& st_path) {
+  LoraPairs pairs;
+  for (const auto& [key, t] : f.tensors) {
+    std::string path = key;
+    LVX_CHECK(path.rfind(kPrefix, 0) == 0, st_path, ": tensor '", key, "' does not start with '",
+              kPrefix, "' (not a PEFT LoRA adapter file)");
+    path = path.substr(kPrefix.size());
+    if (ends_with(path, ".lora_A.weight")) {
+      pairs[path.substr(0, path.size() - 14)].first = t;
+    } else if (ends_with(path, ".lora_B.weight")) {
+      pairs[path.substr(0, path.size() - 14)].second = t;
+    } else {
+      LVX_FAIL(st_path, ": tensor '", key, "' is not a lora_A/lora_B weight (embedding LoRA, ",
+               "DoRA magnitudes, biases and modules_to_save are not supported)");
+    }
+  }
+  LVX_CHECK(!pairs.empty(), st_path, ": holds no LoRA tensors");
+  return pairs;
+}
+
+// Aliases: a module reachable under two paths is in PyTorch's state_dict twice, and PEFT saves
+// both (OpenFlamingo's lang_encoder.gated_cross_attn_layers.i is the same block as
+// lang_encoder.<decoder layers>.i.gated_cross_attn_layer). A pair without a weight of its name
+// that equals, tensor for tensor, a pair with one is such an alias: dropped.
+void drop_aliases(LoraPairs& pairs, const StateDict& w) {
+  auto has_weight = [&](const std::string& path) { return w.count(path + kWeight) > 0; };
+  auto same = [](const at::Tensor& x, const at::Tensor& y) {
+    return x.defined() && y.defined() && x.sizes() == y.sizes() &&
+           x.scalar_type() == y.scalar_type() && at::equal(x, y);
+  };
+  for (auto it = pairs.begin(); it != pairs.end();) {
+    bool alias = false;
+    if (!has_weight(it->first))
+      for (const auto& [other, ab] : pairs)
+        if (has_weight(other) && same(ab.first, it->second.first) &&
+            same(ab.second, it->second.second)) {
+          alias = true;
+          break;
+        }
+    it = alias ? pairs.erase(it) : std::next(it);
+  }
+}
+
+// The prefix that makes every module path a weight of the model: "" when they already are;
+// otherwise the one prefix (e.g. "language_model.") under which each of them is.
+std::string model_prefix(const LoraPairs& pairs, const StateDict& w, const std::string& st_path) {
+  auto fits = [&](const std::string& prefix) {
+    for (const auto& [path, ab] : pairs)
+      if (!w.count(prefix + path + kWeight)) return false;
+    return true;
+  };
+  std::string prefix;
+  if (!fits("")) {
+    const std::string first = pairs.begin()->first + kWeight;
+    std::vector<std::string> found;
+    for (const auto& [name, t] : w)
+      if (ends_with(name, "." + first) && fits(name.substr(0, name.size() - first.size())))
+        found.push_back(name.substr(0, name.size() - first.size()));
+    if (found.size() != 1) {
+      std::string missing;
+      int n = 0;
+      for (const auto& [path, ab] : pairs)
+        if (!w.count(path + kWeight) && n++ < 3) missing += "\n  " + kPrefix + path;
+      LVX_FAIL(st_path, ": ", found.empty() ? "no" : "more than one",
+               " way to match the adapter's modules to the weights of the model; modules ",
+               "with no weight of that name:", missing);
+    }
+    prefix = found[0];
+  }
+  return prefix;
+}
+
+// Checks each pair is complete, floating point and fits its weight, then adds it as a layer.
+void add_lora_layers(LoraAdapter& ad, const LoraPairs& pairs, const StateDict& w,
+                     const std::string& prefix, const std::string& st_path) {
+  for (auto& [path, ab] : pairs) {
+    const std::string name = prefix + path + kWeight;
+    const at::Tensor& wt = w.at(name);
+    LVX_CHECK(ab.first.defined() && ab.second.defined(), st_path, ": module '", path, "' has ",
+              ab.first.defined() ? "lora_A but no lora_B" : "lora_B but no lora_A");
+    const at::Tensor &a = ab.first, &b = ab.second;
+    LVX_CHECK(wt.dim() == 2 && a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(1) &&
+                  a.size(1) == wt.size(1) && b.size(0) == wt.size(0) && a.size(0) >= 1,
+              st_path, ": module '", path, "': lora_A ", a.sizes(), " and lora_B ", b.sizes(),
+              " do not fit the weight ", name, " ", wt.sizes(), " (expected [r, in] and [out, r])");
+    LVX_CHECK(at::isFloatingType(a.scalar_type()) && at::isFloatingType(b.scalar_type()), st_path,
+              ": module '", path, "': lora tensors must be floating point");
+    LoraLayer l;
+    l.a = a.to(placement(w, wt), at::kFloat).contiguous();
+    l.b = b.to(placement(w, wt), at::kFloat).contiguous();
+    l.scale = ad.config.scale(a.size(0));
+    ad.layers.emplace(name, std::move(l));
+  }
+}
+
 }  // namespace
 
 double LoraConfig::scale(int64_t rank) const {
@@ -229,118 +366,13 @@ LoraAdapter load_lora(const std::string& dir, const StateDict& w) {
   LVX_CHECK(fs::is_directory(dir), "--adapter: ", dir, " is not a directory (expected PEFT's ",
             "adapter_config.json and adapter_model.safetensors)");
   const nlohmann::json c = read_json_file(cfg_path, "adapter config");
-  LVX_CHECK(c.is_object(), cfg_path, ": expected a JSON object");
-  LVX_CHECK(c.value("peft_type", std::string()) == "LORA", cfg_path, ": field 'peft_type' is ",
-            c.contains("peft_type") ? c["peft_type"].dump() : "missing", ", expected \"LORA\"");
-  refuse_feature(c, "use_dora", cfg_path, "DoRA");
-  refuse_feature(c, "fan_in_fan_out", cfg_path, "fan_in_fan_out (Conv1D weights)");
-  refuse_feature(c, "alpha_pattern", cfg_path, "a per-module alpha");
-  refuse_feature(c, "modules_to_save", cfg_path, "modules_to_save (fully trained modules)");
-  refuse_feature(c, "layer_replication", cfg_path, "layer_replication");
-  refuse_feature(c, "lora_bias", cfg_path, "a LoRA bias");
-  refuse_feature(c, "trainable_token_indices", cfg_path, "trainable tokens");
-  refuse_feature(c, "target_parameters", cfg_path, "LoRA on parameters");
-  refuse_feature(c, "use_qalora", cfg_path, "QALoRA");
-  LVX_CHECK(!c.contains("bias") || c["bias"] == "none", cfg_path, ": field 'bias' is ",
-            c.contains("bias") ? c["bias"].dump() : "", ": only \"none\" is supported");
-
-  LoraAdapter ad;
-  ad.config.alpha = json_number(c, "lora_alpha", cfg_path, 8);
-  ad.config.dropout = json_number(c, "lora_dropout", cfg_path, 0);
-  ad.config.r = static_cast<int64_t>(json_number(c, "r", cfg_path, 8));
-  ad.config.use_rslora = c.value("use_rslora", false);
-  ad.config.target_modules.clear();
-  if (c.contains("target_modules") && c["target_modules"].is_array())
-    for (const auto& t : c["target_modules"])
-      if (t.is_string()) ad.config.target_modules.push_back(t.get<std::string>());
-  if (c.contains("target_modules") && c["target_modules"].is_string())
-    ad.config.target_modules.push_back(c["target_modules"].get<std::string>());
-  if (c.contains("base_model_name_or_path") && c["base_model_name_or_path"].is_string())
-    ad.base_model = c["base_model_name_or_path"].get<std::string>();
-  LVX_CHECK(std::isfinite(ad.config.alpha) && ad.config.alpha > 0, cfg_path,
-            ": field 'lora_alpha' must be > 0, got ", ad.config.alpha);
-
+  check_adapter_config(c, cfg_path);
+  LoraAdapter ad = adapter_from_config(c, cfg_path);
   const TensorFile f = load_safetensors(st_path);
-  // Pairs by module path as saved.
-  std::map<std::string, std::pair<at::Tensor, at::Tensor>> pairs;
-  for (const auto& [key, t] : f.tensors) {
-    std::string path = key;
-    LVX_CHECK(path.rfind(kPrefix, 0) == 0, st_path, ": tensor '", key, "' does not start with '",
-              kPrefix, "' (not a PEFT LoRA adapter file)");
-    path = path.substr(kPrefix.size());
-    if (ends_with(path, ".lora_A.weight")) {
-      pairs[path.substr(0, path.size() - 14)].first = t;
-    } else if (ends_with(path, ".lora_B.weight")) {
-      pairs[path.substr(0, path.size() - 14)].second = t;
-    } else {
-      LVX_FAIL(st_path, ": tensor '", key, "' is not a lora_A/lora_B weight (embedding LoRA, ",
-               "DoRA magnitudes, biases and modules_to_save are not supported)");
-    }
-  }
-  LVX_CHECK(!pairs.empty(), st_path, ": holds no LoRA tensors");
-  // Aliases: a module reachable under two paths is in PyTorch's state_dict twice, and PEFT saves
-  // both (OpenFlamingo's lang_encoder.gated_cross_attn_layers.i is the same block as
-  // lang_encoder.<decoder layers>.i.gated_cross_attn_layer). A pair without a weight of its name
-  // that equals, tensor for tensor, a pair with one is such an alias: dropped.
-  auto has_weight = [&](const std::string& path) { return w.count(path + kWeight) > 0; };
-  auto same = [](const at::Tensor& x, const at::Tensor& y) {
-    return x.defined() && y.defined() && x.sizes() == y.sizes() &&
-           x.scalar_type() == y.scalar_type() && at::equal(x, y);
-  };
-  for (auto it = pairs.begin(); it != pairs.end();) {
-    bool alias = false;
-    if (!has_weight(it->first))
-      for (const auto& [other, ab] : pairs)
-        if (has_weight(other) && same(ab.first, it->second.first) &&
-            same(ab.second, it->second.second)) {
-          alias = true;
-          break;
-        }
-    it = alias ? pairs.erase(it) : std::next(it);
-  }
-  // The prefix that makes every module path a weight of the model: "" when they already are;
-  // otherwise the one prefix (e.g. "language_model.") under which each of them is.
-  auto fits = [&](const std::string& prefix) {
-    for (const auto& [path, ab] : pairs)
-      if (!w.count(prefix + path + kWeight)) return false;
-    return true;
-  };
-  std::string prefix;
-  if (!fits("")) {
-    const std::string first = pairs.begin()->first + kWeight;
-    std::vector<std::string> found;
-    for (const auto& [name, t] : w)
-      if (ends_with(name, "." + first) && fits(name.substr(0, name.size() - first.size())))
-        found.push_back(name.substr(0, name.size() - first.size()));
-    if (found.size() != 1) {
-      std::string missing;
-      int n = 0;
-      for (const auto& [path, ab] : pairs)
-        if (!w.count(path + kWeight) && n++ < 3) missing += "\n  " + kPrefix + path;
-      LVX_FAIL(st_path, ": ", found.empty() ? "no" : "more than one",
-               " way to match the adapter's modules to the weights of the model; modules ",
-               "with no weight of that name:", missing);
-    }
-    prefix = found[0];
-  }
-  for (auto& [path, ab] : pairs) {
-    const std::string name = prefix + path + kWeight;
-    const at::Tensor& wt = w.at(name);
-    LVX_CHECK(ab.first.defined() && ab.second.defined(), st_path, ": module '", path, "' has ",
-              ab.first.defined() ? "lora_A but no lora_B" : "lora_B but no lora_A");
-    const at::Tensor &a = ab.first, &b = ab.second;
-    LVX_CHECK(wt.dim() == 2 && a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(1) &&
-                  a.size(1) == wt.size(1) && b.size(0) == wt.size(0) && a.size(0) >= 1,
-              st_path, ": module '", path, "': lora_A ", a.sizes(), " and lora_B ", b.sizes(),
-              " do not fit the weight ", name, " ", wt.sizes(), " (expected [r, in] and [out, r])");
-    LVX_CHECK(at::isFloatingType(a.scalar_type()) && at::isFloatingType(b.scalar_type()), st_path,
-              ": module '", path, "': lora tensors must be floating point");
-    LoraLayer l;
-    l.a = a.to(placement(w, wt), at::kFloat).contiguous();
-    l.b = b.to(placement(w, wt), at::kFloat).contiguous();
-    l.scale = ad.config.scale(a.size(0));
-    ad.layers.emplace(name, std::move(l));
-  }
+  LoraPairs pairs = pair_lora_tensors(f, st_path);
+  drop_aliases(pairs, w);
+  const std::string prefix = model_prefix(pairs, w, st_path);
+  add_lora_layers(ad, pairs, w, prefix, st_path);
   return ad;
 }
 

@@ -49,18 +49,18 @@ int comm_worker(const std::string& out, int64_t max_bytes, int64_t intra_max_byt
   if (local < n) {
     const int intra_peer = (l ^ 1) < local ? node * local + (l ^ 1) : -1;
     const std::vector<int64_t> intra_sizes = sweep(intra_max_bytes);
-    j["intra"] = {{"sizes", intra_sizes},
-                  {"seconds", lvx::planner::measure_pair_exchanges(*pg, intra_peer, intra_sizes,
-                                                                    dev, reps)},
-                  {"flows_per_link", 1}};
+    j["intra"] = {
+        {"sizes", intra_sizes},
+        {"seconds", lvx::planner::measure_pair_exchanges(*pg, intra_peer, intra_sizes, dev, reps)},
+        {"flows_per_link", 1}};
     const int nodes = n / local;
-    const int inter_peer = nodes == 2 ? (r + local) % n
+    const int inter_peer = nodes == 2      ? (r + local) % n
                            : node % 2 == 0 ? (node + 1 < nodes ? r + local : -1)
                                            : r - local;
-    j["inter"] = {{"sizes", sizes},
-                  {"seconds", lvx::planner::measure_pair_exchanges(*pg, inter_peer, sizes, dev,
-                                                                    reps)},
-                  {"flows_per_link", local}};
+    j["inter"] = {
+        {"sizes", sizes},
+        {"seconds", lvx::planner::measure_pair_exchanges(*pg, inter_peer, sizes, dev, reps)},
+        {"flows_per_link", local}};
   } else {
     j["sizes"] = sizes;
     j["seconds"] = lvx::planner::measure_ring_steps(*pg, sizes, dev, reps);
@@ -82,18 +82,19 @@ int comm_worker(const std::string& out, int64_t max_bytes, int64_t intra_max_byt
 // cross block, a few queries against many keys), with one rank's threads; the faster per shape.
 std::vector<lvx::planner::CpuAttentionChoice> choose_cpu_attention(const lvx::cli::ArgParser& p,
                                                                    int nproc, std::ostream& log) {
-  const int threads = p.get("threads") != "auto"
-                          ? static_cast<int>(p.get_int("threads", 1, 4096))
-                          : static_cast<int>(std::max<long>(1, lvx::cli::available_cores() / nproc));
+  const int threads =
+      p.get("threads") != "auto"
+          ? static_cast<int>(p.get_int("threads", 1, 4096))
+          : static_cast<int>(std::max<long>(1, lvx::cli::available_cores() / nproc));
   std::cerr << "calibrate: timing the CPU attention paths (fused, GEMM) per block shape\n";
-  const auto samples = lvx::planner::measure_cpu_paths({{1024, 1024}, {512, 4096}, {128, 8192}},
-                                                       p.get_int("heads"), p.get_int("head-dim"),
-                                                       2, threads);
+  const auto samples =
+      lvx::planner::measure_cpu_paths({{1024, 1024}, {512, 4096}, {128, 8192}}, p.get_int("heads"),
+                                      p.get_int("head-dim"), 2, threads);
   const auto choices = lvx::planner::choose_cpu_paths(samples);
   for (size_t i = 0; i < samples.size(); ++i)
     log << "cpu attention " << samples[i].sq << " x " << samples[i].skv << " (fwd+bwd): fused "
-        << samples[i].fused_s * 1e3 << " ms, gemm " << samples[i].gemm_s * 1e3 << " ms: "
-        << choices[i].path << "\n";
+        << samples[i].fused_s * 1e3 << " ms, gemm " << samples[i].gemm_s * 1e3
+        << " ms: " << choices[i].path << "\n";
   return choices;
 }
 
@@ -113,9 +114,8 @@ std::string emulation_check(const ClusterConfig& c, const std::string& target_pa
   const double f_there = t.attention_for("bf16").forward_flops;
   std::ostringstream o;
   o << "emulation of " << t.name << ", attention FLOP per link byte (here / there):\n";
-  for (const auto& [name, here, there] :
-       {std::tuple{"inter_node", c.inter_node, t.inter_node},
-        std::tuple{"intra_node", c.intra_node, t.intra_node}}) {
+  for (const auto& [name, here, there] : {std::tuple{"inter_node", c.inter_node, t.inter_node},
+                                          std::tuple{"intra_node", c.intra_node, t.intra_node}}) {
     const double a = f_here / here.bandwidth_bytes_per_s, b = f_there / there.bandwidth_bytes_per_s;
     o << "  " << name << ": " << a << " / " << b << " = " << a / b << "\n";
   }
@@ -123,13 +123,8 @@ std::string emulation_check(const ClusterConfig& c, const std::string& target_pa
   return o.str();
 }
 
-int cmd_calibrate(int argc, char** argv) {
-  lvx::cli::ArgParser p(
-      "lvx calibrate [--nproc N] [--device auto|cuda|cpu] [--output C.yaml]",
-      "Measure this machine's attention throughput (forward, backward) and matmul throughput per\n"
-      "dtype, and the latency and bandwidth of a ring step between N local ranks, and write a\n"
-      "cluster config for `lvx plan`. One node: intra_node is measured, inter_node repeats it;\n"
-      "with --nodes K (and --inter-node/--emulate, an emulated cluster) both are measured.");
+// The options of `lvx calibrate`, the hidden worker mode's included.
+void add_calibrate_options(lvx::cli::ArgParser& p) {
   lvx::cli::add_nproc_options(p, "2", "local ranks for the communication sweep");
   p.add_option("nodes", 0, "1",
                "as lvx launch: the ranks as this many (emulated) nodes; intra_node and\n"
@@ -145,33 +140,49 @@ int cmd_calibrate(int argc, char** argv) {
   p.add_option("max-bytes", 0, "16777216", "largest ring message of the sweep");
   p.add_option("reps", 'r', "5", "timed repetitions per measurement (median)");
   p.add_option("comm-worker", 0, "", "internal: run one rank of the sweep, rank 0 writes here");
-  p.add_option("intra-max-bytes", 0, "16777216", "internal: the intra-node sweep's largest message");
-  if (!p.parse(argc, argv)) return 0;
-  const int reps = static_cast<int>(p.get_int("reps", 1, 100000));
-  if (!p.get("comm-worker").empty()) {
-    return comm_worker(p.get("comm-worker"), p.get_int("max-bytes"), p.get_int("intra-max-bytes"),
-                       p.get("device"), reps);
-  }
-  const int nproc = lvx::cli::checked_nproc(p);
-  LVX_CHECK(nproc >= 2, "--nproc: the sweep needs at least 2 ranks, got ", nproc);
-  const int nodes = static_cast<int>(p.get_int("nodes", 1, nproc));
-  LVX_CHECK(nproc % nodes == 0, "--nodes ", nodes, " must divide --nproc ", nproc);
-  const lvx::dist::LinkRates links = lvx::cli::link_rates(p, nproc);
+  p.add_option("intra-max-bytes", 0, "16777216",
+               "internal: the intra-node sweep's largest message");
+}
+
+// What a calibration (not the worker mode) runs with: ranks, nodes, links, the timing device.
+struct CalibrateJob {
+  int reps = 0;
+  int nproc = 0;
+  int nodes = 0;
+  lvx::dist::LinkRates links;
+  at::Device dev{at::kCPU};
+};
+
+// The checked ranks, nodes and links, and the device this process times on.
+CalibrateJob calibrate_job_of(const lvx::cli::ArgParser& p, int reps) {
+  CalibrateJob job;
+  job.reps = reps;
+  job.nproc = lvx::cli::checked_nproc(p);
+  LVX_CHECK(job.nproc >= 2, "--nproc: the sweep needs at least 2 ranks, got ", job.nproc);
+  job.nodes = static_cast<int>(p.get_int("nodes", 1, job.nproc));
+  LVX_CHECK(job.nproc % job.nodes == 0, "--nodes ", job.nodes, " must divide --nproc ", job.nproc);
+  job.links = lvx::cli::link_rates(p, job.nproc);
   // This process times on local rank 0's device; the sweep's ranks each take their own.
   const std::string spec = p.get("device");
-  const at::Device dev = lvx::runtime::choose_device(
-      spec, 0, nproc, spec == "cpu" ? 0 : lvx::runtime::cuda_device_count());
+  job.dev = lvx::runtime::choose_device(spec, 0, job.nproc,
+                                        spec == "cpu" ? 0 : lvx::runtime::cuda_device_count());
+  return job;
+}
+
+// Checks --output's path and the sizes' ranges before anything is measured.
+void check_calibrate_flags(const lvx::cli::ArgParser& p) {
   if (!p.get("output").empty()) lvx::check_output_path(p.get("output"), "--output");
   for (const char* flag : {"seq", "heads", "head-dim"}) p.get_int(flag, 1, 1 << 20);
   p.get_int("max-bytes", 1, int64_t{1} << 34);
+}
 
-  ClusterConfig c;
-  c.name = p.get("name");
-  c.gpus_per_node = nproc;
-  c.nodes = 1;
+// Times attention and matmul in each dtype of the device into c, one log line per dtype.
+void time_compute(const lvx::cli::ArgParser& p, const CalibrateJob& job, ClusterConfig& c,
+                  std::ostream& log) {
+  const at::Device dev = job.dev;
+  const int nproc = job.nproc;
   std::vector<at::ScalarType> dtypes = {at::kFloat};
   if (dev.is_cuda()) dtypes = {at::kBFloat16, at::kHalf, at::kFloat};
-  std::ostringstream log;
   for (at::ScalarType dt : dtypes) {
     const std::string name = lvx::dtype_name(dt);
     std::cerr << "calibrate: timing attention and matmul in " << name << " on " << dev << "\n";
@@ -183,8 +194,9 @@ int cmd_calibrate(int argc, char** argv) {
                             ? static_cast<int>(p.get_int("threads", 1, 4096))
                             : static_cast<int>(std::max<long>(1, cores / nproc));
     const double share = dev.is_cuda() ? 1.0 : std::min(1.0, double(cores) / nproc);
-    auto s = lvx::planner::measure_throughput(dt, dev, p.get_int("seq"), p.get_int("heads"),
-                                              p.get_int("head-dim"), 1024, reps, threads, share);
+    auto s =
+        lvx::planner::measure_throughput(dt, dev, p.get_int("seq"), p.get_int("heads"),
+                                         p.get_int("head-dim"), 1024, job.reps, threads, share);
     const lvx::planner::AttentionThroughput& a = c.attention[name] = s.attention;
     c.gemm_flops[name] = s.gemm_flops;
     log << name << ": attention forward " << s.forward_s * 1e3 << " ms, backward "
@@ -196,7 +208,10 @@ int cmd_calibrate(int argc, char** argv) {
         << a.forward_masked_tile_s * 1e6 << " / " << a.backward_masked_tile_s * 1e6
         << " us (forward / backward)\n";
   }
-  if (!dev.is_cuda()) c.cpu_attention = choose_cpu_attention(p, nproc, log);
+}
+
+// The device's name and the memory one rank has of it.
+void describe_device(const at::Device& dev, int nproc, ClusterConfig& c) {
   if (dev.is_cuda()) {
 #ifdef LVX_WITH_CUDA
     const cudaDeviceProp* prop = at::cuda::getDeviceProperties(dev.index());
@@ -208,7 +223,26 @@ int cmd_calibrate(int argc, char** argv) {
     const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
     c.device_memory_bytes = static_cast<int64_t>(ram / nproc);  // the ranks share the host
   }
+}
 
+// The cluster config's compute side: per-dtype throughput, the CPU attention paths, the device.
+ClusterConfig measure_compute(const lvx::cli::ArgParser& p, const CalibrateJob& job,
+                              std::ostream& log) {
+  ClusterConfig c;
+  c.name = p.get("name");
+  c.gpus_per_node = job.nproc;
+  c.nodes = 1;
+  time_compute(p, job, c, log);
+  if (!job.dev.is_cuda()) c.cpu_attention = choose_cpu_attention(p, job.nproc, log);
+  describe_device(job.dev, job.nproc, c);
+  return c;
+}
+
+// Runs the communication sweep on the job's local ranks (this executable in --comm-worker mode)
+// and returns what rank 0 wrote.
+nlohmann::json run_comm_sweep(const lvx::cli::ArgParser& p, const CalibrateJob& job) {
+  const int nproc = job.nproc, nodes = job.nodes;
+  const lvx::dist::LinkRates& links = job.links;
   std::string tmp = (std::filesystem::temp_directory_path() /
                      ("lvx_calibrate_" + std::to_string(getpid()) + ".json"))
                         .string();
@@ -227,14 +261,14 @@ int cmd_calibrate(int argc, char** argv) {
     max_bytes = cap(max_bytes, links.inter_node_bytes_per_s / (nproc / nodes));
     intra_max_bytes = cap(intra_max_bytes, links.intra_node_bytes_per_s);
   }
-  std::cerr << "calibrate: " << (nodes > 1 ? "pair exchanges inside and between " +
-                                                 std::to_string(nodes) + " nodes"
-                                           : std::string("ring-step sweep"))
+  std::cerr << "calibrate: "
+            << (nodes > 1 ? "pair exchanges inside and between " + std::to_string(nodes) + " nodes"
+                          : std::string("ring-step sweep"))
             << " on " << nproc << " local ranks\n";
   auto r = lvx::dist::launch_local(
       {lvx::dist::self_executable(), "calibrate", "--comm-worker", tmp, "--max-bytes",
-       std::to_string(max_bytes), "--intra-max-bytes", std::to_string(intra_max_bytes),
-       "--device", p.get("device"), "--reps", p.get("reps")},
+       std::to_string(max_bytes), "--intra-max-bytes", std::to_string(intra_max_bytes), "--device",
+       p.get("device"), "--reps", p.get("reps")},
       lo);
   if (r.exit_code != 0) {
     for (const auto& rk : r.ranks) std::cerr << "[rank " << rk.rank << "] " << rk.output;
@@ -248,7 +282,14 @@ int cmd_calibrate(int argc, char** argv) {
     f >> j;
   }
   std::filesystem::remove(tmp);
-  const double collective = j["collective_after_compute"].get<double>();
+  return j;
+}
+
+// The intra- and inter-node links fitted from the sweep's result j (over several nodes also the
+// cluster's shape), each sweep's samples logged.
+void fit_links(ClusterConfig& c, nlohmann::json& j, const CalibrateJob& job, std::ostream& log) {
+  const int nproc = job.nproc, nodes = job.nodes;
+  const lvx::dist::LinkRates& links = job.links;
   auto sweep_log = [&](const std::string& title, const nlohmann::json& k) {
     const auto sizes = k["sizes"].get<std::vector<int64_t>>();
     const auto sec = k["seconds"].get<std::vector<double>>();
@@ -277,19 +318,27 @@ int cmd_calibrate(int argc, char** argv) {
     c.intra_node = lvx::planner::fit_link(j["sizes"].get<std::vector<int64_t>>(),
                                           j["seconds"].get<std::vector<double>>());
     c.inter_node = c.intra_node;
-    sweep_log("ring step (send to next, receive from previous), " + std::to_string(nproc) +
-                  " ranks",
-              j);
+    sweep_log(
+        "ring step (send to next, receive from previous), " + std::to_string(nproc) + " ranks", j);
   }
-  if (!p.get("emulate").empty()) log << emulation_check(c, p.get("emulate"));
+}
+
+// Each link's sync_s from the collective right after compute, logged.
+void set_sync_costs(ClusterConfig& c, double collective, std::ostream& log) {
   // Where ranks share cores, a collective after compute waits for peers' time slices.
   c.intra_node.sync_s = std::max(0.0, collective - c.intra_node.latency_s);
   c.inter_node.sync_s = std::max(0.0, collective - c.inter_node.latency_s);
   log << "all_to_all right after 10 ms of compute: " << collective * 1e6 << " us (sync_us: the "
       << "part above the latency)\n";
+}
+
+// Prints the cluster config's YAML (the log as its comment) and writes it to --output if given.
+void write_cluster_config(const lvx::cli::ArgParser& p, const ClusterConfig& c,
+                          const CalibrateJob& job, const std::string& log) {
+  const int nproc = job.nproc, nodes = job.nodes;
   std::string yaml = lvx::planner::cluster_config_yaml(
       c, "written by `lvx calibrate --nproc " + std::to_string(nproc) + " --nodes " +
-             std::to_string(nodes) + " --device " + p.get("device") + "`\n" + log.str() +
+             std::to_string(nodes) + " --device " + p.get("device") + "`\n" + log +
              (nodes > 1 ? "" : "one node: inter_node repeats the measured intra_node link"));
   std::cout << yaml;
   if (!p.get("output").empty()) {
@@ -297,6 +346,33 @@ int cmd_calibrate(int argc, char** argv) {
     f << yaml;
     LVX_CHECK(f.good(), "--output: cannot write '", p.get("output"), "'");
   }
+}
+
+int cmd_calibrate(int argc, char** argv) {
+  lvx::cli::ArgParser p(
+      "lvx calibrate [--nproc N] [--device auto|cuda|cpu] [--output C.yaml]",
+      "Measure this machine's attention throughput (forward, backward) and matmul throughput per\n"
+      "dtype, and the latency and bandwidth of a ring step between N local ranks, and write a\n"
+      "cluster config for `lvx plan`. One node: intra_node is measured, inter_node repeats it;\n"
+      "with --nodes K (and --inter-node/--emulate, an emulated cluster) both are measured.");
+  add_calibrate_options(p);
+  if (!p.parse(argc, argv)) return 0;
+  const int reps = static_cast<int>(p.get_int("reps", 1, 100000));
+  if (!p.get("comm-worker").empty()) {
+    return comm_worker(p.get("comm-worker"), p.get_int("max-bytes"), p.get_int("intra-max-bytes"),
+                       p.get("device"), reps);
+  }
+  const CalibrateJob job = calibrate_job_of(p, reps);
+  check_calibrate_flags(p);
+
+  std::ostringstream log;
+  ClusterConfig c = measure_compute(p, job, log);
+  nlohmann::json j = run_comm_sweep(p, job);
+  const double collective = j["collective_after_compute"].get<double>();
+  fit_links(c, j, job, log);
+  if (!p.get("emulate").empty()) log << emulation_check(c, p.get("emulate"));
+  set_sync_costs(c, collective, log);
+  write_cluster_config(p, c, job, log.str());
   return 0;
 }
 
