@@ -254,9 +254,13 @@ void write_jsonl(const std::string& path, const std::vector<TaskRow>& rows) {
             partial, "' to '", path, "': ", std::strerror(errno));
 }
 
-}  // namespace
+// A video's length and its event's, in frames.
+struct FrameCounts {
+  int64_t total_frames = 0, event_frames = 0;
+};
 
-SyntheticTask generate_synthetic_task(const std::string& dir_in, const SyntheticTaskSpec& spec) {
+// The spec checked, and its lengths in frames.
+FrameCounts checked_frame_counts(const SyntheticTaskSpec& spec) {
   const char* w = "synthetic task spec: ";
   LVX_CHECK(spec.videos >= 1, w, "videos must be >= 1, got ", spec.videos);
   LVX_CHECK(spec.fps >= 1, w, "fps must be >= 1, got ", spec.fps);
@@ -272,13 +276,16 @@ SyntheticTask generate_synthetic_task(const std::string& dir_in, const Synthetic
   LVX_CHECK(spec.test_fraction >= 0 && spec.test_fraction < 1, w,
             "test_fraction must be in [0, 1), got ", spec.test_fraction);
   LVX_CHECK(spec.threads >= 0, w, "threads must be >= 0 (0: one per core), got ", spec.threads);
+  return {total_frames, event_frames};
+}
 
-  make_dirs(dir_in + "/videos");
-  SyntheticTask task;
-  task.dir = absolute(dir_in);
-  const std::string videos_dir = task.dir + "/videos";
+// Each video's colour and shape index.
+struct Labels {
+  std::vector<int64_t> colours, shapes;
+};
 
-  // Balanced answers: deal the labels round-robin, then shuffle the deal.
+// Balanced answers: deal the labels round-robin, then shuffle the deal.
+Labels deal_labels(const SyntheticTaskSpec& spec) {
   Rng rng(static_cast<uint64_t>(spec.seed));
   const int64_t K = synthetic_colours().size(), S = synthetic_shapes().size();
   std::vector<int64_t> colours(spec.videos), shapes(spec.videos);
@@ -288,12 +295,22 @@ SyntheticTask generate_synthetic_task(const std::string& dir_in, const Synthetic
   }
   shuffle(&colours, &rng);
   shuffle(&shapes, &rng);
+  return {std::move(colours), std::move(shapes)};
+}
+
+// Every video's plan, in index order.
+std::vector<VideoPlan> plan_videos(const SyntheticTaskSpec& spec, const Labels& labels,
+                                   const FrameCounts& counts, const std::string& videos_dir) {
   std::vector<VideoPlan> plans;
   for (int64_t i = 0; i < spec.videos; ++i)
-    plans.push_back(
-        plan_video(spec, i, colours[i], shapes[i], total_frames, event_frames, videos_dir));
+    plans.push_back(plan_video(spec, i, labels.colours[i], labels.shapes[i], counts.total_frames,
+                               counts.event_frames, videos_dir));
+  return plans;
+}
 
-  // Encode in parallel; the first error wins and stops the others early.
+// Encode in parallel; the first error wins and stops the others early.
+void render_videos(const std::vector<VideoPlan>& plans, const SyntheticTaskSpec& spec,
+                   int64_t total_frames) {
   const int threads = static_cast<int>(std::min<int64_t>(
       spec.threads > 0 ? spec.threads : std::max(1u, std::thread::hardware_concurrency()),
       spec.videos));
@@ -317,10 +334,15 @@ SyntheticTask generate_synthetic_task(const std::string& dir_in, const Synthetic
   worker();
   for (auto& t : pool) t.join();
   if (error) std::rethrow_exception(error);
+}
 
-  // Rows, and the split: the last round(test_fraction · n_c) videos of each colour are held out.
+// Rows, and the split: the last round(test_fraction · n_c) videos of each colour are held out.
+// Returns every row; task->train and task->test get theirs.
+std::vector<TaskRow> split_rows(const std::vector<VideoPlan>& plans, const Labels& labels,
+                                const SyntheticTaskSpec& spec, SyntheticTask* task) {
+  const int64_t K = synthetic_colours().size();
   std::vector<int64_t> per_colour(K, 0), seen(K, 0);
-  for (int64_t c : colours) ++per_colour[c];
+  for (int64_t c : labels.colours) ++per_colour[c];
   std::vector<TaskRow> all;
   for (const VideoPlan& p : plans) {
     TaskRow r;
@@ -343,15 +365,35 @@ SyntheticTask generate_synthetic_task(const std::string& dir_in, const Synthetic
     }
     for (const auto& row : rows) {
       all.push_back(row);
-      (is_test ? task.test : task.train).push_back(row);
+      (is_test ? task->test : task->train).push_back(row);
     }
   }
-  task.all_jsonl = task.dir + "/all.jsonl";
-  task.train_jsonl = task.dir + "/train.jsonl";
-  task.test_jsonl = task.dir + "/test.jsonl";
-  write_jsonl(task.all_jsonl, all);
-  write_jsonl(task.train_jsonl, task.train);
-  write_jsonl(task.test_jsonl, task.test);
+  return all;
+}
+
+// all.jsonl, train.jsonl and test.jsonl written into the task's folder.
+void write_task_files(SyntheticTask* task, const std::vector<TaskRow>& all) {
+  task->all_jsonl = task->dir + "/all.jsonl";
+  task->train_jsonl = task->dir + "/train.jsonl";
+  task->test_jsonl = task->dir + "/test.jsonl";
+  write_jsonl(task->all_jsonl, all);
+  write_jsonl(task->train_jsonl, task->train);
+  write_jsonl(task->test_jsonl, task->test);
+}
+
+}  // namespace
+
+SyntheticTask generate_synthetic_task(const std::string& dir_in, const SyntheticTaskSpec& spec) {
+  const FrameCounts counts = checked_frame_counts(spec);
+  make_dirs(dir_in + "/videos");
+  SyntheticTask task;
+  task.dir = absolute(dir_in);
+  const std::string videos_dir = task.dir + "/videos";
+  const Labels labels = deal_labels(spec);
+  const std::vector<VideoPlan> plans = plan_videos(spec, labels, counts, videos_dir);
+  render_videos(plans, spec, counts.total_frames);
+  const std::vector<TaskRow> all = split_rows(plans, labels, spec, &task);
+  write_task_files(&task, all);
   return task;
 }
 

@@ -89,13 +89,10 @@ void fill_missing_pts(std::vector<Entry>& entries, bool stream_reorders) {
   }
 }
 
-}  // namespace
-
-FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::string& path) {
+// The stream's packets in decode order (those that can be placed); a read error or a packet the
+// demuxer marks incomplete sets index.truncated.
+std::vector<Entry> read_entries(AVFormatContext* fmt, int stream_index, FrameIndex& index) {
   std::vector<Entry> entries;
-  FrameIndex index;
-  const AVStream* st = fmt->streams[stream_index];
-  index.time_base = st->time_base;
   UniqueAVPacket pkt = make_av_packet();
   while (true) {
     const int status = av_read_frame(fmt, pkt.get());
@@ -121,15 +118,21 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
     entries.push_back(
         {pkt->pts, pkt->dts, pkt->pos, pkt->duration, (pkt->flags & AV_PKT_FLAG_KEY) != 0});
   }
-  fill_missing_pts(entries, st->codecpar->video_delay > 0);
-  LVX_CHECK(!entries.empty(), "video '", path, "': the video stream holds no frames",
-            index.truncated ? " (" + index.truncation_reason + ")" : std::string());
+  return entries;
+}
+
+// The entries in presentation order, one per pts.
+void sort_by_pts(std::vector<Entry>& entries) {
   std::stable_sort(entries.begin(), entries.end(),
                    [](const Entry& a, const Entry& b) { return a.pts < b.pts; });
   // Frames sharing a pts cannot both be shown; keep the first (the decoder outputs one of them).
   entries.erase(std::unique(entries.begin(), entries.end(),
                             [](const Entry& a, const Entry& b) { return a.pts == b.pts; }),
                 entries.end());
+}
+
+// The entries' columns copied into the index (pts, dts, pos, keyframe).
+void copy_columns(const std::vector<Entry>& entries, FrameIndex& index) {
   const size_t n = entries.size();
   index.pts.resize(n);
   index.dts.resize(n);
@@ -141,8 +144,12 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
     index.pos[i] = entries[i].pos;
     index.keyframe[i] = entries[i].key;
   }
-  // The last frame's own duration; when the container does not say, the median gap between
-  // frames (robust to a few variable-rate gaps).
+}
+
+// The last frame's own duration; when the container does not say, the median gap between
+// frames (robust to a few variable-rate gaps).
+int64_t last_frame_duration(const std::vector<Entry>& entries) {
+  const size_t n = entries.size();
   int64_t last_duration = entries.back().duration;
   if (last_duration <= 0) {
     if (n >= 2) {
@@ -154,14 +161,13 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
       last_duration = 1;
     }
   }
-  const int64_t last_pts = entries.back().pts;
-  const int64_t frames_end = last_pts + last_duration;
-  // The video ends where its last frame stops being shown. The container's stated end wins when
-  // it falls inside the last frame's display (packets may claim a longer last frame than the
-  // file plays: a frame past the stated end must not be sampled); an end before the last frame
-  // or after its own duration is inconsistent and the frames decide.
-  int64_t stated_as_end = AV_NOPTS_VALUE;
-  const int64_t stated = stated_end(fmt, st, index.pts[0], &stated_as_end);
+  return last_duration;
+}
+
+// index.end_pts: the container's stated end (or its duration read as an end) when it falls
+// inside the last frame's display, else the frames' end.
+void choose_end(FrameIndex& index, int64_t stated, int64_t stated_as_end, int64_t last_pts,
+                int64_t frames_end) {
   index.end_pts = frames_end;
   for (int64_t end : {stated, stated_as_end}) {
     if (end != AV_NOPTS_VALUE && end > last_pts && end <= frames_end) {
@@ -170,10 +176,14 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
       break;
     }
   }
-  // Some containers (matroska, avi) just report end of file when cut inside a cluster: the only
-  // trace is that the frames stop well before the duration the header promised. Only the
-  // stream's own duration, or the file's when the video is its only stream, is a promise about
-  // the video (audio can be longer).
+}
+
+// Some containers (matroska, avi) just report end of file when cut inside a cluster: the only
+// trace is that the frames stop well before the duration the header promised. Only the
+// stream's own duration, or the file's when the video is its only stream, is a promise about
+// the video (audio can be longer).
+void check_cut_short(const AVFormatContext* fmt, const AVStream* st, FrameIndex& index,
+                     int64_t stated, int64_t stated_as_end, int64_t frames_end) {
   if (!index.truncated && stated != AV_NOPTS_VALUE &&
       (st->duration != AV_NOPTS_VALUE || fmt->nb_streams == 1)) {
     const double header_end = pts_to_seconds(std::min(stated, stated_as_end), st->time_base);
@@ -185,6 +195,31 @@ FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::s
                    header_end, " s (file cut short?)");
     }
   }
+}
+
+}  // namespace
+
+FrameIndex scan_frame_index(AVFormatContext* fmt, int stream_index, const std::string& path) {
+  FrameIndex index;
+  const AVStream* st = fmt->streams[stream_index];
+  index.time_base = st->time_base;
+  std::vector<Entry> entries = read_entries(fmt, stream_index, index);
+  fill_missing_pts(entries, st->codecpar->video_delay > 0);
+  LVX_CHECK(!entries.empty(), "video '", path, "': the video stream holds no frames",
+            index.truncated ? " (" + index.truncation_reason + ")" : std::string());
+  sort_by_pts(entries);
+  copy_columns(entries, index);
+  const int64_t last_duration = last_frame_duration(entries);
+  const int64_t last_pts = entries.back().pts;
+  const int64_t frames_end = last_pts + last_duration;
+  // The video ends where its last frame stops being shown. The container's stated end wins when
+  // it falls inside the last frame's display (packets may claim a longer last frame than the
+  // file plays: a frame past the stated end must not be sampled); an end before the last frame
+  // or after its own duration is inconsistent and the frames decide.
+  int64_t stated_as_end = AV_NOPTS_VALUE;
+  const int64_t stated = stated_end(fmt, st, index.pts[0], &stated_as_end);
+  choose_end(index, stated, stated_as_end, last_pts, frames_end);
+  check_cut_short(fmt, st, index, stated, stated_as_end, frames_end);
   return index;
 }
 

@@ -62,6 +62,140 @@ void add_kv_ops(int n, int r, int t, const Layout& l, const at::Tensor& k, const
   }
 }
 
+// One rank's view of the backward: the ranks, the shards' layout, the saved inputs (made
+// contiguous), dO in the inputs' dtype and the softmax statistics (lse, delta).
+struct BackwardContext {
+  dist::ProcessGroup& pg;
+  const AttentionSpec& s;
+  const MaskInputs& mask;
+  int n, r;
+  Layout l;
+  at::Tensor q, k, v, lse;
+  at::ScalarType dt, acc;
+  at::Tensor delta, dO;
+};
+
+// Reads the saved inputs, made contiguous, and derives delta and dO.
+BackwardContext backward_context(dist::ProcessGroup& pg, const AttentionSpec& s,
+                                 const MaskInputs& mask, int n, int r, const Layout& l,
+                                 const SavedState& saved, const at::Tensor& dout,
+                                 const at::Tensor& dlse) {
+  const at::Tensor q = saved.tensors.at(0).contiguous(), k = saved.tensors.at(1).contiguous(),
+                   v = saved.tensors.at(2).contiguous();
+  const at::Tensor &o = saved.tensors.at(3), lse = saved.tensors.at(4).contiguous();
+  const auto dt = q.scalar_type();
+  const auto acc = kernels::accumulation_dtype(dt);
+  const at::Tensor delta = backward_delta(dout, o, dlse).contiguous();
+  const at::Tensor dO = dout.to(dt).contiguous();
+  return {pg, s, mask, n, r, l, q, k, v, lse, dt, acc, delta, dO};
+}
+
+// This rank's gradients in fp32, and the partial gradients of its shards computed elsewhere (dk
+// and dv from the owner r + t, dq from the helper), added at the end in round order, once every
+// result request is done.
+struct BackwardSums {
+  at::Tensor dq, dk, dv;
+  std::vector<std::pair<at::Tensor, at::Tensor>> returned_kv;
+  std::vector<at::Tensor> returned_q;
+  std::vector<dist::Work> results;
+};
+
+// The three gradients of one block, in fp32.
+struct BlockGrads {
+  at::Tensor dq, dk, dv;
+};
+
+// The fp32 gradients of one block: queries qq (owner qo, with their dO, lse and delta) against
+// keys kk, vv (owner ko); zeros when either side is empty.
+BlockGrads block_grads(const BackwardContext& x, const at::Tensor& qq, const at::Tensor& d_o,
+                       const at::Tensor& l_, const at::Tensor& de, int qo, const at::Tensor& kk,
+                       const at::Tensor& vv, int ko) {
+  if (qq.size(1) == 0 || kk.size(1) == 0)
+    return BlockGrads{at::zeros(qq.sizes(), qq.options().dtype(x.acc)),
+                      at::zeros(kk.sizes(), kk.options().dtype(x.acc)),
+                      at::zeros(vv.sizes(), vv.options().dtype(x.acc))};
+  auto g = kernels::attention_backward(
+      qq, kk, vv, d_o, l_, de, block_params(x.s, x.mask, x.l.positions(qo), x.l.positions(ko)));
+  return BlockGrads{g.dq.to(x.acc).contiguous(), g.dk.to(x.acc).contiguous(),
+                    g.dv.to(x.acc).contiguous()};
+}
+
+// What a backward round receives ahead: kv_{r−t} (owner) or the helped rank's Q side.
+struct BackwardAhead {
+  at::Tensor k, v, q, dO, lse, delta;
+  dist::Work work;
+};
+
+// Posts the messages of backward round t: this rank's K/V to r + t and its (q, dO, lse, delta)
+// to its helper; receives kv_{r−t} (owner) or the helped rank's (q, dO, lse, delta) (helper).
+BackwardAhead post_backward_round(const BackwardContext& x, int t) {
+  BackwardAhead a;
+  std::vector<P2POp> ops;
+  add_kv_ops(x.n, x.r, t, x.l, x.k, x.v, &ops, &a.k, &a.v);
+  if (const int h = helper_of(x.n, t, x.r); h >= 0)
+    for (const at::Tensor* m : {&x.q, &x.dO, &x.lse, &x.delta}) ops.push_back(P2POp::send(*m, h));
+  if (const int ow = helped_owner(x.n, t, x.r); ow >= 0) {
+    const int64_t len = x.l.local_size(ow);
+    a.q = empty_like_len(x.q, 1, len, x.dt);
+    a.dO = empty_like_len(x.dO, 1, len, x.dt);
+    a.lse = empty_like_len(x.lse, 2, len, x.lse.scalar_type());
+    a.delta = empty_like_len(x.delta, 2, len, x.delta.scalar_type());
+    for (const at::Tensor* m : {&a.q, &a.dO, &a.lse, &a.delta}) ops.push_back(P2POp::recv(*m, ow));
+  }
+  if (!ops.empty())
+    a.work = x.pg.batch_isend_irecv(std::move(ops), "distflash backward K/V/Q/dO/lse/delta");
+  return a;
+}
+
+// Round 0: the diagonal block (q_r against kv_r); all three gradients stay.
+void add_diagonal_grads(const BackwardContext& x, BackwardSums* sums) {
+  BlockGrads g = block_grads(x, x.q, x.dO, x.lse, x.delta, x.r, x.k, x.v, x.r);
+  sums->dq.add_(g.dq);
+  sums->dk.add_(g.dk);
+  sums->dv.add_(g.dv);
+}
+
+// Round t ≥ 1 with its messages in (cur): the owner's or the helper's block, then the partial
+// gradients sent back and the receives of those coming back to this rank, posted together.
+void backward_round(const BackwardContext& x, int t, const BackwardAhead& cur, BackwardSums* sums) {
+  std::vector<P2POp> ops;
+  if (x.r >= t) {  // owner: dq stays, dk/dv go back to r − t
+    BlockGrads g = block_grads(x, x.q, x.dO, x.lse, x.delta, x.r, cur.k, cur.v, x.r - t);
+    sums->dq.add_(g.dq);
+    ops.push_back(P2POp::send(g.dk, x.r - t));
+    ops.push_back(P2POp::send(g.dv, x.r - t));
+  } else if (const int ow = helped_owner(x.n, t, x.r); ow >= 0) {  // helper: dk/dv stay
+    BlockGrads g = block_grads(x, cur.q, cur.dO, cur.lse, cur.delta, ow, x.k, x.v, x.r);
+    sums->dk.add_(g.dk);
+    sums->dv.add_(g.dv);
+    ops.push_back(P2POp::send(g.dq, ow));
+  }
+  if (x.r + t < x.n) {
+    sums->returned_kv.emplace_back(at::empty(sums->dk.sizes(), sums->dk.options()),
+                                   at::empty(sums->dv.sizes(), sums->dv.options()));
+    ops.push_back(P2POp::recv(sums->returned_kv.back().first, x.r + t));
+    ops.push_back(P2POp::recv(sums->returned_kv.back().second, x.r + t));
+  }
+  if (const int h = helper_of(x.n, t, x.r); h >= 0) {
+    sums->returned_q.push_back(at::empty(sums->dq.sizes(), sums->dq.options()));
+    ops.push_back(P2POp::recv(sums->returned_q.back(), h));
+  }
+  if (!ops.empty())
+    sums->results.push_back(x.pg.batch_isend_irecv(std::move(ops), "distflash backward dQ/dK/dV"));
+}
+
+// Waits for every result request, adds the returned partial gradients in round order, and
+// casts the gradients to the inputs' dtype.
+LocalGrads finish_backward(const BackwardContext& x, BackwardSums* sums) {
+  for (auto& w : sums->results) w.wait();
+  for (auto& [rk, rv] : sums->returned_kv) {
+    sums->dk.add_(rk);
+    sums->dv.add_(rv);
+  }
+  for (auto& rq : sums->returned_q) sums->dq.add_(rq);
+  return {sums->dq.to(x.dt), sums->dk.to(x.dt), sums->dv.to(x.dt)};
+}
+
 class DistFlashStrategy : public Strategy {
  public:
   StrategyKind kind() const override { return StrategyKind::kDistFlash; }
@@ -170,102 +304,21 @@ class DistFlashStrategy : public Strategy {
     check_supported(s, pg.world_size());
     const int n = pg.world_size(), r = pg.rank();
     const Layout l = q_layout(s, n);
-    const at::Tensor q = saved.tensors.at(0).contiguous(), k = saved.tensors.at(1).contiguous(),
-                     v = saved.tensors.at(2).contiguous();
-    const at::Tensor &o = saved.tensors.at(3), lse = saved.tensors.at(4).contiguous();
-    const auto dt = q.scalar_type();
-    const auto acc = kernels::accumulation_dtype(dt);
-    const at::Tensor delta = backward_delta(dout, o, dlse).contiguous();
-    const at::Tensor dO = dout.to(dt).contiguous();
-    at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(acc));
-    at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(acc));
-    at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(acc));
-    struct Grads {
-      at::Tensor dq, dk, dv;
-    };
-    auto grads = [&](const at::Tensor& qq, const at::Tensor& d_o, const at::Tensor& l_,
-                     const at::Tensor& de, int qo, const at::Tensor& kk, const at::Tensor& vv,
-                     int ko) {
-      if (qq.size(1) == 0 || kk.size(1) == 0)
-        return Grads{at::zeros(qq.sizes(), qq.options().dtype(acc)),
-                     at::zeros(kk.sizes(), kk.options().dtype(acc)),
-                     at::zeros(vv.sizes(), vv.options().dtype(acc))};
-      auto g = kernels::attention_backward(qq, kk, vv, d_o, l_, de,
-                                           block_params(s, mask, l.positions(qo), l.positions(ko)));
-      return Grads{g.dq.to(acc).contiguous(), g.dk.to(acc).contiguous(), g.dv.to(acc).contiguous()};
-    };
-    struct Ahead {
-      at::Tensor k, v, q, dO, lse, delta;
-      dist::Work work;
-    };
-    auto post = [&](int t) {
-      Ahead a;
-      std::vector<P2POp> ops;
-      add_kv_ops(n, r, t, l, k, v, &ops, &a.k, &a.v);
-      if (const int h = helper_of(n, t, r); h >= 0)
-        for (const at::Tensor* x : {&q, &dO, &lse, &delta}) ops.push_back(P2POp::send(*x, h));
-      if (const int ow = helped_owner(n, t, r); ow >= 0) {
-        const int64_t len = l.local_size(ow);
-        a.q = empty_like_len(q, 1, len, dt);
-        a.dO = empty_like_len(dO, 1, len, dt);
-        a.lse = empty_like_len(lse, 2, len, lse.scalar_type());
-        a.delta = empty_like_len(delta, 2, len, delta.scalar_type());
-        for (const at::Tensor* x : {&a.q, &a.dO, &a.lse, &a.delta})
-          ops.push_back(P2POp::recv(*x, ow));
-      }
-      if (!ops.empty())
-        a.work = pg.batch_isend_irecv(std::move(ops), "distflash backward K/V/Q/dO/lse/delta");
-      return a;
-    };
-    // Partial gradients of this rank's shards computed elsewhere (dk and dv from the owner r + t,
-    // dq from the helper), added at the end in round order, once every result request is done.
-    std::vector<std::pair<at::Tensor, at::Tensor>> returned_kv;
-    std::vector<at::Tensor> returned_q;
-    std::vector<dist::Work> results;
+    const BackwardContext x = backward_context(pg, s, mask, n, r, l, saved, dout, dlse);
+    BackwardSums sums;
+    sums.dq = at::zeros(x.q.sizes(), x.q.options().dtype(x.acc));
+    sums.dk = at::zeros(x.k.sizes(), x.k.options().dtype(x.acc));
+    sums.dv = at::zeros(x.v.sizes(), x.v.options().dtype(x.acc));
     const int T = n / 2;
-    Ahead next = T >= 1 ? post(1) : Ahead{};
-    {
-      Grads g = grads(q, dO, lse, delta, r, k, v, r);
-      dq.add_(g.dq);
-      dk.add_(g.dk);
-      dv.add_(g.dv);
-    }
+    BackwardAhead next = T >= 1 ? post_backward_round(x, 1) : BackwardAhead{};
+    add_diagonal_grads(x, &sums);
     for (int t = 1; t <= T; ++t) {
       if (next.work.valid()) next.work.wait();
-      Ahead cur = std::move(next);
-      if (t < T) next = post(t + 1);
-      std::vector<P2POp> ops;
-      if (r >= t) {  // owner: dq stays, dk/dv go back to r − t
-        Grads g = grads(q, dO, lse, delta, r, cur.k, cur.v, r - t);
-        dq.add_(g.dq);
-        ops.push_back(P2POp::send(g.dk, r - t));
-        ops.push_back(P2POp::send(g.dv, r - t));
-      } else if (const int ow = helped_owner(n, t, r); ow >= 0) {  // helper: dk/dv stay
-        Grads g = grads(cur.q, cur.dO, cur.lse, cur.delta, ow, k, v, r);
-        dk.add_(g.dk);
-        dv.add_(g.dv);
-        ops.push_back(P2POp::send(g.dq, ow));
-      }
-      if (r + t < n) {
-        returned_kv.emplace_back(at::empty(dk.sizes(), dk.options()),
-                                 at::empty(dv.sizes(), dv.options()));
-        ops.push_back(P2POp::recv(returned_kv.back().first, r + t));
-        ops.push_back(P2POp::recv(returned_kv.back().second, r + t));
-      }
-      if (const int h = helper_of(n, t, r); h >= 0) {
-        returned_q.push_back(at::empty(dq.sizes(), dq.options()));
-        ops.push_back(P2POp::recv(returned_q.back(), h));
-      }
-      if (!ops.empty())
-        results.push_back(pg.batch_isend_irecv(std::move(ops), "distflash backward dQ/dK/dV"));
+      BackwardAhead cur = std::move(next);
+      if (t < T) next = post_backward_round(x, t + 1);
+      backward_round(x, t, cur, &sums);
     }
-    for (auto& w : results) w.wait();
-    for (auto& [rk, rv] : returned_kv) {
-      dk.add_(rk);
-      dv.add_(rv);
-    }
-    for (auto& rq : returned_q) dq.add_(rq);
-    return {dq.to(dt), dk.to(dt), dv.to(dt)};
+    return finish_backward(x, &sums);
   }
 
   PassSchedule schedule(const AttentionSpec& s, int n, int r, at::ScalarType dtype,

@@ -11,22 +11,8 @@
 
 namespace {
 
-int cmd_qa(int argc, char** argv) {
-  lvx::cli::ArgParser p(
-      "lvx qa --model DIR --video V --question Q [--fps F | --num-frames N] [--start S --end E]\n"
-      "       [--nproc N] [--max-new-tokens T] [--temperature X --top-p P --seed S] [--json]\n"
-      "lvx qa --model DIR --questions q.jsonl --output answers.jsonl [...]",
-      "Answers a question about a video. Each rank decodes and encodes only its share of the\n"
-      "frames; the prompt is the model family's template; the prefill runs the plan's per-layer\n"
-      "strategies and generation decodes by pass-Q through each rank's KV cache (no rank holds\n"
-      "all visual K/V). The answer streams to stdout (--json: one JSON object instead).\n"
-      "Batch: each JSONL line {\"id\", \"video\", \"question\", \"options\": [...], \"answer\",\n"
-      "\"start\", \"end\"} (options, answer, start, end optional) gets one output row, appended "
-      "as\n"
-      "it is answered; failed lines get a row with \"error\"; ids already answered in the\n"
-      "output are skipped (a killed run continues). The settings (model, frames, range,\n"
-      "generation) are kept in <output>.settings.json: a rerun with others is refused\n"
-      "unless --overwrite. Errors and progress go to stderr, answers to stdout.");
+// The options of lvx qa.
+void add_qa_options(lvx::cli::ArgParser& p) {
   p.add_option("model", 'm', "", "checkpoint directory (config.json, weights, tokenizer.json)",
                true);
   p.add_option("adapter", 0, "",
@@ -61,7 +47,10 @@ int cmd_qa(int argc, char** argv) {
   p.add_flag("overwrite", 0,
              "batch: answer every question again into an --output written with other settings "
              "(the old answers move to <output>.old)");
-  if (!p.parse(argc, argv)) return 0;
+}
+
+// The job the parsed options ask for.
+lvx::runtime::QaJob qa_job_of(const lvx::cli::ArgParser& p) {
   lvx::runtime::QaJob job;
   // A run folder means its latest checkpoint, resolved once here for every rank.
   job.model = lvx::runtime::follow_run_folder(p.get("model"));
@@ -92,6 +81,28 @@ int cmd_qa(int argc, char** argv) {
   job.print_plan = p.flag("print-plan");
   job.ignore_stop = p.flag("ignore-stop");
   job.overwrite = p.flag("overwrite");
+  return job;
+}
+
+int cmd_qa(int argc, char** argv) {
+  lvx::cli::ArgParser p(
+      "lvx qa --model DIR --video V --question Q [--fps F | --num-frames N] [--start S --end E]\n"
+      "       [--nproc N] [--max-new-tokens T] [--temperature X --top-p P --seed S] [--json]\n"
+      "lvx qa --model DIR --questions q.jsonl --output answers.jsonl [...]",
+      "Answers a question about a video. Each rank decodes and encodes only its share of the\n"
+      "frames; the prompt is the model family's template; the prefill runs the plan's per-layer\n"
+      "strategies and generation decodes by pass-Q through each rank's KV cache (no rank holds\n"
+      "all visual K/V). The answer streams to stdout (--json: one JSON object instead).\n"
+      "Batch: each JSONL line {\"id\", \"video\", \"question\", \"options\": [...], \"answer\",\n"
+      "\"start\", \"end\"} (options, answer, start, end optional) gets one output row, appended "
+      "as\n"
+      "it is answered; failed lines get a row with \"error\"; ids already answered in the\n"
+      "output are skipped (a killed run continues). The settings (model, frames, range,\n"
+      "generation) are kept in <output>.settings.json: a rerun with others is refused\n"
+      "unless --overwrite. Errors and progress go to stderr, answers to stdout.");
+  add_qa_options(p);
+  if (!p.parse(argc, argv)) return 0;
+  const lvx::runtime::QaJob job = qa_job_of(p);
   if (lvx::cli::inside_rank()) {
     lvx::cli::apply_threads(p);
     return lvx::runtime::run_qa_rank(job);

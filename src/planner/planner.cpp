@@ -98,6 +98,127 @@ std::vector<PassChoice> pass_choices(const LayerPlan& lp, bool split, const Cand
   return out;
 }
 
+// A plan's names, workload, ranks (0: every GPU of the cluster, checked against it) and options.
+Plan start_plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
+                const CostOptions& opt_in) {
+  Plan p;
+  p.model = m.name;
+  p.cluster = c.name;
+  p.workload = w;
+  LVX_CHECK(w.ranks >= 0, "--nproc: expected >= 0 (0: every GPU of the cluster), got ", w.ranks);
+  p.ranks = w.ranks > 0 ? w.ranks : c.world_size();
+  LVX_CHECK(p.ranks <= c.world_size(), "--nproc: cluster '", c.name, "' has ", c.world_size(),
+            " GPUs, got ", p.ranks);
+  p.options = opt_in;
+  p.options.train = w.train;
+  return p;
+}
+
+// Plans each layer on its own, and the visual features the cross layers share (training with
+// their K/V recomputed).
+void plan_layers(const std::vector<LayerWorkload>& works, const ClusterConfig& c, const Workload& w,
+                 Plan* p) {
+  for (size_t i = 0; i < works.size(); ++i) {
+    LayerPlan lp = plan_layer(static_cast<int>(i), works[i], c, p->ranks, p->options,
+                              p->options.train && w.split_passes, w.strategies);
+    if (lp.work.kind == LayerKind::kCross && w.train && p->options.recompute_cross_kv) {
+      p->shared_visual_bytes = shard_bytes(lp.work, p->ranks, p->options).y;
+    }
+    p->layers.push_back(std::move(lp));
+  }
+}
+
+// The text layout the runtime will use (models::resolve_layouts): striped when any layer runs
+// striped. The cross layers' queries are that text, so they are priced again on it:
+// lv_xattn's query blocks are then balanced under a media mask too.
+void replan_cross_on_text_layout(const ClusterConfig& c, const Workload& w, Plan* p) {
+  if (p->options.text_layout != attention::LayoutKind::kStriped) {
+    bool striped = false;
+    for (const LayerPlan& l : p->layers)
+      striped =
+          striped || l.forward == StrategyKind::kStriped || l.backward == StrategyKind::kStriped;
+    if (striped) {
+      p->options.text_layout = attention::LayoutKind::kStriped;
+      for (LayerPlan& l : p->layers)
+        if (l.work.kind == LayerKind::kCross)
+          l = plan_layer(l.index, l.work, c, p->ranks, p->options,
+                         p->options.train && w.split_passes, w.strategies);
+    }
+  }
+}
+
+// The plan's peak memory per rank: every layer's saved activations, the shared visual features
+// and the largest working set.
+double peak_bytes(const Plan& p) {
+  double saved = 0, working = 0;
+  for (const LayerPlan& l : p.layers) {
+    const double sv =
+        std::max(l.costs.at(l.forward).saved_bytes, l.costs.at(l.backward).saved_bytes);
+    saved += sv;
+    working = std::max(working, l.mem_bytes - sv);
+  }
+  return saved + p.shared_visual_bytes + working;
+}
+
+// A layer's other choice that frees saved memory (layer null: none does).
+struct MemoryTrade {
+  LayerPlan* layer;
+  PassChoice choice;
+};
+
+// The layer choice that frees saved memory at the least time per byte.
+MemoryTrade cheapest_trade(const Workload& w, Plan* p) {
+  auto candidate = [&](StrategyKind s) { return is_candidate(w.strategies, s); };
+  double best_ratio = std::numeric_limits<double>::infinity();
+  LayerPlan* best_layer = nullptr;
+  PassChoice best_choice{};
+  for (LayerPlan& l : p->layers) {
+    const double cur_saved =
+        std::max(l.costs.at(l.forward).saved_bytes, l.costs.at(l.backward).saved_bytes);
+    for (const PassChoice& pc : pass_choices(l, p->options.train && w.split_passes, candidate)) {
+      const double freed = cur_saved - pc.saved_bytes;
+      if (freed <= 0) continue;
+      const double ratio = std::max(pc.time_s - l.time_s, 0.0) / freed;
+      if (ratio < best_ratio) {
+        best_ratio = ratio;
+        best_layer = &l;
+        best_choice = pc;
+      }
+    }
+  }
+  return {best_layer, best_choice};
+}
+
+// Switches layer l to best_choice, saying why in front of its explanation.
+void apply_trade(LayerPlan& l, const PassChoice& best_choice) {
+  const std::string before = l.choice_name();
+  const double freed =
+      std::max(l.costs.at(l.forward).saved_bytes, l.costs.at(l.backward).saved_bytes) -
+      best_choice.saved_bytes;
+  l.forward = best_choice.forward;
+  l.backward = best_choice.backward;
+  l.time_s = best_choice.time_s;
+  l.mem_bytes = best_choice.mem_bytes;
+  l.explanation = l.choice_name() + " " + seconds(l.time_s) + " instead of " + before +
+                  ", to fit the whole plan in memory (frees " + bytes(freed) +
+                  " of saved activations per rank); " + l.explanation;
+}
+
+// Whole-plan memory: every layer's saved activations live until its backward, plus the shared
+// visual features and the largest working set. While that exceeds the budget, trade the layer
+// choice that frees saved memory at the least time per byte (a greedy knapsack step).
+void fit_in_memory(const ClusterConfig& c, const Workload& w, Plan* p) {
+  const double budget = static_cast<double>(c.device_memory_bytes) - p->options.reserved_bytes;
+  p->peak_mem_bytes = peak_bytes(*p);
+  while (p->peak_mem_bytes > budget) {
+    const MemoryTrade trade = cheapest_trade(w, p);
+    if (trade.layer == nullptr) break;
+    apply_trade(*trade.layer, trade.choice);
+    p->peak_mem_bytes = peak_bytes(*p);
+  }
+  p->fits = p->peak_mem_bytes <= budget;
+}
+
 }  // namespace
 
 const char* to_string(PromptLayout l) {
@@ -232,92 +353,11 @@ LayerPlan plan_layer(int index, const LayerWorkload& work, const ClusterConfig& 
 
 Plan plan(const ModelConfig& m, const ClusterConfig& c, const Workload& w,
           const CostOptions& opt_in) {
-  Plan p;
-  p.model = m.name;
-  p.cluster = c.name;
-  p.workload = w;
-  LVX_CHECK(w.ranks >= 0, "--nproc: expected >= 0 (0: every GPU of the cluster), got ", w.ranks);
-  p.ranks = w.ranks > 0 ? w.ranks : c.world_size();
-  LVX_CHECK(p.ranks <= c.world_size(), "--nproc: cluster '", c.name, "' has ", c.world_size(),
-            " GPUs, got ", p.ranks);
-  p.options = opt_in;
-  p.options.train = w.train;
+  Plan p = start_plan(m, c, w, opt_in);
   const std::vector<LayerWorkload> works = layer_workloads(m, w);
-  auto candidate = [&](StrategyKind s) { return is_candidate(w.strategies, s); };
-  for (size_t i = 0; i < works.size(); ++i) {
-    LayerPlan lp = plan_layer(static_cast<int>(i), works[i], c, p.ranks, p.options,
-                              p.options.train && w.split_passes, w.strategies);
-    if (lp.work.kind == LayerKind::kCross && w.train && p.options.recompute_cross_kv) {
-      p.shared_visual_bytes = shard_bytes(lp.work, p.ranks, p.options).y;
-    }
-    p.layers.push_back(std::move(lp));
-  }
-  // The text layout the runtime will use (models::resolve_layouts): striped when any layer runs
-  // striped. The cross layers' queries are that text, so they are priced again on it:
-  // lv_xattn's query blocks are then balanced under a media mask too.
-  if (p.options.text_layout != attention::LayoutKind::kStriped) {
-    bool striped = false;
-    for (const LayerPlan& l : p.layers)
-      striped = striped || l.forward == StrategyKind::kStriped ||
-                l.backward == StrategyKind::kStriped;
-    if (striped) {
-      p.options.text_layout = attention::LayoutKind::kStriped;
-      for (LayerPlan& l : p.layers)
-        if (l.work.kind == LayerKind::kCross)
-          l = plan_layer(l.index, l.work, c, p.ranks, p.options, p.options.train && w.split_passes,
-                         w.strategies);
-    }
-  }
-
-  // Whole-plan memory: every layer's saved activations live until its backward, plus the shared
-  // visual features and the largest working set. While that exceeds the budget, trade the layer
-  // choice that frees saved memory at the least time per byte (a greedy knapsack step).
-  const double budget = static_cast<double>(c.device_memory_bytes) - p.options.reserved_bytes;
-  auto peak = [&]() {
-    double saved = 0, working = 0;
-    for (const LayerPlan& l : p.layers) {
-      const double sv =
-          std::max(l.costs.at(l.forward).saved_bytes, l.costs.at(l.backward).saved_bytes);
-      saved += sv;
-      working = std::max(working, l.mem_bytes - sv);
-    }
-    return saved + p.shared_visual_bytes + working;
-  };
-  p.peak_mem_bytes = peak();
-  while (p.peak_mem_bytes > budget) {
-    double best_ratio = std::numeric_limits<double>::infinity();
-    LayerPlan* best_layer = nullptr;
-    PassChoice best_choice{};
-    for (LayerPlan& l : p.layers) {
-      const double cur_saved =
-          std::max(l.costs.at(l.forward).saved_bytes, l.costs.at(l.backward).saved_bytes);
-      for (const PassChoice& pc : pass_choices(l, p.options.train && w.split_passes, candidate)) {
-        const double freed = cur_saved - pc.saved_bytes;
-        if (freed <= 0) continue;
-        const double ratio = std::max(pc.time_s - l.time_s, 0.0) / freed;
-        if (ratio < best_ratio) {
-          best_ratio = ratio;
-          best_layer = &l;
-          best_choice = pc;
-        }
-      }
-    }
-    if (best_layer == nullptr) break;
-    LayerPlan& l = *best_layer;
-    const std::string before = l.choice_name();
-    const double freed =
-        std::max(l.costs.at(l.forward).saved_bytes, l.costs.at(l.backward).saved_bytes) -
-        best_choice.saved_bytes;
-    l.forward = best_choice.forward;
-    l.backward = best_choice.backward;
-    l.time_s = best_choice.time_s;
-    l.mem_bytes = best_choice.mem_bytes;
-    l.explanation = l.choice_name() + " " + seconds(l.time_s) + " instead of " + before +
-                    ", to fit the whole plan in memory (frees " + bytes(freed) +
-                    " of saved activations per rank); " + l.explanation;
-    p.peak_mem_bytes = peak();
-  }
-  p.fits = p.peak_mem_bytes <= budget;
+  plan_layers(works, c, w, &p);
+  replan_cross_on_text_layout(c, w, &p);
+  fit_in_memory(c, w, &p);
   for (const LayerPlan& l : p.layers) p.total_s += l.time_s;
   return p;
 }

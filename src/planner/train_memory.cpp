@@ -38,6 +38,128 @@ std::string gib(double b) {
   return buf;
 }
 
+// What train_memory prices with: the world n, the sequence-parallel size S, the element bytes e,
+// the parameters Ψ and trainable Ψt, and the units held whole or sharded.
+struct TrainSizes {
+  double n, S, e;
+  bool lora;
+  double psi, psi_t, block, root, frozen, frozen_max, b2;
+};
+
+// The world and element sizes, and the parameter counts of the run (a LoRA run trains its adapter).
+TrainSizes train_sizes(const ModelConfig& m, const ParamCounts& pc, const TrainMemoryOptions& o) {
+  const double n = static_cast<double>(o.ranks);
+  const double S = static_cast<double>(o.sp_size > 0 ? o.sp_size : o.ranks);
+  const double e = static_cast<double>(o.elem_bytes);
+  const bool lora = o.lora_r > 0;
+  const double psi = static_cast<double>(pc.total) + (lora ? lora_parameters(m, o.lora_r) : 0);
+  const double psi_t =
+      lora ? static_cast<double>(lora_parameters(m, o.lora_r)) : static_cast<double>(pc.trainable);
+  // A LoRA adapter: every piece in the decoder layers (7 projections per block), none in the root.
+  const double self_layers = std::max<double>(1, static_cast<double>(m.count(LayerKind::kSelf)));
+  const double block = lora ? psi_t / self_layers : static_cast<double>(pc.max_block);
+  const double root = lora ? 0 : static_cast<double>(pc.root);
+  // The decoder layers' frozen parameters (stage 3 shards them too): all of a LoRA run's layers;
+  // under a freeze policy what the layers hold beyond their trainable part.
+  const double layers = static_cast<double>(pc.layers);
+  const double frozen = lora ? layers : std::max(0.0, layers - (psi_t - root));
+  const double frozen_max = lora ? static_cast<double>(pc.max_layer)
+                                 : std::max(0.0, static_cast<double>(pc.max_layer) - block);
+  // Whole at once in stages gradients and parameters: the root unit and two layers at most.
+  const double b2 = std::max(0.0, std::min(2 * block, psi_t - root));
+  return {n, S, e, lora, psi, psi_t, block, root, frozen, frozen_max, b2};
+}
+
+// The weights under shard policy s, pe bytes per trainable element as held.
+double weight_bytes(const TrainSizes& z, double pe, const std::string& s) {
+  return s == "parameters"
+             ? z.e * (z.psi - z.psi_t - z.frozen) + pe * (z.root + z.b2) + z.e * z.frozen / z.n +
+                   (z.frozen > 0 ? z.e * std::min(z.frozen, 2 * z.frozen_max) : 0)
+             : z.e * (z.psi - z.psi_t) + pe * z.psi_t;
+}
+
+// The gradients' two moments: the reduction (g_reduce) and the update (g_update).
+struct GradientBytes {
+  double reduce, update;
+};
+
+// Gradients: the flat buffer the parameters' .grad view during the backward (e·Ψt; its fp32
+// copy when e != 4), then the reduction and the update.
+GradientBytes gradient_bytes(const TrainSizes& z, double pe, const TrainMemoryOptions& o) {
+  const std::string& s = o.shard;
+  const double convert = pe != 4 ? 4 * z.psi_t : 0;
+  const double accumulate = o.grad_accum > 1 ? 4 * z.psi_t : 0;
+  double g_reduce = 0, g_update = 0;
+  if (s == "none") {
+    g_reduce = pe * z.psi_t + convert + accumulate + (o.ranks > 1 ? 4 * z.psi_t / z.n : 0);
+    g_update = 4 * z.psi_t;
+  } else if (s == "optimizer") {
+    g_reduce = pe * z.psi_t + convert + accumulate + 4 * z.psi_t / z.n;
+    g_update = 4 * z.psi_t / z.n + pe * z.psi_t;
+  } else {
+    // Layer by layer (src/runtime/layer_sharding.h).
+    g_reduce =
+        pe * (z.root + z.b2) + (pe != 4 ? 4 * std::max(z.root, z.block) : 0) + 4 * z.psi_t / z.n;
+    // The update: the gradient shard and AdamW's one shard-sized temporary (the denominator);
+    // then stage 2 gathers the new values into the parameters a unit's run at a time (the
+    // shard released first).
+    g_update = std::max(8 * z.psi_t / z.n, s == "gradients" ? pe * std::max(z.root, z.block) : 0.0);
+  }
+  return {g_reduce, g_update};
+}
+
+// Activations saved for the backward, and the largest attention working set.
+struct ActivationBytes {
+  double saved, working;
+};
+
+// The decoder layers' saved activations and attention working sets, for l_rank text and v_rank
+// visual tokens on this rank.
+ActivationBytes layer_activations(const ModelConfig& m, const TrainSizes& z,
+                                  const TrainMemoryOptions& o, double l_rank, double v_rank) {
+  const double e = z.e;
+  double saved = 0, working = 0;
+  for (const auto& l : m.layers) {
+    const double h = static_cast<double>(l.hidden_size), mlp = static_cast<double>(l.mlp_size);
+    const double q = static_cast<double>(l.heads * l.head_dim);
+    const double kv = static_cast<double>(l.kv_heads * l.head_dim);
+    const double lse = static_cast<double>(l.heads) * 4;
+    if (l.kind == LayerKind::kSelf) {
+      saved += l_rank * (o.remat ? h * e : (4 * h + 4 * mlp) * e);
+      saved += l_rank * ((q + 2 * kv + q) * e + lse);
+      // Two K/V blocks in flight, the fp32 output and gradient accumulators of the queries.
+      working = std::max(working, 2 * l_rank * 2 * kv * e + l_rank * (q * 4 + q * 4 + 2 * kv * 4));
+    } else {
+      saved += l_rank * (h * e + q * e + lse);
+      if (!o.recompute) saved += v_rank * 2 * kv * e;
+      working = std::max(working,
+                         2 * v_rank * 2 * kv * e + l_rank * (q * 4 + q * 4) + v_rank * 2 * kv * 4);
+    }
+  }
+  return {saved, working};
+}
+
+// Adds to *saved the activations saved beyond the layers: the logits' and LoRA's.
+void add_head_and_lora_activations(const ModelConfig& m, const ParamCounts& pc, const TrainSizes& z,
+                                   const TrainMemoryOptions& o, double l_rank, double* saved) {
+  *saved += l_rank * (z.e + 8) * static_cast<double>(pc.vocab);  // logits, fp32 copy, log-softmax
+  // LoRA on the activation path (models/lora.h): per adapted projection and token its x·Aᵀ (r
+  // elements), and, in a compute dtype other than fp32, A and B cast to it (saved by the branch's
+  // two products: the adapter once more, in e bytes).
+  if (z.lora) {
+    *saved += l_rank * z.e * static_cast<double>(o.lora_r) *
+              static_cast<double>(kLoraProjectionsPerBlock * m.count(LayerKind::kSelf));
+    if (z.e != 4) *saved += z.e * z.psi_t;
+  }
+}
+
+// The visual features y of this rank's frames, and the vision tower's largest transient while
+// it encodes them (hidden states in and out, the MLP's intermediate; frozen: nothing saved).
+double visual_bytes(const ModelConfig& m, const TrainSizes& z, double v_rank) {
+  return v_rank * static_cast<double>(m.visual_feature_dim) * z.e +
+         v_rank * static_cast<double>(2 * m.vision.hidden_size + m.vision.mlp_size) * z.e;
+}
+
 }  // namespace
 
 ParamCounts estimate_parameters(const ModelConfig& m, int64_t vocab_size,
@@ -94,25 +216,7 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
                          int64_t text_tokens, int64_t tokens_per_frame, const TrainMemoryOptions& o,
                          double device_bytes) {
   LVX_CHECK(o.ranks >= 1, "train memory: ranks must be >= 1, got ", o.ranks);
-  const double n = static_cast<double>(o.ranks);
-  const double S = static_cast<double>(o.sp_size > 0 ? o.sp_size : o.ranks);
-  const double e = static_cast<double>(o.elem_bytes);
-  const bool lora = o.lora_r > 0;
-  const double psi = static_cast<double>(pc.total) + (lora ? lora_parameters(m, o.lora_r) : 0);
-  const double psi_t =
-      lora ? static_cast<double>(lora_parameters(m, o.lora_r)) : static_cast<double>(pc.trainable);
-  // A LoRA adapter: every piece in the decoder layers (7 projections per block), none in the root.
-  const double self_layers = std::max<double>(1, static_cast<double>(m.count(LayerKind::kSelf)));
-  const double block = lora ? psi_t / self_layers : static_cast<double>(pc.max_block);
-  const double root = lora ? 0 : static_cast<double>(pc.root);
-  // The decoder layers' frozen parameters (stage 3 shards them too): all of a LoRA run's layers;
-  // under a freeze policy what the layers hold beyond their trainable part.
-  const double layers = static_cast<double>(pc.layers);
-  const double frozen = lora ? layers : std::max(0.0, layers - (psi_t - root));
-  const double frozen_max = lora ? static_cast<double>(pc.max_layer)
-                                 : std::max(0.0, static_cast<double>(pc.max_layer) - block);
-  // Whole at once in stages gradients and parameters: the root unit and two layers at most.
-  const double b2 = std::max(0.0, std::min(2 * block, psi_t - root));
+  const TrainSizes z = train_sizes(m, pc, o);
   const std::string& s = o.shard;
   LVX_CHECK(s == "none" || s == "optimizer" || s == "gradients" || s == "parameters",
             "--shard: expected none | optimizer | gradients | parameters, got '", s, "'");
@@ -120,67 +224,19 @@ TrainMemory train_memory(const ModelConfig& m, const ParamCounts& pc, int64_t fr
   TrainMemory t;
   t.device = device_bytes;
   // Weights and optimizer state (a LoRA adapter is fp32 beside the frozen base).
-  const double pe = lora ? 4 : e;  // bytes per trainable element as held
-  t.weights = s == "parameters" ? e * (psi - psi_t - frozen) + pe * (root + b2) + e * frozen / n +
-                                      (frozen > 0 ? e * std::min(frozen, 2 * frozen_max) : 0)
-                                : e * (psi - psi_t) + pe * psi_t;
-  t.optimizer = 12 * psi_t / (sharded ? n : 1);
-  // Gradients: the flat buffer the parameters' .grad view during the backward (e·Ψt; its fp32
-  // copy when e != 4), then the reduction and the update.
-  const double convert = pe != 4 ? 4 * psi_t : 0;
-  const double accumulate = o.grad_accum > 1 ? 4 * psi_t : 0;
-  double g_reduce = 0, g_update = 0;
-  if (s == "none") {
-    g_reduce = pe * psi_t + convert + accumulate + (o.ranks > 1 ? 4 * psi_t / n : 0);
-    g_update = 4 * psi_t;
-  } else if (s == "optimizer") {
-    g_reduce = pe * psi_t + convert + accumulate + 4 * psi_t / n;
-    g_update = 4 * psi_t / n + pe * psi_t;
-  } else {
-    // Layer by layer (src/runtime/layer_sharding.h).
-    g_reduce = pe * (root + b2) + (pe != 4 ? 4 * std::max(root, block) : 0) + 4 * psi_t / n;
-    // The update: the gradient shard and AdamW's one shard-sized temporary (the denominator);
-    // then stage 2 gathers the new values into the parameters a unit's run at a time (the
-    // shard released first).
-    g_update = std::max(8 * psi_t / n, s == "gradients" ? pe * std::max(root, block) : 0.0);
-  }
+  const double pe = z.lora ? 4 : z.e;  // bytes per trainable element as held
+  t.weights = weight_bytes(z, pe, s);
+  t.optimizer = 12 * z.psi_t / (sharded ? z.n : 1);
+  const GradientBytes g = gradient_bytes(z, pe, o);
   // Activations saved for the backward (this rank's L/S text tokens).
-  const double l_rank = static_cast<double>(text_tokens) / S;
-  const double v_rank = static_cast<double>(frames) * static_cast<double>(tokens_per_frame) / S;
-  double saved = 0, working = 0;
-  for (const auto& l : m.layers) {
-    const double h = static_cast<double>(l.hidden_size), mlp = static_cast<double>(l.mlp_size);
-    const double q = static_cast<double>(l.heads * l.head_dim);
-    const double kv = static_cast<double>(l.kv_heads * l.head_dim);
-    const double lse = static_cast<double>(l.heads) * 4;
-    if (l.kind == LayerKind::kSelf) {
-      saved += l_rank * (o.remat ? h * e : (4 * h + 4 * mlp) * e);
-      saved += l_rank * ((q + 2 * kv + q) * e + lse);
-      // Two K/V blocks in flight, the fp32 output and gradient accumulators of the queries.
-      working = std::max(working, 2 * l_rank * 2 * kv * e + l_rank * (q * 4 + q * 4 + 2 * kv * 4));
-    } else {
-      saved += l_rank * (h * e + q * e + lse);
-      if (!o.recompute) saved += v_rank * 2 * kv * e;
-      working = std::max(working,
-                         2 * v_rank * 2 * kv * e + l_rank * (q * 4 + q * 4) + v_rank * 2 * kv * 4);
-    }
-  }
-  saved += l_rank * (e + 8) * static_cast<double>(pc.vocab);  // logits, fp32 copy, log-softmax
-  // LoRA on the activation path (models/lora.h): per adapted projection and token its x·Aᵀ (r
-  // elements), and, in a compute dtype other than fp32, A and B cast to it (saved by the branch's
-  // two products: the adapter once more, in e bytes).
-  if (lora) {
-    saved += l_rank * e * static_cast<double>(o.lora_r) *
-             static_cast<double>(kLoraProjectionsPerBlock * m.count(LayerKind::kSelf));
-    if (e != 4) saved += e * psi_t;
-  }
-  t.activations = saved;
-  t.attention = working;
-  // The visual features y of this rank's frames, and the vision tower's largest transient while
-  // it encodes them (hidden states in and out, the MLP's intermediate; frozen: nothing saved).
-  t.visual = v_rank * static_cast<double>(m.visual_feature_dim) * e +
-             v_rank * static_cast<double>(2 * m.vision.hidden_size + m.vision.mlp_size) * e;
-  t.gradients = std::max(g_reduce, g_update);
+  const double l_rank = static_cast<double>(text_tokens) / z.S;
+  const double v_rank = static_cast<double>(frames) * static_cast<double>(tokens_per_frame) / z.S;
+  ActivationBytes a = layer_activations(m, z, o, l_rank, v_rank);
+  add_head_and_lora_activations(m, pc, z, o, l_rank, &a.saved);
+  t.activations = a.saved;
+  t.attention = a.working;
+  t.visual = visual_bytes(m, z, v_rank);
+  t.gradients = std::max(g.reduce, g.update);
   // Activation memory freed in the backward stays with the allocator (glibc's heap on the CPU,
   // the caching allocator on a GPU), so it adds to the gradients' largest moment.
   t.total = t.weights + t.optimizer + t.activations + t.attention + t.visual + t.gradients;

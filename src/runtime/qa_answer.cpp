@@ -350,6 +350,120 @@ void start_generation(QaSession::State& cx, QaAnswer& a) {
   if (!a.gen->prefilling()) keep_visual(cx, a);
 }
 
+// The answer's tokens before the stop token: their text (ids without one dropped), their
+// number, and whether a stop token ended them.
+struct Completion {
+  std::string response;
+  int64_t completion_tokens = 0;
+  bool stop_token = false;
+};
+// The generated tokens read up to the stop token, and their text decoded.
+Completion completion_of(const QaSession::State& cx, const GenerateResult& out) {
+  Completion c;
+  std::vector<int64_t> answer_ids;
+  for (int64_t i = 0; i < out.tokens.size(1); ++i) {
+    const int64_t id = out.tokens[0][i].item<int64_t>();
+    if (std::find(cx.stop.begin(), cx.stop.end(), id) != cx.stop.end()) {
+      c.stop_token = true;
+      break;
+    }
+    ++c.completion_tokens;
+    if (known_id(*cx.tok, id)) answer_ids.push_back(id);
+  }
+  c.response = cx.tok->decode(answer_ids, /*skip_special_tokens=*/true);
+  return c;
+}
+
+// What the ranks agree on for the row: timings, bytes, frame indices and pts.
+struct Gathered {
+  at::Tensor times, bytes, indices, pts;
+};
+// The ranks' timings and bytes reduced, their frames gathered in order (collective).
+Gathered gather_measures(QaSession::State& cx, const QaAnswer& a, const GenerateResult& out) {
+  dist::ProcessGroup& pg = *cx.pg;
+  const int n = pg.world_size();
+  // The slowest rank's timings; every rank's bytes; every rank's frames in sampled order.
+  double per_token = 0;
+  for (double t : out.token_seconds) per_token += t;
+  if (!out.token_seconds.empty()) per_token /= static_cast<double>(out.token_seconds.size());
+  at::Tensor times = at::tensor(
+      {a.video_s, out.encode_seconds, out.prefill_seconds + a.media_s, per_token, since(a.t_start)},
+      at::kDouble);
+  pg.all_reduce(times, dist::ReduceOp::kMax);
+  const VisualCacheStats cs = cx.cache->stats();
+  at::Tensor bytes =
+      at::tensor({out.prefill_bytes_sent, out.decode_bytes_sent, int64_t{a.cached ? 1 : 0},
+                  int64_t{!a.cached && cx.cache->enabled()}, cs.bytes},
+                 at::kLong);
+  pg.all_reduce(bytes);
+  const attention::Layout frames_layout{attention::LayoutKind::kStriped, a.m, n};
+  auto in_order = [&](const at::Tensor& local) {
+    const at::Tensor all = pg.all_gather(local, frames_layout.sizes());
+    return all.index_select(0, at::argsort(frames_layout.gathered_positions()));
+  };
+  const at::Tensor indices = in_order(a.cached ? a.cached->indices : a.frames.indices);
+  const at::Tensor pts = in_order(a.cached ? a.cached->pts : a.frames.pts);
+  return {times, bytes, indices, pts};
+}
+
+// The row's answer: the response, parsed and checked, its frames, prompt and tokens.
+void put_answer(QaSession::State& cx, QaAnswer& a, const GenerateResult& out, const Completion& c,
+                const Gathered& g) {
+  const int r = cx.pg->rank();
+  json& row = a.row;
+  const QaItem& item = a.req.item;
+  row["response"] = c.response;
+  row["parsed_answer"] = parse_answer(item, c.response);
+  if (!item.answer.empty()) row["correct"] = row["parsed_answer"] == expected_answer(item);
+  row["frames"] = a.m;
+  row["frame_indices"] = std::vector<int64_t>(g.indices.data_ptr<int64_t>(),
+                                              g.indices.data_ptr<int64_t>() + g.indices.numel());
+  row["pts_seconds"] =
+      std::vector<double>(g.pts.data_ptr<double>(), g.pts.data_ptr<double>() + g.pts.numel());
+  row["prompt_tokens"] = static_cast<int64_t>(a.prompt.ids.size());
+  if (a.req.return_prompt_ids) row["prompt_ids"] = a.prompt.ids;
+  if (!a.media_hash.empty()) row["media_hash"] = a.media_hash;
+  if (a.gen->options().logprobs >= 0) {  // the completion tokens' (before the stop token)
+    row["logprobs"] = json::array();
+    for (int64_t i = 0; i < c.completion_tokens; ++i)
+      row["logprobs"].push_back(logprob_json(*cx.tok, out.logprobs[static_cast<size_t>(i)]));
+  }
+  row["new_tokens"] = out.tokens.size(1);
+  row["completion_tokens"] = c.completion_tokens;
+  row["finish_reason"] = c.stop_token || out.stopped ? "stop" : "length";
+  if (out.hit_context) {
+    row["stopped_at_context"] = cx.context;
+    if (r == 0)
+      std::cerr << "[qa] " << item.id << ": generation stopped after " << out.tokens.size(1)
+                << " tokens: the model's context of " << cx.context << " tokens is full\n";
+  }
+}
+
+// The row's measures: video events, ranks, plan, timings, bytes and the visual cache's counts.
+void put_measures(QaSession::State& cx, QaAnswer& a, const GenerateResult& out, const Gathered& g) {
+  const at::Tensor& times = g.times;
+  const at::Tensor& bytes = g.bytes;
+  json& row = a.row;
+  if (!a.events.empty()) row["video_events"] = a.events;
+  row["ranks"] = cx.pg->world_size();
+  row["plan"] = describe(a.par, cx.model);
+  const double ttft = times[0].item<double>() + times[2].item<double>();
+  row["timings"] = {
+      {"video_decode_s", times[0].item<double>()},     {"encode_s", times[1].item<double>()},
+      {"prefill_s", times[2].item<double>()},          {"ttft_s", ttft},
+      {"decode_per_token_s", times[3].item<double>()}, {"total_s", times[4].item<double>()}};
+  const int64_t steps = std::max<int64_t>(1, out.tokens.size(1) - 1);
+  row["bytes"] = {{"prefill", bytes[0].item<int64_t>()},
+                  {"decode", bytes[1].item<int64_t>()},
+                  {"decode_per_token", bytes[1].item<int64_t>() / steps}};
+  if (cx.cache->enabled())
+    row["visual_cache"] = {{"hits", bytes[2].item<int64_t>()},
+                           {"misses", bytes[3].item<int64_t>()},
+                           {"bytes", bytes[4].item<int64_t>()},
+                           {"prefix_tokens", out.prefix_tokens},
+                           {"prefix_reused", out.prefix_reused}};
+}
+
 }  // namespace
 
 QaAnswerPtr QaSession::begin(const QaRequest& req, const AnswerHooks& hooks) {
@@ -459,91 +573,12 @@ json QaSession::finish(QaAnswer& a) {
   c10::InferenceMode inference;
   if (a.failed) return a.row;
   State& cx = *s_;
-  dist::ProcessGroup& pg = *cx.pg;
-  const int n = pg.world_size(), r = pg.rank();
   const GenerateResult out = a.gen->finish();
-  std::vector<int64_t> answer_ids;
-  int64_t completion_tokens = 0;
-  bool stop_token = false;
-  for (int64_t i = 0; i < out.tokens.size(1); ++i) {
-    const int64_t id = out.tokens[0][i].item<int64_t>();
-    if (std::find(cx.stop.begin(), cx.stop.end(), id) != cx.stop.end()) {
-      stop_token = true;
-      break;
-    }
-    ++completion_tokens;
-    if (known_id(*cx.tok, id)) answer_ids.push_back(id);
-  }
-  const std::string response = cx.tok->decode(answer_ids, /*skip_special_tokens=*/true);
-
-  // The slowest rank's timings; every rank's bytes; every rank's frames in sampled order.
-  double per_token = 0;
-  for (double t : out.token_seconds) per_token += t;
-  if (!out.token_seconds.empty()) per_token /= static_cast<double>(out.token_seconds.size());
-  at::Tensor times = at::tensor(
-      {a.video_s, out.encode_seconds, out.prefill_seconds + a.media_s, per_token, since(a.t_start)},
-      at::kDouble);
-  pg.all_reduce(times, dist::ReduceOp::kMax);
-  const VisualCacheStats cs = cx.cache->stats();
-  at::Tensor bytes =
-      at::tensor({out.prefill_bytes_sent, out.decode_bytes_sent, int64_t{a.cached ? 1 : 0},
-                  int64_t{!a.cached && cx.cache->enabled()}, cs.bytes},
-                 at::kLong);
-  pg.all_reduce(bytes);
-  const attention::Layout frames_layout{attention::LayoutKind::kStriped, a.m, n};
-  auto in_order = [&](const at::Tensor& local) {
-    const at::Tensor all = pg.all_gather(local, frames_layout.sizes());
-    return all.index_select(0, at::argsort(frames_layout.gathered_positions()));
-  };
-  const at::Tensor indices = in_order(a.cached ? a.cached->indices : a.frames.indices);
-  const at::Tensor pts = in_order(a.cached ? a.cached->pts : a.frames.pts);
-
-  json& row = a.row;
-  const QaItem& item = a.req.item;
-  row["response"] = response;
-  row["parsed_answer"] = parse_answer(item, response);
-  if (!item.answer.empty()) row["correct"] = row["parsed_answer"] == expected_answer(item);
-  row["frames"] = a.m;
-  row["frame_indices"] = std::vector<int64_t>(indices.data_ptr<int64_t>(),
-                                              indices.data_ptr<int64_t>() + indices.numel());
-  row["pts_seconds"] =
-      std::vector<double>(pts.data_ptr<double>(), pts.data_ptr<double>() + pts.numel());
-  row["prompt_tokens"] = static_cast<int64_t>(a.prompt.ids.size());
-  if (a.req.return_prompt_ids) row["prompt_ids"] = a.prompt.ids;
-  if (!a.media_hash.empty()) row["media_hash"] = a.media_hash;
-  if (a.gen->options().logprobs >= 0) {  // the completion tokens' (before the stop token)
-    row["logprobs"] = json::array();
-    for (int64_t i = 0; i < completion_tokens; ++i)
-      row["logprobs"].push_back(logprob_json(*cx.tok, out.logprobs[static_cast<size_t>(i)]));
-  }
-  row["new_tokens"] = out.tokens.size(1);
-  row["completion_tokens"] = completion_tokens;
-  row["finish_reason"] = stop_token || out.stopped ? "stop" : "length";
-  if (out.hit_context) {
-    row["stopped_at_context"] = cx.context;
-    if (r == 0)
-      std::cerr << "[qa] " << item.id << ": generation stopped after " << out.tokens.size(1)
-                << " tokens: the model's context of " << cx.context << " tokens is full\n";
-  }
-  if (!a.events.empty()) row["video_events"] = a.events;
-  row["ranks"] = n;
-  row["plan"] = describe(a.par, cx.model);
-  const double ttft = times[0].item<double>() + times[2].item<double>();
-  row["timings"] = {
-      {"video_decode_s", times[0].item<double>()},     {"encode_s", times[1].item<double>()},
-      {"prefill_s", times[2].item<double>()},          {"ttft_s", ttft},
-      {"decode_per_token_s", times[3].item<double>()}, {"total_s", times[4].item<double>()}};
-  const int64_t steps = std::max<int64_t>(1, out.tokens.size(1) - 1);
-  row["bytes"] = {{"prefill", bytes[0].item<int64_t>()},
-                  {"decode", bytes[1].item<int64_t>()},
-                  {"decode_per_token", bytes[1].item<int64_t>() / steps}};
-  if (cx.cache->enabled())
-    row["visual_cache"] = {{"hits", bytes[2].item<int64_t>()},
-                           {"misses", bytes[3].item<int64_t>()},
-                           {"bytes", bytes[4].item<int64_t>()},
-                           {"prefix_tokens", out.prefix_tokens},
-                           {"prefix_reused", out.prefix_reused}};
-  return row;
+  const Completion c = completion_of(cx, out);
+  const Gathered g = gather_measures(cx, a, out);
+  put_answer(cx, a, out, c, g);
+  put_measures(cx, a, out, g);
+  return a.row;
 }
 
 json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
