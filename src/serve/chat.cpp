@@ -46,12 +46,7 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
   if (!wait_for([&] { return job->first; })) return;
   {
     std::unique_lock<std::mutex> lock(job->mu);
-    if (job->error) {
-      const ApiError e = *job->error;
-      lock.unlock();
-      send_error(res, e);
-      return;
-    }
+    if (sent_job_error(*job, lock, res)) return;
   }
   if (job->req.stream)
     respond_stream(job, res);
@@ -59,12 +54,19 @@ void Server::chat(const httplib::Request& req, httplib::Response& res) {
     respond_whole(*job, wait_for, res);
 }
 
+bool Server::sent_job_error(Job& job, std::unique_lock<std::mutex>& lock, httplib::Response& res) {
+  if (!job.error) return false;
+  const ApiError e = *job.error;
+  lock.unlock();
+  send_error(res, e);
+  return true;
+}
+
 std::shared_ptr<Job> Server::accept(const httplib::Request& req, httplib::Response& res) {
   std::string scope;
   if (!authorized(req, res, &scope)) return nullptr;
   if (failed_) {
-    send_error(res,
-               ApiError(503, "server_error", "a rank failed: " + client_error_text(failure_)));
+    send_error(res, ApiError(503, "server_error", "a rank failed: " + client_error_text(failure_)));
     return nullptr;
   }
   if (stopping()) {  // from the signal on, not from when the generation loop next looks
@@ -113,17 +115,12 @@ void Server::respond_whole(Job& job, const std::function<bool(const std::functio
                            httplib::Response& res) {
   if (!wait([&] { return job.done; })) return;
   std::unique_lock<std::mutex> lock(job.mu);
-  if (job.error) {
-    const ApiError e = *job.error;
-    lock.unlock();
-    send_error(res, e);
-    return;
-  }
+  if (sent_job_error(job, lock, res)) return;
   const json& row = job.row;
-  json out = completion_json(job.id, job.created, o_.model_name, job.content, job.finish_reason,
-                             row["prompt_tokens"].get<int64_t>(),
-                             row["completion_tokens"].get<int64_t>(),
-                             job.req.logprobs ? row.value("logprobs", json::array()) : json());
+  json out =
+      completion_json(job.id, job.created, o_.model_name, job.content, job.finish_reason,
+                      row["prompt_tokens"].get<int64_t>(), row["completion_tokens"].get<int64_t>(),
+                      job.req.logprobs ? row.value("logprobs", json::array()) : json());
   out["lvx"] = {{"frames", row["frames"]},
                 {"timings", row["timings"]},
                 {"visual_cache", row.value("visual_cache", json())}};
@@ -150,8 +147,8 @@ void Server::respond_stream(const std::shared_ptr<Job>& job, httplib::Response& 
     };
     if (!role_sent) {
       role_sent = true;
-      if (!event(chunk_json(job->id, job->created, model,
-                            {{"role", "assistant"}, {"content", ""}}, nullptr)))
+      if (!event(chunk_json(job->id, job->created, model, {{"role", "assistant"}, {"content", ""}},
+                            nullptr)))
         return gone();
     }
     std::unique_lock<std::mutex> lock(job->mu);
@@ -202,10 +199,11 @@ void Server::resolve_uuid(Job& job) const {
   if (r.video_uuid.empty() || r.video) return;
   const std::optional<std::string> hash = uuids_.find(job.scope, r.video_uuid);
   if (!hash)
-    throw ApiError(400, "invalid_request_error",
-                   "uuid '" + r.video_uuid.substr(0, 64) +
-                       "' names no video sent with this API key: send the video with its uuid first",
-                   "messages", "uuid_not_found");
+    throw ApiError(
+        400, "invalid_request_error",
+        "uuid '" + r.video_uuid.substr(0, 64) +
+            "' names no video sent with this API key: send the video with its uuid first",
+        "messages", "uuid_not_found");
   r.video_hash = *hash;
 }
 

@@ -104,6 +104,9 @@ class Server {
   // its scope does not know the uuid).
   void resolve_uuid(Job& job) const;
   void send_error(httplib::Response& res, const ApiError& e);
+  // The job's error sent, if it has one (`lock` holds job.mu and is released before the send):
+  // true when it was.
+  bool sent_job_error(Job& job, std::unique_lock<std::mutex>& lock, httplib::Response& res);
   // Reserves the request's declared body bytes for this thread (take_body_reservation), or the
   // error that refuses it: 429 when the budget is full now, 413 when it could never fit.
   std::optional<ApiError> reserve_body(const httplib::Request& req);
