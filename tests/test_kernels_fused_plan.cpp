@@ -143,7 +143,7 @@ struct Grads {
   at::Tensor dq, dk, dv;
 };
 
-// Dense fp64 reference through autograd (the reference of tests/test_kernels.cpp).
+// Dense fp64 reference through autograd (the reference of tests/kernel_test_util.h).
 Grads reference_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& dout, const at::Tensor& visible) {
   auto qd = q.to(at::kDouble).detach().requires_grad_(true);

@@ -3,7 +3,7 @@
 // current device of its type, while a tensor always reports an indexed one ("cuda:0"); c10's
 // operator== compares the fields as written, so `Device("cuda") != Device("cuda:0")` even when
 // they are the same GPU. Every comparison of a requested device with a tensor's device goes
-// through same_device() (tests/test_kernels.cpp, DeviceIndex.*, checks it without a GPU).
+// through same_device() (tests/test_kernels_device.cpp, DeviceIndex.*, checks it without a GPU).
 #pragma once
 
 #include <c10/core/Device.h>
