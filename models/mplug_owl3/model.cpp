@@ -277,7 +277,9 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
   LocalVisual vis;
   const auto encode_start = std::chrono::steady_clock::now();
   if (slots > 0) vis = local_visual(c, w_, in, par, mm, mmd, h.options());
+  at::Tensor visual_visible;  // the cached visual shards' mask, one for every cross layer
   if (cache) {
+    if (slots > 0) visual_visible = shard_visible(vis.kv_media.ge(0));
     *cache = DecodeCache{};
     cache->encode_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
@@ -326,8 +328,7 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
       } else {
         const auto [kv_k, kv_v] = kv_fn(vis.features, kv_params);
         cross = attention::dist_attention(q, kv_k, kv_v, par.pg, st.cross, cross_spec, cross_mask);
-        if (cache)
-          cache->visual[static_cast<size_t>(i)] = {kv_k, kv_v, shard_visible(vis.kv_media.ge(0))};
+        if (cache) cache->visual[static_cast<size_t>(i)] = {kv_k, kv_v, visual_visible};
       }
       if (c.variant == "240728") {
         const at::Tensor g = at::sigmoid(param(w_, l + "self_attn.gate"));
@@ -369,10 +370,11 @@ void MplugOwl3::prefill_media(const ModelInputs& in, const Parallel& par,
   cache.sees_media = (mmd.media_starts >= 0).any(1);
   cache.prompt_media = {{mmd.q_media.narrow(1, 0, L), vis.kv_media, c.media_rule().kernel_rule()}};
   cache.prompt_sees = mmd.q_media.narrow(1, 0, L).ge(0);
+  const at::Tensor visible = shard_visible(vis.kv_media.ge(0));  // one for every cross layer
   for (int64_t i = 0; i < c.layers; ++i) {
     if (!c.is_hyper(i)) continue;
     const auto [k, v] = visual_kv_function(c, vis)(vis.features, visual_kv_params(w_, i));
-    cache.visual[static_cast<size_t>(i)] = {k, v, shard_visible(vis.kv_media.ge(0))};
+    cache.visual[static_cast<size_t>(i)] = {k, v, visible};
   }
   cache.encode_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
