@@ -94,6 +94,10 @@ __device__ void load_rows(A* dst, int ld, const T* src, int64_t b, int64_t r0, i
   }
 }
 
+// One thread block per (key tile kt, batch x K/V head): dK/dV of the tile over every query tile
+// of the head group, dQ added with atomics. Its body stays one function (unlike the CPU kernels)
+// so the compiler keeps its tile state in registers; splitting it into __device__ helpers is
+// possible but can be checked only on a GPU.
 template <typename T, typename A>
 __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(BwdArgs args) {
   extern __shared__ __align__(16) unsigned char smem[];

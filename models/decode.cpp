@@ -182,6 +182,20 @@ void seal_chunked_prompt(DecodeCache& cache, int rank, int world) {
   cache.prompt_sees = at::Tensor();
 }
 
+void start_prompt_cache(DecodeCache& cache, int64_t layers, int64_t B, int64_t L,
+                        std::chrono::steady_clock::time_point encode_start) {
+  cache = DecodeCache{};
+  cache.encode_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
+  const auto n = static_cast<size_t>(layers);
+  cache.prompt.resize(n);
+  cache.visual.resize(n);
+  cache.new_k.resize(n);
+  cache.new_v.resize(n);
+  cache.length = L;
+  cache.batch = B;
+}
+
 DecodeCache chunked_prompt_cache(int64_t layers, int64_t batch, int64_t kv_heads, int64_t head_dim,
                                  const at::TensorOptions& like) {
   DecodeCache cache;

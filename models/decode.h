@@ -26,6 +26,7 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <vector>
 
 #include "kernels/attention.h"
@@ -121,6 +122,7 @@ struct DecodeCache {
   at::Tensor prompt_sees;
 };
 
+
 // Whether `cache` holds a prompt being prefilled in chunks; checks that T tokens from its length
 // stay inside it.
 bool prefilling_chunks(const DecodeCache& cache, int64_t tokens);
@@ -145,6 +147,12 @@ Partial fold_partial(const Partial& p, int64_t kv_heads);
 // prefill leaves a shard), so decoding, extending and keeping the prefix work as after a whole
 // prefill; prompt_media is dropped.
 void seal_chunked_prompt(DecodeCache& cache, int rank, int world);
+
+// The cache a whole prefill starts from (a family's forward with a cache): `layers` empty layers,
+// the prompt's length L and batch B, and the seconds its vision encoding took since
+// `encode_start`.
+void start_prompt_cache(DecodeCache& cache, int64_t layers, int64_t B, int64_t L,
+                        std::chrono::steady_clock::time_point encode_start);
 
 // The cache Model::prefill_media starts from: `layers` layers with no prompt keys yet ([B, 0,
 // Hkv, D] in `like`'s options; the chunks' keys are new keys), no visual keys, length 0.

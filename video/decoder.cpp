@@ -43,6 +43,94 @@ bool is_full_range_format(AVPixelFormat f) {
 
 std::string or_unknown(const char* s) { return s ? s : "unknown"; }
 
+// A regular, non-empty file, said before FFmpeg opens it. stat(), not std::filesystem: libtorch.so
+// exports its own, broken, std::filesystem symbols.
+void check_regular_file(const std::string& path) {
+  struct stat st_buf {};
+  LVX_CHECK(::stat(path.c_str(), &st_buf) == 0, "video '", path, "': no such file");
+  LVX_CHECK(!S_ISDIR(st_buf.st_mode), "video '", path, "': is a directory, not a video file");
+  // A FIFO or a device would block FFmpeg's open or never end: only regular files are videos.
+  LVX_CHECK(S_ISREG(st_buf.st_mode), "video '", path, "': is ",
+            S_ISFIFO(st_buf.st_mode) ? "a FIFO" : "not a regular file (a device or a socket)",
+            ", not a video file");
+  LVX_CHECK(st_buf.st_size > 0, "video '", path, "': the file is empty");
+}
+
+// The index of the file's best video stream, and its decoder in *codec; an audio-only file, cover
+// art or a codec FFmpeg cannot decode is refused, saying which.
+int select_video_stream(AVFormatContext* fmt, const std::string& path, const AVCodec** codec) {
+  int stream = av_find_best_stream(fmt, AVMEDIA_TYPE_VIDEO, -1, -1, codec, 0);
+  if (stream >= 0 && (fmt->streams[stream]->disposition & AV_DISPOSITION_ATTACHED_PIC))
+    stream = AVERROR_STREAM_NOT_FOUND;  // cover art of an audio file is not a video
+  if (stream == AVERROR_STREAM_NOT_FOUND) {
+    int audio = 0;
+    for (unsigned s = 0; s < fmt->nb_streams; ++s)
+      audio += fmt->streams[s]->codecpar->codec_type == AVMEDIA_TYPE_AUDIO;
+    LVX_FAIL("video '", path, "': no video stream (", fmt->nb_streams, " streams, ", audio,
+             " audio", audio > 0 ? ": an audio-only file" : "", ")");
+  }
+  if (stream == AVERROR_DECODER_NOT_FOUND)
+    LVX_FAIL("video '", path, "': FFmpeg has no decoder for its video codec");
+  LVX_AV_CHECK(stream, "video '", path, "': cannot select a video stream");
+  return stream;
+}
+
+// The stream's decoder, opened with `threads` threads (0: FFmpeg's choice) of frame and slice
+// threading.
+UniqueAVCodecContext open_decoder(const AVCodec* codec, const AVStream* st, int threads,
+                                  const std::string& path) {
+  UniqueAVCodecContext ctx(avcodec_alloc_context3(codec));
+  LVX_CHECK(ctx != nullptr, "avcodec_alloc_context3: out of memory");
+  LVX_AV_CHECK(avcodec_parameters_to_context(ctx.get(), st->codecpar), "video '", path,
+               "': bad codec parameters");
+  ctx->thread_count = threads;
+  ctx->thread_type = FF_THREAD_FRAME | FF_THREAD_SLICE;
+  ctx->pkt_timebase = st->time_base;
+  LVX_AV_CHECK(avcodec_open2(ctx.get(), codec, nullptr), "video '", path, "': cannot open the ",
+               codec->name, " decoder");
+  return ctx;
+}
+
+// What the stream's header says, into `info` (whose path names the file in errors): the frame
+// size, bounded; rotation; pixel format and colour; frames and duration, for comparison.
+void read_header_info(const AVFormatContext* fmt, const AVStream* st, const DecodeOptions& options,
+                      VideoInfo& info) {
+  const std::string& path = info.path;
+  info.coded_width = st->codecpar->width;
+  info.coded_height = st->codecpar->height;
+  LVX_CHECK(info.coded_width > 0 && info.coded_height > 0, "video '", path,
+            "': the video stream has no frame size (", info.coded_width, "x", info.coded_height,
+            ")");
+  // Bounded before a frame is decoded: a 1 MB image can declare 16000 x 16000 pixels.
+  LVX_CHECK(int64_t{info.coded_width} * info.coded_height <= options.max_frame_pixels, "video '",
+            path, "': frames of ", info.coded_width, "x", info.coded_height,
+            " pixels exceed the limit of ", options.max_frame_pixels, " pixels per frame");
+  info.rotation = rotation_from_display_matrix(st);
+  const bool swap = info.rotation == 90 || info.rotation == 270;
+  info.width = swap ? info.coded_height : info.coded_width;
+  info.height = swap ? info.coded_width : info.coded_height;
+  info.pixel_format =
+      or_unknown(av_get_pix_fmt_name(static_cast<AVPixelFormat>(st->codecpar->format)));
+  info.color_space = or_unknown(av_color_space_name(st->codecpar->color_space));
+  info.color_range = or_unknown(av_color_range_name(st->codecpar->color_range));
+  info.num_frames_from_header = st->nb_frames;
+  if (st->duration != AV_NOPTS_VALUE)
+    info.duration_seconds_from_header = pts_to_seconds(st->duration, st->time_base);
+  else if (fmt->duration != AV_NOPTS_VALUE)
+    info.duration_seconds_from_header = fmt->duration / static_cast<double>(AV_TIME_BASE);
+}
+
+// What the frame index says (frames, begin, end, duration, average rate) into `info`.
+void read_index_info(const FrameIndex& index, bool from_cache, VideoInfo& info) {
+  info.index_from_cache = from_cache;
+  info.end_from_container = index.end_from_container;
+  info.num_frames = index.num_frames();
+  info.begin_seconds = index.pts_seconds(0);
+  info.end_seconds = index.end_seconds();
+  info.duration_seconds = index.duration_seconds();
+  info.average_fps = info.duration_seconds > 0 ? info.num_frames / info.duration_seconds : 0;
+}
+
 }  // namespace
 
 VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options)
@@ -53,79 +141,23 @@ VideoDecoder::VideoDecoder(const std::string& path, const DecodeOptions& options
   // FFmpeg's own warnings ("partial file", alignment notes) would interleave with ours; every
   // problem that matters reaches the caller as an lvx::Error or a DecodeReport entry instead.
   av_log_set_level(AV_LOG_FATAL);
-  // stat(), not std::filesystem: libtorch.so exports its own, broken, std::filesystem symbols.
-  struct stat st_buf {};
-  LVX_CHECK(::stat(path.c_str(), &st_buf) == 0, "video '", path, "': no such file");
-  LVX_CHECK(!S_ISDIR(st_buf.st_mode), "video '", path, "': is a directory, not a video file");
-  // A FIFO or a device would block FFmpeg's open or never end: only regular files are videos.
-  LVX_CHECK(S_ISREG(st_buf.st_mode), "video '", path, "': is ",
-            S_ISFIFO(st_buf.st_mode) ? "a FIFO" : "not a regular file (a device or a socket)",
-            ", not a video file");
-  LVX_CHECK(st_buf.st_size > 0, "video '", path, "': the file is empty");
+  check_regular_file(path);
   fmt_ = open_input(path);
   const AVCodec* codec = nullptr;
-  stream_ = av_find_best_stream(fmt_.get(), AVMEDIA_TYPE_VIDEO, -1, -1, &codec, 0);
-  if (stream_ >= 0 && (fmt_->streams[stream_]->disposition & AV_DISPOSITION_ATTACHED_PIC))
-    stream_ = AVERROR_STREAM_NOT_FOUND;  // cover art of an audio file is not a video
-  if (stream_ == AVERROR_STREAM_NOT_FOUND) {
-    int audio = 0;
-    for (unsigned s = 0; s < fmt_->nb_streams; ++s)
-      audio += fmt_->streams[s]->codecpar->codec_type == AVMEDIA_TYPE_AUDIO;
-    LVX_FAIL("video '", path, "': no video stream (", fmt_->nb_streams, " streams, ", audio,
-             " audio", audio > 0 ? ": an audio-only file" : "", ")");
-  }
-  if (stream_ == AVERROR_DECODER_NOT_FOUND)
-    LVX_FAIL("video '", path, "': FFmpeg has no decoder for its video codec");
-  LVX_AV_CHECK(stream_, "video '", path, "': cannot select a video stream");
+  stream_ = select_video_stream(fmt_.get(), path, &codec);
   AVStream* st = fmt_->streams[stream_];
-
-  codec_.reset(avcodec_alloc_context3(codec));
-  LVX_CHECK(codec_ != nullptr, "avcodec_alloc_context3: out of memory");
-  LVX_AV_CHECK(avcodec_parameters_to_context(codec_.get(), st->codecpar), "video '", path,
-               "': bad codec parameters");
-  codec_->thread_count = options.threads;
-  codec_->thread_type = FF_THREAD_FRAME | FF_THREAD_SLICE;
-  codec_->pkt_timebase = st->time_base;
-  LVX_AV_CHECK(avcodec_open2(codec_.get(), codec, nullptr), "video '", path, "': cannot open the ",
-               codec->name, " decoder");
+  codec_ = open_decoder(codec, st, options.threads, path);
   packet_ = make_av_packet();
   frame_ = make_av_frame();
 
   info_.path = path;
   info_.codec = codec->name;
-  info_.coded_width = st->codecpar->width;
-  info_.coded_height = st->codecpar->height;
-  LVX_CHECK(info_.coded_width > 0 && info_.coded_height > 0, "video '", path,
-            "': the video stream has no frame size (", info_.coded_width, "x", info_.coded_height,
-            ")");
-  // Bounded before a frame is decoded: a 1 MB image can declare 16000 x 16000 pixels.
-  LVX_CHECK(int64_t{info_.coded_width} * info_.coded_height <= options.max_frame_pixels, "video '",
-            path, "': frames of ", info_.coded_width, "x", info_.coded_height,
-            " pixels exceed the limit of ", options.max_frame_pixels, " pixels per frame");
-  info_.rotation = rotation_from_display_matrix(st);
-  const bool swap = info_.rotation == 90 || info_.rotation == 270;
-  info_.width = swap ? info_.coded_height : info_.coded_width;
-  info_.height = swap ? info_.coded_width : info_.coded_height;
-  info_.pixel_format =
-      or_unknown(av_get_pix_fmt_name(static_cast<AVPixelFormat>(st->codecpar->format)));
-  info_.color_space = or_unknown(av_color_space_name(st->codecpar->color_space));
-  info_.color_range = or_unknown(av_color_range_name(st->codecpar->color_range));
-  info_.num_frames_from_header = st->nb_frames;
-  if (st->duration != AV_NOPTS_VALUE)
-    info_.duration_seconds_from_header = pts_to_seconds(st->duration, st->time_base);
-  else if (fmt_->duration != AV_NOPTS_VALUE)
-    info_.duration_seconds_from_header = fmt_->duration / static_cast<double>(AV_TIME_BASE);
+  read_header_info(fmt_.get(), st, options, info_);
 
   bool from_cache = false;
   index_ = load_or_scan_frame_index(fmt_.get(), stream_, path, options.index_cache, &from_cache);
-  info_.index_from_cache = from_cache;
-  info_.end_from_container = index_.end_from_container;
   stats_.packets_scanned = from_cache ? 0 : index_.num_frames();
-  info_.num_frames = index_.num_frames();
-  info_.begin_seconds = index_.pts_seconds(0);
-  info_.end_seconds = index_.end_seconds();
-  info_.duration_seconds = index_.duration_seconds();
-  info_.average_fps = info_.duration_seconds > 0 ? info_.num_frames / info_.duration_seconds : 0;
+  read_index_info(index_, from_cache, info_);
 }
 
 void VideoDecoder::reset_decoder() {

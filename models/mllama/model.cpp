@@ -42,58 +42,67 @@ const at::Tensor* named(const ModelInputs& in, const std::string& name) {
   return it == in.named.end() || !it->second.defined() ? nullptr : &it->second;
 }
 
-Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par) {
+// Images in MllamaProcessor's layout as given: pixel_values [B, images, tiles, 3, S, S] (or this
+// rank's slots: pixels_local) with aspect_ratio_ids and aspect_ratio_mask, all checked;
+// cross_attention_mask given or derived from the <|image|> tokens of host_ids.
+Images processor_images(const Config& c, const ModelInputs& in, const Parallel& par,
+                        const at::Tensor& host_ids) {
   const VisionConfig& v = c.vision;
   const int64_t K = v.max_num_tiles, S = v.image_size, B = in.input_ids.size(0);
-  check_named_inputs(in, {"aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"}, kName);
   const at::Tensor& px = in.pixel_values;
-  const at::Tensor host_ids = in.input_ids.cpu();
   Images im;
-  if (!in.named.empty() || (px.defined() && px.dim() == 6)) {
-    // MllamaProcessor's layout.
-    const at::Tensor* ids = named(in, "aspect_ratio_ids");
-    const at::Tensor* mask = named(in, "aspect_ratio_mask");
-    LVX_CHECK(px.defined() && px.dim() == 6 && px.size(0) == B && px.size(2) == K &&
-                  px.size(3) == 3 && px.size(4) == S && px.size(5) == S,
-              kName, ": pixel_values must be [", B, ", images, ", K, " (max_num_tiles), 3, ", S,
-              ", ", S, "] (MllamaProcessor's layout), got ",
-              px.defined() ? str(px.sizes()) : std::string("none"));
-    LVX_CHECK(ids != nullptr && mask != nullptr, kName,
-              ": pixel_values [B, images, tiles, 3, H, W] needs aspect_ratio_ids and "
-              "aspect_ratio_mask");
-    im.images = ids->dim() == 2 ? ids->size(1) : -1;
-    LVX_CHECK(ids->dim() == 2 && ids->size(0) == B && !at::isFloatingType(ids->scalar_type()),
-              kName, ": aspect_ratio_ids must be integer [", B, ", images], got ",
-              ids->scalar_type(), " ", ids->sizes());
-    LVX_CHECK(mask->dim() == 3 && mask->size(0) == B && mask->size(1) == im.images &&
-                  mask->size(2) == K && !at::isFloatingType(mask->scalar_type()),
-              kName, ": aspect_ratio_mask must be integer [", B, ", ", im.images, ", ", K,
-              "], got ", mask->scalar_type(), " ", mask->sizes());
-    LVX_CHECK(in.pixels_local || px.size(1) == im.images, kName, ": pixel_values has ", px.size(1),
-              " images per sample, aspect_ratio_ids ", im.images);
-    im.pixel_values = px;
-    if (in.pixels_local) {
-      const size_t mine = media_slots(im.images, par.rank(), par.world()).size();
-      im.pixels_local = true;
-      LVX_CHECK(px.size(1) == static_cast<int64_t>(mine), kName, ": rank ", par.rank(),
-                "'s pixel_values (pixels_local) must hold its ", mine, " image slots, got ",
-                px.size(1));
-    }
-    im.aspect_ratio_ids = ids->to(at::kLong);
-    im.aspect_ratio_mask = mask->to(at::kLong);
-    if (const at::Tensor* cam = named(in, "cross_attention_mask")) {
-      LVX_CHECK(cam->dim() == 4 && cam->size(0) == B && cam->size(1) == in.input_ids.size(1) &&
-                    cam->size(2) == im.images && cam->size(3) == K,
-                kName, ": cross_attention_mask must be [", B, ", ", in.input_ids.size(1), ", ",
-                im.images, ", ", K, "], got ", cam->sizes());
-      im.cross_attention_mask = cam->cpu();
-    } else {
-      im.cross_attention_mask = cross_attention_mask_from_ids(
-          host_ids, c.image_token_id, im.aspect_ratio_mask.cpu().sum(-1), K, kName);
-    }
-    return im;
+  const at::Tensor* ids = named(in, "aspect_ratio_ids");
+  const at::Tensor* mask = named(in, "aspect_ratio_mask");
+  LVX_CHECK(px.defined() && px.dim() == 6 && px.size(0) == B && px.size(2) == K &&
+                px.size(3) == 3 && px.size(4) == S && px.size(5) == S,
+            kName, ": pixel_values must be [", B, ", images, ", K, " (max_num_tiles), 3, ", S, ", ",
+            S, "] (MllamaProcessor's layout), got ",
+            px.defined() ? str(px.sizes()) : std::string("none"));
+  LVX_CHECK(ids != nullptr && mask != nullptr, kName,
+            ": pixel_values [B, images, tiles, 3, H, W] needs aspect_ratio_ids and "
+            "aspect_ratio_mask");
+  im.images = ids->dim() == 2 ? ids->size(1) : -1;
+  LVX_CHECK(ids->dim() == 2 && ids->size(0) == B && !at::isFloatingType(ids->scalar_type()), kName,
+            ": aspect_ratio_ids must be integer [", B, ", images], got ", ids->scalar_type(), " ",
+            ids->sizes());
+  LVX_CHECK(mask->dim() == 3 && mask->size(0) == B && mask->size(1) == im.images &&
+                mask->size(2) == K && !at::isFloatingType(mask->scalar_type()),
+            kName, ": aspect_ratio_mask must be integer [", B, ", ", im.images, ", ", K, "], got ",
+            mask->scalar_type(), " ", mask->sizes());
+  LVX_CHECK(in.pixels_local || px.size(1) == im.images, kName, ": pixel_values has ", px.size(1),
+            " images per sample, aspect_ratio_ids ", im.images);
+  im.pixel_values = px;
+  if (in.pixels_local) {
+    const size_t mine = media_slots(im.images, par.rank(), par.world()).size();
+    im.pixels_local = true;
+    LVX_CHECK(px.size(1) == static_cast<int64_t>(mine), kName, ": rank ", par.rank(),
+              "'s pixel_values (pixels_local) must hold its ", mine, " image slots, got ",
+              px.size(1));
   }
-  // Video frames, one single-tile image each, in prompt order.
+  im.aspect_ratio_ids = ids->to(at::kLong);
+  im.aspect_ratio_mask = mask->to(at::kLong);
+  if (const at::Tensor* cam = named(in, "cross_attention_mask")) {
+    LVX_CHECK(cam->dim() == 4 && cam->size(0) == B && cam->size(1) == in.input_ids.size(1) &&
+                  cam->size(2) == im.images && cam->size(3) == K,
+              kName, ": cross_attention_mask must be [", B, ", ", in.input_ids.size(1), ", ",
+              im.images, ", ", K, "], got ", cam->sizes());
+    im.cross_attention_mask = cam->cpu();
+  } else {
+    im.cross_attention_mask = cross_attention_mask_from_ids(
+        host_ids, c.image_token_id, im.aspect_ratio_mask.cpu().sum(-1), K, kName);
+  }
+  return im;
+}
+
+// Video frames (pixel_values [N, 3, S, S], in prompt order, or none when in.media's features
+// replace them) laid out as MllamaProcessor lays out single-tile images: each sample's slots (this
+// rank's with pixels_local) filled in order, the rest padding.
+Images frame_images(const Config& c, const ModelInputs& in, const Parallel& par,
+                    const at::Tensor& host_ids) {
+  const VisionConfig& v = c.vision;
+  const int64_t K = v.max_num_tiles, S = v.image_size, B = in.input_ids.size(0);
+  const at::Tensor& px = in.pixel_values;
+  Images im;
   const at::Tensor counts = (host_ids == c.image_token_id).sum(1);  // images per sample
   im.images = counts.numel() ? counts.max().item<int64_t>() : 0;
   // The slots the frames fill: this rank's (pixels_local) or all of them.
@@ -138,6 +147,16 @@ Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par)
   return im;
 }
 
+// The batch's images as the processor lays them out: given in its layout (named inputs, or
+// pixel_values [B, images, tiles, 3, S, S]), else video frames of one tile each.
+Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par) {
+  check_named_inputs(in, {"aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"}, kName);
+  const at::Tensor& px = in.pixel_values;
+  const at::Tensor host_ids = in.input_ids.cpu();
+  if (!in.named.empty() || (px.defined() && px.dim() == 6))
+    return processor_images(c, in, par, host_ids);  // MllamaProcessor's layout
+  return frame_images(c, in, par, host_ids);
+}
 
 // This rank's image features [B, slots·T, hidden] (T keys per image): in.media's (lvx serve's
 // visual cache) or its slots `mine` encoded (handed back in in.media); undefined when the batch
@@ -193,6 +212,95 @@ std::vector<at::Tensor> cross_kv_params(const StateDict& w, int64_t layer) {
   const std::string l = layer_prefix(layer);
   return {param(w, l + "cross_attn.k_proj.weight"), param(w, l + "cross_attn.v_proj.weight"),
           param(w, l + "cross_attn.k_norm.weight")};
+}
+
+// A forward's media: the cross mask on the host (it decides the calls), this rank's image slots
+// and their features [B, slots·T, hidden], and each call's mask and spec.
+struct ForwardMedia {
+  CrossMask cm;
+  std::vector<int64_t> mine;
+  at::Tensor features;
+  std::vector<attention::MaskInputs> call_masks;
+  std::vector<attention::AttentionSpec> call_specs;
+};
+
+// The batch's images, their cross mask and this rank's whole images encoded (options: the
+// activations'), for a prompt of B samples of L tokens.
+ForwardMedia forward_media(const Config& cfg, const StateDict& w, const ModelInputs& in,
+                           const Parallel& par, const at::TensorOptions& options, int64_t B,
+                           int64_t L) {
+  const TextConfig& t = cfg.text;
+  const Images im = batch_images(cfg, in, par);
+  ForwardMedia m;
+  m.cm = cross_mask(im.cross_attention_mask, cfg.vision.tokens_per_tile(), kName);
+  m.mine = media_slots(im.images, par.rank(), par.world());
+  m.features = local_features(cfg, w, in, im, m.cm, m.mine, par, options);
+  for (const attention::MediaMask& mm : m.cm.calls) {
+    const attention::MediaMask d = media_mask_on(mm, options.device());
+    m.call_masks.push_back({d.q_media, d.kv_media, {}});
+    m.call_specs.push_back(cross_attention_spec(B, L, t.heads, t.kv_heads, t.head_dim, mm, par));
+  }
+  return m;
+}
+
+// Self layer `layer`'s attention output [B, L_r, Hq·D] of x (the hidden states after the input
+// norm), q and k rotated by `rope`; a prefill keeps this rank's K/V in its cache.
+at::Tensor self_attention_output(const TextConfig& t, const StateDict& w, int64_t layer,
+                                 const at::Tensor& x, const RotaryTables& rope,
+                                 const attention::AttentionSpec& spec, const Parallel& par,
+                                 DecodeCache* cache) {
+  const std::string l = layer_prefix(layer);
+  const int64_t B = x.size(0), lr = x.size(1), Hq = t.heads, Hkv = t.kv_heads, D = t.head_dim;
+  at::Tensor q = linear(x, w, l + "self_attn.q_proj", false).view({B, lr, Hq, D});
+  at::Tensor k = linear(x, w, l + "self_attn.k_proj", false).view({B, lr, Hkv, D});
+  const at::Tensor v = linear(x, w, l + "self_attn.v_proj", false).view({B, lr, Hkv, D});
+  q = apply_rotary(q, rope);
+  k = apply_rotary(k, rope);
+  if (cache) cache->prompt[static_cast<size_t>(layer)] = {k, v, {}};
+  const auto self =
+      attention::dist_attention(q, k, v, par.pg, par.at(static_cast<size_t>(layer)).self, spec);
+  return self.o.reshape({B, lr, Hq * D});
+}
+
+// Cross layer `layer`'s attention output [B, L_r, Hq·D] of x (after the input norm) to this
+// rank's image features: one call per family of nested tile sets (mask.h), summed; K/V
+// recomputed in the backward under recompute_cross_kv (no cache), else cached in a prefill.
+at::Tensor cross_attention_output(const Config& cfg, const StateDict& w, int64_t layer,
+                                  const at::Tensor& x, const ForwardMedia& m, const Parallel& par,
+                                  DecodeCache* cache) {
+  const TextConfig& t = cfg.text;
+  const std::string l = layer_prefix(layer);
+  const int64_t B = x.size(0), lr = x.size(1), Hq = t.heads, D = t.head_dim;
+  const LayerStrategies& st = par.at(static_cast<size_t>(layer));
+  // q_norm / k_norm: RMSNorm over each head's channels; K/V from the shared features.
+  at::Tensor q = linear(x, w, l + "cross_attn.q_proj", false).view({B, lr, Hq, D});
+  q = rms_norm(q, param(w, l + "cross_attn.q_norm.weight"), t.rms_eps);
+  const KVFunction kv_fn = cross_kv_function(t);
+  const std::vector<at::Tensor> kv_params = cross_kv_params(w, layer);
+  // Each row has keys in one call only, and o = 0 in the others, so the attention is their sum.
+  at::Tensor o;
+  if (par.recompute_cross_kv && !cache) {
+    for (size_t c = 0; c < m.cm.calls.size(); ++c) {
+      const auto r = cross_attention_recompute(q, m.features, kv_params, kv_fn, par.pg, st.cross,
+                                               m.call_specs[c], m.call_masks[c]);
+      o = c == 0 ? r.o : o + r.o;
+    }
+  } else {
+    const auto [k, v] = kv_fn(m.features, kv_params);
+    for (size_t c = 0; c < m.cm.calls.size(); ++c) {
+      const auto r =
+          attention::dist_attention(q, k, v, par.pg, st.cross, m.call_specs[c], m.call_masks[c]);
+      o = c == 0 ? r.o : o + r.o;
+    }
+    if (cache) {
+      cache->visual[static_cast<size_t>(layer)] = {
+          k, v,
+          m.cm.last_row_keys
+              .index_select(1, LocalMedia{{}, m.mine}.key_index(cfg.tokens_per_image()))
+              .to(x.device())};
+    }
+  }
+  return o.reshape({B, lr, Hq * D});
 }
 
 }  // namespace
@@ -287,85 +395,34 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
   const at::Tensor& emb = param(w_, kLm + "embed_tokens.weight");
   const TextShard shard = embed_text_shard(ids, emb, par, kName);
   at::Tensor h = shard.hidden;
-  const int64_t B = ids.size(0), L = ids.size(1), lr = h.size(1);
-  const int64_t Hq = t.heads, Hkv = t.kv_heads, D = t.head_dim, T = cfg_.tokens_per_image();
+  const int64_t B = ids.size(0), L = ids.size(1);
   const at::ScalarType dt = emb.scalar_type();
 
   // The media: the mask on the host (it decides the calls), this rank's whole images encoded.
   const auto encode_start = std::chrono::steady_clock::now();
-  const Images im = batch_images(cfg_, in, par);
-  const CrossMask cm = cross_mask(im.cross_attention_mask, cfg_.vision.tokens_per_tile(), kName);
-  const std::vector<int64_t> mine = media_slots(im.images, par.rank(), par.world());
-  const at::Tensor features = local_features(cfg_, w_, in, im, cm, mine, par, h.options());
-  std::vector<attention::MaskInputs> call_masks;
-  std::vector<attention::AttentionSpec> call_specs;
-  for (const attention::MediaMask& mm : cm.calls) {
-    const attention::MediaMask d = media_mask_on(mm, h.device());
-    call_masks.push_back({d.q_media, d.kv_media, {}});
-    call_specs.push_back(cross_attention_spec(B, L, Hq, Hkv, D, mm, par));
-  }
+  const ForwardMedia m = forward_media(cfg_, w_, in, par, h.options(), B, L);
   const at::Tensor sees =
-      cm.sees_media.to(h.device()).index_select(1, shard.positions).unsqueeze(-1).to(dt);
+      m.cm.sees_media.to(h.device()).index_select(1, shard.positions).unsqueeze(-1).to(dt);
   if (cache) {
-    *cache = DecodeCache{};
-    cache->encode_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
-    for (auto* v : {&cache->prompt, &cache->visual}) v->resize(static_cast<size_t>(t.layers));
-    cache->new_k.resize(static_cast<size_t>(t.layers));
-    cache->new_v.resize(static_cast<size_t>(t.layers));
-    cache->length = L;
-    cache->batch = B;
-    cache->sees_media = cm.last_row_sees_media.to(h.device());
+    start_prompt_cache(*cache, t.layers, B, L, encode_start);
+    cache->sees_media = m.cm.last_row_sees_media.to(h.device());
   }
 
   const RotaryTables rope =
       llama_rotary(shard.positions, rope_inv_freq(t, emb.options().dtype(at::kFloat)));
+  const attention::AttentionSpec self_spec =
+      self_attention_spec(B, L, t.heads, t.kv_heads, t.head_dim, par);
   for (int64_t i = 0; i < t.layers; ++i) {
     par.enter_layer(i, h);
-    const std::string l = layer_prefix(i);
-    const LayerStrategies& st = par.at(static_cast<size_t>(i));
-    const at::Tensor x = rms_norm(h, param(w_, l + "input_layernorm.weight"), t.rms_eps);
+    const at::Tensor x =
+        rms_norm(h, param(w_, layer_prefix(i) + "input_layernorm.weight"), t.rms_eps);
     if (!t.is_cross(i)) {
-      at::Tensor q = linear(x, w_, l + "self_attn.q_proj", false).view({B, lr, Hq, D});
-      at::Tensor k = linear(x, w_, l + "self_attn.k_proj", false).view({B, lr, Hkv, D});
-      const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", false).view({B, lr, Hkv, D});
-      q = apply_rotary(q, rope);
-      k = apply_rotary(k, rope);
-      if (cache) cache->prompt[static_cast<size_t>(i)] = {k, v, {}};
-      const auto self = attention::dist_attention(q, k, v, par.pg, st.self,
-                                                  self_attention_spec(B, L, Hq, Hkv, D, par));
-      h = self_block(i, h, self.o.reshape({B, lr, Hq * D}), par.remat);
-      continue;
+      const at::Tensor ctx = self_attention_output(t, w_, i, x, rope, self_spec, par, cache);
+      h = self_block(i, h, ctx, par.remat);
+    } else if (!m.cm.calls.empty()) {  // no image in the batch: transformers skips the layer
+      const at::Tensor ctx = cross_attention_output(cfg_, w_, i, x, m, par, cache);
+      h = cross_block(i, h, ctx, sees, par.remat);
     }
-    if (cm.calls.empty()) continue;  // no image in the batch: transformers skips the layer
-    // q_norm / k_norm: RMSNorm over each head's channels; K/V from the shared features.
-    at::Tensor q = linear(x, w_, l + "cross_attn.q_proj", false).view({B, lr, Hq, D});
-    q = rms_norm(q, param(w_, l + "cross_attn.q_norm.weight"), t.rms_eps);
-    const KVFunction kv_fn = cross_kv_function(t);
-    const std::vector<at::Tensor> kv_params = cross_kv_params(w_, i);
-    // One call per family of nested tile sets (mask.h); each row has keys in one call only, and
-    // o = 0 in the others, so the attention is their sum.
-    at::Tensor o;
-    if (par.recompute_cross_kv && !cache) {
-      for (size_t c = 0; c < cm.calls.size(); ++c) {
-        const auto r = cross_attention_recompute(q, features, kv_params, kv_fn, par.pg, st.cross,
-                                                 call_specs[c], call_masks[c]);
-        o = c == 0 ? r.o : o + r.o;
-      }
-    } else {
-      const auto [k, v] = kv_fn(features, kv_params);
-      for (size_t c = 0; c < cm.calls.size(); ++c) {
-        const auto r =
-            attention::dist_attention(q, k, v, par.pg, st.cross, call_specs[c], call_masks[c]);
-        o = c == 0 ? r.o : o + r.o;
-      }
-      if (cache) {
-        cache->visual[static_cast<size_t>(i)] = {
-            k, v,
-            cm.last_row_keys.index_select(1, LocalMedia{{}, mine}.key_index(T)).to(h.device())};
-      }
-    }
-    h = cross_block(i, h, o.reshape({B, lr, Hq * D}), sees, par.remat);
   }
   par.leave_layers(h);
   h = rms_norm(h, param(w_, kLm + "norm.weight"), t.rms_eps);

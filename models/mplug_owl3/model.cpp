@@ -231,6 +231,73 @@ std::vector<at::Tensor> visual_kv_params(const StateDict& w, int64_t layer) {
           param(w, l + "self_attn.v_kv_proj.bias")};
 }
 
+// What a forward's hyper layers share: this rank's images, the cross-attention's spec and media
+// mask, and (prefill) the cached visual shards' mask, one for every cross layer.
+struct VisualAttention {
+  LocalVisual vis;
+  attention::AttentionSpec spec;
+  attention::MaskInputs mask;
+  at::Tensor visible;
+};
+
+// Layer `layer`'s queries [B, L_r, Hq, D], keys and values [B, L_r, Hkv, D] of the hidden states
+// h after its input norm, q and k rotated by `rope`.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> self_qkv(const MplugOwl3Config& c,
+                                                        const StateDict& w, int64_t layer,
+                                                        const at::Tensor& h,
+                                                        const RotaryTables& rope) {
+  const std::string l = layer_prefix(layer);
+  const at::Tensor x = rms_norm(h, param(w, l + "input_layernorm.weight"), c.rms_eps);
+  const int64_t B = x.size(0), lr = x.size(1);
+  at::Tensor q = linear(x, w, l + "self_attn.q_proj", true).view({B, lr, c.heads, c.head_dim});
+  at::Tensor k = linear(x, w, l + "self_attn.k_proj", true).view({B, lr, c.kv_heads, c.head_dim});
+  at::Tensor v = linear(x, w, l + "self_attn.v_proj", true).view({B, lr, c.kv_heads, c.head_dim});
+  q = apply_rotary(q, rope);
+  k = apply_rotary(k, rope);
+  return {q, k, v};
+}
+
+// Hyper layer `layer`'s cross-attention of its queries q to this rank's visual K/V: recomputed in
+// the backward under recompute_cross_kv (no cache), else computed once (and cached in a prefill).
+attention::DistAttentionResult hyper_cross_attention(const MplugOwl3Config& c, const StateDict& w,
+                                                     int64_t layer, const at::Tensor& q,
+                                                     const VisualAttention& va, const Parallel& par,
+                                                     DecodeCache* cache) {
+  const LayerStrategies& st = par.at(static_cast<size_t>(layer));
+  const KVFunction kv_fn = visual_kv_function(c, va.vis);
+  const std::vector<at::Tensor> kv_params = visual_kv_params(w, layer);
+  if (par.recompute_cross_kv && !cache)
+    return cross_attention_recompute(q, va.vis.features, kv_params, kv_fn, par.pg, st.cross,
+                                     va.spec, va.mask);
+  const auto [kv_k, kv_v] = kv_fn(va.vis.features, kv_params);
+  attention::DistAttentionResult cross =
+      attention::dist_attention(q, kv_k, kv_v, par.pg, st.cross, va.spec, va.mask);
+  if (cache) cache->visual[static_cast<size_t>(layer)] = {kv_k, kv_v, va.visible};
+  return cross;
+}
+
+// Hyper layer `layer`'s attention output [B, L_r, Hq·D] from its self part (ctx: self.o in that
+// shape) and its cross part, mixed as the variant mixes them: 240728 by the gate where the row
+// sees an image (sees_image [B, L_r, 1]), 241101 as one softmax over both.
+at::Tensor mix_hyper(const MplugOwl3Config& c, const StateDict& w, int64_t layer,
+                     const at::Tensor& ctx, const attention::DistAttentionResult& self,
+                     const attention::DistAttentionResult& cross, const at::Tensor& sees_image,
+                     at::ScalarType dt) {
+  const int64_t B = ctx.size(0), lr = ctx.size(1);
+  if (c.variant == "240728") {
+    const at::Tensor g = at::sigmoid(param(w, layer_prefix(layer) + "self_attn.gate"));
+    const at::Tensor xo = cross.o.reshape({B, lr, c.heads * c.head_dim});
+    return at::where(sees_image, ctx * (1 - g) + xo * g, ctx);
+  }
+  // One softmax over [visual | text] keys = the two partial results merged by their lse.
+  const at::Tensor lse = at::logaddexp(self.lse, cross.lse);  // [B, Hq, L_r]
+  auto weight = [&](const at::Tensor& part) {
+    return at::exp(part - lse).transpose(1, 2).unsqueeze(-1).to(dt);  // [B, L_r, Hq, 1]
+  };
+  return (self.o * weight(self.lse) + cross.o * weight(cross.lse))
+      .reshape({B, lr, c.heads * c.head_dim});
+}
+
 }  // namespace
 
 ModelOutputs MplugOwl3::forward(const ModelInputs& in, const Parallel& par) const {
@@ -266,7 +333,6 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
   const at::Tensor& pos = shard.positions;
   at::Tensor h = shard.hidden;
   const int64_t B = ids.size(0), L = ids.size(1), T = c.vision.tokens();
-  const at::ScalarType dt = emb.scalar_type();
 
   // Media: per-token indices under this release's rule; this rank's whole images.
   // The media layout on the host (which rank encodes which image), its tensors on h's device.
@@ -274,75 +340,34 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
       attention::media_mask(c.media_rule(), host_ids(ids), c.image_token_id, T);
   const attention::MediaMask mmd = media_mask_on(mm, h.device());
   const int64_t slots = mm.slots;
-  LocalVisual vis;
+  VisualAttention va;
   const auto encode_start = std::chrono::steady_clock::now();
-  if (slots > 0) vis = local_visual(c, w_, in, par, mm, mmd, h.options());
-  at::Tensor visual_visible;  // the cached visual shards' mask, one for every cross layer
+  if (slots > 0) va.vis = local_visual(c, w_, in, par, mm, mmd, h.options());
   if (cache) {
-    if (slots > 0) visual_visible = shard_visible(vis.kv_media.ge(0));
-    *cache = DecodeCache{};
-    cache->encode_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
-    cache->prompt.resize(static_cast<size_t>(c.layers));
-    cache->visual.resize(static_cast<size_t>(c.layers));
-    cache->new_k.resize(static_cast<size_t>(c.layers));
-    cache->new_v.resize(static_cast<size_t>(c.layers));
-    cache->length = L;
-    cache->batch = B;
+    if (slots > 0) va.visible = shard_visible(va.vis.kv_media.ge(0));
+    start_prompt_cache(*cache, c.layers, B, L, encode_start);
     // A generated token comes after every image: it sees all of its sample's images.
     cache->sees_media =
         slots > 0 ? (mmd.media_starts >= 0).any(1) : at::zeros({B}, h.options().dtype(at::kBool));
   }
+  va.spec = cross_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, mm, par);
+  va.mask = {mmd.q_media, mmd.kv_media, {}};
 
   const RotaryTables rope = rotary_tables(pos, c.head_dim, c.rope_theta);
-  const attention::MaskInputs cross_mask{mmd.q_media, mmd.kv_media, {}};
   const at::Tensor sees_image = mmd.q_media.index_select(1, pos).ge(0).unsqueeze(-1);  // [B,L_r,1]
+  const attention::AttentionSpec self_spec =
+      self_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, par);
   for (int64_t i = 0; i < c.layers; ++i) {
     par.enter_layer(i, h);
-    const std::string l = layer_prefix(i);
-    const LayerStrategies& st = par.at(static_cast<size_t>(i));
-    const at::Tensor& norm_w = param(w_, l + "input_layernorm.weight");
-    const at::Tensor x = rms_norm(h, norm_w, c.rms_eps);
-    const int64_t lr = x.size(1);
-    at::Tensor q = linear(x, w_, l + "self_attn.q_proj", true).view({B, lr, c.heads, c.head_dim});
-    at::Tensor k =
-        linear(x, w_, l + "self_attn.k_proj", true).view({B, lr, c.kv_heads, c.head_dim});
-    at::Tensor v =
-        linear(x, w_, l + "self_attn.v_proj", true).view({B, lr, c.kv_heads, c.head_dim});
-    q = apply_rotary(q, rope);
-    k = apply_rotary(k, rope);
+    const auto [q, k, v] = self_qkv(c, w_, i, h, rope);
     if (cache) cache->prompt[static_cast<size_t>(i)] = {k, v, {}};
-    const attention::AttentionSpec self_spec =
-        self_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, par);
-    const auto self = attention::dist_attention(q, k, v, par.pg, st.self, self_spec);
-    at::Tensor ctx = self.o.reshape({B, lr, c.heads * c.head_dim});
+    const auto self =
+        attention::dist_attention(q, k, v, par.pg, par.at(static_cast<size_t>(i)).self, self_spec);
+    at::Tensor ctx = self.o.reshape({B, h.size(1), c.heads * c.head_dim});
     if (c.is_hyper(i) && slots > 0) {
-      const KVFunction kv_fn = visual_kv_function(c, vis);
-      const std::vector<at::Tensor> kv_params = visual_kv_params(w_, i);
-      const attention::AttentionSpec cross_spec =
-          cross_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, mm, par);
-      attention::DistAttentionResult cross;
-      if (par.recompute_cross_kv && !cache) {
-        cross = cross_attention_recompute(q, vis.features, kv_params, kv_fn, par.pg, st.cross,
-                                          cross_spec, cross_mask);
-      } else {
-        const auto [kv_k, kv_v] = kv_fn(vis.features, kv_params);
-        cross = attention::dist_attention(q, kv_k, kv_v, par.pg, st.cross, cross_spec, cross_mask);
-        if (cache) cache->visual[static_cast<size_t>(i)] = {kv_k, kv_v, visual_visible};
-      }
-      if (c.variant == "240728") {
-        const at::Tensor g = at::sigmoid(param(w_, l + "self_attn.gate"));
-        const at::Tensor xo = cross.o.reshape({B, lr, c.heads * c.head_dim});
-        ctx = at::where(sees_image, ctx * (1 - g) + xo * g, ctx);
-      } else {
-        // One softmax over [visual | text] keys = the two partial results merged by their lse.
-        const at::Tensor lse = at::logaddexp(self.lse, cross.lse);  // [B, Hq, L_r]
-        auto weight = [&](const at::Tensor& part) {
-          return at::exp(part - lse).transpose(1, 2).unsqueeze(-1).to(dt);  // [B, L_r, Hq, 1]
-        };
-        ctx = (self.o * weight(self.lse) + cross.o * weight(cross.lse))
-                  .reshape({B, lr, c.heads * c.head_dim});
-      }
+      const attention::DistAttentionResult cross =
+          hyper_cross_attention(c, w_, i, q, va, par, cache);
+      ctx = mix_hyper(c, w_, i, ctx, self, cross, sees_image, emb.scalar_type());
     }
     // The block after its attention: o_proj, residual, norm, MLP, residual.
     h = post_attention(i, h, ctx, par.remat);

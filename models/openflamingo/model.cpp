@@ -18,6 +18,9 @@
 
 namespace lvx::models {
 
+// A table, not a procedure: every tensor the checkpoint holds and its shape, one line each,
+// grouped as the names are (vision tower, perceiver, decoder layers by kind, embeddings). It stays
+// one function so that it reads against a checkpoint's tensor listing line for line.
 ShapeSpec openflamingo_shapes(const OpenFlamingoConfig& c) {
   ShapeSpec s;
   const int64_t w = c.v_width, g = c.image_size / c.patch_size;
@@ -172,7 +175,6 @@ ModelConfig OpenFlamingo::planner_model(const OpenFlamingoConfig& c) {
   return m;
 }
 
-
 int64_t alibi_channels(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kDouble ? 1 : 3;
 }
@@ -187,6 +189,24 @@ at::Tensor alibi_slopes(int64_t heads, double bias_max, const at::TensorOptions&
                                         (bias_max / static_cast<double>(n2)));
   if (n2 != heads) s = at::cat({s.slice(0, 1, n2, 2), s.slice(0, 0, n2, 2)}).narrow(0, 0, heads);
   return s;
+}
+
+// The package's batches carry attention_mask (all ones: lvx runs unpadded samples) and
+// images_per_sample (the <image> tokens of each sample): checked when given.
+void check_package_inputs(const ModelInputs& in, int64_t media_token_id) {
+  check_named_inputs(in, {"attention_mask", "images_per_sample"}, "OpenFlamingo");
+  const at::Tensor& ids = in.input_ids;
+  if (auto m = in.named.find("attention_mask"); m != in.named.end())
+    LVX_CHECK(m->second.sizes() == ids.sizes() && m->second.ne(0).all().item<bool>(),
+              "OpenFlamingo: attention_mask must be all ones with input_ids' shape ", ids.sizes(),
+              " (lvx runs unpadded samples), got ", m->second.sizes());
+  if (auto m = in.named.find("images_per_sample"); m != in.named.end()) {
+    const at::Tensor counts = host_ids(ids).eq(media_token_id).sum(1);
+    LVX_CHECK(m->second.dim() == 1 && m->second.size(0) == ids.size(0) &&
+                  m->second.cpu().to(at::kLong).equal(counts),
+              "OpenFlamingo: images_per_sample must be the <image> tokens of each sample ",
+              counts.sizes(), ", got ", m->second.sizes());
+  }
 }
 
 }  // namespace
@@ -369,21 +389,8 @@ ModelOutputs OpenFlamingo::forward(const ModelInputs& in, const Parallel& par) c
 ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
                                DecodeCache* cache) const {
   const OpenFlamingoConfig& c = cfg_;
-  // The package's batches carry attention_mask (all ones: lvx runs unpadded samples) and
-  // images_per_sample (the <image> tokens of each sample).
-  check_named_inputs(in, {"attention_mask", "images_per_sample"}, "OpenFlamingo");
+  check_package_inputs(in, c.media_token_id);
   const at::Tensor& ids = in.input_ids;
-  if (auto m = in.named.find("attention_mask"); m != in.named.end())
-    LVX_CHECK(m->second.sizes() == ids.sizes() && m->second.ne(0).all().item<bool>(),
-              "OpenFlamingo: attention_mask must be all ones with input_ids' shape ", ids.sizes(),
-              " (lvx runs unpadded samples), got ", m->second.sizes());
-  if (auto m = in.named.find("images_per_sample"); m != in.named.end()) {
-    const at::Tensor counts = host_ids(ids).eq(c.media_token_id).sum(1);
-    LVX_CHECK(m->second.dim() == 1 && m->second.size(0) == ids.size(0) &&
-                  m->second.cpu().to(at::kLong).equal(counts),
-              "OpenFlamingo: images_per_sample must be the <image> tokens of each sample ",
-              counts.sizes(), ", got ", m->second.sizes());
-  }
   const int64_t B = ids.size(0), L = ids.size(1), hd = c.head_dim, T = c.p_latents;
   const at::Tensor& emb = embedding();
   const at::ScalarType dt = emb.scalar_type();
@@ -403,14 +410,7 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
   const attention::MaskInputs cross_mask{mmd.q_media, mmd.kv_media, {}};
   at::Tensor last_image;  // bool [B, slots_r·T]: this rank's keys of each sample's last image
   if (cache) {
-    *cache = DecodeCache{};
-    cache->encode_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
-    for (auto* v : {&cache->prompt, &cache->visual}) v->resize(static_cast<size_t>(c.layers));
-    cache->new_k.resize(static_cast<size_t>(c.layers));
-    cache->new_v.resize(static_cast<size_t>(c.layers));
-    cache->length = L;
-    cache->batch = B;
+    start_prompt_cache(*cache, c.layers, B, L, encode_start);
     // A generated token sees its sample's last image only (the package's use_cached_media).
     const at::Tensor images = host_ids(ids).eq(c.media_token_id).sum(1).to(x.device());  // [B]
     cache->sees_media = images.gt(0);
@@ -424,6 +424,8 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
       self_attention_spec(B, L, c.heads, c.kv_heads, c.head_dim, par);
   if (c.lm == "mpt") self_spec.head_dim = hd + alibi_channels(dt);  // the ALiBi channels
   self_spec.scale = self_scale();
+  const attention::AttentionSpec cross_spec =
+      cross_attention_spec(B, L, c.x_heads, c.x_heads, c.x_dim_head, mm, par);
   for (int64_t i = 0; i < c.layers; ++i) {
     par.enter_layer(i, x);
     const size_t li = static_cast<size_t>(i);
@@ -431,8 +433,6 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
     const int64_t lr = x.size(1);
     if (c.is_cross(i) && mm.slots > 0) {
       const auto [k, v] = cross_kv(i, media.features);
-      const attention::AttentionSpec cross_spec =
-          cross_attention_spec(B, L, c.x_heads, c.x_heads, c.x_dim_head, mm, par);
       const auto o = attention::dist_attention(cross_query(i, x), k, v, par.pg, st.cross,
                                                cross_spec, cross_mask);
       if (cache) cache->visual[li] = {k, v, last_image};

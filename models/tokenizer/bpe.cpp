@@ -106,7 +106,11 @@ std::vector<int32_t> Bpe::merge_word(std::string_view w) const {
   return ids;
 }
 
-void parse_bpe(const Node& n, Bpe* bpe) {
+namespace {
+
+// The model's type and options: BPE without dropout, subword affixes or byte fallback; fuse_unk
+// and ignore_merges are kept.
+void parse_bpe_options(const Node& n, Bpe* bpe) {
   const std::string type = n.type();
   if (type != "BPE") {
     n.child("type").fail("unsupported model type \"" + type + "\" (supported: BPE)");
@@ -128,8 +132,11 @@ void parse_bpe(const Node& n, Bpe* bpe) {
   }
   bpe->fuse_unk = n.flag("fuse_unk", false);
   bpe->ignore_merges = n.flag("ignore_merges", false);
+}
 
-  const Node vocab = n.required("vocab");
+// model.vocab: each token's id, in range and its own; a token of one valid UTF-8 character is
+// also found by its code point.
+void parse_vocab(const Node& vocab, Bpe* bpe) {
   vocab.expect_object();
   bpe->vocab.reserve(vocab.size());
   for (const auto& [token, v] : vocab.value().items()) {
@@ -151,34 +158,35 @@ void parse_bpe(const Node& n, Bpe* bpe) {
       bpe->char_ids[code_point(token, 0, len)] = id32;
     }
   }
+}
 
-  const Node unk = n.child("unk_token");
-  if (!unk.is_null()) {
-    const auto it = bpe->vocab.find(unk.str());
-    if (it == bpe->vocab.end()) unk.fail("unk_token " + unk.shown() + " is not in model.vocab");
-    bpe->unk_id = it->second;
+// One merge's left and right tokens, from "a b" (the older form) or [a, b].
+std::pair<std::string, std::string> merge_pair(const Node& m) {
+  std::string a, b;
+  if (m.value().is_string()) {  // "a b", the older form (Qwen2's file)
+    const std::string s = m.str();
+    const size_t sp = s.find(' ');
+    if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) {
+      m.fail("expected \"<left> <right>\" (two tokens and one space), got " + m.shown());
+    }
+    a = s.substr(0, sp);
+    b = s.substr(sp + 1);
+  } else if (m.value().is_array() && m.size() == 2) {  // [a, b], what tokenizers 0.22 writes
+    a = m.item(0).str();
+    b = m.item(1).str();
+  } else {
+    m.fail("expected \"<left> <right>\" or [left, right], got " + m.shown());
   }
+  return {a, b};
+}
 
-  const Node merges = n.required("merges");
+// model.merges, ranked by position: both tokens and the merged one must be in the vocab.
+void parse_merges(const Node& merges, Bpe* bpe) {
   merges.expect_array();
   bpe->merges.reserve(merges.size());
   for (size_t i = 0; i < merges.size(); ++i) {
     const Node m = merges.item(i);
-    std::string a, b;
-    if (m.value().is_string()) {  // "a b", the older form (Qwen2's file)
-      const std::string s = m.str();
-      const size_t sp = s.find(' ');
-      if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) {
-        m.fail("expected \"<left> <right>\" (two tokens and one space), got " + m.shown());
-      }
-      a = s.substr(0, sp);
-      b = s.substr(sp + 1);
-    } else if (m.value().is_array() && m.size() == 2) {  // [a, b], what tokenizers 0.22 writes
-      a = m.item(0).str();
-      b = m.item(1).str();
-    } else {
-      m.fail("expected \"<left> <right>\" or [left, right], got " + m.shown());
-    }
+    const auto [a, b] = merge_pair(m);
     const std::string merged = a + b;
     for (const std::string* t : std::array<const std::string*, 3>{&a, &b, &merged}) {
       if (!bpe->vocab.count(*t)) m.fail("token " + json(*t).dump() + " is not in model.vocab");
@@ -187,6 +195,22 @@ void parse_bpe(const Node& n, Bpe* bpe) {
     bpe->merges[Bpe::key(bpe->vocab[a], bpe->vocab[b])] = {static_cast<int32_t>(i),
                                                            bpe->vocab[merged]};
   }
+}
+
+}  // namespace
+
+void parse_bpe(const Node& n, Bpe* bpe) {
+  parse_bpe_options(n, bpe);
+  parse_vocab(n.required("vocab"), bpe);
+
+  const Node unk = n.child("unk_token");
+  if (!unk.is_null()) {
+    const auto it = bpe->vocab.find(unk.str());
+    if (it == bpe->vocab.end()) unk.fail("unk_token " + unk.shown() + " is not in model.vocab");
+    bpe->unk_id = it->second;
+  }
+
+  parse_merges(n.required("merges"), bpe);
 }
 
 }  // namespace lvx::models::tokenization

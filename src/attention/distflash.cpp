@@ -62,6 +62,101 @@ void add_kv_ops(int n, int r, int t, const Layout& l, const at::Tensor& k, const
   }
 }
 
+// One rank's view of the forward: the ranks, the shards' layout, the accumulation dtype and the
+// inputs made contiguous.
+struct ForwardContext {
+  dist::ProcessGroup& pg;
+  const AttentionSpec& s;
+  const MaskInputs& mask;
+  int n, r;
+  Layout l;
+  at::ScalarType acc;
+  at::Tensor q, k, v;
+};
+
+// This rank's running (O, lse) in fp32, and the helpers' (O, lse) for its queries, merged at the
+// end in round order, once every result request (sent or received) is done.
+struct ForwardSums {
+  at::Tensor o, lse;
+  std::vector<std::pair<at::Tensor, at::Tensor>> returned;
+  std::vector<dist::Work> results;
+};
+
+// Attention of queries `q` (owner qo) to keys (owner ko): a fresh (O, lse) in fp32; O = 0 and
+// lse = −inf when either side is empty.
+kernels::AttentionOutput attend_block(const ForwardContext& x, const at::Tensor& q, int qo,
+                                      const at::Tensor& k, const at::Tensor& v, int ko) {
+  const double inf = std::numeric_limits<double>::infinity();
+  kernels::AttentionOutput part;
+  if (q.size(1) > 0 && k.size(1) > 0) {
+    part = kernels::attention_forward(
+        q, k, v, block_params(x.s, x.mask, x.l.positions(qo), x.l.positions(ko)));
+    part.o = part.o.to(x.acc).contiguous();
+    part.lse = part.lse.contiguous();
+  } else {
+    part.o = at::zeros(q.sizes(), q.options().dtype(x.acc));
+    part.lse = at::full({x.s.batch, x.s.hq, q.size(1)}, -inf, q.options().dtype(x.acc));
+  }
+  return part;
+}
+
+// What a forward round receives ahead: kv_{r−t} (owner) or the helped rank's Q (helper).
+struct ForwardAhead {
+  at::Tensor k, v, q;
+  dist::Work work;
+};
+
+// Posts the messages of forward round t: this rank's K/V to r + t and Q to its helper; receives
+// kv_{r−t} (owner) or the helped rank's Q (helper).
+ForwardAhead post_forward_round(const ForwardContext& x, int t) {
+  ForwardAhead a;
+  std::vector<P2POp> ops;
+  add_kv_ops(x.n, x.r, t, x.l, x.k, x.v, &ops, &a.k, &a.v);
+  if (const int h = helper_of(x.n, t, x.r); h >= 0) ops.push_back(P2POp::send(x.q, h));
+  if (const int ow = helped_owner(x.n, t, x.r); ow >= 0) {
+    a.q = empty_like_len(x.q, 1, x.l.local_size(ow), x.q.scalar_type());
+    ops.push_back(P2POp::recv(a.q, ow));
+  }
+  if (!ops.empty()) a.work = x.pg.batch_isend_irecv(std::move(ops), "distflash forward K/V/Q");
+  return a;
+}
+
+// Round 0: the diagonal block (q_r against kv_r), merged into this rank's (O, lse).
+void merge_diagonal_block(const ForwardContext& x, ForwardSums* sums) {
+  auto part = attend_block(x, x.q, x.r, x.k, x.v, x.r);
+  kernels::merge_attention_states(sums->o, sums->lse, part.o, part.lse);
+}
+
+// Round t ≥ 1 with its messages in (cur): the owner's block merged here, or the helper's (O, lse)
+// sent back to the late rank, and the receive of this rank's helped result, posted together.
+void forward_round(const ForwardContext& x, int t, const ForwardAhead& cur, ForwardSums* sums) {
+  std::vector<P2POp> ops;
+  if (x.r >= t) {  // owner: my queries against kv_{r−t}
+    auto part = attend_block(x, x.q, x.r, cur.k, cur.v, x.r - t);
+    kernels::merge_attention_states(sums->o, sums->lse, part.o, part.lse);
+  } else if (const int ow = helped_owner(x.n, t, x.r); ow >= 0) {  // helper for rank ow
+    auto part = attend_block(x, cur.q, ow, x.k, x.v, x.r);
+    ops.push_back(P2POp::send(part.o, ow));
+    ops.push_back(P2POp::send(part.lse, ow));
+  }
+  if (const int h = helper_of(x.n, t, x.r); h >= 0) {
+    sums->returned.emplace_back(at::empty(sums->o.sizes(), sums->o.options()),
+                                at::empty(sums->lse.sizes(), sums->lse.options()));
+    ops.push_back(P2POp::recv(sums->returned.back().first, h));
+    ops.push_back(P2POp::recv(sums->returned.back().second, h));
+  }
+  if (!ops.empty())
+    sums->results.push_back(x.pg.batch_isend_irecv(std::move(ops), "distflash forward O/lse"));
+}
+
+// Waits for every result request, merges the helpers' (O, lse) in round order, and casts O to
+// the inputs' dtype.
+LocalOutput finish_forward(const ForwardContext& x, ForwardSums* sums) {
+  for (auto& w : sums->results) w.wait();
+  for (auto& [ro, rl] : sums->returned) kernels::merge_attention_states(sums->o, sums->lse, ro, rl);
+  return LocalOutput{sums->o.to(x.q.scalar_type()), sums->lse};
+}
+
 // One rank's view of the backward: the ranks, the shards' layout, the saved inputs (made
 // contiguous), dO in the inputs' dtype and the softmax statistics (lse, delta).
 struct BackwardContext {
@@ -223,77 +318,21 @@ class DistFlashStrategy : public Strategy {
     const Layout l = q_layout(s, n);
     const auto acc = kernels::accumulation_dtype(in.q.scalar_type());
     const double inf = std::numeric_limits<double>::infinity();
-    at::Tensor o = at::zeros(in.q.sizes(), in.q.options().dtype(acc));
-    at::Tensor lse = at::full({s.batch, s.hq, in.q.size(1)}, -inf, in.q.options().dtype(acc));
-    // Attention of queries `q` (owner qo) to keys (owner ko): a fresh (O, lse) in fp32.
-    auto attend = [&](const at::Tensor& q, int qo, const at::Tensor& k, const at::Tensor& v,
-                      int ko) {
-      kernels::AttentionOutput part;
-      if (q.size(1) > 0 && k.size(1) > 0) {
-        part = kernels::attention_forward(
-            q, k, v, block_params(s, in.mask, l.positions(qo), l.positions(ko)));
-        part.o = part.o.to(acc).contiguous();
-        part.lse = part.lse.contiguous();
-      } else {
-        part.o = at::zeros(q.sizes(), q.options().dtype(acc));
-        part.lse = at::full({s.batch, s.hq, q.size(1)}, -inf, q.options().dtype(acc));
-      }
-      return part;
-    };
-    const at::Tensor q = in.q.contiguous(), k = in.k.contiguous(), v = in.v.contiguous();
-    struct Ahead {
-      at::Tensor k, v, q;
-      dist::Work work;
-    };
-    // Posts the messages of round t: this rank's K/V to r + t and Q to its helper; receives
-    // kv_{r−t} (owner) or the helped rank's Q (helper).
-    auto post = [&](int t) {
-      Ahead a;
-      std::vector<P2POp> ops;
-      add_kv_ops(n, r, t, l, k, v, &ops, &a.k, &a.v);
-      if (const int h = helper_of(n, t, r); h >= 0) ops.push_back(P2POp::send(q, h));
-      if (const int ow = helped_owner(n, t, r); ow >= 0) {
-        a.q = empty_like_len(q, 1, l.local_size(ow), q.scalar_type());
-        ops.push_back(P2POp::recv(a.q, ow));
-      }
-      if (!ops.empty()) a.work = pg.batch_isend_irecv(std::move(ops), "distflash forward K/V/Q");
-      return a;
-    };
-    // Helpers' (O, lse) for this rank, merged at the end in round order, once every result
-    // request (sent or received) is done.
-    std::vector<std::pair<at::Tensor, at::Tensor>> returned;
-    std::vector<dist::Work> results;
+    ForwardSums sums;
+    sums.o = at::zeros(in.q.sizes(), in.q.options().dtype(acc));
+    sums.lse = at::full({s.batch, s.hq, in.q.size(1)}, -inf, in.q.options().dtype(acc));
+    const ForwardContext x{
+        pg, s, in.mask, n, r, l, acc, in.q.contiguous(), in.k.contiguous(), in.v.contiguous()};
     const int T = n / 2;
-    Ahead next = T >= 1 ? post(1) : Ahead{};
-    {
-      auto part = attend(q, r, k, v, r);  // round 0: the diagonal block
-      kernels::merge_attention_states(o, lse, part.o, part.lse);
-    }
+    ForwardAhead next = T >= 1 ? post_forward_round(x, 1) : ForwardAhead{};
+    merge_diagonal_block(x, &sums);
     for (int t = 1; t <= T; ++t) {
       if (next.work.valid()) next.work.wait();
-      Ahead cur = std::move(next);
-      if (t < T) next = post(t + 1);
-      std::vector<P2POp> ops;
-      if (r >= t) {  // owner: my queries against kv_{r−t}
-        auto part = attend(q, r, cur.k, cur.v, r - t);
-        kernels::merge_attention_states(o, lse, part.o, part.lse);
-      } else if (const int ow = helped_owner(n, t, r); ow >= 0) {  // helper for rank ow
-        auto part = attend(cur.q, ow, k, v, r);
-        ops.push_back(P2POp::send(part.o, ow));
-        ops.push_back(P2POp::send(part.lse, ow));
-      }
-      if (const int h = helper_of(n, t, r); h >= 0) {
-        returned.emplace_back(at::empty(o.sizes(), o.options()),
-                              at::empty(lse.sizes(), lse.options()));
-        ops.push_back(P2POp::recv(returned.back().first, h));
-        ops.push_back(P2POp::recv(returned.back().second, h));
-      }
-      if (!ops.empty())
-        results.push_back(pg.batch_isend_irecv(std::move(ops), "distflash forward O/lse"));
+      ForwardAhead cur = std::move(next);
+      if (t < T) next = post_forward_round(x, t + 1);
+      forward_round(x, t, cur, &sums);
     }
-    for (auto& w : results) w.wait();
-    for (auto& [ro, rl] : returned) kernels::merge_attention_states(o, lse, ro, rl);
-    LocalOutput out{o.to(in.q.scalar_type()), lse};
+    LocalOutput out = finish_forward(x, &sums);
     if (saved) saved->tensors = {in.q, in.k, in.v, out.o, out.lse};
     return out;
   }

@@ -66,17 +66,21 @@ void draw_bar(const std::string& metrics, std::streamoff* offset, std::string* l
   }
 }
 
-int cmd_finetune(int argc, char** argv) {
-  // Dotted overrides ("optimizer.lr=1e-3") are the arguments that are not flags.
-  std::vector<std::string> overrides;
-  std::vector<char*> args;
+// Dotted overrides ("optimizer.lr=1e-3") are the arguments that are not flags; the others
+// (argv[0] first) go to the parser.
+void split_overrides(int argc, char** argv, std::vector<std::string>* overrides,
+                     std::vector<char*>* args) {
   static const std::regex kOverride("^[A-Za-z_]+(\\.[A-Za-z_]+)?=.*");
   for (int i = 0; i < argc; ++i) {
     if (i > 0 && std::regex_match(argv[i], kOverride))
-      overrides.push_back(argv[i]);
+      overrides->push_back(argv[i]);
     else
-      args.push_back(argv[i]);
+      args->push_back(argv[i]);
   }
+}
+
+// The options of `lvx finetune`, with its usage and description.
+lvx::cli::ArgParser finetune_parser() {
   lvx::cli::ArgParser p(
       "lvx finetune --config run.yaml [--resume [--accept-config-changes]] [--nproc N] "
       "[--sp-size S] [section.field=value | section={field: value} ...]",
@@ -102,7 +106,13 @@ int cmd_finetune(int argc, char** argv) {
                "ranks per sequence-parallel group (default: parallel.sp_size; 0: all ranks)");
   lvx::cli::add_threads_option(p);
   lvx::cli::add_device_option(p);
-  if (!p.parse(static_cast<int>(args.size()), args.data())) return 0;
+  return p;
+}
+
+// The job of the parsed command line: the dotted overrides, then --nproc and --sp-size as
+// overrides of parallel.nproc and parallel.sp_size.
+lvx::runtime::FinetuneJob finetune_job(const lvx::cli::ArgParser& p,
+                                       const std::vector<std::string>& overrides) {
   lvx::runtime::FinetuneJob job;
   job.config = p.get("config");
   job.resume = p.flag("resume");
@@ -113,10 +123,30 @@ int cmd_finetune(int argc, char** argv) {
     job.overrides.push_back("parallel.nproc=" + p.get("nproc"));
   if (p.has("sp-size") && !p.get("sp-size").empty())
     job.overrides.push_back("parallel.sp_size=" + p.get("sp-size"));
-  if (lvx::cli::inside_rank())
-    return lvx::cli::apply_threads(p), lvx::runtime::run_finetune_rank(job);
-  // Bad input fails once, clearly, before ranks start and before anything is written.
-  const lvx::runtime::TrainConfig cfg = lvx::runtime::validate_finetune_job(job);
+  return job;
+}
+
+// The drawing thread's loop: redraws the bar from the metrics lines written after it started,
+// every 300 ms while `running`, then once more, ending the bar's line if one was drawn.
+void draw_bar_until_done(const std::string& metrics, const std::atomic<bool>& running) {
+  std::streamoff offset = 0;
+  {
+    std::ifstream f(metrics, std::ios::ate);
+    if (f.good()) offset = f.tellg();
+  }
+  std::string last;
+  while (running) {
+    draw_bar(metrics, &offset, &last);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  draw_bar(metrics, &offset, &last);
+  if (!last.empty()) std::fputs("\n", stderr);
+}
+
+// The launching process: starts the local ranks (this executable with the same arguments) and,
+// on a terminal, draws rank 0's progress bar until they exit. Returns their exit code.
+int launch_finetune(int argc, char** argv, const lvx::runtime::FinetuneJob& job,
+                    const lvx::runtime::TrainConfig& cfg) {
   std::vector<std::string> cmd{lvx::dist::self_executable()};
   for (int i = 0; i < argc; ++i) cmd.push_back(argv[i]);
   lvx::dist::LaunchOptions o;
@@ -126,26 +156,25 @@ int cmd_finetune(int argc, char** argv) {
   if (bar) o.env["LVX_FINETUNE_BAR"] = "1";
   std::atomic<bool> running{true};
   std::thread drawer;
-  if (bar) {
-    drawer = std::thread([&] {
-      std::streamoff offset = 0;
-      {
-        std::ifstream f(cfg.logging.metrics, std::ios::ate);
-        if (f.good()) offset = f.tellg();
-      }
-      std::string last;
-      while (running) {
-        draw_bar(cfg.logging.metrics, &offset, &last);
-        std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      }
-      draw_bar(cfg.logging.metrics, &offset, &last);
-      if (!last.empty()) std::fputs("\n", stderr);
-    });
-  }
+  if (bar) drawer = std::thread([&] { draw_bar_until_done(cfg.logging.metrics, running); });
   const int rc = lvx::dist::launch_local(cmd, o).exit_code;
   running = false;
   if (drawer.joinable()) drawer.join();
   return rc;
+}
+
+int cmd_finetune(int argc, char** argv) {
+  std::vector<std::string> overrides;
+  std::vector<char*> args;
+  split_overrides(argc, argv, &overrides, &args);
+  lvx::cli::ArgParser p = finetune_parser();
+  if (!p.parse(static_cast<int>(args.size()), args.data())) return 0;
+  const lvx::runtime::FinetuneJob job = finetune_job(p, overrides);
+  if (lvx::cli::inside_rank())
+    return lvx::cli::apply_threads(p), lvx::runtime::run_finetune_rank(job);
+  // Bad input fails once, clearly, before ranks start and before anything is written.
+  const lvx::runtime::TrainConfig cfg = lvx::runtime::validate_finetune_job(job);
+  return launch_finetune(argc, argv, job, cfg);
 }
 
 }  // namespace
