@@ -71,8 +71,8 @@ struct Case {
 std::map<std::string, double> g_max_err;
 std::map<std::string, std::vector<at::Tensor>> g_first_result;
 
-int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
-  const int n = pg.world_size(), r = pg.rank();
+// The spec of a case: 2 samples of head size 8, the case's shapes, mask and layouts.
+AttentionSpec spec_for(const Case& c) {
   AttentionSpec s;
   s.batch = 2;
   s.sq = c.sq;
@@ -89,59 +89,125 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
     s.kv_layout = attention::LayoutKind::kStriped;
     s.kv_unit = 4;
   }
+  return s;
+}
+
+// A case's global inputs (every rank makes them all): q, k, v, the output gradient and the mask
+// metadata.
+struct CaseInputs {
+  at::Tensor q, k, v, dout;
+  at::Tensor q_media, kv_media, kv_valid;
+};
+
+// Draws a case's inputs from a generator seeded by the case less its strategy's name.
+CaseInputs make_inputs(const AttentionSpec& s, const Case& c, uint64_t seed) {
+  CaseInputs x;
   // Same inputs for every strategy of a case (the cross-strategy comparison needs them).
   auto gen = at::make_generator<at::CPUGeneratorImpl>(
       seed + std::hash<std::string>{}(c.name().substr(c.name().find('/'))) % 100000);
-  auto q = at::randn({s.batch, s.sq, s.hq, s.head_dim}, gen, at::kDouble).to(c.dtype);
-  auto k = at::randn({s.batch, s.skv, s.hkv, s.head_dim}, gen, at::kDouble).to(c.dtype);
-  auto v = at::randn({s.batch, s.skv, s.hkv, s.head_dim}, gen, at::kDouble).to(c.dtype);
-  auto dout = at::randn({s.batch, s.sq, s.hq, s.head_dim}, gen, at::kDouble).to(c.dtype);
+  x.q = at::randn({s.batch, s.sq, s.hq, s.head_dim}, gen, at::kDouble).to(c.dtype);
+  x.k = at::randn({s.batch, s.skv, s.hkv, s.head_dim}, gen, at::kDouble).to(c.dtype);
+  x.v = at::randn({s.batch, s.skv, s.hkv, s.head_dim}, gen, at::kDouble).to(c.dtype);
+  x.dout = at::randn({s.batch, s.sq, s.hq, s.head_dim}, gen, at::kDouble).to(c.dtype);
   // Media: 3 media; keys grouped by media (some keys −1); queries' latest media, the first
   // rows before any media (−1: they see nothing).
-  auto kv_media = at::div(at::arange(s.skv, at::kLong) * 3, s.skv, "floor")
-                      .to(at::kInt)
-                      .view({1, -1})
-                      .repeat({s.batch, 1});
-  kv_media.select(1, s.skv - 1).fill_(-1);
-  auto q_media = (at::div(at::arange(s.sq, at::kLong) * 4, s.sq, "floor") - 1)
-                     .to(at::kInt)
-                     .view({1, -1})
-                     .repeat({s.batch, 1});
-  auto strategy = attention::make_strategy(attention::strategy_from_name(c.strategy));
-  at::Tensor kv_valid = c.padded ? padding_mask(s.batch, s.skv) : at::Tensor();
-  auto vis = visibility(s, q_media, kv_media);
-  if (c.padded) vis = vis & kv_valid.unsqueeze(1);
-  Dense ref = dense(s, q, k, v, dout, vis, at::kDouble);
-  Dense same = dense(s, q, k, v, dout, vis, c.dtype);
+  x.kv_media = at::div(at::arange(s.skv, at::kLong) * 3, s.skv, "floor")
+                   .to(at::kInt)
+                   .view({1, -1})
+                   .repeat({s.batch, 1});
+  x.kv_media.select(1, s.skv - 1).fill_(-1);
+  x.q_media = (at::div(at::arange(s.sq, at::kLong) * 4, s.sq, "floor") - 1)
+                  .to(at::kInt)
+                  .view({1, -1})
+                  .repeat({s.batch, 1});
+  x.kv_valid = c.padded ? padding_mask(s.batch, s.skv) : at::Tensor();
+  return x;
+}
 
-  const auto ql = strategy->q_layout(s, n), kl = strategy->kv_layout(s, n);
+// This rank's results of one strategy (on the CPU) and the bytes it counted in each pass, in
+// all and to each peer.
+struct RankRun {
+  attention::LocalOutput out;
+  attention::LocalGrads grads;
+  int64_t fwd_sent = 0, fwd_recv = 0, bwd_sent = 0, bwd_recv = 0;
+  std::vector<int64_t> fwd_to, bwd_to;
+};
+
+// Runs the strategy's forward and backward on this rank's shards and brings the results back;
+// false (said on stderr) when a result is not on the device of the inputs.
+bool run_strategy(dist::ProcessGroup& pg, const attention::Strategy& strategy,
+                  const AttentionSpec& s, const Case& c, const CaseInputs& x,
+                  const attention::Layout& ql, const attention::Layout& kl, RankRun* run) {
+  const int n = pg.world_size(), r = pg.rank();
   // The strategy runs on the test device (LVX_TEST_DEVICE; tests/gpu/run.sh sets cuda) with
   // every input of this rank there; the references stay on the CPU, and the results come back.
   const at::Device dev = test_device();
   auto on_dev = [&](const at::Tensor& t) { return t.defined() ? t.to(dev) : t; };
-  LocalInputs in{on_dev(ql.shard(q, 1, r)),
-                 on_dev(kl.shard(k, 1, r)),
-                 on_dev(kl.shard(v, 1, r)),
-                 {on_dev(q_media), on_dev(kv_media), on_dev(kv_valid)}};
+  LocalInputs in{on_dev(ql.shard(x.q, 1, r)),
+                 on_dev(kl.shard(x.k, 1, r)),
+                 on_dev(kl.shard(x.v, 1, r)),
+                 {on_dev(x.q_media), on_dev(x.kv_media), on_dev(x.kv_valid)}};
   pg.counters().reset();
   attention::SavedState saved;
-  auto out = strategy->forward(pg, s, in, &saved);
-  auto fwd_sent = pg.counters().total_sent(), fwd_recv = pg.counters().total_received();
-  const std::vector<int64_t> fwd_to = pg.counters().sent;
-  auto grads = strategy->backward(pg, s, in.mask, saved, on_dev(ql.shard(dout, 1, r)));
-  for (at::Tensor* t : {&out.o, &out.lse, &grads.dq, &grads.dk, &grads.dv}) {
+  run->out = strategy.forward(pg, s, in, &saved);
+  run->fwd_sent = pg.counters().total_sent();
+  run->fwd_recv = pg.counters().total_received();
+  run->fwd_to = pg.counters().sent;
+  run->grads = strategy.backward(pg, s, in.mask, saved, on_dev(ql.shard(x.dout, 1, r)));
+  for (at::Tensor* t :
+       {&run->out.o, &run->out.lse, &run->grads.dq, &run->grads.dk, &run->grads.dv}) {
     if (!same_device(t->device(), dev)) {
       std::cerr << "rank " << r << " " << c.name() << ": a result is on " << t->device()
                 << ", the inputs on " << dev << "\n";
-      return 1;
+      return false;
     }
     *t = t->cpu();
   }
-  std::vector<int64_t> bwd_to = pg.counters().sent;
-  for (int j = 0; j < n; ++j) bwd_to[j] -= fwd_to[j];
-  auto bwd_sent = pg.counters().total_sent() - fwd_sent;
-  auto bwd_recv = pg.counters().total_received() - fwd_recv;
+  run->bwd_to = pg.counters().sent;
+  for (int j = 0; j < n; ++j) run->bwd_to[j] -= run->fwd_to[j];
+  run->bwd_sent = pg.counters().total_sent() - run->fwd_sent;
+  run->bwd_recv = pg.counters().total_received() - run->fwd_recv;
+  return true;
+}
 
+// The dtype contract of strategy.h: o and grads in the input dtype, lse in the accumulation
+// dtype. Returns the failures.
+int check_dtypes(const Case& c, int r, const RankRun& run) {
+  int bad = 0;
+  const auto dt = c.dtype;
+  for (const auto& [what, t] : std::vector<std::pair<const char*, at::Tensor>>{
+           {"o", run.out.o}, {"dq", run.grads.dq}, {"dk", run.grads.dk}, {"dv", run.grads.dv}})
+    if (t.scalar_type() != dt) {
+      std::cerr << "rank " << r << " " << c.name() << ": " << what << " is "
+                << c10::toString(t.scalar_type()) << ", the contract says the input dtype\n";
+      ++bad;
+    }
+  if (run.out.lse.scalar_type() != kernels::accumulation_dtype(dt)) {
+    std::cerr << "rank " << r << " " << c.name() << ": lse is not in the accumulation dtype\n";
+    ++bad;
+  }
+  return bad;
+}
+
+// Rows that see no key: has_keys() says so, and o is exactly 0 there. Returns the failures.
+int check_rows_without_keys(const Case& c, int r, const at::Tensor& vis,
+                            const attention::Layout& ql, const RankRun& run) {
+  at::Tensor sees = ql.shard(vis.any(2), 1, r);              // [B, Sq_r]
+  at::Tensor got = attention::has_keys(run.out.lse).all(1);  // [B, Sq_r]
+  at::Tensor zero_rows = run.out.o.to(at::kDouble).abs().amax({2, 3}).eq(0);
+  if (!got.equal(sees) || !(sees.logical_not() <= zero_rows).all().item<bool>()) {
+    std::cerr << "rank " << r << " " << c.name() << ": rows without keys are not marked by "
+              << "has_keys(lse) or their o is not 0\n";
+    return 1;
+  }
+  return 0;
+}
+
+// The dual-reference gate on o, lse and the grads: the error against fp64 is at most twice the
+// same-dtype reference's plus atol (the largest kept in g_max_err). Returns the failures.
+int gate_against_references(const Case& c, int r, const RankRun& run, const Dense& ref,
+                            const Dense& same, const attention::Layout& ql,
+                            const attention::Layout& kl) {
   int bad = 0;
   auto gate = [&](const char* what, const at::Tensor& got, const at::Tensor& want64,
                   const at::Tensor& want_same) {
@@ -155,89 +221,97 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
       ++bad;
     }
   };
-  // The dtype contract of strategy.h: o and grads in the input dtype, lse in the accumulation
-  // dtype.
   const auto dt = c.dtype;
-  for (const auto& [what, t] : std::vector<std::pair<const char*, at::Tensor>>{
-           {"o", out.o}, {"dq", grads.dq}, {"dk", grads.dk}, {"dv", grads.dv}})
-    if (t.scalar_type() != dt) {
-      std::cerr << "rank " << r << " " << c.name() << ": " << what << " is "
-                << c10::toString(t.scalar_type()) << ", the contract says the input dtype\n";
-      ++bad;
-    }
-  if (out.lse.scalar_type() != kernels::accumulation_dtype(dt)) {
-    std::cerr << "rank " << r << " " << c.name() << ": lse is not in the accumulation dtype\n";
-    ++bad;
-  }
-  // Rows that see no key: has_keys() says so, and o is exactly 0 there.
-  {
-    at::Tensor sees = ql.shard(vis.any(2), 1, r);          // [B, Sq_r]
-    at::Tensor got = attention::has_keys(out.lse).all(1);  // [B, Sq_r]
-    at::Tensor zero_rows = out.o.to(at::kDouble).abs().amax({2, 3}).eq(0);
-    if (!got.equal(sees) || !(sees.logical_not() <= zero_rows).all().item<bool>()) {
-      std::cerr << "rank " << r << " " << c.name() << ": rows without keys are not marked by "
-                << "has_keys(lse) or their o is not 0\n";
-      ++bad;
-    }
-  }
+  const auto& out = run.out;
+  const auto& grads = run.grads;
   gate("o", out.o.to(dt), ql.shard(ref.o, 1, r), ql.shard(same.o, 1, r));
   gate("lse", out.lse, ql.shard(ref.lse, 2, r), ql.shard(same.lse.to(at::kFloat), 2, r));
   gate("dq", grads.dq.to(dt), ql.shard(ref.dq, 1, r), ql.shard(same.dq, 1, r));
   gate("dk", grads.dk.to(dt), kl.shard(ref.dk, 1, r), kl.shard(same.dk, 1, r));
   gate("dv", grads.dv.to(dt), kl.shard(ref.dv, 1, r), kl.shard(same.dv, 1, r));
-  // Cross-strategy equivalence: every strategy's result (gathered to global order through its own
-  // layout) is within twice the gate of the first strategy's on the same inputs.
-  {
-    std::vector<at::Tensor> mine;
-    for (const auto& [t, layout, dim] :
-         std::vector<std::tuple<at::Tensor, attention::Layout, int>>{{out.o.to(dt), ql, 1},
-                                                                     {grads.dq.to(dt), ql, 1},
-                                                                     {grads.dk.to(dt), kl, 1},
-                                                                     {grads.dv.to(dt), kl, 1}}) {
-      std::vector<int64_t> sizes = layout.sizes();
-      at::Tensor rows = t.transpose(0, 1).contiguous();
-      at::Tensor all = pg.all_gather(rows, sizes).transpose(0, 1);
-      std::vector<at::Tensor> shards;
-      int64_t off = 0;
-      for (int j = 0; j < n; ++j) {
-        shards.push_back(all.narrow(1, off, sizes[j]));
-        off += sizes[j];
-      }
-      mine.push_back(layout.unshard(shards, 1));
+  return bad;
+}
+
+// o, dq, dk and dv of every rank gathered to global order, each through its strategy's layout.
+std::vector<at::Tensor> gather_results(dist::ProcessGroup& pg, const Case& c, const RankRun& run,
+                                       const attention::Layout& ql, const attention::Layout& kl) {
+  const int n = pg.world_size();
+  const auto dt = c.dtype;
+  std::vector<at::Tensor> mine;
+  for (const auto& [t, layout, dim] :
+       std::vector<std::tuple<at::Tensor, attention::Layout, int>>{{run.out.o.to(dt), ql, 1},
+                                                                   {run.grads.dq.to(dt), ql, 1},
+                                                                   {run.grads.dk.to(dt), kl, 1},
+                                                                   {run.grads.dv.to(dt), kl, 1}}) {
+    std::vector<int64_t> sizes = layout.sizes();
+    at::Tensor rows = t.transpose(0, 1).contiguous();
+    at::Tensor all = pg.all_gather(rows, sizes).transpose(0, 1);
+    std::vector<at::Tensor> shards;
+    int64_t off = 0;
+    for (int j = 0; j < n; ++j) {
+      shards.push_back(all.narrow(1, off, sizes[j]));
+      off += sizes[j];
     }
-    const std::string key = c.name().substr(c.name().find('/'));
-    auto it = g_first_result.find(key);
-    if (it == g_first_result.end()) {
-      g_first_result[key] = mine;
-    } else {
-      const double limit = 2 * (2 * max_err(same.o, ref.o) + atol_for(c.dtype)) +
-                           2 * (2 * std::max({max_err(same.dq, ref.dq), max_err(same.dk, ref.dk),
-                                              max_err(same.dv, ref.dv)}) +
-                                atol_for(c.dtype));
-      for (size_t i = 0; i < mine.size(); ++i) {
-        const double e = max_err(mine[i], it->second[i]);
-        if (!(e <= limit)) {
-          std::cerr << "rank " << r << " " << c.name() << ": differs from the first strategy by "
-                    << e << " (limit " << limit << ") in output " << i << "\n";
-          ++bad;
-        }
+    mine.push_back(layout.unshard(shards, 1));
+  }
+  return mine;
+}
+
+// Cross-strategy equivalence: every strategy's result (gathered to global order through its own
+// layout) is within twice the gate of the first strategy's on the same inputs. Returns the
+// failures.
+int check_cross_strategy(dist::ProcessGroup& pg, const Case& c, const RankRun& run,
+                         const Dense& ref, const Dense& same, const attention::Layout& ql,
+                         const attention::Layout& kl) {
+  const int r = pg.rank();
+  int bad = 0;
+  std::vector<at::Tensor> mine = gather_results(pg, c, run, ql, kl);
+  const std::string key = c.name().substr(c.name().find('/'));
+  auto it = g_first_result.find(key);
+  if (it == g_first_result.end()) {
+    g_first_result[key] = mine;
+  } else {
+    const double limit = 2 * (2 * max_err(same.o, ref.o) + atol_for(c.dtype)) +
+                         2 * (2 * std::max({max_err(same.dq, ref.dq), max_err(same.dk, ref.dk),
+                                            max_err(same.dv, ref.dv)}) +
+                              atol_for(c.dtype));
+    for (size_t i = 0; i < mine.size(); ++i) {
+      const double e = max_err(mine[i], it->second[i]);
+      if (!(e <= limit)) {
+        std::cerr << "rank " << r << " " << c.name() << ": differs from the first strategy by " << e
+                  << " (limit " << limit << ") in output " << i << "\n";
+        ++bad;
       }
     }
   }
+  return bad;
+}
+
+// The bytes counted in each pass against the strategy's analytic volume. Returns the failures.
+int check_bytes(dist::ProcessGroup& pg, const attention::Strategy& strategy, const AttentionSpec& s,
+                const Case& c, const RankRun& run) {
+  const int n = pg.world_size(), r = pg.rank();
   pg.counters().reset();
-  auto vf = strategy->analytic_bytes(s, n, r, c.dtype, false);
-  auto vb = strategy->analytic_bytes(s, n, r, c.dtype, true);
-  if (vf.sent != fwd_sent || vf.received != fwd_recv || vb.sent != bwd_sent ||
-      vb.received != bwd_recv) {
-    std::cerr << "rank " << r << " " << c.name() << ": bytes fwd " << fwd_sent << "/" << fwd_recv
-              << " (analytic " << vf.sent << "/" << vf.received << "), bwd " << bwd_sent << "/"
-              << bwd_recv << " (analytic " << vb.sent << "/" << vb.received << ")\n";
-    ++bad;
+  auto vf = strategy.analytic_bytes(s, n, r, c.dtype, false);
+  auto vb = strategy.analytic_bytes(s, n, r, c.dtype, true);
+  if (vf.sent != run.fwd_sent || vf.received != run.fwd_recv || vb.sent != run.bwd_sent ||
+      vb.received != run.bwd_recv) {
+    std::cerr << "rank " << r << " " << c.name() << ": bytes fwd " << run.fwd_sent << "/"
+              << run.fwd_recv << " (analytic " << vf.sent << "/" << vf.received << "), bwd "
+              << run.bwd_sent << "/" << run.bwd_recv << " (analytic " << vb.sent << "/"
+              << vb.received << ")\n";
+    return 1;
   }
-  // Point-to-point schedules name each message's peer: the bytes sent to every peer must match
-  // (the double ring's inter-node hops, distflash's distance-t messages).
+  return 0;
+}
+
+// Point-to-point schedules name each message's peer: the bytes sent to every peer must match
+// (the double ring's inter-node hops, distflash's distance-t messages). Returns the failures.
+int check_bytes_per_peer(const attention::Strategy& strategy, const AttentionSpec& s, const Case& c,
+                         int n, int r, const RankRun& run) {
+  int bad = 0;
   for (bool backward : {false, true}) {
-    const auto sched = strategy->schedule(s, n, r, c.dtype, backward);
+    const auto sched = strategy.schedule(s, n, r, c.dtype, backward);
     std::vector<int64_t> want(n, 0);
     bool p2p = true;
     for (const auto& m : sched.messages) {
@@ -246,12 +320,36 @@ int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
       else
         want[m.peer] += m.sent;
     }
-    if (p2p && want != (backward ? bwd_to : fwd_to)) {
+    if (p2p && want != (backward ? run.bwd_to : run.fwd_to)) {
       std::cerr << "rank " << r << " " << c.name() << ": bytes per peer differ from the "
                 << (backward ? "backward" : "forward") << " schedule's\n";
       ++bad;
     }
   }
+  return bad;
+}
+
+// One case on this rank: the strategy against the references, then its bytes. Returns the
+// failures.
+int run_case(dist::ProcessGroup& pg, const Case& c, uint64_t seed) {
+  const int n = pg.world_size(), r = pg.rank();
+  const AttentionSpec s = spec_for(c);
+  const CaseInputs x = make_inputs(s, c, seed);
+  auto strategy = attention::make_strategy(attention::strategy_from_name(c.strategy));
+  auto vis = visibility(s, x.q_media, x.kv_media);
+  if (c.padded) vis = vis & x.kv_valid.unsqueeze(1);
+  Dense ref = dense(s, x.q, x.k, x.v, x.dout, vis, at::kDouble);
+  Dense same = dense(s, x.q, x.k, x.v, x.dout, vis, c.dtype);
+
+  const auto ql = strategy->q_layout(s, n), kl = strategy->kv_layout(s, n);
+  RankRun run;
+  if (!run_strategy(pg, *strategy, s, c, x, ql, kl, &run)) return 1;
+  int bad = check_dtypes(c, r, run);
+  bad += check_rows_without_keys(c, r, vis, ql, run);
+  bad += gate_against_references(c, r, run, ref, same, ql, kl);
+  bad += check_cross_strategy(pg, c, run, ref, same, ql, kl);
+  bad += check_bytes(pg, *strategy, s, c, run);
+  bad += check_bytes_per_peer(*strategy, s, c, n, r, run);
   return bad;
 }
 

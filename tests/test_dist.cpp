@@ -53,132 +53,166 @@ at::Tensor rows(int src, int64_t n, int64_t cols, int tag) {
 
 // ---- every operation, exact results and byte volumes -------------------------------------
 
-LVX_WORKER(all_ops) {
-  auto pg = ProcessGroup::from_env();
-  const int r = pg->rank(), w = pg->world_size();
-  const int64_t cols = 3, fb = 4;  // float32 bytes
-  pg->check_agreement("test", "all_ops");
+namespace {
 
-  // Ring exchange: receive exactly the previous rank's rows; zero-size messages are legal.
-  {
-    pg->counters().reset();
-    at::Tensor send = rows(r, 5, cols, 1), recv = at::empty({5, cols});
-    pg->ring_exchange(send, recv).wait();
-    expect_equal(recv, rows(pg->prev(), 5, cols, 1), "ring_exchange");
-    expect_bytes(pg->counters().total_sent(), w > 1 ? 5 * cols * fb : 0, "ring_exchange sent");
-    if (w > 1) expect_bytes(pg->counters().sent[pg->next()], 5 * cols * fb, "ring sent to next");
-    expect_bytes(pg->counters().total_received(), w > 1 ? 5 * cols * fb : 0, "ring received");
-    at::Tensor e0 = at::empty({0, cols}), e1 = at::empty({0, cols});
-    pg->ring_exchange(e0, e1).wait();
-    expect_bytes(pg->counters().total_sent(), w > 1 ? 5 * cols * fb : 0, "zero-size adds nothing");
-  }
-  // Batched send/recv in the "wrong" order (recv posted first) must not deadlock.
-  if (w > 1) {
-    at::Tensor recv = at::empty({2, cols});
-    pg->batch_isend_irecv(
-          {P2POp::recv(recv, pg->prev()), P2POp::send(rows(r, 2, cols, 2), pg->next())})
-        .wait();
-    expect_equal(recv, rows(pg->prev(), 2, cols, 2), "batch recv-first");
-  }
-  // All-gather: even (4 rows each), nearly even (3 or 2 rows: shard_range's chunks, padded on the
-  // engine) and uneven (rank j contributes 2j rows; rank 0 none), on Gloo's default (lvx's ring,
-  // counted per message) and on Gloo's own (CollectiveImpl::kEngine, formula-counted).
+// all_ops' rows: columns per row, and the bytes of an element (float32).
+constexpr int64_t kCols = 3, kFloatBytes = 4;
+
+// Ring exchange: receive exactly the previous rank's rows; zero-size messages are legal.
+void check_ring_exchange(ProcessGroup& pg) {
+  const int r = pg.rank(), w = pg.world_size();
+  pg.counters().reset();
+  at::Tensor send = rows(r, 5, kCols, 1), recv = at::empty({5, kCols});
+  pg.ring_exchange(send, recv).wait();
+  expect_equal(recv, rows(pg.prev(), 5, kCols, 1), "ring_exchange");
+  expect_bytes(pg.counters().total_sent(), w > 1 ? 5 * kCols * kFloatBytes : 0,
+               "ring_exchange sent");
+  if (w > 1)
+    expect_bytes(pg.counters().sent[pg.next()], 5 * kCols * kFloatBytes, "ring sent to next");
+  expect_bytes(pg.counters().total_received(), w > 1 ? 5 * kCols * kFloatBytes : 0,
+               "ring received");
+  at::Tensor e0 = at::empty({0, kCols}), e1 = at::empty({0, kCols});
+  pg.ring_exchange(e0, e1).wait();
+  expect_bytes(pg.counters().total_sent(), w > 1 ? 5 * kCols * kFloatBytes : 0,
+               "zero-size adds nothing");
+}
+
+// Batched send/recv in the "wrong" order (recv posted first) must not deadlock (w > 1).
+void check_batch_recv_first(ProcessGroup& pg) {
+  const int r = pg.rank();
+  at::Tensor recv = at::empty({2, kCols});
+  pg.batch_isend_irecv({P2POp::recv(recv, pg.prev()), P2POp::send(rows(r, 2, kCols, 2), pg.next())})
+      .wait();
+  expect_equal(recv, rows(pg.prev(), 2, kCols, 2), "batch recv-first");
+}
+
+// All-gather: even (4 rows each), nearly even (3 or 2 rows: shard_range's chunks, padded on the
+// engine) and uneven (rank j contributes 2j rows; rank 0 none), on Gloo's default (lvx's ring,
+// counted per message) and on Gloo's own (CollectiveImpl::kEngine, formula-counted).
+void check_all_gather(ProcessGroup& pg) {
+  const int r = pg.rank(), w = pg.world_size();
   for (const auto impl : {lvx::dist::CollectiveImpl::kAuto, lvx::dist::CollectiveImpl::kEngine})
     for (int uneven = 0; uneven < 3; ++uneven) {
-      pg->set_collectives(impl);
-      pg->counters().reset();
+      pg.set_collectives(impl);
+      pg.counters().reset();
       std::vector<int64_t> sizes(w);
-      for (int j = 0; j < w; ++j) sizes[j] = uneven == 2 ? 2 * j : uneven == 1 ? (j < 2 ? 3 : 2) : 4;
+      for (int j = 0; j < w; ++j)
+        sizes[j] = uneven == 2 ? 2 * j : uneven == 1 ? (j < 2 ? 3 : 2) : 4;
       at::Tensor got =
-          pg->all_gather(rows(r, sizes[r], cols, 3), uneven ? sizes : std::vector<int64_t>{});
-      pg->set_collectives(lvx::dist::CollectiveImpl::kAuto);
+          pg.all_gather(rows(r, sizes[r], kCols, 3), uneven ? sizes : std::vector<int64_t>{});
+      pg.set_collectives(lvx::dist::CollectiveImpl::kAuto);
       std::vector<at::Tensor> parts;
-      for (int j = 0; j < w; ++j) parts.push_back(rows(j, sizes[j], cols, 3));
+      for (int j = 0; j < w; ++j) parts.push_back(rows(j, sizes[j], kCols, 3));
       expect_equal(got, at::cat(parts), uneven == 2 ? "all_gather uneven" : "all_gather");
       const bool engine = impl == lvx::dist::CollectiveImpl::kEngine;
       const auto [sent, received] =
-          engine ? lvx::test::all_gather_volume(r, sizes, cols * fb, false)
-                 : lvx::test::ring_all_gather_volume(r, sizes, cols * fb);
-      expect_bytes(pg->counters().total_sent(), sent, "all_gather sent");
-      expect_bytes(pg->counters().total_received(), received, "all_gather received");
+          engine ? lvx::test::all_gather_volume(r, sizes, kCols * kFloatBytes, false)
+                 : lvx::test::ring_all_gather_volume(r, sizes, kCols * kFloatBytes);
+      expect_bytes(pg.counters().total_sent(), sent, "all_gather sent");
+      expect_bytes(pg.counters().total_received(), received, "all_gather received");
       // An engine collective: every byte of it is formula-counted; the ring's none.
-      expect_bytes(pg->counters().formula_sent, engine ? sent : 0, "all_gather formula-counted");
+      expect_bytes(pg.counters().formula_sent, engine ? sent : 0, "all_gather formula-counted");
     }
-  // All-reduce: x_r[i] = r * i + 1 → Σ = i·w(w−1)/2 + w, max = (w−1)·i + 1, min = 1.
-  {
-    const int64_t n = 12 * w;  // divisible by w: volume is exactly 2(w−1)/w · S each way
-    at::Tensor i = at::arange(n, at::kFloat);
-    pg->counters().reset();
-    at::Tensor s = i * r + 1;
-    pg->all_reduce(s, ReduceOp::kSum);
-    expect_equal(s, i * (w * (w - 1) / 2) + w, "all_reduce sum");
-    expect_bytes(pg->counters().total_sent(), 2 * (w - 1) * (n / w) * fb, "all_reduce sent");
-    // Gloo's own from 3 ranks (formula-counted), lvx's ring at 2 (counted per message).
-    expect_bytes(pg->counters().formula_received, w == 2 ? 0 : 2 * (w - 1) * (n / w) * fb,
-                 "all_reduce formula-counted");
-    expect_bytes(pg->counters().total_received(), 2 * (w - 1) * (n / w) * fb, "all_reduce recv");
-    at::Tensor m = i * r + 1;
-    pg->all_reduce(m, ReduceOp::kMax);
-    expect_equal(m, i * (w - 1) + 1, "all_reduce max");
-    at::Tensor mn = i * r + 1;
-    pg->all_reduce(mn, ReduceOp::kMin);
-    expect_equal(mn, at::ones_like(i), "all_reduce min");
-    at::Tensor odd = at::full({5}, static_cast<float>(r + 1));  // fewer elements than some w·chunks
-    pg->all_reduce(odd);
-    expect_equal(odd, at::full({5}, static_cast<float>(w * (w + 1) / 2)), "all_reduce small");
+}
+
+// All-reduce: x_r[i] = r * i + 1 → Σ = i·w(w−1)/2 + w, max = (w−1)·i + 1, min = 1.
+void check_all_reduce(ProcessGroup& pg) {
+  const int r = pg.rank(), w = pg.world_size();
+  const int64_t n = 12 * w;  // divisible by w: volume is exactly 2(w−1)/w · S each way
+  at::Tensor i = at::arange(n, at::kFloat);
+  pg.counters().reset();
+  at::Tensor s = i * r + 1;
+  pg.all_reduce(s, ReduceOp::kSum);
+  expect_equal(s, i * (w * (w - 1) / 2) + w, "all_reduce sum");
+  expect_bytes(pg.counters().total_sent(), 2 * (w - 1) * (n / w) * kFloatBytes, "all_reduce sent");
+  // Gloo's own from 3 ranks (formula-counted), lvx's ring at 2 (counted per message).
+  expect_bytes(pg.counters().formula_received, w == 2 ? 0 : 2 * (w - 1) * (n / w) * kFloatBytes,
+               "all_reduce formula-counted");
+  expect_bytes(pg.counters().total_received(), 2 * (w - 1) * (n / w) * kFloatBytes,
+               "all_reduce recv");
+  at::Tensor m = i * r + 1;
+  pg.all_reduce(m, ReduceOp::kMax);
+  expect_equal(m, i * (w - 1) + 1, "all_reduce max");
+  at::Tensor mn = i * r + 1;
+  pg.all_reduce(mn, ReduceOp::kMin);
+  expect_equal(mn, at::ones_like(i), "all_reduce min");
+  at::Tensor odd = at::full({5}, static_cast<float>(r + 1));  // fewer elements than some w·chunks
+  pg.all_reduce(odd);
+  expect_equal(odd, at::full({5}, static_cast<float>(w * (w + 1) / 2)), "all_reduce small");
+}
+
+// Reduce-scatter: rank r gets the sum of chunk shard_range(n, w, r), n not divisible by w;
+// each rank sends and receives (w−1) chunks, the sizes of chunks r−1 … r−w+1 (sent) and
+// r−2 … r−w (received).
+void check_reduce_scatter(ProcessGroup& pg) {
+  const int r = pg.rank(), w = pg.world_size();
+  const int64_t n = 12 * w + 1;
+  at::Tensor i = at::arange(n, at::kFloat);
+  pg.counters().reset();
+  at::Tensor x = i * r + 1;
+  const at::Tensor got = pg.reduce_scatter(x);
+  const auto [b, e] = lvx::dist::shard_range(n, w, r);
+  expect_equal(got, (i * (w * (w - 1) / 2) + w).narrow(0, b, e - b), "reduce_scatter sum");
+  int64_t sent = 0, recv = 0;
+  for (int s = 0; s + 1 < w; ++s) {
+    const auto cs = lvx::dist::shard_range(n, w, (r - s - 1 + 2 * w) % w);
+    const auto cr = lvx::dist::shard_range(n, w, (r - s - 2 + 3 * w) % w);
+    sent += (cs.second - cs.first) * kFloatBytes;
+    recv += (cr.second - cr.first) * kFloatBytes;
   }
-  // Reduce-scatter: rank r gets the sum of chunk shard_range(n, w, r), n not divisible by w;
-  // each rank sends and receives (w−1) chunks, the sizes of chunks r−1 … r−w+1 (sent) and
-  // r−2 … r−w (received).
-  {
-    const int64_t n = 12 * w + 1;
-    at::Tensor i = at::arange(n, at::kFloat);
-    pg->counters().reset();
-    at::Tensor x = i * r + 1;
-    const at::Tensor got = pg->reduce_scatter(x);
-    const auto [b, e] = lvx::dist::shard_range(n, w, r);
-    expect_equal(got, (i * (w * (w - 1) / 2) + w).narrow(0, b, e - b), "reduce_scatter sum");
-    int64_t sent = 0, recv = 0;
-    for (int s = 0; s + 1 < w; ++s) {
-      const auto cs = lvx::dist::shard_range(n, w, (r - s - 1 + 2 * w) % w);
-      const auto cr = lvx::dist::shard_range(n, w, (r - s - 2 + 3 * w) % w);
-      sent += (cs.second - cs.first) * fb;
-      recv += (cr.second - cr.first) * fb;
-    }
-    expect_bytes(pg->counters().total_sent(), sent, "reduce_scatter sent");
-    expect_bytes(pg->counters().total_received(), recv, "reduce_scatter recv");
+  expect_bytes(pg.counters().total_sent(), sent, "reduce_scatter sent");
+  expect_bytes(pg.counters().total_received(), recv, "reduce_scatter recv");
+}
+
+// All-to-all with uneven splits, zeros included: rank a sends (a + b) % 3 rows to rank b.
+void check_all_to_all(ProcessGroup& pg) {
+  const int r = pg.rank(), w = pg.world_size();
+  pg.counters().reset();
+  std::vector<int64_t> send(w), recv(w);
+  for (int j = 0; j < w; ++j) {
+    send[j] = (r + j) % 3;
+    recv[j] = (j + r) % 3;
   }
-  // All-to-all with uneven splits, zeros included: rank a sends (a + b) % 3 rows to rank b.
-  {
-    pg->counters().reset();
-    std::vector<int64_t> send(w), recv(w);
-    for (int j = 0; j < w; ++j) {
-      send[j] = (r + j) % 3;
-      recv[j] = (j + r) % 3;
-    }
-    std::vector<at::Tensor> in_parts, want_parts;
-    for (int j = 0; j < w; ++j) in_parts.push_back(rows(r, send[j], cols, 10 + j));
-    for (int j = 0; j < w; ++j) want_parts.push_back(rows(j, recv[j], cols, 10 + r));
-    at::Tensor got = pg->all_to_all(at::cat(in_parts), send, recv);
-    expect_equal(got, at::cat(want_parts), "all_to_all");
-    int64_t want_sent = 0, want_recv = 0;
-    for (int j = 0; j < w; ++j)
-      if (j != r) want_sent += send[j] * cols * fb, want_recv += recv[j] * cols * fb;
-    expect_bytes(pg->counters().total_sent(), want_sent, "all_to_all sent");
-    expect_bytes(pg->counters().total_received(), want_recv, "all_to_all received");
-  }
-  // Broadcast from the last rank.
-  {
-    pg->counters().reset();
-    at::Tensor t = r == w - 1 ? rows(r, 3, cols, 4) : at::zeros({3, cols});
-    pg->broadcast(t, w - 1);
-    expect_equal(t, rows(w - 1, 3, cols, 4), "broadcast");
-    // Gloo's binomial tree: the root sends to ⌈log2 w⌉ peers at most, the others forward.
-    expect_bytes(pg->counters().total_sent(), lvx::test::tree_sends(r, w - 1, w) * 3 * cols * fb,
-                 "broadcast sent");
-    expect_bytes(pg->counters().total_received(), r == w - 1 ? 0 : 3 * cols * fb,
-                 "broadcast received");
-  }
+  std::vector<at::Tensor> in_parts, want_parts;
+  for (int j = 0; j < w; ++j) in_parts.push_back(rows(r, send[j], kCols, 10 + j));
+  for (int j = 0; j < w; ++j) want_parts.push_back(rows(j, recv[j], kCols, 10 + r));
+  at::Tensor got = pg.all_to_all(at::cat(in_parts), send, recv);
+  expect_equal(got, at::cat(want_parts), "all_to_all");
+  int64_t want_sent = 0, want_recv = 0;
+  for (int j = 0; j < w; ++j)
+    if (j != r)
+      want_sent += send[j] * kCols * kFloatBytes, want_recv += recv[j] * kCols * kFloatBytes;
+  expect_bytes(pg.counters().total_sent(), want_sent, "all_to_all sent");
+  expect_bytes(pg.counters().total_received(), want_recv, "all_to_all received");
+}
+
+// Broadcast from the last rank.
+void check_broadcast(ProcessGroup& pg) {
+  const int r = pg.rank(), w = pg.world_size();
+  pg.counters().reset();
+  at::Tensor t = r == w - 1 ? rows(r, 3, kCols, 4) : at::zeros({3, kCols});
+  pg.broadcast(t, w - 1);
+  expect_equal(t, rows(w - 1, 3, kCols, 4), "broadcast");
+  // Gloo's binomial tree: the root sends to ⌈log2 w⌉ peers at most, the others forward.
+  expect_bytes(pg.counters().total_sent(),
+               lvx::test::tree_sends(r, w - 1, w) * 3 * kCols * kFloatBytes, "broadcast sent");
+  expect_bytes(pg.counters().total_received(), r == w - 1 ? 0 : 3 * kCols * kFloatBytes,
+               "broadcast received");
+}
+
+}  // namespace
+
+LVX_WORKER(all_ops) {
+  auto pg = ProcessGroup::from_env();
+  const int r = pg->rank(), w = pg->world_size();
+  pg->check_agreement("test", "all_ops");
+  check_ring_exchange(*pg);
+  if (w > 1) check_batch_recv_first(*pg);
+  check_all_gather(*pg);
+  check_all_reduce(*pg);
+  check_reduce_scatter(*pg);
+  check_all_to_all(*pg);
+  check_broadcast(*pg);
   pg->barrier();
   if (g_wrong) std::cerr << "rank " << r << ": " << g_wrong << " wrong\n";
   return g_wrong ? 1 : 0;

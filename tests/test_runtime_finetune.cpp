@@ -808,15 +808,15 @@ TEST(FinetuneMetrics, TensorBoardReadsTheRunsScalars) {
     EXPECT_TRUE(j.contains(tag)) << tag;
 }
 
-TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
-  // World 2 as 2 data-parallel groups × 1 rank == world 1 with grad_accum 2 × 2 = 4.
-  const std::string one = shard_run("dp_one", 1, "optimizer.grad_accum=4");
-  const std::string dp2 = shard_run("dp_2x1", 2, "parallel.sp_size=1");
+namespace {
+
+// World 2 as 2 data-parallel groups × 1 rank against world 1 with grad_accum 4: the same state,
+// and the metrics are the whole run's: the two groups' tokens and frames of a step are the one
+// group's tokens and frames of the same 4 samples, and the groups are said.
+void expect_two_groups_equal_grad_accum(const std::string& one, const std::string& dp2) {
   const double d1 = state_diff(latest(one), latest(dp2));
   std::cout << "2x1 vs world 1 grad_accum 4: " << d1 << "\n";
   EXPECT_LE(d1, kShardTol);
-  // The metrics are the whole run's: the two groups' tokens and frames of a step are the one
-  // group's tokens and frames of the same 4 samples, and the groups are said.
   const auto m1 = metrics(one + "/metrics.jsonl"), m2 = metrics(dp2 + "/metrics.jsonl");
   ASSERT_EQ(m1.size(), m2.size());
   for (size_t i = 0; i < m1.size(); ++i) {
@@ -827,38 +827,38 @@ TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
     EXPECT_DOUBLE_EQ(m2[i]["samples_per_second_per_rank"].get<double>(),
                      m2[i]["samples_per_second"].get<double>() / 2);
   }
-  // Resuming the 2-group run at 1 rank keeps its global batch of 4 samples (grad_accum 2 -> 4,
-  // said), so it continues as the world-1 run with grad_accum 4 would; 3 groups cannot keep it
-  // and are refused by name.
-  {
-    const std::string ck = (dir() / "ck_dp_resume").string();
-    fs::remove_all(ck);
-    fs::create_directories(ck);
-    fs::copy(dp2 + "/step-000002", ck + "/step-000002", fs::copy_options::recursive);
-    std::ofstream(ck + "/latest") << "step-000002\n";
-    fs::copy(dp2 + "/metrics.jsonl", ck + "/metrics.jsonl");
-    const std::string config = write_config("dp_resume", ck, 3);
-    const std::string three =
-        finetune(config,
-                 "--resume optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=3 "
-                 "parallel.sp_size=1");
-    EXPECT_NE(three.find("the run's global batch is 4 samples per step"), std::string::npos)
-        << three;
-    EXPECT_EQ(fs::path(latest(ck)).filename(), "step-000002");
-    const std::string log =
-        finetune(config, "--resume optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=1");
-    ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
-    EXPECT_NE(log.find("optimizer.grad_accum 2 -> 4 keeps the global batch of 4"),
-              std::string::npos)
-        << log;
-    const double d = state_diff(latest(one), latest(ck));
-    std::cout << "2 groups resumed at 1 rank vs world 1 grad_accum 4: " << d << "\n";
-    EXPECT_LE(d, kShardTol);
-  }
-  // World 4 as 2 × 2 == world 2 (one sequence-parallel group) with grad_accum 4; with sharded
-  // gradients too.
-  const std::string two = shard_run("dp_two", 2, "optimizer.grad_accum=4");
-  const std::string dp4 = shard_run("dp_2x2", 4, "parallel.sp_size=2");
+}
+
+// Resuming the 2-group run at 1 rank keeps its global batch of 4 samples (grad_accum 2 -> 4,
+// said), so it continues as the world-1 run with grad_accum 4 would; 3 groups cannot keep it
+// and are refused by name.
+void expect_resume_at_one_rank_keeps_global_batch(const std::string& one, const std::string& dp2) {
+  const std::string ck = (dir() / "ck_dp_resume").string();
+  fs::remove_all(ck);
+  fs::create_directories(ck);
+  fs::copy(dp2 + "/step-000002", ck + "/step-000002", fs::copy_options::recursive);
+  std::ofstream(ck + "/latest") << "step-000002\n";
+  fs::copy(dp2 + "/metrics.jsonl", ck + "/metrics.jsonl");
+  const std::string config = write_config("dp_resume", ck, 3);
+  const std::string three =
+      finetune(config,
+               "--resume optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=3 "
+               "parallel.sp_size=1");
+  EXPECT_NE(three.find("the run's global batch is 4 samples per step"), std::string::npos) << three;
+  EXPECT_EQ(fs::path(latest(ck)).filename(), "step-000002");
+  const std::string log =
+      finetune(config, "--resume optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=1");
+  ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
+  EXPECT_NE(log.find("optimizer.grad_accum 2 -> 4 keeps the global batch of 4"), std::string::npos)
+      << log;
+  const double d = state_diff(latest(one), latest(ck));
+  std::cout << "2 groups resumed at 1 rank vs world 1 grad_accum 4: " << d << "\n";
+  EXPECT_LE(d, kShardTol);
+}
+
+// World 4 as 2 × 2 (the run `dp4`, then with sharded gradients and parameters too) against world
+// 2 (one sequence-parallel group) with grad_accum 4.
+void expect_2x2_equals_world_2(const std::string& two, const std::string& dp4) {
   const std::string dp4g = shard_run("dp_2x2g", 4, "parallel.sp_size=2 parallel.shard=gradients");
   const std::string dp4p = shard_run("dp_2x2p", 4, "parallel.sp_size=2 parallel.shard=parameters");
   for (const std::string& ck : {dp4, dp4g, dp4p}) {
@@ -866,26 +866,26 @@ TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
     std::cout << fs::path(ck).filename().string() << " vs world 2 grad_accum 4: " << d << "\n";
     EXPECT_LE(d, kShardTol);
   }
-  // The same under a launcher that says the 4 ranks are 2 nodes of 2 (lvx launch --nodes 2, as
-  // torchrun on two machines): each sequence-parallel group is one node; stage 3 over all 4.
-  {
-    const std::string ckn = (dir() / "ck_dp_nodes").string();
-    fs::remove_all(ckn);
-    const std::string log = run_command(
-        lvx_binary() + " launch --nproc 4 --nodes 2 -- " + lvx_binary() + " finetune --config " +
-        write_config("dp_nodes", ckn, 3) +
-        " optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=4 parallel.sp_size=2 "
-        "parallel.shard=parameters");
-    ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
-    const double d = state_diff(latest(two), latest(ckn));
-    std::cout << "2 nodes x 2 ranks (stage 3) vs world 2 grad_accum 4: " << d << "\n";
-    EXPECT_LE(d, kShardTol);
-  }
-  // The recorded data position counts every group's samples: 3 steps × 2 × 2 groups.
-  const nlohmann::json st =
-      nlohmann::json::parse(lvx::read_file(latest(dp4) + "/trainer_state.json", "t"));
-  EXPECT_EQ(st["data"]["samples_seen"].get<int64_t>(), 12);
-  // sp_size must divide the world.
+}
+
+// The same under a launcher that says the 4 ranks are 2 nodes of 2 (lvx launch --nodes 2, as
+// torchrun on two machines): each sequence-parallel group is one node; stage 3 over all 4.
+void expect_2_nodes_equal_world_2(const std::string& two) {
+  const std::string ckn = (dir() / "ck_dp_nodes").string();
+  fs::remove_all(ckn);
+  const std::string log =
+      run_command(lvx_binary() + " launch --nproc 4 --nodes 2 -- " + lvx_binary() +
+                  " finetune --config " + write_config("dp_nodes", ckn, 3) +
+                  " optimizer.eps=1e-6 optimizer.grad_accum=2 parallel.nproc=4 parallel.sp_size=2 "
+                  "parallel.shard=parameters");
+  ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
+  const double d = state_diff(latest(two), latest(ckn));
+  std::cout << "2 nodes x 2 ranks (stage 3) vs world 2 grad_accum 4: " << d << "\n";
+  EXPECT_LE(d, kShardTol);
+}
+
+// sp_size must divide the world, and parallel.shard takes only its stages' names.
+void expect_bad_parallel_settings_refused() {
   const std::string ck = (dir() / "ck_dp_bad").string();
   fs::remove_all(ck);
   const std::string log =
@@ -894,6 +894,30 @@ TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
   const std::string typo = finetune(write_config("dp_bad", ck, 3), "parallel.shard=zero2");
   EXPECT_NE(typo.find("parallel.shard"), std::string::npos) << typo;
   EXPECT_FALSE(fs::exists(ck + "/latest"));
+}
+
+}  // namespace
+
+TEST(FinetuneDataParallel, GroupsTakeTheSamplesGradAccumWouldTake) {
+  // World 2 as 2 data-parallel groups × 1 rank == world 1 with grad_accum 2 × 2 = 4.
+  const std::string one = shard_run("dp_one", 1, "optimizer.grad_accum=4");
+  const std::string dp2 = shard_run("dp_2x1", 2, "parallel.sp_size=1");
+  expect_two_groups_equal_grad_accum(one, dp2);
+  if (HasFatalFailure()) return;  // a failed ASSERT in a step ends the test, as in one body
+  expect_resume_at_one_rank_keeps_global_batch(one, dp2);
+  if (HasFatalFailure()) return;
+  // World 4 as 2 × 2 == world 2 (one sequence-parallel group) with grad_accum 4; with sharded
+  // gradients too.
+  const std::string two = shard_run("dp_two", 2, "optimizer.grad_accum=4");
+  const std::string dp4 = shard_run("dp_2x2", 4, "parallel.sp_size=2");
+  expect_2x2_equals_world_2(two, dp4);
+  expect_2_nodes_equal_world_2(two);
+  if (HasFatalFailure()) return;
+  // The recorded data position counts every group's samples: 3 steps × 2 × 2 groups.
+  const nlohmann::json st =
+      nlohmann::json::parse(lvx::read_file(latest(dp4) + "/trainer_state.json", "t"));
+  EXPECT_EQ(st["data"]["samples_seen"].get<int64_t>(), 12);
+  expect_bad_parallel_settings_refused();
 }
 
 // ---- evaluation during training (src/runtime/finetune_eval.h) --------------------------------

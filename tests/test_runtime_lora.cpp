@@ -437,14 +437,9 @@ std::string finetune_config(const std::string& name, const std::string& ck, int6
   return path;
 }
 
-TEST(Lora, FinetuneWritesAnAdapterPeftLoads) {
-  const Made& m = made();
-  const std::string ck = (workdir() / "lora_ft" / "ck").string();
-  fs::remove_all(ck);
-  const std::string cfg = finetune_config("run", ck, 4);
-  const std::string log = run_command(lvx_binary() + " finetune --config " + cfg);
-  ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
-  const std::string step = ck + "/step-000004";
+// A fine-tuned LoRA checkpoint holds the adapter in PEFT's files and no weights, and its
+// adapter trained: B is no longer zero.
+void expect_adapter_checkpoint(const std::string& step) {
   for (const char* f : {"adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors",
                         "trainer_state.json", "manifest.json"})
     EXPECT_TRUE(fs::exists(step + "/" + f)) << f;
@@ -464,7 +459,10 @@ TEST(Lora, FinetuneWritesAnAdapterPeftLoads) {
   for (const auto& [k, t] : ad)
     if (k.find("lora_B") != std::string::npos) bmax = std::max(bmax, t.abs().max().item<double>());
   EXPECT_GT(bmax, 1e-3);
-  // PEFT places every pair (lora_ref.py checks it) and gives lvx's logits.
+}
+
+// PEFT places every pair (lora_ref.py checks it) and gives lvx's logits.
+void expect_peft_gives_lvx_logits(const Made& m, const std::string& step) {
   const std::string peft = (workdir() / "lora_ft_peft.safetensors").string();
   const std::string log2 = run_command(python() + " " + lora_script() + " logits " + m.model + " " +
                                        m.batch + " " + peft + " --adapter " + step);
@@ -474,9 +472,11 @@ TEST(Lora, FinetuneWritesAnAdapterPeftLoads) {
   const auto want = tensors(peft).at("logits");
   EXPECT_GT(max_abs(want, tensors(m.dir + "/base.safetensors").at("logits")), 1e-3);
   EXPECT_LE(max_abs(tensors(out).at("logits"), want), 1e-4);
+}
 
-  // Killed (kill -9) as step 3 begins, then --resume from step 2: bitwise the same adapter and
-  // optimizer state.
+// Killed (kill -9) as step 3 begins, then --resume from step 2: bitwise the same adapter and
+// optimizer state as the uninterrupted run's `step`.
+void expect_kill_and_resume_bitwise(const std::string& step) {
   const std::string ck2 = (workdir() / "lora_ft" / "ck2").string();
   fs::remove_all(ck2);
   const std::string cfg2 = finetune_config("resume", ck2, 4);
@@ -492,8 +492,10 @@ TEST(Lora, FinetuneWritesAnAdapterPeftLoads) {
     ASSERT_EQ(a.size(), b.size()) << f;
     for (const auto& [k, t] : a) EXPECT_TRUE(at::equal(t, b.at(k))) << f << " " << k;
   }
+}
 
-  // lvx qa --adapter answers as the merged checkpoint does (greedy).
+// lvx qa --adapter answers as the merged checkpoint does (greedy).
+void expect_qa_with_adapter_equals_merged(const Made& m, const std::string& step) {
   const std::string merged = (workdir() / "lora_ft_merged").string();
   fs::remove_all(merged);
   ASSERT_EQ(run_command(lvx_binary() + " merge-adapter --model " + m.model + " --adapter " + step +
@@ -517,6 +519,22 @@ TEST(Lora, FinetuneWritesAnAdapterPeftLoads) {
   EXPECT_TRUE(a.contains("response"));
   EXPECT_EQ(a["response"], b["response"]);
   EXPECT_EQ(a["new_tokens"], b["new_tokens"]);
+}
+
+TEST(Lora, FinetuneWritesAnAdapterPeftLoads) {
+  const Made& m = made();
+  const std::string ck = (workdir() / "lora_ft" / "ck").string();
+  fs::remove_all(ck);
+  const std::string cfg = finetune_config("run", ck, 4);
+  const std::string log = run_command(lvx_binary() + " finetune --config " + cfg);
+  ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
+  const std::string step = ck + "/step-000004";
+  expect_adapter_checkpoint(step);
+  expect_peft_gives_lvx_logits(m, step);
+  if (HasFatalFailure()) return;  // a failed ASSERT in a step ends the test, as in one body
+  expect_kill_and_resume_bitwise(step);
+  if (HasFatalFailure()) return;
+  expect_qa_with_adapter_equals_merged(m, step);
 }
 
 TEST(Lora, AllLinearOnOpenFlamingoWritesAnAdapterPeftLoads) {

@@ -1,0 +1,114 @@
+"""lvx serve cases: the server's processes.
+
+SIGTERM drains (the stream in flight completes, exit 0), a killed rank turns into 503 and a
+non-zero exit, a port in use fails every rank at once, and the API key is in no rank's argv.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from harness import LVX, KEY, video_part, messages, ask, file_url, expect_error, descendants
+
+
+def case_sigterm_finishes_in_flight(fx, srv, ranks):
+    # The stream in flight completes; a request arriving during the drain gets 503 (it got 200
+    # while the generation loop had not yet looked at the signal). The drain is seen to have
+    # begun on /health (the launcher forwards the signal within 50 ms).
+    got = {}
+    first = threading.Event()
+
+    def run():
+        s = ask(srv, video_part(file_url(fx.clip)), max_tokens=300, stream=True)
+        parts = []
+        for c in s:
+            first.set()
+            parts.append(c.choices[0].delta.content or "" if c.choices else "")
+        got["text"] = "".join(parts)
+        got["done_at"] = time.time()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert first.wait(30), "the stream sent nothing"
+    srv.proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + 5
+    while srv.http("GET", "/health", key=None)[0] != 503 and time.time() < deadline:
+        time.sleep(0.01)
+    status, text = srv.http("POST", "/v1/chat/completions",
+                            json.dumps({"model": "model", "max_tokens": 4,
+                                        "messages": messages(video_part(file_url(fx.clip)))}))
+    answered_at = time.time()
+    code = srv.stop(signal.SIGTERM)
+    t.join(30)
+    assert got.get("done_at"), "the stream in flight did not complete"
+    print("  drain probe: %d, stream ended %.2f s after it" % (status, got["done_at"] - answered_at))
+    assert got["done_at"] > answered_at, "the stream ended before the probe: make it longer"
+    assert status == 503 and "shutting down" in text, (status, text[:300])
+    assert code == 0, "exit %s\n%s" % (code, srv.stderr())
+
+
+def case_killed_rank_503(fx, srv, ranks):
+    # Rank 1 (a child of the launcher with RANK=1) dies: requests get 503 and the server exits
+    # non-zero within LVX_DIST_TIMEOUT_S (4 s here) plus its heartbeat.
+    kids = subprocess.run(["pgrep", "-P", str(srv.proc.pid)], capture_output=True,
+                          text=True).stdout.split()
+    victim = None
+    for pid in kids:
+        env = Path("/proc/%s/environ" % pid).read_bytes().split(b"\0")
+        if b"RANK=1" in env:
+            victim = int(pid)
+    assert victim, kids
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.time()
+    status, text = srv.http("POST", "/v1/chat/completions", json.dumps(
+        {"model": "model", "messages": messages(video_part(file_url(fx.clip)))}))
+    assert status == 503, (status, text)
+    assert json.loads(text)["error"]["type"] == "server_error"
+    code = srv.proc.wait(timeout=30)
+    assert code != 0, srv.stderr()
+    assert time.time() - t0 < 20, time.time() - t0
+
+
+def case_port_in_use_fails_every_rank_at_once(fx, srv, ranks):
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    t0 = time.time()
+    r = subprocess.run([LVX, "serve", "--model", str(fx.model), "--nproc", str(ranks), "--port",
+                        str(s.getsockname()[1])], capture_output=True, text=True, timeout=60)
+    s.close()
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert re.search(r"cannot listen on 127\.0\.0\.1:\d+ \(--host, --port\)", r.stderr), r.stderr
+    assert time.time() - t0 < 30, "took %.1f s: the other ranks waited" % (time.time() - t0)
+
+
+def case_api_key_stays_secret(fx, srv, ranks):
+    # The key comes by environment: no rank's command line holds it; /metrics needs it.
+    for pid in descendants(srv.proc.pid) + [srv.proc.pid]:
+        try:
+            cmdline = Path("/proc/%d/cmdline" % pid).read_bytes()
+        except OSError:
+            continue
+        assert KEY.encode() not in cmdline, (pid, cmdline)
+    assert srv.http("GET", "/metrics", key=None)[0] == 401
+    assert srv.http("GET", "/metrics")[0] == 200
+    expect_error(srv, 401, json.dumps({"model": "model", "messages": []}), key=KEY + "x")
+    assert ask(srv, video_part(file_url(fx.clip))).choices[0].message.content is not None
+
+
+def case_api_key_flag_not_in_rank_argv(fx, srv, ranks):
+    # --api-key given: the ranks still get the key by environment, never in their argv.
+    for pid in descendants(srv.proc.pid):
+        try:
+            cmdline = Path("/proc/%d/cmdline" % pid).read_bytes()
+        except OSError:
+            continue
+        assert KEY.encode() not in cmdline, (pid, cmdline)
+    assert "visible to every local user" in srv.stderr()
+    assert srv.http("GET", "/metrics", key=None)[0] == 200  # --metrics-public
+    assert ask(srv, video_part(file_url(fx.clip))).choices[0].message.content is not None
