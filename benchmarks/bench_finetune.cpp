@@ -192,10 +192,8 @@ int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string
   return 0;
 }
 
-int bench(int argc, char** argv) {
-  cli::ArgParser p("bench_finetune [options]",
-                   "Fine-tuning samples/s through `lvx finetune` with and without K/V\n"
-                   "recomputation and rematerialization; losses compared first.");
+// bench_finetune's options (defaults in --help).
+void add_options(cli::ArgParser& p) {
   p.add_option("frames", 'f', "32", "frames per sample (16 visual tokens each)");
   p.add_option("nproc", 'n', "2", "ranks");
   p.add_option("hidden", 0, "128", "LM width (heads of 32)");
@@ -210,13 +208,11 @@ int bench(int argc, char** argv) {
                "--memory: auto (lvx's default), engine (the engines' own collectives for every\n"
                "op) and/or p2p (lvx's rings of messages): LVX_DIST_COLLECTIVES, side by side per\n"
                "stage and rank count");
-  if (!p.parse(argc, argv)) return 0;
-  const bool memory = p.flag("memory");
-  const fs::path dir =
-      fs::temp_directory_path() / ("lvx_bench_finetune_" + std::to_string(getpid()));
-  fs::create_directories(dir);
-  fs::current_path(dir);
-  make_model(dir / "model", p.get_int("hidden"), p.get_int("layers"));
+}
+
+// The training data and config in `dir` (the working folder): a synthetic test video, one QA
+// row about it, and run.yaml with the options' frames, steps and ranks.
+void write_run_inputs(const fs::path& dir, const cli::ArgParser& p) {
   run("ffmpeg -loglevel error -y -f lavfi -i testsrc=size=64x64:rate=8 -t 8 -pix_fmt yuv420p "
       "v.mp4");
   std::ofstream(dir / "train.jsonl")
@@ -229,43 +225,47 @@ int bench(int argc, char** argv) {
                                   << "schedule: {steps: " << p.get("steps") << "}\n"
                                   << "parallel: {nproc: " << p.get("nproc")
                                   << ", strategies: \"lv_xattn,ring\"}\n";
-  const std::string lvx =
-      (fs::path(dist::self_executable()).parent_path().parent_path() / "lvx").string();
-  if (memory) {
-    const int rc = bench_memory(p, dir, lvx);
-    fs::current_path(fs::temp_directory_path());
-    fs::remove_all(dir);
-    return rc;
+}
+
+// One mode's run: its loss and step time at every step, and the median step time after the
+// first (warm-up).
+struct Result {
+  std::string mode;
+  std::vector<double> loss, secs;
+  double median = 0;
+};
+
+// Fine-tunes with mode `m`'s overrides and reads its metrics back.
+Result run_mode(const Mode& m, const std::string& lvx) {
+  const std::string ck = std::string("ck_") + m.name;
+  fs::remove_all(ck);
+  run(lvx + " finetune --config run.yaml checkpoint.dir=" + ck + m.overrides);
+  Result r{m.name, {}, {}, 0};
+  std::ifstream f(ck + "/metrics.jsonl");
+  for (std::string line; std::getline(f, line);) {
+    const auto j = nlohmann::json::parse(line);
+    r.loss.push_back(j.at("loss"));
+    r.secs.push_back(j.at("step_seconds"));
   }
-  struct Result {
-    std::string mode;
-    std::vector<double> loss, secs;
-    double median = 0;
-  };
-  std::vector<Result> results;
-  for (const Mode& m : kModes) {
-    const std::string ck = std::string("ck_") + m.name;
-    fs::remove_all(ck);
-    run(lvx + " finetune --config run.yaml checkpoint.dir=" + ck + m.overrides);
-    Result r{m.name, {}, {}, 0};
-    std::ifstream f(ck + "/metrics.jsonl");
-    for (std::string line; std::getline(f, line);) {
-      const auto j = nlohmann::json::parse(line);
-      r.loss.push_back(j.at("loss"));
-      r.secs.push_back(j.at("step_seconds"));
-    }
-    std::vector<double> timed(r.secs.begin() + (r.secs.size() > 1 ? 1 : 0), r.secs.end());
-    std::sort(timed.begin(), timed.end());
-    r.median = timed[timed.size() / 2];
-    results.push_back(r);
-  }
-  // Correctness: both savers are exact, so every step's loss equals the plain run's.
+  std::vector<double> timed(r.secs.begin() + (r.secs.size() > 1 ? 1 : 0), r.secs.end());
+  std::sort(timed.begin(), timed.end());
+  r.median = timed[timed.size() / 2];
+  return r;
+}
+
+// Correctness: both savers are exact, so every step's loss equals the plain run's.
+void check_losses_equal(const std::vector<Result>& results) {
   const Result& base = results.front();
   for (const Result& r : results)
     for (size_t s = 0; s < base.loss.size(); ++s)
       LVX_CHECK(std::abs(r.loss[s] - base.loss[s]) <= 1e-4 * std::abs(base.loss[s]),
                 "bench_finetune: ", r.mode, " loss at step ", s + 1, " is ", r.loss[s],
                 ", without recomputation ", base.loss[s]);
+}
+
+// The settings line and one table row per mode, speeds against the plain run's.
+void print_results(const cli::ArgParser& p, const std::vector<Result>& results) {
+  const Result& base = results.front();
   std::printf(
       "mPLUG-Owl3 hidden %s, %s layers, %s frames/sample, %s ranks, %s steps "
       "(losses equal across modes: step 1 %.6f, step %zu %.6f)\n\n",
@@ -276,6 +276,33 @@ int bench(int argc, char** argv) {
   for (const Result& r : results)
     std::printf("| %s | %.3f | %.2f | %.3fx |\n", r.mode.c_str(), r.median, 1.0 / r.median,
                 base.median / r.median);
+}
+
+int bench(int argc, char** argv) {
+  cli::ArgParser p("bench_finetune [options]",
+                   "Fine-tuning samples/s through `lvx finetune` with and without K/V\n"
+                   "recomputation and rematerialization; losses compared first.");
+  add_options(p);
+  if (!p.parse(argc, argv)) return 0;
+  const bool memory = p.flag("memory");
+  const fs::path dir =
+      fs::temp_directory_path() / ("lvx_bench_finetune_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  fs::current_path(dir);
+  make_model(dir / "model", p.get_int("hidden"), p.get_int("layers"));
+  write_run_inputs(dir, p);
+  const std::string lvx =
+      (fs::path(dist::self_executable()).parent_path().parent_path() / "lvx").string();
+  if (memory) {
+    const int rc = bench_memory(p, dir, lvx);
+    fs::current_path(fs::temp_directory_path());
+    fs::remove_all(dir);
+    return rc;
+  }
+  std::vector<Result> results;
+  for (const Mode& m : kModes) results.push_back(run_mode(m, lvx));
+  check_losses_equal(results);
+  print_results(p, results);
   fs::current_path(fs::temp_directory_path());
   fs::remove_all(dir);
   return 0;

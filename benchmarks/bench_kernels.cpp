@@ -1,6 +1,5 @@
-// Over 600 lines: the correctness sweep, the CPU and CUDA timings and the table share the case
-// lists and the gate of one binary, the one the GPU archive ships; the profile is already apart
-// (kernel_profile.cpp). Issue 33 splits the timing from the checks.
+// One binary, the one the GPU archive ships; its parts beside it: the correctness phase
+// (kernel_checks.cpp), the results table (kernel_table.cpp) and the profile (kernel_profile.cpp).
 // Local attention kernels: correctness first (every mask x dtype x head layout against the fp64
 // dense reference with the dual-reference gate, on CPU and, when present, CUDA), then timing
 // side by side with a baseline in the same run: on CPU lvx's local forward and forward+backward
@@ -23,14 +22,15 @@
 #include <cmath>
 #include <functional>
 #include <iostream>
-#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "benchmarks/kernel_checks.h"
 #include "benchmarks/kernel_profile.h"
+#include "benchmarks/kernel_table.h"
 #include "kernels/attention.h"
 #include "src/cli/args.h"
 #include "src/common/device_sync.h"
@@ -39,6 +39,13 @@
 
 
 using namespace lvx::kernels;
+using lvx::bench::dtype_name;
+using lvx::bench::implausible_rate;
+using lvx::bench::mask_name;
+using lvx::bench::MaskCase;
+using lvx::bench::print_rows;
+using lvx::bench::Row;
+using lvx::bench::run_checks;
 
 namespace {
 
@@ -55,8 +62,6 @@ std::vector<std::string> split(const std::string& s) {
 at::ScalarType parse_dtype(const std::string& s) {
   return s == "fp64" ? at::kDouble : lvx::dtype_of(s, "--dtype (or fp64)");
 }
-
-std::string dtype_name(at::ScalarType t) { return t == at::kDouble ? "fp64" : lvx::dtype_name(t); }
 
 bool cuda_present() { return at::hasCUDA(); }
 
@@ -93,240 +98,7 @@ double time_back_to_back(const std::function<void()>& fn, const at::Device& dev,
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Correctness: the same gate as tests/test_kernels.cpp, on any device.
-
-enum class MaskCase { kNone, kCausal, kMediaImmediate, kMediaUpTo, kPadding };
-const char* mask_name(MaskCase m) {
-  const char* names[] = {"none", "causal", "mediaImm", "mediaUpTo", "padding"};
-  return names[static_cast<int>(m)];
-}
-
-AttentionMask make_mask(MaskCase c, int64_t batch, int64_t sq, int64_t skv) {
-  AttentionMask m;
-  if (c == MaskCase::kCausal) {
-    m.kind = MaskKind::kCausal;
-    m.q_pos = at::arange(sq, at::kLong) + (skv - sq);
-    m.k_pos = at::arange(skv, at::kLong);
-  } else if (c == MaskCase::kMediaImmediate || c == MaskCase::kMediaUpTo) {
-    m.kind = MaskKind::kMedia;
-    m.media_rule = c == MaskCase::kMediaImmediate ? MediaRule::kImmediate : MediaRule::kUpTo;
-    m.q_media = std::get<0>(at::randint(-1, 3, {batch, sq}, at::kInt).sort(1)).contiguous();
-    m.kv_media = (at::arange(skv, at::kLong) * 3 / std::max<int64_t>(skv, 1))
-                     .to(at::kInt)
-                     .unsqueeze(0)
-                     .repeat({batch, 1})
-                     .contiguous();
-    if (skv > 3) m.kv_media.select(1, skv / 3).fill_(-1);
-  } else if (c == MaskCase::kPadding) {
-    m.kv_valid = at::rand({batch, skv}) > 0.2;
-  }
-  return m;
-}
-
-AttentionMask mask_to(const AttentionMask& m, const at::Device& dev) {
-  AttentionMask r = m;
-  for (at::Tensor* t : {&r.q_pos, &r.k_pos, &r.q_media, &r.kv_media, &r.kv_valid}) {
-    if (t->defined()) *t = t->to(dev);
-  }
-  return r;
-}
-
-double error(const at::Tensor& x, const at::Tensor& ref) {
-  auto a = x.to(at::kCPU).to(at::kDouble), r = ref.to(at::kCPU).to(at::kDouble);
-  if (a.isnan().any().item<bool>()) return std::numeric_limits<double>::infinity();
-  auto both = a.isneginf() & r.isneginf();
-  auto diff = at::where(both, at::zeros_like(a), a - r);
-  if (!diff.isfinite().all().item<bool>()) return std::numeric_limits<double>::infinity();
-  const double scale =
-      std::max(1.0, at::where(both, at::zeros_like(r), r).abs().max().item<double>());
-  return diff.abs().max().item<double>() / scale;
-}
-
-double gate_atol(at::ScalarType t) {
-  return t == at::kDouble ? 1e-11 : t == at::kFloat ? 2e-5 : 1e-3;
-}
-
-struct Grads {
-  at::Tensor dq, dk, dv;
-};
-
-Grads reference_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& dout, const AttentionParams& p, at::ScalarType dtype) {
-  auto qd = q.to(dtype).detach().requires_grad_(true);
-  auto kd = k.to(dtype).detach().requires_grad_(true);
-  auto vd = v.to(dtype).detach().requires_grad_(true);
-  (attention_reference(qd, kd, vd, mask_matrix(p.mask, qd.size(0), qd.size(1), kd.size(1)), p.scale,
-                       dtype)
-       .o *
-   dout.to(dtype))
-      .sum()
-      .backward();
-  return {qd.grad(), kd.grad(), vd.grad()};
-}
-
-// Runs the kernel on `dev` and checks o, lse, dq, dk, dv against CPU fp64; returns failures.
-int check_case(const at::Device& dev, at::ScalarType dtype, MaskCase mc, int64_t b, int64_t sq,
-               int64_t skv, int64_t hq, int64_t hkv, int64_t d, bool verbose) {
-  at::manual_seed(42);
-  auto q = at::randn({b, sq, hq, d}).to(dtype), k = at::randn({b, skv, hkv, d}).to(dtype);
-  auto v = at::randn({b, skv, hkv, d}).to(dtype), dout = at::randn({b, sq, hq, d}).to(dtype);
-  AttentionParams p;
-  p.mask = make_mask(mc, b, sq, skv);
-  AttentionParams pd = p;
-  pd.mask = mask_to(p.mask, dev);
-  auto out = attention_forward(q.to(dev), k.to(dev), v.to(dev), pd);
-  auto delta = attention_delta(dout.to(dev), out.o);
-  auto g = attention_backward(q.to(dev), k.to(dev), v.to(dev), dout.to(dev), out.lse, delta, pd);
-  // The same-dtype reference runs on CPU in fp32 for fp16 (CPU half matmul is emulated).
-  const auto ref_dtype = dtype == at::kHalf ? at::kFloat : dtype;
-  const at::Tensor visible = mask_matrix(p.mask, q.size(0), q.size(1), k.size(1));
-  auto exact = attention_reference(q, k, v, visible, p.scale, at::kDouble);
-  auto same = attention_reference(q, k, v, visible, p.scale, ref_dtype);
-  auto gx = reference_grads(q, k, v, dout, p, at::kDouble);
-  auto gs = reference_grads(q, k, v, dout, p, ref_dtype);
-  const double atol = gate_atol(dtype);
-  int fails = 0;
-  auto gate = [&](const char* what, const at::Tensor& got, const at::Tensor& want,
-                  const at::Tensor& same_ref) {
-    const double e = error(got, want), e_ref = error(same_ref, want);
-    const bool ok = e <= 2 * e_ref + atol;
-    if (!ok || verbose) {
-      std::cerr << (ok ? "  ok   " : "  FAIL ") << dev << " " << dtype_name(dtype) << " "
-                << mask_name(mc) << " B" << b << " Sq" << sq << " Skv" << skv << " Hq" << hq
-                << " Hkv" << hkv << " D" << d << " " << what << ": error " << e
-                << " vs same-dtype reference " << e_ref << "\n";
-    }
-    fails += !ok;
-  };
-  gate("o", out.o, exact.o, same.o);
-  gate("lse", out.lse, exact.lse, same.lse);
-  gate("dq", g.dq, gx.dq, gs.dq);
-  gate("dk", g.dk, gx.dk, gs.dk);
-  gate("dv", g.dv, gx.dv, gs.dv);
-  return fails;
-}
-
-// Split K/V into 3 blocks, run and merge on `dev`; compare with the unsplit forward.
-int check_merge(const at::Device& dev) {
-  at::manual_seed(5);
-  const int64_t b = 2, sq = 50, skv = 5000, hq = 4, d = 64;
-  auto q = at::randn({b, sq, hq, d}, dev), k = at::randn({b, skv, hq, d}, dev);
-  auto v = at::randn({b, skv, hq, d}, dev);
-  AttentionParams p;
-  p.mask.kind = MaskKind::kCausal;
-  p.mask.q_pos = (at::arange(sq, at::kLong) * 97 + 10).to(dev);
-  p.mask.k_pos = at::arange(skv, at::kLong).to(dev);
-  auto whole = attention_forward(q, k, v, p);
-  auto o = at::zeros({b, sq, hq, d}, q.options());
-  auto lse = at::full({b, hq, sq}, -std::numeric_limits<double>::infinity(), q.options());
-  const int64_t cuts[] = {0, 1700, 3300, skv};
-  for (int i = 0; i < 3; ++i) {
-    AttentionParams pb = p;
-    pb.mask.k_pos = p.mask.k_pos.narrow(0, cuts[i], cuts[i + 1] - cuts[i]);
-    auto part = attention_forward(q, k.narrow(1, cuts[i], cuts[i + 1] - cuts[i]),
-                                  v.narrow(1, cuts[i], cuts[i + 1] - cuts[i]), pb);
-    merge_attention_states(o, lse, part.o, part.lse);
-  }
-  const double e = std::max(error(o, whole.o), error(lse, whole.lse));
-  const bool ok = e <= 1e-5;
-  std::cerr << (ok ? "  ok   " : "  FAIL ") << dev << " merge of 3 K/V blocks vs unsplit: error "
-            << e << "\n";
-  return !ok;
-}
-
-int run_checks(const at::Device& dev, bool verbose) {
-  struct S {
-    int64_t b, sq, skv, hq, hkv, d;
-  };
-  const std::vector<S> shapes = {{2, 1, 77, 4, 4, 32},
-                                 {2, 37, 1100, 4, 2, 64},
-                                 {1, 130, 130, 4, 1, 16},
-                                 {2, 200, 70, 4, 2, 32},
-                                 {1, 64, 5000, 2, 2, 128}};
-  int fails = 0, cases = 0;
-  {
-    std::vector<at::ScalarType> dtypes = {at::kFloat, at::kBFloat16, at::kDouble};
-    if (dev.is_cuda()) dtypes.push_back(at::kHalf);
-    for (auto dt : dtypes) {
-      for (auto mc : {MaskCase::kNone, MaskCase::kCausal, MaskCase::kMediaImmediate,
-                      MaskCase::kMediaUpTo, MaskCase::kPadding}) {
-        for (const auto& s : shapes) {
-          if (!dev.is_cuda() && s.skv > 2000) continue;                  // keep the CPU check quick
-          if (dev.is_cuda() && dt == at::kDouble && s.d > 64) continue;  // fp64 smem limit
-          try {
-            fails += check_case(dev, dt, mc, s.b, s.sq, s.skv, s.hq, s.hkv, s.d, verbose);
-          } catch (const std::exception& e) {
-            ++fails;
-            std::cerr << "  FAIL " << dev << " " << dtype_name(dt) << " " << mask_name(mc) << " Sq"
-                      << s.sq << " Skv" << s.skv << " D" << s.d << ": " << e.what() << "\n";
-          }
-          ++cases;
-        }
-      }
-    }
-    fails += check_merge(dev);
-  }
-  std::cerr << "correctness on " << dev << ": " << cases << " cases x (o, lse, dq, dk, dv) + "
-            << "merge, " << fails << " failures\n";
-  return fails;
-}
-
-// ---------------------------------------------------------------------------------------------
 // Timing.
-
-struct Row {
-  std::string device, dtype, op;
-  int64_t sq, skv, heads, hkv, dim;
-  double seconds, rate, baseline_rate;  // rate in GFLOP/s (CPU) or TFLOP/s (CUDA); the
-                                        // ratio rate / baseline_rate is baseline time / lvx time
-  std::string baseline;
-  double spread;
-};
-
-void print_rows(const std::vector<Row>& rows, const std::string& format) {
-  if (format == "json") {
-    for (const auto& r : rows) {
-      std::cout << "{\"device\":\"" << r.device << "\",\"dtype\":\"" << r.dtype << "\",\"op\":\""
-                << r.op << "\",\"sq\":" << r.sq << ",\"skv\":" << r.skv << ",\"heads\":" << r.heads
-                << ",\"hkv\":" << r.hkv << ",\"dim\":" << r.dim
-                << ",\"median_ms\":" << r.seconds * 1e3 << ",\"rate\":" << r.rate
-                << ",\"baseline\":\"" << r.baseline << "\",\"baseline_rate\":" << r.baseline_rate
-                << ",\"ratio\":" << (r.baseline_rate > 0 ? r.rate / r.baseline_rate : 0)
-                << ",\"spread\":" << r.spread << "}\n";
-    }
-    return;
-  }
-  std::cout << "| device | dtype | op | Sq | Skv | H | Hkv | D | median ms | rate | baseline | "
-               "baseline rate | ratio |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
-  for (const auto& r : rows) {
-    const char* unit = r.device == "cpu" ? " GFLOP/s" : " TFLOP/s";
-    std::cout << "| " << r.device << " | " << r.dtype << " | " << r.op << " | " << r.sq << " | "
-              << r.skv << " | " << r.heads << " | " << r.hkv << " | " << r.dim << " | "
-              << r.seconds * 1e3 << " | " << r.rate << unit << " | " << r.baseline << " | "
-              << r.baseline_rate << unit << " | "
-              << (r.baseline_rate > 0 ? r.rate / r.baseline_rate : 0) << " |\n";
-  }
-}
-
-// A rate no device reaches means the clock did not wait for the device (a timer that reads it
-// after the launches alone): the table is refused rather than printed. The bounds are several
-// times today's peaks (an H200's dense bf16 is ~1 PFLOP/s, a B200's ~2.3; a CPU's few TFLOP/s).
-constexpr double kCudaTflopsBound = 5000, kCpuGflopsBound = 200000;
-
-// Names the first row whose lvx or baseline rate exceeds its device's bound; empty when none.
-std::string implausible_rate(const std::vector<Row>& rows) {
-  for (const auto& r : rows) {
-    const double bound = r.device == "cpu" ? kCpuGflopsBound : kCudaTflopsBound;
-    if (r.rate > bound || r.baseline_rate > bound) {
-      std::ostringstream os;
-      os << r.device << " " << r.dtype << " " << r.op << " " << r.sq << "x" << r.skv << ": "
-         << std::max(r.rate, r.baseline_rate) << (r.device == "cpu" ? " GFLOP/s" : " TFLOP/s")
-         << " exceeds " << bound << "; the timer did not wait for the device";
-      return os.str();
-    }
-  }
-  return "";
-}
 
 // The timing masks: none, causal (bottom-right aligned, as a ring block at the diagonal's end;
 // square shapes are exactly SDPA's is_causal), and the LV-XAttn media mask (mPLUG-Owl3 up-to
@@ -488,6 +260,169 @@ void memory_demo() {
             << " MiB); lse finite: " << out.lse.isfinite().all().item<bool>() << "\n";
 }
 
+// The command line, parsed and checked.
+struct Options {
+  std::string format, profile;
+  int reps = 0, warmup = 0;
+  bool check_only = false, demo = false, verbose = false;
+  std::vector<std::pair<int64_t, int64_t>> shapes;  // (Sq, Skv)
+  std::vector<MaskCase> masks;
+  std::vector<int64_t> heads, hkv, dims;
+  std::vector<std::string> dtypes;
+  std::vector<at::Device> devices;
+};
+
+// Declares bench_kernels' flags (their defaults show in --help).
+void add_options(lvx::cli::ArgParser& args) {
+  args.add_option("shapes", 's', "2048x2048,1024x16384",
+                  "SqxSkv shapes (comma list): square and LV-XAttn (1k queries x 16k-64k keys)");
+  args.add_option("sq", 'q', "", "query counts (comma list; with --skv, replaces --shapes)");
+  args.add_option("skv", 'k', "", "key counts (comma list; with --sq, replaces --shapes)");
+  args.add_option("masks", 'm', "none,causal,mediaUpTo",
+                  "CPU timing masks: none, causal, mediaUpTo, mediaImm (comma list)");
+  args.add_option("heads", 'H', "8", "query heads (comma list)");
+  args.add_option("hkv", 0, "8,2", "K/V heads (comma list; those that divide heads are run)");
+  args.add_option("dim", 'd', "64", "head dims (comma list)");
+  args.add_option("dtype", 't', "fp32", "input dtypes: fp32, fp64, bf16, fp16 (comma list)");
+  args.add_option("device", 0, cuda_present() ? "cpu,cuda" : "cpu", "devices: cpu, cuda");
+  args.add_option("reps", 'r', "3", "timed repeats (median reported)");
+  args.add_option("warmup", 'w', "1", "warm-up runs");
+  args.add_option("output", 'o', "md", "output format: md or json (JSON lines)");
+  args.add_flag("check-only", 0, "run the correctness phase only");
+  args.add_flag("memory-demo", 0, "CPU forward of 1024 queries x 1M keys, peak RSS");
+  args.add_flag("verbose", 'v', "print every correctness comparison");
+  args.add_option("profile", 0, "",
+                  "profile instead of timing: per shape and device, lvx vs the baseline under "
+                  "PyTorch's profiler; Chrome traces into this folder, a summary to stdout");
+}
+
+// --sq x --skv (every pair) when either is given, else --shapes' SQxSKV items.
+std::vector<std::pair<int64_t, int64_t>> parse_shapes(const lvx::cli::ArgParser& args) {
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  if (!args.get("sq").empty() || !args.get("skv").empty()) {
+    for (int64_t sq : args.get_int_list("sq")) {
+      for (int64_t skv : args.get_int_list("skv")) shapes.emplace_back(sq, skv);
+    }
+  } else {
+    for (const auto& x : split(args.get("shapes"))) {
+      const auto at = x.find('x');
+      LVX_CHECK(at != std::string::npos, "--shapes: expected SQxSKV, got '", x, "'");
+      shapes.emplace_back(std::stoll(x.substr(0, at)), std::stoll(x.substr(at + 1)));
+    }
+  }
+  return shapes;
+}
+
+// --masks by name (padding is a correctness case only).
+std::vector<MaskCase> parse_masks(const std::string& list) {
+  std::vector<MaskCase> masks;
+  for (const auto& m : split(list)) {
+    const MaskCase all[] = {MaskCase::kNone, MaskCase::kCausal, MaskCase::kMediaImmediate,
+                            MaskCase::kMediaUpTo};
+    bool found = false;
+    for (MaskCase c : all) {
+      if (m == mask_name(c)) {
+        masks.push_back(c);
+        found = true;
+      }
+    }
+    LVX_CHECK(found, "--masks: expected none, causal, mediaImm or mediaUpTo, got '", m, "'");
+  }
+  return masks;
+}
+
+// --device: cpu and cuda (device 0, refused when absent).
+std::vector<at::Device> parse_devices(const std::string& list) {
+  std::vector<at::Device> devices;
+  for (const auto& d : split(list)) {
+    LVX_CHECK(d == "cpu" || d == "cuda", "--device: expected cpu or cuda, got '", d, "'");
+    if (d == "cuda") {
+      LVX_CHECK(cuda_present(), "--device cuda: no CUDA device (or built without CUDA)");
+      devices.emplace_back(at::kCUDA, 0);
+    } else {
+      devices.emplace_back(at::kCPU);
+    }
+  }
+  return devices;
+}
+
+// Reads and checks every option, in the order their errors are reported.
+Options parse_options(const lvx::cli::ArgParser& args) {
+  Options o;
+  o.format = args.get("output");
+  o.reps = static_cast<int>(args.get_int("reps"));
+  o.warmup = static_cast<int>(args.get_int("warmup"));
+  o.check_only = args.flag("check-only");
+  o.demo = args.flag("memory-demo");
+  o.verbose = args.flag("verbose");
+  const std::string device_s = args.get("device");
+  o.hkv = args.get_int_list("hkv");
+  o.shapes = parse_shapes(args);
+  o.masks = parse_masks(args.get("masks"));
+  o.heads = args.get_int_list("heads");
+  o.dims = args.get_int_list("dim");
+  o.dtypes = args.get_list("dtype");
+  LVX_CHECK(o.format == "md" || o.format == "json", "-o: expected md or json, got '", o.format,
+            "'");
+  o.devices = parse_devices(device_s);
+  o.profile = args.get("profile");
+  return o;
+}
+
+// Correctness first: the devices whose kernels pass the check (a failing one is not timed);
+// counts the others in `failed_devices`.
+std::vector<at::Device> checked_devices(const Options& o, int& failed_devices) {
+  std::vector<at::Device> checked;
+  for (const auto& dev : o.devices) {
+    if (run_checks(dev, o.verbose) == 0) {
+      checked.push_back(dev);
+    } else {
+      ++failed_devices;
+      std::cerr << "bench_kernels: correctness check failed on " << dev << "; not timing it\n";
+    }
+  }
+  return checked;
+}
+
+// One configuration on one device: profiled (--profile), else timed into `rows` (CUDA: its
+// baselines; CPU: once per timing mask).
+void time_config(std::vector<Row>& rows, const Options& o, const at::Device& dev,
+                 const std::string& dt, int64_t sq, int64_t skv, int64_t h, int64_t hkv,
+                 int64_t d) {
+  std::cerr << "timing " << dev << " " << dt << " Sq=" << sq << " Skv=" << skv << " H=" << h
+            << " Hkv=" << hkv << " D=" << d << "\n";
+  if (!o.profile.empty()) {
+    lvx::bench::profile_attention(o.profile, dev, parse_dtype(dt), sq, skv, h, hkv, d, o.warmup,
+                                  o.reps);
+  } else if (dev.is_cuda()) {
+#ifdef LVX_WITH_CUDA
+    bench_cuda(rows, sq, skv, h, hkv, d, parse_dtype(dt), o.warmup, o.reps);
+#endif
+  } else {
+    for (MaskCase mc : o.masks) {
+      bench_cpu(rows, mc, sq, skv, h, hkv, d, parse_dtype(dt), o.warmup, o.reps);
+    }
+  }
+}
+
+// Every device x dtype x shape x heads x K/V heads (those dividing heads) x head dim.
+std::vector<Row> time_all(const Options& o, const std::vector<at::Device>& devices) {
+  std::vector<Row> rows;
+  for (const auto& dev : devices) {
+    for (const auto& dt : o.dtypes) {
+      for (const auto& [sq, skv] : o.shapes) {
+        for (int64_t h : o.heads) {
+          for (int64_t hkv : o.hkv) {
+            if (hkv <= 0 || h % hkv != 0) continue;
+            for (int64_t d : o.dims) time_config(rows, o, dev, dt, sq, skv, h, hkv, d);
+          }
+        }
+      }
+    }
+  }
+  return rows;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -495,119 +430,19 @@ int main(int argc, char** argv) {
     lvx::cli::ArgParser args("bench_kernels [options]",
                              "Local attention kernels: correctness vs fp64, then speed vs "
                              "at::matmul (CPU) and SDPA flash/cuDNN (CUDA).");
-    args.add_option("shapes", 's', "2048x2048,1024x16384",
-                    "SqxSkv shapes (comma list): square and LV-XAttn (1k queries x 16k-64k keys)");
-    args.add_option("sq", 'q', "", "query counts (comma list; with --skv, replaces --shapes)");
-    args.add_option("skv", 'k', "", "key counts (comma list; with --sq, replaces --shapes)");
-    args.add_option("masks", 'm', "none,causal,mediaUpTo",
-                    "CPU timing masks: none, causal, mediaUpTo, mediaImm (comma list)");
-    args.add_option("heads", 'H', "8", "query heads (comma list)");
-    args.add_option("hkv", 0, "8,2", "K/V heads (comma list; those that divide heads are run)");
-    args.add_option("dim", 'd', "64", "head dims (comma list)");
-    args.add_option("dtype", 't', "fp32", "input dtypes: fp32, fp64, bf16, fp16 (comma list)");
-    args.add_option("device", 0, cuda_present() ? "cpu,cuda" : "cpu", "devices: cpu, cuda");
-    args.add_option("reps", 'r', "3", "timed repeats (median reported)");
-    args.add_option("warmup", 'w', "1", "warm-up runs");
-    args.add_option("output", 'o', "md", "output format: md or json (JSON lines)");
-    args.add_flag("check-only", 0, "run the correctness phase only");
-    args.add_flag("memory-demo", 0, "CPU forward of 1024 queries x 1M keys, peak RSS");
-    args.add_flag("verbose", 'v', "print every correctness comparison");
-    args.add_option("profile", 0, "",
-                    "profile instead of timing: per shape and device, lvx vs the baseline under "
-                    "PyTorch's profiler; Chrome traces into this folder, a summary to stdout");
+    add_options(args);
     if (!args.parse(argc, argv)) return 0;
-    const std::string format = args.get("output");
-    const int reps = static_cast<int>(args.get_int("reps"));
-    const int warmup = static_cast<int>(args.get_int("warmup"));
-    const bool check_only = args.flag("check-only"), demo = args.flag("memory-demo");
-    const bool verbose = args.flag("verbose");
-    const std::string device_s = args.get("device");
-    const auto hkv_list = args.get_int_list("hkv");
-    std::vector<std::pair<int64_t, int64_t>> shapes;
-    if (!args.get("sq").empty() || !args.get("skv").empty()) {
-      for (int64_t sq : args.get_int_list("sq")) {
-        for (int64_t skv : args.get_int_list("skv")) shapes.emplace_back(sq, skv);
-      }
-    } else {
-      for (const auto& x : split(args.get("shapes"))) {
-        const auto at = x.find('x');
-        LVX_CHECK(at != std::string::npos, "--shapes: expected SQxSKV, got '", x, "'");
-        shapes.emplace_back(std::stoll(x.substr(0, at)), std::stoll(x.substr(at + 1)));
-      }
-    }
-    std::vector<MaskCase> masks;
-    for (const auto& m : split(args.get("masks"))) {
-      const MaskCase all[] = {MaskCase::kNone, MaskCase::kCausal, MaskCase::kMediaImmediate,
-                              MaskCase::kMediaUpTo};
-      bool found = false;
-      for (MaskCase c : all) {
-        if (m == mask_name(c)) {
-          masks.push_back(c);
-          found = true;
-        }
-      }
-      LVX_CHECK(found, "--masks: expected none, causal, mediaImm or mediaUpTo, got '", m, "'");
-    }
-    const auto heads_list = args.get_int_list("heads"), dim_list = args.get_int_list("dim");
-    const auto dtype_list = args.get_list("dtype");
-    LVX_CHECK(format == "md" || format == "json", "-o: expected md or json, got '", format, "'");
-    std::vector<at::Device> devices;
-    for (const auto& d : split(device_s)) {
-      LVX_CHECK(d == "cpu" || d == "cuda", "--device: expected cpu or cuda, got '", d, "'");
-      if (d == "cuda") {
-        LVX_CHECK(cuda_present(), "--device cuda: no CUDA device (or built without CUDA)");
-        devices.emplace_back(at::kCUDA, 0);
-      } else {
-        devices.emplace_back(at::kCPU);
-      }
-    }
-    // Correctness first: a device whose kernels fail the check is not timed.
-    std::vector<at::Device> checked;
+    const Options o = parse_options(args);
     int failed_devices = 0;
-    for (const auto& dev : devices) {
-      if (run_checks(dev, verbose) == 0) {
-        checked.push_back(dev);
-      } else {
-        ++failed_devices;
-        std::cerr << "bench_kernels: correctness check failed on " << dev << "; not timing it\n";
-      }
-    }
-    devices = checked;
-    if (check_only) return failed_devices == 0 ? 0 : 1;
-    if (demo) memory_demo();
-    std::vector<Row> rows;
-    for (const auto& dev : devices) {
-      for (const auto& dt : dtype_list) {
-        for (const auto& [sq, skv] : shapes) {
-          for (int64_t h : heads_list) {
-            for (int64_t hkv : hkv_list) {
-              if (hkv <= 0 || h % hkv != 0) continue;
-              for (int64_t d : dim_list) {
-                std::cerr << "timing " << dev << " " << dt << " Sq=" << sq << " Skv=" << skv
-                          << " H=" << h << " Hkv=" << hkv << " D=" << d << "\n";
-                if (!args.get("profile").empty()) {
-                  lvx::bench::profile_attention(args.get("profile"), dev, parse_dtype(dt), sq,
-                                                skv, h, hkv, d, warmup, reps);
-                } else if (dev.is_cuda()) {
-#ifdef LVX_WITH_CUDA
-                  bench_cuda(rows, sq, skv, h, hkv, d, parse_dtype(dt), warmup, reps);
-#endif
-                } else {
-                  for (MaskCase mc : masks) {
-                    bench_cpu(rows, mc, sq, skv, h, hkv, d, parse_dtype(dt), warmup, reps);
-                  }
-                }
-              }
-            }
-          }
-        }
-      }
-    }
+    const std::vector<at::Device> devices = checked_devices(o, failed_devices);
+    if (o.check_only) return failed_devices == 0 ? 0 : 1;
+    if (o.demo) memory_demo();
+    const std::vector<Row> rows = time_all(o, devices);
     if (const std::string bad = implausible_rate(rows); !bad.empty()) {
       std::cerr << "bench_kernels: error: implausible timing: " << bad << "\n";
       return 1;
     }
-    if (args.get("profile").empty()) print_rows(rows, format);
+    if (o.profile.empty()) print_rows(rows, o.format);
     if (failed_devices > 0) return 1;
   } catch (const std::exception& e) {
     std::cerr << "bench_kernels: error: " << e.what() << "\n";

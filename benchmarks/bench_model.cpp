@@ -134,11 +134,8 @@ struct Run {
   double fwd, bwd, wait, rss, live, err, predicted;
 };
 
-int bench(int argc, char** argv) {
-  cli::ArgParser p(
-      "bench_model [options]",
-      "One mPLUG-Owl3 training step per configuration through `lvx forward`, with and\n"
-      "without K/V recomputation; correctness against the 1-rank run first.");
+// bench_model's options (defaults in --help).
+void add_options(cli::ArgParser& p) {
   p.add_option("frames", 'f', "32,64,128", "frame counts (16 visual tokens each)");
   p.add_option("text", 't', "512", "text tokens, including one <|image|> per frame");
   p.add_option("nproc", 'n', "1,2", "rank counts");
@@ -146,13 +143,11 @@ int bench(int argc, char** argv) {
   p.add_option("layers", 0, "4", "LM layers (two are hyper layers)");
   p.add_option("reps", 'r', "2", "timed steps per run (after one warm-up)");
   p.add_option("output-format", 'o', "md", "md | json");
-  if (!p.parse(argc, argv)) return 0;
-  const fs::path dir = fs::temp_directory_path() / ("lvx_bench_model_" + std::to_string(getpid()));
-  fs::create_directories(dir);
-  make_model(dir / "model", p.get_int("hidden"), p.get_int("layers"));
-  models::Checkpoint ck = models::load_checkpoint((dir / "model").string());
-  const models::MplugOwl3 model(ck, kImageToken, at::kFloat);
-  planner::ClusterConfig cluster;  // memory only: a device large enough for everything
+}
+
+// The planner's cluster, for memory only: a device large enough for everything.
+planner::ClusterConfig memory_only_cluster() {
+  planner::ClusterConfig cluster;
   cluster.name = "cpu";
   cluster.gpus_per_node = 64;
   cluster.nodes = 1;
@@ -160,101 +155,158 @@ int bench(int argc, char** argv) {
   cluster.attention["fp32"] = {1e10, 1e10};
   cluster.gemm_flops["fp32"] = 1e10;
   cluster.intra_node = cluster.inter_node = {1e9, 1e-5};
-  // `lvx forward` beside this benchmark's folder (build/lvx, build/benchmarks/bench_model).
-  const std::string lvx =
-      (fs::path(dist::self_executable()).parent_path().parent_path() / "lvx").string();
-  std::vector<Run> runs;
-  for (int64_t frames : p.get_int_list("frames")) {
-    const std::string batch = (dir / ("batch" + std::to_string(frames) + ".safetensors")).string();
-    make_batch(batch, frames, p.get_int("text"));
-    std::string reference;
-    for (int64_t nproc : p.get_int_list("nproc"))
-      for (const Mode& mode : kModes) {
-        const bool recompute = std::string(mode.flags).find("recompute") != std::string::npos;
-        const std::string out = (dir / "out.safetensors").string();
-        const std::string log = (dir / "log.txt").string();
-        const std::string cmd = lvx + " forward --model " + (dir / "model").string() + " --input " +
-                                batch + " --output " + out + " --nproc " + std::to_string(nproc) +
-                                " --strategies lv_xattn,ring --backward --repeat " + p.get("reps") +
-                                mode.flags + " > " + log + " 2>&1";
-        if (std::system(cmd.c_str()) != 0) {
-          std::ifstream f(log);
-          LVX_FAIL("bench_model: ", cmd, " failed:\n",
-                   std::string(std::istreambuf_iterator<char>(f), {}));
-        }
-        auto m = metadata(out);
-        auto t = load_safetensors(out).tensors;
-        double err = 0;
-        if (reference.empty()) {
-          reference = (dir / ("ref" + std::to_string(frames) + ".safetensors")).string();
-          fs::copy_file(out, reference, fs::copy_options::overwrite_existing);
-        } else {
-          auto ref = load_safetensors(reference).tensors;
-          err = std::max((t.at("logits") - ref.at("logits")).abs().max().item<double>(),
-                         std::abs(t.at("loss").item<double>() - ref.at("loss").item<double>()));
-          LVX_CHECK(err < 1e-3, "bench_model: ", nproc, " ranks (", mode.name,
-                    ") differ from 1 rank by ", err);
-        }
-        planner::Workload w;
-        w.frames = frames;
-        w.text_tokens = p.get_int("text");
-        w.tokens_per_frame = model.config().vision.tokens();
-        w.ranks = nproc;
-        w.dtype = "fp32";
-        w.train = true;
-        planner::ModelConfig pm = model.planner_model();
-        pm.dtype = "fp32";
-        planner::CostOptions opt;
-        opt.recompute_cross_kv = recompute;
-        const planner::Plan plan = planner::plan(pm, cluster, w, opt);
-        runs.push_back({frames, nproc, mode.name, std::stod(m.at("forward_seconds")),
-                        std::stod(m.at("backward_seconds")), std::stod(m.at("comm_wait_seconds")),
-                        std::stod(m.at("peak_rss_bytes")),
-                        std::stod(m.at("live_bytes_after_forward")), err, plan.peak_mem_bytes});
-      }
+  return cluster;
+}
+
+// What every run shares: the work folder, `lvx forward`'s binary, the model, the planner's
+// cluster and the options.
+struct Setup {
+  fs::path dir;
+  std::string lvx;
+  const models::MplugOwl3& model;
+  planner::ClusterConfig cluster;
+  const cli::ArgParser& p;
+};
+
+// One `lvx forward` training step of `batch` on `nproc` ranks with `mode`'s flags; returns its
+// output file. Fails with the run's log when the run fails.
+std::string forward_step(const Setup& s, const std::string& batch, int64_t nproc,
+                         const Mode& mode) {
+  const std::string out = (s.dir / "out.safetensors").string();
+  const std::string log = (s.dir / "log.txt").string();
+  const std::string cmd = s.lvx + " forward --model " + (s.dir / "model").string() + " --input " +
+                          batch + " --output " + out + " --nproc " + std::to_string(nproc) +
+                          " --strategies lv_xattn,ring --backward --repeat " + s.p.get("reps") +
+                          mode.flags + " > " + log + " 2>&1";
+  if (std::system(cmd.c_str()) != 0) {
+    std::ifstream f(log);
+    LVX_FAIL("bench_model: ", cmd, " failed:\n",
+             std::string(std::istreambuf_iterator<char>(f), {}));
   }
-  const int64_t text = p.get_int("text");
-  if (p.get("output-format") == "json") {
-    nlohmann::json j = nlohmann::json::array();
-    for (const Run& r : runs)
-      j.push_back({{"frames", r.frames},
-                   {"nproc", r.nproc},
-                   {"saving", r.mode},
-                   {"forward_s", r.fwd},
-                   {"step_s", r.fwd + r.bwd},
-                   {"comm_wait_s", r.wait},
-                   {"peak_rss_bytes", r.rss},
-                   {"live_bytes_after_forward", r.live},
-                   {"predicted_attention_bytes", r.predicted},
-                   {"max_err_vs_1_rank", r.err}});
-    std::cout << j.dump(2) << "\n";
+  return out;
+}
+
+// The largest difference of `out`'s logits and loss from the frame count's first run; the first
+// run (`reference` empty) becomes the reference, with 0. Fails above 1e-3.
+double error_vs_reference(const Setup& s, const std::string& out, int64_t frames, int64_t nproc,
+                          const Mode& mode, std::string& reference) {
+  auto t = load_safetensors(out).tensors;
+  double err = 0;
+  if (reference.empty()) {
+    reference = (s.dir / ("ref" + std::to_string(frames) + ".safetensors")).string();
+    fs::copy_file(out, reference, fs::copy_options::overwrite_existing);
   } else {
-    std::printf(
-        "| frames | ranks | saving | fwd s | fwd+bwd s | text tok/s fwd | tok/s fwd+bwd "
-        "| frames/s fwd+bwd | comm wait | peak RSS MiB | held after fwd MiB | planner MiB "
-        "| err vs 1 rank |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for (const Run& r : runs)
-      std::printf(
-          "| %lld | %lld | %s | %.3f | %.3f | %.0f | %.0f | %.1f | %.0f%% | %.1f | %.1f | "
-          "%.2f | %.1e |\n",
-          static_cast<long long>(r.frames), static_cast<long long>(r.nproc), r.mode.c_str(), r.fwd,
-          r.fwd + r.bwd, text / r.fwd, text / (r.fwd + r.bwd), r.frames / (r.fwd + r.bwd),
-          100 * r.wait / (r.fwd + r.bwd), r.rss / (1 << 20), r.live / (1 << 20),
-          r.predicted / (1 << 20), r.err);
+    auto ref = load_safetensors(reference).tensors;
+    err = std::max((t.at("logits") - ref.at("logits")).abs().max().item<double>(),
+                   std::abs(t.at("loss").item<double>() - ref.at("loss").item<double>()));
+    LVX_CHECK(err < 1e-3, "bench_model: ", nproc, " ranks (", mode.name, ") differ from 1 rank by ",
+              err);
   }
-  // Memory held per frame (slope between the smallest and largest frame count) and step time
-  // at the largest, for each saving against none, per rank count: how many more frames fit in
-  // the same memory, at what time overhead.
-  const auto fl = p.get_int_list("frames");
+  return err;
+}
+
+// The planner's peak memory for the run's training step (K/V recomputation on or off).
+double predicted_bytes(const Setup& s, int64_t frames, int64_t nproc, bool recompute) {
+  planner::Workload w;
+  w.frames = frames;
+  w.text_tokens = s.p.get_int("text");
+  w.tokens_per_frame = s.model.config().vision.tokens();
+  w.ranks = nproc;
+  w.dtype = "fp32";
+  w.train = true;
+  planner::ModelConfig pm = s.model.planner_model();
+  pm.dtype = "fp32";
+  planner::CostOptions opt;
+  opt.recompute_cross_kv = recompute;
+  return planner::plan(pm, s.cluster, w, opt).peak_mem_bytes;
+}
+
+// One configuration: the step run, checked against the reference, its measurements read back
+// and the planner's prediction beside them.
+Run run_mode(const Setup& s, const std::string& batch, int64_t frames, int64_t nproc,
+             const Mode& mode, std::string& reference) {
+  const bool recompute = std::string(mode.flags).find("recompute") != std::string::npos;
+  const std::string out = forward_step(s, batch, nproc, mode);
+  auto m = metadata(out);
+  const double err = error_vs_reference(s, out, frames, nproc, mode, reference);
+  const double predicted = predicted_bytes(s, frames, nproc, recompute);
+  return {frames,
+          nproc,
+          mode.name,
+          std::stod(m.at("forward_seconds")),
+          std::stod(m.at("backward_seconds")),
+          std::stod(m.at("comm_wait_seconds")),
+          std::stod(m.at("peak_rss_bytes")),
+          std::stod(m.at("live_bytes_after_forward")),
+          err,
+          predicted};
+}
+
+// Every frame count x rank count x mode, each frame count's batch made first; the first run of
+// a frame count is the others' reference.
+std::vector<Run> run_all(const Setup& s) {
+  std::vector<Run> runs;
+  for (int64_t frames : s.p.get_int_list("frames")) {
+    const std::string batch =
+        (s.dir / ("batch" + std::to_string(frames) + ".safetensors")).string();
+    make_batch(batch, frames, s.p.get_int("text"));
+    std::string reference;
+    for (int64_t nproc : s.p.get_int_list("nproc"))
+      for (const Mode& mode : kModes)
+        runs.push_back(run_mode(s, batch, frames, nproc, mode, reference));
+  }
+  return runs;
+}
+
+// The runs as a JSON array.
+void print_json(const std::vector<Run>& runs) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const Run& r : runs)
+    j.push_back({{"frames", r.frames},
+                 {"nproc", r.nproc},
+                 {"saving", r.mode},
+                 {"forward_s", r.fwd},
+                 {"step_s", r.fwd + r.bwd},
+                 {"comm_wait_s", r.wait},
+                 {"peak_rss_bytes", r.rss},
+                 {"live_bytes_after_forward", r.live},
+                 {"predicted_attention_bytes", r.predicted},
+                 {"max_err_vs_1_rank", r.err}});
+  std::cout << j.dump(2) << "\n";
+}
+
+// The runs as a Markdown table; rates over `text` tokens.
+void print_table(const std::vector<Run>& runs, int64_t text) {
+  std::printf(
+      "| frames | ranks | saving | fwd s | fwd+bwd s | text tok/s fwd | tok/s fwd+bwd "
+      "| frames/s fwd+bwd | comm wait | peak RSS MiB | held after fwd MiB | planner MiB "
+      "| err vs 1 rank |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Run& r : runs)
+    std::printf(
+        "| %lld | %lld | %s | %.3f | %.3f | %.0f | %.0f | %.1f | %.0f%% | %.1f | %.1f | "
+        "%.2f | %.1e |\n",
+        static_cast<long long>(r.frames), static_cast<long long>(r.nproc), r.mode.c_str(), r.fwd,
+        r.fwd + r.bwd, text / r.fwd, text / (r.fwd + r.bwd), r.frames / (r.fwd + r.bwd),
+        100 * r.wait / (r.fwd + r.bwd), r.rss / (1 << 20), r.live / (1 << 20),
+        r.predicted / (1 << 20), r.err);
+}
+
+// The run of `f` frames on `nproc` ranks with saving `mode`; the first run when there is none.
+Run find_run(const std::vector<Run>& runs, int64_t f, int64_t nproc, const std::string& mode) {
+  for (const Run& r : runs)
+    if (r.frames == f && r.nproc == nproc && r.mode == mode) return r;
+  return runs.front();
+}
+
+// Memory held per frame (slope between the smallest and largest frame count) and step time
+// at the largest, for each saving against none, per rank count: how many more frames fit in
+// the same memory, at what time overhead.
+void print_summary(const std::vector<Run>& runs, const std::vector<int64_t>& fl,
+                   const std::vector<int64_t>& nprocs) {
   const int64_t f0 = fl.front(), f1 = fl.back();
-  for (int64_t nproc : p.get_int_list("nproc")) {
-    auto find = [&](int64_t f, const std::string& mode) {
-      for (const Run& r : runs)
-        if (r.frames == f && r.nproc == nproc && r.mode == mode) return r;
-      return runs.front();
-    };
+  for (int64_t nproc : nprocs) {
     if (f1 == f0) break;
-    const Run a0 = find(f0, "none"), a1 = find(f1, "none");
+    const Run a0 = find_run(runs, f0, nproc, "none"), a1 = find_run(runs, f1, nproc, "none");
     const double base = (a1.live - a0.live) / static_cast<double>(f1 - f0);
     const double pred_base = (a1.predicted - a0.predicted) / static_cast<double>(f1 - f0);
     std::printf(
@@ -263,7 +315,7 @@ int bench(int argc, char** argv) {
         static_cast<long long>(nproc), base / 1024, pred_base / 1024, a1.fwd + a1.bwd,
         static_cast<long long>(f1));
     for (const char* mode : {"recompute", "remat", "both"}) {
-      const Run b0 = find(f0, mode), b1 = find(f1, mode);
+      const Run b0 = find_run(runs, f0, nproc, mode), b1 = find_run(runs, f1, nproc, mode);
       const double slope = (b1.live - b0.live) / static_cast<double>(f1 - f0);
       std::printf(
           "  %-9s %.1f KiB per frame (planner %.1f KiB): %.2fx the frames in the same "
@@ -273,6 +325,32 @@ int bench(int argc, char** argv) {
           100 * ((b1.fwd + b1.bwd) / (a1.fwd + a1.bwd) - 1));
     }
   }
+}
+
+int bench(int argc, char** argv) {
+  cli::ArgParser p(
+      "bench_model [options]",
+      "One mPLUG-Owl3 training step per configuration through `lvx forward`, with and\n"
+      "without K/V recomputation; correctness against the 1-rank run first.");
+  add_options(p);
+  if (!p.parse(argc, argv)) return 0;
+  const fs::path dir = fs::temp_directory_path() / ("lvx_bench_model_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  make_model(dir / "model", p.get_int("hidden"), p.get_int("layers"));
+  models::Checkpoint ck = models::load_checkpoint((dir / "model").string());
+  const models::MplugOwl3 model(ck, kImageToken, at::kFloat);
+  // `lvx forward` beside this benchmark's folder (build/lvx, build/benchmarks/bench_model).
+  const std::string lvx =
+      (fs::path(dist::self_executable()).parent_path().parent_path() / "lvx").string();
+  const Setup setup{dir, lvx, model, memory_only_cluster(), p};
+  const std::vector<Run> runs = run_all(setup);
+  const int64_t text = p.get_int("text");
+  if (p.get("output-format") == "json") {
+    print_json(runs);
+  } else {
+    print_table(runs, text);
+  }
+  print_summary(runs, p.get_int_list("frames"), p.get_int_list("nproc"));
   fs::remove_all(dir);
   return 0;
 }
