@@ -180,6 +180,23 @@ void seal_chunked_prompt(DecodeCache& cache, int rank, int world) {
   }
   cache.prompt_media.clear();
   cache.prompt_sees = at::Tensor();
+  cache.prompt_key_reads = at::Tensor();
+}
+
+at::Tensor media_key_reads(const attention::MediaMask& mm, int64_t length) {
+  const at::Tensor q = mm.q_media.narrow(1, 0, length).to(at::kCPU).to(at::kLong);  // [B, L]
+  const at::Tensor kv = mm.kv_media.to(at::kCPU).to(at::kLong);                     // [B, S]
+  const int64_t B = q.size(0), images = std::max<int64_t>(mm.slots, 1);
+  // Keys per image and sample, with a column in front for padding (kv_media −1).
+  const at::Tensor per_image = at::zeros({B, images + 1}, at::kLong)
+                                   .scatter_add_(1, kv + 1, at::ones_like(kv))
+                                   .narrow(1, 1, images);
+  const at::Tensor seen =
+      mm.rule == kernels::MediaRule::kUpTo ? per_image.cumsum(1) : per_image;  // [B, images]
+  // Column 0: a position that sees no image (q_media −1).
+  const at::Tensor none =
+      mm.unmatched_sees_all ? per_image.sum(1, true) : at::zeros({B, 1}, at::kLong);
+  return at::cat({none, seen}, 1).gather(1, q + 1).sum(0);
 }
 
 void start_prompt_cache(DecodeCache& cache, int64_t layers, int64_t B, int64_t L,

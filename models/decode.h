@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "kernels/attention.h"
+#include "src/attention/media_mask.h"
 #include "src/dist/process_group.h"
 
 namespace lvx::models {
@@ -120,8 +121,18 @@ struct DecodeCache {
   // the prompt is whole (seal_chunked_prompt) and for a whole prefill.
   std::vector<PromptMedia> prompt_media;
   at::Tensor prompt_sees;
+  // Also while a prompt is prefilled in chunks: the visual keys each prompt position reads, over
+  // every rank, sample and call (int64 [L] on the host; media_key_reads), the same on every
+  // rank, so that all of them cut the same chunks under GenerateOptions::prefill_chunk_keys.
+  at::Tensor prompt_key_reads;
 };
 
+// The visual keys each of the first `length` positions of a prompt reads under the host media
+// mask `mm` of the whole prompt (every rank's keys, not one shard's), summed over the samples:
+// int64 [length] on the host. A position sees all the keys of the images its q_media and the
+// rule allow (kUpTo: images 0..q_media; kImmediate: image q_media); one that sees no image reads
+// none, or every key with unmatched_sees_all. Padding keys (kv_media −1) count for nobody.
+at::Tensor media_key_reads(const attention::MediaMask& mm, int64_t length);
 
 // Whether `cache` holds a prompt being prefilled in chunks; checks that T tokens from its length
 // stay inside it.

@@ -9,12 +9,15 @@
 //     stepped alone: every generation conformance test covers that path.)
 #include <gtest/gtest.h>
 
+#include <iostream>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "models/decode.h"
 #include "models/model.h"
+#include "src/common/error.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
 #include "src/runtime/generate.h"
@@ -115,6 +118,66 @@ TEST(Generate, RowsSteppedTogetherGiveEachRowsTokensAlone) {
               << "alone| " << d << "\n";
     EXPECT_LE(d, 1e-5);
   }
+}
+
+// chunk_length (GenerateOptions::prefill_chunk_keys): the longest run of tokens from `at` whose
+// key reads stay within the budget, at most `tokens`, one token at least even when it alone is
+// over; without a budget, `tokens` up to the prefix's end.
+TEST(ChunkLength, KeyBudgetCutsChunksWhereReadsPileUp) {
+  using lvx::runtime::chunk_length;
+  const at::Tensor reads = at::tensor({0, 0, 4, 4, 8, 8, 12, 100}, at::kLong);
+  EXPECT_EQ(chunk_length(reads, 0, 8, 5, 0), 5);   // no budget
+  EXPECT_EQ(chunk_length(reads, 6, 8, 5, 0), 2);   // the prefix ends
+  EXPECT_EQ(chunk_length(reads, 0, 8, 5, 8), 4);   // 0 + 0 + 4 + 4 fits, + 8 does not
+  EXPECT_EQ(chunk_length(reads, 0, 8, 3, 8), 3);   // the token bound comes first
+  EXPECT_EQ(chunk_length(reads, 4, 8, 5, 16), 2);  // 8 + 8
+  EXPECT_EQ(chunk_length(reads, 6, 8, 5, 16), 1);  // 12 fits, 12 + 100 does not
+  EXPECT_EQ(chunk_length(reads, 7, 8, 5, 16), 1);  // over the budget alone: it still runs
+  EXPECT_THROW(chunk_length(at::tensor({1, 2}, at::kLong), 0, 8, 5, 16), lvx::Error);
+}
+
+// A prompt prefilled in chunks under a key budget (lvx serve's --max-batch-visual-keys): the
+// chunks shorten where the frames' keys pile up (their count made here from the prompt's key
+// reads, cut greedily), and the tokens and every step's logits equal the whole prefill's within
+// 1e-5 (fp32; the text keys merge in another order). The prompt: the fixture's prefix twice
+// (twice its frames), then a question.
+TEST(Generate, KeyBudgetChunksEqualTheWholePrefill) {
+  Fixture& f = fixture();
+  const int64_t first = lvx::runtime::prompt_prefix(f.row0, f.model->media_token_id());
+  const at::Tensor head = f.row0.narrow(1, 0, first);
+  const at::Tensor ids = at::cat({head, head, f.row0.narrow(1, first, f.row0.size(1) - first),
+                                  at::tensor({5, 6, 7}, at::kLong).view({1, -1})},
+                                 1)
+                             .contiguous();
+  const lvx::models::ModelInputs in{ids, at::cat({f.pixels, f.pixels}), false, {}};
+  const auto whole = lvx::runtime::generate(*f.model, in, f.par, options(4));
+  const int64_t split = lvx::runtime::prompt_prefix(ids, f.model->media_token_id());
+  ASSERT_EQ(split, 2 * first);
+  lvx::models::DecodeCache media;
+  f.model->prefill_media({ids.narrow(1, 0, split), in.pixel_values, false, {}}, f.par, media);
+  const at::Tensor reads = media.prompt_key_reads;
+  ASSERT_EQ(reads.sizes(), at::IntArrayRef({split}));
+  const int64_t last = reads[split - 1].item<int64_t>(), tokens = split - 1;
+  ASSERT_GT(last, 0);
+  const int64_t budget = last;  // one token per chunk where every frame is seen
+  int64_t want = 0;
+  for (int64_t at = 0; at < split; ++want) {
+    int64_t n = 1, sum = reads[at].item<int64_t>();
+    while (at + n < split && n < tokens && sum + reads[at + n].item<int64_t>() <= budget)
+      sum += reads[at + n++].item<int64_t>();
+    at += n;
+  }
+  GenerateOptions o = options(4);
+  o.prefill_chunk = tokens;
+  o.prefill_chunk_keys = budget;
+  const auto chunked = lvx::runtime::generate(*f.model, in, f.par, o);
+  std::cout << "prefix of " << split << " tokens, keys read";
+  for (int64_t t = 0; t < split; ++t) std::cout << " " << reads[t].item<int64_t>();
+  std::cout << ": " << chunked.prefill_chunks << " chunks under " << budget << " keys\n";
+  EXPECT_EQ(chunked.prefill_chunks, want);
+  EXPECT_GT(want, (split + tokens - 1) / tokens);  // the budget cut some chunks short
+  EXPECT_TRUE(at::equal(chunked.tokens, whole.tokens));
+  EXPECT_LE((chunked.step_logits - whole.step_logits).abs().max().item<double>(), 1e-5);
 }
 
 }  // namespace

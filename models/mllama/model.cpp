@@ -446,11 +446,13 @@ void Mllama::prefill_media(const ModelInputs& in, const Parallel& par, DecodeCac
   cache.sees_media = cm.last_row_sees_media.to(dev);
   // Each call's rows and this rank's keys of it (mask.h): the calls the whole prefill makes.
   const at::Tensor keys = LocalMedia{{}, mine}.key_index(T).to(dev);
+  cache.prompt_key_reads = at::zeros({L}, at::kLong);
   for (const attention::MediaMask& mm : cm.calls) {
     const attention::MediaMask d = media_mask_on(mm, dev);
     cache.prompt_media.push_back(
         {d.q_media.narrow(1, 0, L), d.kv_media.index_select(1, keys), mm.rule,
          mm.unmatched_sees_all});
+    cache.prompt_key_reads += media_key_reads(mm, L);
   }
   cache.prompt_sees = cm.sees_media.to(dev).narrow(1, 0, L);
   const at::Tensor visible = cm.last_row_keys.index_select(1, keys.cpu()).to(dev);

@@ -395,6 +395,7 @@ void MplugOwl3::prefill_media(const ModelInputs& in, const Parallel& par,
   cache.sees_media = (mmd.media_starts >= 0).any(1);
   cache.prompt_media = {{mmd.q_media.narrow(1, 0, L), vis.kv_media, c.media_rule().kernel_rule()}};
   cache.prompt_sees = mmd.q_media.narrow(1, 0, L).ge(0);
+  cache.prompt_key_reads = media_key_reads(mm, L);
   const at::Tensor visible = shard_visible(vis.kv_media.ge(0));  // one for every cross layer
   for (int64_t i = 0; i < c.layers; ++i) {
     if (!c.is_hyper(i)) continue;

@@ -41,6 +41,7 @@ void OpenFlamingo::prefill_media(const ModelInputs& in, const Parallel& par,
   cache.sees_media = images.gt(0);
   const at::Tensor keys = mmd.kv_media.index_select(1, media.key_index(T).to(options.device()));
   cache.prompt_media = {{mmd.q_media.narrow(1, 0, L), keys, kMediaMaskImmediate.kernel_rule()}};
+  cache.prompt_key_reads = media_key_reads(mm, L);
   const at::Tensor last_image =
       keys.ge(0) & keys.eq((images - 1).unsqueeze(1).to(keys.scalar_type()));
   for (int64_t i = 0; i < c.layers; ++i) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
@@ -226,6 +227,16 @@ void add_threads_option(ArgParser& p) {
                "intra-op threads per rank (auto: OMP_NUM_THREADS when set, else cores / local "
                "ranks)");
 }
+
+void add_chunk_keys_option(ArgParser& p) {
+  p.add_option("max-batch-visual-keys", 0, "0",
+               "with --max-batch-tokens: a chunk also ends before its tokens' visual key reads\n"
+               "pass this many (each token counts the keys of the images it sees, all ranks;\n"
+               "one token at least): shorter chunks late in a long video, at the cost of more\n"
+               "passes over its keys (docs/serve.md); 0: no bound");
+}
+
+int64_t chunk_keys(const ArgParser& p) { return p.get_int("max-batch-visual-keys", 0, INT64_MAX); }
 
 int apply_threads(const ArgParser& p, int local_ranks) {
   const int cores = available_cores();

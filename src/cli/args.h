@@ -87,6 +87,12 @@ int check_nproc(int64_t n, bool force, const std::string& what = "--nproc");
 // ranks, in a launcher `local_ranks`. Returns the count.
 void add_threads_option(ArgParser& p);
 int apply_threads(const ArgParser& p, int local_ranks = 1);
+// --max-batch-visual-keys: with --max-batch-tokens, a prefill chunk also ends before its tokens'
+// visual key reads pass this many (runtime::GenerateOptions::prefill_chunk_keys; default 0: no
+// bound). One option for serve, qa and forward, so that lvx qa given the server's two values
+// cuts the server's chunks.
+void add_chunk_keys_option(ArgParser& p);
+int64_t chunk_keys(const ArgParser& p);
 // --device auto|cuda|cpu (default auto): where each rank's tensors live, chosen on the rank by
 // runtime::choose_device (src/runtime/device.h): cuda:LOCAL_RANK when CUDA devices are visible,
 // else cpu; fewer GPUs than local ranks is refused. One option, the same help, for every command.

@@ -33,6 +33,7 @@ void add_qa_options(lvx::cli::ArgParser& p) {
   p.add_option("max-batch-tokens", 0, "0",
                "prefill the prompt in chunks of at most this many tokens, as lvx serve does\n"
                "(the same value gives the server's answer bit for bit; 0: whole)");
+  lvx::cli::add_chunk_keys_option(p);
   p.add_option("temperature", 0, "0", "0: greedy (deterministic); > 0: sampling");
   p.add_option("top-p", 0, "1", "nucleus sampling threshold (with --temperature > 0)");
   p.add_option("seed", 0, "0", "sampling seed (the same seed gives the same answer)");
@@ -70,6 +71,7 @@ lvx::runtime::QaJob qa_job_of(const lvx::cli::ArgParser& p) {
   if (!p.get("end").empty()) job.end = p.get_double("end");
   job.generation.max_new_tokens = p.get_int("max-new-tokens");
   job.generation.prefill_chunk = p.get_int("max-batch-tokens", 0, INT32_MAX);
+  job.generation.prefill_chunk_keys = lvx::cli::chunk_keys(p);
   job.generation.sampling.temperature = p.get_double("temperature");
   job.generation.sampling.top_p = p.get_double("top-p");
   job.generation.sampling.seed = static_cast<uint64_t>(p.get_int("seed", 0, INT64_MAX));

@@ -44,6 +44,7 @@ void add_serve_options(lvx::cli::ArgParser& p) {
                "a new request's prompt is prefilled in chunks of at most this many tokens, one\n"
                "chunk between two decode steps (chunked prefill; 0: whole; with --max-batch 1\n"
                "always whole); lvx qa --max-batch-tokens N gives the same answers bit for bit");
+  lvx::cli::add_chunk_keys_option(p);
   p.add_option("max-body-bytes", 0, "536870912", "largest request body (beyond: 413)");
   p.add_option("max-inflight-bytes", 0, "1073741824",
                "request bytes held at once over every request, from each one's headers until its\n"
@@ -119,6 +120,7 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   o.max_batch = p.get_int("max-batch", 1, 4096);
   // One generation at a time has nothing to step between chunks: its prompt runs whole.
   job.generation.prefill_chunk = o.max_batch > 1 ? p.get_int("max-batch-tokens", 0, INT32_MAX) : 0;
+  job.generation.prefill_chunk_keys = lvx::cli::chunk_keys(p);
   return o;
 }
 

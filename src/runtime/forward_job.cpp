@@ -152,6 +152,7 @@ void generate_tokens(const ForwardJob& job, ForwardRun& run) {
   g.max_length = model_context_length(job.model);  // never past the model's context
   g.keep_logits = true;
   g.prefill_chunk = job.prefill_chunk;
+  g.prefill_chunk_keys = job.prefill_chunk_keys;
   const Batch& b = run.batch;
   const models::ModelInputs in{b.input_ids, b.pixel_values, false, b.named};
   const GenerateResult out = job.generate_rows ? generate_rows(*run.model, in, run.par, g)

@@ -43,6 +43,7 @@ struct ForwardJob {
   bool generate_rows = false;
   // With generate: GenerateOptions::prefill_chunk (--max-batch-tokens).
   int64_t prefill_chunk = 0;
+  int64_t prefill_chunk_keys = 0;  // --max-batch-visual-keys
 };
 
 // Runs on this rank (rendezvous from the environment). Returns 0 on success.

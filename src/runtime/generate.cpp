@@ -115,6 +115,19 @@ Generation::Generation(const models::Model& model, const models::ModelInputs& in
   r_.encode_seconds = cache_.encode_seconds;
 }
 
+int64_t chunk_length(const at::Tensor& reads, int64_t at, int64_t split, int64_t tokens,
+                     int64_t key_budget) {
+  const int64_t most = std::min(tokens, split - at);
+  if (key_budget <= 0 || most <= 1) return most;
+  LVX_CHECK(reads.defined() && reads.dim() == 1 && reads.size(0) >= split &&
+                reads.scalar_type() == at::kLong,
+            "chunked prefill: the prompt's key reads must be int64 [", split, "]");
+  const int64_t* r = reads.data_ptr<int64_t>() + at;
+  int64_t n = 1, sum = r[0];
+  while (n < most && sum + r[n] <= key_budget) sum += r[n++];
+  return n;
+}
+
 bool prefills_in_chunks(const models::Model& model, const GenerateOptions& o, int64_t split) {
   return o.prefill_chunk > 0 && split > o.prefill_chunk && model.can_prefill_in_chunks();
 }
@@ -132,7 +145,9 @@ void Generation::prefill_next(const models::Model& model, const models::Parallel
   dist::ProcessGroup& pg = *par.pg;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t sent0 = pg.counters().total_sent();
-  const int64_t split = pending_.size(1), n = std::min(o_.prefill_chunk, split - pending_at_);
+  const int64_t split = pending_.size(1);
+  const int64_t n = chunk_length(cache_.prompt_key_reads, pending_at_, split, o_.prefill_chunk,
+                                 o_.prefill_chunk_keys);
   logits_ = model.extend(pending_.narrow(1, pending_at_, n), par, cache_);
   pending_at_ += n;
   ++r_.prefill_chunks;

@@ -57,6 +57,14 @@ struct GenerateOptions {
   // the same chunk size gives the same answer bit for bit. 0, or a family without chunked
   // prefill (Model::can_prefill_in_chunks): the prefix runs whole.
   int64_t prefill_chunk = 0;
+  // > 0, with prefill_chunk: a chunk also ends before its tokens' visual key reads (each token
+  // counting the keys of the images it sees, over every rank: DecodeCache::prompt_key_reads)
+  // pass this many, one token at least (lvx serve's --max-batch-visual-keys). Late in a long
+  // video's prompt every token reads all of its frames' keys, so chunks there get fewer tokens;
+  // but every chunk also streams those keys once whatever its token count, so more chunks cost
+  // the long prompt more passes (docs/serve.md measures both). 0: chunks of prefill_chunk
+  // tokens. Every rank computes the same cut from the prompt's ids: no message.
+  int64_t prefill_chunk_keys = 0;
   // With prefill_chunk: this rank's Model::prefill_media of the prefix, made already (lvx serve
   // makes it on a worker thread, off the ranks' lockstep); null: the constructor makes it.
   std::shared_ptr<const models::DecodeCache> prefilled_media;
@@ -103,6 +111,12 @@ void check_sampling(const SamplingOptions& sampling);
 GenerateResult generate(const models::Model& model, const models::ModelInputs& in,
                         const models::Parallel& par, const GenerateOptions& options,
                         const std::function<void(const at::Tensor&)>& on_token = {});
+
+// The length of the chunk that starts at position `at` of a prefix of `split` tokens: at most
+// `tokens`; with key_budget > 0, no more than keep the sum of their key reads (reads: int64
+// [split] on the host, DecodeCache::prompt_key_reads) within key_budget, and one at least.
+int64_t chunk_length(const at::Tensor& reads, int64_t at, int64_t split, int64_t tokens,
+                     int64_t key_budget);
 
 // Whether Generation prefills a prompt whose prefix is `split` tokens in chunks.
 bool prefills_in_chunks(const models::Model& model, const GenerateOptions& options, int64_t split);
