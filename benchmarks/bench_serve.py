@@ -3,8 +3,8 @@ video (the visual cache), and requests/s with p50/p99 latency at several concurr
 
   python bench_serve.py [--nproc 1,2] [--minutes 60] [--video-fps 1] [--sample-fps 0.5]
                         [--clients 1,4,16] [--requests 256] [--load-repeats 3] [--tokens 16]
-                        [--max-batch 16]
-                        [--load-minutes 2] [-o md|json]
+                        [--max-batch 16] [--probe-chunks 0,32/0,32/131072,...]
+                        [--load-minutes 2] [--parts ttft,load,probe] [-o md|json]
 
 Model: a tiny random mPLUG-Owl3 (tests/reference/mplug_owl3_ref.py make-model: SigLIP 32 px,
 16 visual tokens per frame), so the numbers measure lvx's video path, prefill and serving, not a
@@ -27,13 +27,15 @@ both servers (the batched rows' logits differ from alone by ~1e-6; a greedy toke
 would stop the run).
 Prefill under load: the time to first token of a short question about a cached video asked (back
 to back) while a 1-hour video's first prefill (a cache miss) runs, against the same question on
-the idle server, for several --max-batch-tokens (--probe-chunks; 0: the prompt whole, which the
-short questions wait for): the miss's frames are decoded and encoded on a worker thread of each
+the idle server, for several --max-batch-tokens and --max-batch-visual-keys (--probe-chunks:
+TOKENS/KEYS entries; tokens 0: the prompt whole, which the short questions wait for; keys 0: no
+bound on the visual keys a chunk reads): the miss's frames are decoded and encoded on a worker thread of each
 rank, and its prompt runs one chunk between two decode steps.
 """
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -83,6 +85,11 @@ class Server:
                     text += piece
         total = time.perf_counter() - t0
         return first if first is not None else total, total, text, None
+
+    def metric(self, name):
+        """A counter of /metrics (no key: the benchmark's servers run on loopback without one)."""
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.port, timeout=60) as r:
+            return int(float(re.search(r"^%s (\S+)" % name, r.read().decode(), re.M).group(1)))
 
     def stop(self):
         self.proc.terminate()
@@ -163,16 +170,17 @@ def load_rows(a, lvx, model, nproc, media, videos):
 
 def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
     """TTFT of a short question about a cached video, idle and while a 1-hour video's first
-    prefill (a cache miss) runs, for each --max-batch-tokens of --probe-chunks (0: the prompt
-    whole), one server each, side by side. A short question (one token) is sent every
+    prefill (a cache miss) runs, for each TOKENS/KEYS of --probe-chunks (--max-batch-tokens and
+    --max-batch-visual-keys; tokens 0: the prompt whole), one server each, side by side. A short question (one token) is sent every
     --probe-every seconds from 50 ms after the miss (open loop: each on its own connection); those
     sent before the miss's first token count. The miss's answer must equal lvx qa's with the same
-    --max-batch-tokens."""
+    chunk flags."""
     rows = []
-    for chunk in [int(x) for x in a.probe_chunks.split(",")]:
-        want = qa_answer(a, lvx, model, long_video, nproc, chunk)
-        srv = Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens,
-                     ["--max-batch-tokens", str(chunk)])
+    for entry in a.probe_chunks.split(","):
+        chunk, keys = (int(x) for x in (entry.split("/") + ["0"])[:2])
+        flags = ["--max-batch-tokens", str(chunk), "--max-batch-visual-keys", str(keys)]
+        want = qa_answer(a, lvx, model, long_video, nproc, flags)
+        srv = Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens, flags)
         try:
             srv.post(body(short_video, 1))
             # One token each: the time to it is what is measured, and a short question's later
@@ -181,6 +189,7 @@ def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
             # Open loop: a short question every --probe-every seconds from 50 ms after the miss
             # was sent, each on its own connection (none waits for another's answer), so every
             # moment of the prefill is sampled alike, its stalls included.
+            chunks0 = srv.metric("lvx_prefill_chunks_total")
             with ThreadPoolExecutor(1) as long_ex, ThreadPoolExecutor(16) as ex:
                 t0 = time.perf_counter()
                 miss = long_ex.submit(srv.post, body(long_video, a.tokens, True, 300, end=length),
@@ -203,9 +212,11 @@ def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
                 long_ttft, _, long_text, _ = miss.result()
                 spans = [f.result() for f in shorts]
             assert long_text == want["response"], ("the 1-hour answer differs from lvx qa's",
-                                                   chunk, long_text, want["response"])
+                                                   entry, long_text, want["response"])
             busy = [t for s, e, t in spans if s < long_ttft] or [float("nan")]
-            rows.append({"max_batch_tokens": chunk, "idle_ttft_s": statistics.median(idle),
+            rows.append({"max_batch_tokens": chunk, "max_batch_visual_keys": keys,
+                         "chunks": srv.metric("lvx_prefill_chunks_total") - chunks0,
+                         "idle_ttft_s": statistics.median(idle),
                          "busy_ttft_p50_s": statistics.median(busy), "busy_ttft_max_s": max(busy),
                          "busy_samples": len(busy),
                          "ratio": statistics.median(busy) / statistics.median(idle),
@@ -215,16 +226,16 @@ def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
     return rows
 
 
-def qa_answer(a, lvx, model, video, nproc, chunk):
-    """lvx qa --json of the benchmark's question about `video` with --max-batch-tokens chunk."""
+def qa_answer(a, lvx, model, video, nproc, flags):
+    """lvx qa --json of the benchmark's question about `video` with the chunk flags given."""
     return json.loads(subprocess.run(
         [lvx, "qa", "--model", str(model), "--video", str(video), "--question", QUESTION,
          "--fps", str(a.sample_fps), "--max-new-tokens", str(a.tokens), "--json", "--nproc",
-         str(nproc), "--max-batch-tokens", str(chunk)],
+         str(nproc)] + flags,
         check=True, capture_output=True, text=True).stdout)
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", default="1,2")
     ap.add_argument("--minutes", type=float, default=60)
@@ -242,16 +253,26 @@ def main():
     ap.add_argument("--max-batch", type=int, default=16, help="the batched server's --max-batch")
     ap.add_argument("--max-batch-tokens", type=int, default=32,
                     help="the servers' --max-batch-tokens (lvx serve's default)")
-    ap.add_argument("--probe-chunks", default="0,256,64,32,16",
-                    help="--max-batch-tokens of the prefill-under-load servers (0: whole)")
+    ap.add_argument("--probe-chunks", default="0,32/0,16/0,32/262144,32/131072,32/65536",
+                    help="TOKENS/KEYS: --max-batch-tokens (0: whole) and --max-batch-visual-keys "
+                         "(0: no bound) of each prefill-under-load server")
     ap.add_argument("--probe-every", type=float, default=0.05,
                     help="seconds between the short questions asked during the 1-hour prefill")
     ap.add_argument("--load-minutes", type=float, default=2,
                     help="length of each of the 4 videos the load asks about")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lvx_bench_serve"))
+    ap.add_argument("--parts", default="ttft,load,probe",
+                    help="what to measure: ttft (the first and a repeated question about the long "
+                         "video), load (requests/s batched against one at a time), probe (a short "
+                         "question's TTFT during the long video's prefill)")
     ap.add_argument("-o", "--output", default="md", choices=["md", "json"])
     a = ap.parse_args()
-    lvx, work, media, model = bench_paths(a.workdir)
+    a.parts = set(a.parts.split(","))
+    return a
+
+
+def long_video(a, media):
+    """The long test video (--minutes of testsrc2 at --video-fps), made once."""
     video = media / ("long_%gmin_%gfps.mp4" % (a.minutes, a.video_fps))
     if not video.exists():
         t0 = time.time()
@@ -260,44 +281,56 @@ def main():
            "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p", str(video))
         print("made %s (%.1f MB) in %.1f s" % (video, video.stat().st_size / 1e6, time.time() - t0),
               file=sys.stderr)
-    videos = load_videos(media, a.load_minutes)
-    results = []
+    return video
+
+
+def first_and_repeat(a, srv, want, video, nproc, length):
+    """Time to first token of the long video's first question (cold, then forced misses) and of
+    a repeat (a visual-cache hit), each answer checked against lvx qa's; and where a miss's and
+    a hit's time goes (the slowest rank's, from the response's lvx timings)."""
+    first = [srv.post(body(str(video), a.tokens, True), True)]
+    for k in range(a.repeats - 1):
+        first.append(srv.post(body(str(video), a.tokens, True, k, end=length), True))
+    repeat = [srv.post(body(str(video), a.tokens, True), True) for _ in range(a.repeats)]
+    for t in first + repeat:
+        assert t[2] == want["response"], ("answer differs from lvx qa", t[2], want)
+    row = {"ttft_first_s": statistics.median(t[0] for t in first),
+           "ttft_first_cold_s": first[0][0],
+           "ttft_repeat_s": statistics.median(t[0] for t in repeat)}
+    row["repeat_over_first"] = row["ttft_repeat_s"] / row["ttft_first_s"]
+    miss = srv.post(body(str(video), a.tokens, miss=100, end=length))[3]["lvx"]
+    hit = srv.post(body(str(video), a.tokens, miss=100, end=length))[3]["lvx"]
+    assert miss["visual_cache"]["misses"] == nproc and hit["visual_cache"]["hits"] == nproc
+    for name, t in (("miss", miss["timings"]), ("hit", hit["timings"])):
+        row[name] = {k: t[k] for k in ("video_decode_s", "encode_s", "prefill_s", "ttft_s")}
+    return row
+
+
+def ranks_row(a, lvx, model, media, video, videos, nproc):
+    """Every part of --parts at `nproc` ranks: one server (the default, --max-batch-tokens as
+    given) for the first/repeat question, the load's own servers, the probe's own servers."""
     length = a.minutes * 60  # seconds
-    for nproc in [int(x) for x in a.nproc.split(",")]:
-        want = qa_answer(a, lvx, model, video, nproc, a.max_batch_tokens)
-        srv = Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens,
-                     ["--max-batch-tokens", str(a.max_batch_tokens)])
+    chunks = ["--max-batch-tokens", str(a.max_batch_tokens)]
+    row = {"ranks": nproc}
+    if a.parts & {"ttft", "load"}:
+        want = qa_answer(a, lvx, model, video, nproc, chunks)
+        row.update({"frames": want["frames"], "prompt_tokens": want["prompt_tokens"],
+                    "qa_ttft_s": want["timings"]["ttft_s"]})
+    if "ttft" in a.parts:
+        srv = Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens, chunks)
         try:
-            row = {"ranks": nproc, "frames": want["frames"], "prompt_tokens": want["prompt_tokens"],
-                   "qa_ttft_s": want["timings"]["ttft_s"]}
-            # The real first question (content hash, cold cache), then forced misses.
-            first = [srv.post(body(str(video), a.tokens, True), True)]
-            for k in range(a.repeats - 1):
-                first.append(srv.post(body(str(video), a.tokens, True, k, end=length), True))
-            repeat = [srv.post(body(str(video), a.tokens, True), True) for _ in range(a.repeats)]
-            for t in first + repeat:
-                assert t[2] == want["response"], ("answer differs from lvx qa", t[2], want)
-            row["ttft_first_s"] = statistics.median(t[0] for t in first)
-            row["ttft_first_cold_s"] = first[0][0]
-            row["ttft_repeat_s"] = statistics.median(t[0] for t in repeat)
-            row["repeat_over_first"] = row["ttft_repeat_s"] / row["ttft_first_s"]
-            # Where a miss's time goes, and what a hit still spends (the slowest rank's, from
-            # the response's lvx timings): video decode, encode, prefill (encode included).
-            miss = srv.post(body(str(video), a.tokens, miss=100, end=length))[3]["lvx"]
-            hit = srv.post(body(str(video), a.tokens, miss=100, end=length))[3]["lvx"]
-            assert miss["visual_cache"]["misses"] == nproc and hit["visual_cache"]["hits"] == nproc
-            for name, t in (("miss", miss["timings"]), ("hit", hit["timings"])):
-                row[name] = {k: t[k] for k in ("video_decode_s", "encode_s", "prefill_s", "ttft_s")}
-            row["load"] = load_rows(a, lvx, model, nproc, media, videos)
-            results.append(row)
+            row.update(first_and_repeat(a, srv, want, video, nproc, length))
         finally:
             srv.stop()
+    if "load" in a.parts:
+        row["load"] = load_rows(a, lvx, model, nproc, media, videos)
+    if "probe" in a.parts:
         row["under_prefill"] = prefill_probe(a, lvx, model, nproc, media, str(video), videos[0],
                                              length)
-    load = os.getloadavg()[0]
-    if a.output == "json":
-        print(json.dumps({"results": results, "loadavg_1min_at_end": load}, indent=1))
-        return
+    return row
+
+
+def print_ttft(results):
     print("| ranks | frames | TTFT first (cold) s | TTFT first (median) s | TTFT repeat s | "
           "repeat / first | lvx qa TTFT s |")
     print("|---|---|---|---|---|---|---|")
@@ -314,6 +347,9 @@ def main():
             print("| %d | %s | %.3f | %.3f | %.3f | %.3f |" % (
                 r["ranks"], name, t["video_decode_s"], t["encode_s"], t["prefill_s"], t["ttft_s"]))
     print()
+
+
+def print_load(results):
     print("| ranks | clients | requests | requests/s one at a time | requests/s batched | "
           "batched / one | TTFT p50 s one | TTFT p50 s batched | TTFT p99 s one | "
           "TTFT p99 s batched | p99 s one | p99 s batched |")
@@ -328,16 +364,38 @@ def main():
                      b["req_per_s"] / o["req_per_s"], o["ttft_p50_s"], b["ttft_p50_s"],
                      o["ttft_p99_s"], b["ttft_p99_s"], o["p99_s"], b["p99_s"]))
     print()
-    print("| ranks | --max-batch-tokens | short question TTFT idle s | during a 1-hour prefill: "
-          "p50 s | max s | samples | p50 / idle | the 1-hour question's TTFT s |")
-    print("|---|---|---|---|---|---|---|---|")
+
+
+def print_probe(results):
+    print("| ranks | --max-batch-tokens | --max-batch-visual-keys | chunks | short question TTFT "
+          "idle s | during a 1-hour prefill: p50 s | max s | samples | p50 / idle | the 1-hour "
+          "question's TTFT s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for p in r["under_prefill"]:
-            print("| %d | %s | %.3f | %.3f | %.3f | %d | %.1f | %.3f |" % (
-                r["ranks"], p["max_batch_tokens"] or "0 (whole)", p["idle_ttft_s"],
+            print("| %d | %s | %s | %d | %.3f | %.3f | %.3f | %d | %.1f | %.3f |" % (
+                r["ranks"], p["max_batch_tokens"] or "0 (whole)",
+                p["max_batch_visual_keys"] or "0 (none)", p["chunks"], p["idle_ttft_s"],
                 p["busy_ttft_p50_s"], p["busy_ttft_max_s"], p["busy_samples"], p["ratio"],
                 p["long_ttft_s"]))
-    print("\n(load average at the end: %.1f)" % load)
+    print()
+
+
+def main():
+    a = parse_args()
+    lvx, work, media, model = bench_paths(a.workdir)
+    video = long_video(a, media)
+    videos = load_videos(media, a.load_minutes)
+    results = [ranks_row(a, lvx, model, media, video, videos, int(n))
+               for n in a.nproc.split(",")]
+    load = os.getloadavg()[0]
+    if a.output == "json":
+        print(json.dumps({"results": results, "loadavg_1min_at_end": load}, indent=1))
+        return
+    for part, table in (("ttft", print_ttft), ("load", print_load), ("probe", print_probe)):
+        if part in a.parts:
+            table(results)
+    print("(load average at the end: %.1f)" % load)
 
 
 if __name__ == "__main__":
