@@ -8,6 +8,10 @@ frozen decoder) and an open_clip vision tower (frozen). This script does that st
 offline, and writes the result under the names the package's own `Flamingo` module gives every
 tensor, without its duplicate aliases.
 
+One self-contained file on purpose: users run it once, offline, on its own (docs/openflamingo.md),
+and it needs nothing from the rest of the repository, only torch, safetensors, transformers and
+open_clip.
+
 usage:
   convert_openflamingo.py --checkpoint checkpoint.pt --lm LM_DIR [--tokenizer TOK_DIR]
       (--vision-model NAME | --vision-config OPEN_CLIP.json) --vision-pretrained FILE_OR_TAG
@@ -357,16 +361,8 @@ def resize_rows(t, rows, what):
     return torch.cat([t, t.float().mean(0, keepdim=True).to(t.dtype).expand(rows - t.shape[0], -1)])
 
 
-def plan_tensors(args, ckpt, lm, lm_struct, text_config, vision_sd, vocab):
-    plan = Plan()
-    attr = args.decoder_layers_attr
-    layer_re = re.compile("^" + re.escape(attr) + r"\.(\d+)\.(.*)$")
-    used = set()
-
-    def from_ckpt(k):
-        used.add(k)
-        return lambda: ckpt[k]
-
+def _plan_vision_perceiver(plan, ckpt, vision_sd, from_ckpt):
+    """Plans the vision encoder (open_clip keys, the checkpoint's copies first) and the perceiver."""
     # vision encoder: open_clip visual keys (the checkpoint may override, e.g. unfrozen towers)
     for k, t in vision_sd.items():
         name = "vision_encoder." + k
@@ -378,9 +374,9 @@ def plan_tensors(args, ckpt, lm, lm_struct, text_config, vision_sd, vocab):
     if not any(k.startswith("perceiver.") for k in plan.items):
         fail("--checkpoint has no perceiver.* tensors (is it an OpenFlamingo checkpoint.pt?)")
 
-    # language model
-    base_rows = text_config.get("vocab_size")
-    tied = lm_struct["tied"] if lm_struct else bool(text_config.get("tie_word_embeddings", True))
+
+def _lm_keys(args, ckpt, lm, lm_struct, text_config, tied, base_rows):
+    """The LM tensors to write, in order, and the names of its (resized) embeddings."""
     if lm_struct:
         lm_params = dict(lm_struct["params"])
         for n in lm_struct["tied_names"]:
@@ -400,7 +396,12 @@ def plan_tensors(args, ckpt, lm, lm_struct, text_config, vision_sd, vocab):
         if tied:
             lm_keys = [k for k in lm_keys if k != "lm_head.weight"]
         embed_names = {k for k in lm_keys if k.endswith(".weight") and lm.shape(k)[0] == base_rows}
+    return lm_keys, embed_names
 
+
+def _decoder_layers(args, ckpt, lm_keys, layer_re):
+    """The decoder layer count and the layers with a gated block, checked against the checkpoint."""
+    attr = args.decoder_layers_attr
     gated_re = re.compile("^lang_encoder." + re.escape(attr) + r"\.(\d+)\.gated_cross_attn_layer\.")
     gated_layers = sorted({int(m.group(1)) for k in ckpt for m in [gated_re.match(k)] if m})
     n_layers = max([int(m.group(1)) for k in lm_keys for m in [layer_re.match(k)] if m], default=-1) + 1
@@ -410,7 +411,12 @@ def plan_tensors(args, ckpt, lm, lm_struct, text_config, vision_sd, vocab):
     if gated_layers != want:
         fail(f"--cross-attn-every-n-layers {args.cross_attn_every_n_layers}: expects gated blocks at "
              f"layers {want}, the checkpoint has them at {gated_layers}")
+    return n_layers, want
 
+
+def _plan_lm(plan, args, ckpt, lm, lm_keys, embed_names, vocab, layer_re, n_layers, from_ckpt):
+    """Plans the LM tensors and the gated blocks in module order (lang_encoder.*)."""
+    attr = args.decoder_layers_attr
     by_layer = {i: [] for i in range(n_layers)}
     other = []
     for k in lm_keys:
@@ -452,17 +458,41 @@ def plan_tensors(args, ckpt, lm, lm_struct, text_config, vision_sd, vocab):
     for k in post:
         add_lm(k, "lang_encoder." + k)
 
+
+def _check_tied_head(ckpt, lm_struct, embed_names, used):
+    """A tied head the checkpoint repeats must equal its embedding; it then counts as used."""
     # A tied head the checkpoint repeats (filter_state_dict_to_trainable keeps every state-dict
     # key it does not iterate over) must equal the embedding it is tied to.
+    in_name = "lang_encoder." + (lm_struct["input_embedding"] if lm_struct else
+                                 next(iter(sorted(embed_names)), ""))
+    for n in (lm_struct["tied_names"] if lm_struct else ["lm_head.weight"]):
+        ck = "lang_encoder." + n
+        if ck in ckpt:
+            used.add(ck)
+            if in_name in ckpt and not torch.equal(ckpt[ck], ckpt[in_name]):
+                fail(f"--checkpoint: {ck} differs from the tied {in_name}")
+
+
+def plan_tensors(args, ckpt, lm, lm_struct, text_config, vision_sd, vocab):
+    """Output tensors (name, loader, shape) in module order: plan, n_layers, gated layers, base vocab."""
+    plan = Plan()
+    attr = args.decoder_layers_attr
+    layer_re = re.compile("^" + re.escape(attr) + r"\.(\d+)\.(.*)$")
+    used = set()
+
+    def from_ckpt(k):
+        used.add(k)
+        return lambda: ckpt[k]
+
+    _plan_vision_perceiver(plan, ckpt, vision_sd, from_ckpt)
+    # language model
+    base_rows = text_config.get("vocab_size")
+    tied = lm_struct["tied"] if lm_struct else bool(text_config.get("tie_word_embeddings", True))
+    lm_keys, embed_names = _lm_keys(args, ckpt, lm, lm_struct, text_config, tied, base_rows)
+    n_layers, want = _decoder_layers(args, ckpt, lm_keys, layer_re)
+    _plan_lm(plan, args, ckpt, lm, lm_keys, embed_names, vocab, layer_re, n_layers, from_ckpt)
     if tied:
-        in_name = "lang_encoder." + (lm_struct["input_embedding"] if lm_struct else
-                                     next(iter(sorted(embed_names)), ""))
-        for n in (lm_struct["tied_names"] if lm_struct else ["lm_head.weight"]):
-            ck = "lang_encoder." + n
-            if ck in ckpt:
-                used.add(ck)
-                if in_name in ckpt and not torch.equal(ckpt[ck], ckpt[in_name]):
-                    fail(f"--checkpoint: {ck} differs from the tied {in_name}")
+        _check_tied_head(ckpt, lm_struct, embed_names, used)
     leftover = [k for k in ckpt if k not in used]
     if leftover:
         fail(f"--checkpoint tensors with no place in the model: {leftover[:6]}")

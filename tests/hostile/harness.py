@@ -120,29 +120,28 @@ class Ctx:
         return str(self._fixture("clip%d" % seconds, make) / "clip.mp4")
 
 
-def run_case(case: Case, root: Path) -> (bool, str):
-    case_dir = root / "cases" / re.sub(r"[^A-Za-z0-9_.-]", "_", case.name)
-    shutil.rmtree(case_dir, ignore_errors=True)
-    case_dir.mkdir(parents=True)
-    ctx = Ctx(root, case_dir)
-    argv = case.argv(ctx) if callable(case.argv) else list(case.argv)
-    lvx = os.path.join(os.path.dirname(ctx.lvx), "lvx-faults") if case.faults else ctx.lvx
-    cmd = [lvx] + [str(a) for a in argv]
+def _case_env(case: Case) -> dict:
+    """The environment a case's command runs with: ours, bounded timeouts, one thread, case.env."""
     env = dict(os.environ)
     env.setdefault("LVX_DIST_TIMEOUT_S", "20")
     env["OMP_NUM_THREADS"] = "1"
     if case.env:
         env.update(case.env)
+    return env
 
-    def limits():
-        os.setsid()
-        # Address space cap: a case that tries to allocate without bound fails here rather than
-        # taking the machine down (libtorch maps several GiB of libraries it never touches).
-        cap = 16 << 30
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
-    t0 = time.monotonic()
-    p = subprocess.Popen(cmd, cwd=case_dir, env=env, preexec_fn=limits,
+def _limits():
+    """preexec_fn: a process group of its own and an address-space cap."""
+    os.setsid()
+    # Address space cap: a case that tries to allocate without bound fails here rather than
+    # taking the machine down (libtorch maps several GiB of libraries it never touches).
+    cap = 16 << 30
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def _start(case: Case, cmd: List[str], case_dir: Path, env: dict) -> subprocess.Popen:
+    """Starts the command in case_dir (stdout/stderr to files there) and feeds it case.stdin."""
+    p = subprocess.Popen(cmd, cwd=case_dir, env=env, preexec_fn=_limits,
                          stdin=subprocess.PIPE if case.stdin is not None else subprocess.DEVNULL,
                          stdout=open(case_dir / "stdout", "wb"), stderr=open(case_dir / "stderr", "wb"))
     if case.stdin is not None:
@@ -151,8 +150,12 @@ def run_case(case: Case, root: Path) -> (bool, str):
             p.stdin.close()
         except BrokenPipeError:
             pass
+    return p
+
+
+def _wait(p: subprocess.Popen, deadline: float):
+    """Waits for p until deadline (then kills its group): (timed_out, wait status, rusage)."""
     timed_out = False
-    deadline = t0 + case.timeout
     status, usage = 0, None
     while True:
         pid, status, usage = os.wait4(p.pid, os.WNOHANG)
@@ -168,22 +171,24 @@ def run_case(case: Case, root: Path) -> (bool, str):
             break
         time.sleep(0.02)
     p.returncode = 0
-    seconds = time.monotonic() - t0
+    return timed_out, status, usage
+
+
+def _kill_strays(pgid: int) -> bool:
+    """Kills what is left of process group pgid; whether anything was."""
     # Ranks left behind by a failing command are a defect too: they would hold ports and memory.
     try:
-        os.killpg(p.pid, 0)
-        os.killpg(p.pid, signal.SIGKILL)
-        stray = True
+        os.killpg(pgid, 0)
+        os.killpg(pgid, signal.SIGKILL)
+        return True
     except (ProcessLookupError, PermissionError):
-        stray = False
-    rc = os.waitstatus_to_exitcode(status)
-    if rc < 0:
-        rc = 128 - rc
-    res = Result(rc, (case_dir / "stdout").read_text(errors="replace"),
-                 (case_dir / "stderr").read_text(errors="replace"), seconds,
-                 usage.ru_maxrss / 1024.0, timed_out)
+        return False
+
+
+def _problems(case: Case, ctx: Ctx, res: Result, stray: bool) -> List[str]:
+    """Every way the finished command missed what the case asks (then case.check, if none)."""
     problems = []
-    if timed_out:
+    if res.timed_out:
         problems.append("hung: killed after %.0f s" % case.timeout)
     if res.rc != case.rc:
         problems.append("exit code %d, expected %d" % (res.rc, case.rc))
@@ -203,6 +208,32 @@ def run_case(case: Case, root: Path) -> (bool, str):
             case.check(ctx, res)
         except AssertionError as e:
             problems.append("check: %s" % e)
+    return problems
+
+
+def run_case(case: Case, root: Path) -> (bool, str):
+    """Runs one case in its own folder under root: (passed, one-line detail or the problems)."""
+    case_dir = root / "cases" / re.sub(r"[^A-Za-z0-9_.-]", "_", case.name)
+    shutil.rmtree(case_dir, ignore_errors=True)
+    case_dir.mkdir(parents=True)
+    ctx = Ctx(root, case_dir)
+    argv = case.argv(ctx) if callable(case.argv) else list(case.argv)
+    lvx = os.path.join(os.path.dirname(ctx.lvx), "lvx-faults") if case.faults else ctx.lvx
+    cmd = [lvx] + [str(a) for a in argv]
+    env = _case_env(case)
+
+    t0 = time.monotonic()
+    p = _start(case, cmd, case_dir, env)
+    timed_out, status, usage = _wait(p, t0 + case.timeout)
+    seconds = time.monotonic() - t0
+    stray = _kill_strays(p.pid)
+    rc = os.waitstatus_to_exitcode(status)
+    if rc < 0:
+        rc = 128 - rc
+    res = Result(rc, (case_dir / "stdout").read_text(errors="replace"),
+                 (case_dir / "stderr").read_text(errors="replace"), seconds,
+                 usage.ru_maxrss / 1024.0, timed_out)
+    problems = _problems(case, ctx, res, stray)
     detail = "%.1f s, %.0f MiB, rc %d" % (res.seconds, res.max_rss_mb, res.rc)
     if problems:
         tail = res.stderr.strip().splitlines()[-6:]

@@ -1,5 +1,10 @@
 """Independent PyTorch reference for lvx's mPLUG-Owl3 model (conformance tests of the C++ runtime).
 
+One file on purpose: the C++ tests cache what it generates keyed by its content (script_stamp in
+tests/model_conformance.h reads only this script and requirements.txt / requirements-nodeps.txt),
+so everything that shapes the expected values stays in this one file, the only source file in
+the key.
+
 usage:
   mplug_owl3_ref.py make-model OUT_DIR --variant 240728|241101 [--seed S] [--shards N] [--dtype fp32|bf16]
   mplug_owl3_ref.py make-batch OUT_DIR BATCH.safetensors [--seed S] [--batch B] [--length L]
@@ -787,7 +792,111 @@ def cmd_selfcheck(args):
     sys.exit(1 if ck.failures else 0)
 
 
+def _perturbed(m, ids, pv, fn, delta=None):
+    """Logits for pixels pv (MI-RoPE shifted by delta) after fn() edits m.W in place; m.W restored."""
+    saved = {k: w.detach().clone() for k, w in m.W.items()}
+    with torch.no_grad():
+        fn()
+        out = forward(m, ids, pv, mi_rope_delta=delta)
+        for k, w in m.W.items():
+            w.copy_(saved[k])
+    return out
+
+
+def _visual_path_checks(ck, m, ids, pv, base, reach, layout):
+    """Text-only logits == Qwen2ForCausalLM; dropping the images changes exactly the reachable rows."""
+    ok, e32, e64, scale = text_only_check(m, ids)
+    ck(ok, f"[{layout}] text-only logits == Qwen2ForCausalLM (max err {e32:.2g} with its fp32 RMSNorm, "
+           f"{e64:.2g} with fp64 RMSNorm; |logits| <= {scale:.2g})")
+    with torch.no_grad():
+        nov = forward(m, ids, pv, use_images=False)
+    ch, d = changed_set(base, nov)
+    ck(torch.equal(ch, reach), f"[{layout}] visual path changes exactly the reachable rows "
+                               f"(max change {d.max():.3g}, unreachable max {d[~reach].max() if (~reach).any() else 0:.2g})")
+
+
+def _weight_sensitivity_checks(ck, m, ids, pv, base, reach, layout):
+    """(a) the gate, (b) v_kv_proj and its K/V blocks, and the shared LayerNorm's scale blindness."""
+    v = m.variant
+    hl = m.hyper[0]
+    if v == "240728":
+        for lay in m.hyper:
+            out = _perturbed(m, ids, pv, lambda: m.lw(lay, "self_attn.gate").add_(0.5))
+            ch, d = changed_set(base, out)
+            ck(torch.equal(ch, reach), f"[{layout}] (a) gate of layer {lay}: rows with count(t) > 0 change "
+                                       f"(min {d[reach].min():.2g}), others exactly not")
+    for name in ("self_attn.v_kv_proj.weight", "self_attn.v_kv_proj.bias"):
+        for lay in m.hyper:
+            out = _perturbed(m, ids, pv, lambda: m.lw(lay, name).add_(0.1 * torch.randn_like(m.lw(lay, name))))
+            ch, d = changed_set(base, out)
+            ck(torch.equal(ch, reach), f"[{layout}] (b) {name} of layer {lay}: exactly the reachable rows change "
+                                       f"(min {d[reach].min():.2g})")
+    # shared LayerNorm: RMSNorm before v_kv_proj makes the logits (almost: eps) blind to the scale of image_embeds
+    def scale_projector():
+        m.W["vision2text_model.2.weight"].mul_(3.0)
+        m.W["vision2text_model.2.bias"].mul_(3.0)
+    out = _perturbed(m, ids, pv, scale_projector)
+    d = token_diff(base, out).max().item()
+    ck(d < 1e-4, f"[{layout}] shared input_layernorm on image_embeds: scaling them by 3 changes logits by {d:.2g} (eps only)")
+    # v_kv_proj layout: K rows of a KV head only change the logits through the keys
+    D, nkv = m.D, m.nkv
+    for part, sl in (("K", slice(0, D)), ("V", slice(D, 2 * D))):
+        out = _perturbed(m, ids, pv, lambda: m.lw(hl, "self_attn.v_kv_proj.bias")[sl].add_(0.5))
+        ch, d = changed_set(base, out)
+        ck(bool(ch.any()), f"[{layout}] (b) v_kv_proj {part} block of KV head 0 (channels {sl.start}..{sl.stop - 1}) matters")
+
+
+def _image_sensitivity_checks(ck, m, ids, pv, base, starts, first, t, layout):
+    """(c) one image's pixels and (d) its MI-RoPE position change exactly the rows that see it."""
+    v = m.variant
+    B, L = ids.shape
+    for b in range(B):
+        for j, pos in enumerate(starts[b].tolist()):
+            g = first[b] + j
+            expect = torch.zeros(B, L, dtype=torch.bool)
+            expect[b] = (t > pos) if v == "240728" else (t >= pos)
+            pv2 = pv.clone()
+            pv2[g] += 0.3 * torch.randn_like(pv2[g])
+            out = _perturbed(m, ids, pv2, lambda: None)
+            ch, d = changed_set(base, out)
+            ck(torch.equal(ch, expect), f"[{layout}] (c) pixels of image {j} of sample {b} (<|image|> at {pos}): "
+                                        f"changed rows {'t > ' if v == '240728' else 't >= '}{pos} of sample {b} only "
+                                        f"(changed {int(ch.sum())}, expected {int(expect.sum())})")
+            delta = torch.zeros(pv.shape[0], dtype=torch.int64)
+            delta[g] = 1
+            out = _perturbed(m, ids, pv, lambda: None, delta=delta)
+            ch, d = changed_set(base, out)
+            ck(torch.equal(ch, expect), f"[{layout}] (d) MI-RoPE position of image {j} of sample {b} +1: same rows change "
+                                        f"(max {d.max():.2g})")
+
+
+def _transcription_checks(ck, m, batch, ids, starts, layout, mmr):
+    """Masks and MI-RoPE positions against the verbatim transcriptions in media_mask_ref.py."""
+    v = m.variant
+    B, L = ids.shape
+    alt_checks(ck, m, batch, layout, mmr)
+    T = (m.cfg["vision_config"]["image_size"] // m.cfg["vision_config"]["patch_size"]) ** 2
+    slots = max(len(s) for s in starts)
+    ref = (mmr.mplug_240728_visibility if v == "240728" else mmr.mplug_241101_visibility)(ids, m.image_id, T, slots)
+    ours = torch.zeros_like(ref)
+    for b in range(B):
+        vis = image_visibility(L, starts[b], T, v)
+        ours[b, :, : vis.shape[1]] = vis
+    ck(torch.equal(ours, ref), f"[{layout}] t2v mask == media_mask_ref.py's verbatim {v} rule")
+    if v == "240728":
+        media_offset = mmr.batch_media_offset(ids, m.image_id)
+        ok = True
+        for b in range(B):
+            curr = media_offset[b, L - 1]
+            line = media_offset[b, :, 1] - curr[0]
+            image_pos = (line[1:] - line[:-1]).nonzero().squeeze(1) + 1  # models.md §1.6 formula
+            n_vis = int(curr[1] - curr[0])
+            ok &= torch.equal(image_pos, mi_rope_positions(starts[b], v)[:n_vis])
+        ck(ok, f"[{layout}] MI-RoPE positions == §1.6's image_pos = nonzero(diff(media_offset line)) + 1")
+
+
 def sensitivity_checks(ck, m, batch, res, layout, mmr):
+    """The logits rows the visual path, gate, v_kv_proj, each image and its MI-RoPE position reach."""
     v = m.variant
     ids, pv = batch["input_ids"].long(), batch["pixel_values"].double()
     B, L = ids.shape
@@ -799,91 +908,11 @@ def sensitivity_checks(ck, m, batch, res, layout, mmr):
     reach = torch.stack([(t[:, None] > s[None, :]).any(1) if v == "240728" else (t[:, None] >= s[None, :]).any(1)
                          for s in starts])
     print(f"  [{layout}] image positions {[s.tolist() for s in starts]}, logits std {base.std():.3f}")
-
-    ok, e32, e64, scale = text_only_check(m, ids)
-    ck(ok, f"[{layout}] text-only logits == Qwen2ForCausalLM (max err {e32:.2g} with its fp32 RMSNorm, "
-           f"{e64:.2g} with fp64 RMSNorm; |logits| <= {scale:.2g})")
-    with torch.no_grad():
-        nov = forward(m, ids, pv, use_images=False)
-    ch, d = changed_set(base, nov)
-    ck(torch.equal(ch, reach), f"[{layout}] visual path changes exactly the reachable rows "
-                               f"(max change {d.max():.3g}, unreachable max {d[~reach].max() if (~reach).any() else 0:.2g})")
-
-    def perturbed(fn, **kw):
-        saved = {k: w.detach().clone() for k, w in m.W.items()}
-        with torch.no_grad():
-            fn()
-            out = forward(m, ids, kw.get("pv", pv), mi_rope_delta=kw.get("delta"))
-            for k, w in m.W.items():
-                w.copy_(saved[k])
-        return out
-
-    hl = m.hyper[0]
-    if v == "240728":
-        for lay in m.hyper:
-            out = perturbed(lambda: m.lw(lay, "self_attn.gate").add_(0.5))
-            ch, d = changed_set(base, out)
-            ck(torch.equal(ch, reach), f"[{layout}] (a) gate of layer {lay}: rows with count(t) > 0 change "
-                                       f"(min {d[reach].min():.2g}), others exactly not")
-    for name in ("self_attn.v_kv_proj.weight", "self_attn.v_kv_proj.bias"):
-        for lay in m.hyper:
-            out = perturbed(lambda: m.lw(lay, name).add_(0.1 * torch.randn_like(m.lw(lay, name))))
-            ch, d = changed_set(base, out)
-            ck(torch.equal(ch, reach), f"[{layout}] (b) {name} of layer {lay}: exactly the reachable rows change "
-                                       f"(min {d[reach].min():.2g})")
-    # shared LayerNorm: RMSNorm before v_kv_proj makes the logits (almost: eps) blind to the scale of image_embeds
-    def scale_projector():
-        m.W["vision2text_model.2.weight"].mul_(3.0)
-        m.W["vision2text_model.2.bias"].mul_(3.0)
-    out = perturbed(scale_projector)
-    d = token_diff(base, out).max().item()
-    ck(d < 1e-4, f"[{layout}] shared input_layernorm on image_embeds: scaling them by 3 changes logits by {d:.2g} (eps only)")
-    # v_kv_proj layout: K rows of a KV head only change the logits through the keys
-    D, nkv = m.D, m.nkv
-    for part, sl in (("K", slice(0, D)), ("V", slice(D, 2 * D))):
-        out = perturbed(lambda: m.lw(hl, "self_attn.v_kv_proj.bias")[sl].add_(0.5))
-        ch, d = changed_set(base, out)
-        ck(bool(ch.any()), f"[{layout}] (b) v_kv_proj {part} block of KV head 0 (channels {sl.start}..{sl.stop - 1}) matters")
-    # (c) one image's pixels, (d) its MI-RoPE position
-    for b in range(B):
-        for j, pos in enumerate(starts[b].tolist()):
-            g = first[b] + j
-            expect = torch.zeros(B, L, dtype=torch.bool)
-            expect[b] = (t > pos) if v == "240728" else (t >= pos)
-            pv2 = pv.clone()
-            pv2[g] += 0.3 * torch.randn_like(pv2[g])
-            out = perturbed(lambda: None, pv=pv2)
-            ch, d = changed_set(base, out)
-            ck(torch.equal(ch, expect), f"[{layout}] (c) pixels of image {j} of sample {b} (<|image|> at {pos}): "
-                                        f"changed rows {'t > ' if v == '240728' else 't >= '}{pos} of sample {b} only "
-                                        f"(changed {int(ch.sum())}, expected {int(expect.sum())})")
-            delta = torch.zeros(pv.shape[0], dtype=torch.int64)
-            delta[g] = 1
-            out = perturbed(lambda: None, delta=delta)
-            ch, d = changed_set(base, out)
-            ck(torch.equal(ch, expect), f"[{layout}] (d) MI-RoPE position of image {j} of sample {b} +1: same rows change "
-                                        f"(max {d.max():.2g})")
-    # masks and MI-RoPE positions against the verbatim transcriptions in media_mask_ref.py
+    _visual_path_checks(ck, m, ids, pv, base, reach, layout)
+    _weight_sensitivity_checks(ck, m, ids, pv, base, reach, layout)
+    _image_sensitivity_checks(ck, m, ids, pv, base, starts, first, t, layout)
     if mmr is not None:
-        alt_checks(ck, m, batch, layout, mmr)
-        T = (m.cfg["vision_config"]["image_size"] // m.cfg["vision_config"]["patch_size"]) ** 2
-        slots = max(len(s) for s in starts)
-        ref = (mmr.mplug_240728_visibility if v == "240728" else mmr.mplug_241101_visibility)(ids, m.image_id, T, slots)
-        ours = torch.zeros_like(ref)
-        for b in range(B):
-            vis = image_visibility(L, starts[b], T, v)
-            ours[b, :, : vis.shape[1]] = vis
-        ck(torch.equal(ours, ref), f"[{layout}] t2v mask == media_mask_ref.py's verbatim {v} rule")
-        if v == "240728":
-            media_offset = mmr.batch_media_offset(ids, m.image_id)
-            ok = True
-            for b in range(B):
-                curr = media_offset[b, L - 1]
-                line = media_offset[b, :, 1] - curr[0]
-                image_pos = (line[1:] - line[:-1]).nonzero().squeeze(1) + 1  # models.md §1.6 formula
-                n_vis = int(curr[1] - curr[0])
-                ok &= torch.equal(image_pos, mi_rope_positions(starts[b], v)[:n_vis])
-            ck(ok, f"[{layout}] MI-RoPE positions == §1.6's image_pos = nonzero(diff(media_offset line)) + 1")
+        _transcription_checks(ck, m, batch, ids, starts, layout, mmr)
 
 
 def tokenizer_checks(ck):

@@ -2,6 +2,11 @@
 """OpenFlamingo reference: tiny random models built with the real open_flamingo package (2.0.1),
 converted by models/openflamingo/convert_openflamingo.py, and the package's own forward/backward on them.
 
+One file on purpose: the C++ tests cache what it generates keyed by file content (script_stamp in
+tests/model_conformance.h reads only this script and requirements.txt / requirements-nodeps.txt;
+the OpenFlamingo tests add the converter it imports), so everything else that shapes the expected
+values stays in this one file.
+
 usage:
   openflamingo_ref.py make-model OUT_DIR --lm gpt_neox|mpt|llama [--seed S] [--rotary-pct P]
         [--parallel-residual] [--kv-heads K] [--tokens-ln-post true|false] [--perceiver tiny|default]
@@ -413,13 +418,9 @@ def make_batch(cfg, seed, B, L, T):
 
 
 # ---- an independent plain-torch forward from the converted files (the facts lvx implements) ------
-def spec_forward(cfg, sd, batch):
-    """Logits [B, L, V], vision tokens and perceiver output in float64 from config.json and the
-    converted tensors alone, written from the package code's math without its modules."""
-    import math
+def _spec_layers(w):
+    """ln, lin and rms over the float64 converted tensors w, each found by its name prefix."""
     F = torch.nn.functional
-    w = {k: v.double() for k, v in sd.items()}
-    vc, pc, xc, tc = cfg["vision_config"], cfg["perceiver_config"], cfg["cross_attn_config"], cfg["text_config"]
 
     def ln(x, p, eps=1e-5):  # weight/bias by prefix; a missing bias (MPT) is no bias
         return F.layer_norm(x, x.shape[-1:], w[p + ".weight"], w.get(p + ".bias"), eps)
@@ -427,15 +428,42 @@ def spec_forward(cfg, sd, batch):
     def lin(x, p, bias=True):
         return F.linear(x, w[p + ".weight"], w.get(p + ".bias") if bias else None)
 
-    def attend(q, k, v, bias=None):  # [.., H, Lq, d] x [.., H, Lk, d]; q already scaled
-        s = q @ k.transpose(-1, -2)
-        if bias is not None:
-            s = s + bias
-        return torch.softmax(s, -1) @ v
+    def rms(t, p, eps):  # LlamaRMSNorm: statistics in float32 whatever the model dtype, then weight
+        h = t.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w[p + ".weight"] * h.to(t.dtype)
 
+    return ln, lin, rms
+
+
+def _attend(q, k, v, bias=None):
+    """Softmax attention, [.., H, Lq, d] x [.., H, Lk, d]; q already scaled."""
+    s = q @ k.transpose(-1, -2)
+    if bias is not None:
+        s = s + bias
+    return torch.softmax(s, -1) @ v
+
+
+def _heads(t, h):
+    """[..., L, h * d] -> [..., h, L, d], heads contiguous."""
+    return t.view(*t.shape[:-1], h, -1).transpose(-2, -3)
+
+
+def _rope(t, r):
+    """[B, H, L, hd]: rotate the first r.rot dims, halves (x1, x2) -> (-x2, x1)."""
+    rot, cos, sin = r.rot, r.cos, r.sin
+    x, rest = t[..., :rot], t[..., rot:]
+    x1, x2 = x[..., : rot // 2], x[..., rot // 2:]
+    return torch.cat([x * cos + torch.cat([-x2, x1], -1) * sin, rest], -1)
+
+
+def _spec_vision(w, vc, pixel_values):
+    """The open_clip ViT's tokens [N_img, n_tok, W] (class token dropped)."""
+    F = torch.nn.functional
+    ln, lin, _ = _spec_layers(w)
     # open_clip ViT: conv patches (no bias), class token first, learned positions, ln_pre, pre-LN
     # blocks with nn.MultiheadAttention (in_proj rows q|k|v, heads contiguous), QuickGELU or GELU
-    px = batch["pixel_values"].double()
+    px = pixel_values.double()
     x = F.conv2d(px, w["vision_encoder.conv1.weight"], stride=vc["patch_size"])
     x = x.flatten(2).transpose(1, 2)  # patches row-major
     N, _, Wd = x.shape
@@ -449,47 +477,49 @@ def spec_forward(cfg, sd, batch):
         h = ln(x, p + "ln_1", vc["norm_eps"])
         q, k, v = F.linear(h, w[p + "attn.in_proj_weight"], w[p + "attn.in_proj_bias"]).chunk(3, -1)
         q, k, v = (t.view(N, -1, Hv, Wd // Hv).transpose(1, 2) for t in (q, k, v))
-        o = attend(q * (Wd // Hv) ** -0.5, k, v).transpose(1, 2).reshape(N, -1, Wd)
+        o = _attend(q * (Wd // Hv) ** -0.5, k, v).transpose(1, 2).reshape(N, -1, Wd)
         x = x + lin(o, p + "attn.out_proj")
         x = x + lin(act(lin(ln(x, p + "ln_2", vc["norm_eps"]), p + "mlp.c_fc")), p + "mlp.c_proj")
     if vc["tokens_ln_post"]:
         x = ln(x, "vision_encoder.ln_post", vc["norm_eps"])
-    tokens = x[:, 1:]
+    return x[:, 1:]
 
+
+def _spec_perceiver(w, pc, tokens, B, T):
+    """The perceiver's output [B, T, n_latents, W] from the vision tokens."""
+    F = torch.nn.functional
+    ln, lin, _ = _spec_layers(w)
     # perceiver: latents attend to concat(norm_media(x), norm_latents(latents)); residual; FF; norm
-    B, L = batch["input_ids"].shape
-    T = N // B
+    Wd = tokens.shape[-1]
     xm = tokens.reshape(B, T, -1, Wd)
     lat = w["perceiver.latents"].expand(B, T, -1, -1)
     hp, dp = pc["heads"], pc["dim_head"]
-
-    def heads(t, h):
-        return t.view(*t.shape[:-1], h, -1).transpose(-2, -3)
-
     for l in range(pc["depth"]):
         p = f"perceiver.layers.{l}."
         xn, ln_ = ln(xm, p + "0.norm_media"), ln(lat, p + "0.norm_latents")
         q = lin(ln_, p + "0.to_q")
         k, v = lin(torch.cat([xn, ln_], -2), p + "0.to_kv").chunk(2, -1)
-        o = attend(heads(q, hp) * dp ** -0.5, heads(k, hp), heads(v, hp))
+        o = _attend(_heads(q, hp) * dp ** -0.5, _heads(k, hp), _heads(v, hp))
         lat = lin(o.transpose(-2, -3).reshape(*lat.shape[:-1], hp * dp), p + "0.to_out") + lat
         lat = lin(F.gelu(lin(ln(lat, p + "1.0"), p + "1.1")), p + "1.3") + lat
-    media = ln(lat, "perceiver.norm")  # [B, T, n_lat, W]
+    return ln(lat, "perceiver.norm")  # [B, T, n_lat, W]
 
-    # language model with gated cross-attention blocks before the decoder layers that have one
-    ids = batch["input_ids"]
-    attr = cfg["decoder_layers_attr"]
-    kind = tc["model_type"]
-    emb = w["lang_encoder." + {"gpt_neox": "gpt_neox.embed_in.weight", "mpt": "transformer.wte.weight",
-                               "llama": "model.embed_tokens.weight"}[kind]]
-    x = emb[ids]
-    D = x.shape[-1]
+
+def _spec_media_keys(cfg, ids, media, B, T):
+    """What the gated blocks read: text_time, the visible mask and the media keys mk."""
     text_time = (ids == cfg["media_token_id"]).cumsum(-1)  # [B, L]: 1-based image index, 0 before any
     n_lat = media.shape[2]
     key_img = torch.arange(T).repeat_interleave(n_lat) + 1  # [T * n_lat]
     visible = text_time[:, None, :, None] == key_img[None, None, None, :]  # [B, 1, L, T*n]
     mk = media.reshape(B, T * n_lat, -1)
-    hx, dx = xc["heads"], xc["dim_head"]
+    return types.SimpleNamespace(text_time=text_time, visible=visible, mk=mk)
+
+
+def _spec_positions(tc, kind, D, L):
+    """The LM's head counts and position tables (rotary cos/sin or ALiBi) and the causal mask bias."""
+    import math
+    F = torch.nn.functional
+    Hkv = rot = cos = sin = lact = alibi = None
     pos = torch.arange(L, dtype=torch.float64)
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     if kind == "gpt_neox":
@@ -524,59 +554,81 @@ def spec_forward(cfg, sd, batch):
             slopes = torch.cat([slopes[1::2], slopes[::2]])[:H]
         alibi = slopes[:, None, None] * (torch.arange(L, dtype=torch.float64) - (L - 1))[None, None, :]  # [H, 1, L]
     mask_bias = torch.zeros(L, L, dtype=torch.float64).masked_fill(~causal, float("-inf"))
+    return types.SimpleNamespace(H=H, Hkv=Hkv, hd=hd, rot=rot, cos=cos, sin=sin, lact=lact,
+                                 alibi=alibi, mask_bias=mask_bias)
 
-    def rms(t, p, eps):  # LlamaRMSNorm: statistics in float32 whatever the model dtype, then weight
-        h = t.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return w[p + ".weight"] * h.to(t.dtype)
 
-    def rope(t):  # [B, H, L, hd]: rotate the first rot dims, halves (x1, x2) -> (-x2, x1)
-        r, rest = t[..., :rot], t[..., rot:]
-        r1, r2 = r[..., : rot // 2], r[..., rot // 2:]
-        return torch.cat([r * cos + torch.cat([-r2, r1], -1) * sin, rest], -1)
+def _spec_gated_block(w, x, p, xc, m, B, L):
+    """One gated cross-attention block (tanh-gated attention to the visible media, then FF)."""
+    F = torch.nn.functional
+    ln, lin, _ = _spec_layers(w)
+    hx, dx = xc["heads"], xc["dim_head"]
+    q = _heads(lin(ln(x, p + "attn.norm"), p + "attn.to_q"), hx) * dx ** -0.5
+    k, v = (_heads(t, hx) for t in lin(m.mk, p + "attn.to_kv").chunk(2, -1))
+    s = (q @ k.transpose(-1, -2)).masked_fill(~m.visible, -torch.finfo(torch.float64).max)
+    a = torch.softmax(s, -1).masked_fill((m.text_time == 0)[:, None, :, None], 0.0)
+    o = lin((a @ v).transpose(1, 2).reshape(B, L, hx * dx), p + "attn.to_out")
+    x = x + o * torch.tanh(w[p + "attn_gate"])
+    x = x + lin(F.gelu(lin(ln(x, p + "ff.0"), p + "ff.1")), p + "ff.3") * torch.tanh(w[p + "ff_gate"])
+    return x
 
-    for i in range(cfg["num_decoder_layers"]):
-        if i in cfg["cross_attn_layers"]:
-            p = f"lang_encoder.{attr}.{i}.gated_cross_attn_layer."
-            q = heads(lin(ln(x, p + "attn.norm"), p + "attn.to_q"), hx) * dx ** -0.5
-            k, v = (heads(t, hx) for t in lin(mk, p + "attn.to_kv").chunk(2, -1))
-            s = (q @ k.transpose(-1, -2)).masked_fill(~visible, -torch.finfo(torch.float64).max)
-            a = torch.softmax(s, -1).masked_fill((text_time == 0)[:, None, :, None], 0.0)
-            o = lin((a @ v).transpose(1, 2).reshape(B, L, hx * dx), p + "attn.to_out")
-            x = x + o * torch.tanh(w[p + "attn_gate"])
-            x = x + lin(F.gelu(lin(ln(x, p + "ff.0"), p + "ff.1")), p + "ff.3") * torch.tanh(w[p + "ff_gate"])
-        p = f"lang_encoder.{attr}.{i}.decoder_layer."
-        if kind == "gpt_neox":
-            eps = tc["layer_norm_eps"]
-            qkv = lin(ln(x, p + "input_layernorm", eps), p + "attention.query_key_value")
-            qkv = qkv.view(B, L, H, 3 * hd).transpose(1, 2)  # per head: [q | k | v]
-            q, k, v = qkv.split(hd, -1)
-            o = attend(rope(q) * hd ** -0.5, rope(k), v, mask_bias).transpose(1, 2).reshape(B, L, D)
-            attn = lin(o, p + "attention.dense")
-            def mlp(t):
-                return lin(F.gelu(lin(t, p + "mlp.dense_h_to_4h")), p + "mlp.dense_4h_to_h")
-            if tc["use_parallel_residual"]:
-                x = x + attn + mlp(ln(x, p + "post_attention_layernorm", eps))
-            else:
-                x = x + attn
-                x = x + mlp(ln(x, p + "post_attention_layernorm", eps))
-        elif kind == "llama":
-            eps = tc["rms_norm_eps"]
-            h = rms(x, p + "input_layernorm", eps)
-            q = heads(lin(h, p + "self_attn.q_proj"), H)  # [B, H, L, hd], heads contiguous
-            k, v = (heads(lin(h, p + "self_attn." + n), Hkv) for n in ("k_proj", "v_proj"))
-            # GQA (repeat_kv): query head j uses kv head j // (H / Hkv)
-            k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
-            o = attend(rope(q) * hd ** -0.5, rope(k), v, mask_bias).transpose(1, 2).reshape(B, L, H * hd)
-            x = x + lin(o, p + "self_attn.o_proj")
-            h = rms(x, p + "post_attention_layernorm", eps)
-            x = x + lin(lact(lin(h, p + "mlp.gate_proj")) * lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")
-        else:
-            eps = tc["layer_norm_epsilon"]
-            q, k, v = (heads(t, H) for t in lin(ln(x, p + "norm_1", eps), p + "attn.Wqkv").chunk(3, -1))
-            o = attend(q * hd ** -0.5, k, v, alibi + mask_bias).transpose(1, 2).reshape(B, L, D)
-            x = x + lin(o, p + "attn.out_proj")
-            x = x + lin(F.gelu(lin(ln(x, p + "norm_2", eps), p + "ffn.up_proj")), p + "ffn.down_proj")
+
+def _spec_gpt_neox_layer(w, x, p, tc, r, B, L, D):
+    """One GPT-NeoX decoder layer (fused per-head qkv, partial rotary, optional parallel residual)."""
+    F = torch.nn.functional
+    ln, lin, _ = _spec_layers(w)
+    H, hd = r.H, r.hd
+    eps = tc["layer_norm_eps"]
+    qkv = lin(ln(x, p + "input_layernorm", eps), p + "attention.query_key_value")
+    qkv = qkv.view(B, L, H, 3 * hd).transpose(1, 2)  # per head: [q | k | v]
+    q, k, v = qkv.split(hd, -1)
+    o = _attend(_rope(q, r) * hd ** -0.5, _rope(k, r), v, r.mask_bias).transpose(1, 2).reshape(B, L, D)
+    attn = lin(o, p + "attention.dense")
+
+    def mlp(t):
+        return lin(F.gelu(lin(t, p + "mlp.dense_h_to_4h")), p + "mlp.dense_4h_to_h")
+    if tc["use_parallel_residual"]:
+        x = x + attn + mlp(ln(x, p + "post_attention_layernorm", eps))
+    else:
+        x = x + attn
+        x = x + mlp(ln(x, p + "post_attention_layernorm", eps))
+    return x
+
+
+def _spec_llama_layer(w, x, p, tc, r, B, L, D):
+    """One LLaMA decoder layer (RMSNorm, GQA, rotary over the whole head, gated MLP)."""
+    _, lin, rms = _spec_layers(w)
+    H, Hkv, hd = r.H, r.Hkv, r.hd
+    eps = tc["rms_norm_eps"]
+    h = rms(x, p + "input_layernorm", eps)
+    q = _heads(lin(h, p + "self_attn.q_proj"), H)  # [B, H, L, hd], heads contiguous
+    k, v = (_heads(lin(h, p + "self_attn." + n), Hkv) for n in ("k_proj", "v_proj"))
+    # GQA (repeat_kv): query head j uses kv head j // (H / Hkv)
+    k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+    o = _attend(_rope(q, r) * hd ** -0.5, _rope(k, r), v, r.mask_bias).transpose(1, 2).reshape(B, L, H * hd)
+    x = x + lin(o, p + "self_attn.o_proj")
+    h = rms(x, p + "post_attention_layernorm", eps)
+    x = x + lin(r.lact(lin(h, p + "mlp.gate_proj")) * lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+    return x
+
+
+def _spec_mpt_layer(w, x, p, tc, r, B, L, D):
+    """One MPT decoder layer (fused Wqkv, ALiBi, no rotary)."""
+    F = torch.nn.functional
+    ln, lin, _ = _spec_layers(w)
+    H, hd = r.H, r.hd
+    eps = tc["layer_norm_epsilon"]
+    q, k, v = (_heads(t, H) for t in lin(ln(x, p + "norm_1", eps), p + "attn.Wqkv").chunk(3, -1))
+    o = _attend(q * hd ** -0.5, k, v, r.alibi + r.mask_bias).transpose(1, 2).reshape(B, L, D)
+    x = x + lin(o, p + "attn.out_proj")
+    x = x + lin(F.gelu(lin(ln(x, p + "norm_2", eps), p + "ffn.up_proj")), p + "ffn.down_proj")
+    return x
+
+
+def _spec_logits(w, x, cfg, tc, kind, emb):
+    """The LM's final norm and head: logits [B, L, V]."""
+    F = torch.nn.functional
+    ln, lin, rms = _spec_layers(w)
     if kind == "gpt_neox":
         x = ln(x, "lang_encoder.gpt_neox.final_layer_norm", tc["layer_norm_eps"])
         logits = lin(x, "lang_encoder.embed_out")
@@ -586,7 +638,36 @@ def spec_forward(cfg, sd, batch):
     else:
         x = ln(x, "lang_encoder.transformer.norm_f", tc["layer_norm_epsilon"])
         logits = F.linear(x, emb)
-    return logits, tokens, media
+    return logits
+
+
+def spec_forward(cfg, sd, batch):
+    """Logits [B, L, V], vision tokens and perceiver output in float64 from config.json and the
+    converted tensors alone, written from the package code's math without its modules."""
+    w = {k: v.double() for k, v in sd.items()}
+    vc, pc, xc, tc = cfg["vision_config"], cfg["perceiver_config"], cfg["cross_attn_config"], cfg["text_config"]
+    tokens = _spec_vision(w, vc, batch["pixel_values"])
+    N = tokens.shape[0]
+    B, L = batch["input_ids"].shape
+    T = N // B
+    media = _spec_perceiver(w, pc, tokens, B, T)
+
+    # language model with gated cross-attention blocks before the decoder layers that have one
+    ids = batch["input_ids"]
+    attr = cfg["decoder_layers_attr"]
+    kind = tc["model_type"]
+    emb = w["lang_encoder." + {"gpt_neox": "gpt_neox.embed_in.weight", "mpt": "transformer.wte.weight",
+                               "llama": "model.embed_tokens.weight"}[kind]]
+    x = emb[ids]
+    D = x.shape[-1]
+    m = _spec_media_keys(cfg, ids, media, B, T)
+    r = _spec_positions(tc, kind, D, L)
+    layer = {"gpt_neox": _spec_gpt_neox_layer, "llama": _spec_llama_layer}.get(kind, _spec_mpt_layer)
+    for i in range(cfg["num_decoder_layers"]):
+        if i in cfg["cross_attn_layers"]:
+            x = _spec_gated_block(w, x, f"lang_encoder.{attr}.{i}.gated_cross_attn_layer.", xc, m, B, L)
+        x = layer(w, x, f"lang_encoder.{attr}.{i}.decoder_layer.", tc, r, B, L, D)
+    return _spec_logits(w, x, cfg, tc, kind, emb), tokens, media
 
 
 # ---- run -------------------------------------------------------------------------------------------

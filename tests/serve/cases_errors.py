@@ -172,48 +172,48 @@ def case_inflight_budget(fx, srv, ranks):
     assert held() == 0, srv.metrics()  # and an answered request's too
 
 
-def case_fuzz(fx, srv, ranks):
-    # A bounded fuzz of hostile requests by class (seeded; about 400 requests): every answer is a
-    # status the class allows with, when not 200, OpenAI's error object naming no source file or
-    # temporary path; after each class the server is alive (/health) and answers a good request.
-    import random
-    import socket
-    rng = random.Random(31)
-    good = messages(video_part(file_url(fx.clip)))
-    base = {"model": "model", "messages": good, "max_tokens": 2}
+def _fuzz_check(status, text, allowed, what):
+    """A fuzz answer: a status the class allows and, when not 200, a clean OpenAI error object."""
+    assert status in allowed, (what, status, text[:300])
+    if status != 200:
+        err = json.loads(text)["error"]
+        assert isinstance(err["message"], str) and err["message"] and "type" in err, text
+        assert ".cpp" not in text and "lvx-serve-" not in text, (what, text[:300])
 
-    def check(status, text, allowed, what):
-        assert status in allowed, (what, status, text[:300])
-        if status != 200:
-            err = json.loads(text)["error"]
-            assert isinstance(err["message"], str) and err["message"] and "type" in err, text
-            assert ".cpp" not in text and "lvx-serve-" not in text, (what, text[:300])
 
-    def alive(cls):
-        assert srv.http("GET", "/health", key=None)[0] == 200, cls
-        status, text = srv.http("POST", "/v1/chat/completions", json.dumps(base))
-        assert status == 200, (cls, text[:300])
+def _fuzz_alive(srv, base, cls):
+    """After a fuzz class: /health answers and so does a good request."""
+    assert srv.http("GET", "/health", key=None)[0] == 200, cls
+    status, text = srv.http("POST", "/v1/chat/completions", json.dumps(base))
+    assert status == 200, (cls, text[:300])
 
-    def post(body, allowed, what, key=KEY, headers=None):
-        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        status, text = srv.http("POST", "/v1/chat/completions", data, key=key, headers=headers)
-        check(status, text, allowed, what)
 
+def _fuzz_post(srv, body, allowed, what, key=KEY, headers=None):
+    """POSTs one fuzz body (a dict is JSON-encoded) and checks the answer."""
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    status, text = srv.http("POST", "/v1/chat/completions", data, key=key, headers=headers)
+    _fuzz_check(status, text, allowed, what)
+
+
+def _fuzz_json_types(srv, base, rng):
+    """Fuzz class 1, JSON types: every field with hostile values (sampled), the rest good; depth."""
     values = [None, -1, 0, 1.5, 10 ** 30, -(2 ** 63) - 1, 2 ** 64, "x", "", "\u0000", "é" * 3,
               [], {}, True, [[[]]], {"a": {"b": [1]}}, "9" * 400]
     fields = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
               "seed", "stop", "stream", "stream_options", "n", "user", "fps", "num_frames",
               "start", "end", "video_id", "return_prompt_ids", "media_io_kwargs",
               "mm_processor_kwargs", "logprobs", "top_logprobs"]
-    # 1. JSON types: every field with every hostile value (sampled), the rest of the body good.
     for field in fields:
         for v in rng.sample(values, 8):
-            post(dict(base, **{field: v}), {200, 400, 404}, (field, v))
+            _fuzz_post(srv, dict(base, **{field: v}), {200, 400, 404}, (field, v))
     for depth in (63, 64, 65, 1000):
-        post('{"model": "model", "n": %s1%s, "messages": []}' % ("[" * depth, "]" * depth),
-             {400}, ("depth", depth))
-    alive("json types")
-    # 2. Message shapes: roles, content kinds and parts mutated.
+        body = '{"model": "model", "n": %s1%s, "messages": []}' % ("[" * depth, "]" * depth)
+        _fuzz_post(srv, body, {400}, ("depth", depth))
+    _fuzz_alive(srv, base, "json types")
+
+
+def _fuzz_message_shapes(fx, srv, base):
+    """Fuzz class 2, message shapes: roles, content kinds and parts mutated."""
     parts = [video_part(file_url(fx.clip)), {"type": "text", "text": QUESTION}]
     shapes = [[], [{}], [{"role": 7}], [{"role": "user"}], [{"role": "user", "content": 7}],
               [{"role": "user", "content": [7]}], [{"role": "user", "content": [{"type": 7}]}],
@@ -222,9 +222,12 @@ def case_fuzz(fx, srv, ranks):
               [{"role": "user", "content": [{"type": "text", "text": "x"}] * 2000}],
               [{"role": "user", "content": parts}] * 50]
     for m in shapes:
-        post(dict(base, messages=m), {200, 400}, ("messages", str(m)[:80]))
-    alive("message shapes")
-    # 3. Media URLs and local paths: nothing outside the allowed folder, no other scheme.
+        _fuzz_post(srv, dict(base, messages=m), {200, 400}, ("messages", str(m)[:80]))
+    _fuzz_alive(srv, base, "message shapes")
+
+
+def _fuzz_media_urls(fx, srv, base):
+    """Fuzz class 3, media URLs and paths: nothing outside the allowed folder, no other scheme."""
     outside = fx.root / "outside.mp4"
     shutil.copy(fx.clip, outside)
     link = fx.media / "link_out.mp4"
@@ -239,28 +242,50 @@ def case_fuzz(fx, srv, ranks):
     for u in urls:
         for kind in ("video_url", "image_url"):
             part = {"type": kind, kind: {"url": u}}
-            post(dict(base, messages=messages(part)), {400, 403}, (kind, u[:80]))
-    alive("media urls")
-    # 4. Headers, methods and paths.
+            _fuzz_post(srv, dict(base, messages=messages(part)), {400, 403}, (kind, u[:80]))
+    _fuzz_alive(srv, base, "media urls")
+
+
+def _fuzz_headers(srv, base):
+    """Fuzz class 4: API keys, headers, methods and paths."""
     for key in (None, "", "Bearer", KEY + "\u00e9", "x" * 8000):
         status, text = srv.http("POST", "/v1/chat/completions", json.dumps(base), key=key)
-        check(status, text, {401, 400}, ("key", str(key)[:20]))
+        _fuzz_check(status, text, {401, 400}, ("key", str(key)[:20]))
     for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"},
                     {"Accept": "text/html"}, {"Expect": "100-continue"},
                     {"X-Junk": "y" * 4000}):
-        post(base, {200, 400, 415}, ("headers", headers), headers=headers)
+        _fuzz_post(srv, base, {200, 400, 415}, ("headers", headers), headers=headers)
     for method, path in (("DELETE", "/v1/chat/completions"), ("GET", "/v1/chat/completions"),
                          ("GET", "/../../etc/passwd"), ("GET", "/v1/models/../../x"),
                          ("PUT", "/metrics"), ("POST", "/v1/completions")):
         status, text = srv.http(method, path, b"{}" if method in ("POST", "PUT") else None)
         assert status in (400, 404, 405), (method, path, status)
-    alive("headers")
-    # 5. Idle and half-sent connections hold no one else up.
+    _fuzz_alive(srv, base, "headers")
+
+
+def _fuzz_idle_connections(srv, base):
+    """Fuzz class 5: idle and half-sent connections hold no one else up."""
+    import socket
     idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(24)]
     for i, sk in enumerate(idle[:12]):
         sk.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"GET /he")
     t0 = time.time()
-    alive("idle connections")
+    _fuzz_alive(srv, base, "idle connections")
     assert time.time() - t0 < 10, time.time() - t0
     for sk in idle:
         sk.close()
+
+
+def case_fuzz(fx, srv, ranks):
+    # A bounded fuzz of hostile requests by class (seeded; about 400 requests): every answer is a
+    # status the class allows with, when not 200, OpenAI's error object naming no source file or
+    # temporary path; after each class the server is alive (/health) and answers a good request.
+    import random
+    rng = random.Random(31)
+    good = messages(video_part(file_url(fx.clip)))
+    base = {"model": "model", "messages": good, "max_tokens": 2}
+    _fuzz_json_types(srv, base, rng)
+    _fuzz_message_shapes(fx, srv, base)
+    _fuzz_media_urls(fx, srv, base)
+    _fuzz_headers(srv, base)
+    _fuzz_idle_connections(srv, base)
