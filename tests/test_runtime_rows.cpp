@@ -250,7 +250,10 @@ TEST(TrainingRows, MultiTurnOpenFlamingoChainsQuestions) {
   const std::string of = std::string(LVX_SOURCE_DIR) + "/tests/reference/openflamingo_ref.py";
   std::string log;
   const std::string d = testing::generated(
-      "rows_flamingo", testing::script_stamp(of),
+      "rows_flamingo",
+      testing::script_stamp(of) +
+          testing::read_text(std::string(LVX_SOURCE_DIR) +
+                             "/models/openflamingo/convert_openflamingo.py"),
       [&](const std::string& o) {
         return run_command(testing::python() + " " + of + " make-model " + o + "/model --lm llama");
       },
