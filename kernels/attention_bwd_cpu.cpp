@@ -20,19 +20,6 @@ namespace {
 constexpr int64_t kQTile = kCpuQTile;
 constexpr int64_t kKTile = kCpuKTile;
 
-// The sizes of one call: q [B, Sq, Hq, D], k and v [B, Skv, Hkv, D] (group = Hq / Hkv query
-// heads per K/V head), and the numbers of query and key tiles.
-struct CallSizes {
-  int64_t batch, sq, hq, d, skv, hkv, group, n_qt, n_kt;
-};
-
-// Reads the sizes of one call.
-CallSizes call_sizes(const at::Tensor& q, const at::Tensor& k, const PreparedMask& pm) {
-  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
-  const int64_t skv = k.size(1), hkv = k.size(2);
-  return CallSizes{batch, sq, hq, d, skv, hkv, hq / hkv, pm.n_q_tiles, pm.n_k_tiles};
-}
-
 // How each (batch, K/V head)'s key tiles are split into tasks: chunks of kt_per_chunk tiles, and
 // dq_parts [chunks, B, Sq, Hq, D] for each chunk's dQ (g.dq itself when chunks == 1).
 struct KeyChunks {

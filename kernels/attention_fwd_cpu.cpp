@@ -30,19 +30,6 @@ void apply_mask(const MaskView& m, int64_t b, int64_t i0, int64_t tq, int64_t j0
   }
 }
 
-// The sizes of one call: q [B, Sq, Hq, D], k and v [B, Skv, Hkv, D] (group = Hq / Hkv query
-// heads per K/V head), and the numbers of query and key tiles.
-struct CallSizes {
-  int64_t batch, sq, hq, d, skv, hkv, group, n_qt, n_kt;
-};
-
-// Reads the sizes of one call.
-CallSizes call_sizes(const at::Tensor& q, const at::Tensor& k, const PreparedMask& pm) {
-  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
-  const int64_t skv = k.size(1), hkv = k.size(2);
-  return CallSizes{batch, sq, hq, d, skv, hkv, hq / hkv, pm.n_q_tiles, pm.n_k_tiles};
-}
-
 // One forward call: its sizes and inputs, and the raw outputs o ([B, Sq, Hq, D]) and lse ([B, Hq,
 // Sq]), contiguous in the accumulation dtype T (acc).
 template <typename T>

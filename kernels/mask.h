@@ -116,6 +116,18 @@ struct PreparedMask {
   TileSummary k_summary(int64_t b, int64_t t) const;
 };
 
+// The sizes of one CPU kernel call: q [B, Sq, Hq, D], k and v [B, Skv, Hkv, D] (group = Hq / Hkv
+// query heads per K/V head), and its numbers of query and key tiles (from its prepared mask).
+struct CallSizes {
+  int64_t batch, sq, hq, d, skv, hkv, group, n_qt, n_kt;
+};
+
+inline CallSizes call_sizes(const at::Tensor& q, const at::Tensor& k, const PreparedMask& pm) {
+  const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+  const int64_t skv = k.size(1), hkv = k.size(2);
+  return CallSizes{batch, sq, hq, d, skv, hkv, hq / hkv, pm.n_q_tiles, pm.n_k_tiles};
+}
+
 // Validates `mask` against (batch, sq, skv) with messages naming the field, the expected and
 // the actual shape/dtype, then moves the metadata to `device` and builds the tile summaries
 // (with ATen ops, so it works for CPU and CUDA alike).
