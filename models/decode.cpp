@@ -25,6 +25,10 @@ at::Tensor shard_visible(const at::Tensor& valid) {
   return valid.all().item<bool>() ? at::Tensor() : valid;
 }
 
+KVShard visual_shard(const at::Tensor& k, const at::Tensor& v, const at::Tensor& visible) {
+  return {k.contiguous(), v.contiguous(), visible};
+}
+
 Partial partial_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& visible, double scale) {
   const int64_t B = q.size(0), hq = q.size(1), D = q.size(2), S = k.size(1);

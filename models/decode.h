@@ -77,6 +77,12 @@ struct KVShard {
 // shard is cached.
 at::Tensor shard_visible(const at::Tensor& valid);
 
+// The visual shard a cache keeps for a cross layer: k and v made contiguous once here (a fused
+// K/V projection's select or chunk is a strided view, and kernels::attention_forward copies a
+// strided K/V whole at every call: every prefill chunk and every decode step would copy the
+// video's keys again; measured as a third of a 1-hour prompt's chunk, docs/serve.md).
+KVShard visual_shard(const at::Tensor& k, const at::Tensor& v, const at::Tensor& visible);
+
 // extend's T new tokens per sample (models/model.h) as extra query heads: q [B, T, Hq, D] →
 // [B, Hkv·T·g, D] with g = Hq/Hkv, head j·T·g + t·g + i reading K/V head j under the kernels' GQA
 // mapping, so cached keys take all T queries in one call per rank and one pass-Q message per

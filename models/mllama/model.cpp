@@ -293,11 +293,11 @@ at::Tensor cross_attention_output(const Config& cfg, const StateDict& w, int64_t
       o = c == 0 ? r.o : o + r.o;
     }
     if (cache) {
-      cache->visual[static_cast<size_t>(layer)] = {
+      cache->visual[static_cast<size_t>(layer)] = visual_shard(
           k, v,
           m.cm.last_row_keys
               .index_select(1, LocalMedia{{}, m.mine}.key_index(cfg.tokens_per_image()))
-              .to(x.device())};
+              .to(x.device()));
     }
   }
   return o.reshape({B, lr, Hq * D});
@@ -459,7 +459,7 @@ void Mllama::prefill_media(const ModelInputs& in, const Parallel& par, DecodeCac
   for (int64_t i = 0; i < t.layers; ++i) {
     if (!t.is_cross(i)) continue;
     const auto [k, v] = cross_kv_function(t)(features, cross_kv_params(w_, i));
-    cache.visual[static_cast<size_t>(i)] = {k, v, visible};
+    cache.visual[static_cast<size_t>(i)] = visual_shard(k, v, visible);
   }
   cache.encode_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();

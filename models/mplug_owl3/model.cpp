@@ -272,7 +272,7 @@ attention::DistAttentionResult hyper_cross_attention(const MplugOwl3Config& c, c
   const auto [kv_k, kv_v] = kv_fn(va.vis.features, kv_params);
   attention::DistAttentionResult cross =
       attention::dist_attention(q, kv_k, kv_v, par.pg, st.cross, va.spec, va.mask);
-  if (cache) cache->visual[static_cast<size_t>(layer)] = {kv_k, kv_v, va.visible};
+  if (cache) cache->visual[static_cast<size_t>(layer)] = visual_shard(kv_k, kv_v, va.visible);
   return cross;
 }
 
@@ -400,7 +400,7 @@ void MplugOwl3::prefill_media(const ModelInputs& in, const Parallel& par,
   for (int64_t i = 0; i < c.layers; ++i) {
     if (!c.is_hyper(i)) continue;
     const auto [k, v] = visual_kv_function(c, vis)(vis.features, visual_kv_params(w_, i));
-    cache.visual[static_cast<size_t>(i)] = {k, v, visible};
+    cache.visual[static_cast<size_t>(i)] = visual_shard(k, v, visible);
   }
   cache.encode_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();

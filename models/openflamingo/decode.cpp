@@ -47,7 +47,7 @@ void OpenFlamingo::prefill_media(const ModelInputs& in, const Parallel& par,
   for (int64_t i = 0; i < c.layers; ++i) {
     if (!c.is_cross(i)) continue;
     const auto [k, v] = cross_kv(i, media.features);
-    cache.visual[static_cast<size_t>(i)] = {k, v, last_image};
+    cache.visual[static_cast<size_t>(i)] = visual_shard(k, v, last_image);
   }
   cache.encode_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();

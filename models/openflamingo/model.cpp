@@ -435,7 +435,7 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
       const auto [k, v] = cross_kv(i, media.features);
       const auto o = attention::dist_attention(cross_query(i, x), k, v, par.pg, st.cross,
                                                cross_spec, cross_mask);
-      if (cache) cache->visual[li] = {k, v, last_image};
+      if (cache) cache->visual[li] = visual_shard(k, v, last_image);
       x = cross_output(i, x, o.o.reshape({B, lr, c.x_heads * c.x_dim_head}));
     }
     const SelfQKV qkv = self_qkv(i, x, pos);
