@@ -344,6 +344,160 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_backward(const FusedOps&, con
       dout, c.q, c.k, c.v, out, lse, 0.0, c.causal, bias_arg(c), c.scale);
 }
 
+// o_new [1, n, H', D] and l_new [1, H', n] fp32 into out's o_dst [1, n, H', D] and l_dst
+// [1, H', n]: copied when nothing was written there yet (`fresh`), else merged.
+void write_piece(const FusedOps& ops, const at::Tensor& o_new, const at::Tensor& l_new,
+                 at::Tensor o_dst, at::Tensor l_dst, bool fresh) {
+  if (fresh) {
+    o_dst.copy_(o_new);
+    l_dst.copy_(l_new);
+    return;
+  }
+  at::Tensor os = o_dst.contiguous(), ls = l_dst.contiguous();
+  ops.merge(os, ls, o_new.to(at::kFloat).contiguous(), l_new.contiguous());
+  o_dst.copy_(os);
+  l_dst.copy_(ls);
+}
+
+// A masked piece's lse: −inf for a row with no visible key whatever the op gave (CPU: 0; CUDA:
+// −inf). `rows` [1, 1, n] bool, or undefined (every row sees a key).
+at::Tensor piece_lse(const at::Tensor& lse, const at::Tensor& rows) {
+  const at::Tensor l32 = lse.to(at::kFloat);
+  return rows.defined() ? at::where(rows, l32, at::full_like(l32, -kInf)) : l32;
+}
+
+// bias [1, 1, n, m] repeated for f query heads folded along the sequence ([1, 1, f·n, m]), its
+// rows still starting at multiples of `align` elements.
+at::Tensor fold_bias(const at::Tensor& bias, int64_t f, int64_t align) {
+  const int64_t n = bias.size(2), m = bias.size(3), m_pad = (m + align - 1) / align * align;
+  at::Tensor out = at::empty({1, 1, f * n, m_pad}, bias.options()).narrow(3, 0, m);
+  out.view({1, 1, f, n, m}).copy_(bias.unsqueeze(2).expand({1, 1, f, n, m}));
+  return out;
+}
+
+// How a piece's g query heads per K/V head go to the op, the same in the forward and the
+// backward: one call with grouped K/V heads where the table takes it (FusedOps::grouped: flash);
+// else, without a causal order among its queries, one call with the g heads folded along the
+// sequence (fold_heads: a prefill chunk's or a decode step's few queries then make one call over
+// the keys, not g, and the op's per-block cost is paid once); else one call per query head of
+// each group (head_view).
+enum class PieceForm { kGrouped, kFolded, kPerHead };
+PieceForm piece_form(const FusedOps& ops, const FusedCall& grouped, int64_t g, const Piece& p) {
+  if (g > 1 && ops.grouped != nullptr && ops.grouped(ops, grouped)) return PieceForm::kGrouped;
+  return g > 1 && !p.causal ? PieceForm::kFolded : PieceForm::kPerHead;
+}
+
+// A piece's views of batch row b: its queries [1, rows, Hq, D] and keys/values [1, Hkv, m, D].
+struct PieceInputs {
+  at::Tensor qb, kg, vg;
+  int64_t rows, hkv, g;
+};
+PieceInputs piece_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t b,
+                         const Piece& p) {
+  const int64_t rows = p.i1 - p.i0, m = p.j1 - p.j0, hkv = k.size(2);
+  return {q.narrow(0, b, 1).narrow(1, p.i0, rows),
+          k.narrow(0, b, 1).narrow(1, p.j0, m).transpose(1, 2),
+          v.narrow(0, b, 1).narrow(1, p.j0, m).transpose(1, 2),
+          rows,
+          hkv,
+          q.size(2) / hkv};
+}
+
+// The folded form's piece: its bias and rows repeated once per folded query head.
+Piece folded_piece(const Piece& p, int64_t g, int64_t align) {
+  Piece f = p;
+  if (p.bias.defined()) f.bias = fold_bias(p.bias, g, align);
+  if (p.rows.defined()) f.rows = p.rows.repeat({1, 1, g});
+  return f;
+}
+
+// One piece of batch row b through the op (piece_form), merged into `out`.
+void forward_piece(const FusedOps& ops, const at::Tensor& q, const at::Tensor& k,
+                   const at::Tensor& v, int64_t b, const Piece& p, double scale, bool fresh,
+                   AttentionOutput& out, AttentionStats* stats) {
+  const PieceInputs in = piece_inputs(q, k, v, b, p);
+  const int64_t rows = in.rows, hkv = in.hkv, g = in.g;
+  const FusedCall grouped = make_call(in.qb.transpose(1, 2), in.kg, in.vg, p, scale);
+  at::Tensor o_dst = out.o.narrow(0, b, 1).narrow(1, p.i0, rows);
+  at::Tensor l_dst = out.lse.narrow(0, b, 1).narrow(2, p.i0, rows);
+  switch (piece_form(ops, grouped, g, p)) {
+    case PieceForm::kGrouped: {
+      auto [o, lse] = forward_call(ops, grouped, stats);
+      write_piece(ops, o.transpose(1, 2), piece_lse(lse, p.rows), o_dst, l_dst, fresh);
+      return;
+    }
+    case PieceForm::kFolded: {
+      const Piece f = folded_piece(p, g, ops.bias_align);
+      auto [o, lse] =
+          forward_call(ops, make_call(fold_heads(in.qb, g), in.kg, in.vg, f, scale), stats);
+      write_piece(ops, unfold_heads(o, g), piece_lse(lse, f.rows).reshape({1, hkv * g, rows}),
+                  o_dst, l_dst, fresh);
+      return;
+    }
+    case PieceForm::kPerHead:
+      break;
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {
+    auto [o, lse] = forward_call(
+        ops, make_call(head_view(q, b, p.i0, rows, hkv, g, gi), in.kg, in.vg, p, scale), stats);
+    write_piece(ops, o.transpose(1, 2), piece_lse(lse, p.rows),
+                head_view(out.o, b, p.i0, rows, hkv, g, gi).transpose(1, 2),
+                stat_view(out.lse, b, p.i0, rows, hkv, g, gi), fresh);
+  }
+}
+
+// The backward's per-row inputs beside q: dout, O' (o_fake) and the lse (+inf where a row sees
+// nothing), all [B, Sq, Hq, D] / [B, Hq, Sq].
+struct BackwardRows {
+  const at::Tensor &dout, &o_fake, &lse;
+};
+
+// One piece's gradients (the forward's calls again: piece_form), added into `grads`.
+void backward_piece(const FusedOps& ops, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, const BackwardRows& br, int64_t b, const Piece& p,
+                    double scale, AttentionGrads& grads) {
+  const PieceInputs in = piece_inputs(q, k, v, b, p);
+  const int64_t rows = in.rows, hkv = in.hkv, g = in.g, m = p.j1 - p.j0;
+  const FusedCall grouped = make_call(in.qb.transpose(1, 2), in.kg, in.vg, p, scale);
+  const at::Tensor d_b = br.dout.narrow(0, b, 1).narrow(1, p.i0, rows);
+  const at::Tensor o_b = br.o_fake.narrow(0, b, 1).narrow(1, p.i0, rows);
+  const at::Tensor l_b = br.lse.narrow(0, b, 1).narrow(2, p.i0, rows);
+  auto add_kv = [&](const at::Tensor& gk, const at::Tensor& gv) {
+    grads.dk.narrow(0, b, 1).narrow(1, p.j0, m).add_(gk.transpose(1, 2));
+    grads.dv.narrow(0, b, 1).narrow(1, p.j0, m).add_(gv.transpose(1, 2));
+  };
+  at::Tensor dq_b = grads.dq.narrow(0, b, 1).narrow(1, p.i0, rows);
+  switch (piece_form(ops, grouped, g, p)) {
+    case PieceForm::kGrouped: {
+      auto [gq, gk, gv] =
+          ops.backward(ops, grouped, d_b.transpose(1, 2), o_b.transpose(1, 2), l_b.contiguous());
+      dq_b.add_(gq.transpose(1, 2));
+      add_kv(gk, gv);
+      return;
+    }
+    case PieceForm::kFolded: {
+      const Piece f = folded_piece(p, g, ops.bias_align);
+      auto [gq, gk, gv] =
+          ops.backward(ops, make_call(fold_heads(in.qb, g), in.kg, in.vg, f, scale),
+                       fold_heads(d_b, g), fold_heads(o_b, g), l_b.reshape({1, hkv, g * rows}));
+      dq_b.add_(unfold_heads(gq, g));
+      add_kv(gk, gv);
+      return;
+    }
+    case PieceForm::kPerHead:
+      break;
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {
+    auto [gq, gk, gv] = ops.backward(
+        ops, make_call(head_view(q, b, p.i0, rows, hkv, g, gi), in.kg, in.vg, p, scale),
+        head_view(br.dout, b, p.i0, rows, hkv, g, gi),
+        head_view(br.o_fake, b, p.i0, rows, hkv, g, gi),
+        stat_view(br.lse, b, p.i0, rows, hkv, g, gi).contiguous());
+    head_view(grads.dq, b, p.i0, rows, hkv, g, gi).add_(gq);
+    add_kv(gk, gv);
+  }
+}
+
 }  // namespace
 
 const FusedOps& cpu_fused_ops() {
@@ -359,7 +513,7 @@ AttentionOutput attention_forward_fused(const FusedOps& ops, const at::Tensor& q
                                         const at::Tensor& k, const at::Tensor& v, double scale,
                                         const AttentionMask& mask, AttentionStats* stats) {
   const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
-  const int64_t skv = k.size(1), hkv = k.size(2), g = hq / hkv;
+  const int64_t skv = k.size(1);
   const auto f32 = q.options().dtype(at::kFloat);
   if (sq == 0 || skv == 0) {
     return {at::zeros({batch, sq, hq, d}, f32), at::full({batch, hq, sq}, -kInf, f32)};
@@ -380,31 +534,11 @@ AttentionOutput attention_forward_fused(const FusedOps& ops, const at::Tensor& q
     for (const Run& r : gr.runs) {
       for (const Piece& p :
            pieces(gr, r, dmask, pm.view, sq, skv, q.scalar_type(), ops.bias_align)) {
-        const int64_t m = p.j1 - p.j0, rows = p.i1 - p.i0;
         const int64_t t0 = p.i0 / kCpuQTile, t1 = (p.i1 + kCpuQTile - 1) / kCpuQTile;
         char* w = written.data() + gr.b * pm.n_q_tiles;
         const bool fresh = std::none_of(w + t0, w + t1, [](char x) { return x != 0; });
         std::fill(w + t0, w + t1, 1);
-        const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
-        const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
-        for (int64_t gi = 0; gi < g; ++gi) {
-          auto [o, lse] = forward_call(
-              ops, make_call(head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, p, scale), stats);
-          at::Tensor l32 = lse.to(at::kFloat);
-          // A row with no visible key: lse −inf whatever the op gave (CPU: 0; CUDA: −inf).
-          if (p.rows.defined()) l32 = at::where(p.rows, l32, at::full_like(l32, -kInf));
-          at::Tensor o_dst = head_view(out.o, gr.b, p.i0, rows, hkv, g, gi).transpose(1, 2);
-          at::Tensor l_dst = stat_view(out.lse, gr.b, p.i0, rows, hkv, g, gi);
-          if (fresh) {
-            o_dst.copy_(o.transpose(1, 2));
-            l_dst.copy_(l32);
-            continue;
-          }
-          at::Tensor os = o_dst.contiguous(), ls = l_dst.contiguous();  // [1, rows, Hkv, D]
-          ops.merge(os, ls, o.transpose(1, 2).to(at::kFloat).contiguous(), l32.contiguous());
-          o_dst.copy_(os);
-          l_dst.copy_(ls);
-        }
+        forward_piece(ops, q, k, v, gr.b, p, scale, fresh, out, stats);
       }
     }
   }
@@ -417,7 +551,7 @@ AttentionGrads attention_backward_fused(const FusedOps& ops, const at::Tensor& q
                                         const at::Tensor& delta, double scale,
                                         const AttentionMask& mask, AttentionStats* stats) {
   const int64_t batch = q.size(0), sq = q.size(1), hq = q.size(2);
-  const int64_t skv = k.size(1), hkv = k.size(2), g = hq / hkv;
+  const int64_t skv = k.size(1);
   const auto f32 = q.options().dtype(at::kFloat);
   if (sq == 0 || skv == 0) {
     return {at::zeros(q.sizes(), f32), at::zeros(k.sizes(), f32), at::zeros(v.sizes(), f32)};
@@ -445,24 +579,11 @@ AttentionGrads attention_backward_fused(const FusedOps& ops, const at::Tensor& q
   const AttentionMask dmask = mask_on(mask, q.device());
   AttentionGrads grads{at::zeros(q.sizes(), f32), at::zeros(k.sizes(), f32),
                        at::zeros(v.sizes(), f32)};
+  const BackwardRows br{dout, o_fake, lse_p};
   for (const Group& gr : plan.groups) {
     for (const Run& r : gr.runs) {
-      for (const Piece& p :
-           pieces(gr, r, dmask, pm.view, sq, skv, q.scalar_type(), ops.bias_align)) {
-        const int64_t m = p.j1 - p.j0, rows = p.i1 - p.i0;
-        const at::Tensor kg = k.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
-        const at::Tensor vg = v.narrow(0, gr.b, 1).narrow(1, p.j0, m).transpose(1, 2);
-        for (int64_t gi = 0; gi < g; ++gi) {
-          auto [gq, gk, gv] = ops.backward(
-              ops, make_call(head_view(q, gr.b, p.i0, rows, hkv, g, gi), kg, vg, p, scale),
-              head_view(dout, gr.b, p.i0, rows, hkv, g, gi),
-              head_view(o_fake, gr.b, p.i0, rows, hkv, g, gi),
-              stat_view(lse_p, gr.b, p.i0, rows, hkv, g, gi).contiguous());
-          head_view(grads.dq, gr.b, p.i0, rows, hkv, g, gi).add_(gq);
-          grads.dk.narrow(0, gr.b, 1).narrow(1, p.j0, m).add_(gk.transpose(1, 2));
-          grads.dv.narrow(0, gr.b, 1).narrow(1, p.j0, m).add_(gv.transpose(1, 2));
-        }
-      }
+      for (const Piece& p : pieces(gr, r, dmask, pm.view, sq, skv, q.scalar_type(), ops.bias_align))
+        backward_piece(ops, q, k, v, br, gr.b, p, scale, grads);
     }
   }
   return grads;

@@ -11,9 +11,10 @@
 //   - that the recorded calls' results, merged by the plan, equal the fp64 reference (forward
 //     and, through the O' trick, backward) within fp32 round-off (2e-5, as the CPU gate), or
 //     bf16/fp16's (3e-2);
-//   - that a GQA block flash serves is one grouped call (K/V with fewer heads); an unmasked one
-//     another kernel serves, one call with each group's query heads folded along the sequence;
-//     others one call per query head of each group.
+//   - that a GQA piece flash serves is one grouped call (K/V with fewer heads); one another
+//     kernel serves, without a causal order among its queries (unmasked or with a bias), one
+//     call with each group's query heads folded along the sequence (the bias repeated per head);
+//     causal pieces one call per query head of each group.
 // Also the CUDA constraints predicate (cuda_fused_unsupported), one case per constraint.
 #include <gtest/gtest.h>
 
@@ -36,13 +37,14 @@ constexpr int kFakeSm = 90;  // the fake table stands for an H100
 // One recorded call: the box of batch rows [b, b + nb), queries [i0, i0 + n), keys [j0, j0 + m),
 // query head gi of each K/V group (h heads per call), and what the CUDA table would do with it.
 // A folded call (each K/V head's g query heads side by side along its sequence: a copy of q, not
-// a view) holds every query head of rows [0, n).
+// a view) holds every query head of rows [i0, i0 + n); its bias, if any, repeats the box's mask
+// once per query head of the group ([1, 1, g·n, m]).
 struct Call {
   bool backward;
   int64_t b, nb, i0, n, j0, m, gi, h;
   bool folded;
   bool causal;
-  at::Tensor bias;  // [1, 1, n, m] or undefined
+  at::Tensor bias;  // [1, 1, n, m] ([1, 1, g·n, m] folded) or undefined
   at::ScalarType dtype;
   FusedKernel kernel;
   bool kv_aliases_input;  // K/V are views of the caller's tensors (GQA without copies)
@@ -59,12 +61,22 @@ int64_t elem_offset(const at::Tensor& view, const at::Tensor& base) {
          base.element_size();
 }
 
+// A folded call's offset in q as if it were a view: its first row is query head 0 of the row
+// (b, i0) it starts at, found by value (the inputs are random: exactly one row matches).
+int64_t folded_offset(const at::Tensor& cq, const at::Tensor& q) {
+  const at::Tensor hit = q.select(2, 0).eq(cq[0][0][0]).all(-1).nonzero();  // [matches, 2]
+  EXPECT_EQ(hit.size(0), 1) << "a folded call's first row is not one query row of the block";
+  if (hit.size(0) == 0) return 0;
+  const int64_t b = hit[0][0].item<int64_t>(), i0 = hit[0][1].item<int64_t>();
+  return (b * q.size(1) + i0) * q.size(2) * q.size(3);
+}
+
 void record(const FusedOps& ops, const FusedCall& c, bool backward) {
   const at::Tensor& q = g_rec->q;
   const at::Tensor& k = g_rec->k;
   const int64_t sq = q.size(1), hq = q.size(2), d = q.size(3), skv = k.size(1), hkv = k.size(2);
   const bool folded = !c.q.storage().is_alias_of(q.storage());
-  const int64_t qo = folded ? 0 : elem_offset(c.q, q), ko = elem_offset(c.k, k);
+  const int64_t qo = folded ? folded_offset(c.q, q) : elem_offset(c.q, q), ko = elem_offset(c.k, k);
   Call r{backward,
          qo / (sq * hq * d),
          c.q.size(0),
@@ -187,10 +199,10 @@ void check_coverage(const Block& blk, const std::vector<Call>& calls, const at::
                  std::to_string(c.n) + ") k[" + std::to_string(c.j0) + "+" + std::to_string(c.m) +
                  ") head " + std::to_string(c.gi));
     // One call per query head of each group, one grouped call for every head (flash), or one
-    // folded call for every head (without a mask).
+    // folded call for every head (without a causal order among its queries).
     const bool grouped = g > 1 && c.h == blk.hq;
     if (c.folded) {
-      EXPECT_TRUE(g > 1 && c.h == blk.hkv && !c.causal && !c.bias.defined());
+      EXPECT_TRUE(g > 1 && c.h == blk.hkv && !c.causal);
       EXPECT_EQ(c.gi, 0);
     } else if (grouped) {
       EXPECT_EQ(c.kernel, FusedKernel::kFlash) << "only flash takes grouped K/V heads";
@@ -206,8 +218,13 @@ void check_coverage(const Block& blk, const std::vector<Call>& calls, const at::
       EXPECT_EQ(c.bias.scalar_type(), c.dtype);
       EXPECT_EQ(c.bias.stride(2) % 16, 0) << "bias rows must start at multiples of 16";
       EXPECT_EQ(c.nb, 1);
-      EXPECT_TRUE(at::equal(c.bias[0][0].eq(0), box[0])) << "bias differs from the reference mask";
-      EXPECT_TRUE(at::equal(c.bias[0][0].isneginf(), box[0].logical_not()));
+      const int64_t copies = c.folded ? g : 1;  // one per folded query head
+      ASSERT_EQ(c.bias.size(2), copies * c.n);
+      for (int64_t i = 0; i < copies; ++i) {
+        const at::Tensor bi = c.bias[0][0].narrow(0, i * c.n, c.n);
+        EXPECT_TRUE(at::equal(bi.eq(0), box[0])) << "bias differs from the reference mask";
+        EXPECT_TRUE(at::equal(bi.isneginf(), box[0].logical_not()));
+      }
     } else if (c.causal) {
       EXPECT_TRUE(at::equal(box, at::ones({c.n, c.m}, at::kBool).tril().expand({c.nb, c.n, c.m})));
     } else {
@@ -319,7 +336,8 @@ TEST(FusedPlan, CausalSquareGqaIsOneCausalCallPerGroupHeadOrOneGroupedFlashCall)
 // video's keys), and one whose padding mask hides nothing: one call for the whole block forward
 // and one backward. fp32 (memory-efficient on CUDA, flash on CPU: neither takes fewer K/V heads)
 // folds each K/V head's 4 query heads along the sequence; bf16 takes flash's grouped heads.
-// A mask that hides a key keeps the per-row calls, one per query head of a group.
+// A mask that hides a key makes one folded call per batch row, forward and backward (the bias
+// repeated per folded head).
 TEST(FusedPlan, UnmaskedGqaBlockIsOneCallFoldedOrGrouped) {
   Block blk{3, 5, 700, 8, 2, 16, {}};
   for (const bool padded : {false, true}) {
@@ -340,13 +358,13 @@ TEST(FusedPlan, UnmaskedGqaBlockIsOneCallFoldedOrGrouped) {
   at::manual_seed(18);
   blk.mask.kv_valid = at::rand({3, 700}) > 0.2;
   const auto calls = run_block(blk, at::kFloat, 19);
-  EXPECT_EQ(calls.size(), 2u * 3 * 4);  // forward and backward, per batch row and group head
-  for (const Call& c : calls) EXPECT_TRUE(c.nb == 1 && !c.folded && c.h == 2);
+  EXPECT_EQ(calls.size(), 2u * 3);  // forward and backward, per batch row
+  for (const Call& c : calls) EXPECT_TRUE(c.nb == 1 && c.folded && c.h == 2);
 }
 
 // Causal with Sq < Skv, aligned at the end: the keys every query sees are one call without a
-// mask (flash for bf16/fp16, memory-efficient for fp32), the diagonal part calls with a bias
-// (memory-efficient).
+// mask for every query head (flash with grouped K/V heads for bf16/fp16, memory-efficient with
+// the heads folded for fp32), the diagonal part calls with a bias (memory-efficient).
 TEST(FusedPlan, CausalEndAlignedFullRunWithoutMaskAndDiagonalWithBias) {
   const Block blk{1, 300, 1500, 4, 2, 16, causal(300, 1500)};
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
@@ -367,7 +385,7 @@ TEST(FusedPlan, CausalEndAlignedFullRunWithoutMaskAndDiagonalWithBias) {
         EXPECT_EQ(c.kernel, FusedKernel::kEfficient);
       }
     }
-    EXPECT_EQ(full, 2);  // one per group head
+    EXPECT_EQ(full, 1);  // every query head at once
     EXPECT_GT(masked, 0);
   }
 }
@@ -415,9 +433,10 @@ TEST(FusedPlan, MediaMaskSkipsEmptyTilesAndMergesToReference) {
   EXPECT_TRUE(at::equal(out.o.narrow(1, 0, 50), at::zeros({2, 50, 2, 16})));
 }
 
-// GQA (4 query heads per K/V head) with padding and a media-immediate mask: each box is called
-// once per query head of a group on views of K/V, and the merge is the reference's.
-TEST(FusedPlan, GqaMediaImmediateWithPaddingCallsEachGroupHeadOnKvViews) {
+// GQA (4 query heads per K/V head) with padding and a media-immediate mask: each box is one
+// call, the group's query heads folded along the sequence, on views of K/V, and the merge is the
+// reference's (run_block's checks); the backward makes the same calls.
+TEST(FusedPlan, GqaMediaImmediateWithPaddingFoldsEachGroupsHeadsOnKvViews) {
   const int64_t sq = 260, skv = 1300;
   Block blk{2, sq, skv, 8, 2, 16, {}};
   blk.mask.kind = MaskKind::kMedia;
@@ -428,12 +447,12 @@ TEST(FusedPlan, GqaMediaImmediateWithPaddingCallsEachGroupHeadOnKvViews) {
       (at::arange(skv, at::kLong) * 3 / skv).to(at::kInt).unsqueeze(0).repeat({2, 1});
   blk.mask.kv_valid = at::rand({2, skv}) > 0.1;
   const auto calls = run_block(blk, at::kFloat, 16);
-  std::vector<int> per_head(4, 0);
+  int forward = 0;
   for (const Call& c : calls) {
-    if (!c.backward) ++per_head[c.gi];
+    forward += !c.backward;
+    EXPECT_TRUE(c.folded && c.gi == 0 && c.h == 2);
   }
-  EXPECT_GT(per_head[0], 0);
-  for (int gi = 1; gi < 4; ++gi) EXPECT_EQ(per_head[gi], per_head[0]);
+  EXPECT_GT(forward, 0);
 }
 
 // ---- the CUDA table's choices, without a GPU ------------------------------------------------
