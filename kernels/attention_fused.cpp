@@ -6,6 +6,11 @@
 // ring backward's contract, NOTES.md §7.2); which CPU path serves a block (fused, lvx's GEMM
 // path, lvx's own kernels for fp64 or when chosen) is kernels/cpu_path.h's choice. The CUDA table
 // is attention_fused_cuda.cpp.
+//
+// Over 600 lines on purpose: the plan (tiles, runs, pieces), the per-piece calls (forward_piece,
+// backward_piece) and the whole-block call share private types (Plan, Piece, FusedCall helpers)
+// and must make the same calls forward and backward; one file keeps them, and that invariant, in
+// one anonymous namespace. The CPU table at its end is the only other part (~30 lines).
 #include "kernels/attention_fused.h"
 
 #include <ATen/Parallel.h>
@@ -270,6 +275,18 @@ at::Tensor unfold_heads(const at::Tensor& y, int64_t f) {
   return y.reshape({B, Hc, f, S, D}).permute({0, 3, 1, 2, 4}).reshape({B, S, Hc * f, D});
 }
 
+// How a piece's g query heads per K/V head go to the op, the same in the forward and the
+// backward: one call with grouped K/V heads where the table takes it (FusedOps::grouped: flash);
+// else, without a causal order among its queries, one call with the g heads folded along the
+// sequence (fold_heads: a prefill chunk's or a decode step's few queries then make one call over
+// the keys, not g, and the op's per-block cost is paid once); else one call per query head of
+// each group (head_view).
+enum class PieceForm { kGrouped, kFolded, kPerHead };
+PieceForm piece_form(const FusedOps& ops, const FusedCall& grouped, int64_t g, const Piece& p) {
+  if (g > 1 && ops.grouped != nullptr && ops.grouped(ops, grouped)) return PieceForm::kGrouped;
+  return g > 1 && !p.causal ? PieceForm::kFolded : PieceForm::kPerHead;
+}
+
 // The whole block as one call over every head (and every batch row): with equal heads, grouped
 // K/V heads where the table takes them (FusedOps::grouped: flash), or else, with no causal
 // order among the queries, each K/V head's g query heads folded along the sequence (fold_heads;
@@ -287,9 +304,18 @@ std::optional<WholeCall> whole_call(const FusedOps& ops, const Plan& plan, const
   if (!p) return std::nullopt;
   const at::Tensor kt = k.transpose(1, 2), vt = v.transpose(1, 2);
   FusedCall c = make_call(q.transpose(1, 2), kt, vt, *p, scale);
-  if (g == 1 || (ops.grouped != nullptr && ops.grouped(ops, c))) return WholeCall{c, 1};
-  if (p->causal) return std::nullopt;  // folded, a head's queries would follow another's
-  return WholeCall{make_call(fold_heads(q, g), kt, vt, *p, scale), g};
+  switch (piece_form(ops, c, g, *p)) {
+    case PieceForm::kGrouped:
+      return WholeCall{c, 1};
+    case PieceForm::kFolded:
+      return WholeCall{make_call(fold_heads(q, g), kt, vt, *p, scale), g};
+    case PieceForm::kPerHead:
+      break;
+  }
+  // One head per K/V head is already one call; causal with g > 1 goes by pieces (folded, a
+  // head's queries would follow another's).
+  if (g == 1) return WholeCall{c, 1};
+  return std::nullopt;
 }
 
 void add_stats(const Plan& plan, int64_t hq, AttentionStats* stats) {
@@ -373,18 +399,6 @@ at::Tensor fold_bias(const at::Tensor& bias, int64_t f, int64_t align) {
   at::Tensor out = at::empty({1, 1, f * n, m_pad}, bias.options()).narrow(3, 0, m);
   out.view({1, 1, f, n, m}).copy_(bias.unsqueeze(2).expand({1, 1, f, n, m}));
   return out;
-}
-
-// How a piece's g query heads per K/V head go to the op, the same in the forward and the
-// backward: one call with grouped K/V heads where the table takes it (FusedOps::grouped: flash);
-// else, without a causal order among its queries, one call with the g heads folded along the
-// sequence (fold_heads: a prefill chunk's or a decode step's few queries then make one call over
-// the keys, not g, and the op's per-block cost is paid once); else one call per query head of
-// each group (head_view).
-enum class PieceForm { kGrouped, kFolded, kPerHead };
-PieceForm piece_form(const FusedOps& ops, const FusedCall& grouped, int64_t g, const Piece& p) {
-  if (g > 1 && ops.grouped != nullptr && ops.grouped(ops, grouped)) return PieceForm::kGrouped;
-  return g > 1 && !p.causal ? PieceForm::kFolded : PieceForm::kPerHead;
 }
 
 // A piece's views of batch row b: its queries [1, rows, Hq, D] and keys/values [1, Hkv, m, D].

@@ -7,10 +7,13 @@
 // maximal runs of full tiles become one call without a mask, runs of partial tiles one call with
 // an additive −inf mask (or is_causal when the run is exactly top-left causal), tiles outside the
 // visible range are skipped, query tiles with equal runs share one call. The calls' results merge
-// in fp32 (pure-LSE merge, NOTES.md §0). GQA: one call per query head of a K/V head group, on
-// strided views (no copy of K/V). Backward: the ops derive delta = rowsum(dO ∘ O) from the O they
-// are given; lvx's backward gets delta, so it passes O' = dO · delta / |dO|² (rowsum(dO ∘ O') =
-// delta; O' = 0 where dO = 0), rounded once to the input dtype like an op's own O.
+// in fp32 (pure-LSE merge, NOTES.md §0). GQA, per block or piece, on K/V views (never copied):
+// grouped K/V heads where the table takes them (flash); else, without a causal order among the
+// queries, each K/V head's g query heads folded along the sequence into one call (a bias
+// repeated per folded head); else one call per query head of a group. Backward: the ops derive
+// delta = rowsum(dO ∘ O) from the O they are given; lvx's backward gets delta, so it passes O' = dO
+// · delta / |dO|² (rowsum(dO ∘ O') = delta; O' = 0 where dO = 0), rounded once to the input dtype
+// like an op's own O.
 //
 // Only the op calls differ per device, behind FusedOps:
 //   CPU  at::_scaled_dot_product_flash_attention_for_cpu (+ _backward): every call.
