@@ -402,19 +402,31 @@ Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
     const at::Tensor all = x.size() == 1 ? x[0] : at::cat(x, 1);
     return all.index_select(1, part.key_slots).view({R, L, hkv, -1}).to(acc);
   };
-  const at::Tensor kk = slots(k).permute({0, 2, 3, 1}).unsqueeze(2);  // [R, Hkv, 1, D, L]
-  const at::Tensor vv = slots(v).permute({0, 2, 1, 3}).unsqueeze(2);  // [R, Hkv, 1, L, Dv]
+  // Each (row, K/V head) one batch of a bmm, its g query heads' T tokens as rows: two bmm and
+  // in-place softmax steps, no broadcast copies (a decode step runs this per layer).
+  const at::Tensor kk = slots(k).permute({0, 2, 3, 1}).reshape({R * hkv, D, L});
+  const at::Tensor vv = slots(v).permute({0, 2, 1, 3}).reshape({R * hkv, L, -1});
   const at::Tensor qq = q.index_select(0, part.to_padded)
                             .to(acc)
                             .view({R, T, hkv, g, D})
-                            .permute({0, 2, 3, 1, 4});  // [R, Hkv, g, T, D]
-  at::Tensor sc = at::matmul(qq, kk).mul_(scale);       // [R, Hkv, g, T, L]
-  sc.masked_fill_(part.hidden, -std::numeric_limits<double>::infinity());
-  const at::Tensor lse = at::logsumexp(sc, -1);  // [R, Hkv, g, T]
-  const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);
+                            .permute({0, 2, 3, 1, 4})
+                            .reshape({R * hkv, g * T, D});
+  at::Tensor sc = at::bmm(qq, kk).mul_(scale);  // [R·Hkv, g·T, L]
+  sc.view({R, hkv, g, T, L}).masked_fill_(part.hidden, -std::numeric_limits<double>::infinity());
+  at::Tensor lse = sc.amax(-1, /*keepdim=*/true);  // every token sees its own key: finite
+  sc.sub_(lse).exp_();
+  const at::Tensor sum = sc.sum(-1, /*keepdim=*/true);
+  const at::Tensor o = at::bmm(sc, vv).div_(sum);  // [R·Hkv, g·T, Dv]
+  lse.add_(sum.log());
   const int64_t Dv = o.size(-1);
-  return {o.permute({0, 3, 1, 2, 4}).reshape({R * T, hq, Dv}).index_select(0, part.to_part),
-          lse.permute({0, 3, 1, 2}).reshape({R * T, hq}).index_select(0, part.to_part)};
+  return {o.view({R, hkv, g, T, Dv})
+              .permute({0, 3, 1, 2, 4})
+              .reshape({R * T, hq, Dv})
+              .index_select(0, part.to_part),
+          lse.view({R, hkv, g, T})
+              .permute({0, 3, 1, 2})
+              .reshape({R * T, hq})
+              .index_select(0, part.to_part)};
 }
 
 }  // namespace
