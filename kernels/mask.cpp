@@ -2,6 +2,7 @@
 // that let the blockwise kernels skip tiles with no visible entry.
 #include "kernels/mask.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "src/common/error.h"
@@ -192,6 +193,35 @@ at::Tensor mask_matrix(const AttentionMask& mask, int64_t batch, int64_t sq, int
   return vis | (q.none.unsqueeze(2) & real_keys.unsqueeze(1));
 }
 
+namespace {
+
+// Summed over the queries `qs`: how many of `keys` are <= each (exact: == each); both int, any
+// order. A histogram's prefix sums where the keys' values span little (media indices, a
+// sequence's positions; the cost model counts blocks of ~10^5 keys many times), else sorting and
+// binary search: O(Sq + Skv + span) or O((Sq + Skv) log Skv).
+int64_t keys_at_or_below(const at::Tensor& keys, const at::Tensor& qs, bool exact) {
+  if (keys.numel() == 0 || qs.numel() == 0) return 0;
+  const at::Tensor k = keys.to(at::kLong), q = qs.to(at::kLong);
+  const int64_t lo = k.min().item<int64_t>(), span = k.max().item<int64_t>() - lo + 1;
+  if (span <= std::max<int64_t>(int64_t{1} << 18, 4 * (k.numel() + q.numel()))) {
+    const at::Tensor le = at::cumsum(at::bincount(k - lo, {}, span), 0);  // keys <= lo + i
+    auto count_le = [&](const at::Tensor& v) {
+      const at::Tensor i = v - lo;
+      return at::where(i < 0, at::zeros({}, le.options()),
+                       le.index_select(0, i.clamp(0, span - 1)));
+    };
+    at::Tensor n = count_le(q);
+    if (exact) n = n - count_le(q - 1);
+    return n.sum().item<int64_t>();
+  }
+  const at::Tensor sorted = std::get<0>(k.sort());
+  at::Tensor n = at::searchsorted(sorted, q, /*out_int32=*/false, /*right=*/true);
+  if (exact) n = n - at::searchsorted(sorted, q, false, /*right=*/false);
+  return n.sum().item<int64_t>();
+}
+
+}  // namespace
+
 int64_t visible_pairs(const AttentionMask& mask, int64_t batch, int64_t sq, int64_t skv) {
   validate(mask, batch, sq, skv);
   if (mask.kind == MaskKind::kNone && !mask.kv_valid.defined()) return batch * sq * skv;
@@ -201,11 +231,8 @@ int64_t visible_pairs(const AttentionMask& mask, int64_t batch, int64_t sq, int6
   int64_t total = 0;
   for (int64_t b = 0; b < batch; ++b) {
     // rule_visible's interval form: #keys with k <= q, less those with k < q when exact.
-    at::Tensor keys = std::get<0>(k.value[b].masked_select(k.none[b].logical_not()).sort());
-    at::Tensor qs = q.value[b].masked_select(q.none[b].logical_not()).contiguous();
-    at::Tensor n = at::searchsorted(keys, qs, /*out_int32=*/false, /*right=*/true);
-    if (exact) n = n - at::searchsorted(keys, qs, false, /*right=*/false);
-    total += n.sum().item<int64_t>();
+    total += keys_at_or_below(k.value[b].masked_select(k.none[b].logical_not()),
+                              q.value[b].masked_select(q.none[b].logical_not()), exact);
     if (mask.unmatched_sees_all) {  // each unmatched query sees every non-padding key
       const at::Tensor keys_real = key_padding(mask, batch, skv, dev)[b].logical_not().sum();
       total += q.none[b].sum().item<int64_t>() * keys_real.item<int64_t>();

@@ -20,13 +20,20 @@ namespace {
 TEST(MaskMatrix, MatrixAndPairCountEqualTheIndependentRules) {
   at::manual_seed(7);
   const int64_t b = 2, sq = 23, skv = 41;
-  for (int kind = 0; kind < 6; ++kind) {  // 4, 5: media with unmatched_sees_all
+  // 6: causal over positions spread wide (visible_pairs sorts instead of counting a histogram)
+  for (int kind = 0; kind < 7; ++kind) {  // 4, 5: media with unmatched_sees_all
     AttentionMask m;
-    m.kind = kind == 0 ? MaskKind::kNone : kind == 1 ? MaskKind::kCausal : MaskKind::kMedia;
+    m.kind = kind == 0                ? MaskKind::kNone
+             : kind == 1 || kind == 6 ? MaskKind::kCausal
+                                      : MaskKind::kMedia;
     m.media_rule = kind == 2 || kind == 4 ? MediaRule::kImmediate : MediaRule::kUpTo;
-    m.unmatched_sees_all = kind >= 4;
+    m.unmatched_sees_all = kind == 4 || kind == 5;
     m.q_pos = at::randperm(sq, at::kLong);
     m.k_pos = at::randint(0, sq, {skv}, at::kLong);
+    if (kind == 6) {
+      m.q_pos = m.q_pos * 1000000;
+      m.k_pos = m.k_pos * 1000000;
+    }
     m.q_media = at::randint(-1, 4, {b, sq}, at::kInt);
     m.kv_media = at::randint(-1, 4, {b, skv}, at::kInt);
     if (m.kind != MaskKind::kCausal) m.q_pos = m.k_pos = at::Tensor();

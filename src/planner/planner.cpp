@@ -239,12 +239,12 @@ at::Tensor prompt_ids(const Workload& w) {
               " frame tokens");
     return w.prompt_marks.to(at::kLong);
   }
-  at::Tensor ids = at::zeros({1, w.text_tokens}, at::kLong);
+  std::vector<int64_t> ids(static_cast<size_t>(w.text_tokens), 0);  // on the host: no op per frame
   for (int64_t f = 0; f < w.frames; ++f) {
     const int64_t pos = w.layout == PromptLayout::kVideoQA ? f : f * w.text_tokens / w.frames;
-    ids[0][pos] = 1;
+    ids[static_cast<size_t>(pos)] = 1;
   }
-  return ids;
+  return at::tensor(ids, at::kLong).unsqueeze(0);
 }
 
 std::vector<LayerWorkload> layer_workloads(const ModelConfig& m, const Workload& w) {
