@@ -26,13 +26,18 @@ inline std::string lvx_binary() { return std::string(LVX_BINARY_DIR) + "/lvx"; }
 inline std::string lvx_faults_binary() { return std::string(LVX_BINARY_DIR) + "/lvx-faults"; }
 inline std::string python() { return LVX_PYTHON; }
 
+// Removed when the process exits (a killed one leaves its folder; the name says whose it was).
 inline fs::path workdir() {
-  static const fs::path dir = [] {
-    fs::path d = fs::temp_directory_path() / ("lvx_test_models_" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    return d;
-  }();
-  return dir;
+  struct Dir {
+    fs::path path = fs::temp_directory_path() / ("lvx_test_models_" + std::to_string(::getpid()));
+    Dir() { fs::create_directories(path); }
+    ~Dir() {
+      std::error_code ec;
+      fs::remove_all(path, ec);
+    }
+  };
+  static const Dir dir;
+  return dir.path;
 }
 
 struct Diff {
