@@ -8,7 +8,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "src/planner/train_memory.h"
 #include "src/planner/train_traffic.h"
@@ -217,23 +219,29 @@ TEST(TrainMemory, CountsFromConfigJsonEqualTheReferencePackages) {
   const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
   if (!std::filesystem::exists(lvx)) GTEST_SKIP() << "build the lvx target first";
   const std::string src = LVX_SOURCE_DIR;
-  for (const std::string name :
-       {"llama32_vision_11b", "mplug_owl3_1b", "mplug_owl3_2b", "mplug_owl3_7b", "openflamingo_3b",
-        "openflamingo_4b", "openflamingo_9b"}) {
+  const std::vector<std::string> names = {
+      "llama32_vision_11b", "mplug_owl3_1b",   "mplug_owl3_2b",  "mplug_owl3_7b",
+      "openflamingo_3b",    "openflamingo_4b", "openflamingo_9b"};
+  // The release folders hold config.json alone: sized before anything else is downloaded. The
+  // reference counts all of them in one process (its packages imported once), a line each.
+  auto release = [&](const std::string& name) { return src + "/configs/models/releases/" + name; };
+  std::string cmd =
+      std::string(LVX_PYTHON) + " " + src + "/tests/reference/param_count_ref.py count";
+  for (const std::string& name : names) cmd += " " + release(name) + "/config.json";
+  std::string ref;
+  ASSERT_EQ(run(cmd, &ref), 0) << ref;
+  std::vector<nlohmann::json> counts;
+  std::istringstream lines(ref);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("{\"total\"", 0) == 0) counts.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(counts.size(), names.size()) << ref;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i];
     SCOPED_TRACE(name);
-    // The release folder holds config.json alone: sized before anything else is downloaded.
-    const std::string dir = src + "/configs/models/releases/" + name;
-    const std::string cfg = dir + "/config.json";
-    std::string ref;
-    ASSERT_EQ(run(std::string(LVX_PYTHON) + " " + src +
-                      "/tests/reference/param_count_ref.py count " + cfg,
-                  &ref),
-              0)
-        << ref;
-    const nlohmann::json r = nlohmann::json::parse(ref.substr(ref.rfind('{')));
+    const nlohmann::json& r = counts[i];
     const double held = r["total"].get<double>() - r["unused"].get<double>();
     const double trains = r["total"].get<double>() - r["vision"].get<double>();
-    for (const std::string& model : {src + "/configs/models/" + name + ".yaml", dir}) {
+    for (const std::string& model : {src + "/configs/models/" + name + ".yaml", release(name)}) {
       std::string out;
       ASSERT_EQ(run(lvx + " plan --model " + model + " --cluster " + src +
                         "/configs/clusters/h100_80g_16.yaml --train --frames 8 --text 64 --nproc 8",
@@ -241,9 +249,9 @@ TEST(TrainMemory, CountsFromConfigJsonEqualTheReferencePackages) {
                 0)
           << out;
       const auto [total, train] = planned_counts(out);
-      std::cout << name << " (" << (model == dir ? "config.json alone" : "YAML") << "): lvx "
-                << total << " / " << train << " train, reference " << held << " / " << trains
-                << "\n";
+      std::cout << name << " (" << (model == release(name) ? "config.json alone" : "YAML")
+                << "): lvx " << total << " / " << train << " train, reference " << held << " / "
+                << trains << "\n";
       EXPECT_NEAR(total, held, 1e-3 * held);
       EXPECT_NEAR(train, trains, 1e-3 * trains);
     }

@@ -1,7 +1,9 @@
 """Parameter counts of a model's config.json from the reference packages, built on the meta device
 (no memory, no weights): the independent side of lvx's sizing from config.json alone.
 
-  param_count_ref.py count CONFIG.json      prints {"total": N, "vision": V, "unused": U} as JSON
+  param_count_ref.py count CONFIG.json...   prints {"total": N, "vision": V, "unused": U} as JSON,
+                                            one line per config in order (one process: the
+                                            packages are imported once)
 
   mllama      transformers' MllamaForConditionalGeneration(MllamaConfig(**config)); vision = the
               vision_model's parameters (the tower lvx freezes by default; the projector trains).
@@ -117,15 +119,16 @@ def count_openflamingo(cfg):
 
 
 def cmd_count(args):
-    with open(args.config) as f:
-        cfg = json.load(f)
-    kind = cfg.get("model_type")
-    counter = {"mllama": count_mllama, "mplugowl3": count_mplugowl3,
-               "openflamingo": count_openflamingo}.get(kind)
-    if counter is None:
-        sys.exit(f"{args.config}: model_type {kind!r} has no reference count here")
-    total, vision, unused = counter(cfg)
-    print(json.dumps({"total": total, "vision": vision, "unused": unused}))
+    for path in args.config:
+        with open(path) as f:
+            cfg = json.load(f)
+        kind = cfg.get("model_type")
+        counter = {"mllama": count_mllama, "mplugowl3": count_mplugowl3,
+                   "openflamingo": count_openflamingo}.get(kind)
+        if counter is None:
+            sys.exit(f"{path}: model_type {kind!r} has no reference count here")
+        total, vision, unused = counter(cfg)
+        print(json.dumps({"total": total, "vision": vision, "unused": unused}), flush=True)
 
 
 def cmd_llama32_config(args):
@@ -147,7 +150,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("count")
-    p.add_argument("config")
+    p.add_argument("config", nargs="+")
     p = sub.add_parser("llama32-config")
     p.add_argument("out")
     args = ap.parse_args()
