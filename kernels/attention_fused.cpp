@@ -304,17 +304,15 @@ std::optional<WholeCall> whole_call(const FusedOps& ops, const Plan& plan, const
   if (!p) return std::nullopt;
   const at::Tensor kt = k.transpose(1, 2), vt = v.transpose(1, 2);
   FusedCall c = make_call(q.transpose(1, 2), kt, vt, *p, scale);
+  if (g == 1) return WholeCall{c, 1};  // one query head per K/V head: already one call
   switch (piece_form(ops, c, g, *p)) {
     case PieceForm::kGrouped:
       return WholeCall{c, 1};
     case PieceForm::kFolded:
       return WholeCall{make_call(fold_heads(q, g), kt, vt, *p, scale), g};
-    case PieceForm::kPerHead:
+    case PieceForm::kPerHead:  // causal: folded, a head's queries would follow another's
       break;
   }
-  // One head per K/V head is already one call; causal with g > 1 goes by pieces (folded, a
-  // head's queries would follow another's).
-  if (g == 1) return WholeCall{c, 1};
   return std::nullopt;
 }
 
