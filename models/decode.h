@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "kernels/attention.h"
+#include "models/row_key_pool.h"
 #include "src/attention/media_mask.h"
 #include "src/dist/process_group.h"
 
@@ -116,6 +117,9 @@ struct DecodeCache {
   std::vector<KVShard> prompt;  // per decoder layer: this rank's shard of the prompt's K/V
   std::vector<KVShard> visual;  // per decoder layer: this rank's visual K/V (empty k: none)
   std::vector<std::vector<at::Tensor>> new_k, new_v;  // per layer: generated tokens' K/V, [B,1,..]
+  // A row stepping with others (push_rows_keys) holds its generated K/V in a slot of their
+  // shared pool instead: its new keys are then the slot's, followed by any pieces above.
+  RowSlot pooled;
   at::Tensor sees_media;  // bool [B]: later tokens see an image (gated cross-attention)
   int64_t length = 0;     // tokens so far (prompt + generated): the next position
   int64_t batch = 0;
@@ -197,10 +201,23 @@ int64_t new_key_count(const DecodeCache& cache, size_t layer);
 // step (at 16 rows of a small model, those concatenations were a tenth of a step).
 std::pair<at::Tensor, at::Tensor> new_keys(DecodeCache& cache, size_t layer);
 
+// Every row's new tokens' k, v [N, Hkv, D] (row r's counts[r] tokens side by side) kept as its
+// generated keys in `layer`. Several rows: one pool shared by them all (models/row_key_pool.h;
+// a row not yet in it moves in, its keys copied), one write per layer for all rows. One row:
+// pieces in its cache, as extend keeps them (so that one row alone is extend's products).
+void push_rows_keys(const std::vector<DecodeCache*>& caches, size_t layer, const at::Tensor& k,
+                    const at::Tensor& v, const std::vector<int64_t>& counts);
+
 // decode_rows' arguments checked (one token per row, int64 [R]; each cache one sample) and the
 // rows' positions, each cache's length: int64 [R, 1] on `device`.
 at::Tensor row_positions(const at::Tensor& tokens, const std::vector<DecodeCache*>& caches,
                          const at::Device& device);
+
+// An order of the rows (indices into `caches`) in which the rows holding the same cached key
+// tensors (questions about one cached video) sit side by side, groups in order of their first
+// row, rows in their order within a group: then rows_cached_partial takes each group's tokens
+// as one run (a narrow) and its outputs are already in row order (no gather, no scatter back).
+std::vector<size_t> rows_by_keys(const std::vector<const DecodeCache*>& caches);
 
 // Every row's tokens q [N, Hq, D] (row r's lengths[r] tokens side by side) over its cached keys
 // (prompt, or visual): the rows that hold the same key tensors (questions about one cached video)
@@ -221,7 +238,6 @@ struct RowsLayout {
     int64_t longest = 0, keys = 0;  // T_max, L_max
     at::Tensor to_padded;  // int64 [R·T_max]: the flat token in slot (r, t) (padding: r's last)
     at::Tensor to_part;    // int64 [N_part]: the slot of each of the part's tokens, row order
-    at::Tensor key_slots;  // int64 [R·L_max]: among its rows' new keys side by side (clamped)
     at::Tensor hidden;     // bool [R, 1, 1, T_max, L_max]: key j not seen by slot (r, t)
   };
   std::vector<int64_t> lengths;  // T_r: row r's tokens in this forward

@@ -236,7 +236,8 @@ TEST(MplugExtendRows, QuestionsAfterOneKeptPrefixEqualEachAlone) {
 
 // Model::extend_rows as lvx serve's step runs it: the running rows' next token (one each) beside
 // the questions of rows joining, in one forward; rows about two videos interleaved (two kept
-// prefixes: the rows of each hold the same tensors, the groups not side by side). Each row's
+// prefixes: the rows of each hold the same tensors, the groups not side by side; rows_by_keys
+// puts them side by side). Each row's
 // logits, and the next decode step's from the caches it leaves, equal the row's own extend or
 // decode_step alone within 1e-5 (fp32). Both variants.
 TEST(MplugExtendRows, DecodeTokensBesideQuestionsEqualEachAlone) {
@@ -257,6 +258,9 @@ TEST(MplugExtendRows, DecodeTokensBesideQuestionsEqualEachAlone) {
     std::vector<lvx::models::DecodeCache> alone{video_a, asked(video_b, {8, 9}), video_a,
                                                 asked(video_a, {12, 13, 14})};
     std::vector<lvx::models::DecodeCache> together = alone;
+    // lvx serve's order for such a step (step_together): A's rows side by side, then B's.
+    EXPECT_EQ(lvx::models::rows_by_keys({&alone[0], &alone[1], &alone[2], &alone[3]}),
+              (std::vector<size_t>{0, 2, 3, 1}));
     const std::vector<at::Tensor> tokens{
         at::tensor({5, 6, 7}, at::kLong), at::tensor({10}, at::kLong),
         at::tensor({15, 16}, at::kLong), at::tensor({17}, at::kLong)};

@@ -179,10 +179,7 @@ at::Tensor Mllama::decode_rows(const at::Tensor& tokens, const Parallel& par,
       const at::Tensor k =
           apply_rotary(linear(x, w_, l + "self_attn.k_proj", false).view({R, 1, Hkv, D}), rope);
       const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", false).view({R, 1, Hkv, D});
-      for (int64_t r = 0; r < R; ++r) {
-        caches[static_cast<size_t>(r)]->new_k[li].push_back(k.narrow(0, r, 1));
-        caches[static_cast<size_t>(r)]->new_v[li].push_back(v.narrow(0, r, 1));
-      }
+      push_rows_keys(caches, li, k.squeeze(1), v.squeeze(1), std::vector<int64_t>(R, 1));
       const at::Tensor q1 = q.squeeze(1);
       const at::Tensor ctx = merge_partials({rows_over_cache(q1, caches, li, false, *par.pg, scale),
                                              generated_partial(q1, caches, li, scale)})

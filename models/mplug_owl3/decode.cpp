@@ -187,16 +187,12 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
   for (int64_t i = 0; i < c.layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     const auto [q, k, v] = decode_qkv(i, h, rope);
+    push_rows_keys(caches, li, k[0], v[0], lengths);
     std::vector<bool> cross(R);
     size_t crossing = 0;
-    for (size_t r = 0, at = 0; r < R; ++r) {
-      DecodeCache& kc = *caches[r];
-      const int64_t t = lengths[r], a = static_cast<int64_t>(at);
-      kc.new_k[li].push_back(k.narrow(1, a, t));
-      kc.new_v[li].push_back(v.narrow(1, a, t));
-      cross[r] = c.is_hyper(i) && kc.visual[li].k.defined();
+    for (size_t r = 0; r < R; ++r) {
+      cross[r] = c.is_hyper(i) && caches[r]->visual[li].k.defined();
       crossing += cross[r] ? 1 : 0;
-      at += static_cast<size_t>(t);
     }
     const at::Tensor qn = q.squeeze(0);  // [N, Hq, D]
     // Every row's text partial as one [N, ...] partial, the visual one of the rows with images

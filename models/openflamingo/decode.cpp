@@ -160,10 +160,7 @@ at::Tensor OpenFlamingo::decode_rows(const at::Tensor& tokens, const Parallel& p
     const size_t li = static_cast<size_t>(i);
     if (c.is_cross(i)) x = cross_rows(i, x, par, caches);
     const SelfQKV qkv = self_qkv(i, x, positions);
-    for (int64_t r = 0; r < R; ++r) {
-      caches[static_cast<size_t>(r)]->new_k[li].push_back(qkv.k.narrow(0, r, 1));
-      caches[static_cast<size_t>(r)]->new_v[li].push_back(qkv.v.narrow(0, r, 1));
-    }
+    push_rows_keys(caches, li, qkv.k.squeeze(1), qkv.v.squeeze(1), std::vector<int64_t>(R, 1));
     const at::Tensor q = qkv.q.squeeze(1);  // [R, H, D']
     const at::Tensor a =
         merge_partials({rows_over_cache(q, caches, li, false, *par.pg, self_scale()),

@@ -284,13 +284,22 @@ void RowsStep::forward(const std::vector<std::pair<Generation*, at::Tensor>>& ro
     logits = model.decode_step(rows[0].second, par, rows[0].first->cache_);
   } else if (rows.size() == 1) {
     logits = model.extend(rows[0].second, par, rows[0].first->cache_);
-  } else {
+  }
+  std::vector<size_t> at(rows.size(), 0);  // row i's logits: logits[at[i]]
+  if (rows.size() > 1) {
+    // The rows about one video side by side (models::rows_by_keys): their cached keys are then
+    // read as runs, with no gather per layer.
+    std::vector<const models::DecodeCache*> keyed;
+    for (const auto& row : rows) keyed.push_back(&row.first->cache_);
+    const std::vector<size_t> order = models::rows_by_keys(keyed);
     std::vector<at::Tensor> tokens;
     std::vector<models::DecodeCache*> caches;
-    for (const auto& [g, t] : rows) {
+    for (size_t j = 0; j < order.size(); ++j) {
+      const auto& [g, t] = rows[order[j]];
       LVX_CHECK(g->batch_ == 1, "step_together: generations of one sample each, got ", g->batch_);
       tokens.push_back(t.view({-1}));
       caches.push_back(&g->cache_);
+      at[order[j]] = j;
     }
     logits = model.extend_rows(tokens, par, caches);
   }
@@ -300,7 +309,7 @@ void RowsStep::forward(const std::vector<std::pair<Generation*, at::Tensor>>& ro
   const int64_t bytes = pg.counters().total_sent() - sent0;
   for (size_t i = 0; i < rows.size(); ++i) {
     Generation& g = *rows[i].first;
-    g.logits_ = logits.narrow(0, static_cast<int64_t>(i) * g.batch_, g.batch_);
+    g.logits_ = logits.narrow(0, static_cast<int64_t>(at[i]) * g.batch_, g.batch_);
     if (i + joining < rows.size()) {
       g.r_.token_seconds.push_back(secs);
       g.r_.decode_bytes_sent += bytes;

@@ -1,0 +1,366 @@
+// Several generations at once (continuous batching: Model::decode_rows / extend_rows, lvx
+// serve's steps): the rows' generated keys in one pool (models/row_key_pool.h), their cached
+// keys read per group of rows holding the same tensors, their own new keys in one padded
+// product. Declared in models/decode.h beside the single generation's helpers.
+#include <algorithm>
+#include <limits>
+
+#include "models/decode.h"
+#include "src/common/error.h"
+
+namespace lvx::models {
+
+// Row r's queries q[r] ([T_r, Hq, D]) over its cached prompt keys (visual: its visual keys;
+// none where it has none): the rows that hold the same key tensors (questions about one cached
+// video) in one shared_partial_attention call, their queries side by side. Row r's partial is
+// [T_r, Hq, D] / [T_r, Hq].
+Partial tokens_over_ranks(const at::Tensor& q, const KVShard& kv, dist::ProcessGroup& pg,
+                          double scale) {
+  const int64_t kv_heads = kv.k.size(2);
+  const Partial local = partial_attention(fold_tokens(q, kv_heads), kv.k, kv.v, kv.visible, scale);
+  return unfold_tokens(merge_across_ranks(pg, {local})[0], q.size(1), kv_heads);
+}
+
+int64_t new_key_count(const DecodeCache& cache, size_t layer) {
+  int64_t n = cache.pooled ? cache.pooled.pool()->used(layer, cache.pooled.index()) : 0;
+  for (const at::Tensor& k : cache.new_k[layer]) n += k.size(1);
+  return n;
+}
+
+namespace {
+
+// A row stepping alone again (decode_step, extend): its pooled keys become the first piece of
+// each layer's list, and its slot is released.
+void leave_pool(DecodeCache& cache) {
+  const RowSlot& s = cache.pooled;
+  for (size_t l = 0; l < cache.new_k.size(); ++l) {
+    if (s.pool()->used(l, s.index()) == 0) continue;
+    auto [k, v] = s.pool()->slot_keys(l, s.index());
+    cache.new_k[l].insert(cache.new_k[l].begin(), k);
+    cache.new_v[l].insert(cache.new_v[l].begin(), v);
+  }
+  cache.pooled.reset();
+}
+
+// Moves `cache` into `pool` (its keys copied: an earlier pool's slot, then its pieces), or, when
+// it is there already, its pieces (steps it took alone) after its slot's keys.
+void join_pool(DecodeCache& cache, const std::shared_ptr<RowKeyPool>& pool) {
+  if (cache.pooled.pool() != pool.get()) {
+    if (cache.pooled) leave_pool(cache);
+    cache.pooled = RowSlot(pool, pool->acquire());
+  }
+  for (size_t l = 0; l < cache.new_k.size(); ++l) {
+    for (size_t i = 0; i < cache.new_k[l].size(); ++i)
+      pool->append(l, cache.pooled.index(), cache.new_k[l][i][0], cache.new_v[l][i][0]);
+    cache.new_k[l].clear();
+    cache.new_v[l].clear();
+  }
+}
+
+}  // namespace
+
+void push_rows_keys(const std::vector<DecodeCache*>& caches, size_t layer, const at::Tensor& k,
+                    const at::Tensor& v, const std::vector<int64_t>& counts) {
+  if (caches.size() == 1) {
+    if (caches[0]->pooled) leave_pool(*caches[0]);
+    caches[0]->new_k[layer].push_back(k.unsqueeze(0));
+    caches[0]->new_v[layer].push_back(v.unsqueeze(0));
+    return;
+  }
+  std::shared_ptr<RowKeyPool> pool = caches[0]->pooled.shared_pool();
+  if (!pool) pool = std::make_shared<RowKeyPool>(caches[0]->new_k.size());
+  std::vector<int64_t> slots;
+  for (DecodeCache* c : caches) {
+    // Steady state (every row in the pool, no pieces): a pointer and a size compared per row.
+    bool pieces = false;
+    for (const std::vector<at::Tensor>& p : c->new_k) pieces = pieces || !p.empty();
+    if (c->pooled.pool() != pool.get() || pieces) join_pool(*c, pool);
+    slots.push_back(c->pooled.index());
+  }
+  pool->append_rows(layer, slots, counts, k, v);
+}
+
+std::pair<at::Tensor, at::Tensor> new_keys(DecodeCache& cache, size_t layer) {
+  if (cache.pooled) leave_pool(cache);
+  auto one = [](std::vector<at::Tensor>& pieces) {
+    if (pieces.size() > 1) pieces = {at::cat(pieces, 1)};
+    return pieces.front();
+  };
+  return {one(cache.new_k[layer]), one(cache.new_v[layer])};
+}
+
+at::Tensor row_positions(const at::Tensor& tokens, const std::vector<DecodeCache*>& caches,
+                         const at::Device& device) {
+  const auto R = static_cast<int64_t>(caches.size());
+  LVX_CHECK(tokens.dim() == 1 && tokens.size(0) == R, "decode_rows: expected one token per row (",
+            R, "), got ", tokens.sizes());
+  std::vector<int64_t> lengths;
+  for (const DecodeCache* k : caches) {
+    LVX_CHECK(k->batch == 1, "decode_rows: each row's cache holds one sample, got ", k->batch);
+    lengths.push_back(k->length);
+  }
+  return at::tensor(lengths, at::kLong).to(device).unsqueeze(1);
+}
+
+namespace {
+
+// Row r's key tensors in `layer` (prompt, or visual), and whether two rows hold the same ones.
+const KVShard& row_keys(const DecodeCache& c, size_t layer, bool visual) {
+  return visual ? c.visual[layer] : c.prompt[layer];
+}
+bool same_keys(const KVShard& a, const KVShard& b) {
+  return a.k.is_same(b.k) && a.v.is_same(b.v) && a.visible.defined() == b.visible.defined() &&
+         (!a.visible.defined() || a.visible.is_same(b.visible));
+}
+
+at::Tensor index_on(const std::vector<int64_t>& v, const at::Device& device) {
+  return at::tensor(v, at::kLong).to(device);
+}
+
+// Whether the groups are runs of rows 0, 1, .. in order (each group's rows consecutive).
+bool in_runs(const std::vector<std::vector<size_t>>& groups) {
+  size_t next = 0;
+  for (const std::vector<size_t>& g : groups)
+    for (size_t r : g)
+      if (r != next++) return false;
+  return true;
+}
+
+// The key tensors that tell a row's cached video (or prompt) apart: its first layer's with
+// prompt keys, and its first with visual keys.
+std::pair<const void*, const void*> keys_of(const DecodeCache& c) {
+  const void* prompt = nullptr;
+  const void* visual = nullptr;
+  for (const KVShard& kv : c.prompt)
+    if (kv.k.defined()) {
+      prompt = kv.k.unsafeGetTensorImpl();
+      break;
+    }
+  for (const KVShard& kv : c.visual)
+    if (kv.k.defined()) {
+      visual = kv.k.unsafeGetTensorImpl();
+      break;
+    }
+  return {prompt, visual};
+}
+
+}  // namespace
+
+std::vector<size_t> rows_by_keys(const std::vector<const DecodeCache*>& caches) {
+  std::vector<std::pair<const void*, const void*>> keys;
+  for (const DecodeCache* c : caches) keys.push_back(keys_of(*c));
+  std::vector<size_t> order, first(caches.size());  // first: the first row with r's keys
+  for (size_t r = 0; r < caches.size(); ++r)
+    first[r] = static_cast<size_t>(std::find(keys.begin(), keys.end(), keys[r]) - keys.begin());
+  for (size_t r = 0; r < caches.size(); ++r) order.push_back(r);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return first[a] < first[b]; });
+  return order;
+}
+
+Partial rows_cached_partial(const at::Tensor& q, const std::vector<int64_t>& lengths,
+                            const std::vector<DecodeCache*>& caches, size_t layer, bool visual,
+                            double scale) {
+  const size_t R = caches.size();
+  std::vector<int64_t> start(R + 1, 0);
+  for (size_t r = 0; r < R; ++r) start[r + 1] = start[r] + lengths[r];
+  // The rows with keys, grouped by the tensors they hold (in order of each group's first row).
+  std::vector<std::vector<size_t>> groups;
+  std::vector<bool> grouped(R, false);
+  size_t with_keys = 0;
+  for (size_t r = 0; r < R; ++r) {
+    const KVShard& kv = row_keys(*caches[r], layer, visual);
+    if (grouped[r] || !kv.k.defined()) continue;
+    groups.emplace_back();
+    for (size_t s = r; s < R; ++s)
+      if (!grouped[s] && row_keys(*caches[s], layer, visual).k.defined() &&
+          same_keys(row_keys(*caches[s], layer, visual), kv)) {
+        groups.back().push_back(s);
+        grouped[s] = true;
+        ++with_keys;
+      }
+  }
+  if (groups.empty()) return {};
+  auto call = [&](const at::Tensor& queries, size_t g) {
+    const KVShard& kv = row_keys(*caches[groups[g].front()], layer, visual);
+    return shared_partial_attention(queries, kv.k, kv.v, kv.visible, scale);
+  };
+  if (groups.size() == 1 && with_keys == R) return call(q, 0);  // every row, in order
+  if (with_keys == R && in_runs(groups)) {  // rows_by_keys' order: each group's tokens a run
+    std::vector<at::Tensor> o, lse;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const int64_t a = start[groups[g].front()], b = start[groups[g].back() + 1];
+      const Partial p = call(q.narrow(0, a, b - a), g);
+      o.push_back(p.o);
+      lse.push_back(p.lse);
+    }
+    return {at::cat(o, 0), at::cat(lse, 0)};
+  }
+  // Each group's tokens gathered (one call each); the outputs put back in row order.
+  std::vector<at::Tensor> o, lse;
+  std::vector<int64_t> at_of(R, -1);  // where row r's first output sits in the groups' order
+  int64_t out = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<int64_t> tokens;
+    for (size_t r : groups[g]) {
+      at_of[r] = out;
+      out += lengths[r];
+      for (int64_t t = start[r]; t < start[r + 1]; ++t) tokens.push_back(t);
+    }
+    const Partial p = call(q.index_select(0, index_on(tokens, q.device())), g);
+    o.push_back(p.o);
+    lse.push_back(p.lse);
+  }
+  std::vector<int64_t> order;  // rows with keys, in row order
+  for (size_t r = 0; r < R; ++r)
+    for (int64_t t = 0; t < (at_of[r] < 0 ? 0 : lengths[r]); ++t) order.push_back(at_of[r] + t);
+  const at::Tensor back = index_on(order, q.device());
+  return {at::cat(o, 0).index_select(0, back), at::cat(lse, 0).index_select(0, back)};
+}
+
+namespace {
+
+// The padded layout of `rows` (a part of a rows forward whose tokens start at `start`).
+RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& lengths,
+                             const std::vector<int64_t>& before, const at::Device& device) {
+  RowsLayout::Part p;
+  p.rows = rows;
+  for (size_t r : rows) {
+    p.longest = std::max(p.longest, lengths[r]);
+    p.keys = std::max(p.keys, before[r] + lengths[r]);
+  }
+  const auto R = static_cast<int64_t>(rows.size());
+  const int64_t T = p.longest, L = p.keys;
+  std::vector<int64_t> to_padded, to_part;
+  std::vector<uint8_t> hidden(static_cast<size_t>(R * T * L));
+  for (int64_t i = 0; i < R; ++i) {
+    const size_t r = rows[static_cast<size_t>(i)];
+    const int64_t n = lengths[r], b = before[r];
+    for (int64_t t = 0; t < T; ++t) {
+      to_padded.push_back(start[r] + std::min(t, n - 1));  // padding: the row's last token
+      if (t < n) to_part.push_back(i * T + t);
+      for (int64_t j = 0; j < L; ++j)  // causal; a padding slot sees what the row's last does
+        hidden[static_cast<size_t>((i * T + t) * L + j)] = j > b + std::min(t, n - 1);
+    }
+  }
+  auto on_device = [&](const std::vector<int64_t>& v) {
+    return at::tensor(v, at::kLong).to(device);
+  };
+  p.to_padded = on_device(to_padded);
+  p.to_part = on_device(to_part);
+  p.hidden = at::from_blob(hidden.data(), {R, 1, 1, T, L}, at::kByte).to(device, at::kBool);
+  return p;
+}
+
+// One part's tokens against their rows' new keys (in their pool: push_rows_keys): [N_part, Hq,
+// D] / [N_part, Hq], row order.
+Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
+                      const RowsLayout::Part& part, double scale) {
+  std::vector<int64_t> slots;
+  for (size_t r : part.rows) slots.push_back(caches[r]->pooled.index());
+  const RowKeyPool& pool = *caches[part.rows.front()]->pooled.pool();
+  const auto R = static_cast<int64_t>(part.rows.size());
+  const int64_t T = part.longest, L = part.keys;
+  const auto acc = kernels::accumulation_dtype(q.scalar_type());
+  // The rows' keys padded to L in one gather, [R, Hkv, L, D]: each (row, K/V head) one batch of
+  // a bmm, its g query heads' T tokens as rows; two bmm and in-place softmax steps.
+  const auto [pk, pv] = pool.gather(layer, at::tensor(slots, at::kLong).to(q.device()), L);
+  const int64_t hq = q.size(1), D = q.size(2), hkv = pk.size(1), g = hq / hkv;
+  const at::Tensor kk = pk.to(acc).view({R * hkv, L, D}).transpose(1, 2);  // [R·Hkv, D, L]
+  const at::Tensor vv = pv.to(acc).view({R * hkv, L, -1});                 // [R·Hkv, L, Dv]
+  const at::Tensor qq = q.index_select(0, part.to_padded)
+                            .to(acc)
+                            .view({R, T, hkv, g, D})
+                            .permute({0, 2, 3, 1, 4})
+                            .reshape({R * hkv, g * T, D});
+  at::Tensor sc = at::bmm(qq, kk).mul_(scale);  // [R·Hkv, g·T, L]
+  sc.view({R, hkv, g, T, L}).masked_fill_(part.hidden, -std::numeric_limits<double>::infinity());
+  at::Tensor lse = sc.amax(-1, /*keepdim=*/true);  // every token sees its own key: finite
+  sc.sub_(lse).exp_();
+  const at::Tensor sum = sc.sum(-1, /*keepdim=*/true);
+  const at::Tensor o = at::bmm(sc, vv).div_(sum);  // [R·Hkv, g·T, Dv]
+  lse.add_(sum.log());
+  const int64_t Dv = o.size(-1);
+  return {o.view({R, hkv, g, T, Dv})
+              .permute({0, 3, 1, 2, 4})
+              .reshape({R * T, hq, Dv})
+              .index_select(0, part.to_part),
+          lse.view({R, hkv, g, T})
+              .permute({0, 3, 1, 2})
+              .reshape({R * T, hq})
+              .index_select(0, part.to_part)};
+}
+
+}  // namespace
+
+RowsLayout rows_layout(const std::vector<int64_t>& lengths, const std::vector<int64_t>& before,
+                       const at::Device& device) {
+  RowsLayout l;
+  l.lengths = lengths;
+  l.before = before;
+  const size_t R = lengths.size();
+  std::vector<int64_t> start(R + 1, 0);
+  for (size_t r = 0; r < R; ++r) start[r + 1] = start[r] + lengths[r];
+  l.tokens = start[R];
+  // One-token rows (decode steps) and longer ones (questions) padded apart: a question's length
+  // would pad every decode row's one query to it.
+  std::vector<size_t> one, longer;
+  for (size_t r = 0; r < R; ++r) (lengths[r] == 1 ? one : longer).push_back(r);
+  for (const std::vector<size_t>* rows : {&one, &longer})
+    if (!rows->empty()) l.parts.push_back(layout_part(*rows, start, lengths, before, device));
+  if (!one.empty() && !longer.empty()) {  // the parts' outputs side by side, back in row order
+    std::vector<int64_t> at(R), to_flat;
+    int64_t out = 0;
+    for (const RowsLayout::Part& p : l.parts)
+      for (size_t r : p.rows) {
+        at[r] = out;
+        out += lengths[r];
+      }
+    for (size_t r = 0; r < R; ++r)
+      for (int64_t t = 0; t < lengths[r]; ++t) to_flat.push_back(at[r] + t);
+    l.to_flat = at::tensor(to_flat, at::kLong).to(device);
+  }
+  return l;
+}
+
+Partial rows_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
+                      const RowsLayout& layout, double scale) {
+  if (caches.size() == 1) {  // one row keeps pieces (push_rows_keys): extend's product
+    const auto [nk, nv] = new_keys(*caches[0], layer);
+    return token_rows(causal_new_keys(q.unsqueeze(0), nk, nv, layout.before[0], scale));
+  }
+  if (layout.parts.size() == 1) return part_new_keys(q, caches, layer, layout.parts[0], scale);
+  std::vector<at::Tensor> o, lse;
+  for (const RowsLayout::Part& part : layout.parts) {
+    const Partial p = part_new_keys(q, caches, layer, part, scale);
+    o.push_back(p.o);
+    lse.push_back(p.lse);
+  }
+  return {at::cat(o, 0).index_select(0, layout.to_flat),
+          at::cat(lse, 0).index_select(0, layout.to_flat)};
+}
+
+Partial generated_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
+                          size_t layer, double scale) {
+  if (caches.size() == 1) {  // decode_step's products, bit for bit
+    const auto [nk, nv] = new_keys(*caches[0], layer);
+    return partial_attention(q, nk, nv, {}, scale);
+  }
+  std::vector<int64_t> ones(caches.size(), 1), before;
+  for (const DecodeCache* kc : caches) before.push_back(new_key_count(*kc, layer) - 1);
+  return rows_new_keys(q, caches, layer, rows_layout(ones, before, q.device()), scale);
+}
+
+Partial rows_over_cache(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
+                        bool visual, dist::ProcessGroup& pg, double scale) {
+  const std::vector<int64_t> ones(caches.size(), 1);
+  return merge_across_ranks(pg, {rows_cached_partial(q, ones, caches, layer, visual, scale)})[0];
+}
+
+int64_t pass_q_bytes(int world, int64_t attentions, int64_t batch, int64_t heads,
+                     int64_t head_dim) {
+  return static_cast<int64_t>(world - 1) * attentions * batch * heads * (head_dim + 1) * 4;
+}
+
+}  // namespace lvx::models

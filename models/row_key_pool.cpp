@@ -1,0 +1,160 @@
+#include "models/row_key_pool.h"
+
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+
+#include "src/common/error.h"
+
+namespace lvx::models {
+
+// ---- RowSlot --------------------------------------------------------------------------------
+
+RowSlot::RowSlot(std::shared_ptr<RowKeyPool> pool, int64_t index)
+    : pool_(std::move(pool)), index_(index) {}
+
+RowSlot::RowSlot(const RowSlot& other)
+    : pool_(other.pool_), index_(other.pool_ ? other.pool_->copy_of(other.index_) : -1) {}
+
+RowSlot& RowSlot::operator=(const RowSlot& other) {
+  if (this != &other) *this = RowSlot(other);
+  return *this;
+}
+
+RowSlot::RowSlot(RowSlot&& other) noexcept
+    : pool_(std::move(other.pool_)), index_(std::exchange(other.index_, -1)) {
+  other.pool_ = nullptr;
+}
+
+RowSlot& RowSlot::operator=(RowSlot&& other) noexcept {
+  if (this != &other) {
+    reset();
+    pool_ = std::move(other.pool_);
+    other.pool_ = nullptr;
+    index_ = std::exchange(other.index_, -1);
+  }
+  return *this;
+}
+
+RowSlot::~RowSlot() { reset(); }
+
+void RowSlot::reset() {
+  if (pool_) pool_->release(index_);
+  pool_ = nullptr;
+  index_ = -1;
+}
+
+// ---- RowKeyPool -----------------------------------------------------------------------------
+
+RowKeyPool::RowKeyPool(size_t layers) : k_(layers), v_(layers), used_(layers) {}
+
+int64_t RowKeyPool::acquire() {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto free = std::find(taken_.begin(), taken_.end(), false);
+  const auto slot = static_cast<int64_t>(free - taken_.begin());
+  if (free == taken_.end()) {
+    taken_.push_back(true);
+    for (std::vector<int64_t>& u : used_) u.push_back(0);
+  } else {
+    *free = true;
+    for (std::vector<int64_t>& u : used_) u[static_cast<size_t>(slot)] = 0;
+  }
+  return slot;
+}
+
+void RowKeyPool::release(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  taken_.at(static_cast<size_t>(slot)) = false;
+}
+
+int64_t RowKeyPool::copy_of(int64_t slot) {
+  const int64_t copy = acquire();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t l = 0; l < k_.size(); ++l) {
+    const int64_t n = used_[l][static_cast<size_t>(slot)];
+    if (n == 0) continue;
+    append_locked(l, copy, k_[l][slot].narrow(1, 0, n).transpose(0, 1),
+                  v_[l][slot].narrow(1, 0, n).transpose(0, 1));
+  }
+  return copy;
+}
+
+int64_t RowKeyPool::used(size_t layer, int64_t slot) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return used_[layer][static_cast<size_t>(slot)];
+}
+
+void RowKeyPool::reserve(size_t layer, int64_t length, const at::Tensor& k_like,
+                         const at::Tensor& v_like) {
+  const auto slots = static_cast<int64_t>(taken_.size());
+  auto grown = [&](const at::Tensor& old, const at::Tensor& like) {
+    const int64_t S = old.defined() ? old.size(0) : 0, C = old.defined() ? old.size(2) : 0;
+    if (S >= slots && C >= length) return old;
+    // Doubling: a row's next tokens, and the next rows, fit without another copy.
+    const int64_t s2 = std::max(slots, 2 * S), c2 = std::max(length, 2 * C);
+    at::Tensor t = at::zeros({s2, like.size(1), c2, like.size(2)}, like.options());
+    if (old.defined()) t.narrow(0, 0, S).narrow(2, 0, C).copy_(old);
+    return t;
+  };
+  k_[layer] = grown(k_[layer], k_like);
+  v_[layer] = grown(v_[layer], v_like);
+}
+
+void RowKeyPool::append_locked(size_t layer, int64_t slot, const at::Tensor& k,
+                               const at::Tensor& v) {
+  int64_t& n = used_[layer][static_cast<size_t>(slot)];
+  const int64_t T = k.size(0);
+  reserve(layer, n + T, k, v);
+  k_[layer][slot].narrow(1, n, T).copy_(k.transpose(0, 1));
+  v_[layer][slot].narrow(1, n, T).copy_(v.transpose(0, 1));
+  n += T;
+}
+
+void RowKeyPool::append(size_t layer, int64_t slot, const at::Tensor& k, const at::Tensor& v) {
+  std::lock_guard<std::mutex> lock(mu_);
+  append_locked(layer, slot, k, v);
+}
+
+void RowKeyPool::append_rows(size_t layer, const std::vector<int64_t>& slots,
+                             const std::vector<int64_t>& counts, const at::Tensor& k,
+                             const at::Tensor& v) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t>& used = used_[layer];
+  int64_t longest = 0;
+  for (size_t i = 0; i < slots.size(); ++i)
+    longest = std::max(longest, used[static_cast<size_t>(slots[i])] + counts[i]);
+  reserve(layer, longest, k, v);
+  const int64_t H = k.size(1), C = k_[layer].size(2);
+  // Token t of slot s, head h, sits at row (s·H + h)·C + used + t of the pool seen as [S·H·C, D].
+  std::vector<int64_t> rows;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    int64_t& n = used[static_cast<size_t>(slots[i])];
+    for (int64_t t = 0; t < counts[i]; ++t)
+      for (int64_t h = 0; h < H; ++h) rows.push_back((slots[i] * H + h) * C + n + t);
+    n += counts[i];
+  }
+  const at::Tensor index = at::tensor(rows, at::kLong).to(k.device());
+  k_[layer].view({-1, k.size(2)}).index_copy_(0, index, k.reshape({-1, k.size(2)}));
+  v_[layer].view({-1, v.size(2)}).index_copy_(0, index, v.reshape({-1, v.size(2)}));
+}
+
+std::pair<at::Tensor, at::Tensor> RowKeyPool::slot_keys(size_t layer, int64_t slot) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t n = used_[layer][static_cast<size_t>(slot)];
+  auto one = [&](const at::Tensor& t) {
+    return t[slot].narrow(1, 0, n).transpose(0, 1).unsqueeze(0).contiguous();
+  };
+  return {one(k_[layer]), one(v_[layer])};
+}
+
+std::pair<at::Tensor, at::Tensor> RowKeyPool::gather(size_t layer, const at::Tensor& slots,
+                                                     int64_t length) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  LVX_CHECK(k_[layer].defined() && length <= k_[layer].size(2), "RowKeyPool: ", length,
+            " positions asked of layer ", layer, ", which holds fewer");
+  return {k_[layer].narrow(2, 0, length).index_select(0, slots),
+          v_[layer].narrow(2, 0, length).index_select(0, slots)};
+}
+
+}  // namespace lvx::models

@@ -1,0 +1,85 @@
+// The generated keys and values of the rows that step together (lvx serve's continuous batching,
+// Model::extend_rows): one tensor per layer for all rows, each row a slot of it, instead of one
+// tensor piece per row and step. A batched step then writes every row's new K/V with one
+// index_copy_ per layer and reads the rows' keys padded to the longest with one index_select,
+// with no operation per row: at 16 rows of a small model, the per-row pieces (a narrow per row
+// and layer, then a concatenation of every row's pieces per layer) were a tenth of a step.
+//
+// Layout per layer: k, v [S, Hkv, C, D] (S slots, C positions), head-major so that a slot's keys
+// are a [Hkv, L, D] block the batched product reads as it is. Positions past a slot's length
+// hold stale (finite: zeros or an earlier row's) values that the product masks. The capacity
+// doubles when a row outgrows it, as do the slots; memory is S·C per layer, the padded layout
+// the batched product builds anyway, kept. A row's slot (RowSlot) is released when its cache
+// goes; the pool goes with its last slot. Thread-safe: a row's cache may be dropped on another
+// thread than the one stepping.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace lvx::models {
+
+class RowKeyPool;
+
+// A row's place in a RowKeyPool (DecodeCache::pooled): none, or a slot it alone holds. A copy
+// takes a new slot in the same pool holding a copy of the keys; a move hands the slot over.
+class RowSlot {
+ public:
+  RowSlot() = default;
+  RowSlot(std::shared_ptr<RowKeyPool> pool, int64_t index);
+  RowSlot(const RowSlot& other);
+  RowSlot& operator=(const RowSlot& other);
+  RowSlot(RowSlot&& other) noexcept;
+  RowSlot& operator=(RowSlot&& other) noexcept;
+  ~RowSlot();
+
+  explicit operator bool() const { return pool_ != nullptr; }
+  RowKeyPool* pool() const { return pool_.get(); }
+  const std::shared_ptr<RowKeyPool>& shared_pool() const { return pool_; }
+  int64_t index() const { return index_; }
+  void reset();  // releases the slot
+
+ private:
+  std::shared_ptr<RowKeyPool> pool_;
+  int64_t index_ = -1;
+};
+
+class RowKeyPool {
+ public:
+  explicit RowKeyPool(size_t layers);
+
+  int64_t acquire();              // a free slot, empty in every layer
+  void release(int64_t slot);     // its keys are left as they are (stale, finite)
+  int64_t copy_of(int64_t slot);  // a new slot holding `slot`'s keys
+  int64_t used(size_t layer, int64_t slot) const;
+
+  // Appends T tokens' k, v [T, Hkv, D] to one slot of `layer`.
+  void append(size_t layer, int64_t slot, const at::Tensor& k, const at::Tensor& v);
+  // Appends the N tokens of several slots at once: slots[i] gets counts[i] tokens, the rows'
+  // tokens side by side in k, v [N, Hkv, D]. One index_copy_ each.
+  void append_rows(size_t layer, const std::vector<int64_t>& slots,
+                   const std::vector<int64_t>& counts, const at::Tensor& k, const at::Tensor& v);
+  // A copy of one slot's keys as [1, used, Hkv, D] each (a cache leaving the pool).
+  std::pair<at::Tensor, at::Tensor> slot_keys(size_t layer, int64_t slot) const;
+  // The keys of `slots` (int64 on the pool's device) at positions [0, length): [R, Hkv, L, D]
+  // each, one index_select (positions past a slot's own length: stale, to be masked).
+  std::pair<at::Tensor, at::Tensor> gather(size_t layer, const at::Tensor& slots,
+                                           int64_t length) const;
+
+ private:
+  // Room for `length` positions and every slot in `layer` (allocated like `like` [., Hkv, D]).
+  void reserve(size_t layer, int64_t length, const at::Tensor& k_like, const at::Tensor& v_like);
+  void append_locked(size_t layer, int64_t slot, const at::Tensor& k, const at::Tensor& v);
+
+  mutable std::mutex mu_;
+  std::vector<at::Tensor> k_, v_;           // per layer: [S, Hkv, C, D] (undefined: none yet)
+  std::vector<std::vector<int64_t>> used_;  // per layer, per slot: positions written
+  std::vector<bool> taken_;                 // per slot
+};
+
+}  // namespace lvx::models

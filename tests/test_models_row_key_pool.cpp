@@ -1,0 +1,128 @@
+// The rows' generated keys in one pool (models/row_key_pool.h, models/decode.h push_rows_keys):
+// what a row reads back is exactly what it wrote, in order, through the pool's growth, a copy of
+// its cache, and a row leaving to step alone and joining again. The reference is each row's
+// tokens concatenated on their own (at::cat); every comparison is exact (the pool only copies).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "models/decode.h"
+#include "models/row_key_pool.h"
+
+namespace {
+
+using lvx::models::DecodeCache;
+using lvx::models::RowKeyPool;
+using lvx::models::RowSlot;
+
+constexpr int64_t kHeads = 2, kDim = 3;
+
+at::Tensor tokens(int64_t n, double seed) {  // [n, Hkv, D], distinct values
+  return at::arange(n * kHeads * kDim, at::kFloat).view({n, kHeads, kDim}) + seed;
+}
+
+// Rows written one at a time and together, with different counts, across the pool's growth in
+// both positions and slots: each slot's keys, and the padded gather, are the row's own tokens.
+TEST(RowKeyPool, RowsWrittenTogetherReadBackAsEachRowsOwn) {
+  auto pool = std::make_shared<RowKeyPool>(2);
+  std::vector<int64_t> slots{pool->acquire(), pool->acquire()};
+  std::vector<at::Tensor> want_k(3), want_v(3);
+  auto add = [&](size_t row, const at::Tensor& k, const at::Tensor& v) {
+    want_k[row] = want_k[row].defined() ? at::cat({want_k[row], k}) : k;
+    want_v[row] = want_v[row].defined() ? at::cat({want_v[row], v}) : v;
+  };
+  pool->append(1, slots[0], tokens(3, 0), tokens(3, 0.5));
+  add(0, tokens(3, 0), tokens(3, 0.5));
+  slots.push_back(pool->acquire());  // a third row joins: the pool grows in slots
+  for (int step = 0; step < 6; ++step) {
+    const std::vector<int64_t> counts{1, step == 2 ? 4 : 1, 2};
+    const int64_t n = counts[0] + counts[1] + counts[2];
+    const at::Tensor k = tokens(n, 100.0 * (step + 1)), v = tokens(n, -100.0 * (step + 1));
+    pool->append_rows(1, slots, counts, k, v);
+    int64_t first = 0;
+    for (size_t r = 0; r < 3; ++r) {
+      add(r, k.narrow(0, first, counts[r]), v.narrow(0, first, counts[r]));
+      first += counts[r];
+    }
+  }
+  int64_t longest = 0;
+  for (size_t r = 0; r < 3; ++r) {
+    ASSERT_EQ(pool->used(1, slots[r]), want_k[r].size(0)) << r;
+    EXPECT_EQ(pool->used(0, slots[r]), 0) << "layer 0 was never written";
+    const auto [k, v] = pool->slot_keys(1, slots[r]);
+    EXPECT_TRUE(at::equal(k, want_k[r].unsqueeze(0))) << r;
+    EXPECT_TRUE(at::equal(v, want_v[r].unsqueeze(0))) << r;
+    longest = std::max(longest, want_k[r].size(0));
+  }
+  // The gather in another order: [R, Hkv, L, D], each row's own keys first.
+  const std::vector<int64_t> order{slots[2], slots[0], slots[1]};
+  const auto [gk, gv] = pool->gather(1, at::tensor(order, at::kLong), longest);
+  for (size_t i = 0; i < 3; ++i) {
+    const size_t r = (i + 2) % 3;
+    const int64_t n = want_k[r].size(0);
+    EXPECT_TRUE(at::equal(gk[i].narrow(1, 0, n), want_k[r].transpose(0, 1))) << i;
+    EXPECT_TRUE(at::equal(gv[i].narrow(1, 0, n), want_v[r].transpose(0, 1))) << i;
+  }
+}
+
+// A copied slot holds the keys and goes its own way; a released slot is taken again, empty.
+TEST(RowKeyPool, CopiedSlotsAreIndependentAndReleasedOnesReused) {
+  auto pool = std::make_shared<RowKeyPool>(1);
+  RowSlot a(pool, pool->acquire());
+  pool->append(0, a.index(), tokens(2, 0), tokens(2, 1));
+  RowSlot b = a;
+  ASSERT_NE(b.index(), a.index());
+  pool->append(0, a.index(), tokens(1, 7), tokens(1, 8));
+  EXPECT_EQ(pool->used(0, a.index()), 3);
+  EXPECT_EQ(pool->used(0, b.index()), 2);
+  EXPECT_TRUE(at::equal(pool->slot_keys(0, b.index()).first, tokens(2, 0).unsqueeze(0)));
+  const int64_t freed = b.index();
+  RowSlot moved = std::move(b);
+  EXPECT_FALSE(static_cast<bool>(b));
+  EXPECT_EQ(moved.index(), freed);
+  moved.reset();
+  EXPECT_EQ(pool->acquire(), freed);
+  EXPECT_EQ(pool->used(0, freed), 0);
+}
+
+// push_rows_keys as lvx serve's steps use it: two rows together (pooled), one of them alone
+// (decode_step reads and extends its keys as pieces), then both together again: every row's new
+// keys are its tokens in the order they came, and its count says so.
+TEST(RowKeyPool, RowsLeavingAndJoiningKeepTheirKeysInOrder) {
+  const size_t layers = 2;
+  std::vector<DecodeCache> caches(2);
+  for (DecodeCache& c : caches) {
+    c.new_k.resize(layers);
+    c.new_v.resize(layers);
+    c.batch = 1;
+  }
+  std::vector<at::Tensor> want(2);
+  auto together = [&](double seed) {
+    const at::Tensor k = tokens(3, seed);  // row 0: 1 token, row 1: 2
+    for (size_t l = 0; l < layers; ++l)
+      lvx::models::push_rows_keys({&caches[0], &caches[1]}, l, k, -k, {1, 2});
+    want[0] = want[0].defined() ? at::cat({want[0], k.narrow(0, 0, 1)}) : k.narrow(0, 0, 1);
+    want[1] = want[1].defined() ? at::cat({want[1], k.narrow(0, 1, 2)}) : k.narrow(0, 1, 2);
+  };
+  together(0);
+  EXPECT_TRUE(static_cast<bool>(caches[0].pooled));
+  together(50);
+  // Row 1 alone: its keys leave the pool as pieces, and its step appends one.
+  const at::Tensor alone = tokens(1, 900);
+  for (size_t l = 0; l < layers; ++l) {
+    lvx::models::new_keys(caches[1], l);
+    caches[1].new_k[l].push_back(alone.unsqueeze(0));
+    caches[1].new_v[l].push_back(-alone.unsqueeze(0));
+  }
+  EXPECT_FALSE(static_cast<bool>(caches[1].pooled));
+  want[1] = at::cat({want[1], alone});
+  together(200);
+  for (size_t r = 0; r < 2; ++r)
+    for (size_t l = 0; l < layers; ++l) {
+      ASSERT_EQ(lvx::models::new_key_count(caches[r], l), want[r].size(0)) << r << " " << l;
+      const auto [k, v] = lvx::models::new_keys(caches[r], l);
+      EXPECT_TRUE(at::equal(k, want[r].unsqueeze(0))) << r << " " << l;
+      EXPECT_TRUE(at::equal(v, -want[r].unsqueeze(0))) << r << " " << l;
+    }
+}
+
+}  // namespace
