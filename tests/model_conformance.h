@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -71,15 +74,43 @@ inline std::string read_text(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
-// Reference files made by a Python generator live in the build tree (build/tests/<name>), made
-// again only when `stamp` (the generator's source and the pinned packages) changes: ctest runs
-// every test in its own process, and generators take seconds. `make(dir)` fills a fresh folder
+// Where generated reference files live: LVX_TEST_CACHE, else $XDG_CACHE_HOME/lvx/test-references,
+// else ~/.cache/lvx/test-references, each in a folder named after its generator and its stamp's
+// hash, so that a fresh build tree (CI's) finds what an earlier one made, as ccache finds objects;
+// LVX_TEST_CACHE=off: the build tree (build/tests/<name>), made again in each new one.
+inline fs::path generated_root() {
+  const char* env = std::getenv("LVX_TEST_CACHE");
+  const std::string v = env ? env : "";
+  if (v == "off" || v == "0" || v == "none") return fs::path(LVX_BINARY_DIR) / "tests";
+  if (!v.empty()) return v;
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  const fs::path base = xdg && *xdg ? fs::path(xdg) : fs::path(home ? home : "/tmp") / ".cache";
+  return base / "lvx" / "test-references";
+}
+
+// 64-bit FNV-1a of the stamp, in hex: its folder's name beside the generator's.
+inline std::string stamp_hash(const std::string& stamp) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : stamp) h = (h ^ c) * 1099511628211ull;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return hex;
+}
+
+// Reference files made by a Python generator (generated_root()/<name>-<hash of stamp>), made
+// again only when `stamp` changes (the generator's source, the pinned packages, its arguments,
+// or a version string its caller bumps when its own making changes): ctest runs every test in
+// its own process, and generators take seconds (in CI's fresh build tree they were a fifth of
+// the test time, two tests often making the same one at once). `make(dir)` fills a fresh folder
 // and returns its log; concurrent processes each make their own folder and rename it into place.
 // Returns the folder, or "" (with the log in *log) when the generator failed.
 inline std::string generated(const std::string& name, const std::string& stamp,
                              const std::function<std::string(const std::string&)>& make,
                              std::string* log) {
-  const std::string dir = std::string(LVX_BINARY_DIR) + "/tests/" + name;
+  const fs::path root = generated_root();
+  const bool in_build_tree = root == fs::path(LVX_BINARY_DIR) / "tests";
+  const std::string dir = (root / (in_build_tree ? name : name + "-" + stamp_hash(stamp))).string();
   auto fresh = [&] { return read_text(dir + "/stamp") == stamp; };
   if (fs::exists(dir + "/stamp") && fresh()) return dir;
   const std::string tmp = dir + ".tmp." + std::to_string(::getpid());
@@ -116,7 +147,7 @@ inline Reference reference_model(const std::string& name, const std::string& scr
   const std::string py = python() + " " + script + " ";
   std::string log;
   const std::string d = generated(
-      name, stamp,
+      name, stamp + "\nmodel: " + model_args + "\nbatch: " + batch_args,
       [&](const std::string& dir) {
         const std::string model = dir + "/model", batch = dir + "/batch.safetensors";
         // One after the other (the operands of + have no evaluation order).
@@ -158,7 +189,7 @@ inline std::string test_name(std::string s) {
 }
 
 // Greedy generation against a reference script's `generate` subcommand (a cache-less greedy loop,
-// made once per generator version under build/tests/<name>): `lvx forward --generate` of
+// made once per generator version and reference: generated()): `lvx forward --generate` of
 // `tokens` tokens on the reference's batch must give the same tokens and every step's logits
 // within 1e-4. Returns the output's metadata (decode_bytes_sent_per_token, ...); empty on failure.
 inline std::map<std::string, std::string> generate_against(
@@ -167,7 +198,7 @@ inline std::map<std::string, std::string> generate_against(
     const std::string& flags = "") {
   std::string log;
   const std::string dir = generated(
-      name, stamp,
+      name, stamp + "\ntokens: " + std::to_string(tokens) + "\nfrom: " + ref.model,
       [&](const std::string& d) {
         return run_command(python() + " " + script + " generate " + ref.model + " " + ref.batch +
                            " " + d + "/expected.safetensors --tokens " + std::to_string(tokens));

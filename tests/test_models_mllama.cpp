@@ -180,7 +180,7 @@ const Reference& frames_reference() {
     const Reference& base = reference();
     std::string log;
     const std::string dir = generated(
-        "mllama_frames", script_stamp(ref_script()) + "frames-v1",
+        "mllama_frames", script_stamp(ref_script()) + "frames-v1 of " + base.batch,
         [&](const std::string& d) {
           auto batch = lvx::load_safetensors(base.batch).tensors;
           const at::Tensor& ids = batch.at("input_ids");

@@ -51,7 +51,7 @@ std::string shown(const std::string& s) { return json(s).dump(); }
 std::string shown(const std::vector<int64_t>& ids) { return json(ids).dump(); }
 
 // The generated tokenizers and goldens (tests/model_conformance.h: made once per generator and
-// package version, in the build tree).
+// package version, in the test-reference cache).
 std::string generate_golden(std::string* log) {
   const std::string script = std::string(LVX_SOURCE_DIR) + "/tests/reference/make_tokenizers.py";
   return lvx::testing::generated(

@@ -56,7 +56,7 @@ fs::path dir() {
   return d;
 }
 
-// The tiny model, made once per generator version (build/tests/finetune_mplug).
+// The tiny model, made once per generator version (generated(): the test-reference cache).
 const std::string& tiny_model() {
   static const std::string model = [] {
     const std::string script = std::string(LVX_SOURCE_DIR) + "/tests/reference/mplug_owl3_ref.py";

@@ -49,7 +49,7 @@ std::string owl_script() {
 }
 
 // The tiny model, a text-only batch, two PEFT adapters and PEFT's outputs, made once per version
-// of the scripts (build/tests/lora_peft).
+// of the scripts (generated(): the test-reference cache).
 struct Made {
   std::string dir, model, batch;
 };
@@ -86,7 +86,7 @@ const Made& made() {
 
 // The same for OpenFlamingo (the open_flamingo package's Flamingo, LLaMA decoder; a batch with
 // images): a PEFT adapter on the resampler, the gated cross-attention blocks and the decoder
-// (build/tests/lora_peft_flamingo).
+// (generated(): the test-reference cache).
 const Made& made_flamingo() {
   static const Made m = [] {
     const std::string of = std::string(LVX_SOURCE_DIR) + "/tests/reference/openflamingo_ref.py";

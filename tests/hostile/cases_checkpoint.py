@@ -23,7 +23,8 @@ def mplug_batch(ctx) -> str:
     def make(d: Path):
         subprocess.run([ctx.python, str(REFERENCE / "mplug_owl3_ref.py"), "make-batch", model,
                         str(d / "batch.safetensors")], check=True, stdout=subprocess.DEVNULL)
-    return str(ctx._fixture("mplug_batch", make) / "batch.safetensors")
+    return str(ctx._fixture("mplug_batch", make, [REFERENCE / "mplug_owl3_ref.py"],
+                            ["make-batch", model]) / "batch.safetensors")
 
 
 def flamingo_batch(ctx, lm="mpt") -> str:
@@ -33,7 +34,8 @@ def flamingo_batch(ctx, lm="mpt") -> str:
         subprocess.run([ctx.python, str(REFERENCE / "openflamingo_ref.py"), "make-batch", model,
                         str(d / "batch.safetensors")], check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
-    return str(ctx._fixture("flamingo_batch_" + lm, make) / "batch.safetensors")
+    return str(ctx._fixture("flamingo_batch_" + lm, make, [REFERENCE / "openflamingo_ref.py"],
+                            ["make-batch", model]) / "batch.safetensors")
 
 
 def mplug_sharded(ctx) -> str:
@@ -41,7 +43,8 @@ def mplug_sharded(ctx) -> str:
         subprocess.run([ctx.python, str(REFERENCE / "mplug_owl3_ref.py"), "make-model", str(d),
                         "--variant", "240728", "--shards", "2"], check=True,
                        stdout=subprocess.DEVNULL)
-    return str(ctx._fixture("mplug_sharded", make))
+    return str(ctx._fixture("mplug_sharded", make, [REFERENCE / "mplug_owl3_ref.py"],
+                            ["make-model", "240728", "--shards", "2"]))
 
 
 def forward(ctx, model, batch=None):

@@ -16,7 +16,7 @@ def gold(ctx) -> Path:
     def make(d: Path):
         subprocess.run([ctx.python, str(REFERENCE / "make_tokenizers.py"), str(d)], check=True,
                        stdout=subprocess.DEVNULL)
-    return ctx._fixture("tokenizers", make)
+    return ctx._fixture("tokenizers", make, [REFERENCE / "make_tokenizers.py"], ["tokenizers"])
 
 
 def qwen2(ctx) -> dict:

@@ -12,6 +12,7 @@ Cases live in tests/hostile/cases_<area>.py as `CASES = [Case(...), ...]`; one C
 Ends with the plain summary line "N passed, N failed".
 """
 import dataclasses
+import hashlib
 import os
 import re
 import resource
@@ -78,33 +79,45 @@ class Ctx:
         os.mkfifo(p)
         return str(p)
 
-    def _fixture(self, key: str, make: Callable[[Path], None]) -> Path:
-        p = self.root / "fixtures" / key
+    def _fixture(self, key: str, make: Callable[[Path], None], sources: Sequence[Path] = (),
+                 args: Sequence[str] = ()) -> Path:
+        """A fixture made once per run, or, when it is a generator's output (`sources`: the
+        scripts that make it, `args`: their arguments), once per generator version in the
+        test-reference cache that the C++ tests use too (cached_fixture)."""
         if key not in Ctx._shared:
+            cached = cached_fixture(key, sources, args) if sources else None
+            p = cached or self.root / "fixtures" / key
             if not p.exists():
-                tmp = Path(str(p) + ".tmp")
+                tmp = Path("%s.tmp.%d" % (p, os.getpid()))
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
                 make(tmp)
-                tmp.rename(p)
+                try:
+                    tmp.rename(p)
+                except OSError:  # another suite made it meanwhile
+                    shutil.rmtree(tmp, ignore_errors=True)
             Ctx._shared[key] = p
         return Ctx._shared[key]
 
     def mplug(self, variant: str = "240728") -> str:
         """A tiny random mPLUG-Owl3 checkpoint (tests/reference/mplug_owl3_ref.py make-model)."""
+        script = REFERENCE / "mplug_owl3_ref.py"
+
         def make(d: Path):
-            subprocess.run([self.python, str(REFERENCE / "mplug_owl3_ref.py"), "make-model",
-                            str(d), "--variant", variant], check=True,
-                           stdout=subprocess.DEVNULL)
-        return str(self._fixture("mplug_" + variant, make))
+            subprocess.run([self.python, str(script), "make-model", str(d), "--variant", variant],
+                           check=True, stdout=subprocess.DEVNULL)
+        return str(self._fixture("mplug_" + variant, make, [script], ["make-model", variant]))
 
     def flamingo(self, lm: str = "mpt") -> str:
         """A tiny random OpenFlamingo checkpoint (tests/reference/openflamingo_ref.py)."""
+        script = REFERENCE / "openflamingo_ref.py"
+
         def make(d: Path):
-            subprocess.run([self.python, str(REFERENCE / "openflamingo_ref.py"), "make-model",
-                            str(d), "--lm", lm], check=True, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-        return str(self._fixture("flamingo_" + lm, make))
+            subprocess.run([self.python, str(script), "make-model", str(d), "--lm", lm],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return str(self._fixture("flamingo_" + lm, make,
+                                 [script, SOURCE / "models/openflamingo/convert_openflamingo.py"],
+                                 ["make-model", lm]))
 
     def copy_model(self, src: str, name: str = "model") -> str:
         dst = self.dir / name
@@ -118,6 +131,25 @@ class Ctx:
                             "testsrc=size=64x48:rate=4", "-t", str(seconds), "-pix_fmt",
                             "yuv420p", str(d / "clip.mp4")], check=True)
         return str(self._fixture("clip%d" % seconds, make) / "clip.mp4")
+
+
+def cached_fixture(key: str, sources: Sequence[Path], args: Sequence[str]) -> Optional[Path]:
+    """Where a generated fixture lives across runs: LVX_TEST_CACHE, else
+    $XDG_CACHE_HOME/lvx/test-references, else ~/.cache/lvx/test-references (as the C++ tests'
+    generated()), in a folder named after it and the hash of its generators' sources, the pinned
+    packages and its arguments; None with LVX_TEST_CACHE=off (then: this run's own folder)."""
+    v = os.environ.get("LVX_TEST_CACHE", "")
+    if v in ("off", "0", "none"):
+        return None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.environ.get("HOME", "/tmp"),
+                                                             ".cache")
+    root = Path(v) if v else Path(base) / "lvx" / "test-references"
+    h = hashlib.sha256()
+    for f in list(sources) + [SOURCE / "requirements.txt", SOURCE / "requirements-nodeps.txt"]:
+        h.update(Path(f).read_bytes())
+    h.update("\0".join(args).encode())
+    root.mkdir(parents=True, exist_ok=True)
+    return root / ("hostile_%s-%s" % (key, h.hexdigest()[:16]))
 
 
 def _case_env(case: Case) -> dict:
