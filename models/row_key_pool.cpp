@@ -85,14 +85,22 @@ int64_t RowKeyPool::used(size_t layer, int64_t slot) const {
   return used_[layer][static_cast<size_t>(slot)];
 }
 
+std::pair<int64_t, int64_t> RowKeyPool::capacity(size_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const at::Tensor& k = k_[layer];
+  return k.defined() ? std::make_pair(k.size(0), k.size(2)) : std::make_pair(int64_t{0}, int64_t{0});
+}
+
 void RowKeyPool::reserve(size_t layer, int64_t length, const at::Tensor& k_like,
                          const at::Tensor& v_like) {
   const auto slots = static_cast<int64_t>(taken_.size());
   auto grown = [&](const at::Tensor& old, const at::Tensor& like) {
     const int64_t S = old.defined() ? old.size(0) : 0, C = old.defined() ? old.size(2) : 0;
     if (S >= slots && C >= length) return old;
-    // Doubling: a row's next tokens, and the next rows, fit without another copy.
-    const int64_t s2 = std::max(slots, 2 * S), c2 = std::max(length, 2 * C);
+    // Doubling what is short (a row's next tokens, or the next rows, fit without another
+    // copy); what suffices stays as it is.
+    const int64_t s2 = S >= slots ? S : std::max(slots, 2 * S);
+    const int64_t c2 = C >= length ? C : std::max(length, 2 * C);
     at::Tensor t = at::zeros({s2, like.size(1), c2, like.size(2)}, like.options());
     if (old.defined()) t.narrow(0, 0, S).narrow(2, 0, C).copy_(old);
     return t;

@@ -57,6 +57,8 @@ class RowKeyPool {
   void release(int64_t slot);     // its keys are left as they are (stale, finite)
   int64_t copy_of(int64_t slot);  // a new slot holding `slot`'s keys
   int64_t used(size_t layer, int64_t slot) const;
+  // The room allocated in `layer`: {slots, positions} (0, 0 before its first keys).
+  std::pair<int64_t, int64_t> capacity(size_t layer) const;
 
   // Appends T tokens' k, v [T, Hkv, D] to one slot of `layer`.
   void append(size_t layer, int64_t slot, const at::Tensor& k, const at::Tensor& v);

@@ -64,6 +64,19 @@ TEST(RowKeyPool, RowsWrittenTogetherReadBackAsEachRowsOwn) {
   }
 }
 
+// The pool grows what is short, by doubling, and keeps what suffices: rows joining add slots,
+// not positions; a row outgrowing the positions doubles them, not the slots.
+TEST(RowKeyPool, GrowsOnlyWhatIsShort) {
+  RowKeyPool pool(1);
+  const int64_t first = pool.acquire();
+  pool.append(0, first, tokens(3, 0), tokens(3, 0));
+  EXPECT_EQ(pool.capacity(0), std::make_pair(int64_t{1}, int64_t{3}));
+  for (int i = 0; i < 4; ++i) pool.append(0, pool.acquire(), tokens(1, i), tokens(1, i));
+  EXPECT_EQ(pool.capacity(0), std::make_pair(int64_t{8}, int64_t{3}));  // 1 -> 2 -> 4 -> 8 slots
+  pool.append(0, first, tokens(1, 9), tokens(1, 9));
+  EXPECT_EQ(pool.capacity(0), std::make_pair(int64_t{8}, int64_t{6}));
+}
+
 // A copied slot holds the keys and goes its own way; a released slot is taken again, empty.
 TEST(RowKeyPool, CopiedSlotsAreIndependentAndReleasedOnesReused) {
   auto pool = std::make_shared<RowKeyPool>(1);
