@@ -71,10 +71,9 @@ void push_rows_keys(const std::vector<DecodeCache*>& caches, size_t layer, const
   if (!pool) pool = std::make_shared<RowKeyPool>(caches[0]->new_k.size());
   std::vector<int64_t> slots;
   for (DecodeCache* c : caches) {
-    // Steady state (every row in the pool, no pieces): a pointer and a size compared per row.
-    bool pieces = false;
-    for (const std::vector<at::Tensor>& p : c->new_k) pieces = pieces || !p.empty();
-    if (c->pooled.pool() != pool.get() || pieces) join_pool(*c, pool);
+    // Steady state (every row in the pool, no pieces): a pointer and a size compared per row. A
+    // row that stepped alone has pieces in every layer with self-attention, this one too.
+    if (c->pooled.pool() != pool.get() || !c->new_k[layer].empty()) join_pool(*c, pool);
     slots.push_back(c->pooled.index());
   }
   pool->append_rows(layer, slots, counts, k, v);
@@ -129,19 +128,12 @@ bool in_runs(const std::vector<std::vector<size_t>>& groups) {
 // The key tensors that tell a row's cached video (or prompt) apart: its first layer's with
 // prompt keys, and its first with visual keys.
 std::pair<const void*, const void*> keys_of(const DecodeCache& c) {
-  const void* prompt = nullptr;
-  const void* visual = nullptr;
-  for (const KVShard& kv : c.prompt)
-    if (kv.k.defined()) {
-      prompt = kv.k.unsafeGetTensorImpl();
-      break;
-    }
-  for (const KVShard& kv : c.visual)
-    if (kv.k.defined()) {
-      visual = kv.k.unsafeGetTensorImpl();
-      break;
-    }
-  return {prompt, visual};
+  auto first = [](const std::vector<KVShard>& layers) -> const void* {
+    for (const KVShard& kv : layers)
+      if (kv.k.defined()) return kv.k.unsafeGetTensorImpl();
+    return nullptr;
+  };
+  return {first(c.prompt), first(c.visual)};
 }
 
 }  // namespace
@@ -244,11 +236,8 @@ RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<
         hidden[static_cast<size_t>((i * T + t) * L + j)] = j > b + std::min(t, n - 1);
     }
   }
-  auto on_device = [&](const std::vector<int64_t>& v) {
-    return at::tensor(v, at::kLong).to(device);
-  };
-  p.to_padded = on_device(to_padded);
-  p.to_part = on_device(to_part);
+  p.to_padded = index_on(to_padded, device);
+  p.to_part = index_on(to_part, device);
   p.hidden = at::from_blob(hidden.data(), {R, 1, 1, T, L}, at::kByte).to(device, at::kBool);
   return p;
 }
@@ -265,7 +254,7 @@ Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
   const auto acc = kernels::accumulation_dtype(q.scalar_type());
   // The rows' keys padded to L in one gather, [R, Hkv, L, D]: each (row, K/V head) one batch of
   // a bmm, its g query heads' T tokens as rows; two bmm and in-place softmax steps.
-  const auto [pk, pv] = pool.gather(layer, at::tensor(slots, at::kLong).to(q.device()), L);
+  const auto [pk, pv] = pool.gather(layer, index_on(slots, q.device()), L);
   const int64_t hq = q.size(1), D = q.size(2), hkv = pk.size(1), g = hq / hkv;
   const at::Tensor kk = pk.to(acc).view({R * hkv, L, D}).transpose(1, 2);  // [R·Hkv, D, L]
   const at::Tensor vv = pv.to(acc).view({R * hkv, L, -1});                 // [R·Hkv, L, Dv]
@@ -319,7 +308,7 @@ RowsLayout rows_layout(const std::vector<int64_t>& lengths, const std::vector<in
       }
     for (size_t r = 0; r < R; ++r)
       for (int64_t t = 0; t < lengths[r]; ++t) to_flat.push_back(at[r] + t);
-    l.to_flat = at::tensor(to_flat, at::kLong).to(device);
+    l.to_flat = index_on(to_flat, device);
   }
   return l;
 }

@@ -4,6 +4,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "src/common/error.h"
 
@@ -23,15 +24,12 @@ RowSlot& RowSlot::operator=(const RowSlot& other) {
 }
 
 RowSlot::RowSlot(RowSlot&& other) noexcept
-    : pool_(std::move(other.pool_)), index_(std::exchange(other.index_, -1)) {
-  other.pool_ = nullptr;
-}
+    : pool_(std::exchange(other.pool_, nullptr)), index_(std::exchange(other.index_, -1)) {}
 
 RowSlot& RowSlot::operator=(RowSlot&& other) noexcept {
   if (this != &other) {
     reset();
-    pool_ = std::move(other.pool_);
-    other.pool_ = nullptr;
+    pool_ = std::exchange(other.pool_, nullptr);
     index_ = std::exchange(other.index_, -1);
   }
   return *this;

@@ -237,9 +237,8 @@ TEST(MplugExtendRows, QuestionsAfterOneKeptPrefixEqualEachAlone) {
 // Model::extend_rows as lvx serve's step runs it: the running rows' next token (one each) beside
 // the questions of rows joining, in one forward; rows about two videos interleaved (two kept
 // prefixes: the rows of each hold the same tensors, the groups not side by side; rows_by_keys
-// puts them side by side). Each row's
-// logits, and the next decode step's from the caches it leaves, equal the row's own extend or
-// decode_step alone within 1e-5 (fp32). Both variants.
+// puts them side by side). Each row's logits, and the next decode step's from the caches it
+// leaves, equal the row's own extend or decode_step alone within 1e-5 (fp32). Both variants.
 TEST(MplugExtendRows, DecodeTokensBesideQuestionsEqualEachAlone) {
   for (const std::string variant : {"240728", "241101"}) {
     const KeptPrefix k = kept_prefix(variant);
