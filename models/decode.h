@@ -238,6 +238,7 @@ struct RowsLayout {
     int64_t longest = 0, keys = 0;  // T_max, L_max
     at::Tensor to_padded;  // int64 [R·T_max]: the flat token in slot (r, t) (padding: r's last)
     at::Tensor to_part;    // int64 [N_part]: the slot of each of the part's tokens, row order
+                           // (either undefined where it is the identity)
     at::Tensor hidden;     // bool [R, 1, 1, T_max, L_max]: key j not seen by slot (r, t)
   };
   std::vector<int64_t> lengths;  // T_r: row r's tokens in this forward

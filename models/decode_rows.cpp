@@ -236,8 +236,17 @@ RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<
         hidden[static_cast<size_t>((i * T + t) * L + j)] = j > b + std::min(t, n - 1);
     }
   }
-  p.to_padded = index_on(to_padded, device);
-  p.to_part = index_on(to_part, device);
+  // Identities (every row one token, or all as long, and the part all tokens) stay undefined:
+  // a decode step's rows need no gather.
+  auto identity = [](const std::vector<int64_t>& v) {
+    for (size_t i = 0; i < v.size(); ++i)
+      if (v[i] != static_cast<int64_t>(i)) return false;
+    return true;
+  };
+  if (!identity(to_padded) || static_cast<int64_t>(to_padded.size()) != start.back())
+    p.to_padded = index_on(to_padded, device);
+  if (!identity(to_part) || static_cast<int64_t>(to_part.size()) != R * T)
+    p.to_part = index_on(to_part, device);
   p.hidden = at::from_blob(hidden.data(), {R, 1, 1, T, L}, at::kByte).to(device, at::kBool);
   return p;
 }
@@ -258,7 +267,7 @@ Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
   const int64_t hq = q.size(1), D = q.size(2), hkv = pk.size(1), g = hq / hkv;
   const at::Tensor kk = pk.to(acc).view({R * hkv, L, D}).transpose(1, 2);  // [R·Hkv, D, L]
   const at::Tensor vv = pv.to(acc).view({R * hkv, L, -1});                 // [R·Hkv, L, Dv]
-  const at::Tensor qq = q.index_select(0, part.to_padded)
+  const at::Tensor qq = (part.to_padded.defined() ? q.index_select(0, part.to_padded) : q)
                             .to(acc)
                             .view({R, T, hkv, g, D})
                             .permute({0, 2, 3, 1, 4})
@@ -271,14 +280,11 @@ Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
   const at::Tensor o = at::bmm(sc, vv).div_(sum);  // [R·Hkv, g·T, Dv]
   lse.add_(sum.log());
   const int64_t Dv = o.size(-1);
-  return {o.view({R, hkv, g, T, Dv})
-              .permute({0, 3, 1, 2, 4})
-              .reshape({R * T, hq, Dv})
-              .index_select(0, part.to_part),
-          lse.view({R, hkv, g, T})
-              .permute({0, 3, 1, 2})
-              .reshape({R * T, hq})
-              .index_select(0, part.to_part)};
+  auto of_part = [&part](const at::Tensor& x) {
+    return part.to_part.defined() ? x.index_select(0, part.to_part) : x;
+  };
+  return {of_part(o.view({R, hkv, g, T, Dv}).permute({0, 3, 1, 2, 4}).reshape({R * T, hq, Dv})),
+          of_part(lse.view({R, hkv, g, T}).permute({0, 3, 1, 2}).reshape({R * T, hq}))};
 }
 
 }  // namespace

@@ -215,6 +215,9 @@ struct RowsStep {
   static std::vector<std::pair<Generation*, at::Tensor>> pick(
       const std::vector<Generation*>& rows, dist::ProcessGroup& pg,
       const std::vector<std::function<void(const at::Tensor&)>>& on_token);
+  // The tokens of rows[picking[p]] (each row's pick; the greedy one-sample rows' in one argmax).
+  static std::vector<at::Tensor> pick_all(const std::vector<Generation*>& rows,
+                                          const std::vector<size_t>& picking);
   // One forward of every row's tokens (pairs: a decode step's token, or a joining row's prompt
   // tail); each row's logits kept for its next pick.
   static void forward(const std::vector<std::pair<Generation*, at::Tensor>>& rows, size_t joining,
@@ -235,19 +238,39 @@ size_t RowsStep::add_tails(const std::vector<Generation*>& rows,
   return n;
 }
 
+std::vector<at::Tensor> RowsStep::pick_all(const std::vector<Generation*>& rows,
+                                           const std::vector<size_t>& picking) {
+  std::vector<at::Tensor> picked(picking.size());
+  std::vector<size_t> greedy;  // one-sample greedy rows: one argmax over their logits stacked
+  for (size_t p = 0; p < picking.size(); ++p) {
+    Generation& g = *rows[picking[p]];
+    if (g.batch_ == 1 && g.o_.sampling.temperature <= 0 && !g.o_.keep_logits && picking.size() > 1)
+      greedy.push_back(p);
+    else
+      picked[p] = g.pick();
+  }
+  if (greedy.empty()) return picked;
+  std::vector<at::Tensor> logits;
+  for (size_t p : greedy) logits.push_back(rows[picking[p]]->logits_);
+  // Row by row the argmax each row's own pick_tokens takes (the lowest id on ties).
+  const at::Tensor ids = at::cat(logits, 0).argmax(-1).to(at::kCPU, at::kLong).contiguous();
+  for (size_t j = 0; j < greedy.size(); ++j)
+    picked[greedy[j]] = ids.narrow(0, static_cast<int64_t>(j), 1);
+  return picked;
+}
+
 std::vector<std::pair<Generation*, at::Tensor>> RowsStep::pick(
     const std::vector<Generation*>& rows, dist::ProcessGroup& pg,
     const std::vector<std::function<void(const at::Tensor&)>>& on_token) {
-  std::vector<at::Tensor> picked;
   std::vector<size_t> picking;
   bool any_stop_hook = false;
   for (size_t i = 0; i < rows.size(); ++i) {
     if (rows[i]->tail_.defined()) continue;  // its logits come from this step's forward
     picking.push_back(i);
-    picked.push_back(rows[i]->pick());
     any_stop_hook = any_stop_hook || static_cast<bool>(rows[i]->o_.stop_requested);
   }
   if (picking.empty()) return {};
+  const std::vector<at::Tensor> picked = pick_all(rows, picking);
   // The message is built and read on the host (a few values per row, no tensor op per row).
   std::vector<int64_t> values;
   for (size_t p = 0; p < picking.size(); ++p) {
