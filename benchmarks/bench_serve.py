@@ -254,7 +254,8 @@ def parse_args():
                          "the batch runs full, not mostly filling up and draining)")
     ap.add_argument("--load-repeats", type=int, default=5,
                     help="runs per concurrency level and server, alternating; requests/s is "
-                         "their median, the latencies are pooled")
+                         "their median, batched / one at a time the median of each repeat's "
+                         "pair, the latencies are pooled")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-batch", type=int, default=16, help="the batched server's --max-batch")
@@ -358,8 +359,8 @@ def print_ttft(results):
 
 def print_load(results):
     print("| ranks | clients | requests | requests/s one at a time | requests/s batched | "
-          "batched / one (median of the repeats' pairs; range) | TTFT p50 s one | TTFT p50 s batched | TTFT p99 s one | "
-          "TTFT p99 s batched | p99 s one | p99 s batched |")
+          "batched / one (median of the repeats' pairs; range) | TTFT p50 s one | "
+          "TTFT p50 s batched | TTFT p99 s one | TTFT p99 s batched | p99 s one | p99 s batched |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for key, b in r["load"].items():

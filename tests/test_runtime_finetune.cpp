@@ -18,8 +18,8 @@
 //     one rank's failure and a slow write end to end: tests/hostile/cases_finetune.py.)
 // Over 600 lines, not split: every case here leans on the same file-local helpers (the tiny model
 // and videos, the config writer, the run-and-read-back of a checkpoint that the resume and shard
-// cases compare bitwise); a split by concern would first move those into a shared test header,
-// and no change of this session touched them (only a comment below).
+// cases compare bitwise), and one binary per area keeps CI's link count low; a split by concern
+// (shard stages, data parallel, metrics) would first move those helpers into a shared test header.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -241,10 +241,14 @@ size_t RowsStep::add_tails(const std::vector<Generation*>& rows,
 std::vector<at::Tensor> RowsStep::pick_all(const std::vector<Generation*>& rows,
                                            const std::vector<size_t>& picking) {
   std::vector<at::Tensor> picked(picking.size());
-  std::vector<size_t> greedy;  // one-sample greedy rows: one argmax over their logits stacked
+  if (picking.size() == 1) {  // a lone row: its own pick, as generate() takes it
+    picked[0] = rows[picking[0]]->pick();
+    return picked;
+  }
+  std::vector<size_t> greedy;  // one-sample greedy rows: one argmax over their logits' rows
   for (size_t p = 0; p < picking.size(); ++p) {
     Generation& g = *rows[picking[p]];
-    if (g.batch_ == 1 && g.o_.sampling.temperature <= 0 && !g.o_.keep_logits && picking.size() > 1)
+    if (g.batch_ == 1 && g.o_.sampling.temperature <= 0 && !g.o_.keep_logits)
       greedy.push_back(p);
     else
       picked[p] = g.pick();
