@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "kernels/attention.h"
 #include "models/decode.h"
 #include "src/common/error.h"
 
@@ -136,6 +137,112 @@ std::pair<const void*, const void*> keys_of(const DecodeCache& c) {
   return {first(c.prompt), first(c.visual)};
 }
 
+// Each group's tokens for calls over its keys: indices into the rows' tokens q.
+using GroupTokens = std::vector<std::vector<int64_t>>;
+
+// Calls' outputs side by side, and the token each output row is for (-1: a padding slot).
+struct Calls {
+  std::vector<at::Tensor> o, lse;
+  std::vector<int64_t> token;
+
+  // Every token's output, in token order: [N, Hq, D] / [N, Hq], one gather.
+  Partial in_token_order(int64_t N, const at::Device& device) const {
+    std::vector<int64_t> at_of(static_cast<size_t>(N), -1);
+    for (size_t i = 0; i < token.size(); ++i)
+      if (token[i] >= 0) at_of[static_cast<size_t>(token[i])] = static_cast<int64_t>(i);
+    const at::Tensor back = index_on(at_of, device);
+    auto joined = [](const std::vector<at::Tensor>& x) { return x.size() == 1 ? x[0] : at::cat(x); };
+    return {joined(o).index_select(0, back), joined(lse).index_select(0, back)};
+  }
+};
+
+// The tokens of every group in one call over the groups' stacked keys k, v [S, P, Hkv, D]
+// (group g's at places[g]): each group's tokens padded to the most any has, a padding slot
+// repeating a token of q (its output is dropped).
+void stacked_call(Calls& calls, const at::Tensor& q, const GroupTokens& tokens,
+                  const std::vector<int64_t>& places, const at::Tensor& k, const at::Tensor& v,
+                  double scale) {
+  const int64_t S = k.size(0), hq = q.size(1), D = q.size(2);
+  int64_t most = 0;
+  for (const std::vector<int64_t>& t : tokens) most = std::max(most, static_cast<int64_t>(t.size()));
+  std::vector<int64_t> slot_token(static_cast<size_t>(S * most), 0);
+  const size_t first = calls.token.size();
+  calls.token.resize(first + slot_token.size(), -1);
+  for (size_t g = 0; g < tokens.size(); ++g)
+    for (size_t t = 0; t < tokens[g].size(); ++t) {
+      const auto slot = static_cast<size_t>(places[g] * most) + t;
+      slot_token[slot] = tokens[g][t];
+      calls.token[first + slot] = tokens[g][t];
+    }
+  kernels::AttentionParams params;
+  params.scale = scale;
+  const at::Tensor slots =
+      q.index_select(0, index_on(slot_token, q.device())).view({S, most, hq, D});
+  const kernels::AttentionOutput out = kernels::attention_forward(slots, k, v, params);
+  calls.o.push_back(out.o.view({S * most, hq, out.o.size(3)}));
+  calls.lse.push_back(out.lse.transpose(1, 2).reshape({S * most, hq}));
+}
+
+// Whether tokens stacked lose at most half the call to padding (S slots of the most any group
+// has, for n tokens).
+bool little_padding(const GroupTokens& tokens, int64_t n) {
+  size_t most = 0;
+  for (const std::vector<int64_t>& t : tokens) most = std::max(most, t.size());
+  return n > 0 && static_cast<int64_t>(tokens.size() * most) <= 2 * n;
+}
+
+// The groups' prompt keys in one attention call over their stack (RowKeyPool::stacked_keys)
+// instead of a call per group. Videos sampled to one frame count with one template have prompts
+// of one length, and a step's calls over these short keys cost mostly their fixed part (~40 us
+// a call on one CPU thread, whatever its handful of queries: docs/serve.md). Every token in the
+// stacked call when padding to the group with the most tokens costs at most half of it; else
+// (a long question joining) the one-token rows stacked and the longer rows' tokens in a call per
+// group. Undefined (the caller makes a call per group) unless every group holds unmasked keys
+// of one shape and the rows are in a pool. Visual keys are never stacked: that would copy every
+// video's visual K/V.
+Partial stacked_partial(const at::Tensor& q, const std::vector<int64_t>& start,
+                        const std::vector<std::vector<size_t>>& groups,
+                        const std::vector<DecodeCache*>& caches, size_t layer, double scale) {
+  RowKeyPool* pool = caches[groups.front().front()]->pooled.pool();
+  if (pool == nullptr || groups.size() < 2) return {};
+  const KVShard& first = row_keys(*caches[groups.front().front()], layer, false);
+  std::vector<std::pair<at::Tensor, at::Tensor>> sources;
+  GroupTokens all(groups.size()), ones(groups.size()), longer(groups.size());
+  int64_t n_ones = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const KVShard& kv = row_keys(*caches[groups[g].front()], layer, false);
+    if (kv.visible.defined() || kv.k.size(0) != 1 || kv.k.size(1) == 0 ||
+        kv.k.sizes() != first.k.sizes() || kv.v.sizes() != first.v.sizes() ||
+        kv.k.scalar_type() != first.k.scalar_type())
+      return {};
+    sources.emplace_back(kv.k, kv.v);
+    for (size_t r : groups[g]) {
+      const bool one = start[r + 1] - start[r] == 1;
+      n_ones += one ? 1 : 0;
+      for (int64_t n = start[r]; n < start[r + 1]; ++n) {
+        all[g].push_back(n);
+        (one ? ones : longer)[g].push_back(n);
+      }
+    }
+  }
+  const int64_t N = q.size(0);
+  const bool whole = little_padding(all, N);
+  if (!whole && !little_padding(ones, n_ones)) return {};
+  std::vector<int64_t> places;
+  const auto [k, v] = pool->stacked_keys(layer, sources, places);
+  Calls calls;
+  stacked_call(calls, q, whole ? all : ones, places, k, v, scale);
+  for (size_t g = 0; g < groups.size() && !whole; ++g) {
+    if (longer[g].empty()) continue;
+    const KVShard& kv = row_keys(*caches[groups[g].front()], layer, false);
+    const Partial p = shared_partial_attention(
+        q.index_select(0, index_on(longer[g], q.device())), kv.k, kv.v, kv.visible, scale);
+    calls.o.push_back(p.o);
+    calls.lse.push_back(p.lse);
+    calls.token.insert(calls.token.end(), longer[g].begin(), longer[g].end());
+  }
+  return calls.in_token_order(N, q.device());
+}
 }  // namespace
 
 std::vector<size_t> rows_by_keys(const std::vector<const DecodeCache*>& caches) {
@@ -178,6 +285,10 @@ Partial rows_cached_partial(const at::Tensor& q, const std::vector<int64_t>& len
     return shared_partial_attention(queries, kv.k, kv.v, kv.visible, scale);
   };
   if (groups.size() == 1 && with_keys == R) return call(q, 0);  // every row, in order
+  if (!visual && with_keys == R) {
+    const Partial stacked = stacked_partial(q, start, groups, caches, layer, scale);
+    if (stacked.o.defined()) return stacked;
+  }
   if (with_keys == R && in_runs(groups)) {  // rows_by_keys' order: each group's tokens a run
     std::vector<at::Tensor> o, lse;
     for (size_t g = 0; g < groups.size(); ++g) {
@@ -273,9 +384,15 @@ Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
                             .permute({0, 2, 3, 1, 4})
                             .reshape({R * hkv, g * T, D});
   at::Tensor sc = at::bmm(qq, kk).mul_(scale);  // [R·Hkv, g·T, L]
-  sc.view({R, hkv, g, T, L}).masked_fill_(part.hidden, -std::numeric_limits<double>::infinity());
-  at::Tensor lse = sc.amax(-1, /*keepdim=*/true);  // every token sees its own key: finite
+  // The hidden scores (padding, later keys) are zeroed after exp_, not set to −inf before it:
+  // ATen's CPU exp takes ~5× as long on −inf as on finite inputs (docs/serve.md). Whatever exp
+  // gives there (even inf or nan from a stale slot) is overwritten; the max is the visible one.
+  const at::Tensor shown = sc.view({R, hkv, g, T, L});
+  at::Tensor lse = shown.masked_fill(part.hidden, -std::numeric_limits<double>::infinity())
+                       .amax(-1, /*keepdim=*/true)  // every token sees its own key: finite
+                       .view({R * hkv, g * T, 1});
   sc.sub_(lse).exp_();
+  shown.masked_fill_(part.hidden, 0.0);
   const at::Tensor sum = sc.sum(-1, /*keepdim=*/true);
   const at::Tensor o = at::bmm(sc, vv).div_(sum);  // [R·Hkv, g·T, Dv]
   lse.add_(sum.log());

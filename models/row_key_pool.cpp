@@ -1,5 +1,6 @@
 #include "models/row_key_pool.h"
 
+#include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 
@@ -45,7 +46,8 @@ void RowSlot::reset() {
 
 // ---- RowKeyPool -----------------------------------------------------------------------------
 
-RowKeyPool::RowKeyPool(size_t layers) : k_(layers), v_(layers), used_(layers) {}
+RowKeyPool::RowKeyPool(size_t layers)
+    : k_(layers), v_(layers), used_(layers), stacked_(layers) {}
 
 int64_t RowKeyPool::acquire() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -161,6 +163,40 @@ std::pair<at::Tensor, at::Tensor> RowKeyPool::gather(size_t layer, const at::Ten
             " positions asked of layer ", layer, ", which holds fewer");
   return {k_[layer].narrow(2, 0, length).index_select(0, slots),
           v_[layer].narrow(2, 0, length).index_select(0, slots)};
+}
+
+std::pair<at::Tensor, at::Tensor> RowKeyPool::stacked_keys(
+    size_t layer, const std::vector<std::pair<at::Tensor, at::Tensor>>& sources,
+    std::vector<int64_t>& places) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stacked& s = stacked_[layer];
+  auto place = [&s](const std::pair<at::Tensor, at::Tensor>& src) -> int64_t {
+    for (size_t i = 0; i < s.sources.size(); ++i)
+      if (s.sources[i].first.is_same(src.first) && s.sources[i].second.is_same(src.second))
+        return static_cast<int64_t>(i);
+    return -1;
+  };
+  places.clear();
+  bool same = sources.size() == s.sources.size();
+  for (const auto& src : sources) {
+    places.push_back(place(src));
+    same = same && places.back() >= 0;
+  }
+  if (same) return {s.k, s.v};
+  std::vector<at::Tensor> ks, vs;
+  places.clear();
+  for (const auto& [k, v] : sources) {
+    places.push_back(static_cast<int64_t>(ks.size()));
+    ks.push_back(k[0]);
+    vs.push_back(v[0]);
+  }
+  s = Stacked{sources, at::stack(ks), at::stack(vs)};
+  return {s.k, s.v};
+}
+
+size_t RowKeyPool::stacked_sources(size_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stacked_[layer].sources.size();
 }
 
 }  // namespace lvx::models

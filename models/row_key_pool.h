@@ -9,7 +9,8 @@
 // are a [Hkv, L, D] block the batched product reads as it is. Positions past a slot's length
 // hold stale (finite: zeros or an earlier row's) values that the product masks. The capacity
 // doubles when a row outgrows it, as do the slots; memory is S·C per layer, the padded layout
-// the batched product builds anyway, kept. A row's slot (RowSlot) is released when its cache
+// the batched product builds anyway, kept. The pool also keeps the batch's stacked prompt keys
+// (stacked_keys: one copy of the prompt keys of the videos the rows read, per layer). A row's slot (RowSlot) is released when its cache
 // goes; the pool goes with its last slot. Thread-safe: a row's cache may be dropped on another
 // thread than the one stepping.
 #pragma once
@@ -73,6 +74,17 @@ class RowKeyPool {
   std::pair<at::Tensor, at::Tensor> gather(size_t layer, const at::Tensor& slots,
                                            int64_t length) const;
 
+  // The cached prompt keys several groups of the batch read (each group's video: k, v [1, P,
+  // Hkv, D], all of one shape) stacked as [G, P, Hkv, D] each, so that one attention call serves
+  // every group (rows_cached_partial). Kept with the tensors it was made of (held, so none can be
+  // freed and its address reused) while later steps ask for the same set in any order; rebuilt
+  // when the set changes. places[i]: sources[i]'s place in the stack.
+  std::pair<at::Tensor, at::Tensor> stacked_keys(
+      size_t layer, const std::vector<std::pair<at::Tensor, at::Tensor>>& sources,
+      std::vector<int64_t>& places);
+  // How many groups' keys `layer`'s stack holds (0: none stacked yet).
+  size_t stacked_sources(size_t layer) const;
+
  private:
   // Room for `length` positions and every slot in `layer` (allocated like `like` [., Hkv, D]).
   void reserve(size_t layer, int64_t length, const at::Tensor& k_like, const at::Tensor& v_like);
@@ -82,6 +94,11 @@ class RowKeyPool {
   std::vector<at::Tensor> k_, v_;           // per layer: [S, Hkv, C, D] (undefined: none yet)
   std::vector<std::vector<int64_t>> used_;  // per layer, per slot: positions written
   std::vector<bool> taken_;                 // per slot
+  struct Stacked {
+    std::vector<std::pair<at::Tensor, at::Tensor>> sources;
+    at::Tensor k, v;
+  };
+  std::vector<Stacked> stacked_;  // per layer (stacked_keys)
 };
 
 }  // namespace lvx::models

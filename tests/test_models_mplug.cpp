@@ -269,6 +269,50 @@ TEST(MplugExtendRows, DecodeTokensBesideQuestionsEqualEachAlone) {
   }
 }
 
+// Model::extend_rows over three videos whose prompts have one length (lvx serve's common case:
+// frames sampled to one count): their prompt keys are read in one call over the batch's stack
+// (models/decode_rows.cpp, stacked_partial). A step where a question joins (the one-token rows
+// stacked, the question's tokens in a call of their own), then a step of one token per row
+// (every token stacked): each row's logits equal its own extend or decode_step alone within 1e-5
+// (fp32), and the rows' pool holds the three videos' stack. Both variants.
+TEST(MplugExtendRows, StackedPromptKeysEqualEachAlone) {
+  for (const std::string variant : {"240728", "241101"}) {
+    const KeptPrefix k = kept_prefix(variant);
+    const lvx::models::Model& model = *k.model;
+    const lvx::models::Parallel& par = k.par;
+    std::vector<lvx::models::DecodeCache> videos(3);  // three prefixes: tensors of their own
+    for (lvx::models::DecodeCache& v : videos) model.prefill(k.head, par, v);
+    auto asked = [&](const lvx::models::DecodeCache& prefix, int64_t token) {
+      lvx::models::DecodeCache c = prefix;
+      model.extend(at::tensor({token, token + 1}, at::kLong).view({1, -1}), par, c);
+      return c;
+    };
+    auto ids = [](std::vector<int64_t> t) { return at::tensor(t, at::kLong); };
+    // Rows: a question joining about A; running rows about A, B and C.
+    std::vector<lvx::models::DecodeCache> alone{videos[0], asked(videos[0], 8),
+                                                asked(videos[1], 10), asked(videos[2], 12)};
+    std::vector<lvx::models::DecodeCache> together = alone;
+    std::vector<lvx::models::DecodeCache*> rows;
+    for (lvx::models::DecodeCache& c : together) rows.push_back(&c);
+    double worst = 0;
+    auto step = [&](const std::vector<at::Tensor>& tokens) {
+      const at::Tensor joint = model.extend_rows(tokens, par, rows);
+      EXPECT_EQ(rows[0]->pooled.pool()->stacked_sources(0), 3U) << variant;
+      for (size_t r = 0; r < rows.size(); ++r) {
+        const at::Tensor own = tokens[r].numel() == 1
+                                   ? model.decode_step(tokens[r], par, alone[r])
+                                   : model.extend(tokens[r].view({1, -1}), par, alone[r]);
+        worst = std::max(
+            worst, (joint.narrow(0, static_cast<int64_t>(r), 1) - own).abs().max().item<double>());
+      }
+    };
+    step({ids({5, 6, 7, 8, 9, 10}), ids({17}), ids({18}), ids({19})});
+    step({ids({20}), ids({21}), ids({22}), ids({23})});
+    std::cout << variant << ": |stacked prompt keys - each alone| " << worst << "\n";
+    EXPECT_LE(worst, 1e-5) << variant;
+  }
+}
+
 // Model::extend: a prefill of the prompt up to its last image token, then the rest in one extend,
 // gives the last token's logits of a prefill of the whole prompt, and of the rest token by token
 // through decode steps. fp32 within 1e-5 (the same sums in another order; a wrong position,

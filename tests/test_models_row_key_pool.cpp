@@ -138,4 +138,33 @@ TEST(RowKeyPool, RowsLeavingAndJoiningKeepTheirKeysInOrder) {
     }
 }
 
+// The batch's stacked prompt keys (RowKeyPool::stacked_keys): three videos' keys stacked in the
+// order first asked, each at its place; the same set asked in another order gives the same
+// tensors (no copy) and each source's place; a set that differs is stacked anew. Exact.
+TEST(RowKeyPool, StackedKeysFollowTheSetNotTheOrder) {
+  RowKeyPool pool(1);
+  std::vector<std::pair<at::Tensor, at::Tensor>> videos;
+  for (int i = 0; i < 4; ++i) {
+    const at::Tensor k = tokens(5, 100.0 * i).unsqueeze(0);  // [1, P, Hkv, D]
+    videos.emplace_back(k, -k);
+  }
+  std::vector<int64_t> places;
+  const auto [k, v] = pool.stacked_keys(0, {videos[0], videos[1], videos[2]}, places);
+  EXPECT_EQ(places, (std::vector<int64_t>{0, 1, 2}));
+  ASSERT_EQ(k.sizes(), (std::vector<int64_t>{3, 5, kHeads, kDim}));
+  for (int64_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(at::equal(k[i], videos[static_cast<size_t>(i)].first[0])) << i;
+    EXPECT_TRUE(at::equal(v[i], videos[static_cast<size_t>(i)].second[0])) << i;
+  }
+  EXPECT_EQ(pool.stacked_sources(0), 3U);
+  const auto [k2, v2] = pool.stacked_keys(0, {videos[2], videos[0], videos[1]}, places);
+  EXPECT_TRUE(k2.is_same(k) && v2.is_same(v));
+  EXPECT_EQ(places, (std::vector<int64_t>{2, 0, 1}));
+  const auto [k3, v3] = pool.stacked_keys(0, {videos[3], videos[0]}, places);
+  EXPECT_FALSE(k3.is_same(k));
+  EXPECT_EQ(places, (std::vector<int64_t>{0, 1}));
+  EXPECT_TRUE(at::equal(k3[0], videos[3].first[0]) && at::equal(v3[1], videos[0].second[0]));
+  EXPECT_EQ(pool.stacked_sources(0), 2U);
+}
+
 }  // namespace
