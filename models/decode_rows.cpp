@@ -151,7 +151,9 @@ struct Calls {
     for (size_t i = 0; i < token.size(); ++i)
       if (token[i] >= 0) at_of[static_cast<size_t>(token[i])] = static_cast<int64_t>(i);
     const at::Tensor back = index_on(at_of, device);
-    auto joined = [](const std::vector<at::Tensor>& x) { return x.size() == 1 ? x[0] : at::cat(x); };
+    auto joined = [](const std::vector<at::Tensor>& x) {
+      return x.size() == 1 ? x[0] : at::cat(x);
+    };
     return {joined(o).index_select(0, back), joined(lse).index_select(0, back)};
   }
 };
@@ -164,7 +166,8 @@ void stacked_call(Calls& calls, const at::Tensor& q, const GroupTokens& tokens,
                   double scale) {
   const int64_t S = k.size(0), hq = q.size(1), D = q.size(2);
   int64_t most = 0;
-  for (const std::vector<int64_t>& t : tokens) most = std::max(most, static_cast<int64_t>(t.size()));
+  for (const std::vector<int64_t>& t : tokens)
+    most = std::max(most, static_cast<int64_t>(t.size()));
   std::vector<int64_t> slot_token(static_cast<size_t>(S * most), 0);
   const size_t first = calls.token.size();
   calls.token.resize(first + slot_token.size(), -1);
@@ -235,14 +238,15 @@ Partial stacked_partial(const at::Tensor& q, const std::vector<int64_t>& start,
   for (size_t g = 0; g < groups.size() && !whole; ++g) {
     if (longer[g].empty()) continue;
     const KVShard& kv = row_keys(*caches[groups[g].front()], layer, false);
-    const Partial p = shared_partial_attention(
-        q.index_select(0, index_on(longer[g], q.device())), kv.k, kv.v, kv.visible, scale);
+    const Partial p = shared_partial_attention(q.index_select(0, index_on(longer[g], q.device())),
+                                               kv.k, kv.v, kv.visible, scale);
     calls.o.push_back(p.o);
     calls.lse.push_back(p.lse);
     calls.token.insert(calls.token.end(), longer[g].begin(), longer[g].end());
   }
   return calls.in_token_order(N, q.device());
 }
+
 }  // namespace
 
 std::vector<size_t> rows_by_keys(const std::vector<const DecodeCache*>& caches) {

@@ -46,8 +46,7 @@ void RowSlot::reset() {
 
 // ---- RowKeyPool -----------------------------------------------------------------------------
 
-RowKeyPool::RowKeyPool(size_t layers)
-    : k_(layers), v_(layers), used_(layers), stacked_(layers) {}
+RowKeyPool::RowKeyPool(size_t layers) : k_(layers), v_(layers), used_(layers), stacked_(layers) {}
 
 int64_t RowKeyPool::acquire() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -88,7 +87,8 @@ int64_t RowKeyPool::used(size_t layer, int64_t slot) const {
 std::pair<int64_t, int64_t> RowKeyPool::capacity(size_t layer) const {
   std::lock_guard<std::mutex> lock(mu_);
   const at::Tensor& k = k_[layer];
-  return k.defined() ? std::make_pair(k.size(0), k.size(2)) : std::make_pair(int64_t{0}, int64_t{0});
+  return k.defined() ? std::make_pair(k.size(0), k.size(2))
+                     : std::make_pair(int64_t{0}, int64_t{0});
 }
 
 void RowKeyPool::reserve(size_t layer, int64_t length, const at::Tensor& k_like,

@@ -10,9 +10,9 @@
 // hold stale (finite: zeros or an earlier row's) values that the product masks. The capacity
 // doubles when a row outgrows it, as do the slots; memory is S·C per layer, the padded layout
 // the batched product builds anyway, kept. The pool also keeps the batch's stacked prompt keys
-// (stacked_keys: one copy of the prompt keys of the videos the rows read, per layer). A row's slot (RowSlot) is released when its cache
-// goes; the pool goes with its last slot. Thread-safe: a row's cache may be dropped on another
-// thread than the one stepping.
+// (stacked_keys: one copy of the prompt keys of the videos the rows read, per layer). A row's slot
+// (RowSlot) is released when its cache goes; the pool goes with its last slot. Thread-safe: a row's
+// cache may be dropped on another thread than the one stepping.
 #pragma once
 
 #include <ATen/core/Tensor.h>
