@@ -145,12 +145,22 @@ struct Calls {
   std::vector<at::Tensor> o, lse;
   std::vector<int64_t> token;
 
-  // Every token's output, in token order: [N, Hq, D] / [N, Hq], one gather.
+  // A call's partial p over `tokens` (its output rows, in order).
+  void add(const Partial& p, const std::vector<int64_t>& tokens) {
+    o.push_back(p.o);
+    lse.push_back(p.lse);
+    token.insert(token.end(), tokens.begin(), tokens.end());
+  }
+
+  // The outputs of the tokens (of N) that have one, in token order: [N', Hq, D] / [N', Hq], one
+  // gather.
   Partial in_token_order(int64_t N, const at::Device& device) const {
-    std::vector<int64_t> at_of(static_cast<size_t>(N), -1);
+    std::vector<int64_t> at_of(static_cast<size_t>(N), -1), rows;
     for (size_t i = 0; i < token.size(); ++i)
       if (token[i] >= 0) at_of[static_cast<size_t>(token[i])] = static_cast<int64_t>(i);
-    const at::Tensor back = index_on(at_of, device);
+    for (int64_t i : at_of)
+      if (i >= 0) rows.push_back(i);
+    const at::Tensor back = index_on(rows, device);
     auto joined = [](const std::vector<at::Tensor>& x) {
       return x.size() == 1 ? x[0] : at::cat(x);
     };
@@ -237,12 +247,10 @@ Partial stacked_partial(const at::Tensor& q, const std::vector<int64_t>& start,
   stacked_call(calls, q, whole ? all : ones, places, k, v, scale);
   for (size_t g = 0; g < groups.size() && !whole; ++g) {
     if (longer[g].empty()) continue;
-    const KVShard& kv = row_keys(*caches[groups[g].front()], layer, false);
-    const Partial p = shared_partial_attention(q.index_select(0, index_on(longer[g], q.device())),
-                                               kv.k, kv.v, kv.visible, scale);
-    calls.o.push_back(p.o);
-    calls.lse.push_back(p.lse);
-    calls.token.insert(calls.token.end(), longer[g].begin(), longer[g].end());
+    const auto& [gk, gv] = sources[g];  // unmasked (checked above)
+    calls.add(shared_partial_attention(q.index_select(0, index_on(longer[g], q.device())), gk, gv,
+                                       {}, scale),
+              longer[g]);
   }
   return calls.in_token_order(N, q.device());
 }
@@ -304,25 +312,14 @@ Partial rows_cached_partial(const at::Tensor& q, const std::vector<int64_t>& len
     return {at::cat(o, 0), at::cat(lse, 0)};
   }
   // Each group's tokens gathered (one call each); the outputs put back in row order.
-  std::vector<at::Tensor> o, lse;
-  std::vector<int64_t> at_of(R, -1);  // where row r's first output sits in the groups' order
-  int64_t out = 0;
+  Calls calls;
   for (size_t g = 0; g < groups.size(); ++g) {
     std::vector<int64_t> tokens;
-    for (size_t r : groups[g]) {
-      at_of[r] = out;
-      out += lengths[r];
+    for (size_t r : groups[g])
       for (int64_t t = start[r]; t < start[r + 1]; ++t) tokens.push_back(t);
-    }
-    const Partial p = call(q.index_select(0, index_on(tokens, q.device())), g);
-    o.push_back(p.o);
-    lse.push_back(p.lse);
+    calls.add(call(q.index_select(0, index_on(tokens, q.device())), g), tokens);
   }
-  std::vector<int64_t> order;  // rows with keys, in row order
-  for (size_t r = 0; r < R; ++r)
-    for (int64_t t = 0; t < (at_of[r] < 0 ? 0 : lengths[r]); ++t) order.push_back(at_of[r] + t);
-  const at::Tensor back = index_on(order, q.device());
-  return {at::cat(o, 0).index_select(0, back), at::cat(lse, 0).index_select(0, back)};
+  return calls.in_token_order(start[R], q.device());
 }
 
 namespace {
