@@ -231,6 +231,9 @@ Partial rows_cached_partial(const at::Tensor& q, const std::vector<int64_t>& len
 // step's one each) sit in the padded [R, T_max] layout of the batched product over each row's
 // own new keys, and which keys each sees (causal among its row's new keys). The same in every
 // layer: built once per forward.
+// What rows_new_keys adds to a score its token must not see: finite, so that exp gives exactly 0
+// after the row's maximum is subtracted, without the slow path ATen's CPU exp takes on -inf.
+inline constexpr float kHiddenScore = -1e30f;
 struct RowsLayout {
   // Rows padded together: the one-token rows (decode steps), and the longer ones (questions).
   struct Part {
@@ -239,7 +242,8 @@ struct RowsLayout {
     at::Tensor to_padded;  // int64 [R·T_max]: the flat token in slot (r, t) (padding: r's last)
     at::Tensor to_part;    // int64 [N_part]: the slot of each of the part's tokens, row order
                            // (either undefined where it is the identity)
-    at::Tensor hidden;     // bool [R, 1, 1, T_max, L_max]: key j not seen by slot (r, t)
+    at::Tensor bias;       // fp32 [R, 1, 1, T_max, L_max]: 0 where slot (r, t) sees key j,
+                           // kHiddenScore where not
   };
   std::vector<int64_t> lengths;  // T_r: row r's tokens in this forward
   std::vector<int64_t> before;   // its new keys before them (its question and answer so far)

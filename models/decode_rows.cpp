@@ -337,7 +337,7 @@ RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<
   const auto R = static_cast<int64_t>(rows.size());
   const int64_t T = p.longest, L = p.keys;
   std::vector<int64_t> to_padded, to_part;
-  std::vector<uint8_t> hidden(static_cast<size_t>(R * T * L));
+  std::vector<float> bias(static_cast<size_t>(R * T * L));
   for (int64_t i = 0; i < R; ++i) {
     const size_t r = rows[static_cast<size_t>(i)];
     const int64_t n = lengths[r], b = before[r];
@@ -345,7 +345,8 @@ RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<
       to_padded.push_back(start[r] + std::min(t, n - 1));  // padding: the row's last token
       if (t < n) to_part.push_back(i * T + t);
       for (int64_t j = 0; j < L; ++j)  // causal; a padding slot sees what the row's last does
-        hidden[static_cast<size_t>((i * T + t) * L + j)] = j > b + std::min(t, n - 1);
+        bias[static_cast<size_t>((i * T + t) * L + j)] =
+            j > b + std::min(t, n - 1) ? kHiddenScore : 0.0f;
     }
   }
   // Identities (every row one token, or all as long, and the part all tokens) stay undefined:
@@ -359,7 +360,10 @@ RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<
     p.to_padded = index_on(to_padded, device);
   if (!identity(to_part) || static_cast<int64_t>(to_part.size()) != R * T)
     p.to_part = index_on(to_part, device);
-  p.hidden = at::from_blob(hidden.data(), {R, 1, 1, T, L}, at::kByte).to(device, at::kBool);
+  p.bias = at::from_blob(bias.data(), {R, 1, 1, T, L}, at::kFloat)
+               .to(device, at::kFloat,
+                   /*non_blocking=*/false,
+                   /*copy=*/true);
   return p;
 }
 
@@ -384,16 +388,14 @@ Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
                             .view({R, T, hkv, g, D})
                             .permute({0, 2, 3, 1, 4})
                             .reshape({R * hkv, g * T, D});
-  at::Tensor sc = at::bmm(qq, kk).mul_(scale);  // [R·Hkv, g·T, L]
-  // The hidden scores (padding, later keys) are zeroed after exp_, not set to −inf before it:
-  // ATen's CPU exp takes ~5× as long on −inf as on finite inputs (docs/serve.md). Whatever exp
-  // gives there (even inf or nan from a stale slot) is overwritten; the max is the visible one.
-  const at::Tensor shown = sc.view({R, hkv, g, T, L});
-  at::Tensor lse = shown.masked_fill(part.hidden, -std::numeric_limits<double>::infinity())
-                       .amax(-1, /*keepdim=*/true)  // every token sees its own key: finite
-                       .view({R * hkv, g * T, 1});
+  // The scores with the layout's bias (kHiddenScore on padding and later keys) in one product;
+  // a hidden score's exp is exactly 0 (every token sees its own key: the maximum is a visible
+  // score). A slot's keys past its row's are zeros or an earlier row's (RowKeyPool::acquire
+  // clears a slot), so finite: 0·V and the biased scores stay finite.
+  const at::Tensor bias = part.bias.to(acc).expand({R, hkv, g, T, L}).reshape({R * hkv, g * T, L});
+  at::Tensor sc = at::baddbmm(bias, qq, kk, /*beta=*/1.0, /*alpha=*/scale);  // [R·Hkv, g·T, L]
+  at::Tensor lse = sc.amax(-1, /*keepdim=*/true);
   sc.sub_(lse).exp_();
-  shown.masked_fill_(part.hidden, 0.0);
   const at::Tensor sum = sc.sum(-1, /*keepdim=*/true);
   const at::Tensor o = at::bmm(sc, vv).div_(sum);  // [R·Hkv, g·T, Dv]
   lse.add_(sum.log());

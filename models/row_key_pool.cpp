@@ -55,9 +55,12 @@ int64_t RowKeyPool::acquire() {
   if (free == taken_.end()) {
     taken_.push_back(true);
     for (std::vector<int64_t>& u : used_) u.push_back(0);
-  } else {
+  } else {  // an earlier row's slot: its keys cleared (rows_new_keys reads a slot's padding)
     *free = true;
     for (std::vector<int64_t>& u : used_) u[static_cast<size_t>(slot)] = 0;
+    for (std::vector<at::Tensor>* kv : {&k_, &v_})
+      for (at::Tensor& t : *kv)
+        if (t.defined()) t[slot].zero_();
   }
   return slot;
 }

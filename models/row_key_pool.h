@@ -7,7 +7,8 @@
 //
 // Layout per layer: k, v [S, Hkv, C, D] (S slots, C positions), head-major so that a slot's keys
 // are a [Hkv, L, D] block the batched product reads as it is. Positions past a slot's length
-// hold stale (finite: zeros or an earlier row's) values that the product masks. The capacity
+// hold zeros (acquire clears a reused slot, so nothing of an earlier row, not even a non-finite
+// value, can reach the next one's masked product). The capacity
 // doubles when a row outgrows it, as do the slots; memory is S·C per layer, the padded layout
 // the batched product builds anyway, kept. The pool also keeps the batch's stacked prompt keys
 // (stacked_keys: one copy of the prompt keys of the videos the rows read, per layer). A row's slot
@@ -54,8 +55,8 @@ class RowKeyPool {
  public:
   explicit RowKeyPool(size_t layers);
 
-  int64_t acquire();              // a free slot, empty in every layer
-  void release(int64_t slot);     // its keys are left as they are (stale, finite)
+  int64_t acquire();              // a free slot, empty and zeroed in every layer
+  void release(int64_t slot);     // its keys are left as they are (cleared when reused)
   int64_t copy_of(int64_t slot);  // a new slot holding `slot`'s keys
   int64_t used(size_t layer, int64_t slot) const;
   // The room allocated in `layer`: {slots, positions} (0, 0 before its first keys).

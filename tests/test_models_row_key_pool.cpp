@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "models/decode.h"
 #include "models/row_key_pool.h"
 
@@ -95,6 +97,23 @@ TEST(RowKeyPool, CopiedSlotsAreIndependentAndReleasedOnesReused) {
   moved.reset();
   EXPECT_EQ(pool->acquire(), freed);
   EXPECT_EQ(pool->used(0, freed), 0);
+}
+
+// A released slot taken again holds zeros, not its earlier row's keys: rows_new_keys reads a
+// slot's padding (masked, but 0·V must stay finite), so nothing of one client's row, not even a
+// non-finite value, reaches the next row's product.
+TEST(RowKeyPool, AReusedSlotIsCleared) {
+  auto pool = std::make_shared<RowKeyPool>(1);
+  const int64_t first = pool->acquire(), other = pool->acquire();
+  const at::Tensor nan = at::full({3, kHeads, kDim}, std::nan(""));
+  pool->append(0, first, nan, nan);
+  pool->append(0, other, tokens(3, 0), tokens(3, 1));
+  pool->release(first);
+  ASSERT_EQ(pool->acquire(), first);
+  const auto [k, v] = pool->gather(0, at::tensor({first, other}, at::kLong), 3);
+  EXPECT_TRUE(at::equal(k[0], at::zeros_like(k[0])));
+  EXPECT_TRUE(at::equal(v[0], at::zeros_like(v[0])));
+  EXPECT_TRUE(at::equal(k[1], tokens(3, 0).transpose(0, 1)));  // the other row's untouched
 }
 
 // push_rows_keys as lvx serve's steps use it: two rows together (pooled), one of them alone
