@@ -58,6 +58,10 @@ struct Parallel {
   // block's output projection, residual, norm and MLP are recomputed in the backward from the
   // block input and the attention output, which the attention keeps anyway.
   bool remat = false;
+  // A rows step (Model::extend_rows: lvx serve's continuous batching) runs each layer's
+  // independent attention calls on two host threads (models/side_by_side.h): the visual keys'
+  // beside the prompt's and the rows' own keys'. lvx serve --step-overlap; off elsewhere.
+  bool side_by_side = false;
 
   LayerHooks* hooks = nullptr;  // null: nothing runs around the layers
 
@@ -86,8 +90,8 @@ std::vector<int64_t> media_slots(int64_t slots, int rank, int world);
 // This rank's share of the media: whole image slots `slots` (media_slots) of every sample's key
 // sequence, encoded here and nowhere else.
 struct LocalMedia {
-  at::Tensor features;          // [B, slots · tokens_per_media, width]; zero for absent slots
-  std::vector<int64_t> slots;   // global slot indices, ascending
+  at::Tensor features;         // [B, slots · tokens_per_media, width]; zero for absent slots
+  std::vector<int64_t> slots;  // global slot indices, ascending
   // Host int64 indices of these slots ([S_r]) and of their keys ([S_r · tokens_per_media]), for
   // selecting this rank's part of per-slot and per-key tensors.
   at::Tensor slot_index() const;

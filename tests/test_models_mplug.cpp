@@ -313,6 +313,37 @@ TEST(MplugExtendRows, StackedPromptKeysEqualEachAlone) {
   }
 }
 
+// Parallel::side_by_side (lvx serve --step-overlap): a rows step with each layer's visual-key
+// calls on a second thread gives the logits of the same step on one thread bit for bit (the same
+// calls on the same inputs), for a step with a joining question and a step of one token each,
+// over three videos' rows. Both variants.
+TEST(MplugExtendRows, SideBySideEqualsOneThreadExactly) {
+  for (const std::string variant : {"240728", "241101"}) {
+    const KeptPrefix k = kept_prefix(variant);
+    const lvx::models::Model& model = *k.model;
+    std::vector<lvx::models::DecodeCache> videos(3);
+    for (lvx::models::DecodeCache& v : videos) model.prefill(k.head, k.par, v);
+    std::vector<lvx::models::DecodeCache> one{videos[0], videos[0], videos[1], videos[2]};
+    std::vector<lvx::models::DecodeCache> two = one;
+    lvx::models::Parallel overlapped = k.par;
+    overlapped.side_by_side = true;
+    auto ids = [](std::vector<int64_t> t) { return at::tensor(t, at::kLong); };
+    auto rows_of = [](std::vector<lvx::models::DecodeCache>& caches) {
+      std::vector<lvx::models::DecodeCache*> rows;
+      for (lvx::models::DecodeCache& c : caches) rows.push_back(&c);
+      return rows;
+    };
+    for (const std::vector<at::Tensor>& tokens :
+         {std::vector<at::Tensor>{ids({5, 6, 7, 8}), ids({9, 10}), ids({11, 12}), ids({13, 14})},
+          std::vector<at::Tensor>{ids({20}), ids({21}), ids({22}), ids({23})}}) {
+      const at::Tensor a = model.extend_rows(tokens, k.par, rows_of(one));
+      const at::Tensor b = model.extend_rows(tokens, overlapped, rows_of(two));
+      EXPECT_TRUE(at::equal(a, b))
+          << variant << ": |overlapped - one thread| " << (a - b).abs().max().item<double>();
+    }
+  }
+}
+
 // Model::extend: a prefill of the prompt up to its last image token, then the rest in one extend,
 // gives the last token's logits of a prefill of the whole prompt, and of the rest token by token
 // through decode steps. fp32 within 1e-5 (the same sums in another order; a wrong position,

@@ -10,6 +10,7 @@
 #include "models/layers.h"
 #include "models/mplug_owl3/model.h"
 #include "models/mplug_owl3/names.h"
+#include "models/side_by_side.h"
 #include "src/common/error.h"
 
 namespace lvx::models {
@@ -184,6 +185,8 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
   for (size_t r = 0; r < R; ++r) sees.push_back(caches[r]->sees_media.expand({lengths[r]}));
   const at::Tensor sees_media = at::cat(sees);  // [N]
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  // One row steps alone with its cache's pieces (rows_new_keys): nothing to overlap.
+  const bool overlap = par.side_by_side && R > 1;
   for (int64_t i = 0; i < c.layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     const auto [q, k, v] = decode_qkv(i, h, rope);
@@ -195,11 +198,25 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
       crossing += cross[r] ? 1 : 0;
     }
     const at::Tensor qn = q.squeeze(0);  // [N, Hq, D]
+    // This rank's partials, side by side (models/side_by_side.h): the visual keys' beside the
+    // prompt's and the rows' own keys'; without images the prompt's beside the own keys'.
+    Partial text, image, own;
+    auto text_part = [&] { text = rows_cached_partial(qn, lengths, caches, li, false, scale); };
+    auto own_part = [&] { own = rows_new_keys(qn, caches, li, layout, scale); };
+    if (crossing > 0)
+      side_by_side(
+          overlap, emb.device(),
+          [&] { image = rows_cached_partial(qn, lengths, caches, li, true, scale); },
+          [&] {
+            text_part();
+            own_part();
+          });
+    else
+      side_by_side(overlap, emb.device(), text_part, own_part);
     // Every row's text partial as one [N, ...] partial, the visual one of the rows with images
     // as another: one pass-Q message when every row has images, two otherwise.
-    std::vector<Partial> merged{rows_cached_partial(qn, lengths, caches, li, false, scale)};
+    std::vector<Partial> merged{text};
     if (crossing > 0) {
-      const Partial image = rows_cached_partial(qn, lengths, caches, li, true, scale);
       if (crossing == R) {
         merged = merge_across_ranks(*par.pg, {merged[0], image});
       } else {
@@ -209,7 +226,7 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
     } else {
       merged = merge_across_ranks(*par.pg, merged);
     }
-    const Partial self = merge_partials({merged[0], rows_new_keys(qn, caches, li, layout, scale)});
+    const Partial self = merge_partials({merged[0], own});
     const at::Tensor ctx =
         crossing == R || crossing == 0
             ? decode_mix(i, self, crossing == 0 ? nullptr : &merged[1], sees_media)

@@ -57,6 +57,10 @@ void add_serve_options(lvx::cli::ArgParser& p) {
   p.add_option("num-frames", 'f', "", "default sampling: N frames over the range (default 16)");
   lvx::cli::add_nproc_options(p, "1", "local ranks to start");
   lvx::cli::add_threads_option(p);
+  p.add_option("step-overlap", 0, "auto",
+               "auto | on | off: a batched step runs each layer's independent attention calls on\n"
+               "two host threads (the visual keys' beside the prompt's and the rows' own keys';\n"
+               "auto: on when this machine has 2 cores or more per local rank)");
   p.add_option("strategies", 's', "auto", "auto | S | S_cross,S_self (prefill)");
   p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
   p.add_option("dtype", 0, "auto", "fp32 | bf16 | auto (fp32 on cpu, the checkpoint's on cuda)");
@@ -124,6 +128,18 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   return o;
 }
 
+// --step-overlap: whether a rank overlaps a batched step's attention calls (QaJob::side_by_side).
+// auto counts this machine's ranks as apply_threads does (LOCAL_WORLD_SIZE on a rank).
+bool step_overlap(const lvx::cli::ArgParser& p, int local_ranks) {
+  const std::string v = p.get("step-overlap");
+  LVX_CHECK(v == "auto" || v == "on" || v == "off", "--step-overlap: auto, on or off, got '", v,
+            "'");
+  if (v != "auto") return v == "on";
+  if (const char* l = std::getenv("LOCAL_WORLD_SIZE"); l && std::atoi(l) > 0)
+    local_ranks = std::atoi(l);
+  return lvx::cli::available_cores() >= 2 * local_ranks;
+}
+
 bool loopback(const std::string& host) {
   return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
 }
@@ -149,12 +165,14 @@ int cmd_serve(int argc, char** argv) {
   lvx::serve::ServeOptions o = serve_options(p);
   if (lvx::cli::inside_rank()) {
     lvx::cli::apply_threads(p);
+    o.job.side_by_side = step_overlap(p, 1);
     lvx::runtime::validate_qa_settings(o.job);
     return lvx::serve::run_serve_rank(o);
   }
   const int nproc = lvx::cli::checked_nproc(p);
   lvx::cli::apply_threads(p, nproc);
-  lvx::runtime::validate_qa_settings(o.job);  // bad flags fail once, before ranks start
+  o.job.side_by_side = step_overlap(p, nproc);  // bad values fail once, before ranks start
+  lvx::runtime::validate_qa_settings(o.job);    // bad flags fail once, before ranks start
   LVX_CHECK(o.allowed_media_path.empty() || std::filesystem::is_directory(o.allowed_media_path),
             "--allowed-local-media-path '", o.allowed_media_path, "' is not a folder");
   lvx::runtime::check_local_devices(o.job.device, nproc);

@@ -222,6 +222,7 @@ void take_prompt(QaSession::State& cx, QaAnswer& a) {
   std::string plan_text;
   a.par = plan_layers(*cx.model, a.ids, cx.pg->world_size(), cx.job.plan, &plan_text);
   a.par.pg = cx.pg;
+  a.par.side_by_side = cx.job.side_by_side;
   if (cx.job.print_plan && r == 0)
     std::cerr << plan_text << "\n" << describe(a.par, cx.model) << "\n";
 }

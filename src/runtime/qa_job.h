@@ -64,10 +64,11 @@ struct QaJob {
   GenerateOptions generation;         // max_new_tokens, sampling
   PlanRequest plan;                   // plan.dtype: fp32 | bf16 | auto (src/runtime/device.h)
   std::string device = "auto";        // auto | cuda | cpu (src/runtime/device.h)
-  bool json = false;         // print one JSON object per question instead of streaming text
-  bool print_plan = false;   // the per-layer plan of each question (rank 0, stderr)
-  bool ignore_stop = false;  // generate exactly max_new_tokens (benchmarks)
-  bool overwrite = false;    // batch: answer everything again into an output of other settings
+  bool json = false;          // print one JSON object per question instead of streaming text
+  bool print_plan = false;    // the per-layer plan of each question (rank 0, stderr)
+  bool ignore_stop = false;   // generate exactly max_new_tokens (benchmarks)
+  bool overwrite = false;     // batch: answer everything again into an output of other settings
+  bool side_by_side = false;  // lvx serve: models::Parallel::side_by_side (--step-overlap)
 };
 
 // What the batch output's answers depend on, as written to `<output>.settings.json`.
