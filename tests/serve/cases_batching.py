@@ -173,7 +173,9 @@ def case_identical_requests_share_generation(fx, srv, ranks):
 def case_distinct_questions_batched(fx, srv, ranks):
     # Continuous batching: distinct questions about one video sent at once run together (one
     # decode step for all, rows joining as their prefill ends and leaving at their own end);
-    # each answer is lvx qa's for its question, token for token.
+    # each answer is lvx qa's for its question, token for token. The server runs with
+    # --step-overlap on (each step's visual-key calls on a second thread; auto leaves it off on
+    # a 2-core machine), so the overlapped step is checked end to end too.
     clip = video_part(file_url(fx.clip))
     questions = [QUESTION, "What shape was the colour?", "Where did the shape move?",
                  "How many shapes were there?"]

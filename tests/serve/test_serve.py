@@ -55,7 +55,7 @@ CASES = [
     (case_stop_and_disconnect, [], {}, 1, False),
     (case_nonstreaming_client_leaves, ["--max-batch", "1"], {}, 1, False),
     (case_identical_requests_share_generation, ["--max-batch", "1"], {}, 1, False),
-    (case_distinct_questions_batched, [], {}, 1, False),
+    (case_distinct_questions_batched, ["--step-overlap", "on"], {}, 1, False),
     (case_chunked_prefill, ["--max-batch-tokens", "4", "--max-batch-visual-keys", "128"], {}, 1,
      False),
     (case_sigterm_finishes_in_flight, [], {}, 1, True),
