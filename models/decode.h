@@ -227,13 +227,13 @@ std::vector<size_t> rows_by_keys(const std::vector<const DecodeCache*>& caches);
 Partial rows_cached_partial(const at::Tensor& q, const std::vector<int64_t>& lengths,
                             const std::vector<DecodeCache*>& caches, size_t layer, bool visual,
                             double scale);
+// What rows_new_keys adds to a score its token must not see: finite, so that exp gives exactly 0
+// after the row's maximum is subtracted, without the slow path ATen's CPU exp takes on -inf.
+inline constexpr float kHiddenScore = -1e30f;
 // Where the N tokens of a rows forward (extend_rows: row r's T_r tokens side by side, a decode
 // step's one each) sit in the padded [R, T_max] layout of the batched product over each row's
 // own new keys, and which keys each sees (causal among its row's new keys). The same in every
 // layer: built once per forward.
-// What rows_new_keys adds to a score its token must not see: finite, so that exp gives exactly 0
-// after the row's maximum is subtracted, without the slow path ATen's CPU exp takes on -inf.
-inline constexpr float kHiddenScore = -1e30f;
 struct RowsLayout {
   // Rows padded together: the one-token rows (decode steps), and the longer ones (questions).
   struct Part {

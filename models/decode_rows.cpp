@@ -3,7 +3,6 @@
 // keys read per group of rows holding the same tensors, their own new keys in one padded
 // product. Declared in models/decode.h beside the single generation's helpers.
 #include <algorithm>
-#include <limits>
 
 #include "kernels/attention.h"
 #include "models/decode.h"

@@ -238,6 +238,13 @@ void add_chunk_keys_option(ArgParser& p) {
 
 int64_t chunk_keys(const ArgParser& p) { return p.get_int("max-batch-visual-keys", 0, INT64_MAX); }
 
+int local_rank_count(int local_ranks) {
+  if (const char* l = std::getenv("LOCAL_WORLD_SIZE"); l && std::atoi(l) > 0) return std::atoi(l);
+  if (const char* o = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); o && std::atoi(o) > 0)
+    return std::atoi(o);
+  return local_ranks;
+}
+
 int apply_threads(const ArgParser& p, int local_ranks) {
   const int cores = available_cores();
   int threads = 0;
@@ -246,11 +253,7 @@ int apply_threads(const ArgParser& p, int local_ranks) {
   } else if (const char* env = std::getenv("OMP_NUM_THREADS"); env && std::atoi(env) > 0) {
     threads = std::min(4096, std::atoi(env));
   } else {
-    if (const char* l = std::getenv("LOCAL_WORLD_SIZE"); l && std::atoi(l) > 0)
-      local_ranks = std::atoi(l);
-    else if (const char* o = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); o && std::atoi(o) > 0)
-      local_ranks = std::atoi(o);
-    threads = std::max(1, cores / std::max(1, local_ranks));
+    threads = std::max(1, cores / std::max(1, local_rank_count(local_ranks)));
   }
   at::set_num_threads(threads);
   return threads;

@@ -87,6 +87,9 @@ int check_nproc(int64_t n, bool force, const std::string& what = "--nproc");
 // ranks, in a launcher `local_ranks`. Returns the count.
 void add_threads_option(ArgParser& p);
 int apply_threads(const ArgParser& p, int local_ranks = 1);
+// The ranks on this machine: LOCAL_WORLD_SIZE (torchrun, lvx's launcher) or
+// OMPI_COMM_WORLD_LOCAL_SIZE (mpirun) on a rank, else `local_ranks` (a launcher's own count).
+int local_rank_count(int local_ranks);
 // --max-batch-visual-keys: with --max-batch-tokens, a prefill chunk also ends before its tokens'
 // visual key reads pass this many (runtime::GenerateOptions::prefill_chunk_keys; default 0: no
 // bound). One option for serve, qa and forward, so that lvx qa given the server's two values

@@ -130,17 +130,15 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
 }
 
 // --step-overlap: whether a rank overlaps a batched step's attention calls (QaJob::side_by_side).
-// auto counts this machine's ranks as apply_threads does (LOCAL_WORLD_SIZE on a rank).
+// auto counts this machine's ranks as apply_threads does (lvx::cli::local_rank_count).
 bool step_overlap(const lvx::cli::ArgParser& p, int local_ranks) {
   const std::string v = p.get("step-overlap");
   LVX_CHECK(v == "auto" || v == "on" || v == "off", "--step-overlap: auto, on or off, got '", v,
             "'");
   if (v != "auto") return v == "on";
-  if (const char* l = std::getenv("LOCAL_WORLD_SIZE"); l && std::atoi(l) > 0)
-    local_ranks = std::atoi(l);
   // On 2 cores (the serving thread, the HTTP threads and a benchmark's clients) it measured
   // neutral overall: faster steps with joining questions, slower plain ones (docs/serve.md).
-  return lvx::cli::available_cores() >= 4 * local_ranks;
+  return lvx::cli::available_cores() >= 4 * lvx::cli::local_rank_count(local_ranks);
 }
 
 bool loopback(const std::string& host) {
