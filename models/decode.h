@@ -256,12 +256,35 @@ RowsLayout rows_layout(const std::vector<int64_t>& lengths, const std::vector<in
 // Every token's query q [N, Hq, D] (rows side by side as `layout` says) against its own row's
 // new keys up to its own (their K/V pushed for this forward): each row's queries and keys padded
 // to the longest and the padding masked, in one product. o [N, Hq, D], lse [N, Hq].
+//
+// With a prompt prefix (prompt_prefix: one rank), each row's cached prompt keys come first in
+// its row of the product, all visible: one softmax over the prompt's keys and the row's own,
+// instead of a call over the prompt keys and a merge of the two partials.
+struct PromptPrefix {
+  at::Tensor k, v;             // the videos' prompt keys stacked, [S, Hkv, P, D] each
+  std::vector<int64_t> place;  // row r's video in the stack
+  explicit operator bool() const { return k.defined(); }
+};
 Partial rows_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
-                      const RowsLayout& layout, double scale);
+                      const RowsLayout& layout, double scale, const PromptPrefix& prefix = {});
+// The rows' cached prompt keys in `layer` as a prefix of their own keys' product, where one
+// product serves: one rank (a prompt split over ranks is merged across them before the rows'
+// own keys join it), several rows in one pool, every row's prompt keys unmasked and of one
+// shape, and the copy small (R·P·Hkv·D at most kPromptPrefixElements: a decode step then copies
+// each row's prompt keys, where a call per video reads them in place; long prompts keep that
+// call). Else none (undefined): the caller takes rows_cached_partial and merges.
+inline constexpr int64_t kPromptPrefixElements = int64_t{1} << 20;
+PromptPrefix prompt_prefix(const std::vector<DecodeCache*>& caches, size_t layer,
+                           const dist::ProcessGroup& pg);
+// Every row's self-attention over its cached prompt keys and its own generated keys (a decode
+// step, one query per row q [R, Hq, D]), merged over the ranks: one product with the prompt as
+// a prefix where prompt_prefix allows, else rows_over_cache merged with generated_partial.
+Partial rows_self_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
+                          size_t layer, dist::ProcessGroup& pg, double scale);
 // Every row's one query q [R, Hq, D] (a decode step) against its own generated keys (the tokens
 // after its cached prompt part): rows_new_keys with one token per row.
 Partial generated_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
-                          size_t layer, double scale);
+                          size_t layer, double scale, const PromptPrefix& prefix = {});
 // Every row's query q [R, Hq, D] against its own cached keys (prompt, or visual) on every rank,
 // merged over the ranks: rows_cached_partial, then one pass-Q message for all rows. [R, Hq, D].
 Partial rows_over_cache(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,

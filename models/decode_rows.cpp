@@ -369,7 +369,7 @@ RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<
 // One part's tokens against their rows' new keys (in their pool: push_rows_keys): [N_part, Hq,
 // D] / [N_part, Hq], row order.
 Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
-                      const RowsLayout::Part& part, double scale) {
+                      const RowsLayout::Part& part, double scale, const PromptPrefix& prefix) {
   std::vector<int64_t> slots;
   for (size_t r : part.rows) slots.push_back(caches[r]->pooled.index());
   const RowKeyPool& pool = *caches[part.rows.front()]->pooled.pool();
@@ -378,10 +378,20 @@ Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
   const auto acc = kernels::accumulation_dtype(q.scalar_type());
   // The rows' keys padded to L in one gather, [R, Hkv, L, D]: each (row, K/V head) one batch of
   // a bmm, its g query heads' T tokens as rows; two bmm and in-place softmax steps.
-  const auto [pk, pv] = pool.gather(layer, index_on(slots, q.device()), L);
+  auto [pk, pv] = pool.gather(layer, index_on(slots, q.device()), L);
+  at::Tensor part_bias = part.bias;
+  if (prefix) {  // the rows' prompt keys first, all visible: [R, Hkv, P + L, D]
+    std::vector<int64_t> places;
+    for (size_t r : part.rows) places.push_back(prefix.place[r]);
+    const at::Tensor at_place = index_on(places, q.device());
+    pk = at::cat({prefix.k.index_select(0, at_place), pk}, 2);
+    pv = at::cat({prefix.v.index_select(0, at_place), pv}, 2);
+    part_bias = at::constant_pad_nd(part_bias, {prefix.k.size(2), 0});
+  }
   const int64_t hq = q.size(1), D = q.size(2), hkv = pk.size(1), g = hq / hkv;
-  const at::Tensor kk = pk.to(acc).view({R * hkv, L, D}).transpose(1, 2);  // [R·Hkv, D, L]
-  const at::Tensor vv = pv.to(acc).view({R * hkv, L, -1});                 // [R·Hkv, L, Dv]
+  const int64_t K = pk.size(2);                                            // keys: P + L
+  const at::Tensor kk = pk.to(acc).view({R * hkv, K, D}).transpose(1, 2);  // [R·Hkv, D, K]
+  const at::Tensor vv = pv.to(acc).view({R * hkv, K, -1});                 // [R·Hkv, K, Dv]
   const at::Tensor qq = (part.to_padded.defined() ? q.index_select(0, part.to_padded) : q)
                             .to(acc)
                             .view({R, T, hkv, g, D})
@@ -391,8 +401,8 @@ Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
   // a hidden score's exp is exactly 0 (every token sees its own key: the maximum is a visible
   // score). A slot's keys past its row's are zeros or an earlier row's (RowKeyPool::acquire
   // clears a slot), so finite: 0·V and the biased scores stay finite.
-  const at::Tensor bias = part.bias.to(acc).expand({R, hkv, g, T, L}).reshape({R * hkv, g * T, L});
-  at::Tensor sc = at::baddbmm(bias, qq, kk, /*beta=*/1.0, /*alpha=*/scale);  // [R·Hkv, g·T, L]
+  const at::Tensor bias = part_bias.to(acc).expand({R, hkv, g, T, K}).reshape({R * hkv, g * T, K});
+  at::Tensor sc = at::baddbmm(bias, qq, kk, /*beta=*/1.0, /*alpha=*/scale);  // [R·Hkv, g·T, K]
   at::Tensor lse = sc.amax(-1, /*keepdim=*/true);
   sc.sub_(lse).exp_();
   const at::Tensor sum = sc.sum(-1, /*keepdim=*/true);
@@ -439,15 +449,17 @@ RowsLayout rows_layout(const std::vector<int64_t>& lengths, const std::vector<in
 }
 
 Partial rows_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
-                      const RowsLayout& layout, double scale) {
+                      const RowsLayout& layout, double scale, const PromptPrefix& prefix) {
   if (caches.size() == 1) {  // one row keeps pieces (push_rows_keys): extend's product
+    LVX_CHECK(!prefix, "rows_new_keys: a prompt prefix needs several rows in a pool");
     const auto [nk, nv] = new_keys(*caches[0], layer);
     return token_rows(causal_new_keys(q.unsqueeze(0), nk, nv, layout.before[0], scale));
   }
-  if (layout.parts.size() == 1) return part_new_keys(q, caches, layer, layout.parts[0], scale);
+  if (layout.parts.size() == 1)
+    return part_new_keys(q, caches, layer, layout.parts[0], scale, prefix);
   std::vector<at::Tensor> o, lse;
   for (const RowsLayout::Part& part : layout.parts) {
-    const Partial p = part_new_keys(q, caches, layer, part, scale);
+    const Partial p = part_new_keys(q, caches, layer, part, scale, prefix);
     o.push_back(p.o);
     lse.push_back(p.lse);
   }
@@ -455,15 +467,51 @@ Partial rows_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
           at::cat(lse, 0).index_select(0, layout.to_flat)};
 }
 
+PromptPrefix prompt_prefix(const std::vector<DecodeCache*>& caches, size_t layer,
+                           const dist::ProcessGroup& pg) {
+  RowKeyPool* pool = caches.front()->pooled.pool();
+  if (pg.world_size() != 1 || caches.size() < 2 || pool == nullptr) return {};
+  const KVShard& first = caches.front()->prompt[layer];
+  std::vector<std::pair<at::Tensor, at::Tensor>> sources;
+  std::vector<int64_t> group;  // row r's index in sources
+  for (const DecodeCache* c : caches) {
+    const KVShard& kv = c->prompt[layer];
+    if (c->pooled.pool() != pool || !kv.k.defined() || kv.visible.defined() || kv.k.size(0) != 1 ||
+        kv.k.size(1) == 0 || kv.k.sizes() != first.k.sizes() || kv.v.sizes() != first.v.sizes() ||
+        kv.k.scalar_type() != first.k.scalar_type())
+      return {};
+    size_t g = 0;
+    while (g < sources.size() &&
+           !(sources[g].first.is_same(kv.k) && sources[g].second.is_same(kv.v)))
+      ++g;
+    if (g == sources.size()) sources.emplace_back(kv.k, kv.v);
+    group.push_back(static_cast<int64_t>(g));
+  }
+  if (static_cast<int64_t>(caches.size()) * first.k.numel() > kPromptPrefixElements) return {};
+  PromptPrefix p;
+  std::vector<int64_t> places;
+  std::tie(p.k, p.v) = pool->stacked_keys(layer, sources, places, /*heads_first=*/true);
+  for (int64_t g : group) p.place.push_back(places[static_cast<size_t>(g)]);
+  return p;
+}
+
 Partial generated_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
-                          size_t layer, double scale) {
+                          size_t layer, double scale, const PromptPrefix& prefix) {
   if (caches.size() == 1) {  // decode_step's products, bit for bit
     const auto [nk, nv] = new_keys(*caches[0], layer);
     return partial_attention(q, nk, nv, {}, scale);
   }
   std::vector<int64_t> ones(caches.size(), 1), before;
   for (const DecodeCache* kc : caches) before.push_back(new_key_count(*kc, layer) - 1);
-  return rows_new_keys(q, caches, layer, rows_layout(ones, before, q.device()), scale);
+  return rows_new_keys(q, caches, layer, rows_layout(ones, before, q.device()), scale, prefix);
+}
+
+Partial rows_self_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
+                          size_t layer, dist::ProcessGroup& pg, double scale) {
+  const PromptPrefix prefix = prompt_prefix(caches, layer, pg);
+  if (prefix) return generated_partial(q, caches, layer, scale, prefix);
+  return merge_partials({rows_over_cache(q, caches, layer, false, pg, scale),
+                         generated_partial(q, caches, layer, scale)});
 }
 
 Partial rows_over_cache(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,

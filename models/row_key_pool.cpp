@@ -170,9 +170,17 @@ std::pair<at::Tensor, at::Tensor> RowKeyPool::gather(size_t layer, const at::Ten
 
 std::pair<at::Tensor, at::Tensor> RowKeyPool::stacked_keys(
     size_t layer, const std::vector<std::pair<at::Tensor, at::Tensor>>& sources,
-    std::vector<int64_t>& places) {
+    std::vector<int64_t>& places, bool heads_first) {
   std::lock_guard<std::mutex> lock(mu_);
   Stacked& s = stacked_[layer];
+  auto result = [&s, heads_first]() -> std::pair<at::Tensor, at::Tensor> {
+    if (!heads_first) return {s.k, s.v};
+    if (!s.k_heads.defined()) {
+      s.k_heads = s.k.transpose(1, 2).contiguous();
+      s.v_heads = s.v.transpose(1, 2).contiguous();
+    }
+    return {s.k_heads, s.v_heads};
+  };
   auto place = [&s](const std::pair<at::Tensor, at::Tensor>& src) -> int64_t {
     for (size_t i = 0; i < s.sources.size(); ++i)
       if (s.sources[i].first.is_same(src.first) && s.sources[i].second.is_same(src.second))
@@ -185,7 +193,7 @@ std::pair<at::Tensor, at::Tensor> RowKeyPool::stacked_keys(
     places.push_back(place(src));
     same = same && places.back() >= 0;
   }
-  if (same) return {s.k, s.v};
+  if (same) return result();
   std::vector<at::Tensor> ks, vs;
   places.clear();
   for (const auto& [k, v] : sources) {
@@ -193,8 +201,8 @@ std::pair<at::Tensor, at::Tensor> RowKeyPool::stacked_keys(
     ks.push_back(k[0]);
     vs.push_back(v[0]);
   }
-  s = Stacked{sources, at::stack(ks), at::stack(vs)};
-  return {s.k, s.v};
+  s = Stacked{sources, at::stack(ks), at::stack(vs), {}, {}};
+  return result();
 }
 
 size_t RowKeyPool::stacked_sources(size_t layer) const {

@@ -79,10 +79,11 @@ class RowKeyPool {
   // Hkv, D], all of one shape) stacked as [G, P, Hkv, D] each, so that one attention call serves
   // every group (rows_cached_partial). Kept with the tensors it was made of (held, so none can be
   // freed and its address reused) while later steps ask for the same set in any order; rebuilt
-  // when the set changes. places[i]: sources[i]'s place in the stack.
+  // when the set changes. places[i]: sources[i]'s place in the stack. heads_first: as [G, Hkv,
+  // P, D] instead (the rows' own keys' layout: a prompt prefix, rows_new_keys), made once per set.
   std::pair<at::Tensor, at::Tensor> stacked_keys(
       size_t layer, const std::vector<std::pair<at::Tensor, at::Tensor>>& sources,
-      std::vector<int64_t>& places);
+      std::vector<int64_t>& places, bool heads_first = false);
   // How many groups' keys `layer`'s stack holds (0: none stacked yet).
   size_t stacked_sources(size_t layer) const;
 
@@ -98,6 +99,7 @@ class RowKeyPool {
   struct Stacked {
     std::vector<std::pair<at::Tensor, at::Tensor>> sources;
     at::Tensor k, v;
+    at::Tensor k_heads, v_heads;  // [G, Hkv, P, D]: made when first asked for
   };
   std::vector<Stacked> stacked_;  // per layer (stacked_keys)
 };

@@ -376,7 +376,8 @@ TEST(MllamaChunkedPrefill, OnThreeRanksEqualsTheWholePrefill) {
 // Model::decode_rows (continuous batching): three generations about the same frames at
 // different lengths and one without images (its cross layers skipped), each prefilled alone,
 // stepped together: every row's logits equal its own decode_step's within 1e-5 (fp32); one row
-// alone is decode_step bit for bit (tests/model_rows.h).
+// alone is decode_step bit for bit (tests/model_rows.h). Then three prompts of one length, whose
+// prompt keys join the rows' own keys' product (prompt_prefix): the same bound.
 TEST(MllamaDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   const Reference& ref = frames_reference();
   const auto batch = lvx::load_safetensors(ref.batch).tensors;
@@ -384,13 +385,18 @@ TEST(MllamaDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   ASSERT_TRUE(model->batches_rows());
   const at::Tensor row0 = batch.at("input_ids").narrow(0, 0, 1);
   const int64_t images = row0.eq(model->media_token_id()).sum().item<int64_t>();
-  const RowsDiff d =
-      decode_rows_against_steps(*model, row0, batch.at("pixel_values").narrow(0, 0, images),
-                                at::tensor({7, 8, 9, 10}, at::kLong).view({1, -1}));
+  const at::Tensor pixels = batch.at("pixel_values").narrow(0, 0, images);
+  const RowsDiff d = decode_rows_against_steps(*model, row0, pixels,
+                                               at::tensor({7, 8, 9, 10}, at::kLong).view({1, -1}));
   std::cout << "|rows together - each alone| " << d.worst << "\n";
   EXPECT_LE(d.worst, 1e-5);
   EXPECT_TRUE(d.lengths_equal);
   EXPECT_TRUE(d.one_row_bitwise);
+  EXPECT_FALSE(d.prefixed);  // prompts of three lengths: a call over each
+  const RowsDiff one = decode_rows_against_steps(*model, row0, pixels, {}, /*one_length=*/true);
+  std::cout << "one prompt length: |rows together - each alone| " << one.worst << "\n";
+  EXPECT_LE(one.worst, 1e-5);
+  EXPECT_TRUE(one.prefixed);
 }
 
 // ---- lvx qa and lvx finetune on the tiny checkpoint ------------------------------------------

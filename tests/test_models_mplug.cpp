@@ -143,7 +143,8 @@ TEST_P(MplugGeneration, GreedyTokensEqualTheReferenceLoop) {
 // then stepped together for 4 tokens (tests/model_rows.h): every row's logits equal its own
 // decode_step's within 1e-5 (fp32; the projections run as one product over the rows, the cached
 // keys per video, the rows' own keys in one masked product); one row alone is bitwise
-// decode_step. Both variants (gated and one-softmax cross-attention).
+// decode_step. Both variants (gated and one-softmax cross-attention). Then three prompts of one
+// length, whose prompt keys join the rows' own keys' product (prompt_prefix): the same bound.
 TEST(MplugDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   for (const std::string variant : {"240728", "241101"}) {
     const Reference& ref = reference(variant);
@@ -152,13 +153,19 @@ TEST(MplugDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
     ASSERT_TRUE(model->batches_rows());
     const at::Tensor row0 = batch.at("input_ids").narrow(0, 0, 1);
     const int64_t images = row0.eq(model->media_token_id()).sum().item<int64_t>();
-    const RowsDiff d =
-        decode_rows_against_steps(*model, row0, batch.at("pixel_values").narrow(0, 0, images),
-                                  at::tensor({7, 8, 9, 10}, at::kLong).view({1, -1}));
+    const at::Tensor pixels = batch.at("pixel_values").narrow(0, 0, images);
+    const RowsDiff d = decode_rows_against_steps(
+        *model, row0, pixels, at::tensor({7, 8, 9, 10}, at::kLong).view({1, -1}));
     std::cout << variant << ": |rows together - each alone| " << d.worst << "\n";
     EXPECT_LE(d.worst, 1e-5) << variant;
     EXPECT_TRUE(d.lengths_equal) << variant;
     EXPECT_TRUE(d.one_row_bitwise) << variant;  // the same products as decode_step
+    EXPECT_FALSE(d.prefixed) << variant;        // prompts of three lengths: a call over each
+    const RowsDiff one = decode_rows_against_steps(*model, row0, pixels, {}, /*one_length=*/true);
+    std::cout << variant << ": one prompt length: |rows together - each alone| " << one.worst
+              << "\n";
+    EXPECT_LE(one.worst, 1e-5) << variant;
+    EXPECT_TRUE(one.prefixed) << variant;
   }
 }
 

@@ -155,9 +155,8 @@ ExtendDiff of_extend(const std::string& lm, std::shared_ptr<lvx::dist::ProcessGr
   EXPECT_TRUE(model->can_extend());
   const at::Tensor ids = with_text_tail(batch.at("input_ids"));
   const ExtendDiff d = extend_against_prefill(*model, ids, batch.at("pixel_values"), pg);
-  std::cout << lm << ": split " << d.split << " of " << d.length << ", |extend − whole| "
-            << d.whole << ", |extend − decode steps| " << d.steps << ", next step " << d.next
-            << "\n";
+  std::cout << lm << ": split " << d.split << " of " << d.length << ", |extend − whole| " << d.whole
+            << ", |extend − decode steps| " << d.steps << ", next step " << d.next << "\n";
   return d;
 }
 
@@ -190,7 +189,8 @@ TEST(OpenFlamingoExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
 // Model::decode_rows (continuous batching): three generations about the same images at different
 // lengths and one without images (its gated blocks skipped), each prefilled alone, stepped
 // together: every row's logits equal its own decode_step's within 1e-5 (fp32), for each decoder
-// kind; one row alone is decode_step bit for bit (tests/model_rows.h).
+// kind; one row alone is decode_step bit for bit (tests/model_rows.h). Then three prompts of one
+// length, whose prompt keys join the rows' own keys' product (prompt_prefix): the same bound.
 TEST(OpenFlamingoDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   for (const std::string& lm : kExtendLms) {
     const Reference& ref = reference(lm);
@@ -203,12 +203,17 @@ TEST(OpenFlamingoDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
     const int64_t images = row0.eq(model->media_token_id()).sum().item<int64_t>();
     const at::Tensor px = batch.at("pixel_values");
     const at::Tensor pixels = px.dim() == 6 ? px.narrow(0, 0, 1) : px.narrow(0, 0, images);
-    const RowsDiff d = decode_rows_against_steps(*model, row0, pixels,
-                                                 at::tensor({7, 8, 9, 10}, at::kLong).view({1, -1}));
+    const RowsDiff d = decode_rows_against_steps(
+        *model, row0, pixels, at::tensor({7, 8, 9, 10}, at::kLong).view({1, -1}));
     std::cout << lm << ": |rows together - each alone| " << d.worst << "\n";
     EXPECT_LE(d.worst, 1e-5) << lm;
     EXPECT_TRUE(d.lengths_equal) << lm;
     EXPECT_TRUE(d.one_row_bitwise) << lm;
+    EXPECT_FALSE(d.prefixed) << lm;  // prompts of three lengths: a call over each
+    const RowsDiff one = decode_rows_against_steps(*model, row0, pixels, {}, /*one_length=*/true);
+    std::cout << lm << ": one prompt length: |rows together - each alone| " << one.worst << "\n";
+    EXPECT_LE(one.worst, 1e-5) << lm;
+    EXPECT_TRUE(one.prefixed) << lm;
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "models/decode.h"
 #include "models/row_key_pool.h"
+#include "src/dist/process_group.h"
 
 namespace {
 
@@ -184,6 +185,46 @@ TEST(RowKeyPool, StackedKeysFollowTheSetNotTheOrder) {
   EXPECT_EQ(places, (std::vector<int64_t>{0, 1}));
   EXPECT_TRUE(at::equal(k3[0], videos[3].first[0]) && at::equal(v3[1], videos[0].second[0]));
   EXPECT_EQ(pool.stacked_sources(0), 2U);
+  // Heads first ([G, Hkv, P, D], the own keys' layout): the same set, its keys transposed.
+  const auto [kh, vh] = pool.stacked_keys(0, {videos[0], videos[3]}, places, /*heads_first=*/true);
+  EXPECT_EQ(places, (std::vector<int64_t>{1, 0}));
+  EXPECT_TRUE(at::equal(kh, k3.transpose(1, 2)) && at::equal(vh, v3.transpose(1, 2)));
+  EXPECT_TRUE(kh.is_contiguous());
+}
+
+// Rows whose prompt keys join their own keys' product (models/decode.h prompt_prefix): on one
+// rank, several pooled rows whose prompt keys are unmasked, of one shape and few; each row's
+// place is its video's in the stack. Any other batch gets none (a call over the prompt keys).
+TEST(PromptPrefix, OnlySmallUnmaskedPromptsOfOneShapeOnOneRank) {
+  const lvx::dist::ProcessGroup pg{lvx::dist::RendezvousInfo{}};
+  auto pool = std::make_shared<RowKeyPool>(1);
+  std::vector<DecodeCache> caches(3);
+  std::vector<DecodeCache*> rows;
+  // Two videos' prompt keys; rows 0 and 2 hold the same tensors (questions about one video).
+  const at::Tensor a = tokens(4, 0).unsqueeze(0), b = tokens(4, 50).unsqueeze(0);
+  const lvx::models::KVShard video_a{a, -a, {}}, video_b{b, -b, {}};
+  for (size_t r = 0; r < 3; ++r) {
+    caches[r].prompt = {r == 1 ? video_b : video_a};
+    caches[r].pooled = RowSlot(pool, pool->acquire());
+    rows.push_back(&caches[r]);
+  }
+  const lvx::models::PromptPrefix p = lvx::models::prompt_prefix(rows, 0, pg);
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p.place, (std::vector<int64_t>{0, 1, 0}));
+  EXPECT_TRUE(at::equal(p.k[1], b[0].transpose(0, 1)) && at::equal(p.v[0], -a[0].transpose(0, 1)));
+  EXPECT_FALSE(lvx::models::prompt_prefix({rows[0]}, 0, pg));  // one row steps alone
+  caches[2].prompt[0].visible = at::ones({1, 4}, at::kBool);   // masked keys
+  EXPECT_FALSE(lvx::models::prompt_prefix(rows, 0, pg));
+  caches[2].prompt[0] = {tokens(5, 0).unsqueeze(0), tokens(5, 0).unsqueeze(0), {}};  // 5 keys
+  EXPECT_FALSE(lvx::models::prompt_prefix(rows, 0, pg));
+  // More than kPromptPrefixElements to copy per step: rows x P x Hkv x D.
+  const int64_t big = lvx::models::kPromptPrefixElements / (3 * kHeads * kDim) + 1;
+  for (DecodeCache& c : caches)
+    c.prompt[0] = {tokens(big, 0).unsqueeze(0), tokens(big, 1).unsqueeze(0), {}};
+  EXPECT_FALSE(lvx::models::prompt_prefix(rows, 0, pg));
+  for (DecodeCache& c : caches)
+    c.prompt[0] = {tokens(big - 2, 0).unsqueeze(0), tokens(big - 2, 1).unsqueeze(0), {}};
+  EXPECT_TRUE(lvx::models::prompt_prefix(rows, 0, pg));
 }
 
 }  // namespace
