@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "kernels/attention.h"
+#include "models/parallel.h"
 #include "models/row_key_pool.h"
 #include "src/attention/media_mask.h"
 #include "src/dist/process_group.h"
@@ -257,34 +258,36 @@ RowsLayout rows_layout(const std::vector<int64_t>& lengths, const std::vector<in
 // new keys up to its own (their K/V pushed for this forward): each row's queries and keys padded
 // to the longest and the padding masked, in one product. o [N, Hq, D], lse [N, Hq].
 //
-// With a prompt prefix (prompt_prefix: one rank), each row's cached prompt keys come first in
+// With a prompt front (prompt_front: one rank), each row's cached prompt keys come first in
 // its row of the product, all visible: one softmax over the prompt's keys and the row's own,
-// instead of a call over the prompt keys and a merge of the two partials.
-struct PromptPrefix {
-  at::Tensor k, v;             // the videos' prompt keys stacked, [S, Hkv, P, D] each
-  std::vector<int64_t> place;  // row r's video in the stack
-  explicit operator bool() const { return k.defined(); }
+// instead of a call over the prompt keys and a merge of the two partials. They are kept in the
+// row's pool slot as its front (RowKeyPool::set_fronts: copied when the row first steps so, not
+// at every step), and one gather reads them with the row's own keys.
+struct PromptFront {
+  int64_t length = 0;                                   // P: every row's prompt keys in this layer
+  std::vector<std::pair<at::Tensor, at::Tensor>> keys;  // row r's (k, v [1, P, Hkv, D])
+  explicit operator bool() const { return length > 0; }
 };
 Partial rows_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
-                      const RowsLayout& layout, double scale, const PromptPrefix& prefix = {});
+                      const RowsLayout& layout, double scale, const PromptFront& front = {});
 // The rows' cached prompt keys in `layer` as a prefix of their own keys' product, where one
 // product serves: one rank (a prompt split over ranks is merged across them before the rows'
 // own keys join it), several rows in one pool, every row's prompt keys unmasked and of one
-// shape, and the copy small (R·P·Hkv·D at most kPromptPrefixElements: a decode step then copies
-// each row's prompt keys, where a call per video reads them in place; long prompts keep that
-// call). Else none (undefined): the caller takes rows_cached_partial and merges.
-inline constexpr int64_t kPromptPrefixElements = int64_t{1} << 20;
-PromptPrefix prompt_prefix(const std::vector<DecodeCache*>& caches, size_t layer,
-                           const dist::ProcessGroup& pg);
+// shape, and the copies small (R·P·Hkv·D at most par.prompt_front_elements: each row then holds
+// a copy of its prompt keys in its slot and a step gathers them, where a call per video reads
+// them in place; long prompts keep that call). Else none: the caller takes rows_cached_partial
+// and merges.
+PromptFront prompt_front(const std::vector<DecodeCache*>& caches, size_t layer,
+                         const Parallel& par);
 // Every row's self-attention over its cached prompt keys and its own generated keys (a decode
 // step, one query per row q [R, Hq, D]), merged over the ranks: one product with the prompt as
-// a prefix where prompt_prefix allows, else rows_over_cache merged with generated_partial.
+// a prefix where prompt_front allows, else rows_over_cache merged with generated_partial.
 Partial rows_self_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
-                          size_t layer, dist::ProcessGroup& pg, double scale);
+                          size_t layer, const Parallel& par, double scale);
 // Every row's one query q [R, Hq, D] (a decode step) against its own generated keys (the tokens
 // after its cached prompt part): rows_new_keys with one token per row.
 Partial generated_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
-                          size_t layer, double scale, const PromptPrefix& prefix = {});
+                          size_t layer, double scale, const PromptFront& front = {});
 // Every row's query q [R, Hq, D] against its own cached keys (prompt, or visual) on every rank,
 // merged over the ranks: rows_cached_partial, then one pass-Q message for all rows. [R, Hq, D].
 Partial rows_over_cache(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,

@@ -369,25 +369,25 @@ RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<
 // One part's tokens against their rows' new keys (in their pool: push_rows_keys): [N_part, Hq,
 // D] / [N_part, Hq], row order.
 Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
-                      const RowsLayout::Part& part, double scale, const PromptPrefix& prefix) {
+                      const RowsLayout::Part& part, double scale, const PromptFront& front) {
   std::vector<int64_t> slots;
-  for (size_t r : part.rows) slots.push_back(caches[r]->pooled.index());
-  const RowKeyPool& pool = *caches[part.rows.front()]->pooled.pool();
+  std::vector<std::pair<at::Tensor, at::Tensor>> fronts;  // none: the slots' fronts dropped
+  for (size_t r : part.rows) {
+    slots.push_back(caches[r]->pooled.index());
+    if (front) fronts.push_back(front.keys[r]);
+  }
+  RowKeyPool& pool = *caches[part.rows.front()]->pooled.pool();
+  pool.set_fronts(layer, slots, fronts);  // no copy where a slot holds its front already
   const auto R = static_cast<int64_t>(part.rows.size());
   const int64_t T = part.longest, L = part.keys;
   const auto acc = kernels::accumulation_dtype(q.scalar_type());
   // The rows' keys padded to L in one gather, [R, Hkv, L, D]: each (row, K/V head) one batch of
   // a bmm, its g query heads' T tokens as rows; two bmm and in-place softmax steps.
-  auto [pk, pv] = pool.gather(layer, index_on(slots, q.device()), L);
-  at::Tensor part_bias = part.bias;
-  if (prefix) {  // the rows' prompt keys first, all visible: [R, Hkv, P + L, D]
-    std::vector<int64_t> places;
-    for (size_t r : part.rows) places.push_back(prefix.place[r]);
-    const at::Tensor at_place = index_on(places, q.device());
-    pk = at::cat({prefix.k.index_select(0, at_place), pk}, 2);
-    pv = at::cat({prefix.v.index_select(0, at_place), pv}, 2);
-    part_bias = at::constant_pad_nd(part_bias, {prefix.k.size(2), 0});
-  }
+  // The rows' keys padded in one gather, [R, Hkv, P + L, D]: the prompt keys first (all
+  // visible), then the own keys.
+  const auto [pk, pv] = pool.gather(layer, index_on(slots, q.device()), front.length + L);
+  const at::Tensor part_bias =
+      front ? at::constant_pad_nd(part.bias, {front.length, 0}) : part.bias;
   const int64_t hq = q.size(1), D = q.size(2), hkv = pk.size(1), g = hq / hkv;
   const int64_t K = pk.size(2);                                            // keys: P + L
   const at::Tensor kk = pk.to(acc).view({R * hkv, K, D}).transpose(1, 2);  // [R·Hkv, D, K]
@@ -449,17 +449,17 @@ RowsLayout rows_layout(const std::vector<int64_t>& lengths, const std::vector<in
 }
 
 Partial rows_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
-                      const RowsLayout& layout, double scale, const PromptPrefix& prefix) {
+                      const RowsLayout& layout, double scale, const PromptFront& front) {
   if (caches.size() == 1) {  // one row keeps pieces (push_rows_keys): extend's product
-    LVX_CHECK(!prefix, "rows_new_keys: a prompt prefix needs several rows in a pool");
+    LVX_CHECK(!front, "rows_new_keys: a prompt front needs several rows in a pool");
     const auto [nk, nv] = new_keys(*caches[0], layer);
     return token_rows(causal_new_keys(q.unsqueeze(0), nk, nv, layout.before[0], scale));
   }
   if (layout.parts.size() == 1)
-    return part_new_keys(q, caches, layer, layout.parts[0], scale, prefix);
+    return part_new_keys(q, caches, layer, layout.parts[0], scale, front);
   std::vector<at::Tensor> o, lse;
   for (const RowsLayout::Part& part : layout.parts) {
-    const Partial p = part_new_keys(q, caches, layer, part, scale, prefix);
+    const Partial p = part_new_keys(q, caches, layer, part, scale, front);
     o.push_back(p.o);
     lse.push_back(p.lse);
   }
@@ -467,50 +467,41 @@ Partial rows_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
           at::cat(lse, 0).index_select(0, layout.to_flat)};
 }
 
-PromptPrefix prompt_prefix(const std::vector<DecodeCache*>& caches, size_t layer,
-                           const dist::ProcessGroup& pg) {
+PromptFront prompt_front(const std::vector<DecodeCache*>& caches, size_t layer,
+                         const Parallel& par) {
   RowKeyPool* pool = caches.front()->pooled.pool();
-  if (pg.world_size() != 1 || caches.size() < 2 || pool == nullptr) return {};
+  if (par.pg->world_size() != 1 || caches.size() < 2 || pool == nullptr) return {};
   const KVShard& first = caches.front()->prompt[layer];
-  std::vector<std::pair<at::Tensor, at::Tensor>> sources;
-  std::vector<int64_t> group;  // row r's index in sources
+  PromptFront p;
   for (const DecodeCache* c : caches) {
     const KVShard& kv = c->prompt[layer];
     if (c->pooled.pool() != pool || !kv.k.defined() || kv.visible.defined() || kv.k.size(0) != 1 ||
         kv.k.size(1) == 0 || kv.k.sizes() != first.k.sizes() || kv.v.sizes() != first.v.sizes() ||
         kv.k.scalar_type() != first.k.scalar_type())
       return {};
-    size_t g = 0;
-    while (g < sources.size() &&
-           !(sources[g].first.is_same(kv.k) && sources[g].second.is_same(kv.v)))
-      ++g;
-    if (g == sources.size()) sources.emplace_back(kv.k, kv.v);
-    group.push_back(static_cast<int64_t>(g));
+    p.keys.emplace_back(kv.k, kv.v);
   }
-  if (static_cast<int64_t>(caches.size()) * first.k.numel() > kPromptPrefixElements) return {};
-  PromptPrefix p;
-  std::vector<int64_t> places;
-  std::tie(p.k, p.v) = pool->stacked_keys(layer, sources, places, /*heads_first=*/true);
-  for (int64_t g : group) p.place.push_back(places[static_cast<size_t>(g)]);
+  if (static_cast<int64_t>(caches.size()) * first.k.numel() > par.prompt_front_elements) return {};
+  p.length = first.k.size(1);
   return p;
 }
 
 Partial generated_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
-                          size_t layer, double scale, const PromptPrefix& prefix) {
+                          size_t layer, double scale, const PromptFront& front) {
   if (caches.size() == 1) {  // decode_step's products, bit for bit
     const auto [nk, nv] = new_keys(*caches[0], layer);
     return partial_attention(q, nk, nv, {}, scale);
   }
   std::vector<int64_t> ones(caches.size(), 1), before;
   for (const DecodeCache* kc : caches) before.push_back(new_key_count(*kc, layer) - 1);
-  return rows_new_keys(q, caches, layer, rows_layout(ones, before, q.device()), scale, prefix);
+  return rows_new_keys(q, caches, layer, rows_layout(ones, before, q.device()), scale, front);
 }
 
 Partial rows_self_partial(const at::Tensor& q, const std::vector<DecodeCache*>& caches,
-                          size_t layer, dist::ProcessGroup& pg, double scale) {
-  const PromptPrefix prefix = prompt_prefix(caches, layer, pg);
-  if (prefix) return generated_partial(q, caches, layer, scale, prefix);
-  return merge_partials({rows_over_cache(q, caches, layer, false, pg, scale),
+                          size_t layer, const Parallel& par, double scale) {
+  const PromptFront front = prompt_front(caches, layer, par);
+  if (front) return generated_partial(q, caches, layer, scale, front);
+  return merge_partials({rows_over_cache(q, caches, layer, false, *par.pg, scale),
                          generated_partial(q, caches, layer, scale)});
 }
 

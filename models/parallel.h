@@ -62,6 +62,11 @@ struct Parallel {
   // independent attention calls on two host threads (models/side_by_side.h): the visual keys'
   // beside the prompt's and the rows' own keys'. lvx serve --step-overlap; off elsewhere.
   bool side_by_side = false;
+  // The most prompt-key elements (rows × P × Hkv × D, per layer) that the rows of a batched step
+  // keep in their key pool's slots, so that their own keys' product reads them too
+  // (models/decode.h prompt_front; one rank only). Above it, or at 0, one attention call over the
+  // videos' stacked prompt keys and a merge instead.
+  int64_t prompt_front_elements = int64_t{1} << 20;
 
   LayerHooks* hooks = nullptr;  // null: nothing runs around the layers
 

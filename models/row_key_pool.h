@@ -6,7 +6,8 @@
 // and layer, then a concatenation of every row's pieces per layer) were a tenth of a step.
 //
 // Layout per layer: k, v [S, Hkv, C, D] (S slots, C positions), head-major so that a slot's keys
-// are a [Hkv, L, D] block the batched product reads as it is. Positions past a slot's length
+// are a [Hkv, L, D] block the batched product reads as it is. A slot may start with a front (its
+// row's cached prompt keys, set_fronts), its own keys after it. Positions past a slot's length
 // hold zeros (acquire clears a reused slot, so nothing of an earlier row, not even a non-finite
 // value, can reach the next one's masked product). The capacity
 // doubles when a row outgrows it, as do the slots; memory is S·C per layer, the padded layout
@@ -71,19 +72,27 @@ class RowKeyPool {
   // A copy of one slot's keys as [1, used, Hkv, D] each (a cache leaving the pool).
   std::pair<at::Tensor, at::Tensor> slot_keys(size_t layer, int64_t slot) const;
   // The keys of `slots` (int64 on the pool's device) at positions [0, length): [R, Hkv, L, D]
-  // each, one index_select (positions past a slot's own length: stale, to be masked).
+  // each, one index_select (positions past a slot's own length: stale, to be masked). With
+  // fronts (set_fronts), a slot's positions start with its front.
   std::pair<at::Tensor, at::Tensor> gather(size_t layer, const at::Tensor& slots,
                                            int64_t length) const;
+  // A slot's front in `layer`: keys kept before its own (a row's cached prompt keys, so that one
+  // gather reads them with its own: rows_new_keys' prompt front), its own keys after them.
+  // fronts[i] (k, v [1, P, Hkv, D]) becomes slots[i]'s front, written only where the slot does
+  // not hold those very tensors already (held: their address cannot be reused); with no fronts,
+  // every slot's front is dropped. Either moves the slot's own keys behind the front.
+  void set_fronts(size_t layer, const std::vector<int64_t>& slots,
+                  const std::vector<std::pair<at::Tensor, at::Tensor>>& fronts);
+  int64_t front(size_t layer, int64_t slot) const;  // its length (0: none)
 
   // The cached prompt keys several groups of the batch read (each group's video: k, v [1, P,
   // Hkv, D], all of one shape) stacked as [G, P, Hkv, D] each, so that one attention call serves
   // every group (rows_cached_partial). Kept with the tensors it was made of (held, so none can be
   // freed and its address reused) while later steps ask for the same set in any order; rebuilt
-  // when the set changes. places[i]: sources[i]'s place in the stack. heads_first: as [G, Hkv,
-  // P, D] instead (the rows' own keys' layout: a prompt prefix, rows_new_keys), made once per set.
+  // when the set changes. places[i]: sources[i]'s place in the stack.
   std::pair<at::Tensor, at::Tensor> stacked_keys(
       size_t layer, const std::vector<std::pair<at::Tensor, at::Tensor>>& sources,
-      std::vector<int64_t>& places, bool heads_first = false);
+      std::vector<int64_t>& places);
   // How many groups' keys `layer`'s stack holds (0: none stacked yet).
   size_t stacked_sources(size_t layer) const;
 
@@ -91,15 +100,19 @@ class RowKeyPool {
   // Room for `length` positions and every slot in `layer` (allocated like `like` [., Hkv, D]).
   void reserve(size_t layer, int64_t length, const at::Tensor& k_like, const at::Tensor& v_like);
   void append_locked(size_t layer, int64_t slot, const at::Tensor& k, const at::Tensor& v);
+  // Moves a slot's own keys to start at `front` (its front becomes that long).
+  void move_own(size_t layer, int64_t slot, int64_t front);
 
   mutable std::mutex mu_;
   std::vector<at::Tensor> k_, v_;           // per layer: [S, Hkv, C, D] (undefined: none yet)
-  std::vector<std::vector<int64_t>> used_;  // per layer, per slot: positions written
-  std::vector<bool> taken_;                 // per slot
+  std::vector<std::vector<int64_t>> used_;  // per layer, per slot: own positions written
+  // Per layer, per slot: the front (set_fronts) before the own positions, and its tensors.
+  std::vector<std::vector<int64_t>> front_;
+  std::vector<std::vector<std::pair<at::Tensor, at::Tensor>>> front_of_;
+  std::vector<bool> taken_;  // per slot
   struct Stacked {
     std::vector<std::pair<at::Tensor, at::Tensor>> sources;
     at::Tensor k, v;
-    at::Tensor k_heads, v_heads;  // [G, Hkv, P, D]: made when first asked for
   };
   std::vector<Stacked> stacked_;  // per layer (stacked_keys)
 };

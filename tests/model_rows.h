@@ -21,14 +21,14 @@ struct RowsDiff {
   double worst = 0;            // max |decode_rows − each row's decode_step| over 4 steps
   bool lengths_equal = false;  // every row's cache ends at its own length
   bool one_row_bitwise = false;
-  bool prefixed = false;  // the rows' prompt keys joined their own keys' product (prompt_prefix)
+  bool fronted = false;  // the rows' prompt keys joined their own keys' product (prompt_front)
 };
 
 // Rows: `row0` [1, L] with its images `pixels` as it is, then with 2 and 5 more tokens; and, when
 // `text_only` [1, L'] is given, a row without images (a cross layer skips it). One rank.
 // one_length: instead three prompts of one length (row0 with 2 more tokens, three different
 // pairs), whose prompt keys then join each row's own keys' product (models/decode.h
-// prompt_prefix) instead of a call over them and a merge.
+// prompt_front) instead of a call over them and a merge.
 inline RowsDiff decode_rows_against_steps(const models::Model& model, const at::Tensor& row0,
                                           const at::Tensor& pixels,
                                           const at::Tensor& text_only = {},
@@ -64,7 +64,7 @@ inline RowsDiff decode_rows_against_steps(const models::Model& model, const at::
     }
   }
   for (size_t l = 0; l < rows.front()->prompt.size(); ++l)
-    d.prefixed = d.prefixed || static_cast<bool>(models::prompt_prefix(rows, l, *par.pg));
+    d.fronted = d.fronted || static_cast<bool>(models::prompt_front(rows, l, par));
   d.lengths_equal = true;
   for (size_t r = 0; r < R; ++r)
     d.lengths_equal = d.lengths_equal && together[r].length == alone[r].length;

@@ -377,7 +377,7 @@ TEST(MllamaChunkedPrefill, OnThreeRanksEqualsTheWholePrefill) {
 // different lengths and one without images (its cross layers skipped), each prefilled alone,
 // stepped together: every row's logits equal its own decode_step's within 1e-5 (fp32); one row
 // alone is decode_step bit for bit (tests/model_rows.h). Then three prompts of one length, whose
-// prompt keys join the rows' own keys' product (prompt_prefix): the same bound.
+// prompt keys join the rows' own keys' product (prompt_front): the same bound.
 TEST(MllamaDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   const Reference& ref = frames_reference();
   const auto batch = lvx::load_safetensors(ref.batch).tensors;
@@ -392,11 +392,11 @@ TEST(MllamaDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   EXPECT_LE(d.worst, 1e-5);
   EXPECT_TRUE(d.lengths_equal);
   EXPECT_TRUE(d.one_row_bitwise);
-  EXPECT_FALSE(d.prefixed);  // prompts of three lengths: a call over each
+  EXPECT_FALSE(d.fronted);  // prompts of three lengths: a call over each
   const RowsDiff one = decode_rows_against_steps(*model, row0, pixels, {}, /*one_length=*/true);
   std::cout << "one prompt length: |rows together - each alone| " << one.worst << "\n";
   EXPECT_LE(one.worst, 1e-5);
-  EXPECT_TRUE(one.prefixed);
+  EXPECT_TRUE(one.fronted);
 }
 
 // ---- lvx qa and lvx finetune on the tiny checkpoint ------------------------------------------

@@ -144,7 +144,7 @@ TEST_P(MplugGeneration, GreedyTokensEqualTheReferenceLoop) {
 // decode_step's within 1e-5 (fp32; the projections run as one product over the rows, the cached
 // keys per video, the rows' own keys in one masked product); one row alone is bitwise
 // decode_step. Both variants (gated and one-softmax cross-attention). Then three prompts of one
-// length, whose prompt keys join the rows' own keys' product (prompt_prefix): the same bound.
+// length, whose prompt keys join the rows' own keys' product (prompt_front): the same bound.
 TEST(MplugDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   for (const std::string variant : {"240728", "241101"}) {
     const Reference& ref = reference(variant);
@@ -160,12 +160,12 @@ TEST(MplugDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
     EXPECT_LE(d.worst, 1e-5) << variant;
     EXPECT_TRUE(d.lengths_equal) << variant;
     EXPECT_TRUE(d.one_row_bitwise) << variant;  // the same products as decode_step
-    EXPECT_FALSE(d.prefixed) << variant;        // prompts of three lengths: a call over each
+    EXPECT_FALSE(d.fronted) << variant;         // prompts of three lengths: a call over each
     const RowsDiff one = decode_rows_against_steps(*model, row0, pixels, {}, /*one_length=*/true);
     std::cout << variant << ": one prompt length: |rows together - each alone| " << one.worst
               << "\n";
     EXPECT_LE(one.worst, 1e-5) << variant;
-    EXPECT_TRUE(one.prefixed) << variant;
+    EXPECT_TRUE(one.fronted) << variant;
   }
 }
 
@@ -278,15 +278,17 @@ TEST(MplugExtendRows, DecodeTokensBesideQuestionsEqualEachAlone) {
 
 // Model::extend_rows over three videos whose prompts have one length (lvx serve's common case:
 // frames sampled to one count): their prompt keys are read in one call over the batch's stack
-// (models/decode_rows.cpp, stacked_partial). A step where a question joins (the one-token rows
-// stacked, the question's tokens in a call of their own), then a step of one token per row
-// (every token stacked): each row's logits equal its own extend or decode_step alone within 1e-5
-// (fp32), and the rows' pool holds the three videos' stack. Both variants.
+// (models/decode_rows.cpp, stacked_partial; the path across ranks, here on one rank with the
+// rows' prompt fronts off). A step where a question joins (the one-token rows stacked, the
+// question's tokens in a call of their own), then a step of one token per row (every token
+// stacked): each row's logits equal its own extend or decode_step alone within 1e-5 (fp32), and
+// the rows' pool holds the three videos' stack. Both variants.
 TEST(MplugExtendRows, StackedPromptKeysEqualEachAlone) {
   for (const std::string variant : {"240728", "241101"}) {
     const KeptPrefix k = kept_prefix(variant);
     const lvx::models::Model& model = *k.model;
-    const lvx::models::Parallel& par = k.par;
+    lvx::models::Parallel par = k.par;
+    par.prompt_front_elements = 0;  // the stacked call, not the rows' prompt fronts
     std::vector<lvx::models::DecodeCache> videos(3);  // three prefixes: tensors of their own
     for (lvx::models::DecodeCache& v : videos) model.prefill(k.head, par, v);
     auto asked = [&](const lvx::models::DecodeCache& prefix, int64_t token) {

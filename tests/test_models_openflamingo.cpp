@@ -190,7 +190,7 @@ TEST(OpenFlamingoExtend, PrefixPrefillAndExtendEqualTheWholePrefill) {
 // lengths and one without images (its gated blocks skipped), each prefilled alone, stepped
 // together: every row's logits equal its own decode_step's within 1e-5 (fp32), for each decoder
 // kind; one row alone is decode_step bit for bit (tests/model_rows.h). Then three prompts of one
-// length, whose prompt keys join the rows' own keys' product (prompt_prefix): the same bound.
+// length, whose prompt keys join the rows' own keys' product (prompt_front): the same bound.
 TEST(OpenFlamingoDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
   for (const std::string& lm : kExtendLms) {
     const Reference& ref = reference(lm);
@@ -209,11 +209,11 @@ TEST(OpenFlamingoDecodeRows, RowsAtTheirOwnLengthsEqualEachAlone) {
     EXPECT_LE(d.worst, 1e-5) << lm;
     EXPECT_TRUE(d.lengths_equal) << lm;
     EXPECT_TRUE(d.one_row_bitwise) << lm;
-    EXPECT_FALSE(d.prefixed) << lm;  // prompts of three lengths: a call over each
+    EXPECT_FALSE(d.fronted) << lm;  // prompts of three lengths: a call over each
     const RowsDiff one = decode_rows_against_steps(*model, row0, pixels, {}, /*one_length=*/true);
     std::cout << lm << ": one prompt length: |rows together - each alone| " << one.worst << "\n";
     EXPECT_LE(one.worst, 1e-5) << lm;
-    EXPECT_TRUE(one.prefixed) << lm;
+    EXPECT_TRUE(one.fronted) << lm;
   }
 }
 

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "models/decode.h"
+#include "models/parallel.h"
 #include "models/row_key_pool.h"
 #include "src/dist/process_group.h"
 
@@ -185,18 +186,14 @@ TEST(RowKeyPool, StackedKeysFollowTheSetNotTheOrder) {
   EXPECT_EQ(places, (std::vector<int64_t>{0, 1}));
   EXPECT_TRUE(at::equal(k3[0], videos[3].first[0]) && at::equal(v3[1], videos[0].second[0]));
   EXPECT_EQ(pool.stacked_sources(0), 2U);
-  // Heads first ([G, Hkv, P, D], the own keys' layout): the same set, its keys transposed.
-  const auto [kh, vh] = pool.stacked_keys(0, {videos[0], videos[3]}, places, /*heads_first=*/true);
-  EXPECT_EQ(places, (std::vector<int64_t>{1, 0}));
-  EXPECT_TRUE(at::equal(kh, k3.transpose(1, 2)) && at::equal(vh, v3.transpose(1, 2)));
-  EXPECT_TRUE(kh.is_contiguous());
 }
 
-// Rows whose prompt keys join their own keys' product (models/decode.h prompt_prefix): on one
+// Rows whose prompt keys join their own keys' product (models/decode.h prompt_front): on one
 // rank, several pooled rows whose prompt keys are unmasked, of one shape and few; each row's
-// place is its video's in the stack. Any other batch gets none (a call over the prompt keys).
-TEST(PromptPrefix, OnlySmallUnmaskedPromptsOfOneShapeOnOneRank) {
-  const lvx::dist::ProcessGroup pg{lvx::dist::RendezvousInfo{}};
+// are its own cache's tensors. Any other batch gets none (a call over the prompt keys).
+TEST(PromptFront, OnlySmallUnmaskedPromptsOfOneShapeOnOneRank) {
+  lvx::models::Parallel par;
+  par.pg = std::make_shared<lvx::dist::ProcessGroup>(lvx::dist::RendezvousInfo{});
   auto pool = std::make_shared<RowKeyPool>(1);
   std::vector<DecodeCache> caches(3);
   std::vector<DecodeCache*> rows;
@@ -208,23 +205,71 @@ TEST(PromptPrefix, OnlySmallUnmaskedPromptsOfOneShapeOnOneRank) {
     caches[r].pooled = RowSlot(pool, pool->acquire());
     rows.push_back(&caches[r]);
   }
-  const lvx::models::PromptPrefix p = lvx::models::prompt_prefix(rows, 0, pg);
+  const lvx::models::PromptFront p = lvx::models::prompt_front(rows, 0, par);
   ASSERT_TRUE(p);
-  EXPECT_EQ(p.place, (std::vector<int64_t>{0, 1, 0}));
-  EXPECT_TRUE(at::equal(p.k[1], b[0].transpose(0, 1)) && at::equal(p.v[0], -a[0].transpose(0, 1)));
-  EXPECT_FALSE(lvx::models::prompt_prefix({rows[0]}, 0, pg));  // one row steps alone
+  EXPECT_EQ(p.length, 4);
+  ASSERT_EQ(p.keys.size(), 3U);
+  for (size_t r = 0; r < 3; ++r)
+    EXPECT_TRUE(p.keys[r].first.is_same(caches[r].prompt[0].k) &&
+                p.keys[r].second.is_same(caches[r].prompt[0].v))
+        << r;
+  EXPECT_FALSE(lvx::models::prompt_front({rows[0]}, 0, par));  // one row steps alone
   caches[2].prompt[0].visible = at::ones({1, 4}, at::kBool);   // masked keys
-  EXPECT_FALSE(lvx::models::prompt_prefix(rows, 0, pg));
+  EXPECT_FALSE(lvx::models::prompt_front(rows, 0, par));
   caches[2].prompt[0] = {tokens(5, 0).unsqueeze(0), tokens(5, 0).unsqueeze(0), {}};  // 5 keys
-  EXPECT_FALSE(lvx::models::prompt_prefix(rows, 0, pg));
-  // More than kPromptPrefixElements to copy per step: rows x P x Hkv x D.
-  const int64_t big = lvx::models::kPromptPrefixElements / (3 * kHeads * kDim) + 1;
-  for (DecodeCache& c : caches)
-    c.prompt[0] = {tokens(big, 0).unsqueeze(0), tokens(big, 1).unsqueeze(0), {}};
-  EXPECT_FALSE(lvx::models::prompt_prefix(rows, 0, pg));
-  for (DecodeCache& c : caches)
-    c.prompt[0] = {tokens(big - 2, 0).unsqueeze(0), tokens(big - 2, 1).unsqueeze(0), {}};
-  EXPECT_TRUE(lvx::models::prompt_prefix(rows, 0, pg));
+  EXPECT_FALSE(lvx::models::prompt_front(rows, 0, par));
+  for (DecodeCache& c : caches) c.prompt[0] = caches[2].prompt[0];  // one video, 5 keys
+  EXPECT_TRUE(lvx::models::prompt_front(rows, 0, par));
+  // More than par.prompt_front_elements to copy: rows x P x Hkv x D (3 x 5 x 2 x 3 here).
+  par.prompt_front_elements = 3 * 5 * kHeads * kDim - 1;
+  EXPECT_FALSE(lvx::models::prompt_front(rows, 0, par));
+  par.prompt_front_elements += 1;
+  EXPECT_TRUE(lvx::models::prompt_front(rows, 0, par));
+  par.prompt_front_elements = 0;  // off
+  EXPECT_FALSE(lvx::models::prompt_front(rows, 0, par));
+}
+
+// A slot's front (RowKeyPool::set_fronts: a row's prompt keys kept before its own): written
+// behind or ahead of own keys already there, kept without a copy while the same tensors are
+// asked for, followed by the keys appended later, copied with the slot, dropped again; the
+// own keys read back (slot_keys, new_keys) stay the row's own throughout. Exact.
+TEST(RowKeyPool, FrontsHoldAPromptBeforeTheOwnKeys) {
+  auto pool = std::make_shared<RowKeyPool>(1);
+  const int64_t a = pool->acquire(), b = pool->acquire();
+  pool->append(0, a, tokens(2, 0), -tokens(2, 0));
+  pool->append(0, b, tokens(3, 10), -tokens(3, 10));
+  const at::Tensor prompt = tokens(5, 500).unsqueeze(0);  // [1, P, Hkv, D]
+  const std::pair<at::Tensor, at::Tensor> front{prompt, -prompt};
+  const at::Tensor both = at::tensor(std::vector<int64_t>{a, b}, at::kLong);
+  pool->set_fronts(0, {a, b}, {front, front});
+  EXPECT_EQ(pool->front(0, a), 5);
+  pool->append_rows(0, {a, b}, {1, 1}, tokens(2, 90), -tokens(2, 90));
+  const auto [k, v] = pool->gather(0, both, 5 + 4);  // [2, Hkv, P + 4, D]
+  for (int64_t i = 0; i < 2; ++i) {
+    EXPECT_TRUE(at::equal(k[i].narrow(1, 0, 5), prompt[0].transpose(0, 1))) << i;
+    EXPECT_TRUE(at::equal(v[i].narrow(1, 0, 5), -prompt[0].transpose(0, 1))) << i;
+  }
+  const at::Tensor own_a = at::cat({tokens(2, 0), tokens(2, 90).narrow(0, 0, 1)});
+  const at::Tensor own_b = at::cat({tokens(3, 10), tokens(2, 90).narrow(0, 1, 1)});
+  EXPECT_TRUE(at::equal(k[0].narrow(1, 5, 3), own_a.transpose(0, 1)));
+  EXPECT_TRUE(at::equal(k[1].narrow(1, 5, 4), own_b.transpose(0, 1)));
+  EXPECT_TRUE(at::equal(pool->slot_keys(0, b).first, own_b.unsqueeze(0)));
+  // The same tensors again: nothing rewritten (changed in place, they would show it if copied).
+  const at::Tensor was = prompt.clone();
+  prompt.add_(1000);
+  pool->set_fronts(0, {a}, {front});
+  EXPECT_EQ(pool->front(0, a), 5);
+  EXPECT_TRUE(at::equal(pool->gather(0, both, 5).first[0], was[0].transpose(0, 1)));
+  const int64_t c = pool->copy_of(a);  // the front travels with the slot
+  EXPECT_EQ(pool->front(0, c), 5);
+  EXPECT_TRUE(at::equal(pool->slot_keys(0, c).second, -own_a.unsqueeze(0)));
+  pool->set_fronts(0, {a, b}, {});  // dropped: the own keys first again
+  EXPECT_EQ(pool->front(0, a), 0);
+  const auto [k0, v0] = pool->gather(0, both, 4);
+  EXPECT_TRUE(at::equal(k0[0].narrow(1, 0, 3), own_a.transpose(0, 1)));
+  EXPECT_TRUE(at::equal(v0[1], -own_b.transpose(0, 1)));
+  pool->append(0, a, tokens(1, 70), -tokens(1, 70));
+  EXPECT_TRUE(at::equal(pool->slot_keys(0, a).first, at::cat({own_a, tokens(1, 70)}).unsqueeze(0)));
 }
 
 }  // namespace

@@ -181,7 +181,7 @@ at::Tensor Mllama::decode_rows(const at::Tensor& tokens, const Parallel& par,
       const at::Tensor v = linear(x, w_, l + "self_attn.v_proj", false).view({R, 1, Hkv, D});
       push_rows_keys(caches, li, k.squeeze(1), v.squeeze(1), std::vector<int64_t>(R, 1));
       const at::Tensor q1 = q.squeeze(1);
-      const at::Tensor ctx = rows_self_partial(q1, caches, li, *par.pg, scale).o;
+      const at::Tensor ctx = rows_self_partial(q1, caches, li, par, scale).o;
       h = self_block(i, h, ctx.reshape({R, 1, Hq * D}).to(h.scalar_type()), false);
       continue;
     }

@@ -200,13 +200,13 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
     const at::Tensor qn = q.squeeze(0);  // [N, Hq, D]
     // This rank's partials, side by side (models/side_by_side.h): the visual keys' beside the
     // prompt's and the rows' own keys'; without images the prompt's beside the own keys'.
-    // On one rank the prompt's keys may join the own keys' product (prompt_prefix): no text call.
-    const PromptPrefix prefix = prompt_prefix(caches, li, *par.pg);
+    // On one rank the prompt's keys may join the own keys' product (prompt_front): no text call.
+    const PromptFront front = prompt_front(caches, li, par);
     Partial text, image, own;
     auto text_part = [&] {
-      if (!prefix) text = rows_cached_partial(qn, lengths, caches, li, false, scale);
+      if (!front) text = rows_cached_partial(qn, lengths, caches, li, false, scale);
     };
-    auto own_part = [&] { own = rows_new_keys(qn, caches, li, layout, scale, prefix); };
+    auto own_part = [&] { own = rows_new_keys(qn, caches, li, layout, scale, front); };
     if (crossing > 0)
       side_by_side(
           overlap, emb.device(),
@@ -230,7 +230,7 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
     } else {
       merged = merge_across_ranks(*par.pg, merged);
     }
-    const Partial self = prefix ? own : merge_partials({merged[0], own});
+    const Partial self = front ? own : merge_partials({merged[0], own});
     const at::Tensor ctx =
         crossing == R || crossing == 0
             ? decode_mix(i, self, crossing == 0 ? nullptr : &merged[1], sees_media)

@@ -162,7 +162,7 @@ at::Tensor OpenFlamingo::decode_rows(const at::Tensor& tokens, const Parallel& p
     const SelfQKV qkv = self_qkv(i, x, positions);
     push_rows_keys(caches, li, qkv.k.squeeze(1), qkv.v.squeeze(1), std::vector<int64_t>(R, 1));
     const at::Tensor q = qkv.q.squeeze(1);  // [R, H, D']
-    const at::Tensor a = rows_self_partial(q, caches, li, *par.pg, self_scale())
+    const at::Tensor a = rows_self_partial(q, caches, li, par, self_scale())
                              .o.narrow(-1, 0, hd)
                              .reshape({R, 1, c.heads * hd})
                              .to(x.scalar_type());
