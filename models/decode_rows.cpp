@@ -381,10 +381,9 @@ Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
   const auto R = static_cast<int64_t>(part.rows.size());
   const int64_t T = part.longest, L = part.keys;
   const auto acc = kernels::accumulation_dtype(q.scalar_type());
-  // The rows' keys padded to L in one gather, [R, Hkv, L, D]: each (row, K/V head) one batch of
-  // a bmm, its g query heads' T tokens as rows; two bmm and in-place softmax steps.
-  // The rows' keys padded in one gather, [R, Hkv, P + L, D]: the prompt keys first (all
-  // visible), then the own keys.
+  // The rows' keys padded in one gather, [R, Hkv, P + L, D] (P = 0 without a front: the prompt
+  // keys first, all visible, then the own keys): each (row, K/V head) one batch of a bmm, its g
+  // query heads' T tokens as rows; two bmm and in-place softmax steps.
   const auto [pk, pv] = pool.gather(layer, index_on(slots, q.device()), front.length + L);
   const at::Tensor part_bias =
       front ? at::constant_pad_nd(part.bias, {front.length, 0}) : part.bias;

@@ -190,11 +190,9 @@ void RowKeyPool::move_own(size_t layer, int64_t slot, int64_t front) {
   const auto s = static_cast<size_t>(slot);
   const int64_t from = front_[layer][s], n = used_[layer][s];
   if (from == front) return;
-  if (n > 0) {
-    reserve(layer, front + n, k_[layer], v_[layer]);
+  if (n > 0)
     for (at::Tensor* t : {&k_[layer], &v_[layer]})  // overlapping ranges: through a copy
       (*t)[slot].narrow(1, front, n).copy_((*t)[slot].narrow(1, from, n).clone());
-  }
   front_[layer][s] = front;
 }
 

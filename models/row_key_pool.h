@@ -100,7 +100,8 @@ class RowKeyPool {
   // Room for `length` positions and every slot in `layer` (allocated like `like` [., Hkv, D]).
   void reserve(size_t layer, int64_t length, const at::Tensor& k_like, const at::Tensor& v_like);
   void append_locked(size_t layer, int64_t slot, const at::Tensor& k, const at::Tensor& v);
-  // Moves a slot's own keys to start at `front` (its front becomes that long).
+  // Moves a slot's own keys to start at `front` (its front becomes that long); the room for them
+  // reserved by the caller.
   void move_own(size_t layer, int64_t slot, int64_t front);
 
   mutable std::mutex mu_;
