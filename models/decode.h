@@ -228,8 +228,8 @@ std::vector<size_t> rows_by_keys(const std::vector<const DecodeCache*>& caches);
 Partial rows_cached_partial(const at::Tensor& q, const std::vector<int64_t>& lengths,
                             const std::vector<DecodeCache*>& caches, size_t layer, bool visual,
                             double scale);
-// What rows_new_keys adds to a score its token must not see: finite, so that exp gives exactly 0
-// after the row's maximum is subtracted, without the slow path ATen's CPU exp takes on -inf.
+// What rows_new_keys adds to a score its token must not see: finite, so that its exp2 is exactly 0
+// after the row's maximum is subtracted, with no -inf (no NaN from -inf - -inf, no special path).
 inline constexpr float kHiddenScore = -1e30f;
 // Where the N tokens of a rows forward (extend_rows: row r's T_r tokens side by side, a decode
 // step's one each) sit in the padded [R, T_max] layout of the batched product over each row's

@@ -366,6 +366,9 @@ RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<
   return p;
 }
 
+constexpr double kLog2e = 1.4426950408889634;  // log2(e)
+constexpr double kLn2 = 0.6931471805599453;     // ln(2)
+
 // One part's tokens against their rows' new keys (in their pool: push_rows_keys): [N_part, Hq,
 // D] / [N_part, Hq], row order.
 Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
@@ -396,17 +399,19 @@ Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
                             .view({R, T, hkv, g, D})
                             .permute({0, 2, 3, 1, 4})
                             .reshape({R * hkv, g * T, D});
-  // The scores with the layout's bias (kHiddenScore on padding and later keys) in one product;
-  // a hidden score's exp is exactly 0 (every token sees its own key: the maximum is a visible
-  // score). A slot's keys past its row's are zeros or an earlier row's (RowKeyPool::acquire
-  // clears a slot), so finite: 0·V and the biased scores stay finite.
+  // The scores with the layout's bias (kHiddenScore on padding and later keys) in one product,
+  // in base 2 (scale · log2 e): exp2 gives a hidden score exactly 0 on ATen's vectorized path,
+  // where exp's (MKL's VML on CPU) takes its slow path on every underflowing input, ~6× the
+  // time of a finite one; the lse goes back to base e. Every token sees its own key: the maximum
+  // is a visible score. A slot's keys past its row's are zeros or an earlier row's
+  // (RowKeyPool::acquire clears a slot), so finite: 0·V and the biased scores stay finite.
   const at::Tensor bias = part_bias.to(acc).expand({R, hkv, g, T, K}).reshape({R * hkv, g * T, K});
-  at::Tensor sc = at::baddbmm(bias, qq, kk, /*beta=*/1.0, /*alpha=*/scale);  // [R·Hkv, g·T, K]
-  at::Tensor lse = sc.amax(-1, /*keepdim=*/true);
-  sc.sub_(lse).exp_();
+  at::Tensor sc = at::baddbmm(bias, qq, kk, /*beta=*/1.0, /*alpha=*/scale * kLog2e);
+  at::Tensor lse = sc.amax(-1, /*keepdim=*/true);  // [R·Hkv, g·T, 1], base 2 until the end
+  sc.sub_(lse).exp2_();
   const at::Tensor sum = sc.sum(-1, /*keepdim=*/true);
   const at::Tensor o = at::bmm(sc, vv).div_(sum);  // [R·Hkv, g·T, Dv]
-  lse.add_(sum.log());
+  lse.add_(sum.log2()).mul_(kLn2);
   const int64_t Dv = o.size(-1);
   auto of_part = [&part](const at::Tensor& x) {
     return part.to_part.defined() ? x.index_select(0, part.to_part) : x;
