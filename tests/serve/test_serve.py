@@ -38,7 +38,8 @@ from cases_errors import (
     case_error_codes, case_fuzz, case_hostile_bodies, case_hostile_framing, case_inflight_budget)
 from cases_process import (
     case_api_key_flag_not_in_rank_argv, case_api_key_stays_secret, case_killed_rank_503,
-    case_port_in_use_fails_every_rank_at_once, case_sigterm_finishes_in_flight)
+    case_port_in_use_fails_every_rank_at_once, case_sigterm_finishes_in_flight,
+    case_stream_socket_has_nodelay)
 from harness import KEY, KEY2, Fixtures, Server
 
 
@@ -71,6 +72,7 @@ CASES = [
     (case_uuid_scoped_to_key, "keys-file", {}, 1, False),
     (case_logprobs, [], {}, 1, False),
     (case_inflight_budget, ["--max-inflight-bytes", str(3 << 20)], {}, 1, False),
+    (case_stream_socket_has_nodelay, [], {}, 1, False),
 ]
 
 
