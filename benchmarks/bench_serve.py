@@ -16,7 +16,8 @@ video, frames and question, or the run stops. Time to first token is the client'
 forced by a range ending a millisecond earlier each (the cache keys by content and range; the file
 is the same, so the OS page cache is warm for all but the very first), "repeat" runs hit (keyed
 by the file's content hash: hashing is included).
-Throughput (continuous batching): every client sends its requests back to back, streamed, each
+Throughput (continuous batching): every client sends its requests back to back on one kept-alive
+connection (as the openai package's clients do), streamed, each
 a distinct question (request i asks its own) about one of 4 short cached videos (--load-minutes
 each, testsrc2 in 4 sizes), greedy, --tokens new tokens. Two servers side by side in one run: the
 default (up to --max-batch generations step together, one decode step for all) and --max-batch 1
@@ -36,6 +37,7 @@ bound on the visual keys a chunk reads): the miss's frames are decoded and encod
 rank, and its prompt runs one chunk between two decode steps.
 """
 import argparse
+import http.client
 import json
 import os
 import re
@@ -43,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -63,31 +66,17 @@ class Server:
              "--allowed-local-media-path", media, "--fps", str(sample_fps),
              "--max-new-tokens", str(tokens), "--max-queue", "256", *flags])
 
-    def post(self, body, stream=False):
-        """(seconds to the first content, seconds in all, text, response JSON or None)."""
+    def post(self, body, stream=False, clients=None):
+        """(seconds to the first content, seconds in all, text, response JSON or None). With
+        `clients` (a Connections), on this thread's kept connection; else on a new one."""
+        if clients is not None:
+            return clients.post(body, stream)
         req = urllib.request.Request("http://127.0.0.1:%d/v1/chat/completions" % self.port,
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
-        first = None
         with urllib.request.urlopen(req, timeout=600) as r:
-            if not stream:
-                out = json.loads(r.read())
-                t = time.perf_counter() - t0
-                return t, t, out["choices"][0]["message"]["content"], out
-            text = ""
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                for c in ev.get("choices", []):
-                    piece = c["delta"].get("content") or ""
-                    if piece and first is None:
-                        first = time.perf_counter() - t0
-                    text += piece
-        total = time.perf_counter() - t0
-        return first if first is not None else total, total, text, None
+            return read_answer(r, stream, t0)
 
     def metric(self, name):
         """A counter of /metrics (no key: the benchmark's servers run on loopback without one)."""
@@ -97,6 +86,57 @@ class Server:
     def stop(self):
         self.proc.terminate()
         self.proc.wait(timeout=60)
+
+
+def read_answer(r, stream, t0):
+    """post's tuple from the response `r` to a request sent at t0."""
+    if not stream:
+        out = json.loads(r.read())
+        t = time.perf_counter() - t0
+        return t, t, out["choices"][0]["message"]["content"], out
+    first, text = None, ""
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        for c in ev.get("choices", []):
+            piece = c["delta"].get("content") or ""
+            if piece and first is None:
+                first = time.perf_counter() - t0
+            text += piece
+    total = time.perf_counter() - t0
+    return first if first is not None else total, total, text, None
+
+
+class Connections:
+    """One kept-alive HTTP connection per client thread, as the clients users run keep theirs
+    (the openai package's httpx pool, lmms-eval through it): a load run's requests then cost no
+    TCP set-up each. One per run (its threads are that run's); close() ends them."""
+
+    def __init__(self, port):
+        self.port, self.local, self.all, self.lock = port, threading.local(), [], threading.Lock()
+
+    def post(self, body, stream):
+        c = getattr(self.local, "conn", None)
+        if c is None:
+            c = self.local.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+            with self.lock:
+                self.all.append(c)
+        t0 = time.perf_counter()
+        c.request("POST", "/v1/chat/completions", json.dumps(body),
+                  {"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200, ("HTTP %d" % r.status, r.read()[:200])
+        out = read_answer(r, stream, t0)
+        if (r.getheader("Connection") or "").lower() == "close":  # the server ended it
+            c.close()
+            self.local.conn = None
+        return out
+
+    def close(self):
+        for c in self.all:
+            c.close()
 
 
 def body(video, tokens, stream=False, miss=None, question=QUESTION, end=None):
@@ -146,14 +186,17 @@ def load_rows(a, lvx, model, nproc, media, videos):
             runs = {mode: [] for mode in servers}
             for _ in range(a.load_repeats):  # the two servers alternate: drifts hit both
                 for mode, s in servers.items():
+                    clients = Connections(s.port)
+
                     def one(i):
                         q = "%s (%d)" % (QUESTION, i)
                         return q, s.post(body(videos[i % len(videos)], a.tokens, True, question=q),
-                                         True)
+                                         True, clients)
                     t0 = time.perf_counter()
                     with ThreadPoolExecutor(c) as ex:
                         outs = list(ex.map(one, range(n)))
                     runs[mode].append((n / (time.perf_counter() - t0), outs))
+                    clients.close()
             for mode, done in runs.items():
                 outs = [o for _, run in done for o in run]
                 for q, o in outs:
