@@ -66,11 +66,9 @@ class Server:
              "--allowed-local-media-path", media, "--fps", str(sample_fps),
              "--max-new-tokens", str(tokens), "--max-queue", "256", *flags])
 
-    def post(self, body, stream=False, clients=None):
-        """(seconds to the first content, seconds in all, text, response JSON or None). With
-        `clients` (a Connections), on this thread's kept connection; else on a new one."""
-        if clients is not None:
-            return clients.post(body, stream)
+    def post(self, body, stream=False):
+        """(seconds to the first content, seconds in all, text, response JSON or None), on a new
+        connection (Connections.post: on the thread's kept one)."""
         req = urllib.request.Request("http://127.0.0.1:%d/v1/chat/completions" % self.port,
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -190,8 +188,8 @@ def load_rows(a, lvx, model, nproc, media, videos):
 
                     def one(i):
                         q = "%s (%d)" % (QUESTION, i)
-                        return q, s.post(body(videos[i % len(videos)], a.tokens, True, question=q),
-                                         True, clients)
+                        return q, clients.post(
+                            body(videos[i % len(videos)], a.tokens, True, question=q), True)
                     t0 = time.perf_counter()
                     with ThreadPoolExecutor(c) as ex:
                         outs = list(ex.map(one, range(n)))
