@@ -228,9 +228,6 @@ std::vector<size_t> rows_by_keys(const std::vector<const DecodeCache*>& caches);
 Partial rows_cached_partial(const at::Tensor& q, const std::vector<int64_t>& lengths,
                             const std::vector<DecodeCache*>& caches, size_t layer, bool visual,
                             double scale);
-// What rows_new_keys adds to a score its token must not see: finite, so that its exp2 is exactly 0
-// after the row's maximum is subtracted, with no -inf (no NaN from -inf - -inf, no special path).
-inline constexpr float kHiddenScore = -1e30f;
 // Where the N tokens of a rows forward (extend_rows: row r's T_r tokens side by side, a decode
 // step's one each) sit in the padded [R, T_max] layout of the batched product over each row's
 // own new keys, and which keys each sees (causal among its row's new keys). The same in every
@@ -239,12 +236,11 @@ struct RowsLayout {
   // Rows padded together: the one-token rows (decode steps), and the longer ones (questions).
   struct Part {
     std::vector<size_t> rows;
-    int64_t longest = 0, keys = 0;  // T_max, L_max
+    int64_t longest = 0;   // T_max
     at::Tensor to_padded;  // int64 [R·T_max]: the flat token in slot (r, t) (padding: r's last)
     at::Tensor to_part;    // int64 [N_part]: the slot of each of the part's tokens, row order
                            // (either undefined where it is the identity)
-    at::Tensor bias;       // fp32 [R, 1, 1, T_max, L_max]: 0 where slot (r, t) sees key j,
-                           // kHiddenScore where not
+    std::vector<int64_t> sees;  // [R·T_max]: the new keys slot (r, t) sees (its first ones)
   };
   std::vector<int64_t> lengths;  // T_r: row r's tokens in this forward
   std::vector<int64_t> before;   // its new keys before them (its question and answer so far)
@@ -255,14 +251,15 @@ struct RowsLayout {
 RowsLayout rows_layout(const std::vector<int64_t>& lengths, const std::vector<int64_t>& before,
                        const at::Device& device);
 // Every token's query q [N, Hq, D] (rows side by side as `layout` says) against its own row's
-// new keys up to its own (their K/V pushed for this forward): each row's queries and keys padded
-// to the longest and the padding masked, in one product. o [N, Hq, D], lse [N, Hq].
+// new keys up to its own (their K/V pushed for this forward): each part's rows' queries padded to
+// its longest, every row reading its own pool slot (kernels::slot_attention: one call per part).
+// o [N, Hq, D], lse [N, Hq].
 //
 // With a prompt front (prompt_front: one rank), each row's cached prompt keys come first in
 // its row of the product, all visible: one softmax over the prompt's keys and the row's own,
 // instead of a call over the prompt keys and a merge of the two partials. They are kept in the
 // row's pool slot as its front (RowKeyPool::set_fronts: copied when the row first steps so, not
-// at every step), and one gather reads them with the row's own keys.
+// at every step), and one call reads them with the row's own keys.
 struct PromptFront {
   int64_t length = 0;                                   // P: every row's prompt keys in this layer
   std::vector<std::pair<at::Tensor, at::Tensor>> keys;  // row r's (k, v [1, P, Hkv, D])

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "kernels/attention.h"
+#include "kernels/slot_attention.h"
 #include "models/decode.h"
 #include "src/common/error.h"
 
@@ -329,23 +330,17 @@ RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<
                              const std::vector<int64_t>& before, const at::Device& device) {
   RowsLayout::Part p;
   p.rows = rows;
-  for (size_t r : rows) {
-    p.longest = std::max(p.longest, lengths[r]);
-    p.keys = std::max(p.keys, before[r] + lengths[r]);
-  }
+  for (size_t r : rows) p.longest = std::max(p.longest, lengths[r]);
   const auto R = static_cast<int64_t>(rows.size());
-  const int64_t T = p.longest, L = p.keys;
+  const int64_t T = p.longest;
   std::vector<int64_t> to_padded, to_part;
-  std::vector<float> bias(static_cast<size_t>(R * T * L));
   for (int64_t i = 0; i < R; ++i) {
     const size_t r = rows[static_cast<size_t>(i)];
     const int64_t n = lengths[r], b = before[r];
     for (int64_t t = 0; t < T; ++t) {
       to_padded.push_back(start[r] + std::min(t, n - 1));  // padding: the row's last token
       if (t < n) to_part.push_back(i * T + t);
-      for (int64_t j = 0; j < L; ++j)  // causal; a padding slot sees what the row's last does
-        bias[static_cast<size_t>((i * T + t) * L + j)] =
-            j > b + std::min(t, n - 1) ? kHiddenScore : 0.0f;
+      p.sees.push_back(b + std::min(t, n - 1) + 1);  // causal; padding sees what the last does
     }
   }
   // Identities (every row one token, or all as long, and the part all tokens) stay undefined:
@@ -359,18 +354,12 @@ RowsLayout::Part layout_part(const std::vector<size_t>& rows, const std::vector<
     p.to_padded = index_on(to_padded, device);
   if (!identity(to_part) || static_cast<int64_t>(to_part.size()) != R * T)
     p.to_part = index_on(to_part, device);
-  p.bias = at::from_blob(bias.data(), {R, 1, 1, T, L}, at::kFloat)
-               .to(device, at::kFloat,
-                   /*non_blocking=*/false,
-                   /*copy=*/true);
   return p;
 }
 
-constexpr double kLog2e = 1.4426950408889634;  // log2(e)
-constexpr double kLn2 = 0.6931471805599453;     // ln(2)
-
 // One part's tokens against their rows' new keys (in their pool: push_rows_keys): [N_part, Hq,
-// D] / [N_part, Hq], row order.
+// D] / [N_part, Hq], row order. Each row reads its own slot, its front (the prompt keys) first
+// and all visible, then its own keys up to its token's: one kernels::slot_attention call.
 Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& caches, size_t layer,
                       const RowsLayout::Part& part, double scale, const PromptFront& front) {
   std::vector<int64_t> slots;
@@ -381,43 +370,18 @@ Partial part_new_keys(const at::Tensor& q, const std::vector<DecodeCache*>& cach
   }
   RowKeyPool& pool = *caches[part.rows.front()]->pooled.pool();
   pool.set_fronts(layer, slots, fronts);  // no copy where a slot holds its front already
+  std::vector<int64_t> sees = part.sees;
+  for (int64_t& n : sees) n += front.length;
   const auto R = static_cast<int64_t>(part.rows.size());
-  const int64_t T = part.longest, L = part.keys;
-  const auto acc = kernels::accumulation_dtype(q.scalar_type());
-  // The rows' keys padded in one gather, [R, Hkv, P + L, D] (P = 0 without a front: the prompt
-  // keys first, all visible, then the own keys): each (row, K/V head) one batch of a bmm, its g
-  // query heads' T tokens as rows; two bmm and in-place softmax steps.
-  const auto [pk, pv] = pool.gather(layer, index_on(slots, q.device()), front.length + L);
-  const at::Tensor part_bias =
-      front ? at::constant_pad_nd(part.bias, {front.length, 0}) : part.bias;
-  const int64_t hq = q.size(1), D = q.size(2), hkv = pk.size(1), g = hq / hkv;
-  const int64_t K = pk.size(2);                                            // keys: P + L
-  const at::Tensor kk = pk.to(acc).view({R * hkv, K, D}).transpose(1, 2);  // [R·Hkv, D, K]
-  const at::Tensor vv = pv.to(acc).view({R * hkv, K, -1});                 // [R·Hkv, K, Dv]
-  const at::Tensor qq = (part.to_padded.defined() ? q.index_select(0, part.to_padded) : q)
-                            .to(acc)
-                            .view({R, T, hkv, g, D})
-                            .permute({0, 2, 3, 1, 4})
-                            .reshape({R * hkv, g * T, D});
-  // The scores with the layout's bias (kHiddenScore on padding and later keys) in one product,
-  // in base 2 (scale · log2 e): exp2 gives a hidden score exactly 0 on ATen's vectorized path,
-  // where exp's (MKL's VML on CPU) takes its slow path on every underflowing input, ~6× the
-  // time of a finite one; the lse goes back to base e. Every token sees its own key: the maximum
-  // is a visible score. A slot's keys past its row's are zeros or an earlier row's
-  // (RowKeyPool::acquire clears a slot), so finite: 0·V and the biased scores stay finite.
-  const at::Tensor bias = part_bias.to(acc).expand({R, hkv, g, T, K}).reshape({R * hkv, g * T, K});
-  at::Tensor sc = at::baddbmm(bias, qq, kk, /*beta=*/1.0, /*alpha=*/scale * kLog2e);
-  at::Tensor lse = sc.amax(-1, /*keepdim=*/true);  // [R·Hkv, g·T, 1], base 2 until the end
-  sc.sub_(lse).exp2_();
-  const at::Tensor sum = sc.sum(-1, /*keepdim=*/true);
-  const at::Tensor o = at::bmm(sc, vv).div_(sum);  // [R·Hkv, g·T, Dv]
-  lse.add_(sum.log2()).mul_(kLn2);
-  const int64_t Dv = o.size(-1);
+  const auto [pk, pv] = pool.layer_keys(layer);
+  const at::Tensor padded = (part.to_padded.defined() ? q.index_select(0, part.to_padded) : q)
+                                .view({R, part.longest, q.size(1), q.size(2)});
+  const kernels::SlotAttentionOutput out =
+      kernels::slot_attention(padded, pk, pv, slots, sees, scale);
   auto of_part = [&part](const at::Tensor& x) {
     return part.to_part.defined() ? x.index_select(0, part.to_part) : x;
   };
-  return {of_part(o.view({R, hkv, g, T, Dv}).permute({0, 3, 1, 2, 4}).reshape({R * T, hq, Dv})),
-          of_part(lse.view({R, hkv, g, T}).permute({0, 3, 1, 2}).reshape({R * T, hq}))};
+  return {of_part(out.o.flatten(0, 1)), of_part(out.lse.flatten(0, 1))};
 }
 
 }  // namespace

@@ -186,6 +186,12 @@ std::pair<at::Tensor, at::Tensor> RowKeyPool::gather(size_t layer, const at::Ten
           v_[layer].narrow(2, 0, length).index_select(0, slots)};
 }
 
+std::pair<at::Tensor, at::Tensor> RowKeyPool::layer_keys(size_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  LVX_CHECK(k_[layer].defined(), "RowKeyPool: layer ", layer, " holds no keys");
+  return {k_[layer], v_[layer]};
+}
+
 void RowKeyPool::move_own(size_t layer, int64_t slot, int64_t front) {
   const auto s = static_cast<size_t>(slot);
   const int64_t from = front_[layer][s], n = used_[layer][s];

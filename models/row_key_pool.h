@@ -76,6 +76,9 @@ class RowKeyPool {
   // fronts (set_fronts), a slot's positions start with its front.
   std::pair<at::Tensor, at::Tensor> gather(size_t layer, const at::Tensor& slots,
                                            int64_t length) const;
+  // Every slot's keys of `layer` in place, k, v [S, Hkv, C, D] (kernels::slot_attention reads
+  // the rows' slots from them; positions past a slot's own: stale or zeros).
+  std::pair<at::Tensor, at::Tensor> layer_keys(size_t layer) const;
   // A slot's front in `layer`: keys kept before its own (a row's cached prompt keys, so that one
   // gather reads them with its own: rows_new_keys' prompt front), its own keys after them.
   // fronts[i] (k, v [1, P, Hkv, D]) becomes slots[i]'s front, written only where the slot does
