@@ -209,7 +209,10 @@ using WeighFn = void (*)(const float*, const float*, const float*, const int64_t
 // The AVX2 passes for float rows whose head dims they take (multiples of 8 up to 128), on a CPU
 // with AVX2 and FMA; else none (the generic passes serve).
 std::pair<ScoreFn, WeighFn> avx2_passes(const Shape& s) {
-  static const bool cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool cpu = [] {
+    __builtin_cpu_init();  // harmless if done; needed if this runs before libgcc's constructor
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
   if (!cpu || s.D % 8 != 0 || s.Dv % 8 != 0 || s.D > 128 || s.Dv > 128) return {nullptr, nullptr};
   return {
       table<ScoreFn>(s.D / 8, [](auto n) -> ScoreFn { return score_avx2<decltype(n)::value>; }),
