@@ -28,6 +28,9 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             " query heads do not share ", k.size(1), " K/V heads evenly");
   LVX_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
             "slot_attention: q, k, v must share a dtype");
+  LVX_CHECK(k.device() == q.device() && v.device() == q.device(),
+            "slot_attention: q, k, v must be on one device, got ", q.device(), ", ", k.device(),
+            ", ", v.device());
   LVX_CHECK(static_cast<int64_t>(slots.size()) == R, "slot_attention: ", slots.size(),
             " slots for ", R, " rows");
   LVX_CHECK(static_cast<int64_t>(sees.size()) == R * T, "slot_attention: ", sees.size(),

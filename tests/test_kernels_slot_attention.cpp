@@ -154,6 +154,12 @@ TEST(SlotAttentionLoop, RefusesArgumentsThatDoNotFit) {
   EXPECT_NE(message(in.slots, {1, 0}).find("sees 0 keys"), std::string::npos);
   EXPECT_NE(message(in.slots, {1, 41}).find("sees 41 keys"), std::string::npos);
   EXPECT_NE(message({0}, in.sees).find("1 slots for 2 rows"), std::string::npos);
+  try {
+    slot_attention(in.q, in.k.to(at::kMeta), in.v, in.slots, in.sees, 0.25);
+    ADD_FAILURE() << "no error for keys on another device";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("one device"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
