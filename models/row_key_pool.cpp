@@ -177,15 +177,6 @@ std::pair<at::Tensor, at::Tensor> RowKeyPool::slot_keys(size_t layer, int64_t sl
   return {one(k_[layer]), one(v_[layer])};
 }
 
-std::pair<at::Tensor, at::Tensor> RowKeyPool::gather(size_t layer, const at::Tensor& slots,
-                                                     int64_t length) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  LVX_CHECK(k_[layer].defined() && length <= k_[layer].size(2), "RowKeyPool: ", length,
-            " positions asked of layer ", layer, ", which holds fewer");
-  return {k_[layer].narrow(2, 0, length).index_select(0, slots),
-          v_[layer].narrow(2, 0, length).index_select(0, slots)};
-}
-
 std::pair<at::Tensor, at::Tensor> RowKeyPool::layer_keys(size_t layer) const {
   std::lock_guard<std::mutex> lock(mu_);
   LVX_CHECK(k_[layer].defined(), "RowKeyPool: layer ", layer, " holds no keys");

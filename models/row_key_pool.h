@@ -1,15 +1,15 @@
 // The generated keys and values of the rows that step together (lvx serve's continuous batching,
 // Model::extend_rows): one tensor per layer for all rows, each row a slot of it, instead of one
 // tensor piece per row and step. A batched step then writes every row's new K/V with one
-// index_copy_ per layer and reads the rows' keys padded to the longest with one index_select,
+// index_copy_ per layer and reads the rows' slots in place with one kernels::slot_attention call,
 // with no operation per row: at 16 rows of a small model, the per-row pieces (a narrow per row
 // and layer, then a concatenation of every row's pieces per layer) were a tenth of a step.
 //
 // Layout per layer: k, v [S, Hkv, C, D] (S slots, C positions), head-major so that a slot's keys
-// are a [Hkv, L, D] block the batched product reads as it is. A slot may start with a front (its
+// are a [Hkv, L, D] block the batched call reads as it is. A slot may start with a front (its
 // row's cached prompt keys, set_fronts), its own keys after it. Positions past a slot's length
 // hold zeros (acquire clears a reused slot, so nothing of an earlier row, not even a non-finite
-// value, can reach the next one's masked product). The capacity
+// value, can reach the next one's product where a device reads the slots padded). The capacity
 // doubles when a row outgrows it, as do the slots; memory is S·C per layer, the padded layout
 // the batched product builds anyway, kept. The pool also keeps the batch's stacked prompt keys
 // (stacked_keys: one copy of the prompt keys of the videos the rows read, per layer). A row's slot
@@ -71,16 +71,12 @@ class RowKeyPool {
                    const std::vector<int64_t>& counts, const at::Tensor& k, const at::Tensor& v);
   // A copy of one slot's keys as [1, used, Hkv, D] each (a cache leaving the pool).
   std::pair<at::Tensor, at::Tensor> slot_keys(size_t layer, int64_t slot) const;
-  // The keys of `slots` (int64 on the pool's device) at positions [0, length): [R, Hkv, L, D]
-  // each, one index_select (positions past a slot's own length: stale, to be masked). With
-  // fronts (set_fronts), a slot's positions start with its front.
-  std::pair<at::Tensor, at::Tensor> gather(size_t layer, const at::Tensor& slots,
-                                           int64_t length) const;
   // Every slot's keys of `layer` in place, k, v [S, Hkv, C, D] (kernels::slot_attention reads
-  // the rows' slots from them; positions past a slot's own: stale or zeros).
+  // the rows' slots from them; positions past a slot's own: stale or zeros). With fronts
+  // (set_fronts), a slot's positions start with its front.
   std::pair<at::Tensor, at::Tensor> layer_keys(size_t layer) const;
   // A slot's front in `layer`: keys kept before its own (a row's cached prompt keys, so that one
-  // gather reads them with its own: rows_new_keys' prompt front), its own keys after them.
+  // call reads them with its own: rows_new_keys' prompt front), its own keys after them.
   // fronts[i] (k, v [1, P, Hkv, D]) becomes slots[i]'s front, written only where the slot does
   // not hold those very tensors already (held: their address cannot be reused); with no fronts,
   // every slot's front is dropped. Either moves the slot's own keys behind the front.

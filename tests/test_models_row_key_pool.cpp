@@ -20,6 +20,15 @@ using lvx::models::RowSlot;
 
 constexpr int64_t kHeads = 2, kDim = 3;
 
+// The keys of `slots` at positions [0, length), [R, Hkv, L, D] each: what a device that reads
+// the slots padded sees (kernels::slot_attention_composite's gather).
+std::pair<at::Tensor, at::Tensor> gather(const RowKeyPool& pool, size_t layer,
+                                         const at::Tensor& slots, int64_t length) {
+  const auto [k, v] = pool.layer_keys(layer);
+  return {k.narrow(2, 0, length).index_select(0, slots),
+          v.narrow(2, 0, length).index_select(0, slots)};
+}
+
 at::Tensor tokens(int64_t n, double seed) {  // [n, Hkv, D], distinct values
   return at::arange(n * kHeads * kDim, at::kFloat).view({n, kHeads, kDim}) + seed;
 }
@@ -59,7 +68,7 @@ TEST(RowKeyPool, RowsWrittenTogetherReadBackAsEachRowsOwn) {
   }
   // The gather in another order: [R, Hkv, L, D], each row's own keys first.
   const std::vector<int64_t> order{slots[2], slots[0], slots[1]};
-  const auto [gk, gv] = pool->gather(1, at::tensor(order, at::kLong), longest);
+  const auto [gk, gv] = gather(*pool, 1, at::tensor(order, at::kLong), longest);
   for (size_t i = 0; i < 3; ++i) {
     const size_t r = (i + 2) % 3;
     const int64_t n = want_k[r].size(0);
@@ -112,7 +121,7 @@ TEST(RowKeyPool, AReusedSlotIsCleared) {
   pool->append(0, other, tokens(3, 0), tokens(3, 1));
   pool->release(first);
   ASSERT_EQ(pool->acquire(), first);
-  const auto [k, v] = pool->gather(0, at::tensor({first, other}, at::kLong), 3);
+  const auto [k, v] = gather(*pool, 0, at::tensor({first, other}, at::kLong), 3);
   EXPECT_TRUE(at::equal(k[0], at::zeros_like(k[0])));
   EXPECT_TRUE(at::equal(v[0], at::zeros_like(v[0])));
   EXPECT_TRUE(at::equal(k[1], tokens(3, 0).transpose(0, 1)));  // the other row's untouched
@@ -244,7 +253,7 @@ TEST(RowKeyPool, FrontsHoldAPromptBeforeTheOwnKeys) {
   pool->set_fronts(0, {a, b}, {front, front});
   EXPECT_EQ(pool->front(0, a), 5);
   pool->append_rows(0, {a, b}, {1, 1}, tokens(2, 90), -tokens(2, 90));
-  const auto [k, v] = pool->gather(0, both, 5 + 4);  // [2, Hkv, P + 4, D]
+  const auto [k, v] = gather(*pool, 0, both, 5 + 4);  // [2, Hkv, P + 4, D]
   for (int64_t i = 0; i < 2; ++i) {
     EXPECT_TRUE(at::equal(k[i].narrow(1, 0, 5), prompt[0].transpose(0, 1))) << i;
     EXPECT_TRUE(at::equal(v[i].narrow(1, 0, 5), -prompt[0].transpose(0, 1))) << i;
@@ -259,13 +268,13 @@ TEST(RowKeyPool, FrontsHoldAPromptBeforeTheOwnKeys) {
   prompt.add_(1000);
   pool->set_fronts(0, {a}, {front});
   EXPECT_EQ(pool->front(0, a), 5);
-  EXPECT_TRUE(at::equal(pool->gather(0, both, 5).first[0], was[0].transpose(0, 1)));
+  EXPECT_TRUE(at::equal(gather(*pool, 0, both, 5).first[0], was[0].transpose(0, 1)));
   const int64_t c = pool->copy_of(a);  // the front travels with the slot
   EXPECT_EQ(pool->front(0, c), 5);
   EXPECT_TRUE(at::equal(pool->slot_keys(0, c).second, -own_a.unsqueeze(0)));
   pool->set_fronts(0, {a, b}, {});  // dropped: the own keys first again
   EXPECT_EQ(pool->front(0, a), 0);
-  const auto [k0, v0] = pool->gather(0, both, 4);
+  const auto [k0, v0] = gather(*pool, 0, both, 4);
   EXPECT_TRUE(at::equal(k0[0].narrow(1, 0, 3), own_a.transpose(0, 1)));
   EXPECT_TRUE(at::equal(v0[1], -own_b.transpose(0, 1)));
   pool->append(0, a, tokens(1, 70), -tokens(1, 70));
