@@ -1,13 +1,20 @@
 // Rendezvous: torchrun and Open MPI variables parsed into a rank's place in the world, bad
-// values named, and real rank processes joining from Open MPI's variables.
+// values named, real rank processes joining from Open MPI's variables, the store's port held from
+// lvx launch's choice until rank 0 serves on it, and torchrun's agent-hosted store.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <map>
 #include <string>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "src/common/error.h"
 #include "src/dist/process_group.h"
 #include "src/dist/rendezvous.h"
+#include "src/dist/store_socket.h"
 #include "tests/multirank.h"
 
 using lvx::dist::ProcessGroup;
@@ -72,4 +79,79 @@ LVX_WORKER(openmpi_join) {
 
 TEST(Rendezvous, RanksJoinFromOpenMpiVariables) {
   lvx::testing::expect_all_ok(lvx::testing::run_ranks(3, "openmpi_join", 60, {}, true));
+}
+
+namespace {
+
+// errno of binding an IPv4 socket to `port` on every address (0: the bind succeeded).
+int bind_errno(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  const int rc = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 ? 0 : errno;
+  ::close(fd);
+  return rc;
+}
+
+int sum_of_ranks(ProcessGroup& pg) {
+  at::Tensor t = at::full({1}, static_cast<float>(pg.rank()));
+  pg.all_reduce(t);
+  return static_cast<int>(t.item<float>());
+}
+
+}  // namespace
+
+// Before any rank has started its store, MASTER_PORT is taken (the launcher's socket, which
+// only rank 0 holds): no other process can bind it in between, the EADDRINUSE rank 0 once hit in
+// CI when another job's connection drew the port a launcher had chosen and released.
+LVX_WORKER(store_port_held) {
+  const auto info = lvx::dist::rendezvous_from_env();
+  if (bind_errno(info.master_port) != EADDRINUSE) return 3;
+  const bool handed = lvx::dist::adopt_store_socket(info.store_listen_fd, info.master_port) >= 0;
+  if (handed != (info.rank == 0)) return 4;
+  ProcessGroup pg(info);
+  return sum_of_ranks(pg) == info.world_size * (info.world_size - 1) / 2 ? 0 : 1;
+}
+
+TEST(Rendezvous, LaunchHoldsTheStorePortUntilRankZeroServesOnIt) {
+  lvx::testing::expect_all_ok(lvx::testing::run_ranks(3, "store_port_held", 60));
+}
+
+TEST(Rendezvous, AStaleListenFdIsIgnored) {
+  EXPECT_EQ(lvx::dist::adopt_store_socket("", 1234), -1);
+  EXPECT_EQ(lvx::dist::adopt_store_socket("x", 1234), -1);
+  EXPECT_EQ(lvx::dist::adopt_store_socket("0", 1234), -1);  // stdin: not a listening socket
+  lvx::dist::StoreSocket s;
+  EXPECT_EQ(lvx::dist::adopt_store_socket(std::to_string(s.fd()), s.port() == 1 ? 2 : 1), -1);
+  EXPECT_EQ(lvx::dist::adopt_store_socket(std::to_string(s.fd()), s.port()), s.fd());
+}
+
+// torchrun's agent hosts the store at MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True): every rank
+// joins it as a client, as torch.distributed does, instead of rank 0 failing to bind the port
+// (c10d then prints an error it ignores).
+LVX_WORKER(agent_store_join) {
+  const auto info = lvx::dist::rendezvous_from_env();
+  if (!info.agent_store) return 3;
+  ProcessGroup pg(info);
+  return sum_of_ranks(pg) == info.world_size * (info.world_size - 1) / 2 ? 0 : 1;
+}
+
+TEST(Rendezvous, TorchrunsAgentStoreIsJoinedNotHosted) {
+  EXPECT_TRUE(
+      lvx::dist::rendezvous_from_env({{"TORCHELASTIC_USE_AGENT_STORE", "True"}}).agent_store);
+  EXPECT_FALSE(
+      lvx::dist::rendezvous_from_env({{"TORCHELASTIC_USE_AGENT_STORE", "False"}}).agent_store);
+  c10d::TCPStoreOptions o;
+  o.port = 0;
+  o.isServer = true;
+  o.waitWorkers = false;
+  c10d::TCPStore agent("127.0.0.1", o);  // the agent's store, in this process
+  auto r = lvx::testing::run_ranks(
+      2, "agent_store_join", 60,
+      {{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"MASTER_PORT", std::to_string(agent.getPort())}});
+  lvx::testing::expect_all_ok(r);
+  for (const auto& rank : r)
+    EXPECT_EQ(rank.output.find("failed to bind"), std::string::npos) << rank.output;
 }

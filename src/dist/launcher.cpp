@@ -1,13 +1,10 @@
 #include "src/dist/launcher.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,8 +15,10 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include "src/common/error.h"
+#include "src/dist/store_socket.h"
 
 namespace lvx::dist {
 
@@ -60,21 +59,6 @@ int available_cores() {
     }
   }
   return std::max(1, cores);
-}
-
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  LVX_CHECK(fd >= 0, "free_port: socket() failed: ", std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  LVX_CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0,
-            "free_port: bind failed: ", std::strerror(errno));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
 }
 
 double default_exit_wait_s(const std::map<std::string, std::string>& env) {
@@ -124,11 +108,16 @@ void emit(RankExit& rank, const std::string& line, bool capture, bool to_stderr)
 namespace {
 
 // One rank's process environment and command (in the forked child: nothing here may throw).
+// `store`: the rendezvous store's socket, handed to rank 0 alone (nullptr: none or another rank).
 [[noreturn]] void exec_rank(int r, int local, const LaunchOptions& opts,
                             const std::string& master_addr, int port,
                             const std::map<std::string, std::string>& node_env,
-                            const std::vector<std::string>& argv) {
+                            const StoreSocket* store, const std::vector<std::string>& argv) {
   auto set = [](const std::string& k, const std::string& v) { ::setenv(k.c_str(), v.c_str(), 1); };
+  if (store != nullptr && store->keep_across_exec())
+    set(kStoreListenFdVar, std::to_string(store->fd()));
+  else
+    ::unsetenv(kStoreListenFdVar);
   if (opts.openmpi_style) {
     for (const char* k : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}) ::unsetenv(k);
     set("OMPI_COMM_WORLD_RANK", std::to_string(r));
@@ -181,7 +170,8 @@ class Launch {
 
  private:
   void spawn(int r, const std::string& master_addr, int port,
-             const std::map<std::string, std::string>& node_env, pid_t parent);
+             const std::map<std::string, std::string>& node_env, const StoreSocket* store,
+             pid_t parent);
   void drain(int owner, int s);  // what one output holds now, line by line; closed at EOF
   void poll_outputs();
   void reap();
@@ -216,14 +206,19 @@ void Launch::spawn_all() {
     for (int r = 0; r < opts_.nproc; ++r)
       node_env[r] = emulated_rank_env(r / local_, r % local_, preload ? preload : "");
   }
-  const int port = opts_.master_port > 0 ? opts_.master_port : free_port();
+  // Without --master-port the store's port stays held from its choice until rank 0 serves on it.
+  std::optional<StoreSocket> store;
+  if (opts_.master_port <= 0) store.emplace();
+  const int port = store ? store->port() : opts_.master_port;
   const pid_t parent = ::getpid();
-  for (int r = 0; r < opts_.nproc; ++r) spawn(r, master_addr, port, node_env[r], parent);
+  for (int r = 0; r < opts_.nproc; ++r)
+    spawn(r, master_addr, port, node_env[r], r == 0 && store ? &*store : nullptr, parent);
   running_ = opts_.nproc;
 }
 
 void Launch::spawn(int r, const std::string& master_addr, int port,
-                   const std::map<std::string, std::string>& node_env, pid_t parent) {
+                   const std::map<std::string, std::string>& node_env, const StoreSocket* store,
+                   pid_t parent) {
   const bool direct = r == 0 && opts_.rank0_direct && !opts_.capture;
   int out_fds[2] = {-1, -1}, err_fds[2] = {-1, -1};
   if (!direct) {
@@ -241,7 +236,7 @@ void Launch::spawn(int r, const std::string& master_addr, int port,
       ::dup2(err_fds[1], STDERR_FILENO);
       for (int fd : {out_fds[0], out_fds[1], err_fds[0], err_fds[1]}) ::close(fd);
     }
-    exec_rank(r, local_, opts_, master_addr, port, node_env, argv_);
+    exec_rank(r, local_, opts_, master_addr, port, node_env, store, argv_);
   }
   kids_[r].pid = pid;
   kids_[r].start = std::chrono::steady_clock::now();

@@ -92,9 +92,6 @@ int relaunch_self_as_ranks(int nproc, int argc, char** argv);
 // available_cores() / N intra-op threads unless told otherwise (OMP_NUM_THREADS, --threads).
 int available_cores();
 
-// A TCP port on 127.0.0.1 that is free right now.
-int free_port();
-
 // Human-readable description of a rank's exit ("exited with code 3", "was killed by SIGKILL").
 std::string describe_exit(int exit_code);
 

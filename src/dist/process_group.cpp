@@ -16,6 +16,7 @@
 #include "src/common/error.h"
 #include "src/dist/nccl_backend.h"
 #include "src/dist/process_group_state.h"
+#include "src/dist/store_socket.h"
 
 namespace lvx::dist {
 
@@ -71,6 +72,10 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const RendezvousInfo& info, boo
   o.numWorkers = server ? std::optional<std::size_t>(info.world_size) : std::nullopt;
   o.waitWorkers = false;
   o.timeout = timeout;
+  if (server) {
+    if (const int fd = adopt_store_socket(info.store_listen_fd, info.master_port); fd >= 0)
+      o.masterListenFd = fd;
+  }
   try {
     return c10::make_intrusive<c10d::TCPStore>(info.master_addr, o);
   } catch (const std::exception& e) {
@@ -150,7 +155,7 @@ ProcessGroup::ProcessGroup(const RendezvousInfo& info, Options options, bool con
   engine_->send_seq.assign(world_size_, 0);
   engine_->recv_seq.assign(world_size_, 0);
   if (!connect) return;  // adopt() plugs in a torch.distributed group's engines
-  engine_->store = connect_store(info_, rank_ == 0, options_.timeout);
+  engine_->store = connect_store(info_, rank_ == 0 && !info_.agent_store, options_.timeout);
   // Every rank announces itself, then waits for all: a missing rank fails here, by name.
   engine_->store->set(std::string(kStorePrefix) + "joined/" + std::to_string(rank_), kOne);
   for (int r = 0; r < world_size_; ++r) {
