@@ -18,16 +18,17 @@
 #include <string>
 
 #include "src/common/safetensors.h"
+#include "tests/build_paths.h"
 #include "tests/multirank.h"
 
 namespace lvx::testing {
 
 namespace fs = std::filesystem;
 
-inline std::string lvx_binary() { return std::string(LVX_BINARY_DIR) + "/lvx"; }
+inline std::string lvx_binary() { return lvx::testing::binary_dir() + "/lvx"; }
 // lvx with the fault-injection hooks (tests/support/fault_injection.cpp): LVX_FAULT_* act.
-inline std::string lvx_faults_binary() { return std::string(LVX_BINARY_DIR) + "/lvx-faults"; }
-inline std::string python() { return LVX_PYTHON; }
+inline std::string lvx_faults_binary() { return lvx::testing::binary_dir() + "/lvx-faults"; }
+inline std::string python() { return lvx::testing::configured_python(); }
 
 // Removed when the process exits (a killed one leaves its folder; the name says whose it was).
 inline fs::path workdir() {
@@ -81,7 +82,7 @@ inline std::string read_text(const std::string& path) {
 inline fs::path generated_root() {
   const char* env = std::getenv("LVX_TEST_CACHE");
   const std::string v = env ? env : "";
-  if (v == "off" || v == "0" || v == "none") return fs::path(LVX_BINARY_DIR) / "tests";
+  if (v == "off" || v == "0" || v == "none") return fs::path(lvx::testing::binary_dir()) / "tests";
   if (!v.empty()) return v;
   const char* xdg = std::getenv("XDG_CACHE_HOME");
   const char* home = std::getenv("HOME");
@@ -109,7 +110,7 @@ inline std::string generated(const std::string& name, const std::string& stamp,
                              const std::function<std::string(const std::string&)>& make,
                              std::string* log) {
   const fs::path root = generated_root();
-  const bool in_build_tree = root == fs::path(LVX_BINARY_DIR) / "tests";
+  const bool in_build_tree = root == fs::path(lvx::testing::binary_dir()) / "tests";
   const std::string dir = (root / (in_build_tree ? name : name + "-" + stamp_hash(stamp))).string();
   auto fresh = [&] { return read_text(dir + "/stamp") == stamp; };
   if (fs::exists(dir + "/stamp") && fresh()) return dir;
@@ -130,8 +131,8 @@ inline std::string generated(const std::string& name, const std::string& stamp,
 
 // The stamp of a reference script: its source and the pinned Python packages.
 inline std::string script_stamp(const std::string& script) {
-  return read_text(script) + read_text(std::string(LVX_SOURCE_DIR) + "/requirements.txt") +
-         read_text(std::string(LVX_SOURCE_DIR) + "/requirements-nodeps.txt");
+  return read_text(script) + read_text(lvx::testing::source_dir() + "/requirements.txt") +
+         read_text(lvx::testing::source_dir() + "/requirements-nodeps.txt");
 }
 
 // A tiny reference model (its checkpoint directory), a batch and the reference's expected

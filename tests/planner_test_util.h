@@ -4,11 +4,11 @@
 
 #include <string>
 
+#include "tests/build_paths.h"
+
 namespace lvx::planner::testing {
 
 // `rel` (configs/models/..., configs/clusters/...) under the source tree.
-inline std::string source(const std::string& rel) {
-  return std::string(LVX_SOURCE_DIR) + "/" + rel;
-}
+inline std::string source(const std::string& rel) { return lvx::testing::source_dir() + "/" + rel; }
 
 }  // namespace lvx::planner::testing

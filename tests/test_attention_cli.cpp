@@ -4,13 +4,13 @@
 // PyTorch's own same-dtype computation + atol.
 #include <gtest/gtest.h>
 
-#include "tests/multirank.h"
-#include <nlohmann/json.hpp>
-
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "src/common/safetensors.h"
+#include "tests/build_paths.h"
+#include "tests/multirank.h"
 
 namespace {
 
@@ -44,13 +44,13 @@ TEST_P(AttentionCli, MatchesPyTorchSdpaInFloat64) {
       {"q_media", (at::div(at::arange(Sq) * 3, Sq, "floor") - 1).to(at::kInt).repeat({B, 1})},
       {"kv_media", at::div(at::arange(Skv) * 2, Skv, "floor").to(at::kInt).repeat({B, 1})}};
   lvx::save_safetensors(in, t);
-  std::string log = run(std::string(LVX_BINARY_DIR) + "/lvx attention --strategy " + c.strategy +
+  std::string log = run(lvx::testing::binary_dir() + "/lvx attention --strategy " + c.strategy +
                         " --nproc " + std::to_string(c.nproc) + " --input " + in + " --output " +
                         out + " --mask " + c.mask + " --backward --stats " + stats);
   ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
-  std::string py = run(std::string(LVX_PYTHON) + " " + LVX_SOURCE_DIR +
-                       "/tests/reference/sdpa_check.py " + in + " " + out + " " + c.mask +
-                       " --backward");
+  std::string py =
+      run(lvx::testing::configured_python() + " " + lvx::testing::source_dir() +
+          "/tests/reference/sdpa_check.py " + in + " " + out + " " + c.mask + " --backward");
   auto j = nlohmann::json::parse(py.substr(py.rfind('{')));
   const double atol = c.dtype == at::kFloat ? 1e-5 : 1e-2;
   for (const char* k : {"o", "dq", "dk", "dv"}) {
@@ -88,8 +88,8 @@ TEST(AttentionCliErrors, BadInputIsNamedAndNothingWritten) {
   std::remove(out.c_str());
   lvx::save_safetensors(in, {{"q", at::zeros({1, 4, 3, 8})}, {"k", at::zeros({1, 4, 2, 8})},
                              {"v", at::zeros({1, 4, 2, 8})}});
-  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx attention --nproc 2 --input " + in +
-                          " --output " + out;
+  const std::string lvx =
+      lvx::testing::binary_dir() + "/lvx attention --nproc 2 --input " + in + " --output " + out;
   std::string log = run(lvx);
   EXPECT_NE(log.find("k has 2 heads, which does not divide q's 3 heads"), std::string::npos) << log;
   EXPECT_NE(log.find("exit status"), std::string::npos);
@@ -103,7 +103,8 @@ TEST(AttentionCliErrors, BadInputIsNamedAndNothingWritten) {
   log = run(lvx + " --scale 1e300");
   EXPECT_NE(log.find("the attention output is not finite"), std::string::npos) << log;
   EXPECT_NE(log.find("exit status"), std::string::npos) << log;
-  log = run(std::string(LVX_BINARY_DIR) + "/lvx attention --input /nonexistent.safetensors --output " + out);
+  log = run(lvx::testing::binary_dir() +
+            "/lvx attention --input /nonexistent.safetensors --output " + out);
   EXPECT_NE(log.find("/nonexistent.safetensors: cannot open"), std::string::npos) << log;
   FILE* f = std::fopen(out.c_str(), "r");
   EXPECT_EQ(f, nullptr) << "an output was written for bad input";

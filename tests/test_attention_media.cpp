@@ -18,6 +18,7 @@
 #include "src/attention/media_mask.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
+#include "tests/build_paths.h"
 #include "tests/multirank.h"
 
 using namespace lvx;
@@ -156,7 +157,7 @@ TEST(MediaMask, MatchesTheModelsOwnMaskCode) {
   const std::string out_path = dir + "/lvx_media_mask_ref.safetensors";
   std::remove(out_path.c_str());
   save_safetensors(in_path, in);
-  const std::string log = run(std::string(LVX_PYTHON) + " " + LVX_SOURCE_DIR +
+  const std::string log = run(lvx::testing::configured_python() + " " + lvx::testing::source_dir() +
                               "/tests/reference/media_mask_ref.py " + in_path + " " + out_path);
   ASSERT_EQ(log.find("exit status"), std::string::npos)
       << log << "\n(the reference needs open-flamingo, einops and einops-exts: run setup.sh)";

@@ -12,6 +12,7 @@
 
 #include "src/common/error.h"
 #include "src/dist/launcher.h"
+#include "tests/build_paths.h"
 
 TEST(Launch, PrefixesOutputAndSetsVariables) {
   lvx::dist::LaunchOptions o;
@@ -68,7 +69,7 @@ TEST(Launch, SimulatedNodesSetTheLocalVariables) {
 }
 
 TEST(Launch, CliExitCodeAndStopsOthers) {
-  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  const std::string lvx = lvx::testing::binary_dir() + "/lvx";
   if (::access(lvx.c_str(), X_OK) != 0) GTEST_SKIP() << "lvx executable not built";
   auto t0 = std::chrono::steady_clock::now();
   int rc = std::system((lvx + " launch --nproc 3 -- sh -c 'if [ $RANK = 1 ]; then exit 3; fi; "
@@ -93,7 +94,7 @@ TEST(Launch, CliExitCodeAndStopsOthers) {
 // Each rank's stderr reaches the launcher's stderr and its stdout the launcher's stdout (both
 // prefixed), so that `lvx qa ... > answer.txt` never hides a rank's error in the answer file.
 TEST(Launch, CliKeepsEachRanksStreamsApart) {
-  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  const std::string lvx = lvx::testing::binary_dir() + "/lvx";
   if (::access(lvx.c_str(), X_OK) != 0) GTEST_SKIP() << "lvx executable not built";
   const std::string out_path = "/tmp/lvx_launch_streams_out.txt";
   const std::string err_path = "/tmp/lvx_launch_streams_err.txt";
@@ -158,7 +159,7 @@ TEST(Launch, ExitWaitSparesRanksThatEndInTime) {
 
 // The same through the CLI, with the default taken from the launcher's own environment.
 TEST(Launch, CliStopsStuckRanksWithExitCode124) {
-  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  const std::string lvx = lvx::testing::binary_dir() + "/lvx";
   if (::access(lvx.c_str(), X_OK) != 0) GTEST_SKIP() << "lvx executable not built";
   const std::string log = "/tmp/lvx_launch_stuck_" + std::to_string(::getpid()) + ".txt";
   auto t0 = std::chrono::steady_clock::now();

@@ -17,6 +17,7 @@
 #include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 #include "src/dist/process_group.h"
+#include "tests/build_paths.h"
 #include "tests/model_conformance.h"
 
 namespace lvx::models {
@@ -150,7 +151,7 @@ std::vector<std::vector<int64_t>> python_ids(const std::string& tokenizer_json,
   const std::string py = (workdir() / "init_ids.py").string();
   std::ofstream(py) << script;
   const std::string out =
-      run_command(std::string(LVX_PYTHON) + " " + py + " " + tokenizer_json + " " + in);
+      run_command(lvx::testing::configured_python() + " " + py + " " + tokenizer_json + " " + in);
   std::vector<std::vector<int64_t>> ids;
   std::istringstream ss(out);
   std::string line;

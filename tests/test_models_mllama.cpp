@@ -24,6 +24,7 @@
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
+#include "tests/build_paths.h"
 #include "tests/model_conformance.h"
 #include "tests/model_extend.h"
 #include "tests/model_rows.h"
@@ -36,7 +37,7 @@ using namespace lvx::testing;
 namespace fs = std::filesystem;
 namespace mllama = lvx::models::mllama;
 
-std::string ref_script() { return std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py"; }
+std::string ref_script() { return lvx::testing::source_dir() + "/tests/reference/mllama_ref.py"; }
 
 const Reference& reference() {
   static const Reference ref =
@@ -163,7 +164,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, "all_gather,ring", "--remat"},
                       // The planner's per-layer choice for this batch on a cluster config.
                       Case{3, "auto",
-                           "--cluster " + std::string(LVX_SOURCE_DIR) +
+                           "--cluster " + lvx::testing::source_dir() +
                                "/configs/clusters/h100_80g_16.yaml --print-plan"}),
     [](const auto& info) {
       return "n" + std::to_string(info.param.nproc) + "_" + test_name(info.param.strategies) +
@@ -265,9 +266,10 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, MllamaGeneration, ::testing::Values(1, 2),
 
 // `lvx plan --model <checkpoint dir>` reads config.json alone and plans the tiny model.
 TEST(MllamaPlan, PlansTheCheckpoint) {
-  const std::string out = run_command(
-      lvx_binary() + " plan --model " + reference().model + " --cluster " + LVX_SOURCE_DIR +
-      "/configs/clusters/a100_80g_16.yaml --frames 8 --text 64 --nproc 4");
+  const std::string out =
+      run_command(lvx_binary() + " plan --model " + reference().model + " --cluster " +
+                  lvx::testing::source_dir() +
+                  "/configs/clusters/a100_80g_16.yaml --frames 8 --text 64 --nproc 4");
   EXPECT_EQ(out.find("exit status"), std::string::npos) << out;
   EXPECT_NE(out.find("lv_xattn"), std::string::npos) << out;
 }

@@ -16,6 +16,7 @@
 #include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
+#include "tests/build_paths.h"
 #include "tests/model_conformance.h"
 
 namespace {
@@ -23,7 +24,7 @@ namespace {
 using namespace lvx::testing;
 namespace ml = lvx::models::mllama;
 
-std::string ref_script() { return std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py"; }
+std::string ref_script() { return lvx::testing::source_dir() + "/tests/reference/mllama_ref.py"; }
 
 // The reference checkpoint, a processor-shaped batch and transformers' intermediates (vision
 // output after the projector, RoPE inv_freq), made once per script/package version.

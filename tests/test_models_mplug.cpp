@@ -29,7 +29,7 @@ using namespace lvx::testing;
 namespace fs = std::filesystem;
 
 std::string ref_script() {
-  return std::string(LVX_SOURCE_DIR) + "/tests/reference/mplug_owl3_ref.py";
+  return lvx::testing::source_dir() + "/tests/reference/mplug_owl3_ref.py";
 }
 
 // A reference checkpoint, batch and expected outputs per variant, made once. 241101 is stored in
@@ -80,7 +80,7 @@ std::vector<Case> cases() {
   v.push_back({"240728-bf16", 2, "lv_xattn,ring", ""});
   // The planner's per-layer choice for this batch on a cluster config (printed with the plan).
   v.push_back({"241101", 3, "auto",
-               "--cluster " + std::string(LVX_SOURCE_DIR) +
+               "--cluster " + lvx::testing::source_dir() +
                    "/configs/clusters/h100_80g_16.yaml --print-plan"});
   return v;
 }
@@ -499,7 +499,7 @@ TEST(MplugDescription, PlannerYamlsEqualTheReleasesConfigs) {
            {"mplug_owl3_7b", release_config(3584, 28, 28, 4, 18944, {1, 9, 17, 25})},
            {"mplug_owl3_1b", release_config(896, 24, 14, 2, 4864, {6, 13, 20, 22})}}) {
     SCOPED_TRACE(yaml);
-    const auto want = lvx::planner::load_model_config(std::string(LVX_SOURCE_DIR) +
+    const auto want = lvx::planner::load_model_config(lvx::testing::source_dir() +
                                                       "/configs/models/" + yaml + ".yaml");
     const auto got =
         lvx::models::MplugOwl3::planner_model(lvx::models::mplug_owl3_config(cfg, yaml, true, 0));

@@ -17,6 +17,7 @@
 #include "models/openflamingo/model.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
+#include "tests/build_paths.h"
 #include "tests/model_conformance.h"
 #include "tests/model_extend.h"
 #include "tests/model_rows.h"
@@ -28,13 +29,13 @@ namespace fs = std::filesystem;
 
 // "gpt_neox-variant": partial rotary, parallel residual, ViT tokens before ln_post.
 std::string ref_script() {
-  return std::string(LVX_SOURCE_DIR) + "/tests/reference/openflamingo_ref.py";
+  return lvx::testing::source_dir() + "/tests/reference/openflamingo_ref.py";
 }
 
 // The stamp of every generated reference: the script, the converter and the pinned packages.
 std::string ref_stamp() {
   return script_stamp(ref_script()) +
-         read_text(std::string(LVX_SOURCE_DIR) + "/models/openflamingo/convert_openflamingo.py");
+         read_text(lvx::testing::source_dir() + "/models/openflamingo/convert_openflamingo.py");
 }
 
 const Reference& reference(const std::string& lm) {

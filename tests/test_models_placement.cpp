@@ -24,6 +24,7 @@
 #include "src/common/device_index.h"
 #include "src/common/error.h"
 #include "src/dist/process_group.h"
+#include "tests/build_paths.h"
 #include "tests/model_conformance.h"
 
 // Meta kernels that libtorch's C++ library lacks (PyTorch registers these in Python,
@@ -419,7 +420,7 @@ TEST(Placement, CatchesACpuTensorPlantedInTheModel) {
 // Llama-3.2-Vision: transformers' tiny checkpoint (tests/reference/mllama_ref.py, the one
 // test_models_mllama.cpp makes) loaded straight onto meta; frames as one-tile images.
 TEST(Placement, MllamaRunsForwardBackwardPrefillDecodeOnMeta) {
-  const std::string script = std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py";
+  const std::string script = lvx::testing::source_dir() + "/tests/reference/mllama_ref.py";
   const lvx::testing::Reference ref = lvx::testing::reference_model(
       "mllama", script, lvx::testing::script_stamp(script), "", "--length 24");
   for (const bool remat : {false, true}) {

@@ -24,6 +24,7 @@
 
 #include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
+#include "tests/build_paths.h"
 #include "tests/model_conformance.h"
 
 using lvx::models::Tokenizer;
@@ -53,11 +54,12 @@ std::string shown(const std::vector<int64_t>& ids) { return json(ids).dump(); }
 // The generated tokenizers and goldens (tests/model_conformance.h: made once per generator and
 // package version, in the test-reference cache).
 std::string generate_golden(std::string* log) {
-  const std::string script = std::string(LVX_SOURCE_DIR) + "/tests/reference/make_tokenizers.py";
+  const std::string script = lvx::testing::source_dir() + "/tests/reference/make_tokenizers.py";
   return lvx::testing::generated(
       "tokenizers", lvx::testing::script_stamp(script),
       [&](const std::string& dir) {
-        return lvx::testing::run_command(std::string(LVX_PYTHON) + " " + script + " " + dir);
+        return lvx::testing::run_command(lvx::testing::configured_python() + " " + script + " " +
+                                         dir);
       },
       log);
 }
@@ -550,7 +552,7 @@ TEST_F(TokenizerFiles, RegexMatchingHasABudgetPerText) {
 }
 
 TEST_F(TokenizerGolden, Cli) {
-  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  const std::string lvx = lvx::testing::binary_dir() + "/lvx";
   if (!fs::exists(lvx)) GTEST_SKIP() << "build the lvx target first";
   const std::string file = *dir_ + "/qwen2/tokenizer.json";
   const Tokenizer t = Tokenizer::from_file(file);

@@ -7,6 +7,7 @@
 
 #include "src/common/error.h"
 #include "src/planner/planner.h"
+#include "tests/build_paths.h"
 #include "tools/bench_plan.h"
 
 namespace lvx::planner {
@@ -17,7 +18,7 @@ using namespace lvx::tools;  // bench-plan's harness (tools/bench_plan.h)
 TEST(PlannerBench, CrossLayerInputsCarryThePlannedMediaIndices) {
   // tiny.yaml's cross layer (media_upto, mPLUG-Owl3's "images strictly before the token"), 4
   // frames of 3 tokens, 10 text tokens, frames interleaved: image tokens at 0, 2, 5, 7.
-  ModelConfig m = load_model_config(LVX_SOURCE_DIR "/configs/models/tiny.yaml");
+  ModelConfig m = load_model_config(lvx::testing::source_dir() + "/configs/models/tiny.yaml");
   Workload wl;
   wl.frames = 4;
   wl.text_tokens = 10;

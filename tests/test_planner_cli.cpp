@@ -8,11 +8,13 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "tests/build_paths.h"
+
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string lvx_binary() { return std::string(LVX_BINARY_DIR) + "/lvx"; }
+std::string lvx_binary() { return lvx::testing::binary_dir() + "/lvx"; }
 
 int run(const std::string& cmd, std::string* out) {
   FILE* f = popen((cmd + " 2>&1").c_str(), "r");
@@ -26,7 +28,7 @@ int run(const std::string& cmd, std::string* out) {
 
 TEST(PlannerCli, PlanWritesTableAndJson) {
   if (!fs::exists(lvx_binary())) GTEST_SKIP() << "build the lvx target first";
-  const std::string src = LVX_SOURCE_DIR;
+  const std::string src = lvx::testing::source_dir();
   const std::string json = (fs::temp_directory_path() / "lvx_test_planner_plan.json").string();
   std::string out;
   int rc = run(lvx_binary() + " plan --model " + src + "/configs/models/openflamingo_9b.yaml" +
@@ -62,14 +64,14 @@ TEST(PlannerCli, PlanErrorsNameTheField) {
   const std::string bad = (fs::temp_directory_path() / "lvx_test_planner_bad.yaml").string();
   std::ofstream(bad) << "name: x\nfamily: tiny\n";
   std::string out;
-  int rc = run(lvx_binary() + " plan --model " + bad + " --cluster " + std::string(LVX_SOURCE_DIR) +
+  int rc = run(lvx_binary() + " plan --model " + bad + " --cluster " + lvx::testing::source_dir() +
                    "/configs/clusters/a100_80g_16.yaml --frames 1 --text 1",
                &out);
   EXPECT_EQ(rc, 1);
   EXPECT_NE(out.find(bad + ": dtype: missing"), std::string::npos) << out;
   out.clear();
-  rc = run(lvx_binary() + " plan --model " + std::string(LVX_SOURCE_DIR) +
-               "/configs/models/tiny.yaml --cluster " + std::string(LVX_SOURCE_DIR) +
+  rc = run(lvx_binary() + " plan --model " + lvx::testing::source_dir() +
+               "/configs/models/tiny.yaml --cluster " + lvx::testing::source_dir() +
                "/configs/clusters/a100_80g_16.yaml --frames 8 --text 4",
            &out);
   EXPECT_EQ(rc, 1);
@@ -120,7 +122,7 @@ TEST(PlannerCli, PaperAccountingReproducesHeldOutTableRows) {
       {"paper_a30_24g_8", "openflamingo_3b", 8192, 4096, 4.06},
       {"paper_a30_24g_8", "openflamingo_3b", 4096, 4096, 7.14},
   };
-  const std::string src = LVX_SOURCE_DIR;
+  const std::string src = lvx::testing::source_dir();
   const std::string json = (fs::temp_directory_path() / "lvx_test_planner_paper.json").string();
   for (const Row& r : rows) {
     SCOPED_TRACE(std::string(r.model) + " text " + std::to_string(r.text) + " frames " +
@@ -167,7 +169,7 @@ namespace {
 // timings themselves are only reported, never asserted).
 TEST(PlannerCli, BenchPlanMeasuredBytesEqualPredicted) {
   if (!fs::exists(lvx_binary())) GTEST_SKIP() << "build the lvx target first";
-  const std::string src = LVX_SOURCE_DIR;
+  const std::string src = lvx::testing::source_dir();
   const std::string json = (fs::temp_directory_path() / "lvx_test_planner_bench.json").string();
   std::string out;
   int rc = run(lvx_binary() + " bench-plan --model " + src + "/configs/models/tiny.yaml" +

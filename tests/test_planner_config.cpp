@@ -9,13 +9,14 @@
 #include "src/common/error.h"
 #include "src/planner/cluster_config.h"
 #include "src/planner/model_yaml.h"
+#include "tests/build_paths.h"
 
 namespace lvx::planner {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string source(const std::string& rel) { return std::string(LVX_SOURCE_DIR) + "/" + rel; }
+std::string source(const std::string& rel) { return lvx::testing::source_dir() + "/" + rel; }
 
 std::string write_temp(const std::string& name, const std::string& text) {
   fs::path p = fs::temp_directory_path() / ("lvx_test_planner_" + name);

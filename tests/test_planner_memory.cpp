@@ -14,6 +14,7 @@
 
 #include "src/planner/train_memory.h"
 #include "src/planner/train_traffic.h"
+#include "tests/build_paths.h"
 
 namespace {
 
@@ -216,9 +217,9 @@ std::pair<int64_t, int64_t> planned_counts(const std::string& out) {
 // post-LayerNorm and pooling head, OpenFlamingo's ViT output projection), and a folder holding
 // that config.json alone gives the same. Tolerance 0.1 % (measured: equal).
 TEST(TrainMemory, CountsFromConfigJsonEqualTheReferencePackages) {
-  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  const std::string lvx = lvx::testing::binary_dir() + "/lvx";
   if (!std::filesystem::exists(lvx)) GTEST_SKIP() << "build the lvx target first";
-  const std::string src = LVX_SOURCE_DIR;
+  const std::string src = lvx::testing::source_dir();
   const std::vector<std::string> names = {
       "llama32_vision_11b", "mplug_owl3_1b",   "mplug_owl3_2b",  "mplug_owl3_7b",
       "openflamingo_3b",    "openflamingo_4b", "openflamingo_9b"};
@@ -226,7 +227,7 @@ TEST(TrainMemory, CountsFromConfigJsonEqualTheReferencePackages) {
   // reference counts all of them in one process (its packages imported once), a line each.
   auto release = [&](const std::string& name) { return src + "/configs/models/releases/" + name; };
   std::string cmd =
-      std::string(LVX_PYTHON) + " " + src + "/tests/reference/param_count_ref.py count";
+      lvx::testing::configured_python() + " " + src + "/tests/reference/param_count_ref.py count";
   for (const std::string& name : names) cmd += " " + release(name) + "/config.json";
   std::string ref;
   ASSERT_EQ(run(cmd, &ref), 0) << ref;
@@ -259,9 +260,9 @@ TEST(TrainMemory, CountsFromConfigJsonEqualTheReferencePackages) {
 }
 
 TEST(TrainMemory, PlanMaxFramesSaysWhatFitsFor7B) {
-  const std::string lvx = std::string(LVX_BINARY_DIR) + "/lvx";
+  const std::string lvx = lvx::testing::binary_dir() + "/lvx";
   if (!std::filesystem::exists(lvx)) GTEST_SKIP() << "build the lvx target first";
-  const std::string src = LVX_SOURCE_DIR;
+  const std::string src = lvx::testing::source_dir();
   const std::string json =
       (std::filesystem::temp_directory_path() / "lvx_test_planner_memory.json").string();
   auto plan = [&](const std::string& flags) {

@@ -14,11 +14,12 @@
 #include <vector>
 
 #include "src/planner/planner.h"
+#include "tests/build_paths.h"
 
 namespace lvx::planner {
 namespace {
 
-std::string source(const std::string& rel) { return std::string(LVX_SOURCE_DIR) + "/" + rel; }
+std::string source(const std::string& rel) { return lvx::testing::source_dir() + "/" + rel; }
 
 struct PaperRow {
   const char* model;  // configs/models/<model>.yaml

@@ -40,6 +40,7 @@
 #include "src/runtime/tensorboard.h"
 #include "src/runtime/train_checkpoint.h"
 #include "src/runtime/train_config.h"
+#include "tests/build_paths.h"
 #include "tests/model_conformance.h"
 
 namespace {
@@ -60,7 +61,7 @@ fs::path dir() {
 // The tiny model, made once per generator version (generated(): the test-reference cache).
 const std::string& tiny_model() {
   static const std::string model = [] {
-    const std::string script = std::string(LVX_SOURCE_DIR) + "/tests/reference/mplug_owl3_ref.py";
+    const std::string script = lvx::testing::source_dir() + "/tests/reference/mplug_owl3_ref.py";
     std::string log;
     const std::string d = generated(
         "finetune_mplug", script_stamp(script),
@@ -472,7 +473,7 @@ TEST(FinetuneOptimizer, MatchesTorchAdamWAndClipGradNorm) {
   const std::string src = (dir() / "adamw_in.safetensors").string(),
                     dst = (dir() / "adamw_out.safetensors").string();
   lvx::save_safetensors(src, in, {{"config", cfg.dump()}});
-  const std::string log = run_command(python() + " " + LVX_SOURCE_DIR +
+  const std::string log = run_command(python() + " " + lvx::testing::source_dir() +
                                       "/tests/reference/adamw_ref.py " + src + " " + dst);
   ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
   auto want = lvx::load_safetensors(dst).tensors;
@@ -792,7 +793,7 @@ TEST(FinetuneMetrics, TensorBoardReadsTheRunsScalars) {
   const std::string tb = (dir() / "tb_events").string();
   fs::remove_all(tb);
   const std::string ck = shard_run("tb", 1, "logging.tensorboard=" + tb);
-  const std::string out = run_command(python() + " " + std::string(LVX_SOURCE_DIR) +
+  const std::string out = run_command(python() + " " + lvx::testing::source_dir() +
                                       "/tests/reference/tensorboard_ref.py read " + tb);
   const nlohmann::json j = nlohmann::json::parse(out.substr(out.find('{')));
   const auto m = metrics(ck + "/metrics.jsonl");

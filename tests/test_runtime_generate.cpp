@@ -21,6 +21,7 @@
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
 #include "src/runtime/generate.h"
+#include "tests/build_paths.h"
 #include "tests/model_conformance.h"
 
 namespace {
@@ -37,7 +38,7 @@ struct Fixture {
 
 Fixture& fixture() {
   static Fixture f = [] {
-    const std::string script = std::string(LVX_SOURCE_DIR) + "/tests/reference/mplug_owl3_ref.py";
+    const std::string script = lvx::testing::source_dir() + "/tests/reference/mplug_owl3_ref.py";
     const Reference ref = reference_model("mplug_240728", script, script_stamp(script),
                                           "--variant 240728", "--layout video_qa");
     Fixture x;

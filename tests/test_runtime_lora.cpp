@@ -33,6 +33,7 @@
 #include "src/common/files.h"
 #include "src/common/safetensors.h"
 #include "src/runtime/train_config.h"
+#include "tests/build_paths.h"
 #include "tests/model_conformance.h"
 
 namespace {
@@ -43,9 +44,9 @@ using nlohmann::json;
 
 const std::string kModules = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
 
-std::string lora_script() { return std::string(LVX_SOURCE_DIR) + "/tests/reference/lora_ref.py"; }
+std::string lora_script() { return lvx::testing::source_dir() + "/tests/reference/lora_ref.py"; }
 std::string owl_script() {
-  return std::string(LVX_SOURCE_DIR) + "/tests/reference/mplug_owl3_ref.py";
+  return lvx::testing::source_dir() + "/tests/reference/mplug_owl3_ref.py";
 }
 
 // The tiny model, a text-only batch, two PEFT adapters and PEFT's outputs, made once per version
@@ -89,13 +90,13 @@ const Made& made() {
 // (generated(): the test-reference cache).
 const Made& made_flamingo() {
   static const Made m = [] {
-    const std::string of = std::string(LVX_SOURCE_DIR) + "/tests/reference/openflamingo_ref.py";
+    const std::string of = lvx::testing::source_dir() + "/tests/reference/openflamingo_ref.py";
     const std::string py = python() + " ";
     std::string log;
     const std::string d = generated(
         "lora_peft_flamingo",
         script_stamp(of) + read_text(lora_script()) +
-            read_text(std::string(LVX_SOURCE_DIR) + "/models/openflamingo/convert_openflamingo.py"),
+            read_text(lvx::testing::source_dir() + "/models/openflamingo/convert_openflamingo.py"),
         [&](const std::string& o) {
           const std::string model = o + "/model", batch = o + "/batch.safetensors";
           const std::string ref = py + lora_script() + " ";
@@ -207,8 +208,8 @@ TEST(Lora, PeftAdapterOnOpenFlamingoWithImages) {
 // tolerance is 1e-4 (fp32, the two sum in different orders; measured below 1e-5).
 TEST(Lora, ActivationPathEqualsMergedWeightsInEveryFamily) {
   const Reference mllama =
-      reference_model("mllama", std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py",
-                      script_stamp(std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py"),
+      reference_model("mllama", lvx::testing::source_dir() + "/tests/reference/mllama_ref.py",
+                      script_stamp(lvx::testing::source_dir() + "/tests/reference/mllama_ref.py"),
                       "", "--length 24");
   struct Case {
     std::string family, model, batch, under;

@@ -13,6 +13,7 @@
 #include "src/attention/layout.h"
 #include "src/common/error.h"
 #include "src/runtime/video_qa.h"
+#include "tests/build_paths.h"
 #include "tests/video_test_util.h"
 #include "video/sampler.h"
 
@@ -24,7 +25,7 @@ using video::testing::make_video;
 using video::testing::run;
 using video::testing::temp_dir;
 
-const std::string kLvx = std::string(LVX_BINARY_DIR) + "/lvx";
+const std::string kLvx = lvx::testing::binary_dir() + "/lvx";
 
 // A tiny random mPLUG-Owl3 directory (models/init.h), made once per process.
 const std::string& tiny_model() {
@@ -75,8 +76,8 @@ TEST(QaPrompt, MplugChatTemplateEqualsTheTokenizersPackage) {
       << "import json, sys\nfrom tokenizers import Tokenizer\n"
       << "t = Tokenizer.from_file(sys.argv[1])\n"
       << "print(json.dumps(t.encode(sys.argv[2], add_special_tokens=False).ids))\n";
-  const json want =
-      json::parse(run(std::string(LVX_PYTHON) + " " + script + " " + tok_path + " '" + text + "'"));
+  const json want = json::parse(
+      run(lvx::testing::configured_python() + " " + script + " " + tok_path + " '" + text + "'"));
   const models::Tokenizer tok = models::Tokenizer::from_file(tok_path);
   const std::string answer = "red";
   const PromptTokens p =

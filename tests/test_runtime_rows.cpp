@@ -24,6 +24,7 @@
 #include "src/runtime/qa_rows.h"
 #include "src/runtime/video_qa.h"
 #include "src/serve/openai_api.h"
+#include "tests/build_paths.h"
 #include "tests/model_conformance.h"
 
 namespace lvx::runtime {
@@ -247,12 +248,12 @@ TEST(TrainingRows, ChatPromptEndsWhereTheAnswerBegins) {
 TEST(TrainingRows, MultiTurnOpenFlamingoChainsQuestions) {
   // OpenFlamingo's template chains turns as its few-shot prompts chain examples; the pieces are
   // encoded by the tokenizers package (lvx encodes each piece alone, as its template does).
-  const std::string of = std::string(LVX_SOURCE_DIR) + "/tests/reference/openflamingo_ref.py";
+  const std::string of = lvx::testing::source_dir() + "/tests/reference/openflamingo_ref.py";
   std::string log;
   const std::string d = testing::generated(
       "rows_flamingo",
       testing::script_stamp(of) +
-          testing::read_text(std::string(LVX_SOURCE_DIR) +
+          testing::read_text(lvx::testing::source_dir() +
                              "/models/openflamingo/convert_openflamingo.py"),
       [&](const std::string& o) {
         return run_command(testing::python() + " " + of + " make-model " + o + "/model --lm llama");
@@ -541,7 +542,7 @@ TEST(TrainingRows, FinetuneReadsSwiftJsonlAndLlavaJson) {
 // A family whose template has no place for a system message (Llama-3.2-Vision) refuses a row
 // that carries one before the run starts, naming the file and line; nothing is written.
 TEST(TrainingRows, SystemMessageTheTemplateRefusesStopsTheRunFirst) {
-  const std::string ref = std::string(LVX_SOURCE_DIR) + "/tests/reference/mllama_ref.py";
+  const std::string ref = lvx::testing::source_dir() + "/tests/reference/mllama_ref.py";
   const testing::Reference mllama =
       testing::reference_model("mllama", ref, testing::script_stamp(ref), "", "--length 24");
   ASSERT_EQ(make_clip("clip_sys.mp4", 2), "");

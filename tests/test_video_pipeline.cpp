@@ -14,6 +14,7 @@
 
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
+#include "tests/build_paths.h"
 #include "tests/video_test_util.h"
 #include "video/bounded_queue.h"
 #include "video/pipeline.h"
@@ -31,7 +32,7 @@ bool file_exists(const std::string& p) {
   return ::stat(p.c_str(), &st) == 0;
 }
 
-std::string lvx_bin() { return std::string(LVX_BINARY_DIR) + "/lvx"; }
+std::string lvx_bin() { return lvx::testing::binary_dir() + "/lvx"; }
 
 std::string h264_video() {
   return make_video("pipe_h264.mp4", "testsrc2=size=64x48:rate=25:duration=2",
@@ -122,10 +123,11 @@ TEST(VideoPreprocess, ResizeEqualsPillowBicubic) {
     const std::string out = (temp_dir() / "pil_out.rgb").string();
     std::ofstream(in, std::ios::binary)
         .write(reinterpret_cast<const char*>(img.data), img.total() * 3);
-    run(std::string(LVX_PYTHON) + " -c \"from PIL import Image; im = Image.frombytes('RGB', (" +
-        std::to_string(c.w) + "," + std::to_string(c.h) + "), open('" + in +
-        "','rb').read()); open('" + out + "','wb').write(im.resize((" + std::to_string(c.ow) + "," +
-        std::to_string(c.oh) + "), Image.BICUBIC).tobytes())\"");
+    run(lvx::testing::configured_python() +
+        " -c \"from PIL import Image; im = Image.frombytes('RGB', (" + std::to_string(c.w) + "," +
+        std::to_string(c.h) + "), open('" + in + "','rb').read()); open('" + out +
+        "','wb').write(im.resize((" + std::to_string(c.ow) + "," + std::to_string(c.oh) +
+        "), Image.BICUBIC).tobytes())\"");
     std::ifstream f(out, std::ios::binary);
     const std::vector<uint8_t> ref((std::istreambuf_iterator<char>(f)), {});
     const cv::Mat got = resize_bicubic_pil(img, c.ow, c.oh);
