@@ -13,6 +13,7 @@
 #include "src/common/error.h"
 #include "src/dist/launcher.h"
 #include "tests/build_paths.h"
+#include "tests/multirank.h"
 
 TEST(Launch, PrefixesOutputAndSetsVariables) {
   lvx::dist::LaunchOptions o;
@@ -179,4 +180,22 @@ TEST(Launch, CliStopsStuckRanksWithExitCode124) {
   std::remove(log.c_str());
   std::string out(buf, n);
   EXPECT_NE(out.find("so these are stuck; stopping rank 1 (exit 124)"), std::string::npos) << out;
+}
+
+// A torch.distributed program under lvx launch: init_process_group("gloo") from the variables the
+// launch sets (env://) joins the launcher's store, as under torchrun (a launcher that handed rank 0
+// a socket to serve on instead would leave Python's rank 0 unable to bind MASTER_PORT).
+TEST(Launch, TorchDistributedProgramsJoinTheLaunchersStore) {
+  const std::string lvx = lvx::testing::binary_dir() + "/lvx";
+  if (::access(lvx.c_str(), X_OK) != 0) GTEST_SKIP() << "lvx executable not built";
+  const std::string program =
+      "import torch, torch.distributed as d; d.init_process_group('gloo'); "
+      "t = torch.tensor([1.0 + d.get_rank()]); d.all_reduce(t); print('sum', int(t.item()))";
+  const std::string out =
+      lvx::testing::run_command(lvx + " launch --nproc 2 -- " + lvx::testing::configured_python() +
+                                " -c \"" + program + "\"");
+  EXPECT_EQ(out.find("exit status"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 0] sum 3"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 1] sum 3"), std::string::npos) << out;
+  EXPECT_EQ(out.find("failed to bind"), std::string::npos) << out;
 }

@@ -1,6 +1,6 @@
 // Rendezvous: torchrun and Open MPI variables parsed into a rank's place in the world, bad
 // values named, real rank processes joining from Open MPI's variables, the store's port held from
-// lvx launch's choice until rank 0 serves on it, and torchrun's agent-hosted store.
+// the launcher's store, and a store hosted outside the launch as torchrun's agent hosts it.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -14,7 +14,6 @@
 #include "src/common/error.h"
 #include "src/dist/process_group.h"
 #include "src/dist/rendezvous.h"
-#include "src/dist/store_socket.h"
 #include "tests/multirank.h"
 
 using lvx::dist::ProcessGroup;
@@ -103,29 +102,20 @@ int sum_of_ranks(ProcessGroup& pg) {
 
 }  // namespace
 
-// Before any rank has started its store, MASTER_PORT is taken (the launcher's socket, which
-// only rank 0 holds): no other process can bind it in between, the EADDRINUSE rank 0 once hit in
-// CI when another job's connection drew the port a launcher had chosen and released.
-LVX_WORKER(store_port_held) {
+// lvx launch without --master-port hosts the store before any rank starts, as torchrun's agent
+// does: MASTER_PORT is taken (no other process can bind it, the EADDRINUSE rank 0 once hit in CI
+// when another job's connection drew the port a launcher had chosen and released), and the ranks
+// are told to join it (TORCHELASTIC_USE_AGENT_STORE=True).
+LVX_WORKER(launcher_hosts_store) {
   const auto info = lvx::dist::rendezvous_from_env();
-  if (bind_errno(info.master_port) != EADDRINUSE) return 3;
-  const bool handed = lvx::dist::adopt_store_socket(info.store_listen_fd, info.master_port) >= 0;
-  if (handed != (info.rank == 0)) return 4;
+  if (!info.agent_store) return 3;
+  if (bind_errno(info.master_port) != EADDRINUSE) return 4;
   ProcessGroup pg(info);
   return sum_of_ranks(pg) == info.world_size * (info.world_size - 1) / 2 ? 0 : 1;
 }
 
-TEST(Rendezvous, LaunchHoldsTheStorePortUntilRankZeroServesOnIt) {
-  lvx::testing::expect_all_ok(lvx::testing::run_ranks(3, "store_port_held", 60));
-}
-
-TEST(Rendezvous, AStaleListenFdIsIgnored) {
-  EXPECT_EQ(lvx::dist::adopt_store_socket("", 1234), -1);
-  EXPECT_EQ(lvx::dist::adopt_store_socket("x", 1234), -1);
-  EXPECT_EQ(lvx::dist::adopt_store_socket("0", 1234), -1);  // stdin: not a listening socket
-  lvx::dist::StoreSocket s;
-  EXPECT_EQ(lvx::dist::adopt_store_socket(std::to_string(s.fd()), s.port() == 1 ? 2 : 1), -1);
-  EXPECT_EQ(lvx::dist::adopt_store_socket(std::to_string(s.fd()), s.port()), s.fd());
+TEST(Rendezvous, LaunchHostsTheStoreBeforeAnyRankStarts) {
+  lvx::testing::expect_all_ok(lvx::testing::run_ranks(3, "launcher_hosts_store", 60));
 }
 
 // torchrun's agent hosts the store at MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True): every rank

@@ -25,8 +25,9 @@ int cmd_launch(int argc, char** argv) {
                "simulate this many nodes: LOCAL_WORLD_SIZE = nproc / nodes (the double ring "
                "and the inter-node byte counters follow it)");
   p.add_option("master-addr", 0, "127.0.0.1", "address of the rendezvous store (rank 0)");
-  p.add_option("master-port", 0, "0",
-               "port of the rendezvous store; 0 picks a free one and holds it for rank 0");
+  p.add_option(
+      "master-port", 0, "0",
+      "port of the rendezvous store (rank 0 hosts it); 0: lvx launch hosts it on a free one");
   p.add_option("timeout", 't', "0",
                "stop every rank after this many seconds in total, exit 124 (0: no limit)");
   p.add_option("exit-wait", 0, "auto",

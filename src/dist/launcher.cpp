@@ -15,10 +15,9 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
-#include <optional>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "src/common/error.h"
-#include "src/dist/store_socket.h"
 
 namespace lvx::dist {
 
@@ -108,16 +107,17 @@ void emit(RankExit& rank, const std::string& line, bool capture, bool to_stderr)
 namespace {
 
 // One rank's process environment and command (in the forked child: nothing here may throw).
-// `store`: the rendezvous store's socket, handed to rank 0 alone (nullptr: none or another rank).
+// `agent_store`: the launcher hosts the rendezvous store (torchrun's variable says so to the
+// ranks).
 [[noreturn]] void exec_rank(int r, int local, const LaunchOptions& opts,
                             const std::string& master_addr, int port,
-                            const std::map<std::string, std::string>& node_env,
-                            const StoreSocket* store, const std::vector<std::string>& argv) {
+                            const std::map<std::string, std::string>& node_env, bool agent_store,
+                            const std::vector<std::string>& argv) {
   auto set = [](const std::string& k, const std::string& v) { ::setenv(k.c_str(), v.c_str(), 1); };
-  if (store != nullptr && store->keep_across_exec())
-    set(kStoreListenFdVar, std::to_string(store->fd()));
+  if (agent_store)
+    set("TORCHELASTIC_USE_AGENT_STORE", "True");
   else
-    ::unsetenv(kStoreListenFdVar);
+    ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");  // an outer torchrun's agent is not this job's
   if (opts.openmpi_style) {
     for (const char* k : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}) ::unsetenv(k);
     set("OMPI_COMM_WORLD_RANK", std::to_string(r));
@@ -149,6 +149,25 @@ namespace {
   _exit(127);
 }
 
+// Without --master-port the launcher hosts the rendezvous store itself, as torchrun's agent does,
+// and tells the ranks so (TORCHELASTIC_USE_AGENT_STORE=True): lvx's ranks and torch.distributed's
+// all join it as clients. The store binds a port the kernel picks and keeps it, so no other
+// process can take it between its choice and the ranks' start: choosing a free port, closing it
+// and letting rank 0 bind it later failed with EADDRINUSE in CI (another job's connection drew
+// the port in between). It also outlives a failed rank 0, so the others still name the rank that
+// failed instead of losing the store.
+c10::intrusive_ptr<c10d::TCPStore> host_agent_store(const std::string& master_addr) {
+  c10d::TCPStoreOptions o;
+  o.port = 0;
+  o.isServer = true;
+  o.waitWorkers = false;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(master_addr, o);
+  } catch (const std::exception& e) {
+    LVX_FAIL("launch: cannot host the rendezvous store on ", master_addr, ": ", e.what());
+  }
+}
+
 // A launch in progress: the ranks forked, their outputs forwarded line by line, their exits
 // reaped; a failed rank, a signal or a deadline stops the others (launch_local's steps).
 class Launch {
@@ -170,8 +189,7 @@ class Launch {
 
  private:
   void spawn(int r, const std::string& master_addr, int port,
-             const std::map<std::string, std::string>& node_env, const StoreSocket* store,
-             pid_t parent);
+             const std::map<std::string, std::string>& node_env, pid_t parent);
   void drain(int owner, int s);  // what one output holds now, line by line; closed at EOF
   void poll_outputs();
   void reap();
@@ -181,6 +199,7 @@ class Launch {
 
   const std::vector<std::string>& argv_;
   const LaunchOptions& opts_;
+  c10::intrusive_ptr<c10d::TCPStore> store_;  // the rendezvous store, when this launch hosts it
   const int local_;
   const double exit_wait_s_;  // --exit-wait: how long the others may run after the first exit
   std::vector<Child> kids_;
@@ -206,19 +225,15 @@ void Launch::spawn_all() {
     for (int r = 0; r < opts_.nproc; ++r)
       node_env[r] = emulated_rank_env(r / local_, r % local_, preload ? preload : "");
   }
-  // Without --master-port the store's port stays held from its choice until rank 0 serves on it.
-  std::optional<StoreSocket> store;
-  if (opts_.master_port <= 0) store.emplace();
-  const int port = store ? store->port() : opts_.master_port;
+  if (opts_.master_port <= 0) store_ = host_agent_store(master_addr);
+  const int port = store_ ? store_->getPort() : opts_.master_port;
   const pid_t parent = ::getpid();
-  for (int r = 0; r < opts_.nproc; ++r)
-    spawn(r, master_addr, port, node_env[r], r == 0 && store ? &*store : nullptr, parent);
+  for (int r = 0; r < opts_.nproc; ++r) spawn(r, master_addr, port, node_env[r], parent);
   running_ = opts_.nproc;
 }
 
 void Launch::spawn(int r, const std::string& master_addr, int port,
-                   const std::map<std::string, std::string>& node_env, const StoreSocket* store,
-                   pid_t parent) {
+                   const std::map<std::string, std::string>& node_env, pid_t parent) {
   const bool direct = r == 0 && opts_.rank0_direct && !opts_.capture;
   int out_fds[2] = {-1, -1}, err_fds[2] = {-1, -1};
   if (!direct) {
@@ -236,7 +251,7 @@ void Launch::spawn(int r, const std::string& master_addr, int port,
       ::dup2(err_fds[1], STDERR_FILENO);
       for (int fd : {out_fds[0], out_fds[1], err_fds[0], err_fds[1]}) ::close(fd);
     }
-    exec_rank(r, local_, opts_, master_addr, port, node_env, store, argv_);
+    exec_rank(r, local_, opts_, master_addr, port, node_env, store_ != nullptr, argv_);
   }
   kids_[r].pid = pid;
   kids_[r].start = std::chrono::steady_clock::now();

@@ -16,7 +16,6 @@
 #include "src/common/error.h"
 #include "src/dist/nccl_backend.h"
 #include "src/dist/process_group_state.h"
-#include "src/dist/store_socket.h"
 
 namespace lvx::dist {
 
@@ -72,10 +71,6 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const RendezvousInfo& info, boo
   o.numWorkers = server ? std::optional<std::size_t>(info.world_size) : std::nullopt;
   o.waitWorkers = false;
   o.timeout = timeout;
-  if (server) {
-    if (const int fd = adopt_store_socket(info.store_listen_fd, info.master_port); fd >= 0)
-      o.masterListenFd = fd;
-  }
   try {
     return c10::make_intrusive<c10d::TCPStore>(info.master_addr, o);
   } catch (const std::exception& e) {

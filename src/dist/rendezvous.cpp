@@ -3,7 +3,6 @@
 #include <cstdlib>
 
 #include "src/common/error.h"
-#include "src/dist/store_socket.h"
 
 extern char** environ;
 
@@ -60,7 +59,6 @@ RendezvousInfo rendezvous_from_env(const std::map<std::string, std::string>& env
   if (has("MASTER_PORT")) info.master_port = parse_int(env, "MASTER_PORT", 1, 65535);
   info.agent_store =
       has("TORCHELASTIC_USE_AGENT_STORE") && env.at("TORCHELASTIC_USE_AGENT_STORE") == "True";
-  if (has(kStoreListenFdVar)) info.store_listen_fd = env.at(kStoreListenFdVar);
   return info;
 }
 

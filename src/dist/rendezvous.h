@@ -2,9 +2,8 @@
 // torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT first, then
 // OpenMPI's OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE (MASTER_ADDR/PORT still name the
 // rendezvous store, default 127.0.0.1:29500). No variables at all means a single rank.
-// Rank 0 hosts the store unless torchrun's agent already does (TORCHELASTIC_USE_AGENT_STORE=True,
-// as torch.distributed reads it); under lvx launch it serves on the socket the launcher opened
-// (LVX_STORE_LISTEN_FD, src/dist/store_socket.h).
+// Rank 0 hosts the store unless the launcher already does (TORCHELASTIC_USE_AGENT_STORE=True, as
+// torchrun and lvx launch without --master-port set it, and as torch.distributed reads it).
 #pragma once
 
 #include <map>
@@ -21,7 +20,6 @@ struct RendezvousInfo {
   int master_port = 29500;
   std::string source = "default";  // "torchrun", "openmpi" or "default"
   bool agent_store = false;        // torchrun's agent hosts the store: every rank is a client
-  std::string store_listen_fd;     // LVX_STORE_LISTEN_FD as set (checked where it is adopted)
 };
 
 // Reads the variables from `env` (tests pass a map; the default reads the process environment).
