@@ -56,8 +56,24 @@ CheckpointIndex load_checkpoint_index(const std::string& dir) {
           at::empty(e.shape, at::TensorOptions().dtype(e.type).device(at::kMeta));
       c.files[e.name] = header;
     }
+    c.mapped[path] = map_safetensors(*header);
   }
   return c;
+}
+
+at::Tensor map_tensor(const CheckpointIndex& index, const std::string& name) {
+  const auto it = index.files.find(name);
+  LVX_CHECK(it != index.files.end(), index.meta.dir, ": has no tensor '", name, "'");
+  return mapped_tensor(index.mapped.at(it->second->path), name);
+}
+
+at::Tensor load_parameter(const CheckpointIndex& index, const std::string& name,
+                          at::ScalarType dtype, at::Device device) {
+  const at::Tensor mapped = map_tensor(index, name);
+  if (device.is_cpu() && mapped.scalar_type() == dtype) return mapped;
+  at::Tensor out = mapped.to(device, dtype).contiguous();
+  release_mapped_pages(mapped);
+  return out;
 }
 
 at::Tensor read_tensor(const CheckpointIndex& index, const std::string& name) {

@@ -39,10 +39,20 @@ Checkpoint load_checkpoint(const std::string& dir);
 struct CheckpointIndex {
   Checkpoint meta;
   std::map<std::string, std::shared_ptr<const SafetensorsHeader>> files;
+  // Each file mapped (map_safetensors: nothing read until a tensor is), by its header's path.
+  std::map<std::string, std::shared_ptr<const MappedSafetensors>> mapped;
 };
 CheckpointIndex load_checkpoint_index(const std::string& dir);
 // One tensor of a checkpoint from its file (host memory: that tensor only).
 at::Tensor read_tensor(const CheckpointIndex& index, const std::string& name);
+// The same tensor in place in the mapped file (src/common/safetensors.h, mapped_tensor): no copy,
+// its pages shared with every process that maps the file.
+at::Tensor map_tensor(const CheckpointIndex& index, const std::string& name);
+// A parameter as a model holds it, from the mapped file: in place when `dtype` is the stored one
+// and `device` the CPU, else converted (the mapped pages given back once read). Host memory holds
+// the converted tensor only, never a second copy of the weights.
+at::Tensor load_parameter(const CheckpointIndex& index, const std::string& name,
+                          at::ScalarType dtype, at::Device device);
 
 // The parameters a model needs, converted to `dtype` on `device` (one tensor at a time): every
 // tensor of `expected` must be present with its shape, and every other tensor must start with one

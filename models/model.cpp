@@ -97,16 +97,14 @@ std::unique_ptr<Model> make_model(const Checkpoint& ck, at::ScalarType dtype, at
 std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, at::Device device,
                                   const DeferParameter& defer,
                                   std::shared_ptr<const CheckpointIndex>* index_out) {
-  if (device.is_cpu() && !defer && index_out == nullptr)
-    return make_model(load_checkpoint(dir), dtype, device);
-  // Straight to the device: the model is built on meta from the files' headers (every name,
-  // shape and dtype checked as on the CPU), then each parameter is read, converted and moved on
-  // its own, so host memory holds one tensor at a time, never the checkpoint.
+  // The model is built on meta from the files' headers (every name, shape and dtype checked),
+  // then each parameter comes from the mapped files on its own (load_parameter): in place when
+  // it keeps its stored dtype on the CPU (local ranks share those pages), else converted and
+  // moved, so host memory never holds a second copy of the checkpoint.
   auto index = std::make_shared<const CheckpointIndex>(load_checkpoint_index(dir));
   std::unique_ptr<Model> model = make_model(index->meta, dtype, at::kMeta);
   for (auto& [name, t] : model->parameters())
-    if (!defer || !defer(*model, name))
-      t = read_tensor(*index, name).to(device, dtype).contiguous();
+    if (!defer || !defer(*model, name)) t = load_parameter(*index, name, dtype, device);
   if (index_out != nullptr) *index_out = std::move(index);
   return model;
 }

@@ -2,6 +2,7 @@
 #include "src/common/safetensors.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -268,6 +269,100 @@ at::Tensor read_entry(int fd, const SafetensorsHeader& h, const Entry& e) {
 
 }  // namespace
 
+class MappedSafetensors {
+ public:
+  explicit MappedSafetensors(const SafetensorsHeader& h) : header_(h) {
+    Fd f(::open(h.path.c_str(), O_RDONLY | O_CLOEXEC));
+    LVX_CHECK(f.fd >= 0, h.path, ": cannot open (", std::strerror(errno), ")");
+    struct stat st {};
+    LVX_CHECK(::fstat(f.fd, &st) == 0, h.path, ": cannot stat (", std::strerror(errno), ")");
+    uint64_t end = h.data_begin;
+    for (const Entry& e : h.entries) end = std::max(end, h.data_begin + e.end);
+    LVX_CHECK(static_cast<uint64_t>(st.st_size) >= end, h.path, ": ", st.st_size,
+              " bytes, but its header describes ", end, " (truncated since it was read?)");
+    size_ = static_cast<size_t>(st.st_size);
+    if (size_ == 0) return;
+    void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, f.fd, 0);
+    LVX_CHECK(p != MAP_FAILED, h.path, ": cannot map ", size_, " bytes (", std::strerror(errno),
+              ")");
+    base_ = static_cast<char*>(p);
+  }
+  ~MappedSafetensors() {
+    if (base_ != nullptr) ::munmap(base_, size_);
+  }
+  MappedSafetensors(const MappedSafetensors&) = delete;
+  MappedSafetensors& operator=(const MappedSafetensors&) = delete;
+  const SafetensorsHeader& header() const { return header_; }
+  char* data(const Entry& e) const { return base_ + header_.data_begin + e.begin; }
+
+ private:
+  SafetensorsHeader header_;
+  char* base_ = nullptr;
+  size_t size_ = 0;
+};
+
+std::shared_ptr<const MappedSafetensors> map_safetensors(const SafetensorsHeader& header) {
+  return std::make_shared<const MappedSafetensors>(header);
+}
+
+namespace {
+
+// The whole pages inside [p, p + n) (madvise works on pages; a partial page at either end may
+// hold a neighbour's bytes).
+std::pair<char*, size_t> pages_inside(char* p, size_t n) {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + n) & ~(page - 1);
+  return b > a ? std::make_pair(reinterpret_cast<char*>(a), static_cast<size_t>(b - a))
+               : std::make_pair(static_cast<char*>(nullptr), size_t{0});
+}
+
+// The pages covering [p, p + n), outward (to read them in).
+std::pair<char*, size_t> pages_covering(char* p, size_t n) {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + n + page - 1) & ~(page - 1);
+  return {reinterpret_cast<char*>(a), static_cast<size_t>(b - a)};
+}
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14
+#endif
+
+}  // namespace
+
+at::Tensor mapped_tensor(const std::shared_ptr<const MappedSafetensors>& file,
+                         const std::string& name, bool populate) {
+  const SafetensorsHeader& h = file->header();
+  const auto it = std::find_if(h.entries.begin(), h.entries.end(),
+                               [&](const Entry& e) { return e.name == name; });
+  LVX_CHECK(it != h.entries.end(), h.path, ": has no tensor named '", name, "'");
+  char* p = file->data(*it);
+  const size_t n = static_cast<size_t>(it->end - it->begin);
+  const auto options = at::TensorOptions().dtype(it->type);
+  if (n == 0) return at::empty(it->shape, options);
+  if (populate) {
+    const auto [a, len] = pages_covering(p, n);
+    if (::madvise(a, len, MADV_POPULATE_READ) != 0)  // older kernels: a hint, then the faults
+      ::madvise(a, len, MADV_WILLNEED);
+  }
+  if (reinterpret_cast<uintptr_t>(p) % c10::elementSize(it->type) != 0) {
+    at::Tensor t = at::empty(it->shape, options);
+    std::memcpy(t.data_ptr(), p, n);
+    return t;
+  }
+  auto keep = new std::shared_ptr<const MappedSafetensors>(file);
+  return at::from_blob(
+      p, it->shape, [keep](void*) { delete keep; }, options);
+}
+
+void release_mapped_pages(const at::Tensor& mapped) {
+  if (!mapped.defined() || mapped.numel() == 0) return;
+  const auto [a, len] = pages_inside(static_cast<char*>(mapped.data_ptr()),
+                                     static_cast<size_t>(mapped.nbytes()));
+  if (len > 0) ::madvise(a, len, MADV_DONTNEED);
+}
+
 SafetensorsHeader read_safetensors_header(const std::string& path) {
   SafetensorsHeader h;
   open_and_validate(path, &h);
@@ -296,37 +391,95 @@ TensorFile load_safetensors(const std::string& path, const std::vector<std::stri
   return out;
 }
 
-void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+uint64_t SafetensorsWriter::nbytes(const Spec& s) {
+  uint64_t n = c10::elementSize(s.type);
+  for (int64_t d : s.shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<Spec> tensors,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)), specs_(std::move(tensors)) {
   nlohmann::json j = nlohmann::json::object();
   if (!metadata.empty()) j["__metadata__"] = metadata;
-  std::vector<at::Tensor> data;
   uint64_t offset = 0;
-  for (const auto& [name, t0] : tensors) {  // std::map: sorted names, deterministic files
-    at::Tensor t = t0.detach().to(at::kCPU).contiguous();
-    const uint64_t nbytes = t.numel() * t.element_size();
-    j[name] = {{"dtype", safetensors_dtype(t.scalar_type())},
-               {"shape", t.sizes().vec()},
-               {"data_offsets", {offset, offset + nbytes}}};
-    offset += nbytes;
-    data.push_back(t);
+  for (const Spec& t : specs_) {
+    LVX_CHECK(!j.contains(t.name), path_, ": tensor '", t.name, "' given twice");
+    const uint64_t n = nbytes(t);
+    j[t.name] = {{"dtype", safetensors_dtype(t.type)},
+                 {"shape", t.shape},
+                 {"data_offsets", {offset, offset + n}}};
+    offset += n;
   }
   std::string header = j.dump();
   header.append((8 - header.size() % 8) % 8, ' ');  // align data to 8 bytes, as HF does
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    LVX_CHECK(out.good(), path, ": cannot write (", std::strerror(errno), ")");
-    const uint64_t len = header.size();
-    out.write(reinterpret_cast<const char*>(&len), 8);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
-    for (const auto& t : data)
-      out.write(static_cast<const char*>(t.data_ptr()),
-                static_cast<std::streamsize>(t.numel() * t.element_size()));
-    out.flush();
-    LVX_CHECK(out.good(), path, ": write failed (disk full?)");
+  tmp_ = path_ + ".tmp." + std::to_string(::getpid());
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  LVX_CHECK(fd_ >= 0, path_, ": cannot write (", std::strerror(errno), ")");
+  const uint64_t len = header.size();
+  unsigned char len_bytes[8];
+  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>(len >> (8 * i));
+  write_all(len_bytes, 8);
+  write_all(header.data(), header.size());
+  while (current_ < specs_.size() && nbytes(specs_[current_]) == 0) ++current_;
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
   }
-  std::filesystem::rename(tmp, path);
+}
+
+void SafetensorsWriter::write_all(const void* data, uint64_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t got = ::write(fd_, p, static_cast<size_t>(std::min<uint64_t>(n, 1u << 30)));
+    if (got < 0 && errno == EINTR) continue;
+    LVX_CHECK(got > 0, path_, ": write failed (", std::strerror(errno), "; disk full?)");
+    p += got;
+    n -= static_cast<uint64_t>(got);
+  }
+}
+
+void SafetensorsWriter::write(const at::Tensor& piece) {
+  LVX_CHECK(current_ < specs_.size(), path_, ": more data than the header's tensors hold");
+  const Spec& s = specs_[current_];
+  LVX_CHECK(piece.device().is_cpu() && piece.is_contiguous() && piece.scalar_type() == s.type,
+            path_, ": tensor '", s.name, "': expected a contiguous CPU ", s.type, " piece, got ",
+            piece.scalar_type(), " on ", piece.device());
+  const uint64_t n = piece.numel() * piece.element_size(), total = nbytes(s);
+  LVX_CHECK(written_ + n <= total, path_, ": tensor '", s.name, "': ", written_ + n,
+            " bytes given for ", total);
+  write_all(piece.data_ptr(), n);
+  written_ += n;
+  if (written_ == total) {
+    written_ = 0;
+    for (++current_; current_ < specs_.size() && nbytes(specs_[current_]) == 0;) ++current_;
+  }
+}
+
+void SafetensorsWriter::finish() {
+  LVX_CHECK(current_ == specs_.size(), path_, ": tensor '",
+            current_ < specs_.size() ? specs_[current_].name : "", "' was not written whole");
+  const int fd = fd_;
+  fd_ = -1;
+  LVX_CHECK(::close(fd) == 0, path_, ": close failed (", std::strerror(errno), ")");
+  std::filesystem::rename(tmp_, path_);
+}
+
+void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsWriter::Spec> specs;
+  std::vector<at::Tensor> data;
+  for (const auto& [name, t0] : tensors) {  // std::map: sorted names, deterministic files
+    data.push_back(t0.detach().to(at::kCPU).contiguous());
+    specs.push_back({name, data.back().scalar_type(), data.back().sizes().vec()});
+  }
+  SafetensorsWriter w(path, std::move(specs), metadata);
+  for (const at::Tensor& t : data)
+    if (t.numel() > 0) w.write(t);
+  w.finish();
 }
 
 std::map<std::string, std::vector<std::string>> checkpoint_shards(const std::string& dir) {

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,23 @@ struct TensorFile {
   std::map<std::string, at::Tensor> tensors;    // CPU, contiguous
   std::map<std::string, std::string> metadata;  // "__metadata__" (string → string)
 };
+
+// A safetensors file mapped into memory (mmap, private and copy-on-write), for loading weights
+// without a copy: a tensor of the file's dtype is used in place, so local ranks that load the
+// same checkpoint share its pages (the kernel's page cache holds one copy), and a tensor converted
+// to another dtype costs only its converted copy. Tensors over the mapping keep it alive.
+class MappedSafetensors;
+struct SafetensorsHeader;
+std::shared_ptr<const MappedSafetensors> map_safetensors(const SafetensorsHeader& header);
+// Tensor `name` of a mapped file, in place (CPU, its stored dtype; written pages become this
+// process's own). With `populate`, its pages are read in now (MADV_POPULATE_READ), so that a
+// load's time is the time to read the files, not the first forward's. A tensor whose offset is
+// not a multiple of its element size is copied.
+at::Tensor mapped_tensor(const std::shared_ptr<const MappedSafetensors>& file,
+                         const std::string& name, bool populate = true);
+// Gives back the pages of a mapped tensor that was only read (after converting it): the process
+// no longer holds them (they stay in the page cache). Never call it on a tensor written to.
+void release_mapped_pages(const at::Tensor& mapped);
 
 // Reads every tensor (or only `names`, when given; a missing name is an error naming the file).
 // The whole header is validated before anything is allocated (read_safetensors_header).
@@ -43,6 +61,39 @@ at::Tensor read_safetensors_tensor(const SafetensorsHeader& header, const std::s
 // Writes tensors (moved to CPU and made contiguous) with optional metadata, atomically.
 void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
+
+// Writes one safetensors file tensor by tensor, for files larger than memory (lvx init-model;
+// save_safetensors uses it too). The header comes first, from every tensor's name, dtype and
+// shape (offsets in the order given); then each tensor's bytes, in that order, in as many
+// pieces as the caller likes (write). finish() checks that every byte came, closes and renames
+// the file into place; a writer destroyed before finish() removes its temporary file, so an
+// interrupted write leaves nothing under `path`.
+class SafetensorsWriter {
+ public:
+  struct Spec {
+    std::string name;
+    at::ScalarType type;
+    std::vector<int64_t> shape;
+  };
+  SafetensorsWriter(std::string path, std::vector<Spec> tensors,
+                    const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  // The next elements of the current tensor: a contiguous CPU tensor of its dtype, at most what
+  // remains of it (a piece never spans two tensors).
+  void write(const at::Tensor& piece);
+  void finish();
+  static uint64_t nbytes(const Spec& s);
+
+ private:
+  void write_all(const void* data, uint64_t n);
+  std::string path_, tmp_;
+  std::vector<Spec> specs_;
+  size_t current_ = 0;    // the tensor being written
+  uint64_t written_ = 0;  // bytes of it so far
+  int fd_ = -1;
+};
 
 // Safetensors dtype code ("F32", "BF16", "I64", ...) ↔ ATen scalar type.
 std::string safetensors_dtype(at::ScalarType t);
