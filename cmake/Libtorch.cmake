@@ -21,16 +21,15 @@ add_library(lvx::torch ALIAS lvx_torch)
 # csrc/api/include only because c10d headers reach torch/types.h; we never include torch/torch.h.
 target_include_directories(lvx_torch SYSTEM INTERFACE ${LVX_TORCH_DIR}/include
                                                     ${LVX_TORCH_DIR}/include/torch/csrc/api/include)
-set(_libs ${LVX_TORCH_DIR}/lib/libtorch.so ${LVX_TORCH_DIR}/lib/libtorch_cpu.so
-          ${LVX_TORCH_DIR}/lib/libc10.so)
+set(_libs ${LVX_TORCH_DIR}/lib/libtorch_cpu.so ${LVX_TORCH_DIR}/lib/libc10.so)
 set(LVX_TORCH_HAS_CUDA OFF)
 if(EXISTS ${LVX_TORCH_DIR}/lib/libtorch_cuda.so)
   set(LVX_TORCH_HAS_CUDA ON)
 endif()
-# libtorch.so itself defines almost nothing we call: it is the library whose NEEDED entries load
-# libtorch_cuda.so, whose static initialisers register the CUDA kernels and hooks. Kept whatever
-# the linker's --as-needed says (lvx-core links --as-needed, src/CMakeLists.txt), as torch's own
-# CMake config keeps libtorch_cuda.
+# libtorch_cpu and c10 only: libtorch.so is the stub whose NEEDED entries load libtorch_cuda.so
+# and the CUDA libraries (~350 MB resident in every process, at every start). A CUDA build links
+# libtorch_cuda itself (lvx_cuda, CMakeLists.txt); a CPU build loads it when a command first asks
+# for CUDA on a machine with an NVIDIA driver (src/runtime/device.cpp, load_cuda_runtime).
 target_link_libraries(lvx_torch INTERFACE "-Wl,--push-state,--no-as-needed" ${_libs}
                       "-Wl,--pop-state")
 # c10d's Gloo process group is compiled into libtorch_cpu; its header needs this define and
