@@ -65,9 +65,16 @@ TEST(Device, RefusesFewerGpusThanLocalRanksAndCudaWithoutOne) {
   }
 }
 
-TEST(Device, DtypeAutoIsFp32OnCpuAndTheCheckpointsOnGpu) {
+// auto: the checkpoint's dtype where the device computes it natively; on a CPU without native
+// bf16 products, fp32 (given either way here, so the test does not depend on this CPU).
+TEST(Device, DtypeAutoIsTheCheckpointsWhereTheDeviceComputesIt) {
   const at::Device cpu(at::kCPU), gpu(at::kCUDA, 0);
-  EXPECT_EQ(resolve_dtype("auto", cpu, "bfloat16"), "fp32");
+  EXPECT_EQ(resolve_dtype("auto", cpu, "bfloat16", /*cpu_bf16=*/false), "fp32");
+  EXPECT_EQ(resolve_dtype("auto", cpu, "bfloat16", /*cpu_bf16=*/true), "bf16");
+  EXPECT_EQ(resolve_dtype("auto", cpu, "float16", /*cpu_bf16=*/true), "bf16");
+  EXPECT_EQ(resolve_dtype("auto", cpu, "float32", /*cpu_bf16=*/true), "fp32");
+  EXPECT_NE(dtype_note("auto", cpu, "bfloat16", "bf16").find("natively"), std::string::npos);
+  EXPECT_EQ(dtype_note("bf16", cpu, "bfloat16", "bf16"), "");
   EXPECT_EQ(resolve_dtype("auto", gpu, "bfloat16"), "bf16");
   EXPECT_EQ(resolve_dtype("auto", gpu, ""), "bf16");
   EXPECT_EQ(resolve_dtype("auto", gpu, "float16"), "bf16");

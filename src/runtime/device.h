@@ -8,8 +8,8 @@
 // refused with a message naming both counts and the --nproc that fits (NCCL refuses two ranks
 // on one GPU, and sharing one silently would also share its memory), never wrapped round.
 //
-// Weights take the checkpoint's dtype on a GPU (config.json torch_dtype, bf16 when absent) and
-// fp32 on the CPU (--dtype auto); everything a job creates takes its device and dtype from the
+// Weights take the checkpoint's dtype where the device computes it natively (resolve_dtype,
+// --dtype auto); everything a job creates takes its device and dtype from the
 // tensors it relates to (tests/test_models_placement.cpp runs both families on `meta` to check).
 #pragma once
 
@@ -36,6 +36,10 @@ void check_local_devices(const std::string& spec, int local_ranks);
 // which may run where the GPUs are not (check_local_devices checks the counts).
 void check_device_option(const std::string& spec);
 
+// Whether this CPU multiplies bf16 natively (AMX-BF16, or AVX512-BF16), with the OS saving that
+// state (XCR0): what --dtype auto asks of a CPU.
+bool cpu_computes_bf16();
+
 // CUDA devices this process can use (0 without CUDA).
 int cuda_device_count();
 
@@ -45,10 +49,16 @@ bool gpus_suffice(int local_ranks, int gpus);
 // local ranks ("" when it does not).
 std::string auto_device_note(int local_ranks, int gpus);
 
-// --dtype: fp32 | bf16 | auto (fp32 on the CPU; on a GPU the checkpoint's torch_dtype,
-// `checkpoint_dtype` as config.json spells it, bf16 when empty). Returns "fp32" or "bf16"
-// (float16 checkpoints run in bf16: lvx's kernels accumulate in fp32 either way).
+// --dtype: fp32 | bf16 | auto. auto: the checkpoint's dtype (`checkpoint_dtype`, as
+// model_description.h's checkpoint_dtype names the weights' stored dtype: float32 | float16 |
+// bfloat16) wherever the device runs it at least as fast: a bf16 or fp16 checkpoint runs in bf16
+// on a GPU and on a CPU with native bf16 products (`cpu_bf16`: cpu_computes_bf16), in fp32 on
+// other CPUs; an fp32 checkpoint in fp32. Returns "fp32" or "bf16" (lvx's kernels accumulate in
+// fp32 either way).
 std::string resolve_dtype(const std::string& option, const at::Device& device,
-                          const std::string& checkpoint_dtype);
+                          const std::string& checkpoint_dtype, bool cpu_bf16 = cpu_computes_bf16());
+// What rank 0 prints when auto chose (empty for an explicit --dtype): the choice and why.
+std::string dtype_note(const std::string& option, const at::Device& device,
+                       const std::string& checkpoint_dtype, const std::string& chosen);
 
 }  // namespace lvx::runtime

@@ -119,7 +119,12 @@ ForwardRun prepare_forward(const ForwardJob& job) {
   ForwardRun run;
   run.pg = dist::ProcessGroup::from_env();
   run.device = choose_device(job.device);
-  run.dtype = resolve_dtype(job.dtype, run.device, checkpoint_dtype(job.model));
+  const std::string ck_dtype = checkpoint_dtype(job.model);
+  run.dtype = resolve_dtype(job.dtype, run.device, ck_dtype);
+  if (run.pg->rank() == 0)
+    if (const std::string note = dtype_note(job.dtype, run.device, ck_dtype, run.dtype);
+        !note.empty())
+      std::cerr << "lvx: " << note << "\n";
   run.batch = read_batch(job.input);
   Batch& b = run.batch;
   // Frames go to the device once; input_ids and labels are host metadata (models/model.h).

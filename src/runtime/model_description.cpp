@@ -1,11 +1,13 @@
 #include "src/runtime/model_description.h"
 
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "models/model.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
+#include "src/common/safetensors.h"
 #include "src/runtime/finetune_job.h"
 
 namespace lvx::runtime {
@@ -49,7 +51,23 @@ int64_t model_context_length(const std::string& model_dir) {
   return best;
 }
 
+bool has_weight_files(const std::string& dir);
+
 std::string checkpoint_dtype(const std::string& dir) {
+  if (fs::is_directory(dir) && has_weight_files(dir)) {
+    // The weights' own dtype (config.json's torch_dtype may be absent, or named dtype by newer
+    // transformers): the floating dtype that holds the most bytes, from the files' headers.
+    std::map<at::ScalarType, uint64_t> bytes;
+    for (const auto& [path, names] : checkpoint_shards(dir))
+      for (const auto& e : read_safetensors_header(path).entries)
+        if (at::isFloatingType(e.type)) bytes[e.type] += e.end - e.begin;
+    at::ScalarType best = at::kBFloat16;
+    uint64_t most = 0;
+    for (const auto& [t, n] : bytes)
+      if (n > most) best = t, most = n;
+    if (most > 0)
+      return best == at::kFloat ? "float32" : best == at::kHalf ? "float16" : "bfloat16";
+  }
   const std::string d = planner_model(dir).dtype;
   return d == "fp32" ? "float32" : d == "fp16" ? "float16" : "bfloat16";
 }

@@ -24,8 +24,9 @@ void check_model_files(const std::string& model_dir);
 // n_positions or seq_length, at the top level or in text_config); 0 when it names none.
 int64_t model_context_length(const std::string& model_dir);
 
-// The checkpoint directory's torch_dtype as config.json spells it (float32 | float16 | bfloat16,
-// bfloat16 when absent), for resolve_dtype (src/runtime/device.h).
+// The checkpoint's weights' dtype (float32 | float16 | bfloat16): the floating dtype holding the
+// most bytes of its safetensors files, or config.json's torch_dtype where there are no weight
+// files yet (bfloat16 when absent), for resolve_dtype (src/runtime/device.h).
 std::string checkpoint_dtype(const std::string& dir);
 
 // Parameter counts for the memory plan: a checkpoint directory's exactly (its tensors built on

@@ -134,11 +134,12 @@ QaSession::QaSession(const QaJob& job, std::shared_ptr<dist::ProcessGroup> pg, i
   s.pg = std::move(pg);
   s.device = choose_device(job.device);
   s.job = job;  // --dtype auto resolved for this device (the plan and the weights)
-  const std::string ck_dtype = planner_model(job.model).dtype;
-  s.job.plan.dtype = resolve_dtype(job.plan.dtype, s.device,
-                                   ck_dtype == "fp32"   ? "float32"
-                                   : ck_dtype == "fp16" ? "float16"
-                                                        : "bfloat16");
+  const std::string ck_dtype = checkpoint_dtype(job.model);
+  s.job.plan.dtype = resolve_dtype(job.plan.dtype, s.device, ck_dtype);
+  if (s.pg->rank() == 0)
+    if (const std::string note = dtype_note(job.plan.dtype, s.device, ck_dtype, s.job.plan.dtype);
+        !note.empty())
+      std::cerr << "lvx: " << note << "\n";
   s.owned = models::load_model(job.model, dtype_of(s.job.plan.dtype, "--dtype"), s.device);
   if (!job.adapter.empty()) models::merge_adapter(*s.owned, job.adapter);  // --adapter (LoRA)
   s.model = s.owned.get();
