@@ -102,21 +102,17 @@ Partial unfold_tokens(const Partial& folded, int64_t tokens, int64_t kv_heads) {
 
 Partial causal_new_keys(const at::Tensor& q, const at::Tensor& nk, const at::Tensor& nv,
                         int64_t before, double scale) {
-  const int64_t B = q.size(0), T = q.size(1), hq = q.size(2), D = q.size(3);
-  const int64_t S = nk.size(1), hkv = nk.size(2), g = hq / hkv, Dv = nv.size(3);
-  const auto acc = kernels::accumulation_dtype(q.scalar_type());
-  const at::Tensor qq = q.to(acc).view({B, T, hkv, g, D}).permute({0, 2, 3, 1, 4});  // B,Hkv,g,T,D
-  const at::Tensor kk = nk.to(acc).permute({0, 2, 3, 1}).unsqueeze(2);  // [B, Hkv, 1, D, S]
-  const at::Tensor vv = nv.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);  // [B, Hkv, 1, S, Dv]
-  at::Tensor sc = at::matmul(qq, kk).mul_(scale);                       // [B, Hkv, g, T, S]
-  const at::Tensor hidden =  // key s is after token t: s > before + t
-      at::arange(S, q.options().dtype(at::kLong)).unsqueeze(0) >
-      (at::arange(T, q.options().dtype(at::kLong)) + before).unsqueeze(1);
-  sc.masked_fill_(hidden, -std::numeric_limits<double>::infinity());
-  const at::Tensor lse = at::logsumexp(sc, -1);                          // [B, Hkv, g, T]
-  const at::Tensor o = at::matmul(at::exp(sc - lse.unsqueeze(-1)), vv);  // [B, Hkv, g, T, Dv]
-  return {o.permute({0, 3, 1, 2, 4}).reshape({B, T, hq, Dv}),
-          lse.permute({0, 3, 1, 2}).reshape({B, T, hq})};
+  // The kernels' blockwise causal attention (token t at position before + t, key s at s): no
+  // [heads, T, S] score matrix is ever whole, so a long question's extend stays linear in memory.
+  const int64_t T = q.size(1), S = nk.size(1);
+  kernels::AttentionParams params;
+  params.scale = scale;
+  params.mask.kind = kernels::MaskKind::kCausal;
+  const auto host = at::TensorOptions().dtype(at::kLong);
+  params.mask.q_pos = at::arange(before, before + T, host);
+  params.mask.k_pos = at::arange(S, host);
+  const kernels::AttentionOutput out = kernels::attention_forward(q, nk, nv, params);
+  return {out.o, out.lse.transpose(1, 2)};  // [B, T, Hq, Dv], [B, T, Hq]
 }
 
 Partial token_rows(const Partial& p) {

@@ -94,7 +94,8 @@ Partial unfold_tokens(const Partial& folded, int64_t tokens, int64_t kv_heads);
 
 // T new queries q [B, T, Hq, D] against the new keys nk/nv [B, before + T, Hkv, D] (the tokens
 // since the prompt's cached part, then their own), causal: token t sees keys [0, before + t].
-// One product in the accumulation dtype; o [B, T, Hq, D], lse [B, T, Hq].
+// The kernels' blockwise attention (memory linear in T); o [B, T, Hq, D], lse [B, T, Hq] in the
+// accumulation dtype.
 Partial causal_new_keys(const at::Tensor& q, const at::Tensor& nk, const at::Tensor& nv,
                         int64_t before, double scale);
 
