@@ -51,6 +51,29 @@ struct DecoderLayerAttention {
   bool cross_first = false;  // with both: the cross-attention runs before the self-attention
 };
 
+// What a released checkpoint of a family holds, for writing release-shaped random checkpoints
+// (lvx init-model, models/release_init.h): every tensor of the release's files by name and shape
+// (the parameters lvx runs, plus what the release ships that lvx never computes: SigLIP's last
+// layer and pooling head; a tied head is not written, as the releases do not), and the special
+// tokens its template needs, each at the id config.json fixes for it (image_token_index,
+// media_token_id, ...) or −1: the next free id after the tokenizer's words.
+struct SpecialToken {
+  std::string content;
+  int64_t id = -1;
+};
+struct ReleaseLayout {
+  ShapeSpec tensors;
+  std::vector<SpecialToken> specials;
+  int64_t embedding_rows = 0;  // token ids must stay below this (the input embedding's rows)
+};
+// A smaller model of a release's widths (0 keeps a size): fewer decoder layers (the first ones,
+// with the cross layers among them as released, or at `cross_layers`: 0-based indices below
+// `layers`), fewer vision layers (Llama-3.2-Vision: local and global alike), a smaller vocabulary.
+struct ReleaseResize {
+  int64_t layers = 0, vision_layers = 0, vocab = 0;
+  std::vector<int64_t> cross_layers;
+};
+
 class Family {
  public:
   virtual ~Family() = default;
@@ -72,6 +95,13 @@ class Family {
   // (sizing a model before its weights are downloaded: load_model_shapes).
   virtual ShapeSpec parameter_shapes(const nlohmann::json& config,
                                      const std::string& where) const = 0;
+
+  // The release's files for `config` (ReleaseLayout above) and `config` resized (ReleaseResize;
+  // errors name `where`, the field and why, e.g. a layer count that keeps no cross layer).
+  virtual ReleaseLayout release_layout(const nlohmann::json& config,
+                                       const std::string& where) const = 0;
+  virtual nlohmann::json resize_release(const nlohmann::json& config, const ReleaseResize& r,
+                                        const std::string& where) const = 0;
 
   // The chat/prompt template: the ids of a question about `frames` video frames (one image per
   // frame, in order), and with `answer` the labelled answer and end of turn (fine-tuning).

@@ -98,6 +98,13 @@ at::Tensor init_tensor(const std::string& name, const std::vector<int64_t>& shap
 }  // namespace
 
 std::string tiny_tokenizer_json(const std::vector<std::string>& words) {
+  std::vector<SpecialToken> specials;
+  for (const char* c : kSpecials) specials.push_back({c, -1});
+  return byte_level_tokenizer_json(words, specials);
+}
+
+std::string byte_level_tokenizer_json(const std::vector<std::string>& words,
+                                      const std::vector<SpecialToken>& specials) {
   const std::vector<std::string>& bytes = byte_symbols();
   nlohmann::ordered_json vocab = nlohmann::ordered_json::object();
   for (int b = 0; b < 256; ++b) vocab[bytes[b]] = b;
@@ -124,9 +131,9 @@ std::string tiny_tokenizer_json(const std::vector<std::string>& words) {
   }
   nlohmann::ordered_json added = nlohmann::ordered_json::array();
   int64_t id = static_cast<int64_t>(vocab.size());
-  for (const char* s : kSpecials)
-    added.push_back({{"id", id++},
-                     {"content", s},
+  for (const SpecialToken& s : specials)
+    added.push_back({{"id", s.id >= 0 ? s.id : id++},
+                     {"content", s.content},
                      {"single_word", false},
                      {"lstrip", false},
                      {"rstrip", false},

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "models/family.h"
+
 namespace lvx::models {
 
 struct TinyModelSpec {
@@ -65,5 +67,9 @@ std::string describe_tiny_model(const std::string& model_type, const TinyModelSp
 // encodes to one token whatever the other words are; then the special tokens <|endoftext|>,
 // <|im_start|>, <|im_end|>, <|image|> (ids right after the vocabulary, as in Qwen2).
 std::string tiny_tokenizer_json(const std::vector<std::string>& words);
+// The same tokenizer with `specials` in place of those four, each at its id or (id −1) at the
+// next id after the vocabulary, in order (the caller keeps fixed ids clear of the vocabulary).
+std::string byte_level_tokenizer_json(const std::vector<std::string>& words,
+                                      const std::vector<SpecialToken>& specials);
 
 }  // namespace lvx::models

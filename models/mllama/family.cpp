@@ -4,6 +4,7 @@
 #include "models/mllama/config.h"
 #include "models/mllama/model.h"
 #include "models/mllama/template.h"
+#include "models/mllama/release.h"
 
 namespace lvx::models::mllama {
 
@@ -16,6 +17,14 @@ class MllamaFamily : public Family {
   std::unique_ptr<Model> load(const Checkpoint& ck, at::ScalarType dtype,
                               at::Device device) const override {
     return std::make_unique<Mllama>(ck, dtype, device);
+  }
+  ReleaseLayout release_layout(const nlohmann::json& config,
+                               const std::string& where) const override {
+    return mllama::release_layout(config, where);
+  }
+  nlohmann::json resize_release(const nlohmann::json& config, const ReleaseResize& r,
+                                const std::string& where) const override {
+    return mllama::resize_release(config, r, where);
   }
   ModelConfig planner_model(const nlohmann::json& config,
                                      const std::string& where) const override {

@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "models/mplug_owl3/model.h"
+#include "models/mplug_owl3/release.h"
 #include "models/prompt.h"
 #include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
@@ -34,6 +35,15 @@ class MplugOwl3Family final : public Family {
                              const std::string& where) const override {
     // The 240728/241014 releases' hyper layers own a gate (a few scalars); counted as present.
     return mplug_owl3_shapes(mplug_owl3_config(config, where, /*gated=*/true, 0));
+  }
+
+  ReleaseLayout release_layout(const nlohmann::json& config,
+                               const std::string& where) const override {
+    return mplug_owl3::release_layout(config, where);
+  }
+  nlohmann::json resize_release(const nlohmann::json& config, const ReleaseResize& r,
+                                const std::string& where) const override {
+    return mplug_owl3::resize_release(config, r, where);
   }
 
   ModelConfig planner_model(const nlohmann::json& config,

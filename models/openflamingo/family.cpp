@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "models/openflamingo/model.h"
+#include "models/openflamingo/release.h"
 #include "models/prompt.h"
 #include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
@@ -21,6 +22,14 @@ class OpenFlamingoFamily final : public Family {
     return std::make_unique<OpenFlamingo>(ck, dtype, device);
   }
 
+  ReleaseLayout release_layout(const nlohmann::json& config,
+                               const std::string& where) const override {
+    return openflamingo::release_layout(config, where);
+  }
+  nlohmann::json resize_release(const nlohmann::json& config, const ReleaseResize& r,
+                                const std::string& where) const override {
+    return openflamingo::resize_release(config, r, where);
+  }
   ModelConfig planner_model(const nlohmann::json& config,
                                      const std::string& where) const override {
     return OpenFlamingo::planner_model(openflamingo_config(config, where));

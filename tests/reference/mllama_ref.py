@@ -2,8 +2,9 @@
 
 usage:
   mllama_ref.py make-model OUT_DIR [--seed S] [--dtype fp32|bf16]
-  mllama_ref.py make-batch OUT_DIR BATCH.safetensors [--seed S] [--length L]
+  mllama_ref.py make-batch OUT_DIR BATCH.safetensors [--seed S] [--length L] [--one-image]
   mllama_ref.py run OUT_DIR BATCH.safetensors EXPECTED.safetensors [--backward] [--intermediates]
+                [--float32]
   mllama_ref.py generate OUT_DIR BATCH.safetensors EXPECTED.safetensors --tokens N
   mllama_ref.py selfcheck [--workdir DIR]
 
@@ -37,7 +38,9 @@ Tokenizer: byte-level BPE (~300 ids) trained on a built-in corpus with Llama 3's
 normalizer, ByteLevel post-processor and decoder; added special tokens <|begin_of_text|>,
 <|end_of_text|>, <|start_header_id|>, <|end_header_id|>, <|eot_id|> (ids V-5..V-1) and <|image|> (V).
 
-make-batch writes BATCH.safetensors as MllamaProcessor lays a batch out (B = 2, L tokens, no
+make-batch (tiles and aspect ratios from config.json's vision_config; --one-image: one sample,
+one square image, for release-sized models) writes BATCH.safetensors as MllamaProcessor lays a
+batch out (B = 2, L tokens, no
 padding): input_ids int64 [B, L]; pixel_values float32 [B, 3, 2, 3, 16, 16] (images, tiles; padding
 images and tiles zero); aspect_ratio_ids int64 [B, 3] (0 for padding images); aspect_ratio_mask
 int64 [B, 3, 2] (tile 0 always 1, as build_aspect_ratio_mask does); cross_attention_mask int64
@@ -183,10 +186,10 @@ def cmd_make_model(args):
 
 
 # ---------------------------------------------------------------------------------------------
-def load_model(out_dir, attn="sdpa"):
+def load_model(out_dir, attn="sdpa", dtype=torch.float64):
     from transformers import MllamaForConditionalGeneration
     m = MllamaForConditionalGeneration.from_pretrained(out_dir, torch_dtype=torch.float32, attn_implementation=attn)
-    return m.double().eval()
+    return m.to(dtype).eval()
 
 
 def disk_names(model):
@@ -212,22 +215,24 @@ def cmd_make_batch(args):
         cfg = json.load(f)
     image_id, V = cfg["image_token_index"], cfg["text_config"]["vocab_size"]
     S = cfg["vision_config"]["image_size"]
+    max_tiles = cfg["vision_config"].get("max_num_tiles", MAX_TILES)
+    aspect_ratios = cfg["vision_config"].get("supported_aspect_ratios", ASPECT_RATIOS)
     L = args.length
     gen = torch.Generator().manual_seed(args.seed)
     ordinary = V - len(SPECIALS)  # ids below the added specials
-    ids = torch.randint(0, ordinary, (2, L), generator=gen)
+    if args.one_image:  # one sample, one square image (release-sized models: the tower's cost)
+        B, positions, ratios = 1, [[4]], [[(1, 1)]]
+    else:  # a group of two consecutive images, then a third; a second sample with one
+        B, positions, ratios = 2, [[4, 5, L // 2], [7]], [[(1, 2), (1, 1), (2, 1)], [(1, 1)]]
+    ids = torch.randint(0, ordinary, (B, L), generator=gen)
     ids[:, 0] = V - len(SPECIALS)  # <|begin_of_text|>
-    pos0 = [4, 5, L // 2]  # a group of two consecutive images, then a third
-    pos1 = [7]
-    for p in pos0:
-        ids[0, p] = image_id
-    for p in pos1:
-        ids[1, p] = image_id
-    ratios = [[(1, 2), (1, 1), (2, 1)], [(1, 1)]]  # (tiles_h, tiles_w) per image
-    n_img = 3
-    pv = torch.zeros(2, n_img, MAX_TILES, 3, S, S)
-    ar_ids = torch.zeros(2, n_img, dtype=torch.int64)
-    ar_mask = torch.zeros(2, n_img, MAX_TILES, dtype=torch.int64)
+    for b, ps in enumerate(positions):
+        for p in ps:
+            ids[b, p] = image_id
+    n_img = max(len(r) for r in ratios)
+    pv = torch.zeros(B, n_img, max_tiles, 3, S, S)
+    ar_ids = torch.zeros(B, n_img, dtype=torch.int64)
+    ar_mask = torch.zeros(B, n_img, max_tiles, dtype=torch.int64)
     ar_mask[:, :, 0] = 1  # build_aspect_ratio_mask: tile 0 of every image, padding included
     num_tiles = []
     for b, rs in enumerate(ratios):
@@ -235,26 +240,26 @@ def cmd_make_batch(args):
         for j, (h, w) in enumerate(rs):
             t = h * w
             pv[b, j, :t] = torch.rand(t, 3, S, S, generator=gen) * 2 - 1
-            ar_ids[b, j] = ASPECT_RATIOS.index([h, w]) + 1
+            ar_ids[b, j] = [list(r) for r in aspect_ratios].index([h, w]) + 1
             ar_mask[b, j, :t] = 1
             nt.append(t)
         num_tiles.append(nt)
-    token_masks = [get_cross_attention_token_mask(ids[b].tolist(), image_id) for b in range(2)]
-    cam = torch.from_numpy(convert_sparse_cross_attention_mask_to_dense(token_masks, num_tiles, MAX_TILES, L))
-    assert cam.shape == (2, L, n_img, MAX_TILES), cam.shape
-    labels = torch.randint(0, ordinary, (2, L), generator=gen)
+    token_masks = [get_cross_attention_token_mask(ids[b].tolist(), image_id) for b in range(B)]
+    cam = torch.from_numpy(convert_sparse_cross_attention_mask_to_dense(token_masks, num_tiles, max_tiles, L))
+    assert cam.shape == (B, L, n_img, max_tiles), cam.shape
+    labels = torch.randint(0, ordinary, (B, L), generator=gen)
     labels[ids == image_id] = -100
     labels[:, 0] = -100
-    labels[torch.rand(2, L, generator=gen) < 0.25] = -100
+    labels[torch.rand(B, L, generator=gen) < 0.25] = -100
     save_file({"input_ids": ids.contiguous(), "pixel_values": pv.contiguous(), "aspect_ratio_ids": ar_ids,
                "aspect_ratio_mask": ar_mask.contiguous(), "cross_attention_mask": cam.contiguous(),
                "labels": labels.contiguous()}, args.batch_file)
-    print(f"wrote {args.batch_file}: B=2 L={L}, images {[len(r) for r in ratios]} (padded to {n_img}), "
-          f"<|image|> at {pos0} / {pos1}")
+    print(f"wrote {args.batch_file}: B={B} L={L}, images {[len(r) for r in ratios]} (padded to {n_img}), "
+          f"<|image|> at {positions}")
 
 
-def model_inputs(batch):
-    return dict(input_ids=batch["input_ids"].long(), pixel_values=batch["pixel_values"].double(),
+def model_inputs(batch, dtype=torch.float64):
+    return dict(input_ids=batch["input_ids"].long(), pixel_values=batch["pixel_values"].to(dtype),
                 aspect_ratio_ids=batch["aspect_ratio_ids"].long(), aspect_ratio_mask=batch["aspect_ratio_mask"].long(),
                 cross_attention_mask=batch["cross_attention_mask"].long())
 
@@ -274,12 +279,12 @@ def vision_outputs(model, batch):
 
 
 def cmd_run(args):
-    model = load_model(args.out_dir)
+    model = load_model(args.out_dir, dtype=torch.float32 if args.float32 else torch.float64)
     batch = load_file(args.batch_file)
     out = {}
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(args.backward):
-        res = model(**model_inputs(batch), output_hidden_states=args.intermediates, use_cache=False)
+        res = model(**model_inputs(batch, model.dtype), output_hidden_states=args.intermediates, use_cache=False)
         logits = res.logits
         out["logits"] = logits.detach().float().contiguous()
         if args.backward:
@@ -413,12 +418,14 @@ def main():
     p.add_argument("batch_file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--length", type=int, default=32)
+    p.add_argument("--one-image", action="store_true", help="one sample with one square image")
     p = sub.add_parser("run")
     p.add_argument("out_dir")
     p.add_argument("batch_file")
     p.add_argument("expected_file")
     p.add_argument("--backward", action="store_true")
     p.add_argument("--intermediates", action="store_true")
+    p.add_argument("--float32", action="store_true", help="run the model in float32 (default float64)")
     p = sub.add_parser("generate")
     p.add_argument("out_dir")
     p.add_argument("batch_file")

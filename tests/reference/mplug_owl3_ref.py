@@ -374,6 +374,10 @@ class Model:
             self.cfg = cfg = json.load(f)
         assert cfg["model_type"] == "mplugowl3", cfg["model_type"]
         sd = load_checkpoint(model_dir)
+        head, embed = "language_model.lm_head.weight", "language_model.model.embed_tokens.weight"
+        tied = bool(cfg.get("tie_word_embeddings")) and head not in sd  # the 1B and 2B ship no head
+        if tied:
+            sd[head] = sd[embed]
         has_gate = any(k.endswith("self_attn.gate") for k in sd)
         self.variant = ("240728" if has_gate else "241101") if variant == "auto" else variant
         if (self.variant == "240728") != has_gate:
@@ -403,7 +407,9 @@ class Model:
         res = self.vision.load_state_dict(vsd, strict=False)
         assert not res.unexpected_keys and set(res.missing_keys) <= optional, res
         self.W = {k: v.double().requires_grad_(True) for k, v in sd.items() if not k.startswith("vision_model.")}
-        self.sd_keys = list(sd)
+        if tied:  # one tensor under both names, as Qwen2ForCausalLM ties them
+            self.W[head] = self.W[embed]
+        self.sd_keys = [k for k in sd if not (tied and k == head)]
 
     # -- names -------------------------------------------------------------------------------
     def lw(self, i, name):

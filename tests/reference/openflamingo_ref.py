@@ -388,7 +388,7 @@ def forward(model, batch, dtype):
 def make_batch(cfg, seed, B, L, T):
     g = torch.Generator().manual_seed(seed)
     media, eoc, pad = cfg["media_token_id"], cfg["endofchunk_token_id"], cfg["pad_token_id"]
-    eos = cfg["text_config"].get("eos_token_id", 0)
+    eos = cfg["text_config"].get("eos_token_id") or 0  # null in the releases' MPT config
     pool = torch.tensor([i for i in range(cfg["vocab_size"]) if i not in (media, eoc, pad, eos)])
 
     def text(n):

@@ -4,6 +4,9 @@
   param_count_ref.py count CONFIG.json...   prints {"total": N, "vision": V, "unused": U} as JSON,
                                             one line per config in order (one process: the
                                             packages are imported once)
+  param_count_ref.py names CONFIG.json...   prints {"tensors": {name: shape}} as JSON, one line
+                                            per config: every tensor a release's files hold, by
+                                            its on-disk name (what lvx init-model must write)
 
   mllama      transformers' MllamaForConditionalGeneration(MllamaConfig(**config)); vision = the
               vision_model's parameters (the tower lvx freezes by default; the projector trains).
@@ -33,23 +36,43 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def count_mllama(cfg):
+def shapes_mllama(cfg):
+    """On-disk names (save_pretrained reverses _checkpoint_conversion_mapping) and shapes."""
+    import re
     from transformers import MllamaConfig, MllamaForConditionalGeneration
     c = MllamaConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
     with torch.device("meta"):
         m = MllamaForConditionalGeneration(c)
-    total = sum(p.numel() for p in m.parameters())
-    vision = sum(p.numel() for n, p in m.named_parameters() if "vision_model." in n)
+    inv = {"^model.language_model": "language_model.model", "^model.vision_model": "vision_model",
+           "^model.multi_modal_projector": "multi_modal_projector",
+           "^lm_head": "language_model.lm_head"}
+    out = {}
+    for n, p in m.named_parameters():  # tied weights once, as save_pretrained writes them
+        for pat, rep in inv.items():
+            n = re.sub(pat, rep, n)
+        out[n] = tuple(p.shape)
+    return out
+
+
+def count_mllama(cfg):
+    shapes = shapes_mllama(cfg)
+    numel = {k: int(torch.Size(v).numel()) for k, v in shapes.items()}
+    total = sum(numel.values())
+    vision = sum(n for k, n in numel.items() if k.startswith("vision_model."))
     return total, vision, 0
 
 
-def count_mplugowl3(cfg):
+def shapes_mplugowl3(cfg):
     import mplug_owl3_ref as owl
     with torch.device("meta"):
         shapes = owl.state_dict_template(cfg, "240728")
-    numel = {k: int(torch.Size(v).numel()) for k, v in shapes.items()}
     if cfg.get("tie_word_embeddings"):
-        numel.pop("language_model.lm_head.weight", None)
+        shapes.pop("language_model.lm_head.weight", None)
+    return shapes
+
+
+def count_mplugowl3(cfg):
+    numel = {k: int(torch.Size(v).numel()) for k, v in shapes_mplugowl3(cfg).items()}
     total = sum(numel.values())
     vision = sum(n for k, n in numel.items() if k.startswith("vision_model."))
     last = cfg["vision_config"]["num_hidden_layers"] - 1
@@ -59,7 +82,7 @@ def count_mplugowl3(cfg):
     return total, vision, unused
 
 
-def count_openflamingo(cfg):
+def shapes_openflamingo(cfg):
     """open_flamingo's Flamingo as its factory builds it (create_model_and_transforms): the
     open_clip ViT's visual tower, the LM from text_config (resized to vocab_size, as the factory
     resizes it to the tokenizer), PerceiverResampler and a GatedCrossAttentionBlock before every
@@ -111,10 +134,14 @@ def count_openflamingo(cfg):
                                      only_attend_immediate_media=xc["only_attend_immediate_media"])
             if i in cfg["cross_attn_layers"] else None for i in range(cfg["num_decoder_layers"])])
         lm.init_flamingo_layers(False)
-    named = dict(model.named_parameters())  # tied embeddings once
-    total = sum(p.numel() for p in named.values())
-    vision = sum(p.numel() for n, p in named.items() if n.startswith("vision_encoder."))
-    unused = sum(p.numel() for n, p in named.items() if n == "vision_encoder.proj")
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied embeddings once
+
+
+def count_openflamingo(cfg):
+    numel = {k: int(torch.Size(v).numel()) for k, v in shapes_openflamingo(cfg).items()}
+    total = sum(numel.values())
+    vision = sum(n for k, n in numel.items() if k.startswith("vision_encoder."))
+    unused = sum(n for k, n in numel.items() if k == "vision_encoder.proj")
     return total, vision, unused
 
 
@@ -129,6 +156,19 @@ def cmd_count(args):
             sys.exit(f"{path}: model_type {kind!r} has no reference count here")
         total, vision, unused = counter(cfg)
         print(json.dumps({"total": total, "vision": vision, "unused": unused}), flush=True)
+
+
+def cmd_names(args):
+    for path in args.config:
+        with open(path) as f:
+            cfg = json.load(f)
+        kind = cfg.get("model_type")
+        shapes = {"mllama": shapes_mllama, "mplugowl3": shapes_mplugowl3,
+                  "openflamingo": shapes_openflamingo}.get(kind)
+        if shapes is None:
+            sys.exit(f"{path}: model_type {kind!r} has no reference layout here")
+        print(json.dumps({"tensors": {k: list(v) for k, v in sorted(shapes(cfg).items())}}),
+              flush=True)
 
 
 def cmd_llama32_config(args):
@@ -151,10 +191,12 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("count")
     p.add_argument("config", nargs="+")
+    p = sub.add_parser("names")
+    p.add_argument("config", nargs="+")
     p = sub.add_parser("llama32-config")
     p.add_argument("out")
     args = ap.parse_args()
-    {"count": cmd_count, "llama32-config": cmd_llama32_config}[args.cmd](args)
+    {"count": cmd_count, "names": cmd_names, "llama32-config": cmd_llama32_config}[args.cmd](args)
 
 
 if __name__ == "__main__":
