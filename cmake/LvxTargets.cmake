@@ -4,6 +4,13 @@
 # it off.
 option(LVX_PCH "Precompile the ATen headers once for all targets" ON)
 target_compile_options(lvx_warnings INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-fPIC>)
+# OpenMP, as libtorch is built: ATen's at::parallel_for is a template that runs its loop on the
+# intra-op threads only where the including file is compiled with OpenMP (_OPENMP); without it,
+# lvx's own CPU kernels (kernels/*_cpu.cpp) ran on one thread whatever --threads said. The
+# runtime is the one libtorch loads (torch/lib/libgomp.so.1, found first through the rpath): one
+# OpenMP runtime and one thread pool per process.
+target_compile_options(lvx_warnings INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-fopenmp>)
+target_link_options(lvx_warnings INTERFACE -fopenmp)
 add_library(lvx_pch STATIC ${PROJECT_SOURCE_DIR}/cmake/pch.cpp)
 target_link_libraries(lvx_pch PRIVATE lvx::torch lvx_warnings)
 if(LVX_PCH)

@@ -1,10 +1,14 @@
 #include "models/model.h"
 
 #include <algorithm>
+#include <cstdlib>
 
+#include "kernels/linear.h"
 #include "models/family.h"
 #include "src/common/error.h"
+#include "src/common/dtype.h"
 #include "src/common/files.h"
+#include "src/common/host_memory.h"
 
 namespace lvx::models {
 
@@ -74,7 +78,7 @@ at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positio
   const at::Tensor p = positions.contiguous();
   const int64_t* pp = p.data_ptr<int64_t>();
   for (int64_t i = 0; i < p.numel(); ++i)
-    if (pp[i] == length - 1) logits = at::linear(hidden.select(1, i), head).to(at::kFloat);
+    if (pp[i] == length - 1) logits = kernels::linear(hidden.select(1, i), head).to(at::kFloat);
   // One rank holds the row; the others add zeros (exact).
   pg.all_reduce(logits);
   return logits;
@@ -92,6 +96,43 @@ std::unique_ptr<Model> make_model(const Checkpoint& ck, at::ScalarType dtype, at
   return family_of_config(ck.config, ck.dir + "/config.json").load(ck, dtype, device);
 }
 
+// Refuses a load that cannot fit before reading anything (the OOM killer would end it halfway,
+// with nothing said): the parameters converted or moved to the host in `dtype` are this rank's own
+// (every local rank holds a copy); those used in place from the mapped files are one copy per
+// host (the page cache); both against the memory available now (src/common/host_memory.h), with
+// a margin for what the first step allocates.
+void check_host_memory(const CheckpointIndex& index, Model& meta, at::ScalarType dtype,
+                       at::Device device, const DeferParameter& defer) {
+  if (!device.is_cpu()) return;
+  uint64_t own = 0, shared = 0, stored = 0;  // stored: all of them in the files' own dtypes
+  int64_t params = 0;
+  for (auto& [name, t] : meta.parameters()) {
+    if (defer && defer(meta, name)) continue;
+    const uint64_t n = static_cast<uint64_t>(t.numel());
+    const at::ScalarType in_file = index.meta.tensors.at(name).scalar_type();
+    params += t.numel();
+    (in_file == dtype ? shared : own) += n * c10::elementSize(dtype);
+    stored += n * c10::elementSize(in_file);
+  }
+  const char* env = std::getenv("LOCAL_WORLD_SIZE");
+  const uint64_t local = static_cast<uint64_t>(std::max<int64_t>(1, env ? std::atoll(env) : 1));
+  const uint64_t margin = uint64_t{256} << 20;
+  const uint64_t need = own * local + shared;
+  const uint64_t avail = available_host_memory();
+  if (avail == 0 || need + margin <= avail) return;
+  char b1[32], b2[32], b3[32];
+  LVX_FAIL(index.meta.dir, ": not enough memory: the weights need ", human_bytes(need, b1), " in ",
+           dtype_name(dtype), " (", params, " parameters",
+           local > 1 && own > 0 ? str("; converted, so each of ", local, " local ranks holds a copy")
+                                : std::string(),
+           ") but this machine has ", human_bytes(avail, b2),
+           " available (MemAvailable, or its cgroup's limit)",
+           own > 0 ? str("; in the checkpoint's own dtype they are used in place (",
+                         human_bytes(stored, b3), ", one copy for every local rank)")
+                   : std::string(),
+           "; use fewer local ranks or a machine with more memory");
+}
+
 }  // namespace
 
 std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, at::Device device,
@@ -103,6 +144,7 @@ std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, 
   // moved, so host memory never holds a second copy of the checkpoint.
   auto index = std::make_shared<const CheckpointIndex>(load_checkpoint_index(dir));
   std::unique_ptr<Model> model = make_model(index->meta, dtype, at::kMeta);
+  check_host_memory(*index, *model, dtype, device, defer);
   for (auto& [name, t] : model->parameters())
     if (!defer || !defer(*model, name)) t = load_parameter(*index, name, dtype, device);
   if (index_out != nullptr) *index_out = std::move(index);

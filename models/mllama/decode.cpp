@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "kernels/linear.h"
 #include "models/mllama/model.h"
 #include "models/mllama/names.h"
 #include "src/common/error.h"
@@ -90,7 +91,7 @@ at::Tensor Mllama::decode_step(const at::Tensor& tokens, const Parallel& par,
   }
   ++cache.length;
   h = rms_norm(h, param(w_, kLm + "norm.weight"), t.rms_eps);
-  return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
+  return kernels::linear(h.squeeze(1), lm_head()).to(at::kFloat);
 }
 
 // The new tokens of a kept prompt (models/model.h extend), as decode_step takes one: every one of
@@ -150,7 +151,7 @@ at::Tensor Mllama::extend(const at::Tensor& tokens, const Parallel& par, DecodeC
   }
   cache.length += T;
   h = rms_norm(h.select(1, T - 1), param(w_, kLm + "norm.weight"), t.rms_eps);
-  return at::linear(h, lm_head()).to(at::kFloat);
+  return kernels::linear(h, lm_head()).to(at::kFloat);
 }
 
 // Several generations' next tokens at once (Model::decode_rows): the projections and MLPs of all
@@ -203,7 +204,7 @@ at::Tensor Mllama::decode_rows(const at::Tensor& tokens, const Parallel& par,
   }
   for (DecodeCache* k : caches) ++k->length;
   h = rms_norm(h, param(w_, kLm + "norm.weight"), t.rms_eps);
-  return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
+  return kernels::linear(h.squeeze(1), lm_head()).to(at::kFloat);
 }
 
 }  // namespace lvx::models::mllama

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/linear.h"
 #include "models/layers.h"
 #include "models/mplug_owl3/model.h"
 #include "models/mplug_owl3/names.h"
@@ -73,7 +74,7 @@ at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
   }
   ++cache.length;
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
-  return at::linear(h.squeeze(1), lm_head()).to(at::kFloat);
+  return kernels::linear(h.squeeze(1), lm_head()).to(at::kFloat);
 }
 
 at::Tensor MplugOwl3::decode_mix(int64_t i, const Partial& self, const Partial* visual,
@@ -150,7 +151,7 @@ at::Tensor MplugOwl3::extend(const at::Tensor& tokens, const Parallel& par,
   }
   cache.length += T;
   h = rms_norm(h.select(1, T - 1), param(w_, kLm + "norm.weight"), c.rms_eps);
-  return at::linear(h, lm_head()).to(at::kFloat);
+  return kernels::linear(h, lm_head()).to(at::kFloat);
 }
 
 // Several rows' tokens in one forward: a decode step's one token each, a new question's tail,
@@ -245,7 +246,7 @@ at::Tensor MplugOwl3::extend_rows(const std::vector<at::Tensor>& tokens, const P
   }
   h = h.squeeze(0).index_select(0, at::tensor(last, at::kLong).to(h.device()));  // [R, H]
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
-  return at::linear(h, lm_head()).to(at::kFloat);
+  return kernels::linear(h, lm_head()).to(at::kFloat);
 }
 
 // Rows with and without images in one batch: each row's tokens mixed on their own (the

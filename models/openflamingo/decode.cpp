@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "kernels/linear.h"
 #include "models/openflamingo/model.h"
 #include "src/common/error.h"
 
@@ -94,7 +95,7 @@ at::Tensor OpenFlamingo::decode_step(const at::Tensor& tokens, const Parallel& p
     x = post_attention(i, x, a, /*remat=*/false);
   }
   ++cache.length;
-  return at::linear(final_norm(x).squeeze(1), lm_head()).to(at::kFloat);
+  return kernels::linear(final_norm(x).squeeze(1), lm_head()).to(at::kFloat);
 }
 
 // The new tokens of a kept prompt (models/model.h extend), as decode_step takes one: every one of
@@ -141,7 +142,7 @@ at::Tensor OpenFlamingo::extend(const at::Tensor& tokens, const Parallel& par,
     x = post_attention(i, x, a, /*remat=*/false);
   }
   cache.length += T;
-  return at::linear(final_norm(x.select(1, T - 1)), lm_head()).to(at::kFloat);
+  return kernels::linear(final_norm(x.select(1, T - 1)), lm_head()).to(at::kFloat);
 }
 
 // Several generations' next tokens at once (Model::decode_rows): the projections and MLPs of all
@@ -169,7 +170,7 @@ at::Tensor OpenFlamingo::decode_rows(const at::Tensor& tokens, const Parallel& p
     x = post_attention(i, x, a, /*remat=*/false);
   }
   for (DecodeCache* k : caches) ++k->length;
-  return at::linear(final_norm(x).squeeze(1), lm_head()).to(at::kFloat);
+  return kernels::linear(final_norm(x).squeeze(1), lm_head()).to(at::kFloat);
 }
 
 at::Tensor OpenFlamingo::cross_rows(int64_t layer, const at::Tensor& x, const Parallel& par,
