@@ -38,7 +38,7 @@ int cmd_forward(int argc, char** argv) {
   lvx::cli::add_threads_option(p);
   p.add_option("strategies", 's', "auto", "auto | S | S_cross,S_self");
   p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
-  p.add_option("dtype", 0, "auto", "fp32 | bf16 | auto (fp32 on cpu, the checkpoint's on cuda)");
+  p.add_option("dtype", 0, "auto", "fp32 | bf16 | auto (the checkpoint's where the device computes it natively: bf16 on a GPU and on CPUs with AMX or AVX512-BF16, else fp32)");
   lvx::cli::add_device_option(p);
   p.add_flag("backward", 'b', "also compute the loss and the gradients");
   p.add_flag("remat", 0,

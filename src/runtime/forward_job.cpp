@@ -150,7 +150,8 @@ ForwardRun prepare_forward(const ForwardJob& job) {
 }
 
 // --generate N: greedy tokens and each step's logits, with the prefill's and decode's times and
-// bytes (rank 0 writes them).
+// bytes (rank 0 writes them). With --repeat R > 1: a warm-up generation, then R timed ones whose
+// median prefill and per-token times are reported (every run gives the same tokens).
 void generate_tokens(const ForwardJob& job, ForwardRun& run) {
   GenerateOptions g;
   g.max_new_tokens = job.generate;
@@ -160,19 +161,35 @@ void generate_tokens(const ForwardJob& job, ForwardRun& run) {
   g.prefill_chunk_keys = job.prefill_chunk_keys;
   const Batch& b = run.batch;
   const models::ModelInputs in{b.input_ids, b.pixel_values, false, b.named};
-  const GenerateResult out = job.generate_rows ? generate_rows(*run.model, in, run.par, g)
-                                               : generate(*run.model, in, run.par, g);
-  double per_token = 0;
-  for (double t : out.token_seconds) per_token += t / static_cast<double>(out.token_seconds.size());
+  GenerateResult out;
+  std::vector<double> prefill_s, token_s;
+  for (int r = 0; r < std::max(1, job.repeat) + (job.repeat > 1 ? 1 : 0); ++r) {
+    out = job.generate_rows ? generate_rows(*run.model, in, run.par, g)
+                            : generate(*run.model, in, run.par, g);
+    if (job.repeat > 1 && r == 0) continue;  // the warm-up
+    double per_token = 0;
+    for (double t : out.token_seconds)
+      per_token += t / static_cast<double>(out.token_seconds.size());
+    prefill_s.push_back(out.prefill_seconds);
+    token_s.push_back(per_token);
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
   const int64_t steps = std::max<int64_t>(1, out.tokens.size(1) - 1);
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
   if (run.pg->rank() == 0)
     save_safetensors(
         job.output, {{"tokens", out.tokens}, {"step_logits", out.step_logits}},
         {{"model", job.model},
-         {"plan", describe(run.par)},
+         {"plan", describe(run.par, run.model.get())},
          {"ranks", std::to_string(run.pg->world_size())},
-         {"prefill_seconds", std::to_string(out.prefill_seconds)},
-         {"decode_seconds_per_token", std::to_string(per_token)},
+         {"prefill_seconds", std::to_string(median(prefill_s))},
+         {"decode_seconds_per_token", std::to_string(median(token_s))},
+         {"repeats", std::to_string(prefill_s.size())},
+         {"peak_rss_bytes", std::to_string(static_cast<int64_t>(ru.ru_maxrss) * 1024)},
          {"prefill_bytes_sent", std::to_string(out.prefill_bytes_sent)},
          {"decode_bytes_sent_per_token", std::to_string(out.decode_bytes_sent / steps)},
          {"prefix_tokens", std::to_string(out.prefix_tokens)},
@@ -242,7 +259,7 @@ void run_steps(const ForwardJob& job, ForwardRun& run) {
   if (pg.rank() == 0)
     save_safetensors(job.output, result,
                      {{"model", job.model},
-                      {"plan", describe(run.par)},
+                      {"plan", describe(run.par, run.model.get())},
                       {"ranks", std::to_string(pg.world_size())},
                       {"forward_seconds", std::to_string(stats[0].item<double>())},
                       {"backward_seconds", std::to_string(stats[1].item<double>())},

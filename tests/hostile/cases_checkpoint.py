@@ -154,6 +154,47 @@ def ids_header(**entry):
     return {"input_ids": e}
 
 
+def beyond_memory(ctx):
+    """The tiny mPLUG-Owl3 widened to a 17-billion-parameter embedding (vocab 2^24 × 1024: 34 GB
+    in bf16, 69 GB in fp32) in a sparse model.safetensors: its header is whole and valid, its data
+    holes; no machine of this kind can hold it."""
+    def edit(d):
+        p = os.path.join(d, "config.json")
+        c = json.load(open(p))
+        c.update(hidden_size=1024, vocab_size=1 << 24, tie_word_embeddings=True)
+        json.dump(c, open(p, "w"))
+        plan = json.loads(subprocess.run([ctx.lvx, "init-model", "--config", p, "--out",
+                                          os.path.join(d, "unused"), "--dry-run", "--list",
+                                          "--json"], check=True, capture_output=True,
+                                         text=True).stdout)
+        header, at = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape in sorted(plan["tensors"].items()):
+            n = 2
+            for x in shape:
+                n *= x
+            header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [at, at + n]}
+            at += n
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(os.path.join(d, "model.safetensors"), "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + at)  # sparse: the data are holes
+    return model_with(ctx, edit)
+
+
+def shard_edit(ctx, fn):
+    """The two-shard tiny mPLUG-Owl3 with fn(path of its second shard) applied."""
+    return model_with(ctx, lambda d: fn(os.path.join(d, "model-00002-of-00002.safetensors")),
+                      src=mplug_sharded(ctx))
+
+
+def truncate_by(n):
+    def cut(p):
+        with open(p, "r+b") as f:
+            f.truncate(os.path.getsize(p) - n)
+    return cut
+
+
 # ---- safetensors: the batch file of lvx forward ------------------------------------------------
 
 CASES = [
@@ -259,6 +300,22 @@ CASES = [
                  "data_offsets", h["language_model.model.layers.0.input_layernorm.weight"]
                  ["data_offsets"])))),
          stderr=RANK_FAILED, check=on_rank(r"model\.safetensors: .*(overlap|gap)")),
+    # Refused before anything is read, naming the bytes: the OOM killer would end the load halfway.
+    Case("ckpt_weights_beyond_memory_fp32",
+         lambda c: forward(c, beyond_memory(c)) + ["--dtype", "fp32"],
+         stderr=RANK_FAILED, timeout=120,
+         check=on_rank(r"not enough memory: the weights need [0-9.]+ GB in fp32 .* available")),
+    Case("ckpt_weights_beyond_memory_in_place",
+         lambda c: forward(c, beyond_memory(c)) + ["--dtype", "bf16"],
+         stderr=RANK_FAILED, timeout=120,
+         check=on_rank(r"not enough memory: the weights need [0-9.]+ GB in bf16 .* available")),
+    Case("ckpt_missing_shard",
+         lambda c: forward(c, shard_edit(c, os.remove)),
+         stderr=RANK_FAILED, check=on_rank(r"model-00002-of-00002\.safetensors.*cannot open")),
+    Case("ckpt_truncated_shard",
+         lambda c: forward(c, shard_edit(c, truncate_by(100))),
+         stderr=RANK_FAILED,
+         check=on_rank(r"model-00002-of-00002\.safetensors: .*(truncated|holds only)")),
     Case("ckpt_index_outside_dir",
          lambda c: forward(c, model_with(c, lambda d: (lambda p: json.dump(
              (lambda j: (j["weight_map"].__setitem__(next(iter(j["weight_map"])),

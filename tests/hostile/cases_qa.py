@@ -134,6 +134,12 @@ def generate_past_context(ctx):
               "--max-new-tokens", "1000000000", "--ignore-stop", model=m)
 
 
+def long_question_answered(ctx, res):
+    row = json.loads(res.stdout)
+    assert row["prompt_tokens"] > 16000, row["prompt_tokens"]
+    assert row["new_tokens"] == 2, row
+
+
 def stopped_at_context(ctx, res):
     row = json.loads(res.stdout)
     assert row["prompt_tokens"] + row["new_tokens"] == 64, row
@@ -162,6 +168,12 @@ CASES = [
          lambda c: qa(c, "--video", c.clip(), "--question", "colour " * 400, "--num-frames", "2",
                       model=small_context(c)),
          stderr=r"more than the model's context of 64", timeout=120),
+    # A question of 16k tokens is extended after the video's prefill blockwise: memory linear in
+    # its length (it was a whole [heads, L, L] score matrix: 9.9 GB at 14k tokens).
+    Case("question_of_16k_tokens_in_bounded_memory",
+         lambda c: qa(c, "--video", c.clip(), "--question", "What colour? " * 5400, "--num-frames",
+                      "2", "--json", "--ignore-stop"),
+         rc=0, max_rss_mb=1024, check=long_question_answered, timeout=300),
     Case("generation_stops_at_context", generate_past_context, rc=0,
          stderr=r"context of 64 tokens is full", check=stopped_at_context, timeout=180),
     Case("questions_is_a_directory",
