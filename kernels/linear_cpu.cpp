@@ -87,31 +87,42 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const uint1
 
 #pragma GCC diagnostic pop
 
-// Rows [n0, n1) of W [N, K] against x [M, K]: y[m, n] (fp32, row stride N).
-template <typename T, int M>
-void rows(const T* w, const T* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+// The accumulator, the bias (W's dtype) added in fp32, rounded once to the output's dtype.
+template <typename B>
+inline void store(float v, const B* bias, int64_t n, float* y) {
+  *y = bias ? v + static_cast<float>(bias[n]) : v;
+}
+template <typename B>
+inline void store(float v, const B* bias, int64_t n, at::BFloat16* y) {
+  *y = at::BFloat16(bias ? v + static_cast<float>(bias[n]) : v);  // round to nearest even
+}
+
+// Rows [n0, n1) of W [N, K] against x [M, K]: y[m, n] (row stride N), plus bias[n] when given.
+template <typename T, typename Y, int M>
+void rows(const T* w, const T* x, int64_t K, int64_t N, int64_t n0, int64_t n1, const Y* bias,
+          Y* y) {
   float out[M];
   for (int64_t n = n0; n < n1; ++n) {
     if constexpr (std::is_same_v<T, float>)
       row_f32<M>(w + n * K, x, K, out);
     else
       row_bf16<M>(w + n * K, x, K, out);
-    for (int m = 0; m < M; ++m) y[m * N + n] = out[m];
+    for (int m = 0; m < M; ++m) store(out[m], bias, n, y + m * N + n);
   }
 }
 
-template <typename T>
+template <typename T, typename Y>
 void rows_any(int64_t M, const T* w, const T* x, int64_t K, int64_t N, int64_t n0, int64_t n1,
-              float* y) {
+              const Y* bias, Y* y) {
   switch (M) {
-    case 1: return rows<T, 1>(w, x, K, N, n0, n1, y);
-    case 2: return rows<T, 2>(w, x, K, N, n0, n1, y);
-    case 3: return rows<T, 3>(w, x, K, N, n0, n1, y);
-    case 4: return rows<T, 4>(w, x, K, N, n0, n1, y);
-    case 5: return rows<T, 5>(w, x, K, N, n0, n1, y);
-    case 6: return rows<T, 6>(w, x, K, N, n0, n1, y);
-    case 7: return rows<T, 7>(w, x, K, N, n0, n1, y);
-    default: return rows<T, 8>(w, x, K, N, n0, n1, y);
+    case 1: return rows<T, Y, 1>(w, x, K, N, n0, n1, bias, y);
+    case 2: return rows<T, Y, 2>(w, x, K, N, n0, n1, bias, y);
+    case 3: return rows<T, Y, 3>(w, x, K, N, n0, n1, bias, y);
+    case 4: return rows<T, Y, 4>(w, x, K, N, n0, n1, bias, y);
+    case 5: return rows<T, Y, 5>(w, x, K, N, n0, n1, bias, y);
+    case 6: return rows<T, Y, 6>(w, x, K, N, n0, n1, bias, y);
+    case 7: return rows<T, Y, 7>(w, x, K, N, n0, n1, bias, y);
+    default: return rows<T, Y, 8>(w, x, K, N, n0, n1, bias, y);
   }
 }
 
@@ -163,23 +174,24 @@ at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& w,
 #if LVX_LINEAR_AVX512
   const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
   const at::Tensor xc = x.reshape({M, K}).contiguous();
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* yp = y.data_ptr<float>();
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());  // written once, in x's dtype
+  at::Tensor b;  // in W's dtype (the output's), as the checkpoint holds it
+  if (bias.has_value() && bias->defined()) b = bias->to(x.scalar_type()).contiguous();
   // A grain that gives each thread one contiguous range (at least 16 rows).
   const int64_t grain = std::max<int64_t>(16, (N + at::get_num_threads() - 1) /
                                                   std::max(1, at::get_num_threads()));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (w.scalar_type() == at::kFloat)
-      rows_any<float>(M, w.data_ptr<float>(), xc.data_ptr<float>(), K, N, n0, n1, yp);
+      rows_any(M, w.data_ptr<float>(), xc.data_ptr<float>(), K, N, n0, n1,
+               b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
     else
-      rows_any<uint16_t>(M, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-                         reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, N, n0,
-                         n1, yp);
+      rows_any(M, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, N, n0, n1,
+               b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>());
   });
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = N;
-  return y.to(x.scalar_type()).view(shape);
+  return y;
 #else
   (void)bias;
   return {};

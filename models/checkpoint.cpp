@@ -56,15 +56,21 @@ CheckpointIndex load_checkpoint_index(const std::string& dir) {
           at::empty(e.shape, at::TensorOptions().dtype(e.type).device(at::kMeta));
       c.files[e.name] = header;
     }
-    c.mapped[path] = map_safetensors(*header);
   }
   return c;
+}
+
+void map_checkpoint_files(CheckpointIndex& index) {
+  for (const auto& [name, header] : index.files)
+    if (!index.mapped.count(header->path)) index.mapped[header->path] = map_safetensors(*header);
 }
 
 at::Tensor map_tensor(const CheckpointIndex& index, const std::string& name) {
   const auto it = index.files.find(name);
   LVX_CHECK(it != index.files.end(), index.meta.dir, ": has no tensor '", name, "'");
-  return mapped_tensor(index.mapped.at(it->second->path), name);
+  const auto file = index.mapped.find(it->second->path);
+  LVX_CHECK(file != index.mapped.end(), it->second->path, ": not mapped (map_checkpoint_files)");
+  return mapped_tensor(file->second, name);
 }
 
 at::Tensor load_parameter(const CheckpointIndex& index, const std::string& name,

@@ -39,10 +39,13 @@ Checkpoint load_checkpoint(const std::string& dir);
 struct CheckpointIndex {
   Checkpoint meta;
   std::map<std::string, std::shared_ptr<const SafetensorsHeader>> files;
-  // Each file mapped (map_safetensors: nothing read until a tensor is), by its header's path.
+  // Each file mapped (map_checkpoint_files; nothing read until a tensor is), by its path.
   std::map<std::string, std::shared_ptr<const MappedSafetensors>> mapped;
 };
 CheckpointIndex load_checkpoint_index(const std::string& dir);
+// Maps the index's files (map_safetensors), once the load is known to fit: a private writable
+// mapping larger than the machine's memory is refused by the kernel itself.
+void map_checkpoint_files(CheckpointIndex& index);
 // One tensor of a checkpoint from its file (host memory: that tensor only).
 at::Tensor read_tensor(const CheckpointIndex& index, const std::string& name);
 // The same tensor in place in the mapped file (src/common/safetensors.h, mapped_tensor): no copy,

@@ -142,9 +142,10 @@ std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, 
   // then each parameter comes from the mapped files on its own (load_parameter): in place when
   // it keeps its stored dtype on the CPU (local ranks share those pages), else converted and
   // moved, so host memory never holds a second copy of the checkpoint.
-  auto index = std::make_shared<const CheckpointIndex>(load_checkpoint_index(dir));
+  auto index = std::make_shared<CheckpointIndex>(load_checkpoint_index(dir));
   std::unique_ptr<Model> model = make_model(index->meta, dtype, at::kMeta);
   check_host_memory(*index, *model, dtype, device, defer);
+  map_checkpoint_files(*index);
   for (auto& [name, t] : model->parameters())
     if (!defer || !defer(*model, name)) t = load_parameter(*index, name, dtype, device);
   if (index_out != nullptr) *index_out = std::move(index);

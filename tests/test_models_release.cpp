@@ -75,8 +75,9 @@ TEST(ReleaseInit, EveryReleaseHoldsTheReferencePackagesTensors) {
     for (const auto& [n, shape] : ref.items()) {
       const auto it = plan.layout.tensors.find(n);
       EXPECT_TRUE(it != plan.layout.tensors.end()) << "lvx init-model does not write " << n;
-      if (it != plan.layout.tensors.end())
+      if (it != plan.layout.tensors.end()) {
         EXPECT_EQ(it->second, shape.get<std::vector<int64_t>>()) << n;
+      }
       total += numel(shape.get<std::vector<int64_t>>());
     }
     for (const auto& [n, shape] : plan.layout.tensors)

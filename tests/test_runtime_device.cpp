@@ -75,6 +75,7 @@ TEST(Device, DtypeAutoIsTheCheckpointsWhereTheDeviceComputesIt) {
   EXPECT_EQ(resolve_dtype("auto", cpu, "float32", /*cpu_bf16=*/true), "fp32");
   EXPECT_NE(dtype_note("auto", cpu, "bfloat16", "bf16").find("natively"), std::string::npos);
   EXPECT_EQ(dtype_note("bf16", cpu, "bfloat16", "bf16"), "");
+  EXPECT_EQ(dtype_note("auto", cpu, "float32", "fp32"), "");  // nothing to choose
   EXPECT_EQ(resolve_dtype("auto", gpu, "bfloat16"), "bf16");
   EXPECT_EQ(resolve_dtype("auto", gpu, ""), "bf16");
   EXPECT_EQ(resolve_dtype("auto", gpu, "float16"), "bf16");

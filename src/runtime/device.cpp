@@ -142,8 +142,8 @@ std::string resolve_dtype(const std::string& option, const at::Device& device,
 
 std::string dtype_note(const std::string& option, const at::Device& device,
                        const std::string& checkpoint_dtype, const std::string& chosen) {
-  if (option != "auto") return "";
-  std::string why = device.is_cuda() || checkpoint_dtype == "float32"
+  if (option != "auto" || checkpoint_dtype == "float32") return "";  // no choice was made
+  std::string why = device.is_cuda()
                         ? "the checkpoint's dtype"
                         : chosen == "bf16" ? "the checkpoint's dtype; this CPU computes bf16 natively"
                                            : "this CPU has no native bf16 products (AMX-BF16 or "

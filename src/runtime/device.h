@@ -57,7 +57,8 @@ std::string auto_device_note(int local_ranks, int gpus);
 // fp32 either way).
 std::string resolve_dtype(const std::string& option, const at::Device& device,
                           const std::string& checkpoint_dtype, bool cpu_bf16 = cpu_computes_bf16());
-// What rank 0 prints when auto chose (empty for an explicit --dtype): the choice and why.
+// What rank 0 prints when auto chose for a bf16 or fp16 checkpoint (empty for an explicit --dtype
+// and for fp32 checkpoints, which run in fp32): the choice and why.
 std::string dtype_note(const std::string& option, const at::Device& device,
                        const std::string& checkpoint_dtype, const std::string& chosen);
 

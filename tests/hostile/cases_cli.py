@@ -37,7 +37,16 @@ def corrupt_video(ctx):
     return ctx.write("corrupt.mp4", b"this is not a video\n" * 64)
 
 
+def tokenize_hi(ctx):
+    return ["tokenize", "--tokenizer", os.path.join(ctx.mplug(), "tokenizer.json"), "--text", "hi"]
+
+
 CASES = [
+    # A command that computes nothing starts light: libtorch's CUDA half is not loaded on a machine
+    # without an NVIDIA driver (it took every lvx process to ~500 MB resident).
+    Case("tokenize_stays_light", tokenize_hi, rc=0, max_rss_mb=300),
+    Case("launched_ranks_start_light",
+         lambda c: ["launch", "--nproc", "2", "--", c.lvx] + tokenize_hi(c), rc=0, max_rss_mb=300),
     # ---- numbers in flags ------------------------------------------------------------------
     Case("flag_double_nan", ["launch", "--nproc", "1", "--timeout", "nan", "--", "true"],
          stderr=r"--timeout expects a finite number, got 'nan'"),
