@@ -318,6 +318,10 @@ def build_from_converted(out):
     lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(tc.pop("model_type"), **tc))
     extend_instance(lm, FlamingoLMMixin)
     lm.set_decoder_layers_attr_name(cfg["decoder_layers_attr"])
+    if lm.get_input_embeddings().weight.shape[0] != cfg["vocab_size"]:
+        # A release's LM vocabulary (MPT-1B: 50432) resized to its tokenizer's, as the factory
+        # does (create_model_and_transforms: resize_token_embeddings(len(tokenizer))).
+        lm.resize_token_embeddings(cfg["vocab_size"])
     assert lm.get_input_embeddings().weight.shape[0] == cfg["vocab_size"]
     model = Flamingo(clip, lm, cfg["endofchunk_token_id"], cfg["media_token_id"], vis_dim=vc["width"],
                      cross_attn_every_n_layers=cfg["cross_attn_every_n_layers"])

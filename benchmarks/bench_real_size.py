@@ -1,0 +1,301 @@
+"""lvx at the sizes users run: release-shaped random checkpoints (lvx init-model) through lvx qa,
+and lvx forward side by side with the library a user would otherwise run, each figure against
+this machine's own limits measured in the same run.
+
+  python benchmarks/bench_real_size.py [--parts limits,qa,peers] [--qa 1b:bf16,1b:fp32,2b:bf16,7b:bf16]
+        [--peers mllama:fp32,mllama:bf16,openflamingo:fp32,openflamingo:bf16] [--repeats 2]
+        [--frames 8] [--tokens 32] [--ckpt-dir ~/.cache/lvx/real-size] [--json out.json]
+
+Limits (this machine, every thread lvx uses), measured at the start of the run: the matrix-product
+rate of a 4096³ GEMM in fp32 and bf16 (torch), and the read bandwidth: the fastest way
+benchmarks/bench_bandwidth finds to stream 2 GiB (a reduction, ATen's matrix-vector product, lvx's
+streamed product over 4096 × 14336 and Qwen2-7B's MLP shapes; on this shared machine the ways
+differ by up to 1.6×, and the fastest is the memory's rate).
+
+qa: `lvx qa --json --ignore-stop` on a 60 s 640×360 video, --frames frames, --tokens tokens. The
+time to first token is split into video decode, vision encode and the rest of the prefill.
+  encode ratio  = the vision tower's FLOPs (2·parameters·tokens + 4·tokens²·width a layer, for
+                  the layers run, and the projector) ÷ encode seconds ÷ the GEMM rate in the dtype
+  prefill ratio = (vision + language model FLOPs) ÷ prefill seconds ÷ the GEMM rate
+  decode ratio  = seconds per token ÷ (bytes read per token ÷ bandwidth): the decoder's weights
+                  (the tied or separate head included, the vision tower and v_kv_proj not: visual
+                  K/V are cached) and the cached visual and text K/V
+  memory        = peak RSS (GNU time) against the weights in the run's dtype
+peers: `lvx forward --generate 16` against transformers' MllamaForConditionalGeneration at
+Llama-3.2-11B-Vision's widths with 8 decoder layers (cross layers 3 and 7: 42 GB of fp32 weights
+would not fit this machine; the ViT-H is whole) on one 4-tile image and 128 tokens, and against
+open_flamingo's Flamingo at OpenFlamingo-3B's release shapes (all 24 layers) on 4 images and 128
+tokens; the same checkpoint files and batch. Greedy tokens must be equal in fp32 (checked first).
+The runs alternate (lvx, peer, lvx, peer, ...): each figure is the median of --repeats with its
+range.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent.parent
+RELEASES = SOURCE / "configs" / "models" / "releases"
+QA_MODELS = {"1b": "mplug_owl3_1b", "2b": "mplug_owl3_2b", "7b": "mplug_owl3_7b"}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def lvx_bin():
+    return os.environ.get("LVX_BIN", str(SOURCE / "build" / "lvx"))
+
+
+def timed(cmd, env=None):
+    """Runs cmd under GNU time: (stdout, peak RSS bytes, wall seconds). Fails loudly."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
+        t0 = time.time()
+        p = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", tf.name] + cmd, capture_output=True,
+                           text=True, env=env)
+        wall = time.time() - t0
+        if p.returncode != 0:
+            raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
+        rss = int(tf.read().strip().splitlines()[-1]) * 1024
+    return p.stdout, rss, wall
+
+
+# ---- this machine's limits ------------------------------------------------------------------------
+def machine_limits(threads):
+    import torch
+    torch.set_num_threads(threads)
+
+    def best(f, n=3):
+        f()
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return min(ts)
+
+    out = {"threads": threads}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(4096, 4096, dtype=dt), torch.randn(4096, 4096, dtype=dt)
+        out[f"gemm_{name}_flops"] = 2 * 4096 ** 3 / best(lambda: a @ b)
+    # Read bandwidth: benchmarks/bench_bandwidth (a reduction, ATen's matrix-vector product and
+    # lvx's streamed product over 2 GiB of several shapes; their fastest).
+    bw = json.loads(subprocess.run([str(Path(lvx_bin()).parent / "benchmarks" / "bench_bandwidth"),
+                                    "--threads", str(threads)], check=True, capture_output=True,
+                                   text=True).stdout)
+    out["bandwidth_ways"] = bw
+    out["bandwidth"] = bw["fastest"]
+    return out
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+def checkpoint(ckpt_dir, release, dtype, extra=(), tag=""):
+    """The release-shaped checkpoint (made once by lvx init-model)."""
+    out = Path(ckpt_dir) / f"{release}{tag}-{dtype}"
+    if not (out / "config.json").exists():
+        log(f"[init] {out}")
+        subprocess.run([lvx_bin(), "init-model", "--config", str(RELEASES / release), "--out",
+                        str(out), "--dtype", dtype, "--quiet", *extra], check=True)
+    return out
+
+
+def config_of(model):
+    return json.loads((Path(model) / "config.json").read_text())
+
+
+# ---- FLOPs and bytes of mPLUG-Owl3 (the formulas of the docstring) -------------------------------
+def owl3_counts(cfg, frames, prompt_tokens, dtype_bytes):
+    v = cfg["vision_config"]
+    hv, mv, lv = v["hidden_size"], v["intermediate_size"], v["num_hidden_layers"] - 1  # runs L-1
+    T = (v["image_size"] // v["patch_size"]) ** 2
+    H = cfg["hidden_size"]
+    per_frame = (2 * T * hv * 3 * v["patch_size"] ** 2 + lv * (2 * T * (4 * hv * hv + 2 * hv * mv)
+                 + 4 * T * T * hv) + 2 * T * (hv * H + H * H))
+    heads, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = H // heads
+    I, L = cfg["intermediate_size"], cfg["num_hidden_layers"]
+    layer = H * heads * D * 2 + H * kvh * D * 2 + 3 * H * I  # q, o, k, v, gate/up/down
+    hyper = len(cfg["hyper_layers"])
+    vocab = cfg["vocab_size"]
+    P, V = prompt_tokens, frames * T
+    lm = 2 * P * L * layer + 2 * P * vocab * H * 0 + hyper * 2 * V * H * 2 * kvh * D \
+        + L * 4 * P * P * H + hyper * 4 * P * V * H
+    weights_per_token = L * (layer + 2 * H) + H + vocab * H  # layers, norms, final norm, head
+    kv_bytes = (hyper * V * 2 * kvh * D + L * P * 2 * kvh * D) * dtype_bytes
+    return {"vision_flops": frames * per_frame, "lm_flops": lm,
+            "decode_bytes": weights_per_token * dtype_bytes + kv_bytes}
+
+
+# ---- qa ------------------------------------------------------------------------------------------
+def video(work):
+    path = Path(work) / "video60.mp4"
+    if not path.exists():
+        subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-f", "lavfi", "-i",
+                        "testsrc2=size=640x360:rate=30", "-t", "60", "-c:v", "libx264",
+                        "-pix_fmt", "yuv420p", str(path)], check=True)
+    return path
+
+
+def qa_row(model, dtype, vid, frames, tokens, limits, repeats):
+    cmd = [lvx_bin(), "qa", "--model", str(model), "--video", str(vid), "--question",
+           "What is happening in this video?", "--num-frames", str(frames), "--max-new-tokens",
+           str(tokens), "--ignore-stop", "--json", "--dtype", dtype]
+    runs = []
+    for _ in range(repeats):
+        out, rss, wall = timed(cmd)
+        j = json.loads([l for l in out.splitlines() if l.startswith("{")][-1])
+        runs.append((j, rss))
+    j = runs[0][0]
+    t = {k: statistics.median(r[0]["timings"][k] for r in runs) for k in j["timings"]}
+    cfg = config_of(model)
+    nbytes = 2 if dtype == "bf16" else 4
+    c = owl3_counts(cfg, frames, j["prompt_tokens"], nbytes)
+    rate = limits[f"gemm_{dtype}_flops"]
+    row = {"model": Path(model).name, "dtype": dtype, "frames": frames,
+           "prompt_tokens": j["prompt_tokens"], "answer": j["response"],
+           "ttft_s": t["ttft_s"], "video_decode_s": t["video_decode_s"], "encode_s": t["encode_s"],
+           "prefill_s": t["prefill_s"], "decode_ms_per_token": 1e3 * t["decode_per_token_s"],
+           "peak_rss_gb": max(r[1] for r in runs) / 1e9,
+           "encode_ratio": c["vision_flops"] / t["encode_s"] / rate,
+           "prefill_ratio": (c["vision_flops"] + c["lm_flops"]) / t["prefill_s"] / rate,
+           "decode_bound_ms": 1e3 * c["decode_bytes"] / limits["bandwidth"],
+           "runs": [r[0]["timings"] for r in runs]}
+    row["decode_ratio"] = row["decode_ms_per_token"] / row["decode_bound_ms"]
+    return row
+
+
+# ---- peers ---------------------------------------------------------------------------------------
+def peer_cmd(kind, model, batch, dtype, tokens, out):
+    return [sys.executable, str(SOURCE / "benchmarks" / "real_size_peer.py"), "run", kind,
+            str(model), str(batch), out, "--dtype", dtype, "--tokens", str(tokens)]
+
+
+def lvx_generate(model, batch, dtype, tokens, out):
+    _, rss, _ = timed([lvx_bin(), "forward", "--model", str(model), "--input", str(batch),
+                       "--output", out, "--generate", str(tokens), "--dtype", dtype])
+    from safetensors import safe_open
+    with safe_open(out, "pt") as f:
+        meta = f.metadata()
+        toks = f.get_tensor("tokens")
+    return {"prefill_s": float(meta["prefill_seconds"]),
+            "decode_ms_per_token": 1e3 * float(meta["decode_seconds_per_token"]),
+            "peak_rss_gb": rss / 1e9, "tokens": toks.tolist()}
+
+
+def peer_run(kind, model, batch, dtype, tokens, out):
+    stdout, rss, _ = timed(peer_cmd(kind, model, batch, dtype, tokens, out))
+    j = json.loads([l for l in stdout.splitlines() if l.startswith("{")][-1])
+    j["peak_rss_gb"] = rss / 1e9
+    return j
+
+
+def peers_row(kind, dtype, ckpt_dir, work, tokens, repeats):
+    # The releases' bf16 files for both dtypes: an fp32 run converts them as it loads.
+    if kind == "mllama":
+        model = checkpoint(ckpt_dir, "llama32_vision_11b", "bf16",
+                           ["--layers", "8", "--cross-layers", "3,7"], "-8layers")
+    else:
+        model = checkpoint(ckpt_dir, "openflamingo_3b", "bf16")
+    batch = Path(work) / f"peer_{kind}.safetensors"
+    if not batch.exists():
+        subprocess.run([sys.executable, str(SOURCE / "benchmarks" / "real_size_peer.py"),
+                        "make-batch", kind, str(model), str(batch)], check=True)
+    lvx_runs, peer_runs = [], []
+    for i in range(repeats):  # alternating, so the machine's drift moves both alike
+        log(f"[peers] {kind} {dtype} run {i + 1}/{repeats}: lvx")
+        lvx_runs.append(lvx_generate(model, batch, dtype, tokens, str(Path(work) / "lvx_gen.st")))
+        log(f"[peers] {kind} {dtype} run {i + 1}/{repeats}: {kind} peer")
+        peer_runs.append(peer_run(kind, model, batch, dtype, tokens, str(Path(work) / "peer.st")))
+    same = lvx_runs[0]["tokens"] == peer_runs[0]["tokens"]
+    if dtype == "fp32" and not same:
+        raise SystemExit(f"{kind} fp32: greedy tokens differ: lvx {lvx_runs[0]['tokens']} "
+                         f"peer {peer_runs[0]['tokens']}")
+
+    def med(rs, k):
+        v = [r[k] for r in rs]
+        return {"median": statistics.median(v), "min": min(v), "max": max(v)}
+    return {"kind": kind, "dtype": dtype, "tokens_equal": same,
+            "lvx": {k: med(lvx_runs, k) for k in ("prefill_s", "decode_ms_per_token", "peak_rss_gb")},
+            "peer": {k: med(peer_runs, k) for k in ("prefill_s", "decode_ms_per_token", "peak_rss_gb")},
+            "peer_name": peer_runs[0]["peer"]}
+
+
+# ---- report --------------------------------------------------------------------------------------
+def report(res):
+    lim = res.get("limits")
+    if lim:
+        ways = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in lim["bandwidth_ways"].items()
+                         if isinstance(v, float) and k != "fastest")
+        print(f"limits ({lim['threads']} threads): GEMM {lim['gemm_fp32_flops'] / 1e9:.0f} GFLOP/s fp32, "
+              f"{lim['gemm_bf16_flops'] / 1e9:.0f} GFLOP/s bf16; read bandwidth {lim['bandwidth'] / 1e9:.1f} GB/s "
+              f"(the fastest of: {ways})")
+    if res.get("qa"):
+        print("\n| model | dtype | TTFT s | video decode s | encode s (÷ GEMM rate) | prefill s (÷ GEMM rate) "
+              "| decode ms/token (÷ bound) | peak RSS GB |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in res["qa"]:
+            print(f"| {r['model']} | {r['dtype']} | {r['ttft_s']:.2f} | {r['video_decode_s']:.2f} | "
+                  f"{r['encode_s']:.2f} ({r['encode_ratio']:.2f}) | {r['prefill_s']:.2f} "
+                  f"({r['prefill_ratio']:.2f}) | {r['decode_ms_per_token']:.1f} "
+                  f"({r['decode_ratio']:.2f}× of {r['decode_bound_ms']:.1f}) | {r['peak_rss_gb']:.2f} |")
+    if res.get("peers"):
+        print("\n| model | dtype | system | prefill s | decode ms/token | peak RSS GB | lvx ÷ peer "
+              "(prefill, decode) | tokens equal |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in res["peers"]:
+            for who in ("lvx", "peer"):
+                m = r[who]
+                fmt = lambda k, f: f"{m[k]['median']:{f}} ({m[k]['min']:{f}}–{m[k]['max']:{f}})"
+                ratio = ""
+                if who == "lvx":
+                    ratio = (f"{r['lvx']['prefill_s']['median'] / r['peer']['prefill_s']['median']:.2f}, "
+                             f"{r['lvx']['decode_ms_per_token']['median'] / r['peer']['decode_ms_per_token']['median']:.2f}")
+                print(f"| {r['kind']} | {r['dtype']} | {'lvx' if who == 'lvx' else r['peer_name']} | "
+                      f"{fmt('prefill_s', '.2f')} | {fmt('decode_ms_per_token', '.0f')} | "
+                      f"{fmt('peak_rss_gb', '.1f')} | {ratio} | {r['tokens_equal'] if who == 'lvx' else ''} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="limits,qa,peers")
+    ap.add_argument("--qa", default="1b:bf16,1b:fp32,2b:bf16,7b:bf16")
+    ap.add_argument("--peers", default="openflamingo:fp32,openflamingo:bf16,mllama:fp32,mllama:bf16")
+    ap.add_argument("--frames", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--peer-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--ckpt-dir", default=os.path.expanduser("~/.cache/lvx/real-size"))
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "lvx-bench-real-size"))
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    parts = a.parts.split(",")
+    res = {"machine": os.uname().nodename, "date": time.strftime("%Y-%m-%d %H:%M")}
+    res["limits"] = machine_limits(a.threads)  # every ratio needs them: measured in every run
+    if "qa" in parts:
+        res["qa"] = []
+        vid = video(a.work)
+        for spec in a.qa.split(","):
+            size, dtype = spec.split(":")
+            model = checkpoint(a.ckpt_dir, QA_MODELS[size], "bf16")  # the releases' dtype
+            log(f"[qa] {size} {dtype}")
+            res["qa"].append(qa_row(model, dtype, vid, a.frames, a.tokens, res["limits"], a.repeats))
+    if "peers" in parts:
+        res["peers"] = []
+        for spec in a.peers.split(","):
+            kind, dtype = spec.split(":")
+            res["peers"].append(peers_row(kind, dtype, a.ckpt_dir, a.work, a.peer_tokens, a.repeats))
+    report(res)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
