@@ -2,7 +2,7 @@
 and lvx forward side by side with the library a user would otherwise run, each figure against
 this machine's own limits measured in the same run.
 
-  python benchmarks/bench_real_size.py [--parts limits,qa,peers] [--qa 1b:bf16,1b:fp32,2b:bf16,7b:bf16]
+  python benchmarks/bench_real_size.py [--parts qa,serve,peers] [--qa 1b:bf16,1b:fp32,2b:bf16,7b:bf16]
         [--peers mllama:fp32,mllama:bf16,openflamingo:fp32,openflamingo:bf16] [--repeats 2]
         [--frames 8] [--tokens 32] [--ckpt-dir ~/.cache/lvx/real-size] [--json out.json]
 
@@ -21,6 +21,10 @@ time to first token is split into video decode, vision encode and the rest of th
                   (the tied or separate head included, the vision tower and v_kv_proj not: visual
                   K/V are cached) and the cached visual and text K/V
   memory        = peak RSS (GNU time) against the weights in the run's dtype
+serve: benchmarks/bench_serve.py's load on the 1B in fp32 at 1 rank (answers must be equal on both
+servers, which bf16's rounding of batched rows would not keep on random weights): 1, 4 and 16 clients, each
+request a distinct question about one of 4 cached 6 s videos (3 frames), 16 tokens; the batched
+server (continuous batching, --max-batch 16) against --max-batch 1, answers checked equal.
 peers: `lvx forward --generate 16` against transformers' MllamaForConditionalGeneration at
 Llama-3.2-11B-Vision's widths with 8 decoder layers (cross layers 3 and 7: 42 GB of fp32 weights
 would not fit this machine; the ViT-H is whole) on one 4-tile image and 128 tokens, and against
@@ -226,6 +230,22 @@ def peers_row(kind, dtype, ckpt_dir, work, tokens, repeats):
             "peer_name": peer_runs[0]["peer"]}
 
 
+# ---- serve ---------------------------------------------------------------------------------------
+def serve_rows(ckpt_dir, clients, requests):
+    """bench_serve.py's load on the 1B (fp32, 1 rank): requests/s with continuous batching against
+    --max-batch 1, side by side, on 4 cached 6 s videos (3 frames each), 16 tokens a request. In
+    fp32, because the run checks that both servers give every answer alike: batched rows round
+    differently from one row, and in bf16 that flips greedy tokens of random weights."""
+    model = checkpoint(ckpt_dir, "mplug_owl3_1b", "bf16")
+    out = subprocess.run([sys.executable, str(SOURCE / "benchmarks" / "bench_serve.py"), "--model",
+                          str(model), "--nproc", "1", "--parts", "load", "--clients", clients,
+                          "--requests", str(requests), "--load-repeats", "1", "--load-minutes",
+                          "0.1", "--tokens", "16", "--minutes", "0.2", "--dtype", "fp32",
+                          "-o", "json"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)["results"][0]["load"]
+
+
 # ---- report --------------------------------------------------------------------------------------
 def report(res):
     lim = res.get("limits")
@@ -244,6 +264,16 @@ def report(res):
                   f"{r['encode_s']:.2f} ({r['encode_ratio']:.2f}) | {r['prefill_s']:.2f} "
                   f"({r['prefill_ratio']:.2f}) | {r['decode_ms_per_token']:.1f} "
                   f"({r['decode_ratio']:.2f}× of {r['decode_bound_ms']:.1f}) | {r['peak_rss_gb']:.2f} |")
+    if res.get("serve"):
+        print("\n| clients | requests/s, --max-batch 1 | requests/s, batched | batched ÷ one at a time "
+              "| TTFT p50 s one / batched | request p99 s one / batched |")
+        print("|---|---|---|---|---|---|")
+        for key, b in res["serve"].items():
+            if b["mode"] != "batched":
+                continue
+            o = res["serve"][f"{b['clients']} one at a time"]
+            print(f"| {b['clients']} | {o['req_per_s']:.2f} | {b['req_per_s']:.2f} | {b['ratio']:.2f} | "
+                  f"{o['ttft_p50_s']:.2f} / {b['ttft_p50_s']:.2f} | {o['p99_s']:.2f} / {b['p99_s']:.2f} |")
     if res.get("peers"):
         print("\n| model | dtype | system | prefill s | decode ms/token | peak RSS GB | lvx ÷ peer "
               "(prefill, decode) | tokens equal |")
@@ -261,11 +291,19 @@ def report(res):
                       f"{fmt('peak_rss_gb', '.1f')} | {ratio} | {r['tokens_equal'] if who == 'lvx' else ''} |")
 
 
+def save(res, path):
+    """The results so far (a part that fails later loses nothing measured before it)."""
+    if path:
+        Path(path).write_text(json.dumps(res, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="limits,qa,peers")
+    ap.add_argument("--parts", default="qa,serve,peers")
     ap.add_argument("--qa", default="1b:bf16,1b:fp32,2b:bf16,7b:bf16")
     ap.add_argument("--peers", default="openflamingo:fp32,openflamingo:bf16,mllama:fp32,mllama:bf16")
+    ap.add_argument("--serve-clients", default="1,4,16")
+    ap.add_argument("--serve-requests", type=int, default=32)
     ap.add_argument("--frames", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--peer-tokens", type=int, default=16)
@@ -287,14 +325,18 @@ def main():
             model = checkpoint(a.ckpt_dir, QA_MODELS[size], "bf16")  # the releases' dtype
             log(f"[qa] {size} {dtype}")
             res["qa"].append(qa_row(model, dtype, vid, a.frames, a.tokens, res["limits"], a.repeats))
+            save(res, a.json)
+    if "serve" in parts:
+        log("[serve] 1b bf16")
+        res["serve"] = serve_rows(a.ckpt_dir, a.serve_clients, a.serve_requests)
+        save(res, a.json)
     if "peers" in parts:
         res["peers"] = []
         for spec in a.peers.split(","):
             kind, dtype = spec.split(":")
             res["peers"].append(peers_row(kind, dtype, a.ckpt_dir, a.work, a.peer_tokens, a.repeats))
+            save(res, a.json)
     report(res)
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ video (the visual cache), and requests/s with p50/p99 latency at several concurr
                         [--max-batch 16] [--probe-chunks 0,32/0,32/131072,...]
                         [--load-minutes 2] [--parts ttft,load,probe] [-o md|json]
 
-Model: a tiny random mPLUG-Owl3 (tests/reference/mplug_owl3_ref.py make-model: SigLIP 32 px,
+Model: --model DIR, else a tiny random mPLUG-Owl3 (tests/reference/mplug_owl3_ref.py make-model: SigLIP 32 px,
 16 visual tokens per frame), so the numbers measure lvx's video path, prefill and serving, not a
 real checkpoint's FLOPs. Video: ffmpeg's testsrc2 at 64x48, --video-fps, --minutes long (libx264,
 default GOP), sampled at --sample-fps (1 hour at 0.5 fps: 1800 frames, 28 800 visual keys).
@@ -47,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,7 +63,8 @@ def sh(*cmd, **kw):
 class Server:
     def __init__(self, lvx, model, nproc, media, sample_fps, tokens, flags=()):
         self.proc, self.port = start_serve(
-            [lvx, "serve", "--model", model, "--nproc", str(nproc), "--port", "0",
+            [lvx, "serve", "--model", model, "--served-model-name", "model", "--nproc", str(nproc),
+             "--port", "0",
              "--allowed-local-media-path", media, "--fps", str(sample_fps),
              "--max-new-tokens", str(tokens), "--max-queue", "256", *flags])
 
@@ -170,10 +172,11 @@ def load_videos(media, minutes):
 
 def load_rows(a, lvx, model, nproc, media, videos):
     """Requests/s and TTFT with continuous batching and with --max-batch 1, side by side."""
+    dtype = ["--dtype", a.dtype]
     servers = {"batched": Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens,
-                                 ["--max-batch", str(a.max_batch)]),
+                                 ["--max-batch", str(a.max_batch)] + dtype),
                "one at a time": Server(lvx, str(model), nproc, str(media), a.sample_fps, a.tokens,
-                                       ["--max-batch", "1"])}
+                                       ["--max-batch", "1"] + dtype)}
     rows, answers = {}, {}
     try:
         for s in servers.values():
@@ -286,6 +289,10 @@ def qa_answer(a, lvx, model, video, nproc, flags):
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", default="1,2")
+    ap.add_argument("--dtype", default="auto", help="the servers' --dtype")
+    ap.add_argument("--model", default="",
+                    help="a checkpoint directory (default: the tiny random mPLUG-Owl3); "
+                         "bench_real_size.py passes a release-shaped one")
     ap.add_argument("--minutes", type=float, default=60)
     ap.add_argument("--video-fps", type=float, default=1)
     ap.add_argument("--sample-fps", type=float, default=0.5)
@@ -435,6 +442,8 @@ def print_probe(results):
 def main():
     a = parse_args()
     lvx, work, media, model = bench_paths(a.workdir)
+    if a.model:
+        model = Path(a.model)
     video = long_video(a, media)
     videos = load_videos(media, a.load_minutes)
     results = [ranks_row(a, lvx, model, media, video, videos, int(n))
