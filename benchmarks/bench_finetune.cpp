@@ -15,7 +15,9 @@
 // predicted memory for all ranks exceeds --host-gib are skipped (named).
 //   bench_finetune --memory --hidden 1024 --layers 32 [--frames 8] [--steps 3]
 //                  [--worlds 1,2,3,4] [--stages none,optimizer,gradients] [--host-gib 18]
-//                  [--collectives auto,engine,p2p]
+//                  [--collectives auto,engine,p2p] [--model DIR]
+// --model DIR: that checkpoint instead of a generated one (bench_real_size.py passes lvx
+// init-model's mPLUG-Owl3-1B); --hidden and --layers are then ignored.
 // With several --collectives each run is made once per value of LVX_DIST_COLLECTIVES (auto: lvx's
 // default; engine: the engines' own algorithms for every collective; p2p: lvx's rings of
 // point-to-point messages), and auto's samples/s over each other's printed.
@@ -161,10 +163,12 @@ int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string
   c.frames = p.get_int("frames");
   const double gib = double(int64_t{1} << 30);
   std::printf(
-      "mPLUG-Owl3 (random) hidden %s, %s layers: %.3f B parameters, %.3f B train "
-      "(freeze vision), fp32; %s frames/sample, %s steps\n\n",
-      p.get("hidden").c_str(), p.get("layers").c_str(), c.counts.total / 1e9,
-      c.counts.trainable / 1e9, p.get("frames").c_str(), p.get("steps").c_str());
+      "mPLUG-Owl3 (random) %s: %.3f B parameters, %.3f B train (freeze vision), fp32; %s "
+      "frames/sample, %s steps\n\n",
+      p.get("model").empty() ? ("hidden " + p.get("hidden") + ", " + p.get("layers") + " layers").c_str()
+                             : p.get("model").c_str(),
+      c.counts.total / 1e9, c.counts.trainable / 1e9, p.get("frames").c_str(),
+      p.get("steps").c_str());
   std::printf(
       "| shard | ranks | collectives | samples/s | auto over this | peak RSS/rank GiB (measured) | "
       "predicted GiB | measured/predicted | state bytes/step/rank | formula |\n"
@@ -199,6 +203,7 @@ void add_options(cli::ArgParser& p) {
   p.add_option("hidden", 0, "128", "LM width (heads of 32)");
   p.add_option("layers", 0, "4", "LM layers (two are hyper layers)");
   p.add_option("steps", 0, "4", "optimizer steps per mode (the first is a warm-up)");
+  p.add_option("model", 0, "", "an mPLUG-Owl3 checkpoint directory (default: a generated one)");
   p.add_flag("memory", 0, "sharded state: measured peak RSS per rank vs lvx plan's prediction");
   p.add_option("worlds", 0, "1,2,3,4", "--memory: rank counts");
   p.add_option("stages", 0, "none,optimizer,gradients,parameters",
@@ -285,11 +290,15 @@ int bench(int argc, char** argv) {
   add_options(p);
   if (!p.parse(argc, argv)) return 0;
   const bool memory = p.flag("memory");
+  const fs::path model = p.get("model").empty() ? fs::path() : fs::absolute(p.get("model"));
   const fs::path dir =
       fs::temp_directory_path() / ("lvx_bench_finetune_" + std::to_string(getpid()));
   fs::create_directories(dir);
   fs::current_path(dir);
-  make_model(dir / "model", p.get_int("hidden"), p.get_int("layers"));
+  if (model.empty())
+    make_model(dir / "model", p.get_int("hidden"), p.get_int("layers"));
+  else
+    fs::create_directory_symlink(model, dir / "model");
   write_run_inputs(dir, p);
   const std::string lvx =
       (fs::path(dist::self_executable()).parent_path().parent_path() / "lvx").string();

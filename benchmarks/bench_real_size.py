@@ -2,7 +2,7 @@
 and lvx forward side by side with the library a user would otherwise run, each figure against
 this machine's own limits measured in the same run.
 
-  python benchmarks/bench_real_size.py [--parts qa,serve,peers] [--qa 1b:bf16,1b:fp32,2b:bf16,7b:bf16]
+  python benchmarks/bench_real_size.py [--parts qa,serve,finetune,peers] [--qa 1b:bf16,1b:fp32,2b:bf16,7b:bf16]
         [--peers mllama:fp32,mllama:bf16,openflamingo:fp32,openflamingo:bf16] [--repeats 2]
         [--frames 8] [--tokens 32] [--ckpt-dir ~/.cache/lvx/real-size] [--json out.json]
 
@@ -25,6 +25,9 @@ serve: benchmarks/bench_serve.py's load on the 1B in fp32 at 1 rank (answers mus
 servers, which bf16's rounding of batched rows would not keep on random weights): 1, 4 and 16 clients, each
 request a distinct question about one of 4 cached 6 s videos (3 frames), 16 tokens; the batched
 server (continuous batching, --max-batch 16) against --max-batch 1, answers checked equal.
+finetune: build/benchmarks/bench_finetune --memory on the 1B (fp32 training from its bf16 files,
+2 frames a sample, 3 steps): LoRA r16 and full fine-tuning with ZeRO stage 3 (parallel.shard
+parameters) at 2 ranks, samples/s and each rank's peak RSS beside lvx plan's prediction.
 peers: `lvx forward --generate 16` against transformers' MllamaForConditionalGeneration at
 Llama-3.2-11B-Vision's widths with 8 decoder layers (cross layers 3 and 7: 42 GB of fp32 weights
 would not fit this machine; the ViT-H is whole) on one 4-tile image and 128 tokens, and against
@@ -171,7 +174,22 @@ def qa_row(model, dtype, vid, frames, tokens, limits, repeats):
            "decode_bound_ms": 1e3 * c["decode_bytes"] / limits["bandwidth"],
            "runs": [r[0]["timings"] for r in runs]}
     row["decode_ratio"] = row["decode_ms_per_token"] / row["decode_bound_ms"]
+    row["predicted_rss_gb"] = predicted_peak(model, dtype, frames, j["prompt_tokens"], tokens)
+    row["rss_ratio"] = row["peak_rss_gb"] / row["predicted_rss_gb"]
     return row
+
+
+def predicted_peak(model, dtype, frames, prompt_tokens, tokens):
+    """lvx plan's inference memory for the same question (src/planner/inference_memory.h) plus
+    the libraries of an lvx process that has loaded nothing: the plan process's own peak RSS (it
+    reads only the weight files' headers). The cluster file only sets device figures, which the
+    memory does not use."""
+    out = Path(tempfile.mkdtemp()) / "plan.json"
+    _, rss, _ = timed([lvx_bin(), "plan", "--model", str(model), "--cluster",
+                       str(SOURCE / "configs" / "clusters" / "h100_80g_16.yaml"), "--nproc", "1",
+                       "--frames", str(frames), "--text", str(prompt_tokens), "--dtype", dtype,
+                       "--max-new-tokens", str(tokens), "--json", str(out)])
+    return (json.loads(out.read_text())["inference_memory"]["total_bytes"] + rss) / 1e9
 
 
 # ---- peers ---------------------------------------------------------------------------------------
@@ -246,6 +264,18 @@ def serve_rows(ckpt_dir, clients, requests):
     return json.loads(out)["results"][0]["load"]
 
 
+# ---- finetune ------------------------------------------------------------------------------------
+def finetune_rows(ckpt_dir, stages, worlds, frames, steps):
+    """bench_finetune --memory on the 1B: per parallel.shard stage (lora-<stage>: LoRA r16) and rank
+    count, samples/s and each rank's peak RSS beside lvx plan's prediction (fp32 training)."""
+    model = checkpoint(ckpt_dir, "mplug_owl3_1b", "bf16")
+    out = subprocess.run([str(Path(lvx_bin()).parent / "benchmarks" / "bench_finetune"), "--memory",
+                          "--model", str(model), "--frames", str(frames), "--steps", str(steps),
+                          "--worlds", worlds, "--stages", stages, "--host-gib", "20"],
+                         check=True, capture_output=True, text=True).stdout
+    return [l for l in out.splitlines() if l.startswith("|") or l.startswith("mPLUG")]
+
+
 # ---- report --------------------------------------------------------------------------------------
 def report(res):
     lim = res.get("limits")
@@ -257,13 +287,14 @@ def report(res):
               f"(the fastest of: {ways})")
     if res.get("qa"):
         print("\n| model | dtype | TTFT s | video decode s | encode s (÷ GEMM rate) | prefill s (÷ GEMM rate) "
-              "| decode ms/token (÷ bound) | peak RSS GB |")
+              "| decode ms/token (÷ bound) | peak RSS GB (÷ lvx plan's) |")
         print("|---|---|---|---|---|---|---|---|")
         for r in res["qa"]:
             print(f"| {r['model']} | {r['dtype']} | {r['ttft_s']:.2f} | {r['video_decode_s']:.2f} | "
                   f"{r['encode_s']:.2f} ({r['encode_ratio']:.2f}) | {r['prefill_s']:.2f} "
                   f"({r['prefill_ratio']:.2f}) | {r['decode_ms_per_token']:.1f} "
-                  f"({r['decode_ratio']:.2f}× of {r['decode_bound_ms']:.1f}) | {r['peak_rss_gb']:.2f} |")
+                  f"({r['decode_ratio']:.2f}× of {r['decode_bound_ms']:.1f}) | {r['peak_rss_gb']:.2f} "
+                  f"({r['rss_ratio']:.2f} of {r['predicted_rss_gb']:.2f}) |")
     if res.get("serve"):
         print("\n| clients | requests/s, --max-batch 1 | requests/s, batched | batched ÷ one at a time "
               "| TTFT p50 s one / batched | request p99 s one / batched |")
@@ -274,6 +305,9 @@ def report(res):
             o = res["serve"][f"{b['clients']} one at a time"]
             print(f"| {b['clients']} | {o['req_per_s']:.2f} | {b['req_per_s']:.2f} | {b['ratio']:.2f} | "
                   f"{o['ttft_p50_s']:.2f} / {b['ttft_p50_s']:.2f} | {o['p99_s']:.2f} / {b['p99_s']:.2f} |")
+    if res.get("finetune"):
+        print()
+        print("\n".join(res["finetune"]))
     if res.get("peers"):
         print("\n| model | dtype | system | prefill s | decode ms/token | peak RSS GB | lvx ÷ peer "
               "(prefill, decode) | tokens equal |")
@@ -299,9 +333,13 @@ def save(res, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="qa,serve,peers")
+    ap.add_argument("--parts", default="qa,serve,finetune,peers")
     ap.add_argument("--qa", default="1b:bf16,1b:fp32,2b:bf16,7b:bf16")
     ap.add_argument("--peers", default="openflamingo:fp32,openflamingo:bf16,mllama:fp32,mllama:bf16")
+    ap.add_argument("--finetune-stages", default="lora-parameters,parameters")
+    ap.add_argument("--finetune-worlds", default="2")
+    ap.add_argument("--finetune-frames", type=int, default=2)
+    ap.add_argument("--finetune-steps", type=int, default=3)
     ap.add_argument("--serve-clients", default="1,4,16")
     ap.add_argument("--serve-requests", type=int, default=32)
     ap.add_argument("--frames", type=int, default=8)
@@ -329,6 +367,11 @@ def main():
     if "serve" in parts:
         log("[serve] 1b bf16")
         res["serve"] = serve_rows(a.ckpt_dir, a.serve_clients, a.serve_requests)
+        save(res, a.json)
+    if "finetune" in parts:
+        log("[finetune] 1b fp32")
+        res["finetune"] = finetune_rows(a.ckpt_dir, a.finetune_stages, a.finetune_worlds,
+                                        a.finetune_frames, a.finetune_steps)
         save(res, a.json)
     if "peers" in parts:
         res["peers"] = []

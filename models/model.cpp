@@ -144,6 +144,11 @@ std::unique_ptr<Model> load_model(const std::string& dir, at::ScalarType dtype, 
   // moved, so host memory never holds a second copy of the checkpoint.
   auto index = std::make_shared<CheckpointIndex>(load_checkpoint_index(dir));
   std::unique_ptr<Model> model = make_model(index->meta, dtype, at::kMeta);
+  if (device.is_meta()) {  // shapes only (lvx plan): no file is mapped, no byte read
+    for (auto& [name, t] : model->parameters()) t = at::empty(t.sizes(), t.options().dtype(dtype));
+    if (index_out != nullptr) *index_out = std::move(index);
+    return model;
+  }
   check_host_memory(*index, *model, dtype, device, defer);
   map_checkpoint_files(*index);
   for (auto& [name, t] : model->parameters())

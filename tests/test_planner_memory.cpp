@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "src/planner/inference_memory.h"
 #include "src/planner/train_memory.h"
 #include "src/planner/train_traffic.h"
 #include "tests/build_paths.h"
@@ -46,6 +47,29 @@ TEST(TrainMemory, ParameterCountsByHand) {
   EXPECT_EQ(p.root, 168);
   // LoRA r=2 on q (8→8), k, v (8→4), o (8→8), gate, up (8→16), down (16→8): 2·128.
   EXPECT_EQ(lora_parameters(tiny(), 2), 256);
+}
+
+// A question's memory per rank (src/planner/inference_memory.h), term by term: the tiny model
+// with a cross layer (kv 4 wide), 8-wide visual features from a 4-wide tower of MLP 6; 2 frames of
+// 3 tokens, 10 prompt tokens, 2 generated, 2 ranks, fp32.
+TEST(InferenceMemory, ByHand) {
+  ModelConfig m = tiny();
+  AttentionLayerConfig cross = m.layers[0];
+  cross.kind = LayerKind::kCross;
+  m.layers.push_back(cross);
+  m.visual_feature_dim = 8;
+  m.vision.hidden_size = 4;
+  m.vision.mlp_size = 6;
+  ParamCounts pc;
+  pc.total = 776;
+  pc.vocab = 10;
+  const InferenceMemory t = inference_memory(m, pc, 2, 10, 3, 2, 2, 4);
+  EXPECT_DOUBLE_EQ(t.weights, 4 * 776);               // every rank holds them
+  EXPECT_DOUBLE_EQ(t.visual, 3 * 4 * (8 + 12 + 12));  // 3 tokens a rank: features + tower
+  EXPECT_DOUBLE_EQ(t.kv_cache, (5 + 2) * 2 * 4 * 4 + 3 * 2 * 4 * 4);  // self, then cross
+  EXPECT_DOUBLE_EQ(t.activations, 5 * (24 + 32 + 8 + 8) * 4);
+  EXPECT_DOUBLE_EQ(t.logits, 80);
+  EXPECT_DOUBLE_EQ(t.total, 3104 + 384 + 320 + 1440 + 80);
 }
 
 // 2 nodes of 4 GPUs: 100 GB/s and 10 µs inside a node, 25 GB/s per node and 20 µs between.

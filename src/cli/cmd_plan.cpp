@@ -9,6 +9,7 @@
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/planner/planner.h"
+#include "src/planner/inference_memory.h"
 #include "src/planner/train_memory.h"
 #include "src/planner/train_report.h"
 #include "src/runtime/model_description.h"
@@ -116,6 +117,8 @@ void add_plan_options(lvx::cli::ArgParser& p) {
                "where the frames' tokens sit: video_qa (all frames, then the question) |\n"
                "interleaved (frames spread evenly over the text)");
   p.add_flag("train", 0, "plan forward and backward (training) instead of forward only");
+  p.add_option("max-new-tokens", 0, "64",
+               "inference: tokens generated after the prompt (their KV cache, for the memory)");
   p.add_flag("no-recompute", 0, "training without LV-XAttn's K/V recomputation for cross layers");
   p.add_flag("paper-accounting", 0,
              "model the LV-XAttn paper's implementations: K/V expanded to the query heads, masked\n"
@@ -231,9 +234,17 @@ int cmd_plan(int argc, char** argv) {
   const lvx::planner::Plan plan = lvx::planner::plan(model, cluster, w, cost_options_of(p));
   std::cout << lvx::planner::format_table(plan);
   nlohmann::json j = lvx::planner::to_json(plan);
-  if (p.flag("train"))
+  if (p.flag("train")) {
     std::cout << lvx::planner::train_report(model, counts, plan, w.frames, w.text_tokens, tpf, mo,
                                             cluster, j);
+  } else {  // a question's whole memory per rank (src/planner/inference_memory.h)
+    counts = lvx::runtime::count_parameters(model_path, model, "vision");
+    const auto im = lvx::planner::inference_memory(
+        model, counts, w.frames, w.text_tokens, tpf, p.get_int("max-new-tokens", 0, 1 << 30),
+        mo.ranks, mo.elem_bytes);
+    std::cout << lvx::planner::format_memory(im);
+    j["inference_memory"] = lvx::planner::to_json(im);
+  }
   if (!json_path.empty()) write_plan_json(json_path, j);
   return 0;
 }
