@@ -45,6 +45,10 @@ SampledFrames sample_frames(const Timeline& tl, const SampleSpec& spec) {
     const double fps = *spec.fps;
     LVX_CHECK(fps > 0 && std::isfinite(fps), "sampling: fps must be > 0, got ", fps);
     const double count = (end - start) * fps;
+    LVX_CHECK(spec.max_frames <= 0 || count <= static_cast<double>(spec.max_frames),
+              "sampling: fps ", fps, " over [", start, ", ", end, ") s asks for about ",
+              static_cast<int64_t>(std::ceil(count)), " frames, over the limit of ",
+              spec.max_frames, " (--max-frames): lower the fps or the range");
     LVX_CHECK(count <= static_cast<double>(most), "sampling: fps ", fps, " over [", start, ", ",
               end, ") s asks for about ", count, " frames, but the range holds ", in_range,
               " frame", in_range == 1 ? "" : "s", " (at most ", kMaxSamplesPerFrame,
@@ -61,6 +65,8 @@ SampledFrames sample_frames(const Timeline& tl, const SampleSpec& spec) {
   }
   const int64_t n = *spec.num_frames;
   LVX_CHECK(n >= 1, "sampling: num_frames must be >= 1, got ", n);
+  LVX_CHECK(spec.max_frames <= 0 || n <= spec.max_frames, "sampling: num_frames ", n,
+            " is over the limit of ", spec.max_frames, " (--max-frames)");
   // last: the last frame whose pts < end (one before the first frame with pts >= end).
   LVX_CHECK(last >= first, "sampling: no frame starts in [", start, ", ", end, ") s");
   LVX_CHECK(n <= most, "sampling: num_frames ", n, " is more than the range [", start, ", ", end,

@@ -50,6 +50,9 @@ struct SampleSpec {
   std::optional<int64_t> num_frames;  // N frames spread over [start, end], both ends included
   std::optional<double> start;        // default: 0, the first frame
   std::optional<double> end;          // exclusive; default: the end of the last frame
+  // At most this many sampled frames, whichever of fps and num_frames asks (lvx serve
+  // --max-frames): more is refused from the timeline, before a frame is decoded. 0: no bound.
+  int64_t max_frames = 0;
 };
 
 // At most this many sampled positions per frame of the range (fps above the source rate and N

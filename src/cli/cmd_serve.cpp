@@ -31,6 +31,9 @@ void add_serve_options(lvx::cli::ArgParser& p) {
                "read the API keys from this file, one per line (one per client or tenant: a\n"
                "video's uuid is known only under the key that sent it)");
   p.add_flag("metrics-public", 0, "serve /metrics without the API key");
+  p.add_flag("shared-visual-cache", 0,
+             "one visual cache for every API key (default: each key's entries answer it alone;\n"
+             "shared, a key can tell from an answer's speed that another sent the same media)");
   p.add_option("served-model-name", 0, "", "the model's name in requests (default: DIR's name)");
   p.add_option("allowed-local-media-path", 0, "",
                "file:// media URLs must be under this folder (default: refused)");
@@ -49,12 +52,22 @@ void add_serve_options(lvx::cli::ArgParser& p) {
   p.add_option("max-inflight-bytes", 0, "1073741824",
                "request bytes held at once over every request, from each one's headers until its\n"
                "answer is sent (beyond: 429, or 413 for a body larger than all of it)");
+  p.add_option("max-connections", 0, "256",
+               "client connections open at once (beyond: 503, and only /health and /metrics are\n"
+               "answered, for 64 more)");
+  p.add_option("header-timeout", 0, "5",
+               "seconds a request's whole header may take to arrive (beyond: 408)");
+  p.add_option("body-min-rate", 0, "1048576",
+               "bytes/s a request body must average after its first 10 s (below: 408)");
   p.add_option("max-new-tokens", 't', "256", "tokens to generate when a request names none");
   p.add_flag("no-merge-identical", 0,
              "answer queued requests that are identical (media, question, sampling, max_tokens)\n"
              "one by one instead of with one shared generation (benchmarks)");
   p.add_option("fps", 0, "", "default sampling: frames per second");
   p.add_option("num-frames", 'f', "", "default sampling: N frames over the range (default 16)");
+  p.add_option("max-frames", 0, "4096",
+               "frames one request may have, whichever way it asks (num_frames, fps over its\n"
+               "range, image_url parts): more is answered 400 before a frame is decoded");
   lvx::cli::add_nproc_options(p, "1", "local ranks to start");
   lvx::cli::add_threads_option(p);
   p.add_option("step-overlap", 0, "auto",
@@ -100,6 +113,7 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   job.model = lvx::runtime::follow_run_folder(p.get("model"));
   if (!p.get("fps").empty()) job.fps = p.get_double("fps");
   if (!p.get("num-frames").empty()) job.num_frames = p.get_int("num-frames");
+  job.max_frames = p.get_int("max-frames", 1, 1 << 20);
   job.generation.max_new_tokens = p.get_int("max-new-tokens", 1, INT32_MAX);
   job.plan.strategies = p.get("strategies");
   job.plan.cluster = p.get("cluster");
@@ -109,6 +123,7 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   o.port = static_cast<int>(p.get_int("port", 0, 65535));
   o.api_keys = api_keys(p);
   o.metrics_public = p.flag("metrics-public");
+  o.shared_visual_cache = p.flag("shared-visual-cache");
   o.model_name = p.get("served-model-name");
   if (o.model_name.empty()) {
     std::filesystem::path dir(job.model);
@@ -120,6 +135,12 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   o.max_queue = p.get_int("max-queue", 0, 1 << 20);
   o.max_body_bytes = p.get_int("max-body-bytes", 1, INT64_MAX);
   o.max_inflight_bytes = p.get_int("max-inflight-bytes", 1, INT64_MAX);
+  o.max_connections = p.get_int("max-connections", 1, 1 << 20);
+  o.header_timeout_s = p.get_double("header-timeout");
+  o.body_min_rate = p.get_double("body-min-rate");
+  LVX_CHECK(o.header_timeout_s > 0, "--header-timeout must be > 0 seconds, got ",
+            o.header_timeout_s);
+  LVX_CHECK(o.body_min_rate > 0, "--body-min-rate must be > 0 bytes/s, got ", o.body_min_rate);
   o.default_max_tokens = job.generation.max_new_tokens;
   o.merge_identical = !p.flag("no-merge-identical");
   o.max_batch = p.get_int("max-batch", 1, 4096);

@@ -146,6 +146,7 @@ video::SampleSpec sample_spec(const QaSession::State& cx, const QaRequest& req) 
   spec.num_frames = fps ? std::nullopt : std::optional<int64_t>(num_frames.value_or(16));
   spec.start = req.item.start ? req.item.start : cx.job.start;
   spec.end = req.item.end ? req.item.end : cx.job.end;
+  spec.max_frames = cx.job.max_frames;
   return spec;
 }
 

@@ -60,6 +60,7 @@ struct QaJob {
   std::string questions, output;
   std::optional<double> fps;          // frames per second, or
   std::optional<int64_t> num_frames;  // N frames spread over the range (default 16)
+  int64_t max_frames = 0;  // at most this many sampled, whatever a request asks (0: no bound)
   std::optional<double> start, end;   // seconds (a row's own range wins)
   GenerateOptions generation;         // max_new_tokens, sampling
   PlanRequest plan;                   // plan.dtype: fp32 | bf16 | auto (src/runtime/device.h)
@@ -99,6 +100,9 @@ struct QaRequest {
   // empty: lvx qa's prompt.
   std::vector<std::pair<std::string, std::string>> earlier;
   bool return_prompt_ids = false;  // the row gets "prompt_ids"
+  // The visual cache's partition: an entry made under one tenant answers only requests of that
+  // tenant (lvx serve: the API key's scope, unless --shared-visual-cache). "": lvx qa's.
+  std::string tenant;
 };
 
 // Rank 0's view of an answer as it is generated.

@@ -101,7 +101,8 @@ std::string visual_key(const QaRequest& req, const video::SampleSpec& spec,
     source = "video:" + video_hash(req);
   }
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };
-  const json k{{"source", source},
+  const json k{{"tenant", req.tenant},
+               {"source", source},
                {"fps", opt(spec.fps)},
                {"num_frames", opt(spec.num_frames)},
                {"start", opt(spec.start)},

@@ -53,4 +53,43 @@ std::optional<ApiError> framing_error(const httplib::Request& req, int64_t max_b
   return std::nullopt;
 }
 
+std::optional<httplib::Request> parse_head(const std::string& head) {
+  httplib::Request r;
+  size_t line_end = head.find("\r\n");
+  if (line_end == std::string::npos) return std::nullopt;
+  const std::string line = head.substr(0, line_end);
+  const size_t a = line.find(' '), b = line.rfind(' ');
+  if (a == std::string::npos || a == 0 || b <= a + 1) return std::nullopt;
+  r.method = line.substr(0, a);
+  r.target = line.substr(a + 1, b - a - 1);
+  r.version = line.substr(b + 1);
+  if (r.version != "HTTP/1.1" && r.version != "HTTP/1.0") return std::nullopt;
+  if (r.target.find(' ') != std::string::npos) return std::nullopt;
+  r.path = r.target.substr(0, r.target.find('?'));
+  for (size_t at = line_end + 2; at < head.size();) {
+    const size_t end = head.find("\r\n", at);
+    if (end == std::string::npos) return std::nullopt;
+    if (end == at) break;  // the blank line
+    const std::string field = head.substr(at, end - at);
+    const size_t colon = field.find(':');
+    if (colon == std::string::npos || colon == 0 || field[0] == ' ' || field[0] == '\t' ||
+        field.find_first_of(" \t") < colon)
+      return std::nullopt;
+    std::string value = field.substr(colon + 1);
+    const size_t first = value.find_first_not_of(" \t");
+    value = first == std::string::npos ? "" : value.substr(first);
+    value.erase(value.find_last_not_of(" \t") + 1);
+    r.headers.emplace(field.substr(0, colon), value);
+    at = end + 2;
+  }
+  return r;
+}
+
+int64_t declared_body_bytes(const httplib::Request& req, int64_t max_body_bytes) {
+  if (req.has_header("Transfer-Encoding")) return max_body_bytes;
+  if (!req.has_header("Content-Length")) return 0;
+  const std::string v = trimmed_lower(req.get_header_value("Content-Length"));
+  return is_length(v) ? std::stoll(v) : 0;
+}
+
 }  // namespace lvx::serve

@@ -24,4 +24,15 @@ namespace lvx::serve {
 //   413  a declared Content-Length over max_body_bytes
 std::optional<ApiError> framing_error(const httplib::Request& req, int64_t max_body_bytes);
 
+// A request's header (the request line and the header fields, through the blank line) as
+// cpp-httplib's Request: method, target, path (the target before '?'), version and headers;
+// nothing when the request line is not `METHOD SP target SP HTTP/1.x` or a field has no name,
+// no colon or a folded line (RFC 9112 §5.2: obsolete, refused).
+std::optional<httplib::Request> parse_head(const std::string& head);
+
+// The bytes a request will send as its body, from its headers: its Content-Length, or
+// `max_body_bytes` for a chunked one (its size is not known before it is read). For a request
+// framing_error accepted.
+int64_t declared_body_bytes(const httplib::Request& req, int64_t max_body_bytes);
+
 }  // namespace lvx::serve

@@ -95,7 +95,11 @@ std::string prometheus_text(Metrics& mx, const Gauges& g) {
        "until their answers are sent).\n"
     << "# TYPE lvx_inflight_bytes gauge\nlvx_inflight_bytes " << g.inflight_bytes << "\n"
     << "# TYPE lvx_inflight_limit_bytes gauge\nlvx_inflight_limit_bytes " << g.inflight_limit
-    << "\n";
+    << "\n"
+    << "# HELP lvx_connections Open client connections (--max-connections; past it, new ones get "
+       "503)\n"
+    << "# TYPE lvx_connections gauge\nlvx_connections " << g.connections << "\n"
+    << "# TYPE lvx_max_connections gauge\nlvx_max_connections " << g.max_connections << "\n";
   return m.str();
 }
 

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <filesystem>
 #include <regex>
+#include <mutex>
+#include <random>
 #include <set>
 
 #include "src/common/error.h"
@@ -404,6 +406,13 @@ void read_conversation(const json& messages, const ApiOptions& o, ChatRequest& r
   r.question = turns.back().text;
 }
 
+uint64_t fresh_seed() {
+  static std::mutex mu;
+  static std::random_device device;
+  std::lock_guard<std::mutex> lock(mu);
+  return (static_cast<uint64_t>(device()) << 32) ^ device();
+}
+
 void read_sampling(const json& body, const ApiOptions& o, ChatRequest& r) {
   if (const auto n = integer(body, "n", 1, 1); n && *n != 1) throw bad_request("'n' must be 1", "n");
   const auto mt = integer(body, "max_completion_tokens", 1, 1 << 20);
@@ -412,7 +421,11 @@ void read_sampling(const json& body, const ApiOptions& o, ChatRequest& r) {
   r.temperature = number(body, "temperature", 0, 2).value_or(0);
   r.top_p = number(body, "top_p", 0, 1).value_or(1);
   if (r.top_p <= 0) throw bad_request("'top_p' must be > 0", "top_p");
-  r.seed = static_cast<uint64_t>(integer(body, "seed", INT64_MIN, INT64_MAX).value_or(0));
+  // Without a seed a sampled request draws a fresh one (OpenAI's and vLLM's: each request its own
+  // sample, for self-consistency and pass@k), so no two of them share a generation; greedy ones
+  // do not depend on it and keep 0 (identical ones still share).
+  const auto seed = integer(body, "seed", INT64_MIN, INT64_MAX);
+  r.seed = seed ? static_cast<uint64_t>(*seed) : r.temperature > 0 ? fresh_seed() : 0;
   // OpenAI's: top_logprobs (0 to 20) needs logprobs true.
   r.logprobs = boolean(body, "logprobs").value_or(false);
   const auto top = integer(body, "top_logprobs", 0, 20);

@@ -37,6 +37,7 @@ json Server::describe(const Job& job, std::vector<std::string>* blobs) const {
   };
   auto opt = [](const auto& v) { return v ? json(*v) : json(); };
   json d{{"id", job.id},
+         {"tenant", o_.shared_visual_cache ? std::string() : job.scope},
          {"system", r.system},
          {"earlier", r.earlier},
          {"question", r.question},
@@ -78,6 +79,7 @@ Server::Begun Server::begin_answer(const Command& c, const runtime::AnswerHooks&
   q.item.system = d["system"].get<std::string>();
   q.earlier = d["earlier"].get<std::vector<std::pair<std::string, std::string>>>();
   q.return_prompt_ids = d["return_prompt_ids"].get<bool>();
+  q.tenant = d["tenant"].get<std::string>();
   if (d.contains("video") && d["video"].contains("hash"))
     q.media_hash = d["video"]["hash"].get<std::string>();  // named by its uuid: the cache's alone
   else if (d.contains("video"))
@@ -266,7 +268,10 @@ bool Server::prefill_chunk() {
 void Server::wait_for_work(clock::time_point& last_command, double heartbeat_s) {
   {
     std::unique_lock<std::mutex> lock(qmu_);
-    qcv_.wait_for(lock, std::chrono::milliseconds(1), [&] { return !queue_.empty(); });
+    // A request waiting wakes the loop only when the batch has room to take it: with a full
+    // batch the queue is not empty for as long as its frames decode, and waking on it spun a core.
+    const bool room = static_cast<int64_t>(batch_.size()) < o_.max_batch;
+    qcv_.wait_for(lock, std::chrono::milliseconds(1), [&] { return room && !queue_.empty(); });
   }
   if (seconds_since(last_command) >= heartbeat_s) {  // the other ranks' liveness
     Command hb;
@@ -331,6 +336,10 @@ void Server::complete(Running& r, const json& row) {
       metrics_.prefix_reuses += row["visual_cache"].value("prefix_reused", false) ? 1 : 0;
       metrics_.cache_bytes = row["visual_cache"]["bytes"].get<int64_t>();
     }
+    if (!row.contains("error")) {  // once per generation, however many clients it answered
+      metrics_.prompt_tokens += row["prompt_tokens"].get<int64_t>();
+      metrics_.completion_tokens += row["completion_tokens"].get<int64_t>();
+    }
   }
   for (const auto& jp : r.group) {
     Job& j = *jp;
@@ -343,8 +352,6 @@ void Server::complete(Running& r, const json& row) {
     note_first(j);
     {
       std::lock_guard<std::mutex> lock(metrics_.mu);
-      metrics_.prompt_tokens += row["prompt_tokens"].get<int64_t>();
-      metrics_.completion_tokens += row["completion_tokens"].get<int64_t>();
       metrics_.latency_sum += seconds_since(j.received);
       ++metrics_.latency_count;
     }

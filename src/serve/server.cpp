@@ -40,25 +40,15 @@ bool same_secret(const std::string& given, const std::string& secret) {
   return diff == 0;
 }
 
-// The bytes a request will hold, from its headers: its Content-Length, or the largest body for
-// a chunked one (its size is not known before it is read).
-int64_t declared_body_bytes(const httplib::Request& req, int64_t max_body_bytes) {
-  if (req.has_header("Transfer-Encoding")) return max_body_bytes;
-  if (!req.has_header("Content-Length")) return 0;
-  return std::stoll(req.get_header_value("Content-Length"));  // a byte count: http_framing.h
-}
-
 }  // namespace
 
 InflightBudget::Reservation take_body_reservation() { return std::move(t_body); }
 
-std::optional<ApiError> Server::reserve_body(const httplib::Request& req) {
+std::variant<InflightBudget::Reservation, ApiError> Server::reserve_body(
+    const httplib::Request& req) {
   const int64_t bytes = declared_body_bytes(req, o_.max_body_bytes);
   std::optional<InflightBudget::Reservation> r = budget_.reserve(bytes);
-  if (r) {
-    t_body = std::move(*r);
-    return std::nullopt;
-  }
+  if (r) return std::move(*r);
   if (bytes > budget_.limit())
     return ApiError(413, "invalid_request_error",
                     "the request body (" + std::to_string(bytes) +
@@ -71,23 +61,72 @@ std::optional<ApiError> Server::reserve_body(const httplib::Request& req) {
                   "", "inflight_full");
 }
 
-bool Server::authorized(const httplib::Request& req, httplib::Response& res, std::string* scope) {
-  if (o_.api_keys.empty()) return true;
+std::optional<std::string> Server::key_scope(const httplib::Request& req) const {
+  if (o_.api_keys.empty()) return std::string();
   // Every key is compared, whichever matches: the time says nothing about which one did.
   const std::string given = req.get_header_value("Authorization");
   size_t match = o_.api_keys.size();
   for (size_t i = 0; i < o_.api_keys.size(); ++i)
     if (same_secret(given, "Bearer " + o_.api_keys[i])) match = i;
-  if (match < o_.api_keys.size()) {
-    if (scope) *scope = "key" + std::to_string(match);
-    return true;
+  if (match == o_.api_keys.size()) return std::nullopt;
+  return "key" + std::to_string(match);
+}
+
+ApiError Server::unauthorized(const httplib::Request& req) const {
+  return ApiError(401, "invalid_request_error",
+                  req.has_header("Authorization")
+                      ? "Incorrect API key provided"
+                      : "Missing API key: send 'Authorization: Bearer <key>'",
+                  "", "invalid_api_key");
+}
+
+bool Server::authorized(const httplib::Request& req, httplib::Response& res, std::string* scope) {
+  const std::optional<std::string> s = key_scope(req);
+  if (s && scope) *scope = *s;
+  if (!s) send_error(res, unauthorized(req));
+  return s.has_value();
+}
+
+Verdict Server::verdict_of(const ApiError& e) {
+  metrics_.count(e.status);
+  Verdict v;
+  v.status = e.status;
+  v.body = e.body_text();
+  if (e.status == 429) v.headers.emplace_back("Retry-After", "1");
+  return v;
+}
+
+Verdict Server::judge(const httplib::Request& head) {
+  Verdict v;
+  if (head.method == "GET" && head.path == "/health") {
+    v.status = !failed_ && !stopping() ? 200 : 503;
+    v.body = json{{"status", failed_ ? "failed" : stopping() ? "shutting down" : "ok"},
+                  {"ranks", pg_.world_size()}}
+                 .dump();
+    return v;
   }
-  send_error(res, ApiError(401, "invalid_request_error",
-                           req.has_header("Authorization")
-                               ? "Incorrect API key provided"
-                               : "Missing API key: send 'Authorization: Bearer <key>'",
-                           "", "invalid_api_key"));
-  return false;
+  const bool has_key = key_scope(head).has_value();
+  if (head.method == "GET" && head.path == "/metrics" && (o_.metrics_public || has_key)) {
+    v.status = 200;
+    v.body = metrics_text();
+    v.content_type = "text/plain; version=0.0.4";
+    return v;
+  }
+  if (!has_key) return verdict_of(unauthorized(head));
+  if (std::optional<ApiError> bad = framing_error(head, o_.max_body_bytes)) return verdict_of(*bad);
+  auto r = reserve_body(head);
+  if (auto* e = std::get_if<ApiError>(&r)) return verdict_of(*e);
+  v.reserved = std::move(std::get<InflightBudget::Reservation>(r));
+  return v;
+}
+
+bool Server::handle(ConnectionStream& s, InflightBudget::Reservation reserved) {
+  t_body = std::move(reserved);
+  set_connection_fd(s.socket());
+  const bool again = http_.serve(s);
+  t_body = InflightBudget::Reservation();
+  set_connection_fd(-1);
+  return again;
 }
 
 void Server::send_error(httplib::Response& res, const ApiError& e) {
@@ -109,22 +148,14 @@ std::string Server::metrics_text() {
   g.inflight_bytes = budget_.held();
   g.inflight_limit = budget_.limit();
   g.ranks = pg_.world_size();
+  g.connections = gate_ ? gate_->open_connections() : 0;
+  g.max_connections = o_.max_connections;
   return prometheus_text(metrics_, g);
 }
 
 void Server::routes(httplib::Server& http) {
-  // Framing is judged from the headers, before the body is read (http_framing.h); then the body's
-  // bytes are reserved from the in-flight budget, or the request refused unread.
-  http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    t_body = InflightBudget::Reservation();
-    std::optional<ApiError> bad = framing_error(req, o_.max_body_bytes);
-    if (!bad) bad = reserve_body(req);
-    if (!bad) return httplib::Server::HandlerResponse::Unhandled;
-    send_error(res, *bad);
-    if (bad->status == 429) res.set_header("Retry-After", "1");
-    res.set_header("Connection", "close");
-    return httplib::Server::HandlerResponse::Handled;
-  });
+  // Framing, the key and the body's reservation were judged by the gate from the headers
+  // (judge); /health and /metrics are answered there.
   // After each response: what no job took is given back.
   http.set_logger([](const httplib::Request&, const httplib::Response&) {
     t_body = InflightBudget::Reservation();
@@ -138,20 +169,6 @@ void Server::routes(httplib::Server& http) {
         {"data",
          {{{"id", o_.model_name}, {"object", "model"}, {"created", 0}, {"owned_by", "lvx"}}}}};
     res.set_content(models.dump(), "application/json");
-  });
-  http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    const bool ok = !failed_ && !stopping();
-    res.status = ok ? 200 : 503;
-    res.set_content(json{{"status", failed_      ? "failed"
-                                    : stopping() ? "shutting down"
-                                                 : "ok"},
-                         {"ranks", pg_.world_size()}}
-                        .dump(),
-                    "application/json");
-  });
-  http.Get("/metrics", [this](const httplib::Request& req, httplib::Response& res) {
-    if (!o_.metrics_public && !authorized(req, res)) return;
-    res.set_content(metrics_text(), "text/plain; version=0.0.4");
   });
   // Errors httplib answers itself (413 for an oversized body, 404 for an unknown path) in
   // OpenAI's shape; those our handlers answered keep their bodies.
@@ -183,30 +200,30 @@ void Server::routes(httplib::Server& http) {
 }
 
 std::string Server::bind() {
-  const size_t threads = static_cast<size_t>(std::min<int64_t>(o_.max_queue + 8, 512));
-  http_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   http_.set_payload_max_length(static_cast<size_t>(o_.max_body_bytes));
-  http_.set_read_timeout(300, 0);
-  http_.set_write_timeout(300, 0);
-  // A stream's tokens are small writes: with Nagle's algorithm each waits for the client's ACK
-  // of the one before, which a kept-alive connection (the openai package's) delays up to 40 ms.
-  http_.set_tcp_nodelay(true);
   routes(http_);
-  port_ = o_.port;
-  if (port_ == 0) {
-    port_ = http_.bind_to_any_port(o_.host);
-    if (port_ <= 0)
-      return "cannot listen on " + o_.host + " (--host): not an address of this machine";
-  } else if (!http_.bind_to_port(o_.host, port_)) {
-    return "cannot listen on " + o_.host + ":" + std::to_string(port_) +
-           " (--host, --port): the port is in use or the host is not an address of this machine";
-  }
-  widen_listen_backlog(port_);
-  return "";
+  GateOptions g;
+  g.host = o_.host;
+  g.port = o_.port;
+  g.max_connections = o_.max_connections;
+  g.workers = std::min<int64_t>(o_.max_queue + 8, 512);
+  g.header_timeout_s = o_.header_timeout_s;
+  g.body_min_rate = o_.body_min_rate;
+  g.linger_bytes = o_.max_body_bytes;
+  gate_ = std::make_unique<Gate>(
+      g, [this](const httplib::Request& head) { return judge(head); },
+      [this](ConnectionStream& s, InflightBudget::Reservation r) {
+        return handle(s, std::move(r));
+      },
+      [this](int status) { metrics_.count(status); });
+  const std::string error = gate_->bind();
+  port_ = gate_->port();
+  http_.set_listening(gate_->listening_fd());
+  return error;
 }
 
 int Server::run_rank0() {
-  std::thread listener([this] { http_.listen_after_bind(); });
+  std::thread listener([this] { gate_->run(); });
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   ::sigaction(SIGTERM, &sa, nullptr);
@@ -225,8 +242,9 @@ int Server::run_rank0() {
   while (handlers_ > 0 && clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  http_.stop();
+  gate_->stop();
   listener.join();
+  http_.set_listening(-1);
   return code;
 }
 

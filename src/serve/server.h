@@ -48,6 +48,10 @@ struct ServeOptions {
   // the ranks get them by environment.
   std::vector<std::string> api_keys;
   bool metrics_public = false;  // /metrics without the key (--metrics-public)
+  // One visual cache for every key (--shared-visual-cache): a key's request may then be answered
+  // from another key's entry, and learn from its speed or its visual_cache figures that the same
+  // media was sent before. Off: each key's entries answer that key alone.
+  bool shared_visual_cache = false;
   std::string model_name;  // what requests name; default: the model folder's name
   std::string allowed_media_path;
   int64_t cache_bytes = int64_t{4} << 30;  // per rank
@@ -56,6 +60,11 @@ struct ServeOptions {
   // Request bytes held at once over every request (src/serve/inflight_budget.h): beyond it a
   // request is refused from its headers (429; 413 when larger than the whole budget).
   int64_t max_inflight_bytes = int64_t{1} << 30;
+  // Client connections open at once (src/serve/gate.h): past it a new one gets 503 (only
+  // /health and /metrics are answered, for 64 more).
+  int64_t max_connections = 256;
+  double header_timeout_s = 5;     // a request's whole header (beyond: 408)
+  double body_min_rate = 1 << 20;  // bytes/s a body averages, after 10 s (below: 408)
   int64_t default_max_tokens = 256;
   // Queued requests identical in everything their tokens depend on share one generation.
   bool merge_identical = true;

@@ -5,6 +5,7 @@
 //                  loop that follows it; each answer's start from its broadcast description
 //   job.h          a request and its answer between the HTTP thread and the main thread
 //   metrics.h      the counters and /metrics
+//   gate.h         the listening socket and every connection until its header is judged
 //   connection.h   the client's socket (a client gone cancels its request)
 //   wire.h         what rank 0 broadcasts to the others
 #pragma once
@@ -18,11 +19,14 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "src/dist/process_group.h"
 #include "src/runtime/qa_job.h"
+#include "src/serve/gate.h"
 #include "src/serve/inflight_budget.h"
 #include "src/serve/job.h"
 #include "src/serve/media_uuids.h"
@@ -36,9 +40,23 @@ namespace lvx::serve {
 // Set by SIGTERM/SIGINT on rank 0: drain, then stop.
 extern std::atomic<bool> g_stop_signal;
 
-// The body bytes the pre-routing handler reserved for the request this HTTP thread is handling
-// (server.cpp), handed to its job; what no job took is released after the response.
+// The body bytes the gate reserved for the request this HTTP worker is handling (server.cpp),
+// handed to its job; what no job took is released after the response.
 InflightBudget::Reservation take_body_reservation();
+
+// cpp-httplib's request processing (routes, bodies, responses) on a connection the gate admitted:
+// process_request is protected, so this subclass opens it.
+class HttpRoutes : public httplib::Server {
+ public:
+  // Returns whether the connection may carry another request.
+  // cpp-httplib stops a chunked response when its listening socket is gone (it reads that as
+  // shutting down): `listening` is the gate's socket while it runs, -1 after.
+  void set_listening(int fd) { svr_sock_ = fd; }
+  bool serve(httplib::Stream& s) {
+    bool closed = false;
+    return process_request(s, false, closed, nullptr) && !closed;
+  }
+};
 
 class Server {
  public:
@@ -52,6 +70,7 @@ class Server {
     api_.model_name = o.model_name;
     api_.allowed_media_path = o.allowed_media_path;
     api_.default_max_tokens = o.default_max_tokens;
+    api_.max_frames = o.job.max_frames;
   }
 
   // Rank 0: listens on --host:--port (before any request: a port in use fails every rank at
@@ -98,18 +117,28 @@ class Server {
   // Whether the request carries one of the API keys (none configured: every request); else
   // answers 401. `scope` receives the key's place ("key<i>"; "" without keys): what a uuid is
   // known under.
+  // Whether the request carries one of the API keys (none configured: every request); else
+  // answers 401. `scope` receives the key's place ("key<i>"; "" without keys): what a uuid is
+  // known under.
   bool authorized(const httplib::Request& req, httplib::Response& res,
                   std::string* scope = nullptr);
-  // A request whose video_url part names a video by uuid alone gets its content hash (400 when
-  // its scope does not know the uuid).
+  // The scope of the request's key ("key<i>"; "" without keys), or nothing when it has none.
+  std::optional<std::string> key_scope(const httplib::Request& req) const;
+  ApiError unauthorized(const httplib::Request& req) const;
+  // The gate's judgement of a request from its header (gate.h), on the gate's thread: /health and
+  // /metrics answered, then the key, the framing and the body's reservation, in that order (a
+  // request without the key reserves nothing).
+  Verdict judge(const httplib::Request& head);
+  Verdict verdict_of(const ApiError& e);
+  // A worker's request, admitted by the gate with its reservation.
+  bool handle(ConnectionStream& s, InflightBudget::Reservation reserved);
   void resolve_uuid(Job& job) const;
   void send_error(httplib::Response& res, const ApiError& e);
   // The job's error sent, if it has one (`lock` holds job.mu and is released before the send):
   // true when it was.
   bool sent_job_error(Job& job, std::unique_lock<std::mutex>& lock, httplib::Response& res);
-  // Reserves the request's declared body bytes for this thread (take_body_reservation), or the
-  // error that refuses it: 429 when the budget is full now, 413 when it could never fit.
-  std::optional<ApiError> reserve_body(const httplib::Request& req);
+  // Reserves the request's declared body bytes, or the error that refuses it: 429 when the budget is full now, 413 when it could never fit.
+  std::variant<InflightBudget::Reservation, ApiError> reserve_body(const httplib::Request& req);
   // POST /v1/chat/completions (chat.cpp): the request read and queued (or joined to an identical
   // running generation), then its answer whole or as a stream of chunks.
   void chat(const httplib::Request& req, httplib::Response& res);
@@ -171,7 +200,8 @@ class Server {
   std::string failure_;
   std::atomic<int64_t> next_id_{0};
   std::shared_ptr<Job> admitting_;  // the job being admitted (main thread), failed with the rest
-  httplib::Server http_;
+  HttpRoutes http_;
+  std::unique_ptr<Gate> gate_;
   int port_ = 0;
 };
 

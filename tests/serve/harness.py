@@ -113,7 +113,7 @@ class Server:
 
     def metrics(self):
         status, text = self.http("GET", "/metrics")
-        assert status == 200
+        assert status == 200, (status, text[:300])
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

@@ -15,7 +15,8 @@ This file is the entry point the two CTest runs (1 and 2 ranks) call: it holds t
 they walk and the loop that runs it. The cases live beside it by concern, sharing the fixtures,
 the server and the request helpers of harness.py: cases_answers.py (answers and the chat API's
 shapes), cases_cache.py (visual cache and uploads), cases_batching.py (scheduling and batching),
-cases_errors.py (errors, hostile input, limits), cases_process.py (signals, ranks, the API key).
+cases_errors.py (errors, hostile input, limits), cases_process.py (signals, ranks, the API key),
+cases_hostile_clients.py (what a client without the key, or a slow one, can cost the server).
 """
 import os
 import sys
@@ -40,6 +41,10 @@ from cases_process import (
     case_api_key_flag_not_in_rank_argv, case_api_key_stays_secret, case_killed_rank_503,
     case_port_in_use_fails_every_rank_at_once, case_sigterm_finishes_in_flight,
     case_stream_socket_has_nodelay)
+from cases_hostile_clients import (
+    case_cache_is_private_to_each_key, case_fps_obeys_max_frames,
+    case_refused_uploads_read_their_answer, case_unseeded_sampling_is_fresh, case_slow_body_gets_408,
+    case_slow_headers_do_not_hang, case_unauthenticated_cannot_lock_out)
 from harness import KEY, KEY2, Fixtures, Server
 
 
@@ -73,6 +78,15 @@ CASES = [
     (case_logprobs, [], {}, 1, False),
     (case_inflight_budget, ["--max-inflight-bytes", str(3 << 20)], {}, 1, False),
     (case_stream_socket_has_nodelay, [], {}, 1, False),
+    (case_unauthenticated_cannot_lock_out, ["--max-inflight-bytes", str(3 << 20)], {}, 1, False),
+    (case_slow_headers_do_not_hang, ["--max-connections", "32", "--header-timeout", "2"], {}, 1,
+     False),
+    (case_slow_body_gets_408, [], {}, 1, False),
+    (case_refused_uploads_read_their_answer, ["--max-inflight-bytes", str(3 << 20)], {}, 1,
+     False),
+    (case_fps_obeys_max_frames, ["--max-frames", "40"], {}, 1, False),
+    (case_cache_is_private_to_each_key, "keys-file", {}, 1, False),
+    (case_unseeded_sampling_is_fresh, [], {}, 1, False),
 ]
 
 
