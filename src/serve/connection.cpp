@@ -1,7 +1,6 @@
 // The client's connection; see connection.h.
 #include "src/serve/connection.h"
 
-#include <httplib.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -15,7 +14,7 @@ thread_local int t_connection_fd = -1;
 
 void set_connection_fd(int fd) { t_connection_fd = fd; }
 
-int connection_fd(const httplib::Request&) { return t_connection_fd; }
+int connection_fd() { return t_connection_fd; }
 
 // Whether the client at the other end of `fd` closed its side (an end of file waits to be read,
 // or the socket failed). A client that sent more bytes (a pipelined request) is still there.

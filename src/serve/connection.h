@@ -4,15 +4,11 @@
 // that left. The gate's worker (src/serve/gate.h) names the socket for the request it runs.
 #pragma once
 
-namespace httplib {
-struct Request;
-}
-
 namespace lvx::serve {
 
 // The socket of the request this thread handles (-1: none), set by the worker around it.
 void set_connection_fd(int fd);
-int connection_fd(const httplib::Request& req);
+int connection_fd();
 
 // Whether the client at the other end of `fd` closed its side (an end of file waits to be read,
 // or the socket failed). A client that sent more bytes (a pipelined request) is still there.

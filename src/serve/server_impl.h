@@ -114,15 +114,8 @@ class Server {
   bool awaits_first_token() const;
   void complete(Running& r, const json& row);
   void routes(httplib::Server& http);
-  // Whether the request carries one of the API keys (none configured: every request); else
-  // answers 401. `scope` receives the key's place ("key<i>"; "" without keys): what a uuid is
-  // known under.
-  // Whether the request carries one of the API keys (none configured: every request); else
-  // answers 401. `scope` receives the key's place ("key<i>"; "" without keys): what a uuid is
-  // known under.
-  bool authorized(const httplib::Request& req, httplib::Response& res,
-                  std::string* scope = nullptr);
-  // The scope of the request's key ("key<i>"; "" without keys), or nothing when it has none.
+  // The scope of the request's key ("key<i>"; "" without keys), or nothing when it has none:
+  // what a uuid and a visual cache entry are known under.
   std::optional<std::string> key_scope(const httplib::Request& req) const;
   ApiError unauthorized(const httplib::Request& req) const;
   // The gate's judgement of a request from its header (gate.h), on the gate's thread: /health and
