@@ -22,6 +22,9 @@
 // its own, with its own Hq and D (models/openflamingo/model.h). Gathering K/V instead would move
 // (n−1)/n of the layer's visual K/V to every rank once (2·B·S_vis·Hkv·D·dtype bytes) and then hold
 // it all on every rank, which lvx never does.
+//
+// A generation stepped alone may instead decode on rank 0 only, with messages only at the cross
+// layers (models/lead_decode.h, lvx qa's default); lvx serve's batched rows decode as above.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -41,6 +44,16 @@ namespace lvx::models {
 // (fp32; fp64 for fp64 inputs), o = 0 and lse = −inf where no key is visible.
 struct Partial {
   at::Tensor o, lse;
+};
+
+// One cross-attention call of a decode step: the layer whose visual keys it reads, its query's
+// heads and head size, and the softmax scale. A family lists them in the order its decode_step
+// makes them (Model::decode_cross_calls); a call runs only where the cache has visual keys in
+// that layer (KVShard::k defined), which is the same on every rank.
+struct CrossCall {
+  int64_t layer = 0;
+  int64_t heads = 0, head_dim = 0;
+  double scale = 1;
 };
 
 // q [B, Hq, D] against k/v [B, S, Hkv, D] (GQA: query head h reads key head h / (Hq/Hkv)),
@@ -118,6 +131,9 @@ struct PromptMedia {
 struct DecodeCache {
   std::vector<KVShard> prompt;  // per decoder layer: this rank's shard of the prompt's K/V
   std::vector<KVShard> visual;  // per decoder layer: this rank's visual K/V (empty k: none)
+  // Rank 0 under lead decoding (models/lead_decode.h): `prompt` holds every rank's prompt keys,
+  // gathered once; every rank sets it then (the others' shards are no longer read).
+  bool prompt_whole = false;
   std::vector<std::vector<at::Tensor>> new_k, new_v;  // per layer: generated tokens' K/V, [B,1,..]
   // A row stepping with others (push_rows_keys) holds its generated K/V in a slot of their
   // shared pool instead: its new keys are then the slot's, followed by any pieces above.

@@ -80,6 +80,9 @@ class Model {
   virtual at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const;
   virtual at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,
                                  DecodeCache& cache) const;
+  // The cross-attention calls of one decode_step, in its order (lead decoding's other ranks
+  // answer them: models/lead_decode.h). Empty: the family has none.
+  virtual std::vector<CrossCall> decode_cross_calls() const { return {}; }
   // extend: several prompt tokens of every sample (int64 [B, T] on the host, the same on every
   // rank) after a prefill, in one pass through the layers against the cache, as decode_step
   // takes one (pass-Q for the cached keys, causal among the new ones); returns the last one's

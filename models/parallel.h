@@ -68,6 +68,12 @@ struct Parallel {
   // videos' stacked prompt keys and a merge instead.
   int64_t prompt_front_elements = int64_t{1} << 20;
 
+  // Decode steps of a generation stepped alone run on rank 0 (models/lead_decode.h): the other
+  // ranks answer only at the cross layers. Set by lvx qa / forward --generate (--decode-ranks
+  // one, the default), never by lvx serve's rows. lead_threads > 0: rank 0's intra-op threads
+  // for those steps (the cores of every local rank), restored after each.
+  bool lead_decode = false;
+  int lead_threads = 0;
   LayerHooks* hooks = nullptr;  // null: nothing runs around the layers
 
   void enter_layer(int64_t layer, const at::Tensor& hidden) const {

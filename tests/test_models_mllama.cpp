@@ -249,20 +249,27 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, MllamaFrames, ::testing::Values(1, 3),
 // cross-attention mask, as transformers' generate) equals transformers' greedy loop without a
 // cache, token for token; every step's logits within 1e-4. Each decode step sends the pass-Q
 // formula's bytes (models/decode.h): (n−1)·A·B·Hq·(D+1)·4 per rank, A = 5 (one attention per
-// layer), B = 2, Hq = 4, D = 16.
-class MllamaGeneration : public ::testing::TestWithParam<int> {};
+// layer), B = 2, Hq = 4, D = 16, with every rank decoding (--decode-ranks all); with rank 0 alone
+// (the default, models/lead_decode.h) only the 2 cross layers' query broadcast and merge.
+class MllamaGeneration : public ::testing::TestWithParam<std::pair<int, bool>> {};
 
 TEST_P(MllamaGeneration, GreedyTokensEqualTransformers) {
-  const int n = GetParam();
-  const auto meta = generate_against(reference(), "mllama_generate", ref_script(),
-                                     script_stamp(ref_script()), n, "lv_xattn,ring", 6);
+  const auto [n, all] = GetParam();
+  const auto meta =
+      generate_against(reference(), "mllama_generate", ref_script(), script_stamp(ref_script()),
+                       n, "lv_xattn,ring", 6, all ? "--decode-ranks all" : "");
   ASSERT_FALSE(meta.empty());
   EXPECT_EQ(std::stoll(meta.at("decode_bytes_sent_per_token")),
-            int64_t{n - 1} * 5 * 2 * 4 * 17 * 4);
+            all || n == 1 ? int64_t{n - 1} * 5 * 2 * 4 * 17 * 4 : 2 * lead_cross_bytes(n, 2, 4, 16));
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, MllamaGeneration, ::testing::Values(1, 2),
-                         [](const auto& info) { return "n" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(WorldSizes, MllamaGeneration,
+                         ::testing::Values(std::pair{1, false}, std::pair{2, true},
+                                           std::pair{2, false}),
+                         [](const auto& info) {
+                           return "n" + std::to_string(info.param.first) +
+                                  (info.param.second ? "_all" : "");
+                         });
 
 // `lvx plan --model <checkpoint dir>` reads config.json alone and plans the tiny model.
 TEST(MllamaPlan, PlansTheCheckpoint) {
@@ -411,16 +418,18 @@ std::string make_clip(const std::string& name, const std::string& source) {
   return path;
 }
 
-// One question about a generated video: the greedy answer is the same on 1 and 2 ranks, and a
-// decode step sends the pass-Q bytes, summed over the ranks: n·(n−1)·A·B·Hq·(D+1)·4 with
-// A = 5 attentions, B = 1, Hq = 4, D = 16.
+// One question about a generated video: the greedy answer is the same on 1 and 2 ranks, with
+// every rank decoding (--decode-ranks all) and with rank 0 alone (one, models/lead_decode.h).
+// With all, a decode step sends the pass-Q bytes, summed over the ranks: n·(n−1)·A·B·Hq·(D+1)·4
+// with A = 5 attentions (3 self, 2 cross), B = 1, Hq = 4, D = 16. With one, only the cross
+// layers' messages (and the prompt keys' one gather, counted with the prompt's bytes).
 TEST(MllamaQa, GreedyAnswerIsTheSameOnOneAndTwoRanks) {
   const std::string clip = make_clip("mllama_qa.mp4", "testsrc");
-  auto ask = [&](int n) {
+  auto ask = [&](int n, const std::string& decode_ranks = "one") {
     const std::string out =
         run_command(lvx_binary() + " qa --model " + reference().model + " --video " + clip +
                     " --question 'What colour was the shape?' --num-frames 6 --json "
-                    "--max-new-tokens 6 --nproc " +
+                    "--max-new-tokens 6 --decode-ranks " + decode_ranks + " --nproc " +
                     std::to_string(n) + " 2>/dev/null");
     try {
       return nlohmann::json::parse(out);
@@ -429,12 +438,18 @@ TEST(MllamaQa, GreedyAnswerIsTheSameOnOneAndTwoRanks) {
       return nlohmann::json();
     }
   };
-  const nlohmann::json one = ask(1), two = ask(2);
-  ASSERT_TRUE(one.contains("response") && two.contains("response"));
+  const nlohmann::json one = ask(1), two = ask(2, "all"), lead = ask(2);
+  ASSERT_TRUE(one.contains("response") && two.contains("response") && lead.contains("response"));
   EXPECT_EQ(one["frames"], 6);
   EXPECT_EQ(one["new_tokens"], 6);
   EXPECT_EQ(two["response"], one["response"]);
+  EXPECT_EQ(lead["response"], one["response"]);
   EXPECT_EQ(two["bytes"]["decode_per_token"].get<int64_t>(), int64_t{2} * 1 * 5 * 1 * 4 * 17 * 4);
+  // Lead: per step, each of the 2 cross layers' query broadcast by rank 0 (B·Hq·D·4) and its
+  // partials all-gathered (n·(n−1)·B·Hq·(D+1)·4); the prompt keys' gather counts as the prompt's.
+  EXPECT_EQ(lead["bytes"]["decode_per_token"].get<int64_t>(),
+            2 * (int64_t{1} * 4 * 16 * 4 + int64_t{2} * 1 * 1 * 4 * 17 * 4));
+  EXPECT_GT(lead["bytes"]["prefill"].get<int64_t>(), two["bytes"]["prefill"].get<int64_t>());
 }
 
 // Fine-tuning on two generated videos: the loss falls, the vision model stays frozen, and the

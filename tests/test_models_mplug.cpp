@@ -128,15 +128,19 @@ TEST_P(MplugGeneration, GreedyTokensEqualTheReferenceLoop) {
   const auto meta = generate_against(ref, "mplug_generate_" + c.variant, ref_script(),
                                      script_stamp(ref_script()), c.nproc, c.strategies, 6, c.flags);
   ASSERT_FALSE(meta.empty());
-  // B = 2, Hq = 4, D = 16; 4 layers of which 2 have a cross-attention.
-  const int64_t formula = int64_t{c.nproc - 1} * 6 * 2 * 4 * 17 * 4;
+  // B = 2, Hq = 4, D = 16; 4 layers of which 2 have a cross-attention. Every rank decoding: one
+  // pass-Q message per layer; rank 0 alone (the default): only the 2 cross layers'.
+  const bool all = c.flags.find("--decode-ranks all") != std::string::npos;
+  const int64_t formula = all || c.nproc == 1 ? int64_t{c.nproc - 1} * 6 * 2 * 4 * 17 * 4
+                                              : 2 * lead_cross_bytes(c.nproc, 2, 4, 16);
   EXPECT_EQ(std::stoll(meta.at("decode_bytes_sent_per_token")), formula);
   // The prompt ran as a prefill of its prefix (up to the last image token) and one extend of the
   // rest (src/runtime/generate.h), the path lvx serve's kept prefixes take; 241101's batch ends
   // with an image, so its prompt runs whole.
   EXPECT_EQ(std::stoll(meta.at("prefix_tokens")), c.variant == "240728" ? 6 : 0);
   // Chunks of 2 and 4 of those 6 tokens: 3 and 2 chunks; none without the flag.
-  const int64_t chunks = c.flags.empty() ? 0 : c.flags.back() == '2' ? 3 : 2;
+  const size_t at = c.flags.find("--max-batch-tokens ");
+  const int64_t chunks = at == std::string::npos ? 0 : c.flags[at + 19] == '2' ? 3 : 2;
   EXPECT_EQ(std::stoll(meta.at("prefill_chunks")), chunks);
 }
 
@@ -400,7 +404,8 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, MplugGeneration,
     ::testing::Values(GenCase{"240728", 1, "lv_xattn,ring", ""},
                       GenCase{"240728", 2, "lv_xattn,ring", ""},
-                      GenCase{"240728", 3, "all_gather,striped", ""},
+                      GenCase{"240728", 2, "lv_xattn,ring", "--decode-ranks all"},
+                      GenCase{"240728", 3, "all_gather,striped", "--decode-ranks all"},
                       GenCase{"241101", 2, "lv_xattn,striped", ""},
                       GenCase{"241101", 4, "lv_xattn,ring", ""},
                       GenCase{"240728", 2, "lv_xattn,ring", "--max-batch-tokens 2"},

@@ -102,6 +102,7 @@ struct GenCase {
   std::string lm;
   int nproc;
   std::string strategies;
+  std::string flags = "";  // e.g. --decode-ranks all (default: rank 0 decodes alone)
 };
 
 void PrintTo(const GenCase& c, std::ostream* os) {
@@ -114,7 +115,7 @@ TEST_P(OpenFlamingoGeneration, GreedyTokensEqualThePackageLoop) {
   const GenCase& c = GetParam();
   const Reference& ref = reference(c.lm);
   const auto meta = generate_against(ref, "openflamingo_generate_" + c.lm, ref_script(),
-                                     ref_stamp(), c.nproc, c.strategies, 6);
+                                     ref_stamp(), c.nproc, c.strategies, 6, c.flags);
   ASSERT_FALSE(meta.empty());
 
   const lvx::models::OpenFlamingoConfig cfg = lvx::models::openflamingo_config(
@@ -123,8 +124,15 @@ TEST_P(OpenFlamingoGeneration, GreedyTokensEqualThePackageLoop) {
   auto merge_bytes = [&](int64_t heads, int64_t head_dim) {
     return int64_t{c.nproc - 1} * B * heads * (head_dim + 1) * 4;
   };
+  // Every rank decoding: a pass-Q message per attention; rank 0 alone (the default): the cross
+  // layers' query broadcast and merge only.
+  const bool all = c.flags.find("--decode-ranks all") != std::string::npos || c.nproc == 1;
   int64_t formula = 0;
   for (int64_t i = 0; i < cfg.layers; ++i) {
+    if (!all) {
+      if (cfg.is_cross(i)) formula += lead_cross_bytes(c.nproc, B, cfg.x_heads, cfg.x_dim_head);
+      continue;
+    }
     if (cfg.is_cross(i)) formula += merge_bytes(cfg.x_heads, cfg.x_dim_head);
     formula += merge_bytes(cfg.heads, cfg.head_dim + (cfg.lm == "mpt" ? 1 : 0));
   }
@@ -134,13 +142,15 @@ TEST_P(OpenFlamingoGeneration, GreedyTokensEqualThePackageLoop) {
 INSTANTIATE_TEST_SUITE_P(Cases, OpenFlamingoGeneration,
                          ::testing::Values(GenCase{"gpt_neox", 1, "lv_xattn,ring"},
                                            GenCase{"gpt_neox", 3, "lv_xattn,striped"},
-                                           GenCase{"gpt_neox-variant", 2, "all_gather,ring"},
-                                           GenCase{"mpt", 2, "lv_xattn,striped"},
+                                           GenCase{"gpt_neox-variant", 2, "all_gather,ring",
+                                                   "--decode-ranks all"},
+                                           GenCase{"mpt", 2, "lv_xattn,striped",
+                                                   "--decode-ranks all"},
                                            GenCase{"llama", 4, "all_gather,striped"}),
                          [](const auto& info) {
                            return test_name(info.param.lm + "_n" +
                                             std::to_string(info.param.nproc) + "_" +
-                                            info.param.strategies);
+                                            info.param.strategies + info.param.flags);
                          });
 
 // Model::extend (follow-up questions about a kept prompt, lvx serve): the prompt up to its last

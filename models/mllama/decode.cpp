@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "kernels/linear.h"
+#include "models/lead_decode.h"
 #include "models/mllama/model.h"
 #include "models/mllama/names.h"
 #include "src/common/error.h"
@@ -43,6 +44,15 @@ at::Tensor Mllama::prefill(const ModelInputs& in, const Parallel& par, DecodeCac
   return last_token_logits(out.logits, out.positions, in.input_ids.size(1), lm_head(), *par.pg);
 }
 
+std::vector<CrossCall> Mllama::decode_cross_calls() const {
+  const TextConfig& t = cfg_.text;
+  std::vector<CrossCall> calls;
+  for (int64_t i = 0; i < t.layers; ++i)
+    if (t.is_cross(i))
+      calls.push_back({i, t.heads, t.head_dim, 1.0 / std::sqrt(static_cast<double>(t.head_dim))});
+  return calls;
+}
+
 at::Tensor Mllama::decode_step(const at::Tensor& tokens, const Parallel& par,
                                DecodeCache& cache) const {
   c10::AutoGradMode no_grad(false);
@@ -71,12 +81,10 @@ at::Tensor Mllama::decode_step(const at::Tensor& tokens, const Parallel& par,
       cache.new_k[li].push_back(k);
       cache.new_v[li].push_back(v);
       const at::Tensor q1 = q.squeeze(1);
-      const std::vector<Partial> merged =
-          merge_across_ranks(*par.pg, {partial_attention(q1, cache.prompt[li].k, cache.prompt[li].v,
-                                                         cache.prompt[li].visible, scale)});
+      const Partial merged = prompt_over_ranks(*par.pg, cache, li, q1, scale);
       const auto [nk, nv] = new_keys(cache, li);
       const Partial generated = partial_attention(q1, nk, nv, {}, scale);
-      const at::Tensor ctx = merge_partials({merged[0], generated}).o;
+      const at::Tensor ctx = merge_partials({merged, generated}).o;
       h = self_block(i, h, ctx.reshape({B, 1, Hq * D}).to(h.scalar_type()), false);
       continue;
     }
@@ -84,9 +92,8 @@ at::Tensor Mllama::decode_step(const at::Tensor& tokens, const Parallel& par,
     if (!vis.k.defined()) continue;  // no image: the layer is skipped
     at::Tensor q = linear(x, w_, l + "cross_attn.q_proj", false).view({B, 1, Hq, D});
     q = rms_norm(q, param(w_, l + "cross_attn.q_norm.weight"), t.rms_eps);
-    const std::vector<Partial> merged = merge_across_ranks(
-        *par.pg, {partial_attention(q.squeeze(1), vis.k, vis.v, vis.visible, scale)});
-    const at::Tensor ctx = merged[0].o.reshape({B, 1, Hq * D}).to(h.scalar_type());
+    const Partial merged = visual_over_ranks(par, q.squeeze(1), vis, scale);
+    const at::Tensor ctx = merged.o.reshape({B, 1, Hq * D}).to(h.scalar_type());
     h = cross_block(i, h, ctx, sees, false);
   }
   ++cache.length;

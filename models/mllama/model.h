@@ -70,6 +70,7 @@ class Mllama : public Model {
   at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const override;
   at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,
                          DecodeCache& cache) const override;
+  std::vector<CrossCall> decode_cross_calls() const override;
   bool can_extend() const override { return true; }
   at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
                     DecodeCache& cache) const override;

@@ -9,6 +9,7 @@
 
 #include "kernels/linear.h"
 #include "models/layers.h"
+#include "models/lead_decode.h"
 #include "models/mplug_owl3/model.h"
 #include "models/mplug_owl3/names.h"
 #include "models/side_by_side.h"
@@ -58,14 +59,9 @@ at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
     cache.new_k[li].push_back(k);
     cache.new_v[li].push_back(v);
     const at::Tensor q1 = q.squeeze(1);  // [B, Hq, D]
-    // This rank's prompt keys (and visual keys), merged over the ranks in one message; the
-    // generated tokens' keys are on every rank and join after.
-    std::vector<Partial> local{partial_attention(q1, cache.prompt[li].k, cache.prompt[li].v,
-                                                 cache.prompt[li].visible, scale)};
     const KVShard& vis = cache.visual[li];
     const bool cross = c.is_hyper(i) && vis.k.defined();
-    if (cross) local.push_back(partial_attention(q1, vis.k, vis.v, vis.visible, scale));
-    const std::vector<Partial> merged = merge_across_ranks(*par.pg, local);
+    const std::vector<Partial> merged = over_ranks(q1, cache, li, cross, par);
     const auto [nk, nv] = new_keys(cache, li);
     const Partial generated = partial_attention(q1, nk, nv, {}, scale);
     const Partial self = merge_partials({merged[0], generated});
@@ -75,6 +71,32 @@ at::Tensor MplugOwl3::decode_step(const at::Tensor& tokens, const Parallel& par,
   ++cache.length;
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
   return kernels::linear(h.squeeze(1), lm_head()).to(at::kFloat);
+}
+
+std::vector<Partial> MplugOwl3::over_ranks(const at::Tensor& q, const DecodeCache& cache, size_t li,
+                                           bool cross, const Parallel& par) const {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(cfg_.head_dim));
+  const KVShard& vis = cache.visual[li];
+  if (cache.prompt_whole) {  // rank 0 under lead decoding: only the visual partial travels
+    std::vector<Partial> merged{prompt_over_ranks(*par.pg, cache, li, q, scale)};
+    if (cross) merged.push_back(visual_over_ranks(par, q, vis, scale));
+    return merged;
+  }
+  // This rank's prompt keys (and visual keys), merged over the ranks in one message; the
+  // generated tokens' keys are on every rank and join after.
+  const KVShard& p = cache.prompt[li];
+  std::vector<Partial> local{partial_attention(q, p.k, p.v, p.visible, scale)};
+  if (cross) local.push_back(partial_attention(q, vis.k, vis.v, vis.visible, scale));
+  return merge_across_ranks(*par.pg, local);
+}
+
+std::vector<CrossCall> MplugOwl3::decode_cross_calls() const {
+  std::vector<CrossCall> calls;
+  for (int64_t i = 0; i < cfg_.layers; ++i)
+    if (cfg_.is_hyper(i))
+      calls.push_back({i, cfg_.heads, cfg_.head_dim,
+                       1.0 / std::sqrt(static_cast<double>(cfg_.head_dim))});
+  return calls;
 }
 
 at::Tensor MplugOwl3::decode_mix(int64_t i, const Partial& self, const Partial* visual,

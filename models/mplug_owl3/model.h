@@ -117,6 +117,7 @@ class MplugOwl3 : public Model {
   at::Tensor prefill(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const override;
   at::Tensor decode_step(const at::Tensor& tokens, const Parallel& par,
                          DecodeCache& cache) const override;
+  std::vector<CrossCall> decode_cross_calls() const override;
   bool can_extend() const override { return true; }
   at::Tensor extend(const at::Tensor& tokens, const Parallel& par,
                     DecodeCache& cache) const override;
@@ -135,6 +136,11 @@ class MplugOwl3 : public Model {
   // softmax over both).
   at::Tensor decode_mix(int64_t i, const Partial& self, const Partial* visual,
                         const at::Tensor& sees_media) const;
+  // A decode step's partials of layer li's query q [B, Hq, D] merged over the ranks: the prompt
+  // keys' and, where `cross`, the visual keys' (one pass-Q message; under lead decoding, rank 0's
+  // whole prompt locally and the visual partial alone: models/lead_decode.h).
+  std::vector<Partial> over_ranks(const at::Tensor& q, const DecodeCache& cache, size_t li,
+                                  bool cross, const Parallel& par) const;
   // decode_mix row by row, for a batch of rows with and without images (extend_rows).
   at::Tensor mix_rows(int64_t i, const Partial& self, const Partial& image,
                       const std::vector<bool>& cross, const std::vector<int64_t>& lengths,

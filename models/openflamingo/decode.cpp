@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "kernels/linear.h"
+#include "models/lead_decode.h"
 #include "models/openflamingo/model.h"
 #include "src/common/error.h"
 
@@ -54,6 +55,15 @@ void OpenFlamingo::prefill_media(const ModelInputs& in, const Parallel& par,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
 }
 
+std::vector<CrossCall> OpenFlamingo::decode_cross_calls() const {
+  std::vector<CrossCall> calls;
+  for (int64_t i = 0; i < cfg_.layers; ++i)
+    if (cfg_.is_cross(i))
+      calls.push_back({i, cfg_.x_heads, cfg_.x_dim_head,
+                       1.0 / std::sqrt(static_cast<double>(cfg_.x_dim_head))});
+  return calls;
+}
+
 at::Tensor OpenFlamingo::decode_step(const at::Tensor& tokens, const Parallel& par,
                                      DecodeCache& cache) const {
   c10::AutoGradMode no_grad(false);
@@ -73,8 +83,7 @@ at::Tensor OpenFlamingo::decode_step(const at::Tensor& tokens, const Parallel& p
       // The sample's last image, wherever its keys are: pass-Q over the ranks (a sample without
       // images has no visible key anywhere: o = 0).
       const at::Tensor q = cross_query(i, x).squeeze(1);  // [B, x_heads, x_dim_head]
-      const Partial o = merge_across_ranks(
-          *par.pg, {partial_attention(q, vis.k, vis.v, vis.visible, x_scale)})[0];
+      const Partial o = visual_over_ranks(par, q, vis, x_scale);
       x = cross_output(i, x, o.o.reshape({B, 1, c.x_heads * c.x_dim_head}).to(dt));
     }
     const SelfQKV qkv = self_qkv(i, x, position);
@@ -83,9 +92,7 @@ at::Tensor OpenFlamingo::decode_step(const at::Tensor& tokens, const Parallel& p
     const at::Tensor q = qkv.q.squeeze(1);  // [B, H, D']
     // This rank's prompt keys merged over the ranks; the generated tokens' keys are on every
     // rank and join after.
-    const KVShard& prompt = cache.prompt[li];
-    const Partial merged = merge_across_ranks(
-        *par.pg, {partial_attention(q, prompt.k, prompt.v, prompt.visible, self_scale())})[0];
+    const Partial merged = prompt_over_ranks(*par.pg, cache, li, q, self_scale());
     const auto [nk, nv] = new_keys(cache, li);
     const Partial generated = partial_attention(q, nk, nv, {}, self_scale());
     const at::Tensor a = merge_partials({merged, generated})

@@ -245,6 +245,24 @@ int local_rank_count(int local_ranks) {
   return local_ranks;
 }
 
+void add_decode_ranks_option(ArgParser& p) {
+  p.add_option("decode-ranks", 0, "one",
+               "one: rank 0 decodes each new token on every local rank's cores, the other ranks\n"
+               "answering only at the cross-attention layers (their visual keys never move);\n"
+               "all: every rank runs every decode step, one pass-Q message per layer");
+}
+
+bool decode_on_lead(const ArgParser& p) {
+  const std::string ranks = p.get("decode-ranks");
+  LVX_CHECK(ranks == "one" || ranks == "all", "--decode-ranks must be one or all, got '", ranks,
+            "'");
+  return ranks == "one";
+}
+
+int host_threads(int threads) {
+  return std::max(threads, std::min(available_cores(), threads * local_rank_count(1)));
+}
+
 int apply_threads(const ArgParser& p, int local_ranks) {
   const int cores = available_cores();
   int threads = 0;

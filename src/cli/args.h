@@ -90,6 +90,14 @@ int apply_threads(const ArgParser& p, int local_ranks = 1);
 // The ranks on this machine: LOCAL_WORLD_SIZE (torchrun, lvx's launcher) or
 // OMPI_COMM_WORLD_LOCAL_SIZE (mpirun) on a rank, else `local_ranks` (a launcher's own count).
 int local_rank_count(int local_ranks);
+// --decode-ranks one|all (default one): whether a generation stepped alone decodes on rank 0
+// with the other ranks answering at the cross layers (models/lead_decode.h), or on every rank.
+// One option, the same help, for qa and forward --generate. decode_on_lead reads it (true: one).
+void add_decode_ranks_option(ArgParser& p);
+bool decode_on_lead(const ArgParser& p);
+// The threads of every local rank together (threads × local ranks, at most the cores this
+// process may use): what rank 0 decodes on while the others wait (models/lead_decode.h).
+int host_threads(int threads);
 // --max-batch-visual-keys: with --max-batch-tokens, a prefill chunk also ends before its tokens'
 // visual key reads pass this many (runtime::GenerateOptions::prefill_chunk_keys; default 0: no
 // bound). One option for serve, qa and forward, so that lvx qa given the server's two values

@@ -56,6 +56,7 @@ int cmd_forward(int argc, char** argv) {
                "with --generate: prefill each prompt's prefix in chunks of at most this many\n"
                "tokens, as lvx serve does (0: whole)");
   lvx::cli::add_chunk_keys_option(p);
+  lvx::cli::add_decode_ranks_option(p);
   p.add_flag("recompute", 0,
              "recompute each cross layer's K/V from the shared visual features in the backward\n"
              "(LV-XAttn §3.2): saves x, O and lse per cross layer instead of its K/V");
@@ -79,8 +80,9 @@ int cmd_forward(int argc, char** argv) {
   job.generate_rows = p.flag("generate-rows");
   job.prefill_chunk = p.get_int("max-batch-tokens", 0, INT32_MAX);
   job.prefill_chunk_keys = lvx::cli::chunk_keys(p);
+  job.lead_decode = lvx::cli::decode_on_lead(p);
   if (lvx::cli::inside_rank()) {
-    lvx::cli::apply_threads(p);
+    job.lead_threads = lvx::cli::host_threads(lvx::cli::apply_threads(p));
     return lvx::runtime::run_forward_rank(job);
   }
   const int nproc = lvx::cli::checked_nproc(p);

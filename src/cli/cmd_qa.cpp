@@ -41,6 +41,7 @@ void add_qa_options(lvx::cli::ArgParser& p) {
   p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
   p.add_option("dtype", 0, "auto", "fp32 | bf16 | auto (the checkpoint's where the device computes it natively: bf16 on a GPU and on CPUs with AMX or AVX512-BF16, else fp32)");
   lvx::cli::add_device_option(p);
+  lvx::cli::add_decode_ranks_option(p);
   p.add_flag("json", 'j', "print one JSON object (answer, timings, bytes) per question");
   p.add_flag("print-plan", 0, "print each question's per-layer strategies (stderr)");
   p.add_flag("ignore-stop", 0,
@@ -83,6 +84,7 @@ lvx::runtime::QaJob qa_job_of(const lvx::cli::ArgParser& p) {
   job.print_plan = p.flag("print-plan");
   job.ignore_stop = p.flag("ignore-stop");
   job.overwrite = p.flag("overwrite");
+  job.lead_decode = lvx::cli::decode_on_lead(p);
   return job;
 }
 
@@ -104,9 +106,9 @@ int cmd_qa(int argc, char** argv) {
       "unless --overwrite. Errors and progress go to stderr, answers to stdout.");
   add_qa_options(p);
   if (!p.parse(argc, argv)) return 0;
-  const lvx::runtime::QaJob job = qa_job_of(p);
+  lvx::runtime::QaJob job = qa_job_of(p);
   if (lvx::cli::inside_rank()) {
-    lvx::cli::apply_threads(p);
+    job.lead_threads = lvx::cli::host_threads(lvx::cli::apply_threads(p));
     return lvx::runtime::run_qa_rank(job);
   }
   const int nproc = lvx::cli::checked_nproc(p);

@@ -140,6 +140,8 @@ ForwardRun prepare_forward(const ForwardJob& job) {
   run.par.pg = run.pg;
   run.par.recompute_cross_kv = job.recompute_cross_kv;
   run.par.remat = job.remat;
+  run.par.lead_decode = job.lead_decode;
+  run.par.lead_threads = job.lead_threads;
   // Every rank must run the same plan on the same inputs.
   run.pg->check_agreement("the model step",
                           str(describe(run.par), " input_ids=", b.input_ids.sizes(), " backward=",

@@ -41,6 +41,10 @@ struct ForwardJob {
   // With generate: each sample its own generation, all stepped together as lvx serve's
   // continuous batching steps them (runtime/generate.h generate_rows); the same outputs.
   bool generate_rows = false;
+  // --generate: decode on rank 0 alone (models/lead_decode.h; --decode-ranks one), with
+  // lead_threads intra-op threads there; false: every rank runs every step (all).
+  bool lead_decode = true;
+  int lead_threads = 0;
   // With generate: GenerateOptions::prefill_chunk (--max-batch-tokens).
   int64_t prefill_chunk = 0;
   int64_t prefill_chunk_keys = 0;  // --max-batch-visual-keys

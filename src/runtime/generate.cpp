@@ -7,6 +7,7 @@
 #include <cmath>
 #include <memory>
 
+#include "models/lead_decode.h"
 #include "src/common/error.h"
 
 namespace lvx::runtime {
@@ -164,6 +165,8 @@ void Generation::prefill_next(const models::Model& model, const models::Parallel
 }
 
 at::Tensor Generation::pick() {
+  // A rank that did not decode (lead decoding's others): a stand-in, replaced by rank 0's pick.
+  if (!logits_.defined()) return at::zeros({batch_}, at::kLong);
   if (o_.keep_logits) logits_kept_.push_back(logits_);
   return pick_tokens(logits_, o_.sampling, gen_).to(at::kLong).contiguous();
 }
@@ -186,7 +189,7 @@ bool Generation::take(at::Tensor next, bool stop_now,
     done_ = done_ | is_stop;
     all_done = done_.all().item<bool>();
   }
-  if (o_.logprobs >= 0)
+  if (o_.logprobs >= 0 && logits_.defined())
     r_.logprobs.push_back(token_logprobs(logits_[0], next[0].item<int64_t>(), o_.logprobs));
   tokens_.push_back(next);
   if (on_token) on_token(next);
@@ -203,7 +206,8 @@ bool Generation::take(at::Tensor next, bool stop_now,
 GenerateResult Generation::finish() {
   GenerateResult r = r_;
   r.tokens = tokens_.empty() ? at::zeros({batch_, 0}, at::kLong) : at::stack(tokens_, 1);
-  if (o_.keep_logits) r.step_logits = at::stack(logits_kept_, 1);
+  // Under lead decoding the other ranks keep only the prefill's logits (rank 0 has every step's).
+  if (o_.keep_logits && !logits_kept_.empty()) r.step_logits = at::stack(logits_kept_, 1);
   return r;
 }
 
@@ -222,6 +226,9 @@ struct RowsStep {
   // tail); each row's logits kept for its next pick.
   static void forward(const std::vector<std::pair<Generation*, at::Tensor>>& rows, size_t joining,
                       const models::Model& model, const models::Parallel& par);
+  // Lead decoding's start (models/lead_decode.h): the prompt's keys gathered to rank 0 once,
+  // counted as the prompt's time and bytes (not the steps').
+  static void gather_for_lead(Generation& g, dist::ProcessGroup& pg);
   // The prompt tails waiting for this step (defer_tail), appended to `forward`; how many.
   static size_t add_tails(const std::vector<Generation*>& rows,
                           std::vector<std::pair<Generation*, at::Tensor>>& forward);
@@ -304,10 +311,16 @@ std::vector<std::pair<Generation*, at::Tensor>> RowsStep::pick(
 void RowsStep::forward(const std::vector<std::pair<Generation*, at::Tensor>>& rows, size_t joining,
                        const models::Model& model, const models::Parallel& par) {
   dist::ProcessGroup& pg = *par.pg;
+  if (rows.size() == 1 && joining == 0 && models::leads_decode(par))
+    gather_for_lead(*rows[0].first, pg);
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t sent0 = pg.counters().total_sent();
   at::Tensor logits;
-  if (rows.size() == 1 && joining == 0) {  // one generation of any batch: as generate() steps
+  if (rows.size() == 1 && joining == 0 && models::leads_decode(par)) {
+    // One generation stepped alone: rank 0 decodes, the others answer at the cross layers
+    // (models/lead_decode.h); their logits stay undefined (rank 0's pick is broadcast).
+    logits = models::lead_decode_step(model, rows[0].second, par, rows[0].first->cache_);
+  } else if (rows.size() == 1 && joining == 0) {  // one generation of any batch, every rank
     logits = model.decode_step(rows[0].second, par, rows[0].first->cache_);
   } else if (rows.size() == 1) {
     logits = model.extend(rows[0].second, par, rows[0].first->cache_);
@@ -336,7 +349,9 @@ void RowsStep::forward(const std::vector<std::pair<Generation*, at::Tensor>>& ro
   const int64_t bytes = pg.counters().total_sent() - sent0;
   for (size_t i = 0; i < rows.size(); ++i) {
     Generation& g = *rows[i].first;
-    g.logits_ = logits.narrow(0, static_cast<int64_t>(at[i]) * g.batch_, g.batch_);
+    g.logits_ = logits.defined()
+                    ? logits.narrow(0, static_cast<int64_t>(at[i]) * g.batch_, g.batch_)
+                    : logits;
     if (i + joining < rows.size()) {
       g.r_.token_seconds.push_back(secs);
       g.r_.decode_bytes_sent += bytes;
@@ -346,6 +361,16 @@ void RowsStep::forward(const std::vector<std::pair<Generation*, at::Tensor>>& ro
       g.r_.prefill_bytes_sent += bytes;
     }
   }
+}
+
+void RowsStep::gather_for_lead(Generation& g, dist::ProcessGroup& pg) {
+  if (g.cache_.prompt_whole) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t sent0 = pg.counters().total_sent();
+  models::gather_prompt_to_lead(pg, g.cache_);
+  g.r_.prefill_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  g.r_.prefill_bytes_sent += pg.counters().total_sent() - sent0;
 }
 
 void step_together(const std::vector<Generation*>& rows, const models::Model& model,
@@ -401,12 +426,16 @@ models::ModelInputs sample_inputs(const models::Model& model, const models::Mode
 }  // namespace
 
 GenerateResult generate_rows(const models::Model& model, const models::ModelInputs& in,
-                             const models::Parallel& par, const GenerateOptions& o) {
+                             const models::Parallel& rows_par, const GenerateOptions& o) {
   LVX_CHECK(!in.pixels_local, "generate_rows: the batch's whole pixel_values are needed");
   // As lvx serve admits them: each prompt's tail (after its kept prefix) waits for the first
   // step, which extends every row's at once (Model::extend_rows).
   GenerateOptions each = o;
   each.defer_tail = true;
+  // Rows that step together keep their caches sharded alike: no lead decoding, even for a row
+  // left alone.
+  models::Parallel par = rows_par;
+  par.lead_decode = false;
   std::vector<std::unique_ptr<Generation>> rows;
   for (int64_t b = 0; b < in.input_ids.size(0); ++b)
     rows.push_back(std::make_unique<Generation>(model, sample_inputs(model, in, b), par, each));

@@ -224,6 +224,7 @@ void take_prompt(QaSession::State& cx, QaAnswer& a) {
   a.par = plan_layers(*cx.model, a.ids, cx.pg->world_size(), cx.job.plan, &plan_text);
   a.par.pg = cx.pg;
   a.par.side_by_side = cx.job.side_by_side;
+  a.par.lead_threads = cx.job.lead_threads;
   if (cx.job.print_plan && r == 0)
     std::cerr << plan_text << "\n" << describe(a.par, cx.model) << "\n";
 }
@@ -585,6 +586,7 @@ json QaSession::finish(QaAnswer& a) {
 
 json QaSession::answer(const QaRequest& req, const AnswerHooks& hooks) {
   const QaAnswerPtr a = start(req, hooks);
+  a->par.lead_decode = s_->job.lead_decode;  // stepped alone: rank 0 may decode by itself
   while (prefilling(*a)) prefill_next(*a);
   while (!done(*a)) step({a.get()});
   return finish(*a);

@@ -70,6 +70,12 @@ struct QaJob {
   bool ignore_stop = false;   // generate exactly max_new_tokens (benchmarks)
   bool overwrite = false;     // batch: answer everything again into an output of other settings
   bool side_by_side = false;  // lvx serve: models::Parallel::side_by_side (--step-overlap)
+  // A question answered alone (lvx qa) decodes on rank 0, the others answering at the cross
+  // layers (models/lead_decode.h; --decode-ranks one); false: every rank runs every step
+  // (--decode-ranks all). lvx serve's batched rows always run on every rank. lead_threads: rank
+  // 0's intra-op threads for those steps (0: its own).
+  bool lead_decode = true;
+  int lead_threads = 0;
 };
 
 // What the batch output's answers depend on, as written to `<output>.settings.json`.
