@@ -2,7 +2,7 @@
 and lvx forward side by side with the library a user would otherwise run, each figure against
 this machine's own limits measured in the same run.
 
-  python benchmarks/bench_real_size.py [--parts qa,serve,finetune,peers] [--qa 1b:bf16,1b:fp32,2b:bf16,7b:bf16]
+  python benchmarks/bench_real_size.py [--parts qa,ranks,serve,finetune,peers] [--qa 1b:bf16,1b:fp32,2b:bf16,7b:bf16]
         [--peers mllama:fp32,mllama:bf16,openflamingo:fp32,openflamingo:bf16] [--repeats 2]
         [--frames 8] [--tokens 32] [--ckpt-dir ~/.cache/lvx/real-size] [--json out.json]
 
@@ -21,6 +21,10 @@ time to first token is split into video decode, vision encode and the rest of th
                   (the tied or separate head included, the vision tower and v_kv_proj not: visual
                   K/V are cached) and the cached visual and text K/V
   memory        = peak RSS (GNU time) against the weights in the run's dtype
+ranks: `lvx qa` on the 1B in bf16 (--ranks-frames frames, --tokens tokens) at 1 rank, and at 2 with
+rank 0 decoding alone (--decode-ranks one, the default: messages at the 4 cross layers only) and
+with every rank decoding (all: a pass-Q message at each of the 24 layers), the three alternating
+--repeats times; the answers must be equal; decode ms/token as median (range) and ÷ 1 rank's.
 serve: benchmarks/bench_serve.py's load on the 1B in fp32 at 1 rank (answers must be equal on both
 servers, which bf16's rounding of batched rows would not keep on random weights): 1, 4 and 16 clients, each
 request a distinct question about one of 4 cached 6 s videos (3 frames), 16 tokens; the batched
@@ -192,6 +196,45 @@ def predicted_peak(model, dtype, frames, prompt_tokens, tokens):
     return (json.loads(out.read_text())["inference_memory"]["total_bytes"] + rss) / 1e9
 
 
+# ---- ranks ---------------------------------------------------------------------------------------
+RANK_RUNS = (("1 rank", 1, "one"), ("2 ranks, rank 0 decodes", 2, "one"),
+             ("2 ranks, every rank decodes", 2, "all"))
+
+
+def ranks_rows(ckpt_dir, vid, frames, tokens, repeats):
+    """lvx qa on the 1B at 1 rank and at 2 (--decode-ranks one and all). First, in fp32 (8
+    tokens), the three must give the same tokens (bf16's rounding differs between rank counts, and
+    a random model's logits are near ties); then the bf16 runs alternate --repeats times."""
+    model = checkpoint(ckpt_dir, "mplug_owl3_1b", "bf16")
+
+    def ask(n, ranks, dtype, count):
+        out, rss, _ = timed([lvx_bin(), "qa", "--model", str(model), "--video", str(vid),
+                             "--question", "What is happening in this video?", "--num-frames",
+                             str(frames), "--max-new-tokens", str(count), "--ignore-stop",
+                             "--json", "--dtype", dtype, "--nproc", str(n), "--decode-ranks", ranks])
+        return json.loads([l for l in out.splitlines() if l.startswith("{")][-1]), rss
+
+    checked = {name: ask(n, ranks, "fp32", 8)[0]["response"] for name, n, ranks in RANK_RUNS}
+    if len(set(checked.values())) != 1:
+        raise SystemExit(f"ranks: the fp32 answers differ: {checked}")
+    runs = {name: [] for name, _, _ in RANK_RUNS}
+    for _ in range(repeats):
+        for name, n, ranks in RANK_RUNS:
+            runs[name].append(ask(n, ranks, "bf16", tokens))
+    spread = lambda xs: {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    rows = []
+    for name, n, ranks in RANK_RUNS:
+        v = runs[name]
+        rows.append({"run": name, "nproc": n, "decode_ranks": ranks,
+                     "decode_ms_per_token": spread([1e3 * j["timings"]["decode_per_token_s"] for j, _ in v]),
+                     "ttft_s": spread([j["timings"]["ttft_s"] for j, _ in v]),
+                     "decode_bytes_per_token": v[0][0]["bytes"]["decode_per_token"],
+                     "peak_rss_gb": max(r for _, r in v) / 1e9})
+    for r in rows:
+        r["decode_vs_1_rank"] = r["decode_ms_per_token"]["median"] / rows[0]["decode_ms_per_token"]["median"]
+    return rows
+
+
 # ---- peers ---------------------------------------------------------------------------------------
 def peer_cmd(kind, model, batch, dtype, tokens, out):
     return [sys.executable, str(SOURCE / "benchmarks" / "real_size_peer.py"), "run", kind,
@@ -305,6 +348,15 @@ def report(res):
             o = res["serve"][f"{b['clients']} one at a time"]
             print(f"| {b['clients']} | {o['req_per_s']:.2f} | {b['req_per_s']:.2f} | {b['ratio']:.2f} | "
                   f"{o['ttft_p50_s']:.2f} / {b['ttft_p50_s']:.2f} | {o['p99_s']:.2f} / {b['p99_s']:.2f} |")
+    if res.get("ranks"):
+        print("\n| run | decode ms/token (range) | ÷ 1 rank | TTFT s | decode bytes/token | "
+              "peak RSS GB (largest process) |")
+        print("|---|---|---|---|---|---|")
+        for r in res["ranks"]:
+            d = r["decode_ms_per_token"]
+            print(f"| {r['run']} | {d['median']:.1f} ({d['min']:.1f}–{d['max']:.1f}) | "
+                  f"{r['decode_vs_1_rank']:.2f} | {r['ttft_s']['median']:.2f} | "
+                  f"{r['decode_bytes_per_token']} | {r['peak_rss_gb']:.2f} |")
     if res.get("finetune"):
         print()
         print("\n".join(res["finetune"]))
@@ -333,7 +385,8 @@ def save(res, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="qa,serve,finetune,peers")
+    ap.add_argument("--parts", default="qa,ranks,serve,finetune,peers")
+    ap.add_argument("--ranks-frames", type=int, default=2)
     ap.add_argument("--qa", default="1b:bf16,1b:fp32,2b:bf16,7b:bf16")
     ap.add_argument("--peers", default="openflamingo:fp32,openflamingo:bf16,mllama:fp32,mllama:bf16")
     ap.add_argument("--finetune-stages", default="lora-parameters,parameters")
@@ -364,6 +417,10 @@ def main():
             log(f"[qa] {size} {dtype}")
             res["qa"].append(qa_row(model, dtype, vid, a.frames, a.tokens, res["limits"], a.repeats))
             save(res, a.json)
+    if "ranks" in parts:
+        log("[ranks] 1b bf16 at 1 and 2 ranks")
+        res["ranks"] = ranks_rows(a.ckpt_dir, video(a.work), a.ranks_frames, a.tokens, a.repeats)
+        save(res, a.json)
     if "serve" in parts:
         log("[serve] 1b bf16")
         res["serve"] = serve_rows(a.ckpt_dir, a.serve_clients, a.serve_requests)

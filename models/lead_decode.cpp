@@ -1,5 +1,6 @@
 #include "models/lead_decode.h"
 
+#include "kernels/attention.h"
 #include "src/common/error.h"
 
 namespace lvx::models {
@@ -73,13 +74,29 @@ Partial prompt_over_ranks(dist::ProcessGroup& pg, const DecodeCache& cache, size
 
 Partial visual_over_ranks(const Parallel& par, const at::Tensor& q, const KVShard& vis,
                           double scale) {
-  if (leads_decode(par)) {
-    LVX_CHECK(q.scalar_type() == vis.k.scalar_type(), "lead decoding: the query's dtype (",
-              q.scalar_type(), ") is not its visual keys' (", vis.k.scalar_type(), ")");
-    at::Tensor sent = q.contiguous();
-    par.pg->broadcast(sent, 0);  // to serve_visual_partials on the other ranks
+  if (!leads_decode(par))
+    return merge_across_ranks(*par.pg, {partial_attention(q, vis.k, vis.v, vis.visible, scale)})[0];
+  LVX_CHECK(q.scalar_type() == vis.k.scalar_type(), "lead decoding: the query's dtype (",
+            q.scalar_type(), ") is not its visual keys' (", vis.k.scalar_type(), ")");
+  // The query to every other rank and their partials back, posted at once; this rank's own
+  // partial is computed while they compute theirs.
+  dist::ProcessGroup& pg = *par.pg;
+  const int n = pg.world_size();
+  const at::Tensor sent = q.contiguous();
+  const int64_t B = q.size(0), hq = q.size(1), D = q.size(2);
+  const auto acc = q.options().dtype(kernels::accumulation_dtype(q.scalar_type()));
+  std::vector<at::Tensor> got;
+  std::vector<dist::P2POp> ops;
+  for (int r = 1; r < n; ++r) {
+    ops.push_back(dist::P2POp::send(sent, r));
+    got.push_back(at::empty({B, hq, D + 1}, acc));
+    ops.push_back(dist::P2POp::recv(got.back(), r));
   }
-  return merge_across_ranks(*par.pg, {partial_attention(q, vis.k, vis.v, vis.visible, scale)})[0];
+  dist::Work work = pg.batch_isend_irecv(std::move(ops), "lead decoding: cross query");
+  std::vector<Partial> parts{partial_attention(q, vis.k, vis.v, vis.visible, scale)};
+  work.wait();
+  for (const at::Tensor& x : got) parts.push_back({x.narrow(-1, 0, D), x.select(-1, D)});
+  return merge_partials(parts);  // in rank order, as merge_across_ranks merges
 }
 
 at::Tensor lead_decode_step(const Model& model, const at::Tensor& tokens, const Parallel& par,
@@ -99,9 +116,12 @@ void serve_visual_partials(const std::vector<CrossCall>& calls, const Parallel& 
   for (const CrossCall& call : calls) {
     const KVShard& vis = cache.visual.at(static_cast<size_t>(call.layer));
     if (!vis.k.defined()) continue;  // rank 0's step skips it too
-    at::Tensor q = at::empty({cache.batch, call.heads, call.head_dim}, vis.k.options());
-    par.pg->broadcast(q, 0);
-    merge_across_ranks(*par.pg, {partial_attention(q, vis.k, vis.v, vis.visible, call.scale)});
+    const at::Tensor q = at::empty({cache.batch, call.heads, call.head_dim}, vis.k.options());
+    par.pg->batch_isend_irecv({dist::P2POp::recv(q, 0)}, "lead decoding: cross query").wait();
+    const Partial p = partial_attention(q, vis.k, vis.v, vis.visible, call.scale);
+    const at::Tensor packed = at::cat({p.o, p.lse.unsqueeze(-1)}, -1).contiguous();
+    par.pg->batch_isend_irecv({dist::P2POp::send(packed, 0)}, "lead decoding: cross partial")
+        .wait();
   }
   ++cache.length;
 }

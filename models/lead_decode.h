@@ -10,18 +10,19 @@
 // A prompt's text keys are small next to its visual ones (a question against thousands of
 // frames' tokens), so lead decoding gathers them once, to rank 0, when decoding starts; then
 // rank 0 runs each decode step alone, on the threads of every local rank (Parallel::lead_threads),
-// and only the cross-attention layers send anything: rank 0 broadcasts the layer's query
-// q [B, Hq, D], each rank computes its partial over its own visual keys, and the partials are
-// merged over the ranks as pass-Q merges them (LV-XAttn, "LV-XAttn: Distributed Cross-Attention
-// for Long Visual Inputs in Multimodal Large Language Models", §3.1 at Sq = 1; the merge is
-// BurstAttention's Eq. 3). The visual keys never move; the other ranks wait in the broadcast
-// between the cross layers (serve_visual_partials) and hold no generated keys.
+// and only the cross-attention layers send anything: rank 0 sends the layer's query
+// q [B, Hq, D] to each rank, each computes its partial over its own visual keys and sends it
+// back, and rank 0 merges them in rank order as pass-Q merges them (LV-XAttn, "LV-XAttn:
+// Distributed Cross-Attention for Long Visual Inputs in Multimodal Large Language Models", §3.1
+// at Sq = 1; the merge is BurstAttention's Eq. 3). The visual keys never move; the other ranks
+// wait for the next query (serve_visual_partials) and hold no generated keys.
 //
 // Where it runs: one generation stepped alone (lvx qa, lvx forward --generate, evaluation during
 // fine-tuning), Parallel::lead_decode; lvx serve's rows keep pass-Q on every rank (a row's cache
-// must stay sharded, as the others' are, for the batched step). Messages per token: one
-// broadcast and one all-gather per cross layer (4 for the 1B, against 24 all-gathers), plus the
-// token's broadcast.
+// must stay sharded, as the others' are, for the batched step). Messages per token: a query out
+// and a partial back per other rank and cross layer (4 layers for the 1B, against 24
+// all-gathers), plus the token's broadcast. Bytes rank 0 sends per cross layer:
+// (n−1)·B·Hq·D·dtype; each other rank: B·Hq·(D+1)·4.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -48,8 +49,10 @@ void gather_prompt_to_lead(dist::ProcessGroup& pg, DecodeCache& cache);
 Partial prompt_over_ranks(dist::ProcessGroup& pg, const DecodeCache& cache, size_t layer,
                           const at::Tensor& q, double scale);
 
-// q's partial over every rank's visual keys of `vis`, merged over the ranks: under lead decoding
-// rank 0 first broadcasts q, which serve_visual_partials answers on the others.
+// q's partial over every rank's visual keys of `vis`, merged over the ranks: pass-Q, or under lead
+// decoding rank 0 sends q to each other rank (serve_visual_partials answers with its partial,
+// [B, Hq, D + 1] fp32: o, then lse) and merges theirs with its own, computed meanwhile, in rank
+// order.
 Partial visual_over_ranks(const Parallel& par, const at::Tensor& q, const KVShard& vis,
                           double scale);
 

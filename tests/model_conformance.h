@@ -189,19 +189,10 @@ inline std::string test_name(std::string s) {
   return s;
 }
 
-// The messages rank 0 sends in one broadcast of gloo's binomial tree at world n (the peers at
-// virtual ranks 1, 2, 4, … below n): lead decoding's query broadcast (models/lead_decode.h).
-inline int64_t root_sends(int n) {
-  int64_t sends = 0;
-  for (int peer = 1; peer < n; peer *= 2) ++sends;
-  return sends;
-}
-
-// Rank 0's bytes per decoded token for one cross layer under lead decoding, fp32: the query
-// broadcast (B·Hq·D·4 per message) and the partials' all-gather ((n−1)·B·Hq·(D+1)·4).
+// Rank 0's bytes per decoded token for one cross layer under lead decoding (models/lead_decode.h),
+// fp32: the query to each other rank, (n−1)·B·Hq·D·4 (their partials come back; it sends none).
 inline int64_t lead_cross_bytes(int n, int64_t batch, int64_t heads, int64_t head_dim) {
-  return root_sends(n) * batch * heads * head_dim * 4 +
-         int64_t{n - 1} * batch * heads * (head_dim + 1) * 4;
+  return int64_t{n - 1} * batch * heads * head_dim * 4;
 }
 
 // Greedy generation against a reference script's `generate` subcommand (a cache-less greedy loop,

@@ -250,7 +250,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, MllamaFrames, ::testing::Values(1, 3),
 // cache, token for token; every step's logits within 1e-4. Each decode step sends the pass-Q
 // formula's bytes (models/decode.h): (n−1)·A·B·Hq·(D+1)·4 per rank, A = 5 (one attention per
 // layer), B = 2, Hq = 4, D = 16, with every rank decoding (--decode-ranks all); with rank 0 alone
-// (the default, models/lead_decode.h) only the 2 cross layers' query broadcast and merge.
+// (the default, models/lead_decode.h) only the 2 cross layers' queries and partials.
 class MllamaGeneration : public ::testing::TestWithParam<std::pair<int, bool>> {};
 
 TEST_P(MllamaGeneration, GreedyTokensEqualTransformers) {
@@ -445,10 +445,10 @@ TEST(MllamaQa, GreedyAnswerIsTheSameOnOneAndTwoRanks) {
   EXPECT_EQ(two["response"], one["response"]);
   EXPECT_EQ(lead["response"], one["response"]);
   EXPECT_EQ(two["bytes"]["decode_per_token"].get<int64_t>(), int64_t{2} * 1 * 5 * 1 * 4 * 17 * 4);
-  // Lead: per step, each of the 2 cross layers' query broadcast by rank 0 (B·Hq·D·4) and its
-  // partials all-gathered (n·(n−1)·B·Hq·(D+1)·4); the prompt keys' gather counts as the prompt's.
+  // Lead: per step and each of the 2 cross layers, the query from rank 0 (B·Hq·D·4) and the
+  // partial back (B·Hq·(D+1)·4); the prompt keys' gather counts as the prompt's.
   EXPECT_EQ(lead["bytes"]["decode_per_token"].get<int64_t>(),
-            2 * (int64_t{1} * 4 * 16 * 4 + int64_t{2} * 1 * 1 * 4 * 17 * 4));
+            2 * (int64_t{1} * 4 * 16 * 4 + int64_t{1} * 4 * 17 * 4));
   EXPECT_GT(lead["bytes"]["prefill"].get<int64_t>(), two["bytes"]["prefill"].get<int64_t>());
 }
 

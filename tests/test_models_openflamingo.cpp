@@ -125,7 +125,7 @@ TEST_P(OpenFlamingoGeneration, GreedyTokensEqualThePackageLoop) {
     return int64_t{c.nproc - 1} * B * heads * (head_dim + 1) * 4;
   };
   // Every rank decoding: a pass-Q message per attention; rank 0 alone (the default): the cross
-  // layers' query broadcast and merge only.
+  // layers' queries only (the partials come back to it).
   const bool all = c.flags.find("--decode-ranks all") != std::string::npos || c.nproc == 1;
   int64_t formula = 0;
   for (int64_t i = 0; i < cfg.layers; ++i) {
