@@ -196,6 +196,16 @@ TEST(PlannerConfig, CalibrateOutputRoundTrips) {
   EXPECT_NEAR(d.intra_node.bandwidth_bytes_per_s, 64e9, 1e5);
   EXPECT_NEAR(d.inter_node.latency_s, 20e-6, 1e-10);
   EXPECT_TRUE(d.cpu_attention.empty());
+  // The memory's bandwidth (the data sheet's 1,555 GB/s here) and whether the node shares it.
+  EXPECT_NEAR(d.memory.bandwidth_bytes_per_s, 1555e9, 1e5);
+  EXPECT_FALSE(d.memory.shared);
+  c.memory = {30e9, true};
+  d = load_cluster_config(write_temp("rt_mem.yaml", cluster_config_yaml(c, "cpu host")));
+  EXPECT_NEAR(d.memory.bandwidth_bytes_per_s, 30e9, 1e3);
+  EXPECT_TRUE(d.memory.shared);
+  c.memory = {};
+  d = load_cluster_config(write_temp("rt_nomem.yaml", cluster_config_yaml(c, "none")));
+  EXPECT_EQ(d.memory.bandwidth_bytes_per_s, 0);  // optional: no price, no error
   // calibrate's per-shape CPU path choice survives the round trip; a bad path is named.
   c.cpu_attention = {{1, "fused", 10.5, 25}, {64, "gemm", 30, 20}};
   d = load_cluster_config(write_temp("rt2.yaml", cluster_config_yaml(c, "cpu")));

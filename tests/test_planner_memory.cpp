@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "src/common/error.h"
+#include "src/planner/decode_price.h"
 #include "src/planner/inference_memory.h"
 #include "src/planner/train_memory.h"
 #include "src/planner/train_traffic.h"
@@ -81,6 +83,63 @@ ClusterConfig two_nodes() {
   c.intra_node = {100e9, 10e-6};
   c.inter_node = {25e9, 20e-6};
   return c;
+}
+
+// Decoding priced per token (src/planner/decode_price.h), term by term, on the tiny model with a
+// cross layer (Hq 2, Hkv 1, D 4): 2 frames of 3 tokens, 10 prompt tokens, batch 1, fp32, W = 1 MB.
+TEST(DecodePrice, ByHand) {
+  ModelConfig m = tiny();
+  AttentionLayerConfig cross = m.layers[0];
+  cross.kind = LayerKind::kCross;
+  m.layers.push_back(cross);
+  ClusterConfig c = two_nodes();
+  c.memory = {1e9, false};  // 1 GB/s, each GPU its own
+  DecodeShape s;
+  s.frames = 2;
+  s.tokens_per_frame = 3;
+  s.text_tokens = 10;
+  s.elem_bytes = 4;
+  s.weight_bytes = 1'000'000;
+  const double kt = 2 * 10 * 1 * 4 * 4, kv = 2 * 6 * 1 * 4 * 4;  // 320 and 192 bytes
+  // 1 rank: the weights and every K/V, no message.
+  DecodePrice p = price_decode(m, c, s, 1, true);
+  EXPECT_DOUBLE_EQ(p.read_s, (1e6 + kt + kv) / 1e9);
+  EXPECT_EQ(p.messages, 0);
+  // 4 ranks (one node: 100 GB/s, 10 µs), every rank decoding: each reads W and a quarter of the
+  // K/V; both layers all-gather their partials (2·(4+1)·4 = 40 bytes) in 3 hops.
+  p = price_decode(m, c, s, 4, false);
+  EXPECT_DOUBLE_EQ(p.read_s, (1e6 + (kt + kv) / 4) / 1e9);
+  EXPECT_NEAR(p.messages_s, 2 * 3 * (10e-6 + 40 / 100e9), 1e-15);
+  EXPECT_EQ(p.bytes_sent, 2 * 3 * 40);
+  EXPECT_EQ(p.messages, 2 * 6);
+  // Rank 0 alone: W, the whole prompt's keys, its quarter of the visual ones; only the cross
+  // layer's query (2·4·4 = 32 bytes) to 3 ranks and their partials back.
+  p = price_decode(m, c, s, 4, true);
+  EXPECT_DOUBLE_EQ(p.read_s, (1e6 + kt + kv / 4) / 1e9);
+  EXPECT_NEAR(p.messages_s, 2 * 10e-6 + 3 * (32 + 40) / 100e9, 1e-15);
+  EXPECT_EQ(p.bytes_sent, 3 * 32);
+  // 8 ranks span both nodes: the node link (25 GB/s, 20 µs) prices the messages.
+  p = price_decode(m, c, s, 8, true);
+  EXPECT_NEAR(p.messages_s, 2 * 20e-6 + 7 * (32 + 40) / 25e9, 1e-15);
+  // A CPU host (memory shared by its 4 local ranks, cores shared: sync 1 ms per collective):
+  // every rank decoding reads 4 W over one bus; rank 0 alone reads W once.
+  c.memory.shared = true;
+  c.intra_node.sync_s = 1e-3;
+  EXPECT_DOUBLE_EQ(price_decode(m, c, s, 4, false).read_s, (4e6 + kt + kv) / 1e9);
+  EXPECT_DOUBLE_EQ(price_decode(m, c, s, 4, true).read_s, (1e6 + kt + kv) / 1e9);
+  EXPECT_NEAR(price_decode(m, c, s, 4, true).messages_s,
+              2 * 10e-6 + 3 * (32 + 40) / 100e9 + 1e-3, 1e-15);
+  // W counts the decoder's layers and a head of vocab × the last width: (776 + 10·8)·2.
+  EXPECT_EQ(decode_weight_bytes(m, 776, 10, 2), 1712);
+  // No memory figure: no price, and the error says which field.
+  c.memory = {};
+  EXPECT_FALSE(can_price_decode(c));
+  try {
+    price_decode(m, c, s, 2, true);
+    ADD_FAILURE() << "priced without a bandwidth";
+  } catch (const lvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("memory.bandwidth_gb_per_s"), std::string::npos);
+  }
 }
 
 TEST(TrainTraffic, CollectivesPricedByHand) {

@@ -181,7 +181,9 @@ void time_compute(const lvx::cli::ArgParser& p, const CalibrateJob& job, Cluster
                   std::ostream& log) {
   const at::Device dev = job.dev;
   const int nproc = job.nproc;
-  std::vector<at::ScalarType> dtypes = {at::kFloat};
+  // A CPU runs fp32, and bf16 (the releases' dtype, lvx qa's --dtype auto where the CPU has
+  // native bf16 products).
+  std::vector<at::ScalarType> dtypes = {at::kFloat, at::kBFloat16};
   if (dev.is_cuda()) dtypes = {at::kBFloat16, at::kHalf, at::kFloat};
   for (at::ScalarType dt : dtypes) {
     const std::string name = lvx::dtype_name(dt);
@@ -235,6 +237,14 @@ ClusterConfig measure_compute(const lvx::cli::ArgParser& p, const CalibrateJob& 
   time_compute(p, job, c, log);
   if (!job.dev.is_cuda()) c.cpu_attention = choose_cpu_attention(p, job.nproc, log);
   describe_device(job.dev, job.nproc, c);
+  // A CPU's memory is the host's, read by every local rank (all its cores: rank 0 decoding
+  // alone uses them all); a GPU's is its own.
+  const int cores = static_cast<int>(lvx::cli::available_cores());
+  c.memory.bandwidth_bytes_per_s =
+      lvx::planner::measure_read_bandwidth(job.dev, job.reps, job.dev.is_cuda() ? 0 : cores);
+  c.memory.shared = !job.dev.is_cuda();
+  log << "memory: read bandwidth " << c.memory.bandwidth_bytes_per_s / 1e9 << " GB/s ("
+      << (c.memory.shared ? "the host's, shared by its ranks" : "each device's own") << ")\n";
   return c;
 }
 

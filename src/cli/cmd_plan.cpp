@@ -9,6 +9,7 @@
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/planner/planner.h"
+#include "src/planner/decode_price.h"
 #include "src/planner/inference_memory.h"
 #include "src/planner/train_memory.h"
 #include "src/planner/train_report.h"
@@ -190,6 +191,34 @@ lvx::planner::CostOptions cost_options_of(const lvx::cli::ArgParser& p) {
   return opt;
 }
 
+// A question's decoding priced per token (src/planner/decode_price.h) at 1 rank and at the
+// plan's, with --decode-ranks one and all, where the cluster config says how fast its memory
+// reads; printed and in the JSON as "decode".
+void print_decode_prices(const lvx::planner::ModelConfig& model,
+                         const lvx::planner::ClusterConfig& cluster,
+                         const lvx::planner::ParamCounts& counts, const lvx::planner::Workload& w,
+                         int64_t tokens_per_frame, int64_t elem_bytes, nlohmann::json& j) {
+  if (!lvx::planner::can_price_decode(cluster)) {
+    std::cout << "decode per token: not priced (the cluster config has no memory: "
+                 "{bandwidth_gb_per_s})\n";
+    return;
+  }
+  lvx::planner::DecodeShape s;
+  s.frames = w.frames;
+  s.text_tokens = w.text_tokens;
+  s.tokens_per_frame = tokens_per_frame;
+  s.elem_bytes = elem_bytes;
+  s.weight_bytes = lvx::planner::decode_weight_bytes(model, counts.layers, counts.vocab, elem_bytes);
+  std::vector<lvx::planner::DecodePrice> prices{
+      lvx::planner::price_decode(model, cluster, s, 1, true)};
+  if (w.ranks > 1)
+    for (bool lead : {true, false})
+      prices.push_back(lvx::planner::price_decode(model, cluster, s, w.ranks, lead));
+  std::cout << lvx::planner::format_decode(prices);
+  j["decode"] = nlohmann::json::array();
+  for (const auto& p : prices) j["decode"].push_back(lvx::planner::to_json(p));
+}
+
 void write_plan_json(const std::string& json_path, const nlohmann::json& j) {
   std::ofstream f(json_path);
   LVX_CHECK(f.good(), "--json: cannot write '", json_path, "'");
@@ -244,6 +273,7 @@ int cmd_plan(int argc, char** argv) {
         mo.ranks, mo.elem_bytes);
     std::cout << lvx::planner::format_memory(im);
     j["inference_memory"] = lvx::planner::to_json(im);
+    print_decode_prices(model, cluster, counts, w, tpf, mo.elem_bytes, j);
   }
   if (!json_path.empty()) write_plan_json(json_path, j);
   return 0;

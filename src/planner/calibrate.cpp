@@ -73,6 +73,17 @@ std::vector<CpuAttentionChoice> choose_cpu_paths(const std::vector<CpuPathSample
   return out;
 }
 
+double measure_read_bandwidth(const at::Device& device, int reps, int threads) {
+  const int old_threads = at::get_num_threads();
+  if (threads > 0) at::set_num_threads(threads);
+  const int64_t n = int64_t{128} << 20;  // 512 MiB of fp32
+  const at::Tensor x = at::ones({n}, at::TensorOptions().dtype(at::kFloat).device(device));
+  at::Tensor sum;
+  const double s = median_time(device, reps, [&] { sum = x.sum(); });
+  at::set_num_threads(old_threads);
+  return double(n) * 4 / s;
+}
+
 ThroughputSample measure_throughput(at::ScalarType dtype, const at::Device& device, int64_t s,
                                     int64_t heads, int64_t d, int64_t gemm_n, int reps, int threads,
                                     double share) {

@@ -23,6 +23,11 @@ struct ThroughputSample {
   double forward_s = 0, backward_s = 0;  // median time of one s × s call
 };
 
+// The device's read bandwidth in bytes/s: the median of `reps` sums over a 512 MiB fp32 tensor
+// (far beyond any cache) with `threads` intra-op threads (0: as they are) — what a decode step
+// streaming its weights gets (src/planner/decode_price.h).
+double measure_read_bandwidth(const at::Device& device, int reps, int threads);
+
 // Times attention_forward / attention_backward on q [1, s, heads, d] against k, v of the same
 // length (no mask, then causal over permuted positions, then 16 tokens) and a square matmul of
 // size `gemm_n`, median of `reps` after a warm-up, with `threads` intra-op threads (the share of

@@ -79,6 +79,17 @@ ClusterConfig load_cluster_config(const std::string& path) {
   gemm.finish();
   c.intra_node = read_link(root.get_map("intra_node"));
   c.inter_node = read_link(root.get_map("inter_node"));
+  if (root.has("memory")) {
+    YamlMap mem = root.get_map("memory");
+    c.memory.bandwidth_bytes_per_s = mem.get_double("bandwidth_gb_per_s") * 1e9;
+    LVX_CHECK(c.memory.bandwidth_bytes_per_s > 0, mem.where("bandwidth_gb_per_s"),
+              ": expected a bandwidth > 0");
+    const std::string shared = mem.get_string_or("shared", "false");
+    LVX_CHECK(shared == "true" || shared == "false", mem.where("shared"),
+              ": expected true or false, got '", shared, "'");
+    c.memory.shared = shared == "true";
+    mem.finish();
+  }
   if (root.has("cpu_attention"))
     for (const YamlMap& e : root.get_map_list("cpu_attention")) {
       CpuAttentionChoice ch;
@@ -130,6 +141,9 @@ std::string cluster_config_yaml(const ClusterConfig& c, const std::string& comme
   };
   link("intra_node", c.intra_node);
   link("inter_node", c.inter_node);
+  if (c.memory.bandwidth_bytes_per_s > 0)
+    os << "memory: {bandwidth_gb_per_s: " << c.memory.bandwidth_bytes_per_s / 1e9
+       << ", shared: " << (c.memory.shared ? "true" : "false") << "}\n";
   if (!c.cpu_attention.empty()) {
     os << "cpu_attention:  # per block aspect ratio, the faster CPU path measured (kernels/cpu_path.h)\n";
     for (const CpuAttentionChoice& ch : c.cpu_attention) {

@@ -35,6 +35,15 @@ struct Link {
   double sync_s = 0;
 };
 
+// The memory a decode step streams its weights from (optional, yaml `memory:`): the read
+// bandwidth of one device, or, where `shared` (a CPU host: every local rank reads the same
+// memory), of the node. Decoding reads every weight once a token, so its time per token is about
+// bytes ÷ this (src/planner/decode_price.h). 0: not known (no decode price).
+struct MemoryBandwidth {
+  double bandwidth_bytes_per_s = 0;
+  bool shared = false;
+};
+
 // `lvx calibrate`'s choice of CPU attention path for blocks of one aspect ratio Skv/Sq
 // (kernels/cpu_path.h), with the forward+backward times it measured (ms; 0 when not given).
 struct CpuAttentionChoice {
@@ -57,6 +66,7 @@ struct ClusterConfig {
   std::map<std::string, double> gemm_flops;              // dense matmul FLOP/s by dtype
   Link intra_node;
   Link inter_node;
+  MemoryBandwidth memory;
   std::vector<CpuAttentionChoice> cpu_attention;  // optional (cpu_attention:), CPU configs only
 
   int64_t world_size() const { return gpus_per_node * nodes; }

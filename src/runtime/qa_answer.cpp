@@ -24,6 +24,7 @@
 
 #include "src/common/error.h"
 #include "src/common/files.h"
+#include "src/runtime/decode_plan.h"
 #include "src/runtime/logprobs_json.h"
 #include "src/runtime/model_description.h"
 #include "src/runtime/qa_media.h"
@@ -226,7 +227,10 @@ void take_prompt(QaSession::State& cx, QaAnswer& a) {
   a.par.side_by_side = cx.job.side_by_side;
   a.par.lead_threads = cx.job.lead_threads;
   if (cx.job.print_plan && r == 0)
-    std::cerr << plan_text << "\n" << describe(a.par, cx.model) << "\n";
+    std::cerr << plan_text << "\n"
+              << describe(a.par, cx.model) << "\n"
+              << decode_price_text(cx.job.model, *cx.model, cx.job.plan, a.m,
+                                   a.ids.size(1), cx.pg->world_size());
 }
 
 // A miss whose prompt is prefilled in chunks: this rank's frames encoded and their visual K/V
