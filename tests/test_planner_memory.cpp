@@ -15,6 +15,7 @@
 #include "src/common/error.h"
 #include "src/planner/decode_price.h"
 #include "src/planner/inference_memory.h"
+#include "src/planner/question_price.h"
 #include "src/planner/train_memory.h"
 #include "src/planner/train_traffic.h"
 #include "tests/build_paths.h"
@@ -140,6 +141,54 @@ TEST(DecodePrice, ByHand) {
   } catch (const lvx::Error& e) {
     EXPECT_NE(std::string(e.what()).find("memory.bandwidth_gb_per_s"), std::string::npos);
   }
+}
+
+// A question's price (src/planner/question_price.h): the vision tower's FLOPs by hand (a 4 px
+// image of 2 px patches: T = 4 tokens; width 4, MLP 6, 1 layer), the prefill's compute at the
+// GEMM rate, and --nproc auto's choice: on a host whose ranks share memory and cores more ranks
+// only add messages (1 rank wins); on GPUs each rank adds its own compute and memory (more win).
+TEST(QuestionPrice, ByHandAndTheRankChoice) {
+  ModelConfig m = tiny();
+  AttentionLayerConfig cross = m.layers[0];
+  cross.kind = LayerKind::kCross;
+  cross.mask = MaskRule::kMediaUpTo;
+  m.layers.push_back(cross);
+  m.visual_feature_dim = 8;
+  m.visual_tokens_per_frame = 4;
+  m.vision = {4, 1, 1, 6, 4, 2};  // hidden, layers, heads, mlp, image, patch
+  // Patch embedding 2·4·4·3·2² = 384; the layer 2·4·(4·16 + 2·4·6) + 4·4²·4 = 1152.
+  EXPECT_DOUBLE_EQ(vision_flops_per_image(m), 384 + 1152);
+  ClusterConfig c = two_nodes();
+  c.attention["fp32"] = {1e12, 1e12};
+  c.gemm_flops["fp32"] = 1e9;  // 1 GFLOP/s a device
+  c.device_memory_bytes = int64_t{1} << 30;
+  c.memory = {1e9, false};
+  QuestionShape q;
+  q.frames = 4;
+  q.text_tokens = 16;
+  q.tokens_per_frame = 4;
+  q.new_tokens = 5;
+  q.dtype = "fp32";
+  q.lm_parameters = 608;
+  q.weight_bytes = 4 * 608;
+  // 4 images, the LM over 16 tokens, the cross layer's K/V projection of 16 visual tokens.
+  const double flops = 4 * 1536.0 + 2 * 608 * 16 + 2 * 16 * 8 * 2 * 4;
+  const QuestionPrice one = price_question(m, c, q, 1);
+  EXPECT_DOUBLE_EQ(one.compute_s, flops / 1e9);
+  EXPECT_GT(one.attention_s, 0);
+  EXPECT_DOUBLE_EQ(one.total_s, one.compute_s + one.attention_s + 4 * one.decode_s);
+  EXPECT_DOUBLE_EQ(price_question(m, c, q, 4).compute_s, flops / 4e9);  // 4 GPUs, 4 rates
+  // A 1-hour question on GPUs: 4 ranks end sooner; on a shared host 1 rank does.
+  q.frames = 1800;
+  q.text_tokens = 1900;
+  std::vector<QuestionPrice> gpus, host;
+  for (int n = 1; n <= 4; ++n) gpus.push_back(price_question(m, c, q, n));
+  EXPECT_EQ(fastest_ranks(gpus), 4);
+  c.memory.shared = true;
+  c.intra_node.sync_s = 1e-3;
+  for (int n = 1; n <= 4; ++n) host.push_back(price_question(m, c, q, n));
+  EXPECT_EQ(fastest_ranks(host), 1);
+  EXPECT_DOUBLE_EQ(host[3].compute_s, host[0].compute_s);  // the host's cores whatever n
 }
 
 TEST(TrainTraffic, CollectivesPricedByHand) {

@@ -242,5 +242,32 @@ TEST(QaJob, BadInputIsNamed) {
       std::string::npos);
 }
 
+// --nproc auto prices the question at each rank count on the cluster config and starts the
+// cheapest: on a host whose ranks share memory and cores (the config below, as lvx calibrate
+// writes a CPU's) more ranks only add messages, so 1; without --cluster it says what to add.
+TEST(QaJob, NprocAutoPricesTheQuestionOnTheClusterConfig) {
+  const std::string cluster = (temp_dir() / "host.yaml").string();
+  std::ofstream(cluster) << "name: host\ndevice: cpu\ngpus_per_node: 2\nnodes: 1\n"
+                            "device_memory_gib: 8\n"
+                            "attention_tflops: {fp32: {forward: 0.05, backward: 0.05}}\n"
+                            "gemm_tflops: {fp32: 0.1}\n"
+                            "intra_node: {bandwidth_gb_per_s: 1, latency_us: 100, sync_us: 400}\n"
+                            "inter_node: {bandwidth_gb_per_s: 1, latency_us: 100, sync_us: 400}\n"
+                            "memory: {bandwidth_gb_per_s: 30, shared: true}\n";
+  const std::string args = "--model " + tiny_model() + " --video " + clip() +
+                           " --question 'What colour was the shape?' --num-frames 4 --json "
+                           "--max-new-tokens 4 --dtype fp32 --nproc auto";
+  int rc = 0;
+  const std::string out = run(kLvx + " qa " + args + " --cluster " + cluster + " 2>&1", &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("1 rank: "), std::string::npos) << out;
+  EXPECT_NE(out.find("2 ranks: "), std::string::npos) << out;
+  EXPECT_NE(out.find("--nproc auto: 1 rank\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("\"ranks\":1"), std::string::npos) << out;
+  EXPECT_NE(run_fail(args).find("--nproc auto prices the question on a cluster config: add "
+                                "--cluster"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace lvx::runtime

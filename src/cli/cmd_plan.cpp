@@ -11,6 +11,7 @@
 #include "src/planner/planner.h"
 #include "src/planner/decode_price.h"
 #include "src/planner/inference_memory.h"
+#include "src/planner/question_price.h"
 #include "src/planner/train_memory.h"
 #include "src/planner/train_report.h"
 #include "src/runtime/model_description.h"
@@ -192,12 +193,14 @@ lvx::planner::CostOptions cost_options_of(const lvx::cli::ArgParser& p) {
 }
 
 // A question's decoding priced per token (src/planner/decode_price.h) at 1 rank and at the
-// plan's, with --decode-ranks one and all, where the cluster config says how fast its memory
-// reads; printed and in the JSON as "decode".
+// plan's, with --decode-ranks one and all, and the whole question (question_price.h), where the
+// cluster config says how fast its memory reads; printed and in the JSON as "decode" and
+// "question".
 void print_decode_prices(const lvx::planner::ModelConfig& model,
                          const lvx::planner::ClusterConfig& cluster,
                          const lvx::planner::ParamCounts& counts, const lvx::planner::Workload& w,
-                         int64_t tokens_per_frame, int64_t elem_bytes, nlohmann::json& j) {
+                         int64_t tokens_per_frame, int64_t elem_bytes, int64_t new_tokens,
+                         nlohmann::json& j) {
   if (!lvx::planner::can_price_decode(cluster)) {
     std::cout << "decode per token: not priced (the cluster config has no memory: "
                  "{bandwidth_gb_per_s})\n";
@@ -217,6 +220,22 @@ void print_decode_prices(const lvx::planner::ModelConfig& model,
   std::cout << lvx::planner::format_decode(prices);
   j["decode"] = nlohmann::json::array();
   for (const auto& p : prices) j["decode"].push_back(lvx::planner::to_json(p));
+  // The whole question at 1 rank and at the plan's (what lvx qa --nproc auto compares).
+  lvx::planner::QuestionShape q;
+  q.frames = w.frames;
+  q.text_tokens = w.text_tokens;
+  q.tokens_per_frame = tokens_per_frame;
+  q.new_tokens = std::max<int64_t>(1, new_tokens);
+  q.dtype = w.dtype.empty() ? model.dtype : w.dtype;
+  q.lm_parameters = counts.layers;
+  q.weight_bytes = s.weight_bytes;
+  std::vector<lvx::planner::QuestionPrice> questions{
+      lvx::planner::price_question(model, cluster, q, 1)};
+  if (w.ranks > 1) questions.push_back(lvx::planner::price_question(model, cluster, q, w.ranks));
+  std::cout << "question (prefill, then " << q.new_tokens << " tokens; lvx qa --nproc auto):\n"
+            << lvx::planner::format_question(questions, q.new_tokens);
+  j["question"] = nlohmann::json::array();
+  for (const auto& p : questions) j["question"].push_back(lvx::planner::to_json(p));
 }
 
 void write_plan_json(const std::string& json_path, const nlohmann::json& j) {
@@ -273,7 +292,8 @@ int cmd_plan(int argc, char** argv) {
         mo.ranks, mo.elem_bytes);
     std::cout << lvx::planner::format_memory(im);
     j["inference_memory"] = lvx::planner::to_json(im);
-    print_decode_prices(model, cluster, counts, w, tpf, mo.elem_bytes, j);
+    print_decode_prices(model, cluster, counts, w, tpf, mo.elem_bytes,
+                        p.get_int("max-new-tokens", 0, 1 << 30), j);
   }
   if (!json_path.empty()) write_plan_json(json_path, j);
   return 0;

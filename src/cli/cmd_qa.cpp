@@ -7,6 +7,7 @@
 #include "src/dist/launcher.h"
 #include "src/runtime/device.h"
 #include "src/runtime/qa_job.h"
+#include "src/runtime/question_plan.h"
 #include "src/runtime/train_checkpoint.h"
 
 namespace {
@@ -27,7 +28,10 @@ void add_qa_options(lvx::cli::ArgParser& p) {
   p.add_option("num-frames", 'f', "", "sample N frames spread over the range (default 16)");
   p.add_option("start", 0, "", "range start, seconds");
   p.add_option("end", 0, "", "range end, seconds (exclusive)");
-  lvx::cli::add_nproc_options(p, "1", "local ranks to start");
+  lvx::cli::add_nproc_options(
+      p, "1",
+      "local ranks to start; auto: the count whose priced question (the planner's prefill and\n"
+      "decode prices on --cluster) ends soonest, printed with each count's price");
   lvx::cli::add_threads_option(p);
   p.add_option("max-new-tokens", 't', "64", "most tokens to generate");
   p.add_option("max-batch-tokens", 0, "0",
@@ -88,6 +92,14 @@ lvx::runtime::QaJob qa_job_of(const lvx::cli::ArgParser& p) {
   return job;
 }
 
+// The most ranks --nproc auto considers: one per GPU where the job runs on GPUs, else one per
+// core.
+int most_ranks(const lvx::runtime::QaJob& job) {
+  const int gpus = lvx::runtime::cuda_device_count();
+  if (job.device != "cpu" && gpus > 0) return gpus;
+  return lvx::cli::available_cores();
+}
+
 int cmd_qa(int argc, char** argv) {
   lvx::cli::ArgParser p(
       "lvx qa --model DIR --video V --question Q [--fps F | --num-frames N] [--start S --end E]\n"
@@ -111,9 +123,10 @@ int cmd_qa(int argc, char** argv) {
     job.lead_threads = lvx::cli::host_threads(lvx::cli::apply_threads(p));
     return lvx::runtime::run_qa_rank(job);
   }
-  const int nproc = lvx::cli::checked_nproc(p);
-  lvx::cli::apply_threads(p, nproc);
   lvx::runtime::validate_qa_job(job);  // bad input fails once, clearly, before ranks start
+  const int nproc = p.get("nproc") == "auto" ? lvx::runtime::choose_ranks(job, most_ranks(job))
+                                             : lvx::cli::checked_nproc(p);
+  lvx::cli::apply_threads(p, nproc);
   lvx::runtime::check_local_devices(job.device, nproc);
   // the answer (or JSON) on stdout as rank 0 writes it
   return lvx::cli::launch_model_job(argc, argv, nproc, job.model, job.adapter,

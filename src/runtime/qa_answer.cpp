@@ -24,7 +24,7 @@
 
 #include "src/common/error.h"
 #include "src/common/files.h"
-#include "src/runtime/decode_plan.h"
+#include "src/runtime/question_plan.h"
 #include "src/runtime/logprobs_json.h"
 #include "src/runtime/model_description.h"
 #include "src/runtime/qa_media.h"
