@@ -12,6 +12,8 @@
 #include "models/tokenizer/tokenizer.h"
 #include "src/attention/layout.h"
 #include "src/common/error.h"
+#include "src/common/files.h"
+#include "src/runtime/qa_media.h"
 #include "src/runtime/video_qa.h"
 #include "tests/build_paths.h"
 #include "tests/video_test_util.h"
@@ -240,6 +242,32 @@ TEST(QaJob, BadInputIsNamed) {
   EXPECT_NE(
       run_fail("--model " + empty_dir + " --video " + clip() + " --question Q").find("config.json"),
       std::string::npos);
+}
+
+// Content keys (qa_media.h) are XXH3-128 under the session's secret: the same bytes give the
+// same key under one secret and another key under another (lvx serve draws one per process, so a
+// client cannot choose two videos of one key), the file's bytes decide it, and a short secret is
+// refused.
+TEST(QaMedia, ContentKeysDependOnTheSecret) {
+  const std::string a = (temp_dir() / "key_a.bin").string(), b = (temp_dir() / "key_b.bin").string();
+  std::ofstream(a) << "the same bytes";
+  std::ofstream(b) << "other bytes";
+  std::string s1(192, '\0'), s2(192, '\0');  // as a session's: bytes that differ
+  for (size_t i = 0; i < s1.size(); ++i) {
+    s1[i] = static_cast<char>(i * 7 + 1);
+    s2[i] = static_cast<char>(i * 13 + 5);
+  }
+  set_content_secret(s1);
+  const std::string h1 = content_hash(a);
+  EXPECT_EQ(h1.size(), 32u);
+  EXPECT_EQ(content_hash(a), h1);
+  EXPECT_NE(content_hash(b), h1);
+  set_content_secret(s2);
+  EXPECT_NE(content_hash(a), h1);
+  set_content_secret(s1);
+  EXPECT_EQ(content_hash(a), h1);
+  EXPECT_EQ(h1, file_keyed_xxh3(a, s1));
+  EXPECT_THROW(set_content_secret("short"), lvx::Error);
 }
 
 // --nproc auto prices the question at each rank count on the cluster config and starts the

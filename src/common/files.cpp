@@ -280,6 +280,18 @@ std::string file_xxh3(const std::string& path) {
   return hex16(XXH3_64bits_digest(st.get()));
 }
 
+std::string file_keyed_xxh3(const std::string& path, const std::string& secret) {
+  LVX_CHECK(secret.size() >= XXH3_SECRET_SIZE_MIN, "xxHash: a secret of ", secret.size(),
+            " bytes is shorter than XXH3's ", XXH3_SECRET_SIZE_MIN);
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> st(XXH3_createState(),
+                                                                     &XXH3_freeState);
+  LVX_CHECK(st && XXH3_128bits_reset_withSecret(st.get(), secret.data(), secret.size()) == XXH_OK,
+            "xxHash: cannot start a keyed checksum");
+  read_chunks(path, "file", [&](const char* p, size_t n) { XXH3_128bits_update(st.get(), p, n); });
+  const XXH128_hash_t h = XXH3_128bits_digest(st.get());
+  return hex16(h.high64) + hex16(h.low64);
+}
+
 std::string file_fnv1a64(const std::string& path) {
   uint64_t h = 1469598103934665603ULL;
   read_chunks(path, "file", [&](const char* p, size_t n) {

@@ -67,6 +67,10 @@ std::string repair_torn_jsonl(const std::string& path);
 
 // XXH3-64 of a file's bytes as 16 hex digits (the manifest checksum since format 2).
 std::string file_xxh3(const std::string& path);
+// XXH3-128 of a file's content keyed by `secret` (at least 136 bytes: XXH3's custom secret), 32
+// hex digits: without the secret no one can choose two contents with one hash (lvx serve's
+// content keys, a per-process secret).
+std::string file_keyed_xxh3(const std::string& path, const std::string& secret);
 // FNV-1a 64 (manifests written before xxHash; verified, never written any more).
 std::string file_fnv1a64(const std::string& path);
 

@@ -14,6 +14,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 
 #include "models/lora.h"
@@ -24,6 +25,7 @@
 #include "src/runtime/device.h"
 #include "src/runtime/logprobs_json.h"
 #include "src/runtime/model_description.h"
+#include "src/runtime/qa_media.h"
 #include "src/runtime/qa_session_state.h"
 #include "src/runtime/video_qa.h"
 #include "video/pipeline.h"
@@ -117,7 +119,22 @@ namespace {
 
 // What every session holds beside its model: the tokenizer, preprocessing, stop tokens, context
 // and the visual cache.
+// A fresh content secret for this session's content keys (qa_media.h), drawn on rank 0 and
+// given to every rank: no client can choose two videos of one key without it.
+void share_content_secret(dist::ProcessGroup& pg) {
+  at::Tensor secret = at::empty({192}, at::kByte);
+  if (pg.rank() == 0) {
+    std::random_device rd;
+    uint8_t* p = secret.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < secret.numel(); ++i) p[i] = static_cast<uint8_t>(rd());
+  }
+  pg.broadcast(secret, 0);
+  set_content_secret(
+      std::string(reinterpret_cast<const char*>(secret.data_ptr<uint8_t>()), secret.numel()));
+}
+
 void finish_session(QaSession::State& s, int64_t cache_bytes) {
+  share_content_secret(*s.pg);
   s.tok = std::make_unique<models::Tokenizer>(
       models::Tokenizer::from_file(s.job.model + "/tokenizer.json"));
   s.preprocess = family_preprocess(s.model->family(), s.model->planner_model().vision.image_size);

@@ -51,13 +51,52 @@ video::FrameBatch decode_images(const std::vector<std::string>& files,
 // with the file's device, inode, size, modification and status-change times (the kernel sets
 // ctime on every write, and no call sets it back), all of which must match to reuse it. A
 // one-hour video is hashed once, not on every question.
+namespace {
+
+struct Known {
+  struct stat st;
+  std::string hash;
+};
+
+// 192 bytes of splitmix64 from `seed` (a secret of uniform bytes cancels out of XXH3's short
+// inputs, whose mixing XORs two secret words).
+std::string mixed_bytes(uint64_t seed) {
+  std::string s(192, '\0');
+  for (char& ch : s) {
+    uint64_t z = (seed += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    ch = static_cast<char>(z ^ (z >> 31));
+  }
+  return s;
+}
+
+// The content secret and the hashes made under it, under one lock.
+struct ContentKeys {
+  std::mutex mu;
+  std::string secret = mixed_bytes(0x6c7678);  // until a session sets its own
+  std::map<std::string, Known> known;
+};
+
+ContentKeys& content_keys() {
+  static ContentKeys keys;
+  return keys;
+}
+
+}  // namespace
+
+void set_content_secret(const std::string& secret) {
+  LVX_CHECK(secret.size() >= 136, "content secret: ", secret.size(), " bytes, fewer than 136");
+  ContentKeys& c = content_keys();
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.secret = secret;
+  c.known.clear();
+}
+
 std::string content_hash(const std::string& path) {
-  struct Known {
-    struct stat st;
-    std::string hash;
-  };
-  static std::mutex mu;
-  static std::map<std::string, Known> known;
+  ContentKeys& keys = content_keys();
+  std::mutex& mu = keys.mu;
+  std::map<std::string, Known>& known = keys.known;
   struct stat st {};
   LVX_CHECK(::stat(path.c_str(), &st) == 0, path, ": cannot stat: ", std::strerror(errno));
   auto same = [](const struct stat& a, const struct stat& b) {
@@ -65,15 +104,18 @@ std::string content_hash(const std::string& path) {
            a.st_mtim.tv_sec == b.st_mtim.tv_sec && a.st_mtim.tv_nsec == b.st_mtim.tv_nsec &&
            a.st_ctim.tv_sec == b.st_ctim.tv_sec && a.st_ctim.tv_nsec == b.st_ctim.tv_nsec;
   };
+  std::string secret;
   {
     std::lock_guard<std::mutex> lock(mu);
     const auto it = known.find(path);
     if (it != known.end() && same(it->second.st, st)) return it->second.hash;
+    secret = keys.secret;
   }
-  const std::string hash = file_xxh3(path);
+  const std::string hash = file_keyed_xxh3(path, secret);
   struct stat after {};
   if (::stat(path.c_str(), &after) == 0 && same(st, after)) {  // unchanged while hashed
     std::lock_guard<std::mutex> lock(mu);
+    if (keys.secret != secret) return hash;  // a new secret meanwhile: not kept
     if (known.size() > 4096) known.clear();
     known[path] = {st, hash};
   }
@@ -96,7 +138,7 @@ std::string visual_key(const QaRequest& req, const video::SampleSpec& spec,
   std::string source;
   if (!req.image_files.empty()) {
     source = "frames:";
-    for (const std::string& f : req.image_files) source += file_xxh3(f);
+    for (const std::string& f : req.image_files) source += content_hash(f);
   } else {
     source = "video:" + video_hash(req);
   }

@@ -17,9 +17,15 @@ video::FrameBatch decode_images(const std::vector<std::string>& files,
                                 const video::ShardSpec& shard,
                                 const video::PreprocessConfig& preprocess);
 
-// XXH3 of a file's content, hashed again only when the file may have changed (its device, inode,
-// size, modification and status-change times are kept with the hash). Thread-safe.
+// The content key of a file: XXH3-128 keyed by the process's content secret (file_keyed_xxh3;
+// set_content_secret), hashed again only when the file may have changed (its device, inode, size,
+// modification and status-change times are kept with the hash). Thread-safe.
 std::string content_hash(const std::string& path);
+
+// The secret content_hash keys with (at least 136 bytes; every rank of a session the same, so that
+// a hash rank 0 names is each rank's). Until set: a fixed one (lvx qa's own runs). Forgets the
+// hashes made under the previous secret.
+void set_content_secret(const std::string& secret);
 
 // The decoder's options of a request (its frame-index cache: off for uploads).
 video::DecodeOptions decode_options(const QaRequest& req);

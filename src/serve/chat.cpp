@@ -230,10 +230,16 @@ void Server::check_conversation(const ChatRequest& r) const {
   }
 }
 
-void Server::note_first(Job& j) {
-  if (j.ttft_counted) return;
+void Server::note_text(Job& j) {
+  const clock::time_point now = clock::now();
+  if (j.ttft_counted) {  // a later piece: the gap since the one before
+    metrics_.observe(&Metrics::inter_token, std::chrono::duration<double>(now - j.last_text).count());
+    j.last_text = now;
+    return;
+  }
   j.ttft_counted = true;
-  metrics_.observe_ttft(seconds_since(j.received));
+  j.last_text = now;
+  metrics_.observe(&Metrics::ttft, std::chrono::duration<double>(now - j.received).count());
 }
 
 bool Server::join_running(const std::shared_ptr<Job>& job) {
@@ -249,10 +255,9 @@ bool Server::join_running(const std::shared_ptr<Job>& job) {
       ++joined_;
     }
     ++r->joined;
-    for (const std::string& piece : r->pieces) {
-      note_first(*job);
-      job->push_text(piece);
-    }
+    metrics_.observe(&Metrics::queue, seconds_since(job->received));
+    if (!r->pieces.empty()) note_text(*job);  // its first text: every piece so far at once
+    for (const std::string& piece : r->pieces) job->push_text(piece);
     for (const json& entry : r->logprob_entries) job->push_logprob(entry);
     r->group.push_back(job);
     ++running_;

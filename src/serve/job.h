@@ -45,6 +45,7 @@ struct Job {
   std::deque<json> logprob_entries;  // tokens' log-probabilities not yet sent (logprobs asked)
   bool first = false;              // the first text (or the end) arrived
   bool ttft_counted = false;       // its time to first text is in the metrics (main thread)
+  clock::time_point last_text;     // when its latest text piece came (main thread)
   bool done = false;
   json row;                       // when done without error
   std::optional<ApiError> error;  // when done with one

@@ -10,15 +10,31 @@ void Metrics::count(int status) {
   ++requests[status];
 }
 
-void Metrics::observe_ttft(double seconds) {
-  std::lock_guard<std::mutex> lock(mu);
-  ttft_sum += seconds;
-  ++ttft_count;
-  for (size_t i = 0; i < ttft_buckets.size(); ++i)
-    if (seconds <= ttft_buckets[i]) {
-      ++ttft_counts[i];
+void Histogram::observe(double x) {
+  sum += x;
+  ++count;
+  for (size_t i = 0; i < buckets.size(); ++i)
+    if (x <= buckets[i]) {
+      ++counts[i];
       break;
     }
+}
+
+void Histogram::write(std::ostream& os, const std::string& name, const std::string& help) const {
+  os << "# HELP " << name << " " << help << "\n# TYPE " << name << " histogram\n";
+  int64_t cum = 0;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    cum += counts[i];
+    os << name << "_bucket{le=\"" << buckets[i] << "\"} " << cum << "\n";
+  }
+  os << name << "_bucket{le=\"+Inf\"} " << count << "\n"
+     << name << "_sum " << sum << "\n"
+     << name << "_count " << count << "\n";
+}
+
+void Metrics::observe(Histogram Metrics::*h, double seconds) {
+  std::lock_guard<std::mutex> lock(mu);
+  (this->*h).observe(seconds);
 }
 
 std::string prometheus_text(Metrics& mx, const Gauges& g) {
@@ -31,21 +47,14 @@ std::string prometheus_text(Metrics& mx, const Gauges& g) {
   m << "# TYPE lvx_prompt_tokens_total counter\nlvx_prompt_tokens_total " << mx.prompt_tokens
     << "\n"
     << "# TYPE lvx_generated_tokens_total counter\nlvx_generated_tokens_total "
-    << mx.completion_tokens << "\n"
-    << "# HELP lvx_time_to_first_token_seconds From a request's arrival to its first text.\n"
-    << "# TYPE lvx_time_to_first_token_seconds histogram\n";
-  int64_t cum = 0;
-  for (size_t i = 0; i < mx.ttft_buckets.size(); ++i) {
-    cum += mx.ttft_counts[i];
-    m << "lvx_time_to_first_token_seconds_bucket{le=\"" << mx.ttft_buckets[i] << "\"} " << cum
-      << "\n";
-  }
-  m << "lvx_time_to_first_token_seconds_bucket{le=\"+Inf\"} " << mx.ttft_count << "\n"
-    << "lvx_time_to_first_token_seconds_sum " << mx.ttft_sum << "\n"
-    << "lvx_time_to_first_token_seconds_count " << mx.ttft_count << "\n"
-    << "# TYPE lvx_request_seconds summary\nlvx_request_seconds_sum " << mx.latency_sum
-    << "\nlvx_request_seconds_count " << mx.latency_count << "\n"
-    << "# HELP lvx_visual_cache_hits_total Ranks that found their share of a request's frames "
+    << mx.completion_tokens << "\n";
+  mx.queue.write(m, "lvx_queue_seconds",
+                 "From a request's arrival until its generation starts (admitted to the batch).");
+  mx.ttft.write(m, "lvx_time_to_first_token_seconds", "From a request's arrival to its first text.");
+  mx.inter_token.write(m, "lvx_inter_token_seconds",
+                       "Between two text pieces of one answer (a piece is each token's text).");
+  mx.request.write(m, "lvx_request_seconds", "From a request's arrival to the end of its answer.");
+  m << "# HELP lvx_visual_cache_hits_total Ranks that found their share of a request's frames "
        "encoded already (summed over ranks).\n"
     << "# TYPE lvx_visual_cache_hits_total counter\nlvx_visual_cache_hits_total "
     << mx.cache_hits << "\n"

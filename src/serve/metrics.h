@@ -5,20 +5,34 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <ostream>
 #include <string>
 #include <vector>
 
 namespace lvx::serve {
+
+// A Prometheus histogram: counts per upper bound (cumulative when written), sum and count.
+struct Histogram {
+  std::vector<double> buckets;  // upper bounds, ascending (+Inf implied)
+  std::vector<int64_t> counts = std::vector<int64_t>(buckets.size(), 0);
+  double sum = 0;
+  int64_t count = 0;
+  void observe(double x);
+  // # HELP, # TYPE, the cumulative buckets, _sum and _count of `name`.
+  void write(std::ostream& os, const std::string& name, const std::string& help) const;
+};
 
 // Prometheus counters (rank 0).
 struct Metrics {
   std::mutex mu;
   std::map<int, int64_t> requests;  // by HTTP status
   int64_t prompt_tokens = 0, completion_tokens = 0;
-  double ttft_sum = 0, latency_sum = 0;
-  int64_t ttft_count = 0, latency_count = 0;
-  std::vector<double> ttft_buckets{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
-  std::vector<int64_t> ttft_counts = std::vector<int64_t>(10, 0);
+  // Latencies (seconds): a request's wait from arrival until its generation starts, its time to
+  // first text, the gaps between its text pieces, and arrival to the end of its answer.
+  Histogram queue{{0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60}};
+  Histogram ttft{{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}};
+  Histogram inter_token{{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5}};
+  Histogram request{{0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300}};
   int64_t cache_hits = 0, cache_misses = 0, cache_bytes = 0;  // over every rank
   int64_t prefix_reuses = 0;  // requests whose prompt prefix state was reused
   int64_t cancelled = 0;  // requests whose client went away before the answer ended
@@ -28,8 +42,8 @@ struct Metrics {
   // Chunked prefill: prompt chunks run, and decode steps run while a prompt had chunks left.
   int64_t prefill_chunks = 0, steps_while_prefilling = 0;
   void count(int status);
-  // A request's time to first text, `seconds` (once per request).
-  void observe_ttft(double seconds);
+  // Adds `seconds` to histogram `h` of these metrics, under the lock.
+  void observe(Histogram Metrics::*h, double seconds);
 };
 
 // What the text reports beside the counters: read when /metrics is asked.

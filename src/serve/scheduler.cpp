@@ -191,13 +191,14 @@ void Server::admit(const std::shared_ptr<Job>& job) {
       }
     }
   }
+  for (const auto& j : r->group) metrics_.observe(&Metrics::queue, seconds_since(j->received));
   Running* rp = r.get();
   runtime::AnswerHooks hooks;
   hooks.on_text = [this, rp](const std::string& piece) {
     std::lock_guard<std::mutex> lock(gmu_);
     rp->pieces.push_back(piece);
     for (const auto& j : rp->group) {
-      note_first(*j);
+      note_text(*j);
       j->push_text(piece);
     }
   };
@@ -349,12 +350,8 @@ void Server::complete(Running& r, const json& row) {
       j.fail(bad_request(client_error_text(row["error"].get<std::string>())));
       continue;
     }
-    note_first(j);
-    {
-      std::lock_guard<std::mutex> lock(metrics_.mu);
-      metrics_.latency_sum += seconds_since(j.received);
-      ++metrics_.latency_count;
-    }
+    if (!j.ttft_counted) note_text(j);  // the end is its first text (an empty answer)
+    metrics_.observe(&Metrics::request, seconds_since(j.received));
     std::string finish = row["finish_reason"].get<std::string>();
     if (j.stop_hit) finish = "stop";
     // The text as lvx qa gives it, unless a stop string cut it.

@@ -144,8 +144,9 @@ class Server {
   // Joins `job` to the running generation when it is identical to it and still open: the text
   // so far is handed to it at once. Returns whether it joined.
   bool join_running(const std::shared_ptr<Job>& job);
-  // Counts `j`'s time to first text once.
-  void note_first(Job& j);
+  // A text piece of `j` arrived: its time to first text the first time, else the gap since
+  // the piece before (the metrics' histograms).
+  void note_text(Job& j);
   std::string metrics_text();
   // The main loop of rank 0 (scheduler.cpp): admit, step, retire until drained; throws what a
   // rank's failure throws. fail_everything answers every request in flight 503 after one.

@@ -29,9 +29,10 @@ def case_answers_equal_lvx_qa(fx, srv, ranks):
 
 def case_streaming(fx, srv, ranks):
     want = qa_json(fx, fx.clip, ranks)
+    before = srv.metrics()
     stream = ask(srv, video_part(file_url(fx.clip)), stream=True,
                  stream_options={"include_usage": True})
-    text, finish, usage, chunks = "", None, None, 0
+    text, finish, usage, chunks, pieces = "", None, None, 0, 0
     for ch in stream:
         assert ch.object == "chat.completion.chunk"
         chunks += 1
@@ -39,11 +40,23 @@ def case_streaming(fx, srv, ranks):
             usage = ch.usage
         for c in ch.choices:
             text += c.delta.content or ""
+            pieces += 1 if c.delta.content else 0
             finish = c.finish_reason or finish
     assert text == want["response"], (text, want["response"])
     assert finish == want["finish_reason"]
     assert usage and usage.completion_tokens == want["completion_tokens"]
     assert chunks >= 3  # role, content pieces, finish
+    # The latency histograms counted this request: its queue wait, its end, and a gap between
+    # each two of its text pieces; every histogram's +Inf bucket is its count, buckets cumulative.
+    after = srv.metrics()
+    grew = lambda name: after[name + "_count"] - before.get(name + "_count", 0)
+    assert grew("lvx_queue_seconds") >= 1 and grew("lvx_request_seconds") >= 1
+    assert grew("lvx_time_to_first_token_seconds") >= 1
+    assert grew("lvx_inter_token_seconds") >= pieces - 1 >= 1, (pieces, after)
+    for name in ("lvx_queue_seconds", "lvx_time_to_first_token_seconds",
+                 "lvx_inter_token_seconds", "lvx_request_seconds"):
+        buckets = [v for k, v in after.items() if k.startswith(name + "_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == after[name + "_count"], (name, buckets)
     # Raw SSE: events, then [DONE].
     body = json.dumps({"model": "model", "messages": messages(video_part(file_url(fx.clip))),
                        "stream": True, "max_tokens": 4})
