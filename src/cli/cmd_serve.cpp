@@ -52,6 +52,10 @@ void add_serve_options(lvx::cli::ArgParser& p) {
   p.add_option("max-inflight-bytes", 0, "1073741824",
                "request bytes held at once over every request, from each one's headers until its\n"
                "answer is sent (beyond: 429, or 413 for a body larger than all of it)");
+  p.add_option("max-kv-bytes", 0, "0",
+               "KV bytes per rank (visual K/V and KV cache, the planner's figure for each request's\n"
+               "frames, prompt and max_tokens) the running generations may hold together: a\n"
+               "request waits for room, or gets 400 when it alone is larger; 0: no budget");
   p.add_option("max-connections", 0, "256",
                "client connections open at once (beyond: 503, and only /health and /metrics are\n"
                "answered, for 64 more)");
@@ -136,6 +140,7 @@ lvx::serve::ServeOptions serve_options(const lvx::cli::ArgParser& p) {
   o.max_body_bytes = p.get_int("max-body-bytes", 1, INT64_MAX);
   o.max_inflight_bytes = p.get_int("max-inflight-bytes", 1, INT64_MAX);
   o.max_connections = p.get_int("max-connections", 1, 1 << 20);
+  o.max_kv_bytes = p.get_int("max-kv-bytes", 0, INT64_MAX);
   o.header_timeout_s = p.get_double("header-timeout");
   o.body_min_rate = p.get_double("body-min-rate");
   LVX_CHECK(o.header_timeout_s > 0, "--header-timeout must be > 0 seconds, got ",

@@ -182,6 +182,7 @@ PromptTokens QaSession::prompt(const QaRequest& req, int64_t frames) const {
   return chat_prompt(*s_, req, frames);
 }
 dist::ProcessGroup& QaSession::group() { return *s_->pg; }
+const models::Model& QaSession::model() const { return *s_->model; }
 void QaSession::batch_prompts(bool on) { s_->batch_prompts = on; }
 const QaJob& QaSession::job() const { return s_->job; }
 VisualCacheStats QaSession::cache_stats() const { return s_->cache->stats(); }

@@ -185,6 +185,8 @@ class QaSession {
   // conversation the family's template refuses throws lvx::Error. Touches no other rank and
   // only reads the tokenizer: lvx serve checks requests with it on its HTTP threads.
   models::PromptTokens prompt(const QaRequest& request, int64_t frames) const;
+  // The model it answers with (its shapes: lvx serve prices a request's KV from them).
+  const models::Model& model() const;
   dist::ProcessGroup& group();
   const QaJob& job() const;              // plan.dtype resolved
   VisualCacheStats cache_stats() const;  // this rank's

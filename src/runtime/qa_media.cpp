@@ -93,6 +93,12 @@ void set_content_secret(const std::string& secret) {
   c.known.clear();
 }
 
+std::string content_secret() {
+  ContentKeys& c = content_keys();
+  std::lock_guard<std::mutex> lock(c.mu);
+  return c.secret;
+}
+
 std::string content_hash(const std::string& path) {
   ContentKeys& keys = content_keys();
   std::mutex& mu = keys.mu;

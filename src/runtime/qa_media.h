@@ -26,6 +26,7 @@ std::string content_hash(const std::string& path);
 // a hash rank 0 names is each rank's). Until set: a fixed one (lvx qa's own runs). Forgets the
 // hashes made under the previous secret.
 void set_content_secret(const std::string& secret);
+std::string content_secret();
 
 // The decoder's options of a request (its frame-index cache: off for uploads).
 video::DecodeOptions decode_options(const QaRequest& req);

@@ -9,6 +9,7 @@
 
 #include "src/common/error.h"
 #include "src/serve/connection.h"
+#include "src/serve/kv_budget.h"
 #include "src/serve/server_impl.h"
 
 namespace lvx::serve {
@@ -89,6 +90,7 @@ std::shared_ptr<Job> Server::accept(const httplib::Request& req, httplib::Respon
     resolve_uuid(*job);
     spill_uploads(job->req, job->uploads);  // a queued request holds files, not bytes
     job->key = generation_key(describe(*job, nullptr));
+    if (o_.max_kv_bytes > 0) job->kv_cost = kv_cost_of(*job);
   } catch (const ApiError& e) {
     send_error(res, e);
     return nullptr;
@@ -205,6 +207,34 @@ void Server::resolve_uuid(Job& job) const {
             "' names no video sent with this API key: send the video with its uuid first",
         "messages", "uuid_not_found");
   r.video_hash = *hash;
+}
+
+int64_t Server::kv_cost_of(const Job& job) const {
+  const ChatRequest& r = job.req;
+  const runtime::QaJob& qa = session_.job();
+  const bool own = r.fps || r.num_frames;  // the request's sampling, else the server's
+  const int64_t frames =
+      !r.frames.empty()
+          ? static_cast<int64_t>(r.frames.size())
+          : request_frames(own ? r.num_frames : qa.num_frames, own ? r.fps : qa.fps, r.start,
+                           r.end, r.video ? r.video->path : "", api_.max_frames);
+  runtime::QaRequest q;
+  q.item.question = r.question;
+  q.earlier = r.earlier;
+  q.item.system = r.system;
+  const int64_t prompt = static_cast<int64_t>(session_.prompt(q, frames).ids.size());
+  const int64_t tokens = r.max_tokens > 0 ? r.max_tokens : o_.default_max_tokens;
+  const int64_t cost = question_kv_bytes(session_.model().planner_model(), frames, prompt, tokens,
+                                         pg_.world_size(), qa.plan.dtype == "fp32" ? 4 : 2);
+  if (cost > o_.max_kv_bytes)
+    throw ApiError(400, "invalid_request_error",
+                   "the request needs " + format_bytes(cost) + " of KV cache per rank (" +
+                       std::to_string(frames) + " frames, " + std::to_string(prompt) +
+                       " prompt tokens, " + std::to_string(tokens) +
+                       " new tokens), more than --max-kv-bytes " + format_bytes(o_.max_kv_bytes) +
+                       ": ask for fewer frames or tokens",
+                   "messages", "kv_budget_exceeded");
+  return cost;
 }
 
 void Server::check_conversation(const ChatRequest& r) const {

@@ -37,6 +37,7 @@ struct Job {
   std::string id;
   int64_t created = 0;
   clock::time_point received;
+  int64_t kv_cost = 0;  // KV bytes per rank its generation will hold (--max-kv-bytes)
   std::atomic<bool> cancelled{false};  // the client went away
 
   std::mutex mu;

@@ -108,7 +108,11 @@ std::string prometheus_text(Metrics& mx, const Gauges& g) {
     << "# HELP lvx_connections Open client connections (--max-connections; past it, new ones get "
        "503)\n"
     << "# TYPE lvx_connections gauge\nlvx_connections " << g.connections << "\n"
-    << "# TYPE lvx_max_connections gauge\nlvx_max_connections " << g.max_connections << "\n";
+    << "# TYPE lvx_max_connections gauge\nlvx_max_connections " << g.max_connections << "\n"
+    << "# HELP lvx_kv_bytes KV bytes per rank the running generations hold, as admission prices "
+       "them (--max-kv-bytes; 0 there: no budget).\n"
+    << "# TYPE lvx_kv_bytes gauge\nlvx_kv_bytes " << g.kv_bytes << "\n"
+    << "# TYPE lvx_kv_limit_bytes gauge\nlvx_kv_limit_bytes " << g.kv_limit << "\n";
   return m.str();
 }
 

@@ -52,6 +52,7 @@ struct Gauges {
   int64_t queue_depth = 0, running = 0, ranks = 0;
   int64_t inflight_bytes = 0, inflight_limit = 0;  // --max-inflight-bytes, and what is held
   int64_t connections = 0, max_connections = 0;    // open client connections (src/serve/gate.h)
+  int64_t kv_bytes = 0, kv_limit = 0;  // the running generations' KV per rank, --max-kv-bytes
 };
 
 // The Prometheus text exposition (version 0.0.4) of `m` and `g`.

@@ -66,7 +66,7 @@ struct MediaRef {
   std::string base64;
   std::string field;  // the part's field ("video_url", "image_url"): what its errors name
   std::string ext;    // ".mp4", ".png", ... (from the data URL's media type)
-  std::string hash;  // an upload's content hash (XXH3-64 of its bytes), once written
+  std::string hash;  // an upload's content hash (keyed XXH3-128 of its bytes), once written
   bool upload = false;
 };
 

@@ -165,6 +165,11 @@ std::shared_ptr<Job> Server::take_job() {
   if (batch_.empty())
     qcv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return !queue_.empty(); });
   if (queue_.empty()) return nullptr;
+  // --max-kv-bytes: the next request waits (in order) until the generations running leave room
+  // for its KV (src/serve/kv_budget.h); alone it always fits (a larger one was refused).
+  if (o_.max_kv_bytes > 0 && !batch_.empty() &&
+      kv_in_use_ + queue_.front()->kv_cost > o_.max_kv_bytes)
+    return nullptr;
   std::shared_ptr<Job> job = queue_.front();
   queue_.pop_front();
   return job;
@@ -176,6 +181,11 @@ void Server::admit(const std::shared_ptr<Job>& job) {
   r->command.desc = describe(*job, &r->command.blobs);
   r->key = job->key;
   r->group = {job};
+  r->kv_cost = job->kv_cost;  // the generation's, whoever joins it
+  {
+    std::lock_guard<std::mutex> lock(qmu_);
+    kv_in_use_ += r->kv_cost;
+  }
   // Queued requests identical to this one in everything their tokens depend on (media,
   // sampling and seed, conversation, max_tokens) share its generation: the same inputs give
   // the same tokens, so each gets exactly the answer it would get alone. What only their own
@@ -320,6 +330,7 @@ void Server::retire_done() {
       running_ -= static_cast<int64_t>(done->group.size());
       std::lock_guard<std::mutex> qlock(qmu_);
       joined_ -= done->joined;
+      kv_in_use_ -= done->kv_cost;
     }
     complete(*done, row);
   }

@@ -17,6 +17,7 @@
 #include "src/common/error.h"
 #include "src/serve/connection.h"
 #include "src/serve/http_framing.h"
+#include "src/serve/kv_budget.h"
 #include "src/serve/server_impl.h"
 
 namespace lvx::serve {
@@ -136,7 +137,9 @@ std::string Server::metrics_text() {
   {
     std::lock_guard<std::mutex> lock(qmu_);
     g.queue_depth = static_cast<int64_t>(queue_.size());
+    g.kv_bytes = kv_in_use_;
   }
+  g.kv_limit = o_.max_kv_bytes;
   g.running = running_.load();
   g.inflight_bytes = budget_.held();
   g.inflight_limit = budget_.limit();
@@ -214,6 +217,20 @@ std::string Server::bind() {
   return error;
 }
 
+void Server::print_kv_budget() const {
+  // The planner's figure for one request of --max-frames frames (or 16, the default sampling)
+  // and the default max_tokens, beside the budget: how many such requests run at once.
+  const runtime::QaJob& qa = session_.job();
+  const int64_t frames = qa.max_frames > 0 ? qa.max_frames : qa.num_frames.value_or(16);
+  const int64_t one = question_kv_bytes(session_.model().planner_model(), frames, frames + 64,
+                                        o_.default_max_tokens, pg_.world_size(),
+                                        qa.plan.dtype == "fp32" ? 4 : 2);
+  std::cerr << "lvx serve: --max-kv-bytes " << format_bytes(o_.max_kv_bytes)
+            << " per rank; the planner's KV for one question of " << frames << " frames and "
+            << o_.default_max_tokens << " new tokens: " << format_bytes(one) << " per rank ("
+            << o_.max_kv_bytes / std::max<int64_t>(1, one) << " at once)" << std::endl;
+}
+
 int Server::run_rank0() {
   std::thread listener([this] { gate_->run(); });
   struct sigaction sa {};
@@ -222,6 +239,7 @@ int Server::run_rank0() {
   ::sigaction(SIGINT, &sa, nullptr);
   std::cerr << "lvx serve: " << o_.model_name << " on " << pg_.world_size()
             << " rank(s), listening on http://" << o_.host << ":" << port_ << std::endl;
+  if (o_.max_kv_bytes > 0) print_kv_budget();
   int code = 0;
   try {
     serve_loop();

@@ -63,6 +63,10 @@ struct ServeOptions {
   // Client connections open at once (src/serve/gate.h): past it a new one gets 503 (only
   // /health and /metrics are answered, for 64 more).
   int64_t max_connections = 256;
+  // KV bytes per rank (visual K/V and KV cache) the running generations may hold together
+  // (src/serve/kv_budget.h): a request that fits waits for room, one that never can gets 400.
+  // 0: no budget (admission counts requests only).
+  int64_t max_kv_bytes = 0;
   double header_timeout_s = 5;     // a request's whole header (beyond: 408)
   double body_min_rate = 1 << 20;  // bytes/s a body averages, after 10 s (below: 408)
   int64_t default_max_tokens = 256;

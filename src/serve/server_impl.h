@@ -141,6 +141,10 @@ class Server {
   void respond_stream(const std::shared_ptr<Job>& job, httplib::Response& res);
   // Throws a 400 when the family's template refuses the request's conversation.
   void check_conversation(const ChatRequest& r) const;
+  // --max-kv-bytes: the request's KV bytes per rank (src/serve/kv_budget.h); 400 naming its cost
+  // and the limit when it exceeds the budget.
+  int64_t kv_cost_of(const Job& job) const;
+  void print_kv_budget() const;  // at start, with the planner's figure for one question
   // Joins `job` to the running generation when it is identical to it and still open: the text
   // so far is handed to it at once. Returns whether it joined.
   bool join_running(const std::shared_ptr<Job>& job);
@@ -175,6 +179,7 @@ class Server {
   struct Running {
     std::vector<std::shared_ptr<Job>> group;
     std::string key;
+    int64_t kv_cost = 0;  // its KV bytes per rank (--max-kv-bytes), counted in kv_in_use_
     Command command;  // its description and inline media (compared in place by joiners)
     std::vector<std::string> pieces;
     std::vector<json> logprob_entries;  // each token's so far, when logprobs are asked
@@ -187,6 +192,7 @@ class Server {
   std::vector<std::unique_ptr<Running>> batch_;
   int64_t joined_ =
       0;  // requests that joined a running generation (they count against --max-queue)
+  int64_t kv_in_use_ = 0;  // the running generations' KV bytes per rank (under qmu_)
   std::atomic<int64_t> handlers_{0};  // chat handlers still writing a response
   std::atomic<bool> draining_{false}, failed_{false};
   // Draining begins at the signal; draining_ is when the generation loop took note of it.

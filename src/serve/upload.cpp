@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "src/common/error.h"
+#include "src/runtime/qa_media.h"
 
 namespace lvx::serve {
 
@@ -43,23 +44,29 @@ void UploadDir::spill(MediaRef& m, const std::string& name) {
   if (m.base64.empty()) return;
   const std::string path = path_of(name + m.ext);
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  // Keyed by the session's content secret (runtime/qa_media.h): identical uploads share a
+  // generation by this hash, so no client may choose two contents of one hash.
+  const std::string secret = runtime::content_secret();
   XXH3_state_t* state = XXH3_createState();
-  LVX_CHECK(state != nullptr && XXH3_64bits_reset(state) == XXH_OK, "cannot hash the upload");
+  LVX_CHECK(state != nullptr &&
+                XXH3_128bits_reset_withSecret(state, secret.data(), secret.size()) == XXH_OK,
+            "cannot hash the upload");
   int64_t bytes = 0;
   const bool ok = base64_decode(m.base64, [&](std::string_view piece) {
     f.write(piece.data(), static_cast<std::streamsize>(piece.size()));
-    XXH3_64bits_update(state, piece.data(), piece.size());
+    XXH3_128bits_update(state, piece.data(), piece.size());
     bytes += static_cast<int64_t>(piece.size());
   });
-  const auto hash = static_cast<unsigned long long>(XXH3_64bits_digest(state));
+  const XXH128_hash_t hash = XXH3_128bits_digest(state);
   XXH3_freeState(state);
   std::string().swap(m.base64);  // the text is done with, written or not
   if (!ok)
     throw bad_request(m.field + ": the data URL's base64 is malformed",
                       "messages[].content[]." + m.field);
   LVX_CHECK(f.good(), "cannot write the upload (", bytes, " bytes) to ", path);
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", hash);
+  char hex[33];
+  std::snprintf(hex, sizeof hex, "%016llx%016llx", static_cast<unsigned long long>(hash.high64),
+                static_cast<unsigned long long>(hash.low64));
   m.path = path;
   m.hash = hex;
   m.upload = true;

@@ -254,3 +254,36 @@ def case_unseeded_sampling_is_fresh(fx, srv, ranks):
 def _messages(media):
     from harness import messages
     return messages(media)
+
+
+def case_kv_budget(fx, srv, ranks):
+    # Admission by cost (--max-kv-bytes 150000 per rank): a request whose KV alone exceeds the
+    # budget gets 400 naming its cost, frames and the limit, before any frame is decoded; two
+    # that fit alone but not together both get their answers, one after the other (the decode
+    # batch never held both). Costs scale with the ranks, so the frames come from the 400's cost.
+    import concurrent.futures
+    import re
+    from harness import expect_error, messages
+    budget = 150000
+    t0 = time.time()
+    err = expect_error(srv, 400, json.dumps({"model": "model", "num_frames": 40, "max_tokens": 2,
+                                             "messages": messages(video_part(file_url(fx.clip)))}))
+    assert err.get("code") == "kv_budget_exceeded", err
+    assert "40 frames" in err["message"] and "--max-kv-bytes %d bytes" % budget in err["message"], err
+    assert time.time() - t0 < 5
+    cost40 = int(re.search(r"needs (\d+) bytes", err["message"]).group(1))
+    assert cost40 > budget
+    frames = int(0.6 * budget * 40 / cost40)  # a cost in (budget / 2, budget]: see the header
+    assert frames >= 2, (frames, cost40)
+    clip = video_part(file_url(fx.clip))
+    m0 = srv.metrics()
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(lambda q: srv.client.chat.completions.create(
+            model="model", messages=messages(clip, question=q), temperature=0, max_tokens=4,
+            extra_body={"num_frames": frames}), ["What colour?", "What shape?"]))
+    assert all(r.choices[0].message.content is not None for r in got)
+    m1 = srv.metrics()
+    assert m1["lvx_decode_batch_max"] == 1, m1["lvx_decode_batch_max"]
+    assert m1["lvx_kv_limit_bytes"] == budget and m1["lvx_kv_bytes"] == 0  # all retired
+    assert m1['lvx_requests_total{status="200"}'] - m0.get('lvx_requests_total{status="200"}', 0) == 2
+

@@ -44,6 +44,7 @@ from cases_process import (
 from cases_hostile_clients import (
     case_cache_is_private_to_each_key, case_fps_obeys_max_frames,
     case_refused_uploads_read_their_answer, case_unseeded_sampling_is_fresh, case_slow_body_gets_408,
+    case_kv_budget,
     case_slow_headers_do_not_hang, case_unauthenticated_cannot_lock_out)
 from harness import KEY, KEY2, Fixtures, Server
 
@@ -87,6 +88,7 @@ CASES = [
     (case_fps_obeys_max_frames, ["--max-frames", "40"], {}, 1, False),
     (case_cache_is_private_to_each_key, "keys-file", {}, 1, False),
     (case_unseeded_sampling_is_fresh, [], {}, 1, False),
+    (case_kv_budget, ["--max-kv-bytes", "150000"], {}, 1, False),
 ]
 
 
