@@ -29,8 +29,7 @@ at::Tensor pack_prompt(const DecodeCache& cache, const std::vector<size_t>& laye
 // Which of this rank's prompt keys are real (not padding): uint8 [S_r, B].
 at::Tensor pack_valid(const KVShard& shard, int64_t batch) {
   const int64_t S = shard.k.size(1);
-  if (!shard.visible.defined())
-    return at::ones({S, batch}, shard.k.options().dtype(at::kByte));
+  if (!shard.visible.defined()) return at::ones({S, batch}, shard.k.options().dtype(at::kByte));
   return shard.visible.to(at::kByte).transpose(0, 1).contiguous();
 }
 

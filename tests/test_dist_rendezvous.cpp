@@ -45,6 +45,40 @@ TEST(Rendezvous, OpenMpiVariables) {
   EXPECT_EQ(i.master_port, 29500);
 }
 
+// A task of an srun step: its place from SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_LOCALID, its
+// node's task count from the compressed SLURM_STEP_TASKS_PER_NODE, the master the node list's
+// first host (MASTER_ADDR wins). A batch script's own variables (no step) are no rank.
+TEST(Rendezvous, SlurmStepVariables) {
+  const std::map<std::string, std::string> task{{"SLURM_PROCID", "9"},
+                                                {"SLURM_STEP_ID", "0"},
+                                                {"SLURM_STEP_NUM_TASKS", "12"},
+                                                {"SLURM_NTASKS", "16"},
+                                                {"SLURM_LOCALID", "1"},
+                                                {"SLURM_NODEID", "2"},
+                                                {"SLURM_STEP_TASKS_PER_NODE", "4(x2),4"},
+                                                {"SLURM_STEP_NODELIST", "gpu[07-08,12]"},
+                                                {"SLURM_JOB_NODELIST", "other1"}};
+  auto i = lvx::dist::rendezvous_from_env(task);
+  EXPECT_EQ(i.source, "slurm");
+  EXPECT_EQ(i.rank, 9);
+  EXPECT_EQ(i.world_size, 12);  // the step's tasks, not the job's
+  EXPECT_EQ(i.local_rank, 1);
+  EXPECT_EQ(i.local_world_size, 4);
+  EXPECT_EQ(i.master_addr, "gpu07");
+  auto with_master = task;
+  with_master["MASTER_ADDR"] = "10.1.2.3";
+  EXPECT_EQ(lvx::dist::rendezvous_from_env(with_master).master_addr, "10.1.2.3");
+  auto batch_script = task;
+  batch_script.erase("SLURM_STEP_ID");
+  EXPECT_EQ(lvx::dist::rendezvous_from_env(batch_script).world_size, 1);
+  EXPECT_EQ(lvx::dist::first_slurm_host("node1,node2"), "node1");
+  EXPECT_EQ(lvx::dist::first_slurm_host("a3,b[1-2]"), "a3");
+  EXPECT_EQ(lvx::dist::first_slurm_host("n[001-004]"), "n001");
+  EXPECT_EQ(lvx::dist::slurm_tasks_on_node("8(x2),2", 1), 8);
+  EXPECT_EQ(lvx::dist::slurm_tasks_on_node("8(x2),2", 2), 2);
+  EXPECT_THROW(lvx::dist::slurm_tasks_on_node("8(x2)", 5), lvx::Error);
+}
+
 TEST(Rendezvous, NoVariablesIsOneRank) {
   auto i = lvx::dist::rendezvous_from_env(std::map<std::string, std::string>{});
   EXPECT_EQ(i.world_size, 1);

@@ -128,8 +128,8 @@ TEST(DecodePrice, ByHand) {
   c.intra_node.sync_s = 1e-3;
   EXPECT_DOUBLE_EQ(price_decode(m, c, s, 4, false).read_s, (4e6 + kt + kv) / 1e9);
   EXPECT_DOUBLE_EQ(price_decode(m, c, s, 4, true).read_s, (1e6 + kt + kv) / 1e9);
-  EXPECT_NEAR(price_decode(m, c, s, 4, true).messages_s,
-              2 * 10e-6 + 3 * (32 + 40) / 100e9 + 1e-3, 1e-15);
+  EXPECT_NEAR(price_decode(m, c, s, 4, true).messages_s, 2 * 10e-6 + 3 * (32 + 40) / 100e9 + 1e-3,
+              1e-15);
   // W counts the decoder's layers and a head of vocab × the last width: (776 + 10·8)·2.
   EXPECT_EQ(decode_weight_bytes(m, 776, 10, 2), 1712);
   // No memory figure: no price, and the error says which field.
@@ -430,8 +430,9 @@ TEST(TrainMemory, PlanMaxFramesSaysWhatFitsFor7B) {
   // the peak may fill the device to the byte, so more frames "fit".
   const double gib = double(int64_t{1} << 30);
   EXPECT_NEAR(j["reserve_bytes"].get<double>(), 1.5 * gib + 0.08 * 80 * gib, 1e6);
-  j = plan("--nproc 16 --grad-accum 4 --recompute --remat --shard parameters "
-           "--memory-reserve-gib 0");
+  j = plan(
+      "--nproc 16 --grad-accum 4 --recompute --remat --shard parameters "
+      "--memory-reserve-gib 0");
   EXPECT_EQ(j["reserve_bytes"].get<double>(), 0);
   EXPECT_GT(j["max_frames"].get<int64_t>(), stage3);
 }

@@ -3,6 +3,7 @@
 // sampling, the batch's per-row errors and resumption, and bad input named clearly. Generation's
 // numerics (pass-Q decode == the reference's greedy loop) are tested in test_models_mplug.cpp.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -142,7 +143,8 @@ TEST(QaFrames, EachRankDecodesExactlyTheImagesItsKeysHold) {
       for (int r = 0; r < n; ++r) {
         const std::vector<int64_t> frames = video::shard_positions(m, {r, n});
         const at::Tensor keys = models::media_layout(m, 4, n).positions(r);
-        ASSERT_EQ(keys.numel(), static_cast<int64_t>(frames.size()) * 4) << m << " " << n << " " << r;
+        ASSERT_EQ(keys.numel(), static_cast<int64_t>(frames.size()) * 4)
+            << m << " " << n << " " << r;
         for (size_t i = 0; i < frames.size(); ++i)
           EXPECT_EQ(keys[static_cast<int64_t>(i) * 4].item<int64_t>(), frames[i] * 4);
         EXPECT_EQ(models::media_slots(m, r, n), frames);
@@ -249,7 +251,8 @@ TEST(QaJob, BadInputIsNamed) {
 // client cannot choose two videos of one key), the file's bytes decide it, and a short secret is
 // refused.
 TEST(QaMedia, ContentKeysDependOnTheSecret) {
-  const std::string a = (temp_dir() / "key_a.bin").string(), b = (temp_dir() / "key_b.bin").string();
+  const std::string a = (temp_dir() / "key_a.bin").string(),
+                    b = (temp_dir() / "key_b.bin").string();
   std::ofstream(a) << "the same bytes";
   std::ofstream(b) << "other bytes";
   std::string s1(192, '\0'), s2(192, '\0');  // as a session's: bytes that differ
@@ -268,6 +271,32 @@ TEST(QaMedia, ContentKeysDependOnTheSecret) {
   EXPECT_EQ(content_hash(a), h1);
   EXPECT_EQ(h1, file_keyed_xxh3(a, s1));
   EXPECT_THROW(set_content_secret("short"), lvx::Error);
+}
+
+// srun's tasks are ranks (src/dist/rendezvous.h): two lvx qa processes given an srun step's
+// variables by hand (2 tasks on one node, the node list's host as master) answer together, and
+// rank 0's answer is the 1-rank one.
+TEST(QaJob, SrunTasksAnswerAsRanks) {
+  const std::string args = "--model " + tiny_model() + " --video " + clip() +
+                           " --question 'What colour was the shape?' --num-frames 4 --json "
+                           "--max-new-tokens 4";
+  const json one = run_json(args + " --nproc 1");
+  const int port = 20000 + static_cast<int>(::getpid() % 20000);
+  const std::string step =
+      "SLURM_STEP_ID=0 SLURM_STEP_NUM_TASKS=2 SLURM_NODEID=0 "
+      "SLURM_STEP_TASKS_PER_NODE=2 SLURM_STEP_NODELIST=127.0.0.1 "
+      "MASTER_PORT=" +
+      std::to_string(port) + " ";
+  int rc = 0;
+  const std::string out =
+      run("(" + step + "SLURM_PROCID=1 SLURM_LOCALID=1 " + kLvx + " qa " + args +
+              " >/dev/null 2>&1 &); " + step + "SLURM_PROCID=0 SLURM_LOCALID=0 " + kLvx + " qa " +
+              args + " 2>/dev/null",
+          &rc);
+  ASSERT_EQ(rc, 0) << out;
+  const json two = json::parse(out);
+  EXPECT_EQ(two["ranks"], 2);
+  EXPECT_EQ(two["response"], one["response"]);
 }
 
 // --nproc auto prices the question at each rank count on the cluster config and starts the

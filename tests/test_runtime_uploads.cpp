@@ -12,6 +12,7 @@
 #include <sstream>
 #include <string>
 
+#include "src/runtime/qa_media.h"
 #include "src/serve/openai_api.h"
 #include "src/serve/upload.h"
 
@@ -58,9 +59,13 @@ TEST(Uploads, DataUrlsAreDecodedStraightIntoTheirFiles) {
     ASSERT_TRUE(m.upload);
     EXPECT_TRUE(m.base64.empty());  // the text is given back
     EXPECT_EQ(slurp(m.path), bytes) << size;
-    char hex[17];
-    std::snprintf(hex, sizeof hex, "%016llx",
-                  static_cast<unsigned long long>(XXH3_64bits(bytes.data(), bytes.size())));
+    // The hash is the session's keyed one (runtime/qa_media.h): XXH3-128 under its secret.
+    const std::string secret = lvx::runtime::content_secret();
+    const XXH128_hash_t h =
+        XXH3_128bits_withSecret(bytes.data(), bytes.size(), secret.data(), secret.size());
+    char hex[33];
+    std::snprintf(hex, sizeof hex, "%016llx%016llx", static_cast<unsigned long long>(h.high64),
+                  static_cast<unsigned long long>(h.low64));
     EXPECT_EQ(m.hash, hex);
   }
 }

@@ -94,8 +94,8 @@ std::vector<CrossCall> MplugOwl3::decode_cross_calls() const {
   std::vector<CrossCall> calls;
   for (int64_t i = 0; i < cfg_.layers; ++i)
     if (cfg_.is_hyper(i))
-      calls.push_back({i, cfg_.heads, cfg_.head_dim,
-                       1.0 / std::sqrt(static_cast<double>(cfg_.head_dim))});
+      calls.push_back(
+          {i, cfg_.heads, cfg_.head_dim, 1.0 / std::sqrt(static_cast<double>(cfg_.head_dim))});
   return calls;
 }
 

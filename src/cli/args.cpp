@@ -11,6 +11,7 @@
 
 #include "src/common/error.h"
 #include "src/dist/launcher.h"
+#include "src/dist/rendezvous.h"
 
 namespace lvx::cli {
 namespace {
@@ -242,6 +243,7 @@ int local_rank_count(int local_ranks) {
   if (const char* l = std::getenv("LOCAL_WORLD_SIZE"); l && std::atoi(l) > 0) return std::atoi(l);
   if (const char* o = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); o && std::atoi(o) > 0)
     return std::atoi(o);
+  if (dist::launched_as_rank()) return dist::rendezvous_from_env().local_world_size;  // Slurm
   return local_ranks;
 }
 
@@ -301,7 +303,7 @@ void pin_option_for_ranks(std::vector<std::string>& cmd, const std::string& name
     ::setenv(env_name(name).c_str(), value.c_str(), 1);
 }
 
-bool inside_rank() { return std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE"); }
+bool inside_rank() { return dist::launched_as_rank(); }
 
 int launch_model_job(int argc, char** argv, int nproc, const std::string& model,
                      const std::string& adapter, bool rank0_direct) {

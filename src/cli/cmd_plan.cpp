@@ -8,9 +8,9 @@
 #include "src/cli/command.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
-#include "src/planner/planner.h"
 #include "src/planner/decode_price.h"
 #include "src/planner/inference_memory.h"
+#include "src/planner/planner.h"
 #include "src/planner/question_price.h"
 #include "src/planner/train_memory.h"
 #include "src/planner/train_report.h"
@@ -211,7 +211,8 @@ void print_decode_prices(const lvx::planner::ModelConfig& model,
   s.text_tokens = w.text_tokens;
   s.tokens_per_frame = tokens_per_frame;
   s.elem_bytes = elem_bytes;
-  s.weight_bytes = lvx::planner::decode_weight_bytes(model, counts.layers, counts.vocab, elem_bytes);
+  s.weight_bytes =
+      lvx::planner::decode_weight_bytes(model, counts.layers, counts.vocab, elem_bytes);
   std::vector<lvx::planner::DecodePrice> prices{
       lvx::planner::price_decode(model, cluster, s, 1, true)};
   if (w.ranks > 1)
@@ -287,9 +288,9 @@ int cmd_plan(int argc, char** argv) {
                                             cluster, j);
   } else {  // a question's whole memory per rank (src/planner/inference_memory.h)
     counts = lvx::runtime::count_parameters(model_path, model, "vision");
-    const auto im = lvx::planner::inference_memory(
-        model, counts, w.frames, w.text_tokens, tpf, p.get_int("max-new-tokens", 0, 1 << 30),
-        mo.ranks, mo.elem_bytes);
+    const auto im = lvx::planner::inference_memory(model, counts, w.frames, w.text_tokens, tpf,
+                                                   p.get_int("max-new-tokens", 0, 1 << 30),
+                                                   mo.ranks, mo.elem_bytes);
     std::cout << lvx::planner::format_memory(im);
     j["inference_memory"] = lvx::planner::to_json(im);
     print_decode_prices(model, cluster, counts, w, tpf, mo.elem_bytes,

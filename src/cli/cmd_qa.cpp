@@ -43,7 +43,9 @@ void add_qa_options(lvx::cli::ArgParser& p) {
   p.add_option("seed", 0, "0", "sampling seed (the same seed gives the same answer)");
   p.add_option("strategies", 's', "auto", "auto | S | S_cross,S_self (prefill)");
   p.add_option("cluster", 'c', "", "cluster config for --strategies auto (lvx calibrate)");
-  p.add_option("dtype", 0, "auto", "fp32 | bf16 | auto (the checkpoint's where the device computes it natively: bf16 on a GPU and on CPUs with AMX or AVX512-BF16, else fp32)");
+  p.add_option("dtype", 0, "auto",
+               "fp32 | bf16 | auto (the checkpoint's where the device computes it natively: bf16 "
+               "on a GPU and on CPUs with AMX or AVX512-BF16, else fp32)");
   lvx::cli::add_device_option(p);
   lvx::cli::add_decode_ranks_option(p);
   p.add_flag("json", 'j', "print one JSON object (answer, timings, bytes) per question");

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "src/cli/command.h"
+#include "src/cli/version.h"
 #include "src/common/error.h"
 
 namespace lvx::cli {
@@ -26,7 +27,7 @@ namespace {
 void print_help() {
   auto table = lvx::cli::command_table();
   std::sort(table.begin(), table.end(), [](auto& a, auto& b) { return a.name < b.name; });
-  std::cout << "usage: lvx <command> [options]   (lvx <command> --help for each)\n\n"
+  std::cout << "usage: lvx <command> [options]   (lvx <command> --help for each; lvx --version)\n\n"
                "lvx runs video multimodal LLMs with distributed cross-attention.\n\ncommands:\n";
   for (const auto& c : table)
     std::cout << "  " << c.name << std::string(c.name.size() < 14 ? 14 - c.name.size() : 1, ' ')
@@ -42,6 +43,10 @@ int main(int argc, char** argv) {
   // page faults took a third of a 3B model's load and ~8 % of its prefill on this machine. A
   // value the user set is kept.
   ::setenv("THP_MEM_ALLOC_ENABLE", "1", /*overwrite=*/0);
+  if (argc >= 2 && (!std::strcmp(argv[1], "--version") || !std::strcmp(argv[1], "version"))) {
+    std::cout << lvx::cli::version_text();
+    return 0;
+  }
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     print_help();
     return argc < 2 ? 2 : 0;

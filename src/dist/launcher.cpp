@@ -18,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "src/common/error.h"
+#include "src/dist/rendezvous.h"
 
 namespace lvx::dist {
 
@@ -29,7 +30,7 @@ std::string self_executable() {
 }
 
 int relaunch_self_as_ranks(int nproc, int argc, char** argv) {
-  if (std::getenv("WORLD_SIZE") || std::getenv("OMPI_COMM_WORLD_SIZE")) return -1;
+  if (launched_as_rank()) return -1;
   std::vector<std::string> cmd{self_executable()};
   for (int i = 1; i < argc; ++i) cmd.push_back(argv[i]);
   LaunchOptions o;

@@ -72,9 +72,10 @@ DecodePrice price_decode(const ModelConfig& m, const ClusterConfig& c, const Dec
       continue;
     }
     if (l.kind != LayerKind::kCross) continue;
-    const double query = double(s.batch) * double(l.heads) * double(l.head_dim) * double(s.elem_bytes);
-    p.messages_s += 2 * link.latency_s + (n - 1) * (query + part) / link.bandwidth_bytes_per_s +
-                    link.sync_s;
+    const double query =
+        double(s.batch) * double(l.heads) * double(l.head_dim) * double(s.elem_bytes);
+    p.messages_s +=
+        2 * link.latency_s + (n - 1) * (query + part) / link.bandwidth_bytes_per_s + link.sync_s;
     p.messages += 2 * (ranks - 1);
     p.bytes_sent += static_cast<int64_t>((n - 1) * query);
   }
@@ -82,8 +83,12 @@ DecodePrice price_decode(const ModelConfig& m, const ClusterConfig& c, const Dec
 }
 
 nlohmann::json to_json(const DecodePrice& p) {
-  return {{"way", p.way},          {"ranks", p.ranks},        {"seconds", p.total_s()},
-          {"read_s", p.read_s},    {"messages_s", p.messages_s}, {"messages", p.messages},
+  return {{"way", p.way},
+          {"ranks", p.ranks},
+          {"seconds", p.total_s()},
+          {"read_s", p.read_s},
+          {"messages_s", p.messages_s},
+          {"messages", p.messages},
           {"bytes_sent", p.bytes_sent}};
 }
 

@@ -36,12 +36,12 @@ struct DecodeShape {
 };
 
 struct DecodePrice {
-  std::string way;          // "one" (rank 0 decodes) | "all" (every rank)
+  std::string way;  // "one" (rank 0 decodes) | "all" (every rank)
   int64_t ranks = 1;
-  double read_s = 0;        // the bytes the step reads, at the memory's bandwidth
-  double messages_s = 0;    // its messages on the links
-  int64_t messages = 0;     // rank 0's per token (sends and receives)
-  int64_t bytes_sent = 0;   // rank 0's per token
+  double read_s = 0;       // the bytes the step reads, at the memory's bandwidth
+  double messages_s = 0;   // its messages on the links
+  int64_t messages = 0;    // rank 0's per token (sends and receives)
+  int64_t bytes_sent = 0;  // rank 0's per token
   double total_s() const { return read_s + messages_s; }
 };
 

@@ -56,7 +56,8 @@ QuestionPrice price_question(const ModelConfig& m, const ClusterConfig& c, const
   s.weight_bytes = q.weight_bytes;
   s.elem_bytes = dtype_bytes(q.dtype, "dtype");
   p.decode_s = price_decode(m, c, s, ranks, /*lead=*/true).total_s();
-  p.total_s = p.compute_s + p.attention_s + double(std::max<int64_t>(0, q.new_tokens - 1)) * p.decode_s;
+  p.total_s =
+      p.compute_s + p.attention_s + double(std::max<int64_t>(0, q.new_tokens - 1)) * p.decode_s;
   return p;
 }
 
@@ -70,8 +71,11 @@ int64_t fastest_ranks(const std::vector<QuestionPrice>& prices) {
 }
 
 nlohmann::json to_json(const QuestionPrice& p) {
-  return {{"ranks", p.ranks},         {"seconds", p.total_s},  {"compute_s", p.compute_s},
-          {"attention_s", p.attention_s}, {"decode_s_per_token", p.decode_s}};
+  return {{"ranks", p.ranks},
+          {"seconds", p.total_s},
+          {"compute_s", p.compute_s},
+          {"attention_s", p.attention_s},
+          {"decode_s_per_token", p.decode_s}};
 }
 
 std::string format_question(const std::vector<QuestionPrice>& prices, int64_t new_tokens) {

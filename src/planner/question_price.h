@@ -30,8 +30,9 @@ namespace lvx::planner {
 struct QuestionShape {
   int64_t frames = 0, text_tokens = 0, tokens_per_frame = 0, new_tokens = 1;
   std::string dtype = "bf16";
-  int64_t lm_parameters = 0;  // Ψ_lm: the decoder's layers (the head is read, not multiplied, per token)
-  int64_t weight_bytes = 0;   // W of decode_price.h
+  int64_t lm_parameters =
+      0;  // Ψ_lm: the decoder's layers (the head is read, not multiplied, per token)
+  int64_t weight_bytes = 0;  // W of decode_price.h
 };
 
 struct QuestionPrice {
@@ -51,7 +52,8 @@ QuestionPrice price_question(const ModelConfig& m, const ClusterConfig& c, const
 int64_t fastest_ranks(const std::vector<QuestionPrice>& prices);
 
 nlohmann::json to_json(const QuestionPrice& p);
-// One line per rank count: "n ranks: 5.12 s (prefill compute 4.01, attention 0.10, 31 tokens × 32.9 ms)".
+// One line per rank count: "n ranks: 5.12 s (prefill compute 4.01, attention 0.10, 31 tokens × 32.9
+// ms)".
 std::string format_question(const std::vector<QuestionPrice>& prices, int64_t new_tokens);
 
 }  // namespace lvx::planner

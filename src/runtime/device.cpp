@@ -13,22 +13,9 @@
 #include <string>
 
 #include "src/common/error.h"
+#include "src/dist/rendezvous.h"
 
 namespace lvx::runtime {
-
-namespace {
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  LVX_CHECK(end != v && *end == '\0' && x >= 0 && x < (1 << 20), name,
-            ": expected a non-negative integer, got '", v, "'");
-  return static_cast<int>(x);
-}
-
-}  // namespace
 
 at::Device choose_device(const std::string& spec, int local_rank, int local_world, int gpus) {
   LVX_CHECK(spec == "auto" || spec == "cuda" || spec == "cpu",
@@ -87,8 +74,10 @@ std::string auto_device_note(int local_ranks, int gpus) {
 }
 
 at::Device choose_device(const std::string& spec) {
-  const int world = env_int("LOCAL_WORLD_SIZE", 1);
-  const int rank = env_int("LOCAL_RANK", 0);
+  // The local rank as torchrun, OpenMPI or Slurm set it (src/dist/rendezvous.h).
+  const dist::RendezvousInfo where = dist::rendezvous_from_env();
+  const int world = where.local_world_size;
+  const int rank = where.local_rank;
   // Counting devices initialises CUDA: only when asked for it (cpu never touches the driver).
   const int gpus = spec == "cpu" ? 0 : cuda_device_count();
   const at::Device d = choose_device(spec, rank, world, gpus);

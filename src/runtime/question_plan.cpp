@@ -48,7 +48,8 @@ int64_t question_frames(const QaJob& job) {
   if (!job.fps || job.video.empty()) return 16;
   const video::VideoDecoder dec(job.video);
   const double end = job.end.value_or(dec.info().duration_seconds);
-  const double span = std::max(0.0, std::min(end, dec.info().duration_seconds) - job.start.value_or(0));
+  const double span =
+      std::max(0.0, std::min(end, dec.info().duration_seconds) - job.start.value_or(0));
   return std::max<int64_t>(1, static_cast<int64_t>(std::floor(span * *job.fps)));
 }
 
@@ -72,8 +73,8 @@ int choose_ranks(const QaJob& job, int most) {
   q.dtype = resolve_dtype(job.plan.dtype, cpu ? at::Device(at::kCPU) : at::Device(at::kCUDA, 0),
                           checkpoint_dtype(job.model));
   q.lm_parameters = counts.layers;
-  q.weight_bytes = planner::decode_weight_bytes(m, counts.layers, counts.vocab,
-                                                dtype_bytes(q.dtype, "--dtype"));
+  q.weight_bytes =
+      planner::decode_weight_bytes(m, counts.layers, counts.vocab, dtype_bytes(q.dtype, "--dtype"));
   const int64_t top = std::min<int64_t>(most, cluster.world_size());
   std::vector<planner::QuestionPrice> prices;
   for (int64_t n = 1; n <= top; ++n) prices.push_back(planner::price_question(m, cluster, q, n));

@@ -16,6 +16,7 @@
 #include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/common/safetensors.h"
+#include "src/runtime/hub_cache.h"
 #include "src/runtime/train_faults.h"
 
 namespace lvx::runtime {
@@ -213,9 +214,12 @@ void write_best_checkpoint(const std::string& root, const BestCheckpoint& best) 
   fsync_path(root);
 }
 
-std::string follow_run_folder(const std::string& path) {
-  const fs::path p(path);
+std::string follow_run_folder(const std::string& name) {
   std::error_code ec;
+  // A Hugging Face name (org/name[@revision]) that is not a folder here: its cached snapshot.
+  const std::string path =
+      !fs::exists(name, ec) && is_hub_name(name) ? hub_snapshot(name) : name;
+  const fs::path p(path);
   if (!fs::is_directory(p, ec) || fs::exists(p / "config.json", ec) ||
       fs::exists(p / "adapter_config.json", ec) ||
       !fs::exists(fs::symlink_status(p / "latest", ec)))

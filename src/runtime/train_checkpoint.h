@@ -66,10 +66,11 @@ std::vector<std::string> checkpoint_folders(const std::string& root);
 // wants), are errors naming the directory.
 std::string latest_checkpoint(const std::string& root);
 
-// A model or adapter folder as jobs take it: `path` itself, or, for a run folder (no
-// config.json or adapter_config.json of its own, a `latest` pointer), the checkpoint its
-// `latest` names (said once on stderr). Errors as latest_checkpoint's.
-std::string follow_run_folder(const std::string& path);
+// A model or adapter folder as jobs take it: `name` itself; a Hugging Face name (org/name[@rev])
+// that is no folder here, its snapshot in the local hub cache (src/runtime/hub_cache.h); and for
+// a run folder (no config.json or adapter_config.json of its own, a `latest` pointer), the
+// checkpoint its `latest` names (said once on stderr). Errors as latest_checkpoint's.
+std::string follow_run_folder(const std::string& name);
 
 // best.json under `root`: the best checkpoint by an evaluation metric.
 struct BestCheckpoint {

@@ -216,8 +216,8 @@ int64_t Server::kv_cost_of(const Job& job) const {
   const int64_t frames =
       !r.frames.empty()
           ? static_cast<int64_t>(r.frames.size())
-          : request_frames(own ? r.num_frames : qa.num_frames, own ? r.fps : qa.fps, r.start,
-                           r.end, r.video ? r.video->path : "", api_.max_frames);
+          : request_frames(own ? r.num_frames : qa.num_frames, own ? r.fps : qa.fps, r.start, r.end,
+                           r.video ? r.video->path : "", api_.max_frames);
   runtime::QaRequest q;
   q.item.question = r.question;
   q.earlier = r.earlier;
@@ -263,7 +263,8 @@ void Server::check_conversation(const ChatRequest& r) const {
 void Server::note_text(Job& j) {
   const clock::time_point now = clock::now();
   if (j.ttft_counted) {  // a later piece: the gap since the one before
-    metrics_.observe(&Metrics::inter_token, std::chrono::duration<double>(now - j.last_text).count());
+    metrics_.observe(&Metrics::inter_token,
+                     std::chrono::duration<double>(now - j.last_text).count());
     j.last_text = now;
     return;
   }

@@ -11,9 +11,9 @@ namespace lvx::serve {
 
 int64_t question_kv_bytes(const ModelConfig& m, int64_t frames, int64_t prompt_tokens,
                           int64_t new_tokens, int world, int64_t elem_bytes) {
-  const planner::InferenceMemory im = planner::inference_memory(
-      m, planner::ParamCounts{}, frames, prompt_tokens, m.visual_tokens_per_frame, new_tokens,
-      world, elem_bytes);
+  const planner::InferenceMemory im =
+      planner::inference_memory(m, planner::ParamCounts{}, frames, prompt_tokens,
+                                m.visual_tokens_per_frame, new_tokens, world, elem_bytes);
   return static_cast<int64_t>(std::ceil(im.kv_cache));
 }
 

@@ -50,14 +50,15 @@ std::string prometheus_text(Metrics& mx, const Gauges& g) {
     << mx.completion_tokens << "\n";
   mx.queue.write(m, "lvx_queue_seconds",
                  "From a request's arrival until its generation starts (admitted to the batch).");
-  mx.ttft.write(m, "lvx_time_to_first_token_seconds", "From a request's arrival to its first text.");
+  mx.ttft.write(m, "lvx_time_to_first_token_seconds",
+                "From a request's arrival to its first text.");
   mx.inter_token.write(m, "lvx_inter_token_seconds",
                        "Between two text pieces of one answer (a piece is each token's text).");
   mx.request.write(m, "lvx_request_seconds", "From a request's arrival to the end of its answer.");
   m << "# HELP lvx_visual_cache_hits_total Ranks that found their share of a request's frames "
        "encoded already (summed over ranks).\n"
-    << "# TYPE lvx_visual_cache_hits_total counter\nlvx_visual_cache_hits_total "
-    << mx.cache_hits << "\n"
+    << "# TYPE lvx_visual_cache_hits_total counter\nlvx_visual_cache_hits_total " << mx.cache_hits
+    << "\n"
     << "# TYPE lvx_visual_cache_misses_total counter\nlvx_visual_cache_misses_total "
     << mx.cache_misses << "\n"
     << "# HELP lvx_prefix_reuses_total Requests whose prompt prefix (up to its last image token) "
@@ -66,27 +67,25 @@ std::string prometheus_text(Metrics& mx, const Gauges& g) {
     << "# TYPE lvx_prefix_reuses_total counter\nlvx_prefix_reuses_total " << mx.prefix_reuses
     << "\n"
     << "# HELP lvx_visual_cache_bytes Bytes held by the visual caches of every rank.\n"
-    << "# TYPE lvx_visual_cache_bytes gauge\nlvx_visual_cache_bytes " << mx.cache_bytes
-    << "\n"
-    << "# TYPE lvx_visual_cache_entries gauge\nlvx_visual_cache_entries{rank=\"0\"} " << g.cache_entries
-    << "\n"
+    << "# TYPE lvx_visual_cache_bytes gauge\nlvx_visual_cache_bytes " << mx.cache_bytes << "\n"
+    << "# TYPE lvx_visual_cache_entries gauge\nlvx_visual_cache_entries{rank=\"0\"} "
+    << g.cache_entries << "\n"
     << "# TYPE lvx_visual_cache_capacity_bytes gauge\nlvx_visual_cache_capacity_bytes{rank=\"0\"} "
     << g.cache_capacity << "\n"
     << "# HELP lvx_requests_cancelled_total Requests whose client went away before the answer "
        "ended (their generation stopped, or never ran).\n"
-    << "# TYPE lvx_requests_cancelled_total counter\nlvx_requests_cancelled_total "
-    << mx.cancelled << "\n"
+    << "# TYPE lvx_requests_cancelled_total counter\nlvx_requests_cancelled_total " << mx.cancelled
+    << "\n"
     << "# HELP lvx_requests_merged_total Requests answered by the generation of an identical "
        "request (queued with them, or running when they arrived).\n"
-    << "# TYPE lvx_requests_merged_total counter\nlvx_requests_merged_total " << mx.merged
-    << "\n"
+    << "# TYPE lvx_requests_merged_total counter\nlvx_requests_merged_total " << mx.merged << "\n"
     << "# HELP lvx_decode_steps_total Decode steps run (each gives every running generation its "
        "next token).\n"
     << "# TYPE lvx_decode_steps_total counter\nlvx_decode_steps_total " << mx.steps << "\n"
     << "# HELP lvx_decode_step_rows_total Generations stepped, summed over the decode steps (over "
        "lvx_decode_steps_total: the mean batch).\n"
-    << "# TYPE lvx_decode_step_rows_total counter\nlvx_decode_step_rows_total "
-    << mx.step_rows << "\n"
+    << "# TYPE lvx_decode_step_rows_total counter\nlvx_decode_step_rows_total " << mx.step_rows
+    << "\n"
     << "# TYPE lvx_decode_batch_max gauge\nlvx_decode_batch_max " << mx.most_rows << "\n"
     << "# HELP lvx_prefill_chunks_total Prompt chunks run (chunked prefill, --max-batch-tokens "
        "tokens each, one between two decode steps).\n"
