@@ -65,22 +65,25 @@ Partial merge_partials(const std::vector<Partial>& parts) {
   return {o.select(1, 0), lse.select(2, 0)};
 }
 
+at::Tensor pack_partial(const Partial& p) { return at::cat({p.o, p.lse.unsqueeze(-1)}, -1); }
+
+Partial unpack_partial(const at::Tensor& packed) {
+  const int64_t D = packed.size(-1) - 1;
+  return {packed.narrow(-1, 0, D), packed.select(-1, D)};
+}
+
 std::vector<Partial> merge_across_ranks(dist::ProcessGroup& pg, const std::vector<Partial>& local) {
   const int n = pg.world_size();
   if (n == 1) return local;
-  // One message: [A, B, Hq, D + 1] (o, then lse as the last channel).
+  // One message: [A, B, Hq, D + 1] (pack_partial of each).
   std::vector<at::Tensor> packed;
-  for (const Partial& p : local) packed.push_back(at::cat({p.o, p.lse.unsqueeze(-1)}, -1));
+  for (const Partial& p : local) packed.push_back(pack_partial(p));
   const at::Tensor mine = at::stack(packed).unsqueeze(0).contiguous();  // [1, A, B, Hq, D+1]
   const at::Tensor all = pg.all_gather(mine);                           // [n, A, B, Hq, D+1]
-  const int64_t D = local[0].o.size(-1);
   std::vector<Partial> merged;
   for (size_t a = 0; a < local.size(); ++a) {
     std::vector<Partial> parts;
-    for (int r = 0; r < n; ++r) {
-      const at::Tensor x = all[r][static_cast<int64_t>(a)];
-      parts.push_back({x.narrow(-1, 0, D), x.select(-1, D)});
-    }
+    for (int r = 0; r < n; ++r) parts.push_back(unpack_partial(all[r][static_cast<int64_t>(a)]));
     merged.push_back(merge_partials(parts));
   }
   return merged;

@@ -73,6 +73,11 @@ Partial shared_partial_attention(const at::Tensor& q, const at::Tensor& k, const
 // order (exact; rows without keys stay o = 0, −inf).
 Partial merge_partials(const std::vector<Partial>& parts);
 
+// A partial as one message, [..., D + 1]: o, then lse as the last channel (what pass-Q and lead
+// decoding send), and back (views of `packed`).
+at::Tensor pack_partial(const Partial& p);
+Partial unpack_partial(const at::Tensor& packed);
+
 // Pass-Q: all-gathers this rank's partials (every attention of one layer, one message) and
 // merges each over the ranks, in rank order (identical on every rank).
 std::vector<Partial> merge_across_ranks(dist::ProcessGroup& pg, const std::vector<Partial>& local);

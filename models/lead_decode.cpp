@@ -94,7 +94,7 @@ Partial visual_over_ranks(const Parallel& par, const at::Tensor& q, const KVShar
   dist::Work work = pg.batch_isend_irecv(std::move(ops), "lead decoding: cross query");
   std::vector<Partial> parts{partial_attention(q, vis.k, vis.v, vis.visible, scale)};
   work.wait();
-  for (const at::Tensor& x : got) parts.push_back({x.narrow(-1, 0, D), x.select(-1, D)});
+  for (const at::Tensor& x : got) parts.push_back(unpack_partial(x));
   return merge_partials(parts);  // in rank order, as merge_across_ranks merges
 }
 
@@ -118,7 +118,7 @@ void serve_visual_partials(const std::vector<CrossCall>& calls, const Parallel& 
     const at::Tensor q = at::empty({cache.batch, call.heads, call.head_dim}, vis.k.options());
     par.pg->batch_isend_irecv({dist::P2POp::recv(q, 0)}, "lead decoding: cross query").wait();
     const Partial p = partial_attention(q, vis.k, vis.v, vis.visible, call.scale);
-    const at::Tensor packed = at::cat({p.o, p.lse.unsqueeze(-1)}, -1).contiguous();
+    const at::Tensor packed = pack_partial(p).contiguous();
     par.pg->batch_isend_irecv({dist::P2POp::send(packed, 0)}, "lead decoding: cross partial")
         .wait();
   }

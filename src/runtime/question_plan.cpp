@@ -39,21 +39,16 @@ std::string decode_price_text(const std::string& model_dir, const models::Model&
   return planner::format_decode(prices);
 }
 
-namespace {
-
-// The frames lvx qa will sample: --num-frames, or --fps over the video's range (its duration
-// read from the file), else the default 16.
-int64_t question_frames(const QaJob& job) {
-  if (job.num_frames) return *job.num_frames;
-  if (!job.fps || job.video.empty()) return 16;
-  const video::VideoDecoder dec(job.video);
-  const double end = job.end.value_or(dec.info().duration_seconds);
-  const double span =
-      std::max(0.0, std::min(end, dec.info().duration_seconds) - job.start.value_or(0));
-  return std::max<int64_t>(1, static_cast<int64_t>(std::floor(span * *job.fps)));
+int64_t planned_frames(const std::optional<int64_t>& num_frames, const std::optional<double>& fps,
+                       const std::optional<double>& start, const std::optional<double>& end,
+                       const std::string& video_path, int64_t max_frames, int64_t unknown) {
+  const int64_t most = max_frames > 0 ? max_frames : INT64_MAX;
+  if (!fps) return std::min(num_frames.value_or(16), most);
+  if (!end && video_path.empty()) return std::min(unknown, most);
+  const double stop = end ? *end : video::VideoDecoder(video_path).info().duration_seconds;
+  const double span = std::max(0.0, stop - start.value_or(0));
+  return std::clamp<int64_t>(static_cast<int64_t>(std::floor(span * *fps)), 1, most);
 }
-
-}  // namespace
 
 int choose_ranks(const QaJob& job, int most) {
   LVX_CHECK(!job.plan.cluster.empty(),
@@ -65,7 +60,8 @@ int choose_ranks(const QaJob& job, int most) {
   const planner::ModelConfig m = planner_model(job.model);
   const planner::ParamCounts counts = count_parameters(job.model, m, "vision");
   planner::QuestionShape q;
-  q.frames = question_frames(job);
+  q.frames = planned_frames(job.num_frames, job.fps, job.start, job.end, job.video, job.max_frames,
+                            /*unknown=*/16);
   q.text_tokens = q.frames + 64;
   q.tokens_per_frame = m.visual_tokens_per_frame;
   q.new_tokens = job.generation.max_new_tokens;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "models/model.h"
@@ -19,6 +20,14 @@ namespace lvx::runtime {
 std::string decode_price_text(const std::string& model_dir, const models::Model& model,
                               const PlanRequest& request, int64_t frames, int64_t text_tokens,
                               int world);
+
+// The frames a question will sample, known before any frame is decoded: num_frames (default 16);
+// or fps over [start, end), the end defaulting to the video's duration read from `video_path`'s
+// index (no file: `unknown` frames); at most max_frames (0: no bound). lvx serve's admission by
+// cost (src/serve/kv_budget.h) and --nproc auto price with it.
+int64_t planned_frames(const std::optional<int64_t>& num_frames, const std::optional<double>& fps,
+                       const std::optional<double>& start, const std::optional<double>& end,
+                       const std::string& video_path, int64_t max_frames, int64_t unknown);
 
 // --nproc auto: the rank count from 1 to `most` whose priced question (its frames: --num-frames,
 // or --fps over the video's range; 16 by default; the prompt about frames + 64 tokens;

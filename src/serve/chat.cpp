@@ -8,6 +8,7 @@
 #include <string>
 
 #include "src/common/error.h"
+#include "src/runtime/question_plan.h"
 #include "src/serve/connection.h"
 #include "src/serve/kv_budget.h"
 #include "src/serve/server_impl.h"
@@ -216,8 +217,9 @@ int64_t Server::kv_cost_of(const Job& job) const {
   const int64_t frames =
       !r.frames.empty()
           ? static_cast<int64_t>(r.frames.size())
-          : request_frames(own ? r.num_frames : qa.num_frames, own ? r.fps : qa.fps, r.start, r.end,
-                           r.video ? r.video->path : "", api_.max_frames);
+          : runtime::planned_frames(own ? r.num_frames : qa.num_frames, own ? r.fps : qa.fps,
+                                    r.start, r.end, r.video ? r.video->path : "", api_.max_frames,
+                                    /*unknown=*/api_.max_frames);
   runtime::QaRequest q;
   q.item.question = r.question;
   q.earlier = r.earlier;
@@ -225,7 +227,7 @@ int64_t Server::kv_cost_of(const Job& job) const {
   const int64_t prompt = static_cast<int64_t>(session_.prompt(q, frames).ids.size());
   const int64_t tokens = r.max_tokens > 0 ? r.max_tokens : o_.default_max_tokens;
   const int64_t cost = question_kv_bytes(session_.model().planner_model(), frames, prompt, tokens,
-                                         pg_.world_size(), qa.plan.dtype == "fp32" ? 4 : 2);
+                                         pg_.world_size(), dtype_bytes(qa.plan.dtype, "--dtype"));
   if (cost > o_.max_kv_bytes)
     throw ApiError(400, "invalid_request_error",
                    "the request needs " + format_bytes(cost) + " of KV cache per rank (" +

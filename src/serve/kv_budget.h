@@ -1,5 +1,6 @@
 // Admission by cost (lvx serve --max-kv-bytes): what each request will hold on a rank, known from
-// its request before any frame is decoded, and the budget its generation must fit in.
+// its request before any frame is decoded (its frames: runtime/question_plan.h planned_frames),
+// and the budget its generation must fit in.
 //
 // A request's cost is the planner's KV cache of one question per rank
 // (src/planner/inference_memory.h): the visual K/V of its frames in every cross layer (each rank
@@ -15,7 +16,6 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 
 #include "src/common/model_config.h"
@@ -26,12 +26,6 @@ namespace lvx::serve {
 // `prompt_tokens` prompt tokens, `new_tokens` answer tokens, `elem_bytes` per value.
 int64_t question_kv_bytes(const ModelConfig& m, int64_t frames, int64_t prompt_tokens,
                           int64_t new_tokens, int world, int64_t elem_bytes);
-
-// The frames a request will sample (num_frames; or fps over [start, end), the end defaulting to
-// the video's duration from `video_path`'s header), at most max_frames.
-int64_t request_frames(const std::optional<int64_t>& num_frames, const std::optional<double>& fps,
-                       const std::optional<double>& start, const std::optional<double>& end,
-                       const std::string& video_path, int64_t max_frames);
 
 // "1610612736 bytes (1.500 GiB)" for messages.
 std::string format_bytes(int64_t bytes);

@@ -94,7 +94,9 @@ Verdict Server::judge(const httplib::Request& head) {
   Verdict v;
   if (head.method == "GET" && head.path == "/health") {
     v.status = !failed_ && !stopping() ? 200 : 503;
-    v.body = json{{"status", failed_ ? "failed" : stopping() ? "shutting down" : "ok"},
+    v.body = json{{"status", failed_      ? "failed"
+                             : stopping() ? "shutting down"
+                                          : "ok"},
                   {"ranks", pg_.world_size()}}
                  .dump();
     return v;
@@ -224,7 +226,7 @@ void Server::print_kv_budget() const {
   const int64_t frames = qa.max_frames > 0 ? qa.max_frames : qa.num_frames.value_or(16);
   const int64_t one = question_kv_bytes(session_.model().planner_model(), frames, frames + 64,
                                         o_.default_max_tokens, pg_.world_size(),
-                                        qa.plan.dtype == "fp32" ? 4 : 2);
+                                        dtype_bytes(qa.plan.dtype, "--dtype"));
   std::cerr << "lvx serve: --max-kv-bytes " << format_bytes(o_.max_kv_bytes)
             << " per rank; the planner's KV for one question of " << frames << " frames and "
             << o_.default_max_tokens << " new tokens: " << format_bytes(one) << " per rank ("
