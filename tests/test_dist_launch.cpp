@@ -184,13 +184,17 @@ TEST(Launch, CliStopsStuckRanksWithExitCode124) {
 
 // A torch.distributed program under lvx launch: init_process_group("gloo") from the variables the
 // launch sets (env://) joins the launcher's store, as under torchrun (a launcher that handed rank 0
-// a socket to serve on instead would leave Python's rank 0 unable to bind MASTER_PORT).
+// a socket to serve on instead would leave Python's rank 0 unable to bind MASTER_PORT). The program
+// ends with destroy_process_group(), as PyTorch asks: a gloo group left to the interpreter's exit
+// can abort one rank ("terminate called without an active exception") once its peer has gone, which
+// CI saw once.
 TEST(Launch, TorchDistributedProgramsJoinTheLaunchersStore) {
   const std::string lvx = lvx::testing::binary_dir() + "/lvx";
   if (::access(lvx.c_str(), X_OK) != 0) GTEST_SKIP() << "lvx executable not built";
   const std::string program =
       "import torch, torch.distributed as d; d.init_process_group('gloo'); "
-      "t = torch.tensor([1.0 + d.get_rank()]); d.all_reduce(t); print('sum', int(t.item()))";
+      "t = torch.tensor([1.0 + d.get_rank()]); d.all_reduce(t); print('sum', int(t.item())); "
+      "d.destroy_process_group()";
   const std::string out =
       lvx::testing::run_command(lvx + " launch --nproc 2 -- " + lvx::testing::configured_python() +
                                 " -c \"" + program + "\"");
