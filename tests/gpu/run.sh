@@ -189,7 +189,7 @@ if [ "$device" = cuda ] && [ "$gpus" -ge 2 ]; then
   step "strategies x masks on NCCL where the GPUs allow" 420 nccl_attention -- \
     env NCCL_DEBUG=WARN LVX_DIST_TIMEOUT_S=30 LVX_TEST_DEVICE=cuda "$bin/lvx_test_attention" \
     "$attn_filter"
-  skip "ZeRO stage 3 on NCCL" "needs lvx finetune, which decodes video (FFmpeg): not in the archive; on a full build: tests in docs/kernels.md"
+  skip "ZeRO stage 3 on NCCL" "needs lvx finetune, which decodes video (FFmpeg): not in the archive; on a full build: tests in docs/gpu.md"
 else
   skip "NCCL: process group, strategies, ZeRO stage 3" "needs 2+ GPUs ($gpus visible; NCCL refuses two ranks per GPU)"
 fi
