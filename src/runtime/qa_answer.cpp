@@ -24,11 +24,11 @@
 
 #include "src/common/error.h"
 #include "src/common/files.h"
-#include "src/runtime/question_plan.h"
 #include "src/runtime/logprobs_json.h"
 #include "src/runtime/model_description.h"
 #include "src/runtime/qa_media.h"
 #include "src/runtime/qa_session_state.h"
+#include "src/runtime/question_plan.h"
 #include "src/runtime/video_qa.h"
 
 namespace lvx::runtime {
@@ -229,8 +229,8 @@ void take_prompt(QaSession::State& cx, QaAnswer& a) {
   if (cx.job.print_plan && r == 0)
     std::cerr << plan_text << "\n"
               << describe(a.par, cx.model) << "\n"
-              << decode_price_text(cx.job.model, *cx.model, cx.job.plan, a.m,
-                                   a.ids.size(1), cx.pg->world_size());
+              << decode_price_text(cx.job.model, *cx.model, cx.job.plan, a.m, a.ids.size(1),
+                                   cx.pg->world_size());
 }
 
 // A miss whose prompt is prefilled in chunks: this rank's frames encoded and their visual K/V
@@ -336,6 +336,16 @@ void keep_visual(QaSession::State& cx, QaAnswer& a) {
   }
 }
 
+// keep_visual, then every rank's cache bytes summed (collective: every rank ends the same
+// prefill at the same command), so that a server's gauge follows what was kept at once.
+void kept_visual(QaSession::State& cx, QaAnswer& a) {
+  keep_visual(cx, a);
+  if (!cx.cache->enabled()) return;
+  at::Tensor bytes = at::tensor({cx.cache->stats().bytes}, at::kLong);
+  cx.pg->all_reduce(bytes);
+  cx.cache_bytes_all = bytes.item<int64_t>();
+}
+
 // The generation of an answer whose media and prompt are ready (advance, every rank).
 void start_generation(QaSession::State& cx, QaAnswer& a) {
   const std::function<void(const std::string&)> sink =
@@ -354,7 +364,7 @@ void start_generation(QaSession::State& cx, QaAnswer& a) {
   }
   a.gen = std::make_unique<Generation>(*cx.model, in, a.par, g);
   a.frames.frames = at::Tensor();  // encoded by now (or by the worker): the pixels are done with
-  if (!a.gen->prefilling()) keep_visual(cx, a);
+  if (!a.gen->prefilling()) kept_visual(cx, a);
 }
 
 // The answer's tokens before the stop token: their text (ids without one dropped), their
@@ -403,6 +413,7 @@ Gathered gather_measures(QaSession::State& cx, const QaAnswer& a, const Generate
                   int64_t{!a.cached && cx.cache->enabled()}, cs.bytes},
                  at::kLong);
   pg.all_reduce(bytes);
+  cx.cache_bytes_all = bytes[4].item<int64_t>();
   const attention::Layout frames_layout{attention::LayoutKind::kStriped, a.m, n};
   auto in_order = [&](const at::Tensor& local) {
     const at::Tensor all = pg.all_gather(local, frames_layout.sizes());
@@ -533,7 +544,7 @@ void QaSession::prefill_next(QaAnswer& a) {
   c10::InferenceMode inference;
   State& cx = *s_;
   a.gen->prefill_next(*cx.model, a.par);
-  if (!a.gen->prefilling()) keep_visual(cx, a);
+  if (!a.gen->prefilling()) kept_visual(cx, a);
 }
 
 bool QaSession::done(const QaAnswer& a) const { return a.advanced && (a.failed || a.gen->done()); }

@@ -187,6 +187,8 @@ void QaSession::batch_prompts(bool on) { s_->batch_prompts = on; }
 const QaJob& QaSession::job() const { return s_->job; }
 VisualCacheStats QaSession::cache_stats() const { return s_->cache->stats(); }
 
+int64_t QaSession::cache_bytes_all() const { return s_->cache_bytes_all; }
+
 json qa_settings(const QaJob& job) {
   std::error_code ec;
   const fs::path model = fs::weakly_canonical(job.model, ec);

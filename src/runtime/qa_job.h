@@ -61,13 +61,13 @@ struct QaJob {
   std::optional<double> fps;          // frames per second, or
   std::optional<int64_t> num_frames;  // N frames spread over the range (default 16)
   int64_t max_frames = 0;  // at most this many sampled, whatever a request asks (0: no bound)
-  std::optional<double> start, end;   // seconds (a row's own range wins)
-  GenerateOptions generation;         // max_new_tokens, sampling
-  PlanRequest plan;                   // plan.dtype: fp32 | bf16 | auto (src/runtime/device.h)
-  std::string device = "auto";        // auto | cuda | cpu (src/runtime/device.h)
-  bool json = false;          // print one JSON object per question instead of streaming text
-  bool print_plan = false;    // the per-layer plan of each question (rank 0, stderr)
-  bool ignore_stop = false;   // generate exactly max_new_tokens (benchmarks)
+  std::optional<double> start, end;  // seconds (a row's own range wins)
+  GenerateOptions generation;        // max_new_tokens, sampling
+  PlanRequest plan;                  // plan.dtype: fp32 | bf16 | auto (src/runtime/device.h)
+  std::string device = "auto";       // auto | cuda | cpu (src/runtime/device.h)
+  bool json = false;                 // print one JSON object per question instead of streaming text
+  bool print_plan = false;           // the per-layer plan of each question (rank 0, stderr)
+  bool ignore_stop = false;          // generate exactly max_new_tokens (benchmarks)
   bool overwrite = false;     // batch: answer everything again into an output of other settings
   bool side_by_side = false;  // lvx serve: models::Parallel::side_by_side (--step-overlap)
   // A question answered alone (lvx qa) decodes on rank 0, the others answering at the cross
@@ -190,6 +190,9 @@ class QaSession {
   dist::ProcessGroup& group();
   const QaJob& job() const;              // plan.dtype resolved
   VisualCacheStats cache_stats() const;  // this rank's
+  // Every rank's visual cache bytes, summed when a prompt's prefill last ended (the features and
+  // prefix it kept) or a row last finished: lvx serve's gauge, current before any answer ends.
+  int64_t cache_bytes_all() const;
 
   struct State;  // (qa_job.cpp)
 

@@ -20,7 +20,7 @@ namespace lvx::runtime {
 struct QaSession::State {
   QaJob job;  // its plan.dtype resolved (fp32 | bf16)
   std::shared_ptr<dist::ProcessGroup> pg;
-  at::Device device{at::kCPU};  // the model's: frames go there once, after preprocessing
+  at::Device device{at::kCPU};           // the model's: frames go there once, after preprocessing
   std::unique_ptr<models::Model> owned;  // the model the session loaded, if it did
   models::Model* model = nullptr;        // owned, or one lent by the caller (lvx finetune)
   std::unique_ptr<models::Tokenizer> tok;
@@ -28,7 +28,8 @@ struct QaSession::State {
   std::vector<int64_t> stop;
   int64_t context = 0;  // the model's context length (0: unknown)
   std::unique_ptr<VisualCache> cache;
-  bool batch_prompts = false;  // QaSession::batch_prompts
+  int64_t cache_bytes_all = 0;  // every rank's visual cache, as of the last prompt or row done
+  bool batch_prompts = false;   // QaSession::batch_prompts
   // The answers' workers (qa_answer.cpp) take turns: one decodes and encodes at a time on this
   // rank, as the scheduler's thread did, so many misses at once hold one video's frames, not all.
   std::mutex worker_mu;

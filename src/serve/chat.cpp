@@ -9,6 +9,7 @@
 
 #include "src/common/error.h"
 #include "src/runtime/question_plan.h"
+#include "src/serve/choice_stream.h"
 #include "src/serve/connection.h"
 #include "src/serve/kv_budget.h"
 #include "src/serve/server_impl.h"
@@ -28,32 +29,36 @@ std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_hand
 }  // namespace
 
 void Server::chat(const httplib::Request& req, httplib::Response& res) {
-  const std::shared_ptr<Job> job = accept(req, res);
-  if (!job) return;
+  const Choices jobs = accept(req, res);
+  if (jobs.empty()) return;
   // Wait for the first text (or the end), so that an error before it gets its own status; a
   // non-streaming answer waits for its end. Meanwhile the client may leave (cpp-httplib says
   // nothing until a write fails): its socket is looked at every 100 ms, and a client gone
-  // cancels the job (not run if still queued; stopped at its next token if running).
+  // cancels the request's jobs (not run if still queued; stopped at the next token if running).
   const int fd = connection_fd();
-  auto wait_for = [job, fd](const std::function<bool()>& ready) {
-    std::unique_lock<std::mutex> lock(job->mu);
-    while (!job->cv.wait_for(lock, std::chrono::milliseconds(100), ready)) {
+  auto wait_for = [&jobs, fd](Job& job, const std::function<bool()>& ready) {
+    std::unique_lock<std::mutex> lock(job.mu);
+    while (!job.cv.wait_for(lock, std::chrono::milliseconds(100), ready)) {
       if (client_gone(fd)) {
-        job->cancelled = true;
+        for (const auto& j : jobs) j->cancelled = true;
         return false;
       }
     }
     return true;
   };
-  if (!wait_for([&] { return job->first; })) return;
+  const std::shared_ptr<Job>& job = jobs.front();
+  if (!wait_for(*job, [&] { return job->first; })) return;
   {
     std::unique_lock<std::mutex> lock(job->mu);
     if (sent_job_error(*job, lock, res)) return;
   }
-  if (job->req.stream)
-    respond_stream(job, res);
-  else
-    respond_whole(*job, wait_for, res);
+  if (job->req.stream) {
+    respond_stream(jobs, res);
+    return;
+  }
+  for (const auto& j : jobs)
+    if (!wait_for(*j, [&] { return j->done; })) return;
+  respond_whole(jobs, res);
 }
 
 bool Server::sent_job_error(Job& job, std::unique_lock<std::mutex>& lock, httplib::Response& res) {
@@ -64,16 +69,16 @@ bool Server::sent_job_error(Job& job, std::unique_lock<std::mutex>& lock, httpli
   return true;
 }
 
-std::shared_ptr<Job> Server::accept(const httplib::Request& req, httplib::Response& res) {
+Server::Choices Server::accept(const httplib::Request& req, httplib::Response& res) {
   // The gate admitted it with one of the keys (or none are configured): judge() in server.cpp.
   const std::string scope = key_scope(req).value_or("");
   if (failed_) {
     send_error(res, ApiError(503, "server_error", "a rank failed: " + client_error_text(failure_)));
-    return nullptr;
+    return {};
   }
   if (stopping()) {  // from the signal on, not from when the generation loop next looks
     send_error(res, ApiError(503, "server_error", "the server is shutting down"));
-    return nullptr;
+    return {};
   }
   auto job = std::make_shared<Job>();
   job->body = take_body_reservation();
@@ -94,106 +99,91 @@ std::shared_ptr<Job> Server::accept(const httplib::Request& req, httplib::Respon
     if (o_.max_kv_bytes > 0) job->kv_cost = kv_cost_of(*job);
   } catch (const ApiError& e) {
     send_error(res, e);
-    return nullptr;
+    return {};
   } catch (const Error& e) {  // the upload could not be written
     send_error(res, ApiError(500, "server_error", client_error_text(e.what())));
-    return nullptr;
+    return {};
   }
-  if (!join_running(job)) {
+  Choices jobs = choices_of(job);
+  if (jobs.size() > 1 || !join_running(job)) {
     std::lock_guard<std::mutex> lock(qmu_);
-    if (static_cast<int64_t>(queue_.size()) + joined_ >= o_.max_queue) {
-      send_error(res, ApiError(429, "rate_limit_error",
-                               "the queue is full (" + std::to_string(o_.max_queue) +
-                                   " requests waiting, --max-queue): try again later",
-                               "", "queue_full"));
-      return nullptr;
+    const int64_t n = static_cast<int64_t>(jobs.size());
+    if (static_cast<int64_t>(queue_.size()) + joined_ + n > o_.max_queue) {
+      send_error(res,
+                 ApiError(429, "rate_limit_error",
+                          "the queue is full (" + std::to_string(o_.max_queue) +
+                              " requests waiting, --max-queue" +
+                              (n > 1 ? ", and n counts each choice" : "") + "): try again later",
+                          "", "queue_full"));
+      return {};
     }
-    queue_.push_back(job);
+    for (const auto& j : jobs) queue_.push_back(j);
   }
   qcv_.notify_all();
-  return job;
+  return jobs;
 }
 
-void Server::respond_whole(Job& job, const std::function<bool(const std::function<bool()>&)>& wait,
-                           httplib::Response& res) {
-  if (!wait([&] { return job.done; })) return;
-  std::unique_lock<std::mutex> lock(job.mu);
-  if (sent_job_error(job, lock, res)) return;
+// The jobs of a request's choices: itself, and for n > 1 a copy per further choice, with the
+// next seed (or a fresh one), queued behind the first (Job::after).
+Server::Choices Server::choices_of(const std::shared_ptr<Job>& first) {
+  Choices jobs{first};
+  for (int64_t i = 1; i < first->req.n; ++i) {
+    auto j = std::make_shared<Job>();
+    j->req = first->req;  // uploads are files by now: the copy holds their paths
+    if (j->req.temperature > 0)
+      j->req.seed = first->req.seeded ? first->req.seed + static_cast<uint64_t>(i) : fresh_seed();
+    j->scope = first->scope;
+    j->id = first->id + "." + std::to_string(i);  // the session's name for the row
+    j->created = first->created;
+    j->received = first->received;
+    j->after = first;
+    j->key = generation_key(describe(*j, nullptr));
+    j->kv_cost = first->kv_cost;
+    jobs.push_back(std::move(j));
+  }
+  return jobs;
+}
+
+void Server::respond_whole(const Choices& jobs, httplib::Response& res) {
+  for (const auto& j : jobs) {
+    std::unique_lock<std::mutex> lock(j->mu);
+    if (sent_job_error(*j, lock, res)) return;
+  }
+  // Every job is done: nothing writes them any more.
+  const Job& job = *jobs.front();
   const json& row = job.row;
-  json out =
-      completion_json(job.id, job.created, o_.model_name, job.content, job.finish_reason,
-                      row["prompt_tokens"].get<int64_t>(), row["completion_tokens"].get<int64_t>(),
-                      job.req.logprobs ? row.value("logprobs", json::array()) : json());
+  int64_t completion = 0;
+  for (const auto& j : jobs) completion += j->row["completion_tokens"].get<int64_t>();
+  json out = completion_json(job.id, job.created, o_.model_name, job.content, job.finish_reason,
+                             row["prompt_tokens"].get<int64_t>(), completion,
+                             job.req.logprobs ? row.value("logprobs", json::array()) : json());
   out["lvx"] = {{"frames", row["frames"]},
                 {"timings", row["timings"]},
                 {"visual_cache", row.value("visual_cache", json())}};
   if (row.contains("prompt_ids")) out["lvx"]["prompt_ids"] = row["prompt_ids"];
+  for (size_t i = 1; i < jobs.size(); ++i) {  // n > 1: the further choices, and their rows' cache
+    const Job& j = *jobs[i];
+    json c = completion_json(j.id, j.created, o_.model_name, j.content, j.finish_reason, 0, 0,
+                             j.req.logprobs ? j.row.value("logprobs", json::array()) : json());
+    c["choices"][0]["index"] = i;
+    out["choices"].push_back(c["choices"][0]);
+    out["lvx"]["choices"].push_back({{"index", i},
+                                     {"timings", j.row["timings"]},
+                                     {"visual_cache", j.row.value("visual_cache", json())}});
+  }
   res.set_content(dump(out), "application/json");
   metrics_.count(200);
 }
 
-void Server::respond_stream(const std::shared_ptr<Job>& job, httplib::Response& res) {
+void Server::respond_stream(const Choices& jobs, httplib::Response& res) {
   metrics_.count(200);
   ++handlers_;
   res.set_header("Cache-Control", "no-cache");
-  const std::string model = o_.model_name;
-  // Called by cpp-httplib until it returns false or the sink is done: the role first, then the
-  // pieces as they come (waiting up to 500 ms for more), then the end, usage and [DONE].
-  auto provide = [job, model, role_sent = false](size_t, httplib::DataSink& sink) mutable {
-    auto event = [&](const json& j) {
-      const std::string s = "data: " + dump(j) + "\n\n";
-      return sink.write(s.data(), s.size());
-    };
-    auto gone = [&] {
-      job->cancelled = true;
-      return false;
-    };
-    if (!role_sent) {
-      role_sent = true;
-      if (!event(chunk_json(job->id, job->created, model, {{"role", "assistant"}, {"content", ""}},
-                            nullptr)))
-        return gone();
-    }
-    std::unique_lock<std::mutex> lock(job->mu);
-    job->cv.wait_for(lock, std::chrono::milliseconds(500),
-                     [&] { return !job->pieces.empty() || job->done; });
-    std::deque<std::string> pieces;
-    pieces.swap(job->pieces);
-    json entries = json::array();
-    for (json& e : job->logprob_entries) entries.push_back(std::move(e));
-    job->logprob_entries.clear();
-    const bool done = job->done;
-    lock.unlock();
-    // The tokens' log-probabilities ride on the last piece of text sent with them (or on an
-    // empty one: a token whose text waits for the rest of its character, or for a stop string).
-    while (!pieces.empty() && pieces.back().empty()) pieces.pop_back();
-    if (pieces.empty() && !entries.empty()) pieces.push_back("");
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      const bool last = i + 1 == pieces.size();
-      const json lp = last && !entries.empty() ? entries : json();
-      if ((!pieces[i].empty() || !lp.is_null()) &&
-          !event(chunk_json(job->id, job->created, model, {{"content", pieces[i]}}, nullptr, lp)))
-        return gone();
-    }
-    if (!sink.is_writable()) return gone();
-    if (!done) return true;
-    if (job->error) {
-      event(job->error->body());
-    } else {
-      event(chunk_json(job->id, job->created, model, json::object(), job->finish_reason));
-      if (job->req.include_usage) {
-        json u = chunk_json(job->id, job->created, model, json::object(), nullptr);
-        u["choices"] = json::array();
-        u["usage"] = usage_json(job->row["prompt_tokens"].get<int64_t>(),
-                                job->row["completion_tokens"].get<int64_t>());
-        event(u);
-      }
-    }
-    const std::string end = "data: [DONE]\n\n";
-    sink.write(end.data(), end.size());
-    sink.done();
-    return true;
-  };
+  // Called by cpp-httplib until it returns false or the sink is done: the role first (for each
+  // choice), then the pieces as they come (waiting up to 500 ms for more), then each choice's
+  // end, the usage and [DONE].
+  auto provide = [stream = ChoiceStream(jobs, o_.model_name)](
+                     size_t, httplib::DataSink& sink) mutable { return stream.next(sink); };
   res.set_chunked_content_provider("text/event-stream", provide, [this](bool) { --handlers_; });
 }
 

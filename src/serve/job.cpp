@@ -27,7 +27,7 @@ void Job::push_text(const std::string& piece) {
     std::lock_guard<std::mutex> lock(mu);
     pieces.push_back(text.substr(sent, safe - sent));
     sent = safe;
-    first = true;
+    first = settled = true;
     cv.notify_all();
   }
 }
@@ -40,7 +40,7 @@ void Job::finish(json r, const std::string& finish, const std::string& final_tex
   content = final_text;
   row = std::move(r);
   finish_reason = finish;
-  done = first = true;
+  done = first = settled = true;
   cv.notify_all();
 }
 
@@ -54,7 +54,7 @@ void Job::push_logprob(const json& entry) {
 void Job::fail(const ApiError& e) {
   std::lock_guard<std::mutex> lock(mu);
   error = e;
-  done = first = true;
+  done = first = settled = true;
   cv.notify_all();
 }
 

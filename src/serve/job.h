@@ -39,14 +39,19 @@ struct Job {
   clock::time_point received;
   int64_t kv_cost = 0;  // KV bytes per rank its generation will hold (--max-kv-bytes)
   std::atomic<bool> cancelled{false};  // the client went away
+  // A choice after the first of a request with n > 1: the first's job, which it waits behind in
+  // the queue until that one's prompt prefix is prefilled (and in the visual cache, reused);
+  // holding it keeps the request's uploaded files.
+  std::shared_ptr<Job> after;
+  std::atomic<bool> settled{false};  // `first`, readable without the lock
 
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<std::string> pieces;  // text not yet sent (stop strings already cut)
+  std::deque<std::string> pieces;    // text not yet sent (stop strings already cut)
   std::deque<json> logprob_entries;  // tokens' log-probabilities not yet sent (logprobs asked)
-  bool first = false;              // the first text (or the end) arrived
-  bool ttft_counted = false;       // its time to first text is in the metrics (main thread)
-  clock::time_point last_text;     // when its latest text piece came (main thread)
+  bool first = false;                // the first text (or the end) arrived
+  bool ttft_counted = false;         // its time to first text is in the metrics (main thread)
+  clock::time_point last_text;       // when its latest text piece came (main thread)
   bool done = false;
   json row;                       // when done without error
   std::optional<ApiError> error;  // when done with one

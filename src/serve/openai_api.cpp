@@ -3,9 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <regex>
+#include <map>
 #include <mutex>
 #include <random>
+#include <regex>
 #include <set>
 
 #include "src/common/error.h"
@@ -36,9 +37,7 @@ std::string type_name(const json& v) {
 }
 
 // At most 64 characters of a client's text, for error messages (never a value whole).
-std::string preview(const std::string& s) {
-  return s.size() <= 64 ? s : s.substr(0, 61) + "...";
-}
+std::string preview(const std::string& s) { return s.size() <= 64 ? s : s.substr(0, 61) + "..."; }
 
 // An optional boolean field (null counts as absent).
 std::optional<bool> boolean(const json& body, const char* key) {
@@ -172,7 +171,8 @@ MediaRef media_url(const json& part, const std::string& field, const std::string
 
 std::string client_error_text(const std::string& internal) {
   static const std::regex source(R"(\s*[\(\[][^\)\]\n]*\.(cpp|cc|cu|h|hpp):[0-9]+[\)\]])");
-  static const std::regex upload(R"([^\s'"]*lvx-serve-[A-Za-z0-9]{6}/(video|frame)([0-9]*)\.[A-Za-z0-9]+)");
+  static const std::regex upload(
+      R"([^\s'"]*lvx-serve-[A-Za-z0-9]{6}/(video|frame)([0-9]*)\.[A-Za-z0-9]+)");
   std::string t = std::regex_replace(internal, source, "");
   t = std::regex_replace(t, upload, "the uploaded $1 $2");
   t = std::regex_replace(t, std::regex(R"(the uploaded video )"), "the uploaded video");
@@ -235,12 +235,28 @@ namespace {
 
 // The request fields lvx reads (openai_api.h); any other is refused by name rather than ignored.
 const std::set<std::string>& known_fields() {
-  static const std::set<std::string> k = {
-      "model",       "messages", "max_tokens",        "max_completion_tokens", "temperature",
-      "top_p",       "seed",     "stop",              "stream",                "stream_options",
-      "n",           "user",     "fps",               "num_frames",            "start",
-      "end",         "video_id", "return_prompt_ids", "media_io_kwargs",       "mm_processor_kwargs",
-      "logprobs",    "top_logprobs"};
+  static const std::set<std::string> k = {"model",
+                                          "messages",
+                                          "max_tokens",
+                                          "max_completion_tokens",
+                                          "temperature",
+                                          "top_p",
+                                          "seed",
+                                          "stop",
+                                          "stream",
+                                          "stream_options",
+                                          "n",
+                                          "user",
+                                          "fps",
+                                          "num_frames",
+                                          "start",
+                                          "end",
+                                          "video_id",
+                                          "return_prompt_ids",
+                                          "media_io_kwargs",
+                                          "mm_processor_kwargs",
+                                          "logprobs",
+                                          "top_logprobs"};
   return k;
 }
 
@@ -263,15 +279,59 @@ json parse_body(const std::string& text) {
   }
 }
 
+// Fields that OpenAI's API or vLLM accept and lvx serve does not: what to do instead (issue:
+// a refusal of what a peer accepts says what to do). A neutral value (a penalty of 0, an empty
+// logit_bias, a text response_format, tool_choice "none") is accepted: clients send them as
+// defaults.
+const char* instead_of(const std::string& key) {
+  static const std::map<std::string, const char*> hints = {
+      {"tools", "lvx serve has no tool calling: describe the tool's output format in the prompt"},
+      {"tool_choice", "lvx serve has no tool calling (\"none\" is accepted)"},
+      {"functions", "lvx serve has no function calling: describe the format in the prompt"},
+      {"response_format",
+       "lvx serve has no constrained decoding ({\"type\": \"text\"} is accepted): ask for the "
+       "format in the prompt and check the answer"},
+      {"frequency_penalty", "lvx serve applies no penalties: send 0 or leave it out"},
+      {"presence_penalty", "lvx serve applies no penalties: send 0 or leave it out"},
+      {"repetition_penalty", "lvx serve applies no penalties: send 1 or leave it out"},
+      {"logit_bias", "lvx serve applies no logit bias: send {} or leave it out"},
+      {"best_of", "send n requests without a seed (each samples afresh) and pick among them"},
+      {"audio", "lvx serve answers in text only"},
+      {"modalities", "lvx serve answers in text only ([\"text\"] is accepted)"},
+  };
+  const auto it = hints.find(key);
+  return it == hints.end() ? nullptr : it->second;
+}
+
+// Whether a field a peer accepts holds its neutral value (what clients send as a default).
+bool neutral(const std::string& key, const json& v) {
+  if (key == "frequency_penalty" || key == "presence_penalty")
+    return v.is_number() && v.get<double>() == 0;
+  if (key == "repetition_penalty") return v.is_number() && v.get<double>() == 1;
+  if (key == "logit_bias") return v.is_null() || (v.is_object() && v.empty());
+  if (key == "tool_choice") return v == "none";
+  if (key == "tools" || key == "functions") return v.is_null() || (v.is_array() && v.empty());
+  if (key == "response_format")
+    return v.is_null() || (v.is_object() && v.size() == 1 && v.value("type", "") == "text");
+  if (key == "modalities") return v == json::array({"text"});
+  return false;
+}
+
 void check_fields(const json& body) {
-  for (const auto& [key, value] : body.items())
-    if (!known_fields().count(key))
-      throw bad_request("'" + preview(key) + "' is not supported by lvx serve (supported: model, "
-                        "messages, max_tokens, max_completion_tokens, temperature, top_p, seed, "
-                        "stop, stream, stream_options, n, user, logprobs, top_logprobs, fps, "
-                        "num_frames, start, end, video_id, return_prompt_ids, media_io_kwargs, "
-                        "mm_processor_kwargs)",
-                        preview(key));
+  for (const auto& [key, value] : body.items()) {
+    if (known_fields().count(key)) continue;
+    if (const char* hint = instead_of(key)) {
+      if (neutral(key, value)) continue;
+      throw bad_request("'" + key + "' is not supported: " + hint, key);
+    }
+    throw bad_request("'" + preview(key) +
+                          "' is not supported by lvx serve (supported: model, "
+                          "messages, max_tokens, max_completion_tokens, temperature, top_p, seed, "
+                          "stop, stream, stream_options, n, user, logprobs, top_logprobs, fps, "
+                          "num_frames, start, end, video_id, return_prompt_ids, media_io_kwargs, "
+                          "mm_processor_kwargs)",
+                      preview(key));
+  }
 }
 
 // A media part's `uuid` (vLLM's name for the media, scoped to the API key by the server): "" when
@@ -321,8 +381,9 @@ std::string read_content(const json& m, const std::string& role, const std::stri
           r.video = media_url(part, "video_url", "video", o);
       } else {
         if (part.contains("uuid"))
-          throw bad_request(param + ": a uuid is taken on a video_url part only (frames sent as "
-                                    "image_url parts are found in the cache by their content)",
+          throw bad_request(param +
+                                ": a uuid is taken on a video_url part only (frames sent as "
+                                "image_url parts are found in the cache by their content)",
                             param + ".content");
         r.frames.push_back(media_url(part, "image_url", "image", o));
       }
@@ -351,9 +412,9 @@ std::vector<Turn> read_turns(const json& messages, const ApiOptions& o, ChatRequ
       throw bad_request(param + " must be an object with a 'role'", param);
     const std::string role = m["role"].get<std::string>();
     if (role != "system" && role != "user" && role != "assistant" && role != "developer")
-      throw bad_request(param + ".role '" + preview(role) +
-                            "' is not system, developer, user or assistant",
-                        param + ".role");
+      throw bad_request(
+          param + ".role '" + preview(role) + "' is not system, developer, user or assistant",
+          param + ".role");
     const std::string text = read_content(m, role, param, o, r);
     if (role == "system" || role == "developer") {
       if (!turns.empty())
@@ -396,7 +457,11 @@ void read_conversation(const json& messages, const ApiOptions& o, ChatRequest& r
   if (video && !r.frames.empty())
     throw bad_request("give a video_url part or image_url frames, not both", "messages");
   if (!video && r.frames.empty())
-    throw bad_request("a request needs a video: a video_url part or image_url frames", "messages");
+    throw bad_request(
+        "a request needs a video: lvx serve answers questions about a video; send "
+        "it as a video_url part (a data: URL, a file:// URL under "
+        "--allowed-local-media-path, or a uuid sent before) or as image_url frames",
+        "messages");
   if (static_cast<int64_t>(r.frames.size()) > o.max_frames)
     throw bad_request("at most " + std::to_string(o.max_frames) + " image_url frames, got " +
                           std::to_string(r.frames.size()),
@@ -406,6 +471,8 @@ void read_conversation(const json& messages, const ApiOptions& o, ChatRequest& r
   r.question = turns.back().text;
 }
 
+}  // namespace
+
 uint64_t fresh_seed() {
   static std::mutex mu;
   static std::random_device device;
@@ -413,8 +480,10 @@ uint64_t fresh_seed() {
   return (static_cast<uint64_t>(device()) << 32) ^ device();
 }
 
+namespace {
+
 void read_sampling(const json& body, const ApiOptions& o, ChatRequest& r) {
-  if (const auto n = integer(body, "n", 1, 1); n && *n != 1) throw bad_request("'n' must be 1", "n");
+  r.n = integer(body, "n", 1, kMaxChoices).value_or(1);
   const auto mt = integer(body, "max_completion_tokens", 1, 1 << 20);
   const auto mt2 = integer(body, "max_tokens", 1, 1 << 20);
   r.max_tokens = mt ? *mt : mt2 ? *mt2 : o.default_max_tokens;
@@ -426,6 +495,7 @@ void read_sampling(const json& body, const ApiOptions& o, ChatRequest& r) {
   // do not depend on it and keep 0 (identical ones still share).
   const auto seed = integer(body, "seed", INT64_MIN, INT64_MAX);
   r.seed = seed ? static_cast<uint64_t>(*seed) : r.temperature > 0 ? fresh_seed() : 0;
+  r.seeded = seed.has_value();
   // OpenAI's: top_logprobs (0 to 20) needs logprobs true.
   r.logprobs = boolean(body, "logprobs").value_or(false);
   const auto top = integer(body, "top_logprobs", 0, 20);
@@ -519,7 +589,7 @@ void read_media_options(const json& body, const ApiOptions& o, ChatRequest& r) {
 
 ChatRequest parse_chat_request(std::string text, const ApiOptions& o) {
   json body = parse_body(text);  // not const: media_url moves data URLs' base64 out of it
-  std::string().swap(text);  // the parsed copy is all that is read from here on
+  std::string().swap(text);      // the parsed copy is all that is read from here on
   if (!body.is_object())
     throw bad_request("the body must be a JSON object, got " + type_name(body));
   check_fields(body);
@@ -561,13 +631,13 @@ json completion_json(const std::string& id, int64_t created, const std::string& 
 }
 
 json chunk_json(const std::string& id, int64_t created, const std::string& model, const json& delta,
-                const json& finish_reason, const json& logprobs) {
+                const json& finish_reason, const json& logprobs, int64_t index) {
   return {{"id", id},
           {"object", "chat.completion.chunk"},
           {"created", created},
           {"model", model},
           {"choices",
-           {{{"index", 0},
+           {{{"index", index},
              {"delta", delta},
              {"logprobs", logprobs.is_null() ? json() : json{{"content", logprobs}}},
              {"finish_reason", finish_reason}}}}};

@@ -7,14 +7,18 @@
 //   model (required, must name the served model: else 404), messages (required; the last is the
 //   user's question), max_tokens | max_completion_tokens, temperature (default 0: greedy, lvx
 //   qa's default, so that an answer equals lvx qa's), top_p, seed, stop (a string or up to 4),
-//   stream, stream_options.include_usage, n (1 only), user (accepted, unused), logprobs and
+//   stream, stream_options.include_usage, n (1 to 16 choices: n rows of the batch, the first
+//   prefilling the prompt's prefix and the others reusing it from the visual cache; with a seed
+//   s, choice i samples with seed s + i, so choice 0 is the n = 1 answer), user (accepted,
+//   unused), logprobs and
 //   top_logprobs (0 to 20; the model's log-probabilities before temperature and top-p, as vLLM's
 //   default); vLLM's per-request frame settings media_io_kwargs: {video: {num_frames | fps}}
 //   and mm_processor_kwargs: {num_frames | fps}; lvx extensions: num_frames | fps, start, end
 //   (seconds), video_id (a name for the video in the logs; the visual cache keys by content),
 //   return_prompt_ids (the prompt's token ids in the response's lvx object). Any other field is
-//   refused with a 400 naming it (tools, response_format, ...), never silently ignored. The body is parsed with nesting bounded
-//   (64 levels) before it is built, and error messages quote at most 64 characters of a value.
+//   refused with a 400 naming it (tools, response_format, ...), never silently ignored. The body is
+//   parsed with nesting bounded (64 levels) before it is built, and error messages quote at most 64
+//   characters of a value.
 // Media, in the content parts of user messages: one video_url ({"url": "file:///abs/path"} under
 // --allowed-local-media-path, or "data:video/<type>;base64,<bytes>"; with vLLM's per-part
 // "uuid", the video_url may be null to name a video sent before), or image_url parts, each
@@ -28,8 +32,8 @@
 #pragma once
 
 #include <cstdint>
-#include <nlohmann/json.hpp>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -66,7 +70,7 @@ struct MediaRef {
   std::string base64;
   std::string field;  // the part's field ("video_url", "image_url"): what its errors name
   std::string ext;    // ".mp4", ".png", ... (from the data URL's media type)
-  std::string hash;  // an upload's content hash (keyed XXH3-128 of its bytes), once written
+  std::string hash;   // an upload's content hash (keyed XXH3-128 of its bytes), once written
   bool upload = false;
 };
 
@@ -89,11 +93,20 @@ struct ChatRequest {
   int64_t max_tokens = 0;
   double temperature = 0, top_p = 1;
   uint64_t seed = 0;
+  bool seeded = false;  // the request gave its seed (else a sampled one drew a fresh one)
+  int64_t n = 1;        // choices asked for
   std::vector<std::string> stop;
   bool stream = false, include_usage = false;
   bool logprobs = false;     // each completion token's log-probability...
   int64_t top_logprobs = 0;  // ...and this many most likely tokens' (0 to 20)
 };
+
+// Choices one request may ask for (`n`).
+constexpr int64_t kMaxChoices = 16;
+
+// A seed drawn from the system's entropy: a sampled request without one (OpenAI's and vLLM's: each
+// request, and each of its choices, its own sample).
+uint64_t fresh_seed();
 
 struct ApiOptions {
   std::string model_name;          // what GET /v1/models lists and requests must name
@@ -127,9 +140,10 @@ nlohmann::json completion_json(const std::string& id, int64_t created, const std
                                const nlohmann::json& logprobs = nullptr);
 // A chunk with a delta ({"role": "assistant"}, {"content": ...} or {}), finish_reason (null
 // while generating) and the entries of the tokens it carries (null: none asked).
+// `index`: the choice's (n > 1).
 nlohmann::json chunk_json(const std::string& id, int64_t created, const std::string& model,
                           const nlohmann::json& delta, const nlohmann::json& finish_reason,
-                          const nlohmann::json& logprobs = nullptr);
+                          const nlohmann::json& logprobs = nullptr, int64_t index = 0);
 nlohmann::json usage_json(int64_t prompt_tokens, int64_t completion_tokens);
 
 }  // namespace lvx::serve

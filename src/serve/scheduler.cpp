@@ -150,6 +150,14 @@ int Server::run_other_rank() {
   }
 }
 
+bool Server::front_ready() const {
+  if (queue_.empty()) return false;
+  // A later choice of a request with n > 1 waits for the first's prefill: it then reuses the
+  // prompt's prefix (visual features and their K/V) instead of prefilling it again.
+  const std::shared_ptr<Job>& after = queue_.front()->after;
+  return !after || after->settled || after->cancelled;
+}
+
 bool Server::awaits_first_token() const {
   return std::any_of(batch_.begin(), batch_.end(),
                      [&](const auto& r) { return session_.awaits_first_token(*r->answer); });
@@ -164,7 +172,7 @@ std::shared_ptr<Job> Server::take_job() {
   if (static_cast<int64_t>(batch_.size()) >= o_.max_batch) return nullptr;
   if (batch_.empty())
     qcv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return !queue_.empty(); });
-  if (queue_.empty()) return nullptr;
+  if (!front_ready()) return nullptr;
   // --max-kv-bytes: the next request waits (in order) until the generations running leave room
   // for its KV (src/serve/kv_budget.h); alone it always fits (a larger one was refused).
   if (o_.max_kv_bytes > 0 && !batch_.empty() &&
@@ -252,6 +260,7 @@ bool Server::advance_prepared() {
       c.desc = json{{"id", session_.answer_id(*r->answer)}};
       exchange(pg_, c);
       session_.advance(*r->answer);
+      note_cache_bytes();
       r->uploads.reset();
       retire_done();  // a video or prompt that failed: done at once
       sent = again = true;
@@ -259,6 +268,11 @@ bool Server::advance_prepared() {
     }
   }
   return sent;
+}
+
+void Server::note_cache_bytes() {
+  std::lock_guard<std::mutex> lock(metrics_.mu);
+  metrics_.cache_bytes = session_.cache_bytes_all();
 }
 
 bool Server::prefill_chunk() {
@@ -269,6 +283,7 @@ bool Server::prefill_chunk() {
     c.desc = json{{"id", session_.answer_id(*r->answer)}};
     exchange(pg_, c);
     session_.prefill_next(*r->answer);
+    note_cache_bytes();
     std::lock_guard<std::mutex> lock(metrics_.mu);
     ++metrics_.prefill_chunks;
     return true;
@@ -282,7 +297,7 @@ void Server::wait_for_work(clock::time_point& last_command, double heartbeat_s) 
     // A request waiting wakes the loop only when the batch has room to take it: with a full
     // batch the queue is not empty for as long as its frames decode, and waking on it spun a core.
     const bool room = static_cast<int64_t>(batch_.size()) < o_.max_batch;
-    qcv_.wait_for(lock, std::chrono::milliseconds(1), [&] { return room && !queue_.empty(); });
+    qcv_.wait_for(lock, std::chrono::milliseconds(1), [&] { return room && front_ready(); });
   }
   if (seconds_since(last_command) >= heartbeat_s) {  // the other ranks' liveness
     Command hb;

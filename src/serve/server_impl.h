@@ -1,6 +1,7 @@
 // lvx serve's server, as its files share it (src/serve/server.h is the entry point):
 //   server.cpp     the HTTP routes, the API key, binding, rank 0's life from listening to stopping
-//   chat.cpp       one chat completion: read, queued or joined, answered whole or streamed
+//   chat.cpp       one chat completion: read, queued or joined, its choices (n) answered whole
+//                  or streamed (choice_stream.h: the chunk events)
 //   scheduler.cpp  continuous batching on rank 0 (take, admit, step, retire) and the other ranks'
 //                  loop that follows it; each answer's start from its broadcast description
 //   job.h          a request and its answer between the HTTP thread and the main thread
@@ -100,8 +101,12 @@ class Server {
   // command, the rows of those done, in batch order, and their clients' answers. The advance,
   // chunk and step return whether they sent a command.
   std::shared_ptr<Job> take_job();
+  // The queue's first job may be taken (qmu_ held): there is one, and it waits for no other.
+  bool front_ready() const;
   void admit(const std::shared_ptr<Job>& job);
   bool advance_prepared();
+  // lvx_visual_cache_bytes from the session's sum (after each prefill, not only at the end).
+  void note_cache_bytes();
   bool prefill_chunk();
   bool step_batch();
   // Only answers whose frames are being decoded: waits a little for them or a new request, and
@@ -130,15 +135,18 @@ class Server {
   // The job's error sent, if it has one (`lock` holds job.mu and is released before the send):
   // true when it was.
   bool sent_job_error(Job& job, std::unique_lock<std::mutex>& lock, httplib::Response& res);
-  // Reserves the request's declared body bytes, or the error that refuses it: 429 when the budget is full now, 413 when it could never fit.
+  // Reserves the request's declared body bytes, or the error that refuses it: 429 when the budget
+  // is full now, 413 when it could never fit.
   std::variant<InflightBudget::Reservation, ApiError> reserve_body(const httplib::Request& req);
   // POST /v1/chat/completions (chat.cpp): the request read and queued (or joined to an identical
   // running generation), then its answer whole or as a stream of chunks.
   void chat(const httplib::Request& req, httplib::Response& res);
-  std::shared_ptr<Job> accept(const httplib::Request& req, httplib::Response& res);
-  void respond_whole(Job& job, const std::function<bool(const std::function<bool()>&)>& wait,
-                     httplib::Response& res);
-  void respond_stream(const std::shared_ptr<Job>& job, httplib::Response& res);
+  // A request's jobs: one per choice (n), the first first. Empty when refused (answered).
+  using Choices = std::vector<std::shared_ptr<Job>>;
+  Choices accept(const httplib::Request& req, httplib::Response& res);
+  Choices choices_of(const std::shared_ptr<Job>& first);
+  void respond_whole(const Choices& jobs, httplib::Response& res);  // every job done
+  void respond_stream(const Choices& jobs, httplib::Response& res);
   // Throws a 400 when the family's template refuses the request's conversation.
   void check_conversation(const ChatRequest& r) const;
   // --max-kv-bytes: the request's KV bytes per rank (src/serve/kv_budget.h); 400 naming its cost
@@ -180,7 +188,7 @@ class Server {
     std::vector<std::shared_ptr<Job>> group;
     std::string key;
     int64_t kv_cost = 0;  // its KV bytes per rank (--max-kv-bytes), counted in kv_in_use_
-    Command command;  // its description and inline media (compared in place by joiners)
+    Command command;      // its description and inline media (compared in place by joiners)
     std::vector<std::string> pieces;
     std::vector<json> logprob_entries;  // each token's so far, when logprobs are asked
     bool open = false;
@@ -192,7 +200,7 @@ class Server {
   std::vector<std::unique_ptr<Running>> batch_;
   int64_t joined_ =
       0;  // requests that joined a running generation (they count against --max-queue)
-  int64_t kv_in_use_ = 0;  // the running generations' KV bytes per rank (under qmu_)
+  int64_t kv_in_use_ = 0;             // the running generations' KV bytes per rank (under qmu_)
   std::atomic<int64_t> handlers_{0};  // chat handlers still writing a response
   std::atomic<bool> draining_{false}, failed_{false};
   // Draining begins at the signal; draining_ is when the generation loop took note of it.

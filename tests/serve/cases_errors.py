@@ -76,10 +76,21 @@ def case_hostile_bodies(fx, srv, ranks):
     err = expect_error(srv, 400, json.dumps({"model": "model", "max_tokens": "x" * 5000,
                                              "messages": good}))
     assert "x" * 100 not in err["message"] and "a string" in err["message"], err
-    for field, value in (("logprobs", "yes"), ("logit_bias", {"5": 1}), ("tools", []),
-                         ("response_format", {"type": "json_object"}), ("frequency_penalty", 1)):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    for field, value, instead in (("logprobs", "yes", None),
+                                  ("logit_bias", {"5": 1}, "send {} or leave it out"),
+                                  ("tools", [tool], "describe the tool's output format"),
+                                  ("response_format", {"type": "json_object"}, "in the prompt"),
+                                  ("frequency_penalty", 1, "send 0 or leave it out")):
         err = expect_error(srv, 400, json.dumps({"model": "model", field: value, "messages": good}))
         assert err["param"] == field and field in err["message"], err
+        assert instead is None or instead in err["message"], err  # says what to do instead
+    # What peers accept as defaults (a penalty of 0, no tools, a text format) is accepted.
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "tools": [],
+               "tool_choice": "none", "response_format": {"type": "text"}}
+    got, text = srv.http("POST", "/v1/chat/completions",
+                         json.dumps({"model": "model", "messages": good, "max_tokens": 2, **neutral}))
+    assert got == 200, (got, text)
     # A small PNG declaring 16000 x 16000 pixels is refused from its header, not decoded.
     t0 = time.time()
     png = "data:image/png;base64," + base64.b64encode(huge_png(16000, 16000)).decode()

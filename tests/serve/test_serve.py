@@ -16,7 +16,8 @@ they walk and the loop that runs it. The cases live beside it by concern, sharin
 the server and the request helpers of harness.py: cases_answers.py (answers and the chat API's
 shapes), cases_cache.py (visual cache and uploads), cases_batching.py (scheduling and batching),
 cases_errors.py (errors, hostile input, limits), cases_process.py (signals, ranks, the API key),
-cases_hostile_clients.py (what a client without the key, or a slow one, can cost the server).
+cases_hostile_clients.py (what a client without the key, or a slow one, can cost the server),
+cases_openai.py (OpenAI semantics: n choices; the cache gauge).
 """
 import os
 import sys
@@ -46,6 +47,7 @@ from cases_hostile_clients import (
     case_refused_uploads_read_their_answer, case_unseeded_sampling_is_fresh, case_slow_body_gets_408,
     case_kv_budget,
     case_slow_headers_do_not_hang, case_unauthenticated_cannot_lock_out)
+from cases_openai import case_cache_gauge_follows_prefill, case_n_choices
 from harness import KEY, KEY2, Fixtures, Server
 
 
@@ -89,6 +91,8 @@ CASES = [
     (case_cache_is_private_to_each_key, "keys-file", {}, 1, False),
     (case_unseeded_sampling_is_fresh, [], {}, 1, False),
     (case_kv_budget, ["--max-kv-bytes", "150000"], {}, 1, False),
+    (case_n_choices, [], {}, 1, False),
+    (case_cache_gauge_follows_prefill, ["--max-batch", "2"], {}, 1, False),
 ]
 
 
