@@ -5,8 +5,9 @@
 
 #include "kernels/linear.h"
 #include "models/family.h"
-#include "src/common/error.h"
+#include "models/lora.h"
 #include "src/common/dtype.h"
+#include "src/common/error.h"
 #include "src/common/files.h"
 #include "src/common/host_memory.h"
 
@@ -78,7 +79,8 @@ at::Tensor last_token_logits(const at::Tensor& hidden, const at::Tensor& positio
   const at::Tensor p = positions.contiguous();
   const int64_t* pp = p.data_ptr<int64_t>();
   for (int64_t i = 0; i < p.numel(); ++i)
-    if (pp[i] == length - 1) logits = kernels::linear(hidden.select(1, i), head).to(at::kFloat);
+    if (pp[i] == length - 1)  // lora_linear: an adapter on lm_head applies while it trains
+      logits = lora_linear(hidden.select(1, i), head, c10::nullopt).to(at::kFloat);
   // One rank holds the row; the others add zeros (exact).
   pg.all_reduce(logits);
   return logits;
@@ -123,8 +125,9 @@ void check_host_memory(const CheckpointIndex& index, Model& meta, at::ScalarType
   char b1[32], b2[32], b3[32];
   LVX_FAIL(index.meta.dir, ": not enough memory: the weights need ", human_bytes(need, b1), " in ",
            dtype_name(dtype), " (", params, " parameters",
-           local > 1 && own > 0 ? str("; converted, so each of ", local, " local ranks holds a copy")
-                                : std::string(),
+           local > 1 && own > 0
+               ? str("; converted, so each of ", local, " local ranks holds a copy")
+               : std::string(),
            ") but this machine has ", human_bytes(avail, b2),
            " available (MemAvailable, or its cgroup's limit)",
            own > 0 ? str("; in the checkpoint's own dtype they are used in place (",

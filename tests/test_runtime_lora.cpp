@@ -76,6 +76,10 @@ const Made& made() {
                              "/ad_rs --r 2 --alpha 4 --rslora --seed 2 --targets q_proj,v_proj");
           out += run_command(py + lora_script() + " logits " + model + " " + batch + " " + o +
                              "/peft_rs.safetensors --adapter " + o + "/ad_rs");
+          out += run_command(py + lora_script() + " make-adapter " + model + " " + o +
+                             "/ad_head --r 2 --alpha 4 --seed 4 --targets lm_head,v_proj");
+          out += run_command(py + lora_script() + " logits " + model + " " + batch + " " + o +
+                             "/peft_head.safetensors --backward --adapter " + o + "/ad_head");
           return out;
         },
         &log);
@@ -250,6 +254,26 @@ TEST(Lora, RsLoraAdapterOnTwoModules) {
   auto want = tensors(m.dir + "/peft_rs.safetensors");
   EXPECT_GT(max_abs(want.at("logits"), tensors(m.dir + "/base.safetensors").at("logits")), 0.1);
   EXPECT_LE(max_abs(tensors(out).at("logits"), want.at("logits")), 1e-4);
+}
+
+// LoRA on the output head (target_modules: [lm_head]) is on the logits' path: its A and B get
+// PEFT's gradients (every family computed its logits with a plain product that bypassed the
+// branch: the head's adapter trained nothing, and qa --adapter then merged it untrained).
+TEST(Lora, LmHeadAdapterGetsPeftsGradients) {
+  const Made& m = made();
+  const std::string out =
+      lvx_forward(m.model, "head", "--backward --adapter " + m.dir + "/ad_head");
+  ASSERT_FALSE(out.empty());
+  auto got = tensors(out), want = tensors(m.dir + "/peft_head.safetensors");
+  EXPECT_LE(max_abs(got.at("logits"), want.at("logits")), 1e-4);
+  size_t head = 0;
+  for (const auto& [name, g] : want) {
+    if (name.rfind("grad.", 0) != 0) continue;
+    ASSERT_TRUE(got.count(name)) << name << ": lvx gave no gradient";
+    EXPECT_LE(max_abs(got.at(name), g) / g.abs().max().item<double>(), 1e-4) << name;
+    head += name.find("lm_head.lora_") != std::string::npos;
+  }
+  EXPECT_EQ(head, 2u) << "PEFT's gradients hold lm_head's A and B";
 }
 
 TEST(Lora, MergeAdapterWritesWeightsTransformersLoads) {

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "models/layers.h"
+#include "models/lora.h"
 #include "models/mllama/names.h"
 #include "models/mllama/vision.h"
 #include "models/recompute.h"
@@ -188,8 +189,8 @@ at::Tensor local_features(const Config& cfg, const StateDict& w, const ModelInpu
     const at::Device dev = options.device();
     const at::Tensor ar_ids = rank_slots(im.aspect_ratio_ids, im.ratios_local, mine).to(dev);
     const at::Tensor ar_mask = rank_slots(im.aspect_ratio_mask, im.ratios_local, mine).to(dev);
-    features = encode_images(w, cfg, flat(px.to(dev, options.dtype().toScalarType())),
-                             flat(ar_ids), flat(ar_mask))
+    features = encode_images(w, cfg, flat(px.to(dev, options.dtype().toScalarType())), flat(ar_ids),
+                             flat(ar_mask))
                    .reshape({B, slots * T, hidden});
   }
   if (in.media != nullptr) *in.media = LocalMedia{features, mine};  // for the cache
@@ -427,7 +428,7 @@ ModelOutputs Mllama::run(const ModelInputs& in, const Parallel& par, DecodeCache
   par.leave_layers(h);
   h = rms_norm(h, param(w_, kLm + "norm.weight"), t.rms_eps);
   if (cache) return {h, shard.host_positions};
-  return {at::linear(h, lm_head()), shard.host_positions};
+  return {lora_linear(h, lm_head(), c10::nullopt), shard.host_positions};  // LoRA on lm_head too
 }
 
 void Mllama::prefill_media(const ModelInputs& in, const Parallel& par, DecodeCache& cache) const {
@@ -449,9 +450,8 @@ void Mllama::prefill_media(const ModelInputs& in, const Parallel& par, DecodeCac
   cache.prompt_key_reads = at::zeros({L}, at::kLong);
   for (const attention::MediaMask& mm : cm.calls) {
     const attention::MediaMask d = media_mask_on(mm, dev);
-    cache.prompt_media.push_back(
-        {d.q_media.narrow(1, 0, L), d.kv_media.index_select(1, keys), mm.rule,
-         mm.unmatched_sees_all});
+    cache.prompt_media.push_back({d.q_media.narrow(1, 0, L), d.kv_media.index_select(1, keys),
+                                  mm.rule, mm.unmatched_sees_all});
     cache.prompt_key_reads += media_key_reads(mm, L);
   }
   cache.prompt_sees = cm.sees_media.to(dev).narrow(1, 0, L);

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "models/layers.h"
+#include "models/lora.h"
 #include "models/mplug_owl3/names.h"
 #include "models/recompute.h"
 #include "src/attention/dist_attention.h"
@@ -375,7 +376,7 @@ ModelOutputs MplugOwl3::run(const ModelInputs& in, const Parallel& par, DecodeCa
   par.leave_layers(h);
   h = rms_norm(h, param(w_, kLm + "norm.weight"), c.rms_eps);
   if (cache) return {h, shard.host_positions};
-  return {at::linear(h, lm_head()), shard.host_positions};
+  return {lora_linear(h, lm_head(), c10::nullopt), shard.host_positions};  // LoRA on lm_head too
 }
 
 void MplugOwl3::prefill_media(const ModelInputs& in, const Parallel& par,

@@ -11,6 +11,7 @@
 
 #include "models/checkpoint.h"
 #include "models/layers.h"
+#include "models/lora.h"
 #include "models/openflamingo/vision.h"
 #include "models/recompute.h"
 #include "src/attention/dist_attention.h"
@@ -373,8 +374,8 @@ at::Tensor OpenFlamingo::cross_output(int64_t layer, const at::Tensor& x,
 }
 
 LocalMedia OpenFlamingo::local_media(const ModelInputs& in, const Parallel& par,
-                                      const attention::MediaMask& mm,
-                                      const at::TensorOptions& options) const {
+                                     const attention::MediaMask& mm,
+                                     const at::TensorOptions& options) const {
   const at::ScalarType dt = options.dtype().toScalarType();
   return encode_local_media(
       mm, in.pixel_values, in.pixels_local, par, cfg_.v_width,
@@ -450,7 +451,7 @@ ModelOutputs OpenFlamingo::run(const ModelInputs& in, const Parallel& par,
   par.leave_layers(x);
   x = final_norm(x);
   if (cache) return {x, shard.host_positions};
-  return {at::linear(x, lm_head()), shard.host_positions};
+  return {lora_linear(x, lm_head(), c10::nullopt), shard.host_positions};  // LoRA on lm_head too
 }
 
 }  // namespace lvx::models
