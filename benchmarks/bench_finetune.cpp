@@ -18,6 +18,15 @@
 //                  [--collectives auto,engine,p2p] [--model DIR]
 // --model DIR: that checkpoint instead of a generated one (bench_real_size.py passes lvx
 // init-model's mPLUG-Owl3-1B); --hidden and --layers are then ignored.
+//
+// --prefetch: the input pipeline (data.prefetch): the same run with samples prepared when taken
+// (data.prefetch=0) and two ahead on a worker (data.prefetch=2), alternating --repeats times, on
+// a video whose decode costs about what a step computes (--video-size, --video-seconds). Losses
+// must be equal bit for bit first. Per run: the median step time, the input's own time per step
+// (decode, sampling, preprocessing, prompt: metrics input_seconds) and the compute alone (step
+// minus input, without prefetch); the goal is step ≤ 1.1 × max(input, compute) with prefetch.
+//   bench_finetune --prefetch [--nproc 1] [--frames 32] [--video-size 640x360]
+//                  [--video-seconds 60] [--repeats 3] [--steps 6]
 // With several --collectives each run is made once per value of LVX_DIST_COLLECTIVES (auto: lvx's
 // default; engine: the engines' own algorithms for every collective; p2p: lvx's rings of
 // point-to-point messages), and auto's samples/s over each other's printed.
@@ -31,6 +40,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "models/init.h"
 #include "src/cli/args.h"
@@ -95,9 +105,7 @@ struct MemoryCase {
   int ranks = 1;
   int64_t frames = 0;
   bool lora() const { return stage.rfind("lora", 0) == 0; }
-  std::string shard() const {
-    return !lora() ? stage : stage == "lora" ? "none" : stage.substr(5);
-  }
+  std::string shard() const { return !lora() ? stage : stage == "lora" ? "none" : stage.substr(5); }
   planner::TrainMemoryOptions options() const {
     planner::TrainMemoryOptions o;
     o.shard = shard();
@@ -116,7 +124,8 @@ struct MemoryCase {
     const double f = (ranks - 1.0) / ranks;
     if (lora() && shard() == "parameters")  // and the frozen layers, gathered twice but the last
       return f * 4 * 3 * psi +
-             f * 4 * (2 * static_cast<double>(counts.layers) - static_cast<double>(counts.max_layer));
+             f * 4 *
+                 (2 * static_cast<double>(counts.layers) - static_cast<double>(counts.max_layer));
     return shard() == "parameters"
                ? f * 4 * (3 * psi - static_cast<double>(counts.root + counts.max_block))
                : 2 * f * 4 * psi;
@@ -134,23 +143,21 @@ double memory_row(const MemoryCase& c, const std::string& impl, double auto_sps,
   const double gib = double(int64_t{1} << 30);
   const std::string ck = "ck_mem_" + c.stage + std::to_string(c.ranks);
   fs::remove_all(ck);
-  run("LVX_DIST_COLLECTIVES=" + impl + " " + lvx +
-      " finetune --config run.yaml checkpoint.dir=" + ck +
-      " parallel.nproc=" + std::to_string(c.ranks) +
+  run("LVX_DIST_COLLECTIVES=" + impl + " " + lvx + " finetune --config run.yaml checkpoint.dir=" +
+      ck + " parallel.nproc=" + std::to_string(c.ranks) +
       (c.lora() ? std::string(" lora.r=16") : std::string()) + " parallel.shard=" + c.shard());
   const nlohmann::json j = last_metrics(ck);
   fs::remove_all(ck);
   const double measured =
       j.at("peak_rss_bytes").get<double>() - j.at("base_rss_bytes").get<double>();
-  const planner::TrainMemory t = planner::train_memory(
-      c.m, c.counts, c.frames, j.at("tokens").get<int64_t>(), c.m.visual_tokens_per_frame,
-      c.options(), 0);
+  const planner::TrainMemory t =
+      planner::train_memory(c.m, c.counts, c.frames, j.at("tokens").get<int64_t>(),
+                            c.m.visual_tokens_per_frame, c.options(), 0);
   const double sps = j.at("samples_per_second").get<double>();
   const std::string vs = auto_sps > 0 ? std::to_string(auto_sps / sps).substr(0, 4) + "x" : "-";
-  std::printf("| %s | %d | %s | %.3f | %s | %.2f | %.2f | %.3f | %.4g | %.4g |\n",
-              c.stage.c_str(), c.ranks, impl.c_str(), sps, vs.c_str(), measured / gib,
-              t.total / gib, measured / t.total, j.at("state_bytes_sent").get<double>(),
-              c.formula_bytes());
+  std::printf("| %s | %d | %s | %.3f | %s | %.2f | %.2f | %.3f | %.4g | %.4g |\n", c.stage.c_str(),
+              c.ranks, impl.c_str(), sps, vs.c_str(), measured / gib, t.total / gib,
+              measured / t.total, j.at("state_bytes_sent").get<double>(), c.formula_bytes());
   std::fflush(stdout);
   return sps;
 }
@@ -165,8 +172,9 @@ int bench_memory(const cli::ArgParser& p, const fs::path& dir, const std::string
   std::printf(
       "mPLUG-Owl3 (random) %s: %.3f B parameters, %.3f B train (freeze vision), fp32; %s "
       "frames/sample, %s steps\n\n",
-      p.get("model").empty() ? ("hidden " + p.get("hidden") + ", " + p.get("layers") + " layers").c_str()
-                             : p.get("model").c_str(),
+      p.get("model").empty()
+          ? ("hidden " + p.get("hidden") + ", " + p.get("layers") + " layers").c_str()
+          : p.get("model").c_str(),
       c.counts.total / 1e9, c.counts.trainable / 1e9, p.get("frames").c_str(),
       p.get("steps").c_str());
   std::printf(
@@ -209,6 +217,10 @@ void add_options(cli::ArgParser& p) {
   p.add_option("stages", 0, "none,optimizer,gradients,parameters",
                "--memory: parallel.shard values, and lora or lora-<shard> (lora.r=16)");
   p.add_option("host-gib", 0, "18", "--memory: skip runs predicted to need more host memory");
+  p.add_flag("prefetch", 0, "the input pipeline: data.prefetch 0 against 2, side by side");
+  p.add_option("video-size", 0, "64x64", "the training video's frame size");
+  p.add_option("video-seconds", 0, "8", "the training video's length");
+  p.add_option("repeats", 0, "3", "--prefetch: runs of each setting, alternating");
   p.add_option("collectives", 0, "auto",
                "--memory: auto (lvx's default), engine (the engines' own collectives for every\n"
                "op) and/or p2p (lvx's rings of messages): LVX_DIST_COLLECTIVES, side by side per\n"
@@ -218,8 +230,8 @@ void add_options(cli::ArgParser& p) {
 // The training data and config in `dir` (the working folder): a synthetic test video, one QA
 // row about it, and run.yaml with the options' frames, steps and ranks.
 void write_run_inputs(const fs::path& dir, const cli::ArgParser& p) {
-  run("ffmpeg -loglevel error -y -f lavfi -i testsrc=size=64x64:rate=8 -t 8 -pix_fmt yuv420p "
-      "v.mp4");
+  run("ffmpeg -loglevel error -y -f lavfi -i testsrc=size=" + p.get("video-size") + ":rate=30 -t " +
+      p.get("video-seconds") + " -pix_fmt yuv420p v.mp4");
   std::ofstream(dir / "train.jsonl")
       << R"({"video": "v.mp4", "question": "Describe the test pattern in detail.", "answer": "Colour bars with a moving counter and a gradient."})"
       << "\n";
@@ -283,6 +295,80 @@ void print_results(const cli::ArgParser& p, const std::vector<Result>& results) 
                 base.median / r.median);
 }
 
+// --prefetch: one run's median step, input and compute seconds (after the first step), and its
+// losses.
+struct PipelineRun {
+  std::vector<double> loss;
+  double step = 0, input = 0, wait = 0;
+};
+
+double median_after_first(std::vector<double> v) {
+  if (v.size() > 1) v.erase(v.begin());
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+PipelineRun pipeline_run(const std::string& lvx, int prefetch) {
+  const std::string ck = "ck_prefetch" + std::to_string(prefetch);
+  fs::remove_all(ck);
+  run(lvx + " finetune --config run.yaml checkpoint.dir=" + ck +
+      " data.prefetch=" + std::to_string(prefetch));
+  std::vector<double> step, input, wait;
+  PipelineRun r;
+  std::ifstream f(ck + "/metrics.jsonl");
+  for (std::string line; std::getline(f, line);) {
+    const auto j = nlohmann::json::parse(line);
+    r.loss.push_back(j.at("loss"));
+    step.push_back(j.at("step_seconds"));
+    input.push_back(j.at("input_seconds"));
+    wait.push_back(j.at("input_wait_seconds"));
+  }
+  fs::remove_all(ck);
+  r.step = median_after_first(step);
+  r.input = median_after_first(input);
+  r.wait = median_after_first(wait);
+  return r;
+}
+
+int bench_prefetch(const cli::ArgParser& p, const std::string& lvx) {
+  std::vector<PipelineRun> off, on;
+  for (int64_t i = 0; i < p.get_int("repeats"); ++i) {  // alternating: the machine's drift shared
+    off.push_back(pipeline_run(lvx, 0));
+    on.push_back(pipeline_run(lvx, 2));
+    LVX_CHECK(on.back().loss == off.front().loss && off.back().loss == off.front().loss,
+              "bench_finetune: the losses with and without prefetch differ");
+  }
+  auto med = [](const std::vector<PipelineRun>& rs, double PipelineRun::*f) {
+    std::vector<double> v;
+    for (const auto& r : rs) v.push_back(r.*f);
+    std::sort(v.begin(), v.end());
+    return std::make_pair(v[v.size() / 2], std::make_pair(v.front(), v.back()));
+  };
+  const auto step_off = med(off, &PipelineRun::step), step_on = med(on, &PipelineRun::step);
+  const auto input = med(off, &PipelineRun::input), wait_on = med(on, &PipelineRun::wait);
+  const double compute = step_off.first - input.first;
+  const double bound = std::max(input.first, compute);
+  std::printf(
+      "mPLUG-Owl3 hidden %s, %s layers, %s frames/sample from a %s, %s s video, %s rank(s), "
+      "%s steps, %s runs each (losses equal bit for bit)\n\n",
+      p.get("hidden").c_str(), p.get("layers").c_str(), p.get("frames").c_str(),
+      p.get("video-size").c_str(), p.get("video-seconds").c_str(), p.get("nproc").c_str(),
+      p.get("steps").c_str(), p.get("repeats").c_str());
+  std::printf("| measure | seconds per step, median (range) |\n|---|---|\n");
+  auto row = [](const char* name, const std::pair<double, std::pair<double, double>>& m) {
+    std::printf("| %s | %.3f (%.3f-%.3f) |\n", name, m.first, m.second.first, m.second.second);
+  };
+  row("step, data.prefetch=0", step_off);
+  row("step, data.prefetch=2", step_on);
+  row("input alone (decode, preprocessing, prompt)", input);
+  std::printf("| compute alone (step - input, prefetch 0) | %.3f |\n", compute);
+  row("step's wait for input, prefetch 2", wait_on);
+  std::printf(
+      "\nprefetch 2 over none: %.2fx faster; step / max(input, compute) = %.2f (goal <= 1.1)\n",
+      step_off.first / step_on.first, step_on.first / bound);
+  return 0;
+}
+
 int bench(int argc, char** argv) {
   cli::ArgParser p("bench_finetune [options]",
                    "Fine-tuning samples/s through `lvx finetune` with and without K/V\n"
@@ -302,8 +388,8 @@ int bench(int argc, char** argv) {
   write_run_inputs(dir, p);
   const std::string lvx =
       (fs::path(dist::self_executable()).parent_path().parent_path() / "lvx").string();
-  if (memory) {
-    const int rc = bench_memory(p, dir, lvx);
+  if (memory || p.flag("prefetch")) {
+    const int rc = memory ? bench_memory(p, dir, lvx) : bench_prefetch(p, lvx);
     fs::current_path(fs::temp_directory_path());
     fs::remove_all(dir);
     return rc;

@@ -193,6 +193,48 @@ TEST(Finetune, KillOfOneRankThenResumeEqualsTheUninterruptedRun) {
   EXPECT_EQ(metrics(ck + "/metrics.jsonl").size(), 6u);
 }
 
+// Samples prepared ahead of the step (data.prefetch, the default 2 in the reference run) give the
+// same bits as each prepared when taken (0), and as three ahead on two workers; the metrics say
+// how long the step waited for its input.
+TEST(Finetune, PrefetchGivesTheSameBitsAsNone) {
+  const std::string ref = reference_run();
+  for (const char* flags : {"data.prefetch=0", "data.prefetch=3 data.workers=2"}) {
+    const std::string ck = (dir() / "ck_prefetch").string();
+    fs::remove_all(ck);
+    const std::string log = finetune(write_config("prefetch", ck, 6), flags);
+    ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
+    EXPECT_EQ(max_diff(latest(ck), latest(ref)), 0.0) << flags << ": not bitwise equal";
+    const auto m = metrics(ck + "/metrics.jsonl");
+    ASSERT_EQ(m.size(), 6u);
+    for (const auto& line : m) {
+      EXPECT_GT(line["input_seconds"].get<double>(), 0) << flags;
+      EXPECT_GE(line["input_wait_seconds"].get<double>(), 0) << flags;
+      EXPECT_GT(line["model_flops"].get<double>(), 0) << flags;
+      EXPECT_TRUE(line["mfu"].is_null()) << "no parallel.cluster: no peak";
+    }
+  }
+}
+
+// MFU is the step's model FLOPs per second over the cluster config's GEMM peak in the run's dtype
+// times the ranks (an H100 config: 50 TFLOP/s fp32 each, 2 ranks); the same FLOPs every step
+// (one fixed sample shape).
+TEST(Finetune, MfuIsTheRateOverTheClustersPeak) {
+  const std::string ck = (dir() / "ck_mfu").string();
+  fs::remove_all(ck);
+  const std::string log =
+      finetune(write_config("mfu", ck, 2), "parallel.cluster=" + lvx::testing::source_dir() +
+                                               "/configs/clusters/h100_80g_16.yaml");
+  ASSERT_EQ(log.find("exit status"), std::string::npos) << log;
+  EXPECT_NE(log.find("MFU against 100 TFLOP/s"), std::string::npos) << log;
+  const auto m = metrics(ck + "/metrics.jsonl");
+  ASSERT_EQ(m.size(), 2u);
+  for (const auto& line : m) {
+    const double rate = line["model_flops"].get<double>() / line["step_seconds"].get<double>();
+    EXPECT_NEAR(line["flops_per_second"].get<double>(), rate, 1e-9 * rate);
+    EXPECT_NEAR(line["mfu"].get<double>(), rate / 100e12, 1e-9 * rate / 100e12);
+  }
+}
+
 TEST(Finetune, InterruptedCheckpointWriteKeepsThePreviousOne) {
   const std::string ref = reference_run();
   const std::string ck = (dir() / "ck_fault").string();

@@ -14,9 +14,11 @@
 #include "src/common/files.h"
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
+#include "src/planner/cluster_config.h"
 #include "src/runtime/device.h"
 #include "src/runtime/finetune_eval.h"
 #include "src/runtime/finetune_lora.h"
+#include "src/runtime/model_description.h"
 #include "src/runtime/train_checkpoint.h"
 #include "src/runtime/video_qa.h"
 
@@ -282,6 +284,38 @@ void open_logs(RankRun& run) {
   run.metrics.open(cfg.logging.metrics, std::ios::app);
 }
 
+void price_flops(RankRun& run) {
+  const TrainConfig& cfg = run.cfg;
+  run.flops_model = run.model->planner_model();
+  const planner::ParamCounts counts =
+      count_parameters(run.model_dir, run.flops_model, cfg.freeze.policy);
+  planner::SampleShape& s = run.flops_shape;
+  s.tokens_per_frame = run.flops_model.visual_tokens_per_frame;
+  s.lm_parameters = counts.layers;
+  s.vocab = counts.vocab;
+  s.hidden = run.flops_model.layers.empty() ? 0 : run.flops_model.layers.front().hidden_size;
+  s.vision_trains = !run.lora && cfg.freeze.policy == "none";
+  s.lora = run.lora;
+  std::string source =
+      "no parallel.cluster to read the devices' peak from (lvx calibrate writes "
+      "one for this machine): no MFU";
+  if (!cfg.parallel.cluster.empty()) {
+    const planner::ClusterConfig c = planner::load_cluster_config(cfg.parallel.cluster);
+    if (!c.gemm_flops.count(cfg.model.dtype)) {
+      if (run.r == 0)
+        std::cout << "model FLOPs per step logged; no MFU: " << cfg.parallel.cluster
+                  << " has no gemm_tflops." << cfg.model.dtype << "\n";
+      return;
+    }
+    // A shared host (a CPU: the ranks split its cores) has one device's rate whatever the ranks.
+    const double devices = c.memory.shared ? 1.0 : double(run.n);
+    run.peak_flops = c.gemm_for(cfg.model.dtype) * devices;
+    source = str("against ", run.peak_flops / 1e12, " TFLOP/s (", cfg.parallel.cluster, ": ",
+                 cfg.model.dtype, " GEMM × ", devices, " device(s))");
+  }
+  if (run.r == 0) std::cout << "model FLOPs per step logged; MFU " << source << "\n";
+}
+
 int run_finetune_rank(const FinetuneJob& job) {
   RankRun run = open_run(job);
   load_run_model(run, job);
@@ -290,7 +324,9 @@ int run_finetune_rank(const FinetuneJob& job) {
   restore_state(run);
   shard_layers(run);
   open_logs(run);
+  price_flops(run);
   Evaluator eval(run);
+  start_prefetch(run);
   for (int64_t step = run.start; step < run.cfg.schedule.steps; ++step) {
     const StepResult s = train_step(run, step);
     log_step(run, step, s);

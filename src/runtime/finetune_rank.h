@@ -25,9 +25,11 @@
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/tokenizer/tokenizer.h"
+#include "src/planner/train_flops.h"
 #include "src/runtime/finetune_job.h"
 #include "src/runtime/layer_sharding.h"
 #include "src/runtime/optimizer.h"
+#include "src/runtime/sample_prefetch.h"
 #include "src/runtime/sharded_state.h"
 #include "src/runtime/tensorboard.h"
 #include "video/video_options.h"
@@ -42,17 +44,17 @@ struct RankRun {
   // open_run: who this rank is. Consecutive ranks form the sequence-parallel groups (a node's
   // ranks are consecutive, so a group stays inside a node when sp divides its size).
   std::shared_ptr<dist::ProcessGroup> pg, sp_pg;
-  int n = 1, r = 0;             // world
-  int sp = 1, dp = 1;           // sequence-parallel size, data-parallel groups
-  int group = 0, sp_rank = 0;   // this rank's data-parallel group and place in it
-  int64_t base_rss = 0;         // peak RSS before the model (the libraries)
+  int n = 1, r = 0;            // world
+  int sp = 1, dp = 1;          // sequence-parallel size, data-parallel groups
+  int group = 0, sp_rank = 0;  // this rank's data-parallel group and place in it
+  int64_t base_rss = 0;        // peak RSS before the model (the libraries)
   TrainConfig cfg;
   ShardStage stage = ShardStage::kNone;
   bool stage3 = false, sharded = false, lora = false;
-  std::vector<QaItem> items;    // data.train
-  std::vector<int64_t> lines;   // each item's line
+  std::vector<QaItem> items;   // data.train
+  std::vector<int64_t> lines;  // each item's line
   int64_t samples = 0;
-  std::string ckpt;             // resuming from (empty: fresh)
+  std::string ckpt;  // resuming from (empty: fresh)
   ResumeState resumed;
   int64_t start = 0, seen0 = 0;  // first step, samples seen before it
 
@@ -78,14 +80,28 @@ struct RankRun {
   // open_logs
   std::ofstream metrics;  // rank 0
   std::unique_ptr<TensorBoardWriter> tensorboard;
-  bool plain = true;  // plain progress lines (the launcher draws a bar when it sets LVX_FINETUNE_BAR)
+  bool plain =
+      true;  // plain progress lines (the launcher draws a bar when it sets LVX_FINETUNE_BAR)
   std::chrono::steady_clock::time_point t_run;
   int64_t tokens_run = 0;
+
+  // price_flops: the model's shapes for each sample's model FLOPs (planner/train_flops.h) and
+  // the run's devices' peak FLOP/s (0: no parallel.cluster to read it from), for the MFU logged
+  ModelConfig flops_model;
+  planner::SampleShape flops_shape;  // frames and text tokens set per sample
+  double peak_flops = 0;
+
+  // start_prefetch: the next samples prepared on workers while a step computes (data.prefetch)
+  std::unique_ptr<SamplePrefetch> prefetch;
 };
 
 // What one optimizer step did (train_step), for log_step.
 struct StepResult {
   double loss = 0, norm = 0, seconds = 0;
+  // Rank 0's: preparing its samples (decode, preprocessing, prompt: on the prefetch's workers or
+  // here) and the step's wait for them (all of the former without prefetch).
+  double input_s = 0, input_wait_s = 0;
+  double model_flops = 0;          // global: every data-parallel group's samples (train_flops.h)
   int64_t tokens = 0, frames = 0;  // global: every data-parallel group's
   int64_t state_bytes = 0;         // this rank's bytes for the training state
 };
@@ -98,6 +114,7 @@ void init_optimizer(RankRun& run);
 void restore_state(RankRun& run);
 void shard_layers(RankRun& run);
 void open_logs(RankRun& run);
+void price_flops(RankRun& run);
 
 // ---- each step (finetune_step.cpp) ----------------------------------------------------------
 StepResult train_step(RankRun& run, int64_t step);
@@ -125,5 +142,12 @@ struct SampleInputs {
   int64_t tokens = 0, frames = 0;
 };
 SampleInputs sample_inputs(const RankRun& run, const QaItem& item, const std::string& what);
+// sample_inputs in two parts: this rank's own work (prepare_sample: no collective, run by the
+// prefetch's workers too), then the agreement on errors and the tensors (agreed_inputs).
+LocalSample prepare_sample(const RankRun& run, const QaItem& item);
+SampleInputs agreed_inputs(const RankRun& run, LocalSample local, const std::string& what);
+// The prefetch of the training samples this rank takes (data.prefetch > 0), from the run's
+// (or the resumed) first step on.
+void start_prefetch(RankRun& run);
 
 }  // namespace lvx::runtime

@@ -12,6 +12,7 @@
 #include <exception>
 #include <future>
 #include <iostream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <tuple>
 
@@ -30,11 +31,14 @@ namespace lvx::runtime {
 
 namespace {
 
-// Sample k of the run: epochs of `n` samples, each in its own seeded order.
+// Sample k of the run: epochs of `n` samples, each in its own seeded order. Called from the
+// prefetch's workers too.
 int64_t sample_at(const TrainConfig::Data& d, int64_t n, int64_t k) {
   const int64_t epoch = k / n, pos = k % n;
   if (!d.shuffle) return pos;
   // Per (epoch, row count, seed), made once: an order is a function of all three.
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
   static std::map<std::tuple<int64_t, int64_t, int64_t>, at::Tensor> orders;
   const auto key = std::make_tuple(epoch, n, d.seed);
   auto it = orders.find(key);
@@ -44,6 +48,10 @@ int64_t sample_at(const TrainConfig::Data& d, int64_t n, int64_t k) {
     it = orders.emplace(key, at::randperm(n, g, at::kLong)).first;
   }
   return it->second[pos].item<int64_t>();
+}
+
+double since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
 std::string hms(double s) {
@@ -106,7 +114,11 @@ double run_sample(RankRun& run, int64_t step, int64_t a, at::Tensor& acc, StepRe
       run.seen0 + ((step - run.start) * cfg.optimizer.grad_accum + a) * run.dp + run.group;
   const size_t row = static_cast<size_t>(sample_at(cfg.data, run.samples, k));
   const QaItem& item = run.items[row];
-  const SampleInputs in = sample_inputs(run, item,
+  const auto t_in = std::chrono::steady_clock::now();
+  LocalSample local = run.prefetch ? run.prefetch->take(k) : prepare_sample(run, item);
+  res.input_wait_s += since(t_in);
+  res.input_s += local.seconds;
+  const SampleInputs in = agreed_inputs(run, std::move(local),
                                         str("step ", step + 1, ", sample '", item.id, "' (",
                                             cfg.data.train, ":", run.lines[row], ")"));
   std::string plan_text;
@@ -141,6 +153,10 @@ double run_sample(RankRun& run, int64_t step, int64_t a, at::Tensor& acc, StepRe
   }
   res.tokens += in.tokens;
   res.frames += in.frames;
+  planner::SampleShape shape = run.flops_shape;
+  shape.frames = in.frames;
+  shape.text_tokens = in.tokens;
+  res.model_flops += planner::train_flops(run.flops_model, shape).training;
   return lb.loss.item<double>();
 }
 
@@ -190,9 +206,12 @@ double apply_update(RankRun& run, int64_t step, at::Tensor& acc,
 // tokens and frames (each counted once, by the group's first rank).
 void sum_over_groups(const RankRun& run, StepResult& s) {
   if (run.dp <= 1) return;
-  at::Tensor l = at::full({1}, run.sp_rank == 0 ? s.loss : 0.0, at::kDouble);
+  // One rank of each group counts its group's loss and model FLOPs.
+  const bool counts = run.sp_rank == 0;
+  at::Tensor l = at::tensor({counts ? s.loss : 0.0, counts ? s.model_flops : 0.0}, at::kDouble);
   run.pg->all_reduce(l);
-  s.loss = l.item<double>() / run.dp;
+  s.loss = l[0].item<double>() / run.dp;
+  s.model_flops = l[1].item<double>();
   at::Tensor tf = at::tensor(
       {run.sp_rank == 0 ? s.tokens : int64_t{0}, run.sp_rank == 0 ? s.frames : int64_t{0}},
       at::kLong);
@@ -256,12 +275,14 @@ void rank0_writes(dist::ProcessGroup& pg, int64_t step, const std::function<void
   ranks_write(pg, step, pg.rank() == 0, write);
 }
 
-SampleInputs sample_inputs(const RankRun& run, const QaItem& item, const std::string& what) {
-  // This rank's own work for the sample; a failure here is agreed by every rank before the
-  // first collective of the forward (a bad video may fail on the rank holding its frames).
-  video::FrameBatch fb;
-  PromptTokens p;
-  std::string local_error;
+LocalSample prepare_sample(const RankRun& run, const QaItem& item) {
+  // This rank's own work for the sample (no collective: the prefetch's workers run it too); a
+  // failure here is agreed by every rank before the first collective of the forward (a bad video
+  // may fail on the rank holding its frames).
+  const auto t0 = std::chrono::steady_clock::now();
+  LocalSample out;
+  video::FrameBatch& fb = out.frames;
+  PromptTokens& p = out.prompt;
   try {
     video::SampleSpec spec;
     spec.num_frames = run.cfg.data.num_frames;
@@ -276,10 +297,17 @@ SampleInputs sample_inputs(const RankRun& run, const QaItem& item, const std::st
               "of ", run.context, " (config.json); use fewer frames (data.num_frames / ",
               "data.fps) or a shorter question and answer");
   } catch (const std::exception& e) {
-    local_error = e.what();
-    if (local_error.empty()) local_error = "unknown error";
+    out.error = e.what();
+    if (out.error.empty()) out.error = "unknown error";
   }
-  agree_on_errors(*run.sp_pg, local_error, what);
+  out.seconds = since(t0);
+  return out;
+}
+
+SampleInputs agreed_inputs(const RankRun& run, LocalSample local, const std::string& what) {
+  agree_on_errors(*run.sp_pg, local.error, what);
+  const video::FrameBatch& fb = local.frames;
+  const PromptTokens& p = local.prompt;
   SampleInputs in;
   const int64_t len = static_cast<int64_t>(p.ids.size());
   in.ids = at::tensor(p.ids, at::kLong).reshape({1, len});
@@ -289,6 +317,24 @@ SampleInputs sample_inputs(const RankRun& run, const QaItem& item, const std::st
   in.tokens = len;
   in.frames = fb.report.sampled_total;
   return in;
+}
+
+SampleInputs sample_inputs(const RankRun& run, const QaItem& item, const std::string& what) {
+  return agreed_inputs(run, prepare_sample(run, item), what);
+}
+
+void start_prefetch(RankRun& run) {
+  const TrainConfig::Data& d = run.cfg.data;
+  if (d.prefetch <= 0) return;
+  // This group's first sample of the run (or of the resumed part), then one per group.
+  const int64_t first = run.seen0 + run.group;
+  const RankRun* r = &run;
+  run.prefetch = std::make_unique<SamplePrefetch>(
+      [r](int64_t k) {
+        const size_t row = static_cast<size_t>(sample_at(r->cfg.data, r->samples, k));
+        return prepare_sample(*r, r->items[row]);
+      },
+      first, run.dp, static_cast<int>(d.prefetch), static_cast<int>(d.workers));
 }
 
 StepResult train_step(RankRun& run, int64_t step) {
@@ -336,24 +382,31 @@ void log_step(RankRun& run, int64_t step, const StepResult& s) {
   // per-rank figures divide them by the world.
   const double samples_per_second =
       static_cast<double>(done * cfg.optimizer.grad_accum * run.dp) / elapsed;
-  const nlohmann::json m = {{"step", step + 1},
-                            {"loss", s.loss},
-                            {"lr", last_lr(run)},
-                            {"grad_norm", s.norm},
-                            {"tokens", s.tokens},
-                            {"frames", s.frames},
-                            {"step_seconds", s.seconds},
-                            {"state_bytes_sent", s.state_bytes},
-                            {"peak_rss_bytes", rss[0].item<int64_t>()},
-                            {"base_rss_bytes", rss[1].item<int64_t>()},
-                            {"tokens_per_second", run.tokens_run / elapsed},
-                            {"samples_per_second", samples_per_second},
-                            {"tokens_per_second_per_rank", run.tokens_run / elapsed / run.n},
-                            {"samples_per_second_per_rank", samples_per_second / run.n},
-                            {"data_parallel_groups", run.dp},
-                            {"ranks", run.n},
-                            {"eta_seconds", eta},
-                            {"total_steps", cfg.schedule.steps}};
+  const nlohmann::json m = {
+      {"step", step + 1},
+      {"loss", s.loss},
+      {"lr", last_lr(run)},
+      {"grad_norm", s.norm},
+      {"tokens", s.tokens},
+      {"frames", s.frames},
+      {"step_seconds", s.seconds},
+      {"model_flops", s.model_flops},
+      {"flops_per_second", s.model_flops / s.seconds},
+      {"mfu", run.peak_flops > 0 ? nlohmann::json(s.model_flops / s.seconds / run.peak_flops)
+                                 : nlohmann::json()},
+      {"input_seconds", s.input_s},
+      {"input_wait_seconds", s.input_wait_s},
+      {"state_bytes_sent", s.state_bytes},
+      {"peak_rss_bytes", rss[0].item<int64_t>()},
+      {"base_rss_bytes", rss[1].item<int64_t>()},
+      {"tokens_per_second", run.tokens_run / elapsed},
+      {"samples_per_second", samples_per_second},
+      {"tokens_per_second_per_rank", run.tokens_run / elapsed / run.n},
+      {"samples_per_second_per_rank", samples_per_second / run.n},
+      {"data_parallel_groups", run.dp},
+      {"ranks", run.n},
+      {"eta_seconds", eta},
+      {"total_steps", cfg.schedule.steps}};
   run.metrics << m.dump() << "\n" << std::flush;
   if (run.tensorboard) run.tensorboard->metrics(m);
   if (run.plain && (done % cfg.logging.every == 0 || step + 1 == cfg.schedule.steps)) {

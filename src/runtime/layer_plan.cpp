@@ -1,6 +1,10 @@
 #include "src/runtime/layer_plan.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <vector>
 
@@ -69,6 +73,29 @@ void apply_cpu_attention(const planner::ClusterConfig& cluster) {
   kernels::set_cpu_attention_choices(std::move(choices));
 }
 
+// The cluster config at `path`, read once and again only when the file changes (its size or
+// modification time): lvx finetune plans every sample and lvx serve every request, and reading
+// and checking the YAML each time cost a file read and a parse per sample.
+std::shared_ptr<const planner::ClusterConfig> cluster_config(const std::string& path) {
+  struct Entry {
+    std::filesystem::file_time_type mtime;
+    uintmax_t size = 0;
+    std::shared_ptr<const planner::ClusterConfig> config;
+  };
+  static std::mutex mu;
+  static std::map<std::string, Entry> read;
+  std::error_code ec;
+  const auto mtime = std::filesystem::last_write_time(path, ec);
+  const uintmax_t size = ec ? 0 : std::filesystem::file_size(path, ec);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = read.find(path);
+  if (!ec && it != read.end() && it->second.mtime == mtime && it->second.size == size)
+    return it->second.config;
+  auto config = std::make_shared<const planner::ClusterConfig>(planner::load_cluster_config(path));
+  if (!ec) read[path] = Entry{mtime, size, config};
+  return config;
+}
+
 // auto: the planner's per-layer choice for this input on the cluster config; without one,
 // lv_xattn for cross layers and ring for self layers.
 models::Parallel planned_strategies(const models::Model& model, const at::Tensor& input_ids,
@@ -90,9 +117,9 @@ models::Parallel planned_strategies(const models::Model& model, const at::Tensor
   w.ranks = world;
   w.dtype = req.dtype;
   w.train = req.train;
-  const planner::ClusterConfig cluster = planner::load_cluster_config(req.cluster);
-  apply_cpu_attention(cluster);
-  const planner::Plan plan = planner::plan(m, cluster, w);
+  const std::shared_ptr<const planner::ClusterConfig> cluster = cluster_config(req.cluster);
+  apply_cpu_attention(*cluster);
+  const planner::Plan plan = planner::plan(m, *cluster, w);
   // Each of the planner's layers is one attention of a decoder layer (Model::layer_attentions).
   std::vector<planner::LayerKind> kinds;
   for (const planner::LayerPlan& l : plan.layers) kinds.push_back(l.work.kind);

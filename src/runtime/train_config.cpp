@@ -102,10 +102,9 @@ class Section {
   std::set<std::string> used_;
 };
 
-const std::vector<std::string> kSections = {"model",    "data",    "optimizer",
-                                            "schedule", "freeze",  "checkpoint",
-                                            "parallel", "logging", "lora",
-                                            "eval"};
+const std::vector<std::string> kSections = {"model",  "data",       "optimizer", "schedule",
+                                            "freeze", "checkpoint", "parallel",  "logging",
+                                            "lora",   "eval"};
 
 // "section.field=value" sets root[section][field] to the value parsed as YAML (so numbers,
 // booleans and lists keep their types); "section={field: value, ...}" (a flow-style map) sets
@@ -214,6 +213,8 @@ std::vector<std::string> config_changes(const TrainConfig& before, const TrainCo
     for (const auto& kv : a[section]) keys.insert(kv.first.as<std::string>());
     for (const auto& kv : b[section]) keys.insert(kv.first.as<std::string>());
     for (const auto& k : keys) {
+      // How samples are prepared changes no result: a resume may change it freely.
+      if (std::string(section) == "data" && (k == "prefetch" || k == "workers")) continue;
       auto text = [&](const YAML::Node& root) {
         const YAML::Node v = root[section][k];
         if (!v) return std::string("(unset)");
@@ -261,6 +262,11 @@ void read_data(const YAML::Node& root, const std::string& file, TrainConfig& c) 
             ": give exactly one of data.num_frames and data.fps");
   c.data.shuffle = s.bool_or("shuffle", c.data.shuffle);
   c.data.seed = s.int_or("seed", c.data.seed, 0);
+  c.data.prefetch = s.int_or("prefetch", c.data.prefetch, 0);
+  LVX_CHECK(c.data.prefetch <= 64, s.where("prefetch"), ": at most 64 samples ahead, got ",
+            c.data.prefetch);
+  c.data.workers = s.int_or("workers", c.data.workers, 1);
+  LVX_CHECK(c.data.workers <= 16, s.where("workers"), ": at most 16 workers, got ", c.data.workers);
   LVX_CHECK(c.data.seed <= kMaxSeed, s.where("seed"), ": at most ", kMaxSeed, ", got ",
             c.data.seed);
   s.finish();
@@ -438,7 +444,8 @@ std::string to_yaml(const TrainConfig& c) {
   if (c.data.num_frames) e << YAML::Key << "num_frames" << YAML::Value << *c.data.num_frames;
   if (c.data.fps) e << YAML::Key << "fps" << YAML::Value << shortest(*c.data.fps);
   e << YAML::Key << "shuffle" << YAML::Value << c.data.shuffle << YAML::Key << "seed" << YAML::Value
-    << c.data.seed << YAML::EndMap;
+    << c.data.seed << YAML::Key << "prefetch" << YAML::Value << c.data.prefetch << YAML::Key
+    << "workers" << YAML::Value << c.data.workers << YAML::EndMap;
   const auto& o = c.optimizer;
   e << YAML::Key << "optimizer" << YAML::Value << YAML::BeginMap << YAML::Key << "lr" << YAML::Value
     << shortest(o.lr) << YAML::Key << "betas" << YAML::Value << YAML::Flow << YAML::BeginSeq

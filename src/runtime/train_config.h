@@ -23,6 +23,10 @@ struct TrainConfig {
     std::optional<double> fps;
     bool shuffle = true;  // a seeded permutation per epoch (seed + epoch)
     int64_t seed = 0;
+    // Samples prepared ahead of the step (decoded, preprocessed, prompted) on `workers` threads:
+    // the results are the same bits as without (src/runtime/sample_prefetch.h). 0: none.
+    int64_t prefetch = 2;
+    int64_t workers = 1;
   } data;
   struct Optimizer {
     double lr = 1e-4;
@@ -67,18 +71,18 @@ struct TrainConfig {
     std::vector<std::string> target_modules{"all-linear"};  // PEFT's names, or all-linear
   } lora;
   struct Logging {
-    std::string metrics;  // JSONL file (default: <checkpoint.dir>/metrics.jsonl)
-    int64_t every = 1;    // steps between plain progress lines when not on a terminal
+    std::string metrics;      // JSONL file (default: <checkpoint.dir>/metrics.jsonl)
+    int64_t every = 1;        // steps between plain progress lines when not on a terminal
     std::string tensorboard;  // a folder for TensorBoard event files ("": none; tensorboard.h)
   } logging;
   // Evaluation during training (src/runtime/finetune_eval.h): on held-out rows every `every`
   // steps and at the last, the loss (the training loss, no backward) and, with `accuracy`, each
   // row's question answered as lvx qa answers it and scored; lines in logging.metrics.
   struct Eval {
-    std::string data;            // JSONL of held-out rows, data.train's formats ("": no eval)
-    int64_t every = 0;           // steps between evaluations (0: only after the last step)
-    int64_t max_rows = 0;        // the first max_rows rows (0: all)
-    bool accuracy = true;        // also generate answers and score them (rows with an answer)
+    std::string data;      // JSONL of held-out rows, data.train's formats ("": no eval)
+    int64_t every = 0;     // steps between evaluations (0: only after the last step)
+    int64_t max_rows = 0;  // the first max_rows rows (0: all)
+    bool accuracy = true;  // also generate answers and score them (rows with an answer)
     int64_t max_new_tokens = 32;
     // eval_loss (lower is better) or eval_accuracy (higher): every evaluation then also saves a
     // checkpoint, and `best.json` in checkpoint.dir names the best, which checkpoint.keep never
