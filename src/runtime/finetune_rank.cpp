@@ -4,6 +4,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -307,8 +308,10 @@ void price_flops(RankRun& run) {
                   << " has no gemm_tflops." << cfg.model.dtype << "\n";
       return;
     }
-    // A shared host (a CPU: the ranks split its cores) has one device's rate whatever the ranks.
-    const double devices = c.memory.shared ? 1.0 : double(run.n);
+    // A shared host (a CPU: the ranks split its cores) has the rate of the ranks it was calibrated
+    // with whatever the run's ranks (planner/question_price.h counts it the same way).
+    const double devices =
+        c.memory.shared ? double(std::max<int64_t>(1, c.gpus_per_node)) : double(run.n);
     run.peak_flops = c.gemm_for(cfg.model.dtype) * devices;
     source = str("against ", run.peak_flops / 1e12, " TFLOP/s (", cfg.parallel.cluster, ": ",
                  cfg.model.dtype, " GEMM × ", devices, " device(s))");
