@@ -4,7 +4,7 @@ video (the visual cache), and requests/s with p50/p99 latency at several concurr
   python bench_serve.py [--nproc 1,2] [--minutes 60] [--video-fps 1] [--sample-fps 0.5]
                         [--clients 1,4,16] [--requests 256] [--load-repeats 5] [--tokens 16]
                         [--max-batch 16] [--probe-chunks 0,32/0,32/131072,...]
-                        [--load-minutes 2] [--parts ttft,load,probe] [-o md|json]
+                        [--load-minutes 2] [--parts ttft,load,probe,budget] [-o md|json]
 
 Model: --model DIR, else a tiny random mPLUG-Owl3 (tests/reference/mplug_owl3_ref.py make-model: SigLIP 32 px,
 16 visual tokens per frame), so the numbers measure lvx's video path, prefill and serving, not a
@@ -48,6 +48,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import serve_budget
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -320,7 +322,8 @@ def parse_args():
     ap.add_argument("--parts", default="ttft,load,probe",
                     help="what to measure: ttft (the first and a repeated question about the long "
                          "video), load (requests/s batched against one at a time), probe (a short "
-                         "question's TTFT during the long video's prefill)")
+                         "question's TTFT during the long video's prefill), budget (--max-kv-bytes "
+                         "under 16 and 64 clients and during the long prefill: serve_budget.py)")
     ap.add_argument("-o", "--output", default="md", choices=["md", "json"])
     a = ap.parse_args()
     a.parts = set(a.parts.split(","))
@@ -383,6 +386,10 @@ def ranks_row(a, lvx, model, media, video, videos, nproc):
     if "probe" in a.parts:
         row["under_prefill"] = prefill_probe(a, lvx, model, nproc, media, str(video), videos[0],
                                              length)
+    if "budget" in a.parts:  # mixed lengths: the 4 short videos and a longer one
+        mixed = videos + load_videos(media, 4 * a.load_minutes)[:1]
+        row["budget"] = serve_budget.budget_rows(a, lvx, model, nproc, media, str(video), mixed,
+                                                 length, sys.modules[__name__])
     return row
 
 
@@ -452,7 +459,8 @@ def main():
     if a.output == "json":
         print(json.dumps({"results": results, "loadavg_1min_at_end": load}, indent=1))
         return
-    for part, table in (("ttft", print_ttft), ("load", print_load), ("probe", print_probe)):
+    for part, table in (("ttft", print_ttft), ("load", print_load), ("probe", print_probe),
+                        ("budget", serve_budget.print_budget)):
         if part in a.parts:
             table(results)
     print("(load average at the end: %.1f)" % load)
