@@ -13,6 +13,7 @@
 #include "src/common/error.h"
 #include "src/runtime/hub_cache.h"
 #include "src/runtime/train_checkpoint.h"
+#include "src/runtime/train_config.h"
 
 namespace fs = std::filesystem;
 
@@ -89,3 +90,29 @@ TEST(HubCache, NamesResolveToTheirCachedSnapshot) {
 }
 
 }  // namespace
+
+// lvx finetune's model.path takes the same names (users write the name they pass to
+// from_pretrained); the resolved snapshot is what the run records.
+TEST(HubCache, FinetuneModelPathTakesAName) {
+  const fs::path cache = make_cache();
+  ::setenv("HF_HUB_CACHE", cache.c_str(), 1);
+  const fs::path yaml = cache / "run.yaml";
+  std::ofstream(yaml) << "model: {path: mPLUG/mPLUG-Owl3-7B-240728@v1}\n"
+                      << "data: {train: t.jsonl, num_frames: 4}\n"
+                      << "schedule: {steps: 1}\ncheckpoint: {dir: ck}\n";
+  const lvx::runtime::TrainConfig c = lvx::runtime::load_train_config(yaml.string(), {});
+  EXPECT_EQ(c.model.path,
+            (cache / "models--mPLUG--mPLUG-Owl3-7B-240728" / "snapshots" / "bbb222").string());
+  std::ofstream(yaml) << "model: {path: mPLUG/not-cached}\n"
+                      << "data: {train: t.jsonl, num_frames: 4}\n"
+                      << "schedule: {steps: 1}\ncheckpoint: {dir: ck}\n";
+  std::string error;
+  try {
+    lvx::runtime::load_train_config(yaml.string(), {});
+  } catch (const lvx::Error& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("huggingface-cli download mPLUG/not-cached"), std::string::npos) << error;
+  ::unsetenv("HF_HUB_CACHE");
+  fs::remove_all(cache);
+}

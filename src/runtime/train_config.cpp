@@ -14,6 +14,7 @@
 #include "src/common/dtype.h"
 #include "src/common/error.h"
 #include "src/common/files.h"
+#include "src/runtime/hub_cache.h"
 
 namespace lvx::runtime {
 
@@ -237,6 +238,11 @@ namespace {
 void read_model(const YAML::Node& root, const std::string& file, TrainConfig& c) {
   Section s(root, file, "model");
   c.model.path = s.get<std::string>("path", "a checkpoint directory");
+  // A Hugging Face name (org/name[@revision]) that is no folder here: its cached snapshot, as
+  // --model takes it elsewhere (the error names where lvx looked and the download command).
+  std::error_code ec;
+  if (!std::filesystem::exists(c.model.path, ec) && is_hub_name(c.model.path))
+    c.model.path = hub_snapshot(c.model.path);
   c.model.dtype = s.str_or("dtype", c.model.dtype);
   // Training keeps fp32 masters and has no loss scaling: fp16's range would overflow.
   LVX_CHECK(dtype_of(c.model.dtype, s.where("dtype")) != at::kHalf, s.where("dtype"),
