@@ -172,6 +172,22 @@ def load_videos(media, minutes):
     return out
 
 
+def load_run(a, srv, videos, clients, n):
+    """n distinct streamed questions (request i asks its own, about video i mod 4) from `clients`
+    clients on kept connections: (requests/s, [(question, post's tuple)])."""
+    conns = Connections(srv.port)
+
+    def one(i):
+        q = "%s (%d)" % (QUESTION, i)
+        return q, conns.post(body(videos[i % len(videos)], a.tokens, True, question=q), True)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as ex:
+        outs = list(ex.map(one, range(n)))
+    rps = n / (time.perf_counter() - t0)
+    conns.close()
+    return rps, outs
+
+
 def load_rows(a, lvx, model, nproc, media, videos):
     """Requests/s and TTFT with continuous batching and with --max-batch 1, side by side."""
     dtype = ["--dtype", a.dtype]
@@ -189,17 +205,7 @@ def load_rows(a, lvx, model, nproc, media, videos):
             runs = {mode: [] for mode in servers}
             for _ in range(a.load_repeats):  # the two servers alternate: drifts hit both
                 for mode, s in servers.items():
-                    clients = Connections(s.port)
-
-                    def one(i):
-                        q = "%s (%d)" % (QUESTION, i)
-                        return q, clients.post(
-                            body(videos[i % len(videos)], a.tokens, True, question=q), True)
-                    t0 = time.perf_counter()
-                    with ThreadPoolExecutor(c) as ex:
-                        outs = list(ex.map(one, range(n)))
-                    runs[mode].append((n / (time.perf_counter() - t0), outs))
-                    clients.close()
+                    runs[mode].append(load_run(a, s, videos, c, n))
             for mode, done in runs.items():
                 outs = [o for _, run in done for o in run]
                 for q, o in outs:
@@ -221,6 +227,32 @@ def load_rows(a, lvx, model, nproc, media, videos):
     return rows
 
 
+def open_loop(a, srv, long_body, short_body):
+    """Sends `long_body` and, from 50 ms after it, `short_body` every --probe-every seconds, each
+    on its own connection (open loop: none waits for another's answer, so every moment of the long
+    request is sampled alike, its stalls included), until the long one is answered. Returns its
+    time to first token, its text, and (seconds after the start it was sent, time to first token)
+    of each short one."""
+    with ThreadPoolExecutor(1) as long_ex, ThreadPoolExecutor(16) as ex:
+        t0 = time.perf_counter()
+        miss = long_ex.submit(srv.post, long_body, True)
+
+        def short(s):
+            time.sleep(max(0.0, s - (time.perf_counter() - t0)))
+            s = time.perf_counter() - t0
+            return s, srv.post(short_body, True)[0]
+        shorts, k = [], 0
+        while not miss.done():
+            s = 0.05 + k * a.probe_every
+            if s > time.perf_counter() - t0 + 0.5:  # keep a little ahead
+                time.sleep(0.01)
+                continue
+            shorts.append(ex.submit(short, s))
+            k += 1
+        long_ttft, _, long_text, _ = miss.result()
+        return long_ttft, long_text, [f.result() for f in shorts]
+
+
 def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
     """TTFT of a short question about a cached video, idle and while a 1-hour video's first
     prefill (a cache miss) runs, for each TOKENS/KEYS of --probe-chunks (--max-batch-tokens and
@@ -239,34 +271,12 @@ def prefill_probe(a, lvx, model, nproc, media, long_video, short_video, length):
             # One token each: the time to it is what is measured, and a short question's later
             # tokens would space the samples one chunk apart per token.
             idle = [srv.post(body(short_video, 1, True), True)[0] for _ in range(5)]
-            # Open loop: a short question every --probe-every seconds from 50 ms after the miss
-            # was sent, each on its own connection (none waits for another's answer), so every
-            # moment of the prefill is sampled alike, its stalls included.
             chunks0 = srv.metric("lvx_prefill_chunks_total")
-            with ThreadPoolExecutor(1) as long_ex, ThreadPoolExecutor(16) as ex:
-                t0 = time.perf_counter()
-                miss = long_ex.submit(srv.post, body(long_video, a.tokens, True, 300, end=length),
-                                      True)
-
-                def short(s):
-                    time.sleep(max(0.0, s - (time.perf_counter() - t0)))
-                    s = time.perf_counter() - t0
-                    ttft = srv.post(body(short_video, 1, True), True)[0]
-                    return s, s + ttft, ttft
-                shorts = []
-                k = 0
-                while not miss.done():
-                    s = 0.05 + k * a.probe_every
-                    if s > time.perf_counter() - t0 + 0.5:  # keep a little ahead
-                        time.sleep(0.01)
-                        continue
-                    shorts.append(ex.submit(short, s))
-                    k += 1
-                long_ttft, _, long_text, _ = miss.result()
-                spans = [f.result() for f in shorts]
+            long_ttft, long_text, spans = open_loop(
+                a, srv, body(long_video, a.tokens, True, 300, end=length), body(short_video, 1, True))
             assert long_text == want["response"], ("the 1-hour answer differs from lvx qa's",
                                                    entry, long_text, want["response"])
-            busy = [t for s, e, t in spans if s < long_ttft] or [float("nan")]
+            busy = [t for s, t in spans if s < long_ttft] or [float("nan")]
             rows.append({"max_batch_tokens": chunk, "max_batch_visual_keys": keys,
                          "chunks": srv.metric("lvx_prefill_chunks_total") - chunks0,
                          "idle_ttft_s": statistics.median(idle),

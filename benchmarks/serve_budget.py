@@ -19,8 +19,6 @@ import statistics
 import threading
 import time
 import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 PROBE_FLAGS = ["--max-batch-tokens", "32", "--max-batch-visual-keys", "131072"]
 
@@ -90,20 +88,9 @@ def load_under_budget(a, srv, videos, budget, b):
     answers, runs = {}, {16: [], 64: []}
     for _ in range(3):
         for clients in (16, 64):
-            n = max(a.requests, clients)
-            conns = b.Connections(srv.port)
             watch = KvWatch(srv)
-
-            def one(i):
-                q = "%s (%d)" % (b.QUESTION, i)
-                return q, conns.post(b.body(videos[i % len(videos)], a.tokens, True, question=q),
-                                     True)
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(clients) as ex:
-                outs = list(ex.map(one, range(n)))
-            rps = n / (time.perf_counter() - t0)
+            rps, outs = b.load_run(a, srv, videos, clients, max(a.requests, clients))
             peak = watch.stop()
-            conns.close()
             assert peak <= budget, ("KV bytes above the budget", peak, budget)
             for q, o in outs:
                 assert answers.setdefault(q, o[2]) == o[2], ("an answer differs", clients, q)
@@ -124,24 +111,8 @@ def probe_under_budget(a, srv, long_video, short_video, length, b):
     """A short question (one token) every --probe-every seconds while the 1-hour question's
     prefill runs, against the same question on the idle server."""
     idle = [srv.post(b.body(short_video, 1, True), True)[0] for _ in range(9)]
-    with ThreadPoolExecutor(1) as long_ex, ThreadPoolExecutor(16) as ex:
-        t0 = time.perf_counter()
-        miss = long_ex.submit(srv.post, b.body(long_video, a.tokens, True, 301, end=length), True)
-
-        def short(s):
-            time.sleep(max(0.0, s - (time.perf_counter() - t0)))
-            s = time.perf_counter() - t0
-            return s, srv.post(b.body(short_video, 1, True), True)[0]
-        shorts, k = [], 0
-        while not miss.done():
-            s = 0.05 + k * a.probe_every
-            if s > time.perf_counter() - t0 + 0.5:
-                time.sleep(0.01)
-                continue
-            shorts.append(ex.submit(short, s))
-            k += 1
-        long_ttft, _, long_text, _ = miss.result()
-        spans = [f.result() for f in shorts]
+    long_ttft, long_text, spans = b.open_loop(
+        a, srv, b.body(long_video, a.tokens, True, 301, end=length), b.body(short_video, 1, True))
     busy = [t for s, t in spans if s < long_ttft] or [float("nan")]
     idle_p50 = statistics.median(idle)
     return {"idle_ttft_p50_s": idle_p50, "idle_ttft_p99_s": b.pct(idle, 99),
