@@ -208,7 +208,10 @@ TEST(Finetune, PrefetchGivesTheSameBitsAsNone) {
     ASSERT_EQ(m.size(), 6u);
     for (const auto& line : m) {
       EXPECT_GT(line["input_seconds"].get<double>(), 0) << flags;
-      EXPECT_GE(line["input_wait_seconds"].get<double>(), 0) << flags;
+      // Without prefetch the step waits for all of its input (the wait is timed around it).
+      if (std::string(flags) == "data.prefetch=0") {
+        EXPECT_GE(line["input_wait_seconds"].get<double>(), line["input_seconds"].get<double>());
+      }
       EXPECT_GT(line["model_flops"].get<double>(), 0) << flags;
       EXPECT_TRUE(line["mfu"].is_null()) << "no parallel.cluster: no peak";
     }

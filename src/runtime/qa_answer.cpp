@@ -13,6 +13,8 @@
 // Each part runs under c10::InferenceMode (the worker too): its tensors carry no autograd
 // bookkeeping (version counters, view tracking), which on the small per-token ops of a decode
 // step is a measurable part of the time; they are only ever read by later parts, also in it.
+// Just over 600 lines, not split: every part reads and writes QaAnswer, which is this file's own
+// struct (qa_job.h declares it only); a split would first move it into a shared header.
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 
@@ -318,9 +320,12 @@ GenerateOptions generation_options(QaSession::State& cx, QaAnswer& a) {
 }
 
 // The video's entry in the visual cache after a prefill: new on a miss, or the cached one with
-// the prefix this prompt made (another system message, plan or frame count replaces it).
+// the prefix this prompt made (another system message, plan or frame count replaces it); then
+// every rank's cache bytes summed (collective: every rank ends the same prefill at the same
+// command), so that a server's gauge follows what was kept at once.
 void keep_visual(QaSession::State& cx, QaAnswer& a) {
-  if (!a.cached && cx.cache->enabled() && a.encoded.features.defined()) {
+  if (!cx.cache->enabled()) return;
+  if (!a.cached && a.encoded.features.defined()) {
     auto entry = std::make_shared<VisualEntry>();
     entry->media = a.encoded;
     entry->sampled_total = a.m;
@@ -334,13 +339,6 @@ void keep_visual(QaSession::State& cx, QaAnswer& a) {
     entry->prefix = a.made;
     cx.cache->put(a.key, std::move(entry));
   }
-}
-
-// keep_visual, then every rank's cache bytes summed (collective: every rank ends the same
-// prefill at the same command), so that a server's gauge follows what was kept at once.
-void kept_visual(QaSession::State& cx, QaAnswer& a) {
-  keep_visual(cx, a);
-  if (!cx.cache->enabled()) return;
   at::Tensor bytes = at::tensor({cx.cache->stats().bytes}, at::kLong);
   cx.pg->all_reduce(bytes);
   cx.cache_bytes_all = bytes.item<int64_t>();
@@ -364,7 +362,7 @@ void start_generation(QaSession::State& cx, QaAnswer& a) {
   }
   a.gen = std::make_unique<Generation>(*cx.model, in, a.par, g);
   a.frames.frames = at::Tensor();  // encoded by now (or by the worker): the pixels are done with
-  if (!a.gen->prefilling()) kept_visual(cx, a);
+  if (!a.gen->prefilling()) keep_visual(cx, a);
 }
 
 // The answer's tokens before the stop token: their text (ids without one dropped), their
@@ -544,7 +542,7 @@ void QaSession::prefill_next(QaAnswer& a) {
   c10::InferenceMode inference;
   State& cx = *s_;
   a.gen->prefill_next(*cx.model, a.par);
-  if (!a.gen->prefilling()) kept_visual(cx, a);
+  if (!a.gen->prefilling()) keep_visual(cx, a);
 }
 
 bool QaSession::done(const QaAnswer& a) const { return a.advanced && (a.failed || a.gen->done()); }

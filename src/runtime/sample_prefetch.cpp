@@ -4,7 +4,6 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 
-#include <chrono>
 #include <utility>
 
 namespace lvx::runtime {
@@ -64,17 +63,11 @@ LocalSample SamplePrefetch::take(int64_t k) {
     lock.unlock();
     return make_(k);
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  if (!ready_.count(k)) {  // not started (depth reached before it): start it here
-    next_ = k + stride_;
-    ready_[k] = nullptr;
-    lock.unlock();
-    auto sample = std::make_unique<LocalSample>(make_(k));
-    lock.lock();
-    ready_[k] = std::move(sample);
-  }
-  cv_.wait(lock, [&] { return ready_[k] != nullptr; });
-  waited_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // In progress, or next for an idle worker (k is within the depth of itself).
+  cv_.wait(lock, [&] {
+    const auto it = ready_.find(k);
+    return it != ready_.end() && it->second != nullptr;
+  });
   LocalSample out = std::move(*ready_[k]);
   ready_.erase(k);
   taken_ = k + stride_;

@@ -52,8 +52,6 @@ class SamplePrefetch {
   // Sample k, waiting for it if it is not ready. Taken in order; a k out of that order (none in
   // lvx finetune) is prepared at once and the prefetch goes on after it.
   LocalSample take(int64_t k);
-  // Seconds the caller waited in take() so far (the step waiting for its input).
-  double waited_seconds() const { return waited_s_; }
 
  private:
   void work();
@@ -67,7 +65,6 @@ class SamplePrefetch {
   std::condition_variable cv_;
   std::map<int64_t, std::unique_ptr<LocalSample>> ready_;  // done (value) or in progress (null)
   bool stop_ = false;
-  double waited_s_ = 0;
   std::vector<std::thread> workers_;
 };
 

@@ -3,14 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <map>
 #include <mutex>
 #include <random>
 #include <regex>
-#include <set>
 
 #include "src/common/error.h"
 #include "src/common/files.h"
+#include "src/serve/request_fields.h"
 
 namespace lvx::serve {
 
@@ -35,9 +34,6 @@ std::string type_name(const json& v) {
       return "a number";
   }
 }
-
-// At most 64 characters of a client's text, for error messages (never a value whole).
-std::string preview(const std::string& s) { return s.size() <= 64 ? s : s.substr(0, 61) + "..."; }
 
 // An optional boolean field (null counts as absent).
 std::optional<bool> boolean(const json& body, const char* key) {
@@ -192,6 +188,8 @@ json ApiError::body() const {
             {"code", code.empty() ? json() : json(code)}}}};
 }
 
+std::string preview(const std::string& s) { return s.size() <= 64 ? s : s.substr(0, 61) + "..."; }
+
 ApiError bad_request(const std::string& message, const std::string& param) {
   return ApiError(400, "invalid_request_error", message, param);
 }
@@ -233,33 +231,6 @@ bool base64_decode(std::string_view text, const std::function<void(std::string_v
 
 namespace {
 
-// The request fields lvx reads (openai_api.h); any other is refused by name rather than ignored.
-const std::set<std::string>& known_fields() {
-  static const std::set<std::string> k = {"model",
-                                          "messages",
-                                          "max_tokens",
-                                          "max_completion_tokens",
-                                          "temperature",
-                                          "top_p",
-                                          "seed",
-                                          "stop",
-                                          "stream",
-                                          "stream_options",
-                                          "n",
-                                          "user",
-                                          "fps",
-                                          "num_frames",
-                                          "start",
-                                          "end",
-                                          "video_id",
-                                          "return_prompt_ids",
-                                          "media_io_kwargs",
-                                          "mm_processor_kwargs",
-                                          "logprobs",
-                                          "top_logprobs"};
-  return k;
-}
-
 // The body as JSON: nesting bounded before parsing (common/files.h), errors that quote nothing
 // of the body.
 json parse_body(const std::string& text) {
@@ -276,61 +247,6 @@ json parse_body(const std::string& text) {
     throw bad_request("the body is not valid JSON (error at byte " + std::to_string(e.byte) + ")");
   } catch (const std::exception&) {
     throw bad_request("the body is not valid JSON");
-  }
-}
-
-// Fields that OpenAI's API or vLLM accept and lvx serve does not: what to do instead (issue:
-// a refusal of what a peer accepts says what to do). A neutral value (a penalty of 0, an empty
-// logit_bias, a text response_format, tool_choice "none") is accepted: clients send them as
-// defaults.
-const char* instead_of(const std::string& key) {
-  static const std::map<std::string, const char*> hints = {
-      {"tools", "lvx serve has no tool calling: describe the tool's output format in the prompt"},
-      {"tool_choice", "lvx serve has no tool calling (\"none\" is accepted)"},
-      {"functions", "lvx serve has no function calling: describe the format in the prompt"},
-      {"response_format",
-       "lvx serve has no constrained decoding ({\"type\": \"text\"} is accepted): ask for the "
-       "format in the prompt and check the answer"},
-      {"frequency_penalty", "lvx serve applies no penalties: send 0 or leave it out"},
-      {"presence_penalty", "lvx serve applies no penalties: send 0 or leave it out"},
-      {"repetition_penalty", "lvx serve applies no penalties: send 1 or leave it out"},
-      {"logit_bias", "lvx serve applies no logit bias: send {} or leave it out"},
-      {"best_of", "send n requests without a seed (each samples afresh) and pick among them"},
-      {"audio", "lvx serve answers in text only"},
-      {"modalities", "lvx serve answers in text only ([\"text\"] is accepted)"},
-  };
-  const auto it = hints.find(key);
-  return it == hints.end() ? nullptr : it->second;
-}
-
-// Whether a field a peer accepts holds its neutral value (what clients send as a default).
-bool neutral(const std::string& key, const json& v) {
-  if (key == "frequency_penalty" || key == "presence_penalty")
-    return v.is_number() && v.get<double>() == 0;
-  if (key == "repetition_penalty") return v.is_number() && v.get<double>() == 1;
-  if (key == "logit_bias") return v.is_null() || (v.is_object() && v.empty());
-  if (key == "tool_choice") return v == "none";
-  if (key == "tools" || key == "functions") return v.is_null() || (v.is_array() && v.empty());
-  if (key == "response_format")
-    return v.is_null() || (v.is_object() && v.size() == 1 && v.value("type", "") == "text");
-  if (key == "modalities") return v == json::array({"text"});
-  return false;
-}
-
-void check_fields(const json& body) {
-  for (const auto& [key, value] : body.items()) {
-    if (known_fields().count(key)) continue;
-    if (const char* hint = instead_of(key)) {
-      if (neutral(key, value)) continue;
-      throw bad_request("'" + key + "' is not supported: " + hint, key);
-    }
-    throw bad_request("'" + preview(key) +
-                          "' is not supported by lvx serve (supported: model, "
-                          "messages, max_tokens, max_completion_tokens, temperature, top_p, seed, "
-                          "stop, stream, stream_options, n, user, logprobs, top_logprobs, fps, "
-                          "num_frames, start, end, video_id, return_prompt_ids, media_io_kwargs, "
-                          "mm_processor_kwargs)",
-                      preview(key));
   }
 }
 
@@ -592,7 +508,7 @@ ChatRequest parse_chat_request(std::string text, const ApiOptions& o) {
   std::string().swap(text);      // the parsed copy is all that is read from here on
   if (!body.is_object())
     throw bad_request("the body must be a JSON object, got " + type_name(body));
-  check_fields(body);
+  check_request_fields(body);
   if (!body.contains("model") || !body["model"].is_string())
     throw bad_request("'model' (a string) is required", "model");
   if (body["model"].get<std::string>() != o.model_name)

@@ -61,6 +61,8 @@ class ApiError : public std::runtime_error {
 };
 // The usual ones.
 ApiError bad_request(const std::string& message, const std::string& param = "");
+// At most 64 characters of a client's text, for error messages (never a value whole).
+std::string preview(const std::string& s);
 
 // One piece of media: a file on this machine, or bytes sent in the request as a data URL: its
 // base64 text, moved out of the parsed body (never copied, never held decoded), which the server
