@@ -2,7 +2,7 @@
 and lvx forward side by side with the library a user would otherwise run, each figure against
 this machine's own limits measured in the same run.
 
-  python benchmarks/bench_real_size.py [--parts qa,ranks,serve,finetune,peers] [--qa 1b:bf16,1b:fp32,2b:bf16,7b:bf16]
+  python benchmarks/bench_real_size.py [--parts qa,ranks,tiles,serve,finetune,peers] [--qa 1b:bf16,1b:fp32,2b:bf16,7b:bf16]
         [--peers mllama:fp32,mllama:bf16,openflamingo:fp32,openflamingo:bf16] [--repeats 2]
         [--frames 8] [--tokens 32] [--ckpt-dir ~/.cache/lvx/real-size] [--json out.json]
 
@@ -25,6 +25,9 @@ ranks: `lvx qa` on the 1B in bf16 (--ranks-frames frames, --tokens tokens) at 1 
 rank 0 decoding alone (--decode-ranks one, the default: messages at the 4 cross layers only) and
 with every rank decoding (all: a pass-Q message at each of the 24 layers), the three alternating
 --repeats times; the answers must be equal; decode ms/token as median (range) and ÷ 1 rank's.
+tiles: `lvx forward --generate` at Llama-3.2-11B-Vision's widths (8 layers, bf16) on one 2 × 2-tile
+image at 1 and 2 ranks, alternating --repeats times: from 2 ranks the image's tiles are encoded
+across the ranks; prefill s median (range) and ÷ 1 rank's.
 serve: benchmarks/bench_serve.py's load on the 1B in fp32 at 1 rank (answers must be equal on both
 servers, which bf16's rounding of batched rows would not keep on random weights): 1, 4 and 16 clients, each
 request a distinct question about one of 4 cached 6 s videos (3 frames), 16 tokens; the batched
@@ -241,14 +244,16 @@ def peer_cmd(kind, model, batch, dtype, tokens, out):
             str(model), str(batch), out, "--dtype", dtype, "--tokens", str(tokens)]
 
 
-def lvx_generate(model, batch, dtype, tokens, out):
+def lvx_generate(model, batch, dtype, tokens, out, nproc=1):
     _, rss, _ = timed([lvx_bin(), "forward", "--model", str(model), "--input", str(batch),
-                       "--output", out, "--generate", str(tokens), "--dtype", dtype])
+                       "--output", out, "--generate", str(tokens), "--dtype", dtype,
+                       "--nproc", str(nproc)])
     from safetensors import safe_open
     with safe_open(out, "pt") as f:
         meta = f.metadata()
         toks = f.get_tensor("tokens")
     return {"prefill_s": float(meta["prefill_seconds"]),
+            "encode_s": float(meta.get("encode_seconds", "nan")),
             "decode_ms_per_token": 1e3 * float(meta["decode_seconds_per_token"]),
             "peak_rss_gb": rss / 1e9, "tokens": toks.tolist()}
 
@@ -260,8 +265,9 @@ def peer_run(kind, model, batch, dtype, tokens, out):
     return j
 
 
-def peers_row(kind, dtype, ckpt_dir, work, tokens, repeats):
-    # The releases' bf16 files for both dtypes: an fp32 run converts them as it loads.
+def peer_inputs(kind, ckpt_dir, work):
+    """The release-shaped checkpoint (bf16, as released: an fp32 run converts it as it loads) and
+    the peers' batch (real_size_peer.py make-batch)."""
     if kind == "mllama":
         model = checkpoint(ckpt_dir, "llama32_vision_11b", "bf16",
                            ["--layers", "8", "--cross-layers", "3,7"], "-8layers")
@@ -271,6 +277,35 @@ def peers_row(kind, dtype, ckpt_dir, work, tokens, repeats):
     if not batch.exists():
         subprocess.run([sys.executable, str(SOURCE / "benchmarks" / "real_size_peer.py"),
                         "make-batch", kind, str(model), str(batch)], check=True)
+    return model, batch
+
+
+def tiles_rows(ckpt_dir, work, tokens, repeats):
+    """lvx forward --generate at Llama-3.2-11B-Vision's widths (8 decoder layers, bf16) on the
+    peers' batch, one 2 × 2-tile image, at 1 rank and at 2, alternating: from 2 ranks on each rank
+    encodes its share of the image's tiles (models/mllama/vision.h encode_tiles). The tiny model's
+    tests check exactness (MllamaTilesAcrossRanks); here bf16 tokens are compared and reported
+    (bf16 rounds differently at another rank count, and a random model's logits are near ties)."""
+    model, batch = peer_inputs("mllama", ckpt_dir, work)
+    runs = {1: [], 2: []}
+    for i in range(repeats):
+        for n in (1, 2):
+            log(f"[tiles] run {i + 1}/{repeats}: {n} rank(s)")
+            runs[n].append(lvx_generate(model, batch, "bf16", tokens,
+                                        str(Path(work) / f"tiles_{n}.st"), nproc=n))
+    spread = lambda v: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+    rows = [{"nproc": n, "tokens": rs[0]["tokens"],
+             **{k: spread([r[k] for r in rs])
+                for k in ("prefill_s", "encode_s", "decode_ms_per_token", "peak_rss_gb")}}
+            for n, rs in runs.items()]
+    for r in rows:
+        r["prefill_vs_1_rank"] = r["prefill_s"]["median"] / rows[0]["prefill_s"]["median"]
+        r["tokens_equal_1_rank"] = r["tokens"] == rows[0]["tokens"]
+    return rows
+
+
+def peers_row(kind, dtype, ckpt_dir, work, tokens, repeats):
+    model, batch = peer_inputs(kind, ckpt_dir, work)
     lvx_runs, peer_runs = [], []
     for i in range(repeats):  # alternating, so the machine's drift moves both alike
         log(f"[peers] {kind} {dtype} run {i + 1}/{repeats}: lvx")
@@ -357,6 +392,16 @@ def report(res):
             print(f"| {r['run']} | {d['median']:.1f} ({d['min']:.1f}–{d['max']:.1f}) | "
                   f"{r['decode_vs_1_rank']:.2f} | {r['ttft_s']['median']:.2f} | "
                   f"{r['decode_bytes_per_token']} | {r['peak_rss_gb']:.2f} |")
+    if res.get("tiles"):
+        print("\n| ranks | prefill s (range) | ÷ 1 rank | of which rank 0's vision encode s | decode "
+              "ms/token | peak RSS GB (largest process) | tokens equal 1 rank's |")
+        print("|---|---|---|---|---|---|---|")
+        for r in res["tiles"]:
+            p = r["prefill_s"]
+            print(f"| {r['nproc']} | {p['median']:.1f} ({p['min']:.1f}–{p['max']:.1f}) | "
+                  f"{r['prefill_vs_1_rank']:.2f} | {r['encode_s']['median']:.1f} | "
+                  f"{r['decode_ms_per_token']['median']:.0f} | {r['peak_rss_gb']['median']:.1f} | "
+                  f"{r['tokens_equal_1_rank']} |")
     if res.get("finetune"):
         print()
         print("\n".join(res["finetune"]))
@@ -420,6 +465,10 @@ def main():
     if "ranks" in parts:
         log("[ranks] 1b bf16 at 1 and 2 ranks")
         res["ranks"] = ranks_rows(a.ckpt_dir, video(a.work), a.ranks_frames, a.tokens, a.repeats)
+        save(res, a.json)
+    if "tiles" in parts:
+        log("[tiles] Llama-3.2-11B-Vision widths, 8 layers, bf16, at 1 and 2 ranks")
+        res["tiles"] = tiles_rows(a.ckpt_dir, a.work, a.peer_tokens, a.repeats)
         save(res, a.json)
     if "serve" in parts:
         log("[serve] 1b bf16")

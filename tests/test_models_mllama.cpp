@@ -171,6 +171,28 @@ INSTANTIATE_TEST_SUITE_P(
              test_name(info.param.flags.substr(0, info.param.flags.find(' ', 3)));
     });
 
+// One sample with one image (the --one-image batch): from 2 ranks on, its tiles are encoded
+// across the ranks (vision.h encode_tiles, then an all-to-all of the vision output to the rank
+// that holds the image's keys) instead of the whole image on rank 0; logits, loss and gradients
+// (the projector's included: it runs on that rank after the exchange) equal transformers'.
+const Reference& one_image_reference() {
+  static const Reference ref = reference_model(
+      "mllama_one_image", ref_script(), script_stamp(ref_script()), "", "--length 24 --one-image");
+  return ref;
+}
+
+class MllamaTilesAcrossRanks : public ::testing::TestWithParam<int> {};
+
+TEST_P(MllamaTilesAcrossRanks, OneImageMatchesTransformers) {
+  const int nproc = GetParam();
+  const Diff d = forward_against(one_image_reference(), "mllama_one_image", nproc, "lv_xattn,ring",
+                                 nproc == 3 ? "--recompute" : "");
+  expect_conforms(d, 1e-4, 1e-4, 3 * 9 + 2 * 13 + 5);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, MllamaTilesAcrossRanks, ::testing::Values(1, 2, 3),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
 // lvx qa / finetune's input: video frames [N, 3, S, S] and input_ids with <|image|> runs, nothing
 // named. The same batch laid out as MllamaProcessor lays out one-tile images (tile 0 the frame,
 // the other tiles zero; aspect ratio (1, 1); padding images zero with id 0; the mask from
@@ -256,11 +278,12 @@ class MllamaGeneration : public ::testing::TestWithParam<std::pair<int, bool>> {
 TEST_P(MllamaGeneration, GreedyTokensEqualTransformers) {
   const auto [n, all] = GetParam();
   const auto meta =
-      generate_against(reference(), "mllama_generate", ref_script(), script_stamp(ref_script()),
-                       n, "lv_xattn,ring", 6, all ? "--decode-ranks all" : "");
+      generate_against(reference(), "mllama_generate", ref_script(), script_stamp(ref_script()), n,
+                       "lv_xattn,ring", 6, all ? "--decode-ranks all" : "");
   ASSERT_FALSE(meta.empty());
-  EXPECT_EQ(std::stoll(meta.at("decode_bytes_sent_per_token")),
-            all || n == 1 ? int64_t{n - 1} * 5 * 2 * 4 * 17 * 4 : 2 * lead_cross_bytes(n, 2, 4, 16));
+  EXPECT_EQ(
+      std::stoll(meta.at("decode_bytes_sent_per_token")),
+      all || n == 1 ? int64_t{n - 1} * 5 * 2 * 4 * 17 * 4 : 2 * lead_cross_bytes(n, 2, 4, 16));
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, MllamaGeneration,
@@ -429,8 +452,8 @@ TEST(MllamaQa, GreedyAnswerIsTheSameOnOneAndTwoRanks) {
     const std::string out =
         run_command(lvx_binary() + " qa --model " + reference().model + " --video " + clip +
                     " --question 'What colour was the shape?' --num-frames 6 --json "
-                    "--max-new-tokens 6 --decode-ranks " + decode_ranks + " --nproc " +
-                    std::to_string(n) + " 2>/dev/null");
+                    "--max-new-tokens 6 --decode-ranks " +
+                    decode_ranks + " --nproc " + std::to_string(n) + " 2>/dev/null");
     try {
       return nlohmann::json::parse(out);
     } catch (const std::exception&) {

@@ -16,8 +16,10 @@
 #include "models/tokenizer/tokenizer.h"
 #include "src/common/error.h"
 #include "src/common/safetensors.h"
+#include "src/dist/process_group.h"
 #include "tests/build_paths.h"
 #include "tests/model_conformance.h"
+#include "tests/multirank.h"
 
 namespace {
 
@@ -174,10 +176,8 @@ TEST(MllamaConfig, PlannerModelHasOneAttentionPerDecoderLayer) {
   ASSERT_EQ(m.layers.size(), 5u);
   for (int64_t i = 0; i < 5; ++i) {
     const bool cross = i == 1 || i == 3;
-    EXPECT_EQ(m.layers[i].kind,
-              cross ? lvx::LayerKind::kCross : lvx::LayerKind::kSelf);
-    EXPECT_EQ(m.layers[i].mask,
-              cross ? lvx::MaskRule::kMediaUpTo : lvx::MaskRule::kCausal);
+    EXPECT_EQ(m.layers[i].kind, cross ? lvx::LayerKind::kCross : lvx::LayerKind::kSelf);
+    EXPECT_EQ(m.layers[i].mask, cross ? lvx::MaskRule::kMediaUpTo : lvx::MaskRule::kCausal);
     EXPECT_EQ(m.layers[i].kv_heads, 2);
   }
   EXPECT_EQ(m.visual_tokens_per_frame, 34);
@@ -236,6 +236,45 @@ TEST(MllamaVision, FramesAsSingleTileImages) {
   EXPECT_THROW(ml::encode_images({}, c, t.pixel_values.narrow(1, 0, 1), t.aspect_ratio_ids,
                                  t.aspect_ratio_mask),
                lvx::Error);
+}
+
+// Tiles across ranks (vision.h encode_tiles): each rank encodes its tiles of every image of the
+// reference batch (6 images of 2 tiles, padding images and tiles included), every encoder layer's
+// keys and values gathered from the others; its tokens must equal the same tiles' tokens of the
+// whole-image encode within 1e-5 (fp32; the attention runs over fewer query rows), and it must
+// have sent bytes (the gathers). At 3 ranks, rank 2 holds no tile and takes part in the gathers
+// only.
+LVX_WORKER(mllama_tiles_across_ranks) {
+  const auto pg = lvx::dist::ProcessGroup::from_env();
+  const lvx::models::Checkpoint ck = lvx::models::load_checkpoint(parts().model);
+  const ml::Config c = ml::config_from_json(ck.config, "config.json");
+  const auto batch = lvx::load_safetensors(parts().batch).tensors;
+  const at::Tensor px = batch.at("pixel_values").flatten(0, 1),
+                   ids = batch.at("aspect_ratio_ids").flatten(),
+                   mask = batch.at("aspect_ratio_mask").flatten(0, 1);
+  const at::Tensor whole = ml::encode_tiles(ck.tensors, c, px, ids, mask, nullptr);
+  const at::Tensor mine = ml::encode_tiles(ck.tensors, c, px, ids, mask, pg.get());
+  const ml::TileShare share = ml::tile_share(c.vision.max_num_tiles, pg->rank(), pg->world_size());
+  const int64_t T = c.vision.tokens_per_tile();
+  const at::Tensor want = whole.narrow(1, share.first * T, share.count * T);
+  if (mine.sizes() != want.sizes()) {
+    std::cerr << "rank " << pg->rank() << ": shape " << mine.sizes() << " != " << want.sizes()
+              << "\n";
+    return 1;
+  }
+  const double err = share.count == 0 ? 0 : (mine - want).abs().max().item<double>();
+  std::cerr << "rank " << pg->rank() << " tiles [" << share.first << ", "
+            << share.first + share.count << "): |across ranks - whole| " << err << ", sent "
+            << pg->counters().total_sent() << " bytes\n";
+  return err <= 1e-5 && pg->counters().total_sent() > 0 ? 0 : 1;
+}
+
+TEST(MllamaVision, TilesAcrossRanksEqualTheWholeImage) {
+  parts();  // made once, before the ranks read it
+  EXPECT_EQ(ml::tile_share(4, 1, 2).first, 2);
+  EXPECT_EQ(ml::tile_share(4, 2, 3).count, 0);  // 2 + 2 + 0
+  EXPECT_EQ(ml::tile_share(4, 1, 3).count, 2);
+  for (int nproc : {2, 3}) expect_all_ok(run_ranks(nproc, "mllama_tiles_across_ranks"));
 }
 
 // ids of `chat` by the tokenizers package (split at the added tokens, as transformers encodes a

@@ -159,9 +159,62 @@ Images batch_images(const Config& c, const ModelInputs& in, const Parallel& par)
   return frame_images(c, in, par, host_ids);
 }
 
+// Whether sharing every image's tiles across the ranks (vision.h encode_tiles) leaves the busiest
+// rank fewer tiles to encode than whole images striped over them: one 4-tile image on 2 ranks is
+// 2 tiles each instead of 4 on rank 0. Only with every image's pixels on every rank and the tower
+// frozen (the key/value gathers carry no gradient); the same answer on every rank.
+bool tiles_across_ranks(const Config& cfg, const StateDict& w, const Images& im,
+                        const Parallel& par) {
+  const int64_t n = par.world(), tiles = cfg.vision.max_num_tiles;
+  if (n == 1 || im.images == 0 || im.pixels_local || im.ratios_local) return false;
+  if (at::GradMode::is_enabled() && param(w, "vision_model.patch_embedding.weight").requires_grad())
+    return false;
+  return im.images * ((tiles + n - 1) / n) < ((im.images + n - 1) / n) * tiles;
+}
+
+// Every image's tiles encoded across the ranks, each image's tiles then sent to the rank that
+// holds its keys (media_slots: one all-to-all of the vision output, before the projector so that
+// fine-tuning's projector gradient stays on that rank) and projected there: [B, slots·T, hidden]
+// for this rank's slots `mine`. Every rank calls it.
+at::Tensor encode_shared_tiles(const Config& cfg, const StateDict& w, const Images& im,
+                               const std::vector<int64_t>& mine, const Parallel& par,
+                               const at::TensorOptions& options) {
+  const int64_t B = im.pixel_values.size(0), N = im.images, tiles = cfg.vision.max_num_tiles,
+                Tt = cfg.vision.tokens_per_tile(), D = cfg.vision.output_dim;
+  const int world = par.world();
+  const at::Device dev = options.device();
+  const int64_t count = tile_share(tiles, par.rank(), world).count;
+  const at::Tensor out =
+      encode_tiles(w, cfg, im.pixel_values.flatten(0, 1).to(dev, options.dtype().toScalarType()),
+                   im.aspect_ratio_ids.flatten().to(dev),
+                   im.aspect_ratio_mask.flatten(0, 1).to(dev), par.pg.get())
+          .reshape({B, N, count * Tt, D});
+  // To rank r: this rank's tiles of r's slots, rows (sample, slot, token).
+  std::vector<at::Tensor> send;
+  std::vector<int64_t> send_rows, recv_rows;
+  const int64_t held = static_cast<int64_t>(mine.size());
+  for (int r = 0; r < world; ++r) {
+    const at::Tensor theirs = at::tensor(media_slots(N, r, world), at::kLong).to(dev);
+    send.push_back(out.index_select(1, theirs).reshape({-1, D}));
+    send_rows.push_back(send.back().size(0));
+    recv_rows.push_back(B * held * tile_share(tiles, r, world).count * Tt);
+  }
+  const at::Tensor got = par.pg->all_to_all(at::cat(send), send_rows, recv_rows);
+  if (held == 0) return at::zeros({B, 0, cfg.text.hidden}, options);
+  // From rank r: [B, held, count_r · Tt, D]; rank order is tile order.
+  std::vector<at::Tensor> parts;
+  int64_t offset = 0;
+  for (int r = 0; r < world; ++r) {
+    parts.push_back(got.narrow(0, offset, recv_rows[static_cast<size_t>(r)])
+                        .reshape({B, held, tile_share(tiles, r, world).count * Tt, D}));
+    offset += recv_rows[static_cast<size_t>(r)];
+  }
+  return project(w, at::cat(parts, 2).reshape({B, held * tiles * Tt, D}));
+}
+
 // This rank's image features [B, slots·T, hidden] (T keys per image): in.media's (lvx serve's
 // visual cache) or its slots `mine` encoded (handed back in in.media); undefined when the batch
-// has no image. No collective.
+// has no image. A collective when the tiles are shared across the ranks (tiles_across_ranks).
 at::Tensor local_features(const Config& cfg, const StateDict& w, const ModelInputs& in,
                           const Images& im, const CrossMask& cm, const std::vector<int64_t>& mine,
                           const Parallel& par, const at::TensorOptions& options) {
@@ -179,7 +232,9 @@ at::Tensor local_features(const Config& cfg, const StateDict& w, const ModelInpu
     return m.features;
   }
   at::Tensor features = at::zeros({B, 0, hidden}, options);
-  if (slots > 0) {
+  if (tiles_across_ranks(cfg, w, im, par)) {
+    features = encode_shared_tiles(cfg, w, im, mine, par, options);
+  } else if (slots > 0) {
     const at::Tensor px = rank_slots(im.pixel_values, im.pixels_local, mine);
     auto flat = [&](const at::Tensor& x) {
       std::vector<int64_t> s{B * slots};

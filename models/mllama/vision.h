@@ -11,12 +11,23 @@
 // The encoders' attention mask is transformers' as is: a (query, key) pair is masked only when
 // BOTH are padding (a padding tile per aspect_ratio_mask, or a pad-to-8 token); real tokens see
 // padding tiles.
+//
+// Tiles across ranks (encode_tiles with a group): every token but attention's is computed per
+// token or per tile, so rank r takes tiles [first, first + count) of every image (tile_share) and
+// runs the whole tower on them; each encoder layer all-gathers its keys and values (sequence
+// parallelism for one image, as Ulysses' and ring attention's all-gather baseline: the queries
+// stay, every tile's keys come), and the outputs are exact per token: one 4-tile image on two
+// ranks is two tiles' work each instead of four on one rank and none on the other.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include "models/checkpoint.h"
 #include "models/mllama/config.h"
+
+namespace lvx::dist {
+class ProcessGroup;
+}
 
 namespace lvx::models::mllama {
 
@@ -43,5 +54,23 @@ struct Tiled {
   at::Tensor aspect_ratio_mask;  // int64 [F, max_num_tiles]
 };
 Tiled frames_as_images(const Config& c, const at::Tensor& frames);
+
+// The tiles [first, first + count) of every image that rank `rank` of `world` encodes when the
+// tiles are shared: ceil(tiles / world) each in rank order (ranks past the last tile: none).
+struct TileShare {
+  int64_t first = 0, count = 0;
+};
+TileShare tile_share(int64_t tiles, int rank, int world);
+
+// The vision model's output before multi_modal_projector, [n, count · tokens_per_tile,
+// vision_output_dim], for this rank's tiles (tile_share) of every image; with `pg` null, every
+// tile (count = max_num_tiles). Every rank of `pg` passes all n images and calls it together
+// (each encoder layer all-gathers keys and values). The tower must be frozen then: the gathers
+// carry no gradient (an error otherwise).
+at::Tensor encode_tiles(const StateDict& w, const Config& c, const at::Tensor& pixel_values,
+                        const at::Tensor& aspect_ratio_ids, const at::Tensor& aspect_ratio_mask,
+                        dist::ProcessGroup* pg);
+// multi_modal_projector: [..., vision_output_dim] → [..., text.hidden].
+at::Tensor project(const StateDict& w, const at::Tensor& vision_output);
 
 }  // namespace lvx::models::mllama

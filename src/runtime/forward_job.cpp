@@ -164,7 +164,7 @@ void generate_tokens(const ForwardJob& job, ForwardRun& run) {
   const Batch& b = run.batch;
   const models::ModelInputs in{b.input_ids, b.pixel_values, false, b.named};
   GenerateResult out;
-  std::vector<double> prefill_s, token_s;
+  std::vector<double> prefill_s, encode_s, token_s;
   for (int r = 0; r < std::max(1, job.repeat) + (job.repeat > 1 ? 1 : 0); ++r) {
     out = job.generate_rows ? generate_rows(*run.model, in, run.par, g)
                             : generate(*run.model, in, run.par, g);
@@ -173,6 +173,7 @@ void generate_tokens(const ForwardJob& job, ForwardRun& run) {
     for (double t : out.token_seconds)
       per_token += t / static_cast<double>(out.token_seconds.size());
     prefill_s.push_back(out.prefill_seconds);
+    encode_s.push_back(out.encode_seconds);
     token_s.push_back(per_token);
   }
   auto median = [](std::vector<double> v) {
@@ -189,6 +190,7 @@ void generate_tokens(const ForwardJob& job, ForwardRun& run) {
          {"plan", describe(run.par, run.model.get())},
          {"ranks", std::to_string(run.pg->world_size())},
          {"prefill_seconds", std::to_string(median(prefill_s))},
+         {"encode_seconds", std::to_string(median(encode_s))},
          {"decode_seconds_per_token", std::to_string(median(token_s))},
          {"repeats", std::to_string(prefill_s.size())},
          {"peak_rss_bytes", std::to_string(static_cast<int64_t>(ru.ru_maxrss) * 1024)},
