@@ -25,9 +25,10 @@ ranks: `lvx qa` on the 1B in bf16 (--ranks-frames frames, --tokens tokens) at 1 
 rank 0 decoding alone (--decode-ranks one, the default: messages at the 4 cross layers only) and
 with every rank decoding (all: a pass-Q message at each of the 24 layers), the three alternating
 --repeats times; the answers must be equal; decode ms/token as median (range) and ÷ 1 rank's.
-tiles: `lvx forward --generate` at Llama-3.2-11B-Vision's widths (8 layers, bf16) on one 2 × 2-tile
-image at 1 and 2 ranks, alternating --repeats times: from 2 ranks the image's tiles are encoded
-across the ranks; prefill s median (range) and ÷ 1 rank's.
+tiles: `lvx forward --generate` at Llama-3.2-11B-Vision's widths (whole ViT-H, 4 decoder layers,
+vocabulary 32,000; bf16 where the CPU multiplies it natively, else fp32) on one 2 × 2-tile image
+at 1 and 2 ranks, alternating --repeats times: from 2 ranks the image's tiles are encoded across
+the ranks; prefill s median (range) and ÷ 1 rank's.
 serve: benchmarks/bench_serve.py's load on the 1B in fp32 at 1 rank (answers must be equal on both
 servers, which bf16's rounding of batched rows would not keep on random weights): 1, 4 and 16 clients, each
 request a distinct question about one of 4 cached 6 s videos (3 frames), 16 tokens; the batched
@@ -280,21 +281,40 @@ def peer_inputs(kind, ckpt_dir, work):
     return model, batch
 
 
+def native_bf16():
+    """Whether this CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16): lvx's --dtype auto."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def tiles_rows(ckpt_dir, work, tokens, repeats):
-    """lvx forward --generate at Llama-3.2-11B-Vision's widths (8 decoder layers, bf16) on the
-    peers' batch, one 2 × 2-tile image, at 1 rank and at 2, alternating: from 2 ranks on each rank
-    encodes its share of the image's tiles (models/mllama/vision.h encode_tiles). The tiny model's
-    tests check exactness (MllamaTilesAcrossRanks); here bf16 tokens are compared and reported
-    (bf16 rounds differently at another rank count, and a random model's logits are near ties)."""
-    model, batch = peer_inputs("mllama", ckpt_dir, work)
+    """lvx forward --generate at Llama-3.2-11B-Vision's widths on the peers' batch, one 2 × 2-tile
+    image, at 1 rank and at 2, alternating: from 2 ranks on each rank encodes its share of the
+    image's tiles (models/mllama/vision.h encode_tiles). The whole ViT-H; 4 decoder layers (cross
+    layer 3) and a 32,000-token vocabulary, so that the weights, mapped once for both ranks, fit
+    this machine in fp32 too. In the dtype lvx's --dtype auto picks here (bf16 on CPUs that multiply
+    it natively, else fp32), from a checkpoint written in it (used in place). The tiny model's tests
+    check exactness (MllamaTilesAcrossRanks); here the tokens are compared and reported (bf16
+    rounds differently at another rank count, and a random model's logits are near ties)."""
+    dtype = "bf16" if native_bf16() else "fp32"
+    model = checkpoint(ckpt_dir, "llama32_vision_11b", dtype,
+                       ["--layers", "4", "--cross-layers", "3", "--vocab", "32000"],
+                       "-4layers-32k")
+    batch = Path(work) / "tiles_mllama.safetensors"
+    if not batch.exists():
+        subprocess.run([sys.executable, str(SOURCE / "benchmarks" / "real_size_peer.py"),
+                        "make-batch", "mllama", str(model), str(batch)], check=True)
     runs = {1: [], 2: []}
     for i in range(repeats):
         for n in (1, 2):
-            log(f"[tiles] run {i + 1}/{repeats}: {n} rank(s)")
-            runs[n].append(lvx_generate(model, batch, "bf16", tokens,
+            log(f"[tiles] {dtype} run {i + 1}/{repeats}: {n} rank(s)")
+            runs[n].append(lvx_generate(model, batch, dtype, tokens,
                                         str(Path(work) / f"tiles_{n}.st"), nproc=n))
     spread = lambda v: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-    rows = [{"nproc": n, "tokens": rs[0]["tokens"],
+    rows = [{"nproc": n, "dtype": dtype, "tokens": rs[0]["tokens"],
              **{k: spread([r[k] for r in rs])
                 for k in ("prefill_s", "encode_s", "decode_ms_per_token", "peak_rss_gb")}}
             for n, rs in runs.items()]
@@ -393,6 +413,7 @@ def report(res):
                   f"{r['decode_vs_1_rank']:.2f} | {r['ttft_s']['median']:.2f} | "
                   f"{r['decode_bytes_per_token']} | {r['peak_rss_gb']:.2f} |")
     if res.get("tiles"):
+        print(f"\nLlama-3.2-11B-Vision widths, 4 layers, {res['tiles'][0]['dtype']}, one 2 × 2-tile image:")
         print("\n| ranks | prefill s (range) | ÷ 1 rank | of which rank 0's vision encode s | decode "
               "ms/token | peak RSS GB (largest process) | tokens equal 1 rank's |")
         print("|---|---|---|---|---|---|---|")
@@ -452,7 +473,8 @@ def main():
     os.makedirs(a.work, exist_ok=True)
     parts = a.parts.split(",")
     res = {"machine": os.uname().nodename, "date": time.strftime("%Y-%m-%d %H:%M")}
-    res["limits"] = machine_limits(a.threads)  # every ratio needs them: measured in every run
+    if {"qa", "peers"} & set(parts):  # their ratios need them: measured in the same run
+        res["limits"] = machine_limits(a.threads)
     if "qa" in parts:
         res["qa"] = []
         vid = video(a.work)
@@ -467,7 +489,7 @@ def main():
         res["ranks"] = ranks_rows(a.ckpt_dir, video(a.work), a.ranks_frames, a.tokens, a.repeats)
         save(res, a.json)
     if "tiles" in parts:
-        log("[tiles] Llama-3.2-11B-Vision widths, 8 layers, bf16, at 1 and 2 ranks")
+        log("[tiles] Llama-3.2-11B-Vision widths at 1 and 2 ranks")
         res["tiles"] = tiles_rows(a.ckpt_dir, a.work, a.peer_tokens, a.repeats)
         save(res, a.json)
     if "serve" in parts:

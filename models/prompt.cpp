@@ -12,7 +12,7 @@ int64_t special_token_id(const Tokenizer& tok, const std::string& token) {
 
 void check_prompt_request(const std::string& question, int64_t frames) {
   LVX_CHECK(question.find_first_not_of(" \t\r\n") != std::string::npos, "the question is empty");
-  LVX_CHECK(frames >= 1, "a prompt needs at least one frame, got ", frames);
+  LVX_CHECK(frames >= 0, "a prompt's frame count must be >= 0, got ", frames);
 }
 
 void PromptBuilder::add(const std::vector<int64_t>& ids, bool learn) {

@@ -41,7 +41,9 @@ class PromptBuilder {
 // The id of the special token `token`; an error names it.
 int64_t special_token_id(const Tokenizer& tok, const std::string& token);
 
-// The checks every template makes first: a non-empty question and at least one frame.
+// The checks every template makes first: a non-empty question and no negative frame count (0: a
+// text-only prompt, lvx serve's chat without a video: the template as its processor renders a
+// message without media).
 void check_prompt_request(const std::string& question, int64_t frames);
 
 }  // namespace lvx::models

@@ -322,6 +322,9 @@ TEST(MllamaTemplate, PromptIsTheChatTemplatesTokens) {
   EXPECT_EQ(std::count(h.ids.begin(), h.ids.end(), *tok.token_to_id("<|image|>")), 1);
   EXPECT_EQ(std::count(h.ids.begin(), h.ids.end(), *tok.token_to_id("<|eot_id|>")), 1);
   EXPECT_THROW(ml::prompt(tok, "  ", 1, nullptr), lvx::Error);
+  // Text only (lvx serve's chat without a video): the template's message without <|image|>.
+  EXPECT_EQ(ml::prompt(tok, q, 0, nullptr).ids, tokenizers_ids(head + q + mid));
+  EXPECT_THROW(ml::prompt(tok, q, -1, nullptr), lvx::Error);
 }
 
 TEST(MllamaTemplate, ConversationIsTheChatTemplatesTokens) {

@@ -102,6 +102,14 @@ TEST(QaPrompt, MplugChatTemplateEqualsTheTokenizersPackage) {
   const PromptTokens q =
       models::family_of("mplugowl3", "test").prompt(tok, "What colour was the shape?", 3);
   EXPECT_EQ(std::vector<int64_t>(p.ids.begin(), p.ids.end() - 2), q.ids);
+  // Text only (lvx serve's chat without a video): chatml's user message is the question alone.
+  const std::string text_only =
+      "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nWhat colour was the shape?<|im_end|>\n"
+      "<|im_start|>assistant\n";
+  EXPECT_EQ(
+      json(models::family_of("mplugowl3", "test").prompt(tok, "What colour was the shape?", 0).ids),
+      json::parse(run(lvx::testing::configured_python() + " " + script + " " + tok_path + " '" +
+                      text_only + "'")));
 }
 
 TEST(QaPrompt, MultipleChoiceUsesVideoMmeInstruction) {

@@ -29,7 +29,7 @@ bool ends_with(const std::string& s, const std::string& tail) {
 PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t frames,
                     const std::string* answer) {
   LVX_CHECK(!blank(question), "the question is empty");
-  LVX_CHECK(frames >= 1, "a prompt needs at least one frame, got ", frames);
+  LVX_CHECK(frames >= 0, "a prompt's frame count must be >= 0, got ", frames);
   PromptTokens p;
   auto add = [&](const std::vector<int64_t>& ids, bool learn) {
     p.ids.insert(p.ids.end(), ids.begin(), ids.end());
@@ -47,9 +47,13 @@ PromptTokens prompt(const Tokenizer& tok, const std::string& question, int64_t f
   special("<|start_header_id|>");
   text("user");
   special("<|end_header_id|>");
-  text("\n\n");
-  for (int64_t f = 0; f < frames; ++f) special("<|image|>");
-  text(question);
+  if (frames == 0) {  // text only: "\n\n" + the question is one piece of the chat string
+    text("\n\n" + question);
+  } else {
+    text("\n\n");
+    for (int64_t f = 0; f < frames; ++f) special("<|image|>");
+    text(question);
+  }
   special("<|eot_id|>");
   special("<|start_header_id|>");
   text("assistant");

@@ -46,8 +46,7 @@ class MplugOwl3Family final : public Family {
     return mplug_owl3::resize_release(config, r, where);
   }
 
-  ModelConfig planner_model(const nlohmann::json& config,
-                                     const std::string& where) const override {
+  ModelConfig planner_model(const nlohmann::json& config, const std::string& where) const override {
     // Shapes only: both releases run a cross layer beside each hyper layer.
     return MplugOwl3::planner_model(mplug_owl3_config(config, where, /*gated=*/true, 0));
   }
@@ -107,6 +106,11 @@ class MplugOwl3Family final : public Family {
     p.special("<|im_end|>");
     p.text("\n");
     p.special("<|im_start|>");
+    if (frames == 0) {  // text only: the message as the chat template renders it, one piece
+      p.text("user\n" + question);
+      assistant(p, answer);
+      return;
+    }
     p.text("user\n");
     const bool bracket = p.has("<|start_video_frame|>") && p.has("<|end_video_frame|>");
     if (bracket) p.special("<|start_video_frame|>");

@@ -160,6 +160,7 @@ void look_up(QaSession::State& cx, QaAnswer& a) {
   const QaItem& item = req.item;
   const int n = cx.pg->world_size(), r = cx.pg->rank();
   a.spec = sample_spec(cx, req);
+  if (req.text_only) return;  // nothing to find
   try {
     const bool named = req.image_files.empty() && item.video.empty() && !req.media_hash.empty();
     if (req.image_files.empty() && !named) {
@@ -183,6 +184,13 @@ void look_up(QaSession::State& cx, QaAnswer& a) {
 // This rank's share of the request's frames, decoded (a cache hit decodes nothing).
 void decode_frames(QaSession::State& cx, QaAnswer& a) {
   const int n = cx.pg->world_size(), r = cx.pg->rank();
+  if (a.req.text_only) {  // no frame: an empty share on every rank
+    a.frames.indices = at::empty({0}, at::kLong);
+    a.frames.pts = at::empty({0}, at::kDouble);
+    a.video_s = since(a.t_start);
+    a.m = 0;
+    return;
+  }
   try {
     if (!a.cached)
       a.frames = a.req.image_files.empty()
@@ -358,7 +366,7 @@ void start_generation(QaSession::State& cx, QaAnswer& a) {
     in.media = &a.encoded;
   } else {
     in.pixel_values = a.frames.frames.defined() ? a.frames.frames.to(cx.device) : at::Tensor();
-    if (cx.cache->enabled()) in.media = &a.encoded;
+    if (cx.cache->enabled() && !a.req.text_only) in.media = &a.encoded;
   }
   a.gen = std::make_unique<Generation>(*cx.model, in, a.par, g);
   a.frames.frames = at::Tensor();  // encoded by now (or by the worker): the pixels are done with
@@ -408,12 +416,13 @@ Gathered gather_measures(QaSession::State& cx, const QaAnswer& a, const Generate
   const VisualCacheStats cs = cx.cache->stats();
   at::Tensor bytes =
       at::tensor({out.prefill_bytes_sent, out.decode_bytes_sent, int64_t{a.cached ? 1 : 0},
-                  int64_t{!a.cached && cx.cache->enabled()}, cs.bytes},
+                  int64_t{!a.cached && cx.cache->enabled() && !a.req.text_only}, cs.bytes},
                  at::kLong);
   pg.all_reduce(bytes);
   cx.cache_bytes_all = bytes[4].item<int64_t>();
   const attention::Layout frames_layout{attention::LayoutKind::kStriped, a.m, n};
   auto in_order = [&](const at::Tensor& local) {
+    if (a.m == 0) return local;  // text only: no frame anywhere
     const at::Tensor all = pg.all_gather(local, frames_layout.sizes());
     return all.index_select(0, at::argsort(frames_layout.gathered_positions()));
   };

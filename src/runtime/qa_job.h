@@ -106,6 +106,9 @@ struct QaRequest {
   // empty: lvx qa's prompt.
   std::vector<std::pair<std::string, std::string>> earlier;
   bool return_prompt_ids = false;  // the row gets "prompt_ids"
+  // No media (lvx serve's chat without a video): the prompt holds no frame, the cross layers see
+  // nothing, and the visual cache is neither read nor written.
+  bool text_only = false;
   // The visual cache's partition: an entry made under one tenant answers only requests of that
   // tenant (lvx serve: the API key's scope, unless --shared-visual-cache). "": lvx qa's.
   std::string tenant;

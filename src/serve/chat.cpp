@@ -205,7 +205,8 @@ int64_t Server::kv_cost_of(const Job& job) const {
   const runtime::QaJob& qa = session_.job();
   const bool own = r.fps || r.num_frames;  // the request's sampling, else the server's
   const int64_t frames =
-      !r.frames.empty()
+      r.text_only() ? 0
+      : !r.frames.empty()
           ? static_cast<int64_t>(r.frames.size())
           : runtime::planned_frames(own ? r.num_frames : qa.num_frames, own ? r.fps : qa.fps,
                                     r.start, r.end, r.video ? r.video->path : "", api_.max_frames,

@@ -372,12 +372,6 @@ void read_conversation(const json& messages, const ApiOptions& o, ChatRequest& r
   const bool video = r.video || !r.video_uuid.empty();
   if (video && !r.frames.empty())
     throw bad_request("give a video_url part or image_url frames, not both", "messages");
-  if (!video && r.frames.empty())
-    throw bad_request(
-        "a request needs a video: lvx serve answers questions about a video; send "
-        "it as a video_url part (a data: URL, a file:// URL under "
-        "--allowed-local-media-path, or a uuid sent before) or as image_url frames",
-        "messages");
   if (static_cast<int64_t>(r.frames.size()) > o.max_frames)
     throw bad_request("at most " + std::to_string(o.max_frames) + " image_url frames, got " +
                           std::to_string(r.frames.size()),

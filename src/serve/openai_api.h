@@ -24,6 +24,8 @@
 // "uuid", the video_url may be null to name a video sent before), or image_url parts, each
 // one frame ("data:image/<type>;base64,..." or a file:// URL): a list of frames as lmms-eval's
 // openai_compatible_chat sends a video, all used in order (no sampling).
+// A chat without media is answered as text alone (the template's text-only form: no frame, the
+// cross layers see nothing, the visual cache is not used).
 // Conversations go through the family's chat template (models/family.h, Family::prompt_chat):
 // system (or developer) messages first (their texts joined by "\n"; a template without a system
 // message refuses one), then user and assistant turns alternating from a user turn and ending
@@ -87,6 +89,8 @@ struct ChatRequest {
   // (the server resolves it to video_hash before the request is queued).
   std::string video_uuid, video_hash;
   std::vector<MediaRef> frames;  // image_url parts, in order
+  // No video_url (nor uuid) and no image_url part: a text-only chat.
+  bool text_only() const { return !video && video_uuid.empty() && frames.empty(); }
   std::optional<double> fps;
   std::optional<int64_t> num_frames;
   std::optional<double> start, end;

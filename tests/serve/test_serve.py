@@ -17,7 +17,7 @@ the server and the request helpers of harness.py: cases_answers.py (answers and 
 shapes), cases_cache.py (visual cache and uploads), cases_batching.py (scheduling and batching),
 cases_errors.py (errors, hostile input, limits), cases_process.py (signals, ranks, the API key),
 cases_hostile_clients.py (what a client without the key, or a slow one, can cost the server),
-cases_openai.py (OpenAI semantics: n choices; the cache gauge).
+cases_openai.py (OpenAI semantics: n choices; the cache gauge; a chat without video).
 """
 import os
 import sys
@@ -47,7 +47,7 @@ from cases_hostile_clients import (
     case_refused_uploads_read_their_answer, case_unseeded_sampling_is_fresh, case_slow_body_gets_408,
     case_kv_budget,
     case_slow_headers_do_not_hang, case_unauthenticated_cannot_lock_out)
-from cases_openai import case_cache_gauge_follows_prefill, case_n_choices
+from cases_openai import case_cache_gauge_follows_prefill, case_n_choices, case_text_only_chat
 from harness import KEY, KEY2, Fixtures, Server
 
 
@@ -93,6 +93,7 @@ CASES = [
     (case_kv_budget, ["--max-kv-bytes", "150000"], {}, 1, False),
     (case_n_choices, [], {}, 1, False),
     (case_cache_gauge_follows_prefill, ["--max-batch", "2"], {}, 1, False),
+    (case_text_only_chat, [], {}, 1, False),
 ]
 
 
