@@ -109,6 +109,10 @@ struct QaRequest {
   // No media (lvx serve's chat without a video): the prompt holds no frame, the cross layers see
   // nothing, and the visual cache is neither read nor written.
   bool text_only = false;
+  // A prompt continued as written (lvx serve's /v1/completions): tokenized by the tokenizer's own
+  // pipeline (special tokens parsed, its beginning-of-text token added), no chat template; it
+  // must not hold the model's media token. Implies text_only.
+  std::optional<std::string> raw_prompt;
   // The visual cache's partition: an entry made under one tenant answers only requests of that
   // tenant (lvx serve: the API key's scope, unless --shared-visual-cache). "": lvx qa's.
   std::string tenant;

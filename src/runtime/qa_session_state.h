@@ -2,6 +2,7 @@
 // lvx qa's batch; qa_answer.cpp: one question's answer in parts).
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -9,6 +10,7 @@
 
 #include "models/model.h"
 #include "models/tokenizer/tokenizer.h"
+#include "src/common/error.h"
 #include "src/dist/process_group.h"
 #include "src/runtime/qa_job.h"
 #include "src/runtime/video_qa.h"
@@ -39,8 +41,19 @@ struct QaSession::State {
 
 // The prompt of `request` about `frames` frames (QaSession::prompt; the answers' take_prompt):
 // the family's chat template over the system message, earlier turns and the question.
+// A raw prompt (QaRequest::raw_prompt) is its tokens alone.
 inline models::PromptTokens chat_prompt(const QaSession::State& s, const QaRequest& request,
                                         int64_t frames) {
+  if (request.raw_prompt) {
+    models::PromptTokens p;
+    p.ids = s.tok->encode(*request.raw_prompt, /*add_special_tokens=*/true);
+    LVX_CHECK(!p.ids.empty(), "the prompt is empty");
+    LVX_CHECK(std::find(p.ids.begin(), p.ids.end(), s.model->media_token_id()) == p.ids.end(),
+              "the prompt holds the model's media token: a completion is text only (send media "
+              "in a chat's content parts)");
+    p.labels.assign(p.ids.size(), -100);
+    return p;
+  }
   return s.model->family().prompt_chat(*s.tok, request.item.system, request.earlier,
                                        question_text(request.item), frames);
 }

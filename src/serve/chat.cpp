@@ -1,4 +1,5 @@
-// One chat completion (POST /v1/chat/completions): read and checked on its HTTP thread, queued for
+// One chat completion (POST /v1/chat/completions, or a completion: POST /v1/completions, the same
+// way with its own parser and response shape): read and checked on its HTTP thread, queued for
 // the scheduler or joined to an identical running generation, then answered whole or streamed as
 // chat.completion.chunk events. A client that leaves cancels it (connection.h).
 #include <chrono>
@@ -84,14 +85,17 @@ Server::Choices Server::accept(const httplib::Request& req, httplib::Response& r
   job->body = take_body_reservation();
   job->received = clock::now();
   job->created = unix_now();
-  job->id = "chatcmpl-lvx-" + std::to_string(next_id_++);
+  const bool completion = req.path == "/v1/completions";
+  job->id = (completion ? "cmpl-lvx-" : "chatcmpl-lvx-") + std::to_string(next_id_++);
   job->scope = scope;
   try {
     // The body's text moves into the parser, which gives it back once parsed: its handler
     // thread holds the request until the answer is sent, and a 50 MB upload is 67 MB of base64
     // text. cpp-httplib owns the Request as a non-const object and hands it on as const&, so
     // moving from it is defined; nothing reads the body after this.
-    job->req = parse_chat_request(std::move(const_cast<std::string&>(req.body)), api_);
+    std::string& body = const_cast<std::string&>(req.body);
+    job->req = completion ? parse_completion_request(std::move(body), api_)
+                          : parse_chat_request(std::move(body), api_);
     check_conversation(job->req);
     resolve_uuid(*job);
     spill_uploads(job->req, job->uploads);  // a queued request holds files, not bytes
@@ -171,6 +175,7 @@ void Server::respond_whole(const Choices& jobs, httplib::Response& res) {
                                      {"timings", j.row["timings"]},
                                      {"visual_cache", j.row.value("visual_cache", json())}});
   }
+  if (job.req.completion) out = as_text_completion(std::move(out));
   res.set_content(dump(out), "application/json");
   metrics_.count(200);
 }
@@ -215,6 +220,7 @@ int64_t Server::kv_cost_of(const Job& job) const {
   q.item.question = r.question;
   q.earlier = r.earlier;
   q.item.system = r.system;
+  if (r.completion) q.raw_prompt = r.prompt;
   const int64_t prompt = static_cast<int64_t>(session_.prompt(q, frames).ids.size());
   const int64_t tokens = r.max_tokens > 0 ? r.max_tokens : o_.default_max_tokens;
   const int64_t cost = question_kv_bytes(session_.model().planner_model(), frames, prompt, tokens,
@@ -237,10 +243,11 @@ void Server::check_conversation(const ChatRequest& r) const {
   q.item.question = r.question;
   q.earlier = r.earlier;
   q.item.system = r.system;
+  if (r.completion) q.raw_prompt = r.prompt;
   try {
     (void)session_.prompt(q, 1);
   } catch (const Error& e) {
-    std::string param = "messages";
+    std::string param = r.completion ? "prompt" : "messages";
     if (!r.system.empty()) {
       q.item.system.clear();
       try {

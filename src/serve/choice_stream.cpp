@@ -17,7 +17,8 @@ ChoiceStream::ChoiceStream(std::vector<std::shared_ptr<Job>> jobs, std::string m
     : jobs_(std::move(jobs)), model_(std::move(model)), ended_(jobs_.size(), false) {}
 
 bool ChoiceStream::event(httplib::DataSink& sink, const json& j) {
-  const std::string s = "data: " + dump(j) + "\n\n";
+  const bool shaped = jobs_.front()->req.completion && j.contains("object");  // not an error
+  const std::string s = "data: " + dump(shaped ? as_text_completion(j) : j) + "\n\n";
   return sink.write(s.data(), s.size());
 }
 
@@ -29,8 +30,8 @@ bool ChoiceStream::gone() {
 bool ChoiceStream::next(httplib::DataSink& sink) {
   const Job& first = *jobs_.front();
   if (!role_sent_) {
-    role_sent_ = true;
-    for (size_t i = 0; i < jobs_.size(); ++i)
+    role_sent_ = true;  // a completion has no role: its text comes first
+    for (size_t i = 0; i < jobs_.size() && !first.req.completion; ++i)
       if (!event(sink, chunk_json(first.id, first.created, model_,
                                   {{"role", "assistant"}, {"content", ""}}, nullptr, nullptr,
                                   static_cast<int64_t>(i))))

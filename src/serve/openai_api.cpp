@@ -497,12 +497,16 @@ void read_media_options(const json& body, const ApiOptions& o, ChatRequest& r) {
 
 }  // namespace
 
-ChatRequest parse_chat_request(std::string text, const ApiOptions& o) {
+namespace {
+
+// The body parsed, its fields checked by `check_fields`, and its model the served one (the head
+// of both endpoints' parsers). `text` is emptied: the parsed copy is all that is read after.
+json model_request(std::string& text, const ApiOptions& o, void (*check_fields)(const json&)) {
   json body = parse_body(text);  // not const: media_url moves data URLs' base64 out of it
-  std::string().swap(text);      // the parsed copy is all that is read from here on
+  std::string().swap(text);
   if (!body.is_object())
     throw bad_request("the body must be a JSON object, got " + type_name(body));
-  check_request_fields(body);
+  check_fields(body);
   if (!body.contains("model") || !body["model"].is_string())
     throw bad_request("'model' (a string) is required", "model");
   if (body["model"].get<std::string>() != o.model_name)
@@ -510,6 +514,47 @@ ChatRequest parse_chat_request(std::string text, const ApiOptions& o) {
                    "The model '" + preview(body["model"].get<std::string>()) +
                        "' does not exist: this server serves '" + o.model_name + "'",
                    "model", "model_not_found");
+  return body;
+}
+
+// /v1/completions' prompt: a string, or an array holding one.
+std::string completion_prompt(const json& body) {
+  if (!body.contains("prompt") || body["prompt"].is_null())
+    throw bad_request("'prompt' (a string) is required", "prompt");
+  const json* p = &body["prompt"];
+  if (p->is_array()) {
+    if (p->size() != 1 || !(*p)[0].is_string())
+      throw bad_request(
+          "'prompt' must be a string or an array of one string: lvx serve completes one prompt "
+          "a request (send one request per prompt; token-id prompts are not taken)",
+          "prompt");
+    p = &(*p)[0];
+  }
+  if (!p->is_string())
+    throw bad_request("'prompt' must be a string, got " + type_name(*p), "prompt");
+  const std::string prompt = p->get<std::string>();
+  if (prompt.empty()) throw bad_request("'prompt' is empty", "prompt");
+  return prompt;
+}
+
+// The legacy API's fields without a counterpart here: refused unless neutral.
+void refuse_legacy_fields(json& body) {
+  if (boolean(body, "echo").value_or(false))
+    throw bad_request("'echo' is not supported: the response holds the completion only", "echo");
+  if (body.contains("suffix") && !body["suffix"].is_null())
+    throw bad_request("'suffix' is not supported (no insertion)", "suffix");
+  if (integer(body, "logprobs", 0, 5).value_or(0) > 0)
+    throw bad_request(
+        "'logprobs' of /v1/completions (the legacy format) is not supported: ask "
+        "/v1/chat/completions with logprobs: true and top_logprobs",
+        "logprobs");
+  body.erase("logprobs");  // null or 0: read_sampling takes the chat API's boolean
+}
+
+}  // namespace
+
+ChatRequest parse_chat_request(std::string text, const ApiOptions& o) {
+  json body = model_request(text, o, check_request_fields);
   if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty())
     throw bad_request("'messages' (a non-empty array) is required", "messages");
   ChatRequest r;
@@ -519,38 +564,17 @@ ChatRequest parse_chat_request(std::string text, const ApiOptions& o) {
   return r;
 }
 
-json usage_json(int64_t prompt_tokens, int64_t completion_tokens) {
-  return {{"prompt_tokens", prompt_tokens},
-          {"completion_tokens", completion_tokens},
-          {"total_tokens", prompt_tokens + completion_tokens}};
-}
-
-json completion_json(const std::string& id, int64_t created, const std::string& model,
-                     const std::string& content, const std::string& finish_reason,
-                     int64_t prompt_tokens, int64_t completion_tokens, const json& logprobs) {
-  return {{"id", id},
-          {"object", "chat.completion"},
-          {"created", created},
-          {"model", model},
-          {"choices",
-           {{{"index", 0},
-             {"message", {{"role", "assistant"}, {"content", content}}},
-             {"logprobs", logprobs.is_null() ? json() : json{{"content", logprobs}}},
-             {"finish_reason", finish_reason}}}},
-          {"usage", usage_json(prompt_tokens, completion_tokens)}};
-}
-
-json chunk_json(const std::string& id, int64_t created, const std::string& model, const json& delta,
-                const json& finish_reason, const json& logprobs, int64_t index) {
-  return {{"id", id},
-          {"object", "chat.completion.chunk"},
-          {"created", created},
-          {"model", model},
-          {"choices",
-           {{{"index", index},
-             {"delta", delta},
-             {"logprobs", logprobs.is_null() ? json() : json{{"content", logprobs}}},
-             {"finish_reason", finish_reason}}}}};
+ChatRequest parse_completion_request(std::string text, const ApiOptions& o) {
+  json body = model_request(text, o, check_completion_fields);
+  ChatRequest r;
+  r.completion = true;
+  r.prompt = completion_prompt(body);
+  refuse_legacy_fields(body);
+  read_sampling(body, o, r);
+  r.return_prompt_ids = boolean(body, "return_prompt_ids").value_or(false);
+  if (body.contains("user") && !body["user"].is_null() && !body["user"].is_string())
+    throw bad_request("'user' must be a string", "user");
+  return r;
 }
 
 }  // namespace lvx::serve

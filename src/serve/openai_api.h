@@ -3,7 +3,7 @@
 // chat.completion, or chat.completion.chunk events for streaming). Pure functions: no model, no
 // sockets (src/serve/server.h runs them).
 //
-// Request (POST /v1/chat/completions), what lvx reads:
+// Request (POST /v1/chat/completions; /v1/completions below), what lvx reads:
 //   model (required, must name the served model: else 404), messages (required; the last is the
 //   user's question), max_tokens | max_completion_tokens, temperature (default 0: greedy, lvx
 //   qa's default, so that an answer equals lvx qa's), top_p, seed, stop (a string or up to 4),
@@ -89,8 +89,10 @@ struct ChatRequest {
   // (the server resolves it to video_hash before the request is queued).
   std::string video_uuid, video_hash;
   std::vector<MediaRef> frames;  // image_url parts, in order
-  // No video_url (nor uuid) and no image_url part: a text-only chat.
+  // No video_url (nor uuid) and no image_url part: a text-only chat (or a completion).
   bool text_only() const { return !video && video_uuid.empty() && frames.empty(); }
+  bool completion = false;  // POST /v1/completions: `prompt` as written, no template
+  std::string prompt;
   std::optional<double> fps;
   std::optional<int64_t> num_frames;
   std::optional<double> start, end;
@@ -126,6 +128,14 @@ struct ApiOptions {
 // The body is taken by value and given back once parsed (a caller that moves it in holds one
 // copy of a large upload's text, not two).
 ChatRequest parse_chat_request(std::string body, const ApiOptions& options);
+// POST /v1/completions: `prompt` (a string, or an array of one) continued as written: tokenized as
+// the tokenizer's own pipeline does (its special tokens parsed, its beginning-of-text token added
+// as vLLM's completions add it), no chat template, no media (a prompt holding the model's media
+// token is refused by the session). Reads model, max_tokens, temperature, top_p, seed, stop,
+// stream, stream_options, n, user and return_prompt_ids as the chat API does; `echo` (true),
+// `suffix` and the legacy `logprobs` (> 0) are refused naming them. Returns a ChatRequest with
+// `completion` set.
+ChatRequest parse_completion_request(std::string body, const ApiOptions& options);
 
 // An internal error's text as a client may see it: source locations ("(../video/x.cpp:27)",
 // "[/pytorch/.../pair.cc:547]") removed, and a path in the server's upload folders named as what
@@ -151,5 +161,8 @@ nlohmann::json chunk_json(const std::string& id, int64_t created, const std::str
                           const nlohmann::json& delta, const nlohmann::json& finish_reason,
                           const nlohmann::json& logprobs = nullptr, int64_t index = 0);
 nlohmann::json usage_json(int64_t prompt_tokens, int64_t completion_tokens);
+// A chat.completion or chat.completion.chunk (above) as /v1/completions answers it: object
+// "text_completion", each choice's text where the message or delta was, logprobs null.
+nlohmann::json as_text_completion(nlohmann::json chat_object);
 
 }  // namespace lvx::serve

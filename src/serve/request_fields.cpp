@@ -80,21 +80,39 @@ bool neutral(const std::string& key, const json& v) {
 
 }  // namespace
 
-void check_request_fields(const json& body) {
+namespace {
+
+void check_fields(const json& body, const std::set<std::string>& known, const char* supported) {
   for (const auto& [key, value] : body.items()) {
-    if (known_fields().count(key)) continue;
+    if (known.count(key)) continue;
     if (const char* hint = instead_of(key)) {
       if (neutral(key, value)) continue;
       throw bad_request("'" + key + "' is not supported: " + hint, key);
     }
-    throw bad_request("'" + preview(key) +
-                          "' is not supported by lvx serve (supported: model, "
-                          "messages, max_tokens, max_completion_tokens, temperature, top_p, seed, "
-                          "stop, stream, stream_options, n, user, logprobs, top_logprobs, fps, "
-                          "num_frames, start, end, video_id, return_prompt_ids, media_io_kwargs, "
-                          "mm_processor_kwargs)",
-                      preview(key));
+    throw bad_request(
+        "'" + preview(key) + "' is not supported by lvx serve (supported: " + supported + ")",
+        preview(key));
   }
+}
+
+}  // namespace
+
+void check_request_fields(const json& body) {
+  check_fields(body, known_fields(),
+               "model, messages, max_tokens, max_completion_tokens, temperature, top_p, seed, "
+               "stop, stream, stream_options, n, user, logprobs, top_logprobs, fps, num_frames, "
+               "start, end, video_id, return_prompt_ids, media_io_kwargs, mm_processor_kwargs");
+}
+
+void check_completion_fields(const json& body) {
+  static const std::set<std::string> known = {
+      "model", "prompt",   "max_tokens", "temperature",    "top_p",
+      "seed",  "stop",     "stream",     "stream_options", "n",
+      "user",  "logprobs", "echo",       "suffix",         "return_prompt_ids"};
+  check_fields(body, known,
+               "model, prompt, max_tokens, temperature, top_p, seed, stop, stream, "
+               "stream_options, n, user, logprobs (0), echo (false), suffix (null), "
+               "return_prompt_ids");
 }
 
 }  // namespace lvx::serve

@@ -11,5 +11,7 @@ namespace lvx::serve {
 
 // Throws ApiError 400 (param: the field) for the first field refused.
 void check_request_fields(const nlohmann::json& body);
+// The same for /v1/completions' fields (openai_api.h parse_completion_request).
+void check_completion_fields(const nlohmann::json& body);
 
 }  // namespace lvx::serve

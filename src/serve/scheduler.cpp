@@ -53,6 +53,7 @@ json Server::describe(const Job& job, std::vector<std::string>* blobs) const {
          {"seed", r.seed},
          {"logprobs", r.logprobs ? r.top_logprobs : -1},
          {"text_only", r.text_only()}};
+  if (r.completion) d["prompt"] = r.prompt;
   if (r.video) d["video"] = ref(*r.video);
   if (!r.video && !r.video_hash.empty()) d["video"] = json{{"hash", r.video_hash}};  // by uuid
   if (r.video && !r.video_uuid.empty()) d["return_media_hash"] = true;  // to remember its uuid
@@ -82,6 +83,7 @@ Server::Begun Server::begin_answer(const Command& c, const runtime::AnswerHooks&
   q.return_prompt_ids = d["return_prompt_ids"].get<bool>();
   q.tenant = d["tenant"].get<std::string>();
   q.text_only = d.value("text_only", false);
+  if (d.contains("prompt")) q.raw_prompt = d["prompt"].get<std::string>();
   if (d.contains("video") && d["video"].contains("hash"))
     q.media_hash = d["video"]["hash"].get<std::string>();  // named by its uuid: the cache's alone
   else if (d.contains("video"))

@@ -160,6 +160,8 @@ void Server::routes(httplib::Server& http) {
   });
   http.Post("/v1/chat/completions",
             [this](const httplib::Request& req, httplib::Response& res) { chat(req, res); });
+  http.Post("/v1/completions",  // the same path through the scheduler; parsed and shaped apart
+            [this](const httplib::Request& req, httplib::Response& res) { chat(req, res); });
   http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     const json models{
         {"object", "list"},

@@ -17,7 +17,7 @@ the server and the request helpers of harness.py: cases_answers.py (answers and 
 shapes), cases_cache.py (visual cache and uploads), cases_batching.py (scheduling and batching),
 cases_errors.py (errors, hostile input, limits), cases_process.py (signals, ranks, the API key),
 cases_hostile_clients.py (what a client without the key, or a slow one, can cost the server),
-cases_openai.py (OpenAI semantics: n choices; the cache gauge; a chat without video).
+cases_openai.py (OpenAI semantics: n choices; the cache gauge; a chat without video; /v1/completions).
 """
 import os
 import sys
@@ -47,7 +47,8 @@ from cases_hostile_clients import (
     case_refused_uploads_read_their_answer, case_unseeded_sampling_is_fresh, case_slow_body_gets_408,
     case_kv_budget,
     case_slow_headers_do_not_hang, case_unauthenticated_cannot_lock_out)
-from cases_openai import case_cache_gauge_follows_prefill, case_n_choices, case_text_only_chat
+from cases_openai import (
+    case_cache_gauge_follows_prefill, case_completions, case_n_choices, case_text_only_chat)
 from harness import KEY, KEY2, Fixtures, Server
 
 
@@ -94,6 +95,7 @@ CASES = [
     (case_n_choices, [], {}, 1, False),
     (case_cache_gauge_follows_prefill, ["--max-batch", "2"], {}, 1, False),
     (case_text_only_chat, [], {}, 1, False),
+    (case_completions, [], {}, 1, False),
 ]
 
 
