@@ -31,17 +31,28 @@ Gate::clock::time_point after(double seconds) {
 
 const char* reason(int status) {
   switch (status) {
-    case 200: return "OK";
-    case 400: return "Bad Request";
-    case 401: return "Unauthorized";
-    case 404: return "Not Found";
-    case 408: return "Request Timeout";
-    case 411: return "Length Required";
-    case 413: return "Payload Too Large";
-    case 429: return "Too Many Requests";
-    case 431: return "Request Header Fields Too Large";
-    case 503: return "Service Unavailable";
-    default: return "Error";
+    case 200:
+      return "OK";
+    case 400:
+      return "Bad Request";
+    case 401:
+      return "Unauthorized";
+    case 404:
+      return "Not Found";
+    case 408:
+      return "Request Timeout";
+    case 411:
+      return "Length Required";
+    case 413:
+      return "Payload Too Large";
+    case 429:
+      return "Too Many Requests";
+    case 431:
+      return "Request Header Fields Too Large";
+    case 503:
+      return "Service Unavailable";
+    default:
+      return "Error";
   }
 }
 
@@ -60,7 +71,9 @@ struct Gate::Conn {
 };
 
 Gate::Gate(GateOptions o, Judge judge, Handle handle, Count count)
-    : o_(std::move(o)), judge_(std::move(judge)), handle_(std::move(handle)),
+    : o_(std::move(o)),
+      judge_(std::move(judge)),
+      handle_(std::move(handle)),
       count_(std::move(count)) {}
 
 Gate::~Gate() {
@@ -93,14 +106,19 @@ std::string Gate::bind() {
   }
   ::freeaddrinfo(res);
   if (listen_fd_ < 0)
-    return "cannot listen on " + where + " (--host, --port): " +
-           (error.empty() ? "no usable address" : error) +
+    return "cannot listen on " + where +
+           " (--host, --port): " + (error.empty() ? "no usable address" : error) +
            " (the port is in use or the host is not an address of this machine)";
   sockaddr_storage a{};
   socklen_t n = sizeof a;
   ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &n);
   port_ = ntohs(a.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&a)->sin6_port
-                                         : reinterpret_cast<sockaddr_in*>(&a)->sin_port);
+                                        : reinterpret_cast<sockaddr_in*>(&a)->sin_port);
+  char host[NI_MAXHOST] = {0};
+  address_ = ::getnameinfo(reinterpret_cast<sockaddr*>(&a), n, host, sizeof host, nullptr, 0,
+                           NI_NUMERICHOST) == 0
+                 ? (a.ss_family == AF_INET6 ? "[" + std::string(host) + "]" : std::string(host))
+                 : o_.host;
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   return "";
 }
@@ -126,8 +144,9 @@ void Gate::stop() {
 }
 
 void Gate::poll_once() {
-  conns_.erase(std::remove_if(conns_.begin(), conns_.end(), [](const auto& c) { return c->fd < 0; }),
-               conns_.end());
+  conns_.erase(
+      std::remove_if(conns_.begin(), conns_.end(), [](const auto& c) { return c->fd < 0; }),
+      conns_.end());
   std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
   clock::time_point next = after(1.0);
   for (const auto& c : conns_) {
@@ -146,8 +165,10 @@ void Gate::poll_once() {
   for (size_t i = 0; i < conns_.size() && i + 2 < fds.size(); ++i) {
     Conn& c = *conns_[i];
     if (fds[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) {
-      if (c.state == Conn::kAnswer) close_conn(c);  // the client hung up before reading it
-      else on_readable(c);
+      if (c.state == Conn::kAnswer)
+        close_conn(c);  // the client hung up before reading it
+      else
+        on_readable(c);
     } else if (fds[i + 2].revents & POLLOUT) {
       on_writable(c);
     }
@@ -255,8 +276,7 @@ void Gate::answer_error(Conn& c, int status, const std::string& message, int64_t
   std::vector<std::pair<std::string, std::string>> h;
   if (status == 503) h.emplace_back("Retry-After", "1");
   const std::string type = status == 503 ? "server_error" : "invalid_request_error";
-  answer(c, status, ApiError(status, type, message).body_text(), "application/json", h,
-         body_bytes);
+  answer(c, status, ApiError(status, type, message).body_text(), "application/json", h, body_bytes);
 }
 
 void Gate::on_writable(Conn& c) {

@@ -23,6 +23,8 @@
 // reached through a subclass (server.cpp).
 #pragma once
 
+#include <httplib.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -36,8 +38,6 @@
 #include <unordered_set>
 #include <utility>
 #include <vector>
-
-#include <httplib.h>
 
 #include "src/serve/connection_stream.h"
 #include "src/serve/inflight_budget.h"
@@ -80,6 +80,10 @@ class Gate {
   // Listens on host:port (port 0: any free one): "" or what went wrong.
   std::string bind();
   int port() const { return port_; }
+  // The address the socket is bound to, as a URL's host ("127.0.0.1", "[::1]"): --host's, or the
+  // one an emulated cluster's node binds its ephemeral listeners to (src/dist/emulated_cluster.h:
+  // `serve --port 0` under `lvx launch --inter-node` listens on 127.0.1.1).
+  const std::string& address() const { return address_; }
   int listening_fd() const { return listen_fd_; }
   // The poll loop and the workers, until stop(); returns once every worker has ended.
   void run();
@@ -116,6 +120,7 @@ class Gate {
   Handle handle_;
   Count count_;
   int listen_fd_ = -1, wake_fd_ = -1, port_ = 0;
+  std::string address_;
   std::vector<std::unique_ptr<Conn>> conns_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> open_{0};

@@ -242,7 +242,7 @@ int Server::run_rank0() {
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGINT, &sa, nullptr);
   std::cerr << "lvx serve: " << o_.model_name << " on " << pg_.world_size()
-            << " rank(s), listening on http://" << o_.host << ":" << port_ << std::endl;
+            << " rank(s), listening on http://" << gate_->address() << ":" << port_ << std::endl;
   if (o_.max_kv_bytes > 0) print_kv_budget();
   int code = 0;
   try {

@@ -1,7 +1,8 @@
 """lvx serve cases: the server's processes.
 
 SIGTERM drains (the stream in flight completes, exit 0), a killed rank turns into 503 and a
-non-zero exit, a port in use fails every rank at once, and the API key is in no rank's argv.
+non-zero exit, a port in use fails every rank at once, the API key is in no rank's argv, and under
+an emulated cluster the printed address is the one the server listens on.
 """
 import json
 import os
@@ -153,3 +154,47 @@ def case_stream_socket_has_nodelay(fx, srv, ranks):
         assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0, "Nagle's algorithm is on"
     finally:
         s.close()  # our duplicate only
+
+
+def case_emulated_cluster_prints_its_address(fx, srv, ranks):
+    # Under `lvx launch --nodes 2 --inter-node R` the ranks run in a private network namespace
+    # where an ephemeral loopback listener binds to its node's address (127.0.1.1 for rank 0):
+    # `serve --port 0` must print that address, and /health must answer there, asked from inside
+    # the namespace (nsenter into the launcher's). Skipped where emulated links are unavailable
+    # (no CAP_NET_ADMIN or user namespaces, no tc, no nsenter), as the emulated-links tests are.
+    import shutil
+    if shutil.which("nsenter") is None or shutil.which("tc") is None:
+        print("SKIP: no nsenter or tc")
+        return
+    proc = subprocess.Popen(
+        [LVX, "launch", "--nproc", "2", "--nodes", "2", "--inter-node", "1gbit", "--", LVX,
+         "serve", "--model", str(fx.model), "--port", "0", "--api-key", KEY],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        err, url = [], None
+        deadline = time.time() + 60
+        while time.time() < deadline and url is None:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            err.append(line)
+            m = re.search(r"listening on (http://[0-9.\[\]:]+:\d+)", line)
+            url = m.group(1) if m else None
+        text = "".join(err)
+        if url is None and ("CAP_NET_ADMIN" in text or "namespace" in text or "tc" in text):
+            print("SKIP: no emulated links here:", text[-300:])
+            return
+        assert url and url.startswith("http://127.0.1.1:"), text[-2000:]
+        probe = subprocess.run(
+            ["nsenter", "-t", str(proc.pid), "-n", "python3", "-c",
+             "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1] + '/health', "
+             "timeout=10).status)", url], capture_output=True, text=True, timeout=30)
+        assert probe.stdout.strip() == "200", (probe.stdout, probe.stderr)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

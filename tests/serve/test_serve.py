@@ -39,7 +39,8 @@ from cases_cache import (
 from cases_errors import (
     case_error_codes, case_fuzz, case_hostile_bodies, case_hostile_framing, case_inflight_budget)
 from cases_process import (
-    case_api_key_flag_not_in_rank_argv, case_api_key_stays_secret, case_killed_rank_503,
+    case_api_key_flag_not_in_rank_argv, case_api_key_stays_secret,
+    case_emulated_cluster_prints_its_address, case_killed_rank_503,
     case_port_in_use_fails_every_rank_at_once, case_sigterm_finishes_in_flight,
     case_stream_socket_has_nodelay)
 from cases_hostile_clients import (
@@ -71,6 +72,7 @@ CASES = [
     (case_sigterm_finishes_in_flight, [], {}, 1, True),
     (case_killed_rank_503, [], {"LVX_DIST_TIMEOUT_S": "4"}, 2, True),
     (case_port_in_use_fails_every_rank_at_once, None, {}, 1, True),
+    (case_emulated_cluster_prints_its_address, None, {}, 2, True),
     (case_hostile_bodies, [], {}, 1, False),
     (case_hostile_framing, [], {}, 1, False),
     (case_fuzz, [], {}, 1, False),
