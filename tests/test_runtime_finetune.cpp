@@ -220,7 +220,9 @@ TEST(Finetune, PrefetchGivesTheSameBitsAsNone) {
 
 // MFU is the step's model FLOPs per second over the cluster config's GEMM peak in the run's dtype
 // times the ranks (an H100 config: 50 TFLOP/s fp32 each, 2 ranks); the same FLOPs every step
-// (one fixed sample shape).
+// (one fixed sample shape). Beside it the planner's predicted step: the FLOPs at that peak plus
+// the step's collectives, here one all-reduce of the Ψt fp32 gradients over 2 ranks of a node
+// (a ring: 2·(n−1)/n·4Ψt bytes at the intra-node 350 GB/s, and 2·(n−1) latencies of 8 µs).
 TEST(Finetune, MfuIsTheRateOverTheClustersPeak) {
   const std::string ck = (dir() / "ck_mfu").string();
   fs::remove_all(ck);
@@ -235,6 +237,15 @@ TEST(Finetune, MfuIsTheRateOverTheClustersPeak) {
     const double rate = line["model_flops"].get<double>() / line["step_seconds"].get<double>();
     EXPECT_NEAR(line["flops_per_second"].get<double>(), rate, 1e-9 * rate);
     EXPECT_NEAR(line["mfu"].get<double>(), rate / 100e12, 1e-9 * rate / 100e12);
+  }
+  std::smatch trainable;
+  ASSERT_TRUE(std::regex_search(log, trainable, std::regex(R"(: (\d+) of \d+ parameters train)")))
+      << log;
+  const double traffic = 2.0 * 0.5 * 4.0 * std::stod(trainable[1]) / 350e9 + 2 * 8e-6;
+  for (const auto& line : m) {
+    EXPECT_NEAR(line["predicted_traffic_seconds"].get<double>(), traffic, 1e-9 * traffic);
+    const double want = line["model_flops"].get<double>() / 100e12 + traffic;
+    EXPECT_NEAR(line["predicted_step_seconds"].get<double>(), want, 1e-9 * want);
   }
 }
 

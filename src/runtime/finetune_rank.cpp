@@ -16,6 +16,7 @@
 #include "src/common/safetensors.h"
 #include "src/dist/process_group.h"
 #include "src/planner/cluster_config.h"
+#include "src/planner/train_traffic.h"
 #include "src/runtime/device.h"
 #include "src/runtime/finetune_eval.h"
 #include "src/runtime/finetune_lora.h"
@@ -285,6 +286,23 @@ void open_logs(RankRun& run) {
   run.metrics.open(cfg.logging.metrics, std::ios::app);
 }
 
+// The planner's seconds of one optimizer step's collectives for this run's stage, world,
+// adapters and accumulation on cluster `c` (what `lvx plan --train` prints as the step's traffic).
+static double step_traffic_seconds(const RankRun& run, const planner::ParamCounts& counts,
+                                   const planner::ClusterConfig& c) {
+  const TrainConfig& cfg = run.cfg;
+  planner::TrainMemoryOptions mo;
+  mo.shard = cfg.parallel.shard;
+  mo.ranks = run.n;
+  mo.sp_size = run.sp;
+  mo.lora_r = run.lora ? cfg.lora.r : 0;
+  mo.recompute = cfg.parallel.recompute;
+  mo.remat = cfg.parallel.remat;
+  mo.grad_accum = cfg.optimizer.grad_accum;
+  mo.elem_bytes = dtype_bytes(cfg.model.dtype, "model.dtype");
+  return planner::train_traffic(run.flops_model, counts, mo, c).seconds;
+}
+
 void price_flops(RankRun& run) {
   const TrainConfig& cfg = run.cfg;
   run.flops_model = run.model->planner_model();
@@ -313,8 +331,11 @@ void price_flops(RankRun& run) {
     const double devices =
         c.memory.shared ? double(std::max<int64_t>(1, c.gpus_per_node)) : double(run.n);
     run.peak_flops = c.gemm_for(cfg.model.dtype) * devices;
+    run.step_traffic_s = step_traffic_seconds(run, counts, c);
     source = str("against ", run.peak_flops / 1e12, " TFLOP/s (", cfg.parallel.cluster, ": ",
-                 cfg.model.dtype, " GEMM × ", devices, " device(s))");
+                 cfg.model.dtype, " GEMM × ", devices,
+                 " device(s)); predicted step time: the FLOPs at that peak + ", run.step_traffic_s,
+                 " s of collectives");
   }
   if (run.r == 0) std::cout << "model FLOPs per step logged; MFU " << source << "\n";
 }

@@ -90,6 +90,10 @@ struct RankRun {
   ModelConfig flops_model;
   planner::SampleShape flops_shape;  // frames and text tokens set per sample
   double peak_flops = 0;
+  // The planner's collectives of one optimizer step on the cluster's links
+  // (planner/train_traffic.h: the stage's all-reduces, reduce-scatters and gathers; < 0: no
+  // parallel.cluster). A step's predicted time is its model FLOPs at peak_flops plus these.
+  double step_traffic_s = -1;
 
   // start_prefetch: the next samples prepared on workers while a step computes (data.prefetch)
   std::unique_ptr<SamplePrefetch> prefetch;

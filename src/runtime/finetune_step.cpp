@@ -394,6 +394,13 @@ void log_step(RankRun& run, int64_t step, const StepResult& s) {
       {"flops_per_second", s.model_flops / s.seconds},
       {"mfu", run.peak_flops > 0 ? nlohmann::json(s.model_flops / s.seconds / run.peak_flops)
                                  : nlohmann::json()},
+      // The planner's prediction: the model FLOPs at the peak, plus its collectives' seconds.
+      {"predicted_step_seconds",
+       run.peak_flops > 0 && run.step_traffic_s >= 0
+           ? nlohmann::json(s.model_flops / run.peak_flops + run.step_traffic_s)
+           : nlohmann::json()},
+      {"predicted_traffic_seconds",
+       run.step_traffic_s >= 0 ? nlohmann::json(run.step_traffic_s) : nlohmann::json()},
       {"input_seconds", s.input_s},
       {"input_wait_seconds", s.input_wait_s},
       {"state_bytes_sent", s.state_bytes},
