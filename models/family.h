@@ -90,7 +90,7 @@ class Family {
                                       at::Device device) const = 0;
   // The planner's description of a checkpoint from its config.json alone (no weights read).
   virtual ModelConfig planner_model(const nlohmann::json& config,
-                                             const std::string& where) const = 0;
+                                    const std::string& where) const = 0;
   // Every parameter's shape from config.json alone: what load() checks a checkpoint against
   // (sizing a model before its weights are downloaded: load_model_shapes).
   virtual ShapeSpec parameter_shapes(const nlohmann::json& config,
@@ -127,6 +127,12 @@ class Family {
   virtual PromptTokens prompt_chat(const Tokenizer& tok, const std::string& system,
                                    const std::vector<std::pair<std::string, std::string>>& earlier,
                                    const std::string& question, int64_t frames) const;
+  // The ids of `frames` frames as the template places them, without the text around them (the
+  // media of a prompt written by the user: lvx serve's /v1/completions): mPLUG-Owl3 one
+  // <|image|> per frame (bracketed by <|start_video_frame|> … <|end_video_frame|> when the
+  // tokenizer has them), Llama-3.2-Vision one <|image|> per frame, OpenFlamingo <image> per
+  // frame with <|endofchunk|> between.
+  virtual std::vector<int64_t> media_ids(const Tokenizer& tok, int64_t frames) const = 0;
   // Every token that stops generation (the end of the assistant's turn first, then end of text).
   virtual std::vector<int64_t> stop_tokens(const Tokenizer& tok) const = 0;
   // The image preprocessing preset of the family's vision tower (a video::PreprocessConfig

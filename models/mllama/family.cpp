@@ -3,8 +3,9 @@
 
 #include "models/mllama/config.h"
 #include "models/mllama/model.h"
-#include "models/mllama/template.h"
 #include "models/mllama/release.h"
+#include "models/mllama/template.h"
+#include "models/prompt.h"
 
 namespace lvx::models::mllama {
 
@@ -26,8 +27,7 @@ class MllamaFamily : public Family {
                                 const std::string& where) const override {
     return mllama::resize_release(config, r, where);
   }
-  ModelConfig planner_model(const nlohmann::json& config,
-                                     const std::string& where) const override {
+  ModelConfig planner_model(const nlohmann::json& config, const std::string& where) const override {
     return mllama::planner_model(config_from_json(config, where));
   }
   ShapeSpec parameter_shapes(const nlohmann::json& config,
@@ -52,6 +52,9 @@ class MllamaFamily : public Family {
   }
   std::vector<int64_t> stop_tokens(const Tokenizer& tok) const override {
     return mllama::stop_tokens(tok);
+  }
+  std::vector<int64_t> media_ids(const Tokenizer& tok, int64_t frames) const override {
+    return std::vector<int64_t>(static_cast<size_t>(frames), special_token_id(tok, "<|image|>"));
   }
   // CLIP's mean/std; lvx resizes the short side and crops the centre to one image_size tile,
   // where MllamaImageProcessor would fit the whole frame into a tile canvas (pads instead of

@@ -141,6 +141,16 @@ class MplugOwl3Family final : public Family {
     }
   }
 
+  std::vector<int64_t> media_ids(const Tokenizer& tok, int64_t frames) const override {
+    PromptBuilder p(tok);
+    const bool bracket = p.has("<|start_video_frame|>") && p.has("<|end_video_frame|>");
+    if (bracket) p.special("<|start_video_frame|>");
+    for (int64_t f = 0; f < frames; ++f) p.special("<|image|>");
+    if (bracket) p.special("<|end_video_frame|>");
+    PromptTokens t = std::move(p).finish();
+    return t.ids;
+  }
+
   std::vector<int64_t> stop_tokens(const Tokenizer& tok) const override {
     std::vector<int64_t> stop{special_token_id(tok, "<|im_end|>")};
     if (auto eos = tok.token_to_id("<|endoftext|>")) stop.push_back(*eos);

@@ -30,8 +30,7 @@ class OpenFlamingoFamily final : public Family {
                                 const std::string& where) const override {
     return openflamingo::resize_release(config, r, where);
   }
-  ModelConfig planner_model(const nlohmann::json& config,
-                                     const std::string& where) const override {
+  ModelConfig planner_model(const nlohmann::json& config, const std::string& where) const override {
     return OpenFlamingo::planner_model(openflamingo_config(config, where));
   }
 
@@ -102,6 +101,16 @@ class OpenFlamingoFamily final : public Family {
     }
     all.labels.assign(all.ids.size(), -100);
     return all;
+  }
+
+  std::vector<int64_t> media_ids(const Tokenizer& tok, int64_t frames) const override {
+    PromptBuilder p(tok);
+    for (int64_t f = 0; f < frames; ++f) {
+      p.special("<image>");
+      if (f + 1 < frames) p.special("<|endofchunk|>");
+    }
+    PromptTokens t = std::move(p).finish();
+    return t.ids;
   }
 
   std::vector<int64_t> stop_tokens(const Tokenizer& tok) const override {

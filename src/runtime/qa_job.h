@@ -111,8 +111,11 @@ struct QaRequest {
   bool text_only = false;
   // A prompt continued as written (lvx serve's /v1/completions): tokenized by the tokenizer's own
   // pipeline (special tokens parsed, its beginning-of-text token added), no chat template; it
-  // must not hold the model's media token. Implies text_only.
+  // must not hold the model's media token. With raw_after_media, the request's frames go between
+  // the two texts, as the family's template writes them (Family::media_ids); without, it is
+  // text only.
   std::optional<std::string> raw_prompt;
+  std::optional<std::string> raw_after_media;
   // The visual cache's partition: an entry made under one tenant answers only requests of that
   // tenant (lvx serve: the API key's scope, unless --shared-visual-cache). "": lvx qa's.
   std::string tenant;

@@ -221,6 +221,7 @@ int64_t Server::kv_cost_of(const Job& job) const {
   q.earlier = r.earlier;
   q.item.system = r.system;
   if (r.completion) q.raw_prompt = r.prompt;
+  if (r.completion && !r.text_only()) q.raw_after_media = r.prompt_after_media;
   const int64_t prompt = static_cast<int64_t>(session_.prompt(q, frames).ids.size());
   const int64_t tokens = r.max_tokens > 0 ? r.max_tokens : o_.default_max_tokens;
   const int64_t cost = question_kv_bytes(session_.model().planner_model(), frames, prompt, tokens,
@@ -244,6 +245,7 @@ void Server::check_conversation(const ChatRequest& r) const {
   q.earlier = r.earlier;
   q.item.system = r.system;
   if (r.completion) q.raw_prompt = r.prompt;
+  if (r.completion && !r.text_only()) q.raw_after_media = r.prompt_after_media;
   try {
     (void)session_.prompt(q, 1);
   } catch (const Error& e) {

@@ -265,6 +265,42 @@ std::string part_uuid(const json& part, const std::string& param) {
   return u;
 }
 
+// One content part (param: the field holding the parts): a text part's text, or nullopt for a
+// media part, which goes into r.
+std::optional<std::string> read_part(const json& part, const std::string& role,
+                                     const std::string& param, const std::string& field,
+                                     const ApiOptions& o, ChatRequest& r) {
+  if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
+    throw bad_request(field + " parts must be objects with a 'type'", field);
+  const std::string type = part["type"].get<std::string>();
+  if (type == "text") {
+    if (!part.contains("text") || !part["text"].is_string())
+      throw bad_request(param + ": a text part needs 'text' (a string)", field);
+    return part["text"].get<std::string>();
+  }
+  if (type != "video_url" && type != "image_url")
+    throw bad_request(param + ": content part type '" + preview(type) +
+                          "' is not supported (text, video_url, image_url)",
+                      field);
+  if (role != "user") throw bad_request(param + ": media parts belong in user messages", field);
+  if (type == "video_url") {
+    if (r.video || !r.video_uuid.empty())
+      throw bad_request("one video per request: a second video_url part in " + param, field);
+    r.video_uuid = part_uuid(part, field);
+    // vLLM's convention: the media may be left out (null) where its uuid names it.
+    if (r.video_uuid.empty() || (part.contains("video_url") && !part["video_url"].is_null()))
+      r.video = media_url(part, "video_url", "video", o);
+  } else {
+    if (part.contains("uuid"))
+      throw bad_request(param +
+                            ": a uuid is taken on a video_url part only (frames sent as "
+                            "image_url parts are found in the cache by their content)",
+                        field);
+    r.frames.push_back(media_url(part, "image_url", "image", o));
+  }
+  return std::nullopt;
+}
+
 // The text of one message's content; its media parts go into r.
 std::string read_content(const json& m, const std::string& role, const std::string& param,
                          const ApiOptions& o, ChatRequest& r) {
@@ -276,39 +312,9 @@ std::string read_content(const json& m, const std::string& role, const std::stri
     throw bad_request(param + ".content must be a string or an array of parts", param + ".content");
   }
   std::string text;
-  for (const json& part : content) {
-    if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
-      throw bad_request(param + ".content parts must be objects with a 'type'", param + ".content");
-    const std::string type = part["type"].get<std::string>();
-    if (type == "text") {
-      if (!part.contains("text") || !part["text"].is_string())
-        throw bad_request(param + ": a text part needs 'text' (a string)", param + ".content");
-      text += (text.empty() ? "" : "\n") + part["text"].get<std::string>();
-    } else if (type == "video_url" || type == "image_url") {
-      if (role != "user")
-        throw bad_request(param + ": media parts belong in user messages", param + ".content");
-      if (type == "video_url") {
-        if (r.video || !r.video_uuid.empty())
-          throw bad_request("one video per request: a second video_url part in " + param,
-                            param + ".content");
-        r.video_uuid = part_uuid(part, param + ".content");
-        // vLLM's convention: the media may be left out (null) where its uuid names it.
-        if (r.video_uuid.empty() || (part.contains("video_url") && !part["video_url"].is_null()))
-          r.video = media_url(part, "video_url", "video", o);
-      } else {
-        if (part.contains("uuid"))
-          throw bad_request(param +
-                                ": a uuid is taken on a video_url part only (frames sent as "
-                                "image_url parts are found in the cache by their content)",
-                            param + ".content");
-        r.frames.push_back(media_url(part, "image_url", "image", o));
-      }
-    } else {
-      throw bad_request(param + ": content part type '" + preview(type) +
-                            "' is not supported (text, video_url, image_url)",
-                        param + ".content");
-    }
-  }
+  for (const json& part : content)
+    if (const auto t = read_part(part, role, param, param + ".content", o, r))
+      text += (text.empty() ? "" : "\n") + *t;
   return text;
 }
 
@@ -537,6 +543,33 @@ std::string completion_prompt(const json& body) {
   return prompt;
 }
 
+// /v1/completions' prompt as content parts (an lvx extension: the chat API's text, video_url and
+// image_url parts): the texts before the media into r.prompt, the media into r (one video, or
+// consecutive frames), the texts after into r.prompt_after_media; texts joined as they are.
+void read_prompt_parts(const json& parts, const ApiOptions& o, ChatRequest& r) {
+  bool media = false, after = false;
+  for (const json& part : parts) {
+    if (const auto t = read_part(part, "user", "prompt", "prompt", o, r)) {
+      (media ? r.prompt_after_media : r.prompt) += *t;
+      after = after || media;
+    } else if (after) {
+      throw bad_request(
+          "'prompt': its media parts must stand together (one video_url, or the "
+          "image_url frames of one video)",
+          "prompt");
+    } else {
+      media = true;
+    }
+  }
+  if (r.video && !r.frames.empty())
+    throw bad_request("give a video_url part or image_url frames, not both", "prompt");
+  if (static_cast<int64_t>(r.frames.size()) > o.max_frames)
+    throw bad_request("at most " + std::to_string(o.max_frames) + " image_url frames, got " +
+                          std::to_string(r.frames.size()),
+                      "prompt");
+  if (!media && r.prompt.empty()) throw bad_request("'prompt' is empty", "prompt");
+}
+
 // The legacy API's fields without a counterpart here: refused unless neutral.
 void refuse_legacy_fields(json& body) {
   if (boolean(body, "echo").value_or(false))
@@ -568,12 +601,14 @@ ChatRequest parse_completion_request(std::string text, const ApiOptions& o) {
   json body = model_request(text, o, check_completion_fields);
   ChatRequest r;
   r.completion = true;
-  r.prompt = completion_prompt(body);
+  const json& prompt = body.contains("prompt") ? body["prompt"] : json();
+  if (prompt.is_array() && !prompt.empty() && prompt[0].is_object())
+    read_prompt_parts(prompt, o, r);
+  else
+    r.prompt = completion_prompt(body);
   refuse_legacy_fields(body);
   read_sampling(body, o, r);
-  r.return_prompt_ids = boolean(body, "return_prompt_ids").value_or(false);
-  if (body.contains("user") && !body["user"].is_null() && !body["user"].is_string())
-    throw bad_request("'user' must be a string", "user");
+  read_media_options(body, o, r);  // the frame settings of a video part, return_prompt_ids, user
   return r;
 }
 

@@ -92,7 +92,8 @@ struct ChatRequest {
   // No video_url (nor uuid) and no image_url part: a text-only chat (or a completion).
   bool text_only() const { return !video && video_uuid.empty() && frames.empty(); }
   bool completion = false;  // POST /v1/completions: `prompt` as written, no template
-  std::string prompt;
+  std::string prompt;       // its text (before the media, when it has media parts)
+  std::string prompt_after_media;
   std::optional<double> fps;
   std::optional<int64_t> num_frames;
   std::optional<double> start, end;
@@ -130,11 +131,13 @@ struct ApiOptions {
 ChatRequest parse_chat_request(std::string body, const ApiOptions& options);
 // POST /v1/completions: `prompt` (a string, or an array of one) continued as written: tokenized as
 // the tokenizer's own pipeline does (its special tokens parsed, its beginning-of-text token added
-// as vLLM's completions add it), no chat template, no media (a prompt holding the model's media
-// token is refused by the session). Reads model, max_tokens, temperature, top_p, seed, stop,
-// stream, stream_options, n, user and return_prompt_ids as the chat API does; `echo` (true),
-// `suffix` and the legacy `logprobs` (> 0) are refused naming them. Returns a ChatRequest with
-// `completion` set.
+// as vLLM's completions add it), no chat template. Media: `prompt` as an array of the chat API's
+// content parts (text, one video_url or the image_url frames of one video, standing together),
+// the frames placed where their parts stand as the family's template writes frames
+// (Family::media_ids); the media token written in the text is refused by the session. Reads
+// model, max_tokens, temperature, top_p, seed, stop, stream, stream_options, n, user,
+// return_prompt_ids and the frame settings as the chat API does; `echo` (true), `suffix` and the
+// legacy `logprobs` (> 0) are refused naming them. Returns a ChatRequest with `completion` set.
 ChatRequest parse_completion_request(std::string body, const ApiOptions& options);
 
 // An internal error's text as a client may see it: source locations ("(../video/x.cpp:27)",

@@ -105,14 +105,33 @@ void check_request_fields(const json& body) {
 }
 
 void check_completion_fields(const json& body) {
-  static const std::set<std::string> known = {
-      "model", "prompt",   "max_tokens", "temperature",    "top_p",
-      "seed",  "stop",     "stream",     "stream_options", "n",
-      "user",  "logprobs", "echo",       "suffix",         "return_prompt_ids"};
+  static const std::set<std::string> known = {"model",
+                                              "prompt",
+                                              "max_tokens",
+                                              "temperature",
+                                              "top_p",
+                                              "seed",
+                                              "stop",
+                                              "stream",
+                                              "stream_options",
+                                              "n",
+                                              "user",
+                                              "logprobs",
+                                              "echo",
+                                              "suffix",
+                                              "return_prompt_ids",
+                                              "fps",
+                                              "num_frames",
+                                              "start",
+                                              "end",
+                                              "video_id",
+                                              "media_io_kwargs",
+                                              "mm_processor_kwargs"};
   check_fields(body, known,
                "model, prompt, max_tokens, temperature, top_p, seed, stop, stream, "
                "stream_options, n, user, logprobs (0), echo (false), suffix (null), "
-               "return_prompt_ids");
+               "return_prompt_ids, fps, num_frames, start, end, video_id, media_io_kwargs, "
+               "mm_processor_kwargs");
 }
 
 }  // namespace lvx::serve

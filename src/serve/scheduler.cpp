@@ -54,6 +54,7 @@ json Server::describe(const Job& job, std::vector<std::string>* blobs) const {
          {"logprobs", r.logprobs ? r.top_logprobs : -1},
          {"text_only", r.text_only()}};
   if (r.completion) d["prompt"] = r.prompt;
+  if (r.completion && !r.text_only()) d["prompt_after_media"] = r.prompt_after_media;
   if (r.video) d["video"] = ref(*r.video);
   if (!r.video && !r.video_hash.empty()) d["video"] = json{{"hash", r.video_hash}};  // by uuid
   if (r.video && !r.video_uuid.empty()) d["return_media_hash"] = true;  // to remember its uuid
@@ -84,6 +85,8 @@ Server::Begun Server::begin_answer(const Command& c, const runtime::AnswerHooks&
   q.tenant = d["tenant"].get<std::string>();
   q.text_only = d.value("text_only", false);
   if (d.contains("prompt")) q.raw_prompt = d["prompt"].get<std::string>();
+  if (d.contains("prompt_after_media"))
+    q.raw_after_media = d["prompt_after_media"].get<std::string>();
   if (d.contains("video") && d["video"].contains("hash"))
     q.media_hash = d["video"]["hash"].get<std::string>();  // named by its uuid: the cache's alone
   else if (d.contains("video"))

@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from harness import PY, SOURCE, TOKENS, expect_error, file_url, messages, video_part
+from harness import PY, QUESTION, SOURCE, TOKENS, expect_error, file_url, messages, video_part
 
 
 def _ask(srv, media, **kw):
@@ -120,6 +120,7 @@ def case_completions(fx, srv, ranks):
     # special tokens parsed), and the reference model's greedy continuation token for token; the
     # openai client's completions API reads it, whole and streamed; the legacy fields lvx does not
     # apply, several prompts and a prompt holding the media token are refused naming the field.
+    # Media parts in the prompt put the frames where they stand.
     prompt = "<|im_start|>user\nWhich colour is the sky?<|im_end|>\n<|im_start|>assistant\n"
     body = {"model": "model", "prompt": prompt, "temperature": 0, "max_tokens": TOKENS,
             "return_prompt_ids": True}
@@ -151,3 +152,24 @@ def case_completions(fx, srv, ranks):
     err = expect_error(srv, 400, json.dumps({"model": "model", "prompt": "<|image|>What?"}),
                        path="/v1/completions")
     assert err["param"] == "prompt" and "media token" in err["message"], err
+    # Media as content parts: the frames go where the video_url part stands. Written as the chat
+    # template writes a question, the prompt's ids and the greedy answer are the chat's (which
+    # case_answers_equal_lvx_qa ties to lvx qa).
+    chat = json.loads(srv.http("POST", "/v1/chat/completions", json.dumps({
+        "model": "model", "messages": messages(video_part(file_url(fx.clip))), "temperature": 0,
+        "max_tokens": TOKENS, "return_prompt_ids": True}))[1])
+    parts = [{"type": "text", "text": "<|im_start|>system\n<|im_end|>\n<|im_start|>user\n"},
+             video_part(file_url(fx.clip)),
+             {"type": "text", "text": "\n" + QUESTION + "<|im_end|>\n<|im_start|>assistant\n"}]
+    status, text = srv.http("POST", "/v1/completions", json.dumps({
+        "model": "model", "prompt": parts, "temperature": 0, "max_tokens": TOKENS,
+        "return_prompt_ids": True}))
+    assert status == 200, (status, text[:300])
+    media = json.loads(text)
+    assert media["lvx"]["prompt_ids"] == chat["lvx"]["prompt_ids"], (media["lvx"], chat["lvx"])
+    assert media["choices"][0]["text"] == chat["choices"][0]["message"]["content"], (media, chat)
+    assert media["lvx"]["frames"] == chat["lvx"]["frames"] > 0, media["lvx"]
+    apart = [parts[0], video_part(file_url(fx.clip)), parts[2], video_part(file_url(fx.other))]
+    err = expect_error(srv, 400, json.dumps({"model": "model", "prompt": apart}),
+                       path="/v1/completions")
+    assert err["param"] == "prompt", err
