@@ -1,3 +1,6 @@
+// The requests of both endpoints read (openai_api.h); the response objects are openai_objects.cpp.
+// Just past 600 lines: the chat and completions parsers share this file's private field readers
+// (numbers, parts, media URLs, sampling), which a split would have to export to each other.
 #include "src/serve/openai_api.h"
 
 #include <algorithm>
