@@ -183,7 +183,9 @@ at::Tensor encode_shared_tiles(const Config& cfg, const StateDict& w, const Imag
                 Tt = cfg.vision.tokens_per_tile(), D = cfg.vision.output_dim;
   const int world = par.world();
   const at::Device dev = options.device();
-  const int64_t count = tile_share(tiles, par.rank(), world).count;
+  std::vector<int64_t> counts;  // tiles each rank encodes
+  for (int r = 0; r < world; ++r) counts.push_back(tile_share(tiles, r, world).count);
+  const int64_t count = counts[static_cast<size_t>(par.rank())];
   const at::Tensor out =
       encode_tiles(w, cfg, im.pixel_values.flatten(0, 1).to(dev, options.dtype().toScalarType()),
                    im.aspect_ratio_ids.flatten().to(dev),
@@ -197,7 +199,7 @@ at::Tensor encode_shared_tiles(const Config& cfg, const StateDict& w, const Imag
     const at::Tensor theirs = at::tensor(media_slots(N, r, world), at::kLong).to(dev);
     send.push_back(out.index_select(1, theirs).reshape({-1, D}));
     send_rows.push_back(send.back().size(0));
-    recv_rows.push_back(B * held * tile_share(tiles, r, world).count * Tt);
+    recv_rows.push_back(B * held * counts[static_cast<size_t>(r)] * Tt);
   }
   const at::Tensor got = par.pg->all_to_all(at::cat(send), send_rows, recv_rows);
   if (held == 0) return at::zeros({B, 0, cfg.text.hidden}, options);
@@ -206,7 +208,7 @@ at::Tensor encode_shared_tiles(const Config& cfg, const StateDict& w, const Imag
   int64_t offset = 0;
   for (int r = 0; r < world; ++r) {
     parts.push_back(got.narrow(0, offset, recv_rows[static_cast<size_t>(r)])
-                        .reshape({B, held, tile_share(tiles, r, world).count * Tt, D}));
+                        .reshape({B, held, counts[static_cast<size_t>(r)] * Tt, D}));
     offset += recv_rows[static_cast<size_t>(r)];
   }
   return project(w, at::cat(parts, 2).reshape({B, held * tiles * Tt, D}));

@@ -45,26 +45,26 @@ struct QaSession::State {
 inline models::PromptTokens chat_prompt(const QaSession::State& s, const QaRequest& request,
                                         int64_t frames) {
   if (request.raw_prompt) {
-    models::PromptTokens p;
-    p.ids = s.tok->encode(*request.raw_prompt, /*add_special_tokens=*/true);
     const bool media = request.raw_after_media.has_value();
+    // A text as written; the model's media token in it is refused (the frames go where a media
+    // part stands).
+    auto text = [&](const std::string& t, bool first) {
+      std::vector<int64_t> ids = s.tok->encode(t, /*add_special_tokens=*/first);
+      LVX_CHECK(std::find(ids.begin(), ids.end(), s.model->media_token_id()) == ids.end(),
+                "the prompt holds the model's media token: ",
+                media ? "the media go where its media part is"
+                      : "send the media as a video_url or image_url part of the prompt");
+      return ids;
+    };
+    models::PromptTokens p;
+    p.ids = text(*request.raw_prompt, true);
     if (media) {
-      const std::vector<int64_t> after = s.tok->encode(*request.raw_after_media);
-      LVX_CHECK(std::find(after.begin(), after.end(), s.model->media_token_id()) == after.end(),
-                "the prompt holds the model's media token: the media go where its media part "
-                "is");
       const std::vector<int64_t> frames_ids = s.model->family().media_ids(*s.tok, frames);
-      LVX_CHECK(std::find(p.ids.begin(), p.ids.end(), s.model->media_token_id()) == p.ids.end(),
-                "the prompt holds the model's media token: the media go where its media part "
-                "is");
+      const std::vector<int64_t> after = text(*request.raw_after_media, false);
       p.ids.insert(p.ids.end(), frames_ids.begin(), frames_ids.end());
       p.ids.insert(p.ids.end(), after.begin(), after.end());
     }
     LVX_CHECK(!p.ids.empty(), "the prompt is empty");
-    LVX_CHECK(
-        media || std::find(p.ids.begin(), p.ids.end(), s.model->media_token_id()) == p.ids.end(),
-        "the prompt holds the model's media token: send the media as a video_url or "
-        "image_url part of the prompt");
     p.labels.assign(p.ids.size(), -100);
     return p;
   }

@@ -13,30 +13,29 @@ using json = nlohmann::json;
 
 namespace {
 
-// The request fields lvx reads (openai_api.h); any other is refused by name rather than ignored.
-const std::set<std::string>& known_fields() {
-  static const std::set<std::string> k = {"model",
-                                          "messages",
-                                          "max_tokens",
-                                          "max_completion_tokens",
-                                          "temperature",
-                                          "top_p",
-                                          "seed",
-                                          "stop",
-                                          "stream",
-                                          "stream_options",
-                                          "n",
-                                          "user",
-                                          "fps",
-                                          "num_frames",
-                                          "start",
-                                          "end",
-                                          "video_id",
-                                          "return_prompt_ids",
-                                          "media_io_kwargs",
-                                          "mm_processor_kwargs",
-                                          "logprobs",
-                                          "top_logprobs"};
+// The request fields each endpoint reads (openai_api.h): what both read, and each one's own;
+// any other is refused by name rather than ignored.
+std::set<std::string> fields_with(std::initializer_list<const char*> own) {
+  std::set<std::string> k = {"model",
+                             "max_tokens",
+                             "temperature",
+                             "top_p",
+                             "seed",
+                             "stop",
+                             "stream",
+                             "stream_options",
+                             "n",
+                             "user",
+                             "logprobs",
+                             "fps",
+                             "num_frames",
+                             "start",
+                             "end",
+                             "video_id",
+                             "return_prompt_ids",
+                             "media_io_kwargs",
+                             "mm_processor_kwargs"};
+  k.insert(own.begin(), own.end());
   return k;
 }
 
@@ -98,35 +97,16 @@ void check_fields(const json& body, const std::set<std::string>& known, const ch
 }  // namespace
 
 void check_request_fields(const json& body) {
-  check_fields(body, known_fields(),
+  static const std::set<std::string> known =
+      fields_with({"messages", "max_completion_tokens", "top_logprobs"});
+  check_fields(body, known,
                "model, messages, max_tokens, max_completion_tokens, temperature, top_p, seed, "
                "stop, stream, stream_options, n, user, logprobs, top_logprobs, fps, num_frames, "
                "start, end, video_id, return_prompt_ids, media_io_kwargs, mm_processor_kwargs");
 }
 
 void check_completion_fields(const json& body) {
-  static const std::set<std::string> known = {"model",
-                                              "prompt",
-                                              "max_tokens",
-                                              "temperature",
-                                              "top_p",
-                                              "seed",
-                                              "stop",
-                                              "stream",
-                                              "stream_options",
-                                              "n",
-                                              "user",
-                                              "logprobs",
-                                              "echo",
-                                              "suffix",
-                                              "return_prompt_ids",
-                                              "fps",
-                                              "num_frames",
-                                              "start",
-                                              "end",
-                                              "video_id",
-                                              "media_io_kwargs",
-                                              "mm_processor_kwargs"};
+  static const std::set<std::string> known = fields_with({"prompt", "echo", "suffix"});
   check_fields(body, known,
                "model, prompt, max_tokens, temperature, top_p, seed, stop, stream, "
                "stream_options, n, user, logprobs (0), echo (false), suffix (null), "
